@@ -1,0 +1,130 @@
+"""``RuntimeConfig``: everything one node pod's ``vexpert node`` needs, as one pydantic model.
+
+The operator renders it into a ConfigMap (``runtime.yaml``); the node runtime reads it at start and
+re-reads the ``tuning`` section whenever the file changes (the operator tunes ``k`` and ``Np``
+there). Pure pydantic, no torch: the operator imports this module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import VExpertInputError
+from .profile import PerformanceProfile
+
+Architecture = Literal["deepseek_v3", "qwen2_moe", "auto"]
+
+
+class ModelSource(BaseModel):
+    """Where the checkpoint lives inside the pod and what it is."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("demo", description="Human-readable model name, e.g. deepseek-ai/DeepSeek-V3")
+    checkpoint_path: str = Field("", description="Directory with config.json and *.safetensors ('' = built-in demo model)")
+    revision: str = Field("", description="Checkpoint revision (recorded in profiles and status)")
+    architecture: Architecture = Field("auto", description="Routing family; auto = read model_type from config.json")
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+
+
+class ParallelismConfig(BaseModel):
+    """Expert-parallel layout: EP degree = num_nodes × gpus_per_node."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    expert_parallel_size: int = Field(8, ge=1, description="EP degree (ranks holding experts)")
+    gpus_per_node: int = Field(8, ge=1, description="GPUs (worker ranks) per node pod")
+    node_rank: int = Field(0, ge=0, description="This node's index (pod ordinal); env VEXPERT_NODE_RANK overrides")
+    master_addr: str = Field("127.0.0.1", description="Rendezvous host (rank 0's stable DNS name)")
+    master_port: int = Field(29500, ge=1, le=65535)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.expert_parallel_size // self.gpus_per_node
+
+    @model_validator(mode="after")
+    def _divisible(self) -> ParallelismConfig:
+        if self.expert_parallel_size % self.gpus_per_node != 0:
+            raise ValueError(
+                f"expert_parallel_size {self.expert_parallel_size} is not a multiple of gpus_per_node "
+                f"{self.gpus_per_node}; use whole nodes"
+            )
+        if self.node_rank >= self.expert_parallel_size // self.gpus_per_node:
+            raise ValueError(f"node_rank {self.node_rank} ≥ number of nodes {self.num_nodes}")
+        return self
+
+
+class VExpertKnobs(BaseModel):
+    """Allocator knobs fixed for the lifetime of a node group (changing them re-forms the group)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_size: int = Field(2, ge=1, le=8, description="G: layers sharing one slot budget (ping-pong buffer)")
+    vmax: int = Field(1, ge=0, le=8, description="Per-layer vExpert budget per GPU; slots per GPU = G·vmax")
+    balance_threshold: float = Field(0.7, ge=0.0, le=1.0, description="τ: layers balanced above it get no vExperts")
+
+
+class TuningConfig(BaseModel):
+    """Knobs the operator tunes at run time; the runtime re-reads them when the file changes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    allocation_interval: int = Field(10, ge=1, le=100_000, description="k: decode iterations between allocations")
+    pooled_experts: int | None = Field(
+        None, ge=1, description="Np: experts per layer pinned in the host pool (None = all experts)"
+    )
+
+
+class RuntimeSettings(BaseModel):
+    """Process-level settings of the node runtime."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: Literal["cuda", "cpu"] = "cuda"
+    cpu_workers: int = Field(0, ge=0, le=64, description="CPU worker processes (0 = one per visible GPU)")
+    metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus endpoint port (0 = disabled)")
+    slot_fill_timeout_s: float = Field(5.0, gt=0, description="A layer waiting longer runs without its vExperts")
+    host_memory_limit_bytes: int | None = Field(None, ge=0, description="Pinned pool + slots must fit (None = no check)")
+
+
+class RuntimeConfig(BaseModel):
+    """The whole node configuration (ConfigMap ``runtime.yaml``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    api_version: Literal["vexpert.io/v1alpha1"] = "vexpert.io/v1alpha1"
+    model: ModelSource = Field(default_factory=ModelSource)
+    parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
+    vexpert: VExpertKnobs = Field(default_factory=VExpertKnobs)
+    tuning: TuningConfig = Field(default_factory=TuningConfig)
+    runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
+    profile: PerformanceProfile = Field(default_factory=PerformanceProfile)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def parse_runtime_config(raw: Any, origin: str = "config") -> RuntimeConfig:
+    """Validate a mapping into a ``RuntimeConfig``; errors name the field (``VExpertInputError``)."""
+    try:
+        return RuntimeConfig.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(part) for part in first["loc"]) or "(root)"
+        raise VExpertInputError(f"{origin}: {loc}", first["msg"]) from None
+
+
+def load_runtime_config(path: str | Path) -> RuntimeConfig:
+    """Read YAML or JSON from ``path`` into a ``RuntimeConfig``."""
+    p = Path(path)
+    if not p.is_file():
+        raise VExpertInputError("--config", f"no such file: {p}", "pass the runtime.yaml rendered by the operator")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise VExpertInputError("--config", f"{p} is not valid YAML: {exc}") from None
+    return parse_runtime_config(raw or {}, origin=str(p))

@@ -1,0 +1,122 @@
+"""The calibrated parameters of vExpert's performance model (paper §3.2, Eq. 1–5 and 8).
+
+``PerformanceProfile`` is the single API type for every model and hardware coefficient. It is
+produced by ``vexpert calibrate``, stored by the operator (node profiles hold the hardware half,
+model profiles the load-balance half) and read by the allocator, simulator and runtime via
+``--profile FILE``. This module is pure pydantic: the operator imports it without torch.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import VExpertInputError
+
+PROFILE_API_VERSION = "vexpert.io/v1alpha1"
+
+
+class LoadBalanceParameters(BaseModel):
+    """Model-specific coefficients of the balance-improvement model Δ(L, V) = α·L + β·V + c (Eq. 4).
+
+    The paper calls the intercept ``k``; it is named ``intercept`` here so it cannot be confused
+    with the allocation interval ``k`` (iterations between allocations).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    alpha: float = Field(-0.75, description="Δ slope in the current balance ratio L (dimensionless)", ge=-10, le=10)
+    beta: float = Field(0.53, description="Δ slope in vExperts per GPU V (balance ratio per vExpert)", ge=-10, le=10)
+    intercept: float = Field(0.1, description="Δ intercept (the paper's k), balance ratio units", ge=-10, le=10)
+
+
+class HardwareParameters(BaseModel):
+    """Node-type-specific coefficients: host→device bandwidth and PCIe contention (Eq. 2, 7, 8)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    h2d_bandwidth_gb_per_s: float = Field(
+        26.0, gt=0, le=10_000, description="Achievable pinned host→device bandwidth per GPU under contention, GB/s (1e9 B/s)"
+    )
+    contention_eta: float = Field(
+        0.19, ge=0, le=10, description="η: all-to-all time lost per second of concurrent H2D transfer (dimensionless)"
+    )
+    compute_bound_tokens_per_expert: float = Field(
+        160.0, gt=0, description="Tokens per expert at and above which MoE GEMMs are compute-bound (γ2 = γ1)"
+    )
+
+
+class NodeTypeKey(BaseModel):
+    """What makes two GPU nodes the same type for calibration (GPU feature discovery labels)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpu_product: str = ""
+    gpu_count: int = 0
+    gpu_memory_mib: int = 0
+    driver_version: str = ""
+    instance_type: str = ""
+
+
+class Provenance(BaseModel):
+    """Where a profile came from, so a stale or foreign one can be recognised."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: Literal["paper-defaults", "hardware-calibration", "model-calibration", "manual"] = "paper-defaults"
+    created_at: str = Field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    tool_version: str = ""
+    node_type: NodeTypeKey | None = None
+    model: str = ""
+    model_revision: str = ""
+    fit_r2: float | None = Field(None, description="R² of the Δ(L, V) least-squares fit (model calibration)")
+    measurements: dict[str, Any] = Field(default_factory=dict, description="Raw measurements (kept small)")
+
+
+class PerformanceProfile(BaseModel):
+    """Every parameter of the performance model, with units, plus provenance.
+
+    Defaults are the paper's H100 figures (α=−0.75, β=0.53, intercept 0.1, BW_H2D=26 GB/s,
+    η=0.19, compute-bound threshold 160 tokens per expert).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    api_version: Literal["vexpert.io/v1alpha1"] = PROFILE_API_VERSION
+    load_balance: LoadBalanceParameters = Field(default_factory=LoadBalanceParameters)
+    hardware: HardwareParameters = Field(default_factory=HardwareParameters)
+    provenance: Provenance = Field(default_factory=Provenance)
+
+    def with_hardware(self, hardware: HardwareParameters) -> PerformanceProfile:
+        return self.model_copy(update={"hardware": hardware})
+
+    def with_load_balance(self, load_balance: LoadBalanceParameters) -> PerformanceProfile:
+        return self.model_copy(update={"load_balance": load_balance})
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+
+def load_profile(path: str | Path) -> PerformanceProfile:
+    """Read a ``PerformanceProfile`` JSON file; bad files raise ``VExpertInputError`` naming the field."""
+    p = Path(path)
+    if not p.is_file():
+        raise VExpertInputError("--profile", f"no such file: {p}", "pass a JSON file written by `vexpert calibrate`")
+    try:
+        raw = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise VExpertInputError("--profile", f"{p} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    return parse_profile(raw, origin=str(p))
+
+
+def parse_profile(raw: Any, origin: str = "profile") -> PerformanceProfile:
+    try:
+        return PerformanceProfile.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(part) for part in first["loc"]) or "(root)"
+        raise VExpertInputError(f"{origin}: {loc}", first["msg"], "see `PerformanceProfile` in docs") from None
