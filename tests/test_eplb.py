@@ -77,7 +77,9 @@ def ref_hierarchical(
 
     group_tokens = weight.unflatten(-1, (num_groups, group_size)).sum(-1)
     g_pack, g_rank = ref_balanced_packing(group_tokens, num_nodes)
-    log2mlog = (((g_pack * groups_per_node + g_rank) * group_size).unsqueeze(-1) + torch.arange(group_size)).flatten(-2)
+    log2mlog = (
+        ((g_pack * groups_per_node + g_rank) * group_size).unsqueeze(-1) + torch.arange(group_size)
+    ).flatten(-2)
     mlog2log = _ref_inverse(log2mlog)
 
     mlog_tokens = weight.gather(-1, mlog2log).view(-1, num_log // num_nodes)
@@ -106,11 +108,9 @@ def ref_rebalance(
     else:
         phy2log, phyrank, logcnt = ref_hierarchical(weight, num_replicas, 1, 1, num_gpus)
     width = int(logcnt.max())
-    log2phy = torch.full((layers, num_log, width), -1, dtype=torch.int64)
-    for layer in range(layers):
-        for slot in range(num_replicas):
-            log2phy[layer, phy2log[layer, slot], phyrank[layer, slot]] = slot
-    return phy2log, log2phy, logcnt
+    log2phy = torch.full((layers, num_log * width), -1, dtype=torch.int64)
+    log2phy.scatter_(-1, phy2log * width + phyrank, torch.arange(num_replicas).expand(layers, -1))
+    return phy2log, log2phy.view(layers, num_log, width), logcnt
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,9 +142,11 @@ def _weights(kind: str, layers: int, experts: int, seed: int) -> Tensor:
     return torch.rand(layers, experts, generator=gen) * 100
 
 
-def _assert_same_plan(weight: Tensor, *args: int, policy: str = "auto") -> None:
-    got = rebalance_experts(weight, *args, policy=policy)
-    want = ref_rebalance(weight, *args, policy=policy)
+def _assert_same_plan(
+    weight: Tensor, replicas: int, groups: int, nodes: int, gpus: int, policy: str = "auto"
+) -> None:
+    got = rebalance_experts(weight, replicas, groups, nodes, gpus, policy=policy)
+    want = ref_rebalance(weight, replicas, groups, nodes, gpus, policy=policy)
     for name, g, w in zip(("phy2log", "log2phy", "logcnt"), got, want, strict=True):
         assert torch.equal(g, w), f"{name} differs from the reference port"
 
@@ -188,7 +190,9 @@ def test_readme_example_hierarchical_is_auto_and_global_differs() -> None:
 
 
 @pytest.mark.parametrize("kind", ["ties", "int", "float"])
-@pytest.mark.parametrize(("rows", "items", "packs"), [(1, 4, 2), (5, 12, 3), (7, 32, 8), (3, 40, 4), (2, 6, 6)])
+@pytest.mark.parametrize(
+    ("rows", "items", "packs"), [(1, 4, 2), (5, 12, 3), (7, 32, 8), (3, 40, 4), (2, 6, 6)]
+)
 def test_balanced_packing_matches_reference(kind: str, rows: int, items: int, packs: int) -> None:
     weight = _weights(kind, rows, items, seed=rows * 100 + items)
     got = balanced_packing(weight, packs)
@@ -202,6 +206,16 @@ def test_balanced_packing_keeps_the_input_dtype_like_deepseek(dtype: torch.dtype
     got = balanced_packing(weight, 4)
     want = ref_balanced_packing(weight, 4)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_balanced_packing_overflowing_half_loads_match_reference() -> None:
+    """float16 loads overflow to inf, so open and full packs look alike; DeepSeek still only
+    considers packs with room."""
+    weight = torch.tensor([[40000.0] * 8, [30000.0, 60000.0, 1.0, 50000.0, 0.0, 2.0, 40000.0, 3.0]]).half()
+    got = balanced_packing(weight, 2)
+    want = ref_balanced_packing(weight, 2)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(torch.bincount(got[0][0], minlength=2), torch.tensor([4, 4]))
 
 
 def test_balanced_packing_all_equal_and_all_zero() -> None:
@@ -249,9 +263,15 @@ def test_rebalance_matches_reference_deepseek_v3_scale(policy: str, replicas: in
 def test_auto_policy_picks_hierarchical_only_when_groups_divide_nodes() -> None:
     weight = _weights("int", 3, 24, seed=11)
     auto_hier = rebalance_experts(weight, 32, 4, 2, 8)  # 4 % 2 == 0
-    assert all(torch.equal(a, b) for a, b in zip(auto_hier, rebalance_experts(weight, 32, 4, 2, 8, "hierarchical"), strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(auto_hier, rebalance_experts(weight, 32, 4, 2, 8, "hierarchical"), strict=True)
+    )
     auto_glob = rebalance_experts(weight, 32, 3, 2, 8)  # 3 % 2 != 0
-    assert all(torch.equal(a, b) for a, b in zip(auto_glob, rebalance_experts(weight, 32, 3, 2, 8, "global"), strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(auto_glob, rebalance_experts(weight, 32, 3, 2, 8, "global"), strict=True)
+    )
     _assert_same_plan(weight, 32, 3, 2, 8)
 
 
@@ -322,7 +342,9 @@ def test_balance_beats_contiguous_placement_on_skewed_loads(policy: str, replica
     if replicas > experts:  # redundancy helps on top of packing
         assert float(after.mean()) > 0.9
         no_redundancy = rebalance_experts(weight, experts, 8, 2, gpus, policy=policy)
-        base = _balance(_gpu_loads(weight, expert_gpu_share(no_redundancy[0], no_redundancy[2], experts, gpus)))
+        base = _balance(
+            _gpu_loads(weight, expert_gpu_share(no_redundancy[0], no_redundancy[2], experts, gpus))
+        )
         assert float(after.mean()) > float(base.mean())
 
 

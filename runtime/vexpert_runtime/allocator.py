@@ -179,8 +179,10 @@ def assign_vexpert_counts(
     if config.use_cost_model:
         cost = predicted_layer_time(bal.unsqueeze(1), candidates.unsqueeze(0), profile, consts)  # [P, V+1]
     else:
-        # Without the model every imbalanced layer simply wants as many vExperts as allowed.
-        cost = -candidates.to(torch.float32).unsqueeze(0).expand(padded, -1).clone()
+        # Without the model every imbalanced layer wants vExperts; the small convex term makes
+        # the search spread the group budget evenly instead of piling it on one layer.
+        v = candidates.to(torch.float32)
+        cost = (-v + 0.01 * v * v).unsqueeze(0).expand(padded, -1).clone()
     filtered = bal > config.balance_threshold
     cost = torch.where(filtered.unsqueeze(1) & (candidates.unsqueeze(0) > 0), torch.full_like(cost, float("inf")), cost)
     combos = group_combinations(group, budget, balance.device)  # [C, G]

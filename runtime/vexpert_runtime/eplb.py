@@ -11,9 +11,10 @@ baseline vExpert is compared against. Results are identical to DeepSeek's code, 
 * replication takes the first expert with the largest ``weight / count``, as ``torch.max`` does.
 
 What changed is speed. DeepSeek loops in Python over layers × items × packs and indexes one
-tensor element at a time (300–470 ms per plan for 58 layers × 256 experts on 64 GPUs). Here the
-greedy loops run once per item (or per redundant replica) over numpy arrays that hold every layer,
-and each step picks the packs of all layers with one ``argmin``.
+tensor element at a time (on a 2-core CPU, 58 layers × 256 experts on 8 nodes × 8 GPUs: about
+0.2 s per hierarchical plan and 0.8–1.1 s per global one). Here the greedy loops run once per item
+(or per redundant replica) over numpy arrays that hold every layer, and each step picks the packs
+of all layers with one ``argmin``: 1–4 ms per plan for the same inputs.
 
 Shapes: ``L`` layers, ``E`` logical experts, ``P`` physical experts (replicas), ``X`` independent
 rows (layers, or layers × nodes).
@@ -53,8 +54,8 @@ def balanced_packing(weight: Tensor, num_packs: int) -> tuple[Tensor, Tensor]:
         )
     capacity = num_items // num_packs
     if capacity == 1:
-        pack_index = torch.arange(num_items, dtype=torch.int64, device=weight.device).expand(num_rows, -1)
-        return pack_index.contiguous(), torch.zeros_like(pack_index)
+        identity = torch.arange(num_items, dtype=torch.int64, device=weight.device).expand(num_rows, -1)
+        return identity.contiguous(), torch.zeros_like(identity)
 
     # DeepSeek orders items with torch's default (unstable) sort; calling the very same sort is the
     # only way to get its order among equal weights.
@@ -196,7 +197,9 @@ def rebalance_experts(
     _require_2d(weight, "weight")
     num_layers, num_logical = weight.shape
     if num_layers == 0 or num_logical == 0:
-        raise VExpertInputError("weight", f"needs at least one layer and one expert, got shape {tuple(weight.shape)}")
+        raise VExpertInputError(
+            "weight", f"needs at least one layer and one expert, got shape {tuple(weight.shape)}"
+        )
     _check_layout(num_logical, num_replicas, num_groups, num_nodes, num_gpus)
     weight = weight.detach().to("cpu", torch.float32)
     if not bool(torch.isfinite(weight).all()):
@@ -243,7 +246,9 @@ def expert_gpu_share(phy2log: Tensor, logcnt: Tensor, num_logical: int, num_gpus
     slots_per_gpu = num_physical // num_gpus
     gpu_of_slot = torch.arange(num_physical, device=phy2log.device) // slots_per_gpu  # [P]
     replicas = torch.zeros(num_layers, num_logical * num_gpus, dtype=torch.int64, device=phy2log.device)
-    replicas.scatter_add_(1, phy2log.long() * num_gpus + gpu_of_slot, torch.ones_like(phy2log, dtype=torch.int64))
+    replicas.scatter_add_(
+        1, phy2log.long() * num_gpus + gpu_of_slot, torch.ones_like(phy2log, dtype=torch.int64)
+    )
     replicas = replicas.view(num_layers, num_logical, num_gpus)  # [L, E, num_gpus]
     if not torch.equal(replicas.sum(-1), logcnt.to(torch.int64)):
         raise VExpertInputError("logcnt", "does not match the replica counts in phy2log")
@@ -263,23 +268,37 @@ def _greedy_fill(sorted_items: np.ndarray, num_packs: int, capacity: int) -> tup
     Args: sorted_items [n, X], item j of every row in placement order (heaviest first), already
     in the dtype loads accumulate in. Returns pack [n, X] and rank [n, X] of each placed item.
     """
+    pack, rank = _greedy_fill_pass(sorted_items, num_packs, capacity, exact=False)
+    if rank.size and int(rank.max()) >= capacity:
+        # The fast pass put an item into a full pack, which only happens when an open pack's own
+        # load equals the `closed` sentinel (overflow to inf). Redo it with an explicit mask.
+        pack, rank = _greedy_fill_pass(sorted_items, num_packs, capacity, exact=True)
+    return pack, rank
+
+
+def _greedy_fill_pass(
+    sorted_items: np.ndarray, num_packs: int, capacity: int, *, exact: bool
+) -> tuple[np.ndarray, np.ndarray]:
     num_items, num_rows = sorted_items.shape
     dtype = sorted_items.dtype
     closed = np.inf if np.issubdtype(dtype, np.floating) else np.iinfo(dtype).max
     # key = the pack's load while it has room, `closed` once full: argmin then skips full packs.
     key = np.zeros(num_rows * num_packs, dtype=dtype)
+    key_2d = key.reshape(num_rows, num_packs)  # view
     fill = np.zeros(num_rows * num_packs, dtype=np.int64)
     row_base = np.arange(num_rows, dtype=np.int64) * num_packs
     pack = np.empty((num_items, num_rows), dtype=np.int64)
     rank = np.empty((num_items, num_rows), dtype=np.int64)
     for j in range(num_items):
-        choice = key.reshape(num_rows, num_packs).argmin(axis=1)
+        if exact:
+            is_open = fill.reshape(num_rows, num_packs) < capacity
+            candidate = np.where(is_open, key_2d, closed)
+            lightest = is_open & (candidate == candidate.min(axis=1, keepdims=True))
+            choice = lightest.argmax(axis=1)  # first lightest open pack
+        else:
+            choice = key_2d.argmin(axis=1)  # first lightest pack; full packs hold `closed`
         flat = row_base + choice
         filled = fill[flat]
-        if filled.max() >= capacity:  # an open pack's load itself reached `closed` (overflow)
-            choice = _lightest_open_pack(key, fill, num_rows, num_packs, capacity, closed)
-            flat = row_base + choice
-            filled = fill[flat]
         pack[j] = choice
         rank[j] = filled
         key[flat] += sorted_items[j]
@@ -287,16 +306,6 @@ def _greedy_fill(sorted_items: np.ndarray, num_packs: int, capacity: int) -> tup
         fill[flat] = filled
         key[flat[filled == capacity]] = closed
     return pack, rank
-
-
-def _lightest_open_pack(
-    key: np.ndarray, fill: np.ndarray, num_rows: int, num_packs: int, capacity: int, closed: float
-) -> np.ndarray:
-    """Exact (slower) pack choice per row when loads may equal the `closed` sentinel. Returns [X]."""
-    is_open = fill.reshape(num_rows, num_packs) < capacity
-    candidate = np.where(is_open, key.reshape(num_rows, num_packs), closed)
-    best = candidate.min(axis=1, keepdims=True)
-    return np.asarray((is_open & (candidate == best)).argmax(axis=1), dtype=np.int64)
 
 
 def _accumulator(weight: Tensor) -> np.ndarray:
@@ -337,7 +346,9 @@ def _require_2d(tensor: Tensor, field: str) -> None:
         raise VExpertInputError(field, f"must be 2-D [rows, columns], got shape {tuple(tensor.shape)}")
 
 
-def _check_layout(num_logical: int, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int) -> None:
+def _check_layout(
+    num_logical: int, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> None:
     """Divisibility rules shared by every policy (see :func:`rebalance_experts`)."""
     for name, value in (
         ("num_replicas", num_physical),
@@ -355,7 +366,9 @@ def _check_layout(num_logical: int, num_physical: int, num_groups: int, num_node
         )
     if num_gpus % num_nodes != 0:
         raise VExpertInputError(
-            "num_gpus", f"{num_gpus} GPUs cannot be split evenly over {num_nodes} nodes", "use a multiple of the node count"
+            "num_gpus",
+            f"{num_gpus} GPUs cannot be split evenly over {num_nodes} nodes",
+            "use a multiple of the node count",
         )
     if num_logical % num_groups != 0:
         raise VExpertInputError(

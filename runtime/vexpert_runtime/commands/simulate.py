@@ -1,0 +1,95 @@
+"""``vexpert simulate``: replay a trace for every placement policy and print the table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+PLOT_HELP = "write a PNG of balance over iterations per policy (like the paper's Fig. 6a)"
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("simulate", help="compare static, EPLB, offload, vExpert and oracle on a trace")
+    p.add_argument("trace", help="trace .npz from `vexpert trace build`")
+    p.add_argument("--gpus", type=int, required=True, help="EP ranks (must divide the expert count)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (EPLB's hierarchical policy packs groups per node)")
+    p.add_argument("--k", type=int, default=10, help="vExpert allocation interval in iterations (default 10)")
+    p.add_argument("--group-size", type=int, default=2, help="G: layers sharing a slot budget (default 2)")
+    p.add_argument("--vmax", type=int, default=1, help="per-layer vExpert budget per GPU (default 1)")
+    p.add_argument("--tau", type=float, default=0.7, help="balance threshold τ (default 0.7)")
+    p.add_argument("--eplb-interval", type=int, default=200, help="iterations between EPLB rebalances (default 200)")
+    p.add_argument("--eplb-policy", default="auto", choices=["auto", "hierarchical", "global"])
+    p.add_argument("--compare-eplb-policies", action="store_true",
+                   help="also report eplb[-redundant]:hierarchical and :global")
+    p.add_argument("--expert-groups", type=int, default=0, help="expert groups (0 = 8 for 256 experts, else 1)")
+    p.add_argument("--policies", default=None, help="comma-separated subset (default: all)")
+    p.add_argument("--profile", default=None, help="PerformanceProfile JSON from `vexpert calibrate`")
+    p.add_argument("--tokens-per-gpu", type=int, default=None, help="override the trace's batch for the time model")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help=PLOT_HELP)
+    p.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..errors import VExpertInputError
+    from ..perf_model import InferenceConstants
+    from ..profile import PerformanceProfile, load_profile
+    from ..simulate import POLICIES, SimulationConfig, simulate, summarize
+    from ..trace import load_trace
+
+    trace = load_trace(args.trace)
+    iterations, layers, experts = trace.counts.shape
+    policies = tuple(POLICIES if not args.policies else [p.strip() for p in args.policies.split(",") if p.strip()])
+    cfg = SimulationConfig(
+        num_gpus=args.gpus, num_nodes=args.nodes, allocation_interval=args.k, group_size=args.group_size,
+        vmax=args.vmax, balance_threshold=args.tau, eplb_interval=args.eplb_interval,
+        eplb_policy=args.eplb_policy, expert_groups=args.expert_groups, policies=policies,
+        compare_eplb_policies=args.compare_eplb_policies,
+    )
+    cfg.validate(experts)
+    profile = load_profile(args.profile) if args.profile else PerformanceProfile()
+    tokens = args.tokens_per_gpu or int(trace.meta.get("tokens_per_gpu", 256))
+    if tokens <= 0:
+        raise VExpertInputError("--tokens-per-gpu", f"must be positive, got {tokens}")
+    consts = InferenceConstants(tokens_per_gpu=tokens, top_k=int(trace.meta.get("top_k", 8)),
+                                experts_per_gpu=experts // args.gpus)
+    started = time.perf_counter()
+    progress = None if args.json else (lambda name: print(f"  simulating {name} …", file=sys.stderr, flush=True))
+    results = simulate(trace.counts, cfg, profile, consts, progress=progress)
+    summary = summarize(results, profile, consts, experts, args.gpus)
+    elapsed = time.perf_counter() - started
+    if args.plot:
+        from ..plot import plot_balance
+
+        plot_balance(results, trace.phase_starts, trace.phase_names, args.plot)
+    out = {
+        "trace": {"path": args.trace, "iterations": iterations, "layers": layers, "experts": experts,
+                  "phases": trace.phase_names, "phase_starts": trace.phase_starts},
+        "config": {"gpus": args.gpus, "nodes": args.nodes, "k": args.k, "group_size": args.group_size,
+                   "vmax": args.vmax, "tau": args.tau, "eplb_interval": args.eplb_interval,
+                   "eplb_policy": args.eplb_policy},
+        "policies": summary,
+        "elapsed_s": round(elapsed, 3),
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_table(summary))
+        print(f"\n{iterations} iterations × {layers} layers × {experts} experts on {args.gpus} GPUs; "
+              f"simulated in {elapsed:.1f} s" + (f"; plot: {args.plot}" if args.plot else ""))
+    return 0
+
+
+def format_table(summary: dict[str, dict[str, Any]]) -> str:
+    header = f"{'policy':<28}{'balance':>9}{'p10':>8}{'worst layer':>13}{'vExp/GPU/it':>13}{'stalls':>8}{'rel. thrpt':>12}"
+    lines = [header, "-" * len(header)]
+    for name, s in summary.items():
+        worst = f"{s['worst_layer_balance']:.3f}@{s['worst_layer']}"
+        lines.append(
+            f"{name:<28}{s['balance_mean']:>9.3f}{s['balance_p10']:>8.3f}{worst:>13}"
+            f"{s['vexperts_per_gpu_per_iteration']:>13.1f}{s['rebalance_stalls']:>8d}{s['predicted_relative_throughput']:>11.3f}×"
+        )
+    return "\n".join(lines)

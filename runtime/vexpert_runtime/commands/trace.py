@@ -1,0 +1,37 @@
+"""``vexpert trace build``: per-iteration expert counts from real load statistics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser("trace", help="build load traces")
+    trace_sub = parser.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
+    build = trace_sub.add_parser(
+        "build",
+        help="sample a phased trace from SGLang expert statistics (.json) or per-iteration CSVs",
+        description="Phases switch abruptly. SOURCE is bundled:NAME, an SGLang .json, or FILE.csv[#GROUP].",
+    )
+    build.add_argument("--phase", action="append", required=True, metavar="SOURCE:ITERS",
+                       help="a phase; repeat for several (e.g. bundled:decode_in1000out1000:200)")
+    build.add_argument("--gpus", type=int, required=True, help="GPUs (EP ranks) in the simulated cluster")
+    build.add_argument("--tokens-per-gpu", type=int, default=256, help="decode batch per GPU (default 256)")
+    build.add_argument("--top-k", type=int, default=8, help="routed experts per token (default 8)")
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("-o", "--output", required=True, help="output .npz (key `counts` int [T, L, E])")
+    build.set_defaults(handler=_build)
+
+
+def _build(args: argparse.Namespace) -> int:
+    from ..trace import build_trace, parse_phase, save_trace
+
+    phases = [parse_phase(spec) for spec in args.phase]
+    trace = build_trace(phases, args.gpus, args.tokens_per_gpu, args.top_k, args.seed)
+    save_trace(trace, args.output)
+    t, layers, experts = trace.counts.shape
+    print(json.dumps({"output": args.output, "iterations": t, "layers": layers, "experts": experts,
+                      "phases": trace.phase_names, "phase_starts": trace.phase_starts}))
+    return 0

@@ -1,0 +1,261 @@
+"""Trace-driven simulator: replays per-iteration expert counts online for every placement policy.
+
+Every policy sees only the past (except ``oracle``, the upper bound for vExpert's slot budget),
+turns it into a token *share* ``[L, E, N]`` (which fraction of each expert's tokens each GPU
+computes), and is scored on the *current* iteration's counts. Balance is SGLang's (mean/max GPU
+load per layer); predicted throughput comes from the performance model (Eq. 1–2) with the H2D
+penalty of streamed vExperts and EPLB's stop-the-world rearrangement stalls.
+
+Policies:
+    static           contiguous placement, no replicas (B0)
+    eplb             EPLB placement recomputed every ``eplb_interval`` iterations from the counts
+                     since the last one, no redundant experts (B1)
+    eplb-redundant   the same with one redundant expert per GPU (B2)
+    offload          one streamed vExpert per GPU in every layer, hottest experts of the previous
+                     iteration, no performance model (ES-MoE style)
+    vexpert          the allocator every ``k`` iterations on the last ``k`` iterations' counts
+    oracle           the allocator fed each iteration's own counts
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import eplb
+from .allocator import AllocatorConfig, Plan, allocate
+from .errors import VExpertInputError
+from .perf_model import InferenceConstants, h2d_time, layer_time
+from .placement import balance_ratio, gpu_loads, share_from_base, static_placement
+from .profile import PerformanceProfile
+
+POLICIES = ("static", "eplb", "eplb-redundant", "offload", "vexpert", "oracle")
+EPLB_VARIANTS = ("hierarchical", "global")
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    """What to simulate. ``num_nodes`` and ``expert_groups`` matter to EPLB's hierarchical policy."""
+
+    num_gpus: int
+    num_nodes: int = 1
+    allocation_interval: int = 10  # k
+    group_size: int = 2  # G
+    vmax: int = 1
+    balance_threshold: float = 0.7  # τ
+    eplb_interval: int = 200
+    eplb_policy: str = "auto"
+    expert_groups: int = 0  # 0 = DeepSeek's 8 groups when E = 256, else 1
+    policies: tuple[str, ...] = POLICIES
+    compare_eplb_policies: bool = False  # add eplb[-redundant]:hierarchical/global rows
+
+    def validate(self, num_experts: int) -> None:
+        if self.num_gpus <= 0:
+            raise VExpertInputError("--gpus", f"must be positive, got {self.num_gpus}")
+        if num_experts % self.num_gpus:
+            raise VExpertInputError(
+                "--gpus", f"{num_experts} experts cannot be split evenly over {self.num_gpus} GPUs",
+                "use a GPU count that divides the expert count",
+            )
+        if self.num_nodes <= 0 or self.num_gpus % self.num_nodes:
+            raise VExpertInputError("--nodes", f"{self.num_gpus} GPUs cannot be split evenly over {self.num_nodes} nodes")
+        if self.allocation_interval <= 0:
+            raise VExpertInputError("--k", f"must be ≥ 1, got {self.allocation_interval}")
+        if self.eplb_interval <= 0:
+            raise VExpertInputError("--eplb-interval", f"must be ≥ 1, got {self.eplb_interval}")
+        if self.eplb_policy not in eplb.POLICIES:
+            raise VExpertInputError("--eplb-policy", f"unknown policy {self.eplb_policy!r}", f"use one of {', '.join(eplb.POLICIES)}")
+        unknown = [p for p in self.policies if p not in POLICIES]
+        if unknown:
+            raise VExpertInputError("--policies", f"unknown policy {unknown[0]!r}", f"use any of {', '.join(POLICIES)}")
+        if self.groups(num_experts) <= 0 or num_experts % self.groups(num_experts):
+            raise VExpertInputError("--expert-groups", f"{num_experts} experts cannot form {self.expert_groups} equal groups")
+        AllocatorConfig(self.group_size, self.vmax, self.balance_threshold).validate()
+
+    def groups(self, num_experts: int) -> int:
+        if self.expert_groups:
+            return self.expert_groups
+        return 8 if num_experts == 256 else 1
+
+
+@dataclass
+class PolicyResult:
+    """Per-policy outcome. ``balance`` is [T, L] (per iteration and layer)."""
+
+    name: str
+    balance: np.ndarray
+    vexperts: np.ndarray  # [T, L] vExperts per GPU streamed for each layer
+    stalls: int = 0
+    plan_seconds: list[float] = field(default_factory=list)
+
+    def summary(
+        self, consts: InferenceConstants, profile: PerformanceProfile, static_time: float | None, num_gpus: int
+    ) -> dict[str, Any]:
+        """Stable keys: balance_mean, balance_p10 (over iterations), worst_layer(_balance), vExperts
+        streamed per iteration (cluster total and per GPU), stalls, predicted throughput."""
+        per_iter = self.balance.mean(axis=1)
+        per_layer = self.balance.mean(axis=0)
+        total_time = predicted_total_time(self, consts, profile)
+        tokens = self.balance.shape[0] * consts.tokens_per_gpu
+        return {
+            "balance_mean": float(self.balance.mean()),
+            "balance_p10": float(np.percentile(per_iter, 10)),
+            "worst_layer": int(per_layer.argmin()),
+            "worst_layer_balance": float(per_layer.min()),
+            "vexperts_per_iteration": float(self.vexperts.sum(axis=1).mean() * num_gpus),
+            "vexperts_per_gpu_per_iteration": float(self.vexperts.sum(axis=1).mean()),
+            "rebalance_stalls": self.stalls,
+            "predicted_tokens_per_s_per_gpu": float(tokens / total_time),
+            "predicted_relative_throughput": float(static_time / total_time) if static_time else 1.0,
+            "plans": len(self.plan_seconds),
+            "plan_ms_median": float(np.median(self.plan_seconds) * 1e3) if self.plan_seconds else 0.0,
+        }
+
+
+def predicted_total_time(result: PolicyResult, consts: InferenceConstants, profile: PerformanceProfile) -> float:
+    """Decode time of the whole trace (s): per layer T_a2a(L) + T_moe(L) (Eq. 1) + other work +
+    T_H2D(V)·η (Eq. 2's penalty) for streamed vExperts, plus every stop-the-world stall."""
+    hw = profile.hardware
+    balance = torch.from_numpy(result.balance).clamp(min=1e-6)
+    v = torch.from_numpy(result.vexperts)
+    per_layer = layer_time(balance, consts, hw) + consts.other_time_per_layer_s + h2d_time(v, consts, hw) * hw.contention_eta
+    return float(per_layer.sum()) + result.stalls * consts.eplb_stall_s
+
+
+# --------------------------------------------------------------------------------------------
+# Policies: each yields (first_iteration, share [L, E, N], vexperts [L]) whenever its plan changes
+# --------------------------------------------------------------------------------------------
+
+Schedule = Iterator[tuple[int, torch.Tensor, torch.Tensor, bool]]  # (start, share, V per layer, stalls)
+
+
+def _static_schedule(counts: torch.Tensor, cfg: SimulationConfig) -> Schedule:
+    _, num_layers, num_experts = counts.shape
+    base = static_placement(num_layers, num_experts, cfg.num_gpus)
+    yield 0, share_from_base(base, cfg.num_gpus), torch.zeros(num_layers, dtype=torch.int64), False
+
+
+def _eplb_schedule(counts: torch.Tensor, cfg: SimulationConfig, redundant: bool, policy: str, timings: list[float]) -> Schedule:
+    iterations, num_layers, num_experts = counts.shape
+    yield from _static_schedule(counts, cfg)
+    replicas = num_experts + (cfg.num_gpus if redundant else 0)
+    zero_v = torch.zeros(num_layers, dtype=torch.int64)
+    for start in range(cfg.eplb_interval, iterations, cfg.eplb_interval):
+        window = counts[start - cfg.eplb_interval : start].sum(0)
+        t0 = time.perf_counter()
+        phy2log, _, logcnt = eplb.rebalance_experts(
+            window, replicas, cfg.groups(num_experts), cfg.num_nodes, cfg.num_gpus, policy
+        )
+        share = eplb.expert_gpu_share(phy2log, logcnt, num_experts, cfg.num_gpus)
+        timings.append(time.perf_counter() - t0)
+        yield start, share, zero_v, True
+
+
+def _allocator_schedule(
+    counts: torch.Tensor,
+    cfg: SimulationConfig,
+    alloc_cfg: AllocatorConfig,
+    profile: PerformanceProfile,
+    consts: InferenceConstants,
+    interval: int,
+    lookahead: bool,
+    timings: list[float],
+) -> Schedule:
+    """Allocator every ``interval`` iterations on the last ``interval`` iterations' counts, or
+    (``lookahead``) on the iterations it is about to serve."""
+    iterations, num_layers, num_experts = counts.shape
+    base = static_placement(num_layers, num_experts, cfg.num_gpus)
+    if not lookahead:
+        yield from _static_schedule(counts, cfg)
+    first = 0 if lookahead else interval
+    for start in range(first, iterations, interval):
+        window = counts[start : start + interval] if lookahead else counts[start - interval : start]
+        t0 = time.perf_counter()
+        plan: Plan = allocate(window.sum(0), base, cfg.num_gpus, alloc_cfg, profile, consts)
+        timings.append(time.perf_counter() - t0)
+        yield start, plan.expert_gpu_share(), plan.vexperts, False
+
+
+def _replay(name: str, counts: torch.Tensor, schedule: Schedule, timings: list[float]) -> PolicyResult:
+    iterations, num_layers, _ = counts.shape
+    balance = np.zeros((iterations, num_layers), dtype=np.float64)
+    vexperts = np.zeros((iterations, num_layers), dtype=np.int64)
+    stalls = 0
+    pending = next(schedule)
+    while pending is not None:
+        start, share, v, stall = pending
+        nxt = next(schedule, None)
+        end = nxt[0] if nxt is not None else iterations
+        block = counts[start:end]
+        balance[start:end] = balance_ratio(gpu_loads(block, share)).numpy()
+        vexperts[start:end] = v.numpy()
+        stalls += int(stall)
+        pending = nxt
+    return PolicyResult(name, balance, vexperts, stalls, timings)
+
+
+def simulate(
+    counts: np.ndarray | torch.Tensor,
+    cfg: SimulationConfig,
+    profile: PerformanceProfile | None = None,
+    consts: InferenceConstants | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, PolicyResult]:
+    """Replay ``counts`` [T, L, E] for every policy in ``cfg.policies``. Deterministic."""
+    counts_t = torch.as_tensor(np.asarray(counts), dtype=torch.float32)
+    if counts_t.dim() != 3:
+        raise VExpertInputError("counts", f"trace must be [iterations, layers, experts], got shape {tuple(counts_t.shape)}")
+    if counts_t.numel() == 0:
+        raise VExpertInputError("counts", "trace is empty")
+    if bool((counts_t < 0).any()):
+        raise VExpertInputError("counts", "trace has negative expert counts", "rebuild it with `vexpert trace build`")
+    _, num_layers, num_experts = counts_t.shape
+    cfg.validate(num_experts)
+    profile = profile or PerformanceProfile()
+    consts = consts or InferenceConstants(experts_per_gpu=num_experts // cfg.num_gpus)
+    alloc_cfg = AllocatorConfig(cfg.group_size, cfg.vmax, cfg.balance_threshold)
+    offload_cfg = AllocatorConfig(group_size=1, vmax=1, balance_threshold=1.0, use_cost_model=False)
+    results: dict[str, PolicyResult] = {}
+
+    def run(name: str, make: Callable[[list[float]], Schedule]) -> None:
+        if progress:
+            progress(name)
+        timings: list[float] = []
+        results[name] = _replay(name, counts_t, make(timings), timings)
+
+    # static is the throughput reference, so it always runs.
+    policies = cfg.policies if "static" in cfg.policies else ("static", *cfg.policies)
+    for policy in policies:
+        if policy == "static":
+            run(policy, lambda t: _static_schedule(counts_t, cfg))
+        elif policy in ("eplb", "eplb-redundant"):
+            redundant = policy == "eplb-redundant"
+            run(policy, lambda t, r=redundant: _eplb_schedule(counts_t, cfg, r, cfg.eplb_policy, t))
+            if cfg.compare_eplb_policies:
+                for variant in EPLB_VARIANTS:
+                    if variant == "hierarchical" and cfg.groups(num_experts) % cfg.num_nodes:
+                        continue
+                    run(f"{policy}:{variant}", lambda t, r=redundant, v=variant: _eplb_schedule(counts_t, cfg, r, v, t))
+        elif policy == "offload":
+            run(policy, lambda t: _allocator_schedule(counts_t, cfg, offload_cfg, profile, consts, 1, False, t))
+        elif policy == "vexpert":
+            run(policy, lambda t: _allocator_schedule(counts_t, cfg, alloc_cfg, profile, consts, cfg.allocation_interval, False, t))
+        elif policy == "oracle":
+            run(policy, lambda t: _allocator_schedule(counts_t, cfg, alloc_cfg, profile, consts, 1, True, t))
+    return results
+
+
+def summarize(
+    results: dict[str, PolicyResult], profile: PerformanceProfile | None = None, consts: InferenceConstants | None = None,
+    num_experts: int = 256, num_gpus: int = 64,
+) -> dict[str, dict[str, Any]]:
+    """Per-policy summary dict (stable key names; see ``PolicyResult.summary``)."""
+    profile = profile or PerformanceProfile()
+    consts = consts or InferenceConstants(experts_per_gpu=max(1, num_experts // num_gpus))
+    static_time = predicted_total_time(results["static"], consts, profile) if "static" in results else None
+    return {name: r.summary(consts, profile, static_time, num_gpus) for name, r in results.items()}
