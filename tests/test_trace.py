@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -297,12 +296,11 @@ def test_qwen_csv_phases_rescaled_to_batch() -> None:
     assert np.all(trace.counts.sum(axis=-1) == 8 * 128 * 4)
 
 
-def test_build_speed_600_iterations() -> None:
-    start = time.perf_counter()
+def test_full_size_trace_shape() -> None:
+    # Speed is a benchmark (benchmarks/README.md), not a timed test.
     trace = build_trace(demo_phases(200), gpus=64, tokens_per_gpu=256, top_k=8, seed=0)
-    elapsed = time.perf_counter() - start
     assert trace.counts.shape == (600, 58, 256)
-    assert elapsed < 10.0, f"building took {elapsed:.1f} s"
+    assert (trace.counts.sum(-1) == 64 * 256 * 8).all()
 
 
 def test_save_load_round_trip(tmp_path: Path) -> None:
@@ -423,5 +421,13 @@ def test_load_trace_errors(tmp_path: Path) -> None:
     assert _field_of(load_trace, tmp_path / "missing.npz") == "trace"
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     assert _field_of(load_trace, tmp_path / "junk.npz") == "trace"
-    np.savez(tmp_path / "partial.npz", counts=np.zeros((2, 1, 1), dtype=np.int64))
-    assert _field_of(load_trace, tmp_path / "partial.npz") == "trace"
+    np.savez(tmp_path / "no_counts.npz", other=np.zeros((2, 1, 1), dtype=np.int64))
+    assert _field_of(load_trace, tmp_path / "no_counts.npz") == "trace"
+    # A bare counts file (a user's own recording) is a one-phase trace.
+    np.savez(tmp_path / "bare.npz", counts=np.ones((2, 3, 4), dtype=np.int64))
+    bare = load_trace(tmp_path / "bare.npz")
+    assert bare.phase_starts == [0] and bare.counts.shape == (2, 3, 4)
+    np.savez(tmp_path / "flat.npz", counts=np.ones((2, 3), dtype=np.int64))
+    assert _field_of(load_trace, tmp_path / "flat.npz") == "counts"
+    np.savez(tmp_path / "neg.npz", counts=-np.ones((2, 3, 4), dtype=np.int64))
+    assert _field_of(load_trace, tmp_path / "neg.npz") == "counts"

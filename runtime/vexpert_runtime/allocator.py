@@ -108,7 +108,7 @@ class Plan:
         GPU g owns physical ids ``g·(E/N + S) + j``: ``j < E/N`` are its resident experts in
         ascending logical order, ``j = E/N + s`` is slot s.
         """
-        num_layers, num_experts, _ = self.replica_gpu.shape
+        _num_layers, num_experts, _ = self.replica_gpu.shape
         per_gpu = num_experts // self.num_gpus
         stride = per_gpu + self.slots_per_gpu
         # rank of each expert among the resident experts of its GPU (ascending logical id)
@@ -227,7 +227,13 @@ def replica_counts(
         w = torch.where(eligible, w, torch.zeros_like(w))
     # Only experts among the max_extra heaviest can win a copy (w_e ≥ w_e / c), so rank those.
     top = min(max_extra, num_experts)
-    cand_load, cand_expert = w.topk(top, dim=1)  # [L, top]
+    cand_load, cand_expert = w.topk(top, dim=1)  # [L, top], descending
+    # The first copies of those `top` experts are all ≥ cand_load[:, -1], so the last value the
+    # greedy takes is too, and no expert gets more than w_max / cand_load[:, -1] extra copies.
+    floor = cand_load[:, -1]
+    if bool((floor > 0).all()):
+        bound = int(torch.ceil(cand_load[:, 0] / floor).max())
+        depth = max(1, min(depth, bound))
     divisors = torch.arange(1, depth + 1, device=counts.device, dtype=torch.float32)
     value = cand_load.unsqueeze(-1) / divisors  # [L, top, depth]
     k = min(max_extra, top * depth)
@@ -244,24 +250,26 @@ def replica_counts(
 
 
 def _replica_items(copies: torch.Tensor, counts: torch.Tensor, max_items: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Extra copies as a list per layer, heaviest (load per copy) first.
+    """Extra copies as a list per layer, heaviest (load per copy) first; an expert with c copies
+    appears c − 1 times in a row.
 
-    Returns item_expert [L, K] int64 (−1 padded) and item_load [L, K] float32 (0 padded).
+    Returns item_expert [L, K] int64 (−1 padded) and item_load [L, K] float32 (0 padded), K = max_items.
     """
-    num_layers, num_experts = copies.shape
+    num_layers, _ = copies.shape
     extra = copies - 1
-    depth = int(extra.max()) if extra.numel() else 0
-    if depth == 0 or max_items == 0:
-        empty = torch.zeros(num_layers, 0, device=copies.device)
-        return empty.to(torch.int64), empty
-    per_copy = counts.to(torch.float32) / copies
-    rank = torch.arange(depth, device=copies.device)
-    valid = rank.view(1, 1, -1) < extra.unsqueeze(-1)  # [L, E, depth]
-    load = torch.where(valid, per_copy.unsqueeze(-1).expand(-1, -1, depth), torch.full_like(valid, -1.0, dtype=torch.float32))
-    k = min(max_items, num_experts * depth)
-    item_load, flat = load.view(num_layers, -1).topk(k, dim=1)
-    item_expert = torch.where(item_load >= 0, flat // depth, torch.full_like(flat, -1))
-    return item_expert, item_load.clamp(min=0)
+    if max_items == 0 or not bool((extra > 0).any()):
+        empty = torch.zeros(num_layers, max_items, device=copies.device)
+        return empty.to(torch.int64) - 1, empty
+    per_copy = torch.where(extra > 0, counts.to(torch.float32) / copies, torch.full_like(counts, -1.0, dtype=torch.float32))
+    order_load, order = per_copy.sort(dim=1, descending=True, stable=True)
+    repeats = torch.gather(extra, 1, order).clamp(min=0)
+    ends = repeats.cumsum(1)  # item positions [ends − repeats, ends) belong to order[:, j]
+    position = torch.arange(max_items, device=copies.device).unsqueeze(0).expand(num_layers, -1).contiguous()
+    j = torch.searchsorted(ends, position, right=True).clamp(max=order.shape[1] - 1)
+    real = position < ends[:, -1:]
+    item_expert = torch.where(real, torch.gather(order, 1, j), torch.full_like(j, -1))
+    item_load = torch.where(real, torch.gather(order_load, 1, j), torch.zeros_like(order_load[:, :1]).expand_as(j))
+    return item_expert, item_load
 
 
 def place_replicas(
@@ -409,30 +417,32 @@ def water_fill_shares(
     replicated = (copies.squeeze(-1) > 1) & (counts > 0)
     if sweeps <= 0 or not bool(replicated.any()):
         return share
-    # Work on the replicated experts only ([P, R]); everyone else's load is fixed.
+    # Work on the replicated experts only ([P, R]); everyone else's load is fixed on its base GPU.
     layer_sel, expert_sel = torch.nonzero(replicated, as_tuple=True)
     bins = num_gpus + 1  # last bin per layer swallows padding
-    bin_of = torch.where(valid, replica_gpu, num_gpus) + (torch.arange(num_layers, device=counts.device) * bins).view(-1, 1, 1)
-    w_all = counts.to(torch.float32).unsqueeze(-1)
-    fixed = torch.zeros(num_layers * bins, device=counts.device)
-    fixed_load = w_all * share * (~replicated).unsqueeze(-1)
-    fixed.scatter_add_(0, bin_of.flatten(), fixed_load.flatten())
-    p_bin = bin_of[layer_sel, expert_sel]  # [P, R]
-    p_valid = valid[layer_sel, expert_sel]
-    p_w = w_all[layer_sel, expert_sel]  # [P, 1]
+    fixed = torch.zeros(num_layers, bins, device=counts.device)
+    fixed.scatter_add_(1, replica_gpu[:, :, 0], torch.where(replicated, 0.0, counts.to(torch.float32)))
+    fixed = fixed.flatten()
+    p_gpu = replica_gpu[layer_sel, expert_sel]  # [P, R]
+    p_valid = p_gpu >= 0
+    p_bin = torch.where(p_valid, p_gpu, num_gpus) + (layer_sel * bins).unsqueeze(1)
+    p_w = counts.to(torch.float32)[layer_sel, expert_sel].unsqueeze(1)  # [P, 1]
     p_share = share[layer_sel, expert_sel]
     degree = torch.zeros_like(fixed).scatter_add_(0, p_bin.flatten(), p_valid.to(torch.float32).flatten())
     holder_degree = torch.where(p_valid, degree[p_bin], torch.ones_like(p_share))
     # 0.6 rather than 1: not every co-located expert pushes the same way; measured on DeepSeek-V3
     # loads this converges fastest without overshoot (0.883 vs 0.870 balance after 8 sweeps).
     step = 1.0 / (0.6 * holder_degree.amax(-1, keepdim=True)).clamp(min=1.0)
-    big = 1.0e30  # marks padding; finite so cumulative sums never overflow to inf − inf
+    # Padding copies sit on a floor so high they never get water; finite so sums stay finite.
+    pad_floor = torch.where(p_valid, torch.zeros_like(p_share), torch.full_like(p_share, 1.0e30))
+    flat_bin = p_bin.flatten()
+    inv_w = 1.0 / p_w
     for _ in range(sweeps):
-        load = fixed.scatter_add(0, p_bin.flatten(), (p_w * p_share).flatten())
-        other = torch.where(p_valid, load[p_bin] - p_w * p_share, torch.full_like(p_share, big))
-        target = _water_fill(other, p_w.squeeze(-1)) / p_w
-        target = torch.where(p_valid, target, torch.zeros_like(target))
-        p_share = p_share + step * (target - p_share)
+        mine = p_w * p_share
+        load = fixed.scatter_add(0, flat_bin, mine.flatten())
+        other = load[p_bin] - mine + pad_floor
+        target = _water_fill(other, p_w.squeeze(-1)) * inv_w
+        p_share += step * (target - p_share)
     p_share = p_share / p_share.sum(-1, keepdim=True).clamp(min=1e-12)
     share[layer_sel, expert_sel] = p_share
     return share
@@ -445,8 +455,8 @@ def _water_fill(other: torch.Tensor, amount: torch.Tensor) -> torch.Tensor:
     k = torch.arange(1, other.shape[-1] + 1, device=other.device, dtype=other.dtype)
     level = (amount.unsqueeze(-1) + sorted_other.cumsum(-1)) / k  # λ if the k lowest bins are wet
     wet = level > sorted_other
-    # The true level uses the largest k whose level still tops its k-th floor (prefix property).
-    last = wet.to(torch.int64).cumsum(-1).argmax(-1, keepdim=True)
+    # The wet bins form a prefix; the true level is the one of the largest wet k.
+    last = (wet.sum(-1, keepdim=True) - 1).clamp(min=0)
     lam = torch.gather(level, -1, last)
     return (lam - other).clamp(min=0)
 
@@ -508,8 +518,16 @@ def allocate(
         balance_before=balance_before,
         balance_predicted=torch.zeros_like(balance_before),
     )
-    predicted = balance_ratio(torch.einsum("le,len->ln", w, plan.expert_gpu_share()))
+    predicted = balance_ratio(_plan_loads(w, replica_gpu, share, num_gpus))
     return Plan(**{**plan.__dict__, "balance_predicted": predicted})
+
+
+def _plan_loads(counts: torch.Tensor, replica_gpu: torch.Tensor, share: torch.Tensor, num_gpus: int) -> torch.Tensor:
+    """Tokens per GPU [L, N] under a plan, straight from the replica table (no [L, E, N] tensor)."""
+    loads = torch.zeros(counts.shape[0], num_gpus + 1, device=counts.device)
+    index = torch.where(replica_gpu >= 0, replica_gpu, num_gpus).flatten(1)
+    loads.scatter_add_(1, index, (counts.unsqueeze(-1) * share).flatten(1))
+    return loads[:, :num_gpus]
 
 
 def _validate_counts(counts: torch.Tensor, base_gpu: torch.Tensor) -> None:
@@ -548,7 +566,7 @@ def _replica_table(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Build replica_gpu / replica_slot [L, E, R] from the resident copy plus every filled slot."""
     num_layers, num_experts = base_gpu.shape
-    _, num_gpus, slots = slot_expert.shape
+    _, _num_gpus, slots = slot_expert.shape
     width = 1 + (int(placed.max()) if placed.numel() else 0)
     replica_gpu = torch.full((num_layers, num_experts, width), -1, dtype=torch.int64, device=base_gpu.device)
     replica_slot = torch.full_like(replica_gpu, -1)

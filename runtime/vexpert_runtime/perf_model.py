@@ -37,6 +37,9 @@ class InferenceConstants(BaseModel):
     moe_time_balanced_s: float = Field(0.8e-3, ge=0, description="Expert GEMM time of one layer at L=1, s")
     other_time_per_layer_s: float = Field(2.0e-3, ge=0, description="Attention and everything else per layer, s")
     eplb_stall_s: float = Field(1.0, ge=0, description="Stop-the-world time of one EPLB weight rearrangement, s")
+    allocation_time_s: float = Field(
+        0.011, ge=0, description="One vExpert allocation: count all-reduce + mapping (paper App. F: 4 + 7 ms), s"
+    )
 
 
 def balance_gain(

@@ -24,7 +24,7 @@ def plot_balance(results: dict[str, PolicyResult], phase_starts: list[int], phas
     for name, result in results.items():
         series = result.balance.mean(axis=1)
         ax.plot(series, label=f"{name} ({series.mean():.3f})", linewidth=1.2)
-    for start, name in zip(phase_starts, phase_names):
+    for start, name in zip(phase_starts, phase_names, strict=False):
         ax.axvline(start, color="grey", linestyle=":", linewidth=0.8)
         ax.text(start + 2, 1.01, name, fontsize=7, color="grey", va="bottom")
     ax.set_xlabel("decode iteration")

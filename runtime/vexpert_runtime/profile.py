@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import VExpertInputError
 
-PROFILE_API_VERSION = "vexpert.io/v1alpha1"
+PROFILE_API_VERSION: Literal["vexpert.io/v1alpha1"] = "vexpert.io/v1alpha1"
 
 
 class LoadBalanceParameters(BaseModel):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -92,6 +93,7 @@ class PolicyResult:
     vexperts: np.ndarray  # [T, L] vExperts per GPU streamed for each layer
     stalls: int = 0
     plan_seconds: list[float] = field(default_factory=list)
+    allocations: int = 0  # allocator runs charged to decode time (the oracle is charged none)
 
     def summary(
         self, consts: InferenceConstants, profile: PerformanceProfile, static_time: float | None, num_gpus: int
@@ -110,6 +112,7 @@ class PolicyResult:
             "vexperts_per_iteration": float(self.vexperts.sum(axis=1).mean() * num_gpus),
             "vexperts_per_gpu_per_iteration": float(self.vexperts.sum(axis=1).mean()),
             "rebalance_stalls": self.stalls,
+            "allocations": self.allocations,
             "predicted_tokens_per_s_per_gpu": float(tokens / total_time),
             "predicted_relative_throughput": float(static_time / total_time) if static_time else 1.0,
             "plans": len(self.plan_seconds),
@@ -119,12 +122,15 @@ class PolicyResult:
 
 def predicted_total_time(result: PolicyResult, consts: InferenceConstants, profile: PerformanceProfile) -> float:
     """Decode time of the whole trace (s): per layer T_a2a(L) + T_moe(L) (Eq. 1) + other work +
-    T_H2D(V)·η (Eq. 2's penalty) for streamed vExperts, plus every stop-the-world stall."""
+    T_H2D(V)·η (Eq. 2's penalty) for streamed vExperts, plus every stop-the-world stall and
+    every allocation (count all-reduce + mapping, paper App. F)."""
     hw = profile.hardware
     balance = torch.from_numpy(result.balance).clamp(min=1e-6)
     v = torch.from_numpy(result.vexperts)
     per_layer = layer_time(balance, consts, hw) + consts.other_time_per_layer_s + h2d_time(v, consts, hw) * hw.contention_eta
-    return float(per_layer.sum()) + result.stalls * consts.eplb_stall_s
+    return (
+        float(per_layer.sum()) + result.stalls * consts.eplb_stall_s + result.allocations * consts.allocation_time_s
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,7 +192,7 @@ def _replay(name: str, counts: torch.Tensor, schedule: Schedule, timings: list[f
     balance = np.zeros((iterations, num_layers), dtype=np.float64)
     vexperts = np.zeros((iterations, num_layers), dtype=np.int64)
     stalls = 0
-    pending = next(schedule)
+    pending: tuple[int, torch.Tensor, torch.Tensor, bool] | None = next(schedule)
     while pending is not None:
         start, share, v, stall = pending
         nxt = next(schedule, None)
@@ -214,7 +220,7 @@ def simulate(
         raise VExpertInputError("counts", "trace is empty")
     if bool((counts_t < 0).any()):
         raise VExpertInputError("counts", "trace has negative expert counts", "rebuild it with `vexpert trace build`")
-    _, num_layers, num_experts = counts_t.shape
+    _, _num_layers, num_experts = counts_t.shape
     cfg.validate(num_experts)
     profile = profile or PerformanceProfile()
     consts = consts or InferenceConstants(experts_per_gpu=num_experts // cfg.num_gpus)
@@ -227,6 +233,8 @@ def simulate(
             progress(name)
         timings: list[float] = []
         results[name] = _replay(name, counts_t, make(timings), timings)
+        if name in ("offload", "vexpert"):
+            results[name].allocations = len(timings)
 
     # static is the throughput reference, so it always runs.
     policies = cfg.policies if "static" in cfg.policies else ("static", *cfg.policies)
@@ -235,12 +243,12 @@ def simulate(
             run(policy, lambda t: _static_schedule(counts_t, cfg))
         elif policy in ("eplb", "eplb-redundant"):
             redundant = policy == "eplb-redundant"
-            run(policy, lambda t, r=redundant: _eplb_schedule(counts_t, cfg, r, cfg.eplb_policy, t))
+            run(policy, partial(_eplb_schedule, counts_t, cfg, redundant, cfg.eplb_policy))
             if cfg.compare_eplb_policies:
                 for variant in EPLB_VARIANTS:
                     if variant == "hierarchical" and cfg.groups(num_experts) % cfg.num_nodes:
                         continue
-                    run(f"{policy}:{variant}", lambda t, r=redundant, v=variant: _eplb_schedule(counts_t, cfg, r, v, t))
+                    run(f"{policy}:{variant}", partial(_eplb_schedule, counts_t, cfg, redundant, variant))
         elif policy == "offload":
             run(policy, lambda t: _allocator_schedule(counts_t, cfg, offload_cfg, profile, consts, 1, False, t))
         elif policy == "vexpert":

@@ -522,12 +522,20 @@ def load_trace(path: str | Path) -> Trace:
         raise VExpertInputError("trace", f"{path} does not exist", fix) from None
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise VExpertInputError("trace", f"{path} is not a readable .npz ({exc})", fix) from None
-    missing = [k for k in ("counts", "phase_starts", "phase_names", "meta") if k not in arrays]
-    if missing:
-        raise VExpertInputError("trace", f"{path} lacks {', '.join(missing)}", fix)
-    counts, starts = arrays["counts"], arrays["phase_starts"]
-    if counts.ndim != 3 or not np.issubdtype(counts.dtype, np.integer) or (counts.size and counts.min() < 0):
-        raise VExpertInputError("trace", f"{path}: counts must be non-negative integers [T, L, E]", fix)
+    if "counts" not in arrays:
+        raise VExpertInputError("trace", f"{path} has no `counts` array", fix)
+    counts = arrays["counts"]
+    # A bare {counts} file (a user's own recording) is a valid one-phase trace.
+    arrays.setdefault("phase_starts", np.zeros(1, dtype=np.int64))
+    arrays.setdefault("phase_names", np.array([Path(path).stem]))
+    arrays.setdefault("meta", np.array("{}"))
+    starts = arrays["phase_starts"]
+    if counts.ndim != 3:
+        raise VExpertInputError("counts", f"{path}: must be [iterations, layers, experts], got shape {counts.shape}", fix)
+    if not np.issubdtype(counts.dtype, np.integer):
+        raise VExpertInputError("counts", f"{path}: must be integers, got {counts.dtype}", fix)
+    if counts.size and counts.min() < 0:
+        raise VExpertInputError("counts", f"{path}: negative expert counts", fix)
     names = [str(n) for n in arrays["phase_names"]]
     if (
         starts.ndim != 1

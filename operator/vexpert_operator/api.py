@@ -1,0 +1,411 @@
+"""The custom resources of group ``vexpert.io``, version ``v1alpha1``, as pydantic models.
+
+These models are the single definition of the API: ``crds/*.yaml`` are generated from them
+(``python -m vexpert_operator.crdgen``), the handlers parse ``spec`` with them, and ``vexpert render``
+reads deployment files with them. Field names are snake_case in Python and camelCase in the API.
+
+The performance model's coefficients are not redefined here: profiles embed
+``vexpert_runtime.profile.PerformanceProfile`` verbatim (snake_case JSON, exactly what
+``vexpert calibrate`` writes and ``--profile FILE`` reads), so ``kubectl get vxnp NAME -o
+jsonpath='{.spec.profile}'`` is a valid profile file.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from vexpert_runtime.profile import NodeTypeKey, PerformanceProfile
+
+GROUP = "vexpert.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+DEPLOYMENT_KIND = "VExpertDeployment"
+DEPLOYMENT_PLURAL = "vexpertdeployments"
+NODE_PROFILE_KIND = "VExpertNodeProfile"
+NODE_PROFILE_PLURAL = "vexpertnodeprofiles"
+MODEL_PROFILE_KIND = "VExpertModelProfile"
+MODEL_PROFILE_PLURAL = "vexpertmodelprofiles"
+
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+LABEL_VALUE_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+Architecture = Literal["deepseek_v3", "qwen2_moe", "auto"]
+
+
+class CamelModel(BaseModel):
+    """Base for API types: camelCase on the wire, snake_case in Python, unknown fields rejected."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+# --------------------------------------------------------------------------------------------- model
+
+
+class CheckpointSource(CamelModel):
+    """Where the checkpoint is: a PersistentVolumeClaim (preferred) or a host path, mounted read-only."""
+
+    claim_name: str | None = Field(None, description="PersistentVolumeClaim holding the checkpoint")
+    host_path: str | None = Field(None, description="Host directory holding the checkpoint (instead of a claim)")
+    sub_path: str = Field("", description="Directory inside the volume with config.json and *.safetensors")
+    mount_path: str = Field("/models", description="Where the volume is mounted in the node pod")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> CheckpointSource:
+        if bool(self.claim_name) == bool(self.host_path):
+            raise ValueError("set exactly one of claimName or hostPath")
+        return self
+
+    @property
+    def path_in_pod(self) -> str:
+        return f"{self.mount_path.rstrip('/')}/{self.sub_path}".rstrip("/") if self.sub_path else self.mount_path
+
+
+class ModelShape(CamelModel):
+    """The MoE shape the operator sizes memory from (the runtime reads the real one from config.json)."""
+
+    num_experts: int = Field(..., ge=1, le=4096, description="Routed experts per MoE layer (E)")
+    num_moe_layers: int = Field(..., ge=1, le=1024, description="MoE layers (L)")
+    expert_bytes: int = Field(..., ge=1, description="Bytes of one routed expert's weights")
+    top_k: int = Field(8, ge=1, le=64, description="Routed experts per token")
+
+
+class ModelSpec(CamelModel):
+    """The model: name, revision, checkpoint and routing family."""
+
+    name: str = Field(..., min_length=1, max_length=253, description="Model name, e.g. deepseek-ai/DeepSeek-V3")
+    revision: str = Field("main", min_length=1, max_length=128, description="Checkpoint revision (keys model profiles)")
+    checkpoint: CheckpointSource
+    architecture: Architecture = Field(
+        "auto", description="Routing family; auto = the runtime reads model_type from config.json (then set shape)"
+    )
+    shape: ModelShape | None = Field(None, description="MoE shape; defaults to the architecture's known shape")
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+
+
+# --------------------------------------------------------------------------------------- parallelism
+
+
+class ParallelismSpec(CamelModel):
+    """Expert-parallel layout. Node count = expertParallelSize / gpusPerNode (one pod per GPU node)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.expertParallelSize % self.gpusPerNode == 0",
+                    "message": "expertParallelSize must be a multiple of gpusPerNode (whole nodes)",
+                    "fieldPath": ".expertParallelSize",
+                }
+            ]
+        }
+    )
+
+    expert_parallel_size: int = Field(..., ge=1, le=4096, description="EP degree (GPUs holding experts)")
+    gpus_per_node: int = Field(8, ge=1, le=16, description="GPUs per node pod")
+    master_port: int = Field(29500, ge=1024, le=65535, description="Rendezvous port on rank 0")
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.expert_parallel_size // self.gpus_per_node)
+
+
+# ------------------------------------------------------------------------------------------- vexpert
+
+
+class AllocationIntervalSpec(CamelModel):
+    """k: decode iterations between allocations. auto = tuned from runtime metrics within [min, max]."""
+
+    mode: Literal["auto", "fixed"] = "auto"
+    value: int = Field(10, ge=1, le=100_000, description="Fixed k, or the starting k when auto")
+    min: int = Field(2, ge=1, le=100_000, description="Lower bound for auto")
+    max: int = Field(1000, ge=1, le=100_000, description="Upper bound for auto")
+
+
+class PinnedExpertsSpec(CamelModel):
+    """Np: experts per layer pinned in host memory. auto = as many as node memory allows, within bounds."""
+
+    mode: Literal["auto", "fixed"] = "auto"
+    value: int | None = Field(None, ge=1, le=4096, description="Fixed Np (required when mode is fixed)")
+    min: int = Field(1, ge=1, le=4096, description="Lower bound for auto")
+    max: int | None = Field(None, ge=1, le=4096, description="Upper bound for auto (default: all experts)")
+
+
+class VExpertSpec(CamelModel):
+    """vExpert's knobs (paper §3): G, Vmax, τ are fixed for a group's lifetime; k and Np are tunable."""
+
+    group_size: int = Field(2, ge=1, le=8, description="G: layers sharing one slot budget")
+    vmax: int = Field(1, ge=0, le=8, description="Per-layer vExpert budget per GPU; slots per GPU = G·vmax")
+    balance_threshold: float = Field(0.7, ge=0.0, le=1.0, description="τ: layers balanced above it get no vExperts")
+    allocation_interval: AllocationIntervalSpec = Field(default_factory=AllocationIntervalSpec)
+    pinned_experts: PinnedExpertsSpec = Field(default_factory=PinnedExpertsSpec)
+    tuning_interval_seconds: int = Field(60, ge=1, le=86_400, description="Seconds between tuning decisions")
+
+
+# --------------------------------------------------------------------------------------- calibration
+
+
+class CalibrationSpec(CamelModel):
+    """How the performance profile is obtained.
+
+    auto: run a hardware calibration Job for every candidate node type without a VExpertNodeProfile,
+    and a model calibration Job when no VExpertModelProfile exists for the model revision.
+    skip: run nothing; use profiles that exist, else the paper's defaults.
+    given: run nothing; use ``profile`` and/or ``modelProfileRef`` (and node profiles that exist).
+    """
+
+    mode: Literal["auto", "skip", "given"] = "auto"
+    profile: PerformanceProfile | None = Field(None, description="A full profile (mode given)")
+    model_profile_ref: str | None = Field(None, description="Name of a VExpertModelProfile in this namespace (mode given)")
+    image: str | None = Field(None, description="Calibration image (default: runtime.image)")
+    timeout_seconds: int = Field(1800, ge=60, le=86_400, description="activeDeadlineSeconds of a calibration Job")
+    retry_backoff_seconds: int = Field(30, ge=1, le=86_400, description="First retry delay after a failed Job")
+    max_retry_backoff_seconds: int = Field(600, ge=1, le=86_400, description="Retry delay cap (doubles per failure)")
+    memory: str = Field("64Gi", pattern=QUANTITY_PATTERN, description="Memory of a calibration pod")
+
+    @model_validator(mode="after")
+    def _given_needs_a_source(self) -> CalibrationSpec:
+        if self.mode == "given" and self.profile is None and not self.model_profile_ref:
+            raise ValueError("mode given needs profile or modelProfileRef")
+        return self
+
+
+# ------------------------------------------------------------------------------------------- runtime
+
+
+class Toleration(CamelModel):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class EnvVar(CamelModel):
+    name: str = Field(..., min_length=1)
+    value: str | None = None
+    value_from: dict[str, Any] | None = Field(None, description="As in a Pod's env[].valueFrom")
+
+
+class RuntimeSpec(CamelModel):
+    """The node pods: image, resources and placement."""
+
+    image: str = Field(..., min_length=1, description="Image with the `vexpert` CLI (runtime extra installed)")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    image_pull_secrets: list[str] = Field(default_factory=list, description="Secret names for pulling the image")
+    service_account_name: str | None = None
+    priority_class_name: str | None = None
+    cpu: str = Field("16", pattern=QUANTITY_PATTERN, description="CPU request = limit per node pod")
+    memory_overhead: str = Field(
+        "32Gi", pattern=QUANTITY_PATTERN, description="Host memory besides the pinned pool and /dev/shm"
+    )
+    shm_size: str = Field("16Gi", pattern=QUANTITY_PATTERN, description="/dev/shm size (counts toward the memory limit)")
+    extra_resources: dict[str, str] = Field(
+        default_factory=dict, description="More requests = limits per pod, e.g. rdma/ib: '1'"
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    env: list[EnvVar] = Field(default_factory=list)
+    metrics_port: int = Field(9400, ge=1, le=65535, description="Runtime Prometheus port (tuning reads it)")
+    group_restart_backoff_seconds: int = Field(10, ge=0, le=3600, description="Delay before re-forming after a failure")
+    max_group_restart_backoff_seconds: int = Field(300, ge=0, le=86_400, description="Cap of the doubling delay")
+
+    @field_validator("node_selector")
+    @classmethod
+    def _label_values(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, val in value.items():
+            if not LABEL_VALUE_RE.match(val) or len(val) > 63:
+                raise ValueError(f"nodeSelector[{key}]: {val!r} is not a valid label value")
+        return value
+
+
+class VExpertDeploymentSpec(CamelModel):
+    model: ModelSpec
+    parallelism: ParallelismSpec
+    vexpert: VExpertSpec = Field(default_factory=VExpertSpec)
+    calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
+    runtime: RuntimeSpec
+
+
+# -------------------------------------------------------------------------------------------- status
+
+
+class Condition(CamelModel):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str = ""
+    observed_generation: int | None = None
+
+
+class TuningStatus(CamelModel):
+    allocation_interval: int | None = Field(None, description="Current k")
+    pooled_experts: int | None = Field(None, description="Current Np")
+    pooled_experts_cap: int | None = Field(None, description="Largest Np the node memory allows")
+    reason: str = ""
+    last_decision_time: str = ""
+    changes: int = 0
+
+
+class RuntimeReport(CamelModel):
+    balance_ratio: float | None = None
+    tokens_per_second: float | None = None
+    allocator_share: float | None = Field(None, description="Allocator time / step time, amortised over k")
+    degraded_ranks: int = 0
+    scraped_pods: int = 0
+    updated_at: str = ""
+
+
+class GroupStatus(CamelModel):
+    template_hash: str = ""
+    members: list[str] = Field(default_factory=list, description="Pod UIDs of the formed group")
+    formed_at: str = ""
+    restarts: int = 0
+    last_restart_time: str = ""
+    last_restart_reason: str = ""
+
+
+class NodeTypeCalibration(CamelModel):
+    name: str
+    state: Literal["Profiled", "Running", "Failed", "Waiting", "Pending"]
+    attempts: int = 0
+    job: str = ""
+    message: str = ""
+
+
+class CalibrationStatus(CamelModel):
+    node_types: list[NodeTypeCalibration] = Field(default_factory=list)
+    model_profile: str = ""
+    model_state: str = ""
+    model_message: str = ""
+
+
+class VExpertDeploymentStatus(CamelModel):
+    phase: Literal["Pending", "Calibrating", "Deploying", "Running", "Degraded", "Invalid"] = "Pending"
+    message: str = ""
+    conditions: list[Condition] = Field(default_factory=list)
+    observed_generation: int | None = None
+    nodes: int | None = Field(None, description="Node pods the group needs")
+    ready_nodes: int = 0
+    node_type: str = Field("", description="The node type the group is pinned to")
+    tuning: TuningStatus = Field(default_factory=TuningStatus)
+    runtime: RuntimeReport = Field(default_factory=RuntimeReport)
+    group: GroupStatus = Field(default_factory=GroupStatus)
+    calibration: CalibrationStatus = Field(default_factory=CalibrationStatus)
+
+
+# ------------------------------------------------------------------------------------------ profiles
+
+
+class NodeTypeSpec(CamelModel):
+    """NodeTypeKey in camelCase (GPU feature discovery labels)."""
+
+    gpu_product: str = ""
+    gpu_count: int = 0
+    gpu_memory_mib: int = 0
+    driver_version: str = ""
+    instance_type: str = ""
+
+    @classmethod
+    def from_key(cls, key: NodeTypeKey) -> NodeTypeSpec:
+        return cls(**key.model_dump())
+
+    def to_key(self) -> NodeTypeKey:
+        return NodeTypeKey(**self.model_dump())
+
+
+class VExpertNodeProfileSpec(CamelModel):
+    node_type: NodeTypeSpec
+    allocatable_memory: str | None = Field(
+        None, pattern=QUANTITY_PATTERN, description="Smallest allocatable memory of a node of this type when profiled"
+    )
+    profile: PerformanceProfile = Field(..., description="The hardware half is what matters for a node type")
+
+
+class VExpertModelProfileSpec(CamelModel):
+    model: str = Field(..., min_length=1)
+    revision: str = Field(..., min_length=1)
+    architecture: Architecture = "auto"
+    profile: PerformanceProfile = Field(..., description="The load_balance half is what matters for a model")
+
+
+class ResourceInfo(BaseModel):
+    """What crdgen needs to write one CRD."""
+
+    kind: str
+    plural: str
+    singular: str
+    short_names: list[str]
+    scope: Literal["Namespaced", "Cluster"]
+    spec_model: type[BaseModel]
+    status_model: type[BaseModel] | None
+    printer_columns: list[dict[str, Any]]
+    description: str
+
+
+RESOURCES: list[ResourceInfo] = [
+    ResourceInfo(
+        kind=DEPLOYMENT_KIND,
+        plural=DEPLOYMENT_PLURAL,
+        singular="vexpertdeployment",
+        short_names=["vxd"],
+        scope="Namespaced",
+        spec_model=VExpertDeploymentSpec,
+        status_model=VExpertDeploymentStatus,
+        description="A calibrated, balanced expert-parallel MoE decode group (one pod per GPU node).",
+        printer_columns=[
+            {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+            {"name": "Model", "type": "string", "jsonPath": ".spec.model.name", "priority": 1},
+            {"name": "EP", "type": "integer", "jsonPath": ".spec.parallelism.expertParallelSize"},
+            {"name": "Nodes", "type": "integer", "jsonPath": ".status.nodes"},
+            {"name": "Ready", "type": "integer", "jsonPath": ".status.readyNodes"},
+            {"name": "K", "type": "integer", "jsonPath": ".status.tuning.allocationInterval"},
+            {"name": "Np", "type": "integer", "jsonPath": ".status.tuning.pooledExperts"},
+            {"name": "Balance", "type": "number", "jsonPath": ".status.runtime.balanceRatio"},
+            {"name": "Tokens/s", "type": "number", "jsonPath": ".status.runtime.tokensPerSecond"},
+            {"name": "Node-Type", "type": "string", "jsonPath": ".status.nodeType", "priority": 1},
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        ],
+    ),
+    ResourceInfo(
+        kind=NODE_PROFILE_KIND,
+        plural=NODE_PROFILE_PLURAL,
+        singular="vexpertnodeprofile",
+        short_names=["vxnp"],
+        scope="Cluster",
+        spec_model=VExpertNodeProfileSpec,
+        status_model=None,
+        description="The hardware PerformanceProfile of one GPU node type (product, count, memory, driver, instance).",
+        printer_columns=[
+            {"name": "GPU", "type": "string", "jsonPath": ".spec.nodeType.gpuProduct"},
+            {"name": "Count", "type": "integer", "jsonPath": ".spec.nodeType.gpuCount"},
+            {"name": "Driver", "type": "string", "jsonPath": ".spec.nodeType.driverVersion"},
+            {"name": "H2D-GB/s", "type": "number", "jsonPath": ".spec.profile.hardware.h2d_bandwidth_gb_per_s"},
+            {"name": "Source", "type": "string", "jsonPath": ".spec.profile.provenance.source"},
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        ],
+    ),
+    ResourceInfo(
+        kind=MODEL_PROFILE_KIND,
+        plural=MODEL_PROFILE_PLURAL,
+        singular="vexpertmodelprofile",
+        short_names=["vxmp"],
+        scope="Namespaced",
+        spec_model=VExpertModelProfileSpec,
+        status_model=None,
+        description="The fitted load-balance coefficients (α, β, intercept) of one model revision.",
+        printer_columns=[
+            {"name": "Model", "type": "string", "jsonPath": ".spec.model"},
+            {"name": "Revision", "type": "string", "jsonPath": ".spec.revision"},
+            {"name": "Alpha", "type": "number", "jsonPath": ".spec.profile.load_balance.alpha"},
+            {"name": "Beta", "type": "number", "jsonPath": ".spec.profile.load_balance.beta"},
+            {"name": "Source", "type": "string", "jsonPath": ".spec.profile.provenance.source"},
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        ],
+    ),
+]

@@ -1,0 +1,456 @@
+"""Pure ``build_*`` functions: spec + decisions in, Kubernetes manifests (plain dicts) out.
+
+Nothing here talks to the API server; :mod:`.plan` strings the builders together and both the
+operator and ``vexpert render`` call it, so what you review is what the operator applies.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from vexpert_runtime.config import (
+    ModelSource,
+    ParallelismConfig,
+    RuntimeConfig,
+    RuntimeSettings,
+    TuningConfig,
+    VExpertKnobs,
+)
+from vexpert_runtime.profile import NodeTypeKey, PerformanceProfile
+
+from . import naming as nm
+from .api import (
+    API_VERSION,
+    DEPLOYMENT_KIND,
+    MODEL_PROFILE_KIND,
+    NODE_PROFILE_KIND,
+    NodeTypeSpec,
+    VExpertDeploymentSpec,
+    VExpertModelProfileSpec,
+    VExpertNodeProfileSpec,
+)
+from .nodetypes import GPU_RESOURCE, node_type_selector
+from .quantity import format_mebibytes
+from .sizing import Sizing
+
+CONFIG_DIR = "/etc/vexpert"
+CONFIG_FILE = "runtime.yaml"
+TERMINATION_LOG = "/dev/termination-log"
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+CONTAINER = "node"
+CALIBRATION_CONTAINER = "calibrate"
+JOB_TTL_SECONDS = 7 * 24 * 3600
+
+
+Manifest = dict[str, Any]
+
+
+def owner_reference(name: str, uid: str) -> list[dict[str, Any]]:
+    """The deployment as controller owner (garbage collection deletes children with it)."""
+    if not uid:
+        return []
+    return [{
+        "apiVersion": API_VERSION,
+        "kind": DEPLOYMENT_KIND,
+        "name": name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }]
+
+
+def _metadata(name: str, namespace: str, labels: Mapping[str, str], owner: list[dict[str, Any]],
+              annotations: Mapping[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(labels)}
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    if owner:
+        meta["ownerReferences"] = owner
+    return meta
+
+
+def with_applied_hash(manifest: Manifest) -> Manifest:
+    """Stamp ``vexpert.io/applied-hash`` (hash of everything else) so updates are needed only on change."""
+    digest = nm.stable_hash(manifest, 16)
+    manifest["metadata"].setdefault("annotations", {})[nm.ANNOTATION_APPLIED_HASH] = digest
+    return manifest
+
+
+# --------------------------------------------------------------------------------- runtime config
+
+
+def build_runtime_config(spec: VExpertDeploymentSpec, name: str, namespace: str, profile: PerformanceProfile,
+                         allocation_interval: int, pooled_experts: int | None, sizing: Sizing) -> RuntimeConfig:
+    """The ``RuntimeConfig`` every node pod reads (rank comes from the pod's env)."""
+    return RuntimeConfig(
+        model=ModelSource(
+            name=spec.model.name,
+            checkpoint_path=spec.model.checkpoint.path_in_pod,
+            revision=spec.model.revision,
+            architecture=spec.model.architecture,
+            dtype=spec.model.dtype,
+        ),
+        parallelism=ParallelismConfig(
+            expert_parallel_size=spec.parallelism.expert_parallel_size,
+            gpus_per_node=spec.parallelism.gpus_per_node,
+            node_rank=0,
+            master_addr=nm.rank0_address(name, namespace),
+            master_port=spec.parallelism.master_port,
+        ),
+        vexpert=VExpertKnobs(
+            group_size=spec.vexpert.group_size,
+            vmax=spec.vexpert.vmax,
+            balance_threshold=spec.vexpert.balance_threshold,
+        ),
+        tuning=TuningConfig(allocation_interval=allocation_interval, pooled_experts=pooled_experts),
+        runtime=RuntimeSettings(
+            device="cuda",
+            metrics_port=spec.runtime.metrics_port,
+            host_memory_limit_bytes=sizing.pinned_pool_bytes + sizing.overhead_bytes,
+        ),
+        profile=profile,
+    )
+
+
+def config_hash(config: RuntimeConfig) -> str:
+    """Hash of everything but the ``tuning`` section: the runtime hot-reloads tuning, the rest needs a
+    new group (a changed hash rolls the pods)."""
+    static = config.model_copy(update={"tuning": TuningConfig()})
+    return nm.stable_hash(static.model_dump(mode="json"), 16)
+
+
+def build_config_map(name: str, namespace: str, config: RuntimeConfig, owner: list[dict[str, Any]]) -> Manifest:
+    labels = nm.deployment_labels(name) | {nm.LABEL_COMPONENT: "config"}
+    return with_applied_hash({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(nm.config_map_name(name), namespace, labels, owner,
+                              {nm.ANNOTATION_CONFIG_HASH: config_hash(config)}),
+        "data": {CONFIG_FILE: config.to_yaml()},
+    })
+
+
+# ---------------------------------------------------------------------------------------- service
+
+
+def build_service(name: str, namespace: str, spec: VExpertDeploymentSpec, owner: list[dict[str, Any]]) -> Manifest:
+    """Headless Service: stable DNS per rank for the rendezvous, published before pods are Ready."""
+    labels = nm.deployment_labels(name) | {nm.LABEL_COMPONENT: "rendezvous"}
+    return with_applied_hash({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(nm.service_name(name), namespace, labels, owner),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": nm.node_selector_labels(name),
+            "ports": [
+                {"name": "rendezvous", "port": spec.parallelism.master_port,
+                 "targetPort": spec.parallelism.master_port, "protocol": "TCP"},
+                {"name": "metrics", "port": spec.runtime.metrics_port,
+                 "targetPort": spec.runtime.metrics_port, "protocol": "TCP"},
+            ],
+        },
+    })
+
+
+# ------------------------------------------------------------------------------------ statefulset
+
+
+def _tolerations(spec: VExpertDeploymentSpec) -> list[dict[str, Any]]:
+    return [t.model_dump(by_alias=True, exclude_none=True) for t in spec.runtime.tolerations]
+
+
+def _node_affinity(selector: Mapping[str, str]) -> dict[str, Any]:
+    return {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{
+                "matchExpressions": [{"key": k, "operator": "In", "values": [v]} for k, v in sorted(selector.items())],
+            }],
+        },
+    }
+
+
+def _env(spec: VExpertDeploymentSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "VEXPERT_NODE_RANK",
+         "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}},
+        {"name": "VEXPERT_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "VEXPERT_NUM_NODES", "value": str(spec.parallelism.num_nodes)},
+        {"name": "VEXPERT_CONFIG", "value": f"{CONFIG_DIR}/{CONFIG_FILE}"},
+    ]
+    for item in spec.runtime.env:
+        entry: dict[str, Any] = {"name": item.name}
+        if item.value_from is not None:
+            entry["valueFrom"] = item.value_from
+        else:
+            entry["value"] = item.value or ""
+        env.append(entry)
+    return env
+
+
+def _model_volume(spec: VExpertDeploymentSpec) -> dict[str, Any]:
+    ckpt = spec.model.checkpoint
+    if ckpt.claim_name:
+        return {"name": "model", "persistentVolumeClaim": {"claimName": ckpt.claim_name, "readOnly": True}}
+    return {"name": "model", "hostPath": {"path": ckpt.host_path, "type": "Directory"}}
+
+
+def _security_context() -> dict[str, Any]:
+    """IPC_LOCK for pinning host memory; nothing privileged (CUDA IPC stays inside one container)."""
+    return {"privileged": False, "allowPrivilegeEscalation": False, "capabilities": {"add": ["IPC_LOCK"]}}
+
+
+def build_pod_template(name: str, spec: VExpertDeploymentSpec, sizing: Sizing, cfg_hash: str,
+                       node_key: NodeTypeKey | None) -> dict[str, Any]:
+    """The node pod: one container running ``vexpert node`` with all of the node's GPUs."""
+    memory = format_mebibytes(sizing.pod_memory_bytes)
+    resources = {"cpu": spec.runtime.cpu, "memory": memory, GPU_RESOURCE: str(spec.parallelism.gpus_per_node)}
+    resources.update(spec.runtime.extra_resources)
+    selector_labels = nm.node_selector_labels(name)
+    pod_spec: dict[str, Any] = {
+        "affinity": {
+            "podAntiAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [{
+                    "labelSelector": {"matchLabels": selector_labels},
+                    "topologyKey": "kubernetes.io/hostname",
+                }],
+            },
+        },
+        "hostIPC": False,
+        "hostNetwork": False,
+        "hostPID": False,
+        "enableServiceLinks": False,
+        "restartPolicy": "Always",
+        "terminationGracePeriodSeconds": 30,
+        "containers": [{
+            "name": CONTAINER,
+            "image": spec.runtime.image,
+            "imagePullPolicy": spec.runtime.image_pull_policy,
+            "command": ["vexpert", "node"],
+            "args": ["--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
+            "env": _env(spec),
+            "ports": [
+                {"name": "rendezvous", "containerPort": spec.parallelism.master_port, "protocol": "TCP"},
+                {"name": "metrics", "containerPort": spec.runtime.metrics_port, "protocol": "TCP"},
+            ],
+            "resources": {"requests": dict(resources), "limits": dict(resources)},
+            "securityContext": _security_context(),
+            "readinessProbe": {
+                "httpGet": {"path": "/ready", "port": spec.runtime.metrics_port},
+                "periodSeconds": 5,
+                "failureThreshold": 3,
+            },
+            "terminationMessagePath": TERMINATION_LOG,
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+            "volumeMounts": [
+                {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+                {"name": "model", "mountPath": spec.model.checkpoint.mount_path, "readOnly": True},
+                {"name": "shm", "mountPath": "/dev/shm"},
+            ],
+        }],
+        "volumes": [
+            {"name": "config", "configMap": {"name": nm.config_map_name(name)}},
+            _model_volume(spec),
+            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.runtime.shm_size}},
+        ],
+    }
+    if node_key is not None:
+        pod_spec["affinity"]["nodeAffinity"] = _node_affinity(node_type_selector(node_key))
+    if spec.runtime.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.runtime.node_selector)
+    if spec.runtime.tolerations:
+        pod_spec["tolerations"] = _tolerations(spec)
+    if spec.runtime.service_account_name:
+        pod_spec["serviceAccountName"] = spec.runtime.service_account_name
+    if spec.runtime.priority_class_name:
+        pod_spec["priorityClassName"] = spec.runtime.priority_class_name
+    if spec.runtime.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.runtime.image_pull_secrets]
+    template: dict[str, Any] = {
+        "metadata": {
+            "labels": nm.deployment_labels(name) | selector_labels | {nm.LABEL_COMPONENT: "node"},
+            "annotations": {
+                nm.ANNOTATION_CONFIG_HASH: cfg_hash,
+                "kubectl.kubernetes.io/default-container": CONTAINER,
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(spec.runtime.metrics_port),
+            },
+        },
+        "spec": pod_spec,
+    }
+    template["metadata"]["labels"][nm.LABEL_TEMPLATE_HASH] = nm.stable_hash(template, 10)
+    return template
+
+
+def template_hash(template: Mapping[str, Any]) -> str:
+    return str(template["metadata"]["labels"][nm.LABEL_TEMPLATE_HASH])
+
+
+def build_statefulset(name: str, namespace: str, spec: VExpertDeploymentSpec, template: dict[str, Any],
+                      owner: list[dict[str, Any]]) -> Manifest:
+    """Stable ranks (ordinals), all pods at once, and ``OnDelete`` so the operator rolls whole groups."""
+    labels = nm.deployment_labels(name) | {nm.LABEL_COMPONENT: "node"}
+    return with_applied_hash({
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _metadata(nm.statefulset_name(name), namespace, labels, owner),
+        "spec": {
+            "serviceName": nm.service_name(name),
+            "replicas": spec.parallelism.num_nodes,
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "OnDelete"},
+            "revisionHistoryLimit": 5,
+            "selector": {"matchLabels": nm.node_selector_labels(name)},
+            "template": template,
+        },
+    })
+
+
+def build_pdb(name: str, namespace: str, spec: VExpertDeploymentSpec, owner: list[dict[str, Any]]) -> Manifest:
+    """No voluntary disruption of a healthy group (losing one rank stops all); unhealthy pods may go."""
+    labels = nm.deployment_labels(name) | {nm.LABEL_COMPONENT: "node"}
+    return with_applied_hash({
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(nm.pdb_name(name), namespace, labels, owner),
+        "spec": {
+            "minAvailable": spec.parallelism.num_nodes,
+            "selector": {"matchLabels": nm.node_selector_labels(name)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    })
+
+
+# ------------------------------------------------------------------------------- calibration jobs
+
+
+def _calibration_labels(kind: str, extra: Mapping[str, str]) -> dict[str, str]:
+    return {
+        nm.LABEL_NAME: "vexpert",
+        nm.LABEL_MANAGED_BY: nm.MANAGED_BY,
+        nm.LABEL_PART_OF: "vexpert",
+        nm.LABEL_COMPONENT: f"{kind}-calibration",
+        nm.LABEL_ROLE: nm.ROLE_CALIBRATION,
+        nm.LABEL_CALIBRATION: kind,
+        **extra,
+    }
+
+
+def _calibration_job(job_name: str, namespace: str, labels: dict[str, str], annotations: dict[str, str],
+                     spec: VExpertDeploymentSpec, node_key: NodeTypeKey, gpus: int, args: list[str],
+                     owner: list[dict[str, Any]], extra_volumes: list[dict[str, Any]],
+                     extra_mounts: list[dict[str, Any]]) -> Manifest:
+    calib = spec.calibration
+    resources = {"memory": calib.memory, GPU_RESOURCE: str(gpus)}
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "affinity": {"nodeAffinity": _node_affinity(node_type_selector(node_key))},
+        "enableServiceLinks": False,
+        "containers": [{
+            "name": CALIBRATION_CONTAINER,
+            "image": calib.image or spec.runtime.image,
+            "imagePullPolicy": spec.runtime.image_pull_policy,
+            "command": ["vexpert", "calibrate"],
+            "args": [*args, "--termination-message-path", TERMINATION_LOG],
+            "resources": {"requests": dict(resources), "limits": dict(resources)},
+            "securityContext": _security_context(),
+            "terminationMessagePath": TERMINATION_LOG,
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+            "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}, *extra_mounts],
+        }],
+        "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.runtime.shm_size}},
+                    *extra_volumes],
+    }
+    if spec.runtime.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.runtime.node_selector)
+    if spec.runtime.tolerations:
+        pod_spec["tolerations"] = _tolerations(spec)
+    if spec.runtime.service_account_name:
+        pod_spec["serviceAccountName"] = spec.runtime.service_account_name
+    if spec.runtime.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.runtime.image_pull_secrets]
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _metadata(job_name, namespace, labels, owner, annotations),
+        "spec": {
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": calib.timeout_seconds,
+            "ttlSecondsAfterFinished": JOB_TTL_SECONDS,
+            "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},
+        },
+    }
+
+
+def build_hardware_calibration_job(namespace: str, type_name: str, node_key: NodeTypeKey, attempt: int,
+                                   spec: VExpertDeploymentSpec, owner: list[dict[str, Any]]) -> Manifest:
+    """``vexpert calibrate hardware`` on one node of the type, with all its GPUs.
+
+    Contract (fixed here, implemented by the calibrate command): the container writes a
+    ``PerformanceProfile`` JSON to its termination message and exits 0, or exits non-zero with a
+    one-line reason there.
+    """
+    labels = _calibration_labels("hardware", {nm.LABEL_NODE_TYPE: type_name, nm.LABEL_ATTEMPT: str(attempt)})
+    key_json = json.dumps(node_key.model_dump(), sort_keys=True)
+    gpus = node_key.gpu_count or spec.parallelism.gpus_per_node
+    args = ["hardware", "--gpus", str(gpus), "--node-type", key_json]
+    return _calibration_job(nm.hardware_job_name(type_name, attempt), namespace, labels,
+                            {nm.ANNOTATION_NODE_TYPE_KEY: key_json}, spec, node_key, gpus, args, owner, [], [])
+
+
+def build_model_calibration_job(namespace: str, key: str, node_key: NodeTypeKey, attempt: int,
+                                spec: VExpertDeploymentSpec, owner: list[dict[str, Any]]) -> Manifest:
+    """``vexpert calibrate model`` (fits α, β, intercept of Δ(L, V)) on one node of the chosen type."""
+    labels = _calibration_labels("model", {nm.LABEL_MODEL_KEY: key, nm.LABEL_ATTEMPT: str(attempt)})
+    args = [
+        "model",
+        "--model", spec.model.name,
+        "--revision", spec.model.revision,
+        "--checkpoint", spec.model.checkpoint.path_in_pod,
+        "--architecture", spec.model.architecture,
+        "--gpus", str(spec.parallelism.gpus_per_node),
+    ]
+    annotations = {nm.ANNOTATION_MODEL: spec.model.name, nm.ANNOTATION_REVISION: spec.model.revision}
+    mounts = [{"name": "model", "mountPath": spec.model.checkpoint.mount_path, "readOnly": True}]
+    return _calibration_job(nm.model_job_name(key, attempt), namespace, labels, annotations, spec, node_key,
+                            spec.parallelism.gpus_per_node, args, owner, [_model_volume(spec)], mounts)
+
+
+# --------------------------------------------------------------------------------------- profiles
+
+
+def build_node_profile(type_name: str, node_key: NodeTypeKey, profile: PerformanceProfile,
+                       allocatable_memory: int | None, job: str = "", source_namespace: str = "") -> Manifest:
+    spec = VExpertNodeProfileSpec(
+        node_type=NodeTypeSpec.from_key(node_key),
+        allocatable_memory=str(allocatable_memory) if allocatable_memory else None,
+        profile=profile,
+    )
+    return {
+        "apiVersion": API_VERSION,
+        "kind": NODE_PROFILE_KIND,
+        "metadata": {
+            "name": type_name,
+            "labels": {nm.LABEL_MANAGED_BY: nm.MANAGED_BY, nm.LABEL_NODE_TYPE: type_name,
+                       "nvidia.com/gpu.product": nm.label_value(node_key.gpu_product)},
+            "annotations": {nm.ANNOTATION_SOURCE_JOB: f"{source_namespace}/{job}" if job else ""},
+        },
+        "spec": spec.model_dump(mode="json", by_alias=True, exclude_none=True),
+    }
+
+
+def build_model_profile(namespace: str, key: str, model: str, revision: str, architecture: str,
+                        profile: PerformanceProfile, job: str = "") -> Manifest:
+    spec = VExpertModelProfileSpec(model=model, revision=revision, architecture=architecture,  # type: ignore[arg-type]
+                                   profile=profile)
+    return {
+        "apiVersion": API_VERSION,
+        "kind": MODEL_PROFILE_KIND,
+        "metadata": {"name": key, "namespace": namespace,
+                     "labels": {nm.LABEL_MANAGED_BY: nm.MANAGED_BY, nm.LABEL_MODEL_KEY: key},
+                     "annotations": {nm.ANNOTATION_SOURCE_JOB: f"{namespace}/{job}" if job else ""}},
+        "spec": spec.model_dump(mode="json", by_alias=True, exclude_none=True),
+    }

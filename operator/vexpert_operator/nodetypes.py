@@ -1,0 +1,186 @@
+"""Node typing: which GPU nodes are "the same" for calibration, and where a deployment can land.
+
+A node type is a ``NodeTypeKey`` (GPU product, count, memory, driver version, instance type) read
+from the labels NVIDIA GPU feature discovery sets. A new driver version is a new type, so it gets
+recalibrated. Pure functions over plain node dicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vexpert_runtime.profile import NodeTypeKey
+
+from .api import Toleration
+from .naming import bounded_name, label_value
+from .quantity import parse_bytes
+
+GPU_PRODUCT = "nvidia.com/gpu.product"
+GPU_COUNT = "nvidia.com/gpu.count"
+GPU_MEMORY = "nvidia.com/gpu.memory"
+DRIVER_FULL = "nvidia.com/cuda.driver-version.full"
+DRIVER_PARTS = ("nvidia.com/cuda.driver-version.major", "nvidia.com/cuda.driver-version.minor",
+                "nvidia.com/cuda.driver-version.revision")
+DRIVER_PARTS_OLD = ("nvidia.com/cuda.driver.major", "nvidia.com/cuda.driver.minor", "nvidia.com/cuda.driver.rev")
+INSTANCE_TYPE = "node.kubernetes.io/instance-type"
+INSTANCE_TYPE_BETA = "beta.kubernetes.io/instance-type"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+def _int(value: str | None) -> int:
+    try:
+        return int(str(value).strip())
+    except (TypeError, ValueError):
+        return 0
+
+
+def driver_version(labels: Mapping[str, str]) -> str:
+    if labels.get(DRIVER_FULL):
+        return labels[DRIVER_FULL]
+    for keys in (DRIVER_PARTS, DRIVER_PARTS_OLD):
+        parts = [labels.get(k, "") for k in keys]
+        if parts[0]:
+            return ".".join(p for p in parts if p)
+    return ""
+
+
+def node_type_key(labels: Mapping[str, str]) -> NodeTypeKey | None:
+    """The node's type, or None for nodes without a GPU product label."""
+    product = labels.get(GPU_PRODUCT, "")
+    if not product:
+        return None
+    return NodeTypeKey(
+        gpu_product=product,
+        gpu_count=_int(labels.get(GPU_COUNT)),
+        gpu_memory_mib=_int(labels.get(GPU_MEMORY)),
+        driver_version=driver_version(labels),
+        instance_type=labels.get(INSTANCE_TYPE) or labels.get(INSTANCE_TYPE_BETA, ""),
+    )
+
+
+def node_type_name(key: NodeTypeKey) -> str:
+    """A DNS-1123 name (≤ 63) for the type: readable prefix + hash of the whole key."""
+    prefix = f"{key.gpu_product}-{key.gpu_count}x"
+    return bounded_name(prefix, key.model_dump(), 63)
+
+
+def node_type_selector(key: NodeTypeKey) -> dict[str, str]:
+    """Labels that pin a pod to nodes of exactly this type (used as required node affinity)."""
+    selector = {GPU_PRODUCT: key.gpu_product}
+    if key.gpu_count:
+        selector[GPU_COUNT] = str(key.gpu_count)
+    if key.gpu_memory_mib:
+        selector[GPU_MEMORY] = str(key.gpu_memory_mib)
+    if key.driver_version:
+        selector[DRIVER_FULL] = key.driver_version
+    if key.instance_type:
+        selector[INSTANCE_TYPE] = key.instance_type
+    return {k: label_value(v) for k, v in selector.items()}
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str
+    labels: Mapping[str, str]
+    key: NodeTypeKey | None
+    type_name: str
+    allocatable_memory: int
+    allocatable_gpus: int
+    ready: bool
+    unschedulable: bool
+    taints: tuple[Mapping[str, Any], ...] = ()
+
+
+def node_info(node: Mapping[str, Any]) -> NodeInfo:
+    meta = node.get("metadata", {}) or {}
+    labels = dict(meta.get("labels") or {})
+    status = node.get("status", {}) or {}
+    alloc = status.get("allocatable") or status.get("capacity") or {}
+    conditions = status.get("conditions") or []
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    key = node_type_key(labels)
+    try:
+        memory = parse_bytes(alloc.get("memory", 0))
+    except ValueError:
+        memory = 0
+    spec = node.get("spec", {}) or {}
+    return NodeInfo(
+        name=meta.get("name", ""),
+        labels=labels,
+        key=key,
+        type_name=node_type_name(key) if key else "",
+        allocatable_memory=memory,
+        allocatable_gpus=_int(alloc.get(GPU_RESOURCE)),
+        ready=ready,
+        unschedulable=bool(spec.get("unschedulable")),
+        taints=tuple(spec.get("taints") or ()),
+    )
+
+
+def tolerates(tolerations: Sequence[Toleration], taint: Mapping[str, Any]) -> bool:
+    """Kubernetes' toleration matching for one taint."""
+    for tol in tolerations:
+        if tol.effect and tol.effect != taint.get("effect"):
+            continue
+        if (tol.operator or "Equal") == "Exists":
+            if not tol.key or tol.key == taint.get("key"):
+                return True
+        elif tol.key == taint.get("key") and (tol.value or "") == (taint.get("value") or ""):
+            return True
+    return False
+
+
+def node_fits(node: NodeInfo, node_selector: Mapping[str, str], tolerations: Sequence[Toleration],
+              gpus_per_node: int) -> bool:
+    """Could a node pod of this deployment run here (ignoring other pods)?"""
+    if node.key is None or node.unschedulable:
+        return False
+    if any(node.labels.get(k) != v for k, v in node_selector.items()):
+        return False
+    gpus = node.allocatable_gpus or node.key.gpu_count
+    if gpus < gpus_per_node:
+        return False
+    hard = [t for t in node.taints if t.get("effect") in ("NoSchedule", "NoExecute")]
+    return all(tolerates(tolerations, t) for t in hard)
+
+
+@dataclass
+class NodeType:
+    """All nodes of one type that a deployment can land on."""
+
+    name: str
+    key: NodeTypeKey
+    nodes: list[NodeInfo] = field(default_factory=list)
+
+    @property
+    def ready_nodes(self) -> int:
+        return sum(1 for n in self.nodes if n.ready)
+
+    @property
+    def min_allocatable_memory(self) -> int:
+        values = [n.allocatable_memory for n in self.nodes if n.allocatable_memory > 0]
+        return min(values) if values else 0
+
+
+def candidate_types(nodes: Iterable[NodeInfo], node_selector: Mapping[str, str],
+                    tolerations: Sequence[Toleration], gpus_per_node: int) -> dict[str, NodeType]:
+    """Group the nodes a deployment fits on by type (name → NodeType), sorted by name."""
+    found: dict[str, NodeType] = {}
+    for node in nodes:
+        if node.key is None or not node_fits(node, node_selector, tolerations, gpus_per_node):
+            continue
+        entry = found.setdefault(node.type_name, NodeType(name=node.type_name, key=node.key))
+        entry.nodes.append(node)
+    return dict(sorted(found.items()))
+
+
+def choose_node_type(candidates: Mapping[str, NodeType], needed_nodes: int, current: str = "") -> str | None:
+    """The type the group is pinned to: keep the current one while it still has enough nodes (no
+    needless roll), else the type with the most nodes (ties: name order). None if there is none."""
+    if not candidates:
+        return None
+    if current in candidates and len(candidates[current].nodes) >= needed_nodes:
+        return current
+    return min(candidates.values(), key=lambda t: (-len(t.nodes), -t.ready_nodes, t.name)).name

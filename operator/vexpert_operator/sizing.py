@@ -1,0 +1,94 @@
+"""Memory sizing of a node pod and the largest pinned pool (Np) a node type allows. Pure functions.
+
+A node pod pins ``Np × expert_bytes × L`` bytes of host memory (the pool vExperts are copied from)
+and keeps ``/dev/shm`` as a memory-backed emptyDir; both count against the container's memory
+limit, so the pod requests exactly ``pool(Np_cap) + shm + overhead`` (Guaranteed QoS). The tuner
+may lower Np at run time but never above ``Np_cap``, so tuning never needs a bigger pod.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .api import ModelShape, VExpertDeploymentSpec
+from .quantity import parse_bytes
+
+# Known MoE shapes (bf16). DeepSeek-V3: 58 MoE layers × 256 experts, expert = 3 × 7168 × 2048
+# parameters (the paper's 84 MiB slot). qwen2_moe: Qwen1.5-MoE-A2.7B, 24 layers × 60 experts,
+# expert = 3 × 2048 × 1408 parameters.
+KNOWN_SHAPES: dict[str, ModelShape] = {
+    "deepseek_v3": ModelShape(num_experts=256, num_moe_layers=58, expert_bytes=3 * 7168 * 2048 * 2, top_k=8),
+    "qwen2_moe": ModelShape(num_experts=60, num_moe_layers=24, expert_bytes=3 * 2048 * 1408 * 2, top_k=4),
+}
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+GPU_MEMORY_USABLE_FRACTION = 0.9  # the rest is for attention weights, KV cache and CUDA context
+
+
+def model_shape(spec: VExpertDeploymentSpec) -> ModelShape | None:
+    """The shape used for sizing: the spec's, else the architecture's known one (scaled to dtype)."""
+    if spec.model.shape is not None:
+        return spec.model.shape
+    known = KNOWN_SHAPES.get(spec.model.architecture)
+    if known is None:
+        return None
+    scale = _DTYPE_BYTES[spec.model.dtype] / 2
+    return known.model_copy(update={"expert_bytes": int(known.expert_bytes * scale)})
+
+
+def pinned_pool_bytes(pooled_experts: int, shape: ModelShape) -> int:
+    """Host bytes one node pins for ``pooled_experts`` experts per layer."""
+    return pooled_experts * shape.expert_bytes * shape.num_moe_layers
+
+
+@dataclass(frozen=True)
+class Sizing:
+    pooled_experts_cap: int
+    pinned_pool_bytes: int
+    shm_bytes: int
+    overhead_bytes: int
+    gpu_bytes_per_gpu: int
+
+    @property
+    def pod_memory_bytes(self) -> int:
+        return self.pinned_pool_bytes + self.shm_bytes + self.overhead_bytes
+
+
+def gpu_bytes_per_gpu(spec: VExpertDeploymentSpec, shape: ModelShape) -> int:
+    """Expert weights a GPU holds: its base experts in every layer plus the G·Vmax vExpert slots."""
+    base = shape.num_experts // spec.parallelism.expert_parallel_size
+    slots = spec.vexpert.group_size * spec.vexpert.vmax
+    return base * shape.num_moe_layers * shape.expert_bytes + slots * shape.expert_bytes
+
+
+def np_bounds(spec: VExpertDeploymentSpec, shape: ModelShape) -> tuple[int, int]:
+    """[min, max] of Np from the spec, clipped to the number of experts."""
+    pe = spec.vexpert.pinned_experts
+    if pe.mode == "fixed" and pe.value is not None:
+        return pe.value, pe.value
+    upper = min(pe.max or shape.num_experts, shape.num_experts)
+    return min(pe.min, upper), upper
+
+
+def size_pod(spec: VExpertDeploymentSpec, shape: ModelShape, node_memory_bytes: int | None) -> Sizing:
+    """Choose Np_cap (as large as the node's allocatable memory allows, within bounds) and size the pod.
+
+    With ``node_memory_bytes`` None (offline render without a node profile) Np_cap is the upper
+    bound. The result may not fit; :func:`vexpert_operator.validation.check_fit` says so.
+    """
+    shm = parse_bytes(spec.runtime.shm_size)
+    overhead = parse_bytes(spec.runtime.memory_overhead)
+    low, high = np_bounds(spec, shape)
+    per_expert = shape.expert_bytes * shape.num_moe_layers
+    if node_memory_bytes is None or spec.vexpert.pinned_experts.mode == "fixed":
+        cap = high
+    else:
+        room = node_memory_bytes - shm - overhead
+        cap = max(low, min(high, room // per_expert if room > 0 else 0))
+    return Sizing(
+        pooled_experts_cap=cap,
+        pinned_pool_bytes=pinned_pool_bytes(cap, shape),
+        shm_bytes=shm,
+        overhead_bytes=overhead,
+        gpu_bytes_per_gpu=gpu_bytes_per_gpu(spec, shape),
+    )

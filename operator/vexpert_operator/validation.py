@@ -1,0 +1,136 @@
+"""Admission-style validation of a VExpertDeployment. Pure functions; every problem names its field.
+
+Two layers: :func:`parse_spec` + :func:`validate_spec` need only the object (permanent errors: the
+deployment is ``Invalid`` until its spec changes); :func:`check_fit` also needs the node type the
+group is pinned to (pinned pool, /dev/shm and overhead within node memory; experts and slots
+within GPU memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from .api import VExpertDeploymentSpec
+from .naming import MAX_DEPLOYMENT_NAME
+from .nodetypes import NodeType
+from .quantity import MIB, format_bytes_human
+from .sizing import GPU_MEMORY_USABLE_FRACTION, Sizing, model_shape
+
+RESERVED_ENV = {"VEXPERT_NODE_RANK", "VEXPERT_CONFIG", "VEXPERT_POD_NAME", "VEXPERT_NUM_NODES"}
+
+
+@dataclass(frozen=True)
+class Problem:
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = "spec"
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def parse_spec(raw: Mapping[str, Any]) -> tuple[VExpertDeploymentSpec | None, list[Problem]]:
+    """Parse ``.spec`` (camelCase) into the model; schema errors become problems naming the field."""
+    try:
+        return VExpertDeploymentSpec.model_validate(dict(raw)), []
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            msg = err["msg"].removeprefix("Value error, ")
+            problems.append(Problem(_loc(tuple(err["loc"])), msg))
+        return None, problems
+
+
+def validate_spec(spec: VExpertDeploymentSpec, name: str) -> list[Problem]:
+    """Checks that need only the object itself."""
+    problems: list[Problem] = []
+    par = spec.parallelism
+    if len(name) > MAX_DEPLOYMENT_NAME:
+        problems.append(Problem("metadata.name", f"at most {MAX_DEPLOYMENT_NAME} characters (pod names derive from it)"))
+    if par.expert_parallel_size % par.gpus_per_node:
+        problems.append(Problem(
+            "spec.parallelism.expertParallelSize",
+            f"{par.expert_parallel_size} is not a multiple of gpusPerNode {par.gpus_per_node}; use whole nodes",
+        ))
+    shape = model_shape(spec)
+    if shape is None:
+        problems.append(Problem(
+            "spec.model.shape",
+            "required when architecture is auto: the operator sizes memory before the checkpoint is read",
+        ))
+    elif shape.num_experts % par.expert_parallel_size:
+        problems.append(Problem(
+            "spec.parallelism.expertParallelSize",
+            f"{shape.num_experts} experts per layer cannot be spread evenly over {par.expert_parallel_size} GPUs",
+        ))
+
+    k = spec.vexpert.allocation_interval
+    if k.min > k.max:
+        problems.append(Problem("spec.vexpert.allocationInterval.min", f"min {k.min} > max {k.max}"))
+    elif not k.min <= k.value <= k.max:
+        problems.append(Problem("spec.vexpert.allocationInterval.value", f"{k.value} outside [{k.min}, {k.max}]"))
+
+    npx = spec.vexpert.pinned_experts
+    if npx.mode == "fixed" and npx.value is None:
+        problems.append(Problem("spec.vexpert.pinnedExperts.value", "required when mode is fixed"))
+    if npx.max is not None and npx.min > npx.max:
+        problems.append(Problem("spec.vexpert.pinnedExperts.min", f"min {npx.min} > max {npx.max}"))
+    if shape is not None:
+        e = shape.num_experts
+        if npx.value is not None and npx.value > e:
+            problems.append(Problem("spec.vexpert.pinnedExperts.value", f"Np {npx.value} > {e} experts per layer"))
+        if npx.min > e:
+            problems.append(Problem("spec.vexpert.pinnedExperts.min", f"Np min {npx.min} > {e} experts per layer"))
+        if npx.max is not None and npx.max > e:
+            problems.append(Problem("spec.vexpert.pinnedExperts.max", f"Np max {npx.max} > {e} experts per layer"))
+
+    if spec.runtime.metrics_port == par.master_port:
+        problems.append(Problem("spec.runtime.metricsPort", f"clashes with parallelism.masterPort {par.master_port}"))
+    for i, env in enumerate(spec.runtime.env):
+        if env.name in RESERVED_ENV:
+            problems.append(Problem(f"spec.runtime.env[{i}].name", f"{env.name} is set by the operator"))
+        if env.value is not None and env.value_from is not None:
+            problems.append(Problem(f"spec.runtime.env[{i}]", "set value or valueFrom, not both"))
+    calib = spec.calibration
+    if calib.max_retry_backoff_seconds < calib.retry_backoff_seconds:
+        problems.append(Problem("spec.calibration.maxRetryBackoffSeconds", "smaller than retryBackoffSeconds"))
+    return problems
+
+
+def check_fit(spec: VExpertDeploymentSpec, sizing: Sizing, node_type: NodeType | None) -> list[Problem]:
+    """Does the pod fit the node type's memory, and do experts + slots fit a GPU?"""
+    if node_type is None:
+        return []
+    problems: list[Problem] = []
+    node_mem = node_type.min_allocatable_memory
+    if node_mem and sizing.pod_memory_bytes > node_mem:
+        npx = spec.vexpert.pinned_experts
+        field = "spec.vexpert.pinnedExperts.value" if npx.mode == "fixed" else "spec.vexpert.pinnedExperts.min"
+        problems.append(Problem(field, (
+            f"pinned pool {format_bytes_human(sizing.pinned_pool_bytes)} (Np={sizing.pooled_experts_cap}) + /dev/shm "
+            f"{format_bytes_human(sizing.shm_bytes)} + overhead {format_bytes_human(sizing.overhead_bytes)} = "
+            f"{format_bytes_human(sizing.pod_memory_bytes)} exceeds node type {node_type.name}'s allocatable memory "
+            f"{format_bytes_human(node_mem)}"
+        )))
+    gpu_mem = node_type.key.gpu_memory_mib * MIB
+    if gpu_mem and sizing.gpu_bytes_per_gpu > gpu_mem * GPU_MEMORY_USABLE_FRACTION:
+        problems.append(Problem("spec.vexpert.vmax", (
+            f"base experts + G·Vmax slots need {format_bytes_human(sizing.gpu_bytes_per_gpu)} per GPU, more than "
+            f"{int(GPU_MEMORY_USABLE_FRACTION * 100)}% of {format_bytes_human(gpu_mem)} on {node_type.key.gpu_product}; "
+            "raise expertParallelSize or lower vmax/groupSize"
+        )))
+    return problems
+
+
+def format_problems(problems: list[Problem]) -> str:
+    return "; ".join(str(p) for p in problems)

@@ -1,0 +1,465 @@
+"""MoE checkpoints: ``config.json`` → :class:`MoESpec`, safetensors → expert, router and shared weights.
+
+Two naming families are read (Hugging Face layout, one tensor per projection):
+
+* DeepSeek-V3 (``model_type: deepseek_v3``): ``model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight``,
+  router ``mlp.gate.weight`` [E, H] and, for ``topk_method: noaux_tc``, ``mlp.gate.e_score_correction_bias``
+  [E]; shared experts ``mlp.shared_experts.{gate,up,down}_proj.weight`` (intermediate
+  ``n_shared_experts · moe_intermediate_size``). MoE layers are ``l ≥ first_k_dense_replace`` with
+  ``l % moe_layer_freq == 0``.
+* Qwen-MoE (``model_type: qwen2_moe`` / ``qwen3_moe``): same expert and router names, shared expert
+  ``mlp.shared_expert.{gate,up,down}_proj.weight`` plus its sigmoid gate ``mlp.shared_expert_gate.weight``
+  [1, H] (Qwen2 only). MoE layers are those not in ``mlp_only_layers`` with ``(l+1) % decoder_sparse_step == 0``.
+
+Only the MoE part is read (attention and dense layers are not this runtime's business). Shapes come
+from ``config.json``; :meth:`CheckpointReader.validate` checks every needed tensor's presence, shape
+and dtype from the safetensors headers alone, so a bad checkpoint fails before any process starts.
+
+Expert weights are *packed*: one flat row ``[gate (I·H) | up (I·H) | down (H·I)]`` per expert, the layout
+of the L2 pool and the L1 slots (one copy per expert fill).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import VExpertInputError
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+DEEPSEEK = "deepseek_v3"
+QWEN = "qwen2_moe"
+_QWEN_TYPES = ("qwen2_moe", "qwen3_moe")
+_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+PROJECTIONS = ("gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """What the runtime needs to know about a model's MoE layers.
+
+    ``moe_layers`` are checkpoint layer indices (``model.layers.{l}``); everything else in the runtime
+    numbers MoE layers 0..L−1 in that order.
+    """
+
+    architecture: str  # DEEPSEEK or QWEN
+    hidden_size: int  # H
+    intermediate_size: int  # I, per routed expert
+    num_experts: int  # E
+    top_k: int  # K
+    moe_layers: tuple[int, ...]
+    scoring: str = "sigmoid"  # "sigmoid" (DeepSeek-V3) or "softmax" (Qwen)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    correction_bias: bool = False  # DeepSeek-V3 noaux_tc: e_score_correction_bias per layer
+    shared_intermediate_size: int = 0  # 0 = no shared expert
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid gate on the shared expert's output
+
+    @property
+    def num_layers(self) -> int:
+        """L: MoE layers."""
+        return len(self.moe_layers)
+
+    @property
+    def expert_numel(self) -> int:
+        """Elements of one packed expert (gate, up, down)."""
+        return 3 * self.intermediate_size * self.hidden_size
+
+    def expert_bytes(self, dtype: torch.dtype) -> int:
+        return self.expert_numel * torch.empty((), dtype=dtype).element_size()
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json
+# ---------------------------------------------------------------------------------------------
+
+
+def read_model_spec(path: str | Path, architecture: str = "auto") -> MoESpec:
+    """Parse ``path/config.json`` (a Hugging Face config) into a :class:`MoESpec`.
+
+    ``architecture`` forces the routing family ("deepseek_v3", "qwen2_moe"); "auto" reads ``model_type``.
+    """
+    config_path = Path(path) / CONFIG_FILE
+    if not config_path.is_file():
+        raise VExpertInputError(
+            "model.checkpoint_path", f"{config_path} not found", "point it at a directory with config.json"
+        )
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise VExpertInputError("model.checkpoint_path", f"{config_path} is not valid JSON: {exc}") from None
+    return spec_from_config(raw, architecture, origin=str(config_path))
+
+
+def spec_from_config(raw: dict[str, Any], architecture: str = "auto", origin: str = CONFIG_FILE) -> MoESpec:
+    """Build a :class:`MoESpec` from a parsed ``config.json`` mapping."""
+    model_type = str(raw.get("model_type", ""))
+    family = architecture if architecture != "auto" else ("qwen2_moe" if model_type in _QWEN_TYPES else model_type)
+    if family == DEEPSEEK:
+        return _deepseek_spec(raw, origin)
+    if family == QWEN:
+        return _qwen_spec(raw, origin)
+    raise VExpertInputError(
+        "model.architecture",
+        f"{origin}: model_type {model_type!r} is not a supported MoE family",
+        "use a DeepSeek-V3 (deepseek_v3) or Qwen-MoE (qwen2_moe, qwen3_moe) checkpoint, or set model.architecture",
+    )
+
+
+def _need(raw: dict[str, Any], key: str, origin: str) -> int:
+    value = raw.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise VExpertInputError(f"{origin}: {key}", f"must be a positive integer, got {value!r}")
+    return value
+
+
+def _deepseek_spec(raw: dict[str, Any], origin: str) -> MoESpec:
+    if raw.get("scoring_func", "sigmoid") != "sigmoid":
+        raise VExpertInputError(
+            f"{origin}: scoring_func", f"{raw.get('scoring_func')!r} is not supported", "DeepSeek-V3 uses sigmoid"
+        )
+    layers = _need(raw, "num_hidden_layers", origin)
+    first_dense = int(raw.get("first_k_dense_replace", 0) or 0)
+    freq = int(raw.get("moe_layer_freq", 1) or 1)
+    experts = _need(raw, "n_routed_experts", origin)
+    n_group = int(raw.get("n_group", 1) or 1)
+    spec = MoESpec(
+        architecture=DEEPSEEK,
+        hidden_size=_need(raw, "hidden_size", origin),
+        intermediate_size=_need(raw, "moe_intermediate_size", origin),
+        num_experts=experts,
+        top_k=_need(raw, "num_experts_per_tok", origin),
+        moe_layers=tuple(i for i in range(first_dense, layers) if i % freq == 0),
+        scoring="sigmoid",
+        n_group=n_group,
+        topk_group=int(raw.get("topk_group", 1) or 1),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0) or 1.0),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        correction_bias=raw.get("topk_method", "noaux_tc") == "noaux_tc",
+        shared_intermediate_size=int(raw.get("n_shared_experts", 0) or 0) * _need(raw, "moe_intermediate_size", origin),
+    )
+    return _check_spec(spec, origin)
+
+
+def _qwen_spec(raw: dict[str, Any], origin: str) -> MoESpec:
+    layers = _need(raw, "num_hidden_layers", origin)
+    step = int(raw.get("decoder_sparse_step", 1) or 1)
+    dense = set(raw.get("mlp_only_layers", []) or [])
+    shared = int(raw.get("shared_expert_intermediate_size", 0) or 0)
+    spec = MoESpec(
+        architecture=QWEN,
+        hidden_size=_need(raw, "hidden_size", origin),
+        intermediate_size=_need(raw, "moe_intermediate_size", origin),
+        num_experts=_need(raw, "num_experts", origin),
+        top_k=_need(raw, "num_experts_per_tok", origin),
+        moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+        scoring="softmax",
+        norm_topk_prob=bool(raw.get("norm_topk_prob", raw.get("model_type") == "qwen3_moe")),
+        shared_intermediate_size=shared,
+        shared_expert_gate=shared > 0,
+    )
+    return _check_spec(spec, origin)
+
+
+def _check_spec(spec: MoESpec, origin: str) -> MoESpec:
+    if not spec.moe_layers:
+        raise VExpertInputError(origin, "the model has no MoE layers")
+    if spec.top_k > spec.num_experts:
+        raise VExpertInputError(f"{origin}: num_experts_per_tok", f"{spec.top_k} exceeds {spec.num_experts} experts")
+    if spec.num_experts % spec.n_group != 0:
+        raise VExpertInputError(f"{origin}: n_group", f"{spec.n_group} does not divide {spec.num_experts} experts")
+    if not 1 <= spec.topk_group <= spec.n_group:
+        raise VExpertInputError(f"{origin}: topk_group", f"must be in [1, n_group={spec.n_group}]")
+    per_group = spec.num_experts // spec.n_group
+    if spec.topk_group * per_group < spec.top_k:
+        raise VExpertInputError(f"{origin}: topk_group", "the selected groups hold fewer experts than top_k")
+    return spec
+
+
+def config_json_for(spec: MoESpec) -> dict[str, Any]:
+    """A Hugging Face style ``config.json`` mapping describing ``spec`` (for tiny test checkpoints).
+
+    The MoE layers must be contiguous at the end (``first_k_dense_replace`` dense layers before them).
+    """
+    first = spec.moe_layers[0]
+    if spec.moe_layers != tuple(range(first, first + spec.num_layers)):
+        raise ValueError("config_json_for needs contiguous MoE layers")
+    common = {
+        "hidden_size": spec.hidden_size,
+        "moe_intermediate_size": spec.intermediate_size,
+        "num_experts_per_tok": spec.top_k,
+        "num_hidden_layers": first + spec.num_layers,
+        "norm_topk_prob": spec.norm_topk_prob,
+        "torch_dtype": "float32",
+    }
+    if spec.architecture == DEEPSEEK:
+        if spec.shared_intermediate_size % spec.intermediate_size:
+            raise ValueError("DeepSeek shared experts must be a multiple of moe_intermediate_size")
+        return {
+            "model_type": DEEPSEEK,
+            "architectures": ["DeepseekV3ForCausalLM"],
+            **common,
+            "n_routed_experts": spec.num_experts,
+            "n_shared_experts": spec.shared_intermediate_size // spec.intermediate_size,
+            "n_group": spec.n_group,
+            "topk_group": spec.topk_group,
+            "routed_scaling_factor": spec.routed_scaling_factor,
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc" if spec.correction_bias else "greedy",
+            "first_k_dense_replace": first,
+            "moe_layer_freq": 1,
+        }
+    return {
+        "model_type": "qwen2_moe",
+        "architectures": ["Qwen2MoeForCausalLM"],
+        **common,
+        "num_experts": spec.num_experts,
+        "shared_expert_intermediate_size": spec.shared_intermediate_size,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(first)),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor names and shapes
+# ---------------------------------------------------------------------------------------------
+
+
+def expert_tensor(layer: int, expert: int, projection: str) -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}.{projection}_proj.weight"
+
+
+def router_tensor(layer: int) -> str:
+    return f"model.layers.{layer}.mlp.gate.weight"
+
+
+def correction_bias_tensor(layer: int) -> str:
+    return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+
+
+def shared_tensor(spec: MoESpec, layer: int, projection: str) -> str:
+    module = "shared_experts" if spec.architecture == DEEPSEEK else "shared_expert"
+    return f"model.layers.{layer}.mlp.{module}.{projection}_proj.weight"
+
+
+def shared_gate_tensor(layer: int) -> str:
+    return f"model.layers.{layer}.mlp.shared_expert_gate.weight"
+
+
+def projection_shape(projection: str, rows: int, hidden: int) -> tuple[int, int]:
+    """gate/up: [I, H]; down: [H, I]."""
+    return (hidden, rows) if projection == "down" else (rows, hidden)
+
+
+def required_tensors(spec: MoESpec) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Every tensor the runtime reads, with its expected shape."""
+    hidden, inter = spec.hidden_size, spec.intermediate_size
+    for layer in spec.moe_layers:
+        yield router_tensor(layer), (spec.num_experts, hidden)
+        if spec.correction_bias:
+            yield correction_bias_tensor(layer), (spec.num_experts,)
+        for expert in range(spec.num_experts):
+            for proj in PROJECTIONS:
+                yield expert_tensor(layer, expert, proj), projection_shape(proj, inter, hidden)
+        if spec.shared_intermediate_size:
+            for proj in PROJECTIONS:
+                yield shared_tensor(spec, layer, proj), projection_shape(proj, spec.shared_intermediate_size, hidden)
+        if spec.shared_expert_gate:
+            yield shared_gate_tensor(layer), (1, hidden)
+
+
+def pack_expert(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """gate [I, H], up [I, H], down [H, I] → one flat row [3·I·H]."""
+    return torch.cat([gate.reshape(-1), up.reshape(-1), down.reshape(-1)])
+
+
+def unpack_expert(row: torch.Tensor, intermediate: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views (gate [I, H], up [I, H], down [H, I]) into a packed row [3·I·H] (no copy)."""
+    n = intermediate * hidden
+    return row[:n].view(intermediate, hidden), row[n : 2 * n].view(intermediate, hidden), row[2 * n :].view(hidden, intermediate)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RouterWeights:
+    """One MoE layer's router: weight [E, H] fp32, correction bias [E] fp32 or None."""
+
+    weight: torch.Tensor
+    correction_bias: torch.Tensor | None
+
+
+@dataclass
+class SharedExpertWeights:
+    """One layer's shared expert: gate/up [Is, H], down [H, Is]; Qwen2's output gate [1, H] or None."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    output_gate: torch.Tensor | None
+
+
+class CheckpointReader:
+    """Lazy reader of a (possibly sharded) safetensors checkpoint; reads only the tensors asked for."""
+
+    def __init__(self, path: str | Path, spec: MoESpec) -> None:
+        self.path = Path(path)
+        self.spec = spec
+        self._file_of = _tensor_files(self.path)
+        self._handles: dict[Path, Any] = {}
+
+    def _handle(self, file: Path) -> Any:
+        from safetensors import safe_open
+
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt")
+        return self._handles[file]
+
+    def has(self, name: str) -> bool:
+        return name in self._file_of
+
+    def validate(self) -> None:
+        """Check presence, shape and dtype of every needed tensor (headers only). Raises
+        :class:`VExpertInputError` naming the first bad tensor."""
+        for name, shape in required_tensors(self.spec):
+            file = self._file_of.get(name)
+            if file is None:
+                raise VExpertInputError(
+                    "model.checkpoint_path",
+                    f"tensor {name} is missing from {self.path}",
+                    "use a complete checkpoint whose config.json matches its weights",
+                )
+            sliced = self._handle(file).get_slice(name)
+            got = tuple(sliced.get_shape())
+            if got != shape:
+                raise VExpertInputError(
+                    "model.checkpoint_path",
+                    f"tensor {name} in {file.name} has shape {list(got)}, config.json implies {list(shape)}",
+                    "use the config.json that belongs to these weights",
+                )
+            dtype = sliced.get_dtype()
+            if dtype not in _FLOAT_DTYPES:
+                raise VExpertInputError(
+                    "model.checkpoint_path",
+                    f"tensor {name} has dtype {dtype}; only F32/F16/BF16 checkpoints are supported",
+                    "convert FP8 block-quantized weights to bf16 first",
+                )
+
+    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        file = self._file_of.get(name)
+        if file is None:
+            raise VExpertInputError("model.checkpoint_path", f"tensor {name} is missing from {self.path}")
+        out: torch.Tensor = self._handle(file).get_tensor(name)
+        return out.to(dtype)
+
+    def expert(self, layer_index: int, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """Packed weights [3·I·H] of expert ``expert`` of MoE layer ``layer_index`` (0..L−1)."""
+        layer = self.spec.moe_layers[layer_index]
+        parts = [self.tensor(expert_tensor(layer, expert, p), dtype) for p in PROJECTIONS]
+        return pack_expert(*parts)
+
+    def experts(self, layer_index: int, experts: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """Packed weights [len(experts), 3·I·H]."""
+        if not experts:
+            return torch.empty(0, self.spec.expert_numel, dtype=dtype)
+        return torch.stack([self.expert(layer_index, e, dtype) for e in experts])
+
+    def router(self, layer_index: int) -> RouterWeights:
+        layer = self.spec.moe_layers[layer_index]
+        bias = self.tensor(correction_bias_tensor(layer)) if self.spec.correction_bias else None
+        return RouterWeights(self.tensor(router_tensor(layer)), bias)
+
+    def shared(self, layer_index: int, dtype: torch.dtype) -> SharedExpertWeights | None:
+        if not self.spec.shared_intermediate_size:
+            return None
+        layer = self.spec.moe_layers[layer_index]
+        gate, up, down = (self.tensor(shared_tensor(self.spec, layer, p), dtype) for p in PROJECTIONS)
+        out_gate = self.tensor(shared_gate_tensor(layer), dtype) if self.spec.shared_expert_gate else None
+        return SharedExpertWeights(gate, up, down, out_gate)
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Tensor name → shard file, from ``model.safetensors.index.json`` or every shard's header."""
+    if not path.is_dir():
+        raise VExpertInputError("model.checkpoint_path", f"{path} is not a directory")
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise VExpertInputError("model.checkpoint_path", f"{index} has no valid weight_map") from None
+        files = {name: path / file for name, file in weight_map.items()}
+        for file in set(files.values()):
+            if not file.is_file():
+                raise VExpertInputError("model.checkpoint_path", f"{index.name} names {file.name}, which is missing")
+        return files
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise VExpertInputError("model.checkpoint_path", f"no *.safetensors files in {path}")
+    from safetensors import safe_open
+
+    files = {}
+    for shard in shards:
+        try:
+            with safe_open(str(shard), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    files[name] = shard
+        except Exception as exc:  # safetensors raises its own error types for corrupt headers
+            raise VExpertInputError("model.checkpoint_path", f"{shard.name} is not a safetensors file: {exc}") from None
+    return files
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing tiny checkpoints (tests and the demo)
+# ---------------------------------------------------------------------------------------------
+
+
+def random_weights(spec: MoESpec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random fp32 weights for every tensor in :func:`required_tensors`, scaled so activations stay O(1)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in required_tensors(spec):
+        if name.endswith("e_score_correction_bias"):
+            out[name] = 0.05 * torch.randn(shape, generator=gen)
+        else:
+            fan_in = shape[-1]
+            out[name] = torch.randn(shape, generator=gen) / fan_in**0.5
+    return out
+
+
+def write_checkpoint(path: str | Path, spec: MoESpec, weights: dict[str, torch.Tensor], shards: int = 2) -> Path:
+    """Write ``config.json``, ``shards`` safetensors files and the index into ``path``."""
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).write_text(json.dumps(config_json_for(spec), indent=2))
+    names = list(weights)
+    per_shard = -(-len(names) // max(1, shards))
+    weight_map: dict[str, str] = {}
+    for i in range(0, len(names), per_shard):
+        file = f"model-{i // per_shard + 1:05d}-of-{-(-len(names) // per_shard):05d}.safetensors"
+        chunk = {n: weights[n].contiguous() for n in names[i : i + per_shard]}
+        save_file(chunk, str(out / file))
+        weight_map.update(dict.fromkeys(chunk, file))
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    return out
+
+
+def write_tiny_checkpoint(path: str | Path, spec: MoESpec, seed: int = 0, shards: int = 2) -> Path:
+    """A complete random checkpoint of ``spec``'s shape (what tests and ``vexpert demo`` load)."""
+    return write_checkpoint(path, spec, random_weights(spec, seed), shards)

@@ -1,0 +1,307 @@
+"""Coordinator–worker slot-fill protocol (one module; the copy mechanism is a :class:`SlotTransport`).
+
+Per worker and ping-pong buffer ``b`` a small shared-memory record holds::
+
+    FILLED   – last sequence whose slots are complete in b (coordinator writes)
+    RELEASED – last sequence whose compute no longer reads b (worker writes)
+    HDR_SEQ, PLAN_ID, K, STOP – the header of sequence FILLED/being filled: which plan (routing
+               table) the group runs under, the allocation interval k, and whether to stop
+
+plus a tag per slot, ``(layer, expert)`` it holds. Sequence ``q`` (group j of iteration t) uses buffer
+``q mod 2``. The rules:
+
+* the coordinator writes buffer b for q only after ``RELEASED[b] ≥ q − 2`` (never overwrites a slot
+  still in use), writes the header, copies the slots whose tag differs, then sets ``FILLED[b] = q``;
+* a worker starts group q only after ``FILLED[b] ≥ q`` (never reads stale slots) and checks the tags
+  against its plan; after the group's last expert compute it sets ``RELEASED[b] = q``;
+* waits use one ``multiprocessing.Condition`` per worker (its lock is also the memory fence); a
+  worker waiting longer than ``slot_fill_timeout_s`` runs the group on the static placement
+  (degraded) instead of hanging;
+* a new plan is taken by the fill loop at an iteration boundary (group 0): workers never wait for
+  the allocator, and all groups of one iteration use one plan.
+
+Workers agree on every group's header with one tiny collective (:func:`agree`), so a worker that
+timed out, or a node whose coordinator adopted a plan one iteration later, makes the whole group run
+degraded rather than mixing plans.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .ep_moe import RoutingTable
+from .expert_pool import ExpertPool
+from .slots import buffer_of, group_layers
+from .transport import BUFFERS, SlotTransport
+
+FILLED, RELEASED, HDR_SEQ, PLAN_ID, K_VALUE, STOP = range(6)
+NUM_FIELDS = 6
+LAYER, EXPERT = 0, 1
+
+
+@dataclass
+class SharedState:
+    """The protocol's shared memory, created by the coordinator and passed to workers at spawn.
+
+    state: [W, 2, NUM_FIELDS] int64; tags: [W, 2, S, 2] int64 ((layer, expert) per slot, −1 empty);
+    conds: one Condition per local worker.
+    """
+
+    state: torch.Tensor
+    tags: torch.Tensor
+    conds: list[Any]
+
+    @classmethod
+    def create(cls, workers: int, slots: int, ctx: Any) -> SharedState:
+        state = torch.zeros(workers, BUFFERS, NUM_FIELDS, dtype=torch.int64)
+        state[:, :, FILLED] = -1
+        state[:, :, RELEASED] = -1  # sequences 0 and 1 may be written at once
+        state[:, :, HDR_SEQ] = -1
+        tags = torch.full((workers, BUFFERS, max(slots, 1), 2), -1, dtype=torch.int64)
+        return cls(state.share_memory_(), tags.share_memory_(), [ctx.Condition() for _ in range(workers)])
+
+
+@dataclass(frozen=True)
+class Header:
+    """What the coordinator announces for one sequence."""
+
+    seq: int
+    plan_id: int
+    k: int
+    stop: bool
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side
+# ---------------------------------------------------------------------------------------------
+
+
+class WorkerSlots:
+    """A worker's view of its slot buffers and its protocol record."""
+
+    def __init__(self, shared: SharedState, worker: int, buffers: torch.Tensor, timeout_s: float) -> None:
+        self.shared = shared
+        self.worker = worker
+        self.buffers = buffers  # [2, S, D]
+        self.timeout_s = timeout_s
+        self._cond = shared.conds[worker]
+        self._state = shared.state[worker]
+
+    def acquire(self, seq: int) -> tuple[bool, Header | None, float]:
+        """Wait until sequence ``seq``'s slots are filled (or the timeout passes).
+
+        Returns (ready, header or None if not even the header arrived, seconds waited).
+        """
+        b = buffer_of(seq)
+        start = time.perf_counter()
+        with self._cond:
+            ready = bool(self._cond.wait_for(lambda: int(self._state[b, FILLED]) >= seq, self.timeout_s))
+            row = self._state[b].tolist()
+        waited = time.perf_counter() - start
+        header = None
+        if row[HDR_SEQ] == seq:
+            header = Header(seq, row[PLAN_ID], row[K_VALUE], bool(row[STOP]))
+        return ready, header, waited
+
+    def release(self, seq: int) -> None:
+        """This worker no longer reads sequence ``seq``'s buffer."""
+        b = buffer_of(seq)
+        with self._cond:
+            if int(self._state[b, RELEASED]) < seq:
+                self._state[b, RELEASED] = seq
+            self._cond.notify_all()
+
+    def slot(self, seq: int, slot: int) -> torch.Tensor:
+        """Packed weights [D] in ``slot`` of sequence ``seq``'s buffer."""
+        return self.buffers[buffer_of(seq), slot]
+
+    def check_tags(self, seq: int, table: RoutingTable, layers: list[int], rank: int) -> None:
+        """Raise if a slot this rank will compute with does not hold the expert the plan names."""
+        tags = self.shared.tags[self.worker, buffer_of(seq)]
+        for layer in layers:
+            for slot, expert in enumerate(table.slot_expert[layer, rank].tolist()):
+                if expert >= 0 and tags[slot].tolist() != [layer, expert]:
+                    raise RuntimeError(
+                        f"slot {slot} of sequence {seq} holds {tags[slot].tolist()}, plan {table.plan_id} "
+                        f"names layer {layer} expert {expert}: protocol violated"
+                    )
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The workers' common view of one group: run with ``plan_id``'s slots, or degraded."""
+
+    use_plan: bool
+    plan_id: int
+    k: int
+    stop: bool
+
+
+def agree(ready: bool, header: Header | None, world: int, group: dist.ProcessGroup | None) -> Agreement:
+    """All ranks exchange (ready, header) and derive the same decision.
+
+    The plan is used only if every rank is ready and all announce the same plan id; ``k`` is the
+    largest announced (0 = none announced) and ``stop`` is set if any coordinator asked for it.
+    """
+    mine = torch.tensor(
+        [int(ready), header.plan_id if header else -1, header.k if header else 0, int(bool(header and header.stop))],
+        dtype=torch.int64,
+    )
+    if group is None or world == 1:
+        everyone = mine.view(1, -1)
+    else:
+        everyone = torch.empty(world * mine.numel(), dtype=torch.int64)
+        dist.all_to_all_single(everyone, mine.repeat(world), group=group)
+        everyone = everyone.view(world, -1)
+    ready_all = bool(everyone[:, 0].min() == 1)
+    plans = everyone[:, 1]
+    same = bool(plans.min() == plans.max()) and int(plans.min()) >= 0
+    return Agreement(
+        use_plan=ready_all and same,
+        plan_id=int(plans.max()),
+        k=int(everyone[:, 2].max()),
+        stop=bool(everyone[:, 3].max() > 0),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Coordinator side
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A routing table and the pool snapshot its slots are filled from."""
+
+    table: RoutingTable
+    pool: ExpertPool
+
+
+@dataclass
+class FillStats:
+    """Running totals of the fill loop (read by the node for metrics)."""
+
+    bytes_streamed: int = 0
+    copies: int = 0
+    fills: int = 0
+    release_wait_s: float = 0.0
+    last_seq: int = -1
+    plan_switches: list[tuple[int, int]] = field(default_factory=list)  # (iteration, plan id)
+
+
+class SlotFiller:
+    """Writes one sequence's slots into every local worker's buffer."""
+
+    def __init__(
+        self,
+        shared: SharedState,
+        buffers: list[torch.Tensor],
+        ranks: list[int],
+        transport: SlotTransport,
+        num_layers: int,
+        group_size: int,
+        abort: threading.Event,
+    ) -> None:
+        self.shared = shared
+        self.buffers = buffers  # per local worker [2, S, D]
+        self.ranks = ranks  # EP rank of each local worker
+        self.transport = transport
+        self.groups = group_layers(num_layers, group_size)
+        self.abort = abort
+        self.stats = FillStats()
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def _wait_released(self, worker: int, seq: int) -> bool:
+        cond, row = self.shared.conds[worker], self.shared.state[worker, buffer_of(seq)]
+        start = time.perf_counter()
+        with cond:
+            while int(row[RELEASED]) < seq - BUFFERS:
+                if self.abort.is_set():
+                    return False
+                cond.wait(0.1)
+        self.stats.release_wait_s += time.perf_counter() - start
+        return True
+
+    def fill(self, seq: int, assignment: Assignment, k: int, stop: bool) -> bool:
+        """Fill sequence ``seq`` for every worker; False if aborted."""
+        b = buffer_of(seq)
+        layers = self.groups[seq % self.num_groups]
+        table, pool = assignment.table, assignment.pool
+        elem = self.buffers[0].element_size() * self.buffers[0].shape[-1] if self.buffers else 0
+        for worker, rank in enumerate(self.ranks):
+            if not self._wait_released(worker, seq):
+                return False
+            cond, row = self.shared.conds[worker], self.shared.state[worker, b]
+            with cond:
+                row[HDR_SEQ], row[PLAN_ID], row[K_VALUE], row[STOP] = seq, table.plan_id, k, int(stop)
+                behind = int(row[RELEASED]) >= seq  # the worker gave up waiting and moved on
+            tags = self.shared.tags[worker, b]
+            if not stop and not behind:
+                for layer in layers:
+                    for slot, expert in enumerate(table.slot_expert[layer, rank].tolist()):
+                        if expert < 0 or tags[slot].tolist() == [layer, expert]:
+                            continue
+                        self.transport.copy(self.buffers[worker][b, slot], pool.row(layer, expert))
+                        tags[slot, LAYER], tags[slot, EXPERT] = layer, expert
+                        self.stats.bytes_streamed += elem
+                        self.stats.copies += 1
+                self.transport.flush(worker)
+            with cond:
+                row[FILLED] = seq
+                cond.notify_all()
+        self.stats.fills += 1
+        self.stats.last_seq = seq
+        return True
+
+
+class FillLoop(threading.Thread):
+    """The coordinator's fill pipeline: runs ahead of the workers by one group (ping-pong),
+    picking up a new plan at each iteration boundary.
+
+    ``take_plan(iteration)`` returns the assignment for an iteration (the node's latest plan);
+    ``control(iteration)`` returns (k, stop). ``delays`` maps a sequence to seconds to stall before
+    filling it (fault injection for tests).
+    """
+
+    def __init__(
+        self,
+        filler: SlotFiller,
+        take_plan: Callable[[int], Assignment],
+        control: Callable[[int], tuple[int, bool]],
+        delays: dict[int, float] | None = None,
+    ) -> None:
+        super().__init__(name="vexpert-fill", daemon=True)
+        self.filler = filler
+        self.take_plan = take_plan
+        self.control = control
+        self.delays = dict(delays or {})
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            iteration = 0
+            while not self.filler.abort.is_set():
+                assignment = self.take_plan(iteration)
+                k, stop = self.control(iteration)
+                for group in range(1 if stop else self.filler.num_groups):
+                    seq = iteration * self.filler.num_groups + group
+                    delay = self.delays.get(seq, 0.0)
+                    if delay and self.filler.abort.wait(delay):
+                        return
+                    if not self.filler.fill(seq, assignment, k, stop):
+                        return
+                if stop:
+                    return
+                iteration += 1
+        except BaseException as exc:  # surfaced by the node, which then shuts everything down
+            self.error = exc

@@ -1,0 +1,71 @@
+"""Single-process reference MoE forward: every expert local, no placement, no replicas.
+
+It is the oracle the EP forward must equal (fp32: max relative error ≤ 1e-5) for any plan, and what
+``vexpert demo --verify`` checks every step against. The stacked model is the demo's: a residual MoE
+block per layer, ``h ← h + MoE_l(rms_norm(h))`` (attention is out of scope for this runtime).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .checkpoint import CheckpointReader, MoESpec, RouterWeights, SharedExpertWeights
+from .moe_math import combine, packed_ffn, rms_norm, shared_forward
+from .routing import expert_counts, route
+
+
+@dataclass
+class ModelWeights:
+    """All MoE weights of a model in one process. experts[l]: [E, 3·I·H] packed rows."""
+
+    spec: MoESpec
+    routers: list[RouterWeights]
+    experts: list[torch.Tensor]
+    shared: list[SharedExpertWeights | None]
+
+    @classmethod
+    def load(cls, reader: CheckpointReader, dtype: torch.dtype = torch.float32) -> ModelWeights:
+        spec = reader.spec
+        layers = range(spec.num_layers)
+        return cls(
+            spec=spec,
+            routers=[reader.router(i) for i in layers],
+            experts=[reader.experts(i, list(range(spec.num_experts)), dtype) for i in layers],
+            shared=[reader.shared(i, dtype) for i in layers],
+        )
+
+
+def reference_moe_layer(
+    x: torch.Tensor, weights: ModelWeights, layer: int, logit_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One MoE layer on all tokens: x [B, H] → (y [B, H], expert counts [E] int64)."""
+    spec = weights.spec
+    ids, topk_weights = route(x, weights.routers[layer], spec, logit_bias)
+    batch, top_k = ids.shape
+    outputs = x.new_zeros(batch, top_k, spec.hidden_size)
+    for expert in torch.unique(ids).tolist():
+        token, slot = torch.nonzero(ids == expert, as_tuple=True)
+        outputs[token, slot] = packed_ffn(
+            x[token], weights.experts[layer][expert], spec.intermediate_size, spec.hidden_size
+        )
+    y = combine(topk_weights, outputs, shared_forward(x, weights.shared[layer]))
+    return y, expert_counts(ids, spec.num_experts)
+
+
+def reference_forward(
+    x: torch.Tensor, weights: ModelWeights, logit_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stacked model on x [B, H]: returns (h [B, H], expert counts [L, E] int64).
+
+    ``logit_bias`` [L, E] (or None) is added to each layer's router logits.
+    """
+    h = x
+    counts = []
+    for layer in range(weights.spec.num_layers):
+        bias = None if logit_bias is None else logit_bias[layer]
+        y, c = reference_moe_layer(rms_norm(h), weights, layer, bias)
+        h = h + y
+        counts.append(c)
+    return h, torch.stack(counts)

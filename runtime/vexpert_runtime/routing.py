@@ -1,0 +1,92 @@
+"""MoE gates: DeepSeek-V3 (sigmoid, group-limited top-k, correction bias, routed scaling) and Qwen
+(softmax top-k). Pure functions of one batch of tokens; the EP forward and the single-process
+reference call the same function, so both route identically.
+
+Shapes: ``B`` tokens, ``H`` hidden, ``E`` experts, ``K`` = top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checkpoint import MoESpec, RouterWeights
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, logit_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B, H] (any float dtype), weight [E, H] → fp32 logits [B, E].
+
+    ``logit_bias`` [E] is an optional additive skew (the demo uses it to replay real expert loads
+    on a tiny random model); real models pass None.
+    """
+    logits = torch.nn.functional.linear(x.to(torch.float32), weight.to(torch.float32))
+    if logit_bias is not None:
+        logits = logits + logit_bias.to(torch.float32)
+    return logits
+
+
+def deepseek_v3_topk(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+    norm_topk_prob: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 ``noaux_tc`` routing.
+
+    scores = sigmoid(logits); selection uses scores + correction bias, restricted to the ``topk_group``
+    groups (of ``n_group``) whose two best biased scores sum highest; weights are the unbiased scores
+    of the chosen experts, normalised to sum 1 if ``norm_topk_prob``, times ``routed_scaling_factor``.
+
+    Args: logits [B, E] fp32; correction_bias [E] or None. Returns ids [B, K] int64, weights [B, K] fp32.
+    """
+    batch, experts = logits.shape
+    scores = logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.to(torch.float32).unsqueeze(0)
+    if n_group > 1 and topk_group < n_group:
+        grouped = choice.view(batch, n_group, experts // n_group)
+        group_score = grouped.topk(min(2, experts // n_group), dim=-1).values.sum(-1)  # [B, n_group]
+        keep = group_score.topk(topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+        choice = grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(batch, experts)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return ids, weights * routed_scaling_factor
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen-MoE routing: softmax over experts, top-k, optionally renormalised.
+
+    Args: logits [B, E] fp32. Returns ids [B, K] int64, weights [B, K] fp32.
+    """
+    probs = logits.softmax(dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return ids, weights
+
+
+def route(
+    x: torch.Tensor, router: RouterWeights, spec: MoESpec, logit_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route tokens x [B, H] with ``spec``'s gate. Returns ids [B, K] int64, weights [B, K] fp32."""
+    logits = router_logits(x, router.weight, logit_bias)
+    if spec.scoring == "sigmoid":
+        return deepseek_v3_topk(
+            logits,
+            router.correction_bias,
+            spec.top_k,
+            spec.n_group,
+            spec.topk_group,
+            spec.routed_scaling_factor,
+            spec.norm_topk_prob,
+        )
+    return softmax_topk(logits, spec.top_k, spec.norm_topk_prob)
+
+
+def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens routed to each expert: ids [B, K] → [E] int64."""
+    return torch.bincount(ids.reshape(-1), minlength=num_experts)

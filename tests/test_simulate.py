@@ -1,0 +1,134 @@
+"""Trace simulator: policies, determinism, the DeepSeek-V3 acceptance run, CLI behaviour."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from vexpert_runtime.cli import main
+from vexpert_runtime.placement import balance_ratio, base_gpu_loads, static_placement
+from vexpert_runtime.simulate import SimulationConfig, simulate, summarize
+from vexpert_runtime.trace import Phase, build_trace, save_trace
+
+PHASES = [
+    Phase("bundled:decode_in1000out1000", 200),
+    Phase("bundled:prefill_in4096", 200),
+    Phase("bundled:decode_in500out1500", 200),
+]
+
+
+@pytest.fixture(scope="module")
+def deepseek_trace():
+    return build_trace(PHASES, gpus=64, tokens_per_gpu=256, top_k=8, seed=0)
+
+
+@pytest.fixture(scope="module")
+def deepseek_results(deepseek_trace):
+    cfg = SimulationConfig(num_gpus=64, num_nodes=8, compare_eplb_policies=True)
+    results = simulate(deepseek_trace.counts, cfg)
+    return results, summarize(results)
+
+
+def test_acceptance_vexpert_beats_eplb_on_real_deepseek_loads(deepseek_results):
+    _, summary = deepseek_results
+    vexpert = summary["vexpert"]["balance_mean"]
+    assert vexpert >= 0.85
+    for name in ("eplb-redundant:hierarchical", "eplb-redundant:global", "eplb", "static"):
+        assert vexpert > summary[name]["balance_mean"], name
+    assert summary["oracle"]["balance_mean"] >= vexpert - 0.005
+    assert summary["static"]["balance_mean"] < 0.4
+    assert summary["vexpert"]["predicted_relative_throughput"] > 1.2
+    assert summary["eplb"]["rebalance_stalls"] == 2  # at iterations 200 and 400
+
+
+def test_static_policy_matches_direct_computation(deepseek_trace, deepseek_results):
+    results, _ = deepseek_results
+    counts = torch.as_tensor(deepseek_trace.counts[:20], dtype=torch.float32)
+    direct = balance_ratio(base_gpu_loads(counts, static_placement(58, 256, 64), 64)).numpy()
+    np.testing.assert_allclose(results["static"].balance[:20], direct, rtol=1e-5)
+
+
+def test_vexpert_uses_only_the_past():
+    # Two phases whose hot experts differ: the first k iterations of a phase cannot be fixed by a
+    # policy that only sees the past, but the oracle can.
+    rng = np.random.default_rng(0)
+    counts = np.zeros((40, 2, 32), dtype=np.int64)
+    for t in range(40):
+        hot = 3 if t < 20 else 17
+        p = np.full(32, 1.0)
+        p[hot] = 40.0
+        counts[t] = rng.multinomial(20_000, p / p.sum(), size=2)
+    cfg = SimulationConfig(num_gpus=8, allocation_interval=10, policies=("static", "vexpert", "oracle"), vmax=2)
+    r = simulate(counts, cfg)
+    vex, oracle = r["vexpert"].balance.mean(1), r["oracle"].balance.mean(1)
+    assert vex[:10].mean() == pytest.approx(r["static"].balance[:10].mean(1).mean())  # no history yet
+    assert vex[20:30].mean() < vex[30:40].mean() - 0.1  # stale plan right after the switch
+    assert oracle[20:30].mean() > vex[20:30].mean() + 0.1
+
+
+def test_deterministic_per_seed(tmp_path):
+    small = [Phase("bundled:decode_in1000out1000", 15), Phase("bundled:prefill_in4096", 15)]
+    cfg = SimulationConfig(num_gpus=16, num_nodes=2, eplb_interval=10)
+    a = summarize(simulate(build_trace(small, 16, 64, 8, seed=5).counts, cfg))
+    b = summarize(simulate(build_trace(small, 16, 64, 8, seed=5).counts, cfg))
+    c = summarize(simulate(build_trace(small, 16, 64, 8, seed=6).counts, cfg))
+    strip = lambda s: {p: {k: v for k, v in d.items() if k != "plan_ms_median"} for p, d in s.items()}  # noqa: E731
+    assert strip(a) == strip(b)
+    assert strip(a) != strip(c)
+
+
+def _trace_file(tmp_path, gpus=8, iterations=30):
+    trace = build_trace([Phase("bundled:decode_in1000out1000", iterations)], gpus, 32, 8, seed=1)
+    path = tmp_path / "t.npz"
+    save_trace(trace, path)
+    return path
+
+
+def test_cli_json_shape_and_plot(tmp_path, capsys):
+    path = _trace_file(tmp_path)
+    plot = tmp_path / "b.png"
+    assert main(["simulate", str(path), "--gpus", "8", "--json", "--eplb-interval", "10", "--plot", str(plot)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["policies"]) == {"static", "eplb", "eplb-redundant", "offload", "vexpert", "oracle"}
+    for stats in out["policies"].values():
+        for key in ("balance_mean", "balance_p10", "worst_layer", "vexperts_per_iteration", "predicted_relative_throughput"):
+            assert key in stats
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _cli_error(args: list[str]) -> tuple[int, str]:
+    proc = subprocess.run([sys.executable, "-m", "vexpert_runtime", *args], capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["simulate", "/nonexistent/trace.npz", "--gpus", "8"], "does not exist"),
+        (["simulate", "{trace}", "--gpus", "7"], "cannot be split evenly over 7 GPUs"),
+        (["simulate", "{trace}", "--gpus", "8", "--policies", "magic"], "unknown policy"),
+        (["simulate", "{bad_shape}", "--gpus", "8"], "counts"),
+        (["simulate", "{negative}", "--gpus", "8"], "negative"),
+        (["trace", "build", "--phase", "nope.json:10", "--gpus", "8", "-o", "{out}"], "nope.json"),
+        (["trace", "build", "--phase", "bundled:decode_in1000out1000:0", "--gpus", "8", "-o", "{out}"], "iterations"),
+        (["bench", "allocator", "--experts", "256", "--gpus", "60"], "cannot be split evenly"),
+    ],
+)
+def test_cli_bad_input_one_line_exit_2(tmp_path, args, needle):
+    trace = _trace_file(tmp_path)
+    bad_shape = tmp_path / "bad_shape.npz"
+    np.savez(bad_shape, counts=np.ones((4, 32), dtype=np.int64))
+    negative = tmp_path / "negative.npz"
+    np.savez(negative, counts=-np.ones((4, 2, 32), dtype=np.int64))
+    subs = {"{trace}": str(trace), "{bad_shape}": str(bad_shape), "{negative}": str(negative), "{out}": str(tmp_path / "o.npz")}
+    code, err = _cli_error([subs.get(a, a) for a in args])
+    assert code == 2, err
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert needle in lines[0]
+    assert "Traceback" not in err
