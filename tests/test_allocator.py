@@ -222,6 +222,48 @@ def test_bad_config_is_rejected():
         allocate(torch.ones(2, 16), static_placement(2, 16, 4), 4, AllocatorConfig(balance_threshold=1.5))
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_static_mode_gives_the_same_plan(seed):
+    # Static mode (fixed shapes, no host read-back: what a CUDA graph needs) must not change the plan.
+    counts = real_counts(seed=seed) if seed == 0 else skewed_counts(10, 64, seed)
+    layers, experts = counts.shape
+    gpus = 64 if experts == 256 else 8
+    base = static_placement(layers, experts, gpus)
+    cfg = AllocatorConfig(vmax=1 if seed == 0 else 2)
+    dynamic = allocate(counts, base, gpus, cfg)
+    static = allocate(counts, base, gpus, cfg, static=True)
+    assert torch.equal(dynamic.vexperts, static.vexperts)
+    assert torch.equal(dynamic.slot_expert, static.slot_expert)
+    assert torch.allclose(dynamic.expert_gpu_share(), static.expert_gpu_share(), atol=1e-5)
+    check_plan_invariants(static, counts, cfg, gpus)
+
+
+def test_copies_per_expert_are_capped():
+    counts = torch.full((1, 32), 10.0)
+    counts[0, 0] = 100_000.0
+    cfg = AllocatorConfig(group_size=1, vmax=2, use_cost_model=False, max_copies_per_expert=3)
+    plan = allocate(counts, static_placement(1, 32, 8), 8, cfg)
+    assert int(plan.logcnt()[0, 0]) == 3
+    assert plan.replica_gpu.shape[-1] == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_allocator_matches_eager():
+    from vexpert_runtime.allocator import GraphedAllocator
+
+    counts = real_counts()
+    base = static_placement(58, 256, 64)
+    eager = allocate(counts, base, 64)
+    graphed = GraphedAllocator(58, 256, 64)
+    for _ in range(2):  # capture, then replay
+        plan = graphed(counts.cuda(), base.cuda()).to("cpu")
+        assert torch.equal(eager.slot_expert, plan.slot_expert)
+        assert torch.allclose(eager.expert_gpu_share(), plan.expert_gpu_share(), atol=1e-4)
+    other = real_counts(seed=3)
+    assert torch.equal(allocate(other, base, 64).slot_expert, graphed(other.cuda(), base.cuda()).slot_expert.cpu())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu():

@@ -249,6 +249,8 @@ class TuningStatus(CamelModel):
     pooled_experts_cap: int | None = Field(None, description="Largest Np the node memory allows")
     reason: str = ""
     last_decision_time: str = ""
+    last_k_change_time: str = ""
+    last_np_change_time: str = ""
     changes: int = 0
 
 

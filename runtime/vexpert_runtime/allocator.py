@@ -19,6 +19,7 @@ never over layers, experts or GPUs.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ class AllocatorConfig:
     group_size: int = 2  # G: consecutive layers sharing one slot budget
     vmax: int = 1  # per-layer vExpert budget per GPU; a group has G·vmax slots per GPU
     balance_threshold: float = 0.7  # τ: layers with L_i above it get no vExperts
+    max_copies_per_expert: int = 16  # cap on copies of one expert (resident + slots); bounds the replica table
     share_refinement_sweeps: int = 8  # water-filling sweeps for replica token shares
     use_cost_model: bool = True  # False: fill the budget on every imbalanced layer (no Eq. 5 search)
 
@@ -45,6 +47,8 @@ class AllocatorConfig:
             raise VExpertInputError("group_size", f"must be ≥ 1, got {self.group_size}")
         if self.vmax < 0:
             raise VExpertInputError("vmax", f"must be ≥ 0, got {self.vmax}")
+        if self.max_copies_per_expert < 1:
+            raise VExpertInputError("max_copies_per_expert", f"must be ≥ 1, got {self.max_copies_per_expert}")
         if not 0.0 <= self.balance_threshold <= 1.0:
             raise VExpertInputError("balance_threshold", f"must be in [0, 1], got {self.balance_threshold}")
 
@@ -146,8 +150,11 @@ class Plan:
 # --------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=64)
 def group_combinations(group_size: int, budget: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """All (v_1..v_G) with v_j ≥ 0 and Σ v_j ≤ budget, fewest vExperts first. [C, G] int64."""
+    """All (v_1..v_G) with v_j ≥ 0 and Σ v_j ≤ budget, fewest vExperts first. [C, G] int64.
+
+    Cached per device: building it is a host→device copy, which a CUDA graph cannot hold."""
     combos = [c for c in itertools.product(range(budget + 1), repeat=group_size) if sum(c) <= budget]
     combos.sort(key=lambda c: (sum(c), c))
     return torch.tensor(combos, dtype=torch.int64, device=device).view(-1, group_size)
@@ -185,7 +192,7 @@ def assign_vexpert_counts(
         cost = (-v + 0.01 * v * v).unsqueeze(0).expand(padded, -1).clone()
     filtered = bal > config.balance_threshold
     cost = torch.where(filtered.unsqueeze(1) & (candidates.unsqueeze(0) > 0), torch.full_like(cost, float("inf")), cost)
-    combos = group_combinations(group, budget, balance.device)  # [C, G]
+    combos = group_combinations(group, budget, str(balance.device))  # [C, G]
     cost = cost.view(num_groups, group, budget + 1)
     # total[g, c] = Σ_j cost[g, j, combos[c, j]]
     gathered = torch.gather(
@@ -200,43 +207,55 @@ def assign_vexpert_counts(
 # --------------------------------------------------------------------------------------------
 # Step 2: candidate selection — how many copies each expert gets
 # --------------------------------------------------------------------------------------------
+#
+# Every step below has a "static" mode (``static=True``): tensor shapes depend only on the
+# configuration and the input shape, never on values, and no result is read back to the host.
+# That is what lets :class:`GraphedAllocator` capture the whole allocation in one CUDA graph.
+# On the CPU, reading values back is free, so the default mode sizes tensors to the data.
 
 
 def replica_counts(
-    counts: torch.Tensor, extra: torch.Tensor, num_gpus: int, eligible: torch.Tensor | None = None
+    counts: torch.Tensor,
+    extra: torch.Tensor,
+    num_gpus: int,
+    eligible: torch.Tensor | None = None,
+    max_copies: int | None = None,
+    max_extra: int | None = None,
 ) -> torch.Tensor:
     """Copies per expert: greedily give the next copy to the expert with the largest load per copy.
 
-    The greedy's picks are exactly the ``extra_i`` largest values of ``w_e / c`` over
-    c = 1 .. N−1 (each expert's sequence is decreasing), so one top-k replaces the loop.
-    Experts with no load or not ``eligible`` (not in the host pool) get no extra copy.
+    The greedy's picks are exactly the ``extra_i`` largest values of ``w_e / c`` over c = 1, 2, …
+    (each expert's sequence is decreasing), so one top-k replaces the loop. Experts with no load
+    or not ``eligible`` (not in the host pool) get no extra copy; no expert gets more than
+    ``max_copies`` copies (default N) or more than one per GPU.
 
-    Args: counts [L, E] float; extra [L] int64 (V_i·N); eligible [L, E] bool or None.
-    Returns copies [L, E] int64 ≥ 1, ≤ N.
+    Args: counts [L, E] float; extra [L] int64 (V_i·N); eligible [L, E] bool or None;
+        max_extra: a static upper bound of ``extra`` (static mode), None = read it from ``extra``.
+    Returns copies [L, E] int64, 1 ≤ copies ≤ min(N, max_copies).
     """
     num_layers, num_experts = counts.shape
-    max_extra = int(extra.max()) if extra.numel() else 0
     copies = torch.ones(num_layers, num_experts, dtype=torch.int64, device=counts.device)
-    if max_extra == 0:
-        return copies
-    depth = min(num_gpus - 1, max_extra)
-    if depth <= 0:
+    static = max_extra is not None
+    bound_extra = max_extra if static else (int(extra.max()) if extra.numel() else 0)
+    cap = min(num_gpus, max_copies or num_gpus)
+    depth = min(cap - 1, bound_extra)
+    if depth <= 0 or bound_extra <= 0:
         return copies
     w = counts.to(torch.float32)
     if eligible is not None:
         w = torch.where(eligible, w, torch.zeros_like(w))
-    # Only experts among the max_extra heaviest can win a copy (w_e ≥ w_e / c), so rank those.
-    top = min(max_extra, num_experts)
+    # Only experts among the bound_extra heaviest can win a copy (w_e ≥ w_e / c), so rank those.
+    top = min(bound_extra, num_experts)
     cand_load, cand_expert = w.topk(top, dim=1)  # [L, top], descending
-    # The first copies of those `top` experts are all ≥ cand_load[:, -1], so the last value the
-    # greedy takes is too, and no expert gets more than w_max / cand_load[:, -1] extra copies.
-    floor = cand_load[:, -1]
-    if bool((floor > 0).all()):
-        bound = int(torch.ceil(cand_load[:, 0] / floor).max())
-        depth = max(1, min(depth, bound))
+    if not static:
+        # The first copies of those `top` experts are all ≥ cand_load[:, -1], so every value the
+        # greedy takes is too: no expert gets more than w_max / cand_load[:, -1] extra copies.
+        floor = cand_load[:, -1]
+        if bool((floor > 0).all()):
+            depth = max(1, min(depth, int(torch.ceil(cand_load[:, 0] / floor).max())))
     divisors = torch.arange(1, depth + 1, device=counts.device, dtype=torch.float32)
     value = cand_load.unsqueeze(-1) / divisors  # [L, top, depth]
-    k = min(max_extra, top * depth)
+    k = min(bound_extra, top * depth)
     top_value, top_index = value.view(num_layers, -1).topk(k, dim=1)
     take = (torch.arange(k, device=counts.device).unsqueeze(0) < extra.unsqueeze(1)) & (top_value > 0)
     expert = torch.gather(cand_expert, 1, top_index // depth)
@@ -257,12 +276,9 @@ def _replica_items(copies: torch.Tensor, counts: torch.Tensor, max_items: int) -
     """
     num_layers, _ = copies.shape
     extra = copies - 1
-    if max_items == 0 or not bool((extra > 0).any()):
-        empty = torch.zeros(num_layers, max_items, device=copies.device)
-        return empty.to(torch.int64) - 1, empty
     per_copy = torch.where(extra > 0, counts.to(torch.float32) / copies, torch.full_like(counts, -1.0, dtype=torch.float32))
     order_load, order = per_copy.sort(dim=1, descending=True, stable=True)
-    repeats = torch.gather(extra, 1, order).clamp(min=0)
+    repeats = torch.gather(extra, 1, order)
     ends = repeats.cumsum(1)  # item positions [ends − repeats, ends) belong to order[:, j]
     position = torch.arange(max_items, device=copies.device).unsqueeze(0).expand(num_layers, -1).contiguous()
     j = torch.searchsorted(ends, position, right=True).clamp(max=order.shape[1] - 1)
@@ -278,56 +294,48 @@ def place_replicas(
     copies: torch.Tensor,
     vexperts: torch.Tensor,
     num_gpus: int,
+    rounds: int | None = None,
 ) -> torch.Tensor:
     """Assign every extra copy to a GPU slot, heaviest first onto the least-loaded GPU.
 
-    Each GPU has ``V_i`` slots in layer i. Round r (r < V_i) hands the next N copies to the N
-    GPUs in ascending order of current load (with one free slot per GPU per round this is exactly
-    the sequential greedy). A copy that would land on a GPU already holding its expert is swapped
-    with a neighbour in the order (odd–even transposition) until no GPU holds an expert twice; a
-    copy that still conflicts is dropped (the slot stays empty), never duplicated.
+    Each GPU has ``V_i`` slots in layer i. Round r (r < V_i) hands the next N copies to the N GPUs
+    in ascending order of current load (with one free slot per GPU per round this is exactly the
+    sequential greedy). A copy that would land on a GPU already holding its expert swaps GPUs with
+    a neighbour in that order (:func:`_fix_conflicts`); one that still conflicts is dropped (its
+    slot stays empty): an expert is never placed twice on one GPU.
 
-    Args: counts [L, E]; base_gpu [L, E]; copies [L, E]; vexperts [L]. Returns
-    slot_expert_local [L, N, Vmax_i] int64 (−1 empty): expert in the layer's r-th slot of GPU g.
+    Args: counts [L, E]; base_gpu [L, E]; copies [L, E]; vexperts [L];
+        rounds: static number of rounds (≥ max V_i), None = read max V_i.
+    Returns slot_expert_local [L, N, rounds] int64 (−1 empty): expert in the layer's r-th slot of GPU g.
     """
     num_layers, num_experts = counts.shape
     dev = counts.device
-    rounds = int(vexperts.max()) if vexperts.numel() else 0
+    static = rounds is not None
+    if rounds is None:
+        rounds = int(vexperts.max()) if vexperts.numel() else 0
     slots = torch.full((num_layers, num_gpus, rounds), -1, dtype=torch.int64, device=dev)
     if rounds == 0:
         return slots
     item_expert, item_load = _replica_items(copies, counts, rounds * num_gpus)
-    pad = rounds * num_gpus - item_expert.shape[1]
-    if pad > 0:
-        item_expert = torch.cat([item_expert, item_expert.new_full((num_layers, pad), -1)], 1)
-        item_load = torch.cat([item_load, item_load.new_zeros(num_layers, pad)], 1)
     per_copy = counts.to(torch.float32) / copies
     load = base_gpu_loads(per_copy, base_gpu, num_gpus)  # [L, N]
+    sentinel = num_experts  # "no expert": a column of `holds` that is never set
     holds = torch.zeros(num_layers, num_gpus, num_experts + 1, dtype=torch.bool, device=dev)
     holds.scatter_(2, _gpu_expert_index(base_gpu, num_gpus), True)
     layer_index = torch.arange(num_layers, device=dev).unsqueeze(1)
     for r in range(rounds):
-        expert = item_expert[:, r * num_gpus : (r + 1) * num_gpus].clone()  # [L, N] heaviest first
+        expert = item_expert[:, r * num_gpus : (r + 1) * num_gpus]  # [L, N] heaviest first
         weight = item_load[:, r * num_gpus : (r + 1) * num_gpus]
         active = (r < vexperts).unsqueeze(1) & (expert >= 0)
-        expert = torch.where(active, expert, torch.full_like(expert, -1))
+        expert_index = torch.where(active, expert, torch.full_like(expert, sentinel))
         gpu = torch.argsort(load, dim=1, stable=True)  # [L, N] least loaded first
-        expert_index = torch.where(expert >= 0, expert, num_experts)
-        # Two cheap parallel sweeps fix almost every conflict; the rare rest get a targeted search.
-        for sweep in range(2):
-            conflict = holds[layer_index, gpu, expert_index] & (expert >= 0)
-            if not bool(conflict.any()):
-                break
-            gpu = _transposition_sweep(gpu, expert_index, holds, conflict, layer_index, parity=sweep % 2)
-        gpu = _resolve_conflicts(gpu, expert_index, holds)
-        conflict = holds[layer_index, gpu, expert_index] & (expert >= 0)
-        expert = torch.where(conflict, torch.full_like(expert, -1), expert)
-        expert_index = torch.where(expert >= 0, expert, num_experts)
-        weight = torch.where(expert >= 0, weight, torch.zeros_like(weight))
-        slots[layer_index, gpu, r] = expert
+        gpu, conflict = _fix_conflicts(gpu, expert_index, holds, sentinel, static=static)
+        expert_index = torch.where(conflict, torch.full_like(expert_index, sentinel), expert_index)
+        weight = torch.where(expert_index != sentinel, weight, torch.zeros_like(weight))
+        slots[:, :, r] = torch.full_like(gpu, -1).scatter(1, gpu, torch.where(expert_index != sentinel, expert_index, -1))
         load.scatter_add_(1, gpu, weight)
         holds[layer_index, gpu, expert_index] = True
-        holds[:, :, num_experts] = False  # the sentinel column marks "no expert", never held
+        holds[:, :, sentinel] = False
     return slots
 
 
@@ -338,58 +346,58 @@ def _gpu_expert_index(base_gpu: torch.Tensor, num_gpus: int) -> torch.Tensor:
     return order.view(num_layers, num_gpus, num_experts // num_gpus)
 
 
-def _resolve_conflicts(gpu: torch.Tensor, expert_index: torch.Tensor, holds: torch.Tensor) -> torch.Tensor:
-    """Swap each remaining conflicting item with the nearest item (in load order) whose swap
-    leaves both conflict-free. Conflicts are rare (a handful per allocation), so this loops over
-    them; each step is vectorised over GPUs. Shapes [L, N]; holds [L, N, E+1]."""
-    sentinel = holds.shape[2] - 1
-    num_gpus = gpu.shape[1]
-    positions = torch.arange(num_gpus, device=gpu.device)
-    layer_ix = torch.arange(gpu.shape[0], device=gpu.device).unsqueeze(1)
-    conflict = holds[layer_ix, gpu, expert_index] & (expert_index != sentinel)
-    found = torch.nonzero(conflict).tolist()
-    if not found:
-        return gpu
-    gpu = gpu.clone()
-    # A swap only touches the conflicting item and a partner that stays conflict-free, so one pass
-    # over the initial list suffices; an item nothing can take stays in conflict and is dropped.
-    for layer, pos in found:
-        mine = expert_index[layer, pos]
-        row_gpu, row_expert = gpu[layer], expert_index[layer]
-        fits_here = ~holds[layer, row_gpu, mine]  # my expert on their GPU
-        fits_there = ~holds[layer, row_gpu[pos], row_expert] | (row_expert == sentinel)
-        candidate = fits_here & fits_there & (positions != pos)
-        if not bool(candidate.any()):
-            continue
-        distance = torch.where(candidate, (positions - pos).abs(), torch.full_like(positions, 1 << 30))
-        other = int(distance.argmin())
-        mine_gpu, other_gpu = row_gpu[pos].clone(), row_gpu[other].clone()
-        gpu[layer, pos], gpu[layer, other] = other_gpu, mine_gpu
-    return gpu
+def _fix_conflicts(
+    gpu: torch.Tensor, expert: torch.Tensor, holds: torch.Tensor, sentinel: int, passes: int = 3, static: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-pair copies with GPUs so that no copy lands where its expert already is.
 
+    Each pass lets every conflicting copy (position p in load order) pick the nearest position q
+    whose swap leaves both sides conflict-free and whose copy is not itself in conflict; when
+    several pick the same q, the lowest p wins. Swaps in one pass are disjoint, so they apply at
+    once. Conflicts are rare (tens among thousands of copies) and go in the first pass.
 
-def _transposition_sweep(
-    gpu: torch.Tensor,
-    expert_index: torch.Tensor,
-    holds: torch.Tensor,
-    conflict: torch.Tensor,
-    layer_index: torch.Tensor,
-    parity: int,
-) -> torch.Tensor:
-    """Swap the GPUs of neighbouring items (pairs (p, p+1), p ≡ parity mod 2) where either of
-    the pair conflicts and the swap leaves both conflict-free. Shapes [L, N]."""
-    num_gpus = gpu.shape[1]
-    pos = torch.arange(num_gpus, device=gpu.device)
-    partner = torch.where((pos - parity) % 2 == 0, pos + 1, pos - 1)
-    partner_ok = (partner >= 0) & (partner < num_gpus)
-    partner = partner.clamp(0, num_gpus - 1)
-    other_gpu = gpu[:, partner]
-    other_expert = expert_index[:, partner]
-    fits_here = ~holds[layer_index, other_gpu, expert_index] | (expert_index == holds.shape[2] - 1)
-    fits_there = ~holds[layer_index, gpu, other_expert] | (other_expert == holds.shape[2] - 1)
-    swap = partner_ok & (conflict | conflict[:, partner]) & fits_here & fits_there
-    # A swap is symmetric: both members of the pair decide identically.
-    return torch.where(swap, other_gpu, gpu)
+    Args: gpu [L, N] GPU paired with each position; expert [L, N] (sentinel = none);
+        holds [L, N, E+1] bool; static: examine every position in every pass (no host read-back)
+        instead of only the conflicting ones.
+    Returns the new gpu [L, N] and the still-conflicting mask [L, N].
+    """
+    num_layers, n = gpu.shape
+    dev = gpu.device
+    layer2 = torch.arange(num_layers, device=dev).view(-1, 1)
+    pos = torch.arange(n, device=dev)
+    far = n + 1
+    for _ in range(passes):
+        conflict = holds[layer2, gpu, expert] & (expert != sentinel)
+        if static:  # one row per (layer, position); rows without a conflict are switched off
+            row_l = torch.arange(num_layers, device=dev).repeat_interleave(n)
+            row_p = pos.repeat(num_layers)
+            row_on = conflict.flatten()
+        else:
+            if not bool(conflict.any()):
+                break
+            row_l, row_p = torch.nonzero(conflict, as_tuple=True)
+            row_on = torch.ones_like(row_l, dtype=torch.bool)
+        their_gpu, their_expert = gpu[row_l], expert[row_l]  # [R, N]: every position of the row's layer
+        my_gpu, my_expert = gpu[row_l, row_p], expert[row_l, row_p]  # [R]
+        mine_fits = ~holds[row_l.unsqueeze(1), their_gpu, my_expert.unsqueeze(1)]  # my expert on q's GPU
+        theirs_fits = ~holds[row_l.unsqueeze(1), my_gpu.unsqueeze(1), their_expert] | (their_expert == sentinel)
+        ok = mine_fits & theirs_fits & ~conflict[row_l] & row_on.unsqueeze(1)
+        distance = (pos.unsqueeze(0) - row_p.unsqueeze(1)).abs()
+        best, partner = torch.where(ok, distance, torch.full_like(distance, far)).min(dim=1)  # [R]
+        wants = row_on & (best < far)
+        flat_partner = row_l * n + partner
+        claim = torch.where(wants, row_p, torch.full_like(row_p, n))
+        winner = torch.full((num_layers * n,), n, dtype=torch.int64, device=dev)
+        winner.scatter_reduce_(0, flat_partner, claim, reduce="amin")
+        won = wants & (winner[flat_partner] == row_p)
+        # Claimed partners q take their winner's GPU; winners p take their partner's GPU. The
+        # scatter below writes each winner once (losers go to a spare cell that is cut off).
+        src = torch.where(winner < n, winner, pos.repeat(num_layers))
+        src = torch.cat([src, src.new_zeros(1)])
+        src.scatter_(0, torch.where(won, row_l * n + row_p, num_layers * n), torch.where(won, partner, 0))
+        gpu = torch.gather(gpu, 1, src[:-1].view(num_layers, n))
+    conflict = holds[layer2, gpu, expert] & (expert != sentinel)
+    return gpu, conflict
 
 
 # --------------------------------------------------------------------------------------------
@@ -398,36 +406,49 @@ def _transposition_sweep(
 
 
 def water_fill_shares(
-    counts: torch.Tensor, replica_gpu: torch.Tensor, num_gpus: int, sweeps: int
+    counts: torch.Tensor, replica_gpu: torch.Tensor, num_gpus: int, sweeps: int, max_replicated: int | None = None
 ) -> torch.Tensor:
     """Split each replicated expert's tokens over its copies so that their GPUs end up level.
 
     Starts from an even split. Each sweep recomputes GPU loads and moves every replicated expert
     toward the water-filling split of its load over its holders given everyone else's shares.
     Experts sharing a GPU move at the same time, so each step is scaled by 1 / (most replicated
-    experts on any of its GPUs, see below); that keeps the parallel update from overshooting. This is
-    block-coordinate descent on Σ load², whose minimiser also levels the maximum.
+    experts on any of its GPUs, see below); that keeps the parallel update from overshooting.
+    This is block-coordinate descent on Σ load², whose minimiser also levels the maximum.
 
-    Args: counts [L, E]; replica_gpu [L, E, R] (−1 padded). Returns share [L, E, R] float32.
+    Args: counts [L, E]; replica_gpu [L, E, R] (−1 padded);
+        max_replicated: static bound on replicated experts per layer (static mode).
+    Returns share [L, E, R] float32.
     """
-    num_layers = counts.shape[0]
+    num_layers, num_experts, _ = replica_gpu.shape
+    dev = counts.device
     valid = replica_gpu >= 0
     copies = valid.sum(-1, keepdim=True).clamp(min=1)
     share = valid.to(torch.float32) / copies
-    replicated = (copies.squeeze(-1) > 1) & (counts > 0)
-    if sweeps <= 0 or not bool(replicated.any()):
+    w = counts.to(torch.float32)
+    replicated = (copies.squeeze(-1) > 1) & (w > 0)
+    if sweeps <= 0:
         return share
-    # Work on the replicated experts only ([P, R]); everyone else's load is fixed on its base GPU.
-    layer_sel, expert_sel = torch.nonzero(replicated, as_tuple=True)
+    # Work on the replicated experts only ([L, K, R]); everyone else's load is fixed on its base GPU.
+    if max_replicated is None:
+        k = int(replicated.sum(1).max())
+        if k == 0:
+            return share
+    else:
+        k = min(max_replicated, num_experts)
+    active, chosen = replicated.to(torch.int8).topk(k, dim=1)  # [L, K]
+    active = active.bool()
     bins = num_gpus + 1  # last bin per layer swallows padding
-    fixed = torch.zeros(num_layers, bins, device=counts.device)
-    fixed.scatter_add_(1, replica_gpu[:, :, 0], torch.where(replicated, 0.0, counts.to(torch.float32)))
+    fixed = torch.zeros(num_layers, bins, device=dev)
+    fixed.scatter_add_(1, replica_gpu[:, :, 0], torch.where(replicated, 0.0, w))
     fixed = fixed.flatten()
-    p_gpu = replica_gpu[layer_sel, expert_sel]  # [P, R]
-    p_valid = p_gpu >= 0
-    p_bin = torch.where(p_valid, p_gpu, num_gpus) + (layer_sel * bins).unsqueeze(1)
-    p_w = counts.to(torch.float32)[layer_sel, expert_sel].unsqueeze(1)  # [P, 1]
-    p_share = share[layer_sel, expert_sel]
+    layer = torch.arange(num_layers, device=dev).unsqueeze(1)
+    p_gpu = replica_gpu[layer, chosen]  # [L, K, R]
+    p_valid = (p_gpu >= 0) & active.unsqueeze(-1)
+    p_bin = (torch.where(p_valid, p_gpu, num_gpus) + (layer * bins).unsqueeze(-1)).flatten(0, 1)  # [LK, R]
+    p_valid = p_valid.flatten(0, 1)
+    p_w = w[layer, chosen].flatten().unsqueeze(1).clamp(min=1e-12)  # [LK, 1]
+    p_share = share[layer, chosen].flatten(0, 1)
     degree = torch.zeros_like(fixed).scatter_add_(0, p_bin.flatten(), p_valid.to(torch.float32).flatten())
     holder_degree = torch.where(p_valid, degree[p_bin], torch.ones_like(p_share))
     # 0.6 rather than 1: not every co-located expert pushes the same way; measured on DeepSeek-V3
@@ -442,10 +463,10 @@ def water_fill_shares(
         load = fixed.scatter_add(0, flat_bin, mine.flatten())
         other = load[p_bin] - mine + pad_floor
         target = _water_fill(other, p_w.squeeze(-1)) * inv_w
-        p_share += step * (target - p_share)
+        p_share = torch.where(p_valid, p_share + step * (target - p_share), p_share)
     p_share = p_share / p_share.sum(-1, keepdim=True).clamp(min=1e-12)
-    share[layer_sel, expert_sel] = p_share
-    return share
+    new_rows = torch.where(active.flatten().unsqueeze(-1), p_share, share[layer, chosen].flatten(0, 1))
+    return share.index_put((layer.expand_as(chosen), chosen), new_rows.view(num_layers, k, -1))
 
 
 def _water_fill(other: torch.Tensor, amount: torch.Tensor) -> torch.Tensor:
@@ -474,6 +495,7 @@ def allocate(
     profile: PerformanceProfile | None = None,
     consts: InferenceConstants | None = None,
     pooled: torch.Tensor | None = None,
+    static: bool = False,
 ) -> Plan:
     """Physical-to-virtual rebalancing for all layers at once (Algorithm 1).
 
@@ -485,30 +507,38 @@ def allocate(
         profile: performance-model coefficients (paper defaults if None).
         consts: inference constants C (DeepSeek-V3 decode defaults if None).
         pooled: [L, E] bool, experts present in the host pool (Np < E); None = all.
+        static: shapes fixed by the configuration and no value read back to the host (what a CUDA
+            graph needs; inputs are not validated — validate once before capturing).
     Returns: a :class:`Plan`.
     """
     config = config or AllocatorConfig()
     profile = profile or PerformanceProfile()
     consts = consts or InferenceConstants(experts_per_gpu=max(1, counts.shape[-1] // max(1, num_gpus)))
-    config.validate()
-    _validate_counts(counts, base_gpu)
-    validate_base_placement(base_gpu, num_gpus)
+    if not static:
+        config.validate()
+        _validate_counts(counts, base_gpu)
+        validate_base_placement(base_gpu, num_gpus)
     num_layers, num_experts = counts.shape
-    dev = counts.device
+    slots_total = config.slots_per_gpu
     w = counts.to(torch.float32)
     balance_before = balance_ratio(base_gpu_loads(w, base_gpu, num_gpus))
     vexperts = assign_vexpert_counts(balance_before, config, profile, consts)
-    copies = replica_counts(w, vexperts * num_gpus, num_gpus, pooled)
-    local_slots = place_replicas(w, base_gpu, copies, vexperts, num_gpus)  # [L, N, Vmax_i]
+    max_copies = min(num_gpus, config.max_copies_per_expert)
+    copies = replica_counts(
+        w, vexperts * num_gpus, num_gpus, pooled, max_copies, max_extra=slots_total * num_gpus if static else None
+    )
+    local_slots = place_replicas(w, base_gpu, copies, vexperts, num_gpus, rounds=slots_total if static else None)
     # Placement may drop a copy (conflict); the copies actually placed define the plan.
-    placed = torch.zeros(num_layers, num_experts + 1, dtype=torch.int64, device=dev)
-    placed.scatter_add_(1, torch.where(local_slots >= 0, local_slots, num_experts).flatten(1), torch.ones_like(local_slots).flatten(1))
-    placed = placed[:, :num_experts]
-    vexperts = (local_slots >= 0).sum(2).amax(1) if local_slots.shape[2] else vexperts * 0
+    vexperts = (local_slots >= 0).sum(2).amax(1) if local_slots.shape[2] else torch.zeros_like(vexperts)
     slot_expert = _slots_in_group_buffer(local_slots, vexperts, config)
-    replica_gpu, replica_slot = _replica_table(base_gpu, slot_expert, placed)
-    share = water_fill_shares(w, replica_gpu, num_gpus, config.share_refinement_sweeps)
-    plan = Plan(
+    width = max_copies if static else None
+    replica_gpu, replica_slot = _replica_table(base_gpu, slot_expert, width)
+    share = water_fill_shares(
+        w, replica_gpu, num_gpus, config.share_refinement_sweeps,
+        max_replicated=min(num_experts, slots_total * num_gpus) if static else None,
+    )
+    predicted = balance_ratio(_plan_loads(w, replica_gpu, share, num_gpus))
+    return Plan(
         vexperts=vexperts,
         slot_expert=slot_expert,
         base_gpu=base_gpu,
@@ -516,10 +546,8 @@ def allocate(
         replica_slot=replica_slot,
         replica_share=share,
         balance_before=balance_before,
-        balance_predicted=torch.zeros_like(balance_before),
+        balance_predicted=predicted,
     )
-    predicted = balance_ratio(_plan_loads(w, replica_gpu, share, num_gpus))
-    return Plan(**{**plan.__dict__, "balance_predicted": predicted})
 
 
 def _plan_loads(counts: torch.Tensor, replica_gpu: torch.Tensor, share: torch.Tensor, num_gpus: int) -> torch.Tensor:
@@ -544,50 +572,100 @@ def _slots_in_group_buffer(local_slots: torch.Tensor, vexperts: torch.Tensor, co
     the j-th layer of a group starts after the slots of the layers before it. [L, N, S]."""
     num_layers, num_gpus, rounds = local_slots.shape
     slots_total = config.slots_per_gpu
-    out = torch.full((num_layers, num_gpus, max(slots_total, 1)), -1, dtype=torch.int64, device=local_slots.device)
-    if rounds == 0 or slots_total == 0:
-        return out[:, :, :slots_total]
     group = config.group_size
     padded = -(-num_layers // group) * group
     v = torch.zeros(padded, dtype=torch.int64, device=local_slots.device)
     v[:num_layers] = vexperts
     before = v.view(-1, group).cumsum(1) - v.view(-1, group)  # exclusive prefix within group
     offset = before.reshape(padded)[:num_layers]  # [L]
-    for r in range(rounds):
-        position = (offset + r).clamp(max=slots_total - 1)
-        use = r < vexperts
-        layer = torch.nonzero(use).squeeze(1)
-        out[layer, :, position[layer]] = local_slots[layer, :, r]
+    # Scatter round r of layer i to slot offset_i + r; unused rounds land past S and are cut off.
+    out = torch.full((num_layers, num_gpus, slots_total + rounds), -1, dtype=torch.int64, device=local_slots.device)
+    r = torch.arange(rounds, device=local_slots.device)
+    position = torch.where(r.unsqueeze(0) < vexperts.unsqueeze(1), offset.unsqueeze(1) + r, slots_total + r)  # [L, rounds]
+    out.scatter_(2, position.unsqueeze(1).expand(-1, num_gpus, -1), local_slots)
     return out[:, :, :slots_total]
 
 
 def _replica_table(
-    base_gpu: torch.Tensor, slot_expert: torch.Tensor, placed: torch.Tensor
+    base_gpu: torch.Tensor, slot_expert: torch.Tensor, width: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Build replica_gpu / replica_slot [L, E, R] from the resident copy plus every filled slot."""
+    """replica_gpu / replica_slot [L, E, R]: copy 0 is the resident one, then every filled slot in
+    (GPU, slot) order. R = ``width`` (static) or 1 + the most slots any expert fills."""
     num_layers, num_experts = base_gpu.shape
-    _, _num_gpus, slots = slot_expert.shape
-    width = 1 + (int(placed.max()) if placed.numel() else 0)
-    replica_gpu = torch.full((num_layers, num_experts, width), -1, dtype=torch.int64, device=base_gpu.device)
+    _, num_gpus, slots = slot_expert.shape
+    dev = base_gpu.device
+    flat = slot_expert.reshape(num_layers, -1)  # [L, N·S] row-major (gpu, slot)
+    cells = flat.shape[1]
+    expert = torch.where(flat >= 0, flat, num_experts)  # empty slots sort last, into a dropped row
+    if width is None:
+        per_expert = torch.zeros(num_layers, num_experts + 1, dtype=torch.int64, device=dev)
+        per_expert.scatter_add_(1, expert, torch.ones_like(expert))
+        width = 1 + (int(per_expert[:, :num_experts].max()) if cells else 0)
+    position = torch.arange(cells, device=dev)
+    key, order = (expert * max(cells, 1) + position).sort(dim=1)
+    sorted_expert = key // max(cells, 1)
+    start = torch.ones_like(sorted_expert, dtype=torch.bool)
+    start[:, 1:] = sorted_expert[:, 1:] != sorted_expert[:, :-1]
+    run_start = torch.cummax(torch.where(start, position, torch.zeros_like(position)), dim=1).values
+    rank = 1 + position - run_start  # 1-based rank among the expert's slot copies
+    rank = torch.where(rank < width, rank, width)  # beyond the table: dropped column (never with the cap)
+    replica_gpu = torch.full((num_layers, num_experts + 1, width + 1), -1, dtype=torch.int64, device=dev)
     replica_slot = torch.full_like(replica_gpu, -1)
-    replica_gpu[:, :, 0] = base_gpu
-    if width == 1:
-        return replica_gpu, replica_slot
-    # Enumerate filled slots in (gpu, slot) order; each gets rank 1.. among its expert's copies.
-    flat_expert = slot_expert.reshape(num_layers, -1)  # [L, N·S]
-    width_ns = flat_expert.shape[1]
-    layer_sel, pos_sel = torch.nonzero(flat_expert >= 0, as_tuple=True)  # row-major: (layer, gpu, slot)
-    expert_sel = flat_expert[layer_sel, pos_sel]
-    key = (layer_sel * num_experts + expert_sel) * width_ns + pos_sel
-    order = torch.argsort(key)
-    run_key = (layer_sel * num_experts + expert_sel)[order]
-    start = torch.ones_like(run_key, dtype=torch.bool)
-    start[1:] = run_key[1:] != run_key[:-1]
-    index = torch.arange(run_key.shape[0], device=run_key.device)
-    run_start = torch.cummax(torch.where(start, index, torch.zeros_like(index)), 0).values
-    rank = torch.empty_like(index)
-    rank[order] = index - run_start + 1
     slots_safe = max(slots, 1)
-    replica_gpu[layer_sel, expert_sel, rank] = pos_sel // slots_safe
-    replica_slot[layer_sel, expert_sel, rank] = pos_sel % slots_safe
+    replica_gpu.index_put_((torch.arange(num_layers, device=dev).unsqueeze(1).expand_as(rank), sorted_expert, rank), order // slots_safe)
+    replica_slot.index_put_((torch.arange(num_layers, device=dev).unsqueeze(1).expand_as(rank), sorted_expert, rank), order % slots_safe)
+    replica_gpu = replica_gpu[:, :num_experts, :width].contiguous()
+    replica_slot = replica_slot[:, :num_experts, :width].contiguous()
+    replica_gpu[:, :, 0] = base_gpu
     return replica_gpu, replica_slot
+
+
+class GraphedAllocator:
+    """:func:`allocate` captured once in a CUDA graph for fixed shapes, replayed per allocation.
+
+    A plain eager allocation launches a few hundred small kernels, each paying Python and launch
+    overhead; replaying the captured graph pays it once. Outputs are cloned so a returned
+    :class:`Plan` stays valid across later calls.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        num_gpus: int,
+        config: AllocatorConfig | None = None,
+        profile: PerformanceProfile | None = None,
+        consts: InferenceConstants | None = None,
+        device: str | torch.device = "cuda",
+    ) -> None:
+        self.num_gpus = num_gpus
+        self.config = config or AllocatorConfig()
+        self.config.validate()
+        self.profile = profile or PerformanceProfile()
+        self.consts = consts or InferenceConstants(experts_per_gpu=max(1, num_experts // num_gpus))
+        self.counts = torch.zeros(num_layers, num_experts, device=device)
+        self.base_gpu = torch.arange(num_experts, device=device).repeat(num_layers, 1) // (num_experts // num_gpus)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._out: Plan | None = None
+
+    def _run(self) -> Plan:
+        return allocate(self.counts, self.base_gpu, self.num_gpus, self.config, self.profile, self.consts, static=True)
+
+    def __call__(self, counts: torch.Tensor, base_gpu: torch.Tensor) -> Plan:
+        _validate_counts(counts, base_gpu)
+        validate_base_placement(base_gpu, self.num_gpus)
+        self.counts.copy_(counts, non_blocking=True)
+        self.base_gpu.copy_(base_gpu, non_blocking=True)
+        if self.graph is None:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up caches (combinations, allocator pools) outside capture
+                    self._run()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._out = self._run()
+        self.graph.replay()
+        assert self._out is not None
+        return Plan(*(getattr(self._out, f).clone() for f in Plan.__dataclass_fields__))

@@ -73,7 +73,7 @@ class RoutingTable:
 
 def table_from_plan(plan: Plan, plan_id: int) -> RoutingTable:
     """Translate an allocator :class:`Plan` into the table workers route with."""
-    num_layers, num_experts, _ = plan.replica_gpu.shape
+    num_experts = plan.replica_gpu.shape[1]
     stride = num_experts // plan.num_gpus + plan.slots_per_gpu
     phys = plan.physical_ids()
     local = torch.where(plan.replica_gpu >= 0, phys - plan.replica_gpu * stride, torch.full_like(phys, -1))
@@ -204,6 +204,7 @@ def ep_moe_layer(
     rank: int,
     world: int,
     group: dist.ProcessGroup | None,
+    after_compute: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, LayerStats]:
     """One MoE layer on this rank's tokens, expert-parallel.
 
@@ -213,6 +214,8 @@ def ep_moe_layer(
         local_weight: j ↦ packed weights [3·I·H] of local expert j (base 0..E/N−1, slot E/N + s).
         expert_fn: (rows [T, H], packed weights) ↦ [T, H].
         shared_out: [B, H] shared-expert output or None.
+        after_compute: called once the expert compute no longer reads any weights (before the
+            combine); the worker releases its slot buffer there.
     Returns (y [B, H], stats).
     """
     batch, top_k = ids.shape
@@ -241,6 +244,8 @@ def ep_moe_layer(
             index = by_expert[start : start + n]
             results[index] = expert_fn(rows[index], local_weight(j))
             start += n
+    if after_compute is not None:
+        after_compute()
 
     back = _exchange(results, recv_splits, send_splits, group)
     outputs = torch.empty(batch * top_k, hidden, dtype=back.dtype)

@@ -25,7 +25,7 @@ def hottest_experts(hotness: torch.Tensor, pooled: int) -> torch.Tensor:
 
     Args: hotness [L, E] float. Returns [L, Np] int64.
     """
-    num_layers, num_experts = hotness.shape
+    num_experts = hotness.shape[1]
     pooled = min(pooled, num_experts)
     # Stable tie-break by id: sort by (−hotness, id).
     order = torch.argsort(-hotness.to(torch.float64), dim=1, stable=True)[:, :pooled]

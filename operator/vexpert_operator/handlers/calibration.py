@@ -1,0 +1,26 @@
+"""Calibration Jobs and profiles: any change wakes the deployments that may be waiting for them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from .. import naming as nm
+from ..api import GROUP, MODEL_PROFILE_PLURAL, NODE_PROFILE_PLURAL, VERSION
+from .deployment import wake_all
+
+
+@kopf.on.event("batch", "v1", "jobs", labels={nm.LABEL_ROLE: nm.ROLE_CALIBRATION, nm.LABEL_MANAGED_BY: nm.MANAGED_BY})
+def calibration_job_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    wake_all(memo, body.metadata.namespace)
+
+
+@kopf.on.event(GROUP, VERSION, NODE_PROFILE_PLURAL)
+def node_profile_changed(memo: kopf.Memo, **_: Any) -> None:
+    wake_all(memo, None)
+
+
+@kopf.on.event(GROUP, VERSION, MODEL_PROFILE_PLURAL)
+def model_profile_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    wake_all(memo, body.metadata.namespace)

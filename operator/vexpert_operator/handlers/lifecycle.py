@@ -1,0 +1,48 @@
+"""Operator start-up, login and clean-up."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import kopf
+
+from .. import kube, metrics
+from ..naming import FINALIZER
+from ..settings import OperatorSettings
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+    config = OperatorSettings.from_env()
+    memo["config"] = config
+    memo["client"] = kube.KubeClient(kube.logged_in_connection)
+    memo["wakeups"] = {}
+    memo["locks"] = {}
+    memo["counted_jobs"] = set()
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="vexpert.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="vexpert.io", key="last-handled-configuration")
+    settings.posting.reporting_component = "vexpert-operator"
+    settings.posting.level = 20  # INFO and above from kopf.info/warning become Events
+    settings.watching.reconnect_backoff = config.watch_reconnect_s
+    settings.execution.max_workers = 8
+    metrics.DEPLOYMENT_PHASES.reset()
+    metrics.serve(config.metrics_port)
+    logger.info("vexpert-operator configured: %s", config.model_dump())
+
+
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    return kube.remember_login(kube.connection_from_environment())
+
+
+@kopf.on.cleanup()
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    client = memo.get("client")
+    if client is not None:
+        await client.close()
+    for event in memo.get("wakeups", {}).values():
+        event.set()
+    await asyncio.sleep(0)

@@ -1,0 +1,246 @@
+"""The tuning loop's decisions: k (allocation interval) and Np (pinned experts). Pure functions.
+
+Inputs are the node pods' Prometheus metrics (port ``runtime.metricsPort``):
+
+=====================================  ==============================================================
+``vexpert_balance_ratio``              mean over layers of mean/max GPU load (SGLang's balancedness)
+``vexpert_balance_ratio_after_allocation``  the same, right after the latest allocation (optional)
+``vexpert_balance_decay``              relative balance lost between allocations (optional; else
+                                       computed from the two above)
+``vexpert_tokens_per_second``          decode throughput of the pod
+``vexpert_allocator_seconds``          time of one allocation
+``vexpert_step_seconds``               time of one decode step
+``vexpert_allocation_interval``        k the runtime is using (shows the ConfigMap was applied)
+``vexpert_pooled_experts``             Np the runtime is using
+``vexpert_degraded``                   1 while the pod runs degraded (e.g. slots not filled in time)
+``vexpert_pool_hit_ratio``             share of wanted vExperts found in the pinned pool (optional)
+``vexpert_pinned_memory_pressure``     pinned bytes / memory limit (optional)
+=====================================  ==============================================================
+
+Rules (each with a dead band, so a value near a threshold does not flap):
+
+* k shorter (÷ step) when the balance decays by more than ``decay_high`` between allocations and
+  the allocator is cheap; k longer (× step) when the allocator takes more than ``share_high`` of
+  step time (amortised over k) and the balance barely decays (< ``decay_low``).
+* Np is as large as node memory allows (the cap). It shrinks (× ``np_shrink``) only when pinned
+  memory pressure exceeds ``pressure_high``, and grows back toward the cap when the pool misses
+  (hit ratio < ``hit_low``) and pressure is below ``pressure_low``.
+* No change until every pod reports the current k and Np (the previous decision has taken effect),
+  at most one change per parameter per ``cooldown`` decisions, nothing while degraded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+MAX_METRICS_BYTES = 512 * 1024
+MAX_SAMPLES = 5000
+
+KNOWN_GAUGES = (
+    "vexpert_balance_ratio",
+    "vexpert_balance_ratio_after_allocation",
+    "vexpert_balance_decay",
+    "vexpert_tokens_per_second",
+    "vexpert_allocator_seconds",
+    "vexpert_step_seconds",
+    "vexpert_allocation_interval",
+    "vexpert_pooled_experts",
+    "vexpert_degraded",
+    "vexpert_pool_hit_ratio",
+    "vexpert_pinned_memory_pressure",
+)
+
+
+class MetricsError(ValueError):
+    pass
+
+
+def parse_runtime_metrics(text: str | bytes, max_bytes: int = MAX_METRICS_BYTES) -> dict[str, float]:
+    """Prometheus text → {gauge: value} for the known gauges (mean over label sets).
+
+    Bounded: bodies over ``max_bytes`` or with more than ``MAX_SAMPLES`` samples are refused.
+    Non-finite values are dropped.
+    """
+    if isinstance(text, bytes):
+        if len(text) > max_bytes:
+            raise MetricsError(f"metrics body over {max_bytes} bytes")
+        text = text.decode("utf-8", errors="replace")
+    elif len(text.encode()) > max_bytes:
+        raise MetricsError(f"metrics body over {max_bytes} bytes")
+    values: dict[str, list[float]] = {}
+    count = 0
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                count += 1
+                if count > MAX_SAMPLES:
+                    raise MetricsError(f"more than {MAX_SAMPLES} samples")
+                if sample.name in KNOWN_GAUGES and math.isfinite(sample.value):
+                    values.setdefault(sample.name, []).append(float(sample.value))
+    except MetricsError:
+        raise
+    except Exception as exc:  # the parser raises ValueError/TypeError/IndexError on bad input
+        raise MetricsError(f"unparsable metrics: {exc}") from None
+    return {name: sum(v) / len(v) for name, v in values.items()}
+
+
+@dataclass(frozen=True)
+class RuntimeSample:
+    """All node pods' metrics folded into one view of the group."""
+
+    pods: int
+    balance_ratio: float | None = None
+    balance_decay: float | None = None
+    tokens_per_second: float | None = None
+    allocator_share: float | None = None
+    reported_k: set[int] = field(default_factory=set)
+    reported_np: set[int] = field(default_factory=set)
+    degraded_pods: int = 0
+    pool_hit_ratio: float | None = None
+    memory_pressure: float | None = None
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def aggregate(per_pod: Iterable[Mapping[str, float]]) -> RuntimeSample:
+    pods = list(per_pod)
+    balance = [p["vexpert_balance_ratio"] for p in pods if "vexpert_balance_ratio" in p]
+    decays: list[float] = []
+    shares: list[float] = []
+    for p in pods:
+        if "vexpert_balance_decay" in p:
+            decays.append(max(0.0, p["vexpert_balance_decay"]))
+        elif p.get("vexpert_balance_ratio_after_allocation", 0) > 0 and "vexpert_balance_ratio" in p:
+            after = p["vexpert_balance_ratio_after_allocation"]
+            decays.append(max(0.0, (after - p["vexpert_balance_ratio"]) / after))
+        k = p.get("vexpert_allocation_interval", 0)
+        if p.get("vexpert_step_seconds", 0) > 0 and k > 0 and "vexpert_allocator_seconds" in p:
+            shares.append(p["vexpert_allocator_seconds"] / (k * p["vexpert_step_seconds"]))
+    tokens = [p["vexpert_tokens_per_second"] for p in pods if "vexpert_tokens_per_second" in p]
+    hits = [p["vexpert_pool_hit_ratio"] for p in pods if "vexpert_pool_hit_ratio" in p]
+    pressure = [p["vexpert_pinned_memory_pressure"] for p in pods if "vexpert_pinned_memory_pressure" in p]
+    return RuntimeSample(
+        pods=len(pods),
+        balance_ratio=_mean(balance),
+        balance_decay=max(decays) if decays else None,
+        tokens_per_second=sum(tokens) if tokens else None,
+        allocator_share=max(shares) if shares else None,
+        reported_k={round(p["vexpert_allocation_interval"]) for p in pods if "vexpert_allocation_interval" in p},
+        reported_np={round(p["vexpert_pooled_experts"]) for p in pods if "vexpert_pooled_experts" in p},
+        degraded_pods=sum(1 for p in pods if p.get("vexpert_degraded", 0) > 0),
+        pool_hit_ratio=min(hits) if hits else None,
+        memory_pressure=max(pressure) if pressure else None,
+    )
+
+
+@dataclass(frozen=True)
+class TuningPolicy:
+    decay_high: float = 0.10
+    decay_low: float = 0.05
+    share_high: float = 0.05
+    share_low: float = 0.02
+    k_step: float = 1.5
+    pressure_high: float = 0.90
+    pressure_low: float = 0.75
+    hit_low: float = 0.95
+    np_shrink: float = 0.8
+    np_grow: float = 1.25
+    cooldown: int = 2  # decisions to wait after a change of the same parameter
+
+
+@dataclass(frozen=True)
+class TuningState:
+    allocation_interval: int
+    pooled_experts: int
+    k_mode: str  # auto | fixed
+    k_min: int
+    k_max: int
+    np_mode: str
+    np_min: int
+    np_cap: int
+    decisions_since_k_change: int = 1_000
+    decisions_since_np_change: int = 1_000
+
+
+@dataclass(frozen=True)
+class TuningDecision:
+    allocation_interval: int
+    pooled_experts: int
+    reason: str
+    k_changed: bool = False
+    np_changed: bool = False
+
+    @property
+    def changed(self) -> bool:
+        return self.k_changed or self.np_changed
+
+
+def _decide_k(state: TuningState, sample: RuntimeSample, policy: TuningPolicy) -> tuple[int, str]:
+    k = state.allocation_interval
+    if state.k_mode == "fixed":
+        return k, f"k fixed at {k}"
+    if state.decisions_since_k_change < policy.cooldown:
+        return k, f"k {k} held (cooldown after the last change)"
+    decay, share = sample.balance_decay, sample.allocator_share
+    if decay is None and share is None:
+        return k, f"k {k} held (no balance-decay or allocator-time data)"
+    if share is not None and share > policy.share_high and (decay is None or decay < policy.decay_low):
+        new = min(state.k_max, max(k + 1, math.ceil(k * policy.k_step)))
+        if new != k:
+            return new, f"k {k}→{new}: allocator is {share:.1%} of step time (> {policy.share_high:.0%})"
+        return k, f"k {k} at its upper bound though the allocator is {share:.1%} of step time"
+    if decay is not None and decay > policy.decay_high and (share is None or share < policy.share_low):
+        new = max(state.k_min, min(k - 1, math.floor(k / policy.k_step)))
+        if new != k:
+            return new, f"k {k}→{new}: balance decays {decay:.1%} between allocations (> {policy.decay_high:.0%})"
+        return k, f"k {k} at its lower bound though the balance decays {decay:.1%}"
+    parts = []
+    if decay is not None:
+        parts.append(f"decay {decay:.1%}")
+    if share is not None:
+        parts.append(f"allocator {share:.1%} of step")
+    return k, f"k {k} held ({', '.join(parts)} within the dead band)"
+
+
+def _decide_np(state: TuningState, sample: RuntimeSample, policy: TuningPolicy) -> tuple[int, str]:
+    n = state.pooled_experts
+    if state.np_mode == "fixed":
+        return n, f"Np fixed at {n}"
+    if n > state.np_cap:
+        return state.np_cap, f"Np {n}→{state.np_cap}: above what node memory allows"
+    if state.decisions_since_np_change < policy.cooldown:
+        return n, f"Np {n} held (cooldown after the last change)"
+    pressure, hits = sample.memory_pressure, sample.pool_hit_ratio
+    if pressure is not None and pressure > policy.pressure_high:
+        new = max(state.np_min, min(n - 1, math.floor(n * policy.np_shrink)))
+        if new != n:
+            return new, f"Np {n}→{new}: pinned memory pressure {pressure:.0%} (> {policy.pressure_high:.0%})"
+        return n, f"Np {n} at its lower bound under memory pressure {pressure:.0%}"
+    if n < state.np_cap and hits is not None and hits < policy.hit_low and (
+            pressure is None or pressure < policy.pressure_low):
+        new = min(state.np_cap, max(n + 1, math.ceil(n * policy.np_grow)))
+        return new, f"Np {n}→{new}: pool hit ratio {hits:.0%} (< {policy.hit_low:.0%}), memory allows {state.np_cap}"
+    if n == state.np_cap:
+        return n, f"Np {n} = as many as node memory allows"
+    return n, f"Np {n} held (cap {state.np_cap})"
+
+
+def decide_tuning(state: TuningState, sample: RuntimeSample, policy: TuningPolicy | None = None) -> TuningDecision:
+    policy = policy or TuningPolicy()
+    k, n = state.allocation_interval, state.pooled_experts
+    if sample.pods == 0:
+        return TuningDecision(k, n, "no runtime metrics yet")
+    if sample.degraded_pods:
+        return TuningDecision(k, n, f"held: {sample.degraded_pods} pod(s) report degraded")
+    if (sample.reported_k and sample.reported_k != {k}) or (sample.reported_np and sample.reported_np != {n}):
+        return TuningDecision(k, n, f"held: waiting for the runtime to apply k={k}, Np={n} "
+                                    f"(reports k={sorted(sample.reported_k)}, Np={sorted(sample.reported_np)})")
+    new_k, why_k = _decide_k(state, sample, policy)
+    new_n, why_n = _decide_np(state, sample, policy)
+    return TuningDecision(new_k, new_n, f"{why_k}; {why_n}", k_changed=new_k != k, np_changed=new_n != n)

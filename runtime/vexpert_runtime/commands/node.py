@@ -1,0 +1,109 @@
+"""``vexpert node --config FILE``: run one node (coordinator + one worker per GPU, or CPU workers)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "node",
+        help="run one vExpert node: coordinator + workers (the pod's main process)",
+        description=(
+            "Run the coordinator and one worker per visible GPU (or --cpu-workers N CPU workers) under a "
+            "RuntimeConfig rendered by the operator. The node serves Prometheus metrics on runtime.metrics_port, "
+            "re-reads the file's tuning section (k, Np) when it changes, and stops cleanly on SIGTERM. Without a "
+            "serving frontend it drives a synthetic decode load (optionally skewed with bundled real loads)."
+        ),
+    )
+    parser.add_argument("--config", required=True, help="runtime.yaml (RuntimeConfig, YAML or JSON)")
+    parser.add_argument("--cpu-workers", type=int, default=None, help="run N CPU worker processes instead of GPUs")
+    parser.add_argument("--iterations", type=int, default=None, help="stop after N iterations (default: until SIGTERM)")
+    parser.add_argument("--tokens-per-worker", type=int, default=64, help="synthetic decode batch per worker")
+    parser.add_argument(
+        "--load",
+        default="",
+        help="comma-separated bundled:NAME:ITERS phases that skew the router with real loads (default: unskewed)",
+    )
+    parser.add_argument("--verify", action="store_true", help="check every step against the single-process reference")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(handler=run)
+
+
+def _workload(args: argparse.Namespace, spec: Any) -> Any:
+    from ..errors import VExpertInputError
+    from ..trace import BUNDLED_PREFIX, parse_phase
+    from ..workload import Workload, drifting_workload
+
+    if args.tokens_per_worker < 1:
+        raise VExpertInputError("--tokens-per-worker", f"must be ≥ 1, got {args.tokens_per_worker}")
+    if not args.load:
+        return Workload(tokens_per_worker=args.tokens_per_worker, seed=args.seed)
+    phases = []
+    for item in args.load.split(","):
+        phase = parse_phase(item.strip())
+        if not phase.source.startswith(BUNDLED_PREFIX):
+            raise VExpertInputError("--load", f"{phase.source!r} is not a bundled load", "use bundled:NAME:ITERS")
+        phases.append((phase.source[len(BUNDLED_PREFIX) :], phase.iterations))
+    return drifting_workload(tuple(phases), spec.num_layers, spec.num_experts, args.tokens_per_worker, args.seed)
+
+
+def run(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from ..checkpoint import write_tiny_checkpoint
+    from ..config import load_runtime_config
+    from ..errors import VExpertInputError
+    from ..node import NodeOptions, NodeRuntime, install_signal_handlers, resolve_setup
+    from ..workload import demo_model_spec
+
+    if args.cpu_workers is not None and args.cpu_workers < 1:
+        raise VExpertInputError("--cpu-workers", f"must be ≥ 1, got {args.cpu_workers}")
+    if args.iterations is not None and args.iterations < 1:
+        raise VExpertInputError("--iterations", f"must be ≥ 1, got {args.iterations}")
+    config_path = Path(args.config)
+    config = load_runtime_config(config_path)
+
+    def log(line: str) -> None:
+        print(f"vexpert node: {line}", file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="vexpert-node-") as tmp:
+        checkpoint = config.model.checkpoint_path
+        if not checkpoint:
+            checkpoint = str(write_tiny_checkpoint(Path(tmp) / "demo-model", demo_model_spec(), seed=args.seed))
+            log(f"no model.checkpoint_path: using the built-in demo model ({checkpoint})")
+        setup = resolve_setup(config, checkpoint, cpu_workers=args.cpu_workers)
+        mem = setup.memory
+        log(
+            f"{setup.local_workers} {setup.device} workers (EP ranks {setup.ranks[0]}..{setup.ranks[-1]} of {setup.world}), "
+            f"{setup.spec.num_layers} MoE layers × {setup.spec.num_experts} experts, Np={setup.pooled}, k={setup.k}, "
+            f"L2 pool {mem.pool_bytes} B, L1 slots {mem.slot_bytes_per_worker} B per worker"
+        )
+
+        def progress(p: Any) -> None:
+            log(
+                f"iter {p.iteration} plan {p.plan_id}: balance static {p.static_balance:.3f} → {p.vexpert_balance:.3f}, "
+                f"{p.tokens_per_s:.0f} tok/s, degraded groups {p.degraded_groups}"
+                + (f", max rel err {p.max_rel_error:.1e}" if p.max_rel_error is not None else "")
+            )
+
+        options = NodeOptions(
+            workload=_workload(args, setup.spec),
+            iterations=args.iterations,
+            verify=args.verify,
+            config_path=config_path,
+            progress=progress,
+            on_metrics=lambda port: log(f"metrics on :{port}/metrics"),
+            log=log,
+        )
+        runtime = NodeRuntime(setup, options)
+        install_signal_handlers(runtime)
+        report = runtime.run()
+    log(
+        f"stopped after {report.iterations} iterations: balance static {report.static_balance:.3f} → "
+        f"{report.vexpert_balance:.3f}, {report.tokens_per_s:.0f} tokens/s"
+    )
+    return 0

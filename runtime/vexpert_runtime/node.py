@@ -1,0 +1,1042 @@
+"""One vExpert node: a coordinator (this process) and one worker process per GPU (or CPU worker).
+
+* The **coordinator** owns the L2 expert pool, fills the workers' L1 slots through the
+  :mod:`~vexpert_runtime.protocol` fill loop (a thread running one group ahead of the workers), runs
+  the allocator every ``k`` iterations on the all-reduced expert counts, serves the node's metrics,
+  re-reads the config file's ``tuning`` section when it changes, verifies outputs against the
+  single-process reference on request, and shuts everything down cleanly.
+* Each **worker** is one EP rank: it holds its base experts, routes its tokens, and runs the EP MoE
+  forward (:mod:`~vexpert_runtime.ep_moe`) with the other workers over torch.distributed (gloo on
+  CPU), computing with the slots the coordinator filled.
+
+Workers die with the coordinator (``PR_SET_PDEATHSIG``) and are terminated on any error, so no
+process outlives a node; slots are torch shared-memory tensors whose /dev/shm files are unlinked at
+creation, so none can leak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .allocator import AllocatorConfig, allocate
+from .checkpoint import CheckpointReader, MoESpec, read_model_spec
+from .config import RuntimeConfig, TuningConfig, load_runtime_config
+from .ep_moe import RoutingTable, base_experts, ep_moe_layer, static_table, table_from_plan
+from .errors import VExpertInputError
+from .expert_pool import ExpertPool, hottest_experts
+from .metrics import NodeMetrics
+from .moe_math import packed_ffn, relative_error, rms_norm, shared_forward
+from .perf_model import InferenceConstants
+from .placement import balance_ratio, base_gpu_loads, static_placement
+from .profile import PerformanceProfile
+from .protocol import Assignment, FillLoop, SharedState, SlotFiller, WorkerSlots, agree
+from .reference import ModelWeights, reference_forward
+from .routing import route
+from .slots import SlotLayout, group_layers, sequence
+from .transport import make_transport
+from .workload import Workload
+
+COLLECTIVE_TIMEOUT_S = 120.0
+STARTUP_TIMEOUT_S = 180.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup: everything resolved and validated before any process starts
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes the node will use: L2 pool (coordinator), per worker L1 slots and base experts."""
+
+    pool_bytes: int
+    slot_bytes_per_worker: int
+    base_bytes_per_worker: int
+    workers: int
+    device: str
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory: the pool, plus on CPU every worker's slots and base experts."""
+        per_worker = self.slot_bytes_per_worker + self.base_bytes_per_worker if self.device == "cpu" else 0
+        return self.pool_bytes + self.workers * per_worker
+
+
+@dataclass(frozen=True)
+class NodeSetup:
+    """A node's resolved configuration."""
+
+    checkpoint: Path
+    spec: MoESpec
+    dtype: str
+    device: str
+    local_workers: int
+    world: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    group_size: int
+    vmax: int
+    balance_threshold: float
+    k: int
+    pooled: int
+    metrics_port: int
+    slot_fill_timeout_s: float
+    host_memory_limit_bytes: int | None
+    profile: PerformanceProfile
+    memory: MemoryPlan
+    metrics_addr: str = "0.0.0.0"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
+
+    @property
+    def slots(self) -> int:
+        """S = G·vmax slots per buffer."""
+        return self.group_size * self.vmax
+
+    @property
+    def ranks(self) -> list[int]:
+        """EP ranks of this node's workers."""
+        return [self.node_rank * self.local_workers + i for i in range(self.local_workers)]
+
+
+def memory_plan(spec: MoESpec, dtype: torch.dtype, pooled: int, slots: int, world: int, workers: int, device: str) -> MemoryPlan:
+    expert = spec.expert_bytes(dtype)
+    return MemoryPlan(
+        pool_bytes=spec.num_layers * pooled * expert,
+        slot_bytes_per_worker=SlotLayout(slots, spec.expert_numel, dtype).bytes_per_worker,
+        base_bytes_per_worker=spec.num_layers * (spec.num_experts // world) * expert,
+        workers=workers,
+        device=device,
+    )
+
+
+def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: int | None = None) -> NodeSetup:
+    """Validate ``config`` against the machine and the checkpoint; raise :class:`VExpertInputError`
+    (one clear line, exit 2) on the first problem. Nothing is started here."""
+    device = "cpu" if cpu_workers else config.runtime.device
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise VExpertInputError(
+                "runtime.device",
+                "cuda was requested but no CUDA device is visible",
+                "set runtime.device: cpu and runtime.cpu_workers: N, or pass --cpu-workers N",
+            )
+        raise VExpertInputError(
+            "runtime.device",
+            "the CUDA worker path is not built yet (the CPU twin runs the same protocol)",
+            "run with --cpu-workers N until the GPU fast path lands",
+        )
+    par = config.parallelism
+    local = cpu_workers or config.runtime.cpu_workers or par.gpus_per_node
+    node_rank = int(os.environ.get("VEXPERT_NODE_RANK", par.node_rank))
+    world = par.num_nodes * local
+    if node_rank >= par.num_nodes:
+        raise VExpertInputError("parallelism.node_rank", f"{node_rank} ≥ number of nodes {par.num_nodes}")
+    spec = read_model_spec(checkpoint, config.model.architecture)
+    CheckpointReader(checkpoint, spec).validate()
+    if spec.num_experts % world:
+        raise VExpertInputError(
+            "runtime.cpu_workers" if device == "cpu" else "parallelism.expert_parallel_size",
+            f"{spec.num_experts} experts cannot be split evenly over {world} EP ranks",
+            "use a rank count that divides the expert count",
+        )
+    pooled = config.tuning.pooled_experts or spec.num_experts
+    check_pooled(pooled, spec.num_experts)
+    knobs = config.vexpert
+    dtype: torch.dtype = getattr(torch, config.model.dtype)
+    memory = memory_plan(spec, dtype, pooled, knobs.group_size * knobs.vmax, world, local, device)
+    check_memory(memory, config.runtime.host_memory_limit_bytes)
+    return NodeSetup(
+        checkpoint=Path(checkpoint),
+        spec=spec,
+        dtype=config.model.dtype,
+        device=device,
+        local_workers=local,
+        world=world,
+        node_rank=node_rank,
+        master_addr=par.master_addr,
+        master_port=par.master_port,
+        group_size=knobs.group_size,
+        vmax=knobs.vmax,
+        balance_threshold=knobs.balance_threshold,
+        k=config.tuning.allocation_interval,
+        pooled=pooled,
+        metrics_port=config.runtime.metrics_port,
+        slot_fill_timeout_s=config.runtime.slot_fill_timeout_s,
+        host_memory_limit_bytes=config.runtime.host_memory_limit_bytes,
+        profile=config.profile,
+        memory=memory,
+    )
+
+
+def check_pooled(pooled: int, num_experts: int) -> None:
+    if not 1 <= pooled <= num_experts:
+        raise VExpertInputError(
+            "tuning.pooled_experts",
+            f"Np={pooled} does not fit the model's {num_experts} routed experts per layer",
+            f"use 1 ≤ Np ≤ {num_experts} (or leave it unset for all)",
+        )
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_memory(memory: MemoryPlan, limit: int | None) -> None:
+    """The pool and slots must fit the configured limit, the machine and (CPU) /dev/shm."""
+    need = memory.host_bytes
+    detail = (
+        f"pool {memory.pool_bytes} B + {memory.workers} workers × (slots {memory.slot_bytes_per_worker} B"
+        + (f" + base experts {memory.base_bytes_per_worker} B" if memory.device == "cpu" else "")
+        + f") = {need} B"
+    )
+    if limit is not None and need > limit:
+        raise VExpertInputError(
+            "runtime.host_memory_limit_bytes",
+            f"{detail} exceeds the limit of {limit} B",
+            "lower tuning.pooled_experts or vexpert.vmax, or raise the limit",
+        )
+    available = _available_memory()
+    if available is not None and need > available:
+        raise VExpertInputError(
+            "tuning.pooled_experts", f"{detail} exceeds the {available} B of memory available", "lower Np or vmax"
+        )
+    if memory.device == "cpu" and Path("/dev/shm").is_dir():
+        shm_free = shutil.disk_usage("/dev/shm").free
+        slots = memory.workers * memory.slot_bytes_per_worker
+        if slots > shm_free:
+            raise VExpertInputError(
+                "vexpert.vmax",
+                f"slot buffers need {slots} B of shared memory, /dev/shm has {shm_free} B free",
+                "lower vmax or group_size, or enlarge /dev/shm",
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Options and report
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Progress:
+    """What the node reports after each allocation window (the demo's progress line)."""
+
+    iteration: int
+    total: int | None
+    phase: str
+    static_balance: float
+    vexpert_balance: float
+    tokens_per_s: float
+    vexperts: list[int]
+    plan_id: int
+    max_rel_error: float | None
+    bytes_streamed: int
+    degraded_groups: int
+
+
+@dataclass
+class NodeOptions:
+    """How to drive the node (not part of the operator's config)."""
+
+    workload: Workload = field(default_factory=Workload)
+    iterations: int | None = None  # None: until stopped (SIGTERM)
+    verify: bool = False
+    config_path: Path | None = None  # re-read ``tuning`` when this file changes
+    progress: Callable[[Progress], None] | None = None
+    allocate: bool = True  # run the allocator every k iterations
+    scripted_plans: dict[int, Any] = field(default_factory=dict)  # iteration → Plan (tests)
+    fill_delays: dict[int, float] = field(default_factory=dict)  # sequence → seconds (tests)
+    allocator_delay_s: float = 0.0  # extra allocator latency (tests)
+    record: bool = False  # keep per-rank details in the records (tests)
+    metrics_addr: str | None = None
+    on_metrics: Callable[[int], None] | None = None  # called with the bound port once serving
+    log: Callable[[str], None] | None = None
+
+
+@dataclass
+class IterationRecord:
+    """One iteration as the coordinator saw it."""
+
+    iteration: int
+    step_s: float = 0.0
+    wait_s: float = 0.0
+    degraded_groups: int = 0
+    plan_ids: list[int] = field(default_factory=list)  # per group
+    static_balance: float | None = None
+    vexpert_balance: float | None = None
+    rel_error: float | None = None
+    computed: dict[int, list[list[int]]] = field(default_factory=dict)  # rank → [L][E/N + S] (record)
+    slot_checksums: dict[int, list[list[str]]] = field(default_factory=dict)  # rank → per group, slot (record)
+    reports: int = 0
+
+
+@dataclass
+class NodeReport:
+    """Summary of a finished run."""
+
+    iterations: int
+    static_balance: float
+    vexpert_balance: float
+    tokens_per_s: float
+    max_rel_error: float | None
+    slot_bytes_per_worker: int
+    pool_bytes: int
+    bytes_streamed: int
+    plan_switches: list[tuple[int, int]]
+    allocations: int
+    allocator_s: list[float]
+    degraded_groups: int
+    metrics_port: int | None
+    records: list[IterationRecord]
+    metrics_text: str = ""
+    pooled: int = 0
+    k: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker process
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerArgs:
+    """Everything a worker process needs (pickled at spawn)."""
+
+    local_rank: int
+    rank: int
+    world: int
+    master_addr: str
+    master_port: int
+    checkpoint: str
+    spec: MoESpec
+    dtype: str
+    device: str
+    slots: int
+    group_size: int
+    k: int
+    timeout_s: float
+    workload: Workload
+    shared: SharedState
+    results: Any
+    control: Any
+    parent_pid: int
+    verify: bool
+    record: bool
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Make the kernel kill this worker when the coordinator dies (no orphans)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def worker_main(args: WorkerArgs) -> None:
+    """Entry point of a worker process."""
+    _die_with_parent(args.parent_pid)
+    torch.set_num_threads(1)
+    try:
+        _Worker(args).run()
+    except VExpertInputError as exc:
+        args.results.put(("input_error", args.rank, exc.field, exc.problem, exc.fix))
+    except BaseException:
+        args.results.put(("error", args.rank, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+class _Worker:
+    def __init__(self, args: WorkerArgs) -> None:
+        self.args = args
+        spec = args.spec
+        self.spec = spec
+        self.dtype: torch.dtype = getattr(torch, args.dtype)
+        self.per_gpu = spec.num_experts // args.world
+        self.groups = group_layers(spec.num_layers, args.group_size)
+        self.tables: dict[int, RoutingTable] = {
+            0: static_table(spec.num_layers, spec.num_experts, args.world, args.slots)
+        }
+
+    def _table(self, plan_id: int) -> RoutingTable:
+        """The routing table of ``plan_id`` (the coordinator queues it before announcing it)."""
+        while plan_id not in self.tables:
+            msg = self.args.control.get(timeout=COLLECTIVE_TIMEOUT_S)
+            self.tables[msg.plan_id] = msg
+        for old in [p for p in self.tables if 0 < p < plan_id - 4]:
+            del self.tables[old]
+        return self.tables[plan_id]
+
+    def run(self) -> None:
+        import torch.distributed as dist
+
+        args, spec = self.args, self.spec
+        transport = make_transport(args.device, args.local_rank)
+        buffers = transport.allocate_slots(args.slots, spec.expert_numel, self.dtype)
+        args.results.put(("slots", args.local_rank, transport.export(buffers)))
+        reader = CheckpointReader(args.checkpoint, spec)
+        layers = range(spec.num_layers)
+        self.routers = [reader.router(i) for i in layers]
+        self.shared = [reader.shared(i, self.dtype) for i in layers]
+        mine = base_experts(spec.num_experts, args.world, args.rank)
+        self.base = [reader.experts(i, mine, self.dtype) for i in layers]
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{args.master_addr}:{args.master_port}",
+            rank=args.rank,
+            world_size=args.world,
+            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        self.group = dist.group.WORLD if args.world > 1 else None
+        self.slots = WorkerSlots(args.shared, args.local_rank, buffers, args.timeout_s)
+        args.results.put(("ready", args.rank))
+        self._loop()
+        args.results.put(("done", args.rank))
+
+    def _loop(self) -> None:
+        import torch.distributed as dist
+
+        args, spec = self.args, self.spec
+        num_local = self.per_gpu + args.slots
+        k = args.k
+        window: list[torch.Tensor] = []
+        window_start = 0
+        iteration = 0
+        while True:
+            start = time.perf_counter()
+            h = args.workload.inputs(iteration, args.rank, spec.hidden_size, self.dtype)
+            bias = args.workload.logit_bias(iteration)
+            counts = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.int64)
+            computed = torch.zeros(spec.num_layers, num_local, dtype=torch.int64)
+            waited = 0.0
+            degraded = 0
+            plan_ids: list[int] = []
+            checksums: list[list[str]] = []
+            stop = False
+            for index, layers in enumerate(self.groups):
+                seq = sequence(iteration, index, len(self.groups))
+                ready, header, wait_s = self.slots.acquire(seq)
+                waited += wait_s
+                agreement = agree(ready, header, args.world, self.group)
+                if index == 0:
+                    if agreement.stop:
+                        stop = True
+                        self.slots.release(seq)
+                        break
+                    k = agreement.k or k
+                if agreement.use_plan:
+                    table = self._table(agreement.plan_id)
+                    self.slots.check_tags(seq, table, layers, args.rank)
+                else:
+                    table = self.tables[0]
+                    degraded += 1
+                plan_ids.append(table.plan_id)
+                if args.record:
+                    checksums.append(self._checksums(seq))
+                for position, layer in enumerate(layers):
+                    last = position == len(layers) - 1
+                    h = self._layer(h, layer, seq, table, bias, counts, computed, release=seq if last else None)
+            if stop:
+                if window:
+                    self._flush(window, window_start)
+                return
+            step = time.perf_counter() - start
+            loads = torch.zeros(spec.num_layers, args.world, dtype=torch.int64)
+            loads[:, args.rank] = computed.sum(1)
+            window.append(torch.cat([counts, loads], dim=1))
+            args.results.put(
+                (
+                    "iter",
+                    args.rank,
+                    iteration,
+                    step,
+                    waited,
+                    degraded,
+                    plan_ids,
+                    h.to(torch.float32).numpy() if args.verify else None,
+                    computed.tolist() if args.record else None,
+                    checksums if args.record else None,
+                )
+            )
+            iteration += 1
+            if len(window) >= k:
+                self._flush(window, window_start)
+                window, window_start = [], iteration
+        _ = dist  # the process group is torn down by worker_main
+
+    def _layer(
+        self,
+        h: torch.Tensor,
+        layer: int,
+        seq: int,
+        table: RoutingTable,
+        bias: torch.Tensor | None,
+        counts: torch.Tensor,
+        computed: torch.Tensor,
+        release: int | None,
+    ) -> torch.Tensor:
+        args, spec = self.args, self.spec
+        normed = rms_norm(h)
+        ids, weights = route(normed, self.routers[layer], spec, None if bias is None else bias[layer])
+        counts[layer] = torch.bincount(ids.reshape(-1), minlength=spec.num_experts)
+        base, per_gpu, slots = self.base[layer], self.per_gpu, self.slots
+
+        def local_weight(j: int) -> torch.Tensor:
+            return base[j] if j < per_gpu else slots.slot(seq, j - per_gpu)
+
+        def ffn(rows: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+            return packed_ffn(rows, row, spec.intermediate_size, spec.hidden_size)
+
+        after = None if release is None else (lambda: slots.release(release))
+        y, stats = ep_moe_layer(
+            normed,
+            ids,
+            weights,
+            table,
+            layer,
+            local_weight,
+            ffn,
+            shared_forward(normed, self.shared[layer]),
+            args.rank,
+            args.world,
+            self.group,
+            after_compute=after,
+        )
+        computed[layer] = stats.computed
+        return h + y
+
+    def _checksums(self, seq: int) -> list[str]:
+        from .slots import row_checksum
+
+        return [row_checksum(self.slots.slot(seq, s)) for s in range(self.args.slots)]
+
+    def _flush(self, window: list[torch.Tensor], start: int) -> None:
+        """All-reduce the window's [n, L, E + N] counts/loads; local rank 0 hands them to its coordinator."""
+        import torch.distributed as dist
+
+        data = torch.stack(window)
+        if self.group is not None:
+            dist.all_reduce(data, group=self.group)
+        if self.args.local_rank == 0:
+            self.args.results.put(("window", start, data.numpy()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Coordinator
+# ---------------------------------------------------------------------------------------------
+
+
+class NodeRuntime:
+    """Runs one node until ``options.iterations`` or :meth:`request_stop`."""
+
+    def __init__(self, setup: NodeSetup, options: NodeOptions | None = None) -> None:
+        self.setup = setup
+        self.options = options or NodeOptions()
+        spec = setup.spec
+        self.metrics = NodeMetrics(spec.num_layers)
+        self.abort = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._k = setup.k
+        self._pooled = setup.pooled
+        self._base_gpu = static_placement(spec.num_layers, spec.num_experts, setup.world)
+        self._hotness = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.float64)
+        self._plan_id = 0
+        self._records: dict[int, IterationRecord] = {}
+        self._allocator_s: list[float] = []
+        self._switches: list[tuple[int, int]] = []
+        self._last_plan = -1
+        self._max_error: float | None = None
+        self._bytes_reported = 0
+        self._vexperts = [0] * spec.num_layers
+        self._config_mtime: int | None = None
+        self._last_reload_check = 0.0
+        self._reference: ModelWeights | None = None
+        self._reader = CheckpointReader(setup.checkpoint, spec)
+        self._transport = make_transport(setup.device)
+        self._scripted: dict[int, Assignment] = {}
+        self._assignment: Assignment | None = None
+        self._filler: SlotFiller | None = None
+        self._started_at: float | None = None
+        self._last_iter_at: float | None = None
+        self._window_clock: float | None = None
+        self._metrics_port: int | None = None
+        self._degraded_total = 0
+        self._pending_verify: list[tuple[int, int, np.ndarray]] = []
+
+    # -- public -----------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Stop at the next iteration boundary (all workers agree on it)."""
+        self._stop.set()
+
+    def run(self) -> NodeReport:
+        setup, options = self.setup, self.options
+        ctx = torch.multiprocessing.get_context("spawn")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        procs: list[Any] = []
+        queues: list[Any] = []
+        loop: FillLoop | None = None
+        try:
+            self._start_metrics()
+            self._pool = self._build_pool()
+            self._assignment = Assignment(
+                static_table(setup.spec.num_layers, setup.spec.num_experts, setup.world, setup.slots), self._pool
+            )
+            if options.verify:
+                self._reference = ModelWeights.load(self._reader, setup.torch_dtype)
+            shared = SharedState.create(setup.local_workers, setup.slots, ctx)
+            results = ctx.Queue()
+            controls = [ctx.Queue() for _ in range(setup.local_workers)]
+            queues = [results, *controls]
+            self._prepare_scripted(controls)
+            for local, rank in enumerate(setup.ranks):
+                args = WorkerArgs(
+                    local_rank=local,
+                    rank=rank,
+                    world=setup.world,
+                    master_addr=setup.master_addr,
+                    master_port=setup.master_port,
+                    checkpoint=str(setup.checkpoint),
+                    spec=setup.spec,
+                    dtype=setup.dtype,
+                    device=setup.device,
+                    slots=setup.slots,
+                    group_size=setup.group_size,
+                    k=setup.k,
+                    timeout_s=setup.slot_fill_timeout_s,
+                    workload=options.workload,
+                    shared=shared,
+                    results=results,
+                    control=controls[local],
+                    parent_pid=os.getpid(),
+                    verify=options.verify,
+                    record=options.record,
+                )
+                proc = ctx.Process(target=worker_main, args=(args,), name=f"vexpert-worker-{rank}", daemon=True)
+                proc.start()
+                procs.append(proc)
+            self._controls = controls
+            loop = self._serve(results, procs, shared)
+            return self._report()
+        finally:
+            self.abort.set()
+            if loop is not None:
+                loop.join(timeout=5)
+            _stop_processes(procs)
+            for q in queues:
+                q.cancel_join_thread()
+                q.close()
+            self.metrics.close()
+            torch.set_num_threads(threads)
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def _log(self, line: str) -> None:
+        if self.options.log is not None:
+            self.options.log(line)
+
+    def _start_metrics(self) -> None:
+        m = self.metrics
+        m.pooled_experts.set(self._pooled)
+        m.allocation_interval.set(self._k)
+        m.degraded.set(0)
+        m.set_layers(m.vexperts, [0] * self.setup.spec.num_layers)
+        if self.setup.metrics_port or self.options.metrics_addr:
+            addr = self.options.metrics_addr or self.setup.metrics_addr
+            self._metrics_port = m.serve(self.setup.metrics_port, addr)
+            if self.options.on_metrics is not None:
+                self.options.on_metrics(self._metrics_port)
+
+    def _load_rows(self, layer: int, experts: list[int]) -> torch.Tensor:
+        return self._reader.experts(layer, experts, self.setup.torch_dtype)
+
+    def _allocate_rows(self, rows: int, numel: int) -> torch.Tensor:
+        return self._transport.host_buffer(rows, numel, self.setup.torch_dtype)
+
+    def _build_pool(self) -> ExpertPool:
+        experts = hottest_experts(self._hotness, self._pooled)
+        return ExpertPool.build(experts, self.setup.spec.num_experts, self.setup.spec.expert_numel, self._load_rows, self._allocate_rows)
+
+    def _prepare_scripted(self, controls: list[Any]) -> None:
+        """Tables of scripted plans go to the workers before anything can announce them."""
+        for iteration in sorted(self.options.scripted_plans):
+            self._plan_id += 1
+            table = table_from_plan(self.options.scripted_plans[iteration], self._plan_id)
+            for control in controls:
+                control.put(table)
+            self._scripted[iteration] = Assignment(table, self._pool)
+
+    # -- fill loop callbacks (fill thread) --------------------------------------------------
+
+    def _take_plan(self, iteration: int) -> Assignment:
+        with self._lock:
+            assignment = self._assignment
+            if self._scripted:
+                due = [i for i in self._scripted if i <= iteration]
+                if due:
+                    assignment = self._scripted[max(due)]
+        assert assignment is not None
+        if assignment.table.plan_id != self._last_plan:
+            self._last_plan = assignment.table.plan_id
+            self._switches.append((iteration, assignment.table.plan_id))
+        return assignment
+
+    def _control(self, iteration: int) -> tuple[int, bool]:
+        limit = self.options.iterations
+        stop = self._stop.is_set() or (limit is not None and iteration >= limit)
+        return self._k, stop
+
+    # -- main loop --------------------------------------------------------------------------
+
+    def _serve(self, results: Any, procs: list[Any], shared: SharedState) -> FillLoop | None:
+        """Handle worker messages until every worker is done. Allocation windows are handled before
+        anything else in a batch and output verification only when the queue is idle, so a plan
+        reaches the fill loop as early as possible."""
+        setup = self.setup
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._ready = self._done = 0
+        self._loop: FillLoop | None = None
+        self._shared = shared
+        last_progress = time.monotonic()
+        while self._done < setup.local_workers:
+            if self._loop is not None and self._loop.error is not None:
+                raise RuntimeError(f"slot fill loop failed: {self._loop.error!r}") from self._loop.error
+            batch = _drain(results, timeout=0.01 if self._pending_verify else 0.2)
+            if not batch:
+                if self._pending_verify:
+                    self._verify(self._pending_verify.pop(0))
+                    continue
+                _check_alive(procs)
+                limit = STARTUP_TIMEOUT_S if self._ready < setup.local_workers else COLLECTIVE_TIMEOUT_S
+                if time.monotonic() - last_progress > limit:
+                    raise RuntimeError(f"no progress from the workers for {limit:.0f} s")
+            else:
+                last_progress = time.monotonic()
+            for msg in sorted(batch, key=lambda m: m[0] != "window"):
+                self._handle(msg)
+            self._maybe_reload()
+        while self._pending_verify:
+            self._verify(self._pending_verify.pop(0))
+        return self._loop
+
+    def _handle(self, msg: tuple[Any, ...]) -> None:
+        setup = self.setup
+        kind = msg[0]
+        if kind == "slots":
+            self._buffers[msg[1]] = self._transport.open(msg[2])
+            if len(self._buffers) == setup.local_workers:
+                self._filler = SlotFiller(
+                    self._shared,
+                    [self._buffers[i] for i in range(setup.local_workers)],
+                    setup.ranks,
+                    self._transport,
+                    setup.spec.num_layers,
+                    setup.group_size,
+                    self.abort,
+                )
+                self._loop = FillLoop(self._filler, self._take_plan, self._control, self.options.fill_delays)
+                self._loop.start()
+        elif kind == "ready":
+            self._ready += 1
+            if self._ready == setup.local_workers:
+                self._started_at = time.perf_counter()
+                self._window_clock = self._started_at
+        elif kind == "iter":
+            self._on_iteration(msg)
+        elif kind == "window":
+            self._on_window(msg[1], msg[2])
+        elif kind == "done":
+            self._done += 1
+        elif kind == "input_error":
+            raise VExpertInputError(msg[2], f"worker {msg[1]}: {msg[3]}", msg[4])
+        elif kind == "error":
+            raise RuntimeError(f"worker {msg[1]} failed:\n{msg[2]}")
+
+    def _verify(self, job: tuple[int, int, np.ndarray]) -> None:
+        """Compare one rank's output of one iteration with the single-process reference."""
+        iteration, rank, output = job
+        assert self._reference is not None
+        workload = self.options.workload
+        x = workload.inputs(iteration, rank, self.setup.spec.hidden_size, self.setup.torch_dtype)
+        ref, _ = reference_forward(x, self._reference, workload.logit_bias(iteration))
+        error = relative_error(torch.from_numpy(output), ref)
+        record = self._records[iteration]
+        record.rel_error = max(record.rel_error or 0.0, error)
+        self._max_error = max(self._max_error or 0.0, error)
+
+    def _on_iteration(self, msg: tuple[Any, ...]) -> None:
+        _, rank, iteration, step, waited, degraded, plan_ids, output, computed, checksums = msg
+        record = self._records.setdefault(iteration, IterationRecord(iteration))
+        record.step_s = max(record.step_s, step)
+        record.wait_s = max(record.wait_s, waited)
+        record.degraded_groups = max(record.degraded_groups, degraded)
+        record.plan_ids = plan_ids
+        record.reports += 1
+        if computed is not None:
+            record.computed[rank] = computed
+            record.slot_checksums[rank] = checksums
+        if output is not None and self._reference is not None:
+            self._pending_verify.append((iteration, rank, output))
+        self.metrics.slot_wait.observe(waited)
+        if record.reports == self.setup.local_workers:
+            self.metrics.step_time.observe(record.step_s)
+            self.metrics.iterations.inc()
+            self.metrics.plan_id.set(plan_ids[0] if plan_ids else 0)
+            if record.degraded_groups:
+                self.metrics.degraded_groups.inc(record.degraded_groups)
+                self._degraded_total += record.degraded_groups
+            self._last_iter_at = time.perf_counter()
+        self._sync_bytes()
+
+    def _sync_bytes(self) -> None:
+        if self._filler is not None:
+            streamed = self._filler.stats.bytes_streamed
+            if streamed > self._bytes_reported:
+                self.metrics.bytes_streamed.inc(streamed - self._bytes_reported)
+                self._bytes_reported = streamed
+
+    def _on_window(self, start: int, data: np.ndarray) -> None:
+        """Balance bookkeeping, metrics and (every window) a new allocation."""
+        spec, setup = self.setup.spec, self.setup
+        window = torch.from_numpy(data)
+        counts = window[..., : spec.num_experts].to(torch.float32)  # [n, L, E]
+        loads = window[..., spec.num_experts :].to(torch.float32)  # [n, L, N]
+        static = balance_ratio(base_gpu_loads(counts, self._base_gpu, setup.world))  # [n, L]
+        measured = balance_ratio(loads)
+        for i in range(window.shape[0]):
+            record = self._records.setdefault(start + i, IterationRecord(start + i))
+            record.static_balance = float(static[i].mean())
+            record.vexpert_balance = float(measured[i].mean())
+        m = self.metrics
+        m.set_layers(m.balance, measured.mean(0).tolist())
+        m.set_layers(m.static_balance, static.mean(0).tolist())
+        recent = [self._records[i] for i in range(start, start + window.shape[0]) if i in self._records]
+        m.degraded.set(1 if any(r.degraded_groups for r in recent) else 0)
+        now = time.perf_counter()
+        elapsed = now - (self._window_clock or now)
+        self._window_clock = now
+        rate = window.shape[0] * setup.world * self.options.workload.tokens_per_worker / elapsed if elapsed > 0 else 0.0
+        m.tokens_per_second.set(rate)
+        self._hotness = 0.8 * self._hotness + counts.sum(0).to(torch.float64)
+        if self.options.allocate and not self._scripted:
+            self._allocate(counts.sum(0))
+        self._sync_bytes()
+        if self.options.progress is not None:
+            errors = [r.rel_error for r in recent if r.rel_error is not None]
+            last = start + window.shape[0]
+            self.options.progress(
+                Progress(
+                    iteration=last,
+                    total=self.options.iterations,
+                    phase=self.options.workload.phase_name(last - 1),
+                    static_balance=float(static.mean()),
+                    vexpert_balance=float(measured.mean()),
+                    tokens_per_s=rate,
+                    vexperts=list(self._vexperts),
+                    plan_id=self._last_plan,
+                    max_rel_error=self._max_error if errors or self._max_error is not None else None,
+                    bytes_streamed=self._bytes_reported,
+                    degraded_groups=self._degraded_total,
+                )
+            )
+
+    def _allocate(self, counts: torch.Tensor) -> None:
+        """Run the allocator on a window's counts [L, E]; the fill loop picks the plan up at its next
+        iteration boundary (workers never wait for this)."""
+        setup = self.setup
+        if self._pooled != self._pool.pooled or self._pooled < setup.spec.num_experts:
+            wanted = hottest_experts(self._hotness, self._pooled)
+            if wanted.shape != self._pool.experts.shape or not torch.equal(wanted, self._pool.experts):
+                self._pool = self._pool.refreshed(wanted, self._load_rows, self._allocate_rows)
+                self.metrics.pooled_experts.set(self._pool.pooled)
+        start = time.perf_counter()
+        if self.options.allocator_delay_s:
+            time.sleep(self.options.allocator_delay_s)
+        consts = InferenceConstants(
+            tokens_per_gpu=self.options.workload.tokens_per_worker,
+            top_k=setup.spec.top_k,
+            experts_per_gpu=setup.spec.num_experts // setup.world,
+            expert_bytes=setup.spec.expert_bytes(setup.torch_dtype),
+        )
+        plan = allocate(
+            counts,
+            self._base_gpu,
+            setup.world,
+            AllocatorConfig(group_size=setup.group_size, vmax=setup.vmax, balance_threshold=setup.balance_threshold),
+            setup.profile,
+            consts,
+            pooled=self._pool.pooled_mask(),
+        )
+        elapsed = time.perf_counter() - start
+        self._allocator_s.append(elapsed)
+        self.metrics.allocator_time.observe(elapsed)
+        self._plan_id += 1
+        table = table_from_plan(plan, self._plan_id)
+        for control in self._controls:
+            control.put(table)
+        with self._lock:
+            self._assignment = Assignment(table, self._pool)
+        self._vexperts = plan.vexperts.tolist()
+        self.metrics.set_layers(self.metrics.vexperts, [float(v) for v in self._vexperts])
+
+    # -- config reload ----------------------------------------------------------------------
+
+    def _maybe_reload(self) -> None:
+        path = self.options.config_path
+        now = time.monotonic()
+        if path is None or now - self._last_reload_check < 0.5:
+            return
+        self._last_reload_check = now
+        try:
+            mtime = path.stat().st_mtime_ns
+        except OSError:
+            return
+        if self._config_mtime is None:
+            self._config_mtime = mtime
+            return
+        if mtime == self._config_mtime:
+            return
+        self._config_mtime = mtime
+        try:
+            tuning = load_runtime_config(path).tuning
+            self._apply_tuning(tuning)
+        except VExpertInputError as exc:
+            self.metrics.reload_errors.inc()
+            self._log(f"config reload rejected, keeping k={self._k} Np={self._pooled}: {exc}")
+            return
+        self.metrics.reloads.inc()
+
+    def _apply_tuning(self, tuning: TuningConfig) -> None:
+        pooled = tuning.pooled_experts or self.setup.spec.num_experts
+        check_pooled(pooled, self.setup.spec.num_experts)
+        memory = memory_plan(
+            self.setup.spec, self.setup.torch_dtype, pooled, self.setup.slots, self.setup.world, self.setup.local_workers, self.setup.device
+        )
+        check_memory(memory, self.setup.host_memory_limit_bytes)
+        if tuning.allocation_interval != self._k or pooled != self._pooled:
+            self._log(f"config reloaded: k {self._k} → {tuning.allocation_interval}, Np {self._pooled} → {pooled}")
+        self._k = tuning.allocation_interval
+        self._pooled = pooled
+        self.metrics.allocation_interval.set(self._k)
+        self.metrics.pooled_experts.set(self._pooled)
+
+    # -- report -----------------------------------------------------------------------------
+
+    def _report(self) -> NodeReport:
+        records = [self._records[i] for i in sorted(self._records)]
+        static = [r.static_balance for r in records if r.static_balance is not None]
+        measured = [r.vexpert_balance for r in records if r.vexpert_balance is not None]
+        iterations = sum(1 for r in records if r.reports == self.setup.local_workers)
+        elapsed = (self._last_iter_at or 0.0) - (self._started_at or 0.0)
+        tokens = iterations * self.setup.world * self.options.workload.tokens_per_worker
+        stats = self._filler.stats if self._filler else None
+        self._sync_bytes()
+        return NodeReport(
+            iterations=iterations,
+            static_balance=float(np.mean(static)) if static else float("nan"),
+            vexpert_balance=float(np.mean(measured)) if measured else float("nan"),
+            tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
+            max_rel_error=self._max_error,
+            slot_bytes_per_worker=self.setup.memory.slot_bytes_per_worker,
+            pool_bytes=self._pool.nbytes,
+            bytes_streamed=stats.bytes_streamed if stats else 0,
+            plan_switches=list(self._switches),
+            allocations=len(self._allocator_s),
+            allocator_s=list(self._allocator_s),
+            degraded_groups=self._degraded_total,
+            metrics_port=self._metrics_port,
+            records=records,
+            metrics_text=self.metrics.render(),
+            pooled=self._pool.pooled,
+            k=self._k,
+        )
+
+
+def _drain(results: Any, timeout: float) -> list[tuple[Any, ...]]:
+    """Every message now in the queue (waiting up to ``timeout`` for the first)."""
+    try:
+        batch = [results.get(timeout=timeout)]
+    except queue.Empty:
+        return []
+    while True:
+        try:
+            batch.append(results.get_nowait())
+        except queue.Empty:
+            return batch
+
+
+def _check_alive(procs: list[Any]) -> None:
+    for proc in procs:
+        if proc.exitcode not in (None, 0):
+            raise RuntimeError(f"{proc.name} exited with code {proc.exitcode}")
+
+
+def _stop_processes(procs: list[Any]) -> None:
+    """Join workers; terminate, then kill, whatever does not exit (only our own children)."""
+    deadline = time.monotonic() + 5.0
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=2.0)
+
+
+def run_node(setup: NodeSetup, options: NodeOptions | None = None) -> NodeReport:
+    """Run one node to completion (see :class:`NodeRuntime`)."""
+    return NodeRuntime(setup, options).run()
+
+
+def install_signal_handlers(runtime: NodeRuntime) -> None:
+    """SIGTERM/SIGINT: stop at the next iteration boundary; a second signal aborts."""
+
+    def handler(signum: int, _frame: Any) -> None:
+        if runtime._stop.is_set():
+            runtime.abort.set()
+            raise KeyboardInterrupt
+        print(f"vexpert node: signal {signum}, stopping at the next iteration", file=sys.stderr)
+        runtime.request_stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
