@@ -41,7 +41,7 @@ def stage_times(device: str, repeats: int) -> dict[str, float]:
     bal = balance_ratio(base_gpu_loads(w, base, 64))
     res["assign"], v = timed(A.assign_vexpert_counts, bal, cfg, prof, consts)
     res["replica_counts"], c = timed(A.replica_counts, w, v * 64, 64)
-    res["place"], ls = timed(A.place_replicas, w, base, c, v, 64)
+    res["place"], _ls = timed(A.place_replicas, w, base, c, v, 64)
     res["total"], plan = timed(A.allocate, w, base, 64)
     res["water_fill"], _ = timed(A.water_fill_shares, w, plan.replica_gpu, 64, cfg.share_refinement_sweeps)
     return res

@@ -186,11 +186,13 @@ async def _harvest(ctx: Context, namespace: str, job: str) -> PerformanceProfile
     return reason
 
 
-def _count_failures(ctx: Context, kind: str, jobs: list[JobSummary]) -> None:
-    for job in jobs:
-        if job.state == "failed" and job.name not in ctx.counted_jobs:
-            ctx.counted_jobs.add(job.name)
-            m.CALIBRATION_JOBS.labels(kind, "failed").inc()
+def _note_failure(ctx: Context, body: Mapping[str, Any], kind: str, job: str, message: str) -> None:
+    """Count and announce a failed attempt once per operator run."""
+    if job in ctx.counted_jobs:
+        return
+    ctx.counted_jobs.add(job)
+    m.CALIBRATION_JOBS.labels(kind, "failed").inc()
+    _event(ctx, body, "Warning", f"{kind.capitalize()}CalibrationFailed", message)
 
 
 async def _step_message(ctx: Context, namespace: str, step: CalibrationStep, jobs: list[JobSummary]) -> str:
@@ -228,7 +230,6 @@ async def ensure_calibration(ctx: Context, body: Mapping[str, Any], spec: VExper
         if calib.mode != "auto":
             continue
         jobs = hw_jobs.get(type_name, [])
-        _count_failures(ctx, "hardware", jobs)
         step = decide_calibration(jobs, now, calib.retry_backoff_seconds, calib.max_retry_backoff_seconds)
         entry = NodeTypeCalibration(name=type_name, state="Running", attempts=step.attempt, job=step.job)
         if step.action == "create":
@@ -263,10 +264,11 @@ async def ensure_calibration(ctx: Context, body: Mapping[str, Any], spec: VExper
             else:
                 entry.state, entry.message = "Failed", f"attempt {step.attempt} ({step.job}): {result}"
                 wake.append(now)
-                _event(ctx, body, "Warning", "HardwareCalibrationFailed", entry.message)
+                _note_failure(ctx, body, "hardware", step.job, f"node type {type_name}: {entry.message}")
         elif step.action == "backoff":
             entry.state = "Failed"
             entry.message = await _step_message(ctx, ns, step, jobs)
+            _note_failure(ctx, body, "hardware", step.job, f"node type {type_name}: {entry.message}")
             if step.retry_at:
                 wake.append(step.retry_at)
         else:
@@ -326,7 +328,6 @@ async def _model_calibration(ctx: Context, body: Mapping[str, Any], spec: VExper
     calib = spec.calibration
     jobs = [summarize_job(j) for j in
             await ctx.client.list(kube.JOBS, ns, labels={nm.LABEL_CALIBRATION: "model", nm.LABEL_MODEL_KEY: key})]
-    _count_failures(ctx, "model", jobs)
     step = decide_calibration(jobs, now, calib.retry_backoff_seconds, calib.max_retry_backoff_seconds)
     out.model_profile = key
     out.model_state = "Running"
@@ -361,9 +362,11 @@ async def _model_calibration(ctx: Context, body: Mapping[str, Any], spec: VExper
             return
         out.model_state, out.model_message = "Failed", f"attempt {step.attempt} ({step.job}): {result}"
         wake.append(now)
+        _note_failure(ctx, body, "model", step.job, out.model_message)
     elif step.action == "backoff":
         out.model_state = "Failed"
         out.model_message = await _step_message(ctx, ns, step, jobs)
+        _note_failure(ctx, body, "model", step.job, out.model_message)
         if step.retry_at:
             wake.append(step.retry_at)
     else:
@@ -400,8 +403,17 @@ def is_permanently_invalid(body: Mapping[str, Any]) -> bool:
 
 
 async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False) -> Outcome:
+    # Re-read: a daemon's or handler's body can lag behind the API (a stale spec would flip the
+    # template back; a stale status would forget group restarts). Writes are serialised per object.
+    fresh = await ctx.client.get_or_none(kube.DEPLOYMENTS, body["metadata"]["name"], body["metadata"]["namespace"])
+    if fresh is None or (fresh["metadata"].get("uid") and body["metadata"].get("uid")
+                         and fresh["metadata"]["uid"] != body["metadata"]["uid"]):
+        return Outcome("Deleted", VExpertDeploymentStatus())
+    body = fresh
     meta = body["metadata"]
     name, ns, generation = meta["name"], meta["namespace"], meta.get("generation")
+    if meta.get("deletionTimestamp"):
+        return Outcome("Deleted", read_status(body))
     now = utcnow()
     stamp = format_time(now)
     old = read_status(body)

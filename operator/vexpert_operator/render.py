@@ -147,8 +147,9 @@ def render_deployment(doc: Mapping[str, Any], namespace: str | None, node_profil
                             ("; the operator first runs a model calibration Job" if calib.mode == "auto" else ""))
     else:
         result.notes.append(f"load-balance coefficients from {model_profile_name or 'the given profile'}")
-    for problem in plan.problems:
-        result.notes.append(f"WARNING {problem}")
+    if plan.problems:
+        raise VExpertInputError(f"{DEPLOYMENT_KIND} {name}", format_problems(plan.problems) +
+                                " (the operator would set Invalid)")
     result.manifests.extend(plan.children)
     if calib.mode == "auto" and model_profile is None and node_key is not None:
         key = nm.model_key(spec.model.name, spec.model.revision)

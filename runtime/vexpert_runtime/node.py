@@ -317,6 +317,9 @@ class NodeReport:
     metrics_text: str = ""
     pooled: int = 0
     k: int = 0
+    windows: list[tuple[int, int]] = field(default_factory=list)  # (first iteration, length) per all-reduce
+    tables: dict[int, RoutingTable] = field(default_factory=dict)  # plan id → routing table
+    plan_pools: dict[int, list[list[int]]] = field(default_factory=dict)  # plan id → pooled experts [L][Np]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -598,6 +601,9 @@ class NodeRuntime:
         self._metrics_port: int | None = None
         self._degraded_total = 0
         self._pending_verify: list[tuple[int, int, np.ndarray]] = []
+        self._windows: list[tuple[int, int]] = []
+        self._tables: dict[int, RoutingTable] = {}
+        self._plan_pools: dict[int, list[list[int]]] = {}
 
     # -- public -----------------------------------------------------------------------------
 
@@ -702,6 +708,7 @@ class NodeRuntime:
             for control in controls:
                 control.put(table)
             self._scripted[iteration] = Assignment(table, self._pool)
+            self._remember(table)
 
     # -- fill loop callbacks (fill thread) --------------------------------------------------
 
@@ -749,8 +756,12 @@ class NodeRuntime:
                     raise RuntimeError(f"no progress from the workers for {limit:.0f} s")
             else:
                 last_progress = time.monotonic()
-            for msg in sorted(batch, key=lambda m: m[0] != "window"):
-                self._handle(msg)
+            windows = [m for m in batch if m[0] == "window"]
+            for msg in windows:  # only the newest window of a backlog is worth an allocation
+                self._on_window(msg[1], msg[2], allocate=msg is windows[-1])
+            for msg in batch:
+                if msg[0] != "window":
+                    self._handle(msg)
             self._maybe_reload()
         while self._pending_verify:
             self._verify(self._pending_verify.pop(0))
@@ -780,8 +791,6 @@ class NodeRuntime:
                 self._window_clock = self._started_at
         elif kind == "iter":
             self._on_iteration(msg)
-        elif kind == "window":
-            self._on_window(msg[1], msg[2])
         elif kind == "done":
             self._done += 1
         elif kind == "input_error":
@@ -832,10 +841,11 @@ class NodeRuntime:
                 self.metrics.bytes_streamed.inc(streamed - self._bytes_reported)
                 self._bytes_reported = streamed
 
-    def _on_window(self, start: int, data: np.ndarray) -> None:
+    def _on_window(self, start: int, data: np.ndarray, allocate: bool = True) -> None:
         """Balance bookkeeping, metrics and (every window) a new allocation."""
         spec, setup = self.setup.spec, self.setup
         window = torch.from_numpy(data)
+        self._windows.append((start, int(window.shape[0])))
         counts = window[..., : spec.num_experts].to(torch.float32)  # [n, L, E]
         loads = window[..., spec.num_experts :].to(torch.float32)  # [n, L, N]
         static = balance_ratio(base_gpu_loads(counts, self._base_gpu, setup.world))  # [n, L]
@@ -855,7 +865,7 @@ class NodeRuntime:
         rate = window.shape[0] * setup.world * self.options.workload.tokens_per_worker / elapsed if elapsed > 0 else 0.0
         m.tokens_per_second.set(rate)
         self._hotness = 0.8 * self._hotness + counts.sum(0).to(torch.float64)
-        if self.options.allocate and not self._scripted:
+        if allocate and self.options.allocate and not self._scripted:
             self._allocate(counts.sum(0))
         self._sync_bytes()
         if self.options.progress is not None:
@@ -913,8 +923,13 @@ class NodeRuntime:
             control.put(table)
         with self._lock:
             self._assignment = Assignment(table, self._pool)
+        self._remember(table)
         self._vexperts = plan.vexperts.tolist()
         self.metrics.set_layers(self.metrics.vexperts, [float(v) for v in self._vexperts])
+
+    def _remember(self, table: RoutingTable) -> None:
+        self._tables[table.plan_id] = table
+        self._plan_pools[table.plan_id] = self._pool.experts.tolist()
 
     # -- config reload ----------------------------------------------------------------------
 
@@ -986,6 +1001,9 @@ class NodeRuntime:
             metrics_text=self.metrics.render(),
             pooled=self._pool.pooled,
             k=self._k,
+            windows=list(self._windows),
+            tables=dict(self._tables),
+            plan_pools=dict(self._plan_pools),
         )
 
 

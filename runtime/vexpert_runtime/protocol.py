@@ -102,7 +102,7 @@ class WorkerSlots:
         b = buffer_of(seq)
         start = time.perf_counter()
         with self._cond:
-            ready = bool(self._cond.wait_for(lambda: int(self._state[b, FILLED]) >= seq, self.timeout_s))
+            ready = True
             row = self._state[b].tolist()
         waited = time.perf_counter() - start
         header = None
@@ -160,6 +160,11 @@ def agree(ready: bool, header: Header | None, world: int, group: dist.ProcessGro
         everyone = torch.empty(world * mine.numel(), dtype=torch.int64)
         dist.all_to_all_single(everyone, mine.repeat(world), group=group)
         everyone = everyone.view(world, -1)
+    return decide(everyone)
+
+
+def decide(everyone: torch.Tensor) -> Agreement:
+    """The common decision from every rank's (ready, plan id or −1, k or 0, stop): [N, 4] int64."""
     ready_all = bool(everyone[:, 0].min() == 1)
     plans = everyone[:, 1]
     same = bool(plans.min() == plans.max()) and int(plans.min()) >= 0

@@ -1,0 +1,447 @@
+"""API tests: the real operator (kopf.testing.KopfRunner, --standalone) against the API emulator.
+
+With ``KUBECONFIG`` set when pytest starts, the same tests run against that cluster instead (fake
+GPU nodes are created and removed; test pods never schedule: the nodes are tainted and the kubelet
+is played through pod status patches). See ``tests/operator_support``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import yaml
+
+from operator_support.harness import REAL_KUBECONFIG, Cluster, MetricsServer, cluster_session, profile_json, \
+    running_operator
+from vexpert_operator import kube
+from vexpert_operator import metrics as operator_metrics
+from vexpert_operator import naming as nm
+from vexpert_operator.nodetypes import node_type_key, node_type_name
+
+
+
+@pytest.fixture
+def cluster(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    with cluster_session(tmp_path, monkeypatch) as c:
+        try:
+            yield c
+        finally:
+            dump_for_debugging(c)
+
+
+def dump_for_debugging(cluster: Cluster) -> None:
+    """Printed at teardown; pytest shows it only when the test failed."""
+    for dep in cluster.list(kube.DEPLOYMENTS):
+        print("status", dep["metadata"]["name"], yaml.safe_dump(dep.get("status")))
+    if cluster.emulator is not None and cluster.emulator._errors:
+        for err in cluster.emulator.errors:
+            if getattr(err, "status", 500) not in (404, 409):
+                print("emulator error:", repr(err)[:2000])
+
+
+def deployment(name: str = "dsv3", ep: int = 16, **overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {"name": "deepseek-ai/DeepSeek-V3", "revision": "r1", "architecture": "deepseek_v3",
+                  "checkpoint": {"claimName": "weights", "subPath": "DeepSeek-V3"}},
+        "parallelism": {"expertParallelSize": ep, "gpusPerNode": 8},
+        "vexpert": {"groupSize": 2, "vmax": 1, "tuningIntervalSeconds": 3600},
+        "calibration": {"mode": "auto", "retryBackoffSeconds": 1, "maxRetryBackoffSeconds": 2},
+        "runtime": {
+            "image": "ghcr.io/vexpert/vexpert:0.1.0",
+            "memoryOverhead": "32Gi",
+            "shmSize": "16Gi",
+            "nodeSelector": {"vexpert.io/test-node": "true"},
+            "tolerations": [{"operator": "Exists"}],
+            "groupRestartBackoffSeconds": 1,
+            "maxGroupRestartBackoffSeconds": 2,
+        },
+    }
+    for path, value in overrides.items():
+        node = spec
+        keys = path.split("__")
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+    return {"apiVersion": "vexpert.io/v1alpha1", "kind": "VExpertDeployment", "metadata": {"name": name},
+            "spec": spec}
+
+
+def add_nodes(cluster: Cluster, count: int = 2, driver: str = "550.54.15", prefix: str = "gpu") -> str:
+    """GPU nodes of one type; returns the type's name."""
+    suffix = cluster.namespace[-6:]
+    instance = f"p5-test-{suffix}"
+    for i in range(count):
+        node = cluster.add_gpu_node(f"{prefix}-{suffix}-{driver.replace('.', '-')}-{i}", driver=driver,
+                                    instance_type=instance)
+    key = node_type_key(node["metadata"]["labels"])
+    assert key is not None
+    return node_type_name(key)
+
+
+def hw_jobs(cluster: Cluster) -> list[dict[str, Any]]:
+    return cluster.list_by(kube.JOBS, {nm.LABEL_CALIBRATION: "hardware"})
+
+
+def model_jobs(cluster: Cluster) -> list[dict[str, Any]]:
+    return cluster.list_by(kube.JOBS, {nm.LABEL_CALIBRATION: "model"})
+
+
+def node_pods(cluster: Cluster, name: str) -> list[dict[str, Any]]:
+    pods = cluster.list_by(kube.PODS, nm.node_selector_labels(name))
+    return sorted([p for p in pods if not p["metadata"].get("deletionTimestamp")], key=lambda p: p["metadata"]["name"])
+
+
+def calibrate(cluster: Cluster, type_name: str, bandwidth: float = 54.7) -> None:
+    """Finish the hardware Job of the type and the model Job, as the real commands would."""
+    job = cluster.wait_for(lambda: [j for j in hw_jobs(cluster)
+                                    if j["metadata"]["labels"][nm.LABEL_NODE_TYPE] == type_name],
+                           what=f"a hardware calibration Job for {type_name}")[0]
+    cluster.finish_job(job["metadata"]["name"], profile_json(bandwidth=bandwidth))
+    cluster.wait_for(lambda: cluster.get(kube.NODE_PROFILES, type_name), what="the VExpertNodeProfile")
+    mjob = cluster.wait_for(lambda: model_jobs(cluster), what="the model calibration Job")[0]
+    cluster.finish_job(mjob["metadata"]["name"], profile_json(source="model-calibration", alpha=-0.7, beta=0.6))
+    key = nm.model_key("deepseek-ai/DeepSeek-V3", "r1")
+    cluster.wait_for(lambda: cluster.get(kube.MODEL_PROFILES, key), what="the VExpertModelProfile")
+
+
+def bring_up(cluster: Cluster, name: str, nodes: int = 2, ready: bool = True) -> list[dict[str, Any]]:
+    """Play the kubelet: every node pod of the group runs (and is ready)."""
+    pods = cluster.wait_for(lambda: (lambda ps: ps if len(ps) == nodes else None)(node_pods(cluster, name)),
+                            what=f"{nodes} node pods")
+    for pod in pods:
+        cluster.set_pod_running(pod["metadata"]["name"], ready=ready)
+    return pods
+
+
+def wait_phase(cluster: Cluster, name: str, phase: str, timeout: float = 20.0) -> dict[str, Any]:
+    return cluster.wait_for(lambda: (lambda s: s if s.get("phase") == phase else None)(cluster.status(name)),
+                            timeout=timeout, what=f"phase {phase}")
+
+
+def runtime_config(cluster: Cluster, name: str) -> dict[str, Any]:
+    cm = cluster.get(kube.CONFIGMAPS, nm.config_map_name(name))
+    assert cm is not None
+    return yaml.safe_load(cm["data"]["runtime.yaml"])
+
+
+# ----------------------------------------------------------------------------------------- tests
+
+
+def test_create_calibrates_new_node_type_then_deploys_group(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    type_name = add_nodes(cluster, 2)
+    with running_operator(cluster, monkeypatch):
+        dep = cluster.create(deployment())
+        uid = dep["metadata"]["uid"]
+
+        # A new node type: one hardware calibration Job pinned to it; the deployment waits.
+        jobs = cluster.wait_for(lambda: hw_jobs(cluster), what="a hardware calibration Job")
+        assert len(jobs) == 1
+        job = jobs[0]
+        assert job["metadata"]["labels"][nm.LABEL_NODE_TYPE] == type_name
+        pod_spec = job["spec"]["template"]["spec"]
+        terms = pod_spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        pinned = {e["key"]: e["values"] for e in terms["nodeSelectorTerms"][0]["matchExpressions"]}
+        assert pinned["nvidia.com/cuda.driver-version.full"] == ["550.54.15"]
+        assert pod_spec["containers"][0]["command"] == ["vexpert", "calibrate"]
+        assert pod_spec["containers"][0]["args"][0] == "hardware"
+        assert job["metadata"]["ownerReferences"][0]["uid"] == uid
+        calibrated = cluster.wait_for(lambda: (lambda c: c if c.get("reason") == "HardwareCalibrating" else None)(
+            cluster.condition("dsv3", "Calibrated")), what="Calibrated=False/HardwareCalibrating")
+        assert calibrated["status"] == "False"
+        assert cluster.status("dsv3")["phase"] == "Calibrating"
+        assert not cluster.get(kube.STATEFULSETS, nm.statefulset_name("dsv3"))
+
+        # The Job ends the way the contract says: PerformanceProfile JSON as the termination message.
+        calibrate(cluster, type_name, bandwidth=41.5)
+        profile = cluster.get(kube.NODE_PROFILES, type_name)
+        assert profile is not None
+        assert profile["spec"]["profile"]["hardware"]["h2d_bandwidth_gb_per_s"] == 41.5
+        assert profile["spec"]["nodeType"]["driverVersion"] == "550.54.15"
+
+        # Then the group: ConfigMap, headless Service, StatefulSet, PDB, all owned by the deployment.
+        sts = cluster.wait_for(lambda: cluster.get(kube.STATEFULSETS, nm.statefulset_name("dsv3")),
+                               what="the StatefulSet")
+        cm = cluster.get(kube.CONFIGMAPS, nm.config_map_name("dsv3"))
+        svc = cluster.get(kube.SERVICES, nm.service_name("dsv3"))
+        pdb = cluster.get(kube.PDBS, nm.pdb_name("dsv3"))
+        for child in (sts, cm, svc, pdb):
+            assert child is not None
+            assert child["metadata"]["ownerReferences"][0]["uid"] == uid
+        assert sts["spec"]["replicas"] == 2
+        assert sts["spec"]["updateStrategy"] == {"type": "OnDelete"}
+        assert svc["spec"]["clusterIP"] == "None"
+        assert pdb["spec"]["minAvailable"] == 2
+        config = runtime_config(cluster, "dsv3")
+        assert config["profile"]["hardware"]["h2d_bandwidth_gb_per_s"] == 41.5
+        assert config["profile"]["load_balance"]["beta"] == 0.6
+        assert config["parallelism"]["master_addr"] == f"dsv3-node-0.dsv3-nodes.{cluster.namespace}.svc"
+        assert cluster.condition("dsv3", "Calibrated")["status"] == "True"
+
+        bring_up(cluster, "dsv3")
+        status = wait_phase(cluster, "dsv3", "Running")
+        assert status["readyNodes"] == 2
+        assert status["nodes"] == 2
+        assert status["nodeType"] == type_name
+        assert status["observedGeneration"] == cluster.deployment("dsv3")["metadata"]["generation"]
+        assert status["tuning"]["allocationInterval"] == 10
+        assert status["tuning"]["pooledExperts"] == status["tuning"]["pooledExpertsCap"] > 0
+        assert cluster.condition("dsv3", "Ready")["status"] == "True"
+        assert cluster.events("HardwareCalibrationStarted")
+        assert len(hw_jobs(cluster)) == 1
+
+
+def test_failed_calibration_retries_with_backoff_and_new_driver_is_new_type(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    type_name = add_nodes(cluster, 2)
+    with running_operator(cluster, monkeypatch):
+        cluster.create(deployment(calibration__retryBackoffSeconds=2, calibration__maxRetryBackoffSeconds=4))
+        first = cluster.wait_for(lambda: hw_jobs(cluster), what="attempt 1")[0]["metadata"]["name"]
+        cluster.finish_job(first, "cudaErrorNoDevice: no CUDA-capable device is detected", exit_code=3)
+        cond = cluster.wait_for(lambda: (lambda c: c if c.get("reason") == "HardwareCalibrationFailed" else None)(
+            cluster.condition("dsv3", "Calibrated")), what="Calibrated=False/HardwareCalibrationFailed")
+        assert "no CUDA-capable device" in cond["message"] and "retry at" in cond["message"]
+        assert len(hw_jobs(cluster)) == 1  # backoff: no new attempt at once
+        second = cluster.wait_for(lambda: [j for j in hw_jobs(cluster) if j["metadata"]["labels"][nm.LABEL_ATTEMPT]
+                                           == "2"], timeout=15, what="attempt 2 after the backoff")[0]
+
+        # Exit 0 with an unusable message is a failed attempt too.
+        cluster.finish_job(second["metadata"]["name"], "not json")
+        cluster.wait_for(lambda: "not JSON" in cluster.condition("dsv3", "Calibrated").get("message", ""),
+                         what="the harvest error in status")
+        third = cluster.wait_for(lambda: [j for j in hw_jobs(cluster) if j["metadata"]["labels"][nm.LABEL_ATTEMPT]
+                                          == "3"], timeout=15, what="attempt 3")[0]
+        cluster.finish_job(third["metadata"]["name"], profile_json())
+        cluster.wait_for(lambda: cluster.get(kube.NODE_PROFILES, type_name), what="the profile")
+
+        # A node with a new driver version is a new type: it is calibrated too.
+        new_type = add_nodes(cluster, 1, driver="560.35.03", prefix="newdrv")
+        assert new_type != type_name
+        job = cluster.wait_for(lambda: [j for j in hw_jobs(cluster)
+                                        if j["metadata"]["labels"][nm.LABEL_NODE_TYPE] == new_type],
+                               what="a Job for the new driver's type")[0]
+        assert "560.35.03" in job["metadata"]["annotations"][nm.ANNOTATION_NODE_TYPE_KEY]
+        # The group stays on the profiled type with enough nodes.
+        assert cluster.status("dsv3")["nodeType"] == type_name
+        failures = [e["message"] for e in cluster.events("HardwareCalibrationFailed")]
+        assert any("no CUDA-capable device" in m for m in failures), failures
+        assert any("not JSON" in m for m in failures), failures
+
+
+def test_invalid_spec_sets_invalid_posts_event_and_waits_for_a_spec_change(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    add_nodes(cluster, 2)
+    with running_operator(cluster, monkeypatch):
+        bad = deployment(vexpert__pinnedExperts={"mode": "fixed", "value": 300})
+        cluster.create(bad)
+        cond = cluster.wait_for(lambda: (lambda c: c if c.get("status") == "True" else None)(
+            cluster.condition("dsv3", "Invalid")), what="Invalid=True")
+        assert cond["reason"] == "InvalidSpec"
+        assert "spec.vexpert.pinnedExperts.value" in cond["message"]
+        assert "300" in cond["message"]
+        assert cluster.status("dsv3")["phase"] == "Invalid"
+        events = cluster.wait_for(lambda: cluster.events("Invalid"), what="an Invalid event")
+        assert "spec.vexpert.pinnedExperts.value" in events[0]["message"]
+        assert events[0]["type"] == "Warning"
+
+        # No retrying while the spec stays the same: nothing is written, no Job starts.
+        version = cluster.deployment("dsv3")["metadata"]["resourceVersion"]
+        time.sleep(1.5)  # five reconcile periods of the test configuration
+        assert cluster.deployment("dsv3")["metadata"]["resourceVersion"] == version
+        assert hw_jobs(cluster) == []
+
+        # Fixing the spec resumes work.
+        cluster.patch(kube.DEPLOYMENTS, "dsv3", {"spec": {"vexpert": {"pinnedExperts": {"mode": "auto", "value": None}}}})
+        cluster.wait_for(lambda: cluster.condition("dsv3", "Invalid").get("status") == "False",
+                         what="Invalid=False")
+        cluster.wait_for(lambda: hw_jobs(cluster), what="calibration after the fix")
+
+
+def test_node_pod_failure_reforms_the_whole_group_with_backoff(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    type_name = add_nodes(cluster, 2)
+    with running_operator(cluster, monkeypatch):
+        cluster.create(deployment(runtime__groupRestartBackoffSeconds=3, runtime__maxGroupRestartBackoffSeconds=6))
+        calibrate(cluster, type_name)
+        pods = bring_up(cluster, "dsv3")
+        wait_phase(cluster, "dsv3", "Running")
+        cluster.wait_for(lambda: len(cluster.status("dsv3")["group"]["members"]) == 2, what="the formed group")
+        old = {p["metadata"]["uid"] for p in pods}
+
+        cluster.crash_pod("dsv3-node-1")
+        new = cluster.wait_for(lambda: (lambda ps: ps if len(ps) == 2 and not {p["metadata"]["uid"] for p in ps}
+                                        & old else None)(node_pods(cluster, "dsv3")), what="a re-formed group")
+        status = cluster.status("dsv3")
+        assert status["group"]["restarts"] == 1
+        assert "dsv3-node-1" in status["group"]["lastRestartReason"]
+        assert status["phase"] == "Deploying"
+        assert cluster.wait_for(lambda: cluster.events("GroupReformed"), what="a GroupReformed event")
+        bring_up(cluster, "dsv3")
+        wait_phase(cluster, "dsv3", "Running")
+
+        # A second failure right away waits for the backoff before re-forming again.
+        uids = {p["metadata"]["uid"] for p in new}
+        cluster.crash_pod("dsv3-node-0")
+        cond = cluster.wait_for(lambda: (lambda c: c if c.get("reason") == "GroupRestartBackoff" else None)(
+            cluster.condition("dsv3", "Degraded")), what="Degraded/GroupRestartBackoff")
+        assert cond["status"] == "True"
+        assert cluster.status("dsv3")["phase"] == "Degraded"
+        cluster.wait_for(lambda: not {p["metadata"]["uid"] for p in node_pods(cluster, "dsv3")} & uids,
+                         timeout=10, what="the second re-form after the backoff")
+        assert cluster.status("dsv3")["group"]["restarts"] == 2
+
+        # A deleted member (e.g. its node died) also re-forms the group.
+        pods = bring_up(cluster, "dsv3")
+        wait_phase(cluster, "dsv3", "Running")
+        cluster.wait_for(lambda: len(cluster.status("dsv3")["group"]["members"]) == 2, what="members recorded")
+        survivor = [p for p in pods if p["metadata"]["name"] == "dsv3-node-0"][0]["metadata"]["uid"]
+        cluster.delete(kube.PODS, "dsv3-node-1")
+        cluster.wait_for(lambda: survivor not in {p["metadata"]["uid"] for p in node_pods(cluster, "dsv3")},
+                         timeout=10, what="rank 0 re-formed after losing rank 1")
+
+
+def test_spec_change_rolls_the_whole_group_and_tuning_changes_do_not(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    type_name = add_nodes(cluster, 2)
+    with running_operator(cluster, monkeypatch):
+        cluster.create(deployment(vexpert__allocationInterval={"mode": "fixed", "value": 10}))
+        calibrate(cluster, type_name)
+        pods = bring_up(cluster, "dsv3")
+        wait_phase(cluster, "dsv3", "Running")
+        old_hash = pods[0]["metadata"]["labels"][nm.LABEL_TEMPLATE_HASH]
+        old_uids = {p["metadata"]["uid"] for p in pods}
+
+        # k is hot-reloaded from the ConfigMap: no pod restarts.
+        cluster.patch(kube.DEPLOYMENTS, "dsv3", {"spec": {"vexpert": {"allocationInterval": {"value": 25}}}})
+        cluster.wait_for(lambda: runtime_config(cluster, "dsv3")["tuning"]["allocation_interval"] == 25,
+                         what="k=25 in the ConfigMap")
+        time.sleep(0.8)
+        assert {p["metadata"]["uid"] for p in node_pods(cluster, "dsv3")} == old_uids
+
+        # A new image is a new template: the StatefulSet changes and every rank is replaced together.
+        cluster.patch(kube.DEPLOYMENTS, "dsv3", {"spec": {"runtime": {"image": "ghcr.io/vexpert/vexpert:0.2.0"}}})
+        sts = cluster.wait_for(lambda: (lambda s: s if s["spec"]["template"]["spec"]["containers"][0]["image"]
+                                        .endswith("0.2.0") else None)(
+            cluster.get(kube.STATEFULSETS, nm.statefulset_name("dsv3"))), what="the new template")
+        new_hash = sts["spec"]["template"]["metadata"]["labels"][nm.LABEL_TEMPLATE_HASH]
+        assert new_hash != old_hash
+        new = cluster.wait_for(lambda: (lambda ps: ps if len(ps) == 2 and all(
+            p["metadata"]["labels"][nm.LABEL_TEMPLATE_HASH] == new_hash for p in ps) else None)(
+            node_pods(cluster, "dsv3")), what="all ranks on the new template")
+        assert not {p["metadata"]["uid"] for p in new} & old_uids
+        assert cluster.events("GroupRolled")
+        if cluster.emulator is not None:
+            # Never half-updated: replay the API's pod events; no new-template pod may exist while a
+            # pod of the old template is still alive.
+            live: dict[str, str] = {}
+            for _, type_, obj, _old in cluster.emulator.event_log("", "v1", "pods"):
+                labels = obj["metadata"].get("labels") or {}
+                if labels.get(nm.LABEL_DEPLOYMENT) != "dsv3":
+                    continue
+                if type_ == "DELETED":
+                    live.pop(obj["metadata"]["uid"], None)
+                    continue
+                live[obj["metadata"]["uid"]] = labels[nm.LABEL_TEMPLATE_HASH]
+                assert set(live.values()) != {old_hash, new_hash}, "old and new ranks alive together"
+        bring_up(cluster, "dsv3")
+        status = wait_phase(cluster, "dsv3", "Running")
+        assert status["group"]["templateHash"] == new_hash
+        assert status["group"]["restarts"] == 0  # a roll is not a failure
+
+
+def test_operator_restart_midway_creates_no_duplicates(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    type_name = add_nodes(cluster, 2)
+    with running_operator(cluster, monkeypatch):
+        cluster.create(deployment())
+        cluster.wait_for(lambda: hw_jobs(cluster), what="the hardware Job")
+    # Restarted while calibration runs: it adopts the running Job instead of starting another.
+    with running_operator(cluster, monkeypatch):
+        time.sleep(1.0)
+        assert len(hw_jobs(cluster)) == 1
+        calibrate(cluster, type_name)
+        cluster.wait_for(lambda: cluster.get(kube.STATEFULSETS, nm.statefulset_name("dsv3")), what="the group")
+        pods = bring_up(cluster, "dsv3")
+        wait_phase(cluster, "dsv3", "Running")
+    uids = {p["metadata"]["uid"] for p in pods}
+    # Restarted with the group running: nothing is recreated, no pod restarts.
+    with running_operator(cluster, monkeypatch):
+        time.sleep(1.5)
+        assert len(hw_jobs(cluster)) == 1
+        assert len(model_jobs(cluster)) == 1
+        assert len(cluster.list_by(kube.STATEFULSETS, nm.deployment_labels("dsv3"))) == 1
+        assert len(cluster.list_by(kube.CONFIGMAPS, nm.deployment_labels("dsv3"))) == 1
+        assert len(cluster.list_by(kube.SERVICES, nm.deployment_labels("dsv3"))) == 1
+        assert len(cluster.list_by(kube.PDBS, nm.deployment_labels("dsv3"))) == 1
+        assert {p["metadata"]["uid"] for p in node_pods(cluster, "dsv3")} == uids
+        assert cluster.status("dsv3")["phase"] == "Running"
+
+
+def test_tuning_decision_is_written_to_configmap_and_status(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    type_name = add_nodes(cluster, 2)
+    metrics = MetricsServer()
+    try:
+        # The allocator takes 12% of step time at k=10 and the balance barely decays: lengthen k.
+        metrics.set(balance_ratio=0.74, balance_ratio_after_allocation=0.76, tokens_per_second=1234.5,
+                    allocator_seconds=0.06, step_seconds=0.05, allocation_interval=10, pooled_experts=256,
+                    degraded=0)
+        before = operator_metrics.TUNING_DECISIONS.labels("k", "changed")._value.get()
+        with running_operator(cluster, monkeypatch):
+            cluster.create(deployment(vexpert__tuningIntervalSeconds=1, runtime__metricsPort=metrics.port))
+            calibrate(cluster, type_name)
+            bring_up(cluster, "dsv3")
+            wait_phase(cluster, "dsv3", "Running")
+            tuning = cluster.wait_for(lambda: (lambda t: t if t.get("allocationInterval") == 15 else None)(
+                cluster.status("dsv3").get("tuning") or {}), timeout=15, what="k 10→15 in status")
+            assert "allocator" in tuning["reason"]
+            assert tuning["changes"] >= 1
+            assert runtime_config(cluster, "dsv3")["tuning"]["allocation_interval"] == 15
+            report = cluster.status("dsv3")["runtime"]
+            assert report["tokensPerSecond"] == pytest.approx(2469.0)  # two pods, summed
+            assert report["balanceRatio"] == pytest.approx(0.74)
+            assert cluster.events("Tuned")
+            assert metrics.hits >= 2
+
+            # Until the runtime reports k=15, the tuner holds (the decision has not taken effect).
+            time.sleep(1.5)
+            status = cluster.status("dsv3")
+            assert status["tuning"]["allocationInterval"] == 15
+            assert "waiting for the runtime" in status["tuning"]["reason"]
+        assert operator_metrics.TUNING_DECISIONS.labels("k", "changed")._value.get() >= before + 1
+    finally:
+        metrics.close()
+
+
+def test_deletion_cleans_up_children(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    type_name = add_nodes(cluster, 2)
+    with running_operator(cluster, monkeypatch):
+        cluster.create(deployment())
+        calibrate(cluster, type_name)
+        bring_up(cluster, "dsv3")
+        wait_phase(cluster, "dsv3", "Running")
+        cluster.delete(kube.DEPLOYMENTS, "dsv3")
+        cluster.wait_for(lambda: cluster.get(kube.DEPLOYMENTS, "dsv3") is None, what="the deployment gone")
+        for res, name in ((kube.STATEFULSETS, nm.statefulset_name("dsv3")), (kube.SERVICES, nm.service_name("dsv3")),
+                          (kube.CONFIGMAPS, nm.config_map_name("dsv3")), (kube.PDBS, nm.pdb_name("dsv3"))):
+            cluster.wait_for(lambda res=res, name=name: cluster.get(res, name) is None, what=f"{name} gone")
+        cluster.wait_for(lambda: not hw_jobs(cluster) and not model_jobs(cluster), what="calibration Jobs gone")
+        cluster.wait_for(lambda: not node_pods(cluster, "dsv3"), what="node pods gone")
+        # Profiles are a cluster-wide cache and outlive the deployment.
+        assert cluster.get(kube.NODE_PROFILES, type_name) is not None
+
+
+@pytest.mark.skipif(bool(REAL_KUBECONFIG), reason="inspects the emulator's request log")
+def test_children_are_valid_kubernetes_objects(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The emulator validates every built-in object clients write with kubernetes-validate --strict;
+    a 422 would show in its error list and the group would never appear."""
+    type_name = add_nodes(cluster, 2)
+    with running_operator(cluster, monkeypatch):
+        cluster.create(deployment())
+        calibrate(cluster, type_name)
+        cluster.wait_for(lambda: cluster.get(kube.PDBS, nm.pdb_name("dsv3")), what="the group")
+    assert cluster.emulator is not None
+    rejected = [e for e in cluster.emulator.errors if getattr(e, "status", 0) == 422]
+    assert rejected == []
+    posts = [r for r in cluster.emulator if r.method == "POST"]
+    kinds = {(r.data or {}).get("kind") for r in posts if isinstance(r.data, dict)}
+    assert {"Job", "ConfigMap", "Service", "StatefulSet", "PodDisruptionBudget", "VExpertNodeProfile"} <= kinds

@@ -1,0 +1,272 @@
+"""The coordinator–worker slot protocol: in-process handshake rules (threads), then whole nodes
+(coordinator + 2 worker processes): a delayed coordinator makes workers wait instead of reading
+stale slots, scripted plan changes switch the computed experts at an iteration boundary, and a
+slow allocator never stalls a step."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from vexpert_runtime.checkpoint import DEEPSEEK, CheckpointReader, MoESpec, write_tiny_checkpoint
+from vexpert_runtime.config import RuntimeConfig
+from vexpert_runtime.ep_moe import plan_from_slots, table_from_plan
+from vexpert_runtime.expert_pool import ExpertPool
+from vexpert_runtime.node import NodeOptions, NodeReport, resolve_setup, run_node
+from vexpert_runtime.placement import static_placement
+from vexpert_runtime.protocol import Assignment, SharedState, SlotFiller, WorkerSlots, decide
+from vexpert_runtime.slots import row_checksum, sequence
+from vexpert_runtime.transport import CpuSharedMemoryTransport
+from vexpert_runtime.workload import Workload, drifting_workload
+
+SPEC = MoESpec(
+    architecture=DEEPSEEK,
+    hidden_size=32,
+    intermediate_size=16,
+    num_experts=8,
+    top_k=2,
+    moe_layers=(1, 2),
+    n_group=2,
+    topk_group=2,
+    routed_scaling_factor=1.5,
+    correction_bias=True,
+    shared_intermediate_size=16,
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# In-process handshake (the "worker" is the test thread)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def handshake(tmp_path: Path) -> dict[str, Any]:
+    write_tiny_checkpoint(tmp_path, SPEC)
+    reader = CheckpointReader(tmp_path, SPEC)
+    transport = CpuSharedMemoryTransport()
+    pool = ExpertPool.build(
+        torch.arange(8).expand(2, 8).contiguous(),
+        8,
+        SPEC.expert_numel,
+        lambda layer, experts: reader.experts(layer, experts, torch.float32),
+        lambda rows, numel: torch.empty(rows, numel),
+    )
+    shared = SharedState.create(1, 2, multiprocessing.get_context("spawn"))
+    buffers = transport.allocate_slots(2, SPEC.expert_numel, torch.float32)
+    abort = threading.Event()
+    # G=1: layer 0 is group 0, layer 1 group 1; this process plays EP rank 1 of 2 (experts 4..7 resident)
+    filler = SlotFiller(shared, [buffers], [1], transport, num_layers=2, group_size=1, abort=abort)
+    worker = WorkerSlots(shared, 0, buffers, timeout_s=3.0)
+    base = static_placement(2, 8, 2)
+
+    def assignment(plan_id: int, slots_rank1: list[list[int]]) -> Assignment:
+        slot_expert = torch.full((2, 2, 2), -1)
+        slot_expert[:, 1] = torch.tensor(slots_rank1)
+        return Assignment(table_from_plan(plan_from_slots(base, slot_expert), plan_id), pool)
+
+    yield {"filler": filler, "worker": worker, "assignment": assignment, "pool": pool, "abort": abort}
+    abort.set()
+
+
+def _checksums(worker: WorkerSlots, seq: int) -> list[str]:
+    return [row_checksum(worker.slot(seq, s)) for s in range(2)]
+
+
+def test_worker_waits_for_a_late_fill(handshake: dict[str, Any]) -> None:
+    filler, worker, pool = handshake["filler"], handshake["worker"], handshake["pool"]
+    plan = handshake["assignment"](1, [[0, 2], [1, 3]])
+    timer = threading.Timer(0.4, filler.fill, args=(0, plan, 5, False))
+    timer.start()
+    ready, header, waited = worker.acquire(0)
+    timer.join()
+    assert ready and waited >= 0.35
+    assert header is not None and (header.plan_id, header.k, header.stop) == (1, 5, False)
+    assert _checksums(worker, 0) == [row_checksum(pool.row(0, 0)), row_checksum(pool.row(0, 2))]
+    worker.check_tags(0, plan.table, [0], rank=1)
+
+
+def test_coordinator_never_overwrites_a_slot_in_use(handshake: dict[str, Any]) -> None:
+    filler, worker, pool = handshake["filler"], handshake["worker"], handshake["pool"]
+    first = handshake["assignment"](1, [[0, 2], [1, 3]])
+    second = handshake["assignment"](2, [[1, 3], [0, 2]])
+    filler.fill(0, first, 4, False)
+    filler.fill(1, first, 4, False)  # the other buffer: no wait needed
+    assert worker.acquire(0)[0]
+    in_use = _checksums(worker, 0)
+    writer = threading.Thread(target=filler.fill, args=(2, second, 4, False))  # buffer 0 again
+    writer.start()
+    writer.join(timeout=0.4)
+    assert writer.is_alive(), "the coordinator must wait until sequence 0 is released"
+    assert _checksums(worker, 0) == in_use
+    worker.release(0)
+    writer.join(timeout=3)
+    assert not writer.is_alive()
+    ready, header, _ = worker.acquire(2)
+    assert ready and header is not None and header.plan_id == 2
+    assert _checksums(worker, 2) == [row_checksum(pool.row(0, 1)), row_checksum(pool.row(0, 3))]
+    with pytest.raises(RuntimeError, match="protocol violated"):
+        worker.check_tags(2, first.table, [0], rank=1)  # plan 1's experts are no longer there
+
+
+def test_timeout_then_the_coordinator_skips_a_sequence_nobody_waits_for(handshake: dict[str, Any]) -> None:
+    filler, worker = handshake["filler"], handshake["worker"]
+    plan = handshake["assignment"](1, [[0, 2], [1, 3]])
+    worker.timeout_s = 0.2
+    ready, header, waited = worker.acquire(0)
+    assert not ready and header is None and waited >= 0.15
+    worker.release(0)  # the worker ran the group degraded and moved on
+    copies = filler.stats.copies
+    filler.fill(0, plan, 4, False)
+    assert filler.stats.copies == copies  # nothing copied for a group already done
+    filler.fill(1, plan, 4, False)
+    assert filler.stats.copies == copies + 2
+
+
+def test_unchanged_slots_are_not_copied_again(handshake: dict[str, Any]) -> None:
+    filler, worker = handshake["filler"], handshake["worker"]
+    plan = handshake["assignment"](1, [[0, 2], [1, 3]])
+    for seq in range(4):
+        filler.fill(seq, plan, 4, False)
+        worker.acquire(seq)
+        worker.release(seq)
+    # G=1, 2 groups, 2 buffers: each buffer always holds the same layer, so only the first round copies
+    assert filler.stats.copies == 4
+    assert filler.stats.bytes_streamed == 4 * SPEC.expert_numel * 4
+
+
+def test_agreement_rules() -> None:
+    ok = decide(torch.tensor([[1, 3, 4, 0], [1, 3, 4, 0]]))
+    assert ok.use_plan and ok.plan_id == 3 and ok.k == 4 and not ok.stop
+    late = decide(torch.tensor([[1, 3, 4, 0], [0, -1, 0, 0]]))
+    assert not late.use_plan and late.k == 4  # one rank timed out without a header: all run degraded
+    mixed = decide(torch.tensor([[1, 3, 4, 0], [1, 2, 4, 0]]))
+    assert not mixed.use_plan  # two coordinators announced different plans
+    assert decide(torch.tensor([[1, 3, 4, 1], [1, 3, 4, 0]])).stop
+
+
+# ------------------------------------------------------------------------------------------------
+# Whole nodes
+# ------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _setup(checkpoint: Path, k: int = 3, vmax: int = 2, group_size: int = 1) -> Any:
+    config = RuntimeConfig.model_validate(
+        {
+            "model": {"checkpoint_path": str(checkpoint), "dtype": "float32"},
+            "parallelism": {"expert_parallel_size": 2, "gpus_per_node": 2, "master_port": _free_port()},
+            "vexpert": {"group_size": group_size, "vmax": vmax, "balance_threshold": 0.95},
+            "tuning": {"allocation_interval": k},
+            "runtime": {"device": "cpu", "cpu_workers": 2, "metrics_port": 0, "slot_fill_timeout_s": 5.0},
+        }
+    )
+    return resolve_setup(config, checkpoint)
+
+
+def _slot_experts_computed(report: NodeReport, iteration: int, per_gpu: int) -> set[tuple[int, int, int]]:
+    """(rank, layer, logical expert) computed from a slot in ``iteration``."""
+    record = report.records[iteration]
+    table = report.tables[record.plan_ids[0]]
+    out = set()
+    for rank, computed in record.computed.items():
+        for layer, row in enumerate(computed):
+            for slot, rows in enumerate(row[per_gpu:]):
+                if rows:
+                    out.add((rank, layer, int(table.slot_expert[layer, rank, slot])))
+    return out
+
+
+def test_delayed_coordinator_and_scripted_plan_change(tmp_path: Path) -> None:
+    write_tiny_checkpoint(tmp_path, SPEC, seed=4)
+    setup = _setup(tmp_path)
+    base = static_placement(2, 8, 2)
+    # rank 0 holds experts 0-3, rank 1 holds 4-7; G=1, vmax=2: two slots per buffer
+    plan_a = plan_from_slots(base, torch.tensor([[[4, 5], [0, 1]], [[6, -1], [2, -1]]]))
+    plan_b = plan_from_slots(base, torch.tensor([[[6, 7], [2, 3]], [[4, 5], [0, 1]]]))
+    delayed = sequence(3, 1, 2)  # iteration 3, group 1 (layer 1): the first fill under plan B there
+    report = run_node(
+        setup,
+        NodeOptions(
+            workload=Workload(tokens_per_worker=24, seed=1),
+            iterations=6,
+            verify=True,
+            allocate=False,
+            scripted_plans={0: plan_a, 3: plan_b},
+            fill_delays={delayed: 0.8},
+            record=True,
+        ),
+    )
+    assert report.iterations == 6
+    assert report.plan_switches == [(0, 1), (3, 2)]
+    assert report.max_rel_error is not None and report.max_rel_error <= 1e-5
+    assert report.degraded_groups == 0
+    assert report.records[3].wait_s >= 0.6  # workers waited for the late fill...
+    assert max(r.wait_s for i, r in enumerate(report.records) if i != 3) < 0.6
+    # ...and every slot they computed with held exactly the expert its plan names (bitwise)
+    reader = CheckpointReader(tmp_path, SPEC)
+    for record in report.records:
+        table = report.tables[record.plan_ids[0]]
+        for rank, per_group in record.slot_checksums.items():
+            for layer, sums in enumerate(per_group):
+                for slot, expert in enumerate(table.slot_expert[layer, rank].tolist()):
+                    if expert >= 0:
+                        assert sums[slot] == row_checksum(reader.expert(layer, expert, torch.float32))
+    before, after = _slot_experts_computed(report, 2, 4), _slot_experts_computed(report, 4, 4)
+    assert before <= {(r, lay, e) for lay in range(2) for r in range(2) for e in plan_a.slot_expert[lay, r].tolist() if e >= 0}
+    assert after <= {(r, lay, e) for lay in range(2) for r in range(2) for e in plan_b.slot_expert[lay, r].tolist() if e >= 0}
+    assert before and after and before != after
+
+
+def test_slow_allocator_never_stalls_a_step(tmp_path: Path) -> None:
+    write_tiny_checkpoint(tmp_path, SPEC, seed=5)
+    setup = _setup(tmp_path, k=12, vmax=1, group_size=2)
+    workload = drifting_workload((("decode_in1000out1000", 1000),), 2, 8, tokens_per_worker=32)
+    report = run_node(setup, NodeOptions(workload=workload, iterations=120, allocator_delay_s=0.4))
+    assert report.iterations == 120
+    assert [length for _, length in report.windows] == [12] * 10  # counts all-reduced every k iterations
+    assert report.allocations >= 1 and len(report.plan_switches) >= 2
+    first_plan_at = report.plan_switches[1][0]
+    assert first_plan_at >= 12 + 5, "workers kept iterating while the allocator ran"
+    assert max(r.step_s for r in report.records) < 0.3  # the 0.4 s allocator never shows in a step
+    assert report.degraded_groups == 0
+    assert report.static_balance < report.vexpert_balance
+    stats = report.metrics_text
+    assert "vexpert_allocator_seconds_count" in stats and "vexpert_bytes_streamed_total" in stats
+
+
+def test_timeout_runs_degraded_instead_of_hanging(tmp_path: Path) -> None:
+    write_tiny_checkpoint(tmp_path, SPEC, seed=6)
+    config = _setup(tmp_path)
+    setup = type(config)(**{**config.__dict__, "slot_fill_timeout_s": 0.3})
+    base = static_placement(2, 8, 2)
+    plan = plan_from_slots(base, torch.tensor([[[4, 5], [0, 1]], [[6, -1], [2, -1]]]))
+    report = run_node(
+        setup,
+        NodeOptions(
+            workload=Workload(tokens_per_worker=16),
+            iterations=4,
+            verify=True,
+            allocate=False,
+            scripted_plans={0: plan},
+            fill_delays={sequence(1, 0, 2): 1.0},
+        ),
+    )
+    assert report.degraded_groups >= 1
+    assert report.records[1].plan_ids[0] == 0  # the late group ran on the static placement
+    assert report.records[3].plan_ids == [1, 1]  # and the plan came back afterwards
+    assert report.max_rel_error is not None and report.max_rel_error <= 1e-5
+    assert "vexpert_degraded_groups_total" in report.metrics_text
+    _ = time
