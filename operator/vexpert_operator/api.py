@@ -265,6 +265,7 @@ class RuntimeReport(CamelModel):
 
 class GroupStatus(CamelModel):
     template_hash: str = ""
+    draining: bool = Field(False, description="Re-forming: the StatefulSet is at 0 until every old rank is gone")
     members: list[str] = Field(default_factory=list, description="Pod UIDs of the formed group")
     formed_at: str = ""
     restarts: int = 0

@@ -50,11 +50,12 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
         if len(non_null) != 1:
             raise ValueError(f"unions other than Optional[X] are not structural: {variants}")
         merged = {**non_null[0], **node}
-        if len(non_null) != len(variants):
-            merged["nullable"] = True
         if merged.get("default", ...) is None:
             merged.pop("default")
-        node = merged
+        node = _structural(merged)
+        if len(non_null) != len(variants):
+            node["nullable"] = True
+        return node
 
     if "const" in node:
         node["enum"] = [node.pop("const")]

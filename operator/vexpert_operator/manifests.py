@@ -290,8 +290,12 @@ def template_hash(template: Mapping[str, Any]) -> str:
 
 
 def build_statefulset(name: str, namespace: str, spec: VExpertDeploymentSpec, template: dict[str, Any],
-                      owner: list[dict[str, Any]]) -> Manifest:
-    """Stable ranks (ordinals), all pods at once, and ``OnDelete`` so the operator rolls whole groups."""
+                      owner: list[dict[str, Any]], replicas: int | None = None) -> Manifest:
+    """Stable ranks (ordinals), all pods at once, and ``OnDelete`` so the operator rolls whole groups.
+
+    ``replicas=0`` while a group is drained for re-forming: no new rank starts before every old
+    one is gone, so old and new ranks never meet at the rendezvous.
+    """
     labels = nm.deployment_labels(name) | {nm.LABEL_COMPONENT: "node"}
     return with_applied_hash({
         "apiVersion": "apps/v1",
@@ -299,7 +303,7 @@ def build_statefulset(name: str, namespace: str, spec: VExpertDeploymentSpec, te
         "metadata": _metadata(nm.statefulset_name(name), namespace, labels, owner),
         "spec": {
             "serviceName": nm.service_name(name),
-            "replicas": spec.parallelism.num_nodes,
+            "replicas": spec.parallelism.num_nodes if replicas is None else replicas,
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "OnDelete"},
             "revisionHistoryLimit": 5,

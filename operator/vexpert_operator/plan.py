@@ -57,6 +57,7 @@ class PlanInputs:
     profile: PerformanceProfile = field(default_factory=default_profile)
     allocation_interval: int | None = None  # current k (tuned); None = the spec's starting value
     pooled_experts: int | None = None  # current Np (tuned); None = the cap
+    draining: bool = False  # the group is being re-formed: StatefulSet at 0 replicas until no pod is left
 
 
 @dataclass
@@ -119,7 +120,8 @@ def plan_group(inputs: PlanInputs) -> GroupPlan:
         template_hash=mf.template_hash(template),
         config_map=mf.build_config_map(inputs.name, inputs.namespace, config, owner),
         service=mf.build_service(inputs.name, inputs.namespace, spec, owner),
-        statefulset=mf.build_statefulset(inputs.name, inputs.namespace, spec, template, owner),
+        statefulset=mf.build_statefulset(inputs.name, inputs.namespace, spec, template, owner,
+                                         replicas=0 if inputs.draining else None),
         pdb=mf.build_pdb(inputs.name, inputs.namespace, spec, owner),
         problems=check_fit(spec, sizing, inputs.node_type),
     )

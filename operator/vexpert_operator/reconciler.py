@@ -44,7 +44,7 @@ from .calibration import (
     summarize_job,
     termination_message,
 )
-from .group import decide_group, summarize_pod
+from .group import GroupDecision, decide_group, summarize_pod
 from .manifests import (
     build_hardware_calibration_job,
     build_model_calibration_job,
@@ -488,13 +488,24 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False
         sample = await scrape_group(ctx, ns, name, spec.runtime.metrics_port)
         plan = await _tune(ctx, body, spec, status, plan, inputs, sample, now)
 
+    # Decide about the group before applying: a re-form first scales the StatefulSet to zero.
+    raw_pods = await ctx.client.list(kube.PODS, ns, labels=nm.node_selector_labels(name))
+    decision = _decide_group(spec, status, plan, raw_pods, now)
+    if decision.action == "reform":
+        status.group.draining = True
+    elif status.group.draining and not raw_pods:
+        status.group.draining = False  # every old rank is gone: the group may start again
+    if status.group.draining != inputs.draining:
+        inputs.draining = status.group.draining
+        plan = plan_group(inputs)
+
     for child in plan.children:
         action, _ = await kube.apply(ctx.client, KIND_TO_RES[child["kind"]], child)
         if action != "unchanged":
             m.CHILD_WRITES.labels(child["kind"], action).inc()
             ctx.logger.info("%s %s %s", action, child["kind"], child["metadata"]["name"])
 
-    wake_at = await _manage_group(ctx, body, spec, status, plan, now)
+    wake_at = await _apply_group_decision(ctx, body, status, decision, now)
 
     status.tuning.allocation_interval = plan.allocation_interval
     status.tuning.pooled_experts = plan.pooled_experts
@@ -539,19 +550,22 @@ def _phase(status: VExpertDeploymentStatus, sample: RuntimeSample | None, stamp:
         status.phase, status.message = "Deploying", f"{status.ready_nodes}/{nodes} node pods ready"
 
 
-async def _manage_group(ctx: Context, body: Mapping[str, Any], spec: VExpertDeploymentSpec,
-                        status: VExpertDeploymentStatus, plan: GroupPlan, now: dt.datetime) -> dt.datetime | None:
-    meta = body["metadata"]
-    name, ns = meta["name"], meta["namespace"]
-    stamp = format_time(now)
-    generation = meta.get("generation")
-    pods = [summarize_pod(p) for p in await ctx.client.list(kube.PODS, ns, labels=nm.node_selector_labels(name))]
-    group = status.group
-    if group.template_hash != plan.template_hash:
-        group.template_hash = plan.template_hash
-    decision = decide_group(pods, plan.template_hash, spec.parallelism.num_nodes, group, now,
+def _decide_group(spec: VExpertDeploymentSpec, status: VExpertDeploymentStatus, plan: GroupPlan,
+                  raw_pods: list[dict[str, Any]], now: dt.datetime) -> GroupDecision:
+    pods = [summarize_pod(p) for p in raw_pods]
+    status.group.template_hash = plan.template_hash
+    decision = decide_group(pods, plan.template_hash, spec.parallelism.num_nodes, status.group, now,
                             spec.runtime.group_restart_backoff_seconds, spec.runtime.max_group_restart_backoff_seconds)
     status.ready_nodes = decision.ready_nodes
+    return decision
+
+
+async def _apply_group_decision(ctx: Context, body: Mapping[str, Any], status: VExpertDeploymentStatus,
+                                decision: GroupDecision, now: dt.datetime) -> dt.datetime | None:
+    meta = body["metadata"]
+    ns, generation = meta["namespace"], meta.get("generation")
+    stamp = format_time(now)
+    group = status.group
     wake_at: dt.datetime | None = None
     if decision.action == "reform":
         for pod in decision.delete:

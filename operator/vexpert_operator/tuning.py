@@ -8,8 +8,8 @@ Inputs are the node pods' Prometheus metrics (port ``runtime.metricsPort``):
 ``vexpert_balance_decay``              relative balance lost between allocations (optional; else
                                        computed from the two above)
 ``vexpert_tokens_per_second``          decode throughput of the pod
-``vexpert_allocator_seconds``          time of one allocation
-``vexpert_step_seconds``               time of one decode step
+``vexpert_allocator_seconds``          time of one allocation (gauge, or histogram: mean = sum/count)
+``vexpert_step_seconds``               time of one decode step (gauge or histogram)
 ``vexpert_allocation_interval``        k the runtime is using (shows the ConfigMap was applied)
 ``vexpert_pooled_experts``             Np the runtime is using
 ``vexpert_degraded``                   1 while the pod runs degraded (e.g. slots not filled in time)
@@ -72,6 +72,8 @@ def parse_runtime_metrics(text: str | bytes, max_bytes: int = MAX_METRICS_BYTES)
     elif len(text.encode()) > max_bytes:
         raise MetricsError(f"metrics body over {max_bytes} bytes")
     values: dict[str, list[float]] = {}
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
     count = 0
     try:
         for family in text_string_to_metric_families(text):
@@ -79,13 +81,23 @@ def parse_runtime_metrics(text: str | bytes, max_bytes: int = MAX_METRICS_BYTES)
                 count += 1
                 if count > MAX_SAMPLES:
                     raise MetricsError(f"more than {MAX_SAMPLES} samples")
-                if sample.name in KNOWN_GAUGES and math.isfinite(sample.value):
+                if not math.isfinite(sample.value):
+                    continue
+                if sample.name in KNOWN_GAUGES:
                     values.setdefault(sample.name, []).append(float(sample.value))
+                elif sample.name.endswith("_sum") and sample.name[:-4] in KNOWN_GAUGES:
+                    sums[sample.name[:-4]] = sums.get(sample.name[:-4], 0.0) + sample.value
+                elif sample.name.endswith("_count") and sample.name[:-6] in KNOWN_GAUGES:
+                    counts[sample.name[:-6]] = counts.get(sample.name[:-6], 0.0) + sample.value
     except MetricsError:
         raise
     except Exception as exc:  # the parser raises ValueError/TypeError/IndexError on bad input
         raise MetricsError(f"unparsable metrics: {exc}") from None
-    return {name: sum(v) / len(v) for name, v in values.items()}
+    out = {name: sum(v) / len(v) for name, v in values.items()}
+    for name, total in sums.items():  # histograms/summaries (the runtime's *_seconds): the mean
+        if name not in out and counts.get(name, 0) > 0:
+            out[name] = total / counts[name]
+    return out
 
 
 @dataclass(frozen=True)

@@ -455,7 +455,8 @@ class _Worker:
                 seq = sequence(iteration, index, len(self.groups))
                 ready, header, wait_s = self.slots.acquire(seq)
                 waited += wait_s
-                agreement = agree(ready, header, args.world, self.group)
+                stop_flag = index == 0 and self.slots.stop_requested(iteration)
+                agreement = agree(ready, header, args.world, self.group, stop=stop_flag)
                 if index == 0:
                     if agreement.stop:
                         stop = True
@@ -601,6 +602,7 @@ class NodeRuntime:
         self._metrics_port: int | None = None
         self._degraded_total = 0
         self._pending_verify: list[tuple[int, int, np.ndarray]] = []
+        self._shared: SharedState | None = None
         self._windows: list[tuple[int, int]] = []
         self._tables: dict[int, RoutingTable] = {}
         self._plan_pools: dict[int, list[list[int]]] = {}
@@ -610,6 +612,8 @@ class NodeRuntime:
     def request_stop(self) -> None:
         """Stop at the next iteration boundary (all workers agree on it)."""
         self._stop.set()
+        if self._shared is not None:
+            self._shared.request_stop(0)
 
     def run(self) -> NodeReport:
         setup, options = self.setup, self.options
@@ -628,6 +632,11 @@ class NodeRuntime:
             if options.verify:
                 self._reference = ModelWeights.load(self._reader, setup.torch_dtype)
             shared = SharedState.create(setup.local_workers, setup.slots, ctx)
+            self._shared = shared
+            if options.iterations is not None:
+                shared.request_stop(options.iterations)
+            if self._stop.is_set():
+                shared.request_stop(0)
             results = ctx.Queue()
             controls = [ctx.Queue() for _ in range(setup.local_workers)]
             queues = [results, *controls]
@@ -740,7 +749,6 @@ class NodeRuntime:
         self._buffers: dict[int, torch.Tensor] = {}
         self._ready = self._done = 0
         self._loop: FillLoop | None = None
-        self._shared = shared
         last_progress = time.monotonic()
         while self._done < setup.local_workers:
             if self._loop is not None and self._loop.error is not None:

@@ -57,6 +57,7 @@ class SharedState:
     state: torch.Tensor
     tags: torch.Tensor
     conds: list[Any]
+    stop_at: torch.Tensor  # [1] int64: first iteration not to run (−1 = none); see :meth:`request_stop`
 
     @classmethod
     def create(cls, workers: int, slots: int, ctx: Any) -> SharedState:
@@ -65,7 +66,15 @@ class SharedState:
         state[:, :, RELEASED] = -1  # sequences 0 and 1 may be written at once
         state[:, :, HDR_SEQ] = -1
         tags = torch.full((workers, BUFFERS, max(slots, 1), 2), -1, dtype=torch.int64)
-        return cls(state.share_memory_(), tags.share_memory_(), [ctx.Condition() for _ in range(workers)])
+        stop_at = torch.full((1,), -1, dtype=torch.int64)
+        conds = [ctx.Condition() for _ in range(workers)]
+        return cls(state.share_memory_(), tags.share_memory_(), conds, stop_at.share_memory_())
+
+    def request_stop(self, iteration: int) -> None:
+        """Ask workers to stop before ``iteration`` even if the fill pipeline is behind (a worker that
+        timed out never sees the stop header); they agree on it at their next iteration start."""
+        current = int(self.stop_at[0])
+        self.stop_at[0] = iteration if current < 0 else min(current, iteration)
 
 
 @dataclass(frozen=True)
@@ -102,13 +111,18 @@ class WorkerSlots:
         b = buffer_of(seq)
         start = time.perf_counter()
         with self._cond:
-            ready = True
+            ready = bool(self._cond.wait_for(lambda: int(self._state[b, FILLED]) >= seq, self.timeout_s))
             row = self._state[b].tolist()
         waited = time.perf_counter() - start
         header = None
         if row[HDR_SEQ] == seq:
             header = Header(seq, row[PLAN_ID], row[K_VALUE], bool(row[STOP]))
         return ready, header, waited
+
+    def stop_requested(self, iteration: int) -> bool:
+        """Whether the coordinator asked to stop before ``iteration`` (out of band of the headers)."""
+        stop_at = int(self.shared.stop_at[0])
+        return 0 <= stop_at <= iteration
 
     def release(self, seq: int) -> None:
         """This worker no longer reads sequence ``seq``'s buffer."""
@@ -144,14 +158,18 @@ class Agreement:
     stop: bool
 
 
-def agree(ready: bool, header: Header | None, world: int, group: dist.ProcessGroup | None) -> Agreement:
+def agree(
+    ready: bool, header: Header | None, world: int, group: dist.ProcessGroup | None, stop: bool = False
+) -> Agreement:
     """All ranks exchange (ready, header) and derive the same decision.
 
     The plan is used only if every rank is ready and all announce the same plan id; ``k`` is the
-    largest announced (0 = none announced) and ``stop`` is set if any coordinator asked for it.
+    largest announced (0 = none announced) and ``stop`` is set if any rank saw a stop request
+    (in its header or out of band: ``stop``).
     """
+    stopping = stop or bool(header and header.stop)
     mine = torch.tensor(
-        [int(ready), header.plan_id if header else -1, header.k if header else 0, int(bool(header and header.stop))],
+        [int(ready), header.plan_id if header else -1, header.k if header else 0, int(stopping)],
         dtype=torch.int64,
     )
     if group is None or world == 1:

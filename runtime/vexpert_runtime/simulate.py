@@ -211,8 +211,13 @@ def simulate(
     profile: PerformanceProfile | None = None,
     consts: InferenceConstants | None = None,
     progress: Callable[[str], None] | None = None,
+    allocator_profile: PerformanceProfile | None = None,
 ) -> dict[str, PolicyResult]:
-    """Replay ``counts`` [T, L, E] for every policy in ``cfg.policies``. Deterministic."""
+    """Replay ``counts`` [T, L, E] for every policy in ``cfg.policies``. Deterministic.
+
+    ``allocator_profile`` is what the allocator *believes* (default: ``profile``); scoring always
+    uses the measured balance and ``profile``'s hardware. Giving a wrong one measures how
+    sensitive decisions are to calibration error (:func:`sensitivity`)."""
     counts_t = torch.as_tensor(np.asarray(counts), dtype=torch.float32)
     if counts_t.dim() != 3:
         raise VExpertInputError("counts", f"trace must be [iterations, layers, experts], got shape {tuple(counts_t.shape)}")
@@ -223,6 +228,7 @@ def simulate(
     _, _num_layers, num_experts = counts_t.shape
     cfg.validate(num_experts)
     profile = profile or PerformanceProfile()
+    believed = allocator_profile or profile
     consts = consts or InferenceConstants(experts_per_gpu=num_experts // cfg.num_gpus)
     alloc_cfg = AllocatorConfig(cfg.group_size, cfg.vmax, cfg.balance_threshold)
     offload_cfg = AllocatorConfig(group_size=1, vmax=1, balance_threshold=1.0, use_cost_model=False)
@@ -250,11 +256,11 @@ def simulate(
                         continue
                     run(f"{policy}:{variant}", partial(_eplb_schedule, counts_t, cfg, redundant, variant))
         elif policy == "offload":
-            run(policy, lambda t: _allocator_schedule(counts_t, cfg, offload_cfg, profile, consts, 1, False, t))
+            run(policy, lambda t: _allocator_schedule(counts_t, cfg, offload_cfg, believed, consts, 1, False, t))
         elif policy == "vexpert":
-            run(policy, lambda t: _allocator_schedule(counts_t, cfg, alloc_cfg, profile, consts, cfg.allocation_interval, False, t))
+            run(policy, lambda t: _allocator_schedule(counts_t, cfg, alloc_cfg, believed, consts, cfg.allocation_interval, False, t))
         elif policy == "oracle":
-            run(policy, lambda t: _allocator_schedule(counts_t, cfg, alloc_cfg, profile, consts, 1, True, t))
+            run(policy, lambda t: _allocator_schedule(counts_t, cfg, alloc_cfg, believed, consts, 1, True, t))
     return results
 
 
@@ -267,3 +273,48 @@ def summarize(
     consts = consts or InferenceConstants(experts_per_gpu=max(1, num_experts // num_gpus))
     static_time = predicted_total_time(results["static"], consts, profile) if "static" in results else None
     return {name: r.summary(consts, profile, static_time, num_gpus) for name, r in results.items()}
+
+
+SENSITIVITY_PARAMETERS = {
+    "alpha": ("load_balance", "alpha"),
+    "beta": ("load_balance", "beta"),
+    "intercept": ("load_balance", "intercept"),
+    "h2d_bandwidth": ("hardware", "h2d_bandwidth_gb_per_s"),
+    "eta": ("hardware", "contention_eta"),
+}
+
+
+def perturbed(profile: PerformanceProfile, parameter: str, factor: float) -> PerformanceProfile:
+    """A copy of ``profile`` with one parameter (a key of SENSITIVITY_PARAMETERS) scaled."""
+    section, field_name = SENSITIVITY_PARAMETERS[parameter]
+    part = getattr(profile, section)
+    return profile.model_copy(update={section: part.model_copy(update={field_name: getattr(part, field_name) * factor})})
+
+
+def sensitivity(
+    counts: np.ndarray | torch.Tensor,
+    cfg: SimulationConfig,
+    profile: PerformanceProfile | None = None,
+    consts: InferenceConstants | None = None,
+    error: float = 0.2,
+) -> dict[str, dict[str, float]]:
+    """Paper Table 2: throughput change of ``vexpert`` when the allocator uses a profile with one
+    parameter off by ±``error``, scored with the true one. Returns {param: {"-20%": Δ, "+20%": Δ}}
+    as relative changes (−0.012 = 1.2 % slower)."""
+    profile = profile or PerformanceProfile()
+    only = SimulationConfig(**{**cfg.__dict__, "policies": ("static", "vexpert")})
+    num_experts = int(np.asarray(counts).shape[-1])
+    consts = consts or InferenceConstants(experts_per_gpu=num_experts // cfg.num_gpus)
+
+    def throughput(believed: PerformanceProfile) -> float:
+        res = simulate(counts, only, profile, consts, allocator_profile=believed)
+        return 1.0 / predicted_total_time(res["vexpert"], consts, profile)
+
+    reference = throughput(profile)
+    table: dict[str, dict[str, float]] = {}
+    for name in SENSITIVITY_PARAMETERS:
+        table[name] = {
+            f"{sign}{round(error * 100)}%": throughput(perturbed(profile, name, 1 + s * error)) / reference - 1.0
+            for sign, s in (("-", -1), ("+", 1))
+        }
+    return table

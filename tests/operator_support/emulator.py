@@ -36,6 +36,7 @@ and replaces the object store's semantics with:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import datetime as dt
 import hashlib
@@ -44,6 +45,7 @@ import random
 import re
 import string
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -212,6 +214,20 @@ def apply_defaults(schema: Mapping[str, Any], obj: Any) -> Any:
 
 # --------------------------------------------------------------------------------------- emulator
 
+_BUNDLED: dict[references.resource, references.ResourceInfo] = {}
+
+
+def _bundled_resources() -> dict[references.resource, references.ResourceInfo]:
+    """kmock's bundled discovery data (a K3s cluster's built-in resources), loaded once."""
+    if not _BUNDLED:
+        array = kmock.ResourcesArray()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # kmock uses importlib.resources.read_binary
+            array.load_bundled()
+        _BUNDLED.update({res: array[res] for res in array})
+    return _BUNDLED
+
+
 
 @attrs.define(kw_only=True)
 class KubeEmulator(kmock.KubernetesEmulator):
@@ -229,7 +245,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        self.resources.load_bundled()
+        for res, info in _bundled_resources().items():
+            self.resources[res] = copy.deepcopy(info)
         for res in list(self.resources):
             if res.plural in STATUS_SUBRESOURCE_BUILTINS and res.group in ("", "apps", "batch", "policy",
                                                                             "apiextensions.k8s.io"):
@@ -245,10 +262,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
     async def __aexit__(self, *exc: Any) -> None:
         if self._controller_task is not None:
             self._controller_task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._controller_task
-            except asyncio.CancelledError:
-                pass
             self._controller_task = None
         await super().__aexit__(*exc)
 
@@ -319,9 +334,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
             if o_spec.get("template") != n_spec.get("template") or o_spec.get("selector") != n_spec.get("selector"):
                 raise _err(422, "Invalid", f"Job.batch \"{old['metadata']['name']}\" is invalid: spec.template: "
                                            "field is immutable")
-        elif kind == "Service":
-            if o_spec.get("clusterIP") and n_spec.get("clusterIP") != o_spec.get("clusterIP"):
-                raise _err(422, "Invalid", f"Service \"{old['metadata']['name']}\" is invalid: spec.clusterIP: "
+        elif kind == "Service" and o_spec.get("clusterIP") and n_spec.get("clusterIP") != o_spec.get("clusterIP"):
+            raise _err(422, "Invalid", f"Service \"{old['metadata']['name']}\" is invalid: spec.clusterIP: "
                                            "field is immutable")
 
     # ------------------------------------------------------------------------------ core writes
@@ -481,12 +495,11 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 continue
             refs = obj.raw["metadata"].get("ownerReferences") or []
             if refs and any(ref.get("uid") == owner_uid for ref in refs) and \
-                    not any(ref.get("uid") in live_uids for ref in refs):
-                if self._get(r, n, name) is not None:
-                    await self.delete_object(r, n, name)
+                    not any(ref.get("uid") in live_uids for ref in refs) and self._get(r, n, name) is not None:
+                await self.delete_object(r, n, name)
 
     def _crd_raw_schema(self, res: references.resource) -> dict[str, Any]:
-        return self._schemas[res]["__raw__"] if "__raw__" in self._schemas[res] else {}
+        return self._schemas[res].get("__raw__", {})
 
     def _register_crd(self, crd: Mapping[str, Any]) -> None:
         spec = crd["spec"]
@@ -667,10 +680,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
 
     async def _controllers(self) -> None:
         while True:
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), timeout=0.2)
-            except asyncio.TimeoutError:
-                pass
             self._kick.clear()
             await asyncio.sleep(0.02)  # let a burst of writes settle, like a controller's work queue
             try:

@@ -95,6 +95,11 @@ class Cluster:
         self.created_nodes: list[str] = []
 
     @property
+    def test_instance_type(self) -> str:
+        """The instance-type label of this test's fake nodes (keeps their node types unique)."""
+        return f"p5-test-{self.namespace[-6:]}"
+
+    @property
     def emulated(self) -> bool:
         return self.emulator is not None
 
@@ -268,8 +273,7 @@ class Cluster:
             with contextlib.suppress(Exception):
                 self.run(self.client.delete(kube.NODES, name))
         for profile in self.list(kube.NODE_PROFILES):
-            if "vexpert-test" in (profile["metadata"].get("labels") or {}).get("vexpert.io/node-type", "") or \
-                    self.emulated:
+            if ((profile.get("spec") or {}).get("nodeType") or {}).get("instanceType") == self.test_instance_type:
                 with contextlib.suppress(Exception):
                     self.run(self.client.delete(kube.NODE_PROFILES, profile["metadata"]["name"]))
 
@@ -279,13 +283,15 @@ def _now() -> str:
 
 
 @contextlib.contextmanager
-def cluster_session(tmp_path: Path, monkeypatch: Any) -> Iterator[Cluster]:
-    """A fresh emulator (or, with KUBECONFIG, the real cluster) with the CRDs and a test namespace."""
+def cluster_session(tmp_path: Path, monkeypatch: Any, real: bool = False) -> Iterator[Cluster]:
+    """A fresh emulator, or (``real``) the cluster of ``$KUBECONFIG`` as it was when pytest started,
+    with the CRDs installed and a new test namespace."""
     loop = LoopThread()
     server: EmulatorServer | None = None
     namespace = f"vexpert-test-{uuid.uuid4().hex[:6]}"
     try:
-        if REAL_KUBECONFIG:
+        if real:
+            monkeypatch.setenv("KUBECONFIG", REAL_KUBECONFIG)
             connection = kube.connection_from_environment()
             cluster = Cluster(loop, connection, namespace)
         else:
@@ -297,7 +303,7 @@ def cluster_session(tmp_path: Path, monkeypatch: Any) -> Iterator[Cluster]:
         try:
             yield cluster
         finally:
-            if REAL_KUBECONFIG:
+            if real:
                 cluster.cleanup()
             cluster.close()
     finally:
@@ -337,7 +343,7 @@ class MetricsServer:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            def do_GET(self) -> None:
                 outer.hits += 1
                 body = outer.text.encode()
                 self.send_response(200 if self.path == "/metrics" else 404)

@@ -28,6 +28,8 @@ def register(sub: Any) -> None:
     p.add_argument("--policies", default=None, help="comma-separated subset (default: all)")
     p.add_argument("--profile", default=None, help="PerformanceProfile JSON from `vexpert calibrate`")
     p.add_argument("--tokens-per-gpu", type=int, default=None, help="override the trace's batch for the time model")
+    p.add_argument("--sensitivity", action="store_true",
+                   help="also report vExpert's throughput change when each model parameter is off by ±20%% (paper Table 2)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", default=None, metavar="FILE.png", help=PLOT_HELP)
     p.set_defaults(handler=_run)
@@ -61,6 +63,11 @@ def _run(args: argparse.Namespace) -> int:
     results = simulate(trace.counts, cfg, profile, consts, progress=progress)
     summary = summarize(results, profile, consts, experts, args.gpus)
     elapsed = time.perf_counter() - started
+    table = None
+    if args.sensitivity:
+        from ..simulate import sensitivity
+
+        table = sensitivity(trace.counts, cfg, profile, consts)
     if args.plot:
         from ..plot import plot_balance
 
@@ -74,10 +81,16 @@ def _run(args: argparse.Namespace) -> int:
         "policies": summary,
         "elapsed_s": round(elapsed, 3),
     }
+    if table is not None:
+        out["sensitivity"] = table
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         print(format_table(summary))
+        if table is not None:
+            print("\nvExpert throughput change with one allocator parameter off (scored with the true profile):")
+            for name, row in table.items():
+                print(f"  {name:<14}" + "".join(f"{k:>7} {v * 100:+6.2f}%" for k, v in row.items()))
         print(f"\n{iterations} iterations × {layers} layers × {experts} experts on {args.gpus} GPUs; "
               f"simulated in {elapsed:.1f} s" + (f"; plot: {args.plot}" if args.plot else ""))
     return 0

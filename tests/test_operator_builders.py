@@ -1,0 +1,265 @@
+"""Unit tests of the operator's pure builders: quantities, names, sizing, manifests and the plan."""
+
+from __future__ import annotations
+
+import json
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from operator_support.samples import gpu_node, spec
+from vexpert_operator import manifests as mf
+from vexpert_operator import naming as nm
+from vexpert_operator.nodetypes import candidate_types, node_info, node_type_selector
+from vexpert_operator.plan import PlanInputs, combine_profiles, default_profile, plan_group
+from vexpert_operator.quantity import GIB, MIB, format_mebibytes, parse_bytes, parse_quantity
+from vexpert_operator.sizing import KNOWN_SHAPES, model_shape, np_bounds, pinned_pool_bytes, size_pod
+from vexpert_runtime.config import parse_runtime_config
+from vexpert_runtime.profile import (
+    HardwareParameters,
+    LoadBalanceParameters,
+    NodeTypeKey,
+    PerformanceProfile,
+    Provenance,
+)
+
+K8S = "1.32"
+
+
+def h200_type(nodes: int = 8, allocatable: str = "2000Gi"):
+    infos = [node_info(gpu_node(f"n{i}", allocatable=allocatable)) for i in range(nodes)]
+    return next(iter(candidate_types(infos, {}, [], 8).values()))
+
+
+# ------------------------------------------------------------------------------------------ quantities
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("64Gi", 64 * GIB), ("1.5G", 1_500_000_000), ("500m", 0.5), ("128", 128), ("1Ki", 1024), ("2Ti", 2 * 1024 * GIB),
+])
+def test_parse_quantity(text: str, value: float) -> None:
+    assert float(parse_quantity(text)) == pytest.approx(value)
+
+
+def test_parse_bytes_rounds_up_and_rejects_garbage() -> None:
+    assert parse_bytes("1.5") == 2
+    with pytest.raises(ValueError, match="quantity"):
+        parse_bytes("lots")
+
+
+def test_format_mebibytes_rounds_up() -> None:
+    assert format_mebibytes(MIB) == "1Mi"
+    assert format_mebibytes(MIB + 1) == "2Mi"
+
+
+# --------------------------------------------------------------------------------------------- naming
+
+
+def test_bounded_names_are_dns_labels_and_unique() -> None:
+    a = nm.bounded_name("NVIDIA H100 80GB HBM3 with a very long product name " * 3, {"driver": "1"})
+    b = nm.bounded_name("NVIDIA H100 80GB HBM3 with a very long product name " * 3, {"driver": "2"})
+    assert a != b
+    for name in (a, b):
+        assert len(name) <= 63
+        assert name == name.lower() and not name.startswith("-") and not name.endswith("-")
+
+
+def test_label_value_is_valid_and_bounded() -> None:
+    assert nm.label_value("NVIDIA-H100-80GB-HBM3") == "NVIDIA-H100-80GB-HBM3"
+    long = nm.label_value("x" * 100)
+    assert len(long) <= 63
+    assert nm.label_value("a b/c") == "a-b-c"
+
+
+def test_model_key_is_stable_and_distinguishes_revisions() -> None:
+    assert nm.model_key("deepseek-ai/DeepSeek-V3", "r1") == nm.model_key("deepseek-ai/DeepSeek-V3", "r1")
+    assert nm.model_key("deepseek-ai/DeepSeek-V3", "r1") != nm.model_key("deepseek-ai/DeepSeek-V3", "r2")
+    assert nm.model_key("deepseek-ai/DeepSeek-V3", "r1").startswith("deepseek-v3-r1-")
+
+
+# --------------------------------------------------------------------------------------------- sizing
+
+
+def test_model_shape_known_scaled_given_and_unknown() -> None:
+    assert model_shape(spec()) == KNOWN_SHAPES["deepseek_v3"]
+    fp32 = model_shape(spec(model__dtype="float32"))
+    assert fp32 is not None and fp32.expert_bytes == 2 * KNOWN_SHAPES["deepseek_v3"].expert_bytes
+    given = model_shape(spec(model__architecture="auto",
+                             model__shape={"numExperts": 64, "numMoeLayers": 4, "expertBytes": 1000}))
+    assert given is not None and given.num_experts == 64
+    assert model_shape(spec(model__architecture="auto")) is None
+
+
+def test_np_cap_is_as_large_as_node_memory_allows() -> None:
+    s = spec()
+    shape = KNOWN_SHAPES["deepseek_v3"]
+    per_expert = shape.expert_bytes * shape.num_moe_layers
+    memory = 48 * GIB + 100 * per_expert + per_expert // 2  # shm 16Gi + overhead 32Gi + 100.5 experts
+    sizing = size_pod(s, shape, memory)
+    assert sizing.pooled_experts_cap == 100
+    assert sizing.pod_memory_bytes == 100 * per_expert + 48 * GIB <= memory
+    assert sizing.pinned_pool_bytes == pinned_pool_bytes(100, shape)
+    # Unknown memory: the upper bound (all experts); fixed Np: exactly that.
+    assert size_pod(s, shape, None).pooled_experts_cap == 256
+    assert size_pod(spec(vexpert={"pinnedExperts": {"mode": "fixed", "value": 7}}), shape, memory
+                    ).pooled_experts_cap == 7
+    # Bounds clip it.
+    assert size_pod(spec(vexpert={"pinnedExperts": {"max": 50}}), shape, memory).pooled_experts_cap == 50
+    assert np_bounds(spec(vexpert={"pinnedExperts": {"min": 10, "max": 50}}), shape) == (10, 50)
+
+
+def test_gpu_bytes_count_base_experts_and_slots() -> None:
+    shape = KNOWN_SHAPES["deepseek_v3"]
+    sizing = size_pod(spec(vexpert={"groupSize": 2, "vmax": 3}), shape, None)
+    assert sizing.gpu_bytes_per_gpu == (4 * 58 + 6) * shape.expert_bytes
+
+
+# ------------------------------------------------------------------------------------------ manifests
+
+
+def _plan(**kw):
+    node_type = h200_type()
+    inputs = PlanInputs(name="dsv3", namespace="inference", spec=kw.pop("s", spec()), uid="u-1",
+                        node_type=node_type, **kw)
+    return plan_group(inputs)
+
+
+def test_statefulset_pod_is_one_container_per_node_guaranteed_and_unprivileged() -> None:
+    plan = _plan()
+    sts = plan.statefulset
+    assert sts["spec"]["replicas"] == 8
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    assert sts["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    assert sts["spec"]["serviceName"] == "dsv3-nodes"
+    pod = sts["spec"]["template"]["spec"]
+    assert len(pod["containers"]) == 1
+    c = pod["containers"][0]
+    assert c["command"] == ["vexpert", "node"]
+    # Guaranteed QoS: requests == limits, memory = pinned pool + /dev/shm + overhead.
+    assert c["resources"]["requests"] == c["resources"]["limits"]
+    assert c["resources"]["limits"]["memory"] == format_mebibytes(plan.sizing.pod_memory_bytes)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert parse_bytes(c["resources"]["limits"]["memory"]) >= plan.sizing.pinned_pool_bytes + 48 * GIB
+    assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert c["securityContext"]["privileged"] is False
+    assert pod["hostIPC"] is False and pod["hostNetwork"] is False and pod["hostPID"] is False
+    shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    rank = next(e for e in c["env"] if e["name"] == "VEXPERT_NODE_RANK")
+    assert rank["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"
+    assert anti["labelSelector"]["matchLabels"] == nm.node_selector_labels("dsv3")
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    pinned = {e["key"]: e["values"][0] for e in terms[0]["matchExpressions"]}
+    assert pinned == node_type_selector(h200_type().key)
+    assert sts["metadata"]["ownerReferences"][0] == {
+        "apiVersion": "vexpert.io/v1alpha1", "kind": "VExpertDeployment", "name": "dsv3", "uid": "u-1",
+        "controller": True, "blockOwnerDeletion": True}
+    selector = sts["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_service_pdb_and_configmap() -> None:
+    plan = _plan()
+    svc = plan.service
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["publishNotReadyAddresses"] is True
+    assert {p["port"] for p in svc["spec"]["ports"]} == {29500, 9400}
+    assert plan.pdb["spec"]["minAvailable"] == 8
+    assert plan.pdb["spec"]["selector"]["matchLabels"] == nm.node_selector_labels("dsv3")
+    config = parse_runtime_config(yaml.safe_load(plan.config_map["data"]["runtime.yaml"]))
+    assert config.parallelism.expert_parallel_size == 64
+    assert config.parallelism.master_addr == "dsv3-node-0.dsv3-nodes.inference.svc"
+    assert config.tuning.allocation_interval == 10
+    assert config.tuning.pooled_experts == plan.pooled_experts == plan.sizing.pooled_experts_cap
+    assert config.model.checkpoint_path == "/models/DeepSeek-V3"
+
+
+def test_all_children_validate_against_kubernetes_schemas() -> None:
+    plan = _plan()
+    for child in plan.children:
+        kubernetes_validate.validate(child, K8S, strict=True)
+    key = h200_type().key
+    job = mf.build_hardware_calibration_job("inference", "t", key, 2, spec(), mf.owner_reference("d", "u"))
+    kubernetes_validate.validate(job, K8S, strict=True)
+    kubernetes_validate.validate(mf.build_model_calibration_job("inference", "k", key, 1, spec(), []), K8S, strict=True)
+
+
+def test_tuning_changes_configmap_but_not_the_pod_template() -> None:
+    base = _plan()
+    tuned = _plan(allocation_interval=37, pooled_experts=100)
+    assert tuned.allocation_interval == 37 and tuned.pooled_experts == 100
+    assert tuned.template_hash == base.template_hash
+    assert tuned.config_hash == base.config_hash
+    assert tuned.config_map["metadata"]["annotations"][nm.ANNOTATION_APPLIED_HASH] != \
+        base.config_map["metadata"]["annotations"][nm.ANNOTATION_APPLIED_HASH]
+
+
+def test_image_or_model_changes_change_the_template() -> None:
+    base = _plan()
+    assert _plan(s=spec(runtime__image="other:1")).template_hash != base.template_hash
+    other_model = _plan(s=spec(model__revision="r2"))
+    assert other_model.template_hash != base.template_hash
+    assert other_model.config_hash != base.config_hash
+
+
+def test_plan_is_deterministic() -> None:
+    a, b = _plan(), _plan()
+    assert json.dumps(a.children, sort_keys=True) == json.dumps(b.children, sort_keys=True)
+
+
+def test_tuned_values_are_clamped_to_bounds_and_cap() -> None:
+    s = spec(vexpert={"allocationInterval": {"min": 5, "max": 50}, "pinnedExperts": {"max": 100}})
+    plan = _plan(s=s, allocation_interval=500, pooled_experts=999)
+    assert plan.allocation_interval == 50
+    assert plan.pooled_experts == 100
+    fixed = _plan(s=spec(vexpert={"allocationInterval": {"mode": "fixed", "value": 12}}), allocation_interval=40)
+    assert fixed.allocation_interval == 12
+
+
+def test_calibration_jobs_follow_the_contract() -> None:
+    key = NodeTypeKey(gpu_product="NVIDIA-H200", gpu_count=8, gpu_memory_mib=143771, driver_version="550.54.15")
+    job = mf.build_hardware_calibration_job("ns", "type-a", key, 3, spec(), [])
+    assert job["metadata"]["name"] == nm.hardware_job_name("type-a", 3)
+    assert job["spec"]["backoffLimit"] == 0  # the operator retries, with backoff, as new attempts
+    c = job["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == ["vexpert", "calibrate"]
+    assert c["args"][:3] == ["hardware", "--gpus", "8"]
+    assert json.loads(c["args"][4]) == key.model_dump()
+    assert c["args"][-2:] == ["--termination-message-path", "/dev/termination-log"]
+    assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+    assert job["metadata"]["labels"][nm.LABEL_ATTEMPT] == "3"
+    mjob = mf.build_model_calibration_job("ns", "k", key, 1, spec(), [])
+    args = mjob["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[0] == "model" and "--checkpoint" in args and "/models/DeepSeek-V3" in args
+
+
+def test_profiles_combine_halves_deterministically() -> None:
+    hw = PerformanceProfile(hardware=HardwareParameters(h2d_bandwidth_gb_per_s=55.0, contention_eta=0.03),
+                            provenance=Provenance(source="hardware-calibration", created_at="2026-01-02T00:00:00"))
+    model = PerformanceProfile(load_balance=LoadBalanceParameters(alpha=-0.5, beta=0.4, intercept=0.2),
+                               provenance=Provenance(source="model-calibration", created_at="2026-01-01T00:00:00",
+                                                     model="m", model_revision="r"))
+    combined = combine_profiles(hw, model)
+    assert combined.hardware.h2d_bandwidth_gb_per_s == 55.0
+    assert combined.load_balance.alpha == -0.5
+    assert combined.provenance.created_at == "2026-01-02T00:00:00"
+    assert combined == combine_profiles(hw, model)
+    assert combine_profiles(None, None) == default_profile()
+    assert default_profile().provenance.created_at == default_profile().provenance.created_at
+
+
+def test_node_and_model_profile_builders_round_trip() -> None:
+    key = NodeTypeKey(gpu_product="NVIDIA-H200", gpu_count=8)
+    obj = mf.build_node_profile("t", key, default_profile(), 2 * 1024 * GIB, "job-1", "ns")
+    assert obj["spec"]["nodeType"]["gpuProduct"] == "NVIDIA-H200"
+    assert obj["spec"]["profile"]["hardware"]["h2d_bandwidth_gb_per_s"] == 26.0
+    assert obj["metadata"]["annotations"][nm.ANNOTATION_SOURCE_JOB] == "ns/job-1"
+    PerformanceProfile.model_validate(obj["spec"]["profile"])
+    model = mf.build_model_profile("ns", "k", "m", "r", "deepseek_v3", default_profile())
+    assert model["spec"]["model"] == "m" and model["metadata"]["namespace"] == "ns"

@@ -1,0 +1,464 @@
+"""Unit tests of the operator's pure decisions: node typing, validation, calibration, group, tuning."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from operator_support.samples import gpu_node, pod, raw_spec, spec
+from vexpert_operator import naming as nm
+from vexpert_operator.api import GroupStatus, Toleration, VExpertDeploymentStatus
+from vexpert_operator.calibration import (
+    JobSummary,
+    decide_calibration,
+    failure_reason,
+    parse_result,
+    retry_delay,
+    summarize_job,
+    termination_message,
+)
+from vexpert_operator.group import decide_group, restart_delay, summarize_pod
+from vexpert_operator.nodetypes import (
+    candidate_types,
+    choose_node_type,
+    node_fits,
+    node_info,
+    node_type_key,
+    node_type_name,
+    tolerates,
+)
+from vexpert_operator.settings import OperatorSettings
+from vexpert_operator.sizing import KNOWN_SHAPES, size_pod
+from vexpert_operator.status import set_condition
+from vexpert_operator.tuning import (
+    MetricsError,
+    RuntimeSample,
+    TuningPolicy,
+    TuningState,
+    aggregate,
+    decide_tuning,
+    parse_runtime_metrics,
+)
+from vexpert_operator.validation import check_fit, parse_spec, validate_spec
+
+NOW = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.timezone.utc)
+
+# ------------------------------------------------------------------------------------------ node types
+
+
+def test_node_type_key_from_gfd_labels() -> None:
+    key = node_type_key(gpu_node("a")["metadata"]["labels"])
+    assert key is not None
+    assert (key.gpu_product, key.gpu_count, key.gpu_memory_mib, key.driver_version, key.instance_type) == (
+        "NVIDIA-H200", 8, 143771, "550.54.15", "p5en.48xlarge")
+    parts = {"nvidia.com/gpu.product": "A100", "nvidia.com/cuda.driver-version.major": "535",
+             "nvidia.com/cuda.driver-version.minor": "104", "nvidia.com/cuda.driver-version.revision": "05"}
+    assert node_type_key(parts).driver_version == "535.104.05"  # type: ignore[union-attr]
+    old = {"nvidia.com/gpu.product": "A100", "nvidia.com/cuda.driver.major": "470", "nvidia.com/cuda.driver.minor": "82",
+           "nvidia.com/cuda.driver.rev": "01"}
+    assert node_type_key(old).driver_version == "470.82.01"  # type: ignore[union-attr]
+    assert node_type_key({"kubernetes.io/hostname": "cpu-node"}) is None
+
+
+def test_a_new_driver_version_is_a_new_type() -> None:
+    a = node_type_key(gpu_node("a")["metadata"]["labels"])
+    b = node_type_key(gpu_node("b", driver="560.35.03")["metadata"]["labels"])
+    same = node_type_key(gpu_node("c")["metadata"]["labels"])
+    assert a and b and same
+    assert node_type_name(a) != node_type_name(b)
+    assert node_type_name(a) == node_type_name(same)
+    assert len(node_type_name(a)) <= 63
+
+
+def test_tolerations_match_like_kubernetes() -> None:
+    taint = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+    assert tolerates([Toleration(key="nvidia.com/gpu", operator="Exists")], taint)
+    assert tolerates([Toleration(operator="Exists")], taint)
+    assert tolerates([Toleration(key="nvidia.com/gpu", value="present")], taint)
+    assert not tolerates([Toleration(key="nvidia.com/gpu", value="other")], taint)
+    assert not tolerates([Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoExecute")], taint)
+    assert not tolerates([], taint)
+
+
+def test_node_fits_checks_selector_gpus_taints_and_cordon() -> None:
+    ok = node_info(gpu_node("a"))
+    assert node_fits(ok, {}, [], 8)
+    assert not node_fits(ok, {"pool": "x"}, [], 8)
+    assert not node_fits(ok, {}, [], 16)
+    tainted = node_info(gpu_node("b", taints=[{"key": "gpu", "effect": "NoSchedule"}]))
+    assert not node_fits(tainted, {}, [], 8)
+    assert node_fits(tainted, {}, [Toleration(key="gpu", operator="Exists")], 8)
+    prefer = node_info(gpu_node("c", taints=[{"key": "gpu", "effect": "PreferNoSchedule"}]))
+    assert node_fits(prefer, {}, [], 8)
+    assert not node_fits(node_info(gpu_node("d", unschedulable=True)), {}, [], 8)
+    assert not node_fits(node_info({"metadata": {"name": "cpu"}}), {}, [], 1)
+
+
+def test_candidate_types_group_nodes_and_choose_is_sticky() -> None:
+    nodes = [node_info(gpu_node(f"h{i}")) for i in range(3)] + \
+            [node_info(gpu_node(f"n{i}", driver="560.35.03")) for i in range(5)]
+    types = candidate_types(nodes, {}, [], 8)
+    assert sorted(len(t.nodes) for t in types.values()) == [3, 5]
+    new = next(n for n, t in types.items() if len(t.nodes) == 5)
+    old = next(n for n, t in types.items() if len(t.nodes) == 3)
+    assert choose_node_type(types, 2) == new  # most nodes
+    assert choose_node_type(types, 2, current=old) == old  # keep the current type: no needless roll
+    assert choose_node_type(types, 4, current=old) == new  # unless it is too small now
+    assert choose_node_type({}, 2) is None
+    assert types[old].min_allocatable_memory == 2000 * 2**30
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+
+def fields(problems) -> set[str]:
+    return {p.field for p in problems}
+
+
+def test_parse_spec_errors_name_the_camelcase_field() -> None:
+    parsed, problems = parse_spec(raw_spec(parallelism__gpusPerNode=0))
+    assert parsed is None
+    assert fields(problems) == {"spec.parallelism.gpusPerNode"}
+    _, problems = parse_spec(raw_spec(runtime__shmSize="lots"))
+    assert fields(problems) == {"spec.runtime.shmSize"}
+    _, problems = parse_spec(raw_spec(model__checkpoint={"claimName": "a", "hostPath": "/b"}))
+    assert fields(problems) == {"spec.model.checkpoint"}
+    _, problems = parse_spec(raw_spec(calibration={"mode": "given"}))
+    assert "modelProfileRef" in problems[0].message
+    _, problems = parse_spec(raw_spec(runtime__tolerations=[{"operator": "Maybe"}]))
+    assert fields(problems) == {"spec.runtime.tolerations[0].operator"}
+
+
+@pytest.mark.parametrize(("overrides", "field"), [
+    ({"parallelism__expertParallelSize": 12}, "spec.parallelism.expertParallelSize"),
+    ({"parallelism__expertParallelSize": 24, "parallelism__gpusPerNode": 8}, "spec.parallelism.expertParallelSize"),
+    ({"model__architecture": "auto"}, "spec.model.shape"),
+    ({"vexpert": {"allocationInterval": {"min": 50, "max": 10}}}, "spec.vexpert.allocationInterval.min"),
+    ({"vexpert": {"allocationInterval": {"value": 5000}}}, "spec.vexpert.allocationInterval.value"),
+    ({"vexpert": {"pinnedExperts": {"mode": "fixed"}}}, "spec.vexpert.pinnedExperts.value"),
+    ({"vexpert": {"pinnedExperts": {"mode": "fixed", "value": 300}}}, "spec.vexpert.pinnedExperts.value"),
+    ({"vexpert": {"pinnedExperts": {"min": 300}}}, "spec.vexpert.pinnedExperts.min"),
+    ({"runtime__metricsPort": 29500}, "spec.runtime.metricsPort"),
+    ({"runtime__env": [{"name": "VEXPERT_NODE_RANK", "value": "3"}]}, "spec.runtime.env[0].name"),
+])
+def test_validate_spec_names_the_field(overrides: dict, field: str) -> None:
+    problems = validate_spec(spec(**overrides), "dsv3")
+    assert field in fields(problems), problems
+
+
+def test_valid_spec_and_long_name() -> None:
+    assert validate_spec(spec(), "dsv3") == []
+    assert fields(validate_spec(spec(), "x" * 41)) == {"metadata.name"}
+
+
+def test_check_fit_host_and_gpu_memory() -> None:
+    shape = KNOWN_SHAPES["deepseek_v3"]
+    small = next(iter(candidate_types([node_info(gpu_node("a", allocatable="100Gi"))], {}, [], 8).values()))
+    fixed = spec(vexpert={"pinnedExperts": {"mode": "fixed", "value": 64}})
+    problems = check_fit(fixed, size_pod(fixed, shape, small.min_allocatable_memory), small)
+    assert fields(problems) == {"spec.vexpert.pinnedExperts.value"}
+    assert "exceeds node type" in problems[0].message
+    auto = spec(vexpert={"pinnedExperts": {"min": 64}})
+    assert fields(check_fit(auto, size_pod(auto, shape, small.min_allocatable_memory), small)) == \
+        {"spec.vexpert.pinnedExperts.min"}
+    big = next(iter(candidate_types([node_info(gpu_node("b"))], {}, [], 8).values()))
+    assert check_fit(spec(), size_pod(spec(), shape, big.min_allocatable_memory), big) == []
+    h100 = next(iter(candidate_types([node_info(gpu_node("c", memory_mib=81559))], {}, [], 8).values()))
+    ep16 = spec(parallelism__expertParallelSize=16)
+    assert fields(check_fit(ep16, size_pod(ep16, shape, None), h100)) == {"spec.vexpert.vmax"}
+
+
+# ----------------------------------------------------------------------------------------- calibration
+
+
+def job(name: str, attempt: int, condition: str | None = None, when: str = "2026-11-30T11:59:00Z",
+        message: str = "", harvest_error: str = "") -> dict:
+    obj: dict = {"metadata": {"name": name, "labels": {nm.LABEL_ATTEMPT: str(attempt)}, "annotations": {}},
+                 "status": {}}
+    if condition:
+        obj["status"]["conditions"] = [{"type": condition, "status": "True", "lastTransitionTime": when,
+                                        "message": message}]
+        if condition == "Complete":
+            obj["status"]["completionTime"] = when
+    if harvest_error:
+        obj["metadata"]["annotations"][nm.ANNOTATION_HARVEST_ERROR] = harvest_error
+    return obj
+
+
+def test_summarize_job_states() -> None:
+    assert summarize_job(job("a", 1)).state == "active"
+    done = summarize_job(job("a", 1, "Complete"))
+    assert done.state == "succeeded" and done.finished_at == dt.datetime(2026, 11, 30, 11, 59, tzinfo=dt.timezone.utc)
+    failed = summarize_job(job("a", 2, "Failed", message="BackoffLimitExceeded"))
+    assert failed.state == "failed" and failed.attempt == 2 and "BackoffLimit" in failed.message
+    bad = summarize_job(job("a", 1, "Complete", harvest_error="not JSON"))
+    assert bad.state == "failed" and bad.message == "not JSON"
+
+
+def test_decide_calibration_create_wait_harvest_backoff_retry() -> None:
+    assert decide_calibration([], NOW, 30, 600).action == "create"
+    running = [JobSummary("j1", 1, "active", None)]
+    assert decide_calibration(running, NOW, 30, 600).action == "wait"
+    failed_at = NOW - dt.timedelta(seconds=10)
+    one_failure = [JobSummary("j1", 1, "failed", failed_at, "exit 3")]
+    step = decide_calibration(one_failure, NOW, 30, 600)
+    assert step.action == "backoff" and step.retry_at == failed_at + dt.timedelta(seconds=30)
+    retry = decide_calibration(one_failure, NOW + dt.timedelta(seconds=25), 30, 600)
+    assert retry.action == "create" and retry.attempt == 2
+    two_failures = [*one_failure, JobSummary("j2", 2, "failed", NOW, "exit 3")]
+    assert decide_calibration(two_failures, NOW, 30, 600).retry_at == NOW + dt.timedelta(seconds=60)
+    done = [*two_failures, JobSummary("j3", 3, "succeeded", NOW)]
+    assert decide_calibration(done, NOW, 30, 600).action == "harvest"
+
+
+def test_retry_delay_doubles_up_to_the_cap() -> None:
+    assert [retry_delay(n, 30, 200) for n in range(5)] == [0, 30, 60, 120, 200]
+
+
+PROFILE = ('{"api_version": "vexpert.io/v1alpha1", "hardware": {"h2d_bandwidth_gb_per_s": 50.0, '
+           '"contention_eta": 0.05, "compute_bound_tokens_per_expert": 160}}')
+
+
+def test_parse_result_accepts_profiles_and_rejects_the_rest() -> None:
+    assert parse_result(PROFILE).hardware.h2d_bandwidth_gb_per_s == 50.0
+    for bad, why in (("", "empty"), ("{", "not JSON"), ('{"hardware": {"contention_eta": -1}}', "contention_eta"),
+                     ('{"bogus": 1}', "bogus"), ("x" * 5000, "4096")):
+        with pytest.raises(ValueError, match=why):
+            parse_result(bad)
+
+
+def test_termination_message_and_failure_reason() -> None:
+    pod_obj = {"status": {"containerStatuses": [{"name": "calibrate", "state": {"terminated": {
+        "exitCode": 3, "message": "cudaErrorNoDevice\n"}}}]}}
+    assert termination_message(pod_obj) == (3, "cudaErrorNoDevice\n")
+    assert termination_message({"status": {}}) == (None, "")
+    summary = JobSummary("j", 1, "failed", NOW, "BackoffLimitExceeded")
+    assert failure_reason(pod_obj, summary) == "exit 3: cudaErrorNoDevice"
+    assert failure_reason(None, summary) == "BackoffLimitExceeded"
+
+
+# ----------------------------------------------------------------------------------------------- group
+
+
+def pods(n: int, hash_: str = "h1", **kw) -> list:
+    return [summarize_pod(pod(f"d-node-{i}", f"u{i}", hash_, **kw)) for i in range(n)]
+
+
+def test_group_formed_when_every_rank_is_ready() -> None:
+    decision = decide_group(pods(3), "h1", 3, GroupStatus(), NOW, 10, 300)
+    assert decision.action == "none" and decision.formed and decision.members == ["u0", "u1", "u2"]
+    partial = decide_group(pods(3, ready=False), "h1", 3, GroupStatus(), NOW, 10, 300)
+    assert not partial.formed and partial.ready_nodes == 0
+
+
+def test_a_template_change_rolls_every_rank_at_once() -> None:
+    mixed = [*pods(2, "old"), summarize_pod(pod("d-node-2", "u2", "new"))]
+    decision = decide_group(mixed, "new", 3, GroupStatus(), NOW, 10, 300)
+    assert decision.action == "reform" and not decision.is_failure
+    assert decision.delete == ["d-node-0", "d-node-1", "d-node-2"]
+
+
+def test_a_failed_rank_reforms_the_group_with_backoff() -> None:
+    crashed = [*pods(2), summarize_pod(pod("d-node-2", "u2", "h1", restarts=1))]
+    first = decide_group(crashed, "h1", 3, GroupStatus(), NOW, 10, 300)
+    assert first.action == "reform" and first.is_failure and len(first.delete) == 3
+    assert "d-node-2" in first.reason and "NCCL timeout" in first.reason
+    recent = GroupStatus(restarts=2, last_restart_time="2026-11-30T11:59:50Z")
+    waiting = decide_group(crashed, "h1", 3, recent, NOW, 10, 300)
+    assert waiting.action == "backoff"
+    assert waiting.retry_at == dt.datetime(2026, 11, 30, 12, 0, 10, tzinfo=dt.timezone.utc)
+    failed_phase = [summarize_pod(pod("d-node-0", "u0", "h1", phase="Failed", ready=False))]
+    assert decide_group(failed_phase, "h1", 1, GroupStatus(), NOW, 10, 300).is_failure
+
+
+def test_a_lost_member_reforms_the_group_and_terminating_pods_are_ignored() -> None:
+    formed = GroupStatus(members=["u0", "u1", "u2"])
+    replaced = [*pods(2), summarize_pod(pod("d-node-2", "u9", "h1", ready=False))]
+    decision = decide_group(replaced, "h1", 3, formed, NOW, 10, 300)
+    assert decision.action == "reform" and decision.is_failure
+    assert "gone" in decision.reason
+    going = pods(3, terminating=True)
+    assert decide_group(going, "h1", 3, GroupStatus(), NOW, 10, 300).action == "none"
+
+
+def test_restart_delay_doubles() -> None:
+    assert [restart_delay(n, 10, 60) for n in range(5)] == [0, 10, 20, 40, 60]
+
+
+# ---------------------------------------------------------------------------------------------- tuning
+
+METRICS = """# HELP vexpert_balance_ratio mean/max GPU load
+# TYPE vexpert_balance_ratio gauge
+vexpert_balance_ratio{layer_group="0"} 0.7
+vexpert_balance_ratio{layer_group="1"} 0.8
+# TYPE vexpert_tokens_per_second gauge
+vexpert_tokens_per_second 1000
+# TYPE vexpert_allocation_interval gauge
+vexpert_allocation_interval 10
+# TYPE vexpert_unrelated_total counter
+vexpert_unrelated_total 5
+# TYPE vexpert_step_seconds gauge
+vexpert_step_seconds NaN
+"""
+
+
+def test_parse_runtime_metrics_means_labels_and_drops_the_rest() -> None:
+    values = parse_runtime_metrics(METRICS)
+    assert values["vexpert_balance_ratio"] == pytest.approx(0.75)
+    assert values["vexpert_tokens_per_second"] == 1000
+    assert "vexpert_unrelated_total" not in values
+    assert "vexpert_step_seconds" not in values  # NaN dropped
+
+
+def test_parse_runtime_metrics_reads_the_runtimes_histograms() -> None:
+    from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+
+    reg = CollectorRegistry()
+    alloc = Histogram("vexpert_allocator_seconds", "allocator", registry=reg)
+    step = Histogram("vexpert_step_seconds", "step", registry=reg)
+    balance = Gauge("vexpert_balance_ratio", "balance", ["layer"], registry=reg)
+    for value in (0.01, 0.03):
+        alloc.observe(value)
+    step.observe(0.2)
+    balance.labels(layer="0").set(0.6)
+    balance.labels(layer="1").set(0.8)
+    values = parse_runtime_metrics(generate_latest(reg))
+    assert values["vexpert_allocator_seconds"] == pytest.approx(0.02)
+    assert values["vexpert_step_seconds"] == pytest.approx(0.2)
+    assert values["vexpert_balance_ratio"] == pytest.approx(0.7)
+
+
+def test_parse_runtime_metrics_is_bounded() -> None:
+    with pytest.raises(MetricsError, match="bytes"):
+        parse_runtime_metrics(b"x" * 2000, max_bytes=1000)
+    many = "".join(f"vexpert_balance_ratio{{l=\"{i}\"}} 0.5\n" for i in range(6000))
+    with pytest.raises(MetricsError, match="samples"):
+        parse_runtime_metrics(many, max_bytes=10**7)
+    with pytest.raises(MetricsError):
+        parse_runtime_metrics("vexpert_balance_ratio{ 1\n")
+
+
+def test_aggregate_folds_pods() -> None:
+    sample = aggregate([
+        {"vexpert_balance_ratio": 0.7, "vexpert_balance_ratio_after_allocation": 0.8, "vexpert_tokens_per_second": 10,
+         "vexpert_allocator_seconds": 0.01, "vexpert_step_seconds": 0.1, "vexpert_allocation_interval": 10},
+        {"vexpert_balance_ratio": 0.9, "vexpert_balance_decay": 0.02, "vexpert_tokens_per_second": 30,
+         "vexpert_degraded": 1, "vexpert_allocation_interval": 10},
+    ])
+    assert sample.pods == 2
+    assert sample.balance_ratio == pytest.approx(0.8)
+    assert sample.balance_decay == pytest.approx(0.125)  # worst pod
+    assert sample.tokens_per_second == 40
+    assert sample.allocator_share == pytest.approx(0.01)
+    assert sample.degraded_pods == 1
+    assert sample.reported_k == {10}
+
+
+def state(**kw) -> TuningState:
+    base = {"allocation_interval": 10, "pooled_experts": 100, "k_mode": "auto", "k_min": 2, "k_max": 200,
+            "np_mode": "auto", "np_min": 10, "np_cap": 100}
+    base.update(kw)
+    return TuningState(**base)
+
+
+def sample(**kw) -> RuntimeSample:
+    base = {"pods": 2, "reported_k": {10}, "reported_np": {100}}
+    base.update(kw)
+    return RuntimeSample(**base)
+
+
+def test_k_lengthens_when_the_allocator_is_costly_and_shortens_when_balance_decays() -> None:
+    longer = decide_tuning(state(), sample(allocator_share=0.12, balance_decay=0.01))
+    assert longer.allocation_interval == 15 and longer.k_changed and "allocator" in longer.reason
+    shorter = decide_tuning(state(), sample(allocator_share=0.005, balance_decay=0.2))
+    assert shorter.allocation_interval == 6 and "decays" in shorter.reason
+    held = decide_tuning(state(), sample(allocator_share=0.03, balance_decay=0.07))
+    assert not held.changed and "dead band" in held.reason
+    conflict = decide_tuning(state(), sample(allocator_share=0.12, balance_decay=0.2))
+    assert not conflict.k_changed
+
+
+def test_k_respects_bounds_fixed_mode_and_cooldown() -> None:
+    assert decide_tuning(state(k_max=12), sample(allocator_share=0.5)).allocation_interval == 12
+    at_max = decide_tuning(state(allocation_interval=12, k_max=12), sample(allocator_share=0.5, reported_k={12}))
+    assert not at_max.changed and "upper bound" in at_max.reason
+    assert decide_tuning(state(allocation_interval=3, k_min=3), sample(balance_decay=0.5, reported_k={3})
+                         ).allocation_interval == 3
+    assert not decide_tuning(state(k_mode="fixed"), sample(allocator_share=0.5)).changed
+    cooling = decide_tuning(state(decisions_since_k_change=1), sample(allocator_share=0.5))
+    assert not cooling.changed and "cooldown" in cooling.reason
+
+
+def test_np_shrinks_under_pressure_and_grows_back_on_misses() -> None:
+    shrink = decide_tuning(state(), sample(memory_pressure=0.95))
+    assert shrink.pooled_experts == 80 and shrink.np_changed
+    grow = decide_tuning(state(pooled_experts=60), sample(pool_hit_ratio=0.8, memory_pressure=0.5,
+                                                          reported_np={60}))
+    assert grow.pooled_experts == 75
+    assert decide_tuning(state(pooled_experts=90), sample(pool_hit_ratio=0.8, reported_np={90})
+                         ).pooled_experts == 100  # capped
+    full = decide_tuning(state(), sample(pool_hit_ratio=0.99))
+    assert not full.np_changed and "node memory allows" in full.reason
+    over = decide_tuning(state(pooled_experts=120), sample(reported_np={120}))
+    assert over.pooled_experts == 100
+
+
+def test_tuning_holds_without_data_while_degraded_or_before_the_last_change_applies() -> None:
+    assert not decide_tuning(state(), RuntimeSample(pods=0)).changed
+    degraded = decide_tuning(state(), sample(degraded_pods=1, allocator_share=0.5))
+    assert not degraded.changed and "degraded" in degraded.reason
+    stale = decide_tuning(state(allocation_interval=15), sample(reported_k={10}, allocator_share=0.5))
+    assert not stale.changed and "waiting for the runtime" in stale.reason
+
+
+@settings(max_examples=200, deadline=None)
+@given(k=st.integers(1, 1000), k_min=st.integers(1, 50), span=st.integers(0, 500), n=st.integers(1, 256),
+       cap=st.integers(1, 256), share=st.none() | st.floats(0, 1), decay=st.none() | st.floats(0, 1),
+       pressure=st.none() | st.floats(0, 1.5), hits=st.none() | st.floats(0, 1))
+def test_tuning_always_stays_within_bounds(k: int, k_min: int, span: int, n: int, cap: int, share: float | None,
+                                           decay: float | None, pressure: float | None, hits: float | None) -> None:
+    k_max = k_min + span
+    k = max(k_min, min(k_max, k))
+    n_min = min(5, cap)
+    n = max(n_min, min(cap, n))
+    st_ = state(allocation_interval=k, k_min=k_min, k_max=k_max, pooled_experts=n, np_min=n_min, np_cap=cap)
+    decision = decide_tuning(st_, sample(allocator_share=share, balance_decay=decay, memory_pressure=pressure,
+                                         pool_hit_ratio=hits, reported_k={k}, reported_np={n}))
+    assert k_min <= decision.allocation_interval <= k_max
+    assert n_min <= decision.pooled_experts <= cap
+    # Hysteresis: a changed k would not be reversed by the same observation right after.
+    if decision.k_changed:
+        again = decide_tuning(state(allocation_interval=decision.allocation_interval, k_min=k_min, k_max=k_max,
+                                    pooled_experts=n, np_min=n_min, np_cap=cap, decisions_since_k_change=0),
+                              sample(allocator_share=share, balance_decay=decay,
+                                     reported_k={decision.allocation_interval}, reported_np={n}))
+        assert not again.k_changed
+
+
+def test_default_policy_has_dead_bands() -> None:
+    p = TuningPolicy()
+    assert p.decay_low < p.decay_high and p.share_low < p.share_high and p.pressure_low < p.pressure_high
+
+
+# ---------------------------------------------------------------------------------------------- status
+
+
+def test_condition_transition_time_moves_only_on_change() -> None:
+    conds = set_condition([], "Ready", False, "NodesNotReady", "0/2", "t1", 1)
+    conds = set_condition(conds, "Ready", False, "NodesNotReady", "1/2", "t2", 1)
+    assert conds[0].last_transition_time == "t1" and conds[0].message == "1/2"
+    conds = set_condition(conds, "Ready", True, "GroupReady", "2/2", "t3", 2)
+    assert conds[0].last_transition_time == "t3" and conds[0].observed_generation == 2
+    conds = set_condition(conds, "Invalid", False, "Valid", "", "t3", 2)
+    assert [c.type for c in conds] == ["Invalid", "Ready"]
+    VExpertDeploymentStatus(conditions=conds)
+
+
+def test_operator_settings_from_env() -> None:
+    cfg = OperatorSettings.from_env({"VEXPERT_OPERATOR_RECONCILE_INTERVAL_S": "2.5", "UNRELATED": "x"})
+    assert cfg.reconcile_interval_s == 2.5 and cfg.metrics_port == 8080
+    with pytest.raises(ValueError):
+        OperatorSettings.from_env({"VEXPERT_OPERATOR_METRICS_PORT": "-1"})
