@@ -84,13 +84,21 @@ def test_printer_columns_and_short_names() -> None:
     assert node["spec"]["scope"] == "Cluster"
 
 
-def example_docs() -> list[tuple[str, dict[str, Any]]]:
+def example_docs(custom: bool = True) -> list[tuple[str, dict[str, Any]]]:
     docs = []
     for path in sorted(EXAMPLES.rglob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
-            if doc:
+            if doc and doc["apiVersion"].startswith("vexpert.io/") == custom:
                 docs.append((path.name, doc))
     return docs
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_builtin_objects_in_examples_validate_strictly(version: str) -> None:
+    docs = example_docs(custom=False)
+    assert {d["kind"] for _, d in docs} >= {"Deployment", "ClusterRole", "ServiceAccount"}
+    for _, doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
 
 
 @pytest.mark.parametrize(("name", "doc"), example_docs(),

@@ -137,7 +137,7 @@ def test_fp8_weights_are_refused(tmp_path: Path) -> None:
 
 
 def test_config_problems(tmp_path: Path) -> None:
-    with pytest.raises(VExpertInputError, match="config.json not found"):
+    with pytest.raises(VExpertInputError, match=r"config\.json not found"):
         read_model_spec(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
     with pytest.raises(VExpertInputError, match="'llama' is not a supported MoE family"):

@@ -163,10 +163,7 @@ def _run_rank(rank: int, port: int, root: str, cases: list[dict[str, Any]]) -> N
             weights.experts[layer][e] if e >= 0 else torch.zeros(spec.expert_numel)
             for e in table.slot_expert[layer, rank].tolist()
         ]
-        per_gpu = len(mine)
-
-        def local_weight(j: int, layer: int = layer, mine: list[int] = mine, slot_rows: list[torch.Tensor] = slot_rows) -> torch.Tensor:
-            return weights.experts[layer][mine[j]] if j < per_gpu else slot_rows[j - per_gpu]
+        local_rows = [weights.experts[layer][e] for e in mine] + slot_rows
 
         y, stats = ep_moe_layer(
             x,
@@ -174,7 +171,7 @@ def _run_rank(rank: int, port: int, root: str, cases: list[dict[str, Any]]) -> N
             topk_weights,
             table,
             layer,
-            local_weight,
+            local_rows.__getitem__,
             lambda rows, row, spec=spec: packed_ffn(rows, row, spec.intermediate_size, spec.hidden_size),
             shared_forward(x, weights.shared[layer]),
             rank,
@@ -185,7 +182,7 @@ def _run_rank(rank: int, port: int, root: str, cases: list[dict[str, Any]]) -> N
         # logical expert of every local expert this rank computed
         logical = torch.zeros(spec.num_experts, dtype=torch.int64)
         for j, n in enumerate(stats.computed.tolist()):
-            expert = mine[j] if j < per_gpu else int(table.slot_expert[layer, rank, j - per_gpu])
+            expert = mine[j] if j < len(mine) else int(table.slot_expert[layer, rank, j - len(mine)])
             if n:
                 assert expert >= 0, "rows arrived for an empty slot"
                 logical[expert] += n

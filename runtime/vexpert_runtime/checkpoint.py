@@ -321,6 +321,7 @@ class CheckpointReader:
         self.spec = spec
         self._file_of = _tensor_files(self.path)
         self._handles: dict[Path, Any] = {}
+        self._key_cache: dict[Path, set[str]] = {}
 
     def _handle(self, file: Path) -> Any:
         from safetensors import safe_open
@@ -328,6 +329,11 @@ class CheckpointReader:
         if file not in self._handles:
             self._handles[file] = safe_open(str(file), framework="pt")
         return self._handles[file]
+
+    def _keys(self, file: Path) -> set[str]:
+        if file not in self._key_cache:
+            self._key_cache[file] = set(self._handle(file).keys())
+        return self._key_cache[file]
 
     def has(self, name: str) -> bool:
         return name in self._file_of
@@ -342,6 +348,12 @@ class CheckpointReader:
                     "model.checkpoint_path",
                     f"tensor {name} is missing from {self.path}",
                     "use a complete checkpoint whose config.json matches its weights",
+                )
+            if name not in self._keys(file):
+                raise VExpertInputError(
+                    "model.checkpoint_path",
+                    f"tensor {name} is missing from {file.name} (the index lists it there)",
+                    "use a complete checkpoint whose index matches its shards",
                 )
             sliced = self._handle(file).get_slice(name)
             got = tuple(sliced.get_shape())

@@ -4,6 +4,7 @@ Names (all prefixed ``vexpert_``): ``balance_ratio{layer}`` (measured: mean/max 
 over the last window), ``static_balance_ratio{layer}`` (what the static placement would have had on
 the same tokens), ``vexperts{layer}``, ``bytes_streamed_total``, ``slot_fill_wait_seconds``,
 ``allocator_seconds``, ``step_seconds``, ``tokens_per_second``, ``pooled_experts`` (Np),
+``slot_bytes_per_worker``, ``pool_bytes``,
 ``allocation_interval`` (k), ``degraded`` (1 while groups run without their vExperts),
 ``plan_id``, ``iterations_total``, ``degraded_groups_total``, ``config_reloads_total``,
 ``config_reload_errors_total``.
@@ -37,6 +38,8 @@ class NodeMetrics:
         self.allocator_time = Histogram("vexpert_allocator_seconds", "Allocator run time", buckets=_TIME_BUCKETS, registry=reg)
         self.step_time = Histogram("vexpert_step_seconds", "Iteration time (slowest worker)", buckets=_TIME_BUCKETS, registry=reg)
         self.tokens_per_second = Gauge("vexpert_tokens_per_second", "Tokens per second over the last window", registry=reg)
+        self.slot_bytes = Gauge("vexpert_slot_bytes_per_worker", "L1 slot memory of one worker (both ping-pong buffers)", registry=reg)
+        self.pool_bytes = Gauge("vexpert_pool_bytes", "L2 pool memory on this node", registry=reg)
         self.pooled_experts = Gauge("vexpert_pooled_experts", "Np: experts per layer in the L2 pool", registry=reg)
         self.allocation_interval = Gauge("vexpert_allocation_interval", "k: iterations between allocations", registry=reg)
         self.degraded = Gauge("vexpert_degraded", "1 while groups run without their vExperts (slot fill late)", registry=reg)

@@ -691,6 +691,8 @@ class NodeRuntime:
         m = self.metrics
         m.pooled_experts.set(self._pooled)
         m.allocation_interval.set(self._k)
+        m.slot_bytes.set(self.setup.memory.slot_bytes_per_worker)
+        m.pool_bytes.set(self.setup.memory.pool_bytes)
         m.degraded.set(0)
         m.set_layers(m.vexperts, [0] * self.setup.spec.num_layers)
         if self.setup.metrics_port or self.options.metrics_addr:
@@ -781,6 +783,7 @@ class NodeRuntime:
         if kind == "slots":
             self._buffers[msg[1]] = self._transport.open(msg[2])
             if len(self._buffers) == setup.local_workers:
+                assert self._shared is not None
                 self._filler = SlotFiller(
                     self._shared,
                     [self._buffers[i] for i in range(setup.local_workers)],
@@ -904,6 +907,7 @@ class NodeRuntime:
             if wanted.shape != self._pool.experts.shape or not torch.equal(wanted, self._pool.experts):
                 self._pool = self._pool.refreshed(wanted, self._load_rows, self._allocate_rows)
                 self.metrics.pooled_experts.set(self._pool.pooled)
+                self.metrics.pool_bytes.set(self._pool.nbytes)
         start = time.perf_counter()
         if self.options.allocator_delay_s:
             time.sleep(self.options.allocator_delay_s)

@@ -60,6 +60,7 @@ COVER_MARGIN = 1.5  # all-to-all rounds last this many times the (uncontended) H
 MAX_ROUNDS = 10_000
 FLOOR_POINTS = 3  # smallest TPE points that set t0
 SLOPE_POINTS = 3  # largest TPE points that set the compute-bound slope
+FLOOR_TOLERANCE = 0.25  # a slope point must lie this far above the floor to count as compute-bound
 ETA_BOUNDS = (0.0, 10.0)  # HardwareParameters.contention_eta's range
 MAX_BANDWIDTH_GB_PER_S = 10_000.0
 # measurements kept to the last when the termination message must shrink
@@ -241,7 +242,9 @@ def compute_bound_threshold(tpe: Sequence[float], seconds: Sequence[float], floo
     """Knee of a MoE compute curve: the TPE where slope·TPE overtakes the flat floor t0.
 
     ``tpe[i]``: tokens per expert of point i; ``seconds[i]``: the expert MLP's time there.
-    Below the knee the GEMMs are memory-bound (time ≈ t0), above it compute-bound (∝ TPE).
+    Below the knee the GEMMs are memory-bound (time ≈ t0), above it compute-bound (∝ TPE). The
+    slope is a least-squares fit through the origin of the largest points that lie > 25 % above
+    t0; if none does, the curve never left the floor and the threshold is the largest TPE.
     """
     if len(tpe) != len(seconds) or len(tpe) < 2:
         raise ValueError("need ≥ 2 (tpe, seconds) points of equal count")
@@ -251,9 +254,11 @@ def compute_bound_threshold(tpe: Sequence[float], seconds: Sequence[float], floo
     n_floor = max(1, min(floor_points, len(pts) - 1))
     n_slope = max(1, min(slope_points, len(pts) - n_floor))
     floor = median(ts[:n_floor])
-    top = list(zip(xs[-n_slope:], ts[-n_slope:], strict=True))
-    slope = sum(x * t for x, t in top) / sum(x * x for x, _ in top)
     lo, hi = xs[0], xs[-1]
+    top = [(x, t) for x, t in zip(xs[-n_slope:], ts[-n_slope:], strict=True) if t > (1 + FLOOR_TOLERANCE) * floor]
+    if not top:  # the largest points are still on the floor: never compute-bound in the measured range
+        return KneeFit(floor, ts[-1] / xs[-1], hi, clipped=True)
+    slope = sum(x * t for x, t in top) / sum(x * x for x, _ in top)
     raw = floor / slope if slope > 0 else math.inf
     threshold = min(hi, max(lo, raw))
     return KneeFit(floor, slope, threshold, clipped=not lo <= raw <= hi)
@@ -681,8 +686,10 @@ def build_result(settings: HardwareSettings, ranks: list[dict[str, Any]], node: 
         "h2d_spread_pct": _sig(bw.spread_pct, 3),
         "h2d_slowdown_pct": _sig(100.0 * (1 - bw.bandwidth_gb_per_s / bw_alone.bandwidth_gb_per_s), 3),
         "payload_bytes": settings.payload_bytes,
-        "a2a_ms": _ms(round_alone),
+        # Per round within the same back-to-back sequence, so alone and contended compare directly.
+        "a2a_ms": _ms([a / n for a in rounds_alone]),
         "a2a_ms_contended": _ms([c / n for c in rounds_cont]),
+        "a2a_single_round_ms": _ms(round_alone),
         "a2a_rounds": n,
         "a2a_covers_h2d": bool(min(rounds_cont) >= max(h2d_cont)),
         "a2a_bytes_per_rank": settings.a2a_bytes,
@@ -759,7 +766,7 @@ def format_summary(profile: PerformanceProfile) -> str:
         f"  H2D contended   {join(m.get('h2d_gbps_contended', []), '.1f')} GB/s per GPU → "
         f"BW_H2D = {hw.h2d_bandwidth_gb_per_s:.1f} GB/s (slowest GPU; spread {m.get('h2d_spread_pct')} %)",
         f"  all-to-all      {join(m.get('a2a_ms', []), '.3f')} ms alone, "
-        f"{join(m.get('a2a_ms_contended', []), '.3f')} ms under H2D (per round, {m.get('a2a_rounds')} rounds)",
+        f"{join(m.get('a2a_ms_contended', []), '.3f')} ms under H2D (per round; {m.get('a2a_rounds')} back-to-back)",
         f"  η               {hw.contention_eta:.3f} (per GPU {join(m.get('eta_per_gpu', []), '.3f')}; "
         f"{m.get('eta_method')})",
         f"  compute-bound   TPE ≥ {hw.compute_bound_tokens_per_expert:.0f} (floor {m.get('compute_floor_ms')} ms, "

@@ -32,22 +32,23 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(handler=run)
 
 
-def _workload(args: argparse.Namespace, spec: Any) -> Any:
+def _load_phases(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
+    """Validate ``--tokens-per-worker`` and parse ``--load`` (before anything starts)."""
     from ..errors import VExpertInputError
-    from ..trace import BUNDLED_PREFIX, parse_phase
-    from ..workload import Workload, drifting_workload
+    from ..trace import BUNDLED_PREFIX, bundled_names, parse_phase
 
     if args.tokens_per_worker < 1:
         raise VExpertInputError("--tokens-per-worker", f"must be ≥ 1, got {args.tokens_per_worker}")
-    if not args.load:
-        return Workload(tokens_per_worker=args.tokens_per_worker, seed=args.seed)
     phases = []
-    for item in args.load.split(","):
-        phase = parse_phase(item.strip())
-        if not phase.source.startswith(BUNDLED_PREFIX):
-            raise VExpertInputError("--load", f"{phase.source!r} is not a bundled load", "use bundled:NAME:ITERS")
-        phases.append((phase.source[len(BUNDLED_PREFIX) :], phase.iterations))
-    return drifting_workload(tuple(phases), spec.num_layers, spec.num_experts, args.tokens_per_worker, args.seed)
+    for item in filter(None, (part.strip() for part in args.load.split(","))):
+        phase = parse_phase(item)
+        name = phase.source[len(BUNDLED_PREFIX) :]
+        if not phase.source.startswith(BUNDLED_PREFIX) or name not in bundled_names():
+            raise VExpertInputError(
+                "--load", f"{phase.source!r} is not a bundled load", "use bundled:NAME:ITERS with NAME one of " + ", ".join(bundled_names())
+            )
+        phases.append((name, phase.iterations))
+    return tuple(phases)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from ..config import load_runtime_config
     from ..errors import VExpertInputError
     from ..node import NodeOptions, NodeRuntime, install_signal_handlers, resolve_setup
-    from ..workload import demo_model_spec
+    from ..workload import Workload, demo_model_spec, drifting_workload
 
     if args.cpu_workers is not None and args.cpu_workers < 1:
         raise VExpertInputError("--cpu-workers", f"must be ≥ 1, got {args.cpu_workers}")
@@ -66,16 +67,19 @@ def run(args: argparse.Namespace) -> int:
         raise VExpertInputError("--iterations", f"must be ≥ 1, got {args.iterations}")
     config_path = Path(args.config)
     config = load_runtime_config(config_path)
+    phases = _load_phases(args)
 
     def log(line: str) -> None:
         print(f"vexpert node: {line}", file=sys.stderr, flush=True)
 
     with tempfile.TemporaryDirectory(prefix="vexpert-node-") as tmp:
         checkpoint = config.model.checkpoint_path
-        if not checkpoint:
+        builtin = not checkpoint
+        if builtin:
             checkpoint = str(write_tiny_checkpoint(Path(tmp) / "demo-model", demo_model_spec(), seed=args.seed))
-            log(f"no model.checkpoint_path: using the built-in demo model ({checkpoint})")
         setup = resolve_setup(config, checkpoint, cpu_workers=args.cpu_workers)
+        if builtin:
+            log("no model.checkpoint_path: running the built-in demo model")
         mem = setup.memory
         log(
             f"{setup.local_workers} {setup.device} workers (EP ranks {setup.ranks[0]}..{setup.ranks[-1]} of {setup.world}), "
@@ -90,8 +94,14 @@ def run(args: argparse.Namespace) -> int:
                 + (f", max rel err {p.max_rel_error:.1e}" if p.max_rel_error is not None else "")
             )
 
+        spec = setup.spec
+        workload = (
+            drifting_workload(phases, spec.num_layers, spec.num_experts, args.tokens_per_worker, args.seed)
+            if phases
+            else Workload(tokens_per_worker=args.tokens_per_worker, seed=args.seed)
+        )
         options = NodeOptions(
-            workload=_workload(args, setup.spec),
+            workload=workload,
             iterations=args.iterations,
             verify=args.verify,
             config_path=config_path,

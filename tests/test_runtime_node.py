@@ -1,0 +1,404 @@
+"""Node lifecycle and entry points: ``vexpert demo`` end to end, the metrics endpoint, config
+reload of k and Np, bad input (one error line, exit 2, nothing left running) and shutdown on
+SIGTERM / coordinator death without orphan processes or leaked shared memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from vexpert_runtime import cli
+from vexpert_runtime.checkpoint import DEEPSEEK, MoESpec, expert_tensor, write_tiny_checkpoint
+from vexpert_runtime.config import load_runtime_config
+from vexpert_runtime.node import NodeOptions, NodeRuntime, Progress, resolve_setup, run_node
+from vexpert_runtime.workload import drifting_workload
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC = MoESpec(
+    architecture=DEEPSEEK,
+    hidden_size=32,
+    intermediate_size=16,
+    num_experts=8,
+    top_k=2,
+    moe_layers=(1, 2),
+    n_group=2,
+    topk_group=2,
+    routed_scaling_factor=1.5,
+    correction_bias=True,
+    shared_intermediate_size=16,
+)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _config(path: Path, checkpoint: Path | str, **sections: dict[str, Any]) -> Path:
+    raw: dict[str, Any] = {
+        "model": {"checkpoint_path": str(checkpoint), "dtype": "float32"},
+        "parallelism": {"expert_parallel_size": 2, "gpus_per_node": 2, "master_port": _free_port()},
+        "vexpert": {"group_size": 2, "vmax": 1, "balance_threshold": 0.95},
+        "tuning": {"allocation_interval": 4},
+        "runtime": {"device": "cpu", "cpu_workers": 2, "metrics_port": 0},
+    }
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _marked_processes(marker: str) -> list[int]:
+    """Live processes whose environment carries ``marker`` (children of a CLI run included)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker.encode() in (entry / "environ").read_bytes():
+                status = (entry / "status").read_text()
+                if "State:\tZ" not in status:
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _env(marker: str) -> dict[str, str]:
+    return {**os.environ, "VEXPERT_TEST_MARKER": marker, "PYTHONUNBUFFERED": "1"}
+
+
+def _vexpert(*args: str) -> list[str]:
+    return [sys.executable, "-m", "vexpert_runtime", *args]
+
+
+def _assert_nothing_left(marker: str, shm_before: set[str], within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while _marked_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _marked_processes(marker) == [], "processes of the run are still alive"
+    # Other test runs on the machine may hold their own objects for a moment: only what stays counts.
+    ours = ("torch_", "sem.mp", "psm_", "mp-")
+    leaked = {name for name in _shm() - shm_before if name.startswith(ours)}
+    while leaked and time.monotonic() < deadline + 3.0:
+        time.sleep(0.2)
+        leaked &= _shm()
+    assert leaked == set(), f"leaked shared memory: {leaked}"
+
+
+# ------------------------------------------------------------------------------------------------
+# vexpert demo
+# ------------------------------------------------------------------------------------------------
+
+
+def test_demo_shows_vexpert_beating_static_and_verifies() -> None:
+    marker = uuid.uuid4().hex
+    shm_before = _shm()
+    started = time.monotonic()
+    done = subprocess.run(
+        _vexpert("demo", "--iterations", "40", "--verify", "--json"),
+        capture_output=True,
+        text=True,
+        env=_env(marker),
+        timeout=120,
+        cwd=REPO,
+    )
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["iterations"] == 40
+    assert summary["vexpert_balance"] >= summary["static_balance"] + 0.1
+    assert summary["max_rel_error"] is not None and summary["max_rel_error"] <= 1e-4
+    assert summary["tokens_per_s"] > 0 and summary["bytes_streamed"] > 0
+    assert summary["slot_bytes_per_worker"] == 2 * 2 * 3 * 64 * 32 * 4  # 2 buffers × G·vmax slots × expert
+    progress = [line for line in done.stderr.splitlines() if line.startswith("iter ")]
+    assert len(progress) >= 5 and "balance static" in progress[-1] and "tok/s" in progress[-1]
+    assert any(line.startswith("metrics: http://127.0.0.1:") for line in done.stderr.splitlines())
+    assert elapsed < 60
+    _assert_nothing_left(marker, shm_before)
+
+
+# ------------------------------------------------------------------------------------------------
+# Metrics endpoint and config reload (k, Np)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_metrics_endpoint_and_config_reload(tmp_path: Path) -> None:
+    write_tiny_checkpoint(tmp_path / "ckpt", SPEC, seed=2)
+    config_path = _config(tmp_path / "runtime.yaml", tmp_path / "ckpt")
+    setup = resolve_setup(load_runtime_config(config_path), tmp_path / "ckpt")
+    port: list[int] = []
+    scraped: list[str] = []
+    state: dict[str, Any] = {}
+
+    def progress(p: Progress) -> None:
+        if not scraped and port:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port[0]}/metrics", timeout=5) as response:
+                scraped.append(response.read().decode())
+        if "rewritten_at" not in state and p.iteration >= 8:
+            raw = yaml.safe_load(config_path.read_text())
+            raw["tuning"] = {"allocation_interval": 3, "pooled_experts": 4}
+            config_path.write_text(yaml.safe_dump(raw))
+            state["rewritten_at"] = p.iteration
+
+    workload = drifting_workload((("prefill_in4096", 1000),), 2, 8, tokens_per_worker=32)
+    report = run_node(
+        setup,
+        NodeOptions(
+            workload=workload,
+            iterations=240,
+            config_path=config_path,
+            progress=progress,
+            metrics_addr="127.0.0.1",
+            on_metrics=port.append,
+        ),
+    )
+    text = scraped[0]
+    for name in ("vexpert_balance_ratio{layer=\"0\"}", "vexpert_static_balance_ratio", "vexpert_vexperts{layer=\"1\"}",
+                 "vexpert_tokens_per_second", "vexpert_step_seconds_bucket", "vexpert_slot_fill_wait_seconds",
+                 "vexpert_pooled_experts 8.0", "vexpert_allocation_interval 4.0", "vexpert_degraded 0.0",
+                 f"vexpert_slot_bytes_per_worker {float(2 * 2 * SPEC.expert_numel * 4)}"):
+        assert name in text, name
+    # after the reload: windows of 3 iterations, a pool of the 4 hottest experts, plans use only those
+    assert report.k == 3 and report.pooled == 4
+    lengths = [length for _, length in report.windows]
+    assert lengths[0] == 4 and lengths[-2] == 3
+    later = [pid for pid in report.tables if report.plan_pools[pid] and len(report.plan_pools[pid][0]) == 4]
+    assert later, "no plan was made with the reduced pool"
+    for pid in later:
+        table, pooled = report.tables[pid], report.plan_pools[pid]
+        for layer in range(2):
+            used = {e for e in table.slot_expert[layer].reshape(-1).tolist() if e >= 0}
+            assert used <= set(pooled[layer])
+    assert any((report.tables[pid].slot_expert >= 0).any() for pid in later)
+    assert "vexpert_allocation_interval 3.0" in report.metrics_text
+    assert "vexpert_pooled_experts 4.0" in report.metrics_text
+    assert "vexpert_config_reloads_total 1.0" in report.metrics_text
+    assert f"vexpert_pool_bytes {float(2 * 4 * SPEC.expert_numel * 4)}" in report.metrics_text
+
+
+def _node_process(node_rank: int, checkpoint: str, port: int, results: Any) -> None:
+    from vexpert_runtime.config import RuntimeConfig
+
+    config = RuntimeConfig.model_validate(
+        {
+            "model": {"checkpoint_path": checkpoint, "dtype": "float32"},
+            "parallelism": {"expert_parallel_size": 4, "gpus_per_node": 2, "node_rank": node_rank, "master_port": port},
+            "vexpert": {"balance_threshold": 0.95},
+            "tuning": {"allocation_interval": 4},
+            "runtime": {"device": "cpu", "metrics_port": 0},
+        }
+    )
+    workload = drifting_workload((("decode_in1000out1000", 1000),), 2, 8, tokens_per_worker=16)
+    report = run_node(resolve_setup(config, checkpoint), NodeOptions(workload=workload, iterations=24, verify=True))
+    results.put((node_rank, report.iterations, report.static_balance, report.vexpert_balance, report.max_rel_error, report.allocations))
+
+
+def test_two_nodes_form_one_ep_group(tmp_path: Path) -> None:
+    """Two coordinators with two workers each (EP=4): counts all-reduced across nodes, each node
+    fills its own workers' slots, every rank verified."""
+    import multiprocessing
+
+    checkpoint = str(write_tiny_checkpoint(tmp_path / "ckpt", SPEC, seed=7))
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    nodes = [ctx.Process(target=_node_process, args=(rank, checkpoint, port, results)) for rank in range(2)]
+    for proc in nodes:
+        proc.start()
+    try:
+        got = sorted(results.get(timeout=90) for _ in nodes)
+    finally:
+        for proc in nodes:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    assert [row[0] for row in got] == [0, 1]
+    for _, iterations, static, measured, error, allocations in got:
+        assert iterations == 24 and allocations >= 4
+        assert error is not None and error <= 1e-5
+        assert measured > static
+    assert got[0][2] == got[1][2]  # both coordinators saw the same global counts
+
+
+def test_rejected_reload_keeps_the_running_values(tmp_path: Path) -> None:
+    write_tiny_checkpoint(tmp_path / "ckpt", SPEC)
+    config_path = _config(tmp_path / "runtime.yaml", tmp_path / "ckpt")
+    setup = resolve_setup(load_runtime_config(config_path), tmp_path / "ckpt")
+    lines: list[str] = []
+    runtime = NodeRuntime(setup, NodeOptions(config_path=config_path, log=lines.append))
+
+    def rewrite(tuning: dict[str, Any]) -> None:
+        raw = yaml.safe_load(config_path.read_text())
+        raw["tuning"] = tuning
+        config_path.write_text(yaml.safe_dump(raw))
+        os.utime(config_path, ns=(time.time_ns(), time.time_ns() + 10**9 * len([*lines, ""])))
+        runtime._last_reload_check = 0.0
+        runtime._maybe_reload()
+
+    runtime._maybe_reload()  # first look records the file's mtime
+    rewrite({"allocation_interval": 6, "pooled_experts": 99})
+    assert runtime._k == 4 and runtime._pooled == 8
+    assert "Np=99 does not fit" in lines[-1]
+    assert "vexpert_config_reload_errors_total 1.0" in runtime.metrics.render()
+    rewrite({"allocation_interval": 6, "pooled_experts": 5})
+    assert runtime._k == 6 and runtime._pooled == 5
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: one clear line, exit 2, nothing started
+# ------------------------------------------------------------------------------------------------
+
+
+def _drop_tensor(checkpoint: Path, name: str, replacement: torch.Tensor | None = None) -> None:
+    from safetensors.torch import load_file, save_file
+
+    index_path = checkpoint / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = checkpoint / index["weight_map"][name]
+    tensors = load_file(str(shard))
+    if replacement is None:
+        del tensors[name]
+    else:
+        tensors[name] = replacement
+    save_file(tensors, str(shard))
+
+
+BAD_INPUTS = {
+    "missing-tensor": ({}, r"tensor model\.layers\.2\.mlp\.experts\.3\.down_proj\.weight is missing from model-0000\d-of-0000\d\.safetensors \(the index lists it there\)"),
+    "mismatched-tensor": ({}, r"experts\.3\.down_proj\.weight in .* has shape \[32, 5\], config\.json implies \[32, 16\]"),
+    "pool-too-big": ({"tuning": {"pooled_experts": 64}}, r"tuning\.pooled_experts: Np=64 does not fit the model's 8"),
+    "memory-limit": ({"runtime": {"host_memory_limit_bytes": 100_000}}, r"runtime\.host_memory_limit_bytes: pool .* exceeds the limit of 100000 B"),
+    "no-cuda": ({"runtime": {"device": "cuda", "cpu_workers": 0}}, r"runtime\.device: cuda was requested but no CUDA device is visible"),
+    "uneven-ranks": ({"parallelism": {"expert_parallel_size": 3, "gpus_per_node": 3}, "runtime": {"cpu_workers": 3}}, r"8 experts cannot be split evenly over 3 EP ranks"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    if case == "no-cuda" and torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt", SPEC)
+    if case == "missing-tensor":
+        _drop_tensor(checkpoint, expert_tensor(2, 3, "down"))
+    if case == "mismatched-tensor":
+        _drop_tensor(checkpoint, expert_tensor(2, 3, "down"), torch.zeros(32, 5))
+    sections, pattern = BAD_INPUTS[case]
+    config = _config(tmp_path / "runtime.yaml", checkpoint, **sections)
+    before = set(os.listdir("/proc"))
+    code = cli.main(["node", "--config", str(config)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    import re
+
+    assert re.search(pattern, err[0]), err[0]
+    import multiprocessing
+
+    assert multiprocessing.active_children() == []
+    assert not [p for p in set(os.listdir("/proc")) - before if p.isdigit() and _is_child(int(p))]
+
+
+def _is_child(pid: int) -> bool:
+    try:
+        return f"PPid:\t{os.getpid()}\n" in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def test_bad_input_exit_code_from_the_real_cli(tmp_path: Path) -> None:
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt", SPEC)
+    _drop_tensor(checkpoint, expert_tensor(1, 0, "gate"))
+    config = _config(tmp_path / "runtime.yaml", checkpoint)
+    marker = uuid.uuid4().hex
+    done = subprocess.run(_vexpert("node", "--config", str(config)), capture_output=True, text=True, env=_env(marker), timeout=60)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("error: model.checkpoint_path: tensor model.layers.1.mlp.experts.0.gate_proj.weight is missing")
+    assert "(fix: " in lines[0]
+    assert _marked_processes(marker) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# Shutdown
+# ------------------------------------------------------------------------------------------------
+
+
+def _start_node(tmp_path: Path, marker: str) -> subprocess.Popen[str]:
+    config = _config(tmp_path / "runtime.yaml", "", model={"checkpoint_path": ""})
+    return subprocess.Popen(
+        _vexpert("node", "--config", str(config), "--cpu-workers", "2", "--tokens-per-worker", "8"),
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=_env(marker),
+        cwd=tmp_path,
+    )
+
+
+def _wait_for_iterations(proc: subprocess.Popen[str]) -> list[str]:
+    lines: list[str] = []
+    assert proc.stderr is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        if " iter " in line:
+            return lines
+    raise AssertionError("the node never reported an iteration:\n" + "".join(lines))
+
+
+def test_sigterm_stops_the_node_cleanly(tmp_path: Path) -> None:
+    marker = uuid.uuid4().hex
+    shm_before = _shm()
+    proc = _start_node(tmp_path, marker)
+    try:
+        _wait_for_iterations(proc)
+        assert len(_marked_processes(marker)) >= 3  # coordinator + 2 workers
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "stopped after" in err
+    _assert_nothing_left(marker, shm_before)
+
+
+def test_killed_coordinator_leaves_no_orphans(tmp_path: Path) -> None:
+    marker = uuid.uuid4().hex
+    shm_before = _shm()
+    proc = _start_node(tmp_path, marker)
+    try:
+        _wait_for_iterations(proc)
+        workers = [pid for pid in _marked_processes(marker) if pid != proc.pid]
+        assert len(workers) >= 2
+        proc.kill()  # SIGKILL: no cleanup code runs in the coordinator
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _assert_nothing_left(marker, shm_before, within_s=10.0)
