@@ -319,6 +319,26 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, case: str, capsys: pyt
     assert not [p for p in set(os.listdir("/proc")) - before if p.isdigit() and _is_child(int(p))]
 
 
+@pytest.mark.parametrize("field", ["parallelism.master_port", "runtime.metrics_port"])
+def test_busy_port_is_one_line_and_exit_2(tmp_path: Path, field: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt", SPEC)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        section, key = field.split(".")
+        config = _config(tmp_path / "runtime.yaml", checkpoint, **{section: {key: port}})
+        code = cli.main(["node", "--config", str(config)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith(f"error: {field}: "), err
+    import multiprocessing
+
+    assert multiprocessing.active_children() == []
+
+
 def _is_child(pid: int) -> bool:
     try:
         return f"PPid:\t{os.getpid()}\n" in Path(f"/proc/{pid}/status").read_text()

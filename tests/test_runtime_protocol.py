@@ -5,10 +5,10 @@ slow allocator never stalls a step."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import socket
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -142,13 +142,22 @@ def test_unchanged_slots_are_not_copied_again(handshake: dict[str, Any]) -> None
 
 
 def test_agreement_rules() -> None:
-    ok = decide(torch.tensor([[1, 3, 4, 0], [1, 3, 4, 0]]))
+    ok = decide(torch.tensor([[1, 3, 77, 4, 0], [1, 3, 77, 4, 0]]))
     assert ok.use_plan and ok.plan_id == 3 and ok.k == 4 and not ok.stop
-    late = decide(torch.tensor([[1, 3, 4, 0], [0, -1, 0, 0]]))
+    late = decide(torch.tensor([[1, 3, 77, 4, 0], [0, -1, -1, 0, 0]]))
     assert not late.use_plan and late.k == 4  # one rank timed out without a header: all run degraded
-    mixed = decide(torch.tensor([[1, 3, 4, 0], [1, 2, 4, 0]]))
-    assert not mixed.use_plan  # two coordinators announced different plans
-    assert decide(torch.tensor([[1, 3, 4, 1], [1, 3, 4, 0]])).stop
+    mixed = decide(torch.tensor([[1, 3, 77, 4, 0], [1, 3, 78, 4, 0]]))
+    assert not mixed.use_plan  # two coordinators hold different tables under one plan id
+    assert decide(torch.tensor([[1, 3, 77, 4, 1], [1, 3, 77, 4, 0]])).stop
+
+
+def test_table_digest_tells_tables_apart() -> None:
+    base = static_placement(2, 8, 2)
+    one = plan_from_slots(base, torch.tensor([[[4, 5], [0, 1]], [[6, -1], [2, -1]]]))
+    other = plan_from_slots(base, torch.tensor([[[4, 5], [0, 1]], [[7, -1], [2, -1]]]))
+    assert table_from_plan(one, 1).digest() == table_from_plan(one, 9).digest()  # content, not id
+    assert table_from_plan(one, 1).digest() != table_from_plan(other, 1).digest()
+    assert table_from_plan(one, 1).digest() >= 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -249,8 +258,7 @@ def test_slow_allocator_never_stalls_a_step(tmp_path: Path) -> None:
 
 def test_timeout_runs_degraded_instead_of_hanging(tmp_path: Path) -> None:
     write_tiny_checkpoint(tmp_path, SPEC, seed=6)
-    config = _setup(tmp_path)
-    setup = type(config)(**{**config.__dict__, "slot_fill_timeout_s": 0.3})
+    setup = dataclasses.replace(_setup(tmp_path), slot_fill_timeout_s=0.3)
     base = static_placement(2, 8, 2)
     plan = plan_from_slots(base, torch.tensor([[[4, 5], [0, 1]], [[6, -1], [2, -1]]]))
     report = run_node(
@@ -269,4 +277,3 @@ def test_timeout_runs_degraded_instead_of_hanging(tmp_path: Path) -> None:
     assert report.records[3].plan_ids == [1, 1]  # and the plan came back afterwards
     assert report.max_rel_error is not None and report.max_rel_error <= 1e-5
     assert "vexpert_degraded_groups_total" in report.metrics_text
-    _ = time

@@ -21,7 +21,7 @@ from vexpert_runtime.slots import row_checksum
 from vexpert_runtime.transport import make_transport
 
 NUM_EXPERTS, NUMEL, SLOTS, SEQS = 8, 4096, 2, 6
-DELAYED_SEQ, DELAY_S = 3, 0.5
+DELAYED_SEQ, DELAY_S = 3, 0.8
 
 
 def _worker(device: str, shared: SharedState, results: Any, bye: Any) -> None:
@@ -95,7 +95,7 @@ def test_coordinator_fills_another_process_slots(device: str) -> None:
         for slot, expert in enumerate(table.slot_expert[layer, 1].tolist()):
             if expert >= 0:
                 assert sums[slot] == row_checksum(rows[layer, expert]), (seq, slot)
-    assert seen[DELAYED_SEQ][3] >= DELAY_S - 0.1  # the worker waited for the late fill
+    assert seen[DELAYED_SEQ][3] >= DELAY_S / 2  # the worker waited for the late fill (less its own compute)
     # copies per sequence: 2, 2, 2 (plan B), 1 (B's layer 1 has one slot), 2 (A again), 1 (slot 1 still
     # holds expert 3 of layer 1 from sequence 1: not copied again)
     assert filler.stats.copies == 10

@@ -19,8 +19,6 @@ never over layers, experts or GPUs.
 
 from __future__ import annotations
 
-import functools
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -150,16 +148,6 @@ class Plan:
 # --------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=64)
-def group_combinations(group_size: int, budget: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """All (v_1..v_G) with v_j ≥ 0 and Σ v_j ≤ budget, fewest vExperts first. [C, G] int64.
-
-    Cached per device: building it is a host→device copy, which a CUDA graph cannot hold."""
-    combos = [c for c in itertools.product(range(budget + 1), repeat=group_size) if sum(c) <= budget]
-    combos.sort(key=lambda c: (sum(c), c))
-    return torch.tensor(combos, dtype=torch.int64, device=device).view(-1, group_size)
-
-
 def assign_vexpert_counts(
     balance: torch.Tensor,
     config: AllocatorConfig,
@@ -169,7 +157,7 @@ def assign_vexpert_counts(
     """V_i per layer: minimise Σ_group T*_i(L_i, V_i) (Eq. 2) subject to Σ_group V_i ≤ G·vmax.
 
     Layers with L_i > τ are fixed at 0 and donate their budget to the rest of their group. The
-    combination space is tiny (6 for G=2, vmax=1), so it is searched exactly for all groups at once.
+    search is exact (dynamic programming over the group's layers) for all groups at once.
 
     Args: balance [L] float. Returns [L] int64.
     """
@@ -192,16 +180,37 @@ def assign_vexpert_counts(
         cost = (-v + 0.01 * v * v).unsqueeze(0).expand(padded, -1).clone()
     filtered = bal > config.balance_threshold
     cost = torch.where(filtered.unsqueeze(1) & (candidates.unsqueeze(0) > 0), torch.full_like(cost, float("inf")), cost)
-    combos = group_combinations(group, budget, str(balance.device))  # [C, G]
-    cost = cost.view(num_groups, group, budget + 1)
-    # total[g, c] = Σ_j cost[g, j, combos[c, j]]
-    gathered = torch.gather(
-        cost.unsqueeze(1).expand(num_groups, combos.shape[0], group, budget + 1),
-        3,
-        combos.view(1, -1, group, 1).expand(num_groups, -1, group, 1),
-    ).squeeze(3)
-    best = gathered.sum(-1).argmin(dim=1)  # first minimum = fewest vExperts on ties
-    return combos[best].reshape(padded)[:num_layers]
+    return _group_argmin(cost.view(num_groups, group, budget + 1)).reshape(padded)[:num_layers]
+
+
+def _group_argmin(cost: torch.Tensor) -> torch.Tensor:
+    """Exact min of Σ_j cost[g, j, v_j] subject to Σ_j v_j ≤ budget, for every group at once.
+
+    Dynamic programming over the group's layers (G steps of a (budget+1)² min-plus product), so
+    the work grows as G·budget², not as the (budget+1)^G combinations. Ties go to the smaller v.
+
+    Args: cost [groups, G, budget+1] (inf = not allowed). Returns v [groups, G] int64.
+    """
+    groups, group, width = cost.shape
+    dev = cost.device
+    b = torch.arange(width, device=dev)
+    take = b.view(1, -1) - b.view(-1, 1)  # [v, b]: budget left before this layer = b − v
+    allowed = take >= 0
+    best = torch.zeros(groups, width, device=dev)  # best[b]: min cost of the layers so far within budget b
+    choices = []
+    for j in range(group):
+        prev = best[:, take.clamp(min=0)]  # [groups, v, b]
+        total = torch.where(allowed, prev + cost[:, j, :].unsqueeze(-1), torch.full_like(prev, float("inf")))
+        best, choice = total.min(dim=1)  # over v; the first (smallest) v wins ties
+        choices.append(choice)  # [groups, b]
+    # Walk back from the full budget.
+    left = torch.full((groups, 1), width - 1, dtype=torch.int64, device=dev)
+    picked = []
+    for j in reversed(range(group)):
+        v = torch.gather(choices[j], 1, left)
+        picked.append(v)
+        left = left - v
+    return torch.cat(picked[::-1], dim=1)
 
 
 # --------------------------------------------------------------------------------------------

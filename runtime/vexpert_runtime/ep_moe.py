@@ -19,6 +19,7 @@ per buffer, ``R`` max copies of an expert, ``P = B·K`` (token, expert) pairs.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,6 +54,14 @@ class RoutingTable:
     @property
     def num_layers(self) -> int:
         return int(self.gpu.shape[0])
+
+    def digest(self) -> int:
+        """A 62-bit content hash (equal tables ⇔ equal digests, up to hash collisions)."""
+        h = hashlib.blake2b(digest_size=8)
+        for array in (self.gpu, self.local, self.cum_share, self.slot_expert):
+            h.update(np.ascontiguousarray(array).tobytes())
+            h.update(str(array.shape).encode())
+        return int.from_bytes(h.digest(), "little") >> 2
 
     @property
     def num_experts(self) -> int:

@@ -166,6 +166,10 @@ def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: in
     dtype: torch.dtype = getattr(torch, config.model.dtype)
     memory = memory_plan(spec, dtype, pooled, knobs.group_size * knobs.vmax, world, local, device)
     check_memory(memory, config.runtime.host_memory_limit_bytes)
+    if node_rank == 0:
+        check_port_free(par.master_addr, par.master_port, "parallelism.master_port")
+    if config.runtime.metrics_port:
+        check_port_free("0.0.0.0", config.runtime.metrics_port, "runtime.metrics_port")
     return NodeSetup(
         checkpoint=Path(checkpoint),
         spec=spec,
@@ -187,6 +191,20 @@ def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: in
         profile=config.profile,
         memory=memory,
     )
+
+
+def check_port_free(host: str, port: int, field: str) -> None:
+    """Raise if ``host:port`` is a local address already in use (other hosts are not checked)."""
+    import errno
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise VExpertInputError(field, f"port {port} on {host} is already in use", "pick a free port") from None
 
 
 def check_pooled(pooled: int, num_experts: int) -> None:
@@ -395,6 +413,12 @@ class _Worker:
         self.tables: dict[int, RoutingTable] = {
             0: static_table(spec.num_layers, spec.num_experts, args.world, args.slots)
         }
+        self.digests: dict[int, int] = {}
+
+    def _digest(self, table: RoutingTable) -> int:
+        if table.plan_id not in self.digests:
+            self.digests[table.plan_id] = table.digest()
+        return self.digests[table.plan_id]
 
     def _table(self, plan_id: int) -> RoutingTable:
         """The routing table of ``plan_id`` (the coordinator queues it before announcing it)."""
@@ -403,6 +427,7 @@ class _Worker:
             self.tables[msg.plan_id] = msg
         for old in [p for p in self.tables if 0 < p < plan_id - 4]:
             del self.tables[old]
+            self.digests.pop(old, None)
         return self.tables[plan_id]
 
     def run(self) -> None:
@@ -432,8 +457,6 @@ class _Worker:
         args.results.put(("done", args.rank))
 
     def _loop(self) -> None:
-        import torch.distributed as dist
-
         args, spec = self.args, self.spec
         num_local = self.per_gpu + args.slots
         k = args.k
@@ -456,15 +479,17 @@ class _Worker:
                 ready, header, wait_s = self.slots.acquire(seq)
                 waited += wait_s
                 stop_flag = index == 0 and self.slots.stop_requested(iteration)
-                agreement = agree(ready, header, args.world, self.group, stop=stop_flag)
+                announced = self._table(header.plan_id) if header is not None and not header.stop else None
+                digest = self._digest(announced) if announced is not None else -1
+                agreement = agree(ready, header, digest, args.world, self.group, stop=stop_flag)
                 if index == 0:
                     if agreement.stop:
                         stop = True
                         self.slots.release(seq)
                         break
                     k = agreement.k or k
-                if agreement.use_plan:
-                    table = self._table(agreement.plan_id)
+                if agreement.use_plan and announced is not None:
+                    table = announced
                     self.slots.check_tags(seq, table, layers, args.rank)
                 else:
                     table = self.tables[0]
@@ -501,7 +526,6 @@ class _Worker:
             if len(window) >= k:
                 self._flush(window, window_start)
                 window, window_start = [], iteration
-        _ = dist  # the process group is torn down by worker_main
 
     def _layer(
         self,
@@ -697,7 +721,12 @@ class NodeRuntime:
         m.set_layers(m.vexperts, [0] * self.setup.spec.num_layers)
         if self.setup.metrics_port or self.options.metrics_addr:
             addr = self.options.metrics_addr or self.setup.metrics_addr
-            self._metrics_port = m.serve(self.setup.metrics_port, addr)
+            try:
+                self._metrics_port = m.serve(self.setup.metrics_port, addr)
+            except OSError as exc:
+                raise VExpertInputError(
+                    "runtime.metrics_port", f"cannot serve metrics on {addr}:{self.setup.metrics_port}: {exc.strerror}", "pick a free port (0 disables)"
+                ) from None
             if self.options.on_metrics is not None:
                 self.options.on_metrics(self._metrics_port)
 

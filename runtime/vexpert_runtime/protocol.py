@@ -21,8 +21,8 @@ plus a tag per slot, ``(layer, expert)`` it holds. Sequence ``q`` (group j of it
   the allocator, and all groups of one iteration use one plan.
 
 Workers agree on every group's header with one tiny collective (:func:`agree`), so a worker that
-timed out, or a node whose coordinator adopted a plan one iteration later, makes the whole group run
-degraded rather than mixing plans.
+timed out, or a node whose coordinator adopted a different plan (another table), makes the whole
+group run degraded rather than mixing plans.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class WorkerSlots:
 
 @dataclass(frozen=True)
 class Agreement:
-    """The workers' common view of one group: run with ``plan_id``'s slots, or degraded."""
+    """The workers' common view of one group: run with the announced plan's slots, or degraded."""
 
     use_plan: bool
     plan_id: int
@@ -159,17 +159,24 @@ class Agreement:
 
 
 def agree(
-    ready: bool, header: Header | None, world: int, group: dist.ProcessGroup | None, stop: bool = False
+    ready: bool,
+    header: Header | None,
+    digest: int,
+    world: int,
+    group: dist.ProcessGroup | None,
+    stop: bool = False,
 ) -> Agreement:
-    """All ranks exchange (ready, header) and derive the same decision.
+    """All ranks exchange (ready, header, table digest) and derive the same decision.
 
-    The plan is used only if every rank is ready and all announce the same plan id; ``k`` is the
-    largest announced (0 = none announced) and ``stop`` is set if any rank saw a stop request
-    (in its header or out of band: ``stop``).
+    ``digest`` is :meth:`RoutingTable.digest` of the announced plan's table (−1 without a header).
+    The plan is used only if every rank is ready and all hold the *same table* (equal digests: with
+    several nodes each coordinator makes its own plans, and a rank must never route to a slot by a
+    table its owner's coordinator did not fill by); ``k`` is the largest announced (0 = none) and
+    ``stop`` is set if any rank saw a stop request (in its header or out of band: ``stop``).
     """
     stopping = stop or bool(header and header.stop)
     mine = torch.tensor(
-        [int(ready), header.plan_id if header else -1, header.k if header else 0, int(stopping)],
+        [int(ready), header.plan_id if header else -1, digest, header.k if header else 0, int(stopping)],
         dtype=torch.int64,
     )
     if group is None or world == 1:
@@ -182,15 +189,15 @@ def agree(
 
 
 def decide(everyone: torch.Tensor) -> Agreement:
-    """The common decision from every rank's (ready, plan id or −1, k or 0, stop): [N, 4] int64."""
+    """The common decision from every rank's (ready, plan id or −1, digest or −1, k or 0, stop): [N, 5]."""
     ready_all = bool(everyone[:, 0].min() == 1)
-    plans = everyone[:, 1]
-    same = bool(plans.min() == plans.max()) and int(plans.min()) >= 0
+    digests = everyone[:, 2]
+    same = bool(digests.min() == digests.max()) and int(digests.min()) >= 0
     return Agreement(
         use_plan=ready_all and same,
-        plan_id=int(plans.max()),
-        k=int(everyone[:, 2].max()),
-        stop=bool(everyone[:, 3].max() > 0),
+        plan_id=int(everyone[:, 1].max()),
+        k=int(everyone[:, 3].max()),
+        stop=bool(everyone[:, 4].max() > 0),
     )
 
 

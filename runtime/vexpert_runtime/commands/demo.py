@@ -50,7 +50,11 @@ def run(args: argparse.Namespace) -> int:
     def emit(line: str) -> None:
         print(line, file=out, flush=True)
 
-    _, summary = run_demo(settings, emit)
+    try:
+        _, summary = run_demo(settings, emit)
+    except RuntimeError as exc:  # a worker or the fill loop failed: everything is already stopped
+        print(f"error: demo failed: {exc}", file=sys.stderr)
+        return 1
     emit(
         f"done: {summary['iterations']} iterations, balance static {summary['static_balance']:.3f} → vExpert "
         f"{summary['vexpert_balance']:.3f} (+{summary['balance_gain']:.3f}), {summary['tokens_per_s']:.0f} tokens/s, "

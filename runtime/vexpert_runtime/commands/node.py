@@ -111,7 +111,11 @@ def run(args: argparse.Namespace) -> int:
         )
         runtime = NodeRuntime(setup, options)
         install_signal_handlers(runtime)
-        report = runtime.run()
+        try:
+            report = runtime.run()
+        except RuntimeError as exc:  # a worker or the fill loop failed: everything is already stopped
+            print(f"error: node failed: {exc}", file=sys.stderr)
+            return 1
     log(
         f"stopped after {report.iterations} iterations: balance static {report.static_balance:.3f} → "
         f"{report.vexpert_balance:.3f}, {report.tokens_per_s:.0f} tokens/s"
