@@ -57,7 +57,8 @@ def deployment(name: str = "dsv3", ep: int = 16, **overrides: Any) -> dict[str, 
                   "checkpoint": {"claimName": "weights", "subPath": "DeepSeek-V3"}},
         "parallelism": {"expertParallelSize": ep, "gpusPerNode": 8},
         "vexpert": {"groupSize": 2, "vmax": 1, "tuningIntervalSeconds": 3600},
-        "calibration": {"mode": "auto", "retryBackoffSeconds": 1, "maxRetryBackoffSeconds": 2},
+        "calibration": {"mode": "auto", "retryBackoffSeconds": 1, "maxRetryBackoffSeconds": 2,
+                        "traces": ["traces/decode.npz"]},
         "runtime": {
             "image": "ghcr.io/vexpert/vexpert:0.1.0",
             "memoryOverhead": "32Gi",
@@ -102,13 +103,15 @@ def node_pods(cluster: Cluster, name: str) -> list[dict[str, Any]]:
     return sorted([p for p in pods if not p["metadata"].get("deletionTimestamp")], key=lambda p: p["metadata"]["name"])
 
 
-def calibrate(cluster: Cluster, type_name: str, bandwidth: float = 54.7) -> None:
+def calibrate(cluster: Cluster, type_name: str, bandwidth: float = 54.7, model: bool = True) -> None:
     """Finish the hardware Job of the type and the model Job, as the real commands would."""
     job = cluster.wait_for(lambda: [j for j in hw_jobs(cluster)
                                     if j["metadata"]["labels"][nm.LABEL_NODE_TYPE] == type_name],
                            what=f"a hardware calibration Job for {type_name}")[0]
     cluster.finish_job(job["metadata"]["name"], profile_json(bandwidth=bandwidth))
     cluster.wait_for(lambda: cluster.get(kube.NODE_PROFILES, type_name), what="the VExpertNodeProfile")
+    if not model:
+        return
     mjob = cluster.wait_for(lambda: model_jobs(cluster), what="the model calibration Job")[0]
     cluster.finish_job(mjob["metadata"]["name"], profile_json(source="model-calibration", alpha=-0.7, beta=0.6))
     key = nm.model_key("deepseek-ai/DeepSeek-V3", "r1")
@@ -155,6 +158,9 @@ def test_create_calibrates_new_node_type_then_deploys_group(cluster: Cluster, mo
         assert pinned["nvidia.com/cuda.driver-version.full"] == ["550.54.15"]
         assert pod_spec["containers"][0]["command"] == ["vexpert", "calibrate"]
         assert pod_spec["containers"][0]["args"][0] == "hardware"
+        mjob = cluster.wait_for(lambda: model_jobs(cluster), what="the model calibration Job")[0]
+        margs = mjob["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert margs[:3] == ["model", "--trace", "/models/DeepSeek-V3/traces/decode.npz"]
         assert job["metadata"]["ownerReferences"][0]["uid"] == uid
         calibrated = cluster.wait_for(lambda: (lambda c: c if c.get("reason") == "HardwareCalibrating" else None)(
             cluster.condition("dsv3", "Calibrated")), what="Calibrated=False/HardwareCalibrating")
@@ -445,10 +451,12 @@ def test_tuning_decision_is_written_to_configmap_and_status(cluster: Cluster, mo
 def test_deletion_cleans_up_children(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     type_name = add_nodes(cluster, 2)
     with running_operator(cluster, monkeypatch):
-        cluster.create(deployment())
-        calibrate(cluster, type_name)
+        cluster.create(deployment(calibration__traces=[]))  # no traces: the paper's load-balance coefficients
+        calibrate(cluster, type_name, model=False)
         bring_up(cluster, "dsv3")
-        wait_phase(cluster, "dsv3", "Running")
+        status = wait_phase(cluster, "dsv3", "Running")
+        assert status["calibration"]["modelState"] == "Default" and model_jobs(cluster) == []
+        assert runtime_config(cluster, "dsv3")["profile"]["load_balance"]["alpha"] == -0.75
         cluster.delete(kube.DEPLOYMENTS, "dsv3")
         cluster.wait_for(lambda: cluster.get(kube.DEPLOYMENTS, "dsv3") is None, what="the deployment gone")
         for res, name in ((kube.STATEFULSETS, nm.statefulset_name("dsv3")), (kube.SERVICES, nm.service_name("dsv3")),

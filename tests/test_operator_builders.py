@@ -185,7 +185,8 @@ def test_all_children_validate_against_kubernetes_schemas() -> None:
     key = h200_type().key
     job = mf.build_hardware_calibration_job("inference", "t", key, 2, spec(), mf.owner_reference("d", "u"))
     kubernetes_validate.validate(job, K8S, strict=True)
-    kubernetes_validate.validate(mf.build_model_calibration_job("inference", "k", key, 1, spec(), []), K8S, strict=True)
+    model_job = mf.build_model_calibration_job("inference", "k", 1, spec(calibration={"traces": ["t.npz"]}), [])
+    kubernetes_validate.validate(model_job, K8S, strict=True)
 
 
 def test_tuning_changes_configmap_but_not_the_pod_template() -> None:
@@ -234,9 +235,17 @@ def test_calibration_jobs_follow_the_contract() -> None:
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
     assert job["metadata"]["labels"][nm.LABEL_ATTEMPT] == "3"
-    mjob = mf.build_model_calibration_job("ns", "k", key, 1, spec(), [])
-    args = mjob["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[0] == "model" and "--checkpoint" in args and "/models/DeepSeek-V3" in args
+    traced = spec(calibration={"traces": ["traces/a.npz", "/data/b.npz"]}, vexpert={"vmax": 1})
+    mjob = mf.build_model_calibration_job("ns", "k", 1, traced, [])
+    mpod = mjob["spec"]["template"]["spec"]
+    args = mpod["containers"][0]["args"]
+    assert args[:5] == ["model", "--trace", "/models/DeepSeek-V3/traces/a.npz", "--trace", "/data/b.npz"]
+    assert args[args.index("--gpus") + 1] == "64"  # the EP degree the plans are made for
+    assert args[args.index("--vmax") + 1] == "2"  # V = 1..2 so β and the intercept separate
+    assert args[args.index("--k") + 1] == "10"
+    assert "nvidia.com/gpu" not in mpod["containers"][0]["resources"]["limits"]  # a CPU job
+    assert "affinity" not in mpod
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in mpod["containers"][0]["volumeMounts"]
 
 
 def test_profiles_combine_halves_deterministically() -> None:

@@ -159,6 +159,12 @@ class CalibrationSpec(CamelModel):
     """
 
     mode: Literal["auto", "skip", "given"] = "auto"
+    traces: list[str] = Field(
+        default_factory=list,
+        description="Expert-load traces (.npz from `vexpert trace build`) the model calibration fits on; paths in "
+                    "the pod, relative ones under the checkpoint directory. None: the paper's load-balance "
+                    "coefficients are used and no model calibration Job runs",
+    )
     profile: PerformanceProfile | None = Field(None, description="A full profile (mode given)")
     model_profile_ref: str | None = Field(None, description="Name of a VExpertModelProfile in this namespace (mode given)")
     image: str | None = Field(None, description="Calibration image (default: runtime.image)")

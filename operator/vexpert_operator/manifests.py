@@ -344,14 +344,15 @@ def _calibration_labels(kind: str, extra: Mapping[str, str]) -> dict[str, str]:
 
 
 def _calibration_job(job_name: str, namespace: str, labels: dict[str, str], annotations: dict[str, str],
-                     spec: VExpertDeploymentSpec, node_key: NodeTypeKey, gpus: int, args: list[str],
+                     spec: VExpertDeploymentSpec, node_key: NodeTypeKey | None, gpus: int, args: list[str],
                      owner: list[dict[str, Any]], extra_volumes: list[dict[str, Any]],
                      extra_mounts: list[dict[str, Any]]) -> Manifest:
     calib = spec.calibration
-    resources = {"memory": calib.memory, GPU_RESOURCE: str(gpus)}
+    resources = {"memory": calib.memory}
+    if gpus:
+        resources[GPU_RESOURCE] = str(gpus)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
-        "affinity": {"nodeAffinity": _node_affinity(node_type_selector(node_key))},
         "enableServiceLinks": False,
         "containers": [{
             "name": CALIBRATION_CONTAINER,
@@ -368,10 +369,12 @@ def _calibration_job(job_name: str, namespace: str, labels: dict[str, str], anno
         "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.runtime.shm_size}},
                     *extra_volumes],
     }
-    if spec.runtime.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.runtime.node_selector)
-    if spec.runtime.tolerations:
-        pod_spec["tolerations"] = _tolerations(spec)
+    if node_key is not None:  # GPU measurements: on a node of exactly this type
+        pod_spec["affinity"] = {"nodeAffinity": _node_affinity(node_type_selector(node_key))}
+        if spec.runtime.node_selector:
+            pod_spec["nodeSelector"] = dict(spec.runtime.node_selector)
+        if spec.runtime.tolerations:
+            pod_spec["tolerations"] = _tolerations(spec)
     if spec.runtime.service_account_name:
         pod_spec["serviceAccountName"] = spec.runtime.service_account_name
     if spec.runtime.image_pull_secrets:
@@ -393,9 +396,8 @@ def build_hardware_calibration_job(namespace: str, type_name: str, node_key: Nod
                                    spec: VExpertDeploymentSpec, owner: list[dict[str, Any]]) -> Manifest:
     """``vexpert calibrate hardware`` on one node of the type, with all its GPUs.
 
-    Contract (fixed here, implemented by the calibrate command): the container writes a
-    ``PerformanceProfile`` JSON to its termination message and exits 0, or exits non-zero with a
-    one-line reason there.
+    Contract (``vexpert calibrate``): the container writes a ``PerformanceProfile`` JSON to its
+    termination message and exits 0, or exits non-zero with a one-line reason there.
     """
     labels = _calibration_labels("hardware", {nm.LABEL_NODE_TYPE: type_name, nm.LABEL_ATTEMPT: str(attempt)})
     key_json = json.dumps(node_key.model_dump(), sort_keys=True)
@@ -405,22 +407,31 @@ def build_hardware_calibration_job(namespace: str, type_name: str, node_key: Nod
                             {nm.ANNOTATION_NODE_TYPE_KEY: key_json}, spec, node_key, gpus, args, owner, [], [])
 
 
-def build_model_calibration_job(namespace: str, key: str, node_key: NodeTypeKey, attempt: int,
-                                spec: VExpertDeploymentSpec, owner: list[dict[str, Any]]) -> Manifest:
-    """``vexpert calibrate model`` (fits α, β, intercept of Δ(L, V)) on one node of the chosen type."""
+def trace_paths(spec: VExpertDeploymentSpec) -> list[str]:
+    """``calibration.traces`` as paths in the pod (relative ones under the checkpoint directory)."""
+    base = spec.model.checkpoint.path_in_pod.rstrip("/")
+    return [t if t.startswith("/") else f"{base}/{t}" for t in spec.calibration.traces]
+
+
+def build_model_calibration_job(namespace: str, key: str, attempt: int, spec: VExpertDeploymentSpec,
+                                owner: list[dict[str, Any]]) -> Manifest:
+    """``vexpert calibrate model``: fit α, β, intercept of Δ(L, V) on the expert-load traces (a CPU job;
+    the traces are read from the checkpoint volume)."""
     labels = _calibration_labels("model", {nm.LABEL_MODEL_KEY: key, nm.LABEL_ATTEMPT: str(attempt)})
-    args = [
-        "model",
+    args = ["model"]
+    for path in trace_paths(spec):
+        args += ["--trace", path]
+    args += [
+        "--gpus", str(spec.parallelism.expert_parallel_size),
+        "--vmax", str(max(2, spec.vexpert.vmax)),
+        "--k", str(spec.vexpert.allocation_interval.value),
         "--model", spec.model.name,
         "--revision", spec.model.revision,
-        "--checkpoint", spec.model.checkpoint.path_in_pod,
-        "--architecture", spec.model.architecture,
-        "--gpus", str(spec.parallelism.gpus_per_node),
     ]
     annotations = {nm.ANNOTATION_MODEL: spec.model.name, nm.ANNOTATION_REVISION: spec.model.revision}
     mounts = [{"name": "model", "mountPath": spec.model.checkpoint.mount_path, "readOnly": True}]
-    return _calibration_job(nm.model_job_name(key, attempt), namespace, labels, annotations, spec, node_key,
-                            spec.parallelism.gpus_per_node, args, owner, [_model_volume(spec)], mounts)
+    return _calibration_job(nm.model_job_name(key, attempt), namespace, labels, annotations, spec, None, 0,
+                            args, owner, [_model_volume(spec)], mounts)
 
 
 # --------------------------------------------------------------------------------------- profiles

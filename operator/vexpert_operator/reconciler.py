@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -310,9 +309,12 @@ async def ensure_calibration(ctx: Context, body: Mapping[str, Any], spec: VExper
         obj = await ctx.client.get_or_none(kube.MODEL_PROFILES, key, ns)
         out.model = _profile_of(obj, VExpertModelProfileSpec)
         out.model_profile = key if obj is not None else ""
-        out.model_state = "Profiled" if out.model is not None else ("Default" if calib.mode == "skip" else "")
+        out.model_state = "Profiled" if out.model is not None else "Default"
         if out.model is None and calib.mode == "auto":
-            await _model_calibration(ctx, body, spec, chosen, key, owner, now, out, wake)
+            if calib.traces:
+                await _model_calibration(ctx, body, spec, key, owner, now, out, wake)
+            else:
+                out.model_message = "no spec.calibration.traces to fit on: the paper's load-balance coefficients"
     if out.ready:
         out.reason = "Skipped" if calib.mode == "skip" else ("Given" if calib.mode == "given" else "Profiled")
         out.message = f"hardware: {'profile ' + chosen.name if out.hardware else 'paper defaults'}; model: " \
@@ -321,8 +323,8 @@ async def ensure_calibration(ctx: Context, body: Mapping[str, Any], spec: VExper
     return out
 
 
-async def _model_calibration(ctx: Context, body: Mapping[str, Any], spec: VExpertDeploymentSpec, chosen: NodeType,
-                             key: str, owner: list[dict[str, Any]], now: dt.datetime, out: CalibrationOutcome,
+async def _model_calibration(ctx: Context, body: Mapping[str, Any], spec: VExpertDeploymentSpec, key: str,
+                             owner: list[dict[str, Any]], now: dt.datetime, out: CalibrationOutcome,
                              wake: list[dt.datetime]) -> None:
     ns = body["metadata"]["namespace"]
     calib = spec.calibration
@@ -332,7 +334,7 @@ async def _model_calibration(ctx: Context, body: Mapping[str, Any], spec: VExper
     out.model_profile = key
     out.model_state = "Running"
     if step.action == "create":
-        job = build_model_calibration_job(ns, key, chosen.key, step.attempt, spec, owner)
+        job = build_model_calibration_job(ns, key, step.attempt, spec, owner)
         try:
             await ctx.client.create(kube.JOBS, job)
             m.CALIBRATION_JOBS.labels("model", "started").inc()
@@ -678,6 +680,3 @@ async def _tune(ctx: Context, body: Mapping[str, Any], spec: VExpertDeploymentSp
         raise RuntimeError("tuning changed the pod template")
     return new_plan
 
-
-def spec_fingerprint(body: Mapping[str, Any]) -> str:
-    return json.dumps(body.get("spec") or {}, sort_keys=True)

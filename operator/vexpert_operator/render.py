@@ -144,16 +144,17 @@ def render_deployment(doc: Mapping[str, Any], namespace: str | None, node_profil
             result.notes.append("node memory unknown: Np is the spec's upper bound, not fitted to node memory")
     if model_profile is None:
         result.notes.append("load-balance coefficients: paper defaults" +
-                            ("; the operator first runs a model calibration Job" if calib.mode == "auto" else ""))
+                            ("; the operator first runs a model calibration Job (below)"
+                             if calib.mode == "auto" and calib.traces else ""))
     else:
         result.notes.append(f"load-balance coefficients from {model_profile_name or 'the given profile'}")
     if plan.problems:
         raise VExpertInputError(f"{DEPLOYMENT_KIND} {name}", format_problems(plan.problems) +
                                 " (the operator would set Invalid)")
     result.manifests.extend(plan.children)
-    if calib.mode == "auto" and model_profile is None and node_key is not None:
+    if calib.mode == "auto" and model_profile is None and calib.traces:
         key = nm.model_key(spec.model.name, spec.model.revision)
-        result.manifests.append(mf.build_model_calibration_job(ns, key, node_key, 1, spec, []))
+        result.manifests.append(mf.build_model_calibration_job(ns, key, 1, spec, []))
     return result
 
 

@@ -474,7 +474,8 @@ def water_fill_shares(
         load = fixed.scatter_add(0, flat_bin, mine.flatten())
         other = load[p_bin] - mine + pad_floor
         target = _water_fill(other, p_w.squeeze(-1)) * inv_w
-        p_share = torch.where(p_valid, p_share + step * (target - p_share), p_share)
+        # Padding copies and inactive rows have target 0 and start at 0 (or are discarded below).
+        p_share = p_share + step * (target - p_share)
     p_share = p_share / p_share.sum(-1, keepdim=True).clamp(min=1e-12)
     new_rows = torch.where(active.flatten().unsqueeze(-1), p_share, share[layer, chosen].flatten(0, 1))
     return share.index_put((layer.expand_as(chosen), chosen), new_rows.view(num_layers, k, -1))

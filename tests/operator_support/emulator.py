@@ -74,6 +74,12 @@ def _err(status: int, reason: str, message: str) -> KubernetesError:
     return KubernetesError(status=status, reason=reason, message=message, details={})
 
 
+def _client_gone(request: rendering.Request) -> bool:
+    raw = request._raw_request
+    transport = getattr(raw, "transport", None) if raw is not None else None
+    return raw is not None and (transport is None or transport.is_closing())
+
+
 # ------------------------------------------------------------------------------------- URL parsing
 
 _kmock_parse_path = parsing.parse_path
@@ -597,12 +603,12 @@ class KubeEmulator(kmock.KubernetesEmulator):
             remaining = None if deadline is None else deadline - asyncio.get_running_loop().time()
             if remaining is not None and remaining <= 0:
                 return
+            if _client_gone(request):
+                return  # aiohttp does not cancel handlers of closed connections: end the stream here
             async with self._changed:
                 if index >= len(log):
-                    try:
-                        await asyncio.wait_for(self._changed.wait(), timeout=remaining)
-                    except asyncio.TimeoutError:
-                        return
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._changed.wait(), timeout=min(remaining or 1.0, 1.0))
 
     async def _serve_create(self, request: rendering.Request) -> rendering.Payload:
         assert request.resource is not None

@@ -71,7 +71,7 @@ class EmulatorServer:
         return self
 
     def stop(self) -> None:
-        self.loop.run(self.stack.aclose())
+        self.loop.run(self.stack.aclose(), timeout=90)
 
     def kubeconfig(self, path: Path) -> Path:
         path.write_text(yaml.safe_dump({

@@ -1,0 +1,128 @@
+"""The calibration Jobs' command lines run the real `vexpert calibrate` (CPU twin here), and what the
+container leaves as its termination message is what the operator harvests."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from operator_support.samples import spec
+from vexpert_operator import manifests as mf
+from vexpert_operator.calibration import JobSummary, failure_reason, parse_result
+from vexpert_runtime.profile import NodeTypeKey
+
+KEY = NodeTypeKey(gpu_product="NVIDIA-H200", gpu_count=8, gpu_memory_mib=143771, driver_version="550.54.15")
+
+
+def container_argv(job: dict, termination: Path, replace: dict[str, str]) -> list[str]:
+    c = job["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == ["vexpert", "calibrate"]
+    args = list(c["args"])
+    assert args[-2:] == ["--termination-message-path", mf.TERMINATION_LOG]
+    args[-1] = str(termination)
+    for i, arg in enumerate(args[:-1]):
+        if arg in replace:
+            args[i + 1] = replace[arg]
+    return [sys.executable, "-m", "vexpert_runtime", "calibrate", *args]
+
+
+def test_hardware_job_contract(tmp_path: Path) -> None:
+    job = mf.build_hardware_calibration_job("ns", "t", KEY, 1, spec(), [])
+    log = tmp_path / "termination-log"
+    argv = [*container_argv(job, log, {"--gpus": "2"}), "--cpu", "--iters", "2"]  # the CPU twin on 2 ranks
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    profile = parse_result(log.read_text())
+    assert profile.provenance.source == "hardware-calibration"
+    assert profile.provenance.node_type == KEY
+    assert profile.hardware.h2d_bandwidth_gb_per_s > 0
+
+
+def test_hardware_job_failure_is_a_one_line_reason(tmp_path: Path) -> None:
+    job = mf.build_hardware_calibration_job("ns", "t", KEY, 1, spec(), [])
+    log = tmp_path / "termination-log"
+    argv = [*container_argv(job, log, {"--node-type": "{not json"}), "--cpu"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode != 0
+    message = log.read_text()
+    assert "\n" not in message.strip() and "--node-type" in message
+    pod = {"status": {"containerStatuses": [{"name": "calibrate", "state": {"terminated": {
+        "exitCode": result.returncode, "message": message}}}]}}
+    reason = failure_reason(pod, JobSummary("j", 1, "failed", None, "BackoffLimitExceeded"))
+    assert reason.startswith(f"exit {result.returncode}: ") and "--node-type" in reason
+    with pytest.raises(ValueError):
+        parse_result(message)
+
+
+def test_model_job_contract(tmp_path: Path) -> None:
+    trace = tmp_path / "decode.npz"
+    subprocess.run([sys.executable, "-m", "vexpert_runtime", "trace", "build", "--phase",
+                    "bundled:decode_in1000out1000:40", "--gpus", "64", "-o", str(trace)],
+                   check=True, capture_output=True, timeout=300)
+    s = spec(calibration={"traces": ["traces/decode.npz"]})
+    job = mf.build_model_calibration_job("ns", "k", 1, s, [])
+    log = tmp_path / "termination-log"
+    result = subprocess.run(container_argv(job, log, {"--trace": str(trace)}), capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    profile = parse_result(log.read_text())
+    assert profile.provenance.source == "model-calibration"
+    assert profile.provenance.model == "deepseek-ai/DeepSeek-V3" and profile.provenance.model_revision == "r1"
+    assert -10 <= profile.load_balance.alpha <= 10
+
+
+def test_node_runtime_accepts_the_rendered_config_and_its_metrics_parse(tmp_path: Path) -> None:
+    """`vexpert node` (CPU workers, built-in demo model) runs on the operator's RuntimeConfig and its
+    Prometheus endpoint is what the tuning loop reads."""
+    import socket
+    import time
+    import urllib.request
+
+    from vexpert_operator.plan import PlanInputs, plan_group
+    from vexpert_operator.tuning import aggregate, parse_runtime_metrics
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    s = spec(model={"name": "demo", "architecture": "deepseek_v3", "checkpoint": {"hostPath": "/models"}},
+             parallelism={"expertParallelSize": 2, "gpusPerNode": 2})
+    config = plan_group(PlanInputs(name="d", namespace="ns", spec=s)).runtime_config
+    # What differs on this machine: no checkpoint (the demo model), CPU, loopback rendezvous.
+    config.model.checkpoint_path = ""
+    config.runtime.device = "cpu"
+    config.runtime.metrics_port = port
+    config.parallelism.master_addr = "127.0.0.1"
+    config.tuning.pooled_experts = None
+    path = tmp_path / "runtime.yaml"
+    path.write_text(config.to_yaml())
+    proc = subprocess.Popen([sys.executable, "-m", "vexpert_runtime", "node", "--config", str(path),
+                             "--cpu-workers", "2", "--iterations", "100000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        values: dict[str, float] = {}
+        deadline = time.monotonic() + 90
+        wanted = {"vexpert_step_seconds", "vexpert_allocator_seconds", "vexpert_balance_ratio"}
+        while time.monotonic() < deadline and not (wanted <= values.keys()
+                                                   and values.get("vexpert_tokens_per_second", 0) > 0):
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read()
+                values = parse_runtime_metrics(body)
+            except OSError:
+                pass
+            time.sleep(0.5)
+        sample = aggregate([values])
+        assert sample.reported_k == {10}
+        assert sample.balance_ratio is not None and 0 < sample.balance_ratio <= 1
+        assert sample.tokens_per_second is not None and sample.tokens_per_second > 0
+        assert sample.allocator_share is not None and sample.degraded_pods == 0
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
