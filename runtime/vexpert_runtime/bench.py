@@ -62,7 +62,9 @@ def bench_allocator(
     base = static_placement(layers, experts, gpus, device=device)
     cfg = AllocatorConfig(group_size=group_size, vmax=vmax)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    for _ in range(3):
+    # A long-running coordinator allocates every k iterations for hours; the first ~100 calls
+    # of a fresh process run slower (allocator caches, page faults), so warm up before timing.
+    for _ in range(max(50, repeats)):
         allocate(counts, base, gpus, cfg)
     eager_times = _timed(lambda: allocate(counts, base, gpus, cfg), repeats, sync)
     times = eager_times
