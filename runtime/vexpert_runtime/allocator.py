@@ -519,8 +519,8 @@ class _ShareBlock:
     share: torch.Tensor  # [P, C]
     previous: torch.Tensor  # [P, C] (momentum)
     pad_floor: torch.Tensor  # [P, C] 0, or 1e30 on padding so it never gets water
-    step: torch.Tensor | None = None
-    mine: torch.Tensor | None = None
+    step: torch.Tensor  # [P, 1] damping of this row's update (set from GPU degrees)
+    mine: torch.Tensor  # [P, C] this row's tokens on each copy during a sweep
 
     @staticmethod
     def gather(
@@ -548,7 +548,10 @@ class _ShareBlock:
         weight = w[layer, expert].unsqueeze(1).clamp(min=1e-12)
         rows = share[layer, expert]
         pad_floor = torch.where(valid, 0.0, 1.0e30).to(rows.dtype)
-        return _ShareBlock(layer, expert, active, bins, bins.flatten(), valid, weight, 1.0 / weight, rows, rows, pad_floor)
+        return _ShareBlock(
+            layer, expert, active, bins, bins.flatten(), valid, weight, 1.0 / weight, rows, rows, pad_floor,
+            step=torch.ones_like(weight), mine=weight * rows,
+        )
 
 
 MOMENTUM = 0.3

@@ -301,7 +301,8 @@ def _greedy_fill_pass(
         filled = fill[flat]
         pack[j] = choice
         rank[j] = filled
-        key[flat] += sorted_items[j]
+        with np.errstate(over="ignore"):  # float16 loads may overflow to inf, as in DeepSeek's torch code
+            key[flat] += sorted_items[j]
         filled += 1
         fill[flat] = filled
         key[flat[filled == capacity]] = closed
