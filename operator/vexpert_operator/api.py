@@ -161,7 +161,8 @@ class CalibrationSpec(CamelModel):
     mode: Literal["auto", "skip", "given"] = "auto"
     traces: list[str] = Field(
         default_factory=list,
-        description="Expert-load traces (.npz from `vexpert trace build`) the model calibration fits on; paths in "
+        description="Expert-load traces the model calibration fits on (.npz from `vexpert trace build`, or SGLang "
+                    "expert-statistics .json); paths in "
                     "the pod, relative ones under the checkpoint directory. None: the paper's load-balance "
                     "coefficients are used and no model calibration Job runs",
     )

@@ -170,11 +170,22 @@ def termination_message(profile: PerformanceProfile, limit: int = 4096) -> str:
     return trimmed.model_dump_json()
 
 
+STATISTICS_ITERATIONS = 200  # iterations sampled from an SGLang statistics file used as a trace
+
+
+def _load_counts(source: str, gpus: int) -> np.ndarray:
+    """A trace ``.npz``, or expert statistics (SGLang ``.json`` / ``bundled:NAME``) sampled into a
+    200-iteration decode trace at 256 tokens per GPU, top-8, seed 0."""
+    from ..trace import Phase, build_trace, load_trace
+
+    if source.endswith(".json") or source.startswith("bundled:"):
+        return build_trace([Phase(source, STATISTICS_ITERATIONS)], gpus, 256, 8, seed=0).counts
+    return load_trace(source).counts
+
+
 def run_model_calibration(args: argparse.Namespace) -> int:
     """CLI handler of ``vexpert calibrate model``."""
-    from ..trace import load_trace
-
-    traces = [load_trace(path).counts for path in args.trace]
+    traces = [_load_counts(path, args.gpus) for path in args.trace]
     shapes = {t.shape[1:] for t in traces}
     if len(shapes) > 1:
         raise VExpertInputError("--trace", f"traces disagree on [layers, experts]: {sorted(shapes)}")
