@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 
 import pytest
 from hypothesis import given, settings
@@ -412,6 +413,120 @@ def test_tuning_holds_without_data_while_degraded_or_before_the_last_change_appl
     assert not degraded.changed and "degraded" in degraded.reason
     stale = decide_tuning(state(allocation_interval=15), sample(reported_k={10}, allocator_share=0.5))
     assert not stale.changed and "waiting for the runtime" in stale.reason
+
+
+def at(st_: TuningState, **kw) -> RuntimeSample:
+    """A sample from pods that run ``st_``'s k and Np."""
+    return sample(reported_k={st_.allocation_interval}, reported_np={st_.pooled_experts}, **kw)
+
+
+def test_shorten_k_fires_past_the_dead_band_only() -> None:
+    s0 = state()
+    shorter = decide_tuning(s0, at(s0, balance_decay=0.101, allocator_share=0.01))
+    assert shorter.k_changed and shorter.allocation_interval == 6 and "decays 10.1%" in shorter.reason
+    assert not decide_tuning(s0, at(s0, balance_decay=0.10, allocator_share=0.01)).k_changed  # at the threshold
+    assert not decide_tuning(s0, at(s0, balance_decay=0.2, allocator_share=0.02)).k_changed  # allocator not cheap
+    assert decide_tuning(s0, at(s0, balance_decay=0.2)).allocation_interval == 6  # no allocator data: decay decides
+    # Hysteresis: what k=6 would then show (decay ∝ k, share ∝ 1/k) does not lengthen it again.
+    s1 = state(allocation_interval=6, decisions_since_k_change=1_000)
+    assert decide_tuning(s1, at(s1, balance_decay=0.101 * 6 / 10, allocator_share=0.01 * 10 / 6)).allocation_interval <= 6
+
+
+def test_shorten_k_stops_where_the_allocator_would_become_costly() -> None:
+    s0 = state(allocation_interval=20)
+    policy = TuningPolicy(k_step=4)
+    d = decide_tuning(s0, at(s0, balance_decay=0.5, allocator_share=0.019), policy)
+    assert d.allocation_interval == 8  # 20 / 4 = 5 would make the allocator 7.6% of step time
+    assert 0.019 * 20 / d.allocation_interval <= policy.share_high
+    s1 = state(allocation_interval=3)
+    held = decide_tuning(s1, at(s1, balance_decay=0.5, allocator_share=0.019), TuningPolicy(share_high=0.021))
+    assert not held.k_changed and "allocator" in held.reason
+
+
+def test_lengthen_k_fires_past_the_dead_band_only() -> None:
+    s0 = state()
+    longer = decide_tuning(s0, at(s0, allocator_share=0.051, balance_decay=0.01))
+    assert longer.k_changed and longer.allocation_interval == 15 and "allocator is 5.1%" in longer.reason
+    assert not decide_tuning(s0, at(s0, allocator_share=0.05, balance_decay=0.01)).k_changed
+    assert not decide_tuning(s0, at(s0, allocator_share=0.2, balance_decay=0.05)).k_changed  # balance decays
+    assert decide_tuning(s0, at(s0, allocator_share=0.2)).allocation_interval == 15  # no decay data yet
+    s1 = state(allocation_interval=15)
+    assert decide_tuning(s1, at(s1, allocator_share=0.051 * 10 / 15, balance_decay=0.01 * 15 / 10)
+                         ).allocation_interval >= 15
+
+
+def test_lengthen_k_stops_where_the_balance_would_decay_too_much() -> None:
+    s0 = state()
+    policy = TuningPolicy(k_step=4)
+    d = decide_tuning(s0, at(s0, allocator_share=0.2, balance_decay=0.045), policy)
+    assert d.allocation_interval == 22  # 40 would let the balance decay 18%
+    assert 0.045 * d.allocation_interval / 10 <= policy.decay_high
+    held = decide_tuning(s0, at(s0, allocator_share=0.2, balance_decay=0.04), TuningPolicy(decay_high=0.041))
+    assert not held.k_changed and "decay" in held.reason
+
+
+def test_shrink_np_fires_past_the_dead_band_only() -> None:
+    s0 = state()
+    shrink = decide_tuning(s0, at(s0, memory_pressure=0.901))
+    assert shrink.np_changed and shrink.pooled_experts == 80 and "pressure 90%" in shrink.reason
+    assert not decide_tuning(s0, at(s0, memory_pressure=0.90)).np_changed
+    assert not decide_tuning(s0, at(s0, memory_pressure=0.8, pool_hit_ratio=0.5)).np_changed  # in the band
+    floor = state(pooled_experts=10)
+    at_min = decide_tuning(floor, at(floor, memory_pressure=0.99))
+    assert not at_min.np_changed and "lower bound" in at_min.reason
+
+
+def test_grow_np_fires_past_the_dead_band_only() -> None:
+    s0 = state(pooled_experts=60)
+    grow = decide_tuning(s0, at(s0, pool_hit_ratio=0.94, memory_pressure=0.5))
+    assert grow.np_changed and grow.pooled_experts == 75 and "hit ratio 94%" in grow.reason
+    assert decide_tuning(s0, at(s0, pool_hit_ratio=0.94)).pooled_experts == 75  # no pressure data
+    assert not decide_tuning(s0, at(s0, pool_hit_ratio=0.95, memory_pressure=0.5)).np_changed
+    assert not decide_tuning(s0, at(s0, pool_hit_ratio=0.5, memory_pressure=0.75)).np_changed
+    # Not so far that the grown pool would count as pressure: 60 × 0.9 / 0.74 = 72.97.
+    guarded = decide_tuning(s0, at(s0, pool_hit_ratio=0.5, memory_pressure=0.74))
+    assert guarded.pooled_experts == 72 and 0.74 * 72 / 60 <= 0.9
+
+
+def _closed_loop(start: TuningState, observe, steps: int = 40) -> list[tuple[int, int]]:
+    """Decide, let the runtime apply the decision, observe again: the (k, Np) trajectory."""
+    from dataclasses import replace
+
+    current, path = start, [(start.allocation_interval, start.pooled_experts)]
+    for _ in range(steps):
+        d = decide_tuning(current, at(current, **observe(current.allocation_interval, current.pooled_experts)))
+        current = replace(
+            current, allocation_interval=d.allocation_interval, pooled_experts=d.pooled_experts,
+            decisions_since_k_change=0 if d.k_changed else current.decisions_since_k_change + 1,
+            decisions_since_np_change=0 if d.np_changed else current.decisions_since_np_change + 1,
+        )
+        path.append((current.allocation_interval, current.pooled_experts))
+    return path
+
+
+def _monotone(values: list[int]) -> bool:
+    steps = [b - a for a, b in itertools.pairwise(values) if b != a]
+    return all(x > 0 for x in steps) or all(x < 0 for x in steps)
+
+
+@pytest.mark.parametrize("k0", [2, 40])
+def test_k_settles_without_flapping(k0: int) -> None:
+    # decay grows with k, the allocator's share of step time shrinks with it
+    path = _closed_loop(state(allocation_interval=k0), lambda k, n: {"balance_decay": 0.012 * k,
+                                                                    "allocator_share": 0.16 / k})
+    ks = [k for k, _ in path]
+    assert len(set(ks)) > 1 and _monotone(ks)
+    k = ks[-1]
+    assert ks[-10:] == [k] * 10 and 0.012 * k <= 0.10 and 0.16 / k <= 0.05  # settled inside the dead band
+
+
+def test_np_settles_without_flapping() -> None:
+    # pressure ∝ Np, the pool always misses: without the grow guard 100 → 80 → 100 → 80 …
+    path = _closed_loop(state(), lambda k, n: {"memory_pressure": 0.92 * n / 100, "pool_hit_ratio": 0.8})
+    nps = [n for _, n in path]
+    assert nps[:5] == [100, 80, 80, 80, 97] and nps[-10:] == [97] * 10  # 2 decisions of cooldown
+    assert sum(1 for a, b in itertools.pairwise(nps) if b < a) == 1  # shrunk once, never again
+    assert 0.92 * 97 / 100 <= 0.9
 
 
 @settings(max_examples=200, deadline=None)

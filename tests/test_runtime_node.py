@@ -22,7 +22,15 @@ import yaml
 from vexpert_runtime import cli
 from vexpert_runtime.checkpoint import DEEPSEEK, MoESpec, expert_tensor, write_tiny_checkpoint
 from vexpert_runtime.config import load_runtime_config
-from vexpert_runtime.node import NodeOptions, NodeRuntime, Progress, resolve_setup, run_node
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.node import (
+    NodeOptions,
+    NodeRuntime,
+    Progress,
+    resolve_node_rank,
+    resolve_setup,
+    run_node,
+)
 from vexpert_runtime.workload import drifting_workload
 
 REPO = Path(__file__).resolve().parents[1]
@@ -200,6 +208,8 @@ def test_metrics_endpoint_and_config_reload(tmp_path: Path) -> None:
 def _node_process(node_rank: int, checkpoint: str, port: int, results: Any) -> None:
     from vexpert_runtime.config import RuntimeConfig
 
+    os.environ["VEXPERT_NODE_RANK"] = str(node_rank)  # as the operator's pods get it (the config says 0 or 1 too)
+
     config = RuntimeConfig.model_validate(
         {
             "model": {"checkpoint_path": checkpoint, "dtype": "float32"},
@@ -358,6 +368,82 @@ def test_bad_input_exit_code_from_the_real_cli(tmp_path: Path) -> None:
     assert lines[0].startswith("error: model.checkpoint_path: tensor model.layers.1.mlp.experts.0.gate_proj.weight is missing")
     assert "(fix: " in lines[0]
     assert _marked_processes(marker) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# Node rank: VEXPERT_NODE_RANK, else the StatefulSet ordinal of the pod name, else the config
+# ------------------------------------------------------------------------------------------------
+
+K8S = {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}
+
+
+@pytest.mark.parametrize(
+    ("env", "configured", "nodes", "rank"),
+    [
+        ({"VEXPERT_NODE_RANK": "1"}, 0, 2, 1),
+        ({"VEXPERT_NODE_RANK": "1", "VEXPERT_POD_NAME": "d-node-0"}, 0, 2, 1),  # the env var wins
+        ({"VEXPERT_NODE_RANK": "", "VEXPERT_POD_NAME": "vexpert-d-node-1"}, 0, 2, 1),  # no pod-index label (< 1.28)
+        ({"VEXPERT_NODE_RANK": " ", "VEXPERT_POD_NAME": "app-12-3"}, 0, 4, 3),  # the trailing ordinal only
+        ({"VEXPERT_NODE_RANK": "", "HOSTNAME": "vexpert-d-node-1", **K8S}, 0, 2, 1),
+        ({"HOSTNAME": "gpu-box-7"}, 1, 2, 1),  # outside Kubernetes a hostname says nothing
+        ({"HOSTNAME": "gpu-box", **K8S}, 1, 2, 1),
+        ({"VEXPERT_NODE_RANK": "", "VEXPERT_POD_NAME": ""}, 1, 2, 1),
+        ({}, 0, 1, 0),
+    ],
+)
+def test_node_rank_sources(env: dict[str, str], configured: int, nodes: int, rank: int) -> None:
+    assert resolve_node_rank(configured, nodes, env) == rank
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"VEXPERT_NODE_RANK": "abc"}, "VEXPERT_NODE_RANK: 'abc' is not a node index"),
+        ({"VEXPERT_NODE_RANK": "-1"}, "VEXPERT_NODE_RANK: '-1' is not a node index"),
+        ({"VEXPERT_NODE_RANK": "1.0"}, "VEXPERT_NODE_RANK: '1.0' is not a node index"),
+        ({"VEXPERT_NODE_RANK": "\u00b2"}, "VEXPERT_NODE_RANK: '\u00b2' is not a node index"),
+        ({"VEXPERT_NODE_RANK": "2"}, "VEXPERT_NODE_RANK: node rank 2 (from VEXPERT_NODE_RANK=2) ≥ number of nodes 2"),
+        ({"VEXPERT_POD_NAME": "vexpert-d-node"}, "VEXPERT_POD_NAME: 'vexpert-d-node' does not end in a StatefulSet ordinal"),
+        ({"VEXPERT_POD_NAME": "vexpert-d-node-5"}, "VEXPERT_POD_NAME: node rank 5 (from VEXPERT_POD_NAME=vexpert-d-node-5) ≥ number of nodes 2"),
+        ({"HOSTNAME": "vexpert-d-node-2", **K8S}, "HOSTNAME: node rank 2 (from HOSTNAME=vexpert-d-node-2) ≥ number of nodes 2"),
+    ],
+)
+def test_bad_node_rank_names_its_source(env: dict[str, str], message: str) -> None:
+    with pytest.raises(VExpertInputError) as caught:
+        resolve_node_rank(0, 2, env)
+    assert str(caught.value).startswith(message)
+    assert "\n" not in str(caught.value)
+
+
+def test_empty_node_rank_falls_back_to_the_pod_ordinal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt", SPEC)
+    config = _config(tmp_path / "runtime.yaml", checkpoint, parallelism={"expert_parallel_size": 4, "gpus_per_node": 2})
+    monkeypatch.setenv("VEXPERT_NODE_RANK", "")
+    monkeypatch.setenv("VEXPERT_POD_NAME", "vexpert-d-node-1")
+    setup = resolve_setup(load_runtime_config(config), checkpoint)
+    assert setup.node_rank == 1 and setup.ranks == [2, 3]
+
+
+@pytest.mark.parametrize(
+    ("env", "line"),
+    [
+        ({"VEXPERT_NODE_RANK": "one"}, "error: VEXPERT_NODE_RANK: 'one' is not a node index (fix: "),
+        ({"VEXPERT_NODE_RANK": "", "VEXPERT_POD_NAME": "vexpert-d-node-3"},
+         "error: VEXPERT_POD_NAME: node rank 3 (from VEXPERT_POD_NAME=vexpert-d-node-3) ≥ number of nodes 1 (fix: "),
+    ],
+)
+def test_bad_node_rank_is_one_line_and_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], line: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt", SPEC)
+    config = _config(tmp_path / "runtime.yaml", checkpoint)
+    for name in ("VEXPERT_NODE_RANK", "VEXPERT_POD_NAME", "HOSTNAME", "KUBERNETES_SERVICE_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = cli.main(["node", "--config", str(config)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith(line), err
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,21 +1,28 @@
 """The tuning loop's decisions: k (allocation interval) and Np (pinned experts). Pure functions.
 
-Inputs are the node pods' Prometheus metrics (port ``runtime.metricsPort``):
+Inputs are the node pods' Prometheus metrics (port ``runtime.metricsPort``, path ``/metrics``), as
+the node runtime (:mod:`vexpert_runtime.metrics`) exports them; names must match exactly:
 
 =====================================  ==============================================================
 ``vexpert_balance_ratio``              mean over layers of mean/max GPU load (SGLang's balancedness)
 ``vexpert_balance_ratio_after_allocation``  the same, right after the latest allocation (optional)
-``vexpert_balance_decay``              relative balance lost between allocations (optional; else
-                                       computed from the two above)
+``vexpert_balance_decay``              relative drop of the balance ratio from the first to the last
+                                       iteration of an allocation interval, mean of the last few
+                                       (optional; else computed from the two above)
 ``vexpert_tokens_per_second``          decode throughput of the pod
 ``vexpert_allocator_seconds``          time of one allocation (gauge, or histogram: mean = sum/count)
 ``vexpert_step_seconds``               time of one decode step (gauge or histogram)
 ``vexpert_allocation_interval``        k the runtime is using (shows the ConfigMap was applied)
 ``vexpert_pooled_experts``             Np the runtime is using
 ``vexpert_degraded``                   1 while the pod runs degraded (e.g. slots not filled in time)
-``vexpert_pool_hit_ratio``             share of wanted vExperts found in the pinned pool (optional)
-``vexpert_pinned_memory_pressure``     pinned bytes / memory limit (optional)
+``vexpert_pool_hit_ratio``             of the vExperts the allocator wanted without the pool
+                                       restriction, the share whose expert is pinned (optional)
+``vexpert_pinned_memory_pressure``     (pinned pool + host slot bytes) / host memory limit, 0 without
+                                       a limit (optional)
 =====================================  ==============================================================
+
+The runtime exports NaN for "no data yet" (no allocation interval of the current k completed, no
+allocation with the current Np): the parser drops non-finite samples, so such a gauge is absent.
 
 Rules (each with a dead band, so a value near a threshold does not flap):
 
@@ -25,6 +32,9 @@ Rules (each with a dead band, so a value near a threshold does not flap):
 * Np is as large as node memory allows (the cap). It shrinks (× ``np_shrink``) only when pinned
   memory pressure exceeds ``pressure_high``, and grows back toward the cap when the pool misses
   (hit ratio < ``hit_low``) and pressure is below ``pressure_low``.
+* A change never goes so far that, with the metric scaled by the change (decay ∝ k, allocator
+  share ∝ 1/k, pinned pressure ∝ Np), the opposite rule would fire at once: the dead bands hold
+  whatever the step sizes.
 * No change until every pod reports the current k and Np (the previous decision has taken effect),
   at most one change per parameter per ``cooldown`` decisions, nothing while degraded.
 """
@@ -204,14 +214,26 @@ def _decide_k(state: TuningState, sample: RuntimeSample, policy: TuningPolicy) -
         return k, f"k {k} held (no balance-decay or allocator-time data)"
     if share is not None and share > policy.share_high and (decay is None or decay < policy.decay_low):
         new = min(state.k_max, max(k + 1, math.ceil(k * policy.k_step)))
-        if new != k:
+        if decay is not None and decay > 0:  # not so long that the balance would then decay too much
+            bound = k * policy.decay_high / decay
+            if bound < new:
+                new = max(k, math.floor(bound))
+        if new > k:
             return new, f"k {k}→{new}: allocator is {share:.1%} of step time (> {policy.share_high:.0%})"
-        return k, f"k {k} at its upper bound though the allocator is {share:.1%} of step time"
+        if k >= state.k_max:
+            return k, f"k {k} at its upper bound though the allocator is {share:.1%} of step time"
+        return k, f"k {k} held: a longer k would let the balance decay over {policy.decay_high:.0%}"
     if decay is not None and decay > policy.decay_high and (share is None or share < policy.share_low):
         new = max(state.k_min, min(k - 1, math.floor(k / policy.k_step)))
-        if new != k:
+        if share is not None and share > 0:  # not so short that the allocator would then cost too much
+            bound = k * share / policy.share_high
+            if bound > new:
+                new = min(k, math.ceil(bound))
+        if new < k:
             return new, f"k {k}→{new}: balance decays {decay:.1%} between allocations (> {policy.decay_high:.0%})"
-        return k, f"k {k} at its lower bound though the balance decays {decay:.1%}"
+        if k <= state.k_min:
+            return k, f"k {k} at its lower bound though the balance decays {decay:.1%}"
+        return k, f"k {k} held: a shorter k would make the allocator over {policy.share_high:.0%} of step time"
     parts = []
     if decay is not None:
         parts.append(f"decay {decay:.1%}")
@@ -237,7 +259,14 @@ def _decide_np(state: TuningState, sample: RuntimeSample, policy: TuningPolicy) 
     if n < state.np_cap and hits is not None and hits < policy.hit_low and (
             pressure is None or pressure < policy.pressure_low):
         new = min(state.np_cap, max(n + 1, math.ceil(n * policy.np_grow)))
-        return new, f"Np {n}→{new}: pool hit ratio {hits:.0%} (< {policy.hit_low:.0%}), memory allows {state.np_cap}"
+        if pressure is not None and pressure > 0:  # not so far that the pool would then be under pressure
+            bound = n * policy.pressure_high / pressure
+            if bound < new:
+                new = max(n, math.floor(bound))
+        if new > n:
+            return new, (f"Np {n}→{new}: pool hit ratio {hits:.0%} (< {policy.hit_low:.0%}), "
+                         f"memory allows {state.np_cap}")
+        return n, f"Np {n} held: growing would bring pinned memory pressure {pressure:.0%} over {policy.pressure_high:.0%}"
     if n == state.np_cap:
         return n, f"Np {n} = as many as node memory allows"
     return n, f"Np {n} held (cap {state.np_cap})"

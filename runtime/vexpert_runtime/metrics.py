@@ -27,7 +27,9 @@ the same tokens), ``vexperts{layer}``, ``bytes_streamed_total``, ``slot_fill_wai
     with Np < E (the history restarts when Np changes).
 ``pinned_memory_pressure``
     (pinned pool bytes + slot bytes in host memory) / ``runtime.host_memory_limit_bytes``; 0 when no
-    limit is configured. On CUDA the slots live in GPU memory and only the pool counts.
+    limit is configured. The bytes are those the start-up limit check counts, so 1 is the most a
+    running node can report: on CUDA the slots live in GPU memory and only the pool counts; CPU
+    workers keep their slots and base experts in host memory, and both count.
 
 NaN means "no data yet": the operator's parser drops non-finite samples.
 """
@@ -35,6 +37,7 @@ NaN means "no data yet": the operator's parser drops non-finite samples.
 from __future__ import annotations
 
 import math
+import socket
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -131,7 +134,8 @@ class NodeMetrics:
     def serve(self, port: int, addr: str = "0.0.0.0", readiness: Readiness | None = None) -> int:
         """Start the HTTP endpoint in a daemon thread; returns the bound port (``port=0`` picks a free
         one). ``readiness`` answers ``/ready``: None = ready, a string = why not (503)."""
-        server = make_server(addr, port, self.app(readiness), _ThreadingServer, handler_class=_QuietHandler)
+        server_class = _ThreadingServer6 if ":" in addr else _ThreadingServer
+        server = make_server(addr, port, self.app(readiness), server_class, handler_class=_QuietHandler)
         thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True,
                                   name="vexpert-metrics")
         thread.start()
@@ -156,8 +160,12 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
     allow_reuse_address = True
 
 
+class _ThreadingServer6(_ThreadingServer):
+    address_family = socket.AF_INET6
+
+
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
 

@@ -17,16 +17,18 @@ creation, so none can leak.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import queue
+import re
 import shutil
 import signal
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,7 @@ from .config import RuntimeConfig, TuningConfig, load_runtime_config
 from .ep_moe import RoutingTable, base_experts, ep_moe_layer, static_table, table_from_plan
 from .errors import VExpertInputError
 from .expert_pool import ExpertPool, hottest_experts
-from .metrics import NodeMetrics
+from .metrics import BalanceDecay, NodeMetrics, PoolHits, memory_pressure
 from .moe_math import packed_ffn, relative_error, rms_norm, shared_forward
 from .perf_model import InferenceConstants
 from .placement import balance_ratio, base_gpu_loads, static_placement
@@ -148,10 +150,8 @@ def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: in
         )
     par = config.parallelism
     local = cpu_workers or config.runtime.cpu_workers or par.gpus_per_node
-    node_rank = int(os.environ.get("VEXPERT_NODE_RANK", par.node_rank))
+    node_rank = resolve_node_rank(par.node_rank, par.num_nodes)
     world = par.num_nodes * local
-    if node_rank >= par.num_nodes:
-        raise VExpertInputError("parallelism.node_rank", f"{node_rank} ≥ number of nodes {par.num_nodes}")
     spec = read_model_spec(checkpoint, config.model.architecture)
     CheckpointReader(checkpoint, spec).validate()
     if spec.num_experts % world:
@@ -191,6 +191,60 @@ def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: in
         profile=config.profile,
         memory=memory,
     )
+
+
+_ORDINAL = re.compile(r"-([0-9]+)\Z")  # a StatefulSet pod is <set>-<ordinal>
+
+
+def resolve_node_rank(configured: int, num_nodes: int, environ: Mapping[str, str] | None = None) -> int:
+    """This node's index in the group, from the first of:
+
+    1. ``VEXPERT_NODE_RANK`` when set and not empty (the operator fills it from the pod's
+       ``apps.kubernetes.io/pod-index`` label, which Kubernetes < 1.28 does not set: empty then);
+    2. the StatefulSet ordinal ending ``VEXPERT_POD_NAME`` (the pod's name, ``<statefulset>-<i>``);
+    3. the ordinal ending ``HOSTNAME`` — only inside Kubernetes (``KUBERNETES_SERVICE_HOST`` set),
+       where a StatefulSet pod's hostname is its name; elsewhere a hostname like ``gpu-box-3`` says
+       nothing about ranks;
+    4. ``parallelism.node_rank`` from the config.
+
+    A value that is not a non-negative integer, a pod name without an ordinal, or a rank ≥ the
+    number of nodes raises :class:`VExpertInputError` naming its source (one line, exit 2).
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get("VEXPERT_NODE_RANK", "").strip()
+    if raw:
+        if not (raw.isascii() and raw.isdigit()):
+            raise VExpertInputError(
+                "VEXPERT_NODE_RANK", f"{raw!r} is not a node index", "set a non-negative integer, or leave it empty to use the pod name"
+            )
+        return _check_rank(int(raw), num_nodes, f"VEXPERT_NODE_RANK={raw}")
+    pod = env.get("VEXPERT_POD_NAME", "").strip()
+    if pod:
+        match = _ORDINAL.search(pod)
+        if match is None:
+            raise VExpertInputError(
+                "VEXPERT_POD_NAME",
+                f"{pod!r} does not end in a StatefulSet ordinal (-N), so the node rank is unknown",
+                "set VEXPERT_NODE_RANK, or run the node in the operator's StatefulSet",
+            )
+        return _check_rank(int(match.group(1)), num_nodes, f"VEXPERT_POD_NAME={pod}")
+    host = env.get("HOSTNAME", "").strip()
+    if host and env.get("KUBERNETES_SERVICE_HOST"):
+        match = _ORDINAL.search(host)
+        if match is not None:
+            return _check_rank(int(match.group(1)), num_nodes, f"HOSTNAME={host}")
+    return _check_rank(configured, num_nodes, "parallelism.node_rank")
+
+
+def _check_rank(rank: int, num_nodes: int, source: str) -> int:
+    if rank >= num_nodes:
+        field = source.split("=", 1)[0]
+        raise VExpertInputError(
+            field,
+            f"node rank {rank} (from {source}) ≥ number of nodes {num_nodes}",
+            "parallelism.expert_parallel_size / gpus_per_node must match the node count",
+        )
+    return rank
 
 
 def check_port_free(host: str, port: int, field: str) -> None:
@@ -630,6 +684,11 @@ class NodeRuntime:
         self._windows: list[tuple[int, int]] = []
         self._tables: dict[int, RoutingTable] = {}
         self._plan_pools: dict[int, list[list[int]]] = {}
+        self._ready = self._done = 0
+        self._completed = 0  # iterations every local worker finished
+        self._pool_loaded = False
+        self._decay = BalanceDecay()
+        self._hits = PoolHits()
 
     # -- public -----------------------------------------------------------------------------
 
@@ -638,6 +697,20 @@ class NodeRuntime:
         self._stop.set()
         if self._shared is not None:
             self._shared.request_stop(0)
+
+    def readiness(self) -> str | None:
+        """``/ready``: None once the node serves (pool loaded, every worker loaded its experts and
+        joined the process group, one iteration completed), else why not (one line)."""
+        if self._stop.is_set() or self.abort.is_set():
+            return "stopping"
+        if not self._pool_loaded:
+            return "loading the expert pool"
+        workers = self.setup.local_workers
+        if self._ready < workers:
+            return f"{self._ready}/{workers} workers have loaded the model and joined the process group"
+        if self._completed == 0:
+            return "waiting for the first iteration"
+        return None
 
     def run(self) -> NodeReport:
         setup, options = self.setup, self.options
@@ -650,6 +723,8 @@ class NodeRuntime:
         try:
             self._start_metrics()
             self._pool = self._build_pool()
+            self._pool_loaded = True
+            self._update_pressure()
             self._assignment = Assignment(
                 static_table(setup.spec.num_layers, setup.spec.num_experts, setup.world, setup.slots), self._pool
             )
@@ -719,16 +794,29 @@ class NodeRuntime:
         m.pool_bytes.set(self.setup.memory.pool_bytes)
         m.degraded.set(0)
         m.set_layers(m.vexperts, [0] * self.setup.spec.num_layers)
+        m.pool_hit_ratio.set(1.0 if self._pooled >= self.setup.spec.num_experts else math.nan)
+        m.pinned_memory_pressure.set(memory_pressure(self._pinned_bytes(self.setup.memory.pool_bytes), self.setup.host_memory_limit_bytes))
         if self.setup.metrics_port or self.options.metrics_addr:
             addr = self.options.metrics_addr or self.setup.metrics_addr
             try:
-                self._metrics_port = m.serve(self.setup.metrics_port, addr)
+                self._metrics_port = m.serve(self.setup.metrics_port, addr, readiness=self.readiness)
             except OSError as exc:
                 raise VExpertInputError(
                     "runtime.metrics_port", f"cannot serve metrics on {addr}:{self.setup.metrics_port}: {exc.strerror}", "pick a free port (0 disables)"
                 ) from None
             if self.options.on_metrics is not None:
                 self.options.on_metrics(self._metrics_port)
+
+    def _pinned_bytes(self, pool_bytes: int) -> int:
+        """Host bytes counted against ``runtime.host_memory_limit_bytes``, as :func:`check_memory`
+        counts them: the pool, plus on CPU every worker's slots and base experts (on CUDA those are
+        in GPU memory)."""
+        return replace(self.setup.memory, pool_bytes=pool_bytes).host_bytes
+
+    def _update_pressure(self) -> None:
+        self.metrics.pinned_memory_pressure.set(
+            memory_pressure(self._pinned_bytes(self._pool.nbytes), self.setup.host_memory_limit_bytes)
+        )
 
     def _load_rows(self, layer: int, experts: list[int]) -> torch.Tensor:
         return self._reader.experts(layer, experts, self.setup.torch_dtype)
@@ -872,6 +960,9 @@ class NodeRuntime:
                 self.metrics.degraded_groups.inc(record.degraded_groups)
                 self._degraded_total += record.degraded_groups
             self._last_iter_at = time.perf_counter()
+            self._completed += 1
+            self._decay.plan(iteration, max(plan_ids, default=0))
+            self.metrics.balance_decay.set(self._decay.value)
         self._sync_bytes()
 
     def _sync_bytes(self) -> None:
@@ -894,6 +985,8 @@ class NodeRuntime:
             record = self._records.setdefault(start + i, IterationRecord(start + i))
             record.static_balance = float(static[i].mean())
             record.vexpert_balance = float(measured[i].mean())
+            self._decay.balance(start + i, record.vexpert_balance)
+        self.metrics.balance_decay.set(self._decay.value)
         m = self.metrics
         m.set_layers(m.balance, measured.mean(0).tolist())
         m.set_layers(m.static_balance, static.mean(0).tolist())
@@ -937,6 +1030,7 @@ class NodeRuntime:
                 self._pool = self._pool.refreshed(wanted, self._load_rows, self._allocate_rows)
                 self.metrics.pooled_experts.set(self._pool.pooled)
                 self.metrics.pool_bytes.set(self._pool.nbytes)
+                self._update_pressure()
         start = time.perf_counter()
         if self.options.allocator_delay_s:
             time.sleep(self.options.allocator_delay_s)
@@ -946,18 +1040,18 @@ class NodeRuntime:
             experts_per_gpu=setup.spec.num_experts // setup.world,
             expert_bytes=setup.spec.expert_bytes(setup.torch_dtype),
         )
-        plan = allocate(
-            counts,
-            self._base_gpu,
-            setup.world,
-            AllocatorConfig(group_size=setup.group_size, vmax=setup.vmax, balance_threshold=setup.balance_threshold),
-            setup.profile,
-            consts,
-            pooled=self._pool.pooled_mask(),
-        )
+        config = AllocatorConfig(group_size=setup.group_size, vmax=setup.vmax, balance_threshold=setup.balance_threshold)
+        mask = self._pool.pooled_mask()
+        plan = allocate(counts, self._base_gpu, setup.world, config, setup.profile, consts, pooled=mask)
         elapsed = time.perf_counter() - start
         self._allocator_s.append(elapsed)
         self.metrics.allocator_time.observe(elapsed)
+        if self._pool.pooled < setup.spec.num_experts:  # what the allocator wanted vs what Np allowed
+            unrestricted = allocate(counts, self._base_gpu, setup.world, config, setup.profile, consts)
+            self._hits.add(*pool_hits(unrestricted.slot_expert, mask))
+            self.metrics.pool_hit_ratio.set(self._hits.value)
+        else:
+            self.metrics.pool_hit_ratio.set(1.0)
         self._plan_id += 1
         table = table_from_plan(plan, self._plan_id)
         for control in self._controls:
@@ -1008,6 +1102,12 @@ class NodeRuntime:
         check_memory(memory, self.setup.host_memory_limit_bytes)
         if tuning.allocation_interval != self._k or pooled != self._pooled:
             self._log(f"config reloaded: k {self._k} → {tuning.allocation_interval}, Np {self._pooled} → {pooled}")
+        if tuning.allocation_interval != self._k:  # intervals of the old k say nothing about the new one
+            self._decay.reset()
+            self.metrics.balance_decay.set(self._decay.value)
+        if pooled != self._pooled:  # nor hits of the old pool about the new one
+            self._hits.reset()
+            self.metrics.pool_hit_ratio.set(1.0 if pooled >= self.setup.spec.num_experts else math.nan)
         self._k = tuning.allocation_interval
         self._pooled = pooled
         self.metrics.allocation_interval.set(self._k)
@@ -1046,6 +1146,15 @@ class NodeRuntime:
             tables=dict(self._tables),
             plan_pools=dict(self._plan_pools),
         )
+
+
+def pool_hits(slot_expert: torch.Tensor, pooled: torch.Tensor) -> tuple[int, int]:
+    """(vExperts whose expert is pooled, vExperts) of a plan's ``slot_expert`` [L, N, S] (−1 = unused)
+    under the pool mask ``pooled`` [L, E] bool."""
+    used = slot_expert >= 0
+    layer = torch.arange(slot_expert.shape[0]).view(-1, 1, 1).expand_as(slot_expert)
+    hits = pooled[layer[used], slot_expert[used]]
+    return int(hits.sum()), int(used.sum())
 
 
 def _drain(results: Any, timeout: float) -> list[tuple[Any, ...]]:

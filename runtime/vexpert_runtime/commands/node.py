@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
             verify=args.verify,
             config_path=config_path,
             progress=progress,
-            on_metrics=lambda port: log(f"metrics on :{port}/metrics"),
+            on_metrics=lambda port: log(f"metrics on :{port}/metrics, readiness on :{port}/ready"),
             log=log,
         )
         runtime = NodeRuntime(setup, options)
