@@ -394,7 +394,7 @@ def test_k_respects_bounds_fixed_mode_and_cooldown() -> None:
 
 
 def test_np_shrinks_under_pressure_and_grows_back_on_misses() -> None:
-    shrink = decide_tuning(state(), sample(memory_pressure=0.95))
+    shrink = decide_tuning(state(), sample(memory_pressure=0.995))
     assert shrink.pooled_experts == 80 and shrink.np_changed
     grow = decide_tuning(state(pooled_experts=60), sample(pool_hit_ratio=0.8, memory_pressure=0.5,
                                                           reported_np={60}))
@@ -467,12 +467,14 @@ def test_lengthen_k_stops_where_the_balance_would_decay_too_much() -> None:
 
 def test_shrink_np_fires_past_the_dead_band_only() -> None:
     s0 = state()
-    shrink = decide_tuning(s0, at(s0, memory_pressure=0.901))
-    assert shrink.np_changed and shrink.pooled_experts == 80 and "pressure 90%" in shrink.reason
-    assert not decide_tuning(s0, at(s0, memory_pressure=0.90)).np_changed
-    assert not decide_tuning(s0, at(s0, memory_pressure=0.8, pool_hit_ratio=0.5)).np_changed  # in the band
+    shrink = decide_tuning(s0, at(s0, memory_pressure=0.991))
+    assert shrink.np_changed and shrink.pooled_experts == 80 and "pressure 99%" in shrink.reason
+    assert not decide_tuning(s0, at(s0, memory_pressure=0.99)).np_changed
+    # DeepSeek-V3 at its cap sits at ≈0.97 by design: that is not pressure.
+    assert not decide_tuning(s0, at(s0, memory_pressure=0.974)).np_changed
+    assert not decide_tuning(s0, at(s0, memory_pressure=0.96, pool_hit_ratio=0.5)).np_changed  # in the band
     floor = state(pooled_experts=10)
-    at_min = decide_tuning(floor, at(floor, memory_pressure=0.99))
+    at_min = decide_tuning(floor, at(floor, memory_pressure=0.999))
     assert not at_min.np_changed and "lower bound" in at_min.reason
 
 
@@ -482,10 +484,10 @@ def test_grow_np_fires_past_the_dead_band_only() -> None:
     assert grow.np_changed and grow.pooled_experts == 75 and "hit ratio 94%" in grow.reason
     assert decide_tuning(s0, at(s0, pool_hit_ratio=0.94)).pooled_experts == 75  # no pressure data
     assert not decide_tuning(s0, at(s0, pool_hit_ratio=0.95, memory_pressure=0.5)).np_changed
-    assert not decide_tuning(s0, at(s0, pool_hit_ratio=0.5, memory_pressure=0.75)).np_changed
-    # Not so far that the grown pool would count as pressure: 60 × 0.9 / 0.74 = 72.97.
-    guarded = decide_tuning(s0, at(s0, pool_hit_ratio=0.5, memory_pressure=0.74))
-    assert guarded.pooled_experts == 72 and 0.74 * 72 / 60 <= 0.9
+    assert not decide_tuning(s0, at(s0, pool_hit_ratio=0.5, memory_pressure=0.95)).np_changed
+    # Not so far that the grown pool would count as pressure: 60 × 0.99 / 0.94 = 63.19.
+    guarded = decide_tuning(s0, at(s0, pool_hit_ratio=0.5, memory_pressure=0.94))
+    assert guarded.pooled_experts == 63 and 0.94 * 63 / 60 <= 0.99
 
 
 def _closed_loop(start: TuningState, observe, steps: int = 40) -> list[tuple[int, int]]:
@@ -522,11 +524,12 @@ def test_k_settles_without_flapping(k0: int) -> None:
 
 def test_np_settles_without_flapping() -> None:
     # pressure ∝ Np, the pool always misses: without the grow guard 100 → 80 → 100 → 80 …
-    path = _closed_loop(state(), lambda k, n: {"memory_pressure": 0.92 * n / 100, "pool_hit_ratio": 0.8})
+    path = _closed_loop(state(), lambda k, n: {"memory_pressure": 0.999 * n / 100, "pool_hit_ratio": 0.8})
     nps = [n for _, n in path]
-    assert nps[:5] == [100, 80, 80, 80, 97] and nps[-10:] == [97] * 10  # 2 decisions of cooldown
+    final = nps[-1]
+    assert nps[:4] == [100, 80, 80, 80] and 80 < final < 100 and nps[-10:] == [final] * 10  # 2 decisions of cooldown
     assert sum(1 for a, b in itertools.pairwise(nps) if b < a) == 1  # shrunk once, never again
-    assert 0.92 * 97 / 100 <= 0.9
+    assert 0.999 * final / 100 <= 0.99
 
 
 @settings(max_examples=200, deadline=None)

@@ -22,7 +22,7 @@ from vexpert_operator.tuning import TuningState, aggregate, decide_tuning, parse
 from vexpert_runtime.node import memory_plan
 from vexpert_runtime.workload import demo_model_spec
 
-PRESSURE = 0.95  # the host memory limit is set so that the pinned bytes fill 95% of it
+PRESSURE = 0.994  # the host memory limit is set so that the pinned bytes fill 99.4% of it
 POOLED = 8  # Np < E = 32: the hit ratio is measured
 
 
@@ -32,6 +32,16 @@ def _get(url: str) -> tuple[int, str]:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
+
+
+def test_every_input_the_tuner_reads_is_a_runtime_metric() -> None:
+    """Names must match exactly: each gauge the parser knows (but the optional after-allocation
+    balance, which the runtime replaces by ``vexpert_balance_decay``) is in the node's registry."""
+    from vexpert_operator.tuning import KNOWN_GAUGES
+    from vexpert_runtime.metrics import NodeMetrics
+
+    exported = {family.name for family in NodeMetrics(num_layers=2).registry.collect()}
+    assert set(KNOWN_GAUGES) - exported == {"vexpert_balance_ratio_after_allocation"}
 
 
 def test_tuner_decides_on_a_real_nodes_metrics(tmp_path: Path) -> None:
@@ -104,5 +114,5 @@ def test_tuner_decides_on_a_real_nodes_metrics(tmp_path: Path) -> None:
                         k_min=k_spec.min, k_max=k_spec.max, np_mode="auto", np_min=2, np_cap=POOLED)
     decision = decide_tuning(state, sample)
     assert decision.np_changed and decision.pooled_experts == 6, decision.reason  # 95% > 90%: Np × 0.8
-    assert "pinned memory pressure 95%" in decision.reason
+    assert "pinned memory pressure 99%" in decision.reason
     assert "no balance-decay or allocator-time data" not in decision.reason  # k was judged on real data

@@ -17,8 +17,9 @@ the node runtime (:mod:`vexpert_runtime.metrics`) exports them; names must match
 ``vexpert_degraded``                   1 while the pod runs degraded (e.g. slots not filled in time)
 ``vexpert_pool_hit_ratio``             of the vExperts the allocator wanted without the pool
                                        restriction, the share whose expert is pinned (optional)
-``vexpert_pinned_memory_pressure``     (pinned pool + host slot bytes) / host memory limit, 0 without
-                                       a limit (optional)
+``vexpert_pinned_memory_pressure``     host bytes the runtime's limit check counts (the pinned pool;
+                                       CPU workers add slots and base experts) / its host memory
+                                       limit, 0 without a limit (optional)
 =====================================  ==============================================================
 
 The runtime exports NaN for "no data yet" (no allocation interval of the current k completed, no
@@ -168,8 +169,11 @@ class TuningPolicy:
     share_high: float = 0.05
     share_low: float = 0.02
     k_step: float = 1.5
-    pressure_high: float = 0.90
-    pressure_low: float = 0.75
+    # The operator sizes the pod so that the pinned pool at its cap nearly fills the runtime's
+    # memory limit (pool/(pool + overhead) ≈ 0.97 for DeepSeek-V3), so "pressure" means less than
+    # 1 % headroom left, not a high ratio by design.
+    pressure_high: float = 0.99
+    pressure_low: float = 0.95
     hit_low: float = 0.95
     np_shrink: float = 0.8
     np_grow: float = 1.25

@@ -38,7 +38,9 @@ class ParallelismConfig(BaseModel):
 
     expert_parallel_size: int = Field(8, ge=1, description="EP degree (ranks holding experts)")
     gpus_per_node: int = Field(8, ge=1, description="GPUs (worker ranks) per node pod")
-    node_rank: int = Field(0, ge=0, description="This node's index (pod ordinal); env VEXPERT_NODE_RANK overrides")
+    node_rank: int = Field(
+        0, ge=0, description="This node's index; env VEXPERT_NODE_RANK, else the ordinal ending VEXPERT_POD_NAME, overrides"
+    )
     master_addr: str = Field("127.0.0.1", description="Rendezvous host (rank 0's stable DNS name)")
     master_port: int = Field(29500, ge=1, le=65535)
 

@@ -13,7 +13,9 @@ def register(subparsers: Any) -> None:
         help="run one vExpert node: coordinator + workers (the pod's main process)",
         description=(
             "Run the coordinator and one worker per visible GPU (or --cpu-workers N CPU workers) under a "
-            "RuntimeConfig rendered by the operator. The node serves Prometheus metrics on runtime.metrics_port, "
+            "RuntimeConfig rendered by the operator. The node serves Prometheus metrics (/metrics) and its readiness "
+            "(/ready: 200 once the workers have loaded the model, formed the process group and run an iteration) "
+            "on runtime.metrics_port, takes its rank from VEXPERT_NODE_RANK or else the pod name's ordinal, "
             "re-reads the file's tuning section (k, Np) when it changes, and stops cleanly on SIGTERM. Without a "
             "serving frontend it drives a synthetic decode load (optionally skewed with bundled real loads)."
         ),
