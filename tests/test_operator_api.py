@@ -60,7 +60,7 @@ def deployment(name: str = "dsv3", ep: int = 16, **overrides: Any) -> dict[str, 
         "calibration": {"mode": "auto", "retryBackoffSeconds": 1, "maxRetryBackoffSeconds": 2,
                         "traces": ["traces/decode.npz"]},
         "runtime": {
-            "image": "ghcr.io/vexpert/vexpert:0.1.0",
+            "image": "ghcr.io/vexpert/vexpert-runtime:0.1.0",
             "memoryOverhead": "32Gi",
             "shmSize": "16Gi",
             "nodeSelector": {"vexpert.io/test-node": "true"},
@@ -349,7 +349,7 @@ def test_spec_change_rolls_the_whole_group_and_tuning_changes_do_not(
         assert {p["metadata"]["uid"] for p in node_pods(cluster, "dsv3")} == old_uids
 
         # A new image is a new template: the StatefulSet changes and every rank is replaced together.
-        cluster.patch(kube.DEPLOYMENTS, "dsv3", {"spec": {"runtime": {"image": "ghcr.io/vexpert/vexpert:0.2.0"}}})
+        cluster.patch(kube.DEPLOYMENTS, "dsv3", {"spec": {"runtime": {"image": "ghcr.io/vexpert/vexpert-runtime:0.2.0"}}})
         sts = cluster.wait_for(lambda: (lambda s: s if s["spec"]["template"]["spec"]["containers"][0]["image"]
                                         .endswith("0.2.0") else None)(
             cluster.get(kube.STATEFULSETS, nm.statefulset_name("dsv3"))), what="the new template")

@@ -11,7 +11,7 @@ BASE_SPEC: dict[str, Any] = {
     "model": {"name": "deepseek-ai/DeepSeek-V3", "revision": "r1", "architecture": "deepseek_v3",
               "checkpoint": {"claimName": "weights", "subPath": "DeepSeek-V3"}},
     "parallelism": {"expertParallelSize": 64, "gpusPerNode": 8},
-    "runtime": {"image": "ghcr.io/vexpert/vexpert:0.1.0", "memoryOverhead": "32Gi", "shmSize": "16Gi"},
+    "runtime": {"image": "ghcr.io/vexpert/vexpert-runtime:0.1.0", "memoryOverhead": "32Gi", "shmSize": "16Gi"},
 }
 
 
