@@ -3,8 +3,8 @@
 Given recent per-layer expert counts it decides, for every layer,
 
 1. how many vExperts per GPU ``V_i`` to stream (group-wise budget over ``G`` consecutive layers,
-   layers already balanced above ``τ`` get none, Eq. 5 solved exactly over the group's small
-   combination space with the performance model),
+   layers already balanced above ``τ`` get none, Eq. 5 solved exactly per group by dynamic
+   programming with the performance model),
 2. which experts get how many extra replicas (greedy on load per replica, so the hottest expert
    may get several),
 3. on which GPU each replica lives (largest replica first onto the least-loaded GPU that has a free
@@ -13,8 +13,10 @@ Given recent per-layer expert counts it decides, for every layer,
    hold copies end up level).
 
 Everything is batched over layers with tensor ops; the same code runs on CPU and CUDA. The loops
-that remain are over the small slot index (≤ G·Vmax) and a fixed number of refinement sweeps,
-never over layers, experts or GPUs.
+that remain are over the group's layers (G), the slot rounds (≤ G·Vmax), conflict-repair passes
+and refinement sweeps — never over layers, experts or GPUs. ``static=True`` fixes every shape by
+the configuration so that :class:`GraphedAllocator` can capture the whole allocation in one CUDA
+graph (0.5–0.65 ms on an H200 for DeepSeek-V3 at EP64).
 """
 
 from __future__ import annotations
