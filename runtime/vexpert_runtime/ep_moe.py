@@ -167,7 +167,7 @@ def choose_replicas(
     The j-th of this rank's n_e pairs for expert e draws u = frac((j + ½)/n_e + rank/N) and takes the
     copy whose cumulative-share interval holds u: stratified within a rank, rotated across ranks.
 
-    Args: ids [B, K] int64; gpu, local [E, R] int64; cum_share [E, R] float64.
+    Args: ids [B, K] int64; gpu, local [E, R] int64; cum_share [E, R] float64 (all on one device).
     Returns dest_gpu [B, K], dest_local [B, K] int64.
     """
     flat = ids.reshape(-1)
@@ -178,7 +178,7 @@ def choose_replicas(
     order = torch.argsort(flat, stable=True)
     start = count.cumsum(0) - count
     position = torch.empty_like(flat)
-    position[order] = torch.arange(flat.numel()) - start[flat[order]]
+    position[order] = torch.arange(flat.numel(), device=flat.device) - start[flat[order]]
     u = torch.frac((position.to(torch.float64) + 0.5) / count[flat].to(torch.float64) + rank / world)
     copy = (cum_share[flat] <= u.unsqueeze(1)).sum(1)
     return gpu[flat, copy].view_as(ids), local[flat, copy].view_as(ids)
@@ -223,16 +223,19 @@ def ep_moe_layer(
         local_weight: j ↦ packed weights [3·I·H] of local expert j (base 0..E/N−1, slot E/N + s).
         expert_fn: (rows [T, H], packed weights) ↦ [T, H].
         shared_out: [B, H] shared-expert output or None.
-        after_compute: called once the expert compute no longer reads any weights (before the
-            combine); the worker releases its slot buffer there.
-    Returns (y [B, H], stats).
+        after_compute: called once the expert compute is enqueued (before the combine); the worker
+            releases its slot buffer there (on a GPU after synchronizing its stream, see
+            :meth:`WorkerSlots.release`).
+    Every tensor lives on ``x.device`` (CPU with gloo, CUDA with NCCL); the table is moved there.
+    Returns (y [B, H], stats) with ``stats.computed`` on the host.
     """
     batch, top_k = ids.shape
     hidden = x.shape[1]
     num_local = table.experts_per_gpu + table.slots
-    gpu = torch.from_numpy(table.gpu[layer])
-    local = torch.from_numpy(table.local[layer])
-    cum = torch.from_numpy(table.cum_share[layer])
+    device = x.device
+    gpu = torch.from_numpy(table.gpu[layer]).to(device)
+    local = torch.from_numpy(table.local[layer]).to(device)
+    cum = torch.from_numpy(table.cum_share[layer]).to(device)
     dest_gpu, dest_local = choose_replicas(ids, gpu, local, cum, rank, world)
     key = (dest_gpu * num_local + dest_local).reshape(-1)
     order = torch.argsort(key, stable=True)  # pairs grouped by destination rank, then local expert
@@ -243,7 +246,7 @@ def ep_moe_layer(
     rows = _exchange(x[order // top_k], send_splits, recv_splits, group)
 
     # Compute: received rows come ordered by (source rank, local expert); group them by local expert.
-    local_of_row = torch.repeat_interleave(torch.arange(num_local).repeat(world), recv_matrix.reshape(-1))
+    local_of_row = torch.repeat_interleave(torch.arange(num_local, device=device).repeat(world), recv_matrix.reshape(-1))
     by_expert = torch.argsort(local_of_row, stable=True)
     computed = torch.bincount(local_of_row, minlength=num_local)
     results = rows.new_empty(rows.shape[0], hidden)
@@ -257,7 +260,7 @@ def ep_moe_layer(
         after_compute()
 
     back = _exchange(results, recv_splits, send_splits, group)
-    outputs = torch.empty(batch * top_k, hidden, dtype=back.dtype)
+    outputs = torch.empty(batch * top_k, hidden, dtype=back.dtype, device=device)
     outputs[order] = back
     y = combine(topk_weights, outputs.view(batch, top_k, hidden), shared_out)
-    return y, LayerStats(computed=computed, sent=int(key.numel()))
+    return y, LayerStats(computed=computed.cpu(), sent=int(key.numel()))

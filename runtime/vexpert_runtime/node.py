@@ -6,12 +6,16 @@
   re-reads the config file's ``tuning`` section when it changes, verifies outputs against the
   single-process reference on request, and shuts everything down cleanly.
 * Each **worker** is one EP rank: it holds its base experts, routes its tokens, and runs the EP MoE
-  forward (:mod:`~vexpert_runtime.ep_moe`) with the other workers over torch.distributed (gloo on
-  CPU), computing with the slots the coordinator filled.
+  forward (:mod:`~vexpert_runtime.ep_moe`) with the other workers over torch.distributed, computing
+  with the slots the coordinator filled. On CPU everything goes over gloo; on GPUs (one worker per
+  GPU, ``cuda:<local rank>``) the rows and counts are all-to-all'd over NCCL on device tensors and the
+  tiny control collectives (plan agreement, count windows) over gloo, through one process group with
+  the ``cpu:gloo,cuda:nccl`` backend. The code path is the same; only the device differs.
 
 Workers die with the coordinator (``PR_SET_PDEATHSIG``) and are terminated on any error, so no
-process outlives a node; slots are torch shared-memory tensors whose /dev/shm files are unlinked at
-creation, so none can leak.
+process outlives a node; CPU slots are torch shared-memory tensors whose /dev/shm files are unlinked
+at creation, so none can leak. GPU slots live in each worker's HBM and are mapped by the coordinator
+through CUDA IPC; at shutdown the coordinator drops its mappings before telling the workers to exit.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -136,20 +140,24 @@ def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: in
     """Validate ``config`` against the machine and the checkpoint; raise :class:`VExpertInputError`
     (one clear line, exit 2) on the first problem. Nothing is started here."""
     device = "cpu" if cpu_workers else config.runtime.device
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise VExpertInputError(
-                "runtime.device",
-                "cuda was requested but no CUDA device is visible",
-                "set runtime.device: cpu and runtime.cpu_workers: N, or pass --cpu-workers N",
-            )
+    if device == "cuda" and not torch.cuda.is_available():
         raise VExpertInputError(
             "runtime.device",
-            "the CUDA worker path is not built yet (the CPU twin runs the same protocol)",
-            "run with --cpu-workers N until the GPU fast path lands",
+            "cuda was requested but no CUDA device is visible",
+            "set runtime.device: cpu and runtime.cpu_workers: N, or pass --cpu-workers N",
         )
     par = config.parallelism
-    local = cpu_workers or config.runtime.cpu_workers or par.gpus_per_node
+    if device == "cuda":
+        visible = torch.cuda.device_count()
+        if par.gpus_per_node > visible:
+            raise VExpertInputError(
+                "parallelism.gpus_per_node",
+                f"{par.gpus_per_node} GPUs per node configured but {visible} visible",
+                "set gpus_per_node (and expert_parallel_size) to the GPUs this node sees",
+            )
+        local = par.gpus_per_node  # one worker per GPU: local rank i uses cuda:i
+    else:
+        local = cpu_workers or config.runtime.cpu_workers or par.gpus_per_node
     node_rank = resolve_node_rank(par.node_rank, par.num_nodes)
     world = par.num_nodes * local
     spec = read_model_spec(checkpoint, config.model.architecture)
@@ -392,6 +400,7 @@ class NodeReport:
     windows: list[tuple[int, int]] = field(default_factory=list)  # (first iteration, length) per all-reduce
     tables: dict[int, RoutingTable] = field(default_factory=dict)  # plan id → routing table
     plan_pools: dict[int, list[list[int]]] = field(default_factory=dict)  # plan id → pooled experts [L][Np]
+    copy_s: float = 0.0  # time the fill loop's copies were in flight (bytes_streamed / copy_s: fill bandwidth)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,6 +432,17 @@ class WorkerArgs:
     parent_pid: int
     verify: bool
     record: bool
+
+
+BYE = "bye"  # coordinator → GPU worker: its IPC mappings are gone, the worker may exit
+
+
+def _on_device(weights: Any, device: torch.device) -> Any:
+    """A copy of a weights dataclass (router, shared expert) with every tensor on ``device``."""
+    if weights is None or device.type == "cpu":
+        return weights
+    moved = {f.name: getattr(weights, f.name) for f in fields(weights)}
+    return replace(weights, **{k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)})
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -468,6 +488,7 @@ class _Worker:
             0: static_table(spec.num_layers, spec.num_experts, args.world, args.slots)
         }
         self.digests: dict[int, int] = {}
+        self.device = torch.device("cuda", args.local_rank) if args.device == "cuda" else torch.device("cpu")
 
     def _digest(self, table: RoutingTable) -> int:
         if table.plan_id not in self.digests:
@@ -478,7 +499,8 @@ class _Worker:
         """The routing table of ``plan_id`` (the coordinator queues it before announcing it)."""
         while plan_id not in self.tables:
             msg = self.args.control.get(timeout=COLLECTIVE_TIMEOUT_S)
-            self.tables[msg.plan_id] = msg
+            if isinstance(msg, RoutingTable):
+                self.tables[msg.plan_id] = msg
         for old in [p for p in self.tables if 0 < p < plan_id - 4]:
             del self.tables[old]
             self.digests.pop(old, None)
@@ -488,17 +510,20 @@ class _Worker:
         import torch.distributed as dist
 
         args, spec = self.args, self.spec
+        device = self.device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         transport = make_transport(args.device, args.local_rank)
         buffers = transport.allocate_slots(args.slots, spec.expert_numel, self.dtype)
         args.results.put(("slots", args.local_rank, transport.export(buffers)))
         reader = CheckpointReader(args.checkpoint, spec)
         layers = range(spec.num_layers)
-        self.routers = [reader.router(i) for i in layers]
-        self.shared = [reader.shared(i, self.dtype) for i in layers]
+        self.routers = [_on_device(reader.router(i), device) for i in layers]
+        self.shared = [_on_device(reader.shared(i, self.dtype), device) for i in layers]
         mine = base_experts(spec.num_experts, args.world, args.rank)
-        self.base = [reader.experts(i, mine, self.dtype) for i in layers]
+        self.base = [reader.experts(i, mine, self.dtype).to(device) for i in layers]
         dist.init_process_group(
-            "gloo",
+            "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl",
             init_method=f"tcp://{args.master_addr}:{args.master_port}",
             rank=args.rank,
             world_size=args.world,
@@ -509,6 +534,18 @@ class _Worker:
         args.results.put(("ready", args.rank))
         self._loop()
         args.results.put(("done", args.rank))
+        if device.type == "cuda":
+            self._await_bye()
+
+    def _await_bye(self) -> None:
+        """Keep the IPC-exported slots alive until the coordinator has dropped its mappings."""
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            try:
+                if self.args.control.get(timeout=max(0.0, deadline - time.monotonic())) == BYE:
+                    return
+            except queue.Empty:
+                return
 
     def _loop(self) -> None:
         args, spec = self.args, self.spec
@@ -519,8 +556,10 @@ class _Worker:
         iteration = 0
         while True:
             start = time.perf_counter()
-            h = args.workload.inputs(iteration, args.rank, spec.hidden_size, self.dtype)
+            h = args.workload.inputs(iteration, args.rank, spec.hidden_size, self.dtype).to(self.device)
             bias = args.workload.logit_bias(iteration)
+            if bias is not None:
+                bias = bias.to(self.device)
             counts = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.int64)
             computed = torch.zeros(spec.num_layers, num_local, dtype=torch.int64)
             waited = 0.0
@@ -558,6 +597,8 @@ class _Worker:
                 if window:
                     self._flush(window, window_start)
                 return
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             step = time.perf_counter() - start
             loads = torch.zeros(spec.num_layers, args.world, dtype=torch.int64)
             loads[:, args.rank] = computed.sum(1)
@@ -571,7 +612,7 @@ class _Worker:
                     waited,
                     degraded,
                     plan_ids,
-                    h.to(torch.float32).numpy() if args.verify else None,
+                    h.to(torch.float32).cpu().numpy() if args.verify else None,
                     computed.tolist() if args.record else None,
                     checksums if args.record else None,
                 )
@@ -595,7 +636,7 @@ class _Worker:
         args, spec = self.args, self.spec
         normed = rms_norm(h)
         ids, weights = route(normed, self.routers[layer], spec, None if bias is None else bias[layer])
-        counts[layer] = torch.bincount(ids.reshape(-1), minlength=spec.num_experts)
+        counts[layer] = torch.bincount(ids.reshape(-1), minlength=spec.num_experts).cpu()
         base, per_gpu, slots = self.base[layer], self.per_gpu, self.slots
 
         def local_weight(j: int) -> torch.Tensor:
@@ -773,12 +814,29 @@ class NodeRuntime:
             self.abort.set()
             if loop is not None:
                 loop.join(timeout=5)
+            if setup.device == "cuda":
+                self._release_ipc(queues[1:])
             _stop_processes(procs)
             for q in queues:
                 q.cancel_join_thread()
                 q.close()
             self.metrics.close()
             torch.set_num_threads(threads)
+
+    def _release_ipc(self, controls: list[Any]) -> None:
+        """Drop the coordinator's CUDA IPC mappings of the workers' slots, then let the workers exit
+        (a producer must outlive the consumers of what it exported)."""
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize()
+        getattr(self, "_buffers", {}).clear()
+        if self._filler is not None:
+            self._filler.buffers = []
+        import gc
+
+        gc.collect()
+        for control in controls:
+            with contextlib.suppress(Exception):
+                control.put(BYE)
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -1145,6 +1203,7 @@ class NodeRuntime:
             windows=list(self._windows),
             tables=dict(self._tables),
             plan_pools=dict(self._plan_pools),
+            copy_s=stats.copy_s if stats else 0.0,
         )
 
 

@@ -11,9 +11,11 @@ plus a tag per slot, ``(layer, expert)`` it holds. Sequence ``q`` (group j of it
 ``q mod 2``. The rules:
 
 * the coordinator writes buffer b for q only after ``RELEASED[b] ≥ q − 2`` (never overwrites a slot
-  still in use), writes the header, copies the slots whose tag differs, then sets ``FILLED[b] = q``;
+  still in use), writes the header, copies the slots whose tag differs, waits until the copies have
+  landed (on a GPU: synchronizes its copy stream), then sets ``FILLED[b] = q``;
 * a worker starts group q only after ``FILLED[b] ≥ q`` (never reads stale slots) and checks the tags
-  against its plan; after the group's last expert compute it sets ``RELEASED[b] = q``;
+  against its plan; after the group's last expert compute has completed (on a GPU: its stream is
+  synchronized) it sets ``RELEASED[b] = q``;
 * waits use one ``multiprocessing.Condition`` per worker (its lock is also the memory fence); a
   worker waiting longer than ``slot_fill_timeout_s`` runs the group on the static placement
   (degraded) instead of hanging;
@@ -125,7 +127,13 @@ class WorkerSlots:
         return 0 <= stop_at <= iteration
 
     def release(self, seq: int) -> None:
-        """This worker no longer reads sequence ``seq``'s buffer."""
+        """This worker no longer reads sequence ``seq``'s buffer.
+
+        On a GPU the compute that reads the slots was only enqueued: the worker's stream is
+        synchronized first, so the coordinator cannot overwrite a slot a GEMM still reads.
+        """
+        if self.buffers.is_cuda:
+            torch.cuda.current_stream(self.buffers.device).synchronize()
         b = buffer_of(seq)
         with self._cond:
             if int(self._state[b, RELEASED]) < seq:
@@ -222,6 +230,7 @@ class FillStats:
     copies: int = 0
     fills: int = 0
     release_wait_s: float = 0.0
+    copy_s: float = 0.0  # from a fill's first copy enqueued until all its copies landed
     last_seq: int = -1
     plan_switches: list[tuple[int, int]] = field(default_factory=list)  # (iteration, plan id)
 
@@ -263,11 +272,18 @@ class SlotFiller:
         return True
 
     def fill(self, seq: int, assignment: Assignment, k: int, stop: bool) -> bool:
-        """Fill sequence ``seq`` for every worker; False if aborted."""
+        """Fill sequence ``seq`` for every worker; False if aborted.
+
+        First every worker's header is written and its copies are enqueued (on GPUs they run
+        concurrently, one copy stream per GPU), then per worker the copies are waited for
+        (:meth:`SlotTransport.flush`) before ``FILLED`` is bumped: a worker never sees "filled" while
+        a copy into its buffer is still in flight.
+        """
         b = buffer_of(seq)
         layers = self.groups[seq % self.num_groups]
         table, pool = assignment.table, assignment.pool
         elem = self.buffers[0].element_size() * self.buffers[0].shape[-1] if self.buffers else 0
+        first_copy: float | None = None
         for worker, rank in enumerate(self.ranks):
             if not self._wait_released(worker, seq):
                 return False
@@ -276,19 +292,26 @@ class SlotFiller:
                 row[HDR_SEQ], row[PLAN_ID], row[K_VALUE], row[STOP] = seq, table.plan_id, k, int(stop)
                 behind = int(row[RELEASED]) >= seq  # the worker gave up waiting and moved on
             tags = self.shared.tags[worker, b]
-            if not stop and not behind:
-                for layer in layers:
-                    for slot, expert in enumerate(table.slot_expert[layer, rank].tolist()):
-                        if expert < 0 or tags[slot].tolist() == [layer, expert]:
-                            continue
-                        self.transport.copy(self.buffers[worker][b, slot], pool.row(layer, expert))
-                        tags[slot, LAYER], tags[slot, EXPERT] = layer, expert
-                        self.stats.bytes_streamed += elem
-                        self.stats.copies += 1
-                self.transport.flush(worker)
+            if stop or behind:
+                continue
+            for layer in layers:
+                for slot, expert in enumerate(table.slot_expert[layer, rank].tolist()):
+                    if expert < 0 or tags[slot].tolist() == [layer, expert]:
+                        continue
+                    if first_copy is None:
+                        first_copy = time.perf_counter()
+                    self.transport.copy(self.buffers[worker][b, slot], pool.row(layer, expert))
+                    tags[slot, LAYER], tags[slot, EXPERT] = layer, expert
+                    self.stats.bytes_streamed += elem
+                    self.stats.copies += 1
+        for worker in range(len(self.ranks)):
+            self.transport.flush(self.buffers[worker])
+            cond, row = self.shared.conds[worker], self.shared.state[worker, b]
             with cond:
                 row[FILLED] = seq
                 cond.notify_all()
+        if first_copy is not None:
+            self.stats.copy_s += time.perf_counter() - first_copy
         self.stats.fills += 1
         self.stats.last_seq = seq
         return True

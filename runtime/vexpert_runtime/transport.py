@@ -8,13 +8,15 @@ one small class:
   queue;
 * coordinator side: :meth:`SlotTransport.open` maps a worker's buffer, :meth:`SlotTransport.host_buffer`
   allocates L2 pool memory, :meth:`SlotTransport.copy` enqueues one expert copy and
-  :meth:`SlotTransport.flush` makes every enqueued copy to one worker visible before the ready signal.
+  :meth:`SlotTransport.flush` makes every enqueued copy into one worker's buffer complete before the
+  ready signal.
 
 :class:`CpuSharedMemoryTransport` is the CPU twin: slots are shared-memory tensors (torch's
 ``file_descriptor`` strategy: the /dev/shm file is unlinked at creation, so nothing can leak), a copy
 is ``copy_`` and the ready signal's lock provides the memory fence. :class:`CudaIpcTransport` is the
-GPU path's shape: slots in the worker's HBM shared through CUDA IPC, pinned host pool, copies on one
-stream per GPU.
+GPU path: slots in the worker's HBM shared through CUDA IPC, pinned host pool, asynchronous copies on
+one copy stream per GPU, and :meth:`~CudaIpcTransport.flush` synchronizes that stream, so the
+coordinator never signals "filled" before the copies landed.
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ class SlotTransport(ABC):
         """Coordinator: enqueue dst ← src for one expert row."""
 
     @abstractmethod
-    def flush(self, worker: int) -> None:
-        """Coordinator: block until every copy enqueued for ``worker`` has landed."""
+    def flush(self, dst: torch.Tensor) -> None:
+        """Coordinator: block until every copy enqueued into ``dst`` (a worker's buffer) has landed."""
 
 
 class CpuSharedMemoryTransport(SlotTransport):
@@ -74,7 +76,7 @@ class CpuSharedMemoryTransport(SlotTransport):
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
-    def flush(self, worker: int) -> None:
+    def flush(self, dst: torch.Tensor) -> None:
         return None
 
 
@@ -96,7 +98,11 @@ class CudaIpcTransport(SlotTransport):
         self._streams: dict[int, torch.cuda.Stream] = {}
 
     def allocate_slots(self, slots: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(BUFFERS, slots, numel, dtype=dtype, device=self.device)
+        buffers = torch.zeros(BUFFERS, slots, numel, dtype=dtype, device=self.device)
+        # The zero fill runs on this process's stream; the coordinator's copies (another process,
+        # another stream) must not race it.
+        torch.cuda.synchronize(self.device)
+        return buffers
 
     def host_buffer(self, rows: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(rows, numel, dtype=dtype, pin_memory=True)
@@ -111,8 +117,9 @@ class CudaIpcTransport(SlotTransport):
         with torch.cuda.stream(self._stream(dst.device)):
             dst.copy_(src, non_blocking=True)
 
-    def flush(self, worker: int) -> None:
-        for stream in self._streams.values():
+    def flush(self, dst: torch.Tensor) -> None:
+        stream = self._streams.get(dst.device.index or 0)
+        if stream is not None:
             stream.synchronize()
 
 

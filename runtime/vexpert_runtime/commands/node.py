@@ -118,8 +118,15 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as exc:  # a worker or the fill loop failed: everything is already stopped
             print(f"error: node failed: {exc}", file=sys.stderr)
             return 1
+    waits = [r.wait_s for r in report.records if r.reports]
+    mean_wait_ms = 1e3 * sum(waits) / len(waits) if waits else 0.0
+    rate_gbs = report.bytes_streamed / report.copy_s / 1e9 if report.copy_s > 0 else 0.0
     log(
         f"stopped after {report.iterations} iterations: balance static {report.static_balance:.3f} → "
-        f"{report.vexpert_balance:.3f}, {report.tokens_per_s:.0f} tokens/s"
+        f"{report.vexpert_balance:.3f}, {report.tokens_per_s:.0f} tokens/s, slot-fill wait mean "
+        f"{mean_wait_ms:.3f} ms max {1e3 * max(waits, default=0.0):.3f} ms per iteration, "
+        f"{report.bytes_streamed} B streamed ({rate_gbs:.2f} GB/s while copying), "
+        f"{len(report.plan_switches)} plan switches, "
+        f"degraded groups {report.degraded_groups}"
     )
     return 0
