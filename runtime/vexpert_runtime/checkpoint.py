@@ -327,7 +327,12 @@ class CheckpointReader:
         from safetensors import safe_open
 
         if file not in self._handles:
-            self._handles[file] = safe_open(str(file), framework="pt")
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt")
+            except Exception as exc:  # truncated, empty or corrupt header: one clear line, not a traceback
+                raise VExpertInputError(
+                    "model.checkpoint_path", f"{file.name} is not a safetensors file: {exc}", "re-download or re-convert the shard"
+                ) from None
         return self._handles[file]
 
     def _keys(self, file: Path) -> set[str]:

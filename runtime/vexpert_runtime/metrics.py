@@ -11,7 +11,8 @@ the same tokens), ``vexperts{layer}``, ``bytes_streamed_total``, ``slot_fill_wai
 ``slot_bytes_per_worker``, ``pool_bytes``,
 ``allocation_interval`` (k), ``degraded`` (1 while groups run without their vExperts),
 ``plan_id``, ``iterations_total``, ``degraded_groups_total``, ``config_reloads_total``,
-``config_reload_errors_total``, and the operator's tuning inputs:
+``config_reload_errors_total``, ``slot_fill_errors_total``, ``fill_loop_restarts_total``, and the
+operator's tuning inputs:
 
 ``balance_decay``
     How much balance an allocation loses before the next one: for each *allocation interval* (the
@@ -82,6 +83,12 @@ class NodeMetrics:
         self.degraded_groups = Counter("vexpert_degraded_groups_total", "Groups run on the static placement", registry=reg)
         self.reloads = Counter("vexpert_config_reloads_total", "Config file reloads applied", registry=reg)
         self.reload_errors = Counter("vexpert_config_reload_errors_total", "Config file reloads rejected", registry=reg)
+        self.slot_fill_errors = Counter(
+            "vexpert_slot_fill_errors_total", "Slot fills that failed (the group ran on the static placement)", registry=reg
+        )
+        self.fill_loop_restarts = Counter(
+            "vexpert_fill_loop_restarts_total", "Times the coordinator's slot fill loop died and was restarted", registry=reg
+        )
         self.balance_decay = Gauge(
             "vexpert_balance_decay",
             "Mean relative drop of the balance ratio from the first to the last iteration of an allocation interval",

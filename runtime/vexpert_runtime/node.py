@@ -12,8 +12,10 @@
   tiny control collectives (plan agreement, count windows) over gloo, through one process group with
   the ``cpu:gloo,cuda:nccl`` backend. The code path is the same; only the device differs.
 
-Workers die with the coordinator (``PR_SET_PDEATHSIG``) and are terminated on any error, so no
-process outlives a node; CPU slots are torch shared-memory tensors whose /dev/shm files are unlinked
+If the coordinator's fill loop dies, the workers keep serving on their base experts (their slot
+waits time out: ``vexpert_degraded`` 1) and the loop is restarted with backoff at the iteration the
+workers reached. Workers die with the coordinator process (``PR_SET_PDEATHSIG``) and are terminated
+on any worker error (the node exits 1 naming the worker that died), so no process outlives a node; CPU slots are torch shared-memory tensors whose /dev/shm files are unlinked
 at creation, so none can leak. GPU slots live in each worker's HBM and are mapped by the coordinator
 through CUDA IPC; at shutdown the coordinator drops its mappings before telling the workers to exit.
 """
@@ -352,6 +354,11 @@ class NodeOptions:
     allocate: bool = True  # run the allocator every k iterations
     scripted_plans: dict[int, Any] = field(default_factory=dict)  # iteration → Plan (tests)
     fill_delays: dict[int, float] = field(default_factory=dict)  # sequence → seconds (tests)
+    fill_failures: dict[int, int] = field(default_factory=dict)  # sequence → copy that fails half way (tests)
+    kill_fill_loop_at: int | None = None  # sequence at which the first fill loop dies (tests)
+    keep_history: int = 10_000  # iterations (and windows, plans/10) the report keeps unless ``record``: a node
+    # that runs until SIGTERM must not grow without bound
+    fill_restart_delay_s: float = 1.0  # first wait before restarting a dead fill loop (doubles, ≤ 30 s)
     allocator_delay_s: float = 0.0  # extra allocator latency (tests)
     record: bool = False  # keep per-rank details in the records (tests)
     metrics_addr: str | None = None
@@ -730,6 +737,9 @@ class NodeRuntime:
         self._pool_loaded = False
         self._decay = BalanceDecay()
         self._hits = PoolHits()
+        self._fill_restart_at: float | None = None  # when to restart a dead fill loop
+        self._fill_restarts = 0
+        self._allocations = 0
 
     # -- public -----------------------------------------------------------------------------
 
@@ -926,10 +936,10 @@ class NodeRuntime:
         self._buffers: dict[int, torch.Tensor] = {}
         self._ready = self._done = 0
         self._loop: FillLoop | None = None
+        self._procs = procs
         last_progress = time.monotonic()
         while self._done < setup.local_workers:
-            if self._loop is not None and self._loop.error is not None:
-                raise RuntimeError(f"slot fill loop failed: {self._loop.error!r}") from self._loop.error
+            self._watch_fill_loop()
             batch = _drain(results, timeout=0.01 if self._pending_verify else 0.2)
             if not batch:
                 if self._pending_verify:
@@ -968,8 +978,8 @@ class NodeRuntime:
                     setup.group_size,
                     self.abort,
                 )
-                self._loop = FillLoop(self._filler, self._take_plan, self._control, self.options.fill_delays)
-                self._loop.start()
+                self._filler.fail_at_copy = dict(self.options.fill_failures)
+                self._start_fill_loop(0, kill_at=self.options.kill_fill_loop_at)
         elif kind == "ready":
             self._ready += 1
             if self._ready == setup.local_workers:
@@ -982,7 +992,40 @@ class NodeRuntime:
         elif kind == "input_error":
             raise VExpertInputError(msg[2], f"worker {msg[1]}: {msg[3]}", msg[4])
         elif kind == "error":
+            dead = _first_dead(self._procs)
+            if dead is not None:
+                last = msg[2].strip().splitlines()[-1] if msg[2].strip() else ""
+                raise RuntimeError(f"{dead}; worker {msg[1]} then failed: {last}")
             raise RuntimeError(f"worker {msg[1]} failed:\n{msg[2]}")
+
+    def _start_fill_loop(self, iteration: int, kill_at: int | None = None) -> None:
+        assert self._filler is not None
+        self._loop = FillLoop(
+            self._filler, self._take_plan, self._control, self.options.fill_delays, iteration, kill_at, self._on_fill_failure
+        )
+        self._loop.start()
+
+    def _on_fill_failure(self, seq: int, exc: BaseException) -> None:
+        """Fill thread: one sequence's fill failed; its group runs on the static placement."""
+        self.metrics.slot_fill_errors.inc()
+        self._log(f"slot fill of sequence {seq} failed, the group runs without its vExperts: {exc}")
+
+    def _watch_fill_loop(self) -> None:
+        """If the fill loop died, the workers keep serving on their base experts (their slot waits
+        time out: degraded); it is restarted with backoff at the iteration the workers have reached."""
+        loop = self._loop
+        now = time.monotonic()
+        if loop is not None and loop.error is not None and self._fill_restart_at is None:
+            delay = min(30.0, self.options.fill_restart_delay_s * 2 ** min(self._fill_restarts, 5))
+            self._log(f"slot fill loop died ({loop.error!r}): serving with base experts only, restarting in {delay:.1f} s")
+            self._fill_restart_at = now + delay
+            self.metrics.degraded.set(1)
+        if self._fill_restart_at is not None and now >= self._fill_restart_at and not self.abort.is_set():
+            self._fill_restart_at = None
+            self._fill_restarts += 1
+            self.metrics.fill_loop_restarts.inc()
+            self._log(f"slot fill loop restarted at iteration {self._completed}")
+            self._start_fill_loop(self._completed)
 
     def _verify(self, job: tuple[int, int, np.ndarray]) -> None:
         """Compare one rank's output of one iteration with the single-process reference."""
@@ -1049,7 +1092,7 @@ class NodeRuntime:
         m.set_layers(m.balance, measured.mean(0).tolist())
         m.set_layers(m.static_balance, static.mean(0).tolist())
         recent = [self._records[i] for i in range(start, start + window.shape[0]) if i in self._records]
-        m.degraded.set(1 if any(r.degraded_groups for r in recent) else 0)
+        m.degraded.set(1 if any(r.degraded_groups for r in recent) or self._fill_restart_at is not None else 0)
         now = time.perf_counter()
         elapsed = now - (self._window_clock or now)
         self._window_clock = now
@@ -1059,6 +1102,7 @@ class NodeRuntime:
         if allocate and self.options.allocate and not self._scripted:
             self._allocate(counts.sum(0))
         self._sync_bytes()
+        self._prune()
         if self.options.progress is not None:
             errors = [r.rel_error for r in recent if r.rel_error is not None]
             last = start + window.shape[0]
@@ -1103,6 +1147,7 @@ class NodeRuntime:
         plan = allocate(counts, self._base_gpu, setup.world, config, setup.profile, consts, pooled=mask)
         elapsed = time.perf_counter() - start
         self._allocator_s.append(elapsed)
+        self._allocations += 1
         self.metrics.allocator_time.observe(elapsed)
         if self._pool.pooled < setup.spec.num_experts:  # what the allocator wanted vs what Np allowed
             unrestricted = allocate(counts, self._base_gpu, setup.world, config, setup.profile, consts)
@@ -1119,6 +1164,21 @@ class NodeRuntime:
         self._remember(table)
         self._vexperts = plan.vexperts.tolist()
         self.metrics.set_layers(self.metrics.vexperts, [float(v) for v in self._vexperts])
+
+    def _prune(self) -> None:
+        """Keep the last ``keep_history`` iterations' records (and windows, allocator times, plan
+        switches; a tenth as many plans' tables) unless every detail was asked for (``record``)."""
+        keep = self.options.keep_history
+        if self.options.record or len(self._records) <= keep + keep // 10:
+            return
+        for iteration in sorted(self._records)[: len(self._records) - keep]:
+            del self._records[iteration]
+        for history in (self._windows, self._allocator_s, self._switches):
+            del history[: max(0, len(history) - keep)]
+        plans = max(16, keep // 10)
+        for plan_id in sorted(self._tables)[: max(0, len(self._tables) - plans)]:
+            self._tables.pop(plan_id, None)
+            self._plan_pools.pop(plan_id, None)
 
     def _remember(self, table: RoutingTable) -> None:
         self._tables[table.plan_id] = table
@@ -1143,9 +1203,11 @@ class NodeRuntime:
             return
         self._config_mtime = mtime
         try:
+            if not path.read_bytes().strip():  # a half-written file must not reset tuning to the defaults
+                raise VExpertInputError("--config", f"{path} is empty")
             tuning = load_runtime_config(path).tuning
             self._apply_tuning(tuning)
-        except VExpertInputError as exc:
+        except Exception as exc:  # a bad file (invalid values, not YAML, not UTF-8, unreadable) never stops the node
             self.metrics.reload_errors.inc()
             self._log(f"config reload rejected, keeping k={self._k} Np={self._pooled}: {exc}")
             return
@@ -1177,7 +1239,7 @@ class NodeRuntime:
         records = [self._records[i] for i in sorted(self._records)]
         static = [r.static_balance for r in records if r.static_balance is not None]
         measured = [r.vexpert_balance for r in records if r.vexpert_balance is not None]
-        iterations = sum(1 for r in records if r.reports == self.setup.local_workers)
+        iterations = self._completed
         elapsed = (self._last_iter_at or 0.0) - (self._started_at or 0.0)
         tokens = iterations * self.setup.world * self.options.workload.tokens_per_worker
         stats = self._filler.stats if self._filler else None
@@ -1192,7 +1254,7 @@ class NodeRuntime:
             pool_bytes=self._pool.nbytes,
             bytes_streamed=stats.bytes_streamed if stats else 0,
             plan_switches=list(self._switches),
-            allocations=len(self._allocator_s),
+            allocations=self._allocations,
             allocator_s=list(self._allocator_s),
             degraded_groups=self._degraded_total,
             metrics_port=self._metrics_port,
@@ -1232,7 +1294,28 @@ def _drain(results: Any, timeout: float) -> list[tuple[Any, ...]]:
 def _check_alive(procs: list[Any]) -> None:
     for proc in procs:
         if proc.exitcode not in (None, 0):
-            raise RuntimeError(f"{proc.name} exited with code {proc.exitcode}")
+            raise RuntimeError(_exit_line(proc))
+
+
+def _exit_line(proc: Any) -> str:
+    line = f"{proc.name} exited with code {proc.exitcode}"
+    if proc.exitcode < 0:
+        with contextlib.suppress(ValueError):
+            line += f" (killed by {signal.Signals(-proc.exitcode).name})"
+    return line
+
+
+def _first_dead(procs: list[Any], wait_s: float = 1.0) -> str | None:
+    """The exit line of a worker that died, waiting briefly: when one worker is killed the others
+    fail in their next collective, and the dead one is the cause worth reporting."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for proc in procs:
+            if proc.exitcode not in (None, 0):
+                return _exit_line(proc)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
 
 
 def _stop_processes(procs: list[Any]) -> None:

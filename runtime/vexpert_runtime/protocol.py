@@ -20,7 +20,10 @@ plus a tag per slot, ``(layer, expert)`` it holds. Sequence ``q`` (group j of it
   worker waiting longer than ``slot_fill_timeout_s`` runs the group on the static placement
   (degraded) instead of hanging;
 * a new plan is taken by the fill loop at an iteration boundary (group 0): workers never wait for
-  the allocator, and all groups of one iteration use one plan.
+  the allocator, and all groups of one iteration use one plan;
+* a slot's tag is set to empty before its copy is enqueued and to ``(layer, expert)`` only after: a
+  fill that fails half way leaves its sequence unfilled (the workers time out and run that group
+  degraded) and no tag that would let a later fill skip re-copying a half-written slot.
 
 Workers agree on every group's header with one tiny collective (:func:`agree`), so a worker that
 timed out, or a node whose coordinator adopted a different plan (another table), makes the whole
@@ -235,6 +238,14 @@ class FillStats:
     plan_switches: list[tuple[int, int]] = field(default_factory=list)  # (iteration, plan id)
 
 
+class SlotFillError(RuntimeError):
+    """One sequence's fill failed; its group runs on the static placement."""
+
+
+class FillLoopKilled(BaseException):
+    """Fault injection: the fill loop dies (the node must keep serving and restart it)."""
+
+
 class SlotFiller:
     """Writes one sequence's slots into every local worker's buffer."""
 
@@ -255,6 +266,7 @@ class SlotFiller:
         self.groups = group_layers(num_layers, group_size)
         self.abort = abort
         self.stats = FillStats()
+        self.fail_at_copy: dict[int, int] = {}  # sequence → copy count at which a copy fails (tests)
 
     @property
     def num_groups(self) -> int:
@@ -284,6 +296,7 @@ class SlotFiller:
         table, pool = assignment.table, assignment.pool
         elem = self.buffers[0].element_size() * self.buffers[0].shape[-1] if self.buffers else 0
         first_copy: float | None = None
+        copies_here = 0
         for worker, rank in enumerate(self.ranks):
             if not self._wait_released(worker, seq):
                 return False
@@ -300,10 +313,19 @@ class SlotFiller:
                         continue
                     if first_copy is None:
                         first_copy = time.perf_counter()
-                    self.transport.copy(self.buffers[worker][b, slot], pool.row(layer, expert))
+                    # the tag says "empty" while the copy is in flight: a fill that fails half way
+                    # leaves a slot no later fill will take for a complete copy
+                    tags[slot, LAYER], tags[slot, EXPERT] = -1, -1
+                    dst, src = self.buffers[worker][b, slot], pool.row(layer, expert)
+                    if copies_here == self.fail_at_copy.get(seq, -1):  # fault injection (tests)
+                        half = dst.shape[0] // 2
+                        dst[:half].copy_(src[:half])
+                        raise SlotFillError(f"injected failure half way through a copy of sequence {seq}")
+                    self.transport.copy(dst, src)
                     tags[slot, LAYER], tags[slot, EXPERT] = layer, expert
                     self.stats.bytes_streamed += elem
                     self.stats.copies += 1
+                    copies_here += 1
         for worker in range(len(self.ranks)):
             self.transport.flush(self.buffers[worker])
             cond, row = self.shared.conds[worker], self.shared.state[worker, b]
@@ -332,29 +354,43 @@ class FillLoop(threading.Thread):
         take_plan: Callable[[int], Assignment],
         control: Callable[[int], tuple[int, bool]],
         delays: dict[int, float] | None = None,
+        start_iteration: int = 0,
+        kill_at: int | None = None,
+        on_failure: Callable[[int, BaseException], None] | None = None,
     ) -> None:
         super().__init__(name="vexpert-fill", daemon=True)
         self.filler = filler
         self.take_plan = take_plan
         self.control = control
         self.delays = dict(delays or {})
+        self.start_iteration = start_iteration
+        self.kill_at = kill_at  # sequence at which the loop dies (fault injection)
+        self.on_failure = on_failure
+        self.failures = 0  # sequences whose fill failed (left unfilled: their group runs degraded)
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            iteration = 0
+            iteration = self.start_iteration
             while not self.filler.abort.is_set():
                 assignment = self.take_plan(iteration)
                 k, stop = self.control(iteration)
                 for group in range(1 if stop else self.filler.num_groups):
                     seq = iteration * self.filler.num_groups + group
+                    if seq == self.kill_at:
+                        raise FillLoopKilled(f"fill loop killed at sequence {seq}")
                     delay = self.delays.get(seq, 0.0)
                     if delay and self.filler.abort.wait(delay):
                         return
-                    if not self.filler.fill(seq, assignment, k, stop):
-                        return
+                    try:
+                        if not self.filler.fill(seq, assignment, k, stop):
+                            return
+                    except Exception as exc:  # FILLED is not bumped: the workers time out and run degraded
+                        self.failures += 1
+                        if self.on_failure is not None:
+                            self.on_failure(seq, exc)
                 if stop:
                     return
                 iteration += 1
-        except BaseException as exc:  # surfaced by the node, which then shuts everything down
+        except BaseException as exc:  # surfaced by the node, which keeps serving and restarts the loop
             self.error = exc

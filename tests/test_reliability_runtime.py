@@ -1,0 +1,451 @@
+"""Runtime reliability (issue 8, runtime part), on CPU workers (gloo, shared-memory slots):
+
+1. the coordinator's slot fill loop dies mid-run: workers keep serving on their base experts (outputs
+   equal to the reference), the node reports ``degraded``, and the restarted loop resumes streaming;
+2. a slot fill that fails half way through a copy: that group runs without its vExperts for that
+   iteration, and no worker ever computes with a half-filled slot (bitwise slot checksums);
+3. a worker crash: the node exits non-zero with a clear line, no orphan process, no leaked /dev/shm;
+4. config reloads with invalid values: rejected, previous values kept, counted in metrics;
+5. truncated or corrupted checkpoint shards, wrong dtypes or shapes: one clear error before any
+   process or process group starts;
+6. a long run (short here; ``benchmarks/long_run.py`` runs 10,000 iterations): no growth in shared
+   memory, bounded RSS growth.
+
+The table in ``benchmarks/RELIABILITY.md`` counts the cases below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from vexpert_runtime import cli
+from vexpert_runtime.checkpoint import (
+    DEEPSEEK,
+    CheckpointReader,
+    MoESpec,
+    expert_tensor,
+    router_tensor,
+    write_tiny_checkpoint,
+)
+from vexpert_runtime.config import RuntimeConfig, load_runtime_config
+from vexpert_runtime.ep_moe import plan_from_slots
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.node import NodeOptions, NodeReport, NodeRuntime, Progress, resolve_setup
+from vexpert_runtime.placement import static_placement
+from vexpert_runtime.slots import row_checksum, sequence
+from vexpert_runtime.workload import Workload
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC = MoESpec(
+    architecture=DEEPSEEK,
+    hidden_size=32,
+    intermediate_size=16,
+    num_experts=8,
+    top_k=2,
+    moe_layers=(1, 2),
+    n_group=2,
+    topk_group=2,
+    routed_scaling_factor=1.5,
+    correction_bias=True,
+    shared_intermediate_size=16,
+)
+BASE = static_placement(2, 8, 2)  # rank 0 holds experts 0-3, rank 1 holds 4-7; G=1, vmax=2: two slots
+PLAN_A = plan_from_slots(BASE, torch.tensor([[[4, 5], [0, 1]], [[6, 7], [2, 3]]]))
+PLAN_B = plan_from_slots(BASE, torch.tensor([[[6, 7], [2, 3]], [[4, 5], [0, 1]]]))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _raw_config(checkpoint: Path | str, **sections: dict[str, Any]) -> dict[str, Any]:
+    raw: dict[str, Any] = {
+        "model": {"checkpoint_path": str(checkpoint), "dtype": "float32"},
+        "parallelism": {"expert_parallel_size": 2, "gpus_per_node": 2, "master_port": _free_port()},
+        "vexpert": {"group_size": 1, "vmax": 2, "balance_threshold": 0.95},
+        "tuning": {"allocation_interval": 2},
+        "runtime": {"device": "cpu", "cpu_workers": 2, "metrics_port": 0, "slot_fill_timeout_s": 5.0},
+    }
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    return raw
+
+
+def _setup(checkpoint: Path, timeout_s: float) -> Any:
+    setup = resolve_setup(RuntimeConfig.model_validate(_raw_config(checkpoint)), checkpoint)
+    return dataclasses.replace(setup, slot_fill_timeout_s=timeout_s)
+
+
+def _assert_slots_exact(report: NodeReport, checkpoint: Path) -> int:
+    """Every slot a group computed with under a plan held exactly (bitwise) the expert the plan names."""
+    reader = CheckpointReader(checkpoint, SPEC)
+    checked = 0
+    for record in report.records:
+        for group, plan_id in enumerate(record.plan_ids):
+            table = report.tables.get(plan_id)
+            if plan_id == 0 or table is None:
+                continue  # degraded: the group did not read its slots
+            for rank, per_group in record.slot_checksums.items():
+                for slot, expert in enumerate(table.slot_expert[group, rank].tolist()):
+                    if expert >= 0:
+                        assert per_group[group][slot] == row_checksum(reader.expert(group, expert, torch.float32))
+                        checked += 1
+    return checked
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. The coordinator's fill loop dies: serve on base experts, report degraded, restart and stream
+# ------------------------------------------------------------------------------------------------
+
+
+def test_dead_fill_loop_serves_base_experts_degraded_then_resumes_streaming(tmp_path: Path) -> None:
+    write_tiny_checkpoint(tmp_path, SPEC, seed=7)
+    setup = _setup(tmp_path, timeout_s=0.1)
+    lines: list[str] = []
+    degraded_seen: list[tuple[int, bool]] = []
+    runtime_box: list[NodeRuntime] = []
+
+    def progress(p: Progress) -> None:
+        degraded_seen.append((p.iteration, "vexpert_degraded 1.0" in runtime_box[0].metrics.render()))
+
+    runtime = NodeRuntime(
+        setup,
+        NodeOptions(
+            workload=Workload(tokens_per_worker=16, seed=2),
+            iterations=24,
+            verify=True,
+            allocate=False,
+            scripted_plans={0: PLAN_A, 18: PLAN_B},  # PLAN_B needs copies: only a live loop can run it
+            kill_fill_loop_at=sequence(3, 0, 2),
+            fill_restart_delay_s=0.6,
+            record=True,
+            progress=progress,
+            log=lines.append,
+        ),
+    )
+    runtime_box.append(runtime)
+    report = runtime.run()
+    assert report.iterations == 24
+    assert report.max_rel_error is not None and report.max_rel_error <= 1e-5  # every output checked
+    down = [r.iteration for r in report.records if r.plan_ids and set(r.plan_ids) == {0}]
+    assert down and min(down) == 3, "from the death on, groups run on the base experts only"
+    assert any("slot fill loop died" in line for line in lines)
+    assert any("slot fill loop restarted" in line for line in lines)
+    assert any(flag for _, flag in degraded_seen), "the node reported degraded while the loop was down"
+    assert "vexpert_fill_loop_restarts_total 1.0" in report.metrics_text
+    # after the restart: the scripted plan change streams new experts and runs undegraded
+    assert report.records[-1].plan_ids == [2, 2] and report.records[-1].degraded_groups == 0
+    assert degraded_seen[-1][1] is False
+    assert report.bytes_streamed > 0
+    assert _assert_slots_exact(report, tmp_path) > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. A slot fill fails half way through a copy: that group runs degraded, no half-filled slot read
+# ------------------------------------------------------------------------------------------------
+
+
+def test_failed_fill_runs_the_group_degraded_and_never_exposes_a_half_copied_slot(tmp_path: Path) -> None:
+    write_tiny_checkpoint(tmp_path, SPEC, seed=8)
+    setup = _setup(tmp_path, timeout_s=0.3)
+    failing = sequence(2, 1, 2)  # iteration 2, layer 1: the first fill under PLAN_B there
+    lines: list[str] = []
+    runtime = NodeRuntime(
+        setup,
+        NodeOptions(
+            workload=Workload(tokens_per_worker=16, seed=3),
+            iterations=5,
+            verify=True,
+            allocate=False,
+            # back to A's experts at 3: the slot half overwritten at 2 held an A expert, and a fill that
+            # trusted its old tag would skip the copy and compute with half A, half B
+            scripted_plans={0: PLAN_A, 2: PLAN_B, 3: PLAN_A},
+            fill_failures={failing: 0},
+            record=True,
+            log=lines.append,
+        ),
+    )
+    report = runtime.run()
+    assert report.iterations == 5
+    assert report.records[2].plan_ids == [2, 0]  # layer 0 on its plan, the failed layer 1 without vExperts
+    assert report.records[2].degraded_groups == 1
+    assert report.records[3].plan_ids == [3, 3] and report.records[3].degraded_groups == 0
+    assert report.max_rel_error is not None and report.max_rel_error <= 1e-5
+    assert "vexpert_slot_fill_errors_total 1.0" in report.metrics_text
+    assert any(f"slot fill of sequence {failing} failed" in line for line in lines)
+    assert _assert_slots_exact(report, tmp_path) > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. A worker crash: exit non-zero, one clear line, nothing left behind
+# ------------------------------------------------------------------------------------------------
+
+
+def _marked_processes(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker.encode() in (entry / "environ").read_bytes() and "State:\tZ" not in (entry / "status").read_text():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _workers(marker: str, coordinator: int) -> list[int]:
+    pids = []
+    for pid in _marked_processes(marker):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if pid != coordinator and b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            pids.append(pid)
+    return pids
+
+
+def test_worker_crash_exits_non_zero_with_a_clear_line_and_leaves_nothing(tmp_path: Path) -> None:
+    marker = uuid.uuid4().hex
+    shm_before = _shm()
+    config = tmp_path / "runtime.yaml"
+    config.write_text(yaml.safe_dump(_raw_config("", vexpert={"group_size": 2, "vmax": 1})))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vexpert_runtime", "node", "--config", str(config), "--cpu-workers", "2", "--tokens-per-worker", "8"],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "VEXPERT_TEST_MARKER": marker, "PYTHONUNBUFFERED": "1"},
+        cwd=tmp_path,
+    )
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and " iter " not in proc.stderr.readline():
+            pass
+        workers = _workers(marker, proc.pid)
+        assert len(workers) == 2
+        os.kill(workers[1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err
+    failure = [line for line in err.splitlines() if line.startswith("error: node failed:")]
+    assert len(failure) == 1 and "exited with code -9" in failure[0], err
+    deadline = time.monotonic() + 10
+    while _marked_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _marked_processes(marker) == [], "processes of the node are still alive"
+    leaked = {name for name in _shm() - shm_before if name.startswith(("torch_", "sem.mp", "psm_", "mp-"))}
+    while leaked and time.monotonic() < deadline + 3:
+        time.sleep(0.2)
+        leaked &= _shm()
+    assert leaked == set(), f"leaked shared memory: {leaked}"
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. Config reload with invalid values
+# ------------------------------------------------------------------------------------------------
+
+BAD_RELOADS: dict[str, Any] = {
+    "k-zero": {"allocation_interval": 0},
+    "k-negative": {"allocation_interval": -3},
+    "k-huge": {"allocation_interval": 10**9},
+    "k-not-a-number": {"allocation_interval": "often"},
+    "np-too-big": {"pooled_experts": 99},
+    "np-zero": {"pooled_experts": 0},
+    "unknown-key": {"allocation_intervall": 6},
+    "tuning-not-a-mapping": "fast",
+    "not-yaml": b"tuning: {allocation_interval: [6\n",
+    "not-utf8": b"\xff\xfe\x00garbage\x81",
+    "top-level-list": b"- 1\n- 2\n",
+    "empty-file": b"",
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_RELOADS))
+def test_invalid_reload_is_rejected_counted_and_the_old_values_kept(tmp_path: Path, case: str) -> None:
+    write_tiny_checkpoint(tmp_path / "ckpt", SPEC)
+    path = tmp_path / "runtime.yaml"
+    raw = _raw_config(tmp_path / "ckpt", tuning={"allocation_interval": 4})
+    path.write_text(yaml.safe_dump(raw))
+    setup = resolve_setup(load_runtime_config(path), tmp_path / "ckpt")
+    lines: list[str] = []
+    runtime = NodeRuntime(setup, NodeOptions(config_path=path, log=lines.append))
+    runtime._start_metrics()  # gauges as a running node has them (no endpoint: metrics_port 0)
+    runtime._maybe_reload()  # the first look records the file's mtime
+    bad = BAD_RELOADS[case]
+    if isinstance(bad, bytes):
+        path.write_bytes(bad)
+    else:
+        path.write_text(yaml.safe_dump({**raw, "tuning": bad}))
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+    runtime._last_reload_check = 0.0
+    runtime._maybe_reload()
+    assert (runtime._k, runtime._pooled) == (4, 8)
+    metrics = runtime.metrics.render()
+    assert "vexpert_config_reload_errors_total 1.0" in metrics and "vexpert_config_reloads_total 0.0" in metrics
+    assert "vexpert_allocation_interval 4.0" in metrics and "vexpert_pooled_experts 8.0" in metrics
+    assert len(lines) == 1 and lines[0].startswith("config reload rejected, keeping k=4 Np=8: ")
+    # and a good file afterwards still applies
+    path.write_text(yaml.safe_dump({**raw, "tuning": {"allocation_interval": 6, "pooled_experts": 5}}))
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))
+    runtime._last_reload_check = 0.0
+    runtime._maybe_reload()
+    assert (runtime._k, runtime._pooled) == (6, 5)
+    runtime.metrics.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. Bad checkpoints: one clear error before any process (group) starts
+# ------------------------------------------------------------------------------------------------
+
+
+def _shard_of(checkpoint: Path, name: str) -> Path:
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+    return checkpoint / index["weight_map"][name]
+
+
+def _replace(checkpoint: Path, name: str, value: torch.Tensor) -> None:
+    shard = _shard_of(checkpoint, name)
+    tensors = load_file(str(shard))
+    tensors[name] = value
+    save_file(tensors, str(shard))
+
+
+def _truncate(fraction: float) -> Any:
+    def damage(checkpoint: Path) -> None:
+        shard = _shard_of(checkpoint, expert_tensor(2, 3, "up"))
+        data = shard.read_bytes()
+        shard.write_bytes(data[: int(len(data) * fraction)])
+
+    return damage
+
+
+def _overwrite_header(checkpoint: Path) -> None:
+    shard = _shard_of(checkpoint, expert_tensor(1, 0, "gate"))
+    data = bytearray(shard.read_bytes())
+    data[8:40] = b"\x00garbage{not json at all}\xff\xfe\x00\x01\x02"
+    shard.write_bytes(bytes(data))
+
+
+def _huge_header_length(checkpoint: Path) -> None:
+    shard = _shard_of(checkpoint, expert_tensor(1, 0, "gate"))
+    data = bytearray(shard.read_bytes())
+    data[:8] = (2**62).to_bytes(8, "little")
+    shard.write_bytes(bytes(data))
+
+
+def _empty_shard(checkpoint: Path) -> None:
+    _shard_of(checkpoint, expert_tensor(1, 0, "gate")).write_bytes(b"")
+
+
+def _deleted_shard(checkpoint: Path) -> None:
+    _shard_of(checkpoint, expert_tensor(1, 0, "gate")).unlink()
+
+
+BAD_CHECKPOINTS: dict[str, tuple[Any, str]] = {
+    "truncated-half": (_truncate(0.5), r"is not a safetensors file"),
+    "truncated-header": (_truncate(0.001), r"is not a safetensors file"),
+    "header-garbage": (_overwrite_header, r"is not a safetensors file"),
+    "header-length-huge": (_huge_header_length, r"is not a safetensors file"),
+    "empty-shard": (_empty_shard, r"is not a safetensors file"),
+    "deleted-shard": (_deleted_shard, r"names model-0000\d-of-0000\d\.safetensors, which is missing"),
+    "expert-int32": (lambda c: _replace(c, expert_tensor(2, 3, "up"), torch.zeros(16, 32, dtype=torch.int32)), r"up_proj\.weight .*dtype|I32"),
+    "router-int8": (lambda c: _replace(c, router_tensor(1), torch.zeros(8, 32, dtype=torch.int8)), r"gate\.weight .*dtype|I8"),
+    "expert-wrong-shape": (lambda c: _replace(c, expert_tensor(1, 5, "down"), torch.zeros(32, 17)), r"has shape \[32, 17\], config\.json implies \[32, 16\]"),
+    "router-transposed": (lambda c: _replace(c, router_tensor(2), torch.zeros(32, 8)), r"has shape \[32, 8\], config\.json implies \[8, 32\]"),
+    "expert-1d": (lambda c: _replace(c, expert_tensor(1, 1, "gate"), torch.zeros(512)), r"has shape \[512\]"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CHECKPOINTS))
+def test_bad_checkpoint_is_refused_before_anything_starts(tmp_path: Path, case: str) -> None:
+    import torch.distributed as dist
+
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt", SPEC, shards=2)
+    damage, message = BAD_CHECKPOINTS[case]
+    damage(checkpoint)
+    config = RuntimeConfig.model_validate(_raw_config(checkpoint))
+    children_before = _children()
+    with pytest.raises(VExpertInputError, match=message) as raised:
+        resolve_setup(config, checkpoint)
+    assert raised.value.field == "model.checkpoint_path"
+    assert "\n" not in str(raised.value)
+    assert not dist.is_initialized() and _children() == children_before
+
+
+def _children() -> set[int]:
+    me, found = os.getpid(), set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == me:
+                found.add(int(entry.name))
+    return found
+
+
+def test_bad_checkpoint_through_the_cli_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt", SPEC, shards=2)
+    _truncate(0.5)(checkpoint)
+    config = tmp_path / "runtime.yaml"
+    config.write_text(yaml.safe_dump(_raw_config(checkpoint)))
+    code = cli.main(["node", "--config", str(config)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and "model.checkpoint_path" in err[0] and "is not a safetensors file" in err[0], err
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. Long run (short version of benchmarks/long_run.py)
+# ------------------------------------------------------------------------------------------------
+
+
+def _long_run_module() -> Any:
+    spec = importlib.util.spec_from_file_location("long_run", REPO / "benchmarks" / "long_run.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["long_run"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_short_long_run_keeps_shared_memory_flat_and_rss_bounded() -> None:
+    long_run = _long_run_module()
+    result = long_run.run_long(iterations=300, k=10, rss_slack_mb=16.0, keep_history=50)
+    assert result.iterations == 300
+    assert result.records_kept <= 55  # the node's history is bounded (a node runs until SIGTERM)
+    assert result.plan_switches >= 25  # a new plan every k = 10 iterations
+    assert len(result.samples) >= 25
+    assert result.problems == []
+    steady = result.samples[len(result.samples) // 5 :]
+    assert max(s.shm_entries for s in steady) <= steady[0].shm_entries
+    assert max(s.shm_fds for s in steady) <= steady[0].shm_fds
