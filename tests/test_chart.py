@@ -7,7 +7,7 @@
   handler registry (watch/list, and patch for the finalizer and progress annotations), kopf's own
   discovery and event posting, and the owner references' ``blockOwnerDeletion``.
 * Pod Security: the operator pod meets "restricted"; node and calibration pods rendered from
-  examples/*.yaml (``vexpert render``) meet "baseline" (see the IPC_LOCK note below).
+  examples/*.yaml (``vexpert render``) meet "baseline" (IPC_LOCK is opt-in: ``runtime.ipcLock``).
 * Copies kept identical: chart crds/ = crds/, deploy/vexpert-operator.yaml = the chart rendered with
   defaults (``scripts/helm.sh manifest``), examples/operator-install.yaml = deploy/vexpert-operator.yaml.
 
@@ -659,11 +659,6 @@ def rendered_pod_templates() -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-# Node and calibration pods add IPC_LOCK (manifests.py: pinning host memory), which the baseline
-# level does not allow; everything else of baseline holds. See test_node_pods_add_no_capability_beyond_baseline.
-NODE_POD_EXCEPTIONS = {"capability IPC_LOCK added"}
-
-
 @cache
 def _pod_templates() -> tuple[tuple[str, dict[str, Any]], ...]:
     return tuple(rendered_pod_templates())
@@ -676,14 +671,9 @@ def test_node_and_calibration_pods_meet_pod_security_baseline() -> None:
         pod = template["spec"]
         for field in ("hostIPC", "hostNetwork", "hostPID"):
             assert not pod.get(field), f"{name}: {field}"
-        violations = [v for v in baseline_violations(pod, template["metadata"].get("annotations"))
-                      if v.split(": ", 1)[-1] not in NODE_POD_EXCEPTIONS]
-        assert violations == [], name
+        assert baseline_violations(pod, template["metadata"].get("annotations")) == [], name
 
 
-@pytest.mark.xfail(strict=True, reason="node and calibration pods add IPC_LOCK, outside Pod Security baseline's "
-                                       "capability list; when manifests.py stops adding it, drop this marker "
-                                       "and NODE_POD_EXCEPTIONS")
 def test_node_pods_add_no_capability_beyond_baseline() -> None:
     for name, template in _pod_templates():
         assert baseline_violations(template["spec"], template["metadata"].get("annotations")) == [], name

@@ -141,7 +141,7 @@ def test_statefulset_pod_is_one_container_per_node_guaranteed_and_unprivileged()
     assert c["resources"]["limits"]["memory"] == format_mebibytes(plan.sizing.pod_memory_bytes)
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert parse_bytes(c["resources"]["limits"]["memory"]) >= plan.sizing.pinned_pool_bytes + 48 * GIB
-    assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert "capabilities" not in c["securityContext"]  # IPC_LOCK only with runtime.ipcLock (RDMA)
     assert c["securityContext"]["privileged"] is False
     assert pod["hostIPC"] is False and pod["hostNetwork"] is False and pod["hostPID"] is False
     shm = next(v for v in pod["volumes"] if v["name"] == "shm")

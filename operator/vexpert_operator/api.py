@@ -218,6 +218,12 @@ class RuntimeSpec(CamelModel):
     tolerations: list[Toleration] = Field(default_factory=list)
     env: list[EnvVar] = Field(default_factory=list)
     metrics_port: int = Field(9400, ge=1, le=65535, description="Runtime Prometheus port (tuning reads it)")
+    ipc_lock: bool = Field(
+        False,
+        description="Add the IPC_LOCK capability to node and calibration pods (outside Pod Security "
+        "'baseline'). Only RDMA / GPUDirect (ibverbs memory registration beyond RLIMIT_MEMLOCK) needs it; "
+        "CUDA pinned host memory (cudaHostAlloc / cudaHostRegister) does not",
+    )
     group_restart_backoff_seconds: int = Field(10, ge=0, le=3600, description="Delay before re-forming after a failure")
     max_group_restart_backoff_seconds: int = Field(300, ge=0, le=86_400, description="Cap of the doubling delay")
 

@@ -144,6 +144,8 @@ def parse_result(message: str) -> PerformanceProfile:
         raw = json.loads(message)
     except json.JSONDecodeError as exc:
         raise ValueError(f"the termination message is not JSON ({exc.msg})") from None
+    except RecursionError:  # e.g. "[[[[…": 4 KiB of nesting exceeds the decoder's recursion limit
+        raise ValueError("the termination message is nested too deeply") from None
     try:
         return parse_profile(raw, origin="termination message")
     except VExpertInputError as exc:

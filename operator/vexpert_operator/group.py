@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from . import naming as nm
 from .api import GroupStatus
-from .calibration import parse_time
+from .calibration import one_line, parse_time
 from .manifests import CONTAINER
 
 
@@ -43,12 +43,15 @@ def summarize_pod(pod: Mapping[str, Any]) -> PodSummary:
     for cs in status.get("containerStatuses") or []:
         if cs.get("name") != CONTAINER:
             continue
-        restarts = int(cs.get("restartCount") or 0)
+        try:
+            restarts = max(0, int(cs.get("restartCount") or 0))
+        except (TypeError, ValueError):
+            restarts = 0
         last = (cs.get("lastState") or {}).get("terminated") or (cs.get("state") or {}).get("terminated") or {}
-        if last:
-            reason = f"{last.get('reason', 'Terminated')} (exit {last.get('exitCode')})"
+        if isinstance(last, Mapping) and last:
+            reason = f"{one_line(str(last.get('reason', 'Terminated')), 60)} (exit {one_line(str(last.get('exitCode')), 12)})"
             if last.get("message"):
-                reason += f": {' '.join(str(last['message']).split())[:200]}"
+                reason += f": {one_line(str(last['message']), 200)}"
     return PodSummary(
         name=meta.get("name", ""),
         uid=meta.get("uid", ""),
@@ -58,7 +61,7 @@ def summarize_pod(pod: Mapping[str, Any]) -> PodSummary:
         restarts=restarts,
         terminating=bool(meta.get("deletionTimestamp")),
         pod_ip=status.get("podIP", "") or "",
-        reason=reason,
+        reason=one_line(str(reason), 300),
     )
 
 

@@ -198,9 +198,18 @@ def _model_volume(spec: VExpertDeploymentSpec) -> dict[str, Any]:
     return {"name": "model", "hostPath": {"path": ckpt.host_path, "type": "Directory"}}
 
 
-def _security_context() -> dict[str, Any]:
-    """IPC_LOCK for pinning host memory; nothing privileged (CUDA IPC stays inside one container)."""
-    return {"privileged": False, "allowPrivilegeEscalation": False, "capabilities": {"add": ["IPC_LOCK"]}}
+def _security_context(spec: VExpertDeploymentSpec) -> dict[str, Any]:
+    """Nothing privileged (CUDA IPC stays inside one container); Pod Security "baseline" by default.
+
+    IPC_LOCK only with ``runtime.ipcLock``: RDMA / GPUDirect registers memory with the NIC through
+    ibverbs, which is bounded by RLIMIT_MEMLOCK and needs the capability beyond it. CUDA pinned host
+    memory (``cudaHostAlloc`` / ``cudaHostRegister``, the runtime's expert pool) is page-locked by the
+    driver and does not, so the default adds no capability (baseline forbids IPC_LOCK).
+    """
+    sc: dict[str, Any] = {"privileged": False, "allowPrivilegeEscalation": False}
+    if spec.runtime.ipc_lock:
+        sc["capabilities"] = {"add": ["IPC_LOCK"]}
+    return sc
 
 
 def build_pod_template(name: str, spec: VExpertDeploymentSpec, sizing: Sizing, cfg_hash: str,
@@ -237,7 +246,7 @@ def build_pod_template(name: str, spec: VExpertDeploymentSpec, sizing: Sizing, c
                 {"name": "metrics", "containerPort": spec.runtime.metrics_port, "protocol": "TCP"},
             ],
             "resources": {"requests": dict(resources), "limits": dict(resources)},
-            "securityContext": _security_context(),
+            "securityContext": _security_context(spec),
             "readinessProbe": {
                 "httpGet": {"path": "/ready", "port": spec.runtime.metrics_port},
                 "periodSeconds": 5,
@@ -361,7 +370,7 @@ def _calibration_job(job_name: str, namespace: str, labels: dict[str, str], anno
             "command": ["vexpert", "calibrate"],
             "args": [*args, "--termination-message-path", TERMINATION_LOG],
             "resources": {"requests": dict(resources), "limits": dict(resources)},
-            "securityContext": _security_context(),
+            "securityContext": _security_context(spec),
             "terminationMessagePath": TERMINATION_LOG,
             "terminationMessagePolicy": "FallbackToLogsOnError",
             "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}, *extra_mounts],

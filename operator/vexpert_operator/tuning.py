@@ -66,6 +66,22 @@ KNOWN_GAUGES = (
 )
 
 
+# Schema of the values (the pods are untrusted): a value outside its range is dropped, as if absent.
+GAUGE_RANGES: dict[str, tuple[float, float]] = {
+    "vexpert_balance_ratio": (0.0, 1.0),
+    "vexpert_balance_ratio_after_allocation": (0.0, 1.0),
+    "vexpert_balance_decay": (-1.0, 1.0),
+    "vexpert_tokens_per_second": (0.0, 1e9),
+    "vexpert_allocator_seconds": (0.0, 3600.0),
+    "vexpert_step_seconds": (0.0, 3600.0),
+    "vexpert_allocation_interval": (0.0, 1e6),
+    "vexpert_pooled_experts": (0.0, 1e6),
+    "vexpert_degraded": (0.0, 1.0),
+    "vexpert_pool_hit_ratio": (0.0, 1.0),
+    "vexpert_pinned_memory_pressure": (0.0, 100.0),
+}
+
+
 class MetricsError(ValueError):
     pass
 
@@ -74,7 +90,7 @@ def parse_runtime_metrics(text: str | bytes, max_bytes: int = MAX_METRICS_BYTES)
     """Prometheus text → {gauge: value} for the known gauges (mean over label sets).
 
     Bounded: bodies over ``max_bytes`` or with more than ``MAX_SAMPLES`` samples are refused.
-    Non-finite values are dropped.
+    Non-finite values, and values outside ``GAUGE_RANGES`` (the schema), are dropped.
     """
     if isinstance(text, bytes):
         if len(text) > max_bytes:
@@ -108,7 +124,12 @@ def parse_runtime_metrics(text: str | bytes, max_bytes: int = MAX_METRICS_BYTES)
     for name, total in sums.items():  # histograms/summaries (the runtime's *_seconds): the mean
         if name not in out and counts.get(name, 0) > 0:
             out[name] = total / counts[name]
-    return out
+    return {name: value for name, value in out.items() if _in_range(name, value)}
+
+
+def _in_range(name: str, value: float) -> bool:
+    low, high = GAUGE_RANGES.get(name, (-math.inf, math.inf))
+    return math.isfinite(value) and low <= value <= high
 
 
 @dataclass(frozen=True)
