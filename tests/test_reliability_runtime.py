@@ -34,11 +34,10 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from runtime_support import TINY_DEEPSEEK_SPEC
 from vexpert_runtime import cli
 from vexpert_runtime.checkpoint import (
-    DEEPSEEK,
     CheckpointReader,
-    MoESpec,
     expert_tensor,
     router_tensor,
     write_tiny_checkpoint,
@@ -52,19 +51,8 @@ from vexpert_runtime.slots import row_checksum, sequence
 from vexpert_runtime.workload import Workload
 
 REPO = Path(__file__).resolve().parents[1]
-SPEC = MoESpec(
-    architecture=DEEPSEEK,
-    hidden_size=32,
-    intermediate_size=16,
-    num_experts=8,
-    top_k=2,
-    moe_layers=(1, 2),
-    n_group=2,
-    topk_group=2,
-    routed_scaling_factor=1.5,
-    correction_bias=True,
-    shared_intermediate_size=16,
-)
+SPEC = TINY_DEEPSEEK_SPEC
+
 BASE = static_placement(2, 8, 2)  # rank 0 holds experts 0-3, rank 1 holds 4-7; G=1, vmax=2: two slots
 PLAN_A = plan_from_slots(BASE, torch.tensor([[[4, 5], [0, 1]], [[6, 7], [2, 3]]]))
 PLAN_B = plan_from_slots(BASE, torch.tensor([[[6, 7], [2, 3]], [[4, 5], [0, 1]]]))

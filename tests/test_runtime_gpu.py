@@ -6,6 +6,7 @@ reference every step and bitwise on the slot contents; ``vexpert node --config``
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import socket
 import subprocess
@@ -17,7 +18,8 @@ import pytest
 import torch
 import yaml
 
-from vexpert_runtime.checkpoint import DEEPSEEK, CheckpointReader, MoESpec, write_tiny_checkpoint
+from runtime_support import TINY_DEEPSEEK_SPEC
+from vexpert_runtime.checkpoint import CheckpointReader, write_tiny_checkpoint
 from vexpert_runtime.config import RuntimeConfig
 from vexpert_runtime.ep_moe import ep_moe_layer, plan_from_slots, static_table
 from vexpert_runtime.moe_math import packed_ffn, relative_error, shared_forward
@@ -34,19 +36,8 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="no CUDA device")]
 two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 
-SPEC = MoESpec(
-    architecture=DEEPSEEK,
-    hidden_size=64,
-    intermediate_size=32,
-    num_experts=8,
-    top_k=2,
-    moe_layers=(1, 2),
-    n_group=2,
-    topk_group=2,
-    routed_scaling_factor=1.5,
-    correction_bias=True,
-    shared_intermediate_size=32,
-)
+SPEC = dataclasses.replace(TINY_DEEPSEEK_SPEC, hidden_size=64, intermediate_size=32, shared_intermediate_size=32)
+
 # fp32 on a GPU differs from the CPU reference by reduction order only; bf16 by rounding.
 TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
 

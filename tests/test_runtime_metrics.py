@@ -15,25 +15,15 @@ import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from vexpert_runtime.checkpoint import DEEPSEEK, MoESpec, write_tiny_checkpoint
+from runtime_support import TINY_DEEPSEEK_SPEC
+from vexpert_runtime.checkpoint import write_tiny_checkpoint
 from vexpert_runtime.config import load_runtime_config
 from vexpert_runtime.metrics import BalanceDecay, NodeMetrics, PoolHits, memory_pressure
 from vexpert_runtime.node import NodeOptions, NodeRuntime, Progress, pool_hits, resolve_setup
 from vexpert_runtime.workload import drifting_workload
 
-SPEC = MoESpec(
-    architecture=DEEPSEEK,
-    hidden_size=32,
-    intermediate_size=16,
-    num_experts=8,
-    top_k=2,
-    moe_layers=(1, 2),
-    n_group=2,
-    topk_group=2,
-    routed_scaling_factor=1.5,
-    correction_bias=True,
-    shared_intermediate_size=16,
-)
+SPEC = TINY_DEEPSEEK_SPEC
+
 
 
 def _get(url: str) -> tuple[int, str]:

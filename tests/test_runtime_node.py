@@ -19,8 +19,9 @@ import pytest
 import torch
 import yaml
 
+from runtime_support import TINY_DEEPSEEK_SPEC
 from vexpert_runtime import cli
-from vexpert_runtime.checkpoint import DEEPSEEK, MoESpec, expert_tensor, write_tiny_checkpoint
+from vexpert_runtime.checkpoint import expert_tensor, write_tiny_checkpoint
 from vexpert_runtime.config import load_runtime_config
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.node import (
@@ -34,19 +35,8 @@ from vexpert_runtime.node import (
 from vexpert_runtime.workload import drifting_workload
 
 REPO = Path(__file__).resolve().parents[1]
-SPEC = MoESpec(
-    architecture=DEEPSEEK,
-    hidden_size=32,
-    intermediate_size=16,
-    num_experts=8,
-    top_k=2,
-    moe_layers=(1, 2),
-    n_group=2,
-    topk_group=2,
-    routed_scaling_factor=1.5,
-    correction_bias=True,
-    shared_intermediate_size=16,
-)
+SPEC = TINY_DEEPSEEK_SPEC
+
 
 
 def _free_port() -> int:

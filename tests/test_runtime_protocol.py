@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from vexpert_runtime.checkpoint import DEEPSEEK, CheckpointReader, MoESpec, write_tiny_checkpoint
+from runtime_support import TINY_DEEPSEEK_SPEC
+from vexpert_runtime.checkpoint import CheckpointReader, write_tiny_checkpoint
 from vexpert_runtime.config import RuntimeConfig
 from vexpert_runtime.ep_moe import plan_from_slots, table_from_plan
 from vexpert_runtime.expert_pool import ExpertPool
@@ -26,19 +27,8 @@ from vexpert_runtime.slots import row_checksum, sequence
 from vexpert_runtime.transport import CpuSharedMemoryTransport
 from vexpert_runtime.workload import Workload, drifting_workload
 
-SPEC = MoESpec(
-    architecture=DEEPSEEK,
-    hidden_size=32,
-    intermediate_size=16,
-    num_experts=8,
-    top_k=2,
-    moe_layers=(1, 2),
-    n_group=2,
-    topk_group=2,
-    routed_scaling_factor=1.5,
-    correction_bias=True,
-    shared_intermediate_size=16,
-)
+SPEC = TINY_DEEPSEEK_SPEC
+
 
 
 # ------------------------------------------------------------------------------------------------
