@@ -211,7 +211,7 @@ def test_failed_calibration_retries_with_backoff_and_new_driver_is_new_type(
         cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     type_name = add_nodes(cluster, 2)
     with running_operator(cluster, monkeypatch):
-        cluster.create(deployment(calibration__retryBackoffSeconds=2, calibration__maxRetryBackoffSeconds=4))
+        cluster.create(deployment(calibration__retryBackoffSeconds=3, calibration__maxRetryBackoffSeconds=6))
         first = cluster.wait_for(lambda: hw_jobs(cluster), what="attempt 1")[0]["metadata"]["name"]
         cluster.finish_job(first, "cudaErrorNoDevice: no CUDA-capable device is detected", exit_code=3)
         cond = cluster.wait_for(lambda: (lambda c: c if c.get("reason") == "HardwareCalibrationFailed" else None)(

@@ -413,7 +413,7 @@ def test_calibration_that_hangs_fails_or_prints_garbage_is_retried_and_writes_no
     ]
     seen: list[tuple[str, str, float]] = []
     with running_operator(cluster, monkeypatch):
-        cluster.create(deployment(calibration__retryBackoffSeconds=1, calibration__maxRetryBackoffSeconds=2))
+        cluster.create(deployment(calibration__retryBackoffSeconds=3, calibration__maxRetryBackoffSeconds=3))
         for attempt, (what, message, expected) in enumerate(faults, start=1):
             job = cluster.wait_for(lambda a=attempt: [j for j in hw_jobs(cluster)
                                                       if j["metadata"]["labels"][nm.LABEL_ATTEMPT] == str(a)],
