@@ -16,9 +16,21 @@ plus a tag per slot, ``(layer, expert)`` it holds. Sequence ``q`` (group j of it
 * a worker starts group q only after ``FILLED[b] ≥ q`` (never reads stale slots) and checks the tags
   against its plan; after the group's last expert compute has completed (on a GPU: its stream is
   synchronized) it sets ``RELEASED[b] = q``;
-* waits use one ``multiprocessing.Condition`` per worker (its lock is also the memory fence); a
-  worker waiting longer than ``slot_fill_timeout_s`` runs the group on the static placement
-  (degraded) instead of hanging;
+* every read or write of a worker's record happens under that worker's mutex (also the memory
+  fence), and waits sleep on a doorbell semaphore the other side rings after its write. Both survive
+  the death of either side, so the coordinator can be a separate process that is SIGKILLed and
+  restarted while the workers keep running (:mod:`vexpert_runtime.coordinator`): the mutex is a
+  POSIX record lock on one byte of an anonymous ``memfd`` (the kernel drops a dead process's locks;
+  a ``multiprocessing.Lock`` held by a killed process would stay held forever, and a
+  ``multiprocessing.Condition``'s notify blocks until every sleeper, dead or not, wakes), and a
+  doorbell is a plain semaphore (no owner, a dead poster or sleeper leaves nothing blocked);
+* a worker waiting longer than ``slot_fill_timeout_s`` runs the group on the static placement
+  (degraded) instead of hanging, and while no coordinator is attached (``SharedState.coordinator``
+  0, set by the node when the coordinator process dies) it does not wait at all;
+* a new coordinator resumes at :meth:`SharedState.resume_seq`, after the last sequence any worker
+  filled or released, so it never writes a buffer a worker may still read; it trusts no tag it
+  did not write itself (a copy in flight when its predecessor died may have been tagged already on a
+  GPU, where copies are asynchronous), so its first fill of each slot is a full copy;
 * a new plan is taken by the fill loop at an iteration boundary (group 0): workers never wait for
   the allocator, and all groups of one iteration use one plan;
 * a slot's tag is set to empty before its copy is enqueued and to ``(layer, expert)`` only after: a
@@ -32,9 +44,12 @@ group run degraded rather than mixing plans.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,18 +66,66 @@ NUM_FIELDS = 6
 LAYER, EXPERT = 0, 1
 
 
+class RobustLocks:
+    """One mutex per worker record that a dead holder cannot leave locked.
+
+    A POSIX record lock on byte ``i`` of an anonymous ``memfd`` (no file system entry, nothing to
+    leak): the kernel releases the locks of a process that dies, SIGKILL included, and the lock
+    syscalls order memory like any mutex. Record locks belong to a process, so a thread lock per
+    record excludes the threads of one process too. Pickled (at spawn, or through a
+    ``multiprocessing`` queue) as a duplicate of the descriptor.
+    """
+
+    def __init__(self, count: int, fd: int | None = None) -> None:
+        self.count = count
+        self.fd = os.memfd_create("vexpert-protocol") if fd is None else fd
+        self._threads = [threading.Lock() for _ in range(count)]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing.reduction import DupFd
+
+        return (_rebuild_locks, (self.count, DupFd(self.fd)))
+
+    @contextlib.contextmanager
+    def hold(self, index: int) -> Iterator[None]:
+        with self._threads[index]:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX, 1, index)
+            try:
+                yield
+            finally:
+                fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, index)
+
+
+def _rebuild_locks(count: int, dup: Any) -> RobustLocks:
+    return RobustLocks(count, dup.detach())
+
+
+def ring(bell: Any) -> None:
+    """Wake whoever sleeps on ``bell`` (a semaphore); at most a couple of wake-ups stay pending."""
+    with contextlib.suppress(NotImplementedError):  # get_value is missing on macOS only
+        if bell.get_value() > 0:
+            return
+    bell.release()
+
+
 @dataclass
 class SharedState:
-    """The protocol's shared memory, created by the coordinator and passed to workers at spawn.
+    """The protocol's shared memory, created by the node and passed to workers (and to every
+    coordinator process) at spawn.
 
     state: [W, 2, NUM_FIELDS] int64; tags: [W, 2, S, 2] int64 ((layer, expert) per slot, −1 empty);
-    conds: one Condition per local worker.
+    locks: one robust mutex per local worker; to_worker / to_coordinator: one doorbell semaphore per
+    local worker and direction; coordinator: [1] int64, 1 while a coordinator is attached or
+    starting, 0 while none is (workers then run degraded at once instead of waiting).
     """
 
     state: torch.Tensor
     tags: torch.Tensor
-    conds: list[Any]
+    locks: RobustLocks
+    to_worker: list[Any]
+    to_coordinator: list[Any]
     stop_at: torch.Tensor  # [1] int64: first iteration not to run (−1 = none); see :meth:`request_stop`
+    coordinator: torch.Tensor
 
     @classmethod
     def create(cls, workers: int, slots: int, ctx: Any) -> SharedState:
@@ -72,14 +135,45 @@ class SharedState:
         state[:, :, HDR_SEQ] = -1
         tags = torch.full((workers, BUFFERS, max(slots, 1), 2), -1, dtype=torch.int64)
         stop_at = torch.full((1,), -1, dtype=torch.int64)
-        conds = [ctx.Condition() for _ in range(workers)]
-        return cls(state.share_memory_(), tags.share_memory_(), conds, stop_at.share_memory_())
+        coordinator = torch.ones(1, dtype=torch.int64)
+        return cls(
+            state.share_memory_(),
+            tags.share_memory_(),
+            RobustLocks(workers),
+            [ctx.Semaphore(0) for _ in range(workers)],
+            [ctx.Semaphore(0) for _ in range(workers)],
+            stop_at.share_memory_(),
+            coordinator.share_memory_(),
+        )
+
+    @property
+    def workers(self) -> int:
+        return int(self.state.shape[0])
 
     def request_stop(self, iteration: int) -> None:
         """Ask workers to stop before ``iteration`` even if the fill pipeline is behind (a worker that
         timed out never sees the stop header); they agree on it at their next iteration start."""
         current = int(self.stop_at[0])
         self.stop_at[0] = iteration if current < 0 else min(current, iteration)
+
+    def set_coordinator(self, attached: bool) -> None:
+        """Mark the coordinator attached (or starting) or gone; waiting workers are woken."""
+        self.coordinator[0] = int(attached)
+        for bell in self.to_worker:
+            ring(bell)
+
+    def coordinator_attached(self) -> bool:
+        return int(self.coordinator[0]) != 0
+
+    def resume_seq(self) -> int:
+        """The first sequence a (new) coordinator may fill: after every sequence any worker has seen
+        filled or has released, so no buffer a worker may still be reading is written."""
+        last = -1
+        for worker in range(self.workers):
+            with self.locks.hold(worker):
+                row = self.state[worker]
+                last = max(last, int(row[:, FILLED].max()), int(row[:, RELEASED].max()))
+        return last + 1
 
 
 @dataclass(frozen=True)
@@ -105,19 +199,27 @@ class WorkerSlots:
         self.worker = worker
         self.buffers = buffers  # [2, S, D]
         self.timeout_s = timeout_s
-        self._cond = shared.conds[worker]
+        self._bell = shared.to_worker[worker]
         self._state = shared.state[worker]
 
     def acquire(self, seq: int) -> tuple[bool, Header | None, float]:
         """Wait until sequence ``seq``'s slots are filled (or the timeout passes).
 
-        Returns (ready, header or None if not even the header arrived, seconds waited).
+        Returns (ready, header or None if not even the header arrived, seconds waited). Does not wait
+        while no coordinator is attached.
         """
         b = buffer_of(seq)
         start = time.perf_counter()
-        with self._cond:
-            ready = bool(self._cond.wait_for(lambda: int(self._state[b, FILLED]) >= seq, self.timeout_s))
-            row = self._state[b].tolist()
+        deadline = start + self.timeout_s
+        locks = self.shared.locks
+        while True:
+            with locks.hold(self.worker):
+                row = self._state[b].tolist()
+            ready = row[FILLED] >= seq
+            remaining = deadline - time.perf_counter()
+            if ready or remaining <= 0 or not self.shared.coordinator_attached():
+                break
+            self._bell.acquire(True, min(remaining, 0.1))
         waited = time.perf_counter() - start
         header = None
         if row[HDR_SEQ] == seq:
@@ -138,10 +240,10 @@ class WorkerSlots:
         if self.buffers.is_cuda:
             torch.cuda.current_stream(self.buffers.device).synchronize()
         b = buffer_of(seq)
-        with self._cond:
+        with self.shared.locks.hold(self.worker):
             if int(self._state[b, RELEASED]) < seq:
                 self._state[b, RELEASED] = seq
-            self._cond.notify_all()
+        ring(self.shared.to_coordinator[self.worker])
 
     def slot(self, seq: int, slot: int) -> torch.Tensor:
         """Packed weights [D] in ``slot`` of sequence ``seq``'s buffer."""
@@ -267,19 +369,23 @@ class SlotFiller:
         self.abort = abort
         self.stats = FillStats()
         self.fail_at_copy: dict[int, int] = {}  # sequence → copy count at which a copy fails (tests)
+        self._written: set[tuple[int, int, int]] = set()  # (worker, buffer, slot) this filler copied
 
     @property
     def num_groups(self) -> int:
         return len(self.groups)
 
     def _wait_released(self, worker: int, seq: int) -> bool:
-        cond, row = self.shared.conds[worker], self.shared.state[worker, buffer_of(seq)]
+        row, bell = self.shared.state[worker, buffer_of(seq)], self.shared.to_coordinator[worker]
         start = time.perf_counter()
-        with cond:
-            while int(row[RELEASED]) < seq - BUFFERS:
-                if self.abort.is_set():
-                    return False
-                cond.wait(0.1)
+        while True:
+            with self.shared.locks.hold(worker):
+                released = int(row[RELEASED])
+            if released >= seq - BUFFERS:
+                break
+            if self.abort.is_set():
+                return False
+            bell.acquire(True, 0.1)
         self.stats.release_wait_s += time.perf_counter() - start
         return True
 
@@ -300,8 +406,8 @@ class SlotFiller:
         for worker, rank in enumerate(self.ranks):
             if not self._wait_released(worker, seq):
                 return False
-            cond, row = self.shared.conds[worker], self.shared.state[worker, b]
-            with cond:
+            row = self.shared.state[worker, b]
+            with self.shared.locks.hold(worker):
                 row[HDR_SEQ], row[PLAN_ID], row[K_VALUE], row[STOP] = seq, table.plan_id, k, int(stop)
                 behind = int(row[RELEASED]) >= seq  # the worker gave up waiting and moved on
             tags = self.shared.tags[worker, b]
@@ -309,7 +415,8 @@ class SlotFiller:
                 continue
             for layer in layers:
                 for slot, expert in enumerate(table.slot_expert[layer, rank].tolist()):
-                    if expert < 0 or tags[slot].tolist() == [layer, expert]:
+                    trusted = (worker, b, slot) in self._written  # a predecessor's tags are not
+                    if expert < 0 or (trusted and tags[slot].tolist() == [layer, expert]):
                         continue
                     if first_copy is None:
                         first_copy = time.perf_counter()
@@ -323,15 +430,16 @@ class SlotFiller:
                         raise SlotFillError(f"injected failure half way through a copy of sequence {seq}")
                     self.transport.copy(dst, src)
                     tags[slot, LAYER], tags[slot, EXPERT] = layer, expert
+                    self._written.add((worker, b, slot))
                     self.stats.bytes_streamed += elem
                     self.stats.copies += 1
                     copies_here += 1
         for worker in range(len(self.ranks)):
             self.transport.flush(self.buffers[worker])
-            cond, row = self.shared.conds[worker], self.shared.state[worker, b]
-            with cond:
+            row = self.shared.state[worker, b]
+            with self.shared.locks.hold(worker):
                 row[FILLED] = seq
-                cond.notify_all()
+            ring(self.shared.to_worker[worker])
         if first_copy is not None:
             self.stats.copy_s += time.perf_counter() - first_copy
         self.stats.fills += 1
@@ -357,6 +465,7 @@ class FillLoop(threading.Thread):
         start_iteration: int = 0,
         kill_at: int | None = None,
         on_failure: Callable[[int, BaseException], None] | None = None,
+        start_group: int = 0,
     ) -> None:
         super().__init__(name="vexpert-fill", daemon=True)
         self.filler = filler
@@ -364,6 +473,7 @@ class FillLoop(threading.Thread):
         self.control = control
         self.delays = dict(delays or {})
         self.start_iteration = start_iteration
+        self.start_group = start_group  # a coordinator that re-attaches mid-iteration starts there
         self.kill_at = kill_at  # sequence at which the loop dies (fault injection)
         self.on_failure = on_failure
         self.failures = 0  # sequences whose fill failed (left unfilled: their group runs degraded)
@@ -371,11 +481,11 @@ class FillLoop(threading.Thread):
 
     def run(self) -> None:
         try:
-            iteration = self.start_iteration
+            iteration, first = self.start_iteration, self.start_group
             while not self.filler.abort.is_set():
                 assignment = self.take_plan(iteration)
                 k, stop = self.control(iteration)
-                for group in range(1 if stop else self.filler.num_groups):
+                for group in range(first, first + 1 if stop else self.filler.num_groups):
                     seq = iteration * self.filler.num_groups + group
                     if seq == self.kill_at:
                         raise FillLoopKilled(f"fill loop killed at sequence {seq}")
@@ -391,6 +501,6 @@ class FillLoop(threading.Thread):
                             self.on_failure(seq, exc)
                 if stop:
                     return
-                iteration += 1
+                iteration, first = iteration + 1, 0
         except BaseException as exc:  # surfaced by the node, which keeps serving and restarts the loop
             self.error = exc
