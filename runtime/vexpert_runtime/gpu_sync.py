@@ -1,0 +1,167 @@
+"""Slot handshake without CPU round trips: two int32 flags per L1 ring buffer.
+
+The coordinator (producer) and a worker (consumer) hand a slot buffer back and forth::
+
+    producer, per fill:  wait FREE == 1 · FREE ← 0 · copy experts in · FULL ← 1
+    consumer, per layer: wait FULL == 1 · FULL ← 0 · compute with the slot · FREE ← 1
+
+On the GPU every step is a stream operation: the waits and writes are ``cuStreamWaitValue32`` /
+``cuStreamWriteValue32`` on the flags, which live in the *worker's* HBM and reach the coordinator
+through CUDA IPC together with the slots. Neither CPU blocks: the producer's copy stream stalls on
+the GPU until the worker has released the buffer, the worker's compute stream stalls until the copy
+landed. Because every wait compares with a constant (1) and every write stores a constant, the
+worker's side can be captured once in a CUDA graph and replayed every iteration.
+
+The CPU twin (:class:`CpuFlagOps`) runs the same protocol on a shared-memory tensor with polling
+waits, so the protocol is tested in CI; its waits time out (:class:`FlagTimeout`) instead of hanging.
+
+Shapes: ``flags`` is ``[R, 2]`` int32 — one row per ring buffer, columns :data:`FREE`, :data:`FULL`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+FREE, FULL = 0, 1
+
+# CUstreamWaitValue_flags / CUstreamWriteValue_flags (cuda.h)
+_WAIT_VALUE_EQ = 0x1
+_WRITE_VALUE_DEFAULT = 0x0
+
+
+class FlagTimeout(TimeoutError):
+    """A CPU-twin wait gave up (the other side is gone or late)."""
+
+
+def allocate_flags(ring: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Flags for ``ring`` buffers, every buffer FREE and not FULL. Returns [ring, 2] int32.
+
+    On the CPU the tensor is in shared memory so another process can map it.
+    """
+    flags = torch.zeros(ring, 2, dtype=torch.int32, device=device)
+    flags[:, FREE] = 1
+    if flags.device.type == "cpu":
+        flags.share_memory_()
+    else:
+        torch.cuda.synchronize(flags.device)  # initialised before any other process's stream reads it
+    return flags
+
+
+class FlagOps(ABC):
+    """Wait on / write one flag, ordered on ``stream`` (None: the current stream; ignored by the CPU
+    twin)."""
+
+    @abstractmethod
+    def wait_eq(self, stream: Any, flags: torch.Tensor, buffer: int, which: int, value: int) -> None: ...
+
+    @abstractmethod
+    def write(self, stream: Any, flags: torch.Tensor, buffer: int, which: int, value: int) -> None: ...
+
+
+class CpuFlagOps(FlagOps):
+    """CPU twin: flags in shared memory, waits poll (x86 stores are seen in order, and the copy
+    before ``FULL ← 1`` is a plain memcpy in the same thread)."""
+
+    def __init__(self, timeout_s: float = 10.0, poll_s: float = 5e-5) -> None:
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+
+    def wait_eq(self, stream: Any, flags: torch.Tensor, buffer: int, which: int, value: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while int(flags[buffer, which]) != value:
+            if time.monotonic() > deadline:
+                name = "FREE" if which == FREE else "FULL"
+                raise FlagTimeout(f"buffer {buffer}: {name} did not become {value} within {self.timeout_s} s")
+            time.sleep(self.poll_s)
+
+    def write(self, stream: Any, flags: torch.Tensor, buffer: int, which: int, value: int) -> None:
+        flags[buffer, which] = value
+
+
+class CudaStreamMemOps(FlagOps):
+    """GPU path: stream memory operations from the CUDA driver (through ctypes: two symbols, no
+    extra dependency). ``flags`` may be this process's tensor or one opened from another process
+    through CUDA IPC; the address is what this process sees."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        self._wait = _symbol(lib, "cuStreamWaitValue32")
+        self._write = _symbol(lib, "cuStreamWriteValue32")
+        self._error_name = lib.cuGetErrorName
+        self._error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+
+    def _check(self, result: int, what: str) -> None:
+        if result != 0:
+            name = ctypes.c_char_p()
+            self._error_name(result, ctypes.byref(name))
+            raise RuntimeError(f"{what} failed: {(name.value or b'?').decode()} ({result})")
+
+    def wait_eq(self, stream: Any, flags: torch.Tensor, buffer: int, which: int, value: int) -> None:
+        address = flags[buffer, which].data_ptr()
+        self._check(self._wait(ctypes.c_void_p(_stream_handle(stream)), ctypes.c_uint64(address),
+                               ctypes.c_uint32(value), ctypes.c_uint(_WAIT_VALUE_EQ)), "cuStreamWaitValue32")
+
+    def write(self, stream: Any, flags: torch.Tensor, buffer: int, which: int, value: int) -> None:
+        address = flags[buffer, which].data_ptr()
+        self._check(self._write(ctypes.c_void_p(_stream_handle(stream)), ctypes.c_uint64(address),
+                                ctypes.c_uint32(value), ctypes.c_uint(_WRITE_VALUE_DEFAULT)), "cuStreamWriteValue32")
+
+
+def _symbol(lib: ctypes.CDLL, name: str) -> Any:
+    # CUDA ≥ 11.7 headers map these names to the _v2 entry points; older drivers have only v1.
+    for candidate in (name + "_v2", name):
+        try:
+            fn = getattr(lib, candidate)
+        except AttributeError:
+            continue
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        return fn
+    raise RuntimeError(f"libcuda has no {name}")
+
+
+def _stream_handle(stream: Any) -> int:
+    # None: the current stream (under graph capture, the capturing stream).
+    return int((stream if stream is not None else torch.cuda.current_stream()).cuda_stream)
+
+
+def flag_ops_for(device: torch.device | str, timeout_s: float = 10.0) -> FlagOps:
+    """The flag operations for flags on ``device``."""
+    return CudaStreamMemOps() if torch.device(device).type == "cuda" else CpuFlagOps(timeout_s)
+
+
+# ------------------------------------------------------------------------------------------------
+# The protocol (one definition for both sides and both backends)
+# ------------------------------------------------------------------------------------------------
+
+
+def produce(ops: FlagOps, stream: Any, flags: torch.Tensor, buffer: int, copy_in: Any) -> None:
+    """Producer side of one fill: wait until ``buffer`` is free, claim it, ``copy_in()``, mark it full.
+
+    ``copy_in`` enqueues the copies on ``stream`` (GPU) or performs them (CPU).
+    """
+    ops.wait_eq(stream, flags, buffer, FREE, 1)
+    ops.write(stream, flags, buffer, FREE, 0)
+    copy_in()
+    ops.write(stream, flags, buffer, FULL, 1)
+
+
+def acquire(ops: FlagOps, stream: Any, flags: torch.Tensor, buffer: int) -> None:
+    """Consumer: wait until ``buffer`` is full, then consume the FULL mark."""
+    ops.wait_eq(stream, flags, buffer, FULL, 1)
+    ops.write(stream, flags, buffer, FULL, 0)
+
+
+def release(ops: FlagOps, stream: Any, flags: torch.Tensor, buffer: int) -> None:
+    """Consumer: the layer that read ``buffer`` is done with it."""
+    ops.write(stream, flags, buffer, FREE, 1)
+
+
+def ring_buffer(layer_sequence: int, ring: int) -> int:
+    """Ring buffer of the ``layer_sequence``-th slot use (iteration · L + layer)."""
+    return layer_sequence % ring

@@ -1,0 +1,92 @@
+"""Expert compute on one GPU as grouped GEMMs over packed expert rows.
+
+A packed expert row is ``[gate (I·H) | up (I·H) | down (H·I)]`` (:func:`checkpoint.pack_expert`), so a
+stack of rows ``[E, D]`` gives, without copying, ``w13 [E, 2I, H]`` (gate and up as one matrix) and
+``w2 [E, H, I]``. Tokens arrive sorted by local expert with ``offs[e]`` = end row of expert ``e``'s
+group; rows past ``offs[-1]`` are padding (their output is undefined and must be ignored).
+
+On CUDA (bf16/fp16) this is two ``torch._grouped_mm`` calls per stack — one kernel each for the
+base experts and for the slots — which is also what a CUDA graph captures; elsewhere the same
+arithmetic runs as a loop over experts (the CPU twin and the reference in tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Token groups are padded to this many rows: the grouped GEMM wants 16-byte-aligned group starts.
+GROUP_ALIGN = 16
+
+
+def packed_views(rows: torch.Tensor, intermediate: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views (w13 [E, 2I, H], w2 [E, H, I]) of packed rows [E, 3·I·H] (no copy; stride D per expert)."""
+    n = intermediate * hidden
+    if rows.shape[-1] != 3 * n:
+        raise ValueError(f"packed rows have {rows.shape[-1]} elements, expected 3·I·H = {3 * n}")
+    stride = rows.stride(0)
+    w13 = rows.as_strided((rows.shape[0], 2 * intermediate, hidden), (stride, hidden, 1))
+    w2 = rows.as_strided((rows.shape[0], hidden, intermediate), (stride, intermediate, 1), rows.storage_offset() + 2 * n)
+    return w13, w2
+
+
+def uses_grouped_gemm(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and hasattr(torch, "_grouped_mm")
+
+
+def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
+                   grouped: bool | None = None) -> torch.Tensor:
+    """SwiGLU of every expert over its token group.
+
+    Args:
+        x: [M, H] tokens sorted by expert (groups end at ``offs``), M ≥ offs[-1].
+        w13: [E, 2I, H]; w2: [E, H, I] (views from :func:`packed_views`).
+        offs: [E] int32 cumulative group ends (non-decreasing; a multiple of GROUP_ALIGN on CUDA).
+        grouped: force the grouped-GEMM (True) or loop (False) path; default: grouped where it runs.
+    Returns:
+        [M, H]; rows past offs[-1] are undefined.
+    """
+    if grouped is None:
+        grouped = uses_grouped_gemm(x)
+    intermediate = w2.shape[-1]
+    if grouped:
+        h = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)
+        act = F.silu(h[:, :intermediate]) * h[:, intermediate:]
+        out: torch.Tensor = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)
+        return out
+    out = torch.zeros_like(x)
+    ends = offs.tolist()
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            h = F.linear(x[start:end], w13[e])
+            out[start:end] = F.linear(F.silu(h[:, :intermediate]) * h[:, intermediate:], w2[e])
+        start = end
+    return out
+
+
+def group_layout(local_expert: torch.Tensor, num_groups: int, align: int = GROUP_ALIGN,
+                 capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each routed pair goes in the expert-sorted, group-padded buffer.
+
+    Args:
+        local_expert: [P] int64 local expert (group) of each (token, expert) pair, in [0, num_groups).
+        num_groups: number of groups (experts in the stack).
+        align: groups start on multiples of this many rows.
+        capacity: rows of the buffer (default: just enough); ``ValueError`` if the pairs do not fit.
+    Returns:
+        position [P] int64 row of each pair, offs [num_groups] int32 group ends.
+    """
+    counts = torch.bincount(local_expert, minlength=num_groups)[:num_groups]
+    padded = (counts + align - 1) // align * align
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    order = torch.argsort(local_expert, stable=True)
+    rank_in_group = torch.empty_like(local_expert)
+    first = counts.cumsum(0) - counts
+    rank_in_group[order] = torch.arange(local_expert.numel(), device=local_expert.device) - first[local_expert[order]]
+    position = starts[local_expert] + rank_in_group
+    total = int(ends[-1]) if num_groups else 0
+    if capacity is not None and total > capacity:
+        raise ValueError(f"{total} padded rows do not fit a buffer of {capacity}")
+    return position, ends.to(torch.int32)
