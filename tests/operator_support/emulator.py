@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import copy
 import datetime as dt
+import functools
 import hashlib
 import json
 import random
@@ -46,7 +47,7 @@ import re
 import string
 import uuid
 import warnings
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import attrs
@@ -54,14 +55,17 @@ import jsonpatch
 import jsonschema
 import kmock
 import kubernetes_validate
-from kmock._internal import apps, enums, parsing, references, rendering
+import kubernetes_validate.utils as kvu
+from kmock._internal import dsl, enums, parsing, references, rendering
 from kmock._internal.k8s import KubernetesError
+from referencing import Registry, Resource
 
 VALIDATE_VERSION = "1.32"
 VALIDATED_KINDS = {"Pod", "ConfigMap", "Service", "StatefulSet", "Job", "PodDisruptionBudget", "Namespace",
                    "CustomResourceDefinition"}
 STATUS_SUBRESOURCE_BUILTINS = {"pods", "nodes", "namespaces", "services", "statefulsets", "deployments", "jobs",
                                "poddisruptionbudgets", "customresourcedefinitions", "replicasets", "daemonsets"}
+CONTROLLED_PLURALS = {"statefulsets", "jobs", "pods"}
 STS_MUTABLE_SPEC = {"replicas", "template", "updateStrategy", "persistentVolumeClaimRetentionPolicy",
                     "minReadySeconds", "ordinals", "revisionHistoryLimit"}
 
@@ -235,6 +239,25 @@ def _bundled_resources() -> dict[references.resource, references.ResourceInfo]:
 
 
 
+@functools.cache
+def _builtin_validator(api_version: str, kind: str) -> Any:
+    """What ``kubernetes_validate.validate(obj, VALIDATE_VERSION, strict=True)`` validates with, built
+    once per kind: the library builds a new registry and validator (and re-resolves every ``$ref``)
+    on every call, which made validation most of a write's cost."""
+    version = [v for v in kvu.all_versions() if kvu.major_minor(v) <= kvu.major_minor(VALIDATE_VERSION)][-1]
+    api = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    schema_dir = f"v{version}-local-strict"
+    try:
+        schema = kvu.schema_contents(f"kubernetes-json-schema/{schema_dir}/{kind.lower()}-{api}.json",
+                                     VALIDATE_VERSION)
+    except FileNotFoundError:
+        raise kubernetes_validate.SchemaNotFoundError(version=kvu.major_minor(VALIDATE_VERSION), kind=kind,
+                                                      api_version=api_version) from None
+    defs = kvu.schema_contents(f"kubernetes-json-schema/{schema_dir}/_definitions.json", VALIDATE_VERSION)
+    registry = Resource.from_contents(defs) @ (Resource.from_contents(schema) @ Registry())
+    return jsonschema.validators.Draft202012Validator(schema, registry=registry)
+
+
 @attrs.define(kw_only=True)
 class KubeEmulator(kmock.KubernetesEmulator):
     validate_builtins: bool = True
@@ -245,6 +268,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         factory=dict, init=False)
     _changed: asyncio.Condition = attrs.field(factory=asyncio.Condition, init=False)
     _schemas: dict[references.resource, dict[str, Any]] = attrs.field(factory=dict, init=False)
+    _validators: dict[references.resource, Any] = attrs.field(factory=dict, init=False)
     _status_sub: set[references.resource] = attrs.field(factory=set, init=False)
     _controller_task: asyncio.Task[None] | None = attrs.field(default=None, init=False)
     _kick: asyncio.Event = attrs.field(factory=asyncio.Event, init=False)
@@ -274,9 +298,48 @@ class KubeEmulator(kmock.KubernetesEmulator):
         await super().__aexit__(*exc)
 
     # kmock's own _handle mutates objects before the reactions; ours does it inside the fallbacks,
-    # so a user reaction (an injected fault) really prevents the change.
+    # so a user reaction (an injected fault) really prevents the change. It is kmock's
+    # ``RawHandler._handle`` except for how it asks whether a reaction's filter sees the request:
+    # kmock's ``request in view`` re-filters every request served so far (quadratic in the run's
+    # length: with thousands of requests it was most of the emulator's time); ``_sees`` decides
+    # filters, priorities, unions, intersections, exclusions and streams from the request alone and
+    # falls back to kmock for what needs the history (slices, reactions, anything unknown).
     async def _handle(self, request: rendering.Request) -> Any:
-        return await apps.RawHandler._handle(self, request)
+        payloads = self._sorted_payloads()
+        for payload in payloads:
+            if self._sees(payload._source, request) and not payload._disabled.is_set():
+                try:
+                    return await payload(request)
+                except rendering.ReactionMismatchError:  # either mismatch or depletion
+                    payload._disabled.set()
+                except NotImplementedError:  # matched, but non-actionable (nothing to respond with)
+                    pass
+        raise NotImplementedError("Undefined server behaviour: no reaction matching the request is defined.")
+
+    def _sorted_payloads(self) -> list[Any]:
+        """kmock's ordering of reactions (highest priority first, ties in registration order)."""
+        priorities: list[tuple[float, ...]] = [payload.priorities for payload in self._payloads]
+        max_length = max((len(p) for p in priorities), default=0)
+        keys = [tuple(-p for p in priority) + (0,) * (max_length - len(priority)) for priority in priorities]
+        return [self._payloads[i] for i in sorted(range(len(keys)), key=lambda i: keys[i])]
+
+    def _sees(self, view: Any, request: rendering.Request) -> bool:
+        kind = type(view)
+        if view is self:
+            return True  # the request was just appended to this root's log
+        if kind is dsl.Filter:
+            return self._sees(view._source, request) and bool(view.criteria(request))
+        if kind is dsl.Priority:
+            return self._sees(view._source, request)
+        if kind is dsl.Stream:
+            return self._sees(view._source, request) and bool(request._stream_bus.consumer_count)
+        if kind is dsl.OrGroup:
+            return any(self._sees(v, request) for v in view._sources)
+        if kind is dsl.AndGroup:
+            return all(self._sees(v, request) for v in view._sources)
+        if kind is dsl.Exclusion:
+            return self._sees(view._source, request) and not any(self._sees(v, request) for v in view._exclusions)
+        return request in view  # kmock's exact (slow) answer
 
     # ---------------------------------------------------------------------------------- helpers
 
@@ -291,27 +354,38 @@ class KubeEmulator(kmock.KubernetesEmulator):
             return None
         return copy.deepcopy(self._objects[key].raw)
 
-    def _all(self, res: references.resource, ns: str | None = None) -> list[dict[str, Any]]:
+    def _all(self, res: references.resource, ns: str | None = None,
+             keep: Callable[[dict[str, Any]], bool] | None = None) -> list[dict[str, Any]]:
+        """Copies of the live objects of a resource (that ``keep`` accepts: it sees the stored
+        object, read-only, so only what is returned gets copied)."""
+        out = [copy.deepcopy(obj) for obj in self._live(res, ns) if keep is None or keep(obj)]
+        return sorted(out, key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"]["name"]))
+
+    def _live(self, res: references.resource, ns: str | None = None) -> list[dict[str, Any]]:
+        """The stored live objects of a resource, NOT copied: read-only (the controllers' reads)."""
         out = []
         for (r, n, _), obj in self._objects.items():
             if r == res and not obj.deleted and (ns is None or n == ns):
-                out.append(copy.deepcopy(obj.raw))
-        return sorted(out, key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"]["name"]))
+                out.append(obj.raw)
+        return out
 
     async def _append(self, res: references.resource, type_: str, obj: dict[str, Any],
                       old: dict[str, Any] | None) -> None:
         self._log.setdefault(res, []).append((self._rv, type_, copy.deepcopy(obj), copy.deepcopy(old)))
         async with self._changed:
             self._changed.notify_all()
-        self._kick.set()
+        if res.plural in CONTROLLED_PLURALS and res.group in ("", "apps", "batch"):
+            self._kick.set()  # the controllers read nothing else
 
     def _not_found(self, res: references.resource, name: str) -> KubernetesError:
         return _err(404, "NotFound", f'{res.plural}.{res.group or "core"} "{name}" not found')
 
     def _validate(self, res: references.resource, obj: dict[str, Any]) -> None:
         if res in self._schemas:
-            schema = self._schemas[res]
-            errors = sorted(jsonschema.Draft4Validator(schema).iter_errors(obj), key=lambda e: list(e.path))
+            validator = self._validators.get(res)
+            if validator is None:
+                validator = self._validators[res] = jsonschema.Draft4Validator(self._schemas[res])
+            errors = sorted(validator.iter_errors(obj), key=lambda e: list(e.path))
             if errors:
                 err = errors[0]
                 path = ".".join(str(p) for p in err.path) or "(root)"
@@ -319,8 +393,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
                                            f"{path}: {err.message}")
         elif self.validate_builtins and obj.get("kind") in VALIDATED_KINDS:
             try:
-                kubernetes_validate.validate(obj, VALIDATE_VERSION, strict=True)
-            except kubernetes_validate.ValidationError as exc:
+                _builtin_validator(obj.get("apiVersion", ""), obj["kind"]).validate(obj)
+            except jsonschema.ValidationError as exc:
                 path = ".".join(str(p) for p in exc.path) or "(root)"
                 raise _err(422, "Invalid", f"{obj.get('kind')} \"{obj['metadata'].get('name')}\" is invalid: "
                                            f"{path}: {exc.message}") from None
@@ -529,6 +603,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 converted.setdefault("properties", {})["metadata"] = {"type": "object"}
                 converted["__raw__"] = raw
                 self._schemas[res] = converted
+                self._validators.pop(res, None)
 
     # ------------------------------------------------------------------------------- endpoints
 
@@ -546,9 +621,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
         assert request.resource is not None
         labels, fields = request.params.get("labelSelector"), request.params.get("fieldSelector")
         async with self._lock:
-            items = [o for o in self._all(request.resource, request.namespace)
-                     if label_selector_matches(labels, o["metadata"].get("labels") or {})
-                     and field_selector_matches(fields, o)]
+            items = self._all(request.resource, request.namespace,
+                              lambda o: label_selector_matches(labels, o["metadata"].get("labels") or {})
+                              and field_selector_matches(fields, o))
             rv = str(self._rv)
         res = request.resource
         return {"apiVersion": f"{res.group}/{res.version}" if res.group else res.version,
@@ -586,7 +661,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 initial: list[dict[str, Any]] = []
             else:
                 index = len(log)
-                initial = [{"type": "ADDED", "object": o} for o in self._all(res, request.namespace) if visible(o)]
+                initial = [{"type": "ADDED", "object": o} for o in self._all(res, request.namespace, visible)]
         for event in initial:
             yield event
         while True:
@@ -697,22 +772,28 @@ class KubeEmulator(kmock.KubernetesEmulator):
             except Exception as exc:  # pragma: no cover - surfaced through kmock's error list
                 self._errors[-1].append(exc) if self._errors else None
 
-    def _owned(self, res: references.resource, ns: str | None, owner_uid: str) -> list[dict[str, Any]]:
-        return [o for o in self._all(res, ns)
-                if any(r.get("uid") == owner_uid and r.get("controller") for r in
-                       o["metadata"].get("ownerReferences") or [])]
+    def _owned_by(self, res: references.resource) -> dict[str, list[dict[str, Any]]]:
+        """Live objects of a resource by their controller's uid (stored objects, read-only): one
+        pass per controller round instead of one scan (and copy) of every pod per owner."""
+        index: dict[str, list[dict[str, Any]]] = {}
+        for obj in self._live(res):
+            for ref in obj["metadata"].get("ownerReferences") or []:
+                if ref.get("controller") and ref.get("uid"):
+                    index.setdefault(ref["uid"], []).append(obj)
+        return index
 
     async def _statefulset_controller(self) -> None:
         sts_res = references.resource("apps", "v1", "statefulsets")
         pod_res = references.resource("", "v1", "pods")
-        for sts in self._all(sts_res):
+        owned = self._owned_by(pod_res)
+        for sts in self._live(sts_res):
             meta, spec = sts["metadata"], sts["spec"]
             if meta.get("deletionTimestamp"):
                 continue
             ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
             template = spec["template"]
             revision = f"{name}-{hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]}"
-            pods = {p["metadata"]["name"]: p for p in self._owned(pod_res, ns, uid)}
+            pods = {p["metadata"]["name"]: p for p in owned.get(uid, []) if p["metadata"].get("namespace") == ns}
             replicas = int(spec.get("replicas", 1))
             for pod in list(pods.values()):
                 ordinal = int(pod["metadata"]["name"].rsplit("-", 1)[1])
@@ -754,7 +835,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
     async def _job_controller(self) -> None:
         job_res = references.resource("batch", "v1", "jobs")
         pod_res = references.resource("", "v1", "pods")
-        for job in self._all(job_res):
+        owned = self._owned_by(pod_res)
+        for job in self._live(job_res):
             meta, spec = job["metadata"], job["spec"]
             status = copy.deepcopy(job.get("status") or {})
             conditions = status.get("conditions") or []
@@ -762,7 +844,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                                                     c.get("status") == "True" for c in conditions):
                 continue
             ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
-            pods = self._owned(pod_res, ns, uid)
+            pods = [p for p in owned.get(uid, []) if p["metadata"].get("namespace") == ns]
             phases = [(p.get("status") or {}).get("phase", "Pending") for p in pods]
             succeeded = phases.count("Succeeded")
             failed = phases.count("Failed")
