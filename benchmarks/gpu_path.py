@@ -62,7 +62,7 @@ def shape_of(args: argparse.Namespace) -> dict[str, Any]:
                     sweep=[64, 256], switch_pairs=128, switch_iters=24, switch_every=6, iters=4, warmup=1,
                     skew_tokens=64, skew_topk=2, skew_experts=8, skew_layers=3, skew_reps=3, bw_reps=3)
     return dict(hidden=7168, inter=2048, local_experts=8, layers=4, ring=2, vmax=1, pool_rows=8,
-                sweep=[512, 2048, 8192, 16384, 32768], switch_pairs=16384, switch_iters=160, switch_every=20,
+                sweep=[512, 2048, 8192, 16384, 32768], switch_pairs=32768, switch_iters=160, switch_every=20,
                 iters=12, warmup=3, skew_tokens=4096, skew_topk=4, skew_experts=8, skew_layers=6, skew_reps=10,
                 bw_reps=8)
 
@@ -148,7 +148,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, shape: dict[str, An
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world)
     to_coord.put(("ring", rank, ring.slots, ring.flags,
-                  dict(ring_bytes=ring.nbytes, ring_allocated=ring_allocated, pinned=host_pinned_bytes())))
+                  dict(ring_bytes=ring.nbytes, ring_allocated=ring_allocated, pinned=host_pinned_bytes(),
+                       free_before_coordinator=torch.cuda.mem_get_info(device)[0] if cuda else None)))
 
     def go() -> None:
         to_coord.put(("captured", rank, None))
@@ -431,7 +432,7 @@ class Coordinator:
         self.fillers = [RingFiller(self.rings[r], self.pool, self.ops, self.streams[r]) for r in range(self.world)]
         self.summary["startup_s"] = time.perf_counter() - t0
 
-    def receive(self, timeout: float = 300.0) -> tuple[Any, ...]:
+    def receive(self, timeout: float = 120.0) -> tuple[Any, ...]:
         message = self.to_coord.get(timeout=timeout)
         if message[0] == "error":
             raise RuntimeError(f"worker {message[1]} failed:\n{message[2]}")
@@ -461,7 +462,7 @@ class Coordinator:
         for q in self.queues:
             q.put(("stop", {}))
         for p in self.procs:
-            p.join(timeout=30)
+            p.join(timeout=10)
             if p.is_alive():
                 p.kill()
 
@@ -515,7 +516,14 @@ class Coordinator:
         return result
 
     def memory(self) -> dict[str, Any]:
+        if self.cuda:
+            torch.cuda.empty_cache()
+        reserved = [torch.cuda.memory_reserved(d) if self.cuda else 0 for d in self.devices()]
         workers = self.command("memory", {})
+        # What the coordinator costs on each worker's GPU: its CUDA context (and anything it keeps
+        # reserved), seen as the drop in free memory since the worker exported its ring.
+        coordinator_on_gpu = [(i["free_before_coordinator"] - w["free_total"][0]) if self.cuda else None
+                              for i, w in zip(self.worker_info, workers, strict=True)]
         own = self.command("pin_own_pool", {"rows": self.shape["pool_rows"]})
         pool_bytes = self.pool.numel() * self.pool.element_size()
         return dict(
@@ -530,7 +538,9 @@ class Coordinator:
                                              node_total_bytes=sum(o["bytes"] for o in own)),
             node_pinned_ours=pool_bytes,
             node_pinned_per_worker_pools=pool_bytes * self.world,
-            coordinator_context=_nvml_process_memory(os.getpid()) if self.cuda else None,
+            coordinator_on_each_gpu_bytes=coordinator_on_gpu,
+            coordinator_reserved_bytes=reserved,
+            nvml=_nvml_process_memory(os.getpid()) if self.cuda else None,
         )
 
     def _fill_sequences(self, sequences: int, row_of: Any) -> threading.Thread:
@@ -549,7 +559,7 @@ class Coordinator:
         shape = self.shape
         rows: list[dict[str, Any]] = []
         for pairs in shape["sweep"]:
-            for mode in ("prefilled", "pipeline"):
+            for mode in ("prefilled", "pipeline", "prefilled"):  # prefilled before and after: clock drift
                 iters = shape["iters"] + shape["warmup"]
                 fill = self._fill_sequences(iters * shape["layers"], lambda s, r: (s + r) % shape["pool_rows"])
 
@@ -687,11 +697,13 @@ def _pipeline_table(rows: list[dict[str, Any]], copy_ms: float | None) -> list[d
     table = []
     for pairs in sorted({r["pairs"] for r in rows}):
         for worker in sorted({r["worker"] for r in rows}):
-            pre = next(r for r in rows if r["pairs"] == pairs and r["worker"] == worker and r["mode"] == "prefilled")
+            pre = [r["layer_ms"] for r in rows if r["pairs"] == pairs and r["worker"] == worker
+                   and r["mode"] == "prefilled"]
             pipe = next(r for r in rows if r["pairs"] == pairs and r["worker"] == worker and r["mode"] == "pipeline")
-            table.append(dict(pairs=pairs, worker=worker, prefilled_layer_ms=pre["layer_ms"],
-                              pipeline_layer_ms=pipe["layer_ms"], growth=pipe["layer_ms"] / pre["layer_ms"] - 1,
-                              copy_ms=copy_ms, copy_fits=(copy_ms is not None and copy_ms <= pre["layer_ms"]),
+            prefilled = float(np.mean(pre))
+            table.append(dict(pairs=pairs, worker=worker, prefilled_layer_ms=prefilled, prefilled_runs_ms=pre,
+                              pipeline_layer_ms=pipe["layer_ms"], growth=pipe["layer_ms"] / prefilled - 1,
+                              copy_ms=copy_ms, copy_fits=(copy_ms is not None and copy_ms <= prefilled),
                               how=pipe["how"]))
     return table
 
@@ -725,8 +737,8 @@ def main(argv: list[str] | None = None) -> int:
             except Exception:
                 failures += 1
                 coord.save(section, {"error": traceback.format_exc()})
-                if coord.cuda:
-                    torch.cuda.synchronize()
+                if not all(p.is_alive() for p in coord.procs):
+                    break  # a worker died: the remaining sections would only wait for it
     finally:
         coord.stop()
     return 1 if failures else 0
