@@ -20,6 +20,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -48,7 +49,7 @@ from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.node import NodeOptions, NodeReport, NodeRuntime, Progress, resolve_setup
 from vexpert_runtime.placement import static_placement
 from vexpert_runtime.slots import row_checksum, sequence
-from vexpert_runtime.workload import Workload
+from vexpert_runtime.workload import Workload, drifting_workload
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = TINY_DEEPSEEK_SPEC
@@ -148,6 +149,110 @@ def test_dead_fill_loop_serves_base_experts_degraded_then_resumes_streaming(tmp_
 
 
 # ------------------------------------------------------------------------------------------------
+# 1b. The coordinator *process* is SIGKILLed: workers serve degraded, a restarted one re-attaches
+# ------------------------------------------------------------------------------------------------
+
+
+def _metric(text: str, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert match is not None, name
+    return float(match.group(1))
+
+
+def _live_children() -> set[int]:
+    """This process's children, without zombies and the multiprocessing resource tracker."""
+    found = set()
+    for pid in _children():
+        try:
+            if b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            if "State:\tZ" in Path(f"/proc/{pid}/status").read_text():
+                continue
+        except OSError:
+            continue
+        found.add(pid)
+    return found
+
+
+def test_killed_coordinator_process_workers_serve_degraded_then_a_restarted_one_resumes_streaming(tmp_path: Path) -> None:
+    write_tiny_checkpoint(tmp_path, SPEC, seed=9)
+    setup = _setup(tmp_path, timeout_s=2.0)  # the node marks the coordinator down: workers do not wait it out
+    children_before, shm_before = _live_children(), _shm()
+    phases = (("decode_in1000out1000", 6), ("prefill_in4096", 6))  # drifting skew: the plans keep changing
+    workload = drifting_workload(phases, SPEC.num_layers, SPEC.num_experts, tokens_per_worker=16, seed=4)
+    lines: list[str] = []
+    box: list[NodeRuntime] = []
+    samples: list[tuple[int, bool, int | None, float]] = []  # (iteration, degraded, coordinator pid, bytes streamed)
+    events: dict[str, Any] = {}
+
+    def progress(p: Progress) -> None:
+        runtime = box[0]
+        text, pid = runtime.metrics.render(), runtime.coordinator_pid
+        up = _metric(text, "vexpert_coordinator_up") == 1.0
+        samples.append((p.iteration, _metric(text, "vexpert_degraded") == 1.0, pid, _metric(text, "vexpert_bytes_streamed_total")))
+        if "killed" not in events and p.iteration >= 8 and up and pid is not None:
+            events["killed"] = (p.iteration, pid, time.monotonic(), samples[-1][3])
+            os.kill(pid, signal.SIGKILL)
+        elif "killed" in events and "attached" not in events and up and pid not in (None, events["killed"][1]):
+            events["attached"] = (p.iteration, pid, time.monotonic())
+        elif "attached" in events and p.iteration >= events["attached"][0] + 16:
+            runtime.request_stop()
+
+    runtime = NodeRuntime(
+        setup,
+        NodeOptions(
+            workload=workload,
+            iterations=5000,  # a bound; the test stops it
+            verify=True,
+            fill_restart_delay_s=0.5,
+            record=True,
+            progress=progress,
+            log=lines.append,
+        ),
+    )
+    box.append(runtime)
+    started = time.monotonic()
+    report = runtime.run()
+    elapsed = time.monotonic() - started
+    killed_at, killed_pid, killed_t, streamed_at_kill = events["killed"]
+    attached_at, new_pid, attached_t = events["attached"]
+    # the workers kept going and every output (degraded ones included) equals the reference
+    assert report.iterations >= attached_at + 16
+    assert report.max_rel_error is not None and report.max_rel_error <= 1e-5
+    assert all(r.reports == 2 for r in report.records)
+    # while it was down: base experts only, and the node said so
+    down = [r for r in report.records if killed_at < r.iteration < attached_at]
+    degraded_iterations = [r.iteration for r in down if set(r.plan_ids) == {0}]
+    assert degraded_iterations, "iterations ran while no coordinator was attached"
+    assert all(flag for i, flag, _, _ in samples if killed_at < i <= attached_at)
+    assert any(line.startswith(f"vexpert-coordinator exited with code -9 (killed by SIGKILL)") for line in lines), lines
+    assert any(f"coordinator {new_pid} attached" in line for line in lines), lines
+    assert "vexpert_coordinator_restarts_total 1.0" in report.metrics_text
+    # a restarted coordinator resumed streaming: later plan changes copied experts and ran undegraded
+    assert new_pid != killed_pid
+    after = [r for r in report.records if r.iteration >= attached_at + 4]
+    assert after and all(r.degraded_groups == 0 and 0 not in r.plan_ids for r in after)
+    assert len({pid for r in after for pid in r.plan_ids}) >= 2, "plans changed after the restart"
+    assert report.bytes_streamed > streamed_at_kill
+    assert samples[-1][1] is False
+    assert _assert_slots_exact(report, tmp_path) > 0
+    # the killed coordinator is gone (reaped), nothing of the node is left
+    with pytest.raises(ProcessLookupError):
+        os.kill(killed_pid, 0)
+    assert _live_children() == children_before
+    deadline = time.monotonic() + 5
+    leaked = {name for name in _shm() - shm_before if name.startswith(("torch_", "sem.mp", "psm_", "mp-"))}
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.2)
+        leaked &= _shm()
+    assert leaked == set(), f"leaked shared memory: {leaked}"
+    print(
+        f"killed at iteration {killed_at}, re-attached at {attached_at} ({attached_t - killed_t:.1f} s later), "
+        f"{len(degraded_iterations)} iterations served degraded, {report.iterations} in {elapsed:.1f} s"
+    )
+
+
+# ------------------------------------------------------------------------------------------------
 # 2. A slot fill fails half way through a copy: that group runs degraded, no half-filled slot read
 # ------------------------------------------------------------------------------------------------
 
@@ -217,6 +322,13 @@ def _workers(marker: str, coordinator: int) -> list[int]:
     return pids
 
 
+def _coordinator_pid(lines: list[str]) -> int:
+    """The pid of the last coordinator process the node's log names."""
+    pids = [int(m.group(1)) for line in lines if (m := re.search(r"coordinator process (\d+) started", line))]
+    assert pids, lines
+    return pids[-1]
+
+
 def test_worker_crash_exits_non_zero_with_a_clear_line_and_leaves_nothing(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     shm_before = _shm()
@@ -233,9 +345,11 @@ def test_worker_crash_exits_non_zero_with_a_clear_line_and_leaves_nothing(tmp_pa
     try:
         assert proc.stderr is not None
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and " iter " not in proc.stderr.readline():
-            pass
-        workers = _workers(marker, proc.pid)
+        seen: list[str] = []
+        while time.monotonic() < deadline and " iter " not in (seen[-1] if seen else ""):
+            seen.append(proc.stderr.readline())
+        coordinator = _coordinator_pid(seen)
+        workers = [pid for pid in _workers(marker, proc.pid) if pid != coordinator]
         assert len(workers) == 2
         os.kill(workers[1], signal.SIGKILL)
         _, err = proc.communicate(timeout=30)

@@ -77,7 +77,7 @@ class NodeMetrics:
         self.pool_bytes = Gauge("vexpert_pool_bytes", "L2 pool memory on this node", registry=reg)
         self.pooled_experts = Gauge("vexpert_pooled_experts", "Np: experts per layer in the L2 pool", registry=reg)
         self.allocation_interval = Gauge("vexpert_allocation_interval", "k: iterations between allocations", registry=reg)
-        self.degraded = Gauge("vexpert_degraded", "1 while groups run without their vExperts (slot fill late)", registry=reg)
+        self.degraded = Gauge("vexpert_degraded", "1 while groups run without their vExperts (slot fill late, coordinator down)", registry=reg)
         self.plan_id = Gauge("vexpert_plan_id", "Id of the plan the workers run", registry=reg)
         self.iterations = Counter("vexpert_iterations_total", "Iterations completed", registry=reg)
         self.degraded_groups = Counter("vexpert_degraded_groups_total", "Groups run on the static placement", registry=reg)
@@ -88,6 +88,12 @@ class NodeMetrics:
         )
         self.fill_loop_restarts = Counter(
             "vexpert_fill_loop_restarts_total", "Times the coordinator's slot fill loop died and was restarted", registry=reg
+        )
+        self.coordinator_restarts = Counter(
+            "vexpert_coordinator_restarts_total", "Times the coordinator process died and was restarted", registry=reg
+        )
+        self.coordinator_up = Gauge(
+            "vexpert_coordinator_up", "1 while a coordinator process is attached (streaming vExperts into the slots)", registry=reg
         )
         self.balance_decay = Gauge(
             "vexpert_balance_decay",

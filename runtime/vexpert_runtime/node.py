@@ -45,15 +45,16 @@ import torch
 from .allocator import AllocatorConfig, allocate
 from .checkpoint import CheckpointReader, MoESpec, read_model_spec
 from .config import RuntimeConfig, TuningConfig, load_runtime_config
+from .coordinator import CoordinatorArgs, coordinator_main, die_with_parent
 from .ep_moe import RoutingTable, base_experts, ep_moe_layer, static_table, table_from_plan
 from .errors import VExpertInputError
-from .expert_pool import ExpertPool, hottest_experts
+from .expert_pool import hottest_experts
 from .metrics import BalanceDecay, NodeMetrics, PoolHits, memory_pressure
 from .moe_math import packed_ffn, relative_error, rms_norm, shared_forward
 from .perf_model import InferenceConstants
 from .placement import balance_ratio, base_gpu_loads, static_placement
 from .profile import PerformanceProfile
-from .protocol import Assignment, FillLoop, SharedState, SlotFiller, WorkerSlots, agree
+from .protocol import SharedState, WorkerSlots, agree
 from .reference import ModelWeights, reference_forward
 from .routing import route
 from .slots import SlotLayout, group_layers, sequence
@@ -452,22 +453,9 @@ def _on_device(weights: Any, device: torch.device) -> Any:
     return replace(weights, **{k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)})
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Make the kernel kill this worker when the coordinator dies (no orphans)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
 def worker_main(args: WorkerArgs) -> None:
     """Entry point of a worker process."""
-    _die_with_parent(args.parent_pid)
+    die_with_parent(args.parent_pid)
     torch.set_num_threads(1)
     try:
         _Worker(args).run()
@@ -539,6 +527,7 @@ class _Worker:
         self.group = dist.group.WORLD if args.world > 1 else None
         self.slots = WorkerSlots(args.shared, args.local_rank, buffers, args.timeout_s)
         args.results.put(("ready", args.rank))
+        self.slots.wait_for_coordinator(STARTUP_TIMEOUT_S)  # then degraded until one attaches
         self._loop()
         args.results.put(("done", args.rank))
         if device.type == "cuda":
@@ -718,10 +707,21 @@ class NodeRuntime:
         self._last_reload_check = 0.0
         self._reference: ModelWeights | None = None
         self._reader = CheckpointReader(setup.checkpoint, spec)
-        self._transport = make_transport(setup.device)
-        self._scripted: dict[int, Assignment] = {}
-        self._assignment: Assignment | None = None
-        self._filler: SlotFiller | None = None
+        self._scripted: dict[int, tuple[RoutingTable, torch.Tensor]] = {}  # iteration → (table, pooled experts)
+        self._assignment: tuple[RoutingTable, torch.Tensor] | None = None  # the latest plan
+        self._pool_experts = hottest_experts(self._hotness, self._pooled)  # [L, Np]: what the coordinator pools
+        self._handles: dict[int, Any] = {}  # local worker → its exported slot buffers
+        self._coordinator: Any = None  # the coordinator process
+        self._conn: Any = None  # the node's end of its pipe
+        self._coordinator_attached = False
+        self._coordinator_starts = 0
+        self._coordinator_restarts = 0
+        self._coordinator_restart_at: float | None = None
+        self._coordinator_down_since: float | None = None
+        self._fill_loop_down = False
+        self._sent_k = self._k
+        self._streamed_done = self._streamed_now = 0  # bytes streamed by dead / the running coordinator
+        self._copy_s_done = self._copy_s_now = 0.0
         self._started_at: float | None = None
         self._last_iter_at: float | None = None
         self._window_clock: float | None = None
@@ -737,8 +737,6 @@ class NodeRuntime:
         self._pool_loaded = False
         self._decay = BalanceDecay()
         self._hits = PoolHits()
-        self._fill_restart_at: float | None = None  # when to restart a dead fill loop
-        self._fill_restarts = 0
         self._allocations = 0
 
     # -- public -----------------------------------------------------------------------------
@@ -766,18 +764,18 @@ class NodeRuntime:
     def run(self) -> NodeReport:
         setup, options = self.setup, self.options
         ctx = torch.multiprocessing.get_context("spawn")
+        self._ctx = ctx
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         procs: list[Any] = []
         queues: list[Any] = []
-        loop: FillLoop | None = None
         try:
             self._start_metrics()
-            self._pool = self._build_pool()
-            self._pool_loaded = True
+            self._pool_experts = hottest_experts(self._hotness, self._pooled)
             self._update_pressure()
-            self._assignment = Assignment(
-                static_table(setup.spec.num_layers, setup.spec.num_experts, setup.world, setup.slots), self._pool
+            self._assignment = (
+                static_table(setup.spec.num_layers, setup.spec.num_experts, setup.world, setup.slots),
+                self._pool_experts,
             )
             if options.verify:
                 self._reference = ModelWeights.load(self._reader, setup.torch_dtype)
@@ -818,14 +816,15 @@ class NodeRuntime:
                 proc.start()
                 procs.append(proc)
             self._controls = controls
-            loop = self._serve(results, procs, shared)
+            self._serve(results, procs, shared)
             return self._report()
         finally:
             self.abort.set()
-            if loop is not None:
-                loop.join(timeout=5)
+            self._stop_coordinator()  # its mappings of the workers' slots go before the workers do
             if setup.device == "cuda":
-                self._release_ipc(queues[1:])
+                for control in queues[1:]:
+                    with contextlib.suppress(Exception):
+                        control.put(BYE)
             _stop_processes(procs)
             for q in queues:
                 q.cancel_join_thread()
@@ -833,20 +832,11 @@ class NodeRuntime:
             self.metrics.close()
             torch.set_num_threads(threads)
 
-    def _release_ipc(self, controls: list[Any]) -> None:
-        """Drop the coordinator's CUDA IPC mappings of the workers' slots, then let the workers exit
-        (a producer must outlive the consumers of what it exported)."""
-        with contextlib.suppress(Exception):
-            torch.cuda.synchronize()
-        getattr(self, "_buffers", {}).clear()
-        if self._filler is not None:
-            self._filler.buffers = []
-        import gc
-
-        gc.collect()
-        for control in controls:
-            with contextlib.suppress(Exception):
-                control.put(BYE)
+    @property
+    def coordinator_pid(self) -> int | None:
+        """Pid of the coordinator process now running (None while there is none)."""
+        proc = self._coordinator
+        return proc.pid if proc is not None and proc.exitcode is None else None
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -861,6 +851,7 @@ class NodeRuntime:
         m.slot_bytes.set(self.setup.memory.slot_bytes_per_worker)
         m.pool_bytes.set(self.setup.memory.pool_bytes)
         m.degraded.set(0)
+        m.coordinator_up.set(0)
         m.set_layers(m.vexperts, [0] * self.setup.spec.num_layers)
         m.pool_hit_ratio.set(1.0 if self._pooled >= self.setup.spec.num_experts else math.nan)
         m.pinned_memory_pressure.set(memory_pressure(self._pinned_bytes(self.setup.memory.pool_bytes), self.setup.host_memory_limit_bytes))
@@ -881,20 +872,22 @@ class NodeRuntime:
         in GPU memory)."""
         return replace(self.setup.memory, pool_bytes=pool_bytes).host_bytes
 
+    def _pool_bytes(self) -> int:
+        """Bytes of the coordinator's L2 pool for the pooled experts the latest plan uses."""
+        layers, pooled = self._pool_experts.shape
+        return int(layers * pooled * self.setup.spec.expert_bytes(self.setup.torch_dtype))
+
     def _update_pressure(self) -> None:
         self.metrics.pinned_memory_pressure.set(
-            memory_pressure(self._pinned_bytes(self._pool.nbytes), self.setup.host_memory_limit_bytes)
+            memory_pressure(self._pinned_bytes(self._pool_bytes()), self.setup.host_memory_limit_bytes)
         )
 
-    def _load_rows(self, layer: int, experts: list[int]) -> torch.Tensor:
-        return self._reader.experts(layer, experts, self.setup.torch_dtype)
-
-    def _allocate_rows(self, rows: int, numel: int) -> torch.Tensor:
-        return self._transport.host_buffer(rows, numel, self.setup.torch_dtype)
-
-    def _build_pool(self) -> ExpertPool:
-        experts = hottest_experts(self._hotness, self._pooled)
-        return ExpertPool.build(experts, self.setup.spec.num_experts, self.setup.spec.expert_numel, self._load_rows, self._allocate_rows)
+    def _pooled_mask(self) -> torch.Tensor:
+        """[L, E] bool: the experts the coordinator's pool holds (the allocator may replicate)."""
+        experts = self._pool_experts
+        mask = torch.zeros(experts.shape[0], self.setup.spec.num_experts, dtype=torch.bool)
+        mask.scatter_(1, experts, True)
+        return mask
 
     def _prepare_scripted(self, controls: list[Any]) -> None:
         """Tables of scripted plans go to the workers before anything can announce them."""
@@ -903,44 +896,161 @@ class NodeRuntime:
             table = table_from_plan(self.options.scripted_plans[iteration], self._plan_id)
             for control in controls:
                 control.put(table)
-            self._scripted[iteration] = Assignment(table, self._pool)
+            self._scripted[iteration] = (table, self._pool_experts)
             self._remember(table)
 
-    # -- fill loop callbacks (fill thread) --------------------------------------------------
+    # -- coordinator process ----------------------------------------------------------------
 
-    def _take_plan(self, iteration: int) -> Assignment:
-        with self._lock:
-            assignment = self._assignment
-            if self._scripted:
-                due = [i for i in self._scripted if i <= iteration]
-                if due:
-                    assignment = self._scripted[max(due)]
-        assert assignment is not None
-        if assignment.table.plan_id != self._last_plan:
-            self._last_plan = assignment.table.plan_id
-            self._switches.append((iteration, assignment.table.plan_id))
-        return assignment
+    def _start_coordinator(self) -> None:
+        """Spawn a coordinator (:mod:`~vexpert_runtime.coordinator`) on a pipe of its own; it
+        re-opens the workers' slots, builds its pool and resumes filling where the workers are."""
+        setup, options = self.setup, self.options
+        first = self._coordinator_starts == 0
+        assert self._shared is not None and self._assignment is not None
+        ours, theirs = self._ctx.Pipe()
+        args = CoordinatorArgs(
+            checkpoint=str(setup.checkpoint),
+            spec=setup.spec,
+            dtype=setup.dtype,
+            device=setup.device,
+            ranks=setup.ranks,
+            group_size=setup.group_size,
+            shared=self._shared,
+            handles=[self._handles[i] for i in range(setup.local_workers)],
+            conn=theirs,
+            parent_pid=os.getpid(),
+            plan=self._assignment,
+            scripted=dict(self._scripted),
+            k=self._k,
+            fill_delays=dict(options.fill_delays) if first else {},
+            fill_failures=dict(options.fill_failures) if first else {},
+            kill_fill_loop_at=options.kill_fill_loop_at if first else None,
+            restart_delay_s=options.fill_restart_delay_s,
+        )
+        proc = self._ctx.Process(target=coordinator_main, args=(args,), name="vexpert-coordinator", daemon=True)
+        proc.start()
+        theirs.close()
+        self._coordinator, self._conn = proc, ours
+        self._coordinator_starts += 1
+        self._sent_k = self._k
+        self._log(f"coordinator process {proc.pid} started")
 
-    def _control(self, iteration: int) -> tuple[int, bool]:
-        limit = self.options.iterations
-        stop = self._stop.is_set() or (limit is not None and iteration >= limit)
-        return self._k, stop
+    def _coordinator_messages(self) -> None:
+        conn = self._conn
+        while conn is not None:
+            try:
+                if not conn.poll(0):
+                    return
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return
+            self._on_coordinator(msg)
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        """To the coordinator, if one is running (a dead one gets the latest plan at its restart)."""
+        if self._conn is not None and self._coordinator_attached:
+            with contextlib.suppress(OSError):
+                self._conn.send(msg)
+
+    def _on_coordinator(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "attached":
+            _, pid, seq = msg
+            groups = -(-self.setup.spec.num_layers // self.setup.group_size)
+            self._coordinator_attached = True
+            self._pool_loaded = True
+            self.metrics.coordinator_up.set(1)
+            if self._coordinator_down_since is not None:
+                self._log(
+                    f"coordinator {pid} attached at iteration {seq // groups} (sequence {seq}), "
+                    f"{time.monotonic() - self._coordinator_down_since:.1f} s after its predecessor died"
+                )
+                self._coordinator_down_since = None
+            if self._sent_k != self._k:
+                self._send(("k", self._k))
+                self._sent_k = self._k
+            # a plan made while it was starting went into its spawn arguments or must follow now
+            if self._assignment is not None:
+                self._send(("plan", *self._assignment))
+        elif kind == "switch":
+            _, iteration, plan_id = msg
+            if plan_id != self._last_plan:
+                self._last_plan = plan_id
+                self._switches.append((iteration, plan_id))
+        elif kind == "stats":
+            self._streamed_now, self._copy_s_now = int(msg[1]), float(msg[2])
+        elif kind == "fill_error":
+            self.metrics.slot_fill_errors.inc()
+            self._log(f"slot fill of sequence {msg[1]} failed, the group runs without its vExperts: {msg[2]}")
+        elif kind == "loop_died":
+            self._fill_loop_down = True
+            self.metrics.degraded.set(1)
+            self._log(f"slot fill loop died ({msg[1]}): serving with base experts only, restarting in {msg[2]:.1f} s")
+        elif kind == "loop_restarted":
+            self._fill_loop_down = False
+            self.metrics.fill_loop_restarts.inc()
+            self._log(f"slot fill loop restarted at iteration {msg[1]}")
+        elif kind == "error":
+            lines = msg[1].strip().splitlines()
+            self._log(f"coordinator failed: {lines[-1] if lines else '?'}")
+
+    def _watch_coordinator(self) -> None:
+        """If the coordinator process died, the workers keep serving on their base experts (no
+        waiting: the shared state says none is attached) and it is restarted with backoff."""
+        proc, now = self._coordinator, time.monotonic()
+        if proc is not None and proc.exitcode is not None:
+            self._coordinator_messages()  # what it sent before dying (its last stats)
+            self._streamed_done += self._streamed_now
+            self._copy_s_done += self._copy_s_now
+            self._streamed_now, self._copy_s_now = 0, 0.0
+            assert self._shared is not None and self._conn is not None
+            self._shared.set_coordinator(False)
+            self._conn.close()
+            self._coordinator, self._conn = None, None
+            self._coordinator_attached = self._fill_loop_down = False
+            self._coordinator_down_since = now
+            delay = min(30.0, self.options.fill_restart_delay_s * 2 ** min(self._coordinator_restarts, 5))
+            self._coordinator_restart_at = now + delay
+            self.metrics.degraded.set(1)
+            self.metrics.coordinator_up.set(0)
+            self._log(f"{_exit_line(proc)}: serving with base experts only, restarting it in {delay:.1f} s")
+        if self._coordinator_restart_at is not None and now >= self._coordinator_restart_at and not self.abort.is_set():
+            self._coordinator_restart_at = None
+            self._coordinator_restarts += 1
+            self.metrics.coordinator_restarts.inc()
+            self._start_coordinator()
+
+    def _stop_coordinator(self) -> None:
+        proc, conn = self._coordinator, self._conn
+        if proc is None:
+            return
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.send(("exit",))
+        proc.join(timeout=5.0)
+        if conn is not None:
+            self._coordinator_messages()
+            conn.close()
+        self._streamed_done += self._streamed_now
+        self._copy_s_done += self._copy_s_now
+        self._streamed_now, self._copy_s_now = 0, 0.0
+        _stop_processes([proc])
+        self._coordinator, self._conn = None, None
 
     # -- main loop --------------------------------------------------------------------------
 
-    def _serve(self, results: Any, procs: list[Any], shared: SharedState) -> FillLoop | None:
+    def _serve(self, results: Any, procs: list[Any], shared: SharedState) -> None:
         """Handle worker messages until every worker is done. Allocation windows are handled before
         anything else in a batch and output verification only when the queue is idle, so a plan
-        reaches the fill loop as early as possible."""
+        reaches the coordinator as early as possible."""
         setup = self.setup
-        self._buffers: dict[int, torch.Tensor] = {}
         self._ready = self._done = 0
-        self._loop: FillLoop | None = None
         self._procs = procs
         last_progress = time.monotonic()
         while self._done < setup.local_workers:
-            self._watch_fill_loop()
-            batch = _drain(results, timeout=0.01 if self._pending_verify else 0.2)
+            self._coordinator_messages()
+            self._watch_coordinator()
+            batch = _drain(results, timeout=0.01 if self._pending_verify else 0.1)
             if not batch:
                 if self._pending_verify:
                     self._verify(self._pending_verify.pop(0))
@@ -958,28 +1068,19 @@ class NodeRuntime:
                 if msg[0] != "window":
                     self._handle(msg)
             self._maybe_reload()
+            if self._k != self._sent_k and self._coordinator_attached:
+                self._send(("k", self._k))
+                self._sent_k = self._k
         while self._pending_verify:
             self._verify(self._pending_verify.pop(0))
-        return self._loop
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
         setup = self.setup
         kind = msg[0]
         if kind == "slots":
-            self._buffers[msg[1]] = self._transport.open(msg[2])
-            if len(self._buffers) == setup.local_workers:
-                assert self._shared is not None
-                self._filler = SlotFiller(
-                    self._shared,
-                    [self._buffers[i] for i in range(setup.local_workers)],
-                    setup.ranks,
-                    self._transport,
-                    setup.spec.num_layers,
-                    setup.group_size,
-                    self.abort,
-                )
-                self._filler.fail_at_copy = dict(self.options.fill_failures)
-                self._start_fill_loop(0, kill_at=self.options.kill_fill_loop_at)
+            self._handles[msg[1]] = msg[2]
+            if len(self._handles) == setup.local_workers:
+                self._start_coordinator()
         elif kind == "ready":
             self._ready += 1
             if self._ready == setup.local_workers:
@@ -997,35 +1098,6 @@ class NodeRuntime:
                 last = msg[2].strip().splitlines()[-1] if msg[2].strip() else ""
                 raise RuntimeError(f"{dead}; worker {msg[1]} then failed: {last}")
             raise RuntimeError(f"worker {msg[1]} failed:\n{msg[2]}")
-
-    def _start_fill_loop(self, iteration: int, kill_at: int | None = None) -> None:
-        assert self._filler is not None
-        self._loop = FillLoop(
-            self._filler, self._take_plan, self._control, self.options.fill_delays, iteration, kill_at, self._on_fill_failure
-        )
-        self._loop.start()
-
-    def _on_fill_failure(self, seq: int, exc: BaseException) -> None:
-        """Fill thread: one sequence's fill failed; its group runs on the static placement."""
-        self.metrics.slot_fill_errors.inc()
-        self._log(f"slot fill of sequence {seq} failed, the group runs without its vExperts: {exc}")
-
-    def _watch_fill_loop(self) -> None:
-        """If the fill loop died, the workers keep serving on their base experts (their slot waits
-        time out: degraded); it is restarted with backoff at the iteration the workers have reached."""
-        loop = self._loop
-        now = time.monotonic()
-        if loop is not None and loop.error is not None and self._fill_restart_at is None:
-            delay = min(30.0, self.options.fill_restart_delay_s * 2 ** min(self._fill_restarts, 5))
-            self._log(f"slot fill loop died ({loop.error!r}): serving with base experts only, restarting in {delay:.1f} s")
-            self._fill_restart_at = now + delay
-            self.metrics.degraded.set(1)
-        if self._fill_restart_at is not None and now >= self._fill_restart_at and not self.abort.is_set():
-            self._fill_restart_at = None
-            self._fill_restarts += 1
-            self.metrics.fill_loop_restarts.inc()
-            self._log(f"slot fill loop restarted at iteration {self._completed}")
-            self._start_fill_loop(self._completed)
 
     def _verify(self, job: tuple[int, int, np.ndarray]) -> None:
         """Compare one rank's output of one iteration with the single-process reference."""
@@ -1067,11 +1139,10 @@ class NodeRuntime:
         self._sync_bytes()
 
     def _sync_bytes(self) -> None:
-        if self._filler is not None:
-            streamed = self._filler.stats.bytes_streamed
-            if streamed > self._bytes_reported:
-                self.metrics.bytes_streamed.inc(streamed - self._bytes_reported)
-                self._bytes_reported = streamed
+        streamed = self._streamed_done + self._streamed_now
+        if streamed > self._bytes_reported:
+            self.metrics.bytes_streamed.inc(streamed - self._bytes_reported)
+            self._bytes_reported = streamed
 
     def _on_window(self, start: int, data: np.ndarray, allocate: bool = True) -> None:
         """Balance bookkeeping, metrics and (every window) a new allocation."""
@@ -1092,7 +1163,8 @@ class NodeRuntime:
         m.set_layers(m.balance, measured.mean(0).tolist())
         m.set_layers(m.static_balance, static.mean(0).tolist())
         recent = [self._records[i] for i in range(start, start + window.shape[0]) if i in self._records]
-        m.degraded.set(1 if any(r.degraded_groups for r in recent) or self._fill_restart_at is not None else 0)
+        down = self._fill_loop_down or not self._coordinator_attached
+        m.degraded.set(1 if any(r.degraded_groups for r in recent) or down else 0)
         now = time.perf_counter()
         elapsed = now - (self._window_clock or now)
         self._window_clock = now
@@ -1126,12 +1198,12 @@ class NodeRuntime:
         """Run the allocator on a window's counts [L, E]; the fill loop picks the plan up at its next
         iteration boundary (workers never wait for this)."""
         setup = self.setup
-        if self._pooled != self._pool.pooled or self._pooled < setup.spec.num_experts:
+        if self._pooled != self._pool_experts.shape[1] or self._pooled < setup.spec.num_experts:
             wanted = hottest_experts(self._hotness, self._pooled)
-            if wanted.shape != self._pool.experts.shape or not torch.equal(wanted, self._pool.experts):
-                self._pool = self._pool.refreshed(wanted, self._load_rows, self._allocate_rows)
-                self.metrics.pooled_experts.set(self._pool.pooled)
-                self.metrics.pool_bytes.set(self._pool.nbytes)
+            if wanted.shape != self._pool_experts.shape or not torch.equal(wanted, self._pool_experts):
+                self._pool_experts = wanted  # the coordinator refreshes its pool with the plan
+                self.metrics.pooled_experts.set(wanted.shape[1])
+                self.metrics.pool_bytes.set(self._pool_bytes())
                 self._update_pressure()
         start = time.perf_counter()
         if self.options.allocator_delay_s:
@@ -1143,13 +1215,13 @@ class NodeRuntime:
             expert_bytes=setup.spec.expert_bytes(setup.torch_dtype),
         )
         config = AllocatorConfig(group_size=setup.group_size, vmax=setup.vmax, balance_threshold=setup.balance_threshold)
-        mask = self._pool.pooled_mask()
+        mask = self._pooled_mask()
         plan = allocate(counts, self._base_gpu, setup.world, config, setup.profile, consts, pooled=mask)
         elapsed = time.perf_counter() - start
         self._allocator_s.append(elapsed)
         self._allocations += 1
         self.metrics.allocator_time.observe(elapsed)
-        if self._pool.pooled < setup.spec.num_experts:  # what the allocator wanted vs what Np allowed
+        if self._pool_experts.shape[1] < setup.spec.num_experts:  # what the allocator wanted vs what Np allowed
             unrestricted = allocate(counts, self._base_gpu, setup.world, config, setup.profile, consts)
             self._hits.add(*pool_hits(unrestricted.slot_expert, mask))
             self.metrics.pool_hit_ratio.set(self._hits.value)
@@ -1159,8 +1231,8 @@ class NodeRuntime:
         table = table_from_plan(plan, self._plan_id)
         for control in self._controls:
             control.put(table)
-        with self._lock:
-            self._assignment = Assignment(table, self._pool)
+        self._assignment = (table, self._pool_experts)
+        self._send(("plan", table, self._pool_experts))
         self._remember(table)
         self._vexperts = plan.vexperts.tolist()
         self.metrics.set_layers(self.metrics.vexperts, [float(v) for v in self._vexperts])
@@ -1182,7 +1254,7 @@ class NodeRuntime:
 
     def _remember(self, table: RoutingTable) -> None:
         self._tables[table.plan_id] = table
-        self._plan_pools[table.plan_id] = self._pool.experts.tolist()
+        self._plan_pools[table.plan_id] = self._pool_experts.tolist()
 
     # -- config reload ----------------------------------------------------------------------
 
@@ -1242,7 +1314,6 @@ class NodeRuntime:
         iterations = self._completed
         elapsed = (self._last_iter_at or 0.0) - (self._started_at or 0.0)
         tokens = iterations * self.setup.world * self.options.workload.tokens_per_worker
-        stats = self._filler.stats if self._filler else None
         self._sync_bytes()
         return NodeReport(
             iterations=iterations,
@@ -1251,8 +1322,8 @@ class NodeRuntime:
             tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
             max_rel_error=self._max_error,
             slot_bytes_per_worker=self.setup.memory.slot_bytes_per_worker,
-            pool_bytes=self._pool.nbytes,
-            bytes_streamed=stats.bytes_streamed if stats else 0,
+            pool_bytes=self._pool_bytes(),
+            bytes_streamed=self._streamed_done + self._streamed_now,
             plan_switches=list(self._switches),
             allocations=self._allocations,
             allocator_s=list(self._allocator_s),
@@ -1260,12 +1331,12 @@ class NodeRuntime:
             metrics_port=self._metrics_port,
             records=records,
             metrics_text=self.metrics.render(),
-            pooled=self._pool.pooled,
+            pooled=int(self._pool_experts.shape[1]),
             k=self._k,
             windows=list(self._windows),
             tables=dict(self._tables),
             plan_pools=dict(self._plan_pools),
-            copy_s=stats.copy_s if stats else 0.0,
+            copy_s=self._copy_s_done + self._copy_s_now,
         )
 
 

@@ -115,8 +115,9 @@ class SharedState:
 
     state: [W, 2, NUM_FIELDS] int64; tags: [W, 2, S, 2] int64 ((layer, expert) per slot, −1 empty);
     locks: one robust mutex per local worker; to_worker / to_coordinator: one doorbell semaphore per
-    local worker and direction; coordinator: [1] int64, 1 while a coordinator is attached or
-    starting, 0 while none is (workers then run degraded at once instead of waiting).
+    local worker and direction; coordinator: [1] int64, −1 until the first coordinator attached
+    (workers wait for it before their first iteration), 1 while one is attached or restarting, 0
+    while none is (workers then run degraded at once instead of waiting).
     """
 
     state: torch.Tensor
@@ -135,7 +136,7 @@ class SharedState:
         state[:, :, HDR_SEQ] = -1
         tags = torch.full((workers, BUFFERS, max(slots, 1), 2), -1, dtype=torch.int64)
         stop_at = torch.full((1,), -1, dtype=torch.int64)
-        coordinator = torch.ones(1, dtype=torch.int64)
+        coordinator = torch.full((1,), -1, dtype=torch.int64)
         return cls(
             state.share_memory_(),
             tags.share_memory_(),
@@ -230,6 +231,16 @@ class WorkerSlots:
         """Whether the coordinator asked to stop before ``iteration`` (out of band of the headers)."""
         stop_at = int(self.shared.stop_at[0])
         return 0 <= stop_at <= iteration
+
+    def wait_for_coordinator(self, timeout_s: float) -> bool:
+        """At start: wait until the first coordinator attached (or died), at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while int(self.shared.coordinator[0]) < 0:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._bell.acquire(True, min(remaining, 0.1))
+        return True
 
     def release(self, seq: int) -> None:
         """This worker no longer reads sequence ``seq``'s buffer.

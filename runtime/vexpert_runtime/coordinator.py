@@ -1,0 +1,235 @@
+"""The coordinator process: the node's L2 expert pool and its slot-fill loop, in a process of its own.
+
+``vexpert node`` (:class:`~vexpert_runtime.node.NodeRuntime`) is the supervisor: it owns the shared
+protocol state (:class:`~vexpert_runtime.protocol.SharedState`), the workers, the allocator, the
+metrics and the verification, and runs this process as a child that it restarts with backoff when it
+dies. The workers do not depend on it: while it is down they run every group on their base experts
+(``vexpert_degraded`` 1), with outputs equal to the reference.
+
+A coordinator attaches the same way at start and after a restart:
+
+1. it re-opens every worker's slot buffers from the handles the workers exported (CPU: shared-memory
+   tensors; GPU: CUDA IPC handles, opened only here, never in the supervisor);
+2. it builds its pool from the checkpoint (the experts the supervisor's latest plan pools);
+3. it reads where the workers are (:meth:`SharedState.resume_seq`), marks itself attached and starts
+   its fill loop there: filling resumes mid-iteration if need be, with the supervisor's latest plan.
+
+Messages over the one pipe to the supervisor (a new pipe per coordinator, so nothing a killed one
+half-wrote can wedge the next): in ``("plan", table, experts)``, ``("k", k)``, ``("exit",)``; out
+``("attached", pid, seq)``, ``("switch", iteration, plan id)``, ``("fill_error", seq, text)``,
+``("loop_died", text, delay)``, ``("loop_restarted", iteration)``, ``("stats", bytes, copy s)``,
+``("error", text)``.
+
+If only the fill *thread* dies (``NodeOptions.kill_fill_loop_at``), this process restarts it itself
+with backoff at the sequence the workers reached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import CheckpointReader, MoESpec
+from .ep_moe import RoutingTable
+from .expert_pool import ExpertPool
+from .protocol import Assignment, FillLoop, SharedState, SlotFiller
+from .transport import make_transport
+
+STATS_INTERVAL_S = 0.1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Make the kernel kill this process when its parent (the node) dies (no orphans)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+@dataclass
+class CoordinatorArgs:
+    """Everything a coordinator process needs (pickled at spawn)."""
+
+    checkpoint: str
+    spec: MoESpec
+    dtype: str
+    device: str
+    ranks: list[int]
+    group_size: int
+    shared: SharedState
+    handles: list[Any]  # per local worker, what its transport exported
+    conn: Any  # this coordinator's end of its pipe to the node
+    parent_pid: int
+    plan: tuple[RoutingTable, torch.Tensor]  # the latest plan and the experts [L, Np] its pool holds
+    scripted: dict[int, tuple[RoutingTable, torch.Tensor]] = field(default_factory=dict)  # iteration → plan (tests)
+    k: int = 1
+    fill_delays: dict[int, float] = field(default_factory=dict)
+    fill_failures: dict[int, int] = field(default_factory=dict)
+    kill_fill_loop_at: int | None = None
+    restart_delay_s: float = 1.0
+
+
+def coordinator_main(args: CoordinatorArgs) -> None:
+    """Entry point of a coordinator process."""
+    die_with_parent(args.parent_pid)
+    torch.set_num_threads(1)
+    try:
+        Coordinator(args).run()
+    except BaseException:
+        with contextlib.suppress(OSError, ValueError):
+            args.conn.send(("error", traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+class Coordinator:
+    def __init__(self, args: CoordinatorArgs) -> None:
+        self.args = args
+        self.spec = args.spec
+        self.dtype: torch.dtype = getattr(torch, args.dtype)
+        self.reader = CheckpointReader(Path(args.checkpoint), args.spec)
+        self.transport = make_transport(args.device)
+        self.abort = threading.Event()
+        self.lock = threading.Lock()
+        self.outbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()  # fill thread → pipe
+        self.k = args.k
+        self.last_plan = -1
+        self.loop: FillLoop | None = None
+        self.restart_at: float | None = None
+        self.restarts = 0
+        self.pool: ExpertPool | None = None
+
+    # -- pool ---------------------------------------------------------------------------------
+
+    def _load(self, layer: int, experts: list[int]) -> torch.Tensor:
+        return self.reader.experts(layer, experts, self.dtype)
+
+    def _alloc(self, rows: int, numel: int) -> torch.Tensor:
+        return self.transport.host_buffer(rows, numel, self.dtype)
+
+    def _assignment(self, table: RoutingTable, experts: torch.Tensor) -> Assignment:
+        """The plan with a pool holding ``experts`` (unchanged layers share the current buffers)."""
+        pool = self.pool
+        assert pool is not None
+        if experts.shape != pool.experts.shape or not torch.equal(experts, pool.experts):
+            pool = pool.refreshed(experts, self._load, self._alloc)
+            self.pool = pool
+        return Assignment(table, pool)
+
+    # -- fill loop callbacks (fill thread) ----------------------------------------------------
+
+    def _take_plan(self, iteration: int) -> Assignment:
+        with self.lock:
+            assignment = self.current
+            due = [i for i in self.scripted if i <= iteration]
+            if due:
+                assignment = self.scripted[max(due)]
+        if assignment.table.plan_id != self.last_plan:
+            self.last_plan = assignment.table.plan_id
+            self.outbox.put(("switch", iteration, assignment.table.plan_id))
+        return assignment
+
+    def _control(self, iteration: int) -> tuple[int, bool]:
+        stop_at = int(self.args.shared.stop_at[0])
+        return self.k, 0 <= stop_at <= iteration
+
+    def _on_failure(self, seq: int, exc: BaseException) -> None:
+        self.outbox.put(("fill_error", seq, str(exc)))
+
+    def _start_loop(self, kill_at: int | None = None) -> int:
+        seq = self.args.shared.resume_seq()
+        iteration, group = divmod(seq, self.filler.num_groups)
+        self.loop = FillLoop(
+            self.filler, self._take_plan, self._control, self.args.fill_delays, iteration, kill_at, self._on_failure, group
+        )
+        self.loop.start()
+        return seq
+
+    # -- main -----------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        args = self.args
+        buffers = [self.transport.open(handle) for handle in args.handles]
+        table, experts = args.plan
+        self.pool = ExpertPool.build(experts, self.spec.num_experts, self.spec.expert_numel, self._load, self._alloc)
+        self.current = Assignment(table, self.pool)
+        self.scripted = {i: self._assignment(t, e) for i, (t, e) in args.scripted.items()}
+        self.filler = SlotFiller(args.shared, buffers, args.ranks, self.transport, self.spec.num_layers, args.group_size, self.abort)
+        self.filler.fail_at_copy = dict(args.fill_failures)
+        args.shared.set_coordinator(True)
+        seq = self._start_loop(args.kill_fill_loop_at)
+        args.conn.send(("attached", os.getpid(), seq))
+        sent = (-1, -1.0)
+        next_stats = 0.0
+        try:
+            while True:
+                if args.conn.poll(0.02):
+                    try:
+                        msg = args.conn.recv()
+                    except EOFError:
+                        return
+                    if msg[0] == "exit":
+                        return
+                    self._handle(msg)
+                self._watch_loop()
+                while True:
+                    try:
+                        args.conn.send(self.outbox.get_nowait())
+                    except queue.Empty:
+                        break
+                now = time.monotonic()
+                stats = (self.filler.stats.bytes_streamed, self.filler.stats.copy_s)
+                if stats != sent and now >= next_stats:
+                    args.conn.send(("stats", *stats))
+                    sent, next_stats = stats, now + STATS_INTERVAL_S
+        finally:
+            self.abort.set()
+            if self.loop is not None:
+                self.loop.join(timeout=5)
+            try:
+                while True:
+                    args.conn.send(self.outbox.get_nowait())
+            except (queue.Empty, OSError):
+                pass
+            with contextlib.suppress(OSError):
+                args.conn.send(("stats", self.filler.stats.bytes_streamed, self.filler.stats.copy_s))
+            if args.device == "cuda":  # drop the IPC mappings before the workers may free their slots
+                torch.cuda.synchronize()
+                self.filler.buffers = []
+                buffers.clear()
+
+    def _handle(self, msg: tuple[Any, ...]) -> None:
+        if msg[0] == "plan":
+            assignment = self._assignment(msg[1], msg[2])
+            with self.lock:
+                self.current = assignment
+        elif msg[0] == "k":
+            self.k = int(msg[1])
+
+    def _watch_loop(self) -> None:
+        """The fill thread died: workers serve on their base experts until it is restarted (backoff)
+        at the sequence they reached."""
+        loop, now = self.loop, time.monotonic()
+        if loop is not None and loop.error is not None and self.restart_at is None:
+            delay = min(30.0, self.args.restart_delay_s * 2 ** min(self.restarts, 5))
+            self.outbox.put(("loop_died", repr(loop.error), delay))
+            self.restart_at = now + delay
+        if self.restart_at is not None and now >= self.restart_at and not self.abort.is_set():
+            self.restart_at = None
+            self.restarts += 1
+            seq = self._start_loop()
+            self.outbox.put(("loop_restarted", seq // self.filler.num_groups))
