@@ -61,9 +61,9 @@ def shape_of(args: argparse.Namespace) -> dict[str, Any]:
         return dict(hidden=64, inter=32, local_experts=4, layers=4, ring=2, vmax=1, pool_rows=8,
                     sweep=[64, 256], switch_pairs=128, switch_iters=24, switch_every=6, iters=4, warmup=1,
                     skew_tokens=64, skew_topk=2, skew_experts=8, skew_layers=3, skew_reps=3, bw_reps=3)
-    return dict(hidden=7168, inter=2048, local_experts=8, layers=4, ring=2, vmax=1, pool_rows=8,
+    return dict(hidden=7168, inter=2048, local_experts=8, layers=4, ring=2, vmax=1, pool_rows=16,
                 sweep=[512, 2048, 8192, 16384, 32768], switch_pairs=32768, switch_iters=160, switch_every=20,
-                iters=12, warmup=3, skew_tokens=4096, skew_topk=4, skew_experts=8, skew_layers=6, skew_reps=10,
+                iters=12, warmup=3, skew_tokens=4096, skew_topk=4, skew_experts=16, skew_layers=6, skew_reps=10,
                 bw_reps=8)
 
 
