@@ -17,6 +17,7 @@ The table in ``benchmarks/RELIABILITY.md`` counts the cases below.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib.util
 import json
 import os
@@ -224,8 +225,11 @@ def test_killed_coordinator_process_workers_serve_degraded_then_a_restarted_one_
     down = [r for r in report.records if killed_at < r.iteration < attached_at]
     degraded_iterations = [r.iteration for r in down if set(r.plan_ids) == {0}]
     assert degraded_iterations, "iterations ran while no coordinator was attached"
-    assert all(flag for i, flag, _, _ in samples if killed_at < i <= attached_at)
-    assert any(line.startswith(f"vexpert-coordinator exited with code -9 (killed by SIGKILL)") for line in lines), lines
+    # (the first window after the kill may still run on slots the dead one filled ahead)
+    flagged = [i for i, flag, _, _ in samples if killed_at < i < attached_at and flag]
+    assert flagged and flagged[0] <= min(degraded_iterations) + 2
+    assert all(flag for i, flag, _, _ in samples if flagged[0] <= i < attached_at)
+    assert any(line.startswith("vexpert-coordinator exited with code -9 (killed by SIGKILL)") for line in lines), lines
     assert any(f"coordinator {new_pid} attached" in line for line in lines), lines
     assert "vexpert_coordinator_restarts_total 1.0" in report.metrics_text
     # a restarted coordinator resumed streaming: later plan changes copied experts and ran undegraded
@@ -240,6 +244,8 @@ def test_killed_coordinator_process_workers_serve_degraded_then_a_restarted_one_
     with pytest.raises(ProcessLookupError):
         os.kill(killed_pid, 0)
     assert _live_children() == children_before
+    del runtime, box[:]
+    gc.collect()  # the node's semaphores are unlinked when it is collected (or its process exits)
     deadline = time.monotonic() + 5
     leaked = {name for name in _shm() - shm_before if name.startswith(("torch_", "sem.mp", "psm_", "mp-"))}
     while leaked and time.monotonic() < deadline:

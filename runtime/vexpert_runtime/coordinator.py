@@ -15,7 +15,7 @@ A coordinator attaches the same way at start and after a restart:
    its fill loop there: filling resumes mid-iteration if need be, with the supervisor's latest plan.
 
 Messages over the one pipe to the supervisor (a new pipe per coordinator, so nothing a killed one
-half-wrote can wedge the next): in ``("plan", table, experts)``, ``("k", k)``, ``("exit",)``; out
+half-wrote can wedge the next): in ``("plan", pickled (table, experts))``, ``("k", k)``, ``("exit",)``; out
 ``("attached", pid, seq)``, ``("switch", iteration, plan id)``, ``("fill_error", seq, text)``,
 ``("loop_died", text, delay)``, ``("loop_restarted", iteration)``, ``("stats", bytes, copy s)``,
 ``("error", text)``.
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import queue
 import signal
 import threading
@@ -214,7 +215,8 @@ class Coordinator:
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
         if msg[0] == "plan":
-            assignment = self._assignment(msg[1], msg[2])
+            table, experts = pickle.loads(msg[1])  # from the node (trusted), pickled by value
+            assignment = self._assignment(table, experts)
             with self.lock:
                 self.current = assignment
         elif msg[0] == "k":

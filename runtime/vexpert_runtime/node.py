@@ -1,10 +1,13 @@
-"""One vExpert node: a coordinator (this process) and one worker process per GPU (or CPU worker).
+"""One vExpert node: a supervisor (this process), a coordinator process and one worker process per
+GPU (or CPU worker).
 
-* The **coordinator** owns the L2 expert pool, fills the workers' L1 slots through the
-  :mod:`~vexpert_runtime.protocol` fill loop (a thread running one group ahead of the workers), runs
-  the allocator every ``k`` iterations on the all-reduced expert counts, serves the node's metrics,
-  re-reads the config file's ``tuning`` section when it changes, verifies outputs against the
-  single-process reference on request, and shuts everything down cleanly.
+* The **supervisor** (:class:`NodeRuntime`) owns the shared protocol state, the workers and their
+  queues; it runs the allocator every ``k`` iterations on the all-reduced expert counts, serves the
+  node's metrics, re-reads the config file's ``tuning`` section when it changes, verifies outputs
+  against the single-process reference on request, and shuts everything down cleanly.
+* The **coordinator** (:mod:`~vexpert_runtime.coordinator`, a child process) owns the L2 expert pool
+  and fills the workers' L1 slots through the :mod:`~vexpert_runtime.protocol` fill loop (a thread
+  running one group ahead of the workers) with the supervisor's latest plan.
 * Each **worker** is one EP rank: it holds its base experts, routes its tokens, and runs the EP MoE
   forward (:mod:`~vexpert_runtime.ep_moe`) with the other workers over torch.distributed, computing
   with the slots the coordinator filled. On CPU everything goes over gloo; on GPUs (one worker per
@@ -12,12 +15,15 @@
   tiny control collectives (plan agreement, count windows) over gloo, through one process group with
   the ``cpu:gloo,cuda:nccl`` backend. The code path is the same; only the device differs.
 
-If the coordinator's fill loop dies, the workers keep serving on their base experts (their slot
-waits time out: ``vexpert_degraded`` 1) and the loop is restarted with backoff at the iteration the
-workers reached. Workers die with the coordinator process (``PR_SET_PDEATHSIG``) and are terminated
-on any worker error (the node exits 1 naming the worker that died), so no process outlives a node; CPU slots are torch shared-memory tensors whose /dev/shm files are unlinked
-at creation, so none can leak. GPU slots live in each worker's HBM and are mapped by the coordinator
-through CUDA IPC; at shutdown the coordinator drops its mappings before telling the workers to exit.
+If the coordinator process dies (or only its fill loop), the workers keep serving on their base
+experts (``vexpert_degraded`` 1; they do not even wait while the shared state says no coordinator is
+attached) and it is restarted with backoff; the new one re-opens the workers' exported slot buffers
+and resumes at the sequence the workers reached. Workers and coordinator die with the supervisor
+(``PR_SET_PDEATHSIG``) and everything is terminated on any worker error (the node exits 1 naming the
+worker that died), so no process outlives a node; CPU slots are torch shared-memory tensors whose
+/dev/shm files are unlinked at creation, so none can leak. GPU slots live in each worker's HBM and
+are mapped by the coordinator through CUDA IPC (the supervisor passes the handles on unopened); at
+shutdown the coordinator exits, dropping its mappings, before the workers are told to exit.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import pickle
 import queue
 import re
 import shutil
@@ -830,6 +837,7 @@ class NodeRuntime:
                 q.cancel_join_thread()
                 q.close()
             self.metrics.close()
+            self._shared = None  # its semaphores are unlinked once nothing holds them
             torch.set_num_threads(threads)
 
     @property
@@ -952,6 +960,12 @@ class NodeRuntime:
             with contextlib.suppress(OSError):
                 self._conn.send(msg)
 
+    def _send_plan(self) -> None:
+        """The latest plan, pickled by value: a tensor sent as itself would go through
+        ``torch.multiprocessing``'s fd sharing, which a coordinator killed mid-receive interrupts."""
+        if self._assignment is not None:
+            self._send(("plan", pickle.dumps(self._assignment)))
+
     def _on_coordinator(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
         if kind == "attached":
@@ -970,8 +984,7 @@ class NodeRuntime:
                 self._send(("k", self._k))
                 self._sent_k = self._k
             # a plan made while it was starting went into its spawn arguments or must follow now
-            if self._assignment is not None:
-                self._send(("plan", *self._assignment))
+            self._send_plan()
         elif kind == "switch":
             _, iteration, plan_id = msg
             if plan_id != self._last_plan:
@@ -1232,7 +1245,7 @@ class NodeRuntime:
         for control in self._controls:
             control.put(table)
         self._assignment = (table, self._pool_experts)
-        self._send(("plan", table, self._pool_experts))
+        self._send_plan()
         self._remember(table)
         self._vexperts = plan.vexperts.tolist()
         self.metrics.set_layers(self.metrics.vexperts, [float(v) for v in self._vexperts])

@@ -22,6 +22,7 @@ coordinator never signals "filled" before the copies landed.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,6 +81,13 @@ class CpuSharedMemoryTransport(SlotTransport):
         return None
 
 
+@dataclass(frozen=True)
+class CudaSlotHandle:
+    """A worker's slot buffers as ``torch.multiprocessing``'s CUDA IPC reduction (plain data)."""
+
+    args: tuple[Any, ...]
+
+
 class CudaIpcTransport(SlotTransport):
     """GPU path: slots live in each worker's HBM and reach the coordinator through CUDA IPC
     (torch.multiprocessing shares CUDA tensors that way); the pool is pinned host memory and each
@@ -96,6 +104,23 @@ class CudaIpcTransport(SlotTransport):
             )
         self.device = torch.device("cuda", device_index)
         self._streams: dict[int, torch.cuda.Stream] = {}
+
+    def export(self, buffers: torch.Tensor) -> Any:
+        """The CUDA IPC handle as plain data: the node passes it on to every coordinator process it
+        starts without opening it (a tensor received over IPC cannot be sent on, and the node needs
+        no CUDA context)."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        _, args = reduce_tensor(buffers)
+        return CudaSlotHandle(tuple(args))
+
+    def open(self, handle: Any) -> torch.Tensor:
+        if isinstance(handle, torch.Tensor):
+            return handle
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        tensor: torch.Tensor = rebuild_cuda_tensor(*handle.args)
+        return tensor
 
     def allocate_slots(self, slots: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         buffers = torch.zeros(BUFFERS, slots, numel, dtype=dtype, device=self.device)
