@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .allocator import Plan
+from .grouped_moe import group_layout, grouped_swiglu, packed_views, uses_grouped_gemm
 from .moe_math import combine
 from .placement import static_placement
 
@@ -201,6 +202,39 @@ def _exchange(send: torch.Tensor, send_splits: list[int], recv_splits: list[int]
     return out
 
 
+@dataclass(frozen=True)
+class ExpertStacks:
+    """A rank's local experts as stacks of packed rows: resident [E/N, D] and this group's slots
+    [S, D] (local index E/N + s is slot s), with the expert FFN's intermediate size."""
+
+    resident: torch.Tensor
+    slots: torch.Tensor | None
+    intermediate: int
+    grouped: bool | None = None  # force (True/False) the grouped-GEMM path; None: where it runs
+
+
+def _grouped_compute(rows: torch.Tensor, local_of_row: torch.Tensor, stacks: ExpertStacks, resident: int,
+                     num_local: int) -> torch.Tensor:
+    """Expert outputs [T, H] for received rows [T, H] with local expert ``local_of_row`` [T]:
+    rows sorted into group-padded blocks, one grouped GEMM pair for the resident stack and one for
+    the slots."""
+    hidden = rows.shape[1]
+    position, offs = group_layout(local_of_row, num_local)
+    ends = offs.tolist()
+    buf = rows.new_zeros(ends[-1] if ends else 0, hidden)
+    buf[position] = rows
+    out = torch.empty_like(buf)
+    split = ends[resident - 1] if resident else 0
+    w13, w2 = packed_views(stacks.resident, stacks.intermediate, hidden)
+    out[:split] = grouped_swiglu(buf[:split], w13, w2, offs[:resident], grouped=True)
+    if ends and ends[-1] > split:
+        if stacks.slots is None:
+            raise ValueError("pairs were routed to slots but no slot stack was given")
+        s13, s2 = packed_views(stacks.slots, stacks.intermediate, hidden)
+        out[split:] = grouped_swiglu(buf[split:], s13, s2, offs[resident:] - split, grouped=True)
+    return out[position]
+
+
 def ep_moe_layer(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -214,6 +248,7 @@ def ep_moe_layer(
     world: int,
     group: dist.ProcessGroup | None,
     after_compute: Callable[[], None] | None = None,
+    stacks: ExpertStacks | None = None,
 ) -> tuple[torch.Tensor, LayerStats]:
     """One MoE layer on this rank's tokens, expert-parallel.
 
@@ -226,6 +261,8 @@ def ep_moe_layer(
         after_compute: called once the expert compute is enqueued (before the combine); the worker
             releases its slot buffer there (on a GPU after synchronizing its stream, see
             :meth:`WorkerSlots.release`).
+        stacks: the same local experts as stacked packed rows; where grouped GEMMs run (CUDA, bf16/fp16,
+            or ``stacks.grouped``) the compute is two grouped GEMMs per stack instead of a loop.
     Every tensor lives on ``x.device`` (CPU with gloo, CUDA with NCCL); the table is moved there.
     Returns (y [B, H], stats) with ``stats.computed`` on the host.
     """
@@ -249,13 +286,17 @@ def ep_moe_layer(
     local_of_row = torch.repeat_interleave(torch.arange(num_local, device=device).repeat(world), recv_matrix.reshape(-1))
     by_expert = torch.argsort(local_of_row, stable=True)
     computed = torch.bincount(local_of_row, minlength=num_local)
-    results = rows.new_empty(rows.shape[0], hidden)
-    start = 0
-    for j, n in enumerate(computed.tolist()):
-        if n:
-            index = by_expert[start : start + n]
-            results[index] = expert_fn(rows[index], local_weight(j))
-            start += n
+    grouped = stacks is not None and (stacks.grouped if stacks.grouped is not None else uses_grouped_gemm(rows))
+    if stacks is not None and grouped:
+        results = _grouped_compute(rows, local_of_row, stacks, table.experts_per_gpu, num_local)
+    else:
+        results = rows.new_empty(rows.shape[0], hidden)
+        start = 0
+        for j, n in enumerate(computed.tolist()):
+            if n:
+                index = by_expert[start : start + n]
+                results[index] = expert_fn(rows[index], local_weight(j))
+                start += n
     if after_compute is not None:
         after_compute()
 
