@@ -14,7 +14,7 @@ Sections (each writes ``<out>/<section>.json``; ``summary.json`` collects them):
   memory     HBM of the slot ring + flags per worker; pinned memory per process vs. per-worker pools
   pipeline   MoE layer time with slots pre-filled vs. streamed layer-ahead, over token counts
   switch     per-iteration time series with a plan switch every few iterations (CUDA graph replay)
-  skew       2 workers, NCCL all-to-all, DeepSeek-V3 per-layer loads: static vs. vExpert step time
+  skew       all workers, NCCL all-to-all, DeepSeek-V3 per-layer loads: static vs. vExpert step time
 The CPU twin runs the same protocol (shared-memory slots and flags, polling waits, gloo) with tiny
 shapes; its timings mean nothing.
 """
@@ -60,10 +60,10 @@ def shape_of(args: argparse.Namespace) -> dict[str, Any]:
     if args.small:
         return dict(hidden=64, inter=32, local_experts=4, layers=4, ring=2, vmax=1, pool_rows=8,
                     sweep=[64, 256], switch_pairs=128, switch_iters=24, switch_every=6, iters=4, warmup=1,
-                    skew_tokens=64, skew_topk=2, skew_experts=8, skew_layers=3, skew_reps=3, bw_reps=3)
+                    skew_tokens=64, skew_topk=2, skew_layers=3, skew_reps=3, bw_reps=3)
     return dict(hidden=7168, inter=2048, local_experts=8, layers=4, ring=2, vmax=1, pool_rows=16,
                 sweep=[512, 2048, 8192, 16384, 32768], switch_pairs=32768, switch_iters=160, switch_every=20,
-                iters=12, warmup=3, skew_tokens=4096, skew_topk=4, skew_experts=16, skew_layers=6, skew_reps=10,
+                iters=12, warmup=3, skew_tokens=4096, skew_topk=4, skew_layers=6, skew_reps=10,
                 bw_reps=8)
 
 
@@ -390,7 +390,11 @@ class Coordinator:
     def __init__(self, args: argparse.Namespace, shape: dict[str, Any]) -> None:
         self.args, self.shape = args, shape
         self.cuda = args.device == "cuda"
-        self.world = min(2, torch.cuda.device_count()) if self.cuda else 2
+        self.world = (args.gpus or torch.cuda.device_count()) if self.cuda else (args.gpus or 2)
+        # The skew section's experts: local_experts per worker; the pool holds every one of them
+        # (pool row e = expert e), and at least 8 rows for the other sections.
+        shape["skew_experts"] = shape["local_experts"] * self.world
+        shape["pool_rows"] = max(shape["pool_rows"], shape["skew_experts"])
         self.numel = 3 * shape["hidden"] * shape["inter"]
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -611,8 +615,6 @@ class Coordinator:
             return dict(skipped="needs 2 workers")
         dist_ds3 = load_bundled_distribution("decode_in1000out1000")
         experts, le = shape["skew_experts"], shape["local_experts"]
-        if experts != le * self.world:
-            raise ValueError("skew section: experts must equal local_experts × workers")
         rng = np.random.default_rng(0)
         cases = []
         layers = np.linspace(0, dist_ds3.shape[0] - 1, shape["skew_layers"]).astype(int)
@@ -722,6 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="tiny shapes (the CPU twin in CI)")
     parser.add_argument("--out", default="benchmarks/results/gpu_path")
     parser.add_argument("--sections", default="bandwidth,memory,pipeline,switch,skew")
+    parser.add_argument("--gpus", type=int, default=0, help="workers (default: every visible GPU; 2 on the CPU)")
     args = parser.parse_args(argv)
     shape = shape_of(args)
     coord = Coordinator(args, shape)
