@@ -268,9 +268,10 @@ def run(n: int, interval_s: float, mode: str, poll_s: float, timeout_s: float, p
                 # Quiet period: with nothing changing, how much does the operator still do?
                 quiet_s = min(interval_s * 1.5, 10.0)
                 n_before = len(durations)
-                r_before = sum(requests.values())
+                r_before = collections.Counter(requests)
                 time.sleep(quiet_s)
-                quiet_reconciles, quiet_requests = len(durations) - n_before, sum(requests.values()) - r_before
+                quiet_reconciles = len(durations) - n_before
+                quiet_requests = dict(collections.Counter(requests) - r_before)
             rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             assert all((d.get("status") or {}).get("phase") == "Running" for d in cluster.list(kube.DEPLOYMENTS))
             cluster.close()
@@ -293,7 +294,8 @@ def run(n: int, interval_s: float, mode: str, poll_s: float, timeout_s: float, p
         "reconcile_ms_p50": pct(0.5), "reconcile_ms_p95": pct(0.95), "reconcile_ms_max": pct(1.0),
         "api_requests": sum(reqs.values()), "api_requests_by_verb": reqs,
         "api_requests_per_reconcile": round(sum(reqs.values()) / max(reconciles, 1), 1),
-        "quiet_s": quiet_s, "quiet_reconciles": quiet_reconciles, "quiet_api_requests": quiet_requests,
+        "quiet_s": quiet_s, "quiet_reconciles": quiet_reconciles, "quiet_api_requests": sum(quiet_requests.values()),
+        "quiet_api_requests_by_verb": quiet_requests,
         "peak_rss_mib": round(rss1 / 1024, 1), "peak_rss_growth_mib": round((rss1 - rss0) / 1024, 1),
     })
     if trace_memory:

@@ -645,6 +645,56 @@ def test_many_deployments_reconcile_and_report_cost(cluster: Cluster, monkeypatc
     print("many deployments", report)
 
 
+def test_shared_lists_one_request_per_round_and_fresh_after_an_event() -> None:
+    """Concurrent reconciles share one LIST of nodes; an invalidation (a node profile event) is never
+    answered from a request that started before it; a failed request is not cached."""
+    import asyncio
+
+    from vexpert_operator.sharedlists import SharedLists
+
+    class FakeClient:
+        def __init__(self) -> None:
+            self.calls, self.version, self.fail = 0, 0, False
+
+        async def list(self, res: Any) -> list[dict[str, Any]]:
+            self.calls += 1
+            seen = self.version
+            await asyncio.sleep(0.01)
+            if self.fail:
+                raise kube.ApiError(500, "InternalError", "boom")
+            return [{"v": seen}]
+
+    async def scenario() -> None:
+        client = FakeClient()
+        lists = SharedLists(client, ttl_s=60.0)  # type: ignore[arg-type]
+        results = await asyncio.gather(*[lists.list_all(kube.NODES) for _ in range(50)])
+        assert client.calls == 1 and all(r == [{"v": 0}] for r in results)
+        assert await lists.list_all(kube.NODES) == [{"v": 0}] and client.calls == 1  # within the TTL
+        client.version = 1
+        lists.invalidate()
+        assert await lists.list_all(kube.NODES) == [{"v": 1}] and client.calls == 2
+        # a request in flight when the event arrives is not joined by the reconciles it wakes
+        client.version = 2
+        lists.invalidate()
+        early = asyncio.ensure_future(lists.list_all(kube.NODES))
+        await asyncio.sleep(0.002)  # its request has started (and read version 2)
+        client.version = 3
+        lists.invalidate()
+        assert await lists.list_all(kube.NODES) == [{"v": 3}] and await early == [{"v": 2}]
+        client.fail = True
+        lists.invalidate()
+        with pytest.raises(kube.ApiError):
+            await lists.list_all(kube.NODES)
+        client.fail = False
+        assert await lists.list_all(kube.NODES) == [{"v": 3}]
+        expired = SharedLists(client, ttl_s=0.0)  # type: ignore[arg-type]
+        await expired.list_all(kube.NODES)
+        await expired.list_all(kube.NODES)
+        assert expired.requests == 2
+
+    asyncio.run(scenario())
+
+
 def _histogram_sum(hist: Any) -> float:
     return sum(s.value for metric in hist.collect() for s in metric.samples if s.name.endswith("_sum"))
 

@@ -54,6 +54,7 @@ from .manifests import (
 from .nodetypes import NodeType, candidate_types, choose_node_type, node_info
 from .plan import GroupPlan, PlanInputs, combine_profiles, plan_group
 from .settings import OperatorSettings
+from .sharedlists import SharedLists
 from .status import get_condition, set_condition, status_patch
 from .tuning import (
     MetricsError,
@@ -87,6 +88,14 @@ class Context:
     logger: logging.Logger | logging.LoggerAdapter = field(default_factory=lambda: logging.getLogger("vexpert"))
     post_events: bool = True
     counted_jobs: set[str] = field(default_factory=set)
+    lists: SharedLists | None = None  # nodes and node profiles shared by concurrent reconciles
+
+
+async def list_cluster_wide(ctx: Context, res: kube.Resource) -> list[dict[str, Any]]:
+    """Every object of a cluster-wide resource; shared with the other reconciles of this round."""
+    if ctx.lists is not None:
+        return await ctx.lists.list_all(res)
+    return await ctx.client.list(res)
 
 
 @dataclass
@@ -215,7 +224,7 @@ async def ensure_calibration(ctx: Context, body: Mapping[str, Any], spec: VExper
     wake: list[dt.datetime] = []
 
     # Hardware: every candidate type gets a profile (auto); the group waits for its own type only.
-    profiles = {p["metadata"]["name"]: p for p in await ctx.client.list(kube.NODE_PROFILES)}
+    profiles = {p["metadata"]["name"]: p for p in await list_cluster_wide(ctx, kube.NODE_PROFILES)}
     hw_jobs: dict[str, list[JobSummary]] = {}
     if calib.mode == "auto":
         for job in await ctx.client.list(kube.JOBS, ns, labels={nm.LABEL_CALIBRATION: "hardware"}):
@@ -252,6 +261,8 @@ async def ensure_calibration(ctx: Context, body: Mapping[str, Any], spec: VExper
                                                  step.job, ns)
                 try:
                     profiles[type_name] = await ctx.client.create(kube.NODE_PROFILES, profile_obj)
+                    if ctx.lists is not None:
+                        ctx.lists.invalidate()
                     m.CALIBRATION_JOBS.labels("hardware", "succeeded").inc()
                     _event(ctx, body, "Normal", "NodeTypeProfiled",
                            f"VExpertNodeProfile {type_name} written from Job {step.job}")
@@ -435,7 +446,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False
     status.nodes = spec.parallelism.num_nodes
     status.conditions = set_condition(status.conditions, "Invalid", False, "Valid", "", stamp, generation)
 
-    nodes = [node_info(n) for n in await ctx.client.list(kube.NODES)]
+    nodes = [node_info(n) for n in await list_cluster_wide(ctx, kube.NODES)]
     candidates = candidate_types(nodes, spec.runtime.node_selector, spec.runtime.tolerations,
                                  spec.parallelism.gpus_per_node)
     chosen_name = choose_node_type(candidates, spec.parallelism.num_nodes, status.node_type)

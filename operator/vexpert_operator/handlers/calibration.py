@@ -18,6 +18,9 @@ def calibration_job_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 
 @kopf.on.event(GROUP, VERSION, NODE_PROFILE_PLURAL)
 def node_profile_changed(memo: kopf.Memo, **_: Any) -> None:
+    lists = memo.get("lists")
+    if lists is not None:
+        lists.invalidate()  # the woken reconciles must see this change
     wake_all(memo, None)
 
 

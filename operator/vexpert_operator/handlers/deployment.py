@@ -5,6 +5,7 @@ tuning loop every ``spec.vexpert.tuningIntervalSeconds``."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -17,6 +18,7 @@ from ..api import DEPLOYMENT_PLURAL, GROUP, VERSION
 from ..reconciler import Context, Outcome, is_permanently_invalid, reconcile, utcnow
 
 VXD = (GROUP, VERSION, DEPLOYMENT_PLURAL)
+PERIOD_JITTER = 0.1
 
 
 def wake(memo: kopf.Memo, namespace: str, name: str) -> None:
@@ -33,7 +35,13 @@ def wake_all(memo: kopf.Memo, namespace: str | None) -> None:
 
 def _context(memo: kopf.Memo, logger: Any) -> Context:
     return Context(client=memo["client"], settings=memo["config"], logger=logger,
-                   counted_jobs=memo["counted_jobs"])
+                   counted_jobs=memo["counted_jobs"], lists=memo.get("lists"))
+
+
+def periodic_delay(interval_s: float) -> float:
+    """The reconcile period with ±10 % jitter: deployments created together (or all resumed at an
+    operator start) would otherwise re-reconcile in lockstep, every one at the same instant."""
+    return interval_s * random.uniform(1 - PERIOD_JITTER, 1 + PERIOD_JITTER)
 
 
 async def locked_reconcile(memo: kopf.Memo, body: Mapping[str, Any], logger: Any, trigger: str,
@@ -84,7 +92,7 @@ async def group_loop(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Me
     event = memo["wakeups"].setdefault((ns, name), asyncio.Event())
     settings = memo["config"]
     next_tune = time.monotonic() + _tuning_interval(body)
-    timeout = settings.reconcile_interval_s
+    timeout = periodic_delay(settings.reconcile_interval_s)
     try:
         while not stopped:
             waiters = [asyncio.ensure_future(event.wait()), asyncio.ensure_future(stopped.wait())]
@@ -96,7 +104,7 @@ async def group_loop(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Me
             event.clear()
             if stopped:
                 break
-            timeout = settings.reconcile_interval_s
+            timeout = periodic_delay(settings.reconcile_interval_s)
             if is_permanently_invalid(body):
                 continue
             tune = time.monotonic() >= next_tune

@@ -10,6 +10,7 @@ import kopf
 from .. import kube, metrics
 from ..naming import FINALIZER
 from ..settings import OperatorSettings
+from ..sharedlists import SharedLists
 
 
 @kopf.on.startup()
@@ -17,6 +18,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
     config = OperatorSettings.from_env()
     memo["config"] = config
     memo["client"] = kube.KubeClient(kube.logged_in_connection)
+    # Nodes and node profiles are read by every reconcile: concurrent reconciles share one LIST,
+    # reused for at most half a reconcile period (1 s at most); profile events invalidate it.
+    memo["lists"] = SharedLists(memo["client"], min(1.0, config.reconcile_interval_s / 2))
     memo["wakeups"] = {}
     memo["locks"] = {}
     memo["counted_jobs"] = set()
