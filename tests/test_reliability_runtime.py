@@ -79,8 +79,8 @@ def _raw_config(checkpoint: Path | str, **sections: dict[str, Any]) -> dict[str,
     return raw
 
 
-def _setup(checkpoint: Path, timeout_s: float) -> Any:
-    setup = resolve_setup(RuntimeConfig.model_validate(_raw_config(checkpoint)), checkpoint)
+def _setup(checkpoint: Path, timeout_s: float, device: str = "cpu") -> Any:
+    setup = resolve_setup(RuntimeConfig.model_validate(_raw_config(checkpoint, runtime={"device": device})), checkpoint)
     return dataclasses.replace(setup, slot_fill_timeout_s=timeout_s)
 
 
@@ -174,9 +174,16 @@ def _live_children() -> set[int]:
     return found
 
 
-def test_killed_coordinator_process_workers_serve_degraded_then_a_restarted_one_resumes_streaming(tmp_path: Path) -> None:
+_TWO_GPUS = torch.cuda.device_count() >= 2 if torch.cuda.is_available() else False
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not _TWO_GPUS, reason="needs 2 GPUs")])])
+def test_killed_coordinator_process_workers_serve_degraded_then_a_restarted_one_resumes_streaming(
+        tmp_path: Path, device: str) -> None:
     write_tiny_checkpoint(tmp_path, SPEC, seed=9)
-    setup = _setup(tmp_path, timeout_s=2.0)  # the node marks the coordinator down: workers do not wait it out
+    # the node marks the coordinator down: workers do not wait it out
+    setup = _setup(tmp_path, timeout_s=2.0, device=device)
     children_before, shm_before = _live_children(), _shm()
     phases = (("decode_in1000out1000", 6), ("prefill_in4096", 6))  # drifting skew: the plans keep changing
     workload = drifting_workload(phases, SPEC.num_layers, SPEC.num_experts, tokens_per_worker=16, seed=4)

@@ -53,7 +53,7 @@ from .allocator import AllocatorConfig, allocate
 from .checkpoint import CheckpointReader, MoESpec, read_model_spec
 from .config import RuntimeConfig, TuningConfig, load_runtime_config
 from .coordinator import CoordinatorArgs, coordinator_main, die_with_parent
-from .ep_moe import RoutingTable, base_experts, ep_moe_layer, static_table, table_from_plan
+from .ep_moe import ExpertStacks, RoutingTable, base_experts, ep_moe_layer, static_table, table_from_plan
 from .errors import VExpertInputError
 from .expert_pool import hottest_experts
 from .metrics import BalanceDecay, NodeMetrics, PoolHits, memory_pressure
@@ -64,7 +64,7 @@ from .profile import PerformanceProfile
 from .protocol import SharedState, WorkerSlots, agree
 from .reference import ModelWeights, reference_forward
 from .routing import route
-from .slots import SlotLayout, group_layers, sequence
+from .slots import SlotLayout, buffer_of, group_layers, sequence
 from .transport import make_transport
 from .workload import Workload
 
@@ -662,6 +662,8 @@ class _Worker:
             args.world,
             self.group,
             after_compute=after,
+            # On CUDA (bf16/fp16) the experts run as grouped GEMMs over these stacks; elsewhere the loop.
+            stacks=ExpertStacks(base, slots.buffers[buffer_of(seq)], spec.intermediate_size),
         )
         computed[layer] = stats.computed
         return h + y
