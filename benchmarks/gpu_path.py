@@ -25,7 +25,6 @@ import argparse
 import itertools
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -46,6 +45,7 @@ from vexpert_runtime.gpu_pipeline import RingFiller, SlotRing, StaticRouting, ca
 from vexpert_runtime.gpu_sync import flag_ops_for
 from vexpert_runtime.grouped_moe import group_layout, grouped_swiglu, packed_views
 from vexpert_runtime.placement import static_placement
+from vexpert_runtime.ports import free_port
 from vexpert_runtime.trace import load_bundled_distribution
 
 DTYPE = torch.bfloat16
@@ -378,12 +378,6 @@ def run_skew(rank: int, world: int, params: dict[str, Any], shape: dict[str, Any
 # ------------------------------------------------------------------------------------------------
 # Coordinator
 # ------------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Coordinator:

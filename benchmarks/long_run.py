@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ sys.path.insert(0, str(ROOT / "runtime"))
 from vexpert_runtime.checkpoint import write_tiny_checkpoint  # noqa: E402
 from vexpert_runtime.config import RuntimeConfig  # noqa: E402
 from vexpert_runtime.node import NodeOptions, NodeRuntime, Progress, resolve_setup  # noqa: E402
+from vexpert_runtime.ports import free_port  # noqa: E402
 from vexpert_runtime.workload import Workload, demo_model_spec  # noqa: E402
 
 SHM_MARKERS = ("/dev/shm/", "memfd:", "torch_")
@@ -127,13 +127,6 @@ def sample(iteration: int) -> Sample:
     return Sample(iteration, _rss(me), rss, entries, used, _shm_fds(me) + sum(_shm_fds(p) for p in workers))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def check(samples: list[Sample], warmup: float, rss_slack_bytes: int) -> list[str]:
     """What is wrong with the samples after warm-up (empty: memory is flat)."""
     if len(samples) < 3:
@@ -172,7 +165,7 @@ def run_long(
         config = RuntimeConfig.model_validate(
             {
                 "model": {"checkpoint_path": str(checkpoint), "dtype": "float32"},
-                "parallelism": {"expert_parallel_size": workers, "gpus_per_node": workers, "master_port": _free_port()},
+                "parallelism": {"expert_parallel_size": workers, "gpus_per_node": workers, "master_port": free_port()},
                 "vexpert": {"group_size": 2, "vmax": 2, "balance_threshold": 0.95},
                 "tuning": {"allocation_interval": k},
                 "runtime": {"device": "cpu", "cpu_workers": workers, "metrics_port": 0, "slot_fill_timeout_s": 5.0},

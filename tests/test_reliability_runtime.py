@@ -22,7 +22,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -48,6 +47,7 @@ from vexpert_runtime.ep_moe import plan_from_slots
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.node import NodeOptions, NodeReport, NodeRuntime, Progress, resolve_setup
 from vexpert_runtime.placement import static_placement
+from vexpert_runtime.ports import free_port
 from vexpert_runtime.slots import row_checksum, sequence
 from vexpert_runtime.workload import Workload, drifting_workload
 
@@ -59,17 +59,10 @@ PLAN_A = plan_from_slots(BASE, torch.tensor([[[4, 5], [0, 1]], [[6, 7], [2, 3]]]
 PLAN_B = plan_from_slots(BASE, torch.tensor([[[6, 7], [2, 3]], [[4, 5], [0, 1]]]))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _raw_config(checkpoint: Path | str, **sections: dict[str, Any]) -> dict[str, Any]:
     raw: dict[str, Any] = {
         "model": {"checkpoint_path": str(checkpoint), "dtype": "float32"},
-        "parallelism": {"expert_parallel_size": 2, "gpus_per_node": 2, "master_port": _free_port()},
+        "parallelism": {"expert_parallel_size": 2, "gpus_per_node": 2, "master_port": free_port()},
         "vexpert": {"group_size": 1, "vmax": 2, "balance_threshold": 0.95},
         "tuning": {"allocation_interval": 2},
         "runtime": {"device": "cpu", "cpu_workers": 2, "metrics_port": 0, "slot_fill_timeout_s": 5.0},

@@ -5,7 +5,6 @@ and Qwen routing; plus the replica-choice bookkeeping on one rank."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from vexpert_runtime.ep_moe import (
 from vexpert_runtime.moe_math import packed_ffn, relative_error, shared_forward
 from vexpert_runtime.perf_model import InferenceConstants
 from vexpert_runtime.placement import balance_ratio, static_placement
+from vexpert_runtime.ports import free_port
 from vexpert_runtime.reference import ModelWeights, reference_moe_layer
 from vexpert_runtime.routing import route
 
@@ -215,13 +215,6 @@ def _run_rank(rank: int, port: int, root: str, cases: list[dict[str, Any]]) -> N
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def ep_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
     root = tmp_path_factory.mktemp("ep")
@@ -249,7 +242,7 @@ def ep_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list
         cases.append({"name": f"random-ds-{seed}", "spec": DS, "ckpt": ds_dir, "layer": seed % 2, "seed": 10 + seed, "bias": SKEW, "table": table})
     qw_table = table_from_plan(_random_plan(1, 16, 2, 99), 20)
     cases.append({"name": "random-qwen", "spec": QW, "ckpt": qw_dir, "layer": 0, "seed": 20, "bias": None, "table": qw_table})
-    mp.spawn(_run_rank, args=(_free_port(), str(root), cases), nprocs=WORLD, join=True)
+    mp.spawn(_run_rank, args=(free_port(), str(root), cases), nprocs=WORLD, join=True)
     per_rank = [json.loads((root / f"rank{r}.json").read_text()) for r in range(WORLD)]
     by_case: dict[str, list[dict[str, Any]]] = {}
     for rows in per_rank:

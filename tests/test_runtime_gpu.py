@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from vexpert_runtime.ep_moe import ep_moe_layer, plan_from_slots, static_table
 from vexpert_runtime.moe_math import packed_ffn, relative_error, shared_forward
 from vexpert_runtime.node import NodeOptions, resolve_setup, run_node
 from vexpert_runtime.placement import static_placement
+from vexpert_runtime.ports import free_port
 from vexpert_runtime.reference import ModelWeights, reference_moe_layer
 from vexpert_runtime.routing import route
 from vexpert_runtime.slots import row_checksum
@@ -40,13 +40,6 @@ SPEC = dataclasses.replace(TINY_DEEPSEEK_SPEC, hidden_size=64, intermediate_size
 
 # fp32 on a GPU differs from the CPU reference by reduction order only; bf16 by rounding.
 TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -89,7 +82,7 @@ def _setup(checkpoint: Path, gpus: int, dtype: str = "float32", k: int = 4, vmax
     config = RuntimeConfig.model_validate(
         {
             "model": {"checkpoint_path": str(checkpoint), "dtype": dtype},
-            "parallelism": {"expert_parallel_size": gpus, "gpus_per_node": gpus, "master_port": _free_port()},
+            "parallelism": {"expert_parallel_size": gpus, "gpus_per_node": gpus, "master_port": free_port()},
             "vexpert": {"group_size": group_size, "vmax": vmax, "balance_threshold": 0.95},
             "tuning": {"allocation_interval": k},
             "runtime": {"device": "cuda", "metrics_port": 0, "slot_fill_timeout_s": 30.0},
@@ -151,7 +144,7 @@ def test_node_on_two_gpus_fills_slots_over_ipc_and_switches_plans(tmp_path: Path
 def _cli_config(path: Path, gpus: int) -> Path:
     raw = {
         "model": {"dtype": "bfloat16"},  # no checkpoint: the built-in demo model (32 experts, 6 layers)
-        "parallelism": {"expert_parallel_size": gpus, "gpus_per_node": gpus, "master_port": _free_port()},
+        "parallelism": {"expert_parallel_size": gpus, "gpus_per_node": gpus, "master_port": free_port()},
         "vexpert": {"group_size": 2, "vmax": 1, "balance_threshold": 0.95},
         "tuning": {"allocation_interval": 8},
         "runtime": {"device": "cuda", "metrics_port": 0},

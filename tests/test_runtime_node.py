@@ -32,6 +32,7 @@ from vexpert_runtime.node import (
     resolve_setup,
     run_node,
 )
+from vexpert_runtime.ports import free_port
 from vexpert_runtime.workload import drifting_workload
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,19 +40,10 @@ SPEC = TINY_DEEPSEEK_SPEC
 
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _config(path: Path, checkpoint: Path | str, **sections: dict[str, Any]) -> Path:
     raw: dict[str, Any] = {
         "model": {"checkpoint_path": str(checkpoint), "dtype": "float32"},
-        "parallelism": {"expert_parallel_size": 2, "gpus_per_node": 2, "master_port": _free_port()},
+        "parallelism": {"expert_parallel_size": 2, "gpus_per_node": 2, "master_port": free_port()},
         "vexpert": {"group_size": 2, "vmax": 1, "balance_threshold": 0.95},
         "tuning": {"allocation_interval": 4},
         "runtime": {"device": "cpu", "cpu_workers": 2, "metrics_port": 0},
@@ -222,7 +214,7 @@ def test_two_nodes_form_one_ep_group(tmp_path: Path) -> None:
     checkpoint = str(write_tiny_checkpoint(tmp_path / "ckpt", SPEC, seed=7))
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     nodes = [ctx.Process(target=_node_process, args=(rank, checkpoint, port, results)) for rank in range(2)]
     for proc in nodes:
         proc.start()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
-import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from vexpert_runtime.ep_moe import plan_from_slots, table_from_plan
 from vexpert_runtime.expert_pool import ExpertPool
 from vexpert_runtime.node import NodeOptions, NodeReport, resolve_setup, run_node
 from vexpert_runtime.placement import static_placement
+from vexpert_runtime.ports import free_port
 from vexpert_runtime.protocol import Assignment, SharedState, SlotFiller, WorkerSlots, decide
 from vexpert_runtime.slots import row_checksum, sequence
 from vexpert_runtime.transport import CpuSharedMemoryTransport
@@ -155,18 +155,11 @@ def test_table_digest_tells_tables_apart() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _setup(checkpoint: Path, k: int = 3, vmax: int = 2, group_size: int = 1) -> Any:
     config = RuntimeConfig.model_validate(
         {
             "model": {"checkpoint_path": str(checkpoint), "dtype": "float32"},
-            "parallelism": {"expert_parallel_size": 2, "gpus_per_node": 2, "master_port": _free_port()},
+            "parallelism": {"expert_parallel_size": 2, "gpus_per_node": 2, "master_port": free_port()},
             "vexpert": {"group_size": group_size, "vmax": vmax, "balance_threshold": 0.95},
             "tuning": {"allocation_interval": k},
             "runtime": {"device": "cpu", "cpu_workers": 2, "metrics_port": 0, "slot_fill_timeout_s": 5.0},

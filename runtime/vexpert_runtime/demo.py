@@ -10,7 +10,6 @@ single-process reference.
 
 from __future__ import annotations
 
-import socket
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import Any
 from .checkpoint import write_tiny_checkpoint
 from .config import RuntimeConfig
 from .node import NodeOptions, NodeReport, Progress, resolve_setup, run_node
+from .ports import free_port
 from .workload import DEMO_PHASES, demo_model_spec, drifting_workload
 
 VERIFY_TOLERANCE = 1e-4
@@ -36,14 +36,6 @@ class DemoSettings:
     metrics_port: int = 0  # 0: any free port on 127.0.0.1
     group_size: int = 2
     vmax: int = 1
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 free right now (for the gloo rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def demo_config(checkpoint: Path, settings: DemoSettings) -> RuntimeConfig:

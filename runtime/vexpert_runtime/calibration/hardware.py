@@ -34,7 +34,6 @@ import json
 import math
 import os
 import queue as queue_mod
-import socket
 import statistics
 import sys
 import threading
@@ -46,6 +45,7 @@ from typing import Any
 
 from .. import __version__
 from ..errors import VExpertInputError
+from ..ports import free_port
 from ..profile import HardwareParameters, NodeTypeKey, PerformanceProfile, Provenance
 
 GB = 1e9  # profile bandwidths are GB/s = 1e9 B/s
@@ -334,14 +334,6 @@ def write_termination_message(path: str | None, text: str) -> bool:
 
 
 # ------------------------------------------------------------------------------ measurement
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 free right now (rendezvous of the ranks)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class _Rig:
