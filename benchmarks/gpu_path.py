@@ -22,6 +22,7 @@ shapes; its timings mean nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -40,10 +41,16 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 from vexpert_runtime.allocator import AllocatorConfig, allocate
-from vexpert_runtime.ep_moe import choose_replicas, table_from_plan
+from vexpert_runtime.ep_moe import (
+    ExpertStacks,
+    choose_replicas,
+    stacked_outputs,
+    static_table,
+    table_from_plan,
+)
 from vexpert_runtime.gpu_pipeline import RingFiller, SlotRing, StaticRouting, capacity_for, moe_layer
 from vexpert_runtime.gpu_sync import flag_ops_for
-from vexpert_runtime.grouped_moe import group_layout, grouped_swiglu, packed_views
+from vexpert_runtime.grouped_moe import group_layout
 from vexpert_runtime.placement import static_placement
 from vexpert_runtime.ports import free_port
 from vexpert_runtime.trace import load_bundled_distribution
@@ -102,7 +109,8 @@ def host_pinned_bytes() -> int | None:
     if stats is None or not torch.cuda.is_available():
         return None
     try:
-        return int(stats().get("allocated_bytes.current", stats().get("allocated_bytes", 0)))
+        values = stats()
+        return int(values.get("allocated_bytes.current", values.get("allocated_bytes", 0)))
     except Exception:
         return None
 
@@ -277,8 +285,7 @@ def run_switch(rank: int, params: dict[str, Any], shape: dict[str, Any], device:
         if it and it % every == 0:  # plan switch: new routing data into the captured tensors
             plan = plans[(it // every) % 2][0]
             for dst, src in zip(routes, plan, strict=True):
-                for name in ("base_gather", "base_offs", "base_weight", "slot_gather", "slot_offs", "slot_weight"):
-                    getattr(dst, name).copy_(getattr(src, name), non_blocking=True)
+                dst.assign(src)
             switches.append(it)
         replay()
         marks.append(timer.mark())
@@ -292,24 +299,19 @@ def run_skew(rank: int, world: int, params: dict[str, Any], shape: dict[str, Any
     """One MoE step (dispatch all-to-all, grouped GEMMs, combine all-to-all) per layer and plan."""
     hidden, inter, le = shape["hidden"], shape["inter"], shape["local_experts"]
     tokens, topk = params["tokens"], params["topk"]
+    stacks = ExpertStacks(base, ring.slots[0], inter)  # slots: buffer 0, pre-filled by the coordinator
     results = []
     for case in params["cases"]:
         gen = torch.Generator().manual_seed(case["seed"] * 97 + rank)
         probs = torch.tensor(case["probs"], dtype=torch.float64)
         ids = torch.multinomial(probs.expand(tokens, -1).float(), topk, replacement=False, generator=gen)
-        x = (torch.randn(tokens, hidden, generator=gen) * 1.0).to(DTYPE).to(device)
-        weights = torch.full((tokens, topk), 1.0 / topk)
+        x = torch.randn(tokens, hidden, generator=gen).to(DTYPE).to(device)
         row = {}
         for plan_name in ("static", "vexpert"):
             table = case[plan_name]
             gpu = torch.tensor(table["gpu"])
             local = torch.tensor(table["local"])
             cum = torch.tensor(table["cum_share"])
-            if plan_name == "vexpert":
-                slot_rows = table["slot_expert"][rank]
-                for s, expert in enumerate(slot_rows):  # the coordinator's fill already landed (prefilled)
-                    if expert >= 0:
-                        assert int(params["slot_tags"][rank][s]) == expert
             dest, dloc = choose_replicas(ids, gpu, local, cum, rank, world)
             dest, dloc = dest.flatten(), dloc.flatten()
             order = torch.argsort(dest, stable=True)
@@ -323,23 +325,18 @@ def run_skew(rank: int, world: int, params: dict[str, Any], shape: dict[str, Any
             s_split, r_split = send_counts.tolist(), recv_counts.tolist()
             recv_local = torch.empty(sum(r_split), dtype=torch.int64, device=device)
             dist.all_to_all_single(recv_local, send_local, r_split, s_split)
+            # The layout is planned outside the timed step: the step is dispatch, experts, combine.
             position, offs = group_layout(recv_local, le + shape["vmax"])
-            base_n = int(offs[le - 1]) if le else 0
-            total = int(offs[-1])
+            ends = offs.tolist()
 
             def step(r_split: list[int] = r_split, s_split: list[int] = s_split, send_x: torch.Tensor = send_x,
-                     position: torch.Tensor = position, offs: torch.Tensor = offs, base_n: int = base_n,
-                     total: int = total, token_of_pair: torch.Tensor = token_of_pair) -> torch.Tensor:
+                     position: torch.Tensor = position, offs: torch.Tensor = offs, ends: list[int] = ends,
+                     token_of_pair: torch.Tensor = token_of_pair) -> torch.Tensor:
                 recv_x = torch.empty(sum(r_split), hidden, dtype=DTYPE, device=device)
                 dist.all_to_all_single(recv_x, send_x, r_split, s_split)
-                buf = torch.zeros(total, hidden, dtype=DTYPE, device=device)
+                buf = torch.zeros(ends[-1], hidden, dtype=DTYPE, device=device)
                 buf[position] = recv_x
-                w13, w2 = packed_views(base, inter, hidden)
-                y = torch.empty_like(buf)
-                y[:base_n] = grouped_swiglu(buf[:base_n], w13, w2, offs[:le])
-                if total > base_n:
-                    s13, s2 = packed_views(ring.slots[0], inter, hidden)
-                    y[base_n:] = grouped_swiglu(buf[base_n:], s13, s2, offs[le:] - base_n)
+                y = stacked_outputs(buf, offs, ends, stacks, le)
                 back = torch.empty_like(send_x)
                 dist.all_to_all_single(back, y[position].contiguous(), s_split, r_split)
                 out = torch.zeros(tokens, hidden, dtype=torch.float32, device=device)
@@ -371,7 +368,6 @@ def run_skew(rank: int, world: int, params: dict[str, Any], shape: dict[str, Any
             row["static"].pop("out")
             row["vexpert"].pop("out")
         results.append(dict(case=case["name"], **row))
-        del weights
     return dict(cases=results)
 
 
@@ -489,7 +485,7 @@ class Coordinator:
             for rep in range(reps):
                 for g in gpus:
                     dst = targets[kind][g]
-                    with torch.cuda.stream(self.streams[g]) if self.cuda else _null():
+                    with torch.cuda.stream(self.streams[g]) if self.cuda else contextlib.nullcontext():
                         for s in range(dst.shape[0]):
                             dst[s].copy_(self.pool[(rep + s + g) % rows], non_blocking=True)
                             copies += 1
@@ -624,7 +620,7 @@ class Coordinator:
             probs = probs / probs.sum()
             counts = torch.tensor(probs * shape["skew_tokens"] * self.world * shape["skew_topk"]).unsqueeze(0).float()
             plan = allocate(counts, base_gpu, self.world, config)
-            vex, static = table_from_plan(plan, 1), table_from_plan(_static_plan(base_gpu, self.world, shape["vmax"]), 0)
+            vex, static = table_from_plan(plan, 1), static_table(1, experts, self.world, shape["vmax"])
             cases.append(dict(name=f"layer{int(layer) + 3}", seed=i, probs=probs.tolist(),
                               static=_table_json(static), vexpert=_table_json(vex)))
         results = []
@@ -632,17 +628,14 @@ class Coordinator:
             # Prefill each worker's slot 0 (buffer 0) with the plan's replicated expert over the IPC ring.
             # Pre-fill each worker's buffer 0 with the plan's replicated experts (pool row e = expert e,
             # generated from the same seed as the worker's resident copy); streaming is measured above.
-            tags = []
             for r in range(self.world):
-                slot_experts = case["vexpert"]["slot_expert"][r]
-                for s, expert in enumerate(slot_experts):
+                for s, expert in enumerate(case["vexpert"]["slot_expert"][r]):
                     if expert >= 0:
                         self.rings[r].slots[0, s].copy_(self.pool[expert])
-                tags.append(slot_experts)
             for d in self.devices():
                 sync(d)
             params = dict(tokens=shape["skew_tokens"], topk=shape["skew_topk"], reps=shape["skew_reps"],
-                          cases=[case], slot_tags=tags)
+                          cases=[case])
             res = self.command("skew", params)[0]["cases"][0]
             st, vx = res["static"], res["vexpert"]
             bal = {k: float(np.mean(v["loads"]) / max(v["loads"])) for k, v in (("static", st), ("vexpert", vx))}
@@ -655,23 +648,9 @@ class Coordinator:
                     local_experts=le, cases=results)
 
 
-def _static_plan(base_gpu: torch.Tensor, world: int, vmax: int) -> Any:
-    from vexpert_runtime.ep_moe import plan_from_slots
-
-    return plan_from_slots(base_gpu, torch.full((1, world, vmax), -1))
-
-
 def _table_json(table: Any) -> dict[str, Any]:
     return dict(gpu=table.gpu[0].tolist(), local=table.local[0].tolist(), cum_share=table.cum_share[0].tolist(),
                 slot_expert=table.slot_expert[0].tolist())
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _nvml_process_memory(pid: int) -> dict[str, Any] | None:

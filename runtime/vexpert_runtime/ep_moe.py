@@ -213,26 +213,33 @@ class ExpertStacks:
     grouped: bool | None = None  # force (True/False) the grouped-GEMM path; None: where it runs
 
 
-def _grouped_compute(rows: torch.Tensor, local_of_row: torch.Tensor, stacks: ExpertStacks, resident: int,
-                     num_local: int) -> torch.Tensor:
-    """Expert outputs [T, H] for received rows [T, H] with local expert ``local_of_row`` [T]:
-    rows sorted into group-padded blocks, one grouped GEMM pair for the resident stack and one for
-    the slots."""
-    hidden = rows.shape[1]
-    position, offs = group_layout(local_of_row, num_local)
-    ends = offs.tolist()
-    buf = rows.new_zeros(ends[-1] if ends else 0, hidden)
-    buf[position] = rows
+def stacked_outputs(buf: torch.Tensor, offs: torch.Tensor, ends: list[int], stacks: ExpertStacks,
+                    resident: int) -> torch.Tensor:
+    """Expert outputs [M, H] of a group-padded buffer ``buf`` [M, H] laid out by
+    :func:`~vexpert_runtime.grouped_moe.group_layout` over the resident experts then the slots
+    (``offs`` [E/N + S] int32 group ends, ``ends`` the same on the host): one grouped GEMM pair for
+    the resident stack, one for the slots."""
+    hidden = buf.shape[1]
     out = torch.empty_like(buf)
     split = ends[resident - 1] if resident else 0
     w13, w2 = packed_views(stacks.resident, stacks.intermediate, hidden)
-    out[:split] = grouped_swiglu(buf[:split], w13, w2, offs[:resident], grouped=True)
+    out[:split] = grouped_swiglu(buf[:split], w13, w2, offs[:resident], grouped=stacks.grouped)
     if ends and ends[-1] > split:
         if stacks.slots is None:
             raise ValueError("pairs were routed to slots but no slot stack was given")
         s13, s2 = packed_views(stacks.slots, stacks.intermediate, hidden)
-        out[split:] = grouped_swiglu(buf[split:], s13, s2, offs[resident:] - split, grouped=True)
-    return out[position]
+        out[split:] = grouped_swiglu(buf[split:], s13, s2, offs[resident:] - split, grouped=stacks.grouped)
+    return out
+
+
+def _grouped_compute(rows: torch.Tensor, local_of_row: torch.Tensor, stacks: ExpertStacks, resident: int,
+                     num_local: int) -> torch.Tensor:
+    """Expert outputs [T, H] for received rows [T, H] with local expert ``local_of_row`` [T]."""
+    position, offs = group_layout(local_of_row, num_local)
+    ends = offs.tolist()
+    buf = rows.new_zeros(ends[-1] if ends else 0, rows.shape[1])
+    buf[position] = rows
+    return stacked_outputs(buf, offs, ends, stacks, resident)[position]
 
 
 def ep_moe_layer(

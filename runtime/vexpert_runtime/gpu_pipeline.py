@@ -137,6 +137,11 @@ class StaticRouting:
             weights.copy_(new_weight, non_blocking=True)
             offs.copy_(ends, non_blocking=True)
 
+    def assign(self, other: StaticRouting) -> None:
+        """Take ``other``'s routing (same capacities) into these tensors: a plan switch between replays."""
+        for name in ("base_gather", "base_offs", "base_weight", "slot_gather", "slot_offs", "slot_weight"):
+            getattr(self, name).copy_(getattr(other, name), non_blocking=True)
+
 
 def moe_layer(x: torch.Tensor, base_rows: torch.Tensor, ring: SlotRing, buffer: int, route: StaticRouting,
               intermediate: int, hidden: int, ops: FlagOps | None, stream: Any, out: torch.Tensor) -> torch.Tensor:
