@@ -48,7 +48,9 @@ def phase_entry(path: Path) -> tuple[dict[str, object], list[str]]:
     kept, dropped = trace.drop_dense_layers(counts)
     probs = trace.normalize_rows(kept) * VALUE_SCALE
     meta: dict[str, object] = {
-        "source": f"SGLang expert statistics of DeepSeek-V3, {path}",
+        # The file name only: an absolute path would differ between checkouts and make the
+        # bundled file depend on where ../shared happens to be mounted.
+        "source": f"SGLang expert statistics of DeepSeek-V3, shared/data/deepseek-v3/{path.name}",
         "layers_dropped": dropped,
         "max_layer_total": round(float(kept.sum(axis=1).max())),
     }
