@@ -151,8 +151,7 @@ def test_bundled_file_is_compact_and_documented() -> None:
     doc = json.loads(BUNDLED_JSON.read_text())
     for name, entry in doc["distributions"].items():
         assert (
-            entry["source"]
-            == f"SGLang expert statistics of DeepSeek-V3, shared/data/deepseek-v3/{name}.json"
+            entry["source"] == f"SGLang expert statistics of DeepSeek-V3, shared/data/deepseek-v3/{name}.json"
         )
         assert entry["layers_dropped"] == [0, 1, 2]
         assert len(entry["distribution"]) == 58
