@@ -80,7 +80,7 @@ def test_flags_start_free_and_a_wait_times_out_instead_of_hanging() -> None:
     started = time.monotonic()
     with pytest.raises(FlagTimeout, match="FULL did not become 1"):
         acquire(ops, None, flags, 0)
-    assert 0.2 <= time.monotonic() - started < 2.0
+    assert 0.2 <= time.monotonic() - started < 10.0  # bounded: it gave up, with slack for a loaded CI host
 
 
 def _producer(slots: torch.Tensor, flags: torch.Tensor, sequences: int, progress: torch.Tensor) -> None:

@@ -77,16 +77,14 @@ def test_model_job_contract(tmp_path: Path) -> None:
 def test_node_runtime_accepts_the_rendered_config_and_its_metrics_parse(tmp_path: Path) -> None:
     """`vexpert node` (CPU workers, built-in demo model) runs on the operator's RuntimeConfig and its
     Prometheus endpoint is what the tuning loop reads."""
-    import socket
     import time
     import urllib.request
 
     from vexpert_operator.plan import PlanInputs, plan_group
     from vexpert_operator.tuning import aggregate, parse_runtime_metrics
+    from vexpert_runtime.ports import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     s = spec(model={"name": "demo", "architecture": "deepseek_v3", "checkpoint": {"hostPath": "/models"}},
              parallelism={"expertParallelSize": 2, "gpusPerNode": 2})
     config = plan_group(PlanInputs(name="d", namespace="ns", spec=s)).runtime_config
@@ -95,6 +93,7 @@ def test_node_runtime_accepts_the_rendered_config_and_its_metrics_parse(tmp_path
     config.runtime.device = "cpu"
     config.runtime.metrics_port = port
     config.parallelism.master_addr = "127.0.0.1"
+    config.parallelism.master_port = free_port()  # not the in-cluster default 29500: another run may hold it
     config.tuning.pooled_experts = None
     path = tmp_path / "runtime.yaml"
     path.write_text(config.to_yaml())
