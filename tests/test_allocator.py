@@ -12,6 +12,7 @@ from vexpert_runtime.allocator import (
     AllocatorConfig,
     allocate,
     assign_vexpert_counts,
+    place_replicas,
     replica_counts,
 )
 from vexpert_runtime.errors import VExpertInputError
@@ -276,3 +277,56 @@ def test_cuda_matches_cpu():
     assert torch.equal(cpu.vexperts, gpu.vexperts)
     assert torch.equal(cpu.slot_expert, gpu.slot_expert)
     assert torch.allclose(cpu.replica_share, gpu.replica_share, atol=1e-4)
+
+
+# ---------------------------------------------------------------- regressions found in review
+
+
+def _sequential_greedy_copies(w: list[float], extra: int, cap: int) -> list[int]:
+    """The documented rule, one copy at a time: the next copy to the largest load per copy."""
+    copies = [1] * len(w)
+    for _ in range(extra):
+        best = max((w[e] / copies[e], -e) for e in range(len(w)) if copies[e] < cap and w[e] > 0)
+        copies[-best[1]] += 1
+    return copies
+
+
+def test_replica_counts_follow_the_greedy_when_copies_outnumber_experts() -> None:
+    # 12 extra copies over 8 experts: the greedy goes below the lightest expert's load
+    counts = torch.tensor([[20.0, 20, 10, 10, 10, 10, 10, 10]])
+    expected = _sequential_greedy_copies(counts[0].tolist(), 12, 4)
+    assert replica_counts(counts, torch.tensor([12]), 4, max_copies=4)[0].tolist() == expected
+    assert replica_counts(counts, torch.tensor([12]), 4, max_copies=4, max_extra=12)[0].tolist() == expected
+
+
+def test_a_copy_placed_after_a_dropped_one_stays_in_the_plan() -> None:
+    # GPU 0's first-round copy conflicts and is dropped, its second-round copy is placed: that
+    # copy must reach the slots (it was counted when the later copies were placed).
+    counts = torch.tensor([[91.0, 32.0, 0.0, 0.0, 0.0, 83.0]])
+    base = torch.tensor([[0, 1, 0, 1, 0, 1]])
+    cfg = AllocatorConfig(group_size=1, vmax=2, balance_threshold=1.0, use_cost_model=False, max_copies_per_expert=3)
+    placed = place_replicas(counts, base, replica_counts(counts, torch.tensor([4]), 2, max_copies=2),
+                            torch.tensor([2]), 2)
+    plan = allocate(counts, base, 2, cfg)
+    assert plan.streamed_experts() == int((placed >= 0).sum()) >= 1
+    assert int(plan.vexperts[0]) == int((plan.slot_expert[0] >= 0).sum(1).max())
+    assert float(plan.balance_predicted[0]) > float(plan.balance_before[0])
+
+
+def test_static_mode_levels_experts_with_many_copies_as_the_eager_mode_does() -> None:
+    # E = N = 8 and 3 slots per GPU: six experts get more than two copies (more than min(E, S·N) // 2)
+    counts = torch.tensor([[23857.0, 34763, 11971, 22940, 26811, 31270, 10718, 14848]])
+    cfg = AllocatorConfig(group_size=1, vmax=3, balance_threshold=1.0, use_cost_model=False)
+    base = static_placement(1, 8, 8)
+    eager, static = allocate(counts, base, 8, cfg), allocate(counts, base, 8, cfg, static=True)
+    assert int((static.logcnt() > 2).sum()) > 4
+    assert float(static.balance_predicted[0]) == pytest.approx(float(eager.balance_predicted[0]), abs=1e-4)
+    assert float(static.balance_predicted[0]) > 0.99
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.99])
+def test_padding_layers_of_the_last_group_take_no_budget(threshold: float) -> None:
+    # 3 layers, G = 2: layer 2 is alone in its group and gets the whole group budget
+    cfg = AllocatorConfig(group_size=2, vmax=1, balance_threshold=threshold, use_cost_model=False)
+    v = assign_vexpert_counts(torch.tensor([0.3, 0.3, 0.3]), cfg, PerformanceProfile(), InferenceConstants())
+    assert v.tolist() == [1, 1, 2]

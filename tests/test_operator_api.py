@@ -273,6 +273,33 @@ def test_invalid_spec_sets_invalid_posts_event_and_waits_for_a_spec_change(
         cluster.wait_for(lambda: hw_jobs(cluster), what="calibration after the fix")
 
 
+def test_a_child_the_api_server_refuses_shows_in_status_and_a_later_success_clears_it(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    if cluster.emulator is None:
+        pytest.skip("injects the API server's refusal (a real cluster accepts this spec)")
+    add_nodes(cluster, 2)
+    message = 'StatefulSet.apps "dsv3-node" is invalid: spec.template.spec.containers[0].volumeMounts[2]: nope'
+    refusal = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Invalid", "code": 422,
+               "message": message}
+    # the first two creates are refused (two reconciles), the third goes through
+    cluster.emulator["post", f"/apis/apps/v1/namespaces/{cluster.namespace}/statefulsets"][:2] << 422 << refusal
+    with running_operator(cluster, monkeypatch):
+        cluster.create(deployment(calibration__mode="skip"))
+        cond = cluster.wait_for(lambda: (lambda c: c if c.get("status") == "True" else None)(
+            cluster.condition("dsv3", "Invalid")), what="Invalid=True")
+        assert cond["reason"] == "RejectedByApiServer"
+        assert "StatefulSet dsv3-node" in cond["message"] and message in cond["message"]
+        assert cluster.status("dsv3")["phase"] == "Invalid"
+        events = cluster.wait_for(lambda: cluster.events("Invalid"), what="an Invalid event")
+        assert message in events[0]["message"] and events[0]["type"] == "Warning"
+        # not permanent: the periodic reconcile applies again, and once accepted the group proceeds
+        cluster.wait_for(lambda: cluster.condition("dsv3", "Invalid").get("status") == "False",
+                         what="Invalid=False")
+        cluster.wait_for(lambda: cluster.get(kube.STATEFULSETS, nm.statefulset_name("dsv3")),
+                         what="the StatefulSet")
+        assert len(cluster.events("Invalid")) == 1  # one event per new message, not per retry
+
+
 def test_node_pod_failure_reforms_the_whole_group_with_backoff(
         cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     type_name = add_nodes(cluster, 2)

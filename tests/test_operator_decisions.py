@@ -33,7 +33,7 @@ from vexpert_operator.nodetypes import (
 )
 from vexpert_operator.settings import OperatorSettings
 from vexpert_operator.sizing import KNOWN_SHAPES, size_pod
-from vexpert_operator.status import set_condition
+from vexpert_operator.status import merge_patch_between, set_condition, status_patch
 from vexpert_operator.tuning import (
     MetricsError,
     RuntimeSample,
@@ -153,6 +153,58 @@ def test_validate_spec_names_the_field(overrides: dict, field: str) -> None:
 def test_valid_spec_and_long_name() -> None:
     assert validate_spec(spec(), "dsv3") == []
     assert fields(validate_spec(spec(), "x" * 41)) == {"metadata.name"}
+
+
+@pytest.mark.parametrize("name", ["1-deepseek", "deepseek.v3", "DSV3", "dsv3-"])
+def test_names_the_node_service_and_statefulset_would_refuse(name: str) -> None:
+    # a resource name may be any DNS subdomain; "<name>-nodes" (a Service) must be a DNS-1035 label
+    problems = validate_spec(spec(), name)
+    assert fields(problems) == {"metadata.name"} and "starting with a letter" in problems[0].message
+
+
+@pytest.mark.parametrize(("toleration", "message"), [
+    ({"key": "gpu", "operator": "Exists", "value": "h200"}, "value must be empty"),
+    ({"value": "x", "effect": "NoSchedule"}, "empty key needs operator Exists"),
+    ({"key": "gpu", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 60}, "needs effect NoExecute"),
+])
+def test_tolerations_the_api_server_would_refuse(toleration: dict, message: str) -> None:
+    parsed, problems = parse_spec(raw_spec(runtime__tolerations=[{"operator": "Exists"}, toleration]))
+    assert parsed is None and fields(problems) == {"spec.runtime.tolerations[1]"}
+    assert message in problems[0].message
+
+
+def test_tolerations_the_api_server_accepts() -> None:
+    ok = [{"operator": "Exists"}, {"key": "gpu", "operator": "Equal", "value": "h200", "effect": "NoSchedule"},
+          {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
+           "tolerationSeconds": 30}]
+    parsed, problems = parse_spec(raw_spec(runtime__tolerations=ok))
+    assert problems == [] and parsed is not None and len(parsed.runtime.tolerations) == 3
+
+
+@pytest.mark.parametrize("mount_path", ["/dev/shm", "/dev/shm/models", "/etc/vexpert", "/etc", "/etc/vexpert/../vexpert",
+                                        "/dev", "/", "models"])
+def test_checkpoint_mount_path_may_not_hide_what_the_operator_mounts(mount_path: str) -> None:
+    problems = validate_spec(spec(model__checkpoint__mountPath=mount_path), "dsv3")
+    assert fields(problems) == {"spec.model.checkpoint.mountPath"}, problems
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"memory": "8Gi"}, "sized by the operator"),
+    ({"nvidia.com/gpu": "1"}, "sized by the operator"),
+    ({"cpu": "4"}, "sized by the operator"),
+    ({"rdma/ib": "one"}, "not a Kubernetes quantity"),
+    ({"rdma/ib": "500m"}, "whole number"),
+])
+def test_extra_resources_are_quantities_and_do_not_override_sizing(extra: dict, message: str) -> None:
+    key = next(iter(extra))
+    problems = validate_spec(spec(runtime__extraResources=extra), "dsv3")
+    assert fields(problems) == {f"spec.runtime.extraResources[{key}]"} and message in problems[0].message
+
+
+def test_extra_resources_and_mount_paths_that_are_fine() -> None:
+    s = spec(runtime__extraResources={"rdma/ib": "1", "hugepages-2Mi": "2Gi", "ephemeral-storage": "50Gi"},
+             model__checkpoint__mountPath="/models/")
+    assert validate_spec(s, "dsv3") == []
 
 
 def test_check_fit_host_and_gpu_memory() -> None:
@@ -573,6 +625,20 @@ def test_condition_transition_time_moves_only_on_change() -> None:
     conds = set_condition(conds, "Invalid", False, "Valid", "", "t3", 2)
     assert [c.type for c in conds] == ["Invalid", "Ready"]
     VExpertDeploymentStatus(conditions=conds)
+
+
+def test_status_patch_clears_values_that_became_null() -> None:
+    from operator_support.emulator import merge_patch
+
+    stored = status_patch(VExpertDeploymentStatus.model_validate({
+        "phase": "Running", "runtime": {"balanceRatio": 0.81, "tokensPerSecond": 1234.5, "scrapedPods": 2},
+    }))
+    new = VExpertDeploymentStatus.model_validate({"phase": "Running", "runtime": {"scrapedPods": 0}})
+    patch = merge_patch_between(stored, status_patch(new))
+    # only what changed, and the vanished values as explicit nulls (a merge patch keeps what it omits)
+    assert patch == {"runtime": {"balanceRatio": None, "tokensPerSecond": None, "scrapedPods": 0}}
+    assert merge_patch(stored, patch) == status_patch(new)
+    assert merge_patch_between(status_patch(new), status_patch(new)) == {}
 
 
 def test_operator_settings_from_env() -> None:

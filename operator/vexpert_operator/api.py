@@ -185,11 +185,23 @@ class CalibrationSpec(CamelModel):
 
 
 class Toleration(CamelModel):
+    """As in a Pod's tolerations[], with the API server's cross-field rules checked up front."""
+
     key: str | None = None
     operator: Literal["Exists", "Equal"] | None = None
     value: str | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     toleration_seconds: int | None = None
+
+    @model_validator(mode="after")
+    def _as_the_api_server_requires(self) -> Toleration:
+        if self.operator == "Exists" and self.value:
+            raise ValueError("value must be empty when operator is Exists")
+        if not self.key and self.operator != "Exists":
+            raise ValueError("an empty key needs operator Exists (it tolerates every taint)")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("tolerationSeconds needs effect NoExecute")
+        return self
 
 
 class EnvVar(CamelModel):

@@ -36,8 +36,11 @@ from .quantity import format_mebibytes
 from .sizing import Sizing
 
 CONFIG_DIR = "/etc/vexpert"
+SHM_DIR = "/dev/shm"
 CONFIG_FILE = "runtime.yaml"
 TERMINATION_LOG = "/dev/termination-log"
+# Used by the operator in node (and calibration) pods; a checkpoint mount may not land on or under them.
+OPERATOR_MOUNT_PATHS = (CONFIG_DIR, SHM_DIR, TERMINATION_LOG)
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 CONTAINER = "node"
 CALIBRATION_CONTAINER = "calibrate"
@@ -257,7 +260,7 @@ def build_pod_template(name: str, spec: VExpertDeploymentSpec, sizing: Sizing, c
             "volumeMounts": [
                 {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                 {"name": "model", "mountPath": spec.model.checkpoint.mount_path, "readOnly": True},
-                {"name": "shm", "mountPath": "/dev/shm"},
+                {"name": "shm", "mountPath": SHM_DIR},
             ],
         }],
         "volumes": [
@@ -373,7 +376,7 @@ def _calibration_job(job_name: str, namespace: str, labels: dict[str, str], anno
             "securityContext": _security_context(spec),
             "terminationMessagePath": TERMINATION_LOG,
             "terminationMessagePolicy": "FallbackToLogsOnError",
-            "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}, *extra_mounts],
+            "volumeMounts": [{"name": "shm", "mountPath": SHM_DIR}, *extra_mounts],
         }],
         "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.runtime.shm_size}},
                     *extra_volumes],

@@ -55,7 +55,7 @@ from .nodetypes import NodeType, candidate_types, choose_node_type, node_info
 from .plan import GroupPlan, PlanInputs, combine_profiles, plan_group
 from .settings import OperatorSettings
 from .sharedlists import SharedLists
-from .status import get_condition, set_condition, status_patch
+from .status import get_condition, merge_patch_between, set_condition, status_patch
 from .tuning import (
     MetricsError,
     RuntimeSample,
@@ -68,6 +68,9 @@ from .validation import Problem, format_problems, parse_spec, validate_spec
 
 REASON_INVALID_SPEC = "InvalidSpec"
 REASON_DOES_NOT_FIT = "DoesNotFitNodeType"
+# The API server refused a child built from the spec (400/422): the same spec gets the same answer,
+# so say so in the status instead of retrying silently.
+REASON_REJECTED = "RejectedByApiServer"
 
 KIND_TO_RES = {
     "ConfigMap": kube.CONFIGMAPS,
@@ -136,9 +139,10 @@ async def write_status(ctx: Context, body: Mapping[str, Any], old: VExpertDeploy
                        new: VExpertDeploymentStatus) -> None:
     meta = body["metadata"]
     m.DEPLOYMENT_PHASES.set(meta["namespace"], meta["name"], new.phase)
-    if status_patch(old) == status_patch(new):
+    patch = merge_patch_between(status_patch(old), status_patch(new))
+    if not patch:
         return
-    await ctx.client.patch(kube.DEPLOYMENTS, meta["name"], {"status": status_patch(new)}, meta["namespace"],
+    await ctx.client.patch(kube.DEPLOYMENTS, meta["name"], {"status": patch}, meta["namespace"],
                            subresource="status")
 
 
@@ -406,6 +410,22 @@ def _invalid(status: VExpertDeploymentStatus, problems: list[Problem], reason: s
     return new
 
 
+def _refused_by_api_server(exc: kube.ApiError) -> bool:
+    return exc.status in (400, 422)
+
+
+async def _rejected(ctx: Context, body: Mapping[str, Any], old: VExpertDeploymentStatus,
+                    status: VExpertDeploymentStatus, what: str, exc: kube.ApiError, stamp: str,
+                    generation: int | None) -> VExpertDeploymentStatus:
+    """Invalid, with the server's own words (they name the child's field), one event per new message."""
+    problem = Problem(what, f"the API server refused it ({exc.status} {exc.reason}): {exc.message}")
+    new = _invalid(status, [problem], REASON_REJECTED, stamp, generation)
+    if old.message != new.message:
+        _event(ctx, body, "Warning", "Invalid", new.message)
+    await write_status(ctx, body, old, new)
+    return new
+
+
 def is_permanently_invalid(body: Mapping[str, Any]) -> bool:
     """Invalid for this very generation: do nothing until the spec changes."""
     status = read_status(body)
@@ -466,7 +486,13 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False
     chosen = candidates[chosen_name]
     status.node_type = chosen_name
 
-    cal = await ensure_calibration(ctx, body, spec, candidates, chosen, now)
+    try:
+        cal = await ensure_calibration(ctx, body, spec, candidates, chosen, now)
+    except kube.ApiError as exc:
+        if not _refused_by_api_server(exc):
+            raise
+        new = await _rejected(ctx, body, old, status, "calibration Job", exc, stamp, generation)
+        return Outcome("Invalid", new, spec=spec, node_type=chosen)
     status.calibration.node_types = cal.node_types
     status.calibration.model_profile = cal.model_profile
     status.calibration.model_state = cal.model_state
@@ -513,7 +539,14 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False
         plan = plan_group(inputs)
 
     for child in plan.children:
-        action, _ = await kube.apply(ctx.client, KIND_TO_RES[child["kind"]], child)
+        try:
+            action, _ = await kube.apply(ctx.client, KIND_TO_RES[child["kind"]], child)
+        except kube.ApiError as exc:
+            if not _refused_by_api_server(exc):
+                raise
+            what = f"{child['kind']} {child['metadata']['name']}"
+            new = await _rejected(ctx, body, old, status, what, exc, stamp, generation)
+            return Outcome("Invalid", new, plan=plan, spec=spec, node_type=chosen)
         if action != "unchanged":
             m.CHILD_WRITES.labels(child["kind"], action).inc()
             ctx.logger.info("%s %s %s", action, child["kind"], child["metadata"]["name"])

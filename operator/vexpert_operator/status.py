@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from .api import Condition, VExpertDeploymentStatus
 
@@ -47,3 +48,24 @@ def is_true(status: VExpertDeploymentStatus, type_: str) -> bool:
 def status_patch(status: VExpertDeploymentStatus) -> dict:
     """The status as the API stores it (camelCase, no nulls)."""
     return status.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def merge_patch_between(stored: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
+    """The RFC 7386 merge patch turning ``stored`` into ``desired``.
+
+    A merge patch keeps every key it does not mention, so a field that became null (e.g. the
+    balance ratio when a scrape found no pods) must be sent as an explicit null or the stale value
+    stays. Lists are replaced whole, as merge patches do.
+    """
+    patch: dict[str, Any] = {}
+    for key in stored.keys() - desired.keys():
+        patch[key] = None
+    for key, value in desired.items():
+        old = stored.get(key)
+        if isinstance(value, Mapping) and isinstance(old, Mapping):
+            nested = merge_patch_between(old, value)
+            if nested:
+                patch[key] = nested
+        elif value != old or key not in stored:
+            patch[key] = value
+    return patch

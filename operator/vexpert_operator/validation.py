@@ -8,19 +8,28 @@ within GPU memory).
 
 from __future__ import annotations
 
+import posixpath
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
-from .api import VExpertDeploymentSpec
+from .api import QUANTITY_PATTERN, VExpertDeploymentSpec
+from .manifests import OPERATOR_MOUNT_PATHS
 from .naming import MAX_DEPLOYMENT_NAME
-from .nodetypes import NodeType
+from .nodetypes import GPU_RESOURCE, NodeType
 from .quantity import MIB, format_bytes_human
 from .sizing import GPU_MEMORY_USABLE_FRACTION, Sizing, model_shape
 
 RESERVED_ENV = {"VEXPERT_NODE_RANK", "VEXPERT_CONFIG", "VEXPERT_POD_NAME", "VEXPERT_NUM_NODES"}
+# Sized by the operator from the spec (pinned pool, GPUs per node, runtime.cpu); extraResources may not override.
+SIZED_RESOURCES = ("cpu", "memory", GPU_RESOURCE)
+# The Service and StatefulSet take the deployment's name as a prefix: a DNS-1035 label
+# (a resource name alone may also contain dots or start with a digit, which they refuse).
+DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_QUANTITY = re.compile(QUANTITY_PATTERN)
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,11 @@ def validate_spec(spec: VExpertDeploymentSpec, name: str) -> list[Problem]:
     par = spec.parallelism
     if len(name) > MAX_DEPLOYMENT_NAME:
         problems.append(Problem("metadata.name", f"at most {MAX_DEPLOYMENT_NAME} characters (pod names derive from it)"))
+    if not DNS_1035_LABEL.match(name):
+        problems.append(Problem("metadata.name", (
+            f"{name!r}: use lower-case letters, digits and '-', starting with a letter "
+            "(the node Service and StatefulSet are named after it)"
+        )))
     if par.expert_parallel_size % par.gpus_per_node:
         problems.append(Problem(
             "spec.parallelism.expertParallelSize",
@@ -101,9 +115,40 @@ def validate_spec(spec: VExpertDeploymentSpec, name: str) -> list[Problem]:
             problems.append(Problem(f"spec.runtime.env[{i}].name", f"{env.name} is set by the operator"))
         if env.value is not None and env.value_from is not None:
             problems.append(Problem(f"spec.runtime.env[{i}]", "set value or valueFrom, not both"))
+    problems += _mount_problems(spec.model.checkpoint.mount_path)
+    problems += _extra_resource_problems(spec.runtime.extra_resources)
     calib = spec.calibration
     if calib.max_retry_backoff_seconds < calib.retry_backoff_seconds:
         problems.append(Problem("spec.calibration.maxRetryBackoffSeconds", "smaller than retryBackoffSeconds"))
+    return problems
+
+
+def _mount_problems(mount_path: str) -> list[Problem]:
+    field = "spec.model.checkpoint.mountPath"
+    if not mount_path.startswith("/"):
+        return [Problem(field, f"{mount_path!r} is not an absolute path; use e.g. /models")]
+    path = posixpath.normpath(mount_path)
+    if path == "/":
+        return [Problem(field, "'/' would hide the image's own files; use e.g. /models")]
+    for reserved in OPERATOR_MOUNT_PATHS:
+        if path == reserved or path.startswith(reserved + "/") or reserved.startswith(path + "/"):
+            return [Problem(field, f"{mount_path!r} overlaps {reserved}, which the operator mounts; use e.g. /models")]
+    return []
+
+
+def _extra_resource_problems(extra: Mapping[str, str]) -> list[Problem]:
+    problems = []
+    for key, value in extra.items():
+        field = f"spec.runtime.extraResources[{key}]"
+        if key in SIZED_RESOURCES:
+            problems.append(Problem(field, (
+                f"{key} is sized by the operator (runtime.cpu, the pinned pool, parallelism.gpusPerNode); "
+                "remove it here"
+            )))
+        elif not _QUANTITY.match(value):
+            problems.append(Problem(field, f"{value!r} is not a Kubernetes quantity (e.g. '1', '500m', '2Gi')"))
+        elif "/" in key and not value.isdigit():
+            problems.append(Problem(field, f"{value!r}: an extended resource takes a whole number, e.g. '1'"))
     return problems
 
 

@@ -169,7 +169,6 @@ def assign_vexpert_counts(
         return torch.zeros(num_layers, dtype=torch.int64, device=balance.device)
     num_groups = -(-num_layers // group)
     padded = num_groups * group
-    # Padding layers are "perfectly balanced": they never take a slot.
     bal = torch.ones(padded, device=balance.device)
     bal[:num_layers] = balance.to(torch.float32)
     candidates = torch.arange(budget + 1, device=balance.device)
@@ -180,7 +179,9 @@ def assign_vexpert_counts(
         # the search spread the group budget evenly instead of piling it on one layer.
         v = candidates.to(torch.float32)
         cost = (-v + 0.01 * v * v).unsqueeze(0).expand(padded, -1).clone()
-    filtered = bal > config.balance_threshold
+    # Padding layers are masked explicitly: with τ = 1 their balance 1.0 would pass the τ filter.
+    padding = torch.arange(padded, device=balance.device) >= num_layers
+    filtered = (bal > config.balance_threshold) | padding
     cost = torch.where(filtered.unsqueeze(1) & (candidates.unsqueeze(0) > 0), float("inf"), cost)
     return _group_argmin(cost.view(num_groups, group, budget + 1)).reshape(padded)[:num_layers]
 
@@ -258,9 +259,11 @@ def replica_counts(
     # Only experts among the bound_extra heaviest can win a copy (w_e ≥ w_e / c), so rank those.
     top = min(bound_extra, num_experts)
     cand_load, cand_expert = w.topk(top, dim=1)  # [L, top], descending
-    if not static:
-        # The first copies of those `top` experts are all ≥ cand_load[:, -1], so every value the
-        # greedy takes is too: no expert gets more than w_max / cand_load[:, -1] extra copies.
+    if not static and top == bound_extra:
+        # The first copies of those `top` experts are all ≥ cand_load[:, -1], so the bound_extra
+        # largest values (all the greedy takes) are too: no expert gets more than
+        # w_max / cand_load[:, -1] extra copies. (With top = E < bound_extra the greedy goes below
+        # the lightest expert's load, and the bound does not hold.)
         floor = cand_load[:, -1]
         if bool((floor > 0).all()):
             depth = max(1, min(depth, int(torch.ceil(cand_load[:, 0] / floor).max())))
@@ -446,7 +449,8 @@ def water_fill_shares(
     and the few with more as a [P', R] block: the same arithmetic on a quarter of the elements.
 
     Args: counts [L, E]; replica_gpu [L, E, R] (−1 padded);
-        max_replicated: static bound on replicated experts per layer (static mode).
+        max_replicated: static mode: extra copies per layer at most (S·N slots), so at most
+            min(E, that) experts are replicated and at most min(E, that // 2) have > 2 copies.
     Returns share [L, E, R] float32.
     """
     num_layers, num_experts, width = replica_gpu.shape
@@ -612,7 +616,6 @@ def allocate(
         config.validate()
         _validate_counts(counts, base_gpu)
         validate_base_placement(base_gpu, num_gpus)
-    _num_layers, num_experts = counts.shape
     slots_total = config.slots_per_gpu
     w = counts.to(torch.float32)
     balance_before = balance_ratio(base_gpu_loads(w, base_gpu, num_gpus))
@@ -622,14 +625,17 @@ def allocate(
         w, vexperts * num_gpus, num_gpus, pooled, max_copies, max_extra=slots_total * num_gpus if static else None
     )
     local_slots = place_replicas(w, base_gpu, copies, vexperts, num_gpus, rounds=slots_total if static else None)
-    # Placement may drop a copy (conflict); the copies actually placed define the plan.
+    # Placement may drop a copy (conflict), leaving a hole in an earlier round of a GPU whose later
+    # round is filled: move each GPU's filled rounds to the front (stable), so the first V_i
+    # rounds hold every placed copy; the copies actually placed define the plan.
+    local_slots = local_slots.gather(2, (local_slots < 0).to(torch.int32).argsort(dim=2, stable=True))
     vexperts = (local_slots >= 0).sum(2).amax(1) if local_slots.shape[2] else torch.zeros_like(vexperts)
     slot_expert = _slots_in_group_buffer(local_slots, vexperts, config)
     width = max_copies if static else None
     replica_gpu, replica_slot = _replica_table(base_gpu, slot_expert, width)
     share = water_fill_shares(
         w, replica_gpu, num_gpus, config.share_refinement_sweeps,
-        max_replicated=min(num_experts, slots_total * num_gpus) if static else None,
+        max_replicated=slots_total * num_gpus if static else None,
     )
     predicted = balance_ratio(_plan_loads(w, replica_gpu, share, num_gpus))
     return Plan(

@@ -44,7 +44,7 @@ class LoopThread:
         self.thread = threading.Thread(target=self.loop.run_forever, name="emulator-loop", daemon=True)
         self.thread.start()
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:
