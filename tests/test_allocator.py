@@ -330,3 +330,16 @@ def test_padding_layers_of_the_last_group_take_no_budget(threshold: float) -> No
     cfg = AllocatorConfig(group_size=2, vmax=1, balance_threshold=threshold, use_cost_model=False)
     v = assign_vexpert_counts(torch.tensor([0.3, 0.3, 0.3]), cfg, PerformanceProfile(), InferenceConstants())
     assert v.tolist() == [1, 1, 2]
+
+
+def test_two_conflicting_copies_swap_with_each_other() -> None:
+    # N = 2: e0's copy lands on GPU 0 (its home) and e5's on GPU 1 (its home); the only fix is
+    # to swap the two, there is no third GPU to swap with
+    counts = torch.tensor([[91.0, 32.0, 0.0, 0.0, 0.0, 83.0]])
+    base = torch.tensor([[0, 1, 0, 1, 0, 1]])
+    slots = place_replicas(counts, base, torch.tensor([[2, 1, 1, 1, 1, 2]]), torch.tensor([1]), 2)
+    assert slots.tolist() == [[[5], [0]]]
+    cfg = AllocatorConfig(group_size=1, vmax=1, balance_threshold=1.0, use_cost_model=False)
+    eager, static = allocate(counts, base, 2, cfg), allocate(counts, base, 2, cfg, static=True)
+    assert eager.streamed_experts() == static.streamed_experts() == 2
+    assert float(eager.balance_predicted[0]) > 0.99 and torch.equal(eager.slot_expert, static.slot_expert)

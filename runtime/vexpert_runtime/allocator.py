@@ -383,7 +383,8 @@ def _fix_conflicts(
     Each pass lets every conflicting copy (position p in load order) pick the nearest position q
     whose swap leaves both sides conflict-free and whose copy is not itself in conflict; when
     several pick the same q, the lowest p wins. Swaps in one pass are disjoint, so they apply at
-    once. Conflicts are rare (tens among thousands of copies) and go in the first pass.
+    once; then conflicting copies that fix each other swap (:func:`_swap_conflicting_pairs`).
+    Conflicts are rare (tens among thousands of copies) and go in the first pass.
 
     Args: gpu [L, N] GPU paired with each position; expert [L, N] (sentinel = none);
         holds: which GPU already holds which expert; static: examine every position in every pass (no host read-back)
@@ -425,8 +426,36 @@ def _fix_conflicts(
         src = torch.cat([src, src.new_zeros(1)])
         src.scatter_(0, torch.where(won, row_l * n + row_p, num_layers * n), torch.where(won, partner, 0))
         gpu = torch.gather(gpu, 1, src[:-1].view(num_layers, n))
+        gpu = _swap_conflicting_pairs(gpu, expert, holds, sentinel, static)
     conflict = holds(layer2, gpu, expert) & (expert != sentinel)
     return gpu, conflict
+
+
+def _swap_conflicting_pairs(
+    gpu: torch.Tensor, expert: torch.Tensor, holds: _Holdings, sentinel: int, static: bool
+) -> torch.Tensor:
+    """Swap two conflicting copies with each other where that fixes both (each may sit on the
+    other's free GPU: with N = 2 there is no third position to swap with). A copy pairs with its
+    nearest such partner and only mutual choices swap, so the swaps are disjoint.
+
+    Args: gpu, expert [L, N] as in :func:`_fix_conflicts`. Returns the new gpu [L, N].
+    """
+    num_layers, n = gpu.shape
+    dev = gpu.device
+    layer3 = torch.arange(num_layers, device=dev).view(-1, 1, 1)
+    conflict = holds(layer3[:, :, 0], gpu, expert) & (expert != sentinel)  # [L, N]
+    if not static and not bool(conflict.any()):
+        return gpu
+    # [L, p, q]: p's expert fits on q's GPU and q's expert on p's, both in conflict now
+    mine_fits = ~holds(layer3, gpu.unsqueeze(1), expert.unsqueeze(2))
+    theirs_fits = ~holds(layer3, gpu.unsqueeze(2), expert.unsqueeze(1))
+    ok = conflict.unsqueeze(2) & conflict.unsqueeze(1) & mine_fits & theirs_fits
+    pos = torch.arange(n, device=dev)
+    distance = (pos.view(1, -1) - pos.view(-1, 1)).abs().expand(num_layers, -1, -1)
+    best, partner = torch.where(ok, distance, n + 1).min(dim=2)  # [L, N]
+    mutual = (best <= n) & (torch.gather(partner, 1, partner) == pos.unsqueeze(0))
+    src = torch.where(mutual, partner, pos.unsqueeze(0))
+    return torch.gather(gpu, 1, src)
 
 
 # --------------------------------------------------------------------------------------------
