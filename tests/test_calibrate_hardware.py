@@ -162,7 +162,7 @@ def test_settings_defaults_and_validation() -> None:
     assert hw.HardwareSettings("cpu", 3, 1, 1, 8, 8, 5, 1, max_tpe=100).a2a_rows == 6
     assert hw.HardwareSettings("cpu", 3, 1, 1, 8, 8, 5, 1, max_tpe=100).tpe_points[-1] == 100
     for bad, field in ((_args(gpus=9), "--gpus"), (_args(iters=0), "--iters"), (_args(hidden=0), "--hidden"),
-                       (_args(expert_bytes=0), "--expert-bytes"), (_args(max_tpe=0), "--max-tpe")):
+                       (_args(expert_bytes=0), "--expert-bytes"), (_args(max_tpe=1), "--max-tpe")):
         with pytest.raises(VExpertInputError) as err:
             hw.settings_from_args(bad, cuda_available=True, device_count=8)
         assert err.value.field == field

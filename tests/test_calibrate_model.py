@@ -94,3 +94,57 @@ def test_sensitivity_table_shape(small_trace):
     for row in table.values():
         assert set(row) == {"-20%", "+20%"}
         assert all(abs(v) < 0.5 for v in row.values())
+
+
+def test_nearly_uniform_loads_are_refused_as_ill_conditioned_not_a_traceback():
+    # balance barely varies: the design has full rank, but the coefficients come out huge
+    rng = np.random.default_rng(0)
+    counts = (100_000 + rng.integers(0, 3, (200, 4, 8))).astype(np.int64)
+    with pytest.raises(VExpertInputError, match="ill-conditioned") as info:
+        calibrate_model([counts], num_gpus=4)
+    assert info.value.field == "--trace"
+
+
+def test_windows_are_spread_over_the_whole_trace():
+    # 47 windows of k = 2, 24 used: they must reach the end of the trace, not stop at window 24
+    counts = np.ones((96, 2, 8))
+    counts[:, :, 0] = 50  # skewed, so the samples vary
+    samples = collect_balance_samples(counts, 4, vmax=1, window=2, max_windows=24)
+    assert samples.delta.shape[0] == 24 * 2
+    from vexpert_runtime.calibration import model_fit
+
+    starts = []
+    original = model_fit.allocate
+
+    def spy(plan_counts, *args, **kwargs):
+        starts.append(plan_counts)
+        return original(plan_counts, *args, **kwargs)
+
+    model_fit.allocate = spy
+    try:
+        ramp = np.ones((96, 2, 8)) * np.arange(96).reshape(-1, 1, 1)  # window i sums to a distinct value
+        ramp[:, :, 0] += 500
+        collect_balance_samples(ramp, 4, vmax=1, window=2, max_windows=24)
+    finally:
+        model_fit.allocate = original
+    first_iterations = sorted({round(float(s[0, 1]) / 2 - 0.5) for s in starts})
+    assert len(first_iterations) == 24 and first_iterations[0] == 0 and first_iterations[-1] == 46 * 2
+
+
+def test_model_calibration_output_file_is_a_profile(tmp_path, small_trace):
+    from vexpert_runtime.cli import main
+    from vexpert_runtime.profile import load_profile
+
+    trace = tmp_path / "t.npz"
+    np.savez(trace, counts=small_trace)
+    out = tmp_path / "model.json"
+    assert main(["calibrate", "model", "--trace", str(trace), "--gpus", "16", "--output", str(out)]) == 0
+    profile = load_profile(out)  # what --profile / --model-profile read
+    fit = profile.provenance.measurements["fit"]
+    assert fit["alpha"] == pytest.approx(profile.load_balance.alpha) and fit["samples"] > 0
+
+
+def test_profiles_refuse_infinite_or_nan_parameters():
+    for field, value in (("compute_bound_tokens_per_expert", float("inf")), ("h2d_bandwidth_gb_per_s", float("nan"))):
+        with pytest.raises(VExpertInputError, match=field):
+            parse_profile({"hardware": {field: value}})

@@ -168,6 +168,8 @@ BAD_VALUES = [
     (["--set", "serviceAccount.create=false"], "serviceAccount.name is required when serviceAccount.create is false"),
     (["--set", "extraEnv[0].name=VEXPERT_OPERATOR_METRICS_PORT", "--set", "extraEnv[0].value=1"],
      "extraEnv: VEXPERT_OPERATOR_METRICS_PORT is set by the chart"),
+    (["--set", "health.port=8080", "--set", "metrics.port=8080"],
+     "health.port and metrics.port are both 8080"),
 ]
 
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .errors import VExpertInputError
 
 PROFILE_API_VERSION: Literal["vexpert.io/v1alpha1"] = "vexpert.io/v1alpha1"
+COEFFICIENT_LIMIT = 10  # |α|, |β|, |intercept| beyond this is a failed fit, not a model
 
 
 class LoadBalanceParameters(BaseModel):
@@ -27,17 +28,18 @@ class LoadBalanceParameters(BaseModel):
     with the allocation interval ``k`` (iterations between allocations).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    alpha: float = Field(-0.75, description="Δ slope in the current balance ratio L (dimensionless)", ge=-10, le=10)
-    beta: float = Field(0.53, description="Δ slope in vExperts per GPU V (balance ratio per vExpert)", ge=-10, le=10)
-    intercept: float = Field(0.1, description="Δ intercept (the paper's k), balance ratio units", ge=-10, le=10)
+    alpha: float = Field(-0.75, description="Δ slope in the current balance ratio L (dimensionless)", ge=-COEFFICIENT_LIMIT, le=COEFFICIENT_LIMIT)
+    beta: float = Field(0.53, description="Δ slope in vExperts per GPU V (balance ratio per vExpert)", ge=-COEFFICIENT_LIMIT, le=COEFFICIENT_LIMIT)
+    intercept: float = Field(0.1, description="Δ intercept (the paper's k), balance ratio units", ge=-COEFFICIENT_LIMIT, le=COEFFICIENT_LIMIT)
 
 
 class HardwareParameters(BaseModel):
     """Node-type-specific coefficients: host→device bandwidth and PCIe contention (Eq. 2, 7, 8)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No inf/NaN: JSON cannot carry them (written as null, the file would not load back).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     h2d_bandwidth_gb_per_s: float = Field(
         26.0, gt=0, le=10_000, description="Achievable pinned host→device bandwidth per GPU under contention, GB/s (1e9 B/s)"

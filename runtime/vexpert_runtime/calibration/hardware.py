@@ -147,8 +147,8 @@ def settings_from_args(args: argparse.Namespace, cuda_available: bool, device_co
     iters = args.iters if args.iters is not None else DEFAULT_ITERS
     if iters < 1:
         raise VExpertInputError("--iters", f"must be ≥ 1, got {iters}")
-    if args.max_tpe < 1:
-        raise VExpertInputError("--max-tpe", f"must be ≥ 1, got {args.max_tpe}")
+    if args.max_tpe < 2:  # the compute-bound knee is fitted on ≥ 2 sizes (1, 2, 4, …, max)
+        raise VExpertInputError("--max-tpe", f"must be ≥ 2, got {args.max_tpe}", "the default is 1024")
     if args.timeout <= 0:
         raise VExpertInputError("--timeout", f"must be > 0 seconds, got {args.timeout}")
     return HardwareSettings(

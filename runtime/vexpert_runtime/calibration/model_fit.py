@@ -11,11 +11,9 @@ residuals per layer. Δ(L, 0) = 0 by definition, so V = 0 contributes no rows.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +22,7 @@ from .. import __version__
 from ..allocator import AllocatorConfig, allocate
 from ..errors import VExpertInputError
 from ..placement import balance_ratio, base_gpu_loads, gpu_loads, static_placement
-from ..profile import LoadBalanceParameters, PerformanceProfile, Provenance
+from ..profile import COEFFICIENT_LIMIT, LoadBalanceParameters, PerformanceProfile, Provenance
 
 
 @dataclass(frozen=True)
@@ -84,8 +82,9 @@ def collect_balance_samples(
         raise VExpertInputError("--trace", f"needs at least {needed} iterations for k={window}, got {iterations}")
     base = static_placement(num_layers, num_experts, num_gpus)
     starts = list(range(0, iterations - needed + 1, window))
-    if max_windows:
-        starts = starts[:: max(1, len(starts) // max_windows)][:max_windows]
+    if max_windows and len(starts) > max_windows:  # evenly spaced over the whole trace
+        picks = np.unique(np.linspace(0, len(starts) - 1, max_windows).round().astype(int))
+        starts = [starts[i] for i in picks]
     rows_l, rows_v, rows_d, rows_layer = [], [], [], []
     for start in starts:
         plan_counts = c[start : start + window].sum(0)
@@ -120,6 +119,13 @@ def fit_balance_model(samples: BalanceSamples) -> BalanceFit:
             "use a trace with several layers or phases and --vmax ≥ 2",
         )
     coef, *_ = np.linalg.lstsq(design, samples.delta, rcond=None)
+    if not np.isfinite(coef).all() or np.abs(coef).max() > COEFFICIENT_LIMIT:
+        raise VExpertInputError(
+            "--trace",
+            f"the fit is ill-conditioned (α={coef[0]:.3g}, β={coef[1]:.3g}, intercept={coef[2]:.3g}; "
+            f"|coefficient| must be ≤ {COEFFICIENT_LIMIT:g}): the balance ratio barely varies in this trace",
+            "use a trace with skewed, drifting loads (several phases or layers) and --vmax ≥ 2",
+        )
     pred = design @ coef
     resid = samples.delta - pred
     ss_res = float((resid**2).sum())
@@ -193,11 +199,13 @@ def run_model_calibration(args: argparse.Namespace) -> int:
         traces, args.gpus, args.vmax, args.k, args.evaluate,
         model=getattr(args, "model", "") or "", revision=getattr(args, "revision", "") or "",
     )
-    full: dict[str, Any] = json.loads(profile.model_dump_json())
-    full["fit"] = {"alpha": fit.alpha, "beta": fit.beta, "intercept": fit.intercept, "r2": fit.r2,
-                   "rmse": fit.rmse, "samples": fit.samples, "residual_rms_per_layer": fit.residual_rms_per_layer}
+    # --output is a profile too (--profile reads it): the full fit goes into its measurements.
+    details = {"alpha": fit.alpha, "beta": fit.beta, "intercept": fit.intercept, "r2": fit.r2, "rmse": fit.rmse,
+               "samples": fit.samples, "residual_rms_per_layer": fit.residual_rms_per_layer}
+    full = profile.model_copy(update={"provenance": profile.provenance.model_copy(
+        update={"measurements": {**profile.provenance.measurements, "fit": details}})})
     if args.output:
-        Path(args.output).write_text(json.dumps(full, indent=2))
+        Path(args.output).write_text(full.to_json())
     log = getattr(args, "termination_log", None)
     if log:
         Path(log).write_text(termination_message(profile))
