@@ -25,7 +25,7 @@ from vexpert_runtime.moe_math import packed_ffn, relative_error, shared_forward
 from vexpert_runtime.node import NodeOptions, resolve_setup, run_node
 from vexpert_runtime.placement import static_placement
 from vexpert_runtime.ports import free_port
-from vexpert_runtime.reference import ModelWeights, reference_moe_layer
+from vexpert_runtime.reference import VERIFY_TOLERANCE, ModelWeights, reference_moe_layer
 from vexpert_runtime.routing import route
 from vexpert_runtime.slots import row_checksum
 from vexpert_runtime.workload import Workload, drifting_workload
@@ -39,7 +39,7 @@ two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 SPEC = dataclasses.replace(TINY_DEEPSEEK_SPEC, hidden_size=64, intermediate_size=32, shared_intermediate_size=32)
 
 # fp32 on a GPU differs from the CPU reference by reduction order only; bf16 by rounding.
-TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
+TOLERANCE = VERIFY_TOLERANCE
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

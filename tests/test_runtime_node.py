@@ -133,6 +133,35 @@ def test_demo_shows_vexpert_beating_static_and_verifies() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+def test_reported_rate_and_bytes_are_what_happened(tmp_path: Path) -> None:
+    """k = 1: windows reach the supervisor in bursts; the tokens/s gauge must not read a burst as a
+    near-zero interval, and the final report must include the coordinator's last fills."""
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt", SPEC)
+    config = load_runtime_config(_config(tmp_path / "runtime.yaml", checkpoint, tuning={"allocation_interval": 1}))
+    setup = resolve_setup(config, checkpoint, cpu_workers=2)
+    workload = drifting_workload((("decode_in1000out1000", 100),), SPEC.num_layers, SPEC.num_experts, 16)
+    progress: list[Progress] = []
+    runtime = NodeRuntime(setup, NodeOptions(workload=workload, iterations=16, progress=progress.append, record=True))
+    report = runtime.run()
+    tokens_per_iteration = setup.world * 16
+    fastest = tokens_per_iteration / min(r.step_s for r in report.records if r.step_s)
+    assert progress and max(p.tokens_per_s for p in progress) <= 1.2 * fastest
+    assert report.bytes_streamed == runtime._streamed_done > 0  # the coordinator's final count
+    assert f"vexpert_bytes_streamed_total {float(report.bytes_streamed)}" in report.metrics_text
+
+
+def test_node_cli_summary_counts_switches_and_reports_verification(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt", SPEC)
+    config = _config(tmp_path / "runtime.yaml", checkpoint, tuning={"allocation_interval": 100})
+    assert cli.main(["node", "--config", str(config), "--iterations", "3", "--verify"]) == 0
+    summary = [line for line in capsys.readouterr().err.splitlines() if "stopped after 3 iterations" in line]
+    assert len(summary) == 1, summary
+    assert "0 plan switches" in summary[0]  # k = 100: the starting plan is not a switch
+    error = float(summary[0].split("max rel error ")[1])
+    assert 0 <= error <= 1e-4
+
+
 def test_metrics_endpoint_and_config_reload(tmp_path: Path) -> None:
     write_tiny_checkpoint(tmp_path / "ckpt", SPEC, seed=2)
     config_path = _config(tmp_path / "runtime.yaml", tmp_path / "ckpt")
@@ -283,6 +312,9 @@ BAD_INPUTS = {
     "memory-limit": ({"runtime": {"host_memory_limit_bytes": 100_000}}, r"runtime\.host_memory_limit_bytes: pool .* exceeds the limit of 100000 B"),
     "no-cuda": ({"runtime": {"device": "cuda", "cpu_workers": 0}}, r"runtime\.device: cuda was requested but no CUDA device is visible"),
     "uneven-ranks": ({"parallelism": {"expert_parallel_size": 3, "gpus_per_node": 3}, "runtime": {"cpu_workers": 3}}, r"8 experts cannot be split evenly over 3 EP ranks"),
+    "index-not-a-map": ({}, r"model\.checkpoint_path: .*index\.json: weight_map must map tensor names to shard file names"),
+    "config-json-list": ({}, r"model\.checkpoint_path: .*config\.json is a JSON list, not an object"),
+    "runtime-yaml-not-utf8": ({}, r"--config: .*runtime\.yaml is not UTF-8 text"),
 }
 
 
@@ -295,8 +327,15 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, case: str, capsys: pyt
         _drop_tensor(checkpoint, expert_tensor(2, 3, "down"))
     if case == "mismatched-tensor":
         _drop_tensor(checkpoint, expert_tensor(2, 3, "down"), torch.zeros(32, 5))
+    if case == "index-not-a-map":
+        index = checkpoint / "model.safetensors.index.json"
+        index.write_text(json.dumps({"weight_map": list(json.loads(index.read_text())["weight_map"])}))
+    if case == "config-json-list":
+        (checkpoint / "config.json").write_text("[1]")
     sections, pattern = BAD_INPUTS[case]
     config = _config(tmp_path / "runtime.yaml", checkpoint, **sections)
+    if case == "runtime-yaml-not-utf8":
+        config.write_bytes(b"\xff" + config.read_bytes())
     before = set(os.listdir("/proc"))
     code = cli.main(["node", "--config", str(config)])
     err = capsys.readouterr().err.strip().splitlines()

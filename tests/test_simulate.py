@@ -117,6 +117,13 @@ def _cli_error(args: list[str]) -> tuple[int, str]:
         (["trace", "build", "--phase", "nope.json:10", "--gpus", "8", "-o", "{out}"], "nope.json"),
         (["trace", "build", "--phase", "bundled:decode_in1000out1000:0", "--gpus", "8", "-o", "{out}"], "iterations"),
         (["bench", "allocator", "--experts", "256", "--gpus", "60"], "cannot be split evenly"),
+        # output paths are checked before the work, not after it
+        (["trace", "build", "--phase", "bundled:decode_in1000out1000:5", "--gpus", "8", "-o", "/nonexistent/t.npz"],
+         "--output: directory /nonexistent does not exist"),
+        (["simulate", "{trace}", "--gpus", "8", "--plot", "/nonexistent/p.png"], "--plot: directory /nonexistent"),
+        (["calibrate", "model", "--trace", "{trace}", "--gpus", "8", "--output", "/nonexistent/m.json"],
+         "--output: directory /nonexistent"),
+        (["simulate", "{trace}", "--gpus", "8", "--profile", "{not_utf8}"], "is not UTF-8 text"),
     ],
 )
 def test_cli_bad_input_one_line_exit_2(tmp_path, args, needle):
@@ -125,7 +132,10 @@ def test_cli_bad_input_one_line_exit_2(tmp_path, args, needle):
     np.savez(bad_shape, counts=np.ones((4, 32), dtype=np.int64))
     negative = tmp_path / "negative.npz"
     np.savez(negative, counts=-np.ones((4, 2, 32), dtype=np.int64))
-    subs = {"{trace}": str(trace), "{bad_shape}": str(bad_shape), "{negative}": str(negative), "{out}": str(tmp_path / "o.npz")}
+    not_utf8 = tmp_path / "profile.json"
+    not_utf8.write_bytes(b"\xff\xfe{}")
+    subs = {"{trace}": str(trace), "{bad_shape}": str(bad_shape), "{negative}": str(negative),
+            "{out}": str(tmp_path / "o.npz"), "{not_utf8}": str(not_utf8)}
     code, err = _cli_error([subs.get(a, a) for a in args])
     assert code == 2, err
     lines = [line for line in err.strip().splitlines() if line.strip()]

@@ -96,9 +96,11 @@ def read_model_spec(path: str | Path, architecture: str = "auto") -> MoESpec:
             "model.checkpoint_path", f"{config_path} not found", "point it at a directory with config.json"
         )
     try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise VExpertInputError("model.checkpoint_path", f"{config_path} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise VExpertInputError("model.checkpoint_path", f"{config_path} is a JSON {type(raw).__name__}, not an object")
     return spec_from_config(raw, architecture, origin=str(config_path))
 
 
@@ -416,9 +418,13 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     index = path / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
             raise VExpertInputError("model.checkpoint_path", f"{index} has no valid weight_map") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f for f in weight_map.values()):
+            raise VExpertInputError(
+                "model.checkpoint_path", f"{index}: weight_map must map tensor names to shard file names"
+            )
         files = {name: path / file for name, file in weight_map.items()}
         for file in set(files.values()):
             if not file.is_file():

@@ -126,7 +126,13 @@ def load_runtime_config(path: str | Path) -> RuntimeConfig:
     if not p.is_file():
         raise VExpertInputError("--config", f"no such file: {p}", "pass the runtime.yaml rendered by the operator")
     try:
-        raw = yaml.safe_load(p.read_text())
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise VExpertInputError("--config", f"{p} is not valid YAML: {exc}") from None
+    except UnicodeDecodeError:
+        raise VExpertInputError("--config", f"{p} is not UTF-8 text", "pass the runtime.yaml rendered by the operator") from None
+    except OSError as exc:
+        raise VExpertInputError("--config", f"cannot read {p}: {exc.strerror}") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise VExpertInputError("--config", f"{p} holds a YAML {type(raw).__name__}, not a mapping of sections")
     return parse_runtime_config(raw or {}, origin=str(p))

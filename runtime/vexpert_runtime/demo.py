@@ -20,9 +20,10 @@ from .checkpoint import write_tiny_checkpoint
 from .config import RuntimeConfig
 from .node import NodeOptions, NodeReport, Progress, resolve_setup, run_node
 from .ports import free_port
+from .reference import VERIFY_TOLERANCE as _TOLERANCE_BY_DTYPE
 from .workload import DEMO_PHASES, demo_model_spec, drifting_workload
 
-VERIFY_TOLERANCE = 1e-4
+VERIFY_TOLERANCE = _TOLERANCE_BY_DTYPE["float32"]  # the demo runs in fp32
 
 
 @dataclass(frozen=True)

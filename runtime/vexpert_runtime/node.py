@@ -28,6 +28,7 @@ shutdown the coordinator exits, dropping its mappings, before the workers are to
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import os
@@ -70,6 +71,7 @@ from .workload import Workload
 
 COLLECTIVE_TIMEOUT_S = 120.0
 STARTUP_TIMEOUT_S = 180.0
+RATE_HORIZON_S = 2.0  # tokens/s gauge: averaged over at least this much recent time
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,7 +405,7 @@ class NodeReport:
     slot_bytes_per_worker: int
     pool_bytes: int
     bytes_streamed: int
-    plan_switches: list[tuple[int, int]]
+    plan_switches: list[tuple[int, int]]  # (iteration, plan id) taken by the fill loop; first = starting plan
     allocations: int
     allocator_s: list[float]
     degraded_groups: int
@@ -733,7 +735,8 @@ class NodeRuntime:
         self._copy_s_done = self._copy_s_now = 0.0
         self._started_at: float | None = None
         self._last_iter_at: float | None = None
-        self._window_clock: float | None = None
+        self._window_clock: float | None = None  # when the first iteration started
+        self._rate_marks: collections.deque[tuple[float, int]] = collections.deque()  # (time, iterations)
         self._metrics_port: int | None = None
         self._degraded_total = 0
         self._pending_verify: list[tuple[int, int, np.ndarray]] = []
@@ -826,6 +829,9 @@ class NodeRuntime:
                 procs.append(proc)
             self._controls = controls
             self._serve(results, procs, shared)
+            # the coordinator's last stats arrive as it stops: stop it first, or the report
+            # misses the bytes of the last fills
+            self._stop_coordinator()
             return self._report()
         finally:
             self.abort.set()
@@ -1159,6 +1165,21 @@ class NodeRuntime:
             self.metrics.bytes_streamed.inc(streamed - self._bytes_reported)
             self._bytes_reported = streamed
 
+    def _recent_rate(self, iterations_done: int) -> float:
+        """Tokens/s over the last ≥ RATE_HORIZON_S of windows. Windows often reach the supervisor
+        in one batch, microseconds apart, so the time between two of them says nothing."""
+        now = time.perf_counter()
+        marks = self._rate_marks
+        if not marks:
+            marks.append((self._window_clock or now, 0))
+        marks.append((now, iterations_done))
+        while len(marks) > 2 and now - marks[1][0] >= RATE_HORIZON_S:
+            marks.popleft()  # keep the newest mark that is still ≥ the horizon old
+        (t0, i0), (t1, i1) = marks[0], marks[-1]
+        if t1 <= t0:
+            return 0.0
+        return (i1 - i0) * self.setup.world * self.options.workload.tokens_per_worker / (t1 - t0)
+
     def _on_window(self, start: int, data: np.ndarray, allocate: bool = True) -> None:
         """Balance bookkeeping, metrics and (every window) a new allocation."""
         spec, setup = self.setup.spec, self.setup
@@ -1180,10 +1201,7 @@ class NodeRuntime:
         recent = [self._records[i] for i in range(start, start + window.shape[0]) if i in self._records]
         down = self._fill_loop_down or not self._coordinator_attached
         m.degraded.set(1 if any(r.degraded_groups for r in recent) or down else 0)
-        now = time.perf_counter()
-        elapsed = now - (self._window_clock or now)
-        self._window_clock = now
-        rate = window.shape[0] * setup.world * self.options.workload.tokens_per_worker / elapsed if elapsed > 0 else 0.0
+        rate = self._recent_rate(start + window.shape[0])
         m.tokens_per_second.set(rate)
         self._hotness = 0.8 * self._hotness + counts.sum(0).to(torch.float64)
         if allocate and self.options.allocate and not self._scripted:

@@ -109,9 +109,13 @@ def load_profile(path: str | Path) -> PerformanceProfile:
     if not p.is_file():
         raise VExpertInputError("--profile", f"no such file: {p}", "pass a JSON file written by `vexpert calibrate`")
     try:
-        raw = json.loads(p.read_text())
+        raw = json.loads(p.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise VExpertInputError("--profile", f"{p} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    except UnicodeDecodeError:
+        raise VExpertInputError("--profile", f"{p} is not UTF-8 text", "pass a JSON file written by `vexpert calibrate`") from None
+    except OSError as exc:
+        raise VExpertInputError("--profile", f"cannot read {p}: {exc.strerror}") from None
     return parse_profile(raw, origin=str(p))
 
 

@@ -272,6 +272,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     _status_sub: set[references.resource] = attrs.field(factory=set, init=False)
     _controller_task: asyncio.Task[None] | None = attrs.field(default=None, init=False)
     _kick: asyncio.Event = attrs.field(factory=asyncio.Event, init=False)
+    _closing: bool = attrs.field(default=False, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -288,6 +289,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if self.run_controllers and self._controller_task is None:
             self._controller_task = asyncio.create_task(self._controllers())
         return self
+
+    async def end_watches(self) -> None:
+        """End every open watch stream (within a second). The server's shutdown waits for its
+        handlers, and a watch whose client never closed its connection would hold it for the
+        whole aiohttp shutdown timeout."""
+        self._closing = True
+        async with self._changed:
+            self._changed.notify_all()
 
     async def __aexit__(self, *exc: Any) -> None:
         if self._controller_task is not None:
@@ -678,7 +687,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             remaining = None if deadline is None else deadline - asyncio.get_running_loop().time()
             if remaining is not None and remaining <= 0:
                 return
-            if _client_gone(request):
+            if _client_gone(request) or self._closing:
                 return  # aiohttp does not cancel handlers of closed connections: end the stream here
             async with self._changed:
                 if index >= len(log):

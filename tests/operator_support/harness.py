@@ -71,7 +71,18 @@ class EmulatorServer:
         return self
 
     def stop(self) -> None:
-        self.loop.run(self.stack.aclose(), timeout=90)
+        async def _stop() -> None:
+            if self.emulator is not None:
+                await self.emulator.end_watches()
+            try:
+                await asyncio.wait_for(self.stack.aclose(), timeout=60)
+            except asyncio.TimeoutError:
+                alive = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                raise RuntimeError(
+                    "emulator shutdown took > 60 s; live tasks: " + "; ".join(
+                        f"{t.get_name()} {t.get_coro()!r}" for t in alive)[:3000]
+                ) from None
+        self.loop.run(_stop(), timeout=90)
 
     def kubeconfig(self, path: Path) -> Path:
         path.write_text(yaml.safe_dump({

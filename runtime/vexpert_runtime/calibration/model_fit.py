@@ -191,6 +191,11 @@ def _load_counts(source: str, gpus: int) -> np.ndarray:
 
 def run_model_calibration(args: argparse.Namespace) -> int:
     """CLI handler of ``vexpert calibrate model``."""
+    from ..outputs import check_output_path
+    from .hardware import write_termination_message
+
+    if args.output:
+        check_output_path(args.output, "--output")
     traces = [_load_counts(path, args.gpus) for path in args.trace]
     shapes = {t.shape[1:] for t in traces}
     if len(shapes) > 1:
@@ -206,9 +211,7 @@ def run_model_calibration(args: argparse.Namespace) -> int:
         update={"measurements": {**profile.provenance.measurements, "fit": details}})})
     if args.output:
         Path(args.output).write_text(full.to_json())
-    log = getattr(args, "termination_log", None)
-    if log:
-        Path(log).write_text(termination_message(profile))
+    write_termination_message(getattr(args, "termination_log", None), termination_message(profile))
     if args.json:
         print(profile.model_dump_json(indent=2))
     else:

@@ -133,8 +133,11 @@ def _run_hardware(args: argparse.Namespace) -> int:
             settings_from_args,
             write_termination_message,
         )
+        from ..outputs import check_output_path
 
         node_type = _parse_node_type(args.node_type)
+        if args.output:
+            check_output_path(args.output, "--output")
         cuda = torch.cuda.is_available()
         settings = settings_from_args(args, cuda, torch.cuda.device_count() if cuda else 0)
         log = None if args.json else (lambda line: print(f"vexpert calibrate: {line}", file=sys.stderr, flush=True))

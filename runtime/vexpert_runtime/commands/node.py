@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from ..config import load_runtime_config
     from ..errors import VExpertInputError
     from ..node import NodeOptions, NodeRuntime, install_signal_handlers, resolve_setup
+    from ..reference import VERIFY_TOLERANCE
     from ..workload import Workload, demo_model_spec, drifting_workload
 
     if args.cpu_workers is not None and args.cpu_workers < 1:
@@ -126,7 +127,14 @@ def run(args: argparse.Namespace) -> int:
         f"{report.vexpert_balance:.3f}, {report.tokens_per_s:.0f} tokens/s, slot-fill wait mean "
         f"{mean_wait_ms:.3f} ms max {1e3 * max(waits, default=0.0):.3f} ms per iteration, "
         f"{report.bytes_streamed} B streamed ({rate_gbs:.2f} GB/s while copying), "
-        f"{len(report.plan_switches)} plan switches, "
+        f"{max(0, len(report.plan_switches) - 1)} plan switches, "  # the first entry is the starting plan
         f"degraded groups {report.degraded_groups}"
+        + (f", max rel error {report.max_rel_error:.2e}" if report.max_rel_error is not None else "")
     )
+    if args.verify:
+        tolerance = VERIFY_TOLERANCE[setup.dtype]
+        if report.max_rel_error is None or report.max_rel_error > tolerance:
+            print(f"error: verification failed: max relative error {report.max_rel_error} > {tolerance} "
+                  f"({setup.dtype})", file=sys.stderr)
+            return 1
     return 0

@@ -58,6 +58,10 @@ def _run(args: argparse.Namespace) -> int:
         raise VExpertInputError("--tokens-per-gpu", f"must be positive, got {tokens}")
     consts = InferenceConstants(tokens_per_gpu=tokens, top_k=int(trace.meta.get("top_k", 8)),
                                 experts_per_gpu=experts // args.gpus)
+    if args.plot:
+        from ..outputs import check_output_path
+
+        check_output_path(args.plot, "--plot")
     started = time.perf_counter()
     progress = None if args.json else (lambda name: print(f"  simulating {name} …", file=sys.stderr, flush=True))
     results = simulate(trace.counts, cfg, profile, consts, progress=progress)

@@ -26,8 +26,10 @@ def register(sub: Any) -> None:
 
 
 def _build(args: argparse.Namespace) -> int:
+    from ..outputs import check_output_path
     from ..trace import build_trace, parse_phase, save_trace
 
+    check_output_path(args.output, "--output")
     phases = [parse_phase(spec) for spec in args.phase]
     trace = build_trace(phases, args.gpus, args.tokens_per_gpu, args.top_k, args.seed)
     save_trace(trace, args.output)
