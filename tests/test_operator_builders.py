@@ -112,7 +112,8 @@ def test_np_cap_is_as_large_as_node_memory_allows() -> None:
 def test_gpu_bytes_count_base_experts_and_slots() -> None:
     shape = KNOWN_SHAPES["deepseek_v3"]
     sizing = size_pod(spec(vexpert={"groupSize": 2, "vmax": 3}), shape, None)
-    assert sizing.gpu_bytes_per_gpu == (4 * 58 + 6) * shape.expert_bytes
+    # base experts + two ping-pong buffers of G·vmax = 6 slots (what the runtime allocates)
+    assert sizing.gpu_bytes_per_gpu == (4 * 58 + 2 * 6) * shape.expert_bytes
 
 
 # ------------------------------------------------------------------------------------------ manifests

@@ -112,6 +112,50 @@ def test_candidate_types_group_nodes_and_choose_is_sticky() -> None:
     assert types[old].min_allocatable_memory == 2000 * 2**30
 
 
+def _types(*nodes: dict) -> dict:
+    return candidate_types([node_info(n) for n in nodes], {}, [], 8)
+
+
+def test_cordoning_a_node_neither_moves_nor_resizes_a_running_group() -> None:
+    a = [gpu_node(f"a{i}", allocatable="1200Gi") for i in range(3)]
+    b = [gpu_node(f"b{i}", driver="560.35.03") for i in range(3)]
+    spare = gpu_node("a-spare", allocatable="1190Gi")
+    before = _types(*a, spare, *b)
+    current = next(n for n, t in before.items() if t.nodes[0].name.startswith("a"))
+    assert choose_node_type(before, 3, current) == current
+    after = _types(*a[:2], gpu_node("a2", allocatable="1200Gi", unschedulable=True),
+                   gpu_node("a-spare", allocatable="1190Gi", unschedulable=True), *b)
+    # 2 schedulable + 2 cordoned nodes of the current type: the group stays, at the same size
+    assert choose_node_type(after, 3, current) == current
+    assert after[current].min_allocatable_memory == before[current].min_allocatable_memory == 1190 * 2**30
+
+
+def test_no_move_to_a_type_that_cannot_hold_the_group_either() -> None:
+    a = [gpu_node(f"a{i}") for i in range(2)]
+    b = [gpu_node(f"b{i}", driver="560.35.03") for i in range(3)]
+    types = _types(*a, *b)
+    current = next(n for n, t in types.items() if t.nodes[0].name.startswith("a"))
+    other = next(n for n in types if n != current)
+    assert choose_node_type(types, 4, current) == current  # neither holds 4: a move would only roll
+    assert choose_node_type(types, 3, current) == other  # the other one does
+
+
+def test_ready_nodes_rank_the_types() -> None:
+    a = [gpu_node(f"a{i}", ready=i < 5) for i in range(8)]  # 8 nodes, 5 Ready
+    b = [gpu_node(f"b{i}", driver="560.35.03") for i in range(7)]  # 7 Ready
+    types = _types(*a, *b)
+    chosen = choose_node_type(types, 6)
+    assert chosen is not None and types[chosen].ready_nodes == 7
+
+
+def test_a_node_reporting_zero_allocatable_gpus_does_not_fit() -> None:
+    node = gpu_node("x")
+    node["status"]["allocatable"]["nvidia.com/gpu"] = "0"  # every GPU unhealthy
+    assert not node_fits(node_info(node), {}, [], 8)
+    del node["status"]["allocatable"]["nvidia.com/gpu"]  # not reported: the gpu.count label decides
+    assert node_fits(node_info(node), {}, [], 8)
+
+
 # ------------------------------------------------------------------------------------------ validation
 
 

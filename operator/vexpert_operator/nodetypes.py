@@ -87,7 +87,7 @@ class NodeInfo:
     key: NodeTypeKey | None
     type_name: str
     allocatable_memory: int
-    allocatable_gpus: int
+    allocatable_gpus: int | None  # None: the node does not report nvidia.com/gpu
     ready: bool
     unschedulable: bool
     taints: tuple[Mapping[str, Any], ...] = ()
@@ -112,7 +112,7 @@ def node_info(node: Mapping[str, Any]) -> NodeInfo:
         key=key,
         type_name=node_type_name(key) if key else "",
         allocatable_memory=memory,
-        allocatable_gpus=_int(alloc.get(GPU_RESOURCE)),
+        allocatable_gpus=_int(alloc[GPU_RESOURCE]) if GPU_RESOURCE in alloc else None,
         ready=ready,
         unschedulable=bool(spec.get("unschedulable")),
         taints=tuple(spec.get("taints") or ()),
@@ -133,13 +133,15 @@ def tolerates(tolerations: Sequence[Toleration], taint: Mapping[str, Any]) -> bo
 
 
 def node_fits(node: NodeInfo, node_selector: Mapping[str, str], tolerations: Sequence[Toleration],
-              gpus_per_node: int) -> bool:
-    """Could a node pod of this deployment run here (ignoring other pods)?"""
-    if node.key is None or node.unschedulable:
+              gpus_per_node: int, *, cordoned_ok: bool = False) -> bool:
+    """Could a node pod of this deployment run here (ignoring other pods)? ``cordoned_ok``: judge a
+    cordoned node as if it were not (it may still run the group's pods)."""
+    if node.key is None or (node.unschedulable and not cordoned_ok):
         return False
     if any(node.labels.get(k) != v for k, v in node_selector.items()):
         return False
-    gpus = node.allocatable_gpus or node.key.gpu_count
+    # allocatable wins when the device plugin reports it (0 = every GPU unhealthy); the label otherwise
+    gpus = node.allocatable_gpus if node.allocatable_gpus is not None else node.key.gpu_count
     if gpus < gpus_per_node:
         return False
     hard = [t for t in node.taints if t.get("effect") in ("NoSchedule", "NoExecute")]
@@ -148,39 +150,60 @@ def node_fits(node: NodeInfo, node_selector: Mapping[str, str], tolerations: Seq
 
 @dataclass
 class NodeType:
-    """All nodes of one type that a deployment can land on."""
+    """All nodes of one type that a deployment can land on: ``nodes`` schedulable, ``cordoned`` not
+    (new pods cannot land there, the group's running pods may still be there)."""
 
     name: str
     key: NodeTypeKey
     nodes: list[NodeInfo] = field(default_factory=list)
+    cordoned: list[NodeInfo] = field(default_factory=list)
 
     @property
     def ready_nodes(self) -> int:
+        """Ready, schedulable nodes: where a (re-)formed group can start now."""
         return sum(1 for n in self.nodes if n.ready)
 
     @property
     def min_allocatable_memory(self) -> int:
-        values = [n.allocatable_memory for n in self.nodes if n.allocatable_memory > 0]
+        # Cordoned nodes count: cordoning changes no node's memory, so it must not change the
+        # pod size (that would roll a healthy group).
+        values = [n.allocatable_memory for n in (*self.nodes, *self.cordoned) if n.allocatable_memory > 0]
         return min(values) if values else 0
 
 
 def candidate_types(nodes: Iterable[NodeInfo], node_selector: Mapping[str, str],
                     tolerations: Sequence[Toleration], gpus_per_node: int) -> dict[str, NodeType]:
-    """Group the nodes a deployment fits on by type (name → NodeType), sorted by name."""
+    """Group the nodes a deployment fits on by type (name → NodeType), sorted by name. A type
+    exists if one of its fitting nodes is schedulable (it can be calibrated and started on)."""
     found: dict[str, NodeType] = {}
+    cordoned: list[NodeInfo] = []
     for node in nodes:
-        if node.key is None or not node_fits(node, node_selector, tolerations, gpus_per_node):
+        if node.key is None or not node_fits(node, node_selector, tolerations, gpus_per_node, cordoned_ok=True):
+            continue
+        if node.unschedulable:
+            cordoned.append(node)
             continue
         entry = found.setdefault(node.type_name, NodeType(name=node.type_name, key=node.key))
         entry.nodes.append(node)
+    for node in cordoned:
+        if node.type_name in found:
+            found[node.type_name].cordoned.append(node)
     return dict(sorted(found.items()))
 
 
 def choose_node_type(candidates: Mapping[str, NodeType], needed_nodes: int, current: str = "") -> str | None:
-    """The type the group is pinned to: keep the current one while it still has enough nodes (no
-    needless roll), else the type with the most nodes (ties: name order). None if there is none."""
+    """The type the group is pinned to. None if there is none.
+
+    Keep the current type while its nodes (cordoned ones included: they may run the group's pods)
+    can hold the group, and also when no other type could (moving would roll the group for
+    nothing). Otherwise the type with the most Ready schedulable nodes (then most nodes, then name).
+    """
     if not candidates:
         return None
-    if current in candidates and len(candidates[current].nodes) >= needed_nodes:
+    held = candidates.get(current)
+    if held is not None and len(held.nodes) + len(held.cordoned) >= needed_nodes:
         return current
-    return min(candidates.values(), key=lambda t: (-len(t.nodes), -t.ready_nodes, t.name)).name
+    best = min(candidates.values(), key=lambda t: (-t.ready_nodes, -len(t.nodes), t.name))
+    if held is not None and best.ready_nodes < needed_nodes:
+        return current
+    return best.name

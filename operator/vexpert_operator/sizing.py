@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vexpert_runtime.config import SLOT_BUFFERS
+
 from .api import ModelShape, VExpertDeploymentSpec
 from .quantity import parse_bytes
 
@@ -55,9 +57,10 @@ class Sizing:
 
 
 def gpu_bytes_per_gpu(spec: VExpertDeploymentSpec, shape: ModelShape) -> int:
-    """Expert weights a GPU holds: its base experts in every layer plus the G·Vmax vExpert slots."""
+    """Expert weights a GPU holds: its base experts in every layer plus the vExpert slots, G·Vmax
+    in each of the runtime's ping-pong buffers."""
     base = shape.num_experts // spec.parallelism.expert_parallel_size
-    slots = spec.vexpert.group_size * spec.vexpert.vmax
+    slots = SLOT_BUFFERS * spec.vexpert.group_size * spec.vexpert.vmax
     return base * shape.num_moe_layers * shape.expert_bytes + slots * shape.expert_bytes
 
 

@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
+from .config import SLOT_BUFFERS
 from .errors import VExpertInputError
 
-BUFFERS = 2  # ping-pong: the group being computed and the group being filled
+BUFFERS = SLOT_BUFFERS  # ping-pong: the group being computed and the group being filled
 
 
 class SlotTransport(ABC):
