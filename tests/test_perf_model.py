@@ -125,3 +125,19 @@ def test_load_profile_errors(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(VExpertInputError, match="not JSON"):
         load_profile(bad)
+
+
+def test_times_scale_with_the_batch_as_the_paper_says() -> None:
+    # §3.2: communication and computation are bottlenecked by B_max = B / L; the constants are
+    # given at B_ref = 256, so at B = 128 both halve (compute-bound), and the GEMM time floors at
+    # the memory-bound threshold instead of shrinking further
+    from vexpert_runtime.perf_model import a2a_time, moe_time
+    from vexpert_runtime.profile import HardwareParameters
+
+    hw = HardwareParameters()
+    balance = torch.tensor([0.6])
+    at = {b: InferenceConstants(tokens_per_gpu=b) for b in (256, 128, 16)}
+    assert float(a2a_time(balance, at[128])) == pytest.approx(float(a2a_time(balance, at[256])) / 2)
+    assert float(moe_time(balance, at[128], hw)) == pytest.approx(float(moe_time(balance, at[256], hw)) / 2)
+    floor = at[256].moe_time_balanced_s * hw.compute_bound_tokens_per_expert / (256 * 8 / 4)
+    assert float(moe_time(balance, at[16], hw)) == pytest.approx(floor)

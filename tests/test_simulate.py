@@ -142,3 +142,35 @@ def test_cli_bad_input_one_line_exit_2(tmp_path, args, needle):
     assert len(lines) == 1 and lines[0].startswith("error:"), err
     assert needle in lines[0]
     assert "Traceback" not in err
+
+
+def test_copies_that_do_not_hide_behind_the_previous_group_are_charged_in_full():
+    from vexpert_runtime.perf_model import InferenceConstants, h2d_time, layer_time
+    from vexpert_runtime.profile import PerformanceProfile
+    from vexpert_runtime.simulate import PolicyResult, predicted_total_time
+
+    consts, profile = InferenceConstants(), PerformanceProfile()
+    hw = profile.hardware
+    balance = np.full((1, 4), 0.5)
+    compute = float(layer_time(torch.tensor(0.5), consts, hw)) + consts.other_time_per_layer_s
+    base = PolicyResult("x", balance, np.zeros((1, 4)), group_size=2)
+    plain = predicted_total_time(base, consts, profile)
+    assert plain == pytest.approx(4 * compute)
+    one = float(h2d_time(torch.tensor(1.0), consts, hw))
+    # one vExpert per layer: each group's 2 copies (≈6.8 ms) hide behind the previous group (≈2×7.6 ms)
+    hidden = PolicyResult("x", balance, np.ones((1, 4)), group_size=2)
+    assert 2 * one < 2 * compute
+    assert predicted_total_time(hidden, consts, profile) == pytest.approx(plain + 4 * one * hw.contention_eta)
+    # eight per layer: 16 copies per group, longer than the compute they hide behind
+    exposed = PolicyResult("x", balance, np.full((1, 4), 8.0), group_size=2)
+    per_group = 16 * one
+    expected = plain + 2 * (2 * compute * hw.contention_eta + (per_group - 2 * compute))
+    assert predicted_total_time(exposed, consts, profile) == pytest.approx(expected)
+
+
+def test_a_trace_simulated_on_other_gpus_keeps_its_tokens_per_iteration():
+    from vexpert_runtime.commands.simulate import _trace_tokens_per_gpu
+
+    assert _trace_tokens_per_gpu({"gpus": 32, "tokens_per_gpu": 512}, 32) == 512
+    assert _trace_tokens_per_gpu({"gpus": 32, "tokens_per_gpu": 512}, 64) == 256
+    assert _trace_tokens_per_gpu({}, 64) == 256

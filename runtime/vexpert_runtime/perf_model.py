@@ -30,11 +30,14 @@ class InferenceConstants(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     tokens_per_gpu: int = Field(256, gt=0, description="Decode batch per GPU (B), tokens")
+    reference_tokens_per_gpu: int = Field(
+        256, gt=0, description="Batch B_ref at which the a2a and MoE times below are given; they scale with B / B_ref"
+    )
     top_k: int = Field(8, gt=0, description="Routed experts per token")
     experts_per_gpu: int = Field(4, gt=0, description="Base (logical) experts per GPU, E / N")
     expert_bytes: int = Field(DEEPSEEK_V3_EXPERT_BYTES, gt=0, description="Bytes of one expert's weights (M_expert)")
-    a2a_time_balanced_s: float = Field(1.0e-3, ge=0, description="Dispatch+combine time of one layer at L=1, s")
-    moe_time_balanced_s: float = Field(0.8e-3, ge=0, description="Expert GEMM time of one layer at L=1, s")
+    a2a_time_balanced_s: float = Field(1.0e-3, ge=0, description="Dispatch+combine time of one layer at L=1 and B_ref, s")
+    moe_time_balanced_s: float = Field(0.8e-3, ge=0, description="Expert GEMM time of one layer at L=1 and B_ref, s")
     other_time_per_layer_s: float = Field(2.0e-3, ge=0, description="Attention and everything else per layer, s")
     eplb_stall_s: float = Field(1.0, ge=0, description="Stop-the-world time of one EPLB weight rearrangement, s")
     allocation_time_s: float = Field(
@@ -74,8 +77,9 @@ def moe_time(balance: torch.Tensor, consts: InferenceConstants, hw: HardwarePara
     """
     thr = hw.compute_bound_tokens_per_expert
     tpe = tokens_per_expert(balance, consts).clamp(min=thr)
-    tpe_at_one = max(consts.tokens_per_gpu * consts.top_k / consts.experts_per_gpu, thr)
-    return consts.moe_time_balanced_s * tpe / tpe_at_one
+    # moe_time_balanced_s is the time at L = 1 and the reference batch (§3.2: B_max = B / L)
+    tpe_reference = max(consts.reference_tokens_per_gpu * consts.top_k / consts.experts_per_gpu, thr)
+    return consts.moe_time_balanced_s * tpe / tpe_reference
 
 
 def compute_gain(
@@ -89,7 +93,8 @@ def compute_gain(
 
 def a2a_time(balance: torch.Tensor, consts: InferenceConstants) -> torch.Tensor:
     """Dispatch + combine time of one layer, ∝ B_max = B / L (Eq. 1). Shape [...]."""
-    return consts.a2a_time_balanced_s / balance.clamp(min=1e-6)
+    batch = consts.tokens_per_gpu / consts.reference_tokens_per_gpu
+    return consts.a2a_time_balanced_s * batch / balance.clamp(min=1e-6)
 
 
 def h2d_time(vexperts: torch.Tensor, consts: InferenceConstants, hw: HardwareParameters) -> torch.Tensor:

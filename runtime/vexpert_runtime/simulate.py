@@ -94,6 +94,7 @@ class PolicyResult:
     stalls: int = 0
     plan_seconds: list[float] = field(default_factory=list)
     allocations: int = 0  # allocator runs charged to decode time (the oracle is charged none)
+    group_size: int = 1  # G of the slot groups it streams: group j's copies hide behind group j−1
 
     def summary(
         self, consts: InferenceConstants, profile: PerformanceProfile, static_time: float | None, num_gpus: int
@@ -121,15 +122,30 @@ class PolicyResult:
 
 
 def predicted_total_time(result: PolicyResult, consts: InferenceConstants, profile: PerformanceProfile) -> float:
-    """Decode time of the whole trace (s): per layer T_a2a(L) + T_moe(L) (Eq. 1) + other work +
-    T_H2D(V)·η (Eq. 2's penalty) for streamed vExperts, plus every stop-the-world stall and
-    every allocation (count all-reduce + mapping, paper App. F)."""
+    """Decode time of the whole trace (s): per layer T_a2a(L) + T_moe(L) (Eq. 1) + other work,
+    plus every stop-the-world stall and every allocation (count all-reduce + mapping, paper App. F).
+
+    Streamed vExperts: a group's copies run while the group before it computes (group 0 behind
+    the last one, the previous iteration's). The part that overlaps costs Eq. 2's penalty
+    T_H2D·η; a part longer than that compute (Eq. 5's constraint broken, e.g. a large vmax) is
+    exposed and costs its full time.
+    """
     hw = profile.hardware
     balance = torch.from_numpy(result.balance).clamp(min=1e-6)
     v = torch.from_numpy(result.vexperts)
-    per_layer = layer_time(balance, consts, hw) + consts.other_time_per_layer_s + h2d_time(v, consts, hw) * hw.contention_eta
-    return (
-        float(per_layer.sum()) + result.stalls * consts.eplb_stall_s + result.allocations * consts.allocation_time_s
+    compute = layer_time(balance, consts, hw) + consts.other_time_per_layer_s  # [T, L]
+    copy = h2d_time(v, consts, hw)  # [T, L]
+    iterations, layers = compute.shape
+    group = max(1, result.group_size)
+    padded = -(-layers // group) * group
+    pad = (0, padded - layers)
+    group_compute = torch.nn.functional.pad(compute, pad).view(iterations, -1, group).sum(-1)  # [T, groups]
+    group_copy = torch.nn.functional.pad(copy, pad).view(iterations, -1, group).sum(-1)
+    behind = group_compute.roll(1, dims=1)  # the compute each group's copies hide behind
+    overlapped = torch.minimum(group_copy, behind)
+    h2d_cost = overlapped * hw.contention_eta + (group_copy - overlapped)
+    return float(compute.sum() + h2d_cost.sum()) + result.stalls * consts.eplb_stall_s + (
+        result.allocations * consts.allocation_time_s
     )
 
 
@@ -241,6 +257,7 @@ def simulate(
         results[name] = _replay(name, counts_t, make(timings), timings)
         if name in ("offload", "vexpert"):
             results[name].allocations = len(timings)
+        results[name].group_size = offload_cfg.group_size if name == "offload" else cfg.group_size
 
     # static is the throughput reference, so it always runs.
     policies = cfg.policies if "static" in cfg.policies else ("static", *cfg.policies)

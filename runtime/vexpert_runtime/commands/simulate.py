@@ -53,7 +53,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     cfg.validate(experts)
     profile = load_profile(args.profile) if args.profile else PerformanceProfile()
-    tokens = args.tokens_per_gpu or int(trace.meta.get("tokens_per_gpu", 256))
+    tokens = args.tokens_per_gpu or _trace_tokens_per_gpu(trace.meta, args.gpus)
     if tokens <= 0:
         raise VExpertInputError("--tokens-per-gpu", f"must be positive, got {tokens}")
     consts = InferenceConstants(tokens_per_gpu=tokens, top_k=int(trace.meta.get("top_k", 8)),
@@ -110,3 +110,11 @@ def format_table(summary: dict[str, dict[str, Any]]) -> str:
             f"{s['vexperts_per_gpu_per_iteration']:>13.1f}{s['rebalance_stalls']:>8d}{s['predicted_relative_throughput']:>11.3f}×"
         )
     return "\n".join(lines)
+
+
+def _trace_tokens_per_gpu(meta: dict[str, Any], gpus: int) -> int:
+    """Tokens per GPU of the simulated cluster: the trace's batch (tokens per GPU × its GPUs) over
+    ``gpus``; a trace built for another GPU count keeps its total tokens per iteration."""
+    per_gpu = int(meta.get("tokens_per_gpu", 256))
+    built_for = int(meta.get("gpus", gpus) or gpus)
+    return max(1, per_gpu * built_for // gpus)
