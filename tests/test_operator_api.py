@@ -300,6 +300,21 @@ def test_a_child_the_api_server_refuses_shows_in_status_and_a_later_success_clea
         assert len(cluster.events("Invalid")) == 1  # one event per new message, not per retry
 
 
+def test_too_few_nodes_is_said_in_status_until_nodes_are_added(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    add_nodes(cluster, 1)  # the group needs 2 (EP16, 8 GPUs per node)
+    with running_operator(cluster, monkeypatch):
+        cluster.create(deployment(calibration__mode="skip"))
+        cond = cluster.wait_for(lambda: (lambda c: c if c.get("reason") == "NotEnoughNodes" else None)(
+            cluster.condition("dsv3", "Progressing")), what="Progressing=NotEnoughNodes")
+        assert "1 Ready schedulable node(s), the group needs 2" in cond["message"]
+        assert cluster.status("dsv3")["phase"] == "Deploying"
+        assert "needs 2" in cluster.status("dsv3")["message"]
+        add_nodes(cluster, 1, prefix="more")  # same type (same driver and instance type): 2 nodes now
+        cluster.wait_for(lambda: cluster.condition("dsv3", "Progressing").get("reason") == "Deploying",
+                         what="Progressing=Deploying once the nodes exist")
+
+
 def test_node_pod_failure_reforms_the_whole_group_with_backoff(
         cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     type_name = add_nodes(cluster, 2)

@@ -559,6 +559,13 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False
     if not status.tuning.reason:
         status.tuning.reason = "initial: k from the spec, Np as large as node memory allows"
     _phase(status, sample, stamp, generation)
+    usable = chosen.ready_nodes + len(chosen.cordoned)  # cordoned ones may already run group pods
+    if status.phase == "Deploying" and usable < spec.parallelism.num_nodes:
+        # say why pods stay Pending instead of only counting them
+        status.message = (f"node type {chosen.name} has {chosen.ready_nodes} Ready schedulable node(s), the group "
+                          f"needs {spec.parallelism.num_nodes}: its pods wait for nodes")
+        status.conditions = set_condition(status.conditions, "Progressing", True, "NotEnoughNodes", status.message,
+                                          stamp, generation)
     if status.phase != old.phase and status.phase in ("Running", "Degraded"):
         _event(ctx, body, "Normal" if status.phase == "Running" else "Warning", status.phase, status.message)
     await write_status(ctx, body, old, status)
