@@ -467,6 +467,12 @@ def sample(**kw) -> RuntimeSample:
     return RuntimeSample(**base)
 
 
+def test_tuning_holds_while_a_ready_pod_cannot_be_scraped() -> None:
+    assert decide_tuning(state(), sample(allocator_share=0.12, balance_decay=0.01)).changed  # all answered: k moves
+    held = decide_tuning(state(), sample(allocator_share=0.12, balance_decay=0.01, unscraped_pods=1))
+    assert not held.changed and "could not be scraped" in held.reason
+
+
 def test_k_lengthens_when_the_allocator_is_costly_and_shortens_when_balance_decays() -> None:
     longer = decide_tuning(state(), sample(allocator_share=0.12, balance_decay=0.01))
     assert longer.allocation_interval == 15 and longer.k_changed and "allocator" in longer.reason

@@ -125,3 +125,54 @@ def test_node_runtime_accepts_the_rendered_config_and_its_metrics_parse(tmp_path
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_scrape_reads_a_body_that_arrives_in_pieces() -> None:
+    """A node pod's /metrics (~15 KB for 58 layers) arrives in several TCP segments on a real
+    network; the operator must parse all of it, not what had arrived at the first read."""
+    import asyncio
+    import socket
+    import threading
+    import time
+
+    import aiohttp
+
+    from vexpert_operator.reconciler import _scrape_one
+    from vexpert_operator.tuning import parse_runtime_metrics
+    from vexpert_runtime.metrics import NodeMetrics
+
+    metrics = NodeMetrics(58)
+    metrics.set_layers(metrics.balance, [0.9] * 58)
+    metrics.allocation_interval.set(16)
+    metrics.degraded.set(1)
+    body = metrics.render().encode()
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                     % len(body))
+        cut = body.index(b"vexpert_allocation_interval 16") + len("vexpert_allocation_interval 1")
+        conn.sendall(body[:cut])  # stops inside "16"
+        time.sleep(0.1)
+        conn.sendall(body[cut:])
+        conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+
+    async def scrape() -> dict[str, float] | None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            return await _scrape_one(session, f"http://127.0.0.1:{port}/metrics", 512 * 1024)
+
+    try:
+        got = asyncio.run(scrape())
+    finally:
+        thread.join(timeout=5)
+        server.close()
+    assert got == parse_runtime_metrics(body)
+    assert got["vexpert_allocation_interval"] == 16 and got["vexpert_degraded"] == 1

@@ -162,6 +162,49 @@ def test_node_cli_summary_counts_switches_and_reports_verification(
     assert 0 <= error <= 1e-4
 
 
+class _Batches:
+    """Worker messages handed to the supervisor one batch at a time, as its queue drain sees them."""
+
+    def __init__(self, batches: list[list[Any]]) -> None:
+        self.batches, self.current = [list(b) for b in batches], []  # type: ignore[var-annotated]
+
+    def get(self, timeout: float) -> Any:
+        import queue
+
+        if not self.current and self.batches:
+            self.current = self.batches.pop(0)
+        if not self.current:
+            raise queue.Empty
+        return self.current.pop(0)
+
+    def get_nowait(self) -> Any:
+        import queue
+
+        if not self.current:
+            raise queue.Empty
+        return self.current.pop(0)
+
+
+def test_a_degraded_iteration_reported_with_its_window_shows_as_degraded(tmp_path: Path) -> None:
+    # k = 1: rank 0 sends its iteration report and the window right after, often in one batch, and
+    # the supervisor handles the window first (plans go out as early as possible)
+    import numpy as np
+
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt", SPEC)
+    config = load_runtime_config(_config(tmp_path / "runtime.yaml", checkpoint, tuning={"allocation_interval": 1}))
+    runtime = NodeRuntime(resolve_setup(config, checkpoint), NodeOptions(allocate=False))
+    runtime._coordinator_attached = True
+    window = np.ones((1, SPEC.num_layers, SPEC.num_experts + 2), dtype=np.int64)
+
+    def report(rank: int) -> tuple[Any, ...]:
+        return ("iter", rank, 0, 0.01, 0.0, 1, [0], None, None, None)  # one group ran degraded
+
+    batches = [[("ready", 0), ("ready", 1)], [report(0), report(1), ("window", 0, window)], [("done", 0), ("done", 1)]]
+    runtime._serve(_Batches(batches), [], None)
+    text = runtime.metrics.render()
+    assert "vexpert_degraded 1.0" in text and "vexpert_degraded_groups_total 1.0" in text
+
+
 def test_metrics_endpoint_and_config_reload(tmp_path: Path) -> None:
     write_tiny_checkpoint(tmp_path / "ckpt", SPEC, seed=2)
     config_path = _config(tmp_path / "runtime.yaml", tmp_path / "ckpt")

@@ -662,7 +662,14 @@ async def _scrape_one(session: aiohttp.ClientSession, url: str, max_bytes: int) 
         async with session.get(url) as resp:
             if resp.status != 200:
                 return None
-            body = await resp.content.read(max_bytes + 1)
+            # read(n) returns what has arrived so far: read to the end (or just past the limit),
+            # a cut-off body would parse without complaint into missing or wrong values
+            body = b""
+            while len(body) <= max_bytes:
+                chunk = await resp.content.read(max_bytes + 1 - len(body))
+                if not chunk:
+                    break
+                body += chunk
             return parse_runtime_metrics(body, max_bytes)
     except (aiohttp.ClientError, asyncio.TimeoutError, MetricsError, OSError):
         return None
@@ -677,7 +684,7 @@ async def scrape_group(ctx: Context, namespace: str, name: str, port: int) -> Ru
         results = await asyncio.gather(*[
             _scrape_one(session, f"http://{p.pod_ip}:{port}/metrics", ctx.settings.scrape_max_bytes) for p in targets
         ])
-    return aggregate([r for r in results if r is not None])
+    return aggregate([r for r in results if r is not None], unscraped=sum(1 for r in results if r is None))
 
 
 def _since(stamp: str, now: dt.datetime, interval_s: float) -> int:

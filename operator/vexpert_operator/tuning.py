@@ -146,13 +146,14 @@ class RuntimeSample:
     degraded_pods: int = 0
     pool_hit_ratio: float | None = None
     memory_pressure: float | None = None
+    unscraped_pods: int = 0  # ready pods whose metrics could not be read
 
 
 def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def aggregate(per_pod: Iterable[Mapping[str, float]]) -> RuntimeSample:
+def aggregate(per_pod: Iterable[Mapping[str, float]], unscraped: int = 0) -> RuntimeSample:
     pods = list(per_pod)
     balance = [p["vexpert_balance_ratio"] for p in pods if "vexpert_balance_ratio" in p]
     decays: list[float] = []
@@ -180,6 +181,7 @@ def aggregate(per_pod: Iterable[Mapping[str, float]]) -> RuntimeSample:
         degraded_pods=sum(1 for p in pods if p.get("vexpert_degraded", 0) > 0),
         pool_hit_ratio=min(hits) if hits else None,
         memory_pressure=max(pressure) if pressure else None,
+        unscraped_pods=unscraped,
     )
 
 
@@ -304,6 +306,8 @@ def decide_tuning(state: TuningState, sample: RuntimeSample, policy: TuningPolic
         return TuningDecision(k, n, "no runtime metrics yet")
     if sample.degraded_pods:
         return TuningDecision(k, n, f"held: {sample.degraded_pods} pod(s) report degraded")
+    if sample.unscraped_pods:  # every pod must report the current k and Np before a change
+        return TuningDecision(k, n, f"held: {sample.unscraped_pods} ready pod(s) could not be scraped")
     if (sample.reported_k and sample.reported_k != {k}) or (sample.reported_np and sample.reported_np != {n}):
         return TuningDecision(k, n, f"held: waiting for the runtime to apply k={k}, Np={n} "
                                     f"(reports k={sorted(sample.reported_k)}, Np={sorted(sample.reported_np)})")

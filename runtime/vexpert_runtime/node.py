@@ -1153,6 +1153,9 @@ class NodeRuntime:
             if record.degraded_groups:
                 self.metrics.degraded_groups.inc(record.degraded_groups)
                 self._degraded_total += record.degraded_groups
+                # here too: a batch's window is handled before its iteration reports, so the
+                # window's own check may not have seen this iteration yet
+                self.metrics.degraded.set(1)
             self._last_iter_at = time.perf_counter()
             self._completed += 1
             self._decay.plan(iteration, max(plan_ids, default=0))

@@ -121,3 +121,6 @@ async def group_loop(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Me
     finally:
         memo["wakeups"].pop((ns, name), None)
         memo["locks"].pop((ns, name), None)
+        # again here: a reconcile still running while `forget` ran sets the phase gauge back;
+        # the daemon ends after its last reconcile (kopf holds the finalizer until then)
+        m.DEPLOYMENT_PHASES.forget(ns, name)
