@@ -430,3 +430,35 @@ def test_load_trace_errors(tmp_path: Path) -> None:
     assert _field_of(load_trace, tmp_path / "flat.npz") == "counts"
     np.savez(tmp_path / "neg.npz", counts=-np.ones((2, 3, 4), dtype=np.int64))
     assert _field_of(load_trace, tmp_path / "neg.npz") == "counts"
+
+
+def test_a_nested_logical_count_is_refused_not_read_as_a_series(tmp_path: Path) -> None:
+    path = tmp_path / "nested.json"
+    path.write_text(json.dumps({"logical_count": [[[1, 2], [3, 4]]]}))
+    with pytest.raises(VExpertInputError) as info:
+        load_layer_distribution(path)
+    assert info.value.field == "logical_count"
+
+
+@pytest.mark.parametrize(("arrays", "message"), [
+    ("npy", "single array"),
+    ({"counts": np.ones((2, 1, 4), dtype=np.int64), "phase_starts": np.zeros(1, dtype=np.int64),
+      "phase_names": np.array("one")}, "phase_names must be a list"),
+    ({"counts": np.ones((2, 1, 4), dtype=np.int64), "meta": np.array("[1, 2]")}, "meta must be a JSON object"),
+])
+def test_malformed_trace_files_are_input_errors(tmp_path: Path, arrays: Any, message: str) -> None:
+    if arrays == "npy":
+        path = tmp_path / "t.npy"
+        np.save(path, np.ones((2, 1, 4), dtype=np.int64))
+    else:
+        path = tmp_path / "t.npz"
+        np.savez(path, **arrays)
+    with pytest.raises(VExpertInputError, match=message):
+        load_trace(path)
+
+
+def test_numpy_integer_arguments_give_a_trace_that_saves(tmp_path: Path) -> None:
+    trace = build_trace([Phase("bundled:decode_in1000out1000", np.int64(3))], np.int64(4), np.int64(16),
+                        np.int64(2), seed=np.int64(0))
+    save_trace(trace, tmp_path / "t.npz")
+    assert load_trace(tmp_path / "t.npz").meta["gpus"] == 4

@@ -1,7 +1,9 @@
 """DeepSeek's Expert Parallelism Load Balancer (EPLB) as small pure functions over tensors.
 
 A reimplementation of the algorithm published in github.com/deepseek-ai/EPLB (``eplb.py``), the
-baseline vExpert is compared against. Results are identical to DeepSeek's code, ties included:
+baseline vExpert is compared against. ``phy2log`` and ``logcnt`` are identical to DeepSeek's code,
+ties included (``log2phy`` holds the same values but is padded to the largest replica count, not to
+``num_replicas − num_logical + 1``):
 
 * items are ordered with the same (unstable) ``torch.sort`` call, so equal weights keep
   DeepSeek's order;

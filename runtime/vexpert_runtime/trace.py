@@ -137,7 +137,9 @@ def read_logical_count(path: str | Path) -> FloatArray:
             'pass SGLang expert statistics: {"logical_count": [[...] per layer]}',
         )
     rows = doc["logical_count"]
-    if not isinstance(rows, list) or not rows or not all(isinstance(r, list) for r in rows):
+    if not isinstance(rows, list) or not rows or not all(
+        isinstance(r, list) and not any(isinstance(v, list) for v in r) for r in rows
+    ):
         raise VExpertInputError(
             "logical_count",
             f"{path}: must be a non-empty list of per-layer lists",
@@ -445,18 +447,18 @@ def build_trace(phases: list[Phase], gpus: int, tokens_per_gpu: int, top_k: int,
         data = sources[phase.source]
         sample = sample_distribution if data.ndim == 2 else resample_series
         counts[start:stop] = sample(data, phase.iterations, tokens_per_layer, rng)
-    meta = {
+    meta = {  # plain ints: numpy integers are accepted above but JSON cannot hold them
         "format": TRACE_FORMAT,
-        "gpus": gpus,
-        "tokens_per_gpu": tokens_per_gpu,
-        "top_k": top_k,
-        "seed": seed,
-        "tokens_per_layer": tokens_per_layer,
+        "gpus": int(gpus),
+        "tokens_per_gpu": int(tokens_per_gpu),
+        "top_k": int(top_k),
+        "seed": int(seed),
+        "tokens_per_layer": int(tokens_per_layer),
         "phases": [
             {
                 "name": p.name,
                 "source": p.source,
-                "iterations": p.iterations,
+                "iterations": int(p.iterations),
                 "kind": "distribution" if sources[p.source].ndim == 2 else "series",
             }
             for p in phases
@@ -516,8 +518,13 @@ def load_trace(path: str | Path) -> Trace:
     """Read a trace written by :func:`save_trace` (counts come back as int64 ``[T, L, E]``)."""
     fix = "pass a .npz written by vexpert's trace builder"
     try:
-        with np.load(path, allow_pickle=False) as npz:
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):  # a bare .npy array
+            raise VExpertInputError("trace", f"{path} is a single array, not an .npz with `counts`", fix)
+        with loaded as npz:
             arrays = {k: npz[k] for k in npz.files}
+    except VExpertInputError:
+        raise
     except FileNotFoundError:
         raise VExpertInputError("trace", f"{path} does not exist", fix) from None
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
@@ -536,6 +543,8 @@ def load_trace(path: str | Path) -> Trace:
         raise VExpertInputError("counts", f"{path}: must be integers, got {counts.dtype}", fix)
     if counts.size and counts.min() < 0:
         raise VExpertInputError("counts", f"{path}: negative expert counts", fix)
+    if arrays["phase_names"].ndim != 1:
+        raise VExpertInputError("trace", f"{path}: phase_names must be a list of names", fix)
     names = [str(n) for n in arrays["phase_names"]]
     if (
         starts.ndim != 1
@@ -549,6 +558,8 @@ def load_trace(path: str | Path) -> Trace:
         meta = json.loads(str(arrays["meta"]))
     except json.JSONDecodeError:
         raise VExpertInputError("trace", f"{path}: meta is not JSON", fix) from None
+    if not isinstance(meta, dict):
+        raise VExpertInputError("trace", f"{path}: meta must be a JSON object", fix)
     return Trace(
         counts=counts.astype(np.int64), phase_starts=[int(s) for s in starts], phase_names=names, meta=meta
     )
