@@ -265,3 +265,31 @@ def test_cuda_stream_memops_handshake_inside_a_captured_graph() -> None:
         ref = _reference(s["x"][:-1].cpu().float(), ref_rows.float(), s["local"], s["weight"], s["inter"], s["hidden"])
         torch.testing.assert_close(out.double().cpu(), ref, rtol=5e-2, atol=5e-3)
     assert s["ring"].flags.tolist() == [[1, 0], [1, 0]]
+
+
+def test_a_plan_that_does_not_fit_leaves_the_routing_as_it_was() -> None:
+    local_experts, vmax, pairs = 2, 1, 20
+    route = StaticRouting.empty(capacity_for(pairs, local_experts), capacity_for(4, vmax), local_experts, vmax,
+                                pairs, "cpu")
+    token, weight = torch.arange(pairs), torch.ones(pairs)
+    route.load(token, torch.tensor([0] * 8 + [1] * 8 + [2] * 4), weight, local_experts)  # 4 slot pairs fit
+    names = ("base_gather", "base_offs", "base_weight", "slot_gather", "slot_offs", "slot_weight")
+    before = {n: getattr(route, n).clone() for n in names}
+    with pytest.raises(ValueError, match="do not fit"):  # 17 slot pairs do not
+        route.load(token, torch.tensor([0] * 3 + [2] * 17), weight, local_experts)
+    for n in names:
+        assert torch.equal(getattr(route, n), before[n]), n
+
+
+def test_a_failed_fill_hands_its_buffer_back() -> None:
+    flags = allocate_flags(2)
+    ops = CpuFlagOps(timeout_s=0.5)
+
+    def broken() -> None:
+        raise IndexError("pool row out of range")
+
+    with pytest.raises(IndexError):
+        produce(ops, None, flags, 0, broken)
+    assert flags[0].tolist() == [1, 0]  # FREE again, not FULL
+    produce(ops, None, flags, 0, lambda: None)  # the next fill of that buffer does not time out
+    assert flags[0].tolist() == [0, 1]

@@ -124,6 +124,9 @@ class StaticRouting:
         """
         vmax = self.slot_offs.numel()
         is_slot = local >= local_experts
+        staged = []
+        # Build both halves before writing either: a plan that does not fit raises with the
+        # routing untouched (a half-written one would compute some pairs twice and others never).
         for gather, offs, weights, mask, shift, groups in (
             (self.base_gather, self.base_offs, self.base_weight, ~is_slot, 0, local_experts),
             (self.slot_gather, self.slot_offs, self.slot_weight, is_slot, local_experts, vmax),
@@ -133,9 +136,10 @@ class StaticRouting:
             new_gather[pos] = token[mask].to(gather.device)
             new_weight = torch.zeros_like(weights)
             new_weight[pos] = weight[mask].to(weights.device, weights.dtype)
-            gather.copy_(new_gather, non_blocking=True)
-            weights.copy_(new_weight, non_blocking=True)
-            offs.copy_(ends, non_blocking=True)
+            staged.append(((gather, new_gather), (weights, new_weight), (offs, ends)))
+        for pairs in staged:
+            for target, value in pairs:
+                target.copy_(value, non_blocking=True)
 
     def assign(self, other: StaticRouting) -> None:
         """Take ``other``'s routing (same capacities) into these tensors: a plan switch between replays."""

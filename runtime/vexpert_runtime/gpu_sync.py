@@ -147,7 +147,12 @@ def produce(ops: FlagOps, stream: Any, flags: torch.Tensor, buffer: int, copy_in
     """
     ops.wait_eq(stream, flags, buffer, FREE, 1)
     ops.write(stream, flags, buffer, FREE, 0)
-    copy_in()
+    try:
+        copy_in()
+    except BaseException:
+        # hand the buffer back (still not FULL): a failed fill must not lock it for good
+        ops.write(stream, flags, buffer, FREE, 1)
+        raise
     ops.write(stream, flags, buffer, FULL, 1)
 
 
