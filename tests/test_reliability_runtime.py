@@ -146,6 +146,46 @@ def test_dead_fill_loop_serves_base_experts_degraded_then_resumes_streaming(tmp_
 # ------------------------------------------------------------------------------------------------
 
 
+def test_a_fill_loop_restarted_mid_iteration_finishes_it_under_its_plan(tmp_path: Path) -> None:
+    # k = 1: a new plan every iteration; the loop dies at (6, group 1) and comes back there
+    write_tiny_checkpoint(tmp_path, SPEC, seed=7)
+    setup = _setup(tmp_path, timeout_s=5.0)
+    setup = dataclasses.replace(setup, k=1)
+    workload = drifting_workload((("decode_in1000out1000", 4), ("prefill_in4096", 4)), 2, 8, tokens_per_worker=16)
+    report = NodeRuntime(setup, NodeOptions(workload=workload, iterations=10, verify=True, record=True,
+                                            kill_fill_loop_at=sequence(6, 1, 2), fill_restart_delay_s=0.3)).run()
+    assert report.max_rel_error is not None and report.max_rel_error <= 1e-5
+    mixed = [(r.iteration, r.plan_ids) for r in report.records if len(set(r.plan_ids)) > 1 and 0 not in r.plan_ids]
+    assert mixed == [], "all groups of one iteration use one plan"
+    assert _assert_slots_exact(report, tmp_path) > 0
+
+
+def test_a_stop_while_the_fill_loop_is_down_mid_iteration_is_prompt(tmp_path: Path) -> None:
+    import threading
+
+    write_tiny_checkpoint(tmp_path, SPEC, seed=7)
+    setup = _setup(tmp_path, timeout_s=5.0)
+    box: list[NodeRuntime] = []
+    marks: dict[str, float] = {}
+
+    def watch(line: str) -> None:
+        if "slot fill loop died" in line and "stop" not in marks:
+            def stop() -> None:  # the workers wait at (4, group 1) then; the loop restarts at 0.5 s
+                marks["stop"] = time.monotonic()
+                box[0].request_stop()
+            threading.Timer(0.25, stop).start()
+
+    runtime = NodeRuntime(setup, NodeOptions(workload=Workload(tokens_per_worker=16, seed=1), iterations=1000,
+                                             record=True, allocate=False, scripted_plans={0: PLAN_A},
+                                             kill_fill_loop_at=sequence(4, 1, 2), fill_restart_delay_s=0.5, log=watch))
+    box.append(runtime)
+    report = runtime.run()
+    took = time.monotonic() - marks["stop"]
+    assert took < 3.0, f"stopped {took:.2f} s after the request (slot wait is 5 s)"
+    assert report.records[-1].plan_ids == [1, 1]  # the interrupted iteration finished under its plan
+
+
+
 def _metric(text: str, name: str) -> float:
     match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
     assert match is not None, name

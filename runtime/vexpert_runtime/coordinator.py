@@ -47,6 +47,7 @@ from .protocol import Assignment, FillLoop, SharedState, SlotFiller
 from .transport import make_transport
 
 STATS_INTERVAL_S = 0.1
+RECENT_PLANS = 4  # plans kept to finish an iteration under its own plan after a fill-loop restart
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -109,6 +110,7 @@ class Coordinator:
         self.outbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()  # fill thread → pipe
         self.k = args.k
         self.last_plan = -1
+        self.recent: dict[int, Assignment] = {}  # plans the fill loop took, newest last (fill thread)
         self.loop: FillLoop | None = None
         self.restart_at: float | None = None
         self.restarts = 0
@@ -133,12 +135,17 @@ class Coordinator:
 
     # -- fill loop callbacks (fill thread) ----------------------------------------------------
 
-    def _take_plan(self, iteration: int) -> Assignment:
+    def _take_plan(self, iteration: int, prefer: int | None = None) -> Assignment:
         with self.lock:
             assignment = self.current
             due = [i for i in self.scripted if i <= iteration]
             if due:
                 assignment = self.scripted[max(due)]
+            if prefer is not None and prefer in self.recent:  # finish an iteration under its plan
+                assignment = self.recent[prefer]
+        self.recent[assignment.table.plan_id] = assignment
+        while len(self.recent) > RECENT_PLANS:
+            self.recent.pop(next(iter(self.recent)))
         if assignment.table.plan_id != self.last_plan:
             self.last_plan = assignment.table.plan_id
             self.outbox.put(("switch", iteration, assignment.table.plan_id))
@@ -155,7 +162,8 @@ class Coordinator:
         seq = self.args.shared.resume_seq()
         iteration, group = divmod(seq, self.filler.num_groups)
         self.loop = FillLoop(
-            self.filler, self._take_plan, self._control, self.args.fill_delays, iteration, kill_at, self._on_failure, group
+            self.filler, self._take_plan, self._control, self.args.fill_delays, iteration, kill_at, self._on_failure, group,
+            resume_plan=self.args.shared.announced_plan(seq - 1) if group else None,
         )
         self.loop.start()
         return seq

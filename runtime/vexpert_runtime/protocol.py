@@ -166,6 +166,18 @@ class SharedState:
     def coordinator_attached(self) -> bool:
         return int(self.coordinator[0]) != 0
 
+    def announced_plan(self, seq: int) -> int | None:
+        """The plan id in the header of sequence ``seq``, if a worker's record still holds it."""
+        if seq < 0:
+            return None
+        buffer = seq % self.state.shape[1]
+        for worker in range(self.workers):
+            with self.locks.hold(worker):
+                row = self.state[worker, buffer]
+                if int(row[HDR_SEQ]) == seq:
+                    return int(row[PLAN_ID])
+        return None
+
     def resume_seq(self) -> int:
         """The first sequence a (new) coordinator may fill: after every sequence any worker has seen
         filled or has released, so no buffer a worker may still be reading is written."""
@@ -462,21 +474,27 @@ class FillLoop(threading.Thread):
     """The coordinator's fill pipeline: runs ahead of the workers by one group (ping-pong),
     picking up a new plan at each iteration boundary.
 
-    ``take_plan(iteration)`` returns the assignment for an iteration (the node's latest plan);
-    ``control(iteration)`` returns (k, stop). ``delays`` maps a sequence to seconds to stall before
-    filling it (fault injection for tests).
+    ``take_plan(iteration, prefer)`` returns the assignment for an iteration (the node's latest
+    plan, or plan id ``prefer`` if it still has it); ``control(iteration)`` returns (k, stop).
+    ``delays`` maps a sequence to seconds to stall before filling it (fault injection for tests).
+
+    A loop (re)started mid-iteration (``start_group`` > 0) finishes that iteration under the plan
+    its earlier groups announced (``resume_plan``) when it still has it, and takes a stop only at
+    the next iteration boundary: the workers are inside the iteration and a stop header for a later
+    group would leave the next iteration's first group unfilled until their slot wait times out.
     """
 
     def __init__(
         self,
         filler: SlotFiller,
-        take_plan: Callable[[int], Assignment],
+        take_plan: Callable[[int, int | None], Assignment],
         control: Callable[[int], tuple[int, bool]],
         delays: dict[int, float] | None = None,
         start_iteration: int = 0,
         kill_at: int | None = None,
         on_failure: Callable[[int, BaseException], None] | None = None,
         start_group: int = 0,
+        resume_plan: int | None = None,
     ) -> None:
         super().__init__(name="vexpert-fill", daemon=True)
         self.filler = filler
@@ -485,6 +503,7 @@ class FillLoop(threading.Thread):
         self.delays = dict(delays or {})
         self.start_iteration = start_iteration
         self.start_group = start_group  # a coordinator that re-attaches mid-iteration starts there
+        self.resume_plan = resume_plan  # the plan the start iteration's earlier groups ran under
         self.kill_at = kill_at  # sequence at which the loop dies (fault injection)
         self.on_failure = on_failure
         self.failures = 0  # sequences whose fill failed (left unfilled: their group runs degraded)
@@ -494,8 +513,9 @@ class FillLoop(threading.Thread):
         try:
             iteration, first = self.start_iteration, self.start_group
             while not self.filler.abort.is_set():
-                assignment = self.take_plan(iteration)
+                assignment = self.take_plan(iteration, self.resume_plan if first else None)
                 k, stop = self.control(iteration)
+                stop = stop and first == 0
                 for group in range(first, first + 1 if stop else self.filler.num_groups):
                     seq = iteration * self.filler.num_groups + group
                     if seq == self.kill_at:
