@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import kubernetes_validate
 import pytest
@@ -11,7 +12,7 @@ import yaml
 from operator_support.samples import gpu_node, spec
 from vexpert_operator import manifests as mf
 from vexpert_operator import naming as nm
-from vexpert_operator.nodetypes import candidate_types, node_info, node_type_selector
+from vexpert_operator.nodetypes import candidate_types, node_info, node_type_key, node_type_terms
 from vexpert_operator.plan import PlanInputs, combine_profiles, default_profile, plan_group
 from vexpert_operator.quantity import GIB, MIB, format_mebibytes, parse_bytes, parse_quantity
 from vexpert_operator.sizing import KNOWN_SHAPES, model_shape, np_bounds, pinned_pool_bytes, size_pod
@@ -154,8 +155,7 @@ def test_statefulset_pod_is_one_container_per_node_guaranteed_and_unprivileged()
     assert anti["topologyKey"] == "kubernetes.io/hostname"
     assert anti["labelSelector"]["matchLabels"] == nm.node_selector_labels("dsv3")
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    pinned = {e["key"]: e["values"][0] for e in terms[0]["matchExpressions"]}
-    assert pinned == node_type_selector(h200_type().key)
+    assert terms == [{"matchExpressions": e} for e in node_type_terms(h200_type().key)]
     assert sts["metadata"]["ownerReferences"][0] == {
         "apiVersion": "vexpert.io/v1alpha1", "kind": "VExpertDeployment", "name": "dsv3", "uid": "u-1",
         "controller": True, "blockOwnerDeletion": True}
@@ -247,6 +247,11 @@ def test_calibration_jobs_follow_the_contract() -> None:
     assert "nvidia.com/gpu" not in mpod["containers"][0]["resources"]["limits"]  # a CPU job
     assert "affinity" not in mpod
     assert {"name": "model", "mountPath": "/models", "readOnly": True} in mpod["containers"][0]["volumeMounts"]
+    # it mounts the checkpoint (maybe a hostPath only the GPU nodes have): it goes where the deployment may run
+    placed = spec(calibration={"traces": ["t.npz"]}, runtime__nodeSelector={"pool": "gpu"},
+                  runtime__tolerations=[{"operator": "Exists"}])
+    ppod = mf.build_model_calibration_job("ns", "k", 1, placed, [])["spec"]["template"]["spec"]
+    assert ppod["nodeSelector"] == {"pool": "gpu"} and ppod["tolerations"] == [{"operator": "Exists"}]
 
 
 def test_profiles_combine_halves_deterministically() -> None:
@@ -273,3 +278,43 @@ def test_node_and_model_profile_builders_round_trip() -> None:
     PerformanceProfile.model_validate(obj["spec"]["profile"])
     model = mf.build_model_profile("ns", "k", "m", "r", "deepseek_v3", default_profile())
     assert model["spec"]["model"] == "m" and model["metadata"]["namespace"] == "ns"
+
+
+
+def _affinity_matches(terms: list[list[dict[str, Any]]], labels: dict[str, str]) -> bool:
+    """Kubernetes' required node affinity: any term whose expressions all hold."""
+    def holds(e: dict[str, Any]) -> bool:
+        if e["operator"] == "In":
+            return labels.get(e["key"]) in e["values"]
+        assert e["operator"] == "DoesNotExist"
+        return e["key"] not in labels
+    return any(all(holds(e) for e in term) for term in terms)
+
+
+BASE_LABELS = {"nvidia.com/gpu.product": "NVIDIA-H200", "nvidia.com/gpu.count": "8", "nvidia.com/gpu.memory": "143771"}
+
+
+@pytest.mark.parametrize("labels", [
+    {"nvidia.com/cuda.driver-version.full": "550.54.15", "node.kubernetes.io/instance-type": "p5en.48xlarge"},
+    {"nvidia.com/cuda.driver-version.major": "550", "nvidia.com/cuda.driver-version.minor": "54",
+     "nvidia.com/cuda.driver-version.revision": "15", "node.kubernetes.io/instance-type": "p5en.48xlarge"},
+    {"nvidia.com/cuda.driver.major": "550", "nvidia.com/cuda.driver.minor": "54", "nvidia.com/cuda.driver.rev": "15",
+     "beta.kubernetes.io/instance-type": "p5en.48xlarge"},
+    {"nvidia.com/cuda.driver-version.full": "550.54.15"},  # no instance type (on-premises)
+])
+def test_a_type_pins_its_own_nodes_whichever_labels_carry_it(labels: dict[str, str]) -> None:
+    node = {**BASE_LABELS, **labels}
+    key = node_type_key(node)
+    assert key is not None and key.driver_version == "550.54.15"
+    assert _affinity_matches(node_type_terms(key), node)
+
+
+def test_a_type_without_an_instance_type_does_not_match_other_types_nodes() -> None:
+    onprem = {**BASE_LABELS, "nvidia.com/cuda.driver-version.full": "550.54.15"}
+    cloud = {**onprem, "node.kubernetes.io/instance-type": "p5en.48xlarge"}
+    newer = {**onprem, "nvidia.com/cuda.driver-version.full": "560.35.03"}
+    onprem_key, cloud_key = node_type_key(onprem), node_type_key(cloud)
+    assert onprem_key is not None and cloud_key is not None
+    assert not _affinity_matches(node_type_terms(onprem_key), cloud)
+    assert not _affinity_matches(node_type_terms(cloud_key), onprem)
+    assert not _affinity_matches(node_type_terms(onprem_key), newer)

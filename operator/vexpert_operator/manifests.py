@@ -31,7 +31,7 @@ from .api import (
     VExpertModelProfileSpec,
     VExpertNodeProfileSpec,
 )
-from .nodetypes import GPU_RESOURCE, node_type_selector
+from .nodetypes import GPU_RESOURCE, node_type_terms
 from .quantity import format_mebibytes
 from .sizing import Sizing
 
@@ -166,12 +166,10 @@ def _tolerations(spec: VExpertDeploymentSpec) -> list[dict[str, Any]]:
     return [t.model_dump(by_alias=True, exclude_none=True) for t in spec.runtime.tolerations]
 
 
-def _node_affinity(selector: Mapping[str, str]) -> dict[str, Any]:
+def _node_affinity(terms: list[list[dict[str, Any]]]) -> dict[str, Any]:
     return {
         "requiredDuringSchedulingIgnoredDuringExecution": {
-            "nodeSelectorTerms": [{
-                "matchExpressions": [{"key": k, "operator": "In", "values": [v]} for k, v in sorted(selector.items())],
-            }],
+            "nodeSelectorTerms": [{"matchExpressions": expressions} for expressions in terms],
         },
     }
 
@@ -270,7 +268,7 @@ def build_pod_template(name: str, spec: VExpertDeploymentSpec, sizing: Sizing, c
         ],
     }
     if node_key is not None:
-        pod_spec["affinity"]["nodeAffinity"] = _node_affinity(node_type_selector(node_key))
+        pod_spec["affinity"]["nodeAffinity"] = _node_affinity(node_type_terms(node_key))
     if spec.runtime.node_selector:
         pod_spec["nodeSelector"] = dict(spec.runtime.node_selector)
     if spec.runtime.tolerations:
@@ -382,11 +380,13 @@ def _calibration_job(job_name: str, namespace: str, labels: dict[str, str], anno
                     *extra_volumes],
     }
     if node_key is not None:  # GPU measurements: on a node of exactly this type
-        pod_spec["affinity"] = {"nodeAffinity": _node_affinity(node_type_selector(node_key))}
-        if spec.runtime.node_selector:
-            pod_spec["nodeSelector"] = dict(spec.runtime.node_selector)
-        if spec.runtime.tolerations:
-            pod_spec["tolerations"] = _tolerations(spec)
+        pod_spec["affinity"] = {"nodeAffinity": _node_affinity(node_type_terms(node_key))}
+    # both Jobs: where the deployment may run (the model Job mounts its checkpoint, which may be a
+    # hostPath that exists only on those nodes)
+    if spec.runtime.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.runtime.node_selector)
+    if spec.runtime.tolerations:
+        pod_spec["tolerations"] = _tolerations(spec)
     if spec.runtime.service_account_name:
         pod_spec["serviceAccountName"] = spec.runtime.service_account_name
     if spec.runtime.image_pull_secrets:

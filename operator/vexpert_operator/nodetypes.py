@@ -66,18 +66,45 @@ def node_type_name(key: NodeTypeKey) -> str:
     return bounded_name(prefix, key.model_dump(), 63)
 
 
-def node_type_selector(key: NodeTypeKey) -> dict[str, str]:
-    """Labels that pin a pod to nodes of exactly this type (used as required node affinity)."""
-    selector = {GPU_PRODUCT: key.gpu_product}
+def _is(key: str, value: str) -> dict[str, Any]:
+    return {"key": key, "operator": "In", "values": [label_value(value)]}
+
+
+def _absent(key: str) -> dict[str, Any]:
+    return {"key": key, "operator": "DoesNotExist"}
+
+
+def _driver_options(version: str) -> list[list[dict[str, Any]]]:
+    """Each way :func:`driver_version` can have read ``version`` from a node's labels."""
+    if not version:
+        return [[_absent(DRIVER_FULL), _absent(DRIVER_PARTS[0]), _absent(DRIVER_PARTS_OLD[0])]]
+    parts = version.split(".")
+    options = [[_is(DRIVER_FULL, version)]]
+    if len(parts) <= 3:
+        for labels, guard in ((DRIVER_PARTS, [_absent(DRIVER_FULL)]),
+                              (DRIVER_PARTS_OLD, [_absent(DRIVER_FULL), _absent(DRIVER_PARTS[0])])):
+            pinned = [_is(k, v) if i < len(parts) else _absent(k) for i, (k, v) in
+                      enumerate(zip(labels, [*parts, "", ""][:3], strict=True))]
+            options.append(guard + pinned)
+    return options
+
+
+def node_type_terms(key: NodeTypeKey) -> list[list[dict[str, Any]]]:
+    """Required node-affinity terms that match exactly the nodes of this type: ORed terms of ANDed
+    expressions, one per label generation the key may have been read from (GFD's full or split
+    driver labels, the GA or beta instance-type label); a field the key lacks must be absent, or
+    a type without an instance type would also match every other instance type."""
+    common = [_is(GPU_PRODUCT, key.gpu_product)]
     if key.gpu_count:
-        selector[GPU_COUNT] = str(key.gpu_count)
+        common.append(_is(GPU_COUNT, str(key.gpu_count)))
     if key.gpu_memory_mib:
-        selector[GPU_MEMORY] = str(key.gpu_memory_mib)
-    if key.driver_version:
-        selector[DRIVER_FULL] = key.driver_version
+        common.append(_is(GPU_MEMORY, str(key.gpu_memory_mib)))
     if key.instance_type:
-        selector[INSTANCE_TYPE] = key.instance_type
-    return {k: label_value(v) for k, v in selector.items()}
+        instance = [[_is(INSTANCE_TYPE, key.instance_type)],
+                    [_absent(INSTANCE_TYPE), _is(INSTANCE_TYPE_BETA, key.instance_type)]]
+    else:
+        instance = [[_absent(INSTANCE_TYPE), _absent(INSTANCE_TYPE_BETA)]]
+    return [common + driver + inst for driver in _driver_options(key.driver_version) for inst in instance]
 
 
 @dataclass(frozen=True)
