@@ -79,6 +79,23 @@ def test_model_key_is_stable_and_distinguishes_revisions() -> None:
     assert nm.model_key("deepseek-ai/DeepSeek-V3", "r1").startswith("deepseek-v3-r1-")
 
 
+def test_deployments_fitted_differently_do_not_share_a_model_profile() -> None:
+    # the fit depends on the EP size, vmax and traces, not only on the model revision (k is tuned
+    # at run time: a new k must not force a refit)
+    ep64 = spec(calibration={"traces": ["t.npz"]})
+    ep8 = spec(calibration={"traces": ["t.npz"]}, parallelism__expertParallelSize=8)
+    other_traces = spec(calibration={"traces": ["u.npz"]})
+
+    def key(s: Any) -> str:
+        return nm.model_key(s.model.name, s.model.revision, mf.model_fit_inputs(s))
+
+    assert key(ep64) == key(spec(calibration={"traces": ["t.npz"]}, vexpert={"allocationInterval": {"value": 25}}))
+    assert len({key(ep64), key(ep8), key(other_traces)}) == 3
+    job = mf.build_model_calibration_job("ns", key(ep8), 1, ep8, [])
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--gpus") + 1] == "8" and job["metadata"]["labels"][nm.LABEL_MODEL_KEY] == key(ep8)
+
+
 # --------------------------------------------------------------------------------------------- sizing
 
 

@@ -425,21 +425,27 @@ def trace_paths(spec: VExpertDeploymentSpec) -> list[str]:
     return [t if t.startswith("/") else f"{base}/{t}" for t in spec.calibration.traces]
 
 
+def model_fit_inputs(spec: VExpertDeploymentSpec) -> list[str]:
+    """What a model calibration's fit depends on besides the model revision: its Job's trace, EP
+    size and vmax arguments (part of the model profile's key, see ``naming.model_key``). Not k: the
+    tuner moves it at run time, and a new k must not block the group on a refit."""
+    args: list[str] = []
+    for path in trace_paths(spec):
+        args += ["--trace", path]
+    return [
+        *args,
+        "--gpus", str(spec.parallelism.expert_parallel_size),
+        "--vmax", str(max(2, spec.vexpert.vmax)),  # V = 1..2 at least, so β and the intercept separate
+    ]
+
+
 def build_model_calibration_job(namespace: str, key: str, attempt: int, spec: VExpertDeploymentSpec,
                                 owner: list[dict[str, Any]]) -> Manifest:
     """``vexpert calibrate model``: fit α, β, intercept of Δ(L, V) on the expert-load traces (a CPU job;
     the traces are read from the checkpoint volume)."""
     labels = _calibration_labels("model", {nm.LABEL_MODEL_KEY: key, nm.LABEL_ATTEMPT: str(attempt)})
-    args = ["model"]
-    for path in trace_paths(spec):
-        args += ["--trace", path]
-    args += [
-        "--gpus", str(spec.parallelism.expert_parallel_size),
-        "--vmax", str(max(2, spec.vexpert.vmax)),
-        "--k", str(spec.vexpert.allocation_interval.value),
-        "--model", spec.model.name,
-        "--revision", spec.model.revision,
-    ]
+    args = ["model", *model_fit_inputs(spec), "--k", str(spec.vexpert.allocation_interval.value),
+            "--model", spec.model.name, "--revision", spec.model.revision]
     annotations = {nm.ANNOTATION_MODEL: spec.model.name, nm.ANNOTATION_REVISION: spec.model.revision}
     mounts = [{"name": "model", "mountPath": spec.model.checkpoint.mount_path, "readOnly": True}]
     return _calibration_job(nm.model_job_name(key, attempt), namespace, labels, annotations, spec, None, 0,

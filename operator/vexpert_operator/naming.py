@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from .api import GROUP
@@ -119,9 +120,11 @@ def hardware_job_name(node_type: str, attempt: int) -> str:
     return f"vexpert-hwcal-{stable_hash(node_type, 10)}-{attempt}"
 
 
-def model_key(model: str, revision: str) -> str:
-    """Name of the VExpertModelProfile of one model revision (also the model-key label)."""
-    return bounded_name(f"{model.split('/')[-1]}-{revision}", [model, revision], 63)
+def model_key(model: str, revision: str, fit_inputs: Sequence[str] = ()) -> str:
+    """Name of the VExpertModelProfile of one model revision fitted on ``fit_inputs`` (the traces,
+    EP size and vmax its calibration ran with: a fit for EP8 is not one for EP64), also the
+    model-key label."""
+    return bounded_name(f"{model.split('/')[-1]}-{revision}", [model, revision, *fit_inputs], 63)
 
 
 def model_job_name(key: str, attempt: int) -> str:

@@ -49,6 +49,7 @@ from .manifests import (
     build_model_calibration_job,
     build_model_profile,
     build_node_profile,
+    model_fit_inputs,
     owner_reference,
 )
 from .nodetypes import NodeType, candidate_types, choose_node_type, node_info
@@ -303,8 +304,8 @@ async def ensure_calibration(ctx: Context, body: Mapping[str, Any], spec: VExper
         out.hardware = calib.profile
     # skip / given without a node profile: the paper's defaults (combine_profiles fills them in)
 
-    # Model: one profile per model revision, in the deployment's namespace.
-    key = nm.model_key(spec.model.name, spec.model.revision)
+    # Model: one profile per model revision and fit inputs (traces, EP size, vmax), in the namespace.
+    key = nm.model_key(spec.model.name, spec.model.revision, model_fit_inputs(spec))
     if calib.mode == "given":
         if calib.model_profile_ref:
             obj = await ctx.client.get_or_none(kube.MODEL_PROFILES, calib.model_profile_ref, ns)

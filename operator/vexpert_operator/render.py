@@ -153,7 +153,7 @@ def render_deployment(doc: Mapping[str, Any], namespace: str | None, node_profil
                                 " (the operator would set Invalid)")
     result.manifests.extend(plan.children)
     if calib.mode == "auto" and model_profile is None and calib.traces:
-        key = nm.model_key(spec.model.name, spec.model.revision)
+        key = nm.model_key(spec.model.name, spec.model.revision, mf.model_fit_inputs(spec))
         result.manifests.append(mf.build_model_calibration_job(ns, key, 1, spec, []))
     return result
 
