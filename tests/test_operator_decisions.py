@@ -311,6 +311,20 @@ def test_decide_calibration_create_wait_harvest_backoff_retry() -> None:
     assert decide_calibration(done, NOW, 30, 600).action == "harvest"
 
 
+def test_old_failed_attempts_are_pruned_and_the_backoff_keeps_growing() -> None:
+    from vexpert_operator.calibration import stale_attempts
+
+    failed = [JobSummary(f"j{i}", i, "failed", NOW - dt.timedelta(seconds=100 - i), "exit 3") for i in range(1, 9)]
+    assert stale_attempts(failed) == ["j1", "j2", "j3", "j4", "j5"]  # the last 3 stay for inspection
+    assert stale_attempts([*failed[:2], JobSummary("j3", 3, "active", None)]) == []
+    kept = failed[5:]
+    # the delay follows the attempt number, not how many failed Jobs are left: 8 failures → the cap
+    step = decide_calibration(kept, NOW, 30, 600)
+    assert step.action == "backoff" and step.attempt == 8
+    assert step.retry_at == kept[-1].finished_at + dt.timedelta(seconds=600)
+    assert decide_calibration(kept, NOW + dt.timedelta(seconds=700), 30, 600).attempt == 9
+
+
 def test_retry_delay_doubles_up_to_the_cap() -> None:
     assert [retry_delay(n, 30, 200) for n in range(5)] == [0, 30, 60, 120, 200]
 

@@ -103,11 +103,23 @@ def retry_delay(failures: int, base_s: float, cap_s: float) -> float:
     return float(min(cap_s, base_s * 2 ** min(failures - 1, 30)))
 
 
+KEPT_FAILED_ATTEMPTS = 3  # failed calibration Jobs kept for inspection; older ones are deleted
+
+
+def stale_attempts(jobs: Iterable[JobSummary], keep: int = KEPT_FAILED_ATTEMPTS) -> list[str]:
+    """Failed Jobs older than the last ``keep`` failed attempts: a calibration that keeps failing
+    must not pile up a Job (and its pod) per retry for the Jobs' whole TTL."""
+    failed = sorted((j for j in jobs if j.state == "failed"), key=lambda j: j.attempt)
+    return [j.name for j in failed[:-keep]] if keep > 0 else [j.name for j in failed]
+
+
 def decide_calibration(jobs: Iterable[JobSummary], now: dt.datetime, base_s: float, cap_s: float) -> CalibrationStep:
     ordered = sorted(jobs, key=lambda j: j.attempt)
     if not ordered:
         return CalibrationStep("create", attempt=1)
-    failures = sum(1 for j in ordered if j.state == "failed")
+    # Every attempt before a success failed, so the highest failed attempt is the failure count
+    # (also after old failed Jobs were deleted, see stale_attempts).
+    failures = max((j.attempt for j in ordered if j.state == "failed"), default=0)
     done = [j for j in ordered if j.state == "succeeded"]
     if done:
         return CalibrationStep("harvest", attempt=done[-1].attempt, job=done[-1].name, failures=failures)

@@ -40,6 +40,7 @@ from .calibration import (
     one_line,
     parse_result,
     parse_time,
+    stale_attempts,
     summarize_job,
     termination_message,
 )
@@ -218,6 +219,14 @@ async def _step_message(ctx: Context, namespace: str, step: CalibrationStep, job
     return step.message
 
 
+async def _prune_attempts(ctx: Context, namespace: str, jobs: list[JobSummary]) -> list[JobSummary]:
+    """Delete failed calibration Jobs beyond the last few; returns the Jobs that remain."""
+    stale = set(stale_attempts(jobs))
+    for name in stale:
+        await ctx.client.delete(kube.JOBS, name, namespace)
+    return [j for j in jobs if j.name not in stale]
+
+
 async def ensure_calibration(ctx: Context, body: Mapping[str, Any], spec: VExpertDeploymentSpec,
                              candidates: Mapping[str, NodeType], chosen: NodeType, now: dt.datetime
                              ) -> CalibrationOutcome:
@@ -242,7 +251,7 @@ async def ensure_calibration(ctx: Context, body: Mapping[str, Any], spec: VExper
             continue
         if calib.mode != "auto":
             continue
-        jobs = hw_jobs.get(type_name, [])
+        jobs = await _prune_attempts(ctx, ns, hw_jobs.get(type_name, []))
         step = decide_calibration(jobs, now, calib.retry_backoff_seconds, calib.max_retry_backoff_seconds)
         entry = NodeTypeCalibration(name=type_name, state="Running", attempts=step.attempt, job=step.job)
         if step.action == "create":
@@ -346,6 +355,7 @@ async def _model_calibration(ctx: Context, body: Mapping[str, Any], spec: VExper
     calib = spec.calibration
     jobs = [summarize_job(j) for j in
             await ctx.client.list(kube.JOBS, ns, labels={nm.LABEL_CALIBRATION: "model", nm.LABEL_MODEL_KEY: key})]
+    jobs = await _prune_attempts(ctx, ns, jobs)
     step = decide_calibration(jobs, now, calib.retry_backoff_seconds, calib.max_retry_backoff_seconds)
     out.model_profile = key
     out.model_state = "Running"
