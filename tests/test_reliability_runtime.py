@@ -181,7 +181,7 @@ def test_a_stop_while_the_fill_loop_is_down_mid_iteration_is_prompt(tmp_path: Pa
     box.append(runtime)
     report = runtime.run()
     took = time.monotonic() - marks["stop"]
-    assert took < 3.0, f"stopped {took:.2f} s after the request (slot wait is 5 s)"
+    assert took < 4.0, f"stopped {took:.2f} s after the request (slot wait is 5 s)"
     assert report.records[-1].plan_ids == [1, 1]  # the interrupted iteration finished under its plan
 
 
