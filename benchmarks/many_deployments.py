@@ -51,7 +51,7 @@ import kopf  # noqa: E402
 import pytest  # noqa: E402
 
 from operator_support import harness  # noqa: E402
-from operator_support.harness import Cluster, EmulatorServer, LoopThread, profile_json  # noqa: E402
+from operator_support.harness import Cluster, EmulatorServer, LoopThread  # noqa: E402
 from test_operator_api import add_nodes, deployment  # noqa: E402
 from vexpert_operator import kube  # noqa: E402
 from vexpert_operator import naming as nm  # noqa: E402
@@ -228,12 +228,7 @@ def run(n: int, interval_s: float, mode: str, poll_s: float, timeout_s: float, p
             cluster.install_crds()
             cluster.create_namespace()
             type_name = add_nodes(cluster, 2)
-            cluster.create({"apiVersion": "vexpert.io/v1alpha1", "kind": "VExpertNodeProfile",
-                            "metadata": {"name": type_name},
-                            "spec": {"nodeType": {"gpuProduct": "NVIDIA-H200", "gpuCount": 8, "gpuMemoryMib": 143771,
-                                                  "driverVersion": "550.54.15",
-                                                  "instanceType": cluster.test_instance_type},
-                                     "profile": json.loads(profile_json())}})
+            cluster.add_node_profile(type_name)
             rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             with harness.running_operator(cluster, mp):
                 time.sleep(0.5)  # the operator is up and watching

@@ -610,12 +610,7 @@ MANY = int(os.environ.get("VEXPERT_RELIABILITY_MANY", "50"))
 
 def test_many_deployments_reconcile_and_report_cost(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     type_name = add_nodes(cluster, 2)
-    cluster.create({"apiVersion": "vexpert.io/v1alpha1", "kind": "VExpertNodeProfile",
-                    "metadata": {"name": type_name},
-                    "spec": {"nodeType": {"gpuProduct": "NVIDIA-H200", "gpuCount": 8, "gpuMemoryMib": 143771,
-                                          "driverVersion": "550.54.15",
-                                          "instanceType": cluster.test_instance_type},
-                             "profile": json.loads(profile_json())}})
+    cluster.add_node_profile(type_name)
     monkeypatch.setitem(harness.OPERATOR_ENV, "VEXPERT_OPERATOR_RECONCILE_INTERVAL_S", "30")
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with running_operator(cluster, monkeypatch):

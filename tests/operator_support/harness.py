@@ -196,6 +196,14 @@ class Cluster:
         self.run(self.client.create(kube.NAMESPACES, {"apiVersion": "v1", "kind": "Namespace",
                                                       "metadata": {"name": self.namespace}}))
 
+    def add_node_profile(self, type_name: str) -> dict[str, Any]:
+        """A VExpertNodeProfile for this test's default GPU nodes (as if calibration had run)."""
+        return self.create({"apiVersion": "vexpert.io/v1alpha1", "kind": "VExpertNodeProfile",
+                            "metadata": {"name": type_name},
+                            "spec": {"nodeType": {"gpuProduct": "NVIDIA-H200", "gpuCount": 8, "gpuMemoryMib": 143771,
+                                                  "driverVersion": "550.54.15", "instanceType": self.test_instance_type},
+                                     "profile": json.loads(profile_json())}})
+
     def add_gpu_node(self, name: str, product: str = "NVIDIA-H200", count: int = 8,
                      memory_mib: int = 143771, driver: str = "550.54.15", instance_type: str = "p5en.48xlarge",
                      allocatable_memory: str = "2000Gi", labels: Mapping[str, str] | None = None) -> dict[str, Any]:
