@@ -120,7 +120,7 @@ def test_demo_shows_vexpert_beating_static_and_verifies() -> None:
     assert summary["vexpert_balance"] >= summary["static_balance"] + 0.1
     assert summary["max_rel_error"] is not None and summary["max_rel_error"] <= 1e-4
     assert summary["tokens_per_s"] > 0 and summary["bytes_streamed"] > 0
-    assert summary["slot_bytes_per_worker"] == 2 * 2 * 3 * 64 * 32 * 4  # 2 buffers × G·vmax slots × expert
+    assert summary["slot_bytes_per_worker"] == 2 * 1 * 3 * 64 * 32 * 4  # G·vmax slots × expert (one buffer)
     progress = [line for line in done.stderr.splitlines() if line.startswith("iter ")]
     assert len(progress) >= 5 and "balance static" in progress[-1] and "tok/s" in progress[-1]
     assert any(line.startswith("metrics: http://127.0.0.1:") for line in done.stderr.splitlines())
@@ -239,7 +239,7 @@ def test_metrics_endpoint_and_config_reload(tmp_path: Path) -> None:
     for name in ("vexpert_balance_ratio{layer=\"0\"}", "vexpert_static_balance_ratio", "vexpert_vexperts{layer=\"1\"}",
                  "vexpert_tokens_per_second", "vexpert_step_seconds_bucket", "vexpert_slot_fill_wait_seconds",
                  "vexpert_pooled_experts 8.0", "vexpert_allocation_interval 4.0", "vexpert_degraded 0.0",
-                 f"vexpert_slot_bytes_per_worker {float(2 * 2 * SPEC.expert_numel * 4)}"):
+                 f"vexpert_slot_bytes_per_worker {float(2 * SPEC.expert_numel * 4)}"):
         assert name in text, name
     # after the reload: windows of 3 iterations, a pool of the 4 hottest experts, plans use only those
     assert report.k == 3 and report.pooled == 4

@@ -51,8 +51,8 @@ def handshake(tmp_path: Path) -> dict[str, Any]:
     shared = SharedState.create(1, 2, multiprocessing.get_context("spawn"))
     buffers = transport.allocate_slots(2, SPEC.expert_numel, torch.float32)
     abort = threading.Event()
-    # G=1: layer 0 is group 0, layer 1 group 1; this process plays EP rank 1 of 2 (experts 4..7 resident)
-    filler = SlotFiller(shared, [buffers], [1], transport, num_layers=2, group_size=1, abort=abort)
+    # two MoE layers, one buffer of 2 slots; this process plays EP rank 1 of 2 (experts 4..7 resident)
+    filler = SlotFiller(shared, [buffers], [1], transport, num_layers=2, abort=abort)
     worker = WorkerSlots(shared, 0, buffers, timeout_s=3.0)
     base = static_placement(2, 8, 2)
 
@@ -65,8 +65,8 @@ def handshake(tmp_path: Path) -> dict[str, Any]:
     abort.set()
 
 
-def _checksums(worker: WorkerSlots, seq: int) -> list[str]:
-    return [row_checksum(worker.slot(seq, s)) for s in range(2)]
+def _checksums(worker: WorkerSlots) -> list[str]:
+    return [row_checksum(worker.slot(s)) for s in range(2)]
 
 
 def test_worker_waits_for_a_late_fill(handshake: dict[str, Any]) -> None:
@@ -78,31 +78,65 @@ def test_worker_waits_for_a_late_fill(handshake: dict[str, Any]) -> None:
     timer.join()
     assert ready and waited >= 0.35
     assert header is not None and (header.plan_id, header.k, header.stop) == (1, 5, False)
-    assert _checksums(worker, 0) == [row_checksum(pool.row(0, 0)), row_checksum(pool.row(0, 2))]
-    worker.check_tags(0, plan.table, [0], rank=1)
+    assert _checksums(worker) == [row_checksum(pool.row(0, 0)), row_checksum(pool.row(0, 2))]
+    worker.check_tags(0, plan.table, 0, rank=1)
 
 
 def test_coordinator_never_overwrites_a_slot_in_use(handshake: dict[str, Any]) -> None:
     filler, worker, pool = handshake["filler"], handshake["worker"], handshake["pool"]
-    first = handshake["assignment"](1, [[0, 2], [1, 3]])
-    second = handshake["assignment"](2, [[1, 3], [0, 2]])
+    # alternating layout: layer 0 in slot 0 (bottom), layer 1 in slot 1 (top) — adjacent layers disjoint
+    first = handshake["assignment"](1, [[0, -1], [-1, 3]])
+    second = handshake["assignment"](2, [[1, -1], [-1, 2]])
     filler.fill(0, first, 4, False)
-    filler.fill(1, first, 4, False)  # the other buffer: no wait needed
+    filler.fill(1, first, 4, False)  # slot 1: not used by layer 0, no wait for its release
     assert worker.acquire(0)[0]
-    in_use = _checksums(worker, 0)
-    writer = threading.Thread(target=filler.fill, args=(2, second, 4, False))  # buffer 0 again
+    in_use = _checksums(worker)
+    writer = threading.Thread(target=filler.fill, args=(2, second, 4, False))  # slot 0 again
     writer.start()
     writer.join(timeout=0.4)
     assert writer.is_alive(), "the coordinator must wait until sequence 0 is released"
-    assert _checksums(worker, 0) == in_use
+    assert _checksums(worker) == in_use
     worker.release(0)
     writer.join(timeout=3)
     assert not writer.is_alive()
     ready, header, _ = worker.acquire(2)
     assert ready and header is not None and header.plan_id == 2
-    assert _checksums(worker, 2) == [row_checksum(pool.row(0, 1)), row_checksum(pool.row(0, 3))]
+    assert _checksums(worker)[0] == row_checksum(pool.row(0, 1))
+    assert _checksums(worker)[1] == in_use[1]  # layer 1's slot untouched: sequence 1 not yet released
     with pytest.raises(RuntimeError, match="protocol violated"):
-        worker.check_tags(2, first.table, [0], rank=1)  # plan 1's experts are no longer there
+        worker.check_tags(2, first.table, 0, rank=1)  # plan 1's expert is no longer there
+
+
+def test_overlapping_adjacent_layers_wait_for_the_previous_layer(handshake: dict[str, Any]) -> None:
+    """A plan whose adjacent layers share a slot (the allocator never makes one, a plan switch or a
+    scripted plan can): layer 1's fill waits until layer 0 is released, never overwrites it."""
+    filler, worker, pool = handshake["filler"], handshake["worker"], handshake["pool"]
+    plan = handshake["assignment"](1, [[0, 2], [1, 3]])  # both layers use both slots
+    filler.fill(0, plan, 4, False)
+    assert worker.acquire(0)[0]
+    writer = threading.Thread(target=filler.fill, args=(1, plan, 4, False))
+    writer.start()
+    writer.join(timeout=0.4)
+    assert writer.is_alive() and _checksums(worker) == [row_checksum(pool.row(0, 0)), row_checksum(pool.row(0, 2))]
+    worker.release(0)
+    writer.join(timeout=3)
+    assert not writer.is_alive() and worker.acquire(1)[0]
+    assert _checksums(worker) == [row_checksum(pool.row(1, 1)), row_checksum(pool.row(1, 3))]
+
+
+def test_coordinator_runs_at_most_one_layer_ahead(handshake: dict[str, Any]) -> None:
+    filler, worker = handshake["filler"], handshake["worker"]
+    plan = handshake["assignment"](1, [[0, -1], [-1, 3]])
+    filler.fill(0, plan, 4, False)
+    filler.fill(1, plan, 4, False)
+    writer = threading.Thread(target=filler.fill, args=(2, plan, 4, False))
+    writer.start()
+    writer.join(timeout=0.3)
+    assert writer.is_alive(), "sequence 2 is filled only once sequence 0 is released"
+    worker.acquire(0)
+    worker.release(0)
+    writer.join(timeout=3)
+    assert not writer.is_alive()
 
 
 def test_timeout_then_the_coordinator_skips_a_sequence_nobody_waits_for(handshake: dict[str, Any]) -> None:
@@ -121,14 +155,14 @@ def test_timeout_then_the_coordinator_skips_a_sequence_nobody_waits_for(handshak
 
 def test_unchanged_slots_are_not_copied_again(handshake: dict[str, Any]) -> None:
     filler, worker = handshake["filler"], handshake["worker"]
-    plan = handshake["assignment"](1, [[0, 2], [1, 3]])
-    for seq in range(4):
+    plan = handshake["assignment"](1, [[0, -1], [-1, 3]])
+    for seq in range(6):
         filler.fill(seq, plan, 4, False)
         worker.acquire(seq)
         worker.release(seq)
-    # G=1, 2 groups, 2 buffers: each buffer always holds the same layer, so only the first round copies
-    assert filler.stats.copies == 4
-    assert filler.stats.bytes_streamed == 4 * SPEC.expert_numel * 4
+    # layer 0 always in slot 0, layer 1 always in slot 1: only the first iteration copies
+    assert filler.stats.copies == 2
+    assert filler.stats.bytes_streamed == 2 * SPEC.expert_numel * 4
 
 
 def test_agreement_rules() -> None:

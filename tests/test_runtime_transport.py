@@ -31,7 +31,7 @@ def _worker(device: str, shared: SharedState, results: Any, bye: Any) -> None:
     slots = WorkerSlots(shared, 0, buffers, timeout_s=10.0)
     for seq in range(SEQS):
         ready, header, waited = slots.acquire(seq)
-        sums = [row_checksum(slots.slot(seq, s)) for s in range(SLOTS)]
+        sums = [row_checksum(slots.slot(s)) for s in range(SLOTS)]
         results.put(("seq", seq, ready, header.plan_id if header else -1, sums, waited))
         time.sleep(0.05)  # the layer's compute
         slots.release(seq)
@@ -65,8 +65,8 @@ def test_coordinator_fills_another_process_slots(device: str) -> None:
         assert kind == "slots"
         buffers = transport.open(handle)
         assert buffers.device.type == device
-        # the worker is EP rank 1 of 2 (resident experts 4..7); G=1 so sequence q fills layer q mod 2
-        filler = SlotFiller(shared, [buffers], [1], transport, num_layers=2, group_size=1, abort=abort)
+        # the worker is EP rank 1 of 2 (resident experts 4..7); sequence q fills layer q mod 2
+        filler = SlotFiller(shared, [buffers], [1], transport, num_layers=2, abort=abort)
         base = static_placement(2, NUM_EXPERTS, 2)
         plans = [
             plan_from_slots(base, torch.tensor([[[-1, -1], [0, 1]], [[-1, -1], [2, 3]]])),
@@ -96,6 +96,6 @@ def test_coordinator_fills_another_process_slots(device: str) -> None:
             if expert >= 0:
                 assert sums[slot] == row_checksum(rows[layer, expert]), (seq, slot)
     assert seen[DELAYED_SEQ][3] >= DELAY_S / 2  # the worker waited for the late fill (less its own compute)
-    # copies per sequence: 2, 2, 2 (plan B), 1 (B's layer 1 has one slot), 2 (A again), 1 (slot 1 still
-    # holds expert 3 of layer 1 from sequence 1: not copied again)
-    assert filler.stats.copies == 10
+    # copies per sequence (one buffer, both layers of these plans use slot 0): 2, 2, 2 (plan B), 1 (B's
+    # layer 1 has one slot), 2 (A again), 2 — every slot was rewritten by the layer in between
+    assert filler.stats.copies == 11

@@ -1,21 +1,29 @@
 """Coordinator–worker slot-fill protocol (one module; the copy mechanism is a :class:`SlotTransport`).
 
-Per worker and ping-pong buffer ``b`` a small shared-memory record holds::
+Each worker owns **one** slot buffer of ``S = G·vmax`` expert slots (the paper's L1 memory). The
+unit of the protocol is one MoE layer of one iteration, the *layer sequence* ``q = t·L + l``; the
+coordinator fills ``q`` while the worker computes ``q − 1`` (layer-ahead streaming). The allocator lays
+adjacent layers out on disjoint slots (even layers from slot 0 up, odd layers from slot S − 1 down, with
+``V_l + V_{l+1} ≤ S``), so that overlap never waits; when two adjacent layers' slots do overlap (a plan
+switch, a scripted plan) the fill simply waits until the earlier layer is released.
 
-    FILLED   – last sequence whose slots are complete in b (coordinator writes)
-    RELEASED – last sequence whose compute no longer reads b (worker writes)
-    HDR_SEQ, PLAN_ID, K, STOP – the header of sequence FILLED/being filled: which plan (routing
-               table) the group runs under, the allocation interval k, and whether to stop
+Per worker a small shared-memory record holds::
 
-plus a tag per slot, ``(layer, expert)`` it holds. Sequence ``q`` (group j of iteration t) uses buffer
-``q mod 2``. The rules:
+    FILLED   – last layer sequence whose slots are complete (coordinator writes)
+    RELEASED – last layer sequence whose compute no longer reads any slot (worker writes)
 
-* the coordinator writes buffer b for q only after ``RELEASED[b] ≥ q − 2`` (never overwrites a slot
-  still in use), writes the header, copies the slots whose tag differs, waits until the copies have
-  landed (on a GPU: synchronizes its copy stream), then sets ``FILLED[b] = q``;
-* a worker starts group q only after ``FILLED[b] ≥ q`` (never reads stale slots) and checks the tags
-  against its plan; after the group's last expert compute has completed (on a GPU: its stream is
-  synchronized) it sets ``RELEASED[b] = q``;
+plus a ring of ``HEADERS`` headers (``HDR_SEQ, PLAN_ID, K, STOP``: which plan — routing table — the layer
+runs under, the allocation interval k, and whether to stop) indexed by ``q mod HEADERS``, and a tag per
+slot, ``(layer, expert)`` it holds. The rules:
+
+* the coordinator fills ``q`` only after ``RELEASED ≥ q − 2`` (at most one layer ahead of the one being
+  computed, which also keeps the header ring safe) and ``RELEASED ≥`` the last sequence that used any
+  slot it is about to write (never overwrites a slot still in use); it writes the header, copies the
+  slots whose tag differs, waits until the copies have landed (on a GPU: synchronizes its copy
+  stream), then sets ``FILLED = q``;
+* a worker starts layer ``q`` only after ``FILLED ≥ q`` (never reads stale slots) and checks the tags
+  against its plan; after the layer's expert compute has completed (on a GPU: its stream is
+  synchronized) it sets ``RELEASED = q``;
 * every read or write of a worker's record happens under that worker's mutex (also the memory
   fence), and waits sleep on a doorbell semaphore the other side rings after its write. Both survive
   the death of either side, so the coordinator can be a separate process that is SIGKILLed and
@@ -24,22 +32,23 @@ plus a tag per slot, ``(layer, expert)`` it holds. Sequence ``q`` (group j of it
   a ``multiprocessing.Lock`` held by a killed process would stay held forever, and a
   ``multiprocessing.Condition``'s notify blocks until every sleeper, dead or not, wakes), and a
   doorbell is a plain semaphore (no owner, a dead poster or sleeper leaves nothing blocked);
-* a worker waiting longer than ``slot_fill_timeout_s`` runs the group on the static placement
+* a worker waiting longer than ``slot_fill_timeout_s`` runs the layer on the static placement
   (degraded) instead of hanging, and while no coordinator is attached (``SharedState.coordinator``
   0, set by the node when the coordinator process dies) it does not wait at all;
 * a new coordinator resumes at :meth:`SharedState.resume_seq`, after the last sequence any worker
-  filled or released, so it never writes a buffer a worker may still read; it trusts no tag it
-  did not write itself (a copy in flight when its predecessor died may have been tagged already on a
-  GPU, where copies are asynchronous), so its first fill of each slot is a full copy;
-* a new plan is taken by the fill loop at an iteration boundary (group 0): workers never wait for
-  the allocator, and all groups of one iteration use one plan;
+  filled or released, and treats every slot as in use until the workers released everything filled
+  before it (it does not know its predecessor's layout); it trusts no tag it did not write itself (a
+  copy in flight when its predecessor died may have been tagged already on a GPU, where copies are
+  asynchronous), so its first fill of each slot is a full copy;
+* a new plan is taken by the fill loop at an iteration boundary (layer 0): workers never wait for
+  the allocator, and all layers of one iteration use one plan;
 * a slot's tag is set to empty before its copy is enqueued and to ``(layer, expert)`` only after: a
-  fill that fails half way leaves its sequence unfilled (the workers time out and run that group
+  fill that fails half way leaves its sequence unfilled (the workers time out and run that layer
   degraded) and no tag that would let a later fill skip re-copying a half-written slot.
 
-Workers agree on every group's header with one tiny collective (:func:`agree`), so a worker that
+Workers agree on every layer's header with one tiny collective (:func:`agree`), so a worker that
 timed out, or a node whose coordinator adopted a different plan (another table), makes the whole
-group run degraded rather than mixing plans.
+layer run degraded rather than mixing plans.
 """
 
 from __future__ import annotations
@@ -58,12 +67,15 @@ import torch.distributed as dist
 
 from .ep_moe import RoutingTable
 from .expert_pool import ExpertPool
-from .slots import buffer_of, group_layers
-from .transport import BUFFERS, SlotTransport
+from .transport import SlotTransport
 
-FILLED, RELEASED, HDR_SEQ, PLAN_ID, K_VALUE, STOP = range(6)
-NUM_FIELDS = 6
+FILLED, RELEASED = 0, 1
+NUM_FIELDS = 2
+HDR_SEQ, PLAN_ID, K_VALUE, STOP = range(4)
+HEADER_FIELDS = 4
+HEADERS = 4  # header ring: the coordinator is at most 2 sequences ahead of the last release
 LAYER, EXPERT = 0, 1
+AHEAD = 2  # fill q once RELEASED ≥ q − AHEAD: q − 1 may still be computing, q − 2 is done
 
 
 class RobustLocks:
@@ -113,14 +125,16 @@ class SharedState:
     """The protocol's shared memory, created by the node and passed to workers (and to every
     coordinator process) at spawn.
 
-    state: [W, 2, NUM_FIELDS] int64; tags: [W, 2, S, 2] int64 ((layer, expert) per slot, −1 empty);
-    locks: one robust mutex per local worker; to_worker / to_coordinator: one doorbell semaphore per
-    local worker and direction; coordinator: [1] int64, −1 until the first coordinator attached
-    (workers wait for it before their first iteration), 1 while one is attached or restarting, 0
-    while none is (workers then run degraded at once instead of waiting).
+    state: [W, NUM_FIELDS] int64 (FILLED, RELEASED); headers: [W, HEADERS, HEADER_FIELDS] int64;
+    tags: [W, S, 2] int64 ((layer, expert) per slot, −1 empty); locks: one robust mutex per local
+    worker; to_worker / to_coordinator: one doorbell semaphore per local worker and direction;
+    coordinator: [1] int64, −1 until the first coordinator attached (workers wait for it before their
+    first iteration), 1 while one is attached or restarting, 0 while none is (workers then run
+    degraded at once instead of waiting).
     """
 
     state: torch.Tensor
+    headers: torch.Tensor
     tags: torch.Tensor
     locks: RobustLocks
     to_worker: list[Any]
@@ -130,15 +144,14 @@ class SharedState:
 
     @classmethod
     def create(cls, workers: int, slots: int, ctx: Any) -> SharedState:
-        state = torch.zeros(workers, BUFFERS, NUM_FIELDS, dtype=torch.int64)
-        state[:, :, FILLED] = -1
-        state[:, :, RELEASED] = -1  # sequences 0 and 1 may be written at once
-        state[:, :, HDR_SEQ] = -1
-        tags = torch.full((workers, BUFFERS, max(slots, 1), 2), -1, dtype=torch.int64)
+        state = torch.full((workers, NUM_FIELDS), -1, dtype=torch.int64)
+        headers = torch.full((workers, HEADERS, HEADER_FIELDS), -1, dtype=torch.int64)
+        tags = torch.full((workers, max(slots, 1), 2), -1, dtype=torch.int64)
         stop_at = torch.full((1,), -1, dtype=torch.int64)
         coordinator = torch.full((1,), -1, dtype=torch.int64)
         return cls(
             state.share_memory_(),
+            headers.share_memory_(),
             tags.share_memory_(),
             RobustLocks(workers),
             [ctx.Semaphore(0) for _ in range(workers)],
@@ -170,28 +183,26 @@ class SharedState:
         """The plan id in the header of sequence ``seq``, if a worker's record still holds it."""
         if seq < 0:
             return None
-        buffer = seq % self.state.shape[1]
         for worker in range(self.workers):
             with self.locks.hold(worker):
-                row = self.state[worker, buffer]
+                row = self.headers[worker, seq % HEADERS]
                 if int(row[HDR_SEQ]) == seq:
                     return int(row[PLAN_ID])
         return None
 
     def resume_seq(self) -> int:
         """The first sequence a (new) coordinator may fill: after every sequence any worker has seen
-        filled or has released, so no buffer a worker may still be reading is written."""
+        filled or has released."""
         last = -1
         for worker in range(self.workers):
             with self.locks.hold(worker):
-                row = self.state[worker]
-                last = max(last, int(row[:, FILLED].max()), int(row[:, RELEASED].max()))
+                last = max(last, int(self.state[worker].max()))
         return last + 1
 
 
 @dataclass(frozen=True)
 class Header:
-    """What the coordinator announces for one sequence."""
+    """What the coordinator announces for one layer sequence."""
 
     seq: int
     plan_id: int
@@ -205,15 +216,16 @@ class Header:
 
 
 class WorkerSlots:
-    """A worker's view of its slot buffers and its protocol record."""
+    """A worker's view of its slot buffer ``[S, D]`` and its protocol record."""
 
     def __init__(self, shared: SharedState, worker: int, buffers: torch.Tensor, timeout_s: float) -> None:
         self.shared = shared
         self.worker = worker
-        self.buffers = buffers  # [2, S, D]
+        self.buffers = buffers  # [S, D]
         self.timeout_s = timeout_s
         self._bell = shared.to_worker[worker]
         self._state = shared.state[worker]
+        self._headers = shared.headers[worker]
 
     def acquire(self, seq: int) -> tuple[bool, Header | None, float]:
         """Wait until sequence ``seq``'s slots are filled (or the timeout passes).
@@ -221,14 +233,14 @@ class WorkerSlots:
         Returns (ready, header or None if not even the header arrived, seconds waited). Does not wait
         while no coordinator is attached.
         """
-        b = buffer_of(seq)
         start = time.perf_counter()
         deadline = start + self.timeout_s
         locks = self.shared.locks
         while True:
             with locks.hold(self.worker):
-                row = self._state[b].tolist()
-            ready = row[FILLED] >= seq
+                filled = int(self._state[FILLED])
+                row = self._headers[seq % HEADERS].tolist()
+            ready = filled >= seq
             remaining = deadline - time.perf_counter()
             if ready or remaining <= 0 or not self.shared.coordinator_attached():
                 break
@@ -255,33 +267,31 @@ class WorkerSlots:
         return True
 
     def release(self, seq: int) -> None:
-        """This worker no longer reads sequence ``seq``'s buffer.
+        """This worker no longer reads the slots of sequence ``seq`` (nor of any earlier one).
 
         On a GPU the compute that reads the slots was only enqueued: the worker's stream is
         synchronized first, so the coordinator cannot overwrite a slot a GEMM still reads.
         """
         if self.buffers.is_cuda:
             torch.cuda.current_stream(self.buffers.device).synchronize()
-        b = buffer_of(seq)
         with self.shared.locks.hold(self.worker):
-            if int(self._state[b, RELEASED]) < seq:
-                self._state[b, RELEASED] = seq
+            if int(self._state[RELEASED]) < seq:
+                self._state[RELEASED] = seq
         ring(self.shared.to_coordinator[self.worker])
 
-    def slot(self, seq: int, slot: int) -> torch.Tensor:
-        """Packed weights [D] in ``slot`` of sequence ``seq``'s buffer."""
-        return self.buffers[buffer_of(seq), slot]
+    def slot(self, slot: int) -> torch.Tensor:
+        """Packed weights [D] in ``slot``."""
+        return self.buffers[slot]
 
-    def check_tags(self, seq: int, table: RoutingTable, layers: list[int], rank: int) -> None:
+    def check_tags(self, seq: int, table: RoutingTable, layer: int, rank: int) -> None:
         """Raise if a slot this rank will compute with does not hold the expert the plan names."""
-        tags = self.shared.tags[self.worker, buffer_of(seq)]
-        for layer in layers:
-            for slot, expert in enumerate(table.slot_expert[layer, rank].tolist()):
-                if expert >= 0 and tags[slot].tolist() != [layer, expert]:
-                    raise RuntimeError(
-                        f"slot {slot} of sequence {seq} holds {tags[slot].tolist()}, plan {table.plan_id} "
-                        f"names layer {layer} expert {expert}: protocol violated"
-                    )
+        tags = self.shared.tags[self.worker]
+        for slot, expert in enumerate(table.slot_expert[layer, rank].tolist()):
+            if expert >= 0 and tags[slot].tolist() != [layer, expert]:
+                raise RuntimeError(
+                    f"slot {slot} of sequence {seq} holds {tags[slot].tolist()}, plan {table.plan_id} "
+                    f"names layer {layer} expert {expert}: protocol violated"
+                )
 
 
 @dataclass(frozen=True)
@@ -364,7 +374,7 @@ class FillStats:
 
 
 class SlotFillError(RuntimeError):
-    """One sequence's fill failed; its group runs on the static placement."""
+    """One sequence's fill failed; its layer runs on the static placement."""
 
 
 class FillLoopKilled(BaseException):
@@ -372,7 +382,7 @@ class FillLoopKilled(BaseException):
 
 
 class SlotFiller:
-    """Writes one sequence's slots into every local worker's buffer."""
+    """Writes one layer sequence's slots into every local worker's buffer."""
 
     def __init__(
         self,
@@ -381,30 +391,32 @@ class SlotFiller:
         ranks: list[int],
         transport: SlotTransport,
         num_layers: int,
-        group_size: int,
         abort: threading.Event,
+        resume_seq: int = 0,
+        stats: FillStats | None = None,
     ) -> None:
         self.shared = shared
-        self.buffers = buffers  # per local worker [2, S, D]
+        self.buffers = buffers  # per local worker [S, D]
         self.ranks = ranks  # EP rank of each local worker
         self.transport = transport
-        self.groups = group_layers(num_layers, group_size)
+        self.num_layers = num_layers
         self.abort = abort
-        self.stats = FillStats()
+        self.stats = stats if stats is not None else FillStats()  # running totals survive a loop restart
         self.fail_at_copy: dict[int, int] = {}  # sequence → copy count at which a copy fails (tests)
-        self._written: set[tuple[int, int, int]] = set()  # (worker, buffer, slot) this filler copied
+        self._written: set[tuple[int, int]] = set()  # (worker, slot) this filler copied
+        # Per worker and slot the last sequence that may read it. A new filler does not know what
+        # its predecessor filled: everything before ``resume_seq`` counts as possibly in use.
+        slots = buffers[0].shape[0] if buffers else 0
+        self._last_use = [[resume_seq - 1] * slots for _ in ranks]
 
-    @property
-    def num_groups(self) -> int:
-        return len(self.groups)
-
-    def _wait_released(self, worker: int, seq: int) -> bool:
-        row, bell = self.shared.state[worker, buffer_of(seq)], self.shared.to_coordinator[worker]
+    def _wait_released(self, worker: int, until: int) -> bool:
+        """Wait until the worker released sequence ``until``; False if aborted."""
+        state, bell = self.shared.state[worker], self.shared.to_coordinator[worker]
         start = time.perf_counter()
         while True:
             with self.shared.locks.hold(worker):
-                released = int(row[RELEASED])
-            if released >= seq - BUFFERS:
+                released = int(state[RELEASED])
+            if released >= until:
                 break
             if self.abort.is_set():
                 return False
@@ -420,48 +432,51 @@ class SlotFiller:
         (:meth:`SlotTransport.flush`) before ``FILLED`` is bumped: a worker never sees "filled" while
         a copy into its buffer is still in flight.
         """
-        b = buffer_of(seq)
-        layers = self.groups[seq % self.num_groups]
+        layer = seq % self.num_layers
         table, pool = assignment.table, assignment.pool
         elem = self.buffers[0].element_size() * self.buffers[0].shape[-1] if self.buffers else 0
         first_copy: float | None = None
         copies_here = 0
         for worker, rank in enumerate(self.ranks):
-            if not self._wait_released(worker, seq):
+            wanted = table.slot_expert[layer, rank].tolist() if not stop else []
+            used = [slot for slot, expert in enumerate(wanted) if expert >= 0]
+            last_use = self._last_use[worker]
+            busy = max([last_use[slot] for slot in used], default=-1)
+            if not self._wait_released(worker, max(seq - AHEAD, busy)):
                 return False
-            row = self.shared.state[worker, b]
             with self.shared.locks.hold(worker):
-                row[HDR_SEQ], row[PLAN_ID], row[K_VALUE], row[STOP] = seq, table.plan_id, k, int(stop)
-                behind = int(row[RELEASED]) >= seq  # the worker gave up waiting and moved on
-            tags = self.shared.tags[worker, b]
+                header = self.shared.headers[worker, seq % HEADERS]
+                header[HDR_SEQ], header[PLAN_ID], header[K_VALUE], header[STOP] = seq, table.plan_id, k, int(stop)
+                behind = int(self.shared.state[worker, RELEASED]) >= seq  # the worker gave up waiting and moved on
+            tags = self.shared.tags[worker]
             if stop or behind:
                 continue
-            for layer in layers:
-                for slot, expert in enumerate(table.slot_expert[layer, rank].tolist()):
-                    trusted = (worker, b, slot) in self._written  # a predecessor's tags are not
-                    if expert < 0 or (trusted and tags[slot].tolist() == [layer, expert]):
-                        continue
-                    if first_copy is None:
-                        first_copy = time.perf_counter()
-                    # the tag says "empty" while the copy is in flight: a fill that fails half way
-                    # leaves a slot no later fill will take for a complete copy
-                    tags[slot, LAYER], tags[slot, EXPERT] = -1, -1
-                    dst, src = self.buffers[worker][b, slot], pool.row(layer, expert)
-                    if copies_here == self.fail_at_copy.get(seq, -1):  # fault injection (tests)
-                        half = dst.shape[0] // 2
-                        dst[:half].copy_(src[:half])
-                        raise SlotFillError(f"injected failure half way through a copy of sequence {seq}")
-                    self.transport.copy(dst, src)
-                    tags[slot, LAYER], tags[slot, EXPERT] = layer, expert
-                    self._written.add((worker, b, slot))
-                    self.stats.bytes_streamed += elem
-                    self.stats.copies += 1
-                    copies_here += 1
+            for slot in used:
+                expert = wanted[slot]
+                last_use[slot] = seq
+                trusted = (worker, slot) in self._written  # a predecessor's tags are not
+                if trusted and tags[slot].tolist() == [layer, expert]:
+                    continue
+                if first_copy is None:
+                    first_copy = time.perf_counter()
+                # the tag says "empty" while the copy is in flight: a fill that fails half way
+                # leaves a slot no later fill will take for a complete copy
+                tags[slot, LAYER], tags[slot, EXPERT] = -1, -1
+                dst, src = self.buffers[worker][slot], pool.row(layer, expert)
+                if copies_here == self.fail_at_copy.get(seq, -1):  # fault injection (tests)
+                    half = dst.shape[0] // 2
+                    dst[:half].copy_(src[:half])
+                    raise SlotFillError(f"injected failure half way through a copy of sequence {seq}")
+                self.transport.copy(dst, src)
+                tags[slot, LAYER], tags[slot, EXPERT] = layer, expert
+                self._written.add((worker, slot))
+                self.stats.bytes_streamed += elem
+                self.stats.copies += 1
+                copies_here += 1
         for worker in range(len(self.ranks)):
             self.transport.flush(self.buffers[worker])
-            row = self.shared.state[worker, b]
             with self.shared.locks.hold(worker):
-                row[FILLED] = seq
+                self.shared.state[worker, FILLED] = seq
             ring(self.shared.to_worker[worker])
         if first_copy is not None:
             self.stats.copy_s += time.perf_counter() - first_copy
@@ -471,17 +486,17 @@ class SlotFiller:
 
 
 class FillLoop(threading.Thread):
-    """The coordinator's fill pipeline: runs ahead of the workers by one group (ping-pong),
-    picking up a new plan at each iteration boundary.
+    """The coordinator's fill pipeline: runs ahead of the workers by one layer, picking up a new plan
+    at each iteration boundary.
 
     ``take_plan(iteration, prefer)`` returns the assignment for an iteration (the node's latest
     plan, or plan id ``prefer`` if it still has it); ``control(iteration)`` returns (k, stop).
     ``delays`` maps a sequence to seconds to stall before filling it (fault injection for tests).
 
-    A loop (re)started mid-iteration (``start_group`` > 0) finishes that iteration under the plan
-    its earlier groups announced (``resume_plan``) when it still has it, and takes a stop only at
+    A loop (re)started mid-iteration (``start_layer`` > 0) finishes that iteration under the plan
+    its earlier layers announced (``resume_plan``) when it still has it, and takes a stop only at
     the next iteration boundary: the workers are inside the iteration and a stop header for a later
-    group would leave the next iteration's first group unfilled until their slot wait times out.
+    layer would leave the next iteration's first layer unfilled until their slot wait times out.
     """
 
     def __init__(
@@ -493,7 +508,7 @@ class FillLoop(threading.Thread):
         start_iteration: int = 0,
         kill_at: int | None = None,
         on_failure: Callable[[int, BaseException], None] | None = None,
-        start_group: int = 0,
+        start_layer: int = 0,
         resume_plan: int | None = None,
     ) -> None:
         super().__init__(name="vexpert-fill", daemon=True)
@@ -502,22 +517,23 @@ class FillLoop(threading.Thread):
         self.control = control
         self.delays = dict(delays or {})
         self.start_iteration = start_iteration
-        self.start_group = start_group  # a coordinator that re-attaches mid-iteration starts there
-        self.resume_plan = resume_plan  # the plan the start iteration's earlier groups ran under
+        self.start_layer = start_layer  # a coordinator that re-attaches mid-iteration starts there
+        self.resume_plan = resume_plan  # the plan the start iteration's earlier layers ran under
         self.kill_at = kill_at  # sequence at which the loop dies (fault injection)
         self.on_failure = on_failure
-        self.failures = 0  # sequences whose fill failed (left unfilled: their group runs degraded)
+        self.failures = 0  # sequences whose fill failed (left unfilled: their layer runs degraded)
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            iteration, first = self.start_iteration, self.start_group
+            iteration, first = self.start_iteration, self.start_layer
+            num_layers = self.filler.num_layers
             while not self.filler.abort.is_set():
                 assignment = self.take_plan(iteration, self.resume_plan if first else None)
                 k, stop = self.control(iteration)
                 stop = stop and first == 0
-                for group in range(first, first + 1 if stop else self.filler.num_groups):
-                    seq = iteration * self.filler.num_groups + group
+                for layer in range(first, first + 1 if stop else num_layers):
+                    seq = iteration * num_layers + layer
                     if seq == self.kill_at:
                         raise FillLoopKilled(f"fill loop killed at sequence {seq}")
                     delay = self.delays.get(seq, 0.0)

@@ -1,9 +1,10 @@
-"""L1 vExpert slots (workers): per worker a ping-pong buffer ``[2, S, D]`` with ``S = G·vmax``
-slots per buffer and ``D = 3·I·H`` (one packed expert per slot).
+"""L1 vExpert slots (workers): per worker one buffer ``[S, D]`` with ``S = G·vmax`` slots and
+``D = 3·I·H`` (one packed expert per slot) — the paper's L1 memory.
 
-Group ``j`` of iteration ``t`` (layers ``jG .. jG+G−1``) is sequence ``q = t·⌈L/G⌉ + j`` and uses
-buffer ``q mod 2``: while the workers compute from one buffer the coordinator fills the other. Layers
-of a group use disjoint slot indices (the allocator's ``slot_expert`` layout).
+Layer ``l`` of iteration ``t`` is the *layer sequence* ``q = t·L + l``: the coordinator fills ``q``'s
+slots while the workers compute ``q − 1``. The allocator lays adjacent layers out on disjoint slots
+(even layers from slot 0 up, odd layers from slot S − 1 down, ``V_l + V_{l+1} ≤ S``), so the fill of
+the next layer never waits for the current one.
 """
 
 from __future__ import annotations
@@ -13,31 +14,24 @@ from dataclasses import dataclass
 
 import torch
 
-from .transport import BUFFERS
-
 
 @dataclass(frozen=True)
 class SlotLayout:
-    """Shape of one worker's slot buffers."""
+    """Shape of one worker's slot buffer."""
 
-    slots: int  # S = G·vmax per buffer
+    slots: int  # S = G·vmax
     numel: int  # D, elements per packed expert
     dtype: torch.dtype
 
     @property
     def bytes_per_worker(self) -> int:
-        """Memory of one worker's two buffers: 2 · S · D · itemsize."""
-        return BUFFERS * self.slots * self.numel * torch.empty((), dtype=self.dtype).element_size()
+        """Memory of one worker's slots: S · D · itemsize."""
+        return self.slots * self.numel * torch.empty((), dtype=self.dtype).element_size()
 
 
-def sequence(iteration: int, group: int, num_groups: int) -> int:
-    """Global sequence number of a (iteration, group) fill."""
-    return iteration * num_groups + group
-
-
-def buffer_of(seq: int) -> int:
-    """Ping-pong buffer used by sequence ``seq``."""
-    return seq % BUFFERS
+def sequence(iteration: int, layer: int, num_layers: int) -> int:
+    """Global layer sequence number of layer ``layer`` in ``iteration``."""
+    return iteration * num_layers + layer
 
 
 def group_layers(num_layers: int, group_size: int) -> list[list[int]]:

@@ -3,7 +3,7 @@
 The protocol (:mod:`vexpert_runtime.protocol`) only needs five operations, so the device path is
 one small class:
 
-* worker side: :meth:`SlotTransport.allocate_slots` makes the ping-pong buffer ``[2, S, 3·I·H]`` and
+* worker side: :meth:`SlotTransport.allocate_slots` makes the slot buffer ``[S, 3·I·H]`` and
   :meth:`SlotTransport.export` turns it into something that crosses a ``torch.multiprocessing``
   queue;
 * coordinator side: :meth:`SlotTransport.open` maps a worker's buffer, :meth:`SlotTransport.host_buffer`
@@ -27,10 +27,7 @@ from typing import Any
 
 import torch
 
-from .config import SLOT_BUFFERS
 from .errors import VExpertInputError
-
-BUFFERS = SLOT_BUFFERS  # ping-pong: the group being computed and the group being filled
 
 
 class SlotTransport(ABC):
@@ -40,14 +37,14 @@ class SlotTransport(ABC):
 
     @abstractmethod
     def allocate_slots(self, slots: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Worker: a zeroed ping-pong buffer [2, S, numel] the coordinator can write."""
+        """Worker: a zeroed slot buffer [S, numel] the coordinator can write."""
 
     def export(self, buffers: torch.Tensor) -> Any:
         """Worker: a handle for the coordinator (sent through a torch.multiprocessing queue)."""
         return buffers
 
     def open(self, handle: Any) -> torch.Tensor:
-        """Coordinator: the worker's buffer [2, S, numel] from its handle."""
+        """Coordinator: the worker's buffer [S, numel] from its handle."""
         tensor: torch.Tensor = handle
         return tensor
 
@@ -70,7 +67,7 @@ class CpuSharedMemoryTransport(SlotTransport):
     kind = "cpu-shm"
 
     def allocate_slots(self, slots: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(BUFFERS, slots, numel, dtype=dtype).share_memory_()
+        return torch.zeros(slots, numel, dtype=dtype).share_memory_()
 
     def host_buffer(self, rows: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(rows, numel, dtype=dtype)
@@ -124,7 +121,7 @@ class CudaIpcTransport(SlotTransport):
         return tensor
 
     def allocate_slots(self, slots: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        buffers = torch.zeros(BUFFERS, slots, numel, dtype=dtype, device=self.device)
+        buffers = torch.zeros(slots, numel, dtype=dtype, device=self.device)
         # The zero fill runs on this process's stream; the coordinator's copies (another process,
         # another stream) must not race it.
         torch.cuda.synchronize(self.device)
