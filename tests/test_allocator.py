@@ -7,6 +7,8 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vexpert_runtime.allocator import (
     AllocatorConfig,
@@ -16,7 +18,7 @@ from vexpert_runtime.allocator import (
     replica_counts,
 )
 from vexpert_runtime.errors import VExpertInputError
-from vexpert_runtime.perf_model import InferenceConstants, predicted_layer_time
+from vexpert_runtime.perf_model import InferenceConstants, h2d_time, predicted_layer_time
 from vexpert_runtime.placement import balance_ratio, gpu_loads, static_placement
 from vexpert_runtime.profile import PerformanceProfile
 from vexpert_runtime.trace import load_bundled_distribution
@@ -45,14 +47,12 @@ def check_plan_invariants(plan, counts: torch.Tensor, cfg: AllocatorConfig, num_
             in_slots = [e for e in plan.slot_expert[layer, gpu].tolist() if e >= 0]
             assert len(in_slots) == len(set(in_slots)), (layer, gpu, in_slots)
             assert not resident & set(in_slots), (layer, gpu)
-    # Group budgets: Σ V_i ≤ G·vmax and a group's layers use disjoint slot indices.
+    # Group budgets: Σ V_i ≤ G·vmax.
     v = plan.vexperts.tolist()
     for start in range(0, num_layers, cfg.group_size):
         group = range(start, min(start + cfg.group_size, num_layers))
         assert sum(v[i] for i in group) <= cfg.group_size * cfg.vmax
-        used = [(plan.slot_expert[i] >= 0).any(0) for i in group]
-        for a, b in itertools.combinations(used, 2):
-            assert not bool((a & b).any())
+    check_alternating_layout(plan, cfg)
     # Each GPU uses at most V_i slots in layer i.
     assert bool(((plan.slot_expert >= 0).sum(-1) <= plan.vexperts.view(-1, 1)).all())
     # Layers already above τ get nothing.
@@ -73,6 +73,34 @@ def check_plan_invariants(plan, counts: torch.Tensor, cfg: AllocatorConfig, num_
             if e >= 0:
                 copies_from_slots[layer, e] += 1
     assert torch.equal(plan.logcnt(), copies_from_slots + 1)
+
+
+def adjacent_pairs(num_layers: int) -> list[tuple[int, int]]:
+    """Layers streamed while the other computes: (l, l+1), and the wrap (L−1, 0) when L is even
+    (with L odd both are even layers: the allocator may let them overlap, at a charge)."""
+    pairs = [(i, i + 1) for i in range(num_layers - 1)]
+    if num_layers % 2 == 0 and num_layers > 1:
+        pairs.append((num_layers - 1, 0))
+    return pairs
+
+
+def check_alternating_layout(plan, cfg: AllocatorConfig) -> None:
+    """Even layers fill slots from the bottom, odd ones from the top; with the adjacency bound,
+    adjacent layers' V fit S together and their slot sets are disjoint on every GPU."""
+    slots = cfg.slots_per_gpu
+    v = plan.vexperts.tolist()
+    filled = plan.slot_expert >= 0  # [L, N, S]
+    for layer, n in enumerate(v):
+        allowed = torch.zeros(slots, dtype=torch.bool)
+        if layer % 2 == 0:
+            allowed[:n] = True
+        else:
+            allowed[slots - n :] = True
+        assert not bool((filled[layer] & ~allowed).any()), (layer, n)
+    if cfg.adjacency_bound:
+        for a, b in adjacent_pairs(len(v)):
+            assert v[a] + v[b] <= slots, (a, b, v)
+            assert not bool((filled[a] & filled[b]).any()), (a, b)
 
 
 @pytest.mark.parametrize(
@@ -144,7 +172,7 @@ def test_group_search_is_exact_argmin_of_eq5():
     profile, consts = PerformanceProfile(), InferenceConstants()
     gen = torch.Generator().manual_seed(3)
     balance = torch.rand(12, generator=gen) * 0.8 + 0.15
-    cfg = AllocatorConfig(group_size=3, vmax=1)
+    cfg = AllocatorConfig(group_size=3, vmax=1, adjacency_bound=False)  # groups independent
     chosen = assign_vexpert_counts(balance, cfg, profile, consts)
     for start in range(0, 12, 3):
         best, best_cost = None, float("inf")
@@ -326,10 +354,14 @@ def test_static_mode_levels_experts_with_many_copies_as_the_eager_mode_does() ->
 
 @pytest.mark.parametrize("threshold", [1.0, 0.99])
 def test_padding_layers_of_the_last_group_take_no_budget(threshold: float) -> None:
-    # 3 layers, G = 2: layer 2 is alone in its group and gets the whole group budget
-    cfg = AllocatorConfig(group_size=2, vmax=1, balance_threshold=threshold, use_cost_model=False)
-    v = assign_vexpert_counts(torch.tensor([0.3, 0.3, 0.3]), cfg, PerformanceProfile(), InferenceConstants())
-    assert v.tolist() == [1, 1, 2]
+    # 3 layers, G = 2: layer 2 is alone in its group and gets the whole group budget; with the
+    # adjacency bound, V_1 + V_2 ≤ 2 moves layer 1's copy to layer 0 (layers 2 → 0 are both even,
+    # the wrap is charged, not forbidden, and there is no charge without the cost model)
+    free = AllocatorConfig(group_size=2, vmax=1, balance_threshold=threshold, use_cost_model=False, adjacency_bound=False)
+    bounded = AllocatorConfig(group_size=2, vmax=1, balance_threshold=threshold, use_cost_model=False)
+    balance = torch.tensor([0.3, 0.3, 0.3])
+    assert assign_vexpert_counts(balance, free, PerformanceProfile(), InferenceConstants()).tolist() == [1, 1, 2]
+    assert assign_vexpert_counts(balance, bounded, PerformanceProfile(), InferenceConstants()).tolist() == [2, 0, 2]
 
 
 def test_two_conflicting_copies_swap_with_each_other() -> None:
@@ -343,3 +375,106 @@ def test_two_conflicting_copies_swap_with_each_other() -> None:
     eager, static = allocate(counts, base, 2, cfg), allocate(counts, base, 2, cfg, static=True)
     assert eager.streamed_experts() == static.streamed_experts() == 2
     assert float(eager.balance_predicted[0]) > 0.99 and torch.equal(eager.slot_expert, static.slot_expert)
+
+
+# ---------------------------------------------------------------- adjacency bound (layer-ahead streaming)
+
+
+def _brute_force_counts(balance: torch.Tensor, cfg: AllocatorConfig) -> float:
+    """Min of Σ T*(L_i, V_i) (+ the wrap charge with L odd) over every feasible V vector."""
+    profile, consts = PerformanceProfile(), InferenceConstants()
+    layers, slots, group = len(balance), cfg.slots_per_gpu, cfg.group_size
+    table = predicted_layer_time(balance.unsqueeze(1), torch.arange(slots + 1).unsqueeze(0), profile, consts).tolist()
+    charge = ((1 - profile.hardware.contention_eta) * h2d_time(torch.arange(slots + 1), consts, profile.hardware)).tolist()
+    best = float("inf")
+    for combo in itertools.product(range(slots + 1), repeat=layers):
+        if any(v > 0 and float(balance[i]) > cfg.balance_threshold for i, v in enumerate(combo)):
+            continue
+        if any(sum(combo[s : s + group]) > slots for s in range(0, layers, group)):
+            continue
+        cost = sum(table[i][v] for i, v in enumerate(combo))
+        if cfg.adjacency_bound:
+            if any(combo[a] + combo[b] > slots for a, b in adjacent_pairs(layers)):
+                continue
+            if layers % 2 and combo[-1] > 0 and combo[0] > 0:
+                cost += charge[combo[0]]
+        best = min(best, cost)
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layers=st.integers(1, 7),
+    group=st.integers(1, 3),
+    vmax=st.integers(1, 2),
+    bound=st.booleans(),
+    balance=st.lists(st.floats(0.1, 0.95), min_size=7, max_size=7),
+)
+def test_vexpert_counts_equal_the_brute_force_minimum(layers, group, vmax, bound, balance) -> None:
+    cfg = AllocatorConfig(group_size=group, vmax=vmax, adjacency_bound=bound)
+    slots = cfg.slots_per_gpu
+    bal = torch.tensor(balance[:layers])
+    v = assign_vexpert_counts(bal, cfg, PerformanceProfile(), InferenceConstants()).tolist()
+    profile, consts = PerformanceProfile(), InferenceConstants()
+    cost = float(predicted_layer_time(bal, torch.tensor(v), profile, consts).sum())
+    if bound and layers % 2 and v[-1] > 0 and v[0] > 0:
+        cost += (1 - profile.hardware.contention_eta) * float(h2d_time(torch.tensor(v[0]), consts, profile.hardware))
+    assert cost == pytest.approx(_brute_force_counts(bal, cfg), rel=1e-6, abs=1e-12)
+    for start in range(0, layers, group):
+        assert sum(v[start : start + group]) <= slots
+    if bound:
+        assert all(v[a] + v[b] <= slots for a, b in adjacent_pairs(layers)), v
+    assert all(x == 0 for x, b in zip(v, balance, strict=False) if b > cfg.balance_threshold)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    layers=st.integers(1, 9),
+    group=st.integers(1, 4),
+    vmax=st.integers(1, 2),
+    seed=st.integers(0, 10_000),
+    cost_model=st.booleans(),
+)
+def test_adjacent_layers_use_disjoint_slots(layers, group, vmax, seed, cost_model) -> None:
+    counts = skewed_counts(layers, 32, seed, alpha=0.2)
+    cfg = AllocatorConfig(group_size=group, vmax=vmax, use_cost_model=cost_model)
+    base = static_placement(layers, 32, 8)
+    plan = allocate(counts, base, 8, cfg)
+    check_alternating_layout(plan, cfg)  # adjacent pairs: V fit S and slot sets are disjoint
+    static = allocate(counts, base, 8, cfg, static=True)
+    assert torch.equal(plan.vexperts, static.vexperts)
+    assert torch.equal(plan.slot_expert, static.slot_expert)
+
+
+def test_the_bound_binds_across_groups_and_can_be_turned_off() -> None:
+    # Layers 1 and 2 (different groups) both want 2 copies: without the bound they get them, and
+    # then stream into each other's slots; with it their sum stays ≤ S = 2.
+    balance = torch.tensor([0.9, 0.2, 0.2, 0.9])
+    kwargs = {"group_size": 2, "vmax": 1, "use_cost_model": False}
+    free = assign_vexpert_counts(balance, AllocatorConfig(**kwargs, adjacency_bound=False), PerformanceProfile(), InferenceConstants())
+    bounded = assign_vexpert_counts(balance, AllocatorConfig(**kwargs), PerformanceProfile(), InferenceConstants())
+    assert free.tolist() == [0, 2, 2, 0]
+    assert bounded.tolist() == [0, 1, 1, 0]
+    assert AllocatorConfig().adjacency_bound
+
+
+def test_real_loads_keep_the_bound_in_static_mode() -> None:
+    counts = real_counts()
+    base = static_placement(58, 256, 64)
+    for cfg in (AllocatorConfig(), AllocatorConfig(vmax=2), AllocatorConfig(group_size=4)):
+        dynamic, static = allocate(counts, base, 64, cfg), allocate(counts, base, 64, cfg, static=True)
+        assert torch.equal(dynamic.vexperts, static.vexperts)
+        assert torch.equal(dynamic.slot_expert, static.slot_expert)
+        check_alternating_layout(dynamic, cfg)
+
+
+def test_slot_ranges_alternate_and_overlap_as_documented() -> None:
+    from vexpert_runtime.allocator import layer_slots, slots_overlap
+
+    lo, hi = layer_slots(torch.tensor([0, 1, 2, 3]), torch.tensor([1, 2, 0, 1]), 3)
+    assert lo.tolist() == [0, 1, 0, 2] and hi.tolist() == [1, 3, 0, 3]
+    t = torch.tensor
+    assert not bool(slots_overlap(t(0), t(1), t(1), t(1), 2))  # 1 + 1 ≤ 2
+    assert bool(slots_overlap(t(0), t(2), t(1), t(1), 2))  # 2 + 1 > 2
+    assert bool(slots_overlap(t(2), t(1), t(0), t(1), 2))  # same parity (L = 3 wrap), both stream
+    assert not bool(slots_overlap(t(2), t(0), t(0), t(2), 2))

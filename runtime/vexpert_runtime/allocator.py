@@ -3,8 +3,8 @@
 Given recent per-layer expert counts it decides, for every layer,
 
 1. how many vExperts per GPU ``V_i`` to stream (group-wise budget over ``G`` consecutive layers,
-   layers already balanced above ``τ`` get none, Eq. 5 solved exactly per group by dynamic
-   programming with the performance model),
+   adjacent layers fit the ``S = G·vmax`` slots together, layers already balanced above ``τ`` get
+   none; Eq. 5 solved exactly over all layers by dynamic programming with the performance model),
 2. which experts get how many extra replicas (greedy on load per replica, so the hottest expert
    may get several),
 3. on which GPU each replica lives (largest replica first onto the least-loaded GPU that has a free
@@ -14,7 +14,8 @@ Given recent per-layer expert counts it decides, for every layer,
 
 Everything is batched over layers with tensor ops; the same code runs on CPU and CUDA. The loops
 that remain are over the group's layers (G), the slot rounds (≤ G·Vmax), conflict-repair passes
-and refinement sweeps — never over layers, experts or GPUs. ``static=True`` fixes every shape by
+refinement sweeps and the log₂(groups) levels of the vExpert-count search — never over layers,
+experts or GPUs. ``static=True`` fixes every shape by
 the configuration so that :class:`GraphedAllocator` can capture the whole allocation in one CUDA
 graph (0.5–0.65 ms on an H200 for DeepSeek-V3 at EP64).
 """
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import VExpertInputError
-from .perf_model import InferenceConstants, predicted_layer_time
+from .perf_model import InferenceConstants, h2d_time, predicted_layer_time
 from .placement import balance_ratio, base_gpu_loads, validate_base_placement
 from .profile import PerformanceProfile
 
@@ -41,6 +42,9 @@ class AllocatorConfig:
     max_copies_per_expert: int = 16  # cap on copies of one expert (resident + slots); bounds the replica table
     share_refinement_sweeps: int = 6  # water-filling sweeps for replica token shares
     use_cost_model: bool = True  # False: fill the budget on every imbalanced layer (no Eq. 5 search)
+    # V_l + V_{l+1} ≤ S for adjacent layers (and the wrap to layer 0): what layer-ahead streaming
+    # into one set of S slots needs. False = the paper's group budget only (for comparison).
+    adjacency_bound: bool = True
 
     def validate(self) -> None:
         if self.group_size < 1:
@@ -54,7 +58,7 @@ class AllocatorConfig:
 
     @property
     def slots_per_gpu(self) -> int:
-        """Slots per GPU in one group buffer (the HBM cost is slots_per_gpu · M_expert)."""
+        """S = G·vmax: vExpert slots per GPU in all (the HBM cost is S · M_expert)."""
         return self.group_size * self.vmax
 
 
@@ -66,8 +70,10 @@ class Plan:
     Attributes:
         vexperts: [L] int64, V_i — vExperts per GPU streamed for layer i.
         slot_expert: [L, N, S] int64 — logical expert held by slot s of GPU g while layer i runs,
-            −1 if unused. Layers of one group use disjoint slot indices (the group shares one
-            buffer of S slots per GPU; the next group reuses it, ping-pong).
+            −1 if unused. One set of S slots per GPU serves every layer, alternating: even layers
+            fill [0, V_i) from the bottom, odd layers [S − V_i, S) from the top, so the two layers
+            streamed at once (layer i computing, layer i + 1 filling) are disjoint whenever
+            V_i + V_{i+1} ≤ S (see :func:`layer_slots`).
         base_gpu: [L, E] int64 — GPU holding the resident copy of each expert.
         replica_gpu: [L, E, R] int64 — GPU of each copy (copy 0 is the resident one), −1 padded.
         replica_slot: [L, E, R] int64 — slot index of each copy, −1 for the resident copy/padding.
@@ -156,22 +162,33 @@ def assign_vexpert_counts(
     profile: PerformanceProfile,
     consts: InferenceConstants,
 ) -> torch.Tensor:
-    """V_i per layer: minimise Σ_group T*_i(L_i, V_i) (Eq. 2) subject to Σ_group V_i ≤ G·vmax.
+    """V_i per layer: minimise Σ_i T*_i(L_i, V_i) (Eq. 2) subject to Σ_group V_i ≤ G·vmax and,
+    with ``config.adjacency_bound``, V_l + V_{l+1} ≤ S for every pair of adjacent layers.
 
-    Layers with L_i > τ are fixed at 0 and donate their budget to the rest of their group. The
-    search is exact (dynamic programming over the group's layers) for all groups at once.
+    Layers with L_i > τ are fixed at 0 and donate their budget to the rest of their group. Inside
+    a group the budget already bounds every pair, so the adjacency bound only adds the pairs
+    across group boundaries and the wrap from the last layer to layer 0 of the next iteration.
+    With L odd, layers L−1 and 0 are both even (both fill from the bottom), so their slots meet
+    whenever both stream: that pair is allowed but charged (layer 0's copies cannot start before
+    layer L−1 ends: (1−η)·T_H2D(V_0) more than Eq. 2 assumes; nothing without the cost model).
+
+    The search is exact: a per-group DP gives each group's best cost for every (V of the previous
+    group's last layer, V of its own last layer) — a (S+1)² "transfer" matrix — and the cyclic
+    chain of groups is solved by min-plus products in log₂(groups) levels, then walked back.
+    Fixed shapes, no host reads (CUDA-graph safe).
 
     Args: balance [L] float. Returns [L] int64.
     """
     num_layers = balance.shape[0]
     group, budget = config.group_size, config.slots_per_gpu
+    dev = balance.device
     if budget == 0 or num_layers == 0:
-        return torch.zeros(num_layers, dtype=torch.int64, device=balance.device)
+        return torch.zeros(num_layers, dtype=torch.int64, device=dev)
     num_groups = -(-num_layers // group)
     padded = num_groups * group
-    bal = torch.ones(padded, device=balance.device)
+    bal = torch.ones(padded, device=dev)
     bal[:num_layers] = balance.to(torch.float32)
-    candidates = torch.arange(budget + 1, device=balance.device)
+    candidates = torch.arange(budget + 1, device=dev)
     if config.use_cost_model:
         cost = predicted_layer_time(bal.unsqueeze(1), candidates.unsqueeze(0), profile, consts)  # [P, V+1]
     else:
@@ -180,40 +197,147 @@ def assign_vexpert_counts(
         v = candidates.to(torch.float32)
         cost = (-v + 0.01 * v * v).unsqueeze(0).expand(padded, -1).clone()
     # Padding layers are masked explicitly: with τ = 1 their balance 1.0 would pass the τ filter.
-    padding = torch.arange(padded, device=balance.device) >= num_layers
+    padding = torch.arange(padded, device=dev) >= num_layers
     filtered = (bal > config.balance_threshold) | padding
     cost = torch.where(filtered.unsqueeze(1) & (candidates.unsqueeze(0) > 0), float("inf"), cost)
-    return _group_argmin(cost.view(num_groups, group, budget + 1)).reshape(padded)[:num_layers]
+    # Index in its group of each group's last real layer (the final group may end in padding).
+    last = torch.full((num_groups,), group - 1, dtype=torch.int64, device=dev)
+    last[-1] = (num_layers - 1) - (num_groups - 1) * group
+    wrap_charge = torch.zeros(budget + 1, device=dev)
+    if config.use_cost_model:
+        hw = profile.hardware
+        wrap_charge = (1.0 - hw.contention_eta) * h2d_time(candidates, consts, hw)
+    boundary = _boundary_cost(num_groups, num_layers, budget, config.adjacency_bound, wrap_charge)
+    v = _cyclic_group_argmin(cost.view(num_groups, group, budget + 1), last, boundary)
+    return v.reshape(padded)[:num_layers]
 
 
-def _group_argmin(cost: torch.Tensor) -> torch.Tensor:
-    """Exact min of Σ_j cost[g, j, v_j] subject to Σ_j v_j ≤ budget, for every group at once.
+def _boundary_cost(
+    num_groups: int, num_layers: int, budget: int, bound: bool, wrap_charge: torch.Tensor
+) -> torch.Tensor:
+    """Cost of entering group g with V = f on its first layer after V = p on the layer before it.
 
-    Dynamic programming over the group's layers (G steps of a (budget+1)² min-plus product), so
-    the work grows as G·budget², not as the (budget+1)^G combinations. Ties go to the smaller v.
+    0 where the two layers' slots are disjoint, inf where the adjacency bound forbids the pair,
+    and for the wrap into group 0 with L odd (same parity: overlap iff both stream) the charge
+    ``wrap_charge[f]``.
 
-    Args: cost [groups, G, budget+1] (inf = not allowed). Returns v [groups, G] int64.
+    Args: wrap_charge [S+1]. Returns [groups, p = S+1, f = S+1] float32.
+    """
+    dev = wrap_charge.device
+    width = budget + 1
+    out = torch.zeros(num_groups, width, width, device=dev)
+    if not bound:
+        return out
+    v = torch.arange(width, device=dev)
+    pair = v.view(-1, 1) + v.view(1, -1)  # [p, f]
+    out[:] = torch.where(pair > budget, float("inf"), 0.0)
+    if num_layers % 2:
+        both = (v.view(-1, 1) > 0) & (v.view(1, -1) > 0)
+        out[0] = torch.where(both, wrap_charge.view(1, -1), 0.0)
+    return out
+
+
+def _budget_dp(cost: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """min Σ_j cost[g, j, v_j] subject to Σ_j v_j ≤ b, for every group g and every budget b.
+
+    G steps of a (budget+1)² min-plus product, so the work grows as G·budget², not as the
+    (budget+1)^G combinations. Ties go to the smaller v.
+
+    Args: cost [groups, G, W] (inf = not allowed, W = budget + 1).
+    Returns best [groups, W] and the choices of each step [groups, W] (for :func:`_budget_walk_back`).
     """
     groups, group, width = cost.shape
-    dev = cost.device
-    b = torch.arange(width, device=dev)
+    b = torch.arange(width, device=cost.device)
     take = b.view(1, -1) - b.view(-1, 1)  # [v, b]: budget left before this layer = b − v
     allowed = take >= 0
-    best = torch.zeros(groups, width, device=dev)  # best[b]: min cost of the layers so far within budget b
+    best = torch.zeros(groups, width, device=cost.device)  # best[b]: min cost of the layers so far within b
     choices = []
     for j in range(group):
         prev = best[:, take.clamp(min=0)]  # [groups, v, b]
         total = torch.where(allowed, prev + cost[:, j, :].unsqueeze(-1), float("inf"))
         best, choice = total.min(dim=1)  # over v; the first (smallest) v wins ties
         choices.append(choice)  # [groups, b]
-    # Walk back from the full budget.
-    left = torch.full((groups, 1), width - 1, dtype=torch.int64, device=dev)
+    return best, choices
+
+
+def _budget_walk_back(choices: list[torch.Tensor], left: torch.Tensor) -> torch.Tensor:
+    """The v of each step of :func:`_budget_dp` for a budget ``left`` [groups]. Returns [groups, G]."""
+    left = left.view(-1, 1)
     picked = []
-    for j in reversed(range(group)):
+    for j in reversed(range(len(choices))):
         v = torch.gather(choices[j], 1, left)
         picked.append(v)
         left = left - v
     return torch.cat(picked[::-1], dim=1)
+
+
+def _cyclic_group_argmin(cost: torch.Tensor, last: torch.Tensor, boundary: torch.Tensor) -> torch.Tensor:
+    """Exact min over all layers of Σ cost[g, j, v] + Σ_g boundary[g, p_g, f_g] subject to each
+    group's budget, where f_g is group g's first V and p_g the V of the previous group's last real
+    layer (cyclically: group 0 follows the last group).
+
+    Per group, :func:`_budget_dp` over the layers other than the first and the last real one gives
+    the group's cost for every (first f, last q): ``inner[g, f, q]``. Folding in the boundary,
+    ``transfer[g, p, q] = min_f boundary[g, p, f] + inner[g, f, q]`` is a (S+1)² matrix per group, and
+    the cycle's optimum is the smallest diagonal entry of their min-plus product, computed as a
+    balanced tree (log₂ groups levels) whose argmins are walked back top-down.
+
+    Args: cost [groups, G, W] (W = S + 1); last [groups] int64 index of the last real layer in
+        each group; boundary [groups, W, W]. Returns v [groups, G] int64.
+    """
+    groups, group, width = cost.shape
+    dev = cost.device
+    budget = width - 1
+    vals = torch.arange(width, device=dev)
+    gidx = torch.arange(groups, device=dev)
+    # The inner layers: everything but the first and the last real layer, those forced to 0 at no cost.
+    ends = (torch.arange(group, device=dev).view(1, -1) == 0) | (torch.arange(group, device=dev).view(1, -1) == last.view(-1, 1))
+    forced_zero = torch.where(vals == 0, 0.0, float("inf")).view(1, 1, -1)
+    best_inner, choices = _budget_dp(torch.where(ends.unsqueeze(-1), forced_zero, cost))
+    first_cost = cost[:, 0, :]  # [groups, f]
+    last_cost = cost[gidx, last, :]  # [groups, q]
+    single = (last == 0).view(-1, 1, 1)  # the first layer is also the last real one: f = q
+    f, q = vals.view(1, -1, 1), vals.view(1, 1, -1)
+    q_used = torch.where(single, 0, q)  # budget the last layer takes beyond the first
+    left = budget - f - q_used  # [groups, f, q]
+    inner = first_cost.unsqueeze(2) + torch.where(single, 0.0, last_cost.unsqueeze(1))
+    inner = inner + torch.gather(best_inner, 1, left.clamp(min=0).reshape(groups, -1)).view(groups, width, width)
+    feasible = (left >= 0) & (~single | (f == q))
+    inner = torch.where(feasible, inner, float("inf"))
+    transfer, first = (boundary.unsqueeze(-1) + inner.unsqueeze(1)).min(dim=2)  # [groups, p, q] over f
+    start, end = _cyclic_chain(transfer)
+    f_pick = first[gidx, start, end]
+    v = _budget_walk_back(choices, budget - f_pick - torch.where(last == 0, 0, end))
+    v[:, 0] = f_pick
+    v.scatter_(1, last.view(-1, 1), end.view(-1, 1))
+    return v
+
+
+def _cyclic_chain(transfer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal closed walk through ``transfer`` [n, W, W] (state → state costs): the states before
+    and after each step, start [n] and end [n] int64, with end[g] = start[g+1] and end[n−1] = start[0].
+
+    Min-plus products in a balanced tree (n padded to a power of two with the min-plus identity),
+    keeping each product's argmin middle state; the walk back splits each (start, end) pair at its
+    middle state level by level. Ties go to the smaller state.
+    """
+    n, width, _ = transfer.shape
+    dev = transfer.device
+    size = 1 << max(0, (n - 1).bit_length())
+    identity = torch.full((width, width), float("inf"), device=dev)
+    identity.diagonal().zero_()
+    mats = torch.cat([transfer, identity.expand(size - n, width, width)])
+    middles = []
+    while mats.shape[0] > 1:
+        mats, middle = (mats[0::2].unsqueeze(-1) + mats[1::2].unsqueeze(1)).min(dim=2)  # [k, a, c] over b
+        middles.append(middle)
+    state = mats[0].diagonal().argmin().view(1)
+    start, end = state, state
+    for middle in reversed(middles):
+        mid = middle[torch.arange(middle.shape[0], device=dev), start, end]
+        start = torch.stack([start, mid], dim=1).flatten()
+        end = torch.stack([mid, end], dim=1).flatten()
+    return start[:n], end[:n]
 
 
 # --------------------------------------------------------------------------------------------
@@ -659,7 +783,7 @@ def allocate(
     # rounds hold every placed copy; the copies actually placed define the plan.
     local_slots = local_slots.gather(2, (local_slots < 0).to(torch.int32).argsort(dim=2, stable=True))
     vexperts = (local_slots >= 0).sum(2).amax(1) if local_slots.shape[2] else torch.zeros_like(vexperts)
-    slot_expert = _slots_in_group_buffer(local_slots, vexperts, config)
+    slot_expert = _alternating_slots(local_slots, vexperts, slots_total)
     width = max_copies if static else None
     replica_gpu, replica_slot = _replica_table(base_gpu, slot_expert, width)
     share = water_fill_shares(
@@ -696,17 +820,35 @@ def _validate_counts(counts: torch.Tensor, base_gpu: torch.Tensor) -> None:
         raise VExpertInputError("counts", "expert counts must be non-negative")
 
 
-def _slots_in_group_buffer(local_slots: torch.Tensor, vexperts: torch.Tensor, config: AllocatorConfig) -> torch.Tensor:
-    """Lay each layer's V_i slots into its group's shared buffer of S = G·vmax slots per GPU:
-    the j-th layer of a group starts after the slots of the layers before it. [L, N, S]."""
+def layer_slots(layer: torch.Tensor, vexperts: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot range [lo, hi) of GPU-local slots that layer ``layer`` fills with V = ``vexperts``
+    under the alternating layout: even layers from the bottom, odd layers from the top.
+
+    Args: layer, vexperts: int tensors of one broadcast shape. Returns lo, hi of that shape.
+    """
+    odd = layer.remainder(2) == 1
+    lo = torch.where(odd, slots - vexperts, torch.zeros_like(vexperts))
+    return lo, lo + vexperts
+
+
+def slots_overlap(
+    prev_layer: torch.Tensor, prev_v: torch.Tensor, layer: torch.Tensor, v: torch.Tensor, slots: int
+) -> torch.Tensor:
+    """Do two consecutively streamed layers' slot ranges intersect (alternating layout)? Layers of
+    different parity are disjoint iff V_prev + V ≤ S; layers of one parity (the wrap L−1 → 0 with
+    L odd) overlap as soon as both stream. Broadcast int tensors → bool."""
+    lo_a, hi_a = layer_slots(prev_layer, prev_v, slots)
+    lo_b, hi_b = layer_slots(layer, v, slots)
+    return (torch.maximum(lo_a, lo_b) < torch.minimum(hi_a, hi_b)) & (prev_v > 0) & (v > 0)
+
+
+def _alternating_slots(local_slots: torch.Tensor, vexperts: torch.Tensor, slots_total: int) -> torch.Tensor:
+    """Lay each layer's V_i filled rounds into the S slots of its GPU, alternating by parity
+    (:func:`layer_slots`): streaming layer i + 1 while layer i computes then never overwrites a slot
+    layer i reads as long as V_i + V_{i+1} ≤ S (the allocator's adjacency bound). [L, N, S]."""
     num_layers, num_gpus, rounds = local_slots.shape
-    slots_total = config.slots_per_gpu
-    group = config.group_size
-    padded = -(-num_layers // group) * group
-    v = torch.zeros(padded, dtype=torch.int64, device=local_slots.device)
-    v[:num_layers] = vexperts
-    before = v.view(-1, group).cumsum(1) - v.view(-1, group)  # exclusive prefix within group
-    offset = before.reshape(padded)[:num_layers]  # [L]
+    layer = torch.arange(num_layers, device=local_slots.device)
+    offset, _ = layer_slots(layer, vexperts, slots_total)  # [L]
     # Scatter round r of layer i to slot offset_i + r; unused rounds land past S and are cut off.
     out = torch.full((num_layers, num_gpus, slots_total + rounds), -1, dtype=torch.int64, device=local_slots.device)
     r = torch.arange(rounds, device=local_slots.device)

@@ -91,8 +91,9 @@ def collect_balance_samples(
         eval_counts = c[start + window : start + 2 * window].sum(0) if evaluate == "next" else plan_counts
         before = balance_ratio(base_gpu_loads(eval_counts, base, num_gpus))
         for v in range(1, vmax + 1):
-            # Force V on every layer: no τ filter, no cost model (it is what we are calibrating).
-            cfg = AllocatorConfig(group_size=1, vmax=v, balance_threshold=1.0, use_cost_model=False)
+            # Force V on every layer: no τ filter, no cost model (it is what we are calibrating), no
+            # adjacency bound (with S = v it would halve every other layer).
+            cfg = AllocatorConfig(group_size=1, vmax=v, balance_threshold=1.0, use_cost_model=False, adjacency_bound=False)
             plan = allocate(plan_counts, base, num_gpus, cfg)
             after = balance_ratio(gpu_loads(eval_counts, plan.expert_gpu_share()))
             rows_l.append(before.numpy())
