@@ -129,9 +129,16 @@ def test_missing_correction_bias_is_named(tmp_path: Path) -> None:
         CheckpointReader(tmp_path, DS).validate()
 
 
-def test_fp8_weights_are_refused(tmp_path: Path) -> None:
+def test_fp8_weights_without_their_quantization_config_are_refused(tmp_path: Path) -> None:
     write_tiny_checkpoint(tmp_path, DS)
     _rewrite(tmp_path, expert_tensor(1, 1, "gate"), torch.zeros(8, 16).to(torch.float8_e4m3fn))
+    with pytest.raises(VExpertInputError, match=r"experts\.1\.gate_proj\.weight .* is F8_E4M3, but config\.json has no FP8"):
+        CheckpointReader(tmp_path, DS).validate()
+
+
+def test_integer_weights_are_refused(tmp_path: Path) -> None:
+    write_tiny_checkpoint(tmp_path, DS)
+    _rewrite(tmp_path, expert_tensor(1, 1, "gate"), torch.zeros(8, 16, dtype=torch.int8))
     with pytest.raises(VExpertInputError, match="only F32/F16/BF16"):
         CheckpointReader(tmp_path, DS).validate()
 

@@ -84,7 +84,14 @@ class ModelSpec(CamelModel):
         "auto", description="Routing family; auto = the runtime reads model_type from config.json (then set shape)"
     )
     shape: ModelShape | None = Field(None, description="MoE shape; defaults to the architecture's known shape")
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="Compute dtype, and the dtype of dense (unquantised) experts"
+    )
+    expert_format: Literal["auto", "dense", "fp8_block"] = Field(
+        "auto",
+        description="Expert storage in pool and slots: fp8_block for block-FP8 checkpoints (DeepSeek-V3/R1, "
+        "Kimi-K2; ~half the bytes of bf16), dense = dtype; auto follows the checkpoint but is sized as dense",
+    )
 
 
 # --------------------------------------------------------------------------------------- parallelism

@@ -94,6 +94,7 @@ def build_runtime_config(spec: VExpertDeploymentSpec, name: str, namespace: str,
             revision=spec.model.revision,
             architecture=spec.model.architecture,
             dtype=spec.model.dtype,
+            expert_format=spec.model.expert_format,
         ),
         parallelism=ParallelismConfig(
             expert_parallel_size=spec.parallelism.expert_parallel_size,

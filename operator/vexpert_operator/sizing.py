@@ -12,30 +12,36 @@ from dataclasses import dataclass
 
 from vexpert_runtime.config import SLOT_BUFFERS
 
+from vexpert_runtime.expert_layout import DENSE, FP8_BLOCK, expert_row_bytes
+
 from .api import ModelShape, VExpertDeploymentSpec
 from .quantity import parse_bytes
 
 # Known MoE shapes (bf16). DeepSeek-V3: 58 MoE layers × 256 experts, expert = 3 × 7168 × 2048
-# parameters (the paper's 84 MiB slot). qwen2_moe: Qwen1.5-MoE-A2.7B, 24 layers × 60 experts,
-# expert = 3 × 2048 × 1408 parameters.
+# parameters (the paper's 84 MiB slot; 42 MiB as the published block FP8). qwen2_moe:
+# Qwen1.5-MoE-A2.7B, 24 layers × 60 experts, expert = 3 × 2048 × 1408 parameters.
 KNOWN_SHAPES: dict[str, ModelShape] = {
     "deepseek_v3": ModelShape(num_experts=256, num_moe_layers=58, expert_bytes=3 * 7168 * 2048 * 2, top_k=8),
     "qwen2_moe": ModelShape(num_experts=60, num_moe_layers=24, expert_bytes=3 * 2048 * 1408 * 2, top_k=4),
 }
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# (intermediate, hidden) of the known shapes' experts: what the FP8 row layout needs.
+KNOWN_EXPERT_DIMS: dict[str, tuple[int, int]] = {"deepseek_v3": (2048, 7168), "qwen2_moe": (1408, 2048)}
 
 GPU_MEMORY_USABLE_FRACTION = 0.9  # the rest is for attention weights, KV cache and CUDA context
 
 
 def model_shape(spec: VExpertDeploymentSpec) -> ModelShape | None:
-    """The shape used for sizing: the spec's, else the architecture's known one (scaled to dtype)."""
+    """The shape used for sizing: the spec's, else the architecture's known one with the bytes of
+    one expert row in the runtime's storage format (``expertFormat``: fp8_block = FP8 weights and
+    block scales; dense and auto = dtype, the upper bound since auto keeps dense checkpoints dense)."""
     if spec.model.shape is not None:
         return spec.model.shape
     known = KNOWN_SHAPES.get(spec.model.architecture)
     if known is None:
         return None
-    scale = _DTYPE_BYTES[spec.model.dtype] / 2
-    return known.model_copy(update={"expert_bytes": int(known.expert_bytes * scale)})
+    intermediate, hidden = KNOWN_EXPERT_DIMS[spec.model.architecture]
+    fmt = FP8_BLOCK if spec.model.expert_format == FP8_BLOCK else DENSE
+    return known.model_copy(update={"expert_bytes": expert_row_bytes(fmt, intermediate, hidden, spec.model.dtype)})
 
 
 def pinned_pool_bytes(pooled_experts: int, shape: ModelShape) -> int:

@@ -17,19 +17,27 @@ and dtype from the safetensors headers alone, so a bad checkpoint fails before a
 
 Expert weights are *packed*: one flat row ``[gate (I·H) | up (I·H) | down (H·I)]`` per expert, the layout
 of the L2 pool and the L1 slots (one copy per expert fill).
+
+Block-FP8 checkpoints (DeepSeek-V3/R1, Kimi-K2, Qwen3-FP8: ``quantization_config`` ``{quant_method: fp8,
+fmt: e4m3, weight_block_size: [bo, bi]}``) store each expert and shared projection as ``F8_E4M3`` with a
+``…weight_scale_inv`` F32 ``[⌈out/bo⌉, ⌈in/bi⌉]``. Their experts stay FP8 in the pool and slots
+(``MoESpec.expert_storage``, :mod:`~vexpert_runtime.expert_format`); shared experts, which are resident,
+are dequantised at load.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .errors import VExpertInputError
+from .expert_format import FP8_DTYPE, ExpertFormat, dequantize_fp8_block, quantize_fp8_block
+from .expert_layout import DENSE, FP8_BLOCK, scale_shape
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -38,6 +46,9 @@ QWEN = "qwen2_moe"
 _QWEN_TYPES = ("qwen2_moe", "qwen3_moe")
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 PROJECTIONS = ("gate", "up", "down")
+SCALE_SUFFIX = "_scale_inv"  # block scales of ``X.weight`` are ``X.weight_scale_inv``
+FP8_HEADER_DTYPE = "F8_E4M3"
+EXPERT_FORMAT_CHOICES = ("auto", DENSE, FP8_BLOCK)
 
 
 @dataclass(frozen=True)
@@ -62,19 +73,31 @@ class MoESpec:
     correction_bias: bool = False  # DeepSeek-V3 noaux_tc: e_score_correction_bias per layer
     shared_intermediate_size: int = 0  # 0 = no shared expert
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid gate on the shared expert's output
+    fp8_block: tuple[int, int] | None = None  # checkpoint's expert/shared projections are block FP8 (bo, bi)
+    expert_storage: str = DENSE  # row format of pool and slots: DENSE or FP8_BLOCK (resolve_expert_storage)
 
     @property
     def num_layers(self) -> int:
         """L: MoE layers."""
         return len(self.moe_layers)
 
+    def expert_format(self, compute_dtype: torch.dtype) -> ExpertFormat:
+        """How pool and slot rows are stored and read, computing in ``compute_dtype`` (model.dtype)."""
+        block = self.fp8_block if self.expert_storage == FP8_BLOCK else None
+        return ExpertFormat(self.intermediate_size, self.hidden_size, compute_dtype, block)
+
     @property
     def expert_numel(self) -> int:
-        """Elements of one packed expert (gate, up, down)."""
-        return 3 * self.intermediate_size * self.hidden_size
+        """D: elements of one packed expert row (dense: 3·I·H; FP8: bytes of weights and scales)."""
+        return self.expert_format(torch.float32).row_numel
+
+    def row_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """Element type of packed rows (pool, slots) when the model computes in ``dtype``."""
+        return self.expert_format(dtype).row_dtype
 
     def expert_bytes(self, dtype: torch.dtype) -> int:
-        return self.expert_numel * torch.empty((), dtype=dtype).element_size()
+        """Bytes of one packed expert row (one slot fill)."""
+        return self.expert_format(dtype).row_bytes
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -150,6 +173,7 @@ def _deepseek_spec(raw: dict[str, Any], origin: str) -> MoESpec:
         norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
         correction_bias=raw.get("topk_method", "noaux_tc") == "noaux_tc",
         shared_intermediate_size=int(raw.get("n_shared_experts", 0) or 0) * _need(raw, "moe_intermediate_size", origin),
+        **_quantization(raw, origin),
     )
     return _check_spec(spec, origin)
 
@@ -170,8 +194,50 @@ def _qwen_spec(raw: dict[str, Any], origin: str) -> MoESpec:
         norm_topk_prob=bool(raw.get("norm_topk_prob", raw.get("model_type") == "qwen3_moe")),
         shared_intermediate_size=shared,
         shared_expert_gate=shared > 0,
+        **_quantization(raw, origin),
     )
     return _check_spec(spec, origin)
+
+
+def _quantization(raw: dict[str, Any], origin: str) -> dict[str, Any]:
+    """MoESpec fields for ``quantization_config``: none (dense), or block FP8 stored as FP8 (auto)."""
+    quant = raw.get("quantization_config")
+    if quant is None:
+        return {}
+    field = f"{origin}: quantization_config"
+    fix = "use a bf16/fp16/fp32 checkpoint or a block-FP8 one (quant_method fp8, fmt e4m3, weight_block_size)"
+    if not isinstance(quant, dict):
+        raise VExpertInputError(field, f"must be an object, got {quant!r}", fix)
+    if quant.get("quant_method") != "fp8":
+        raise VExpertInputError(f"{field}.quant_method", f"{quant.get('quant_method')!r} is not supported", fix)
+    if quant.get("fmt", "e4m3") != "e4m3":
+        raise VExpertInputError(f"{field}.fmt", f"{quant.get('fmt')!r} is not supported (only e4m3)", fix)
+    block = quant.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise VExpertInputError(
+            f"{field}.weight_block_size", f"must be two positive integers, got {block!r} (per-tensor FP8 is not supported)", fix
+        )
+    return {"fp8_block": (block[0], block[1]), "expert_storage": FP8_BLOCK}
+
+
+def resolve_expert_storage(spec: MoESpec, requested: str) -> MoESpec:
+    """Apply ``model.expert_format``: ``auto`` keeps the checkpoint's own format (block FP8 stays FP8,
+    dense stays in model.dtype), ``dense`` dequantises FP8 experts at load, ``fp8_block`` insists on
+    FP8 rows (and so on a block-FP8 checkpoint)."""
+    if requested == "auto":
+        return spec
+    if requested == DENSE:
+        return replace(spec, expert_storage=DENSE)
+    if requested == FP8_BLOCK:
+        if spec.fp8_block is None:
+            raise VExpertInputError(
+                "model.expert_format",
+                "fp8_block needs a block-FP8 checkpoint, but config.json has no quantization_config (dense experts)",
+                "set model.expert_format: auto (or dense) for this checkpoint",
+            )
+        return replace(spec, expert_storage=FP8_BLOCK)
+    raise VExpertInputError("model.expert_format", f"{requested!r} is unknown", f"use one of {EXPERT_FORMAT_CHOICES}")
 
 
 def _check_spec(spec: MoESpec, origin: str) -> MoESpec:
@@ -197,7 +263,7 @@ def config_json_for(spec: MoESpec) -> dict[str, Any]:
     first = spec.moe_layers[0]
     if spec.moe_layers != tuple(range(first, first + spec.num_layers)):
         raise ValueError("config_json_for needs contiguous MoE layers")
-    common = {
+    common: dict[str, Any] = {
         "hidden_size": spec.hidden_size,
         "moe_intermediate_size": spec.intermediate_size,
         "num_experts_per_tok": spec.top_k,
@@ -205,6 +271,13 @@ def config_json_for(spec: MoESpec) -> dict[str, Any]:
         "norm_topk_prob": spec.norm_topk_prob,
         "torch_dtype": "float32",
     }
+    if spec.fp8_block is not None:
+        common["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "weight_block_size": list(spec.fp8_block),
+            "activation_scheme": "dynamic",
+        }
     if spec.architecture == DEEPSEEK:
         if spec.shared_intermediate_size % spec.intermediate_size:
             raise ValueError("DeepSeek shared experts must be a multiple of moe_intermediate_size")
@@ -273,12 +346,45 @@ def required_tensors(spec: MoESpec) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield correction_bias_tensor(layer), (spec.num_experts,)
         for expert in range(spec.num_experts):
             for proj in PROJECTIONS:
-                yield expert_tensor(layer, expert, proj), projection_shape(proj, inter, hidden)
+                yield from _projection_tensors(spec, expert_tensor(layer, expert, proj), projection_shape(proj, inter, hidden))
         if spec.shared_intermediate_size:
             for proj in PROJECTIONS:
-                yield shared_tensor(spec, layer, proj), projection_shape(proj, spec.shared_intermediate_size, hidden)
+                shape = projection_shape(proj, spec.shared_intermediate_size, hidden)
+                yield from _projection_tensors(spec, shared_tensor(spec, layer, proj), shape)
         if spec.shared_expert_gate:
             yield shared_gate_tensor(layer), (1, hidden)
+
+
+def _projection_tensors(spec: MoESpec, name: str, shape: tuple[int, int]) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """A projection weight and, in a block-FP8 checkpoint, its scales [⌈out/bo⌉, ⌈in/bi⌉]."""
+    yield name, shape
+    if spec.fp8_block is not None:
+        yield name + SCALE_SUFFIX, scale_shape(*shape, spec.fp8_block)
+
+
+def is_fp8_projection(spec: MoESpec, name: str) -> bool:
+    """Whether ``name`` is an expert or shared projection stored as FP8 in ``spec``'s checkpoint."""
+    return spec.fp8_block is not None and name.endswith("_proj.weight")
+
+
+def _dtype_problem(spec: MoESpec, name: str, dtype: str) -> tuple[str, str] | None:
+    """(what is wrong, how to fix it) when a tensor's header dtype does not fit ``spec``, else None."""
+    if name.endswith(SCALE_SUFFIX):
+        if dtype == "F32":
+            return None
+        return f"has dtype {dtype}; block scales (weight_scale_inv) must be F32", "re-convert the checkpoint"
+    if is_fp8_projection(spec, name):
+        if dtype == FP8_HEADER_DTYPE:
+            return None
+        return (f"has dtype {dtype}, but config.json's quantization_config declares F8_E4M3 weights",
+                "use the config.json that belongs to these weights")
+    if dtype == FP8_HEADER_DTYPE:
+        return ("is F8_E4M3, but config.json has no FP8 quantization_config",
+                "use the checkpoint's own config.json (quantization_config: quant_method fp8, weight_block_size)")
+    if dtype not in _FLOAT_DTYPES:
+        return (f"has dtype {dtype}; only F32/F16/BF16 tensors and block-FP8 (F8_E4M3 + F32 scales) projections "
+                "are supported", "convert the checkpoint to bf16 or to DeepSeek-style block FP8")
+    return None
 
 
 def pack_expert(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -370,31 +476,44 @@ class CheckpointReader:
                     f"tensor {name} in {file.name} has shape {list(got)}, config.json implies {list(shape)}",
                     "use the config.json that belongs to these weights",
                 )
-            dtype = sliced.get_dtype()
-            if dtype not in _FLOAT_DTYPES:
-                raise VExpertInputError(
-                    "model.checkpoint_path",
-                    f"tensor {name} has dtype {dtype}; only F32/F16/BF16 checkpoints are supported",
-                    "convert FP8 block-quantized weights to bf16 first",
-                )
+            problem = _dtype_problem(self.spec, name, sliced.get_dtype())
+            if problem is not None:
+                raise VExpertInputError("model.checkpoint_path", f"tensor {name} in {file.name} {problem[0]}", problem[1])
 
-    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def raw(self, name: str) -> torch.Tensor:
+        """A tensor in its stored dtype."""
         file = self._file_of.get(name)
         if file is None:
             raise VExpertInputError("model.checkpoint_path", f"tensor {name} is missing from {self.path}")
         out: torch.Tensor = self._handle(file).get_tensor(name)
+        return out
+
+    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A tensor converted to ``dtype``; FP8 projections are dequantised with their block scales
+        (a plain cast would drop the scales)."""
+        out = self.raw(name)
+        if out.dtype == FP8_DTYPE:
+            if self.spec.fp8_block is None:
+                raise VExpertInputError("model.checkpoint_path", f"tensor {name} is F8_E4M3 but config.json declares no FP8")
+            return dequantize_fp8_block(out, self.raw(name + SCALE_SUFFIX), self.spec.fp8_block, dtype)
         return out.to(dtype)
 
     def expert(self, layer_index: int, expert: int, dtype: torch.dtype) -> torch.Tensor:
-        """Packed weights [3·I·H] of expert ``expert`` of MoE layer ``layer_index`` (0..L−1)."""
+        """Packed row [D] of expert ``expert`` of MoE layer ``layer_index`` (0..L−1) in the spec's
+        storage format (``dtype`` is the compute dtype: the element type of dense rows)."""
         layer = self.spec.moe_layers[layer_index]
-        parts = [self.tensor(expert_tensor(layer, expert, p), dtype) for p in PROJECTIONS]
-        return pack_expert(*parts)
+        names = {p: expert_tensor(layer, expert, p) for p in PROJECTIONS}
+        fmt = self.spec.expert_format(dtype)
+        if fmt.fp8_block is not None:
+            weights = {p: self.raw(n) for p, n in names.items()}
+            scales = {p: self.raw(n + SCALE_SUFFIX) for p, n in names.items()}
+            return fmt.pack_fp8(weights, scales)
+        return pack_expert(*(self.tensor(n, dtype) for n in names.values()))
 
     def experts(self, layer_index: int, experts: list[int], dtype: torch.dtype) -> torch.Tensor:
-        """Packed weights [len(experts), 3·I·H]."""
+        """Packed rows [len(experts), D] (see :meth:`expert`)."""
         if not experts:
-            return torch.empty(0, self.spec.expert_numel, dtype=dtype)
+            return torch.empty(0, self.spec.expert_numel, dtype=self.spec.row_dtype(dtype))
         return torch.stack([self.expert(layer_index, e, dtype) for e in experts])
 
     def router(self, layer_index: int) -> RouterWeights:
@@ -452,15 +571,21 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 
 
 def random_weights(spec: MoESpec, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random fp32 weights for every tensor in :func:`required_tensors`, scaled so activations stay O(1)."""
+    """Random weights for every tensor in :func:`required_tensors`, scaled so activations stay O(1):
+    fp32, except that a block-FP8 spec gets its projections quantised (fp8 + F32 scales)."""
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for name, shape in required_tensors(spec):
+        if name.endswith(SCALE_SUFFIX):
+            continue  # written with its weight below
         if name.endswith("e_score_correction_bias"):
             out[name] = 0.05 * torch.randn(shape, generator=gen)
         else:
             fan_in = shape[-1]
             out[name] = torch.randn(shape, generator=gen) / fan_in**0.5
+        if is_fp8_projection(spec, name):
+            assert spec.fp8_block is not None
+            out[name], out[name + SCALE_SUFFIX] = quantize_fp8_block(out[name], spec.fp8_block)
     return out
 
 

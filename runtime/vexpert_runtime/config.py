@@ -21,6 +21,7 @@ from .profile import PerformanceProfile
 SLOT_BUFFERS = 2
 
 Architecture = Literal["deepseek_v3", "qwen2_moe", "auto"]
+ExpertFormatChoice = Literal["auto", "dense", "fp8_block"]  # see expert_layout.py
 
 
 class ModelSource(BaseModel):
@@ -32,7 +33,14 @@ class ModelSource(BaseModel):
     checkpoint_path: str = Field("", description="Directory with config.json and *.safetensors ('' = built-in demo model)")
     revision: str = Field("", description="Checkpoint revision (recorded in profiles and status)")
     architecture: Architecture = Field("auto", description="Routing family; auto = read model_type from config.json")
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="Compute dtype (activations, dequantised weights) and the dtype of dense experts"
+    )
+    expert_format: ExpertFormatChoice = Field(
+        "auto",
+        description="Expert rows in pool and slots: auto = as the checkpoint stores them (block FP8 stays FP8), "
+        "dense = in dtype (FP8 dequantised at load), fp8_block = FP8 (needs a block-FP8 checkpoint)",
+    )
 
 
 class ParallelismConfig(BaseModel):

@@ -102,7 +102,8 @@ class Coordinator:
     def __init__(self, args: CoordinatorArgs) -> None:
         self.args = args
         self.spec = args.spec
-        self.dtype: torch.dtype = getattr(torch, args.dtype)
+        # Pool rows in the expert storage format (uint8 for block FP8), not the compute dtype.
+        self.dtype: torch.dtype = args.spec.row_dtype(getattr(torch, args.dtype))
         self.reader = CheckpointReader(Path(args.checkpoint), args.spec)
         self.transport = make_transport(args.device)
         self.abort = threading.Event()

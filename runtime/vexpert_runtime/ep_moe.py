@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .allocator import Plan
+from .expert_format import ExpertFormat
 from .grouped_moe import group_layout, grouped_swiglu, packed_views, uses_grouped_gemm
 from .moe_math import combine
 from .placement import static_placement
@@ -205,12 +206,20 @@ def _exchange(send: torch.Tensor, send_splits: list[int], recv_splits: list[int]
 @dataclass(frozen=True)
 class ExpertStacks:
     """A rank's local experts as stacks of packed rows: resident [E/N, D] and this group's slots
-    [S, D] (local index E/N + s is slot s), with the expert FFN's intermediate size."""
+    [S, D] (local index E/N + s is slot s), with the expert FFN's intermediate size and, for rows
+    that are not dense rows of the compute dtype (block FP8), their format."""
 
     resident: torch.Tensor
     slots: torch.Tensor | None
     intermediate: int
     grouped: bool | None = None  # force (True/False) the grouped-GEMM path; None: where it runs
+    format: ExpertFormat | None = None  # None: dense rows of the compute dtype
+
+    def weights(self, rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E, 2I, H], w2 [E, H, I]) of a stack: views of dense rows, a dequantised copy of FP8."""
+        if self.format is None:
+            return packed_views(rows, self.intermediate, hidden)
+        return self.format.stack_weights(rows)
 
 
 def stacked_outputs(buf: torch.Tensor, offs: torch.Tensor, ends: list[int], stacks: ExpertStacks,
@@ -222,12 +231,12 @@ def stacked_outputs(buf: torch.Tensor, offs: torch.Tensor, ends: list[int], stac
     hidden = buf.shape[1]
     out = torch.empty_like(buf)
     split = ends[resident - 1] if resident else 0
-    w13, w2 = packed_views(stacks.resident, stacks.intermediate, hidden)
+    w13, w2 = stacks.weights(stacks.resident, hidden)
     out[:split] = grouped_swiglu(buf[:split], w13, w2, offs[:resident], grouped=stacks.grouped)
     if ends and ends[-1] > split:
         if stacks.slots is None:
             raise ValueError("pairs were routed to slots but no slot stack was given")
-        s13, s2 = packed_views(stacks.slots, stacks.intermediate, hidden)
+        s13, s2 = stacks.weights(stacks.slots, hidden)
         out[split:] = grouped_swiglu(buf[split:], s13, s2, offs[resident:] - split, grouped=stacks.grouped)
     return out
 

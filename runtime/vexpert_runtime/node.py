@@ -51,14 +51,14 @@ import numpy as np
 import torch
 
 from .allocator import AllocatorConfig, allocate
-from .checkpoint import CheckpointReader, MoESpec, read_model_spec
+from .checkpoint import CheckpointReader, MoESpec, read_model_spec, resolve_expert_storage
 from .config import RuntimeConfig, TuningConfig, load_runtime_config
 from .coordinator import CoordinatorArgs, coordinator_main, die_with_parent
 from .ep_moe import ExpertStacks, RoutingTable, base_experts, ep_moe_layer, static_table, table_from_plan
 from .errors import VExpertInputError
 from .expert_pool import hottest_experts
 from .metrics import BalanceDecay, NodeMetrics, PoolHits, memory_pressure
-from .moe_math import packed_ffn, relative_error, rms_norm, shared_forward
+from .moe_math import relative_error, rms_norm, shared_forward
 from .perf_model import InferenceConstants
 from .placement import balance_ratio, base_gpu_loads, static_placement
 from .profile import PerformanceProfile
@@ -141,7 +141,7 @@ def memory_plan(spec: MoESpec, dtype: torch.dtype, pooled: int, slots: int, worl
     expert = spec.expert_bytes(dtype)
     return MemoryPlan(
         pool_bytes=spec.num_layers * pooled * expert,
-        slot_bytes_per_worker=SlotLayout(slots, spec.expert_numel, dtype).bytes_per_worker,
+        slot_bytes_per_worker=SlotLayout(slots, spec.expert_numel, spec.row_dtype(dtype)).bytes_per_worker,
         base_bytes_per_worker=spec.num_layers * (spec.num_experts // world) * expert,
         workers=workers,
         device=device,
@@ -172,7 +172,7 @@ def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: in
         local = cpu_workers or config.runtime.cpu_workers or par.gpus_per_node
     node_rank = resolve_node_rank(par.node_rank, par.num_nodes)
     world = par.num_nodes * local
-    spec = read_model_spec(checkpoint, config.model.architecture)
+    spec = resolve_expert_storage(read_model_spec(checkpoint, config.model.architecture), config.model.expert_format)
     CheckpointReader(checkpoint, spec).validate()
     if spec.num_experts % world:
         raise VExpertInputError(
@@ -518,7 +518,7 @@ class _Worker:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         transport = make_transport(args.device, args.local_rank)
-        buffers = transport.allocate_slots(args.slots, spec.expert_numel, self.dtype)
+        buffers = transport.allocate_slots(args.slots, spec.expert_numel, spec.row_dtype(self.dtype))
         args.results.put(("slots", args.local_rank, transport.export(buffers)))
         reader = CheckpointReader(args.checkpoint, spec)
         layers = range(spec.num_layers)
@@ -647,8 +647,10 @@ class _Worker:
         def local_weight(j: int) -> torch.Tensor:
             return base[j] if j < per_gpu else slots.slot(seq, j - per_gpu)
 
+        expert_format = spec.expert_format(self.dtype)
+
         def ffn(rows: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-            return packed_ffn(rows, row, spec.intermediate_size, spec.hidden_size)
+            return expert_format.ffn(rows, row)  # block-FP8 rows are dequantised here
 
         after = None if release is None else (lambda: slots.release(release))
         y, stats = ep_moe_layer(
@@ -665,7 +667,7 @@ class _Worker:
             self.group,
             after_compute=after,
             # On CUDA (bf16/fp16) the experts run as grouped GEMMs over these stacks; elsewhere the loop.
-            stacks=ExpertStacks(base, slots.buffers[buffer_of(seq)], spec.intermediate_size),
+            stacks=ExpertStacks(base, slots.buffers[buffer_of(seq)], spec.intermediate_size, format=expert_format),
         )
         computed[layer] = stats.computed
         return h + y

@@ -22,7 +22,8 @@ VERIFY_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
 
 @dataclass
 class ModelWeights:
-    """All MoE weights of a model in one process. experts[l]: [E, 3·I·H] packed rows."""
+    """All MoE weights of a model in one process. experts[l]: [E, 3·I·H] dense packed rows (a
+    block-FP8 checkpoint's experts dequantised exactly as the workers dequantise their rows)."""
 
     spec: MoESpec
     routers: list[RouterWeights]
@@ -36,7 +37,8 @@ class ModelWeights:
         return cls(
             spec=spec,
             routers=[reader.router(i) for i in layers],
-            experts=[reader.experts(i, list(range(spec.num_experts)), dtype) for i in layers],
+            experts=[spec.expert_format(dtype).dense_rows(reader.experts(i, list(range(spec.num_experts)), dtype))
+                     for i in layers],
             shared=[reader.shared(i, dtype) for i in layers],
         )
 

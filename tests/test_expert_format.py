@@ -1,0 +1,261 @@
+"""Block-FP8 experts (DeepSeek-V3/R1, Kimi-K2 checkpoints) in their own format: the packed row
+layout, the checkpoint reader, the EP forward against the dequantised reference, the node with
+``--verify``, bad checkpoints, and the operator's sizing of the DeepSeek-V3 example."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from vexpert_runtime import cli
+from vexpert_runtime.checkpoint import (
+    DEEPSEEK,
+    SCALE_SUFFIX,
+    CheckpointReader,
+    MoESpec,
+    expert_tensor,
+    random_weights,
+    read_model_spec,
+    resolve_expert_storage,
+    shared_tensor,
+    write_checkpoint,
+    write_tiny_checkpoint,
+)
+from vexpert_runtime.config import parse_runtime_config
+from vexpert_runtime.ep_moe import ExpertStacks, ep_moe_layer, static_table
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.expert_format import ExpertFormat, dequantize_fp8_block, quantize_fp8_block
+from vexpert_runtime.expert_layout import DENSE, FP8_BLOCK, Fp8RowLayout, expert_row_bytes
+from vexpert_runtime.expert_pool import ExpertPool
+from vexpert_runtime.moe_math import expert_ffn, relative_error, shared_forward
+from vexpert_runtime.ports import free_port
+from vexpert_runtime.reference import VERIFY_TOLERANCE, ModelWeights, reference_moe_layer
+from vexpert_runtime.routing import route
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK = (128, 128)
+
+# H = 256: two full 128-blocks; I = 192: one full and one partial block (gate/up rows, down columns).
+FP8_SPEC = MoESpec(
+    architecture=DEEPSEEK,
+    hidden_size=256,
+    intermediate_size=192,
+    num_experts=4,
+    top_k=2,
+    moe_layers=(1, 2),
+    n_group=2,
+    topk_group=2,
+    routed_scaling_factor=1.5,
+    correction_bias=True,
+    shared_intermediate_size=192,
+    fp8_block=BLOCK,
+    expert_storage=FP8_BLOCK,
+)
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("fp8") / "ckpt", FP8_SPEC, seed=5)
+
+
+# ------------------------------------------------------------------------------------ layout
+
+
+def test_deepseek_v3_fp8_row_is_44_mb_and_16_byte_aligned() -> None:
+    layout = Fp8RowLayout(intermediate=2048, hidden=7168)
+    scales = 3 * 16 * 56 * 4  # gate, up [16, 56] and down [56, 16] float32
+    assert layout.row_bytes == 3 * 2048 * 7168 + scales == 44_050_944
+    assert layout.row_bytes % 16 == 0 and layout.scales_offset % 16 == 0
+    assert expert_row_bytes(DENSE, 2048, 7168, "bfloat16") == 88_080_384
+
+
+def test_partial_blocks_round_trip_through_a_packed_row() -> None:
+    gen = torch.Generator().manual_seed(0)
+    inter, hidden = 192, 256
+    dense = {"gate": torch.randn(inter, hidden, generator=gen), "up": torch.randn(inter, hidden, generator=gen),
+             "down": torch.randn(hidden, inter, generator=gen)}
+    quantised = {p: quantize_fp8_block(w, BLOCK) for p, w in dense.items()}
+    assert quantised["down"][1].shape == (2, 2) and quantised["gate"][1].shape == (2, 2)
+    fmt = ExpertFormat(inter, hidden, torch.float32, BLOCK)
+    row = fmt.pack_fp8({p: q for p, (q, _) in quantised.items()}, {p: s for p, (_, s) in quantised.items()})
+    assert row.dtype == torch.uint8 and row.numel() == fmt.row_numel == Fp8RowLayout(inter, hidden).row_bytes
+    gate, up, down = fmt.weights(row)
+    for name, got in (("gate", gate), ("up", up), ("down", down)):
+        q, s = quantised[name]
+        assert torch.equal(got, dequantize_fp8_block(q, s, BLOCK, torch.float32))
+        assert relative_error(got, dense[name]) < 0.08  # e4m3: 3 mantissa bits
+    # A stack of rows at a stride (a pool buffer) dequantises the same, row by row.
+    stack = torch.stack([row, row.flip(0).clone(), row])
+    w13, w2 = fmt.stack_weights(stack)
+    assert torch.equal(w13[2, :inter], gate) and torch.equal(w2[2], down)
+
+
+# ------------------------------------------------------------------------------------ checkpoint
+
+
+def test_fp8_checkpoint_is_detected_validated_and_read_as_fp8_rows(fp8_checkpoint: Path) -> None:
+    spec = read_model_spec(fp8_checkpoint)
+    assert spec == FP8_SPEC
+    reader = CheckpointReader(fp8_checkpoint, spec)
+    reader.validate()
+    rows = reader.experts(1, [0, 3], torch.bfloat16)
+    assert rows.dtype == torch.uint8 and rows.shape == (2, spec.expert_numel)
+    assert spec.expert_bytes(torch.bfloat16) == Fp8RowLayout(192, 256).row_bytes  # ≈ half of bf16
+    fmt = spec.expert_format(torch.float32)
+    layer = spec.moe_layers[1]
+    want = reader.tensor(expert_tensor(layer, 3, "down"))  # dequantised by the reader
+    assert torch.equal(fmt.weights(rows[1])[2], want)
+    # The pool holds the same bytes as the reader gives, at row_dtype.
+    pool = ExpertPool.build(torch.tensor([[1, 2], [0, 3]]), 4, spec.expert_numel,
+                            lambda layer, experts: reader.experts(layer, experts, torch.float32),
+                            lambda rows, numel: torch.empty(rows, numel, dtype=spec.row_dtype(torch.float32)))
+    assert torch.equal(pool.row(1, 3), rows[1]) and pool.nbytes == 4 * spec.expert_bytes(torch.float32)
+    # Shared experts are resident: dequantised at load into the compute dtype.
+    shared = reader.shared(0, torch.bfloat16)
+    assert shared is not None and shared.gate.dtype == torch.bfloat16
+    assert reader.raw(shared_tensor(spec, spec.moe_layers[0], "gate")).dtype == torch.float8_e4m3fn
+
+
+def test_expert_format_rule(fp8_checkpoint: Path, tmp_path: Path) -> None:
+    spec = read_model_spec(fp8_checkpoint)
+    assert resolve_expert_storage(spec, "auto").expert_storage == FP8_BLOCK
+    dense = resolve_expert_storage(spec, "dense")
+    rows = CheckpointReader(fp8_checkpoint, dense).experts(0, [1], torch.float32)
+    assert rows.dtype == torch.float32 and rows.shape == (1, 3 * 192 * 256)  # dequantised at load
+    plain = write_tiny_checkpoint(tmp_path / "bf16", dataclasses.replace(FP8_SPEC, fp8_block=None, expert_storage=DENSE))
+    with pytest.raises(VExpertInputError, match=r"model\.expert_format.*fp8_block needs a block-FP8 checkpoint"):
+        resolve_expert_storage(read_model_spec(plain), "fp8_block")
+    config = parse_runtime_config({"model": {"expert_format": "fp8_block", "dtype": "bfloat16"}})
+    assert config.model.expert_format == "fp8_block"
+    with pytest.raises(VExpertInputError, match=r"model\.expert_format"):
+        parse_runtime_config({"model": {"expert_format": "int4"}})
+
+
+def _broken(tmp_path: Path, edit: str) -> Path:
+    weights = random_weights(FP8_SPEC, seed=1)
+    name = expert_tensor(FP8_SPEC.moe_layers[0], 2, "down")
+    if edit == "scale_shape":
+        weights[name + SCALE_SUFFIX] = torch.ones(2, 3)
+    elif edit == "scale_dtype":
+        weights[name + SCALE_SUFFIX] = weights[name + SCALE_SUFFIX].to(torch.bfloat16)
+    elif edit == "not_fp8":
+        weights[name] = weights[name].to(torch.float32)
+    elif edit == "no_scale":
+        del weights[name + SCALE_SUFFIX]
+    return write_checkpoint(tmp_path / edit, FP8_SPEC, weights)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ("scale_shape", r"experts\.2\.down_proj\.weight_scale_inv .* has shape \[2, 3\], config.json implies \[2, 2\]"),
+        ("scale_dtype", r"experts\.2\.down_proj\.weight_scale_inv .* has dtype BF16; block scales .* must be F32"),
+        ("not_fp8", r"experts\.2\.down_proj\.weight .* has dtype F32, but config.json's quantization_config"),
+        ("no_scale", r"tensor .*experts\.2\.down_proj\.weight_scale_inv is missing"),
+    ],
+)
+def test_bad_fp8_checkpoint_names_the_tensor(tmp_path: Path, edit: str, message: str) -> None:
+    path = _broken(tmp_path, edit)
+    with pytest.raises(VExpertInputError, match=message):
+        CheckpointReader(path, read_model_spec(path)).validate()
+
+
+def test_fp8_weights_without_quantization_config_or_unsupported_configs(fp8_checkpoint: Path, tmp_path: Path) -> None:
+    config = json.loads((fp8_checkpoint / "config.json").read_text())
+    plain = {k: v for k, v in config.items() if k != "quantization_config"}
+    with pytest.raises(VExpertInputError, match=r"is F8_E4M3, but config\.json has no FP8 quantization_config"):
+        CheckpointReader(fp8_checkpoint, read_model_spec_from(tmp_path / "a", plain)).validate()
+    for key, value, message in (
+        ("quant_method", "gptq", "quantization_config.quant_method.*'gptq' is not supported"),
+        ("fmt", "e5m2", "quantization_config.fmt.*only e4m3"),
+        ("weight_block_size", None, "quantization_config.weight_block_size.*per-tensor FP8 is not supported"),
+    ):
+        bad = {**config, "quantization_config": {**config["quantization_config"], key: value}}
+        with pytest.raises(VExpertInputError, match=message):
+            read_model_spec_from(tmp_path / key, bad)
+
+
+def read_model_spec_from(path: Path, config: dict[str, object]) -> MoESpec:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return read_model_spec(path)
+
+
+# ------------------------------------------------------------------------------------ compute
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ep_forward_of_fp8_rows_matches_the_dequantised_reference(fp8_checkpoint: Path, grouped: bool,
+                                                                  dtype: torch.dtype) -> None:
+    """One rank holding every expert as FP8 rows: the loop path (dequantise each row) and the
+    grouped-GEMM path (dequantise the stack into a scratch, torch._grouped_mm also runs on CPU)."""
+    spec = read_model_spec(fp8_checkpoint)
+    reader = CheckpointReader(fp8_checkpoint, spec)
+    reference = ModelWeights.load(reader, dtype)
+    assert reference.experts[0].dtype == dtype and reference.experts[0].shape[1] == 3 * 192 * 256
+    fmt = spec.expert_format(dtype)
+    x = torch.randn(24, spec.hidden_size, generator=torch.Generator().manual_seed(2)).to(dtype)
+    table = static_table(spec.num_layers, spec.num_experts, 1, 0)
+    for layer in range(spec.num_layers):
+        rows = reader.experts(layer, list(range(spec.num_experts)), dtype)
+        ids, weights = route(x, reference.routers[layer], spec)
+        shared = shared_forward(x, reference.shared[layer])
+        stacks = ExpertStacks(rows, None, spec.intermediate_size, grouped=grouped, format=fmt)
+        y, _ = ep_moe_layer(x, ids, weights, table, layer, rows.__getitem__, fmt.ffn, shared, 0, 1, None, stacks=stacks)
+        ref, _ = reference_moe_layer(x, reference, layer)
+        tolerance = 1e-5 if dtype == torch.float32 else VERIFY_TOLERANCE["bfloat16"]
+        assert relative_error(y, ref) <= tolerance
+
+
+def test_fp8_reference_is_close_to_the_unquantised_model(fp8_checkpoint: Path) -> None:
+    """Sanity of the dequantisation itself: FP8 weights compute what their fp32 originals do, to
+    the precision of e4m3 (the checkpoint writer quantised random fp32 weights)."""
+    spec = read_model_spec(fp8_checkpoint)
+    reader = CheckpointReader(fp8_checkpoint, spec)
+    originals = random_weights(dataclasses.replace(spec, fp8_block=None, expert_storage=DENSE), seed=5)
+    x = torch.randn(8, spec.hidden_size, generator=torch.Generator().manual_seed(3))
+    layer = spec.moe_layers[0]
+    fp8 = spec.expert_format(torch.float32).ffn(x, reader.experts(0, [1], torch.float32)[0])
+    exact = expert_ffn(x, *(originals[expert_tensor(layer, 1, p)] for p in ("gate", "up", "down")))
+    assert relative_error(fp8, exact) < 0.1
+
+
+def test_node_with_fp8_experts_verifies_against_the_dequantised_reference(
+        fp8_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two CPU workers, FP8 pool and slots, a plan with vExperts (τ = 0.95, k = 2): ``--verify``."""
+    raw = {
+        "model": {"checkpoint_path": str(fp8_checkpoint), "dtype": "float32", "expert_format": "fp8_block"},
+        "parallelism": {"expert_parallel_size": 2, "gpus_per_node": 2, "master_port": free_port()},
+        "vexpert": {"group_size": 2, "vmax": 1, "balance_threshold": 0.95},
+        "tuning": {"allocation_interval": 2},
+        "runtime": {"device": "cpu", "cpu_workers": 2, "metrics_port": 0},
+    }
+    config = tmp_path / "runtime.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    assert cli.main(["node", "--config", str(config), "--iterations", "6", "--verify"]) == 0
+    summary = [line for line in capsys.readouterr().err.splitlines() if "stopped after 6 iterations" in line]
+    assert len(summary) == 1, summary
+    assert 0 <= float(summary[0].split("max rel error ")[1]) <= VERIFY_TOLERANCE["float32"]
+
+
+# ------------------------------------------------------------------------------------ operator
+
+
+def test_operator_sizes_the_deepseek_v3_example_with_fp8_bytes() -> None:
+    from vexpert_operator.api import VExpertDeploymentSpec
+    from vexpert_operator.sizing import gpu_bytes_per_gpu, model_shape
+
+    raw = yaml.safe_load((REPO / "examples" / "deepseek-v3-ep64.yaml").read_text())
+    spec = VExpertDeploymentSpec.model_validate(raw["spec"])
+    shape = model_shape(spec)
+    assert shape is not None and shape.expert_bytes == Fp8RowLayout(2048, 7168).row_bytes  # ≈ 44 MB
+    assert 44e6 < shape.expert_bytes < 44.1e6
+    dense = model_shape(spec.model_copy(update={"model": spec.model.model_copy(update={"expert_format": "dense"})}))
+    assert dense is not None and dense.expert_bytes == 3 * 2048 * 7168 * 2
+    assert gpu_bytes_per_gpu(spec, shape) < gpu_bytes_per_gpu(spec, dense)
