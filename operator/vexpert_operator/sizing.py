@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vexpert_runtime.config import SLOT_BUFFERS
-
 from vexpert_runtime.expert_layout import DENSE, FP8_BLOCK, expert_row_bytes
 
 from .api import ModelShape, VExpertDeploymentSpec
@@ -63,10 +61,10 @@ class Sizing:
 
 
 def gpu_bytes_per_gpu(spec: VExpertDeploymentSpec, shape: ModelShape) -> int:
-    """Expert weights a GPU holds: its base experts in every layer plus the vExpert slots, G·Vmax
-    in each of the runtime's ping-pong buffers."""
+    """Expert weights a GPU holds: its base experts in every layer plus the G·Vmax vExpert slots
+    (one buffer: the runtime streams layer-ahead into slots the previous layer does not use)."""
     base = shape.num_experts // spec.parallelism.expert_parallel_size
-    slots = SLOT_BUFFERS * spec.vexpert.group_size * spec.vexpert.vmax
+    slots = spec.vexpert.group_size * spec.vexpert.vmax
     return base * shape.num_moe_layers * shape.expert_bytes + slots * shape.expert_bytes
 
 

@@ -16,10 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .errors import VExpertInputError
 from .profile import PerformanceProfile
 
-# Slot buffers per worker: ping-pong, the group being computed and the group being filled. Here
-# (torch-free) so the operator sizes GPU memory with the number the runtime allocates.
-SLOT_BUFFERS = 2
-
 Architecture = Literal["deepseek_v3", "qwen2_moe", "auto"]
 ExpertFormatChoice = Literal["auto", "dense", "fp8_block"]  # see expert_layout.py
 

@@ -43,7 +43,7 @@ import torch
 from .checkpoint import CheckpointReader, MoESpec
 from .ep_moe import RoutingTable
 from .expert_pool import ExpertPool
-from .protocol import Assignment, FillLoop, SharedState, SlotFiller
+from .protocol import Assignment, FillLoop, FillStats, SharedState, SlotFiller
 from .transport import make_transport
 
 STATS_INTERVAL_S = 0.1
@@ -116,6 +116,9 @@ class Coordinator:
         self.restart_at: float | None = None
         self.restarts = 0
         self.pool: ExpertPool | None = None
+        self.filler: SlotFiller | None = None
+        self.stats = FillStats()  # running totals across fill-loop restarts
+        self.buffers: list[torch.Tensor] = []
 
     # -- pool ---------------------------------------------------------------------------------
 
@@ -161,10 +164,15 @@ class Coordinator:
 
     def _start_loop(self, kill_at: int | None = None) -> int:
         seq = self.args.shared.resume_seq()
-        iteration, group = divmod(seq, self.filler.num_groups)
+        self.filler = SlotFiller(
+            self.args.shared, self.buffers, self.args.ranks, self.transport, self.spec.num_layers, self.abort, resume_seq=seq,
+            stats=self.stats,
+        )
+        self.filler.fail_at_copy = dict(self.args.fill_failures)
+        iteration, layer = divmod(seq, self.spec.num_layers)
         self.loop = FillLoop(
-            self.filler, self._take_plan, self._control, self.args.fill_delays, iteration, kill_at, self._on_failure, group,
-            resume_plan=self.args.shared.announced_plan(seq - 1) if group else None,
+            self.filler, self._take_plan, self._control, self.args.fill_delays, iteration, kill_at, self._on_failure, layer,
+            resume_plan=self.args.shared.announced_plan(seq - 1) if layer else None,
         )
         self.loop.start()
         return seq
@@ -173,13 +181,11 @@ class Coordinator:
 
     def run(self) -> None:
         args = self.args
-        buffers = [self.transport.open(handle) for handle in args.handles]
+        self.buffers = buffers = [self.transport.open(handle) for handle in args.handles]
         table, experts = args.plan
         self.pool = ExpertPool.build(experts, self.spec.num_experts, self.spec.expert_numel, self._load, self._alloc)
         self.current = Assignment(table, self.pool)
         self.scripted = {i: self._assignment(t, e) for i, (t, e) in args.scripted.items()}
-        self.filler = SlotFiller(args.shared, buffers, args.ranks, self.transport, self.spec.num_layers, args.group_size, self.abort)
-        self.filler.fail_at_copy = dict(args.fill_failures)
         args.shared.set_coordinator(True)
         seq = self._start_loop(args.kill_fill_loop_at)
         args.conn.send(("attached", os.getpid(), seq))
@@ -202,7 +208,7 @@ class Coordinator:
                     except queue.Empty:
                         break
                 now = time.monotonic()
-                stats = (self.filler.stats.bytes_streamed, self.filler.stats.copy_s)
+                stats = (self.stats.bytes_streamed, self.stats.copy_s)
                 if stats != sent and now >= next_stats:
                     args.conn.send(("stats", *stats))
                     sent, next_stats = stats, now + STATS_INTERVAL_S
@@ -216,10 +222,12 @@ class Coordinator:
             except (queue.Empty, OSError):
                 pass
             with contextlib.suppress(OSError):
-                args.conn.send(("stats", self.filler.stats.bytes_streamed, self.filler.stats.copy_s))
+                args.conn.send(("stats", self.stats.bytes_streamed, self.stats.copy_s))
             if args.device == "cuda":  # drop the IPC mappings before the workers may free their slots
                 torch.cuda.synchronize()
-                self.filler.buffers = []
+                if self.filler is not None:
+                    self.filler.buffers = []
+                self.buffers = []
                 buffers.clear()
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
@@ -243,4 +251,4 @@ class Coordinator:
             self.restart_at = None
             self.restarts += 1
             seq = self._start_loop()
-            self.outbox.put(("loop_restarted", seq // self.filler.num_groups))
+            self.outbox.put(("loop_restarted", seq // self.spec.num_layers))

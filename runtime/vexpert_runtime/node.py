@@ -65,7 +65,7 @@ from .profile import PerformanceProfile
 from .protocol import SharedState, WorkerSlots, agree
 from .reference import ModelWeights, reference_forward
 from .routing import route
-from .slots import SlotLayout, buffer_of, group_layers, sequence
+from .slots import SlotLayout, sequence
 from .transport import make_transport
 from .workload import Workload
 
@@ -487,7 +487,6 @@ class _Worker:
         self.spec = spec
         self.dtype: torch.dtype = getattr(torch, args.dtype)
         self.per_gpu = spec.num_experts // args.world
-        self.groups = group_layers(spec.num_layers, args.group_size)
         self.tables: dict[int, RoutingTable] = {
             0: static_table(spec.num_layers, spec.num_experts, args.world, args.slots)
         }
@@ -572,15 +571,15 @@ class _Worker:
             plan_ids: list[int] = []
             checksums: list[list[str]] = []
             stop = False
-            for index, layers in enumerate(self.groups):
-                seq = sequence(iteration, index, len(self.groups))
+            for layer in range(spec.num_layers):
+                seq = sequence(iteration, layer, spec.num_layers)
                 ready, header, wait_s = self.slots.acquire(seq)
                 waited += wait_s
-                stop_flag = index == 0 and self.slots.stop_requested(iteration)
+                stop_flag = layer == 0 and self.slots.stop_requested(iteration)
                 announced = self._table(header.plan_id) if header is not None and not header.stop else None
                 digest = self._digest(announced) if announced is not None else -1
                 agreement = agree(ready, header, digest, args.world, self.group, stop=stop_flag)
-                if index == 0:
+                if layer == 0:
                     if agreement.stop:
                         stop = True
                         self.slots.release(seq)
@@ -588,16 +587,14 @@ class _Worker:
                     k = agreement.k or k
                 if agreement.use_plan and announced is not None:
                     table = announced
-                    self.slots.check_tags(seq, table, layers, args.rank)
+                    self.slots.check_tags(seq, table, layer, args.rank)
                 else:
                     table = self.tables[0]
                     degraded += 1
                 plan_ids.append(table.plan_id)
                 if args.record:
-                    checksums.append(self._checksums(seq))
-                for position, layer in enumerate(layers):
-                    last = position == len(layers) - 1
-                    h = self._layer(h, layer, seq, table, bias, counts, computed, release=seq if last else None)
+                    checksums.append(self._checksums())
+                h = self._layer(h, layer, seq, table, bias, counts, computed)
             if stop:
                 if window:
                     self._flush(window, window_start)
@@ -636,7 +633,6 @@ class _Worker:
         bias: torch.Tensor | None,
         counts: torch.Tensor,
         computed: torch.Tensor,
-        release: int | None,
     ) -> torch.Tensor:
         args, spec = self.args, self.spec
         normed = rms_norm(h)
@@ -645,14 +641,13 @@ class _Worker:
         base, per_gpu, slots = self.base[layer], self.per_gpu, self.slots
 
         def local_weight(j: int) -> torch.Tensor:
-            return base[j] if j < per_gpu else slots.slot(seq, j - per_gpu)
+            return base[j] if j < per_gpu else slots.slot(j - per_gpu)
 
         expert_format = spec.expert_format(self.dtype)
 
         def ffn(rows: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
             return expert_format.ffn(rows, row)  # block-FP8 rows are dequantised here
 
-        after = None if release is None else (lambda: slots.release(release))
         y, stats = ep_moe_layer(
             normed,
             ids,
@@ -665,17 +660,17 @@ class _Worker:
             args.rank,
             args.world,
             self.group,
-            after_compute=after,
+            after_compute=lambda: slots.release(seq),
             # On CUDA (bf16/fp16) the experts run as grouped GEMMs over these stacks; elsewhere the loop.
-            stacks=ExpertStacks(base, slots.buffers[buffer_of(seq)], spec.intermediate_size, format=expert_format),
+            stacks=ExpertStacks(base, slots.buffers, spec.intermediate_size, format=expert_format),
         )
         computed[layer] = stats.computed
         return h + y
 
-    def _checksums(self, seq: int) -> list[str]:
+    def _checksums(self) -> list[str]:
         from .slots import row_checksum
 
-        return [row_checksum(self.slots.slot(seq, s)) for s in range(self.args.slots)]
+        return [row_checksum(self.slots.slot(s)) for s in range(self.args.slots)]
 
     def _flush(self, window: list[torch.Tensor], start: int) -> None:
         """All-reduce the window's [n, L, E + N] counts/loads; local rank 0 hands them to its coordinator."""
@@ -980,13 +975,13 @@ class NodeRuntime:
         kind = msg[0]
         if kind == "attached":
             _, pid, seq = msg
-            groups = -(-self.setup.spec.num_layers // self.setup.group_size)
+            layers = self.setup.spec.num_layers
             self._coordinator_attached = True
             self._pool_loaded = True
             self.metrics.coordinator_up.set(1)
             if self._coordinator_down_since is not None:
                 self._log(
-                    f"coordinator {pid} attached at iteration {seq // groups} (sequence {seq}), "
+                    f"coordinator {pid} attached at iteration {seq // layers} (sequence {seq}), "
                     f"{time.monotonic() - self._coordinator_down_since:.1f} s after its predecessor died"
                 )
                 self._coordinator_down_since = None
