@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from vexpert_runtime.checkpoint import DEEPSEEK, MoESpec
+from vexpert_runtime.expert_layout import FP8_BLOCK
 
 # 2 MoE layers × 8 experts, group-limited top-2 routing, correction bias, a shared expert:
 # every DeepSeek-V3 routing feature at a size the 2-core CI machine runs in milliseconds.
@@ -18,4 +21,16 @@ TINY_DEEPSEEK_SPEC = MoESpec(
     routed_scaling_factor=1.5,
     correction_bias=True,
     shared_intermediate_size=16,
+)
+
+# A block-FP8 checkpoint (DeepSeek-V3's format) with real 128×128 blocks: H = 256 is two whole
+# blocks, I = 192 one whole and one partial block (gate/up rows, down columns).
+TINY_FP8_DEEPSEEK_SPEC = dataclasses.replace(
+    TINY_DEEPSEEK_SPEC,
+    hidden_size=256,
+    intermediate_size=192,
+    num_experts=4,
+    shared_intermediate_size=192,
+    fp8_block=(128, 128),
+    expert_storage=FP8_BLOCK,
 )

@@ -12,9 +12,9 @@ import pytest
 import torch
 import yaml
 
+from runtime_support import TINY_FP8_DEEPSEEK_SPEC
 from vexpert_runtime import cli
 from vexpert_runtime.checkpoint import (
-    DEEPSEEK,
     SCALE_SUFFIX,
     CheckpointReader,
     MoESpec,
@@ -40,22 +40,7 @@ from vexpert_runtime.routing import route
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = (128, 128)
 
-# H = 256: two full 128-blocks; I = 192: one full and one partial block (gate/up rows, down columns).
-FP8_SPEC = MoESpec(
-    architecture=DEEPSEEK,
-    hidden_size=256,
-    intermediate_size=192,
-    num_experts=4,
-    top_k=2,
-    moe_layers=(1, 2),
-    n_group=2,
-    topk_group=2,
-    routed_scaling_factor=1.5,
-    correction_bias=True,
-    shared_intermediate_size=192,
-    fp8_block=BLOCK,
-    expert_storage=FP8_BLOCK,
-)
+FP8_SPEC = TINY_FP8_DEEPSEEK_SPEC
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +78,15 @@ def test_partial_blocks_round_trip_through_a_packed_row() -> None:
     stack = torch.stack([row, row.flip(0).clone(), row])
     w13, w2 = fmt.stack_weights(stack)
     assert torch.equal(w13[2, :inter], gate) and torch.equal(w2[2], down)
+
+
+def test_whole_blocks_dequantise_as_the_broadcast_product() -> None:
+    """The tile-broadcast fast path (whole blocks) equals the expanded-scale product bit for bit."""
+    weight = torch.randn(3, 256, 384, generator=torch.Generator().manual_seed(1))
+    pairs = [quantize_fp8_block(w, BLOCK) for w in weight]
+    fp8, scale = torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+    expanded = scale.repeat_interleave(128, -2).repeat_interleave(128, -1)
+    assert torch.equal(dequantize_fp8_block(fp8, scale, BLOCK, torch.float32), fp8.float() * expanded)
 
 
 # ------------------------------------------------------------------------------------ checkpoint

@@ -30,7 +30,13 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     The product is taken in float32, as the checkpoint's own reference dequantiser does, then cast.
     """
     rows, cols = weight.shape[-2:]
-    scale = scale_inv.to(torch.float32).repeat_interleave(block[0], dim=-2)[..., :rows, :]
+    scale = scale_inv.to(torch.float32)
+    if rows % block[0] == 0 and cols % block[1] == 0:
+        # Whole blocks (DeepSeek-V3's shapes): broadcast each scale over its tile, no expanded copy.
+        tiles = weight.unflatten(-1, (cols // block[1], block[1])).unflatten(-3, (rows // block[0], block[0]))
+        product = tiles.to(torch.float32) * scale[..., :, None, :, None]
+        return product.to(dtype).flatten(-2).flatten(-3, -2)
+    scale = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :]
     scale = scale.repeat_interleave(block[1], dim=-1)[..., :cols]
     return (weight.to(torch.float32) * scale).to(dtype)
 

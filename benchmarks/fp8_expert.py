@@ -1,0 +1,90 @@
+"""Block-FP8 vs bf16 expert rows on one GPU (DeepSeek-V3 expert: I = 2048, H = 7168).
+
+Measures (CUDA events, median of N): the pinned host→device copy of one packed row (what a slot
+fill moves), the dequantisation of a stack of FP8 rows into a bf16 scratch, and the SwiGLU grouped
+GEMMs over that stack (bf16 rows as they are vs FP8 rows dequantised first). Prints JSON.
+
+    python3 benchmarks/fp8_expert.py --experts 4 --pairs 512 2048 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from vexpert_runtime.expert_format import ExpertFormat, quantize_fp8_block
+from vexpert_runtime.grouped_moe import GROUP_ALIGN, grouped_swiglu, packed_views
+from vexpert_runtime.moe_math import relative_error
+
+INTER, HIDDEN, BLOCK = 2048, 7168, (128, 128)
+
+
+def cuda_ms(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    """Median milliseconds of ``fn`` on the current stream (3 warm-up calls)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def fp8_rows(fmt: ExpertFormat, experts: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 rows [E, D8] uint8, the same experts as bf16 rows [E, 3·I·H]) of random weights."""
+    fp8, dense = [], []
+    for _ in range(experts):
+        w = {"gate": torch.randn(INTER, HIDDEN, generator=gen) / HIDDEN**0.5,
+             "up": torch.randn(INTER, HIDDEN, generator=gen) / HIDDEN**0.5,
+             "down": torch.randn(HIDDEN, INTER, generator=gen) / INTER**0.5}
+        q = {p: quantize_fp8_block(t, BLOCK) for p, t in w.items()}
+        fp8.append(fmt.pack_fp8({p: a for p, (a, _) in q.items()}, {p: s for p, (_, s) in q.items()}))
+        dense.append(torch.cat([w[p].reshape(-1) for p in ("gate", "up", "down")]).to(torch.bfloat16))
+    return torch.stack(fp8), torch.stack(dense)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--experts", type=int, default=4, help="rows in the stack (EP64: 4 resident experts/GPU)")
+    parser.add_argument("--pairs", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    fmt = ExpertFormat(INTER, HIDDEN, torch.bfloat16, BLOCK)
+    host8, host16 = fp8_rows(fmt, args.experts, torch.Generator().manual_seed(0))
+    out: dict[str, object] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                              "fp8_row_bytes": fmt.row_bytes, "bf16_row_bytes": host16[0].numel() * 2}
+    # One slot fill: a pinned pool row → HBM.
+    for name, row in (("fp8", host8[0]), ("bf16", host16[0])):
+        pinned, target = row.pin_memory(), torch.empty_like(row, device=device)
+        ms = cuda_ms(lambda p=pinned, t=target: t.copy_(p, non_blocking=True), args.repeats)
+        out[f"copy_{name}_ms"] = round(ms, 4)
+        out[f"copy_{name}_gb_per_s"] = round(row.numel() * row.element_size() / ms / 1e6, 2)
+    rows8, rows16 = host8.to(device), host16.to(device)
+    out["dequant_stack_ms"] = round(cuda_ms(lambda: fmt.stack_weights(rows8), args.repeats), 4)
+    results = []
+    for pairs in args.pairs:
+        per = -(-pairs // args.experts // GROUP_ALIGN) * GROUP_ALIGN
+        x = torch.randn(per * args.experts, HIDDEN, device=device, dtype=torch.bfloat16)
+        offs = torch.arange(1, args.experts + 1, device=device, dtype=torch.int32) * per
+        w13, w2 = packed_views(rows16, INTER, HIDDEN)
+        bf16_ms = cuda_ms(lambda x=x, offs=offs, w13=w13, w2=w2: grouped_swiglu(x, w13, w2, offs), args.repeats)
+        fp8_ms = cuda_ms(lambda x=x, offs=offs: grouped_swiglu(x, *fmt.stack_weights(rows8), offs), args.repeats)
+        # The FP8 path against bf16 weights it was quantised from (e4m3 precision, not a bug bound).
+        err = relative_error(grouped_swiglu(x, *fmt.stack_weights(rows8), offs).float(),
+                             grouped_swiglu(x, w13, w2, offs).float())
+        results.append({"pairs": per * args.experts, "bf16_gemm_ms": round(bf16_ms, 4),
+                        "fp8_dequant_plus_gemm_ms": round(fp8_ms, 4), "rel_error_vs_bf16_weights": round(err, 4)})
+    out["grouped_swiglu"] = results
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
