@@ -144,28 +144,53 @@ def test_cli_bad_input_one_line_exit_2(tmp_path, args, needle):
     assert "Traceback" not in err
 
 
-def test_copies_that_do_not_hide_behind_the_previous_group_are_charged_in_full():
+def test_copies_stream_layer_ahead_and_wait_for_overlapping_slots():
     from vexpert_runtime.perf_model import InferenceConstants, h2d_time, layer_time
     from vexpert_runtime.profile import PerformanceProfile
     from vexpert_runtime.simulate import PolicyResult, predicted_total_time
 
     consts, profile = InferenceConstants(), PerformanceProfile()
-    hw = profile.hardware
-    balance = np.full((1, 4), 0.5)
-    compute = float(layer_time(torch.tensor(0.5), consts, hw)) + consts.other_time_per_layer_s
-    base = PolicyResult("x", balance, np.zeros((1, 4)), group_size=2)
-    plain = predicted_total_time(base, consts, profile)
+    eta = profile.hardware.contention_eta
+
+    def total(v: list[list[int]], slots: int) -> float:
+        balance = np.full((len(v), len(v[0])), 0.5)
+        return predicted_total_time(PolicyResult("x", balance, np.array(v), slots=slots), consts, profile)
+
+    compute = float(layer_time(torch.tensor(0.5), consts, profile.hardware)) + consts.other_time_per_layer_s
+    one = float(h2d_time(torch.tensor(1.0), consts, profile.hardware))
+    assert one < compute < 2 * one  # one copy hides behind one layer, two do not
+    plain = total([[0, 0, 0, 0]], 2)
     assert plain == pytest.approx(4 * compute)
-    one = float(h2d_time(torch.tensor(1.0), consts, hw))
-    # one vExpert per layer: each group's 2 copies (≈6.8 ms) hide behind the previous group (≈2×7.6 ms)
-    hidden = PolicyResult("x", balance, np.ones((1, 4)), group_size=2)
-    assert 2 * one < 2 * compute
-    assert predicted_total_time(hidden, consts, profile) == pytest.approx(plain + 4 * one * hw.contention_eta)
-    # eight per layer: 16 copies per group, longer than the compute they hide behind
-    exposed = PolicyResult("x", balance, np.full((1, 4), 8.0), group_size=2)
-    per_group = 16 * one
-    expected = plain + 2 * (2 * compute * hw.contention_eta + (per_group - 2 * compute))
-    assert predicted_total_time(exposed, consts, profile) == pytest.approx(expected)
+    # one vExpert per layer in S = 2 alternating slots: each hides behind the layer before it
+    assert total([[1, 1, 1, 1]], 2) == pytest.approx(plain + 4 * one * eta)
+    # two per layer in S = 4: longer than the layer they hide behind, the rest is exposed
+    assert total([[2, 2, 2, 2]], 4) == pytest.approx(plain + 4 * (compute * eta + 2 * one - compute))
+    # two per layer in S = 2 (adjacency broken): every layer's copies wait for the one before
+    assert total([[2, 2, 2, 2]], 2) == pytest.approx(plain + 4 * 2 * one)
+    # plan switch: the old plan's layer 3 and the new plan's layer 0 (2 + 2 > S) overlap
+    switch = total([[0, 0, 0, 2], [2, 0, 0, 0]], 2)
+    assert switch == pytest.approx(2 * plain + (compute * eta + 2 * one - compute) + 2 * one)
+    assert total([[0, 0, 0, 1], [1, 0, 0, 0]], 2) == pytest.approx(2 * plain + 2 * one * eta)
+    # L odd: layers 2 and 0 both fill from the bottom, so layer 0's copy waits for layer 2
+    assert total([[1, 0, 1]], 2) == pytest.approx(3 * compute + one * eta + one)
+    # slots = 0: no layout modelled, copies never wait
+    assert total([[2, 2, 2, 2]], 0) == pytest.approx(total([[2, 2, 2, 2]], 4))
+
+
+def test_simulated_vexpert_keeps_the_adjacency_bound_unless_turned_off():
+    from vexpert_runtime.simulate import SimulationConfig, simulate
+
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.full(32, 0.15), size=6)
+    counts = np.stack([rng.multinomial(4000, p) for p in probs for _ in range(1)]).reshape(1, 6, 32).repeat(20, 0)
+    for bound in (True, False):
+        cfg = SimulationConfig(num_gpus=8, allocation_interval=5, vmax=1, policies=("static", "vexpert"),
+                               adjacency_bound=bound, balance_threshold=1.0)
+        v = simulate(counts, cfg)["vexpert"].vexperts
+        pairs = v + np.roll(v, -1, axis=1)  # (l, l+1) and the wrap (L = 6, even)
+        if bound:
+            assert (pairs <= 2).all()
+        assert v.sum() > 0
 
 
 def test_a_trace_simulated_on_other_gpus_keeps_its_tokens_per_iteration():

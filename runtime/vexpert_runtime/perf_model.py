@@ -102,6 +102,22 @@ def h2d_time(vexperts: torch.Tensor, consts: InferenceConstants, hw: HardwarePar
     return vexperts.to(torch.float32) * consts.expert_bytes / (hw.h2d_bandwidth_gb_per_s * 1e9)
 
 
+def streamed_copy_cost(
+    copy_s: torch.Tensor, behind_s: torch.Tensor, waits: torch.Tensor, eta: float
+) -> torch.Tensor:
+    """Decode time a layer's streamed vExperts add (layer-ahead pipeline, Eq. 2 and 5).
+
+    The copies run while the layer before computes (``behind_s``): the part that overlaps costs
+    Eq. 2's penalty η·T_H2D, a part longer than that compute (Eq. 5's hiding constraint broken)
+    is exposed in full. Copies that ``waits`` for the previous layer's slots to be free (their slots
+    overlap) cannot start before that layer ends and cost their full time.
+
+    Args: copy_s, behind_s [...] seconds; waits [...] bool. Returns [...] seconds.
+    """
+    overlapped = torch.where(waits, torch.zeros_like(copy_s), torch.minimum(copy_s, behind_s))
+    return overlapped * eta + (copy_s - overlapped)
+
+
 def layer_time(balance: torch.Tensor, consts: InferenceConstants, hw: HardwareParameters) -> torch.Tensor:
     """T_i(L) = T_a2a(L) + T_moe(L) (Eq. 1) for a measured balance ratio, no H2D. Shape [...]."""
     return a2a_time(balance, consts) + moe_time(balance, consts, hw)

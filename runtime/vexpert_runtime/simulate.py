@@ -12,7 +12,8 @@ Policies:
                      since the last one, no redundant experts (B1)
     eplb-redundant   the same with one redundant expert per GPU (B2)
     offload          one streamed vExpert per GPU in every layer, hottest experts of the previous
-                     iteration, no performance model (ES-MoE style)
+                     iteration, no performance model (ES-MoE style), in 2 alternating slots per GPU
+                     (the HBM of vExpert at G = 2, Vmax = 1)
     vexpert          the allocator every ``k`` iterations on the last ``k`` iterations' counts
     oracle           the allocator fed each iteration's own counts
 """
@@ -29,9 +30,9 @@ import numpy as np
 import torch
 
 from . import eplb
-from .allocator import AllocatorConfig, Plan, allocate
+from .allocator import AllocatorConfig, Plan, allocate, slots_overlap
 from .errors import VExpertInputError
-from .perf_model import InferenceConstants, h2d_time, layer_time
+from .perf_model import InferenceConstants, h2d_time, layer_time, streamed_copy_cost
 from .placement import balance_ratio, gpu_loads, share_from_base, static_placement
 from .profile import PerformanceProfile
 
@@ -54,6 +55,7 @@ class SimulationConfig:
     expert_groups: int = 0  # 0 = DeepSeek's 8 groups when E = 256, else 1
     policies: tuple[str, ...] = POLICIES
     compare_eplb_policies: bool = False  # add eplb[-redundant]:hierarchical/global rows
+    adjacency_bound: bool = True  # allocator keeps V_l + V_{l+1} ≤ G·vmax (False: group budget only)
 
     def validate(self, num_experts: int) -> None:
         if self.num_gpus <= 0:
@@ -76,7 +78,12 @@ class SimulationConfig:
             raise VExpertInputError("--policies", f"unknown policy {unknown[0]!r}", f"use any of {', '.join(POLICIES)}")
         if self.groups(num_experts) <= 0 or num_experts % self.groups(num_experts):
             raise VExpertInputError("--expert-groups", f"{num_experts} experts cannot form {self.expert_groups} equal groups")
-        AllocatorConfig(self.group_size, self.vmax, self.balance_threshold).validate()
+        self.allocator_config().validate()
+
+    def allocator_config(self) -> AllocatorConfig:
+        return AllocatorConfig(
+            self.group_size, self.vmax, self.balance_threshold, adjacency_bound=self.adjacency_bound
+        )
 
     def groups(self, num_experts: int) -> int:
         if self.expert_groups:
@@ -94,7 +101,7 @@ class PolicyResult:
     stalls: int = 0
     plan_seconds: list[float] = field(default_factory=list)
     allocations: int = 0  # allocator runs charged to decode time (the oracle is charged none)
-    group_size: int = 1  # G of the slot groups it streams: group j's copies hide behind group j−1
+    slots: int = 0  # S: vExpert slots per GPU, alternating layout (0 = copies never wait for slots)
 
     def summary(
         self, consts: InferenceConstants, profile: PerformanceProfile, static_time: float | None, num_gpus: int
@@ -125,28 +132,37 @@ def predicted_total_time(result: PolicyResult, consts: InferenceConstants, profi
     """Decode time of the whole trace (s): per layer T_a2a(L) + T_moe(L) (Eq. 1) + other work,
     plus every stop-the-world stall and every allocation (count all-reduce + mapping, paper App. F).
 
-    Streamed vExperts: a group's copies run while the group before it computes (group 0 behind
-    the last one, the previous iteration's). The part that overlaps costs Eq. 2's penalty
-    T_H2D·η; a part longer than that compute (Eq. 5's constraint broken, e.g. a large vmax) is
-    exposed and costs its full time.
+    Streamed vExperts go layer-ahead: layer l's copies run while layer l−1 computes (layer 0's
+    behind the previous iteration's last layer, under the plan of that iteration), at Eq. 2's
+    penalty η·T_H2D, any part longer than that compute exposed in full. With S slots laid out
+    alternately (:func:`allocator.slots_overlap`), copies whose slots overlap the previous layer's
+    wait for it to finish and cost their full time: a plan switch where the old plan's V_{L−1} and
+    the new V_0 exceed S together, the same-parity wrap with L odd, or the bound turned off.
     """
     hw = profile.hardware
     balance = torch.from_numpy(result.balance).clamp(min=1e-6)
-    v = torch.from_numpy(result.vexperts)
+    v = torch.from_numpy(np.asarray(result.vexperts)).to(torch.int64)
     compute = layer_time(balance, consts, hw) + consts.other_time_per_layer_s  # [T, L]
     copy = h2d_time(v, consts, hw)  # [T, L]
-    iterations, layers = compute.shape
-    group = max(1, result.group_size)
-    padded = -(-layers // group) * group
-    pad = (0, padded - layers)
-    group_compute = torch.nn.functional.pad(compute, pad).view(iterations, -1, group).sum(-1)  # [T, groups]
-    group_copy = torch.nn.functional.pad(copy, pad).view(iterations, -1, group).sum(-1)
-    behind = group_compute.roll(1, dims=1)  # the compute each group's copies hide behind
-    overlapped = torch.minimum(group_copy, behind)
-    h2d_cost = overlapped * hw.contention_eta + (group_copy - overlapped)
+    h2d_cost = streamed_copy_cost(copy, _previous_layer(compute), _waits_for_slots(v, result.slots), hw.contention_eta)
     return float(compute.sum() + h2d_cost.sum()) + result.stalls * consts.eplb_stall_s + (
         result.allocations * consts.allocation_time_s
     )
+
+
+def _previous_layer(x: torch.Tensor) -> torch.Tensor:
+    """[T, L] → [T, L]: the value of the layer run just before each one (layer L−1 of the previous
+    iteration for layer 0; the first iteration's layer 0 follows its own layer L−1, steady state)."""
+    flat = x.flatten()
+    return torch.cat([x[0, -1:], flat[:-1]]).view_as(x)
+
+
+def _waits_for_slots(v: torch.Tensor, slots: int) -> torch.Tensor:
+    """[T, L] bool: layer l's slots overlap those of the layer before it (alternating layout)."""
+    if slots <= 0:
+        return torch.zeros_like(v, dtype=torch.bool)
+    layer = torch.arange(v.shape[1]).expand_as(v)
+    return slots_overlap(_previous_layer(layer), _previous_layer(v), layer, v, slots)
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,8 +262,11 @@ def simulate(
     profile = profile or PerformanceProfile()
     believed = allocator_profile or profile
     consts = consts or InferenceConstants(experts_per_gpu=num_experts // cfg.num_gpus)
-    alloc_cfg = AllocatorConfig(cfg.group_size, cfg.vmax, cfg.balance_threshold)
-    offload_cfg = AllocatorConfig(group_size=1, vmax=1, balance_threshold=1.0, use_cost_model=False)
+    alloc_cfg = cfg.allocator_config()
+    # Offload streams one copy into every layer: two alternating slots hold layers l and l+1, so
+    # its one-slot plans are not bounded by adjacency (that would halve every other layer).
+    offload_cfg = AllocatorConfig(group_size=1, vmax=1, balance_threshold=1.0, use_cost_model=False, adjacency_bound=False)
+    offload_slots = 2
     results: dict[str, PolicyResult] = {}
 
     def run(name: str, make: Callable[[list[float]], Schedule]) -> None:
@@ -257,7 +276,7 @@ def simulate(
         results[name] = _replay(name, counts_t, make(timings), timings)
         if name in ("offload", "vexpert"):
             results[name].allocations = len(timings)
-        results[name].group_size = offload_cfg.group_size if name == "offload" else cfg.group_size
+        results[name].slots = offload_slots if name == "offload" else alloc_cfg.slots_per_gpu
 
     # static is the throughput reference, so it always runs.
     policies = cfg.policies if "static" in cfg.policies else ("static", *cfg.policies)

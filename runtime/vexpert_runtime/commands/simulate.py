@@ -20,6 +20,9 @@ def register(sub: Any) -> None:
     p.add_argument("--group-size", type=int, default=2, help="G: layers sharing a slot budget (default 2)")
     p.add_argument("--vmax", type=int, default=1, help="per-layer vExpert budget per GPU (default 1)")
     p.add_argument("--tau", type=float, default=0.7, help="balance threshold τ (default 0.7)")
+    p.add_argument("--no-adjacency-bound", action="store_true",
+                   help="let adjacent layers' vExperts exceed the G·vmax slots together (group budget only; "
+                        "their copies then wait for the previous layer and are charged in full)")
     p.add_argument("--eplb-interval", type=int, default=200, help="iterations between EPLB rebalances (default 200)")
     p.add_argument("--eplb-policy", default="auto", choices=["auto", "hierarchical", "global"])
     p.add_argument("--compare-eplb-policies", action="store_true",
@@ -49,7 +52,7 @@ def _run(args: argparse.Namespace) -> int:
         num_gpus=args.gpus, num_nodes=args.nodes, allocation_interval=args.k, group_size=args.group_size,
         vmax=args.vmax, balance_threshold=args.tau, eplb_interval=args.eplb_interval,
         eplb_policy=args.eplb_policy, expert_groups=args.expert_groups, policies=policies,
-        compare_eplb_policies=args.compare_eplb_policies,
+        compare_eplb_policies=args.compare_eplb_policies, adjacency_bound=not args.no_adjacency_bound,
     )
     cfg.validate(experts)
     profile = load_profile(args.profile) if args.profile else PerformanceProfile()
@@ -81,7 +84,7 @@ def _run(args: argparse.Namespace) -> int:
                   "phases": trace.phase_names, "phase_starts": trace.phase_starts},
         "config": {"gpus": args.gpus, "nodes": args.nodes, "k": args.k, "group_size": args.group_size,
                    "vmax": args.vmax, "tau": args.tau, "eplb_interval": args.eplb_interval,
-                   "eplb_policy": args.eplb_policy},
+                   "eplb_policy": args.eplb_policy, "adjacency_bound": not args.no_adjacency_bound},
         "policies": summary,
         "elapsed_s": round(elapsed, 3),
     }
