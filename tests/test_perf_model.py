@@ -141,3 +141,14 @@ def test_times_scale_with_the_batch_as_the_paper_says() -> None:
     assert float(moe_time(balance, at[128], hw)) == pytest.approx(float(moe_time(balance, at[256], hw)) / 2)
     floor = at[256].moe_time_balanced_s * hw.compute_bound_tokens_per_expert / (256 * 8 / 4)
     assert float(moe_time(balance, at[16], hw)) == pytest.approx(floor)
+
+
+def test_streamed_copy_cost_hides_overlaps_and_charges_waits() -> None:
+    from vexpert_runtime.perf_model import streamed_copy_cost
+
+    copy = torch.tensor([1.0, 3.0, 1.0, 0.0])
+    behind = torch.tensor([2.0, 2.0, 2.0, 2.0])
+    waits = torch.tensor([False, False, True, True])
+    cost = streamed_copy_cost(copy, behind, waits, 0.1)
+    # hidden at η; 2 of 3 hidden, 1 exposed; waiting for slots: full; nothing copied: nothing
+    assert cost.tolist() == pytest.approx([0.1, 0.2 + 1.0, 1.0, 0.0])
