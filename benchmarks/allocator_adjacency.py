@@ -14,11 +14,11 @@ import time
 
 import torch
 
-from vexpert_runtime.allocator import AllocatorConfig, allocate, assign_vexpert_counts
-from vexpert_runtime.bench import benchmark_counts
-from vexpert_runtime.perf_model import InferenceConstants
-from vexpert_runtime.placement import balance_ratio, base_gpu_loads, static_placement
-from vexpert_runtime.profile import PerformanceProfile
+from vexpert_runtime.policy.allocator import AllocatorConfig, allocate, assign_vexpert_counts
+from vexpert_runtime.policy.bench import benchmark_counts
+from vexpert_runtime.policy.perf_model import InferenceConstants
+from vexpert_runtime.policy.placement import balance_ratio, base_gpu_loads, static_placement
+from vexpert_runtime.policy.profile import PerformanceProfile
 
 
 def main(layers: int = 58, experts: int = 256, gpus: int = 64, repeats: int = 200) -> None:

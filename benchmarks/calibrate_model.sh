@@ -22,7 +22,7 @@ done
 # A full profile: H200 hardware (2 GPUs, measured) + DeepSeek-V3 coefficients (fitted, online "next").
 python - "$R" <<'PY'
 import json, sys
-from vexpert_runtime.profile import PerformanceProfile
+from vexpert_runtime.policy.profile import PerformanceProfile
 r = sys.argv[1]
 hw = PerformanceProfile.model_validate_json(open(f"{r}/calib_2gpu.stdout.json").read())
 fit = json.load(open(f"{r}/model_deepseek_v3_next.json"))

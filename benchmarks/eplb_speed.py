@@ -1,4 +1,4 @@
-"""Our EPLB (`vexpert_runtime.eplb`) vs a straight port of DeepSeek's loops (the reference port in
+"""Our EPLB (`vexpert_runtime.policy.eplb`) vs a straight port of DeepSeek's loops (the reference port in
 tests/test_eplb.py), on DeepSeek-V3 shape: 58 layers × 256 experts, 8 groups, 8 nodes × 8 GPUs.
 
     python benchmarks/eplb_speed.py
@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_eplb import ref_rebalance
-from vexpert_runtime.bench import benchmark_counts
-from vexpert_runtime.eplb import rebalance_experts
+from vexpert_runtime.policy.bench import benchmark_counts
+from vexpert_runtime.policy.eplb import rebalance_experts
 
 
 def median_ms(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]

@@ -15,9 +15,9 @@ import statistics
 
 import torch
 
-from vexpert_runtime.expert_format import ExpertFormat, quantize_fp8_block
-from vexpert_runtime.grouped_moe import GROUP_ALIGN, grouped_swiglu, packed_views
-from vexpert_runtime.moe_math import relative_error
+from vexpert_runtime.model.expert_format import ExpertFormat, quantize_fp8_block
+from vexpert_runtime.model.grouped_moe import GROUP_ALIGN, grouped_swiglu, packed_views
+from vexpert_runtime.model.moe_math import relative_error
 
 INTER, HIDDEN, BLOCK = 2048, 7168, (128, 128)
 

@@ -15,11 +15,11 @@ import time
 
 import torch
 
-from vexpert_runtime import allocator as A
-from vexpert_runtime.bench import bench_allocator, benchmark_counts
-from vexpert_runtime.perf_model import InferenceConstants
-from vexpert_runtime.placement import balance_ratio, base_gpu_loads, static_placement
-from vexpert_runtime.profile import PerformanceProfile
+from vexpert_runtime.policy import allocator as A
+from vexpert_runtime.policy.bench import bench_allocator, benchmark_counts
+from vexpert_runtime.policy.perf_model import InferenceConstants
+from vexpert_runtime.policy.placement import balance_ratio, base_gpu_loads, static_placement
+from vexpert_runtime.policy.profile import PerformanceProfile
 
 
 def stage_times(device: str, repeats: int) -> dict[str, float]:

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from vexpert_runtime.allocator import AllocatorConfig, GraphedAllocator, allocate
-from vexpert_runtime.bench import benchmark_counts
-from vexpert_runtime.placement import static_placement
+from vexpert_runtime.policy.allocator import AllocatorConfig, GraphedAllocator, allocate
+from vexpert_runtime.policy.bench import benchmark_counts
+from vexpert_runtime.policy.placement import static_placement
 
 
 def timed(fn, repeats=200):  # type: ignore[no-untyped-def]

@@ -36,7 +36,7 @@ calibrate() {  # $1: number of GPUs
   "$PY" - "$OUT/calib_${n}gpu.stdout.json" "$OUT/termination_${n}gpu.txt" <<'EOF'
 import json, sys
 from vexpert_runtime.calibration.hardware import format_summary
-from vexpert_runtime.profile import PerformanceProfile, parse_profile
+from vexpert_runtime.policy.profile import PerformanceProfile, parse_profile
 profile = PerformanceProfile.model_validate_json(open(sys.argv[1]).read())
 print(format_summary(profile))
 m = profile.provenance.measurements

@@ -39,7 +39,7 @@ grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$OUT/pytest_gpu.txt" | tail
 MODEL_DIR="$(mktemp -d)/medium-model"
 "$PY" - "$MODEL_DIR" <<'EOF'
 import sys
-from vexpert_runtime.checkpoint import DEEPSEEK, MoESpec, write_tiny_checkpoint
+from vexpert_runtime.model.checkpoint import DEEPSEEK, MoESpec, write_tiny_checkpoint
 spec = MoESpec(architecture=DEEPSEEK, hidden_size=1024, intermediate_size=512, num_experts=16, top_k=4,
                moe_layers=(1, 2, 3, 4), n_group=4, topk_group=2, routed_scaling_factor=2.5,
                norm_topk_prob=True, correction_bias=True, shared_intermediate_size=512)

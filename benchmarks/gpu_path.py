@@ -40,20 +40,20 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
-from vexpert_runtime.allocator import AllocatorConfig, allocate
-from vexpert_runtime.ep_moe import (
+from vexpert_runtime.model.ep_moe import (
     ExpertStacks,
     choose_replicas,
     stacked_outputs,
     static_table,
     table_from_plan,
 )
-from vexpert_runtime.gpu_pipeline import RingFiller, SlotRing, StaticRouting, capacity_for, moe_layer
-from vexpert_runtime.gpu_sync import flag_ops_for
-from vexpert_runtime.grouped_moe import group_layout
-from vexpert_runtime.placement import static_placement
+from vexpert_runtime.model.grouped_moe import group_layout
+from vexpert_runtime.node.gpu_pipeline import RingFiller, SlotRing, StaticRouting, capacity_for, moe_layer
+from vexpert_runtime.node.gpu_sync import flag_ops_for
+from vexpert_runtime.policy.allocator import AllocatorConfig, allocate
+from vexpert_runtime.policy.placement import static_placement
 from vexpert_runtime.ports import free_port
-from vexpert_runtime.trace import load_bundled_distribution
+from vexpert_runtime.simulation.trace import load_bundled_distribution
 
 DTYPE = torch.bfloat16
 

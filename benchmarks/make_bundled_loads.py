@@ -27,12 +27,12 @@ SIGNIFICANT_DIGITS = 6
 
 
 def _trace_module() -> ModuleType:
-    """Import :mod:`vexpert_runtime.trace`, from the source tree if the package is not installed."""
+    """Import :mod:`vexpert_runtime.simulation.trace`, from the source tree if the package is not installed."""
     try:
-        from vexpert_runtime import trace
+        from vexpert_runtime.simulation import trace
     except ImportError:
         sys.path.insert(0, str(REPO / "runtime"))
-        from vexpert_runtime import trace
+        from vexpert_runtime.simulation import trace
     return trace
 
 

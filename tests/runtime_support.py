@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from vexpert_runtime.checkpoint import DEEPSEEK, MoESpec
-from vexpert_runtime.expert_layout import FP8_BLOCK
+from vexpert_runtime.model.checkpoint import DEEPSEEK, MoESpec
+from vexpert_runtime.model.expert_layout import FP8_BLOCK
 
 # 2 MoE layers × 8 experts, group-limited top-2 routing, correction bias, a shared expert:
 # every DeepSeek-V3 routing feature at a size the 2-core CI machine runs in milliseconds.

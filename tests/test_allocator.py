@@ -10,18 +10,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vexpert_runtime.allocator import (
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.policy.allocator import (
     AllocatorConfig,
     allocate,
     assign_vexpert_counts,
     place_replicas,
     replica_counts,
 )
-from vexpert_runtime.errors import VExpertInputError
-from vexpert_runtime.perf_model import InferenceConstants, h2d_time, predicted_layer_time
-from vexpert_runtime.placement import balance_ratio, gpu_loads, static_placement
-from vexpert_runtime.profile import PerformanceProfile
-from vexpert_runtime.trace import load_bundled_distribution
+from vexpert_runtime.policy.perf_model import InferenceConstants, h2d_time, predicted_layer_time
+from vexpert_runtime.policy.placement import balance_ratio, gpu_loads, static_placement
+from vexpert_runtime.policy.profile import PerformanceProfile
+from vexpert_runtime.simulation.trace import load_bundled_distribution
 
 
 def skewed_counts(layers: int, experts: int, seed: int, alpha: float = 0.3, tokens: int = 200_000) -> torch.Tensor:
@@ -281,7 +281,7 @@ def test_copies_per_expert_are_capped():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graphed_allocator_matches_eager():
-    from vexpert_runtime.allocator import GraphedAllocator
+    from vexpert_runtime.policy.allocator import GraphedAllocator
 
     counts = real_counts()
     base = static_placement(58, 256, 64)
@@ -469,7 +469,7 @@ def test_real_loads_keep_the_bound_in_static_mode() -> None:
 
 
 def test_slot_ranges_alternate_and_overlap_as_documented() -> None:
-    from vexpert_runtime.allocator import layer_slots, slots_overlap
+    from vexpert_runtime.policy.allocator import layer_slots, slots_overlap
 
     lo, hi = layer_slots(torch.tensor([0, 1, 2, 3]), torch.tensor([1, 2, 0, 1]), 3)
     assert lo.tolist() == [0, 1, 0, 2] and hi.tolist() == [1, 3, 0, 3]

@@ -20,7 +20,13 @@ from vexpert_runtime.calibration import hardware as hw
 from vexpert_runtime.calibration import nodeinfo as ni
 from vexpert_runtime.cli import main
 from vexpert_runtime.errors import VExpertInputError
-from vexpert_runtime.profile import NodeTypeKey, PerformanceProfile, Provenance, load_profile, parse_profile
+from vexpert_runtime.policy.profile import (
+    NodeTypeKey,
+    PerformanceProfile,
+    Provenance,
+    load_profile,
+    parse_profile,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()

@@ -15,9 +15,9 @@ from vexpert_runtime.calibration.model_fit import (
     termination_message,
 )
 from vexpert_runtime.errors import VExpertInputError
-from vexpert_runtime.profile import PerformanceProfile, parse_profile
-from vexpert_runtime.simulate import SimulationConfig, perturbed, sensitivity
-from vexpert_runtime.trace import Phase, build_trace
+from vexpert_runtime.policy.profile import PerformanceProfile, parse_profile
+from vexpert_runtime.simulation.simulate import SimulationConfig, perturbed, sensitivity
+from vexpert_runtime.simulation.trace import Phase, build_trace
 
 
 def test_regression_recovers_known_coefficients():
@@ -133,7 +133,7 @@ def test_windows_are_spread_over_the_whole_trace():
 
 def test_model_calibration_output_file_is_a_profile(tmp_path, small_trace):
     from vexpert_runtime.cli import main
-    from vexpert_runtime.profile import load_profile
+    from vexpert_runtime.policy.profile import load_profile
 
     trace = tmp_path / "t.npz"
     np.savez(trace, counts=small_trace)

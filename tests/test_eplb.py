@@ -1,4 +1,4 @@
-"""Tests for vexpert_runtime.eplb: DeepSeek's README example, equality with a plain reference port
+"""Tests for vexpert_runtime.policy.eplb: DeepSeek's README example, equality with a plain reference port
 of DeepSeek's algorithm (ties included), placement invariants and input validation."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import pytest
 import torch
 from torch import Tensor
 
-from vexpert_runtime.eplb import (
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.policy.eplb import (
     balanced_packing,
     expert_gpu_share,
     rebalance_experts,
     rebalance_experts_hierarchical,
     replicate_experts,
 )
-from vexpert_runtime.errors import VExpertInputError
 
 # ----------------------------------------------------------------------------------------------
 # Reference port: DeepSeek's EPLB written as plainly as possible (Python loops over layers, items

@@ -14,7 +14,9 @@ import yaml
 
 from runtime_support import TINY_FP8_DEEPSEEK_SPEC
 from vexpert_runtime import cli
-from vexpert_runtime.checkpoint import (
+from vexpert_runtime.config import parse_runtime_config
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.model.checkpoint import (
     SCALE_SUFFIX,
     CheckpointReader,
     MoESpec,
@@ -26,16 +28,14 @@ from vexpert_runtime.checkpoint import (
     write_checkpoint,
     write_tiny_checkpoint,
 )
-from vexpert_runtime.config import parse_runtime_config
-from vexpert_runtime.ep_moe import ExpertStacks, ep_moe_layer, static_table
-from vexpert_runtime.errors import VExpertInputError
-from vexpert_runtime.expert_format import ExpertFormat, dequantize_fp8_block, quantize_fp8_block
-from vexpert_runtime.expert_layout import DENSE, FP8_BLOCK, Fp8RowLayout, expert_row_bytes
-from vexpert_runtime.expert_pool import ExpertPool
-from vexpert_runtime.moe_math import expert_ffn, relative_error, shared_forward
+from vexpert_runtime.model.ep_moe import ExpertStacks, ep_moe_layer, static_table
+from vexpert_runtime.model.expert_format import ExpertFormat, dequantize_fp8_block, quantize_fp8_block
+from vexpert_runtime.model.expert_layout import DENSE, FP8_BLOCK, Fp8RowLayout, expert_row_bytes
+from vexpert_runtime.model.moe_math import expert_ffn, relative_error, shared_forward
+from vexpert_runtime.model.reference import VERIFY_TOLERANCE, ModelWeights, reference_moe_layer
+from vexpert_runtime.model.routing import route
+from vexpert_runtime.node.expert_pool import ExpertPool
 from vexpert_runtime.ports import free_port
-from vexpert_runtime.reference import VERIFY_TOLERANCE, ModelWeights, reference_moe_layer
-from vexpert_runtime.routing import route
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = (128, 128)

@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from runtime_support import TINY_FP8_DEEPSEEK_SPEC as SPEC
-from vexpert_runtime.checkpoint import CheckpointReader, write_tiny_checkpoint
 from vexpert_runtime.config import RuntimeConfig
-from vexpert_runtime.ep_moe import ExpertStacks, ep_moe_layer, static_table
-from vexpert_runtime.grouped_moe import uses_grouped_gemm
-from vexpert_runtime.moe_math import relative_error, shared_forward
+from vexpert_runtime.model.checkpoint import CheckpointReader, write_tiny_checkpoint
+from vexpert_runtime.model.ep_moe import ExpertStacks, ep_moe_layer, static_table
+from vexpert_runtime.model.grouped_moe import uses_grouped_gemm
+from vexpert_runtime.model.moe_math import relative_error, shared_forward
+from vexpert_runtime.model.reference import VERIFY_TOLERANCE, ModelWeights, reference_moe_layer
+from vexpert_runtime.model.routing import route
 from vexpert_runtime.node import NodeOptions, resolve_setup, run_node
 from vexpert_runtime.ports import free_port
-from vexpert_runtime.reference import VERIFY_TOLERANCE, ModelWeights, reference_moe_layer
-from vexpert_runtime.routing import route
-from vexpert_runtime.workload import drifting_workload
+from vexpert_runtime.simulation.workload import drifting_workload
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="no CUDA device")]

@@ -14,8 +14,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from vexpert_runtime.gpu_pipeline import RingFiller, SlotRing, StaticRouting, capacity_for, moe_layer
-from vexpert_runtime.gpu_sync import (
+from vexpert_runtime.model.grouped_moe import group_layout, grouped_swiglu, packed_views
+from vexpert_runtime.model.moe_math import packed_ffn
+from vexpert_runtime.node.gpu_pipeline import RingFiller, SlotRing, StaticRouting, capacity_for, moe_layer
+from vexpert_runtime.node.gpu_sync import (
     FREE,
     FULL,
     CpuFlagOps,
@@ -25,8 +27,6 @@ from vexpert_runtime.gpu_sync import (
     produce,
     release,
 )
-from vexpert_runtime.grouped_moe import group_layout, grouped_swiglu, packed_views
-from vexpert_runtime.moe_math import packed_ffn
 
 ROOT = Path(__file__).resolve().parents[1]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -238,7 +238,7 @@ def test_cuda_grouped_mm_matches_the_loop() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(GPUS == 0, reason="no CUDA device")
 def test_cuda_stream_memops_handshake_inside_a_captured_graph() -> None:
-    from vexpert_runtime.gpu_sync import CudaStreamMemOps
+    from vexpert_runtime.node.gpu_sync import CudaStreamMemOps
 
     s = _layer_setup("cuda", torch.bfloat16)
     ops = CudaStreamMemOps()

@@ -17,7 +17,7 @@ from vexpert_operator.plan import PlanInputs, combine_profiles, default_profile,
 from vexpert_operator.quantity import GIB, MIB, format_mebibytes, parse_bytes, parse_quantity
 from vexpert_operator.sizing import KNOWN_SHAPES, model_shape, np_bounds, pinned_pool_bytes, size_pod
 from vexpert_runtime.config import parse_runtime_config
-from vexpert_runtime.profile import (
+from vexpert_runtime.policy.profile import (
     HardwareParameters,
     LoadBalanceParameters,
     NodeTypeKey,
@@ -130,8 +130,8 @@ def test_np_cap_is_as_large_as_node_memory_allows() -> None:
 def test_gpu_bytes_count_base_experts_and_slots() -> None:
     shape = KNOWN_SHAPES["deepseek_v3"]
     sizing = size_pod(spec(vexpert={"groupSize": 2, "vmax": 3}), shape, None)
-    # base experts + two ping-pong buffers of G·vmax = 6 slots (what the runtime allocates)
-    assert sizing.gpu_bytes_per_gpu == (4 * 58 + 2 * 6) * shape.expert_bytes
+    # base experts + one buffer of G·vmax = 6 slots (what the runtime allocates)
+    assert sizing.gpu_bytes_per_gpu == (4 * 58 + 6) * shape.expert_bytes
 
 
 # ------------------------------------------------------------------------------------------ manifests

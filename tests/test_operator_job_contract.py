@@ -12,7 +12,7 @@ import pytest
 from operator_support.samples import spec
 from vexpert_operator import manifests as mf
 from vexpert_operator.calibration import JobSummary, failure_reason, parse_result
-from vexpert_runtime.profile import NodeTypeKey
+from vexpert_runtime.policy.profile import NodeTypeKey
 
 KEY = NodeTypeKey(gpu_product="NVIDIA-H200", gpu_count=8, gpu_memory_mib=143771, driver_version="550.54.15")
 
@@ -139,7 +139,7 @@ def test_scrape_reads_a_body_that_arrives_in_pieces() -> None:
 
     from vexpert_operator.reconciler import _scrape_one
     from vexpert_operator.tuning import parse_runtime_metrics
-    from vexpert_runtime.metrics import NodeMetrics
+    from vexpert_runtime.node.metrics import NodeMetrics
 
     metrics = NodeMetrics(58)
     metrics.set_layers(metrics.balance, [0.9] * 58)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vexpert_runtime.errors import VExpertInputError
-from vexpert_runtime.perf_model import (
+from vexpert_runtime.policy.perf_model import (
     DEEPSEEK_V3_EXPERT_BYTES,
     InferenceConstants,
     balance_gain,
@@ -20,7 +20,7 @@ from vexpert_runtime.perf_model import (
     normalized_h2d_overhead,
     predicted_layer_time,
 )
-from vexpert_runtime.profile import (
+from vexpert_runtime.policy.profile import (
     HardwareParameters,
     LoadBalanceParameters,
     PerformanceProfile,
@@ -131,8 +131,8 @@ def test_times_scale_with_the_batch_as_the_paper_says() -> None:
     # §3.2: communication and computation are bottlenecked by B_max = B / L; the constants are
     # given at B_ref = 256, so at B = 128 both halve (compute-bound), and the GEMM time floors at
     # the memory-bound threshold instead of shrinking further
-    from vexpert_runtime.perf_model import a2a_time, moe_time
-    from vexpert_runtime.profile import HardwareParameters
+    from vexpert_runtime.policy.perf_model import a2a_time, moe_time
+    from vexpert_runtime.policy.profile import HardwareParameters
 
     hw = HardwareParameters()
     balance = torch.tensor([0.6])
@@ -144,7 +144,7 @@ def test_times_scale_with_the_batch_as_the_paper_says() -> None:
 
 
 def test_streamed_copy_cost_hides_overlaps_and_charges_waits() -> None:
-    from vexpert_runtime.perf_model import streamed_copy_cost
+    from vexpert_runtime.policy.perf_model import streamed_copy_cost
 
     copy = torch.tensor([1.0, 3.0, 1.0, 0.0])
     behind = torch.tensor([2.0, 2.0, 2.0, 2.0])

@@ -34,22 +34,23 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from node_faults import faulty_filler
 from runtime_support import TINY_DEEPSEEK_SPEC
 from vexpert_runtime import cli
-from vexpert_runtime.checkpoint import (
+from vexpert_runtime.config import RuntimeConfig, load_runtime_config
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.model.checkpoint import (
     CheckpointReader,
     expert_tensor,
     router_tensor,
     write_tiny_checkpoint,
 )
-from vexpert_runtime.config import RuntimeConfig, load_runtime_config
-from vexpert_runtime.ep_moe import plan_from_slots
-from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.model.ep_moe import plan_from_slots
 from vexpert_runtime.node import NodeOptions, NodeReport, NodeRuntime, Progress, resolve_setup
-from vexpert_runtime.placement import static_placement
+from vexpert_runtime.node.slots import row_checksum, sequence
+from vexpert_runtime.policy.placement import static_placement
 from vexpert_runtime.ports import free_port
-from vexpert_runtime.slots import row_checksum, sequence
-from vexpert_runtime.workload import Workload, drifting_workload
+from vexpert_runtime.simulation.workload import Workload, drifting_workload
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = TINY_DEEPSEEK_SPEC
@@ -117,7 +118,7 @@ def test_dead_fill_loop_serves_base_experts_degraded_then_resumes_streaming(tmp_
             verify=True,
             allocate=False,
             scripted_plans={0: PLAN_A, 18: PLAN_B},  # PLAN_B needs copies: only a live loop can run it
-            kill_fill_loop_at=sequence(3, 0, 2),
+            filler=faulty_filler(kill_at=sequence(3, 0, 2)),
             fill_restart_delay_s=0.6,
             record=True,
             progress=progress,
@@ -153,7 +154,7 @@ def test_a_fill_loop_restarted_mid_iteration_finishes_it_under_its_plan(tmp_path
     setup = dataclasses.replace(setup, k=1)
     workload = drifting_workload((("decode_in1000out1000", 4), ("prefill_in4096", 4)), 2, 8, tokens_per_worker=16)
     report = NodeRuntime(setup, NodeOptions(workload=workload, iterations=10, verify=True, record=True,
-                                            kill_fill_loop_at=sequence(6, 1, 2), fill_restart_delay_s=0.3)).run()
+                                            filler=faulty_filler(kill_at=sequence(6, 1, 2)), fill_restart_delay_s=0.3)).run()
     assert report.max_rel_error is not None and report.max_rel_error <= 1e-5
     mixed = [(r.iteration, r.plan_ids) for r in report.records if len(set(r.plan_ids)) > 1 and 0 not in r.plan_ids]
     assert mixed == [], "all groups of one iteration use one plan"
@@ -177,7 +178,7 @@ def test_a_stop_while_the_fill_loop_is_down_mid_iteration_is_prompt(tmp_path: Pa
 
     runtime = NodeRuntime(setup, NodeOptions(workload=Workload(tokens_per_worker=16, seed=1), iterations=1000,
                                              record=True, allocate=False, scripted_plans={0: PLAN_A},
-                                             kill_fill_loop_at=sequence(4, 1, 2), fill_restart_delay_s=0.5, log=watch))
+                                             filler=faulty_filler(kill_at=sequence(4, 1, 2)), fill_restart_delay_s=0.5, log=watch))
     box.append(runtime)
     report = runtime.run()
     took = time.monotonic() - marks["stop"]
@@ -319,7 +320,7 @@ def test_failed_fill_runs_the_group_degraded_and_never_exposes_a_half_copied_slo
             # back to A's experts at 3: the slot half overwritten at 2 held an A expert, and a fill that
             # trusted its old tag would skip the copy and compute with half A, half B
             scripted_plans={0: PLAN_A, 2: PLAN_B, 3: PLAN_A},
-            fill_failures={failing: 0},
+            filler=faulty_filler(fail_at_copy={failing: 0}),
             record=True,
             log=lines.append,
         ),

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vexpert_runtime.checkpoint import (
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.model.checkpoint import (
     DEEPSEEK,
     QWEN,
     CheckpointReader,
@@ -26,9 +27,8 @@ from vexpert_runtime.checkpoint import (
     write_checkpoint,
     write_tiny_checkpoint,
 )
-from vexpert_runtime.errors import VExpertInputError
-from vexpert_runtime.expert_pool import ExpertPool, hottest_experts
-from vexpert_runtime.routing import deepseek_v3_topk, route, softmax_topk
+from vexpert_runtime.model.routing import deepseek_v3_topk, route, softmax_topk
+from vexpert_runtime.node.expert_pool import ExpertPool, hottest_experts
 
 DS = MoESpec(
     architecture=DEEPSEEK,
@@ -155,7 +155,7 @@ def test_config_problems(tmp_path: Path) -> None:
 
 
 def test_moe_layer_selection_from_config() -> None:
-    from vexpert_runtime.checkpoint import spec_from_config
+    from vexpert_runtime.model.checkpoint import spec_from_config
 
     base = {"hidden_size": 8, "moe_intermediate_size": 4, "num_experts_per_tok": 2, "num_hidden_layers": 61}
     ds = spec_from_config({**base, "model_type": "deepseek_v3", "n_routed_experts": 256, "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4, "n_shared_experts": 1})

@@ -14,9 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vexpert_runtime.allocator import AllocatorConfig, allocate
-from vexpert_runtime.checkpoint import DEEPSEEK, QWEN, CheckpointReader, MoESpec, write_tiny_checkpoint
-from vexpert_runtime.ep_moe import (
+from vexpert_runtime.model.checkpoint import DEEPSEEK, QWEN, CheckpointReader, MoESpec, write_tiny_checkpoint
+from vexpert_runtime.model.ep_moe import (
     ExpertStacks,
     RoutingTable,
     base_experts,
@@ -26,12 +25,13 @@ from vexpert_runtime.ep_moe import (
     static_table,
     table_from_plan,
 )
-from vexpert_runtime.moe_math import packed_ffn, relative_error, shared_forward
-from vexpert_runtime.perf_model import InferenceConstants
-from vexpert_runtime.placement import balance_ratio, static_placement
+from vexpert_runtime.model.moe_math import packed_ffn, relative_error, shared_forward
+from vexpert_runtime.model.reference import ModelWeights, reference_moe_layer
+from vexpert_runtime.model.routing import route
+from vexpert_runtime.policy.allocator import AllocatorConfig, allocate
+from vexpert_runtime.policy.perf_model import InferenceConstants
+from vexpert_runtime.policy.placement import balance_ratio, static_placement
 from vexpert_runtime.ports import free_port
-from vexpert_runtime.reference import ModelWeights, reference_moe_layer
-from vexpert_runtime.routing import route
 
 WORLD = 4
 DS = MoESpec(

@@ -17,18 +17,19 @@ import pytest
 import torch
 import yaml
 
+from node_faults import faulty_filler
 from runtime_support import TINY_DEEPSEEK_SPEC
-from vexpert_runtime.checkpoint import CheckpointReader, write_tiny_checkpoint
 from vexpert_runtime.config import RuntimeConfig
-from vexpert_runtime.ep_moe import ep_moe_layer, plan_from_slots, static_table
-from vexpert_runtime.moe_math import packed_ffn, relative_error, shared_forward
+from vexpert_runtime.model.checkpoint import CheckpointReader, write_tiny_checkpoint
+from vexpert_runtime.model.ep_moe import ep_moe_layer, plan_from_slots, static_table
+from vexpert_runtime.model.moe_math import packed_ffn, relative_error, shared_forward
+from vexpert_runtime.model.reference import VERIFY_TOLERANCE, ModelWeights, reference_moe_layer
+from vexpert_runtime.model.routing import route
 from vexpert_runtime.node import NodeOptions, resolve_setup, run_node
-from vexpert_runtime.placement import static_placement
+from vexpert_runtime.node.slots import row_checksum
+from vexpert_runtime.policy.placement import static_placement
 from vexpert_runtime.ports import free_port
-from vexpert_runtime.reference import VERIFY_TOLERANCE, ModelWeights, reference_moe_layer
-from vexpert_runtime.routing import route
-from vexpert_runtime.slots import row_checksum
-from vexpert_runtime.workload import Workload, drifting_workload
+from vexpert_runtime.simulation.workload import Workload, drifting_workload
 
 REPO = Path(__file__).resolve().parents[1]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -121,7 +122,7 @@ def test_node_on_two_gpus_fills_slots_over_ipc_and_switches_plans(tmp_path: Path
             verify=True,
             allocate=False,
             scripted_plans={0: plan_a, 4: plan_b},
-            fill_delays={5 * 2 + 1: 0.5},  # iteration 5, layer 1: workers must wait, not read stale slots
+            filler=faulty_filler(delays={5 * 2 + 1: 0.5}),  # iteration 5, layer 1: workers must wait, not read stale slots
             record=True,
         ),
     )

@@ -16,11 +16,12 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime_support import TINY_DEEPSEEK_SPEC
-from vexpert_runtime.checkpoint import write_tiny_checkpoint
 from vexpert_runtime.config import load_runtime_config
-from vexpert_runtime.metrics import BalanceDecay, NodeMetrics, PoolHits, memory_pressure
-from vexpert_runtime.node import NodeOptions, NodeRuntime, Progress, pool_hits, resolve_setup
-from vexpert_runtime.workload import drifting_workload
+from vexpert_runtime.model.checkpoint import write_tiny_checkpoint
+from vexpert_runtime.node import NodeOptions, NodeRuntime, Progress, resolve_setup
+from vexpert_runtime.node.metrics import BalanceDecay, NodeMetrics, PoolHits, memory_pressure
+from vexpert_runtime.node.supervisor import pool_hits
+from vexpert_runtime.simulation.workload import drifting_workload
 
 SPEC = TINY_DEEPSEEK_SPEC
 

@@ -21,19 +21,20 @@ import yaml
 
 from runtime_support import TINY_DEEPSEEK_SPEC
 from vexpert_runtime import cli
-from vexpert_runtime.checkpoint import expert_tensor, write_tiny_checkpoint
 from vexpert_runtime.config import load_runtime_config
 from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.model.checkpoint import expert_tensor, write_tiny_checkpoint
 from vexpert_runtime.node import (
     NodeOptions,
     NodeRuntime,
     Progress,
-    resolve_node_rank,
     resolve_setup,
     run_node,
 )
+from vexpert_runtime.node.messages import CountsWindow, IterationDone, WorkerDone, WorkerReady
+from vexpert_runtime.node.setup import resolve_node_rank
 from vexpert_runtime.ports import free_port
-from vexpert_runtime.workload import drifting_workload
+from vexpert_runtime.simulation.workload import drifting_workload
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = TINY_DEEPSEEK_SPEC
@@ -196,10 +197,14 @@ def test_a_degraded_iteration_reported_with_its_window_shows_as_degraded(tmp_pat
     runtime._coordinator_attached = True
     window = np.ones((1, SPEC.num_layers, SPEC.num_experts + 2), dtype=np.int64)
 
-    def report(rank: int) -> tuple[Any, ...]:
-        return ("iter", rank, 0, 0.01, 0.0, 1, [0], None, None, None)  # one group ran degraded
+    def report(rank: int) -> IterationDone:  # one layer ran degraded
+        return IterationDone(rank=rank, iteration=0, step_s=0.01, wait_s=0.0, degraded_layers=1, plan_ids=[0])
 
-    batches = [[("ready", 0), ("ready", 1)], [report(0), report(1), ("window", 0, window)], [("done", 0), ("done", 1)]]
+    batches = [
+        [WorkerReady(0), WorkerReady(1)],
+        [report(0), report(1), CountsWindow(0, window)],
+        [WorkerDone(0), WorkerDone(1)],
+    ]
     runtime._serve(_Batches(batches), [], None)
     text = runtime.metrics.render()
     assert "vexpert_degraded 1.0" in text and "vexpert_degraded_groups_total 1.0" in text

@@ -14,18 +14,19 @@ from typing import Any
 import pytest
 import torch
 
+from node_faults import faulty_filler, slow_allocator
 from runtime_support import TINY_DEEPSEEK_SPEC
-from vexpert_runtime.checkpoint import CheckpointReader, write_tiny_checkpoint
 from vexpert_runtime.config import RuntimeConfig
-from vexpert_runtime.ep_moe import plan_from_slots, table_from_plan
-from vexpert_runtime.expert_pool import ExpertPool
+from vexpert_runtime.model.checkpoint import CheckpointReader, write_tiny_checkpoint
+from vexpert_runtime.model.ep_moe import plan_from_slots, table_from_plan
 from vexpert_runtime.node import NodeOptions, NodeReport, resolve_setup, run_node
-from vexpert_runtime.placement import static_placement
+from vexpert_runtime.node.expert_pool import ExpertPool
+from vexpert_runtime.node.protocol import Assignment, SharedState, SlotFiller, WorkerSlots, decide
+from vexpert_runtime.node.slots import row_checksum, sequence
+from vexpert_runtime.node.transport import CpuSharedMemoryTransport
+from vexpert_runtime.policy.placement import static_placement
 from vexpert_runtime.ports import free_port
-from vexpert_runtime.protocol import Assignment, SharedState, SlotFiller, WorkerSlots, decide
-from vexpert_runtime.slots import row_checksum, sequence
-from vexpert_runtime.transport import CpuSharedMemoryTransport
-from vexpert_runtime.workload import Workload, drifting_workload
+from vexpert_runtime.simulation.workload import Workload, drifting_workload
 
 SPEC = TINY_DEEPSEEK_SPEC
 
@@ -231,7 +232,7 @@ def test_delayed_coordinator_and_scripted_plan_change(tmp_path: Path) -> None:
             verify=True,
             allocate=False,
             scripted_plans={0: plan_a, 3: plan_b},
-            fill_delays={delayed: 0.8},
+            filler=faulty_filler(delays={delayed: 0.8}),
             record=True,
         ),
     )
@@ -260,7 +261,7 @@ def test_slow_allocator_never_stalls_a_step(tmp_path: Path) -> None:
     write_tiny_checkpoint(tmp_path, SPEC, seed=5)
     setup = _setup(tmp_path, k=12, vmax=1, group_size=2)
     workload = drifting_workload((("decode_in1000out1000", 1000),), 2, 8, tokens_per_worker=32)
-    report = run_node(setup, NodeOptions(workload=workload, iterations=120, allocator_delay_s=0.4))
+    report = run_node(setup, NodeOptions(workload=workload, iterations=120, allocator=slow_allocator(0.4)))
     assert report.iterations == 120
     assert [length for _, length in report.windows] == [12] * 10  # counts all-reduced every k iterations
     assert report.allocations >= 1 and len(report.plan_switches) >= 2
@@ -286,7 +287,7 @@ def test_timeout_runs_degraded_instead_of_hanging(tmp_path: Path) -> None:
             verify=True,
             allocate=False,
             scripted_plans={0: plan},
-            fill_delays={sequence(1, 0, 2): 1.0},
+            filler=faulty_filler(delays={sequence(1, 0, 2): 1.0}),
         ),
     )
     assert report.degraded_groups >= 1

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-from vexpert_runtime.ep_moe import plan_from_slots, table_from_plan
-from vexpert_runtime.expert_pool import ExpertPool
-from vexpert_runtime.placement import static_placement
-from vexpert_runtime.protocol import Assignment, SharedState, SlotFiller, WorkerSlots
-from vexpert_runtime.slots import row_checksum
-from vexpert_runtime.transport import make_transport
+from vexpert_runtime.model.ep_moe import plan_from_slots, table_from_plan
+from vexpert_runtime.node.expert_pool import ExpertPool
+from vexpert_runtime.node.protocol import Assignment, SharedState, SlotFiller, WorkerSlots
+from vexpert_runtime.node.slots import row_checksum
+from vexpert_runtime.node.transport import make_transport
+from vexpert_runtime.policy.placement import static_placement
 
 NUM_EXPERTS, NUMEL, SLOTS, SEQS = 8, 4096, 2, 6
 DELAYED_SEQ, DELAY_S = 3, 0.8

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from vexpert_runtime.cli import main
-from vexpert_runtime.placement import balance_ratio, base_gpu_loads, static_placement
-from vexpert_runtime.simulate import SimulationConfig, simulate, summarize
-from vexpert_runtime.trace import Phase, build_trace, save_trace
+from vexpert_runtime.policy.placement import balance_ratio, base_gpu_loads, static_placement
+from vexpert_runtime.simulation.simulate import SimulationConfig, simulate, summarize
+from vexpert_runtime.simulation.trace import Phase, build_trace, save_trace
 
 PHASES = [
     Phase("bundled:decode_in1000out1000", 200),
@@ -145,9 +145,9 @@ def test_cli_bad_input_one_line_exit_2(tmp_path, args, needle):
 
 
 def test_copies_stream_layer_ahead_and_wait_for_overlapping_slots():
-    from vexpert_runtime.perf_model import InferenceConstants, h2d_time, layer_time
-    from vexpert_runtime.profile import PerformanceProfile
-    from vexpert_runtime.simulate import PolicyResult, predicted_total_time
+    from vexpert_runtime.policy.perf_model import InferenceConstants, h2d_time, layer_time
+    from vexpert_runtime.policy.profile import PerformanceProfile
+    from vexpert_runtime.simulation.simulate import PolicyResult, predicted_total_time
 
     consts, profile = InferenceConstants(), PerformanceProfile()
     eta = profile.hardware.contention_eta
@@ -178,7 +178,7 @@ def test_copies_stream_layer_ahead_and_wait_for_overlapping_slots():
 
 
 def test_simulated_vexpert_keeps_the_adjacency_bound_unless_turned_off():
-    from vexpert_runtime.simulate import SimulationConfig, simulate
+    from vexpert_runtime.simulation.simulate import SimulationConfig, simulate
 
     rng = np.random.default_rng(0)
     probs = rng.dirichlet(np.full(32, 0.15), size=6)

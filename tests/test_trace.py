@@ -1,4 +1,4 @@
-"""Tests of the load-trace builder (vexpert_runtime.trace) and its bundled DeepSeek-V3 loads.
+"""Tests of the load-trace builder (vexpert_runtime.simulation.trace) and its bundled DeepSeek-V3 loads.
 
 Uses the shared benchmark data (``<repo>/../shared/data``) where present and the bundled copy
 otherwise; tests that compare against the shared files skip without them.
@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vexpert_runtime import trace as tr
 from vexpert_runtime.errors import VExpertInputError
-from vexpert_runtime.trace import (
+from vexpert_runtime.simulation import trace as tr
+from vexpert_runtime.simulation.trace import (
     Phase,
     Trace,
     build_trace,

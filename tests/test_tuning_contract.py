@@ -19,8 +19,8 @@ import torch
 from operator_support.samples import spec
 from vexpert_operator.plan import PlanInputs, plan_group
 from vexpert_operator.tuning import TuningState, aggregate, decide_tuning, parse_runtime_metrics
-from vexpert_runtime.node import memory_plan
-from vexpert_runtime.workload import demo_model_spec
+from vexpert_runtime.node.setup import memory_plan
+from vexpert_runtime.simulation.workload import demo_model_spec
 
 PRESSURE = 0.994  # the host memory limit is set so that the pinned bytes fill 99.4% of it
 POOLED = 8  # Np < E = 32: the hit ratio is measured
@@ -38,7 +38,7 @@ def test_every_input_the_tuner_reads_is_a_runtime_metric() -> None:
     """Names must match exactly: each gauge the parser knows (but the optional after-allocation
     balance, which the runtime replaces by ``vexpert_balance_decay``) is in the node's registry."""
     from vexpert_operator.tuning import KNOWN_GAUGES
-    from vexpert_runtime.metrics import NodeMetrics
+    from vexpert_runtime.node.metrics import NodeMetrics
 
     exported = {family.name for family in NodeMetrics(num_layers=2).registry.collect()}
     assert set(KNOWN_GAUGES) - exported == {"vexpert_balance_ratio_after_allocation"}

@@ -5,7 +5,7 @@ These models are the single definition of the API: ``crds/*.yaml`` are generated
 reads deployment files with them. Field names are snake_case in Python and camelCase in the API.
 
 The performance model's coefficients are not redefined here: profiles embed
-``vexpert_runtime.profile.PerformanceProfile`` verbatim (snake_case JSON, exactly what
+``vexpert_runtime.policy.profile.PerformanceProfile`` verbatim (snake_case JSON, exactly what
 ``vexpert calibrate`` writes and ``--profile FILE`` reads), so ``kubectl get vxnp NAME -o
 jsonpath='{.spec.profile}'`` is a valid profile file.
 """
@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from vexpert_runtime.profile import NodeTypeKey, PerformanceProfile
+from vexpert_runtime.policy.profile import NodeTypeKey, PerformanceProfile
 
 GROUP = "vexpert.io"
 VERSION = "v1alpha1"

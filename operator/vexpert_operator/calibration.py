@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from vexpert_runtime.errors import VExpertInputError
-from vexpert_runtime.profile import PerformanceProfile, parse_profile
+from vexpert_runtime.policy.profile import PerformanceProfile, parse_profile
 
 from . import naming as nm
 from .manifests import CALIBRATION_CONTAINER

@@ -18,7 +18,7 @@ from vexpert_runtime.config import (
     TuningConfig,
     VExpertKnobs,
 )
-from vexpert_runtime.profile import NodeTypeKey, PerformanceProfile
+from vexpert_runtime.policy.profile import NodeTypeKey, PerformanceProfile
 
 from . import naming as nm
 from .api import (

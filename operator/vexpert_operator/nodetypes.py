@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vexpert_runtime.profile import NodeTypeKey
+from vexpert_runtime.policy.profile import NodeTypeKey
 
 from .api import Toleration
 from .naming import bounded_name, label_value

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vexpert_runtime.config import RuntimeConfig
-from vexpert_runtime.profile import NodeTypeKey, PerformanceProfile, Provenance
+from vexpert_runtime.policy.profile import NodeTypeKey, PerformanceProfile, Provenance
 
 from . import manifests as mf
 from .api import VExpertDeploymentSpec

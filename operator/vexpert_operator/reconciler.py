@@ -18,7 +18,7 @@ import aiohttp
 import kopf
 from pydantic import ValidationError
 
-from vexpert_runtime.profile import PerformanceProfile
+from vexpert_runtime.policy.profile import PerformanceProfile
 
 from . import kube
 from . import metrics as m

@@ -19,7 +19,7 @@ import yaml
 from pydantic import ValidationError
 
 from vexpert_runtime.errors import VExpertInputError
-from vexpert_runtime.profile import NodeTypeKey, PerformanceProfile, parse_profile
+from vexpert_runtime.policy.profile import NodeTypeKey, PerformanceProfile, parse_profile
 
 from . import manifests as mf
 from . import naming as nm

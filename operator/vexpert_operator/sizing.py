@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vexpert_runtime.expert_layout import DENSE, FP8_BLOCK, expert_row_bytes
+from vexpert_runtime.model.expert_layout import DENSE, FP8_BLOCK, expert_row_bytes
 
 from .api import ModelShape, VExpertDeploymentSpec
 from .quantity import parse_bytes

@@ -1,7 +1,7 @@
 """The tuning loop's decisions: k (allocation interval) and Np (pinned experts). Pure functions.
 
 Inputs are the node pods' Prometheus metrics (port ``runtime.metricsPort``, path ``/metrics``), as
-the node runtime (:mod:`vexpert_runtime.metrics`) exports them; names must match exactly:
+the node runtime (:mod:`vexpert_runtime.node.metrics`) exports them; names must match exactly:
 
 =====================================  ==============================================================
 ``vexpert_balance_ratio``              mean over layers of mean/max GPU load (SGLang's balancedness)

@@ -13,8 +13,8 @@ import pkgutil
 import sys
 from collections.abc import Sequence
 
-from . import __version__, commands
-from .errors import VExpertInputError
+from vexpert_runtime import __version__, commands
+from vexpert_runtime.errors import VExpertInputError
 
 EXIT_BAD_INPUT = 2
 

@@ -13,8 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .errors import VExpertInputError
-from .profile import PerformanceProfile
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.policy.profile import PerformanceProfile
 
 Architecture = Literal["deepseek_v3", "qwen2_moe", "auto"]
 ExpertFormatChoice = Literal["auto", "dense", "fp8_block"]  # see expert_layout.py

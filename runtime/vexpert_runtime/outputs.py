@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import VExpertInputError
+from vexpert_runtime.errors import VExpertInputError
 
 
 def check_output_path(path: str | Path, field: str) -> Path:

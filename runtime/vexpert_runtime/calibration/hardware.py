@@ -43,10 +43,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
-from ..errors import VExpertInputError
-from ..ports import free_port
-from ..profile import HardwareParameters, NodeTypeKey, PerformanceProfile, Provenance
+from vexpert_runtime import __version__
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.policy.profile import HardwareParameters, NodeTypeKey, PerformanceProfile, Provenance
+from vexpert_runtime.ports import free_port
 
 GB = 1e9  # profile bandwidths are GB/s = 1e9 B/s
 TERMINATION_LOG = "/dev/termination-log"
@@ -532,7 +532,7 @@ def _measure_rank(rank: int, settings: HardwareSettings, port: int) -> dict[str,
     import torch
     import torch.distributed as dist
 
-    from .nodeinfo import torch_gpu_facts
+    from vexpert_runtime.calibration.nodeinfo import torch_gpu_facts
 
     cuda = settings.device == "cuda"
     if cuda:
@@ -728,7 +728,7 @@ def run_hardware_calibration(settings: HardwareSettings, node_type: NodeTypeKey 
 
     ``node_type``: the key the operator asked for (``--node-type``); detected from the node if None.
     """
-    from .nodeinfo import collect_node_info, node_type_key
+    from vexpert_runtime.calibration.nodeinfo import collect_node_info, node_type_key
 
     started = time.perf_counter()
     if log:

@@ -18,11 +18,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import __version__
-from ..allocator import AllocatorConfig, allocate
-from ..errors import VExpertInputError
-from ..placement import balance_ratio, base_gpu_loads, gpu_loads, static_placement
-from ..profile import COEFFICIENT_LIMIT, LoadBalanceParameters, PerformanceProfile, Provenance
+from vexpert_runtime import __version__
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.policy.allocator import AllocatorConfig, allocate
+from vexpert_runtime.policy.placement import balance_ratio, base_gpu_loads, gpu_loads, static_placement
+from vexpert_runtime.policy.profile import (
+    COEFFICIENT_LIMIT,
+    LoadBalanceParameters,
+    PerformanceProfile,
+    Provenance,
+)
 
 
 @dataclass(frozen=True)
@@ -183,7 +188,7 @@ STATISTICS_ITERATIONS = 200  # iterations sampled from an SGLang statistics file
 def _load_counts(source: str, gpus: int) -> np.ndarray:
     """A trace ``.npz``, or expert statistics (SGLang ``.json`` / ``bundled:NAME``) sampled into a
     200-iteration decode trace at 256 tokens per GPU, top-8, seed 0."""
-    from ..trace import Phase, build_trace, load_trace
+    from vexpert_runtime.simulation.trace import Phase, build_trace, load_trace
 
     if source.endswith(".json") or source.startswith("bundled:"):
         return build_trace([Phase(source, STATISTICS_ITERATIONS)], gpus, 256, 8, seed=0).counts
@@ -192,8 +197,8 @@ def _load_counts(source: str, gpus: int) -> np.ndarray:
 
 def run_model_calibration(args: argparse.Namespace) -> int:
     """CLI handler of ``vexpert calibrate model``."""
-    from ..outputs import check_output_path
-    from .hardware import write_termination_message
+    from vexpert_runtime.calibration.hardware import write_termination_message
+    from vexpert_runtime.outputs import check_output_path
 
     if args.output:
         check_output_path(args.output, "--output")

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..profile import NodeTypeKey
+from vexpert_runtime.policy.profile import NodeTypeKey
 
 MEMINFO = "/proc/meminfo"
 NODE_ROOT = "/sys/devices/system/node"

@@ -24,7 +24,7 @@ def register(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..bench import bench_allocator
+    from vexpert_runtime.policy.bench import bench_allocator
 
     result = bench_allocator(args.layers, args.experts, args.gpus, args.nodes, args.device, args.repeats,
                              group_size=args.group_size, vmax=args.vmax)

@@ -87,8 +87,12 @@ def register(sub: Any) -> None:
 
 def _with_termination_log(args: argparse.Namespace, body: Callable[[], int]) -> int:
     """Resolve the default termination log, and write a one-line reason there if ``body`` fails."""
-    from ..calibration.hardware import CalibrationError, default_termination_log, write_termination_message
-    from ..errors import VExpertInputError
+    from vexpert_runtime.calibration.hardware import (
+        CalibrationError,
+        default_termination_log,
+        write_termination_message,
+    )
+    from vexpert_runtime.errors import VExpertInputError
 
     if args.termination_log is None:
         args.termination_log = default_termination_log()
@@ -110,8 +114,8 @@ def _with_termination_log(args: argparse.Namespace, body: Callable[[], int]) -> 
 def _parse_node_type(text: str | None) -> Any:
     from pydantic import ValidationError
 
-    from ..errors import VExpertInputError
-    from ..profile import NodeTypeKey
+    from vexpert_runtime.errors import VExpertInputError
+    from vexpert_runtime.policy.profile import NodeTypeKey
 
     if text is None:
         return None
@@ -126,14 +130,14 @@ def _run_hardware(args: argparse.Namespace) -> int:
     def body() -> int:
         import torch
 
-        from ..calibration.hardware import (
+        from vexpert_runtime.calibration.hardware import (
             fit_to_termination_message,
             format_summary,
             run_hardware_calibration,
             settings_from_args,
             write_termination_message,
         )
-        from ..outputs import check_output_path
+        from vexpert_runtime.outputs import check_output_path
 
         node_type = _parse_node_type(args.node_type)
         if args.output:
@@ -158,7 +162,7 @@ def _run_hardware(args: argparse.Namespace) -> int:
 
 def _run_model(args: argparse.Namespace) -> int:
     def body() -> int:
-        from ..calibration.model_fit import run_model_calibration
+        from vexpert_runtime.calibration.model_fit import run_model_calibration
 
         return int(run_model_calibration(args) or 0)
 

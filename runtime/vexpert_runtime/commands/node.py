@@ -36,8 +36,8 @@ def register(subparsers: Any) -> None:
 
 def _load_phases(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
     """Validate ``--tokens-per-worker`` and parse ``--load`` (before anything starts)."""
-    from ..errors import VExpertInputError
-    from ..trace import BUNDLED_PREFIX, bundled_names, parse_phase
+    from vexpert_runtime.errors import VExpertInputError
+    from vexpert_runtime.simulation.trace import BUNDLED_PREFIX, bundled_names, parse_phase
 
     if args.tokens_per_worker < 1:
         raise VExpertInputError("--tokens-per-worker", f"must be ≥ 1, got {args.tokens_per_worker}")
@@ -57,12 +57,12 @@ def run(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
-    from ..checkpoint import write_tiny_checkpoint
-    from ..config import load_runtime_config
-    from ..errors import VExpertInputError
-    from ..node import NodeOptions, NodeRuntime, install_signal_handlers, resolve_setup
-    from ..reference import VERIFY_TOLERANCE
-    from ..workload import Workload, demo_model_spec, drifting_workload
+    from vexpert_runtime.config import load_runtime_config
+    from vexpert_runtime.errors import VExpertInputError
+    from vexpert_runtime.model.checkpoint import write_tiny_checkpoint
+    from vexpert_runtime.model.reference import VERIFY_TOLERANCE
+    from vexpert_runtime.node import NodeOptions, NodeRuntime, install_signal_handlers, resolve_setup
+    from vexpert_runtime.simulation.workload import Workload, demo_model_spec, drifting_workload
 
     if args.cpu_workers is not None and args.cpu_workers < 1:
         raise VExpertInputError("--cpu-workers", f"must be ≥ 1, got {args.cpu_workers}")

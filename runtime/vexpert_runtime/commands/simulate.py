@@ -39,11 +39,11 @@ def register(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..errors import VExpertInputError
-    from ..perf_model import InferenceConstants
-    from ..profile import PerformanceProfile, load_profile
-    from ..simulate import POLICIES, SimulationConfig, simulate, summarize
-    from ..trace import load_trace
+    from vexpert_runtime.errors import VExpertInputError
+    from vexpert_runtime.policy.perf_model import InferenceConstants
+    from vexpert_runtime.policy.profile import PerformanceProfile, load_profile
+    from vexpert_runtime.simulation.simulate import POLICIES, SimulationConfig, simulate, summarize
+    from vexpert_runtime.simulation.trace import load_trace
 
     trace = load_trace(args.trace)
     iterations, layers, experts = trace.counts.shape
@@ -62,7 +62,7 @@ def _run(args: argparse.Namespace) -> int:
     consts = InferenceConstants(tokens_per_gpu=tokens, top_k=int(trace.meta.get("top_k", 8)),
                                 experts_per_gpu=experts // args.gpus)
     if args.plot:
-        from ..outputs import check_output_path
+        from vexpert_runtime.outputs import check_output_path
 
         check_output_path(args.plot, "--plot")
     started = time.perf_counter()
@@ -72,11 +72,11 @@ def _run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     table = None
     if args.sensitivity:
-        from ..simulate import sensitivity
+        from vexpert_runtime.simulation.simulate import sensitivity
 
         table = sensitivity(trace.counts, cfg, profile, consts)
     if args.plot:
-        from ..plot import plot_balance
+        from vexpert_runtime.simulation.plot import plot_balance
 
         plot_balance(results, trace.phase_starts, trace.phase_names, args.plot)
     out = {

@@ -26,8 +26,8 @@ def register(sub: Any) -> None:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from ..outputs import check_output_path
-    from ..trace import build_trace, parse_phase, save_trace
+    from vexpert_runtime.outputs import check_output_path
+    from vexpert_runtime.simulation.trace import build_trace, parse_phase, save_trace
 
     check_output_path(args.output, "--output")
     phases = [parse_phase(spec) for spec in args.phase]

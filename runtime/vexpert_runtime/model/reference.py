@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import CheckpointReader, MoESpec, RouterWeights, SharedExpertWeights
-from .moe_math import combine, packed_ffn, rms_norm, shared_forward
-from .routing import expert_counts, route
+from vexpert_runtime.model.checkpoint import CheckpointReader, MoESpec, RouterWeights, SharedExpertWeights
+from vexpert_runtime.model.moe_math import combine, packed_ffn, rms_norm, shared_forward
+from vexpert_runtime.model.routing import expert_counts, route
 
 # Largest relative error a --verify run accepts, per weight dtype (low precision accumulates
 # differently in the EP split than in one process).

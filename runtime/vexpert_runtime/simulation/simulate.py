@@ -29,12 +29,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import eplb
-from .allocator import AllocatorConfig, Plan, allocate, slots_overlap
-from .errors import VExpertInputError
-from .perf_model import InferenceConstants, h2d_time, layer_time, streamed_copy_cost
-from .placement import balance_ratio, gpu_loads, share_from_base, static_placement
-from .profile import PerformanceProfile
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.policy import eplb
+from vexpert_runtime.policy.allocator import AllocatorConfig, Plan, allocate, slots_overlap
+from vexpert_runtime.policy.perf_model import InferenceConstants, h2d_time, layer_time, streamed_copy_cost
+from vexpert_runtime.policy.placement import balance_ratio, gpu_loads, share_from_base, static_placement
+from vexpert_runtime.policy.profile import PerformanceProfile
 
 POLICIES = ("static", "eplb", "eplb-redundant", "offload", "vexpert", "oracle")
 EPLB_VARIANTS = ("hierarchical", "global")

@@ -2,7 +2,7 @@
 real-load trace, showing static vs vExpert balance and tokens/s as it runs.
 
 The router of the tiny random model is skewed with bundled DeepSeek-V3 per-layer distributions
-(decode → prefill → decode phases, see :mod:`vexpert_runtime.workload`), the allocator re-plans
+(decode → prefill → decode phases, see :mod:`vexpert_runtime.simulation.workload`), the allocator re-plans
 every k iterations, and the static balance is what the contiguous placement would have had on the
 very same routed tokens. ``--verify`` compares every rank's output of every step with the
 single-process reference.
@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import write_tiny_checkpoint
-from .config import RuntimeConfig
-from .node import NodeOptions, NodeReport, Progress, resolve_setup, run_node
-from .ports import free_port
-from .reference import VERIFY_TOLERANCE as _TOLERANCE_BY_DTYPE
-from .workload import DEMO_PHASES, demo_model_spec, drifting_workload
+from vexpert_runtime.config import RuntimeConfig
+from vexpert_runtime.model.checkpoint import write_tiny_checkpoint
+from vexpert_runtime.model.reference import VERIFY_TOLERANCE as _TOLERANCE_BY_DTYPE
+from vexpert_runtime.node import NodeOptions, NodeReport, Progress, resolve_setup, run_node
+from vexpert_runtime.ports import free_port
+from vexpert_runtime.simulation.workload import DEMO_PHASES, demo_model_spec, drifting_workload
 
 VERIFY_TOLERANCE = _TOLERANCE_BY_DTYPE["float32"]  # the demo runs in fp32
 

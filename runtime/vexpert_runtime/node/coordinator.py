@@ -1,7 +1,7 @@
 """The coordinator process: the node's L2 expert pool and its slot-fill loop, in a process of its own.
 
 ``vexpert node`` (:class:`~vexpert_runtime.node.NodeRuntime`) is the supervisor: it owns the shared
-protocol state (:class:`~vexpert_runtime.protocol.SharedState`), the workers, the allocator, the
+protocol state (:class:`~vexpert_runtime.node.protocol.SharedState`), the workers, the allocator, the
 metrics and the verification, and runs this process as a child that it restarts with backoff when it
 dies. The workers do not depend on it: while it is down they run every group on their base experts
 (``vexpert_degraded`` 1), with outputs equal to the reference.
@@ -14,14 +14,11 @@ A coordinator attaches the same way at start and after a restart:
 3. it reads where the workers are (:meth:`SharedState.resume_seq`), marks itself attached and starts
    its fill loop there: filling resumes mid-iteration if need be, with the supervisor's latest plan.
 
-Messages over the one pipe to the supervisor (a new pipe per coordinator, so nothing a killed one
-half-wrote can wedge the next): in ``("plan", pickled (table, experts))``, ``("k", k)``, ``("exit",)``; out
-``("attached", pid, seq)``, ``("switch", iteration, plan id)``, ``("fill_error", seq, text)``,
-``("loop_died", text, delay)``, ``("loop_restarted", iteration)``, ``("stats", bytes, copy s)``,
-``("error", text)``.
+Messages (:mod:`~vexpert_runtime.node.messages`) go over one pipe to the supervisor, a new pipe per
+coordinator, so nothing a killed one half-wrote can wedge the next.
 
-If only the fill *thread* dies (``NodeOptions.kill_fill_loop_at``), this process restarts it itself
-with backoff at the sequence the workers reached.
+If only the fill *thread* dies, this process restarts it itself with backoff at the sequence the
+workers reached.
 """
 
 from __future__ import annotations
@@ -34,17 +31,30 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointReader, MoESpec
-from .ep_moe import RoutingTable
-from .expert_pool import ExpertPool
-from .protocol import Assignment, FillLoop, FillStats, SharedState, SlotFiller
-from .transport import make_transport
+from vexpert_runtime.model.checkpoint import CheckpointReader, MoESpec
+from vexpert_runtime.model.ep_moe import RoutingTable
+from vexpert_runtime.node.expert_pool import ExpertPool
+from vexpert_runtime.node.messages import (
+    Attached,
+    CoordinatorFailed,
+    Exit,
+    FillFailed,
+    FillLoopDied,
+    FillLoopRestarted,
+    FillTotals,
+    NewPlan,
+    PlanSwitched,
+    SetInterval,
+)
+from vexpert_runtime.node.protocol import Assignment, FillLoop, FillStats, SharedState, SlotFiller
+from vexpert_runtime.node.transport import make_transport
 
 STATS_INTERVAL_S = 0.1
 RECENT_PLANS = 4  # plans kept to finish an iteration under its own plan after a fill-loop restart
@@ -80,9 +90,7 @@ class CoordinatorArgs:
     plan: tuple[RoutingTable, torch.Tensor]  # the latest plan and the experts [L, Np] its pool holds
     scripted: dict[int, tuple[RoutingTable, torch.Tensor]] = field(default_factory=dict)  # iteration → plan (tests)
     k: int = 1
-    fill_delays: dict[int, float] = field(default_factory=dict)
-    fill_failures: dict[int, int] = field(default_factory=dict)
-    kill_fill_loop_at: int | None = None
+    filler: Callable[..., SlotFiller] = SlotFiller  # builds the fill loop's filler (picklable)
     restart_delay_s: float = 1.0
 
 
@@ -94,7 +102,7 @@ def coordinator_main(args: CoordinatorArgs) -> None:
         Coordinator(args).run()
     except BaseException:
         with contextlib.suppress(OSError, ValueError):
-            args.conn.send(("error", traceback.format_exc()))
+            args.conn.send(CoordinatorFailed(traceback.format_exc()))
         raise SystemExit(1) from None
 
 
@@ -108,7 +116,7 @@ class Coordinator:
         self.transport = make_transport(args.device)
         self.abort = threading.Event()
         self.lock = threading.Lock()
-        self.outbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()  # fill thread → pipe
+        self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # fill thread → pipe
         self.k = args.k
         self.last_plan = -1
         self.recent: dict[int, Assignment] = {}  # plans the fill loop took, newest last (fill thread)
@@ -152,7 +160,7 @@ class Coordinator:
             self.recent.pop(next(iter(self.recent)))
         if assignment.table.plan_id != self.last_plan:
             self.last_plan = assignment.table.plan_id
-            self.outbox.put(("switch", iteration, assignment.table.plan_id))
+            self.outbox.put(PlanSwitched(iteration, assignment.table.plan_id))
         return assignment
 
     def _control(self, iteration: int) -> tuple[int, bool]:
@@ -160,18 +168,17 @@ class Coordinator:
         return self.k, 0 <= stop_at <= iteration
 
     def _on_failure(self, seq: int, exc: BaseException) -> None:
-        self.outbox.put(("fill_error", seq, str(exc)))
+        self.outbox.put(FillFailed(seq, str(exc)))
 
-    def _start_loop(self, kill_at: int | None = None) -> int:
+    def _start_loop(self) -> int:
         seq = self.args.shared.resume_seq()
-        self.filler = SlotFiller(
+        self.filler = self.args.filler(
             self.args.shared, self.buffers, self.args.ranks, self.transport, self.spec.num_layers, self.abort, resume_seq=seq,
             stats=self.stats,
         )
-        self.filler.fail_at_copy = dict(self.args.fill_failures)
         iteration, layer = divmod(seq, self.spec.num_layers)
         self.loop = FillLoop(
-            self.filler, self._take_plan, self._control, self.args.fill_delays, iteration, kill_at, self._on_failure, layer,
+            self.filler, self._take_plan, self._control, iteration, self._on_failure, layer,
             resume_plan=self.args.shared.announced_plan(seq - 1) if layer else None,
         )
         self.loop.start()
@@ -187,8 +194,8 @@ class Coordinator:
         self.current = Assignment(table, self.pool)
         self.scripted = {i: self._assignment(t, e) for i, (t, e) in args.scripted.items()}
         args.shared.set_coordinator(True)
-        seq = self._start_loop(args.kill_fill_loop_at)
-        args.conn.send(("attached", os.getpid(), seq))
+        seq = self._start_loop()
+        args.conn.send(Attached(os.getpid(), seq))
         sent = (-1, -1.0)
         next_stats = 0.0
         try:
@@ -198,7 +205,7 @@ class Coordinator:
                         msg = args.conn.recv()
                     except EOFError:
                         return
-                    if msg[0] == "exit":
+                    if isinstance(msg, Exit):
                         return
                     self._handle(msg)
                 self._watch_loop()
@@ -210,7 +217,7 @@ class Coordinator:
                 now = time.monotonic()
                 stats = (self.stats.bytes_streamed, self.stats.copy_s)
                 if stats != sent and now >= next_stats:
-                    args.conn.send(("stats", *stats))
+                    args.conn.send(FillTotals(*stats))
                     sent, next_stats = stats, now + STATS_INTERVAL_S
         finally:
             self.abort.set()
@@ -222,7 +229,7 @@ class Coordinator:
             except (queue.Empty, OSError):
                 pass
             with contextlib.suppress(OSError):
-                args.conn.send(("stats", self.stats.bytes_streamed, self.stats.copy_s))
+                args.conn.send(FillTotals(self.stats.bytes_streamed, self.stats.copy_s))
             if args.device == "cuda":  # drop the IPC mappings before the workers may free their slots
                 torch.cuda.synchronize()
                 if self.filler is not None:
@@ -230,14 +237,14 @@ class Coordinator:
                 self.buffers = []
                 buffers.clear()
 
-    def _handle(self, msg: tuple[Any, ...]) -> None:
-        if msg[0] == "plan":
-            table, experts = pickle.loads(msg[1])  # from the node (trusted), pickled by value
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, NewPlan):
+            table, experts = pickle.loads(msg.payload)  # from the node (trusted), pickled by value
             assignment = self._assignment(table, experts)
             with self.lock:
                 self.current = assignment
-        elif msg[0] == "k":
-            self.k = int(msg[1])
+        elif isinstance(msg, SetInterval):
+            self.k = msg.k
 
     def _watch_loop(self) -> None:
         """The fill thread died: workers serve on their base experts until it is restarted (backoff)
@@ -245,10 +252,10 @@ class Coordinator:
         loop, now = self.loop, time.monotonic()
         if loop is not None and loop.error is not None and self.restart_at is None:
             delay = min(30.0, self.args.restart_delay_s * 2 ** min(self.restarts, 5))
-            self.outbox.put(("loop_died", repr(loop.error), delay))
+            self.outbox.put(FillLoopDied(repr(loop.error), delay))
             self.restart_at = now + delay
         if self.restart_at is not None and now >= self.restart_at and not self.abort.is_set():
             self.restart_at = None
             self.restarts += 1
             seq = self._start_loop()
-            self.outbox.put(("loop_restarted", seq // self.spec.num_layers))
+            self.outbox.put(FillLoopRestarted(seq // self.spec.num_layers))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import VExpertInputError
+from vexpert_runtime.errors import VExpertInputError
 
 
 def static_placement(num_layers: int, num_experts: int, num_gpus: int, device: str | torch.device = "cpu") -> torch.Tensor:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .errors import VExpertInputError
+from vexpert_runtime.errors import VExpertInputError
 
 POLICIES = ("hierarchical", "global", "auto")
 

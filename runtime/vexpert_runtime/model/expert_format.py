@@ -1,5 +1,5 @@
 """Expert storage formats: how a packed expert row is built from checkpoint tensors and how compute
-reads it (layouts in :mod:`~vexpert_runtime.expert_layout`).
+reads it (layouts in :mod:`~vexpert_runtime.model.expert_layout`).
 
 The pool, the slots and every copy between them move rows in the *storage* format; compute always
 runs in the model's compute dtype. For ``dense`` rows the weights are views of the row (no copy);
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .expert_layout import DENSE, FP8_BLOCK, Fp8RowLayout, scale_shape
-from .grouped_moe import packed_views
+from vexpert_runtime.model.expert_layout import DENSE, FP8_BLOCK, Fp8RowLayout, scale_shape
+from vexpert_runtime.model.grouped_moe import packed_views
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -59,7 +59,7 @@ class ExpertFormat:
     """How one model's packed expert rows are stored and read.
 
     ``fp8_block`` None: dense rows of ``compute_dtype`` [3·I·H]; else uint8 rows of
-    :class:`~vexpert_runtime.expert_layout.Fp8RowLayout` with that weight block size.
+    :class:`~vexpert_runtime.model.expert_layout.Fp8RowLayout` with that weight block size.
     """
 
     intermediate: int
@@ -129,7 +129,7 @@ class ExpertFormat:
 
     def stack_weights(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2I, H], w2 [E, H, I]) of rows [E, D] in the compute dtype, what
-        :func:`~vexpert_runtime.grouped_moe.grouped_swiglu` takes. Dense: views (no copy); FP8: a
+        :func:`~vexpert_runtime.model.grouped_moe.grouped_swiglu` takes. Dense: views (no copy); FP8: a
         dequantised scratch stack (gate and up dequantised separately: with I not a multiple of the
         block their scale grids do not tile [2I, H])."""
         if self.fp8_block is None:
@@ -144,7 +144,9 @@ class ExpertFormat:
 
     def ffn(self, x: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
         """SwiGLU of tokens x [T, H] through the expert in ``row`` [D] → [T, H]."""
-        from .moe_math import expert_ffn  # moe_math → checkpoint → this module: import on use
+        from vexpert_runtime.model.moe_math import (
+            expert_ffn,  # moe_math → checkpoint → this module: import on use
+        )
 
         return expert_ffn(x, *self.weights(row))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from .profile import HardwareParameters, LoadBalanceParameters, PerformanceProfile
+from vexpert_runtime.policy.profile import HardwareParameters, LoadBalanceParameters, PerformanceProfile
 
 # DeepSeek-V3 routed expert in bf16: gate+up+down = 3 × 7168 × 2048 parameters × 2 bytes
 # (the paper's 84 MiB slot per vExpert, Appendix D).

@@ -1,6 +1,6 @@
 """Slot transport: how the coordinator reaches the workers' L1 slot buffers.
 
-The protocol (:mod:`vexpert_runtime.protocol`) only needs five operations, so the device path is
+The protocol (:mod:`vexpert_runtime.node.protocol`) only needs five operations, so the device path is
 one small class:
 
 * worker side: :meth:`SlotTransport.allocate_slots` makes the slot buffer ``[S, 3·I·H]`` and
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .errors import VExpertInputError
+from vexpert_runtime.errors import VExpertInputError
 
 
 class SlotTransport(ABC):

@@ -27,7 +27,7 @@ slot, ``(layer, expert)`` it holds. The rules:
 * every read or write of a worker's record happens under that worker's mutex (also the memory
   fence), and waits sleep on a doorbell semaphore the other side rings after its write. Both survive
   the death of either side, so the coordinator can be a separate process that is SIGKILLed and
-  restarted while the workers keep running (:mod:`vexpert_runtime.coordinator`): the mutex is a
+  restarted while the workers keep running (:mod:`vexpert_runtime.node.coordinator`): the mutex is a
   POSIX record lock on one byte of an anonymous ``memfd`` (the kernel drops a dead process's locks;
   a ``multiprocessing.Lock`` held by a killed process would stay held forever, and a
   ``multiprocessing.Condition``'s notify blocks until every sleeper, dead or not, wakes), and a
@@ -65,9 +65,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .ep_moe import RoutingTable
-from .expert_pool import ExpertPool
-from .transport import SlotTransport
+from vexpert_runtime.model.ep_moe import RoutingTable
+from vexpert_runtime.node.expert_pool import ExpertPool
+from vexpert_runtime.node.transport import SlotTransport
 
 FILLED, RELEASED = 0, 1
 NUM_FIELDS = 2
@@ -377,10 +377,6 @@ class SlotFillError(RuntimeError):
     """One sequence's fill failed; its layer runs on the static placement."""
 
 
-class FillLoopKilled(BaseException):
-    """Fault injection: the fill loop dies (the node must keep serving and restart it)."""
-
-
 class SlotFiller:
     """Writes one layer sequence's slots into every local worker's buffer."""
 
@@ -402,7 +398,6 @@ class SlotFiller:
         self.num_layers = num_layers
         self.abort = abort
         self.stats = stats if stats is not None else FillStats()  # running totals survive a loop restart
-        self.fail_at_copy: dict[int, int] = {}  # sequence → copy count at which a copy fails (tests)
         self._written: set[tuple[int, int]] = set()  # (worker, slot) this filler copied
         # Per worker and slot the last sequence that may read it. A new filler does not know what
         # its predecessor filled: everything before ``resume_seq`` counts as possibly in use.
@@ -462,12 +457,7 @@ class SlotFiller:
                 # the tag says "empty" while the copy is in flight: a fill that fails half way
                 # leaves a slot no later fill will take for a complete copy
                 tags[slot, LAYER], tags[slot, EXPERT] = -1, -1
-                dst, src = self.buffers[worker][slot], pool.row(layer, expert)
-                if copies_here == self.fail_at_copy.get(seq, -1):  # fault injection (tests)
-                    half = dst.shape[0] // 2
-                    dst[:half].copy_(src[:half])
-                    raise SlotFillError(f"injected failure half way through a copy of sequence {seq}")
-                self.transport.copy(dst, src)
+                self.copy(seq, copies_here, self.buffers[worker][slot], pool.row(layer, expert))
                 tags[slot, LAYER], tags[slot, EXPERT] = layer, expert
                 self._written.add((worker, slot))
                 self.stats.bytes_streamed += elem
@@ -484,6 +474,10 @@ class SlotFiller:
         self.stats.last_seq = seq
         return True
 
+    def copy(self, seq: int, index: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Enqueue the ``index``-th copy of sequence ``seq`` (one packed expert row)."""
+        self.transport.copy(dst, src)
+
 
 class FillLoop(threading.Thread):
     """The coordinator's fill pipeline: runs ahead of the workers by one layer, picking up a new plan
@@ -491,7 +485,8 @@ class FillLoop(threading.Thread):
 
     ``take_plan(iteration, prefer)`` returns the assignment for an iteration (the node's latest
     plan, or plan id ``prefer`` if it still has it); ``control(iteration)`` returns (k, stop).
-    ``delays`` maps a sequence to seconds to stall before filling it (fault injection for tests).
+    A fill that raises an ``Exception`` leaves its sequence unfilled (that layer runs degraded);
+    anything else ends the loop with :attr:`error` set (the coordinator restarts it).
 
     A loop (re)started mid-iteration (``start_layer`` > 0) finishes that iteration under the plan
     its earlier layers announced (``resume_plan``) when it still has it, and takes a stop only at
@@ -504,9 +499,7 @@ class FillLoop(threading.Thread):
         filler: SlotFiller,
         take_plan: Callable[[int, int | None], Assignment],
         control: Callable[[int], tuple[int, bool]],
-        delays: dict[int, float] | None = None,
         start_iteration: int = 0,
-        kill_at: int | None = None,
         on_failure: Callable[[int, BaseException], None] | None = None,
         start_layer: int = 0,
         resume_plan: int | None = None,
@@ -515,11 +508,9 @@ class FillLoop(threading.Thread):
         self.filler = filler
         self.take_plan = take_plan
         self.control = control
-        self.delays = dict(delays or {})
         self.start_iteration = start_iteration
         self.start_layer = start_layer  # a coordinator that re-attaches mid-iteration starts there
         self.resume_plan = resume_plan  # the plan the start iteration's earlier layers ran under
-        self.kill_at = kill_at  # sequence at which the loop dies (fault injection)
         self.on_failure = on_failure
         self.failures = 0  # sequences whose fill failed (left unfilled: their layer runs degraded)
         self.error: BaseException | None = None
@@ -534,11 +525,6 @@ class FillLoop(threading.Thread):
                 stop = stop and first == 0
                 for layer in range(first, first + 1 if stop else num_layers):
                     seq = iteration * num_layers + layer
-                    if seq == self.kill_at:
-                        raise FillLoopKilled(f"fill loop killed at sequence {seq}")
-                    delay = self.delays.get(seq, 0.0)
-                    if delay and self.filler.abort.wait(delay):
-                        return
                     try:
                         if not self.filler.fill(seq, assignment, k, stop):
                             return

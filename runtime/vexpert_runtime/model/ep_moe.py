@@ -27,11 +27,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .allocator import Plan
-from .expert_format import ExpertFormat
-from .grouped_moe import group_layout, grouped_swiglu, packed_views, uses_grouped_gemm
-from .moe_math import combine
-from .placement import static_placement
+from vexpert_runtime.model.expert_format import ExpertFormat
+from vexpert_runtime.model.grouped_moe import group_layout, grouped_swiglu, packed_views, uses_grouped_gemm
+from vexpert_runtime.model.moe_math import combine
+from vexpert_runtime.policy.allocator import Plan
+from vexpert_runtime.policy.placement import static_placement
 
 
 @dataclass(frozen=True)
@@ -225,7 +225,7 @@ class ExpertStacks:
 def stacked_outputs(buf: torch.Tensor, offs: torch.Tensor, ends: list[int], stacks: ExpertStacks,
                     resident: int) -> torch.Tensor:
     """Expert outputs [M, H] of a group-padded buffer ``buf`` [M, H] laid out by
-    :func:`~vexpert_runtime.grouped_moe.group_layout` over the resident experts then the slots
+    :func:`~vexpert_runtime.model.grouped_moe.group_layout` over the resident experts then the slots
     (``offs`` [E/N + S] int32 group ends, ``ends`` the same on the host): one grouped GEMM pair for
     the resident stack, one for the slots."""
     hidden = buf.shape[1]

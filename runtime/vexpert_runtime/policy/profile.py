@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import VExpertInputError
+from vexpert_runtime.errors import VExpertInputError
 
 PROFILE_API_VERSION: Literal["vexpert.io/v1alpha1"] = "vexpert.io/v1alpha1"
 COEFFICIENT_LIMIT = 10  # |α|, |β|, |intercept| beyond this is a failed fit, not a model

@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .allocator import AllocatorConfig, allocate
-from .errors import VExpertInputError
-from .placement import check_divisible, static_placement
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.policy.allocator import AllocatorConfig, allocate
+from vexpert_runtime.policy.placement import check_divisible, static_placement
 
 
 def benchmark_counts(layers: int, experts: int, gpus: int, seed: int = 0, window: int = 10) -> torch.Tensor:
@@ -21,7 +21,7 @@ def benchmark_counts(layers: int, experts: int, gpus: int, seed: int = 0, window
     tokens = window * gpus * 256 * 8
     probs: np.ndarray
     try:
-        from .trace import load_bundled_distribution
+        from vexpert_runtime.simulation.trace import load_bundled_distribution
 
         real = load_bundled_distribution("decode_in1000out1000")
         if real.shape[1] == experts:
@@ -51,7 +51,7 @@ def bench_allocator(
     """Median/p90 allocation time (ms) and EPLB's on the same counts. EPLB (CPU, with one
     redundant expert per GPU, as B2) is the reference implementation's job per rebalance. On CUDA,
     ``median_ms`` is the captured-graph allocator and ``eager_median_ms`` the plain one."""
-    from . import eplb
+    from vexpert_runtime.policy import eplb
 
     if layers <= 0 or experts <= 0:
         raise VExpertInputError("--layers/--experts", "must be positive")
@@ -70,7 +70,7 @@ def bench_allocator(
     times = eager_times
     if device.startswith("cuda"):
         # On a GPU the allocation runs as one captured CUDA graph (GraphedAllocator).
-        from .allocator import GraphedAllocator
+        from vexpert_runtime.policy.allocator import GraphedAllocator
 
         graphed = GraphedAllocator(layers, experts, gpus, cfg, device=device)
         graphed(counts, base)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint import MoESpec, RouterWeights
+from vexpert_runtime.model.checkpoint import MoESpec, RouterWeights
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, logit_bias: torch.Tensor | None = None) -> torch.Tensor:

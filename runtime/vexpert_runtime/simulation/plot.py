@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import VExpertInputError
+from vexpert_runtime.errors import VExpertInputError
 
 if TYPE_CHECKING:
-    from .simulate import PolicyResult
+    from vexpert_runtime.simulation.simulate import PolicyResult
 
 
 def plot_balance(results: dict[str, PolicyResult], phase_starts: list[int], phase_names: list[str], path: str | Path) -> None:

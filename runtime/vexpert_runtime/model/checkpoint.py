@@ -21,7 +21,7 @@ of the L2 pool and the L1 slots (one copy per expert fill).
 Block-FP8 checkpoints (DeepSeek-V3/R1, Kimi-K2, Qwen3-FP8: ``quantization_config`` ``{quant_method: fp8,
 fmt: e4m3, weight_block_size: [bo, bi]}``) store each expert and shared projection as ``F8_E4M3`` with a
 ``…weight_scale_inv`` F32 ``[⌈out/bo⌉, ⌈in/bi⌉]``. Their experts stay FP8 in the pool and slots
-(``MoESpec.expert_storage``, :mod:`~vexpert_runtime.expert_format`); shared experts, which are resident,
+(``MoESpec.expert_storage``, :mod:`~vexpert_runtime.model.expert_format`); shared experts, which are resident,
 are dequantised at load.
 """
 
@@ -35,9 +35,14 @@ from typing import Any
 
 import torch
 
-from .errors import VExpertInputError
-from .expert_format import FP8_DTYPE, ExpertFormat, dequantize_fp8_block, quantize_fp8_block
-from .expert_layout import DENSE, FP8_BLOCK, scale_shape
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.model.expert_format import (
+    FP8_DTYPE,
+    ExpertFormat,
+    dequantize_fp8_block,
+    quantize_fp8_block,
+)
+from vexpert_runtime.model.expert_layout import DENSE, FP8_BLOCK, scale_shape
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"

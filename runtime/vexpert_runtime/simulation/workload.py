@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .checkpoint import DEEPSEEK, MoESpec
+from vexpert_runtime.model.checkpoint import DEEPSEEK, MoESpec
 
 DEMO_PHASES: tuple[tuple[str, int], ...] = (
     ("decode_in1000out1000", 14),
@@ -111,7 +111,7 @@ def drifting_workload(
     ``phases``: (bundled name, iterations). Bias = ``strength · log p`` per layer (strength 1
     reproduces the real distribution's skew on the demo model).
     """
-    from .trace import load_bundled_distribution
+    from vexpert_runtime.simulation.trace import load_bundled_distribution
 
     out = []
     start = 0

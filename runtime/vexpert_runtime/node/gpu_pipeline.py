@@ -8,7 +8,7 @@ layer ``l`` computes — the paper's pipeline — in ``2·vmax`` expert-sized sl
 vmax = 1: 2 × 84 MiB), plus 8 bytes of flags per buffer. The allocator's group size G only decides
 how the slot *budget* is shared between layers; it does not multiply the memory.
 
-Synchronisation is :mod:`vexpert_runtime.gpu_sync`: the filler's copy stream waits on the GPU for
+Synchronisation is :mod:`vexpert_runtime.node.gpu_sync`: the filler's copy stream waits on the GPU for
 FREE, the worker's compute stream waits on the GPU for FULL; no CPU round trip per layer.
 
 Plan switches change only data, never shapes: the coordinator copies from other pool rows and the
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from .gpu_sync import FlagOps, acquire, allocate_flags, produce, release, ring_buffer
-from .grouped_moe import GROUP_ALIGN, group_layout, grouped_swiglu, packed_views
+from vexpert_runtime.model.grouped_moe import GROUP_ALIGN, group_layout, grouped_swiglu, packed_views
+from vexpert_runtime.node.gpu_sync import FlagOps, acquire, allocate_flags, produce, release, ring_buffer
 
 
 @dataclass

@@ -5,11 +5,11 @@ GPU (or CPU worker).
   queues; it runs the allocator every ``k`` iterations on the all-reduced expert counts, serves the
   node's metrics, re-reads the config file's ``tuning`` section when it changes, verifies outputs
   against the single-process reference on request, and shuts everything down cleanly.
-* The **coordinator** (:mod:`~vexpert_runtime.coordinator`, a child process) owns the L2 expert pool
-  and fills the workers' L1 slots through the :mod:`~vexpert_runtime.protocol` fill loop (a thread
+* The **coordinator** (:mod:`~vexpert_runtime.node.coordinator`, a child process) owns the L2 expert pool
+  and fills the workers' L1 slots through the :mod:`~vexpert_runtime.node.protocol` fill loop (a thread
   running one group ahead of the workers) with the supervisor's latest plan.
 * Each **worker** is one EP rank: it holds its base experts, routes its tokens, and runs the EP MoE
-  forward (:mod:`~vexpert_runtime.ep_moe`) with the other workers over torch.distributed, computing
+  forward (:mod:`~vexpert_runtime.model.ep_moe`) with the other workers over torch.distributed, computing
   with the slots the coordinator filled. On CPU everything goes over gloo; on GPUs (one worker per
   GPU, ``cuda:<local rank>``) the rows and counts are all-to-all'd over NCCL on device tensors and the
   tiny control collectives (plan agreement, count windows) over gloo, through one process group with
@@ -34,653 +34,60 @@ import math
 import os
 import pickle
 import queue
-import re
-import shutil
 import signal
 import sys
 import threading
 import time
-import traceback
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
-from datetime import timedelta
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from .allocator import AllocatorConfig, allocate
-from .checkpoint import CheckpointReader, MoESpec, read_model_spec, resolve_expert_storage
-from .config import RuntimeConfig, TuningConfig, load_runtime_config
-from .coordinator import CoordinatorArgs, coordinator_main, die_with_parent
-from .ep_moe import ExpertStacks, RoutingTable, base_experts, ep_moe_layer, static_table, table_from_plan
-from .errors import VExpertInputError
-from .expert_pool import hottest_experts
-from .metrics import BalanceDecay, NodeMetrics, PoolHits, memory_pressure
-from .moe_math import relative_error, rms_norm, shared_forward
-from .perf_model import InferenceConstants
-from .placement import balance_ratio, base_gpu_loads, static_placement
-from .profile import PerformanceProfile
-from .protocol import SharedState, WorkerSlots, agree
-from .reference import ModelWeights, reference_forward
-from .routing import route
-from .slots import SlotLayout, sequence
-from .transport import make_transport
-from .workload import Workload
+from vexpert_runtime.config import TuningConfig, load_runtime_config
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.model.checkpoint import (
+    CheckpointReader,
+)
+from vexpert_runtime.model.ep_moe import (
+    RoutingTable,
+    static_table,
+    table_from_plan,
+)
+from vexpert_runtime.model.moe_math import relative_error
+from vexpert_runtime.model.reference import ModelWeights, reference_forward
+from vexpert_runtime.node.coordinator import CoordinatorArgs, coordinator_main
+from vexpert_runtime.node.expert_pool import hottest_experts
+from vexpert_runtime.node.messages import (
+    Attached,
+    Bye,
+    CoordinatorFailed,
+    CountsWindow,
+    Exit,
+    FillFailed,
+    FillLoopDied,
+    FillLoopRestarted,
+    FillTotals,
+    IterationDone,
+    NewPlan,
+    PlanSwitched,
+    SetInterval,
+    SlotsExported,
+    WorkerDone,
+    WorkerFailed,
+    WorkerInputError,
+    WorkerReady,
+)
+from vexpert_runtime.node.metrics import BalanceDecay, NodeMetrics, PoolHits, memory_pressure
+from vexpert_runtime.node.protocol import SharedState
+from vexpert_runtime.node.report import IterationRecord, NodeOptions, NodeReport, Progress
+from vexpert_runtime.node.setup import NodeSetup, check_memory, check_pooled, memory_plan
+from vexpert_runtime.node.worker import COLLECTIVE_TIMEOUT_S, STARTUP_TIMEOUT_S, WorkerArgs, worker_main
+from vexpert_runtime.policy.allocator import AllocatorConfig
+from vexpert_runtime.policy.perf_model import InferenceConstants
+from vexpert_runtime.policy.placement import balance_ratio, base_gpu_loads, static_placement
 
-COLLECTIVE_TIMEOUT_S = 120.0
-STARTUP_TIMEOUT_S = 180.0
 RATE_HORIZON_S = 2.0  # tokens/s gauge: averaged over at least this much recent time
-
-
-# ---------------------------------------------------------------------------------------------
-# Setup: everything resolved and validated before any process starts
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """Bytes the node will use: L2 pool (coordinator), per worker L1 slots and base experts."""
-
-    pool_bytes: int
-    slot_bytes_per_worker: int
-    base_bytes_per_worker: int
-    workers: int
-    device: str
-
-    @property
-    def host_bytes(self) -> int:
-        """Host memory: the pool, plus on CPU every worker's slots and base experts."""
-        per_worker = self.slot_bytes_per_worker + self.base_bytes_per_worker if self.device == "cpu" else 0
-        return self.pool_bytes + self.workers * per_worker
-
-
-@dataclass(frozen=True)
-class NodeSetup:
-    """A node's resolved configuration."""
-
-    checkpoint: Path
-    spec: MoESpec
-    dtype: str
-    device: str
-    local_workers: int
-    world: int
-    node_rank: int
-    master_addr: str
-    master_port: int
-    group_size: int
-    vmax: int
-    balance_threshold: float
-    k: int
-    pooled: int
-    metrics_port: int
-    slot_fill_timeout_s: float
-    host_memory_limit_bytes: int | None
-    profile: PerformanceProfile
-    memory: MemoryPlan
-    metrics_addr: str = "0.0.0.0"
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        dtype: torch.dtype = getattr(torch, self.dtype)
-        return dtype
-
-    @property
-    def slots(self) -> int:
-        """S = G·vmax slots per buffer."""
-        return self.group_size * self.vmax
-
-    @property
-    def ranks(self) -> list[int]:
-        """EP ranks of this node's workers."""
-        return [self.node_rank * self.local_workers + i for i in range(self.local_workers)]
-
-
-def memory_plan(spec: MoESpec, dtype: torch.dtype, pooled: int, slots: int, world: int, workers: int, device: str) -> MemoryPlan:
-    expert = spec.expert_bytes(dtype)
-    return MemoryPlan(
-        pool_bytes=spec.num_layers * pooled * expert,
-        slot_bytes_per_worker=SlotLayout(slots, spec.expert_numel, spec.row_dtype(dtype)).bytes_per_worker,
-        base_bytes_per_worker=spec.num_layers * (spec.num_experts // world) * expert,
-        workers=workers,
-        device=device,
-    )
-
-
-def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: int | None = None) -> NodeSetup:
-    """Validate ``config`` against the machine and the checkpoint; raise :class:`VExpertInputError`
-    (one clear line, exit 2) on the first problem. Nothing is started here."""
-    device = "cpu" if cpu_workers else config.runtime.device
-    if device == "cuda" and not torch.cuda.is_available():
-        raise VExpertInputError(
-            "runtime.device",
-            "cuda was requested but no CUDA device is visible",
-            "set runtime.device: cpu and runtime.cpu_workers: N, or pass --cpu-workers N",
-        )
-    par = config.parallelism
-    if device == "cuda":
-        visible = torch.cuda.device_count()
-        if par.gpus_per_node > visible:
-            raise VExpertInputError(
-                "parallelism.gpus_per_node",
-                f"{par.gpus_per_node} GPUs per node configured but {visible} visible",
-                "set gpus_per_node (and expert_parallel_size) to the GPUs this node sees",
-            )
-        local = par.gpus_per_node  # one worker per GPU: local rank i uses cuda:i
-    else:
-        local = cpu_workers or config.runtime.cpu_workers or par.gpus_per_node
-    node_rank = resolve_node_rank(par.node_rank, par.num_nodes)
-    world = par.num_nodes * local
-    spec = resolve_expert_storage(read_model_spec(checkpoint, config.model.architecture), config.model.expert_format)
-    CheckpointReader(checkpoint, spec).validate()
-    if spec.num_experts % world:
-        raise VExpertInputError(
-            "runtime.cpu_workers" if device == "cpu" else "parallelism.expert_parallel_size",
-            f"{spec.num_experts} experts cannot be split evenly over {world} EP ranks",
-            "use a rank count that divides the expert count",
-        )
-    pooled = config.tuning.pooled_experts or spec.num_experts
-    check_pooled(pooled, spec.num_experts)
-    knobs = config.vexpert
-    dtype: torch.dtype = getattr(torch, config.model.dtype)
-    memory = memory_plan(spec, dtype, pooled, knobs.group_size * knobs.vmax, world, local, device)
-    check_memory(memory, config.runtime.host_memory_limit_bytes)
-    if node_rank == 0:
-        check_port_free(par.master_addr, par.master_port, "parallelism.master_port")
-    if config.runtime.metrics_port:
-        check_port_free("0.0.0.0", config.runtime.metrics_port, "runtime.metrics_port")
-    return NodeSetup(
-        checkpoint=Path(checkpoint),
-        spec=spec,
-        dtype=config.model.dtype,
-        device=device,
-        local_workers=local,
-        world=world,
-        node_rank=node_rank,
-        master_addr=par.master_addr,
-        master_port=par.master_port,
-        group_size=knobs.group_size,
-        vmax=knobs.vmax,
-        balance_threshold=knobs.balance_threshold,
-        k=config.tuning.allocation_interval,
-        pooled=pooled,
-        metrics_port=config.runtime.metrics_port,
-        slot_fill_timeout_s=config.runtime.slot_fill_timeout_s,
-        host_memory_limit_bytes=config.runtime.host_memory_limit_bytes,
-        profile=config.profile,
-        memory=memory,
-    )
-
-
-_ORDINAL = re.compile(r"-([0-9]+)\Z")  # a StatefulSet pod is <set>-<ordinal>
-
-
-def resolve_node_rank(configured: int, num_nodes: int, environ: Mapping[str, str] | None = None) -> int:
-    """This node's index in the group, from the first of:
-
-    1. ``VEXPERT_NODE_RANK`` when set and not empty (the operator fills it from the pod's
-       ``apps.kubernetes.io/pod-index`` label, which Kubernetes < 1.28 does not set: empty then);
-    2. the StatefulSet ordinal ending ``VEXPERT_POD_NAME`` (the pod's name, ``<statefulset>-<i>``);
-    3. the ordinal ending ``HOSTNAME`` — only inside Kubernetes (``KUBERNETES_SERVICE_HOST`` set),
-       where a StatefulSet pod's hostname is its name; elsewhere a hostname like ``gpu-box-3`` says
-       nothing about ranks;
-    4. ``parallelism.node_rank`` from the config.
-
-    A value that is not a non-negative integer, a pod name without an ordinal, or a rank ≥ the
-    number of nodes raises :class:`VExpertInputError` naming its source (one line, exit 2).
-    """
-    env = os.environ if environ is None else environ
-    raw = env.get("VEXPERT_NODE_RANK", "").strip()
-    if raw:
-        if not (raw.isascii() and raw.isdigit()):
-            raise VExpertInputError(
-                "VEXPERT_NODE_RANK", f"{raw!r} is not a node index", "set a non-negative integer, or leave it empty to use the pod name"
-            )
-        return _check_rank(int(raw), num_nodes, f"VEXPERT_NODE_RANK={raw}")
-    pod = env.get("VEXPERT_POD_NAME", "").strip()
-    if pod:
-        match = _ORDINAL.search(pod)
-        if match is None:
-            raise VExpertInputError(
-                "VEXPERT_POD_NAME",
-                f"{pod!r} does not end in a StatefulSet ordinal (-N), so the node rank is unknown",
-                "set VEXPERT_NODE_RANK, or run the node in the operator's StatefulSet",
-            )
-        return _check_rank(int(match.group(1)), num_nodes, f"VEXPERT_POD_NAME={pod}")
-    host = env.get("HOSTNAME", "").strip()
-    if host and env.get("KUBERNETES_SERVICE_HOST"):
-        match = _ORDINAL.search(host)
-        if match is not None:
-            return _check_rank(int(match.group(1)), num_nodes, f"HOSTNAME={host}")
-    return _check_rank(configured, num_nodes, "parallelism.node_rank")
-
-
-def _check_rank(rank: int, num_nodes: int, source: str) -> int:
-    if rank >= num_nodes:
-        field = source.split("=", 1)[0]
-        raise VExpertInputError(
-            field,
-            f"node rank {rank} (from {source}) ≥ number of nodes {num_nodes}",
-            "parallelism.expert_parallel_size / gpus_per_node must match the node count",
-        )
-    return rank
-
-
-def check_port_free(host: str, port: int, field: str) -> None:
-    """Raise if ``host:port`` is a local address already in use (other hosts are not checked)."""
-    import errno
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-    except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            raise VExpertInputError(field, f"port {port} on {host} is already in use", "pick a free port") from None
-
-
-def check_pooled(pooled: int, num_experts: int) -> None:
-    if not 1 <= pooled <= num_experts:
-        raise VExpertInputError(
-            "tuning.pooled_experts",
-            f"Np={pooled} does not fit the model's {num_experts} routed experts per layer",
-            f"use 1 ≤ Np ≤ {num_experts} (or leave it unset for all)",
-        )
-
-
-def _available_memory() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def check_memory(memory: MemoryPlan, limit: int | None) -> None:
-    """The pool and slots must fit the configured limit, the machine and (CPU) /dev/shm."""
-    need = memory.host_bytes
-    detail = (
-        f"pool {memory.pool_bytes} B + {memory.workers} workers × (slots {memory.slot_bytes_per_worker} B"
-        + (f" + base experts {memory.base_bytes_per_worker} B" if memory.device == "cpu" else "")
-        + f") = {need} B"
-    )
-    if limit is not None and need > limit:
-        raise VExpertInputError(
-            "runtime.host_memory_limit_bytes",
-            f"{detail} exceeds the limit of {limit} B",
-            "lower tuning.pooled_experts or vexpert.vmax, or raise the limit",
-        )
-    available = _available_memory()
-    if available is not None and need > available:
-        raise VExpertInputError(
-            "tuning.pooled_experts", f"{detail} exceeds the {available} B of memory available", "lower Np or vmax"
-        )
-    if memory.device == "cpu" and Path("/dev/shm").is_dir():
-        shm_free = shutil.disk_usage("/dev/shm").free
-        slots = memory.workers * memory.slot_bytes_per_worker
-        if slots > shm_free:
-            raise VExpertInputError(
-                "vexpert.vmax",
-                f"slot buffers need {slots} B of shared memory, /dev/shm has {shm_free} B free",
-                "lower vmax or group_size, or enlarge /dev/shm",
-            )
-
-
-# ---------------------------------------------------------------------------------------------
-# Options and report
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Progress:
-    """What the node reports after each allocation window (the demo's progress line)."""
-
-    iteration: int
-    total: int | None
-    phase: str
-    static_balance: float
-    vexpert_balance: float
-    tokens_per_s: float
-    vexperts: list[int]
-    plan_id: int
-    max_rel_error: float | None
-    bytes_streamed: int
-    degraded_groups: int
-
-
-@dataclass
-class NodeOptions:
-    """How to drive the node (not part of the operator's config)."""
-
-    workload: Workload = field(default_factory=Workload)
-    iterations: int | None = None  # None: until stopped (SIGTERM)
-    verify: bool = False
-    config_path: Path | None = None  # re-read ``tuning`` when this file changes
-    progress: Callable[[Progress], None] | None = None
-    allocate: bool = True  # run the allocator every k iterations
-    scripted_plans: dict[int, Any] = field(default_factory=dict)  # iteration → Plan (tests)
-    fill_delays: dict[int, float] = field(default_factory=dict)  # sequence → seconds (tests)
-    fill_failures: dict[int, int] = field(default_factory=dict)  # sequence → copy that fails half way (tests)
-    kill_fill_loop_at: int | None = None  # sequence at which the first fill loop dies (tests)
-    keep_history: int = 10_000  # iterations (and windows, plans/10) the report keeps unless ``record``: a node
-    # that runs until SIGTERM must not grow without bound
-    fill_restart_delay_s: float = 1.0  # first wait before restarting a dead fill loop (doubles, ≤ 30 s)
-    allocator_delay_s: float = 0.0  # extra allocator latency (tests)
-    record: bool = False  # keep per-rank details in the records (tests)
-    metrics_addr: str | None = None
-    on_metrics: Callable[[int], None] | None = None  # called with the bound port once serving
-    log: Callable[[str], None] | None = None
-
-
-@dataclass
-class IterationRecord:
-    """One iteration as the coordinator saw it."""
-
-    iteration: int
-    step_s: float = 0.0
-    wait_s: float = 0.0
-    degraded_groups: int = 0
-    plan_ids: list[int] = field(default_factory=list)  # per group
-    static_balance: float | None = None
-    vexpert_balance: float | None = None
-    rel_error: float | None = None
-    computed: dict[int, list[list[int]]] = field(default_factory=dict)  # rank → [L][E/N + S] (record)
-    slot_checksums: dict[int, list[list[str]]] = field(default_factory=dict)  # rank → per group, slot (record)
-    reports: int = 0
-
-
-@dataclass
-class NodeReport:
-    """Summary of a finished run."""
-
-    iterations: int
-    static_balance: float
-    vexpert_balance: float
-    tokens_per_s: float
-    max_rel_error: float | None
-    slot_bytes_per_worker: int
-    pool_bytes: int
-    bytes_streamed: int
-    plan_switches: list[tuple[int, int]]  # (iteration, plan id) taken by the fill loop; first = starting plan
-    allocations: int
-    allocator_s: list[float]
-    degraded_groups: int
-    metrics_port: int | None
-    records: list[IterationRecord]
-    metrics_text: str = ""
-    pooled: int = 0
-    k: int = 0
-    windows: list[tuple[int, int]] = field(default_factory=list)  # (first iteration, length) per all-reduce
-    tables: dict[int, RoutingTable] = field(default_factory=dict)  # plan id → routing table
-    plan_pools: dict[int, list[list[int]]] = field(default_factory=dict)  # plan id → pooled experts [L][Np]
-    copy_s: float = 0.0  # time the fill loop's copies were in flight (bytes_streamed / copy_s: fill bandwidth)
-
-
-# ---------------------------------------------------------------------------------------------
-# Worker process
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class WorkerArgs:
-    """Everything a worker process needs (pickled at spawn)."""
-
-    local_rank: int
-    rank: int
-    world: int
-    master_addr: str
-    master_port: int
-    checkpoint: str
-    spec: MoESpec
-    dtype: str
-    device: str
-    slots: int
-    group_size: int
-    k: int
-    timeout_s: float
-    workload: Workload
-    shared: SharedState
-    results: Any
-    control: Any
-    parent_pid: int
-    verify: bool
-    record: bool
-
-
-BYE = "bye"  # coordinator → GPU worker: its IPC mappings are gone, the worker may exit
-
-
-def _on_device(weights: Any, device: torch.device) -> Any:
-    """A copy of a weights dataclass (router, shared expert) with every tensor on ``device``."""
-    if weights is None or device.type == "cpu":
-        return weights
-    moved = {f.name: getattr(weights, f.name) for f in fields(weights)}
-    return replace(weights, **{k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)})
-
-
-def worker_main(args: WorkerArgs) -> None:
-    """Entry point of a worker process."""
-    die_with_parent(args.parent_pid)
-    torch.set_num_threads(1)
-    try:
-        _Worker(args).run()
-    except VExpertInputError as exc:
-        args.results.put(("input_error", args.rank, exc.field, exc.problem, exc.fix))
-    except BaseException:
-        args.results.put(("error", args.rank, traceback.format_exc()))
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-
-
-class _Worker:
-    def __init__(self, args: WorkerArgs) -> None:
-        self.args = args
-        spec = args.spec
-        self.spec = spec
-        self.dtype: torch.dtype = getattr(torch, args.dtype)
-        self.per_gpu = spec.num_experts // args.world
-        self.tables: dict[int, RoutingTable] = {
-            0: static_table(spec.num_layers, spec.num_experts, args.world, args.slots)
-        }
-        self.digests: dict[int, int] = {}
-        self.device = torch.device("cuda", args.local_rank) if args.device == "cuda" else torch.device("cpu")
-
-    def _digest(self, table: RoutingTable) -> int:
-        if table.plan_id not in self.digests:
-            self.digests[table.plan_id] = table.digest()
-        return self.digests[table.plan_id]
-
-    def _table(self, plan_id: int) -> RoutingTable:
-        """The routing table of ``plan_id`` (the coordinator queues it before announcing it)."""
-        while plan_id not in self.tables:
-            msg = self.args.control.get(timeout=COLLECTIVE_TIMEOUT_S)
-            if isinstance(msg, RoutingTable):
-                self.tables[msg.plan_id] = msg
-        for old in [p for p in self.tables if 0 < p < plan_id - 4]:
-            del self.tables[old]
-            self.digests.pop(old, None)
-        return self.tables[plan_id]
-
-    def run(self) -> None:
-        import torch.distributed as dist
-
-        args, spec = self.args, self.spec
-        device = self.device
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        transport = make_transport(args.device, args.local_rank)
-        buffers = transport.allocate_slots(args.slots, spec.expert_numel, spec.row_dtype(self.dtype))
-        args.results.put(("slots", args.local_rank, transport.export(buffers)))
-        reader = CheckpointReader(args.checkpoint, spec)
-        layers = range(spec.num_layers)
-        self.routers = [_on_device(reader.router(i), device) for i in layers]
-        self.shared = [_on_device(reader.shared(i, self.dtype), device) for i in layers]
-        mine = base_experts(spec.num_experts, args.world, args.rank)
-        self.base = [reader.experts(i, mine, self.dtype).to(device) for i in layers]
-        dist.init_process_group(
-            "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl",
-            init_method=f"tcp://{args.master_addr}:{args.master_port}",
-            rank=args.rank,
-            world_size=args.world,
-            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-        )
-        self.group = dist.group.WORLD if args.world > 1 else None
-        self.slots = WorkerSlots(args.shared, args.local_rank, buffers, args.timeout_s)
-        args.results.put(("ready", args.rank))
-        self.slots.wait_for_coordinator(STARTUP_TIMEOUT_S)  # then degraded until one attaches
-        self._loop()
-        args.results.put(("done", args.rank))
-        if device.type == "cuda":
-            self._await_bye()
-
-    def _await_bye(self) -> None:
-        """Keep the IPC-exported slots alive until the coordinator has dropped its mappings."""
-        deadline = time.monotonic() + 30.0
-        while time.monotonic() < deadline:
-            try:
-                if self.args.control.get(timeout=max(0.0, deadline - time.monotonic())) == BYE:
-                    return
-            except queue.Empty:
-                return
-
-    def _loop(self) -> None:
-        args, spec = self.args, self.spec
-        num_local = self.per_gpu + args.slots
-        k = args.k
-        window: list[torch.Tensor] = []
-        window_start = 0
-        iteration = 0
-        while True:
-            start = time.perf_counter()
-            h = args.workload.inputs(iteration, args.rank, spec.hidden_size, self.dtype).to(self.device)
-            bias = args.workload.logit_bias(iteration)
-            if bias is not None:
-                bias = bias.to(self.device)
-            counts = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.int64)
-            computed = torch.zeros(spec.num_layers, num_local, dtype=torch.int64)
-            waited = 0.0
-            degraded = 0
-            plan_ids: list[int] = []
-            checksums: list[list[str]] = []
-            stop = False
-            for layer in range(spec.num_layers):
-                seq = sequence(iteration, layer, spec.num_layers)
-                ready, header, wait_s = self.slots.acquire(seq)
-                waited += wait_s
-                stop_flag = layer == 0 and self.slots.stop_requested(iteration)
-                announced = self._table(header.plan_id) if header is not None and not header.stop else None
-                digest = self._digest(announced) if announced is not None else -1
-                agreement = agree(ready, header, digest, args.world, self.group, stop=stop_flag)
-                if layer == 0:
-                    if agreement.stop:
-                        stop = True
-                        self.slots.release(seq)
-                        break
-                    k = agreement.k or k
-                if agreement.use_plan and announced is not None:
-                    table = announced
-                    self.slots.check_tags(seq, table, layer, args.rank)
-                else:
-                    table = self.tables[0]
-                    degraded += 1
-                plan_ids.append(table.plan_id)
-                if args.record:
-                    checksums.append(self._checksums())
-                h = self._layer(h, layer, seq, table, bias, counts, computed)
-            if stop:
-                if window:
-                    self._flush(window, window_start)
-                return
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            step = time.perf_counter() - start
-            loads = torch.zeros(spec.num_layers, args.world, dtype=torch.int64)
-            loads[:, args.rank] = computed.sum(1)
-            window.append(torch.cat([counts, loads], dim=1))
-            args.results.put(
-                (
-                    "iter",
-                    args.rank,
-                    iteration,
-                    step,
-                    waited,
-                    degraded,
-                    plan_ids,
-                    h.to(torch.float32).cpu().numpy() if args.verify else None,
-                    computed.tolist() if args.record else None,
-                    checksums if args.record else None,
-                )
-            )
-            iteration += 1
-            if len(window) >= k:
-                self._flush(window, window_start)
-                window, window_start = [], iteration
-
-    def _layer(
-        self,
-        h: torch.Tensor,
-        layer: int,
-        seq: int,
-        table: RoutingTable,
-        bias: torch.Tensor | None,
-        counts: torch.Tensor,
-        computed: torch.Tensor,
-    ) -> torch.Tensor:
-        args, spec = self.args, self.spec
-        normed = rms_norm(h)
-        ids, weights = route(normed, self.routers[layer], spec, None if bias is None else bias[layer])
-        counts[layer] = torch.bincount(ids.reshape(-1), minlength=spec.num_experts).cpu()
-        base, per_gpu, slots = self.base[layer], self.per_gpu, self.slots
-
-        def local_weight(j: int) -> torch.Tensor:
-            return base[j] if j < per_gpu else slots.slot(j - per_gpu)
-
-        expert_format = spec.expert_format(self.dtype)
-
-        def ffn(rows: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-            return expert_format.ffn(rows, row)  # block-FP8 rows are dequantised here
-
-        y, stats = ep_moe_layer(
-            normed,
-            ids,
-            weights,
-            table,
-            layer,
-            local_weight,
-            ffn,
-            shared_forward(normed, self.shared[layer]),
-            args.rank,
-            args.world,
-            self.group,
-            after_compute=lambda: slots.release(seq),
-            # On CUDA (bf16/fp16) the experts run as grouped GEMMs over these stacks; elsewhere the loop.
-            stacks=ExpertStacks(base, slots.buffers, spec.intermediate_size, format=expert_format),
-        )
-        computed[layer] = stats.computed
-        return h + y
-
-    def _checksums(self) -> list[str]:
-        from .slots import row_checksum
-
-        return [row_checksum(self.slots.slot(s)) for s in range(self.args.slots)]
-
-    def _flush(self, window: list[torch.Tensor], start: int) -> None:
-        """All-reduce the window's [n, L, E + N] counts/loads; local rank 0 hands them to its coordinator."""
-        import torch.distributed as dist
-
-        data = torch.stack(window)
-        if self.group is not None:
-            dist.all_reduce(data, group=self.group)
-        if self.args.local_rank == 0:
-            self.args.results.put(("window", start, data.numpy()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -836,7 +243,7 @@ class NodeRuntime:
             if setup.device == "cuda":
                 for control in queues[1:]:
                     with contextlib.suppress(Exception):
-                        control.put(BYE)
+                        control.put(Bye())
             _stop_processes(procs)
             for q in queues:
                 q.cancel_join_thread()
@@ -915,10 +322,9 @@ class NodeRuntime:
     # -- coordinator process ----------------------------------------------------------------
 
     def _start_coordinator(self) -> None:
-        """Spawn a coordinator (:mod:`~vexpert_runtime.coordinator`) on a pipe of its own; it
+        """Spawn a coordinator (:mod:`~vexpert_runtime.node.coordinator`) on a pipe of its own; it
         re-opens the workers' slots, builds its pool and resumes filling where the workers are."""
         setup, options = self.setup, self.options
-        first = self._coordinator_starts == 0
         assert self._shared is not None and self._assignment is not None
         ours, theirs = self._ctx.Pipe()
         args = CoordinatorArgs(
@@ -935,9 +341,7 @@ class NodeRuntime:
             plan=self._assignment,
             scripted=dict(self._scripted),
             k=self._k,
-            fill_delays=dict(options.fill_delays) if first else {},
-            fill_failures=dict(options.fill_failures) if first else {},
-            kill_fill_loop_at=options.kill_fill_loop_at if first else None,
+            filler=options.filler,
             restart_delay_s=options.fill_restart_delay_s,
         )
         proc = self._ctx.Process(target=coordinator_main, args=(args,), name="vexpert-coordinator", daemon=True)
@@ -959,7 +363,7 @@ class NodeRuntime:
                 return
             self._on_coordinator(msg)
 
-    def _send(self, msg: tuple[Any, ...]) -> None:
+    def _send(self, msg: Any) -> None:
         """To the coordinator, if one is running (a dead one gets the latest plan at its restart)."""
         if self._conn is not None and self._coordinator_attached:
             with contextlib.suppress(OSError):
@@ -969,47 +373,44 @@ class NodeRuntime:
         """The latest plan, pickled by value: a tensor sent as itself would go through
         ``torch.multiprocessing``'s fd sharing, which a coordinator killed mid-receive interrupts."""
         if self._assignment is not None:
-            self._send(("plan", pickle.dumps(self._assignment)))
+            self._send(NewPlan(pickle.dumps(self._assignment)))
 
-    def _on_coordinator(self, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "attached":
-            _, pid, seq = msg
+    def _on_coordinator(self, msg: Any) -> None:
+        if isinstance(msg, Attached):
             layers = self.setup.spec.num_layers
             self._coordinator_attached = True
             self._pool_loaded = True
             self.metrics.coordinator_up.set(1)
             if self._coordinator_down_since is not None:
                 self._log(
-                    f"coordinator {pid} attached at iteration {seq // layers} (sequence {seq}), "
+                    f"coordinator {msg.pid} attached at iteration {msg.seq // layers} (sequence {msg.seq}), "
                     f"{time.monotonic() - self._coordinator_down_since:.1f} s after its predecessor died"
                 )
                 self._coordinator_down_since = None
             if self._sent_k != self._k:
-                self._send(("k", self._k))
+                self._send(SetInterval(self._k))
                 self._sent_k = self._k
             # a plan made while it was starting went into its spawn arguments or must follow now
             self._send_plan()
-        elif kind == "switch":
-            _, iteration, plan_id = msg
-            if plan_id != self._last_plan:
-                self._last_plan = plan_id
-                self._switches.append((iteration, plan_id))
-        elif kind == "stats":
-            self._streamed_now, self._copy_s_now = int(msg[1]), float(msg[2])
-        elif kind == "fill_error":
+        elif isinstance(msg, PlanSwitched):
+            if msg.plan_id != self._last_plan:
+                self._last_plan = msg.plan_id
+                self._switches.append((msg.iteration, msg.plan_id))
+        elif isinstance(msg, FillTotals):
+            self._streamed_now, self._copy_s_now = msg.bytes_streamed, msg.copy_s
+        elif isinstance(msg, FillFailed):
             self.metrics.slot_fill_errors.inc()
-            self._log(f"slot fill of sequence {msg[1]} failed, the group runs without its vExperts: {msg[2]}")
-        elif kind == "loop_died":
+            self._log(f"slot fill of sequence {msg.seq} failed, the layer runs without its vExperts: {msg.error}")
+        elif isinstance(msg, FillLoopDied):
             self._fill_loop_down = True
             self.metrics.degraded.set(1)
-            self._log(f"slot fill loop died ({msg[1]}): serving with base experts only, restarting in {msg[2]:.1f} s")
-        elif kind == "loop_restarted":
+            self._log(f"slot fill loop died ({msg.error}): serving with base experts only, restarting in {msg.restart_in_s:.1f} s")
+        elif isinstance(msg, FillLoopRestarted):
             self._fill_loop_down = False
             self.metrics.fill_loop_restarts.inc()
-            self._log(f"slot fill loop restarted at iteration {msg[1]}")
-        elif kind == "error":
-            lines = msg[1].strip().splitlines()
+            self._log(f"slot fill loop restarted at iteration {msg.iteration}")
+        elif isinstance(msg, CoordinatorFailed):
+            lines = msg.traceback.strip().splitlines()
             self._log(f"coordinator failed: {lines[-1] if lines else '?'}")
 
     def _watch_coordinator(self) -> None:
@@ -1044,7 +445,7 @@ class NodeRuntime:
             return
         if conn is not None:
             with contextlib.suppress(OSError):
-                conn.send(("exit",))
+                conn.send(Exit())
         proc.join(timeout=5.0)
         if conn is not None:
             self._coordinator_messages()
@@ -1079,43 +480,42 @@ class NodeRuntime:
                     raise RuntimeError(f"no progress from the workers for {limit:.0f} s")
             else:
                 last_progress = time.monotonic()
-            windows = [m for m in batch if m[0] == "window"]
-            for msg in windows:  # only the newest window of a backlog is worth an allocation
-                self._on_window(msg[1], msg[2], allocate=msg is windows[-1])
+            windows = [m for m in batch if isinstance(m, CountsWindow)]
+            for window in windows:  # only the newest window of a backlog is worth an allocation
+                self._on_window(window.start, window.data, allocate=window is windows[-1])
             for msg in batch:
-                if msg[0] != "window":
+                if not isinstance(msg, CountsWindow):
                     self._handle(msg)
             self._maybe_reload()
             if self._k != self._sent_k and self._coordinator_attached:
-                self._send(("k", self._k))
+                self._send(SetInterval(self._k))
                 self._sent_k = self._k
         while self._pending_verify:
             self._verify(self._pending_verify.pop(0))
 
-    def _handle(self, msg: tuple[Any, ...]) -> None:
+    def _handle(self, msg: Any) -> None:
         setup = self.setup
-        kind = msg[0]
-        if kind == "slots":
-            self._handles[msg[1]] = msg[2]
+        if isinstance(msg, SlotsExported):
+            self._handles[msg.local_rank] = msg.handle
             if len(self._handles) == setup.local_workers:
                 self._start_coordinator()
-        elif kind == "ready":
+        elif isinstance(msg, WorkerReady):
             self._ready += 1
             if self._ready == setup.local_workers:
                 self._started_at = time.perf_counter()
                 self._window_clock = self._started_at
-        elif kind == "iter":
+        elif isinstance(msg, IterationDone):
             self._on_iteration(msg)
-        elif kind == "done":
+        elif isinstance(msg, WorkerDone):
             self._done += 1
-        elif kind == "input_error":
-            raise VExpertInputError(msg[2], f"worker {msg[1]}: {msg[3]}", msg[4])
-        elif kind == "error":
+        elif isinstance(msg, WorkerInputError):
+            raise VExpertInputError(msg.field, f"worker {msg.rank}: {msg.problem}", msg.fix)
+        elif isinstance(msg, WorkerFailed):
             dead = _first_dead(self._procs)
             if dead is not None:
-                last = msg[2].strip().splitlines()[-1] if msg[2].strip() else ""
-                raise RuntimeError(f"{dead}; worker {msg[1]} then failed: {last}")
-            raise RuntimeError(f"worker {msg[1]} failed:\n{msg[2]}")
+                last = msg.traceback.strip().splitlines()[-1] if msg.traceback.strip() else ""
+                raise RuntimeError(f"{dead}; worker {msg.rank} then failed: {last}")
+            raise RuntimeError(f"worker {msg.rank} failed:\n{msg.traceback}")
 
     def _verify(self, job: tuple[int, int, np.ndarray]) -> None:
         """Compare one rank's output of one iteration with the single-process reference."""
@@ -1129,19 +529,19 @@ class NodeRuntime:
         record.rel_error = max(record.rel_error or 0.0, error)
         self._max_error = max(self._max_error or 0.0, error)
 
-    def _on_iteration(self, msg: tuple[Any, ...]) -> None:
-        _, rank, iteration, step, waited, degraded, plan_ids, output, computed, checksums = msg
+    def _on_iteration(self, msg: IterationDone) -> None:
+        rank, iteration, waited, plan_ids = msg.rank, msg.iteration, msg.wait_s, msg.plan_ids
         record = self._records.setdefault(iteration, IterationRecord(iteration))
-        record.step_s = max(record.step_s, step)
+        record.step_s = max(record.step_s, msg.step_s)
         record.wait_s = max(record.wait_s, waited)
-        record.degraded_groups = max(record.degraded_groups, degraded)
+        record.degraded_groups = max(record.degraded_groups, msg.degraded_layers)
         record.plan_ids = plan_ids
         record.reports += 1
-        if computed is not None:
-            record.computed[rank] = computed
-            record.slot_checksums[rank] = checksums
-        if output is not None and self._reference is not None:
-            self._pending_verify.append((iteration, rank, output))
+        if msg.computed is not None:
+            record.computed[rank] = msg.computed
+            record.slot_checksums[rank] = msg.slot_checksums or []
+        if msg.output is not None and self._reference is not None:
+            self._pending_verify.append((iteration, rank, msg.output))
         self.metrics.slot_wait.observe(waited)
         if record.reports == self.setup.local_workers:
             self.metrics.step_time.observe(record.step_s)
@@ -1239,8 +639,6 @@ class NodeRuntime:
                 self.metrics.pool_bytes.set(self._pool_bytes())
                 self._update_pressure()
         start = time.perf_counter()
-        if self.options.allocator_delay_s:
-            time.sleep(self.options.allocator_delay_s)
         consts = InferenceConstants(
             tokens_per_gpu=self.options.workload.tokens_per_worker,
             top_k=setup.spec.top_k,
@@ -1249,13 +647,13 @@ class NodeRuntime:
         )
         config = AllocatorConfig(group_size=setup.group_size, vmax=setup.vmax, balance_threshold=setup.balance_threshold)
         mask = self._pooled_mask()
-        plan = allocate(counts, self._base_gpu, setup.world, config, setup.profile, consts, pooled=mask)
+        plan = self.options.allocator(counts, self._base_gpu, setup.world, config, setup.profile, consts, pooled=mask)
         elapsed = time.perf_counter() - start
         self._allocator_s.append(elapsed)
         self._allocations += 1
         self.metrics.allocator_time.observe(elapsed)
         if self._pool_experts.shape[1] < setup.spec.num_experts:  # what the allocator wanted vs what Np allowed
-            unrestricted = allocate(counts, self._base_gpu, setup.world, config, setup.profile, consts)
+            unrestricted = self.options.allocator(counts, self._base_gpu, setup.world, config, setup.profile, consts)
             self._hits.add(*pool_hits(unrestricted.slot_expert, mask))
             self.metrics.pool_hit_ratio.set(self._hits.value)
         else:
@@ -1382,7 +780,7 @@ def pool_hits(slot_expert: torch.Tensor, pooled: torch.Tensor) -> tuple[int, int
     return int(hits.sum()), int(used.sum())
 
 
-def _drain(results: Any, timeout: float) -> list[tuple[Any, ...]]:
+def _drain(results: Any, timeout: float) -> list[Any]:
     """Every message now in the queue (waiting up to ``timeout`` for the first)."""
     try:
         batch = [results.get(timeout=timeout)]

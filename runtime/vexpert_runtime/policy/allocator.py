@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import VExpertInputError
-from .perf_model import InferenceConstants, h2d_time, predicted_layer_time
-from .placement import balance_ratio, base_gpu_loads, validate_base_placement
-from .profile import PerformanceProfile
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.policy.perf_model import InferenceConstants, h2d_time, predicted_layer_time
+from vexpert_runtime.policy.placement import balance_ratio, base_gpu_loads, validate_base_placement
+from vexpert_runtime.policy.profile import PerformanceProfile
 
 
 @dataclass(frozen=True)

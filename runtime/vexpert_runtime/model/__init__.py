@@ -1,0 +1,1 @@
+"""MoE models: checkpoints, expert storage formats, routing, expert math, the EP forward and the reference."""

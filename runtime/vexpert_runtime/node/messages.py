@@ -1,0 +1,170 @@
+"""Messages between a node's processes: one frozen dataclass per message, one definition each.
+
+* worker → supervisor (the results queue): :class:`SlotsExported`, :class:`WorkerReady`,
+  :class:`IterationDone`, :class:`CountsWindow`, :class:`WorkerDone`, :class:`WorkerInputError`,
+  :class:`WorkerFailed`;
+* supervisor → worker (its control queue): a :class:`~vexpert_runtime.model.ep_moe.RoutingTable`
+  before any header announces it, and :class:`Bye` once the coordinator dropped its CUDA IPC mappings;
+* supervisor → coordinator (its pipe): :class:`NewPlan`, :class:`SetInterval`, :class:`Exit`;
+* coordinator → supervisor: :class:`Attached`, :class:`PlanSwitched`, :class:`FillFailed`,
+  :class:`FillLoopDied`, :class:`FillLoopRestarted`, :class:`FillTotals`, :class:`CoordinatorFailed`.
+
+Everything here is plain data (pickled through ``multiprocessing`` queues and pipes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# --------------------------------------------------------------------------------------------
+# worker → supervisor
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SlotsExported:
+    """A worker's slot buffer, as its transport exported it (the coordinator opens it)."""
+
+    local_rank: int
+    handle: Any
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """The worker loaded its experts and joined the process group."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class IterationDone:
+    """One decode iteration of one worker.
+
+    ``plan_ids`` per layer (0 = static placement: degraded or no plan yet); ``output`` [B, H] float32
+    when verifying; ``computed`` [L][E/N + S] rows per local expert and ``slot_checksums`` [L][S] when
+    recording details.
+    """
+
+    rank: int
+    iteration: int
+    step_s: float
+    wait_s: float
+    degraded_layers: int
+    plan_ids: list[int]
+    output: np.ndarray | None = None
+    computed: list[list[int]] | None = None
+    slot_checksums: list[list[str]] | None = None
+
+
+@dataclass(frozen=True)
+class CountsWindow:
+    """All-reduced expert counts and per-rank loads of ``k`` iterations from ``start``: [k, L, E + N]."""
+
+    start: int
+    data: np.ndarray
+
+
+@dataclass(frozen=True)
+class WorkerDone:
+    rank: int
+
+
+@dataclass(frozen=True)
+class WorkerInputError:
+    """A worker found bad input (one ``error:`` line, exit 2)."""
+
+    rank: int
+    field: str
+    problem: str
+    fix: str
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    rank: int
+    traceback: str
+
+
+# --------------------------------------------------------------------------------------------
+# supervisor → worker
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bye:
+    """The coordinator's IPC mappings of this worker's slots are gone: the worker may exit."""
+
+
+# --------------------------------------------------------------------------------------------
+# supervisor ↔ coordinator
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NewPlan:
+    """The latest plan, pickled by value: ``(RoutingTable, pooled experts [L, Np])``. A tensor sent
+    as itself would go through ``torch.multiprocessing``'s fd sharing, which a coordinator killed
+    mid-receive interrupts."""
+
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class SetInterval:
+    """The allocation interval k the fill loop announces in its headers."""
+
+    k: int
+
+
+@dataclass(frozen=True)
+class Exit:
+    pass
+
+
+@dataclass(frozen=True)
+class Attached:
+    """A coordinator opened the slots, built its pool and resumed filling at ``seq``."""
+
+    pid: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class PlanSwitched:
+    iteration: int
+    plan_id: int
+
+
+@dataclass(frozen=True)
+class FillFailed:
+    """One layer sequence's fill failed; that layer runs without its vExperts."""
+
+    seq: int
+    error: str
+
+
+@dataclass(frozen=True)
+class FillLoopDied:
+    error: str
+    restart_in_s: float
+
+
+@dataclass(frozen=True)
+class FillLoopRestarted:
+    iteration: int
+
+
+@dataclass(frozen=True)
+class FillTotals:
+    """Running totals of this coordinator's fills."""
+
+    bytes_streamed: int
+    copy_s: float
+
+
+@dataclass(frozen=True)
+class CoordinatorFailed:
+    traceback: str

@@ -1,0 +1,107 @@
+"""How a node run is driven (:class:`NodeOptions`) and what it reports (:class:`Progress` after each
+allocation window, :class:`IterationRecord` per iteration, :class:`NodeReport` at the end)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vexpert_runtime.model.ep_moe import (
+    RoutingTable,
+)
+from vexpert_runtime.node.protocol import SlotFiller
+from vexpert_runtime.policy import allocator as placement_policy
+from vexpert_runtime.simulation.workload import Workload
+
+# ---------------------------------------------------------------------------------------------
+# Options and report
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Progress:
+    """What the node reports after each allocation window (the demo's progress line)."""
+
+    iteration: int
+    total: int | None
+    phase: str
+    static_balance: float
+    vexpert_balance: float
+    tokens_per_s: float
+    vexperts: list[int]
+    plan_id: int
+    max_rel_error: float | None
+    bytes_streamed: int
+    degraded_groups: int
+
+
+@dataclass
+class NodeOptions:
+    """How to drive the node (not part of the operator's config)."""
+
+    workload: Workload = field(default_factory=Workload)
+    iterations: int | None = None  # None: until stopped (SIGTERM)
+    verify: bool = False
+    config_path: Path | None = None  # re-read ``tuning`` when this file changes
+    progress: Callable[[Progress], None] | None = None
+    allocate: bool = True  # run the allocator every k iterations
+    scripted_plans: dict[int, Any] = field(default_factory=dict)  # replay: iteration → Plan served from then on
+    # The coordinator's slot filler: a SlotFiller subclass, or a picklable callable making one
+    # (it crosses into the coordinator process).
+    filler: Callable[..., SlotFiller] = SlotFiller
+    # The placement policy the supervisor runs every k iterations (same signature as ``allocate``).
+    allocator: Callable[..., placement_policy.Plan] = placement_policy.allocate
+    keep_history: int = 10_000  # iterations (and windows, plans/10) the report keeps unless ``record``: a node
+    # that runs until SIGTERM must not grow without bound
+    fill_restart_delay_s: float = 1.0  # first wait before restarting a dead fill loop (doubles, ≤ 30 s)
+    record: bool = False  # keep per-rank details in the records (tests)
+    metrics_addr: str | None = None
+    on_metrics: Callable[[int], None] | None = None  # called with the bound port once serving
+    log: Callable[[str], None] | None = None
+
+
+@dataclass
+class IterationRecord:
+    """One iteration as the coordinator saw it."""
+
+    iteration: int
+    step_s: float = 0.0
+    wait_s: float = 0.0
+    degraded_groups: int = 0
+    plan_ids: list[int] = field(default_factory=list)  # per group
+    static_balance: float | None = None
+    vexpert_balance: float | None = None
+    rel_error: float | None = None
+    computed: dict[int, list[list[int]]] = field(default_factory=dict)  # rank → [L][E/N + S] (record)
+    slot_checksums: dict[int, list[list[str]]] = field(default_factory=dict)  # rank → per group, slot (record)
+    reports: int = 0
+
+
+@dataclass
+class NodeReport:
+    """Summary of a finished run."""
+
+    iterations: int
+    static_balance: float
+    vexpert_balance: float
+    tokens_per_s: float
+    max_rel_error: float | None
+    slot_bytes_per_worker: int
+    pool_bytes: int
+    bytes_streamed: int
+    plan_switches: list[tuple[int, int]]  # (iteration, plan id) taken by the fill loop; first = starting plan
+    allocations: int
+    allocator_s: list[float]
+    degraded_groups: int
+    metrics_port: int | None
+    records: list[IterationRecord]
+    metrics_text: str = ""
+    pooled: int = 0
+    k: int = 0
+    windows: list[tuple[int, int]] = field(default_factory=list)  # (first iteration, length) per all-reduce
+    tables: dict[int, RoutingTable] = field(default_factory=dict)  # plan id → routing table
+    plan_pools: dict[int, list[list[int]]] = field(default_factory=dict)  # plan id → pooled experts [L][Np]
+    copy_s: float = 0.0  # time the fill loop's copies were in flight (bytes_streamed / copy_s: fill bandwidth)
+

@@ -1,0 +1,280 @@
+"""A node's resolved configuration: everything checked against the machine and the checkpoint
+before any process starts (ranks, ports, memory of the pool and the slots)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vexpert_runtime.config import RuntimeConfig
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.model.checkpoint import (
+    CheckpointReader,
+    MoESpec,
+    read_model_spec,
+    resolve_expert_storage,
+)
+from vexpert_runtime.node.slots import SlotLayout
+from vexpert_runtime.policy.profile import PerformanceProfile
+
+# ---------------------------------------------------------------------------------------------
+# Setup: everything resolved and validated before any process starts
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes the node will use: L2 pool (coordinator), per worker L1 slots and base experts."""
+
+    pool_bytes: int
+    slot_bytes_per_worker: int
+    base_bytes_per_worker: int
+    workers: int
+    device: str
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory: the pool, plus on CPU every worker's slots and base experts."""
+        per_worker = self.slot_bytes_per_worker + self.base_bytes_per_worker if self.device == "cpu" else 0
+        return self.pool_bytes + self.workers * per_worker
+
+
+@dataclass(frozen=True)
+class NodeSetup:
+    """A node's resolved configuration."""
+
+    checkpoint: Path
+    spec: MoESpec
+    dtype: str
+    device: str
+    local_workers: int
+    world: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    group_size: int
+    vmax: int
+    balance_threshold: float
+    k: int
+    pooled: int
+    metrics_port: int
+    slot_fill_timeout_s: float
+    host_memory_limit_bytes: int | None
+    profile: PerformanceProfile
+    memory: MemoryPlan
+    metrics_addr: str = "0.0.0.0"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
+
+    @property
+    def slots(self) -> int:
+        """S = G·vmax slots per buffer."""
+        return self.group_size * self.vmax
+
+    @property
+    def ranks(self) -> list[int]:
+        """EP ranks of this node's workers."""
+        return [self.node_rank * self.local_workers + i for i in range(self.local_workers)]
+
+
+def memory_plan(spec: MoESpec, dtype: torch.dtype, pooled: int, slots: int, world: int, workers: int, device: str) -> MemoryPlan:
+    expert = spec.expert_bytes(dtype)
+    return MemoryPlan(
+        pool_bytes=spec.num_layers * pooled * expert,
+        slot_bytes_per_worker=SlotLayout(slots, spec.expert_numel, spec.row_dtype(dtype)).bytes_per_worker,
+        base_bytes_per_worker=spec.num_layers * (spec.num_experts // world) * expert,
+        workers=workers,
+        device=device,
+    )
+
+
+def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: int | None = None) -> NodeSetup:
+    """Validate ``config`` against the machine and the checkpoint; raise :class:`VExpertInputError`
+    (one clear line, exit 2) on the first problem. Nothing is started here."""
+    device = "cpu" if cpu_workers else config.runtime.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise VExpertInputError(
+            "runtime.device",
+            "cuda was requested but no CUDA device is visible",
+            "set runtime.device: cpu and runtime.cpu_workers: N, or pass --cpu-workers N",
+        )
+    par = config.parallelism
+    if device == "cuda":
+        visible = torch.cuda.device_count()
+        if par.gpus_per_node > visible:
+            raise VExpertInputError(
+                "parallelism.gpus_per_node",
+                f"{par.gpus_per_node} GPUs per node configured but {visible} visible",
+                "set gpus_per_node (and expert_parallel_size) to the GPUs this node sees",
+            )
+        local = par.gpus_per_node  # one worker per GPU: local rank i uses cuda:i
+    else:
+        local = cpu_workers or config.runtime.cpu_workers or par.gpus_per_node
+    node_rank = resolve_node_rank(par.node_rank, par.num_nodes)
+    world = par.num_nodes * local
+    spec = resolve_expert_storage(read_model_spec(checkpoint, config.model.architecture), config.model.expert_format)
+    CheckpointReader(checkpoint, spec).validate()
+    if spec.num_experts % world:
+        raise VExpertInputError(
+            "runtime.cpu_workers" if device == "cpu" else "parallelism.expert_parallel_size",
+            f"{spec.num_experts} experts cannot be split evenly over {world} EP ranks",
+            "use a rank count that divides the expert count",
+        )
+    pooled = config.tuning.pooled_experts or spec.num_experts
+    check_pooled(pooled, spec.num_experts)
+    knobs = config.vexpert
+    dtype: torch.dtype = getattr(torch, config.model.dtype)
+    memory = memory_plan(spec, dtype, pooled, knobs.group_size * knobs.vmax, world, local, device)
+    check_memory(memory, config.runtime.host_memory_limit_bytes)
+    if node_rank == 0:
+        check_port_free(par.master_addr, par.master_port, "parallelism.master_port")
+    if config.runtime.metrics_port:
+        check_port_free("0.0.0.0", config.runtime.metrics_port, "runtime.metrics_port")
+    return NodeSetup(
+        checkpoint=Path(checkpoint),
+        spec=spec,
+        dtype=config.model.dtype,
+        device=device,
+        local_workers=local,
+        world=world,
+        node_rank=node_rank,
+        master_addr=par.master_addr,
+        master_port=par.master_port,
+        group_size=knobs.group_size,
+        vmax=knobs.vmax,
+        balance_threshold=knobs.balance_threshold,
+        k=config.tuning.allocation_interval,
+        pooled=pooled,
+        metrics_port=config.runtime.metrics_port,
+        slot_fill_timeout_s=config.runtime.slot_fill_timeout_s,
+        host_memory_limit_bytes=config.runtime.host_memory_limit_bytes,
+        profile=config.profile,
+        memory=memory,
+    )
+
+
+_ORDINAL = re.compile(r"-([0-9]+)\Z")  # a StatefulSet pod is <set>-<ordinal>
+
+
+def resolve_node_rank(configured: int, num_nodes: int, environ: Mapping[str, str] | None = None) -> int:
+    """This node's index in the group, from the first of:
+
+    1. ``VEXPERT_NODE_RANK`` when set and not empty (the operator fills it from the pod's
+       ``apps.kubernetes.io/pod-index`` label, which Kubernetes < 1.28 does not set: empty then);
+    2. the StatefulSet ordinal ending ``VEXPERT_POD_NAME`` (the pod's name, ``<statefulset>-<i>``);
+    3. the ordinal ending ``HOSTNAME`` — only inside Kubernetes (``KUBERNETES_SERVICE_HOST`` set),
+       where a StatefulSet pod's hostname is its name; elsewhere a hostname like ``gpu-box-3`` says
+       nothing about ranks;
+    4. ``parallelism.node_rank`` from the config.
+
+    A value that is not a non-negative integer, a pod name without an ordinal, or a rank ≥ the
+    number of nodes raises :class:`VExpertInputError` naming its source (one line, exit 2).
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get("VEXPERT_NODE_RANK", "").strip()
+    if raw:
+        if not (raw.isascii() and raw.isdigit()):
+            raise VExpertInputError(
+                "VEXPERT_NODE_RANK", f"{raw!r} is not a node index", "set a non-negative integer, or leave it empty to use the pod name"
+            )
+        return _check_rank(int(raw), num_nodes, f"VEXPERT_NODE_RANK={raw}")
+    pod = env.get("VEXPERT_POD_NAME", "").strip()
+    if pod:
+        match = _ORDINAL.search(pod)
+        if match is None:
+            raise VExpertInputError(
+                "VEXPERT_POD_NAME",
+                f"{pod!r} does not end in a StatefulSet ordinal (-N), so the node rank is unknown",
+                "set VEXPERT_NODE_RANK, or run the node in the operator's StatefulSet",
+            )
+        return _check_rank(int(match.group(1)), num_nodes, f"VEXPERT_POD_NAME={pod}")
+    host = env.get("HOSTNAME", "").strip()
+    if host and env.get("KUBERNETES_SERVICE_HOST"):
+        match = _ORDINAL.search(host)
+        if match is not None:
+            return _check_rank(int(match.group(1)), num_nodes, f"HOSTNAME={host}")
+    return _check_rank(configured, num_nodes, "parallelism.node_rank")
+
+
+def _check_rank(rank: int, num_nodes: int, source: str) -> int:
+    if rank >= num_nodes:
+        field = source.split("=", 1)[0]
+        raise VExpertInputError(
+            field,
+            f"node rank {rank} (from {source}) ≥ number of nodes {num_nodes}",
+            "parallelism.expert_parallel_size / gpus_per_node must match the node count",
+        )
+    return rank
+
+
+def check_port_free(host: str, port: int, field: str) -> None:
+    """Raise if ``host:port`` is a local address already in use (other hosts are not checked)."""
+    import errno
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise VExpertInputError(field, f"port {port} on {host} is already in use", "pick a free port") from None
+
+
+def check_pooled(pooled: int, num_experts: int) -> None:
+    if not 1 <= pooled <= num_experts:
+        raise VExpertInputError(
+            "tuning.pooled_experts",
+            f"Np={pooled} does not fit the model's {num_experts} routed experts per layer",
+            f"use 1 ≤ Np ≤ {num_experts} (or leave it unset for all)",
+        )
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_memory(memory: MemoryPlan, limit: int | None) -> None:
+    """The pool and slots must fit the configured limit, the machine and (CPU) /dev/shm."""
+    need = memory.host_bytes
+    detail = (
+        f"pool {memory.pool_bytes} B + {memory.workers} workers × (slots {memory.slot_bytes_per_worker} B"
+        + (f" + base experts {memory.base_bytes_per_worker} B" if memory.device == "cpu" else "")
+        + f") = {need} B"
+    )
+    if limit is not None and need > limit:
+        raise VExpertInputError(
+            "runtime.host_memory_limit_bytes",
+            f"{detail} exceeds the limit of {limit} B",
+            "lower tuning.pooled_experts or vexpert.vmax, or raise the limit",
+        )
+    available = _available_memory()
+    if available is not None and need > available:
+        raise VExpertInputError(
+            "tuning.pooled_experts", f"{detail} exceeds the {available} B of memory available", "lower Np or vmax"
+        )
+    if memory.device == "cpu" and Path("/dev/shm").is_dir():
+        shm_free = shutil.disk_usage("/dev/shm").free
+        slots = memory.workers * memory.slot_bytes_per_worker
+        if slots > shm_free:
+            raise VExpertInputError(
+                "vexpert.vmax",
+                f"slot buffers need {slots} B of shared memory, /dev/shm has {shm_free} B free",
+                "lower vmax or group_size, or enlarge /dev/shm",
+            )
+

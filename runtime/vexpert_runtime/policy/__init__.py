@@ -1,0 +1,1 @@
+"""Placement policy: the vExpert allocator, EPLB baselines, the performance model and its profile."""

@@ -1,0 +1,1 @@
+"""Traces of expert loads, the online policy simulator, plots and synthetic workloads."""

@@ -1,0 +1,77 @@
+"""Test doubles that inject faults into a node run (they live here, not in the production types).
+
+:class:`FaultySlotFiller` is passed as ``NodeOptions(filler=faulty_filler(...))``; the partial is
+pickled into the coordinator process, which imports this module (the test directory is on the
+spawned process's ``sys.path``). Each fault fires once per coordinator process: a fill loop that
+the coordinator restarts (a new filler, maybe at the very sequence it died at) runs clean.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vexpert_runtime.node.protocol import Assignment, SlotFiller, SlotFillError
+from vexpert_runtime.policy.allocator import Plan, allocate
+
+_FIRED: set[tuple[str, int]] = set()  # (fault, sequence) already injected in this process
+
+
+def _once(fault: str, seq: int) -> bool:
+    if (fault, seq) in _FIRED:
+        return False
+    _FIRED.add((fault, seq))
+    return True
+
+
+class FillLoopKilled(BaseException):
+    """Not an ``Exception``: the fill loop dies of it (the node must keep serving and restart it)."""
+
+
+class FaultySlotFiller(SlotFiller):
+    """A :class:`SlotFiller` that stalls before, dies at, or fails half way through chosen fills.
+
+    delays: sequence → seconds to stall before filling it; kill_at: sequence at which the fill loop
+    dies; fail_at_copy: sequence → index of the copy that writes half a row and then raises.
+    """
+
+    def __init__(self, *args: Any, delays: dict[int, float] | None = None, kill_at: int | None = None,
+                 fail_at_copy: dict[int, int] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.delays = dict(delays or {})
+        self.kill_at = kill_at
+        self.fail_at_copy = dict(fail_at_copy or {})
+
+    def fill(self, seq: int, assignment: Assignment, k: int, stop: bool) -> bool:
+        if seq == self.kill_at and _once("kill", seq):
+            raise FillLoopKilled(f"fill loop killed at sequence {seq}")
+        delay = self.delays.get(seq, 0.0)
+        if delay and _once("delay", seq) and self.abort.wait(delay):
+            return False
+        return super().fill(seq, assignment, k, stop)
+
+    def copy(self, seq: int, index: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if index == self.fail_at_copy.get(seq, -1) and _once("fail", seq):
+            half = dst.shape[0] // 2
+            dst[:half].copy_(src[:half])
+            raise SlotFillError(f"injected failure half way through a copy of sequence {seq}")
+        super().copy(seq, index, dst, src)
+
+
+def faulty_filler(**faults: Any) -> Callable[..., SlotFiller]:
+    """``NodeOptions.filler`` for a :class:`FaultySlotFiller` with ``faults`` (picklable)."""
+    return functools.partial(FaultySlotFiller, **faults)
+
+
+def slow_allocator(delay_s: float) -> Callable[..., Plan]:
+    """``NodeOptions.allocator``: the real allocator, ``delay_s`` slower."""
+
+    def allocate_slowly(*args: Any, **kwargs: Any) -> Plan:
+        time.sleep(delay_s)
+        return allocate(*args, **kwargs)
+
+    return allocate_slowly
