@@ -269,6 +269,26 @@ def test_static_mode_gives_the_same_plan(seed):
     check_plan_invariants(static, counts, cfg, gpus)
 
 
+def _pool_mask(counts: torch.Tensor, pooled: int) -> torch.Tensor:
+    """[L, E] bool: the ``pooled`` hottest experts of each layer (what a node's pool holds at Np < E)."""
+    top = counts.topk(pooled, dim=1).indices
+    return torch.zeros_like(counts, dtype=torch.bool).scatter_(1, top, True)
+
+
+def test_static_mode_with_a_pool_mask_gives_the_same_plan():
+    # What a GPU node's graphed allocator runs with Np < E: the mask is an input of the captured graph.
+    counts = real_counts(seed=2)
+    base = static_placement(58, 256, 64)
+    mask = _pool_mask(counts, 8)  # few pooled experts: the plan must differ from the unrestricted one
+    dynamic = allocate(counts, base, 64, pooled=mask)
+    static = allocate(counts, base, 64, pooled=mask, static=True)
+    assert torch.equal(dynamic.slot_expert, static.slot_expert)
+    used = static.slot_expert >= 0
+    layer = torch.arange(58).view(-1, 1, 1).expand_as(static.slot_expert)
+    assert bool(mask[layer[used], static.slot_expert[used]].all()), "only pooled experts are replicated"
+    assert not torch.equal(allocate(counts, base, 64).slot_expert, static.slot_expert), "the mask changed the plan"
+
+
 def test_copies_per_expert_are_capped():
     counts = torch.full((1, 32), 10.0)
     counts[0, 0] = 100_000.0
@@ -293,6 +313,24 @@ def test_graphed_allocator_matches_eager():
         assert torch.allclose(eager.expert_gpu_share(), plan.expert_gpu_share(), atol=1e-4)
     other = real_counts(seed=3)
     assert torch.equal(allocate(other, base, 64).slot_expert, graphed(other.cuda(), base.cuda()).slot_expert.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_allocator_matches_cpu_with_and_without_a_pool_mask():
+    from vexpert_runtime.policy.allocator import DeviceAllocator
+
+    counts = real_counts(seed=4)
+    base = static_placement(58, 256, 64)
+    mask = _pool_mask(counts, 8)
+    device = DeviceAllocator("cuda")
+    for pooled in (None, mask, None):  # one captured graph serves both: the mask is data
+        cpu = allocate(counts, base, 64, pooled=pooled)
+        gpu = device(counts, base, 64, pooled=pooled)
+        assert gpu.slot_expert.device.type == "cpu"
+        assert torch.equal(cpu.slot_expert, gpu.slot_expert)
+        assert torch.allclose(cpu.expert_gpu_share(), gpu.expert_gpu_share(), atol=1e-4)
+    assert len(device._graphed) == 1
 
 
 @pytest.mark.gpu

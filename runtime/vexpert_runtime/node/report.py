@@ -51,8 +51,9 @@ class NodeOptions:
     # The coordinator's slot filler: a SlotFiller subclass, or a picklable callable making one
     # (it crosses into the coordinator process).
     filler: Callable[..., SlotFiller] = SlotFiller
-    # The placement policy the supervisor runs every k iterations (same signature as ``allocate``).
-    allocator: Callable[..., placement_policy.Plan] = placement_policy.allocate
+    # The placement policy the supervisor runs every k iterations (``allocate``'s signature); None:
+    # ``allocate`` on CPU nodes, the graphed allocator on the first GPU of GPU nodes.
+    allocator: Callable[..., placement_policy.Plan] | None = None
     keep_history: int = 10_000  # iterations (and windows, plans/10) the report keeps unless ``record``: a node
     # that runs until SIGTERM must not grow without bound
     fill_restart_delay_s: float = 1.0  # first wait before restarting a dead fill loop (doubles, ≤ 30 s)

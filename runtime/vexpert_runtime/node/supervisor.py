@@ -38,6 +38,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -83,7 +84,7 @@ from vexpert_runtime.node.protocol import SharedState
 from vexpert_runtime.node.report import IterationRecord, NodeOptions, NodeReport, Progress
 from vexpert_runtime.node.setup import NodeSetup, check_memory, check_pooled, memory_plan
 from vexpert_runtime.node.worker import COLLECTIVE_TIMEOUT_S, STARTUP_TIMEOUT_S, WorkerArgs, worker_main
-from vexpert_runtime.policy.allocator import AllocatorConfig
+from vexpert_runtime.policy.allocator import AllocatorConfig, DeviceAllocator, Plan, allocate
 from vexpert_runtime.policy.perf_model import InferenceConstants
 from vexpert_runtime.policy.placement import balance_ratio, base_gpu_loads, static_placement
 
@@ -154,6 +155,7 @@ class NodeRuntime:
         self._decay = BalanceDecay()
         self._hits = PoolHits()
         self._allocations = 0
+        self._allocator: Callable[..., Plan] = allocate  # chosen for the device when the run starts
 
     # -- public -----------------------------------------------------------------------------
 
@@ -187,6 +189,7 @@ class NodeRuntime:
         queues: list[Any] = []
         try:
             self._start_metrics()
+            self._allocator = self._make_allocator()
             self._pool_experts = hottest_experts(self._hotness, self._pooled)
             self._update_pressure()
             self._assignment = (
@@ -639,21 +642,15 @@ class NodeRuntime:
                 self.metrics.pool_bytes.set(self._pool_bytes())
                 self._update_pressure()
         start = time.perf_counter()
-        consts = InferenceConstants(
-            tokens_per_gpu=self.options.workload.tokens_per_worker,
-            top_k=setup.spec.top_k,
-            experts_per_gpu=setup.spec.num_experts // setup.world,
-            expert_bytes=setup.spec.expert_bytes(setup.torch_dtype),
-        )
-        config = AllocatorConfig(group_size=setup.group_size, vmax=setup.vmax, balance_threshold=setup.balance_threshold)
+        consts, config = self._allocator_inputs()
         mask = self._pooled_mask()
-        plan = self.options.allocator(counts, self._base_gpu, setup.world, config, setup.profile, consts, pooled=mask)
+        plan = self._allocator(counts, self._base_gpu, setup.world, config, setup.profile, consts, pooled=mask)
         elapsed = time.perf_counter() - start
         self._allocator_s.append(elapsed)
         self._allocations += 1
         self.metrics.allocator_time.observe(elapsed)
         if self._pool_experts.shape[1] < setup.spec.num_experts:  # what the allocator wanted vs what Np allowed
-            unrestricted = self.options.allocator(counts, self._base_gpu, setup.world, config, setup.profile, consts)
+            unrestricted = self._allocator(counts, self._base_gpu, setup.world, config, setup.profile, consts)
             self._hits.add(*pool_hits(unrestricted.slot_expert, mask))
             self.metrics.pool_hit_ratio.set(self._hits.value)
         else:
@@ -667,6 +664,50 @@ class NodeRuntime:
         self._remember(table)
         self._vexperts = plan.vexperts.tolist()
         self.metrics.set_layers(self.metrics.vexperts, [float(v) for v in self._vexperts])
+
+    def _allocator_inputs(self) -> tuple[InferenceConstants, AllocatorConfig]:
+        setup = self.setup
+        consts = InferenceConstants(
+            tokens_per_gpu=self.options.workload.tokens_per_worker,
+            top_k=setup.spec.top_k,
+            experts_per_gpu=setup.spec.num_experts // setup.world,
+            expert_bytes=setup.spec.expert_bytes(setup.torch_dtype),
+        )
+        config = AllocatorConfig(group_size=setup.group_size, vmax=setup.vmax, balance_threshold=setup.balance_threshold)
+        return consts, config
+
+    def _make_allocator(self) -> Callable[..., Plan]:
+        """The options' allocator, else ``allocate`` on CPU nodes and, on GPU nodes, the graphed
+        allocator on the first GPU, compiled and captured in the background while the workers load
+        (the supervisor uses no other CUDA: it passes the workers' IPC handles on unopened)."""
+        if self.options.allocator is not None:
+            return self.options.allocator
+        if self.setup.device != "cuda":
+            return allocate
+        device = DeviceAllocator("cuda:0")
+        spec = self.setup.spec
+        consts, config = self._allocator_inputs()
+        counts = torch.ones(spec.num_layers, spec.num_experts)
+        ready, failed = threading.Event(), threading.Event()
+
+        def warm_up() -> None:
+            try:
+                device.warm_up(counts, self._base_gpu, self.setup.world, config, self.setup.profile, consts)
+                self._log("graphed allocator ready on cuda:0")
+            except Exception as exc:  # keep serving: allocate on the CPU instead
+                failed.set()
+                self._log(f"graphed allocator unavailable, allocating on the CPU: {exc}")
+            finally:
+                ready.set()
+
+        threading.Thread(target=warm_up, name="vexpert-allocator-warm-up", daemon=True).start()
+
+        def allocate_on_gpu(*args: Any, **kwargs: Any) -> Plan:
+            if not ready.is_set() or failed.is_set():  # still compiling (or no GPU allocator): the CPU plans
+                return allocate(*args, **kwargs)
+            return device(*args, **kwargs)
+
+        return allocate_on_gpu
 
     def _prune(self) -> None:
         """Keep the last ``keep_history`` iterations' records (and windows, allocator times, plan

@@ -22,6 +22,7 @@ graph (0.5–0.65 ms on an H200 for DeepSeek-V3 at EP64).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -921,6 +922,7 @@ class GraphedAllocator:
         self.consts = consts or InferenceConstants(experts_per_gpu=max(1, num_experts // num_gpus))
         self.counts = torch.zeros(num_layers, num_experts, device=device)
         self.base_gpu = torch.arange(num_experts, device=device).repeat(num_layers, 1) // (num_experts // num_gpus)
+        self.pooled = torch.ones(num_layers, num_experts, dtype=torch.bool, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self._out: tuple[torch.Tensor, ...] = ()
         self._fn = self._static_allocation
@@ -932,25 +934,73 @@ class GraphedAllocator:
             except ImportError:  # no Triton: plain capture still removes the launch overhead
                 pass
 
-    def _static_allocation(self, counts: torch.Tensor, base_gpu: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        plan = allocate(counts, base_gpu, self.num_gpus, self.config, self.profile, self.consts, static=True)
+    def _static_allocation(self, counts: torch.Tensor, base_gpu: torch.Tensor, pooled: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        plan = allocate(counts, base_gpu, self.num_gpus, self.config, self.profile, self.consts, pooled=pooled, static=True)
         return tuple(getattr(plan, f) for f in self._FIELDS)
 
-    def __call__(self, counts: torch.Tensor, base_gpu: torch.Tensor) -> Plan:
+    def __call__(self, counts: torch.Tensor, base_gpu: torch.Tensor, pooled: torch.Tensor | None = None) -> Plan:
+        """Args: counts [L, E], base_gpu [L, E] int64, pooled [L, E] bool (None: every expert)."""
         _validate_counts(counts, base_gpu)
         validate_base_placement(base_gpu, self.num_gpus)
         self.counts.copy_(counts, non_blocking=True)
         self.base_gpu.copy_(base_gpu, non_blocking=True)
+        if pooled is None:
+            self.pooled.fill_(True)
+        else:
+            self.pooled.copy_(pooled, non_blocking=True)
         if self.graph is None:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # compile and warm caches (combinations, memory pools) outside capture
-                    self._fn(self.counts, self.base_gpu)
+                    self._fn(self.counts, self.base_gpu, self.pooled)
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self._out = self._fn(self.counts, self.base_gpu)
+                self._out = self._fn(self.counts, self.base_gpu, self.pooled)
         self.graph.replay()
         values = dict(zip(self._FIELDS, (t.clone() for t in self._out), strict=True))
         return Plan(base_gpu=self.base_gpu.clone(), **values)
+
+
+class DeviceAllocator:
+    """:func:`allocate`'s signature on a GPU: a :class:`GraphedAllocator` per distinct configuration
+    (built, compiled and captured on first use; :meth:`warm_up` does that ahead of time), plans
+    returned on the host. This is what a node with GPUs runs every k iterations."""
+
+    def __init__(self, device: str | torch.device = "cuda", compile: bool = True) -> None:
+        self.device = torch.device(device)
+        self.compile = compile
+        self._graphed: dict[tuple[object, ...], GraphedAllocator] = {}
+        self._lock = threading.Lock()
+
+    def _for(self, counts: torch.Tensor, num_gpus: int, config: AllocatorConfig | None, profile: PerformanceProfile | None,
+             consts: InferenceConstants | None) -> GraphedAllocator:
+        config, profile = config or AllocatorConfig(), profile or PerformanceProfile()
+        consts = consts or InferenceConstants(experts_per_gpu=max(1, counts.shape[-1] // max(1, num_gpus)))
+        key = (tuple(counts.shape), num_gpus, config, profile.model_dump_json(), consts)
+        if key not in self._graphed:
+            self._graphed[key] = GraphedAllocator(
+                counts.shape[0], counts.shape[1], num_gpus, config, profile, consts, self.device, self.compile
+            )
+        return self._graphed[key]
+
+    def __call__(
+        self,
+        counts: torch.Tensor,
+        base_gpu: torch.Tensor,
+        num_gpus: int,
+        config: AllocatorConfig | None = None,
+        profile: PerformanceProfile | None = None,
+        consts: InferenceConstants | None = None,
+        pooled: torch.Tensor | None = None,
+    ) -> Plan:
+        with self._lock, torch.cuda.device(self.device):
+            graphed = self._for(counts, num_gpus, config, profile, consts)
+            plan = graphed(counts.to(self.device), base_gpu.to(self.device), None if pooled is None else pooled.to(self.device))
+            return plan.to("cpu")
+
+    def warm_up(self, counts: torch.Tensor, base_gpu: torch.Tensor, num_gpus: int, config: AllocatorConfig | None = None,
+                profile: PerformanceProfile | None = None, consts: InferenceConstants | None = None) -> None:
+        """Compile and capture for these shapes and knobs now (seconds), not at the first window."""
+        self(counts, base_gpu, num_gpus, config, profile, consts)
