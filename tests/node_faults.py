@@ -2,8 +2,7 @@
 
 :class:`FaultySlotFiller` is passed as ``NodeOptions(filler=faulty_filler(...))``; the partial is
 pickled into the coordinator process, which imports this module (the test directory is on the
-spawned process's ``sys.path``). Each fault fires once per coordinator process: a fill loop that
-the coordinator restarts (a new filler, maybe at the very sequence it died at) runs clean.
+spawned process's ``sys.path``). Each fault fires once per coordinator process.
 """
 
 from __future__ import annotations
@@ -11,12 +10,14 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from vexpert_runtime.node.protocol import Assignment, SlotFiller, SlotFillError
+from vexpert_runtime.node.protocol import Assignment, FillAborted, SlotFiller, SlotFillError
 from vexpert_runtime.policy.allocator import Plan, allocate
+from vexpert_runtime.simulation.workload import Workload
 
 _FIRED: set[tuple[str, int]] = set()  # (fault, sequence) already injected in this process
 
@@ -33,26 +34,36 @@ class FillLoopKilled(BaseException):
 
 
 class FaultySlotFiller(SlotFiller):
-    """A :class:`SlotFiller` that stalls before, dies at, or fails half way through chosen fills.
+    """A :class:`SlotFiller` that is late to publish an iteration, stalls before or dies at a layer's
+    fill, or fails half way through a copy.
 
-    delays: sequence → seconds to stall before filling it; kill_at: sequence at which the fill loop
-    dies; fail_at_copy: sequence → index of the copy that writes half a row and then raises.
+    publish_delays: iteration → seconds before publishing it; delays: layer sequence (t·L + l) →
+    seconds to stall before filling it; kill_at: layer sequence at which the fill loop dies;
+    fail_at_copy: layer sequence → index of the copy that writes half a row and then raises.
     """
 
-    def __init__(self, *args: Any, delays: dict[int, float] | None = None, kill_at: int | None = None,
+    def __init__(self, *args: Any, publish_delays: dict[int, float] | None = None,
+                 delays: dict[int, float] | None = None, kill_at: int | None = None,
                  fail_at_copy: dict[int, int] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.publish_delays = dict(publish_delays or {})
         self.delays = dict(delays or {})
         self.kill_at = kill_at
         self.fail_at_copy = dict(fail_at_copy or {})
 
-    def fill(self, seq: int, assignment: Assignment, k: int, stop: bool) -> bool:
+    def publish(self, iteration: int, plan_id: int, k: int, stop: bool) -> list[bool] | None:
+        delay = self.publish_delays.get(iteration, 0.0)
+        if delay and _once("publish", iteration) and self.abort.wait(delay):
+            return None
+        return super().publish(iteration, plan_id, k, stop)
+
+    def fill_layer(self, seq: int, layer: int, assignment: Assignment, filling: list[bool]) -> None:
         if seq == self.kill_at and _once("kill", seq):
             raise FillLoopKilled(f"fill loop killed at sequence {seq}")
         delay = self.delays.get(seq, 0.0)
         if delay and _once("delay", seq) and self.abort.wait(delay):
-            return False
-        return super().fill(seq, assignment, k, stop)
+            raise FillAborted
+        super().fill_layer(seq, layer, assignment, filling)
 
     def copy(self, seq: int, index: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         if index == self.fail_at_copy.get(seq, -1) and _once("fail", seq):
@@ -75,3 +86,15 @@ def slow_allocator(delay_s: float) -> Callable[..., Plan]:
         return allocate(*args, **kwargs)
 
     return allocate_slowly
+
+
+@dataclass(frozen=True)
+class PacedWorkload(Workload):
+    """A :class:`Workload` whose every iteration takes at least ``pace_s`` (a slow model): lets a
+    test see what happens over wall-clock time (restarts with backoff) within few iterations."""
+
+    pace_s: float = 0.05
+
+    def inputs(self, iteration: int, rank: int, hidden: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        time.sleep(self.pace_s)
+        return super().inputs(iteration, rank, hidden, dtype)

@@ -34,7 +34,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from node_faults import faulty_filler
+from node_faults import PacedWorkload, faulty_filler
 from runtime_support import TINY_DEEPSEEK_SPEC
 from vexpert_runtime import cli
 from vexpert_runtime.config import RuntimeConfig, load_runtime_config
@@ -113,11 +113,12 @@ def test_dead_fill_loop_serves_base_experts_degraded_then_resumes_streaming(tmp_
     runtime = NodeRuntime(
         setup,
         NodeOptions(
-            workload=Workload(tokens_per_worker=16, seed=2),
-            iterations=24,
+            # paced: the restart (a new process that loads its pool) lands well before iteration 50
+            workload=PacedWorkload(tokens_per_worker=16, seed=2, pace_s=0.1),
+            iterations=60,
             verify=True,
             allocate=False,
-            scripted_plans={0: PLAN_A, 18: PLAN_B},  # PLAN_B needs copies: only a live loop can run it
+            scripted_plans={0: PLAN_A, 50: PLAN_B},  # PLAN_B needs copies: only a live loop can run it
             filler=faulty_filler(kill_at=sequence(3, 0, 2)),
             fill_restart_delay_s=0.6,
             record=True,
@@ -127,12 +128,14 @@ def test_dead_fill_loop_serves_base_experts_degraded_then_resumes_streaming(tmp_
     )
     runtime_box.append(runtime)
     report = runtime.run()
-    assert report.iterations == 24
+    assert report.iterations == 60
     assert report.max_rel_error is not None and report.max_rel_error <= 1e-5  # every output checked
     down = [r.iteration for r in report.records if r.plan_ids and set(r.plan_ids) == {0}]
-    assert down and min(down) == 3, "from the death on, groups run on the base experts only"
+    # iteration 3 was published before the loop died: it runs its plan, the workers fill the layers
+    # the dead coordinator left from the checkpoint; from 4 on, base experts only until the restart
+    assert 3 not in down and down and min(down) == 4, down
     assert any("slot fill loop died" in line for line in lines)
-    assert any("slot fill loop restarted" in line for line in lines)
+    assert sum("coordinator process" in line and "started" in line for line in lines) == 2, lines
     assert any(flag for _, flag in degraded_seen), "the node reported degraded while the loop was down"
     assert "vexpert_fill_loop_restarts_total 1.0" in report.metrics_text
     # after the restart: the scripted plan change streams new experts and runs undegraded
@@ -147,8 +150,9 @@ def test_dead_fill_loop_serves_base_experts_degraded_then_resumes_streaming(tmp_
 # ------------------------------------------------------------------------------------------------
 
 
-def test_a_fill_loop_restarted_mid_iteration_finishes_it_under_its_plan(tmp_path: Path) -> None:
-    # k = 1: a new plan every iteration; the loop dies at (6, group 1) and comes back there
+def test_an_iteration_left_half_filled_finishes_under_its_plan(tmp_path: Path) -> None:
+    # k = 1: a new plan every iteration; the loop dies at (6, layer 1): the workers fill that layer
+    # themselves, under iteration 6's plan
     write_tiny_checkpoint(tmp_path, SPEC, seed=7)
     setup = _setup(tmp_path, timeout_s=5.0)
     setup = dataclasses.replace(setup, k=1)
@@ -171,7 +175,7 @@ def test_a_stop_while_the_fill_loop_is_down_mid_iteration_is_prompt(tmp_path: Pa
 
     def watch(line: str) -> None:
         if "slot fill loop died" in line and "stop" not in marks:
-            def stop() -> None:  # the workers wait at (4, group 1) then; the loop restarts at 0.5 s
+            def stop() -> None:  # the workers rescued (4, layer 1) and run degraded; restart at 0.5 s
                 marks["stop"] = time.monotonic()
                 box[0].request_stop()
             threading.Timer(0.25, stop).start()
@@ -183,7 +187,7 @@ def test_a_stop_while_the_fill_loop_is_down_mid_iteration_is_prompt(tmp_path: Pa
     report = runtime.run()
     took = time.monotonic() - marks["stop"]
     assert took < 4.0, f"stopped {took:.2f} s after the request (slot wait is 5 s)"
-    assert report.records[-1].plan_ids == [1, 1]  # the interrupted iteration finished under its plan
+    assert report.records[4].plan_ids == [1, 1]  # the interrupted iteration finished under its plan (rescued)
 
 
 
@@ -305,7 +309,7 @@ def test_killed_coordinator_process_workers_serve_degraded_then_a_restarted_one_
 # ------------------------------------------------------------------------------------------------
 
 
-def test_failed_fill_runs_the_group_degraded_and_never_exposes_a_half_copied_slot(tmp_path: Path) -> None:
+def test_a_fill_failing_half_way_is_rescued_and_never_exposes_a_half_copied_slot(tmp_path: Path) -> None:
     write_tiny_checkpoint(tmp_path, SPEC, seed=8)
     setup = _setup(tmp_path, timeout_s=0.3)
     failing = sequence(2, 1, 2)  # iteration 2, layer 1: the first fill under PLAN_B there
@@ -313,26 +317,28 @@ def test_failed_fill_runs_the_group_degraded_and_never_exposes_a_half_copied_slo
     runtime = NodeRuntime(
         setup,
         NodeOptions(
-            workload=Workload(tokens_per_worker=16, seed=3),
-            iterations=5,
+            workload=PacedWorkload(tokens_per_worker=16, seed=3, pace_s=0.1),
+            iterations=40,
             verify=True,
             allocate=False,
-            # back to A's experts at 3: the slot half overwritten at 2 held an A expert, and a fill that
-            # trusted its old tag would skip the copy and compute with half A, half B
-            scripted_plans={0: PLAN_A, 2: PLAN_B, 3: PLAN_A},
+            # back to A's experts at 30 (a new coordinator by then): the slot half overwritten at 2
+            # held an A expert, and a fill that trusted its old tag would skip the copy
+            scripted_plans={0: PLAN_A, 2: PLAN_B, 30: PLAN_A},
             filler=faulty_filler(fail_at_copy={failing: 0}),
+            fill_restart_delay_s=0.2,
             record=True,
             log=lines.append,
         ),
     )
     report = runtime.run()
-    assert report.iterations == 5
-    assert report.records[2].plan_ids == [2, 0]  # layer 0 on its plan, the failed layer 1 without vExperts
-    assert report.records[2].degraded_groups == 1
-    assert report.records[3].plan_ids == [3, 3] and report.records[3].degraded_groups == 0
+    assert report.iterations == 40
+    # the coordinator exits; the workers fill the half-written layer from the checkpoint themselves
+    assert report.records[2].plan_ids == [2, 2] and report.records[2].degraded_groups == 0
+    assert _metric(report.metrics_text, "vexpert_rescued_layers_total") >= 1
+    assert report.records[-1].plan_ids == [3, 3] and report.records[-1].degraded_groups == 0
     assert report.max_rel_error is not None and report.max_rel_error <= 1e-5
     assert "vexpert_slot_fill_errors_total 1.0" in report.metrics_text
-    assert any(f"slot fill of sequence {failing} failed" in line for line in lines)
+    assert any("slot fill loop died (SlotFillError" in line for line in lines), lines
     assert _assert_slots_exact(report, tmp_path) > 0
 
 

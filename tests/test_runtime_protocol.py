@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from vexpert_runtime.model.checkpoint import CheckpointReader, write_tiny_checkp
 from vexpert_runtime.model.ep_moe import plan_from_slots, table_from_plan
 from vexpert_runtime.node import NodeOptions, NodeReport, resolve_setup, run_node
 from vexpert_runtime.node.expert_pool import ExpertPool
+from vexpert_runtime.node.gpu_sync import CpuFlagOps
 from vexpert_runtime.node.protocol import Assignment, SharedState, SlotFiller, WorkerSlots, decide
 from vexpert_runtime.node.slots import row_checksum, sequence
 from vexpert_runtime.node.transport import CpuSharedMemoryTransport
@@ -50,11 +52,13 @@ def handshake(tmp_path: Path) -> dict[str, Any]:
         lambda rows, numel: torch.empty(rows, numel),
     )
     shared = SharedState.create(1, 2, multiprocessing.get_context("spawn"))
-    buffers = transport.allocate_slots(2, SPEC.expert_numel, torch.float32)
+    buffers = transport.allocate(2, SPEC.expert_numel, torch.float32, layers=2)
     abort = threading.Event()
+    generation = shared.attach_coordinator()
     # two MoE layers, one buffer of 2 slots; this process plays EP rank 1 of 2 (experts 4..7 resident)
-    filler = SlotFiller(shared, [buffers], [1], transport, num_layers=2, abort=abort)
-    worker = WorkerSlots(shared, 0, buffers, timeout_s=3.0)
+    filler = SlotFiller(shared, [buffers], [1], transport, 2, abort, generation)
+    stopping = threading.Event()
+    worker = WorkerSlots(shared, 0, buffers, 3.0, CpuFlagOps(timeout_s=5.0, interrupted=stopping.is_set))
     base = static_placement(2, 8, 2)
 
     def assignment(plan_id: int, slots_rank1: list[list[int]]) -> Assignment:
@@ -62,50 +66,71 @@ def handshake(tmp_path: Path) -> dict[str, Any]:
         slot_expert[:, 1] = torch.tensor(slots_rank1)
         return Assignment(table_from_plan(plan_from_slots(base, slot_expert), plan_id), pool)
 
-    yield {"filler": filler, "worker": worker, "assignment": assignment, "pool": pool, "abort": abort}
+    def fill(iteration: int, plan: Assignment) -> None:
+        filling = filler.publish(iteration, plan.table.plan_id, 4, False)
+        assert filling is not None
+        for layer in range(2):
+            filler.fill_layer(iteration * 2 + layer, layer, plan, filling)
+
+    yield {"filler": filler, "worker": worker, "assignment": assignment, "pool": pool, "abort": abort,
+           "fill": fill, "shared": shared}
     abort.set()
+    stopping.set()
 
 
 def _checksums(worker: WorkerSlots) -> list[str]:
     return [row_checksum(worker.slot(s)) for s in range(2)]
 
 
+def _run_iteration(worker: WorkerSlots, iteration: int) -> None:
+    header, _ = worker.begin(iteration)
+    assert header is not None
+    for layer in range(2):
+        worker.acquire(layer)
+        worker.release(layer)
+    worker.finish(iteration)
+
+
 def test_worker_waits_for_a_late_fill(handshake: dict[str, Any]) -> None:
     filler, worker, pool = handshake["filler"], handshake["worker"], handshake["pool"]
-    plan = handshake["assignment"](1, [[0, 2], [1, 3]])
-    timer = threading.Timer(0.4, filler.fill, args=(0, plan, 5, False))
+    plan = handshake["assignment"](1, [[0, -1], [-1, 3]])
+    filling = filler.publish(0, 1, 5, False)
+    assert filling == [True]
+    header, _ = worker.begin(0)
+    assert header is not None and (header.iteration, header.plan_id, header.k, header.stop) == (0, 1, 5, False)
+    timer = threading.Timer(0.4, filler.fill_layer, args=(0, 0, plan, filling))
     timer.start()
-    ready, header, waited = worker.acquire(0)
+    started = time.perf_counter()
+    worker.acquire(0)  # layer 0's slots are not filled yet: the worker waits for its FULL flag
     timer.join()
-    assert ready and waited >= 0.35
-    assert header is not None and (header.plan_id, header.k, header.stop) == (1, 5, False)
-    assert _checksums(worker) == [row_checksum(pool.row(0, 0)), row_checksum(pool.row(0, 2))]
+    assert time.perf_counter() - started >= 0.35
+    assert _checksums(worker)[0] == row_checksum(pool.row(0, 0))
     worker.check_tags(0, plan.table, 0, rank=1)
 
 
 def test_coordinator_never_overwrites_a_slot_in_use(handshake: dict[str, Any]) -> None:
-    filler, worker, pool = handshake["filler"], handshake["worker"], handshake["pool"]
+    filler, worker, pool, fill = handshake["filler"], handshake["worker"], handshake["pool"], handshake["fill"]
     # alternating layout: layer 0 in slot 0 (bottom), layer 1 in slot 1 (top) — adjacent layers disjoint
     first = handshake["assignment"](1, [[0, -1], [-1, 3]])
     second = handshake["assignment"](2, [[1, -1], [-1, 2]])
-    filler.fill(0, first, 4, False)
-    filler.fill(1, first, 4, False)  # slot 1: not used by layer 0, no wait for its release
-    assert worker.acquire(0)[0]
+    fill(0, first)
+    _run_iteration(worker, 0)
+    fill(1, first)
+    assert worker.begin(1)[0] is not None
+    worker.acquire(0)  # computing layer 0 of iteration 1 with slot 0
     in_use = _checksums(worker)
-    writer = threading.Thread(target=filler.fill, args=(2, second, 4, False))  # slot 0 again
+    assert filler.publish(2, 2, 4, False) == [True]  # iteration 0 is finished: 2 may be published
+    writer = threading.Thread(target=filler.fill_layer, args=(4, 0, second, [True]))  # slot 0 again
     writer.start()
     writer.join(timeout=0.4)
-    assert writer.is_alive(), "the coordinator must wait until sequence 0 is released"
+    assert writer.is_alive(), "the coordinator must wait until layer 0 of iteration 1 is released"
     assert _checksums(worker) == in_use
     worker.release(0)
     writer.join(timeout=3)
     assert not writer.is_alive()
-    ready, header, _ = worker.acquire(2)
-    assert ready and header is not None and header.plan_id == 2
     assert _checksums(worker)[0] == row_checksum(pool.row(0, 1))
-    assert _checksums(worker)[1] == in_use[1]  # layer 1's slot untouched: sequence 1 not yet released
-    with pytest.raises(RuntimeError, match="protocol violated"):
-        worker.check_tags(2, first.table, 0, rank=1)  # plan 1's expert is no longer there
+    worker.acquire(1)  # layer 1 of iteration 1 still computes with its own slot, untouched
+    assert _checksums(worker)[1] == in_use[1] == row_checksum(pool.row(1, 3))
 
 
 def test_overlapping_adjacent_layers_wait_for_the_previous_layer(handshake: dict[str, Any]) -> None:
@@ -113,54 +138,109 @@ def test_overlapping_adjacent_layers_wait_for_the_previous_layer(handshake: dict
     scripted plan can): layer 1's fill waits until layer 0 is released, never overwrites it."""
     filler, worker, pool = handshake["filler"], handshake["worker"], handshake["pool"]
     plan = handshake["assignment"](1, [[0, 2], [1, 3]])  # both layers use both slots
-    filler.fill(0, plan, 4, False)
-    assert worker.acquire(0)[0]
-    writer = threading.Thread(target=filler.fill, args=(1, plan, 4, False))
+    filling = filler.publish(0, 1, 4, False)
+    assert filling is not None
+    filler.fill_layer(0, 0, plan, filling)
+    worker.begin(0)
+    worker.acquire(0)
+    writer = threading.Thread(target=filler.fill_layer, args=(1, 1, plan, filling))
     writer.start()
     writer.join(timeout=0.4)
     assert writer.is_alive() and _checksums(worker) == [row_checksum(pool.row(0, 0)), row_checksum(pool.row(0, 2))]
     worker.release(0)
     writer.join(timeout=3)
-    assert not writer.is_alive() and worker.acquire(1)[0]
+    assert not writer.is_alive()
+    worker.acquire(1)
     assert _checksums(worker) == [row_checksum(pool.row(1, 1)), row_checksum(pool.row(1, 3))]
 
 
-def test_coordinator_runs_at_most_one_layer_ahead(handshake: dict[str, Any]) -> None:
-    filler, worker = handshake["filler"], handshake["worker"]
+def test_coordinator_runs_at_most_one_iteration_ahead(handshake: dict[str, Any]) -> None:
+    filler, worker, fill = handshake["filler"], handshake["worker"], handshake["fill"]
     plan = handshake["assignment"](1, [[0, -1], [-1, 3]])
-    filler.fill(0, plan, 4, False)
-    filler.fill(1, plan, 4, False)
-    writer = threading.Thread(target=filler.fill, args=(2, plan, 4, False))
-    writer.start()
-    writer.join(timeout=0.3)
-    assert writer.is_alive(), "sequence 2 is filled only once sequence 0 is released"
+    fill(0, plan)
+    assert filler.publish(1, 1, 4, False) == [True]  # one iteration ahead of the (idle) worker: fine
+    publisher = threading.Thread(target=filler.publish, args=(2, 1, 4, False))
+    publisher.start()
+    publisher.join(timeout=0.3)
+    assert publisher.is_alive(), "iteration 2 is published only once iteration 0 is finished"
+    _run_iteration(worker, 0)
+    publisher.join(timeout=3)
+    assert not publisher.is_alive()
+
+
+def test_a_late_iteration_is_claimed_and_never_filled(handshake: dict[str, Any]) -> None:
+    filler, worker = handshake["filler"], handshake["worker"]
+    worker.timeout_s = 0.2
+    header, waited = worker.begin(0)
+    assert header is None and waited >= 0.15  # not published in time: the worker runs it alone
+    for layer in range(2):  # its own FULL flags let it through
+        worker.acquire(layer)
+        worker.release(layer)
+    worker.finish(0)
+    assert filler.publish(0, 1, 4, False) == [False]  # the coordinator must not fill a claimed iteration
+    assert filler.publish(1, 1, 4, False) == [True]
+
+
+def test_a_dead_publisher_is_rescued_by_the_worker(handshake: dict[str, Any]) -> None:
+    filler, worker, pool, shared = handshake["filler"], handshake["worker"], handshake["pool"], handshake["shared"]
+    plan = handshake["assignment"](1, [[0, -1], [-1, 3]])
+    filling = filler.publish(0, 1, 4, False)
+    assert filling is not None
+    filler.fill_layer(0, 0, plan, filling)  # the coordinator dies before filling layer 1
+    worker.ops = CpuFlagOps(timeout_s=5.0, interrupted=worker.publisher_gone)
+    worker.begin(0)
     worker.acquire(0)
     worker.release(0)
-    writer.join(timeout=3)
-    assert not writer.is_alive()
+    rescued: list[int] = []
+
+    def rescue(layer: int) -> None:
+        rescued.append(layer)
+        worker.slot(1).copy_(pool.row(1, 3))
+        worker.ops.write(None, worker.buffers.flags, layer, 1, 1)
+
+    threading.Timer(0.2, shared.detach_coordinator).start()
+    worker.acquire(1, rescue)
+    assert rescued == [1] and _checksums(worker)[1] == row_checksum(pool.row(1, 3))
+    assert shared.attach_coordinator() == 2 and not shared.publisher_alive(1)
 
 
-def test_timeout_then_the_coordinator_skips_a_sequence_nobody_waits_for(handshake: dict[str, Any]) -> None:
-    filler, worker = handshake["filler"], handshake["worker"]
-    plan = handshake["assignment"](1, [[0, 2], [1, 3]])
-    worker.timeout_s = 0.2
-    ready, header, waited = worker.acquire(0)
-    assert not ready and header is None and waited >= 0.15
-    worker.release(0)  # the worker ran the group degraded and moved on
-    copies = filler.stats.copies
-    filler.fill(0, plan, 4, False)
-    assert filler.stats.copies == copies  # nothing copied for a group already done
-    filler.fill(1, plan, 4, False)
-    assert filler.stats.copies == copies + 2
+def test_a_new_coordinator_waits_until_its_predecessors_iterations_are_finished(handshake: dict[str, Any]) -> None:
+    """The dead coordinator published iteration 0 but never claimed layer 1's flags: FREE[1] is 1 while
+    the worker will still rescue and read layer 1's slots. A successor must not write any slot
+    before the worker finished iteration 0."""
+    filler, worker, pool, shared = handshake["filler"], handshake["worker"], handshake["pool"], handshake["shared"]
+    plan = handshake["assignment"](1, [[0, 2], [1, 3]])  # both layers use both slots
+    filling = filler.publish(0, 1, 4, False)
+    assert filling is not None
+    filler.fill_layer(0, 0, plan, filling)
+    shared.detach_coordinator()  # dies before layer 1
+    successor = SlotFiller(shared, filler.buffers, [1], filler.transport, 2, handshake["abort"],
+                           shared.attach_coordinator(), resume_iteration=shared.resume_iteration())
+    assert successor.resume_iteration == 1
+    publisher = threading.Thread(target=successor.publish, args=(1, 1, 4, False))
+    publisher.start()
+    publisher.join(timeout=0.3)
+    assert publisher.is_alive(), "iteration 0 is not finished: the successor must not start filling"
+    worker.ops = CpuFlagOps(timeout_s=5.0, interrupted=worker.publisher_gone)
+    worker.begin(0)
+    for layer in range(2):
+        def rescue(layer: int) -> None:
+            worker.slot(0).copy_(pool.row(layer, 1))
+            worker.slot(1).copy_(pool.row(layer, 3))
+            worker.ops.write(None, worker.buffers.flags, layer, 1, 1)
+        worker.acquire(layer, rescue)
+        worker.release(layer)
+    worker.finish(0)
+    publisher.join(timeout=3)
+    assert not publisher.is_alive()
 
 
 def test_unchanged_slots_are_not_copied_again(handshake: dict[str, Any]) -> None:
-    filler, worker = handshake["filler"], handshake["worker"]
+    filler, worker, fill = handshake["filler"], handshake["worker"], handshake["fill"]
     plan = handshake["assignment"](1, [[0, -1], [-1, 3]])
-    for seq in range(6):
-        filler.fill(seq, plan, 4, False)
-        worker.acquire(seq)
-        worker.release(seq)
+    for iteration in range(3):
+        fill(iteration, plan)
+        _run_iteration(worker, iteration)
     # layer 0 always in slot 0, layer 1 always in slot 1: only the first iteration copies
     assert filler.stats.copies == 2
     assert filler.stats.bytes_streamed == 2 * SPEC.expert_numel * 4
@@ -287,7 +367,7 @@ def test_timeout_runs_degraded_instead_of_hanging(tmp_path: Path) -> None:
             verify=True,
             allocate=False,
             scripted_plans={0: plan},
-            filler=faulty_filler(delays={sequence(1, 0, 2): 1.0}),
+            filler=faulty_filler(publish_delays={1: 0.5}),  # iteration 1 is published too late
         ),
     )
     assert report.degraded_groups >= 1

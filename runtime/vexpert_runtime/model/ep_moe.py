@@ -265,6 +265,7 @@ def ep_moe_layer(
     group: dist.ProcessGroup | None,
     after_compute: Callable[[], None] | None = None,
     stacks: ExpertStacks | None = None,
+    slot_wait: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, LayerStats]:
     """One MoE layer on this rank's tokens, expert-parallel.
 
@@ -274,9 +275,10 @@ def ep_moe_layer(
         local_weight: j ↦ packed weights [3·I·H] of local expert j (base 0..E/N−1, slot E/N + s).
         expert_fn: (rows [T, H], packed weights) ↦ [T, H].
         shared_out: [B, H] shared-expert output or None.
+        slot_wait: called once per call before any slot expert is computed; the worker waits there
+            until the layer's slots are filled (on a GPU: a wait enqueued on its stream).
         after_compute: called once the expert compute is enqueued (before the combine); the worker
-            releases its slot buffer there (on a GPU after synchronizing its stream, see
-            :meth:`WorkerSlots.release`).
+            marks the layer's slots free there (on a GPU: a flag write enqueued on its stream).
         stacks: the same local experts as stacked packed rows; where grouped GEMMs run (CUDA, bf16/fp16,
             or ``stacks.grouped``) the compute is two grouped GEMMs per stack instead of a loop.
     Every tensor lives on ``x.device`` (CPU with gloo, CUDA with NCCL); the table is moved there.
@@ -302,6 +304,8 @@ def ep_moe_layer(
     local_of_row = torch.repeat_interleave(torch.arange(num_local, device=device).repeat(world), recv_matrix.reshape(-1))
     by_expert = torch.argsort(local_of_row, stable=True)
     computed = torch.bincount(local_of_row, minlength=num_local)
+    if slot_wait is not None:
+        slot_wait()
     grouped = stacks is not None and (stacks.grouped if stacks.grouped is not None else uses_grouped_gemm(rows))
     if stacks is not None and grouped:
         results = _grouped_compute(rows, local_of_row, stacks, table.experts_per_gpu, num_local)

@@ -3,22 +3,25 @@
 ``vexpert node`` (:class:`~vexpert_runtime.node.NodeRuntime`) is the supervisor: it owns the shared
 protocol state (:class:`~vexpert_runtime.node.protocol.SharedState`), the workers, the allocator, the
 metrics and the verification, and runs this process as a child that it restarts with backoff when it
-dies. The workers do not depend on it: while it is down they run every group on their base experts
-(``vexpert_degraded`` 1), with outputs equal to the reference.
+dies. The workers do not depend on it: while it is down they run every iteration on their base
+experts (``vexpert_degraded`` 1), and they fill the layers a dead coordinator left half done from the
+checkpoint themselves, so outputs stay equal to the reference.
 
 A coordinator attaches the same way at start and after a restart:
 
 1. it re-opens every worker's slot buffers from the handles the workers exported (CPU: shared-memory
    tensors; GPU: CUDA IPC handles, opened only here, never in the supervisor);
 2. it builds its pool from the checkpoint (the experts the supervisor's latest plan pools);
-3. it reads where the workers are (:meth:`SharedState.resume_seq`), marks itself attached and starts
-   its fill loop there: filling resumes mid-iteration if need be, with the supervisor's latest plan.
+3. it attaches (a new generation, :meth:`SharedState.attach_coordinator`) and starts its fill loop at
+   the first iteration no worker has seen (:meth:`SharedState.resume_iteration`), with the
+   supervisor's latest plan.
 
 Messages (:mod:`~vexpert_runtime.node.messages`) go over one pipe to the supervisor, a new pipe per
 coordinator, so nothing a killed one half-wrote can wedge the next.
 
-If only the fill *thread* dies, this process restarts it itself with backoff at the sequence the
-workers reached.
+If its fill loop fails, this process exits (after telling the supervisor why): a fresh process and
+the workers' rescue recover cleanly, where a loop restarted in place would race the workers' rescue
+for the iteration it left half filled.
 """
 
 from __future__ import annotations
@@ -45,19 +48,17 @@ from vexpert_runtime.node.messages import (
     Attached,
     CoordinatorFailed,
     Exit,
-    FillFailed,
     FillLoopDied,
-    FillLoopRestarted,
     FillTotals,
     NewPlan,
     PlanSwitched,
     SetInterval,
 )
 from vexpert_runtime.node.protocol import Assignment, FillLoop, FillStats, SharedState, SlotFiller
+from vexpert_runtime.node.slots import SlotBuffers
 from vexpert_runtime.node.transport import make_transport
 
 STATS_INTERVAL_S = 0.1
-RECENT_PLANS = 4  # plans kept to finish an iteration under its own plan after a fill-loop restart
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -91,7 +92,6 @@ class CoordinatorArgs:
     scripted: dict[int, tuple[RoutingTable, torch.Tensor]] = field(default_factory=dict)  # iteration → plan (tests)
     k: int = 1
     filler: Callable[..., SlotFiller] = SlotFiller  # builds the fill loop's filler (picklable)
-    restart_delay_s: float = 1.0
 
 
 def coordinator_main(args: CoordinatorArgs) -> None:
@@ -119,14 +119,11 @@ class Coordinator:
         self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # fill thread → pipe
         self.k = args.k
         self.last_plan = -1
-        self.recent: dict[int, Assignment] = {}  # plans the fill loop took, newest last (fill thread)
         self.loop: FillLoop | None = None
-        self.restart_at: float | None = None
-        self.restarts = 0
         self.pool: ExpertPool | None = None
         self.filler: SlotFiller | None = None
-        self.stats = FillStats()  # running totals across fill-loop restarts
-        self.buffers: list[torch.Tensor] = []
+        self.stats = FillStats()
+        self.buffers: list[SlotBuffers] = []
 
     # -- pool ---------------------------------------------------------------------------------
 
@@ -147,17 +144,12 @@ class Coordinator:
 
     # -- fill loop callbacks (fill thread) ----------------------------------------------------
 
-    def _take_plan(self, iteration: int, prefer: int | None = None) -> Assignment:
+    def _take_plan(self, iteration: int) -> Assignment:
         with self.lock:
             assignment = self.current
             due = [i for i in self.scripted if i <= iteration]
             if due:
                 assignment = self.scripted[max(due)]
-            if prefer is not None and prefer in self.recent:  # finish an iteration under its plan
-                assignment = self.recent[prefer]
-        self.recent[assignment.table.plan_id] = assignment
-        while len(self.recent) > RECENT_PLANS:
-            self.recent.pop(next(iter(self.recent)))
         if assignment.table.plan_id != self.last_plan:
             self.last_plan = assignment.table.plan_id
             self.outbox.put(PlanSwitched(iteration, assignment.table.plan_id))
@@ -167,22 +159,17 @@ class Coordinator:
         stop_at = int(self.args.shared.stop_at[0])
         return self.k, 0 <= stop_at <= iteration
 
-    def _on_failure(self, seq: int, exc: BaseException) -> None:
-        self.outbox.put(FillFailed(seq, str(exc)))
-
     def _start_loop(self) -> int:
-        seq = self.args.shared.resume_seq()
+        shared = self.args.shared
+        generation = shared.attach_coordinator()
+        iteration = shared.resume_iteration()
         self.filler = self.args.filler(
-            self.args.shared, self.buffers, self.args.ranks, self.transport, self.spec.num_layers, self.abort, resume_seq=seq,
-            stats=self.stats,
+            shared, self.buffers, self.args.ranks, self.transport, self.spec.num_layers, self.abort, generation,
+            stats=self.stats, resume_iteration=iteration,
         )
-        iteration, layer = divmod(seq, self.spec.num_layers)
-        self.loop = FillLoop(
-            self.filler, self._take_plan, self._control, iteration, self._on_failure, layer,
-            resume_plan=self.args.shared.announced_plan(seq - 1) if layer else None,
-        )
+        self.loop = FillLoop(self.filler, self._take_plan, self._control, iteration)
         self.loop.start()
-        return seq
+        return iteration
 
     # -- main -----------------------------------------------------------------------------------
 
@@ -193,9 +180,8 @@ class Coordinator:
         self.pool = ExpertPool.build(experts, self.spec.num_experts, self.spec.expert_numel, self._load, self._alloc)
         self.current = Assignment(table, self.pool)
         self.scripted = {i: self._assignment(t, e) for i, (t, e) in args.scripted.items()}
-        args.shared.set_coordinator(True)
-        seq = self._start_loop()
-        args.conn.send(Attached(os.getpid(), seq))
+        iteration = self._start_loop()
+        args.conn.send(Attached(os.getpid(), iteration))
         sent = (-1, -1.0)
         next_stats = 0.0
         try:
@@ -208,7 +194,11 @@ class Coordinator:
                     if isinstance(msg, Exit):
                         return
                     self._handle(msg)
-                self._watch_loop()
+                if self.loop is not None and self.loop.error is not None:
+                    # Its iteration is half filled: exit, so the node marks this coordinator gone and
+                    # the workers rescue what it left (a restarted loop here would race them).
+                    self.outbox.put(FillLoopDied(repr(self.loop.error)))
+                    raise SystemExit(1)
                 while True:
                     try:
                         args.conn.send(self.outbox.get_nowait())
@@ -230,8 +220,11 @@ class Coordinator:
                 pass
             with contextlib.suppress(OSError):
                 args.conn.send(FillTotals(self.stats.bytes_streamed, self.stats.copy_s))
-            if args.device == "cuda":  # drop the IPC mappings before the workers may free their slots
-                torch.cuda.synchronize()
+            # Let enqueued copies land before the IPC mappings go (the workers free their buffers only
+            # after this process exited). Bounded: a fill enqueued for an iteration the workers
+            # stopped before waits for a FREE flag that will never be set.
+            for opened in self.buffers:
+                self.transport.drain(opened, timeout_s=2.0)
                 if self.filler is not None:
                     self.filler.buffers = []
                 self.buffers = []
@@ -246,16 +239,3 @@ class Coordinator:
         elif isinstance(msg, SetInterval):
             self.k = msg.k
 
-    def _watch_loop(self) -> None:
-        """The fill thread died: workers serve on their base experts until it is restarted (backoff)
-        at the sequence they reached."""
-        loop, now = self.loop, time.monotonic()
-        if loop is not None and loop.error is not None and self.restart_at is None:
-            delay = min(30.0, self.args.restart_delay_s * 2 ** min(self.restarts, 5))
-            self.outbox.put(FillLoopDied(repr(loop.error), delay))
-            self.restart_at = now + delay
-        if self.restart_at is not None and now >= self.restart_at and not self.abort.is_set():
-            self.restart_at = None
-            self.restarts += 1
-            seq = self._start_loop()
-            self.outbox.put(FillLoopRestarted(seq // self.spec.num_layers))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,6 +37,10 @@ _WRITE_VALUE_DEFAULT = 0x0
 
 class FlagTimeout(TimeoutError):
     """A CPU-twin wait gave up (the other side is gone or late)."""
+
+
+class FlagWaitInterrupted(RuntimeError):
+    """A CPU-twin wait was interrupted by its ``interrupted()`` check (shutdown, the other side died)."""
 
 
 def allocate_flags(ring: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -65,19 +70,28 @@ class FlagOps(ABC):
 
 class CpuFlagOps(FlagOps):
     """CPU twin: flags in shared memory, waits poll (x86 stores are seen in order, and the copy
-    before ``FULL ← 1`` is a plain memcpy in the same thread)."""
+    before ``FULL ← 1`` is a plain memcpy in the same thread). A wait gives up with
+    :class:`FlagTimeout` after ``timeout_s`` (None: never) or :class:`FlagWaitInterrupted` once
+    ``interrupted()`` is true; polls back off from ``poll_s`` to 1 ms so idle waiters leave the CPU
+    to the side they wait for."""
 
-    def __init__(self, timeout_s: float = 10.0, poll_s: float = 5e-5) -> None:
+    def __init__(self, timeout_s: float | None = 10.0, poll_s: float = 5e-5,
+                 interrupted: Callable[[], bool] | None = None) -> None:
         self.timeout_s = timeout_s
         self.poll_s = poll_s
+        self.interrupted = interrupted
 
     def wait_eq(self, stream: Any, flags: torch.Tensor, buffer: int, which: int, value: int) -> None:
-        deadline = time.monotonic() + self.timeout_s
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        pause = self.poll_s
         while int(flags[buffer, which]) != value:
-            if time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() > deadline:
                 name = "FREE" if which == FREE else "FULL"
                 raise FlagTimeout(f"buffer {buffer}: {name} did not become {value} within {self.timeout_s} s")
-            time.sleep(self.poll_s)
+            if self.interrupted is not None and self.interrupted():
+                raise FlagWaitInterrupted(f"wait on flag ({buffer}, {which}) == {value} interrupted")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
     def write(self, stream: Any, flags: torch.Tensor, buffer: int, which: int, value: int) -> None:
         flags[buffer, which] = value

@@ -6,8 +6,8 @@
 * supervisor → worker (its control queue): a :class:`~vexpert_runtime.model.ep_moe.RoutingTable`
   before any header announces it, and :class:`Bye` once the coordinator dropped its CUDA IPC mappings;
 * supervisor → coordinator (its pipe): :class:`NewPlan`, :class:`SetInterval`, :class:`Exit`;
-* coordinator → supervisor: :class:`Attached`, :class:`PlanSwitched`, :class:`FillFailed`,
-  :class:`FillLoopDied`, :class:`FillLoopRestarted`, :class:`FillTotals`, :class:`CoordinatorFailed`.
+* coordinator → supervisor: :class:`Attached`, :class:`PlanSwitched`, :class:`FillLoopDied`,
+  :class:`FillTotals`, :class:`CoordinatorFailed`.
 
 Everything here is plain data (pickled through ``multiprocessing`` queues and pipes).
 """
@@ -57,6 +57,7 @@ class IterationDone:
     output: np.ndarray | None = None
     computed: list[list[int]] | None = None
     slot_checksums: list[list[str]] | None = None
+    rescued_layers: int = 0  # layers this worker filled itself (their coordinator died)
 
 
 @dataclass(frozen=True)
@@ -126,10 +127,10 @@ class Exit:
 
 @dataclass(frozen=True)
 class Attached:
-    """A coordinator opened the slots, built its pool and resumed filling at ``seq``."""
+    """A coordinator opened the slots, built its pool and resumed publishing at ``iteration``."""
 
     pid: int
-    seq: int
+    iteration: int
 
 
 @dataclass(frozen=True)
@@ -139,22 +140,10 @@ class PlanSwitched:
 
 
 @dataclass(frozen=True)
-class FillFailed:
-    """One layer sequence's fill failed; that layer runs without its vExperts."""
-
-    seq: int
-    error: str
-
-
-@dataclass(frozen=True)
 class FillLoopDied:
+    """The fill loop failed; its coordinator exits (the workers rescue what it left unfilled)."""
+
     error: str
-    restart_in_s: float
-
-
-@dataclass(frozen=True)
-class FillLoopRestarted:
-    iteration: int
 
 
 @dataclass(frozen=True)

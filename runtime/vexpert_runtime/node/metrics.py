@@ -84,7 +84,12 @@ class NodeMetrics:
         self.reloads = Counter("vexpert_config_reloads_total", "Config file reloads applied", registry=reg)
         self.reload_errors = Counter("vexpert_config_reload_errors_total", "Config file reloads rejected", registry=reg)
         self.slot_fill_errors = Counter(
-            "vexpert_slot_fill_errors_total", "Slot fills that failed (the group ran on the static placement)", registry=reg
+            "vexpert_slot_fill_errors_total", "Fill loops that failed (their coordinator exited and was restarted)", registry=reg
+        )
+        self.rescued_layers = Counter(
+            "vexpert_rescued_layers_total",
+            "Layers a worker filled from the checkpoint itself because the coordinator that announced them died",
+            registry=reg,
         )
         self.fill_loop_restarts = Counter(
             "vexpert_fill_loop_restarts_total", "Times the coordinator's slot fill loop died and was restarted", registry=reg

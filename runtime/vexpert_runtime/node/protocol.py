@@ -1,54 +1,44 @@
-"""Coordinator–worker slot-fill protocol (one module; the copy mechanism is a :class:`SlotTransport`).
+"""Coordinator–worker slot protocol: a header per iteration on the host, two flags per layer next to
+the slots (one module; copies and flag operations go through a :class:`SlotTransport`).
 
-Each worker owns **one** slot buffer of ``S = G·vmax`` expert slots (the paper's L1 memory). The
-unit of the protocol is one MoE layer of one iteration, the *layer sequence* ``q = t·L + l``; the
-coordinator fills ``q`` while the worker computes ``q − 1`` (layer-ahead streaming). The allocator lays
-adjacent layers out on disjoint slots (even layers from slot 0 up, odd layers from slot S − 1 down, with
-``V_l + V_{l+1} ≤ S``), so that overlap never waits; when two adjacent layers' slots do overlap (a plan
-switch, a scripted plan) the fill simply waits until the earlier layer is released.
+Each worker owns one slot buffer of ``S = G·vmax`` expert slots with per-layer FREE/FULL flags
+(:mod:`vexpert_runtime.node.slots`). Two levels:
 
-Per worker a small shared-memory record holds::
+**Per iteration, on the host** (shared memory, per worker, under that worker's robust mutex)::
 
-    FILLED   – last layer sequence whose slots are complete (coordinator writes)
-    RELEASED – last layer sequence whose compute no longer reads any slot (worker writes)
+    PUBLISHED – last iteration whose header the coordinator published (it then fills all its layers)
+    SKIPPED   – last iteration the worker claimed to run without the coordinator
+    FINISHED  – last iteration the worker has finished (on a GPU: the device has run it)
 
-plus a ring of ``HEADERS`` headers (``HDR_SEQ, PLAN_ID, K, STOP``: which plan — routing table — the layer
-runs under, the allocation interval k, and whether to stop) indexed by ``q mod HEADERS``, and a tag per
-slot, ``(layer, expert)`` it holds. The rules:
+and a ring of ``HEADERS`` headers (``ITERATION, PLAN_ID, K, STOP, GENERATION``). At the start of
+iteration ``t`` a worker waits (at most ``slot_fill_timeout_s``, not at all while no coordinator is
+attached) until ``t`` is published; if it is not, it *claims* ``t`` (``SKIPPED = t``) under the mutex,
+so the coordinator — which publishes under the same mutex and only if ``SKIPPED < t`` — never fills
+it, and sets its own FULL flags. All workers then agree with one tiny collective (:func:`agree`): the
+plan's slots are used only if every rank has ``t`` published under the same table; otherwise the
+iteration runs on the static placement (degraded), still consuming the flags its own coordinator sets.
+The coordinator publishes ``t`` only once ``FINISHED ≥ t − AHEAD`` (it runs at most one iteration
+ahead), which also keeps the header ring safe; a new coordinator publishes nothing before every
+iteration its predecessors published is finished (the workers may be rescuing one, reading slots
+whose FREE flag was never claimed).
 
-* the coordinator fills ``q`` only after ``RELEASED ≥ q − 2`` (at most one layer ahead of the one being
-  computed, which also keeps the header ring safe) and ``RELEASED ≥`` the last sequence that used any
-  slot it is about to write (never overwrites a slot still in use); it writes the header, copies the
-  slots whose tag differs, waits until the copies have landed (on a GPU: synchronizes its copy
-  stream), then sets ``FILLED = q``;
-* a worker starts layer ``q`` only after ``FILLED ≥ q`` (never reads stale slots) and checks the tags
-  against its plan; after the layer's expert compute has completed (on a GPU: its stream is
-  synchronized) it sets ``RELEASED = q``;
-* every read or write of a worker's record happens under that worker's mutex (also the memory
-  fence), and waits sleep on a doorbell semaphore the other side rings after its write. Both survive
-  the death of either side, so the coordinator can be a separate process that is SIGKILLed and
-  restarted while the workers keep running (:mod:`vexpert_runtime.node.coordinator`): the mutex is a
-  POSIX record lock on one byte of an anonymous ``memfd`` (the kernel drops a dead process's locks;
-  a ``multiprocessing.Lock`` held by a killed process would stay held forever, and a
-  ``multiprocessing.Condition``'s notify blocks until every sleeper, dead or not, wakes), and a
-  doorbell is a plain semaphore (no owner, a dead poster or sleeper leaves nothing blocked);
-* a worker waiting longer than ``slot_fill_timeout_s`` runs the layer on the static placement
-  (degraded) instead of hanging, and while no coordinator is attached (``SharedState.coordinator``
-  0, set by the node when the coordinator process dies) it does not wait at all;
-* a new coordinator resumes at :meth:`SharedState.resume_seq`, after the last sequence any worker
-  filled or released, and treats every slot as in use until the workers released everything filled
-  before it (it does not know its predecessor's layout); it trusts no tag it did not write itself (a
-  copy in flight when its predecessor died may have been tagged already on a GPU, where copies are
-  asynchronous), so its first fill of each slot is a full copy;
-* a new plan is taken by the fill loop at an iteration boundary (layer 0): workers never wait for
-  the allocator, and all layers of one iteration use one plan;
-* a slot's tag is set to empty before its copy is enqueued and to ``(layer, expert)`` only after: a
-  fill that fails half way leaves its sequence unfilled (the workers time out and run that layer
-  degraded) and no tag that would let a later fill skip re-copying a half-written slot.
+**Per layer, next to the slots** (on a GPU: stream operations, no CPU round trip)::
 
-Workers agree on every layer's header with one tiny collective (:func:`agree`), so a worker that
-timed out, or a node whose coordinator adopted a different plan (another table), makes the whole
-layer run degraded rather than mixing plans.
+    coordinator, fill of layer l:  wait FREE[j] == 1 for every layer j whose slots l overwrites
+                                   wait FREE[l] == 1 · FREE[l] ← 0 · copies · FULL[l] ← 1
+    worker, layer l:               wait FULL[l] == 1 · FULL[l] ← 0 · compute · FREE[l] ← 1
+
+The waits on other layers' FREE flags do not consume them: FREE[j] is 1 exactly when the worker has
+finished the last use of j that the coordinator filled (the coordinator claims FREE[j] only when it
+fills j again, later on the same stream). A new coordinator knows nothing of its predecessor's
+layout, so its first fill of each worker waits for every layer's FREE flag.
+
+**A coordinator that dies** leaves published iterations half filled. Every header carries the
+coordinator's *generation* (bumped at each attach); a worker waiting for a FULL flag whose publisher
+is gone fills that layer's slots itself from the checkpoint (slow, exact) and sets the flag — the
+worker's *rescue*. A new coordinator resumes after the last iteration any worker published, skipped
+or finished, so the two never fill the same iteration. A slot's tag, ``(layer, expert)``, is
+written when its copy is enqueued and checked by the worker against its plan.
 """
 
 from __future__ import annotations
@@ -67,15 +57,17 @@ import torch.distributed as dist
 
 from vexpert_runtime.model.ep_moe import RoutingTable
 from vexpert_runtime.node.expert_pool import ExpertPool
+from vexpert_runtime.node.gpu_sync import FlagOps, FlagWaitInterrupted
+from vexpert_runtime.node.slots import DONE, FREE, FULL, STARTED, SlotBuffers
 from vexpert_runtime.node.transport import SlotTransport
 
-FILLED, RELEASED = 0, 1
-NUM_FIELDS = 2
-HDR_SEQ, PLAN_ID, K_VALUE, STOP = range(4)
-HEADER_FIELDS = 4
-HEADERS = 4  # header ring: the coordinator is at most 2 sequences ahead of the last release
+PUBLISHED, SKIPPED, FINISHED = 0, 1, 2
+NUM_FIELDS = 3
+ITERATION, PLAN_ID, K_VALUE, STOP, GENERATION = range(5)
+HEADER_FIELDS = 5
+HEADERS = 4  # header ring: the coordinator publishes at most AHEAD iterations past the last finished
+AHEAD = 2
 LAYER, EXPERT = 0, 1
-AHEAD = 2  # fill q once RELEASED ≥ q − AHEAD: q − 1 may still be computing, q − 2 is done
 
 
 class RobustLocks:
@@ -122,15 +114,15 @@ def ring(bell: Any) -> None:
 
 @dataclass
 class SharedState:
-    """The protocol's shared memory, created by the node and passed to workers (and to every
+    """The protocol's host shared memory, created by the node and passed to workers (and to every
     coordinator process) at spawn.
 
-    state: [W, NUM_FIELDS] int64 (FILLED, RELEASED); headers: [W, HEADERS, HEADER_FIELDS] int64;
-    tags: [W, S, 2] int64 ((layer, expert) per slot, −1 empty); locks: one robust mutex per local
-    worker; to_worker / to_coordinator: one doorbell semaphore per local worker and direction;
-    coordinator: [1] int64, −1 until the first coordinator attached (workers wait for it before their
-    first iteration), 1 while one is attached or restarting, 0 while none is (workers then run
-    degraded at once instead of waiting).
+    state: [W, NUM_FIELDS] int64 (PUBLISHED, SKIPPED, FINISHED); headers: [W, HEADERS, HEADER_FIELDS]
+    int64; tags: [W, S, 2] int64 ((layer, expert) per slot, −1 empty); locks: one robust mutex per
+    local worker; to_worker / to_coordinator: one doorbell semaphore per local worker and direction;
+    coordinator: [1] int64, −1 until the first coordinator attached (workers wait for it before
+    their first iteration), 1 while one is attached, 0 while none is (workers then neither wait for
+    headers nor for flags); generation: [1] int64, bumped by every coordinator that attaches.
     """
 
     state: torch.Tensor
@@ -141,14 +133,13 @@ class SharedState:
     to_coordinator: list[Any]
     stop_at: torch.Tensor  # [1] int64: first iteration not to run (−1 = none); see :meth:`request_stop`
     coordinator: torch.Tensor
+    generation: torch.Tensor
 
     @classmethod
     def create(cls, workers: int, slots: int, ctx: Any) -> SharedState:
         state = torch.full((workers, NUM_FIELDS), -1, dtype=torch.int64)
         headers = torch.full((workers, HEADERS, HEADER_FIELDS), -1, dtype=torch.int64)
         tags = torch.full((workers, max(slots, 1), 2), -1, dtype=torch.int64)
-        stop_at = torch.full((1,), -1, dtype=torch.int64)
-        coordinator = torch.full((1,), -1, dtype=torch.int64)
         return cls(
             state.share_memory_(),
             headers.share_memory_(),
@@ -156,8 +147,9 @@ class SharedState:
             RobustLocks(workers),
             [ctx.Semaphore(0) for _ in range(workers)],
             [ctx.Semaphore(0) for _ in range(workers)],
-            stop_at.share_memory_(),
-            coordinator.share_memory_(),
+            torch.full((1,), -1, dtype=torch.int64).share_memory_(),
+            torch.full((1,), -1, dtype=torch.int64).share_memory_(),
+            torch.zeros(1, dtype=torch.int64).share_memory_(),
         )
 
     @property
@@ -165,34 +157,38 @@ class SharedState:
         return int(self.state.shape[0])
 
     def request_stop(self, iteration: int) -> None:
-        """Ask workers to stop before ``iteration`` even if the fill pipeline is behind (a worker that
-        timed out never sees the stop header); they agree on it at their next iteration start."""
+        """Ask workers to stop before ``iteration`` even if the coordinator is behind; they agree on it
+        at their next iteration start."""
         current = int(self.stop_at[0])
         self.stop_at[0] = iteration if current < 0 else min(current, iteration)
 
-    def set_coordinator(self, attached: bool) -> None:
-        """Mark the coordinator attached (or starting) or gone; waiting workers are woken."""
-        self.coordinator[0] = int(attached)
+    def attach_coordinator(self) -> int:
+        """A coordinator attaches: returns its generation (the one its headers carry)."""
+        self.generation[0] += 1
+        self.coordinator[0] = 1
+        self._wake_workers()
+        return int(self.generation[0])
+
+    def detach_coordinator(self) -> None:
+        """The coordinator is gone (set by the node once its process exited): waiting workers wake,
+        stop waiting for headers and rescue the layers it left unfilled."""
+        self.coordinator[0] = 0
+        self._wake_workers()
+
+    def _wake_workers(self) -> None:
         for bell in self.to_worker:
             ring(bell)
 
     def coordinator_attached(self) -> bool:
         return int(self.coordinator[0]) != 0
 
-    def announced_plan(self, seq: int) -> int | None:
-        """The plan id in the header of sequence ``seq``, if a worker's record still holds it."""
-        if seq < 0:
-            return None
-        for worker in range(self.workers):
-            with self.locks.hold(worker):
-                row = self.headers[worker, seq % HEADERS]
-                if int(row[HDR_SEQ]) == seq:
-                    return int(row[PLAN_ID])
-        return None
+    def publisher_alive(self, generation: int) -> bool:
+        """Whether the coordinator of ``generation`` is still the attached one."""
+        return int(self.coordinator[0]) == 1 and int(self.generation[0]) == generation
 
-    def resume_seq(self) -> int:
-        """The first sequence a (new) coordinator may fill: after every sequence any worker has seen
-        filled or has released."""
+    def resume_iteration(self) -> int:
+        """The first iteration a (new) coordinator may publish: after every iteration any worker has
+        seen published, has skipped or has finished."""
         last = -1
         for worker in range(self.workers):
             with self.locks.hold(worker):
@@ -202,57 +198,136 @@ class SharedState:
 
 @dataclass(frozen=True)
 class Header:
-    """What the coordinator announces for one layer sequence."""
+    """What the coordinator announces for one iteration."""
 
-    seq: int
+    iteration: int
     plan_id: int
     k: int
     stop: bool
+    generation: int
 
 
 # ---------------------------------------------------------------------------------------------
 # Worker side
 # ---------------------------------------------------------------------------------------------
 
+Rescue = Callable[[int], None]  # layer ↦ fill this worker's slots of that layer itself, set its FULL flag
+
 
 class WorkerSlots:
-    """A worker's view of its slot buffer ``[S, D]`` and its protocol record."""
+    """A worker's side of the protocol: its slot buffers, flags and host record.
 
-    def __init__(self, shared: SharedState, worker: int, buffers: torch.Tensor, timeout_s: float) -> None:
+    ``ops``/``stream``: the flag operations and the stream they are ordered on (the worker's compute
+    stream on a GPU; None on CPU).
+    """
+
+    def __init__(self, shared: SharedState, worker: int, buffers: SlotBuffers, timeout_s: float, ops: FlagOps,
+                 stream: Any = None) -> None:
         self.shared = shared
         self.worker = worker
-        self.buffers = buffers  # [S, D]
+        self.buffers = buffers
         self.timeout_s = timeout_s
+        self.ops = ops
+        self.stream = stream
         self._bell = shared.to_worker[worker]
         self._state = shared.state[worker]
         self._headers = shared.headers[worker]
+        self.publisher: int | None = None  # generation whose fills the current iteration consumes
+        self.layer_wait_s = 0.0  # CPU: time spent waiting for FULL flags (running total)
 
-    def acquire(self, seq: int) -> tuple[bool, Header | None, float]:
-        """Wait until sequence ``seq``'s slots are filled (or the timeout passes).
+    @property
+    def num_layers(self) -> int:
+        return int(self.buffers.flags.shape[0])
 
-        Returns (ready, header or None if not even the header arrived, seconds waited). Does not wait
-        while no coordinator is attached.
+    def begin(self, iteration: int) -> tuple[Header | None, float]:
+        """Start ``iteration``: wait until the coordinator published it (or the timeout passes, or no
+        coordinator is attached), else claim it and set this worker's FULL flags itself.
+
+        Returns (header, or None when this worker runs the iteration without the coordinator;
+        seconds waited).
         """
         start = time.perf_counter()
         deadline = start + self.timeout_s
         locks = self.shared.locks
+        header: Header | None = None
         while True:
             with locks.hold(self.worker):
-                filled = int(self._state[FILLED])
-                row = self._headers[seq % HEADERS].tolist()
-            ready = filled >= seq
-            remaining = deadline - time.perf_counter()
-            if ready or remaining <= 0 or not self.shared.coordinator_attached():
+                if int(self._state[PUBLISHED]) >= iteration:
+                    header = self._header(iteration)
+                elif not self.shared.coordinator_attached() or time.perf_counter() >= deadline:
+                    self._state[SKIPPED] = iteration  # the coordinator will not publish it now
+            if header is not None or int(self._state[SKIPPED]) >= iteration:
                 break
-            self._bell.acquire(True, min(remaining, 0.1))
-        waited = time.perf_counter() - start
-        header = None
-        if row[HDR_SEQ] == seq:
-            header = Header(seq, row[PLAN_ID], row[K_VALUE], bool(row[STOP]))
-        return ready, header, waited
+            self._bell.acquire(True, min(max(deadline - time.perf_counter(), 0.001), 0.1))
+        self._write_progress(STARTED, 0)
+        self._write_progress(DONE, 0)
+        if header is None:
+            self.publisher = None
+            for layer in range(self.num_layers):
+                self.ops.write(self.stream, self.buffers.flags, layer, FULL, 1)
+        else:
+            self.publisher = header.generation
+        return header, time.perf_counter() - start
+
+    def _header(self, iteration: int) -> Header:
+        row = self._headers[iteration % HEADERS].tolist()
+        if row[ITERATION] != iteration:
+            raise RuntimeError(f"header of iteration {iteration} was overwritten (holds {row[ITERATION]}): protocol violated")
+        return Header(row[ITERATION], row[PLAN_ID], row[K_VALUE], bool(row[STOP]), row[GENERATION])
+
+    def publisher_gone(self) -> bool:
+        """Whether the coordinator whose fills this iteration consumes is no longer attached."""
+        return self.publisher is not None and not self.shared.publisher_alive(self.publisher)
+
+    def acquire(self, layer: int, rescue: Rescue | None = None) -> None:
+        """Before layer ``layer``'s slot compute: wait until its slots are filled, consume the mark.
+
+        On CPU the wait polls and, if the publisher dies meanwhile, calls ``rescue(layer)`` (which
+        fills the slots and sets FULL) and goes on. On a GPU the wait is enqueued on the stream; the
+        worker's watchdog rescues a stalled GPU (:meth:`stalled_layer`).
+        """
+        flags = self.buffers.flags
+        start = time.perf_counter()
+        while True:
+            try:
+                self.ops.wait_eq(self.stream, flags, layer, FULL, 1)
+                break
+            except FlagWaitInterrupted:
+                if rescue is None:
+                    raise
+                rescue(layer)
+        if self.stream is None:  # on a GPU the wait is only enqueued: nothing to time here
+            self.layer_wait_s += time.perf_counter() - start
+        self.ops.write(self.stream, flags, layer, FULL, 0)
+        self._write_progress(STARTED, layer + 1)
+
+    def release(self, layer: int) -> None:
+        """After layer ``layer``'s slot compute (enqueued on the stream): its slots are free again."""
+        self.ops.write(self.stream, self.buffers.flags, layer, FREE, 1)
+        self._write_progress(DONE, layer + 1)
+
+    def finish(self, iteration: int) -> None:
+        """Every layer of ``iteration`` has run (on a GPU: call it once the device got there)."""
+        with self.shared.locks.hold(self.worker):
+            if int(self._state[FINISHED]) < iteration:
+                self._state[FINISHED] = iteration
+        ring(self.shared.to_coordinator[self.worker])
+
+    def _write_progress(self, which: int, value: int) -> None:
+        self.ops.write(self.stream, self.buffers.progress, 0, which, value)
+
+    def stalled_layer(self, read: Callable[[torch.Tensor], torch.Tensor]) -> int | None:
+        """The layer a GPU waits on for a FULL flag that is not set, or None: the previous layer's
+        slot compute is done (no slot is being read) and this one has not consumed its flag.
+        ``read`` copies a device tensor to the host without waiting for the compute stream."""
+        progress, flags = read(self.buffers.progress).tolist()[0], read(self.buffers.flags)
+        started, done = progress[STARTED], progress[DONE]
+        if started == done and started < self.num_layers and int(flags[started, FULL]) == 0:
+            return int(started)
+        return None
 
     def stop_requested(self, iteration: int) -> bool:
-        """Whether the coordinator asked to stop before ``iteration`` (out of band of the headers)."""
+        """Whether the node asked to stop before ``iteration`` (out of band of the headers)."""
         stop_at = int(self.shared.stop_at[0])
         return 0 <= stop_at <= iteration
 
@@ -266,37 +341,28 @@ class WorkerSlots:
             self._bell.acquire(True, min(remaining, 0.1))
         return True
 
-    def release(self, seq: int) -> None:
-        """This worker no longer reads the slots of sequence ``seq`` (nor of any earlier one).
-
-        On a GPU the compute that reads the slots was only enqueued: the worker's stream is
-        synchronized first, so the coordinator cannot overwrite a slot a GEMM still reads.
-        """
-        if self.buffers.is_cuda:
-            torch.cuda.current_stream(self.buffers.device).synchronize()
-        with self.shared.locks.hold(self.worker):
-            if int(self._state[RELEASED]) < seq:
-                self._state[RELEASED] = seq
-        ring(self.shared.to_coordinator[self.worker])
-
     def slot(self, slot: int) -> torch.Tensor:
         """Packed weights [D] in ``slot``."""
-        return self.buffers[slot]
+        return self.buffers.slots[slot]
 
-    def check_tags(self, seq: int, table: RoutingTable, layer: int, rank: int) -> None:
-        """Raise if a slot this rank will compute with does not hold the expert the plan names."""
+    def set_tag(self, slot: int, layer: int, expert: int) -> None:
+        tags = self.shared.tags[self.worker]
+        tags[slot, LAYER], tags[slot, EXPERT] = layer, expert
+
+    def check_tags(self, iteration: int, table: RoutingTable, layer: int, rank: int) -> None:
+        """Raise if a slot this rank will compute with was not filled with the expert the plan names."""
         tags = self.shared.tags[self.worker]
         for slot, expert in enumerate(table.slot_expert[layer, rank].tolist()):
             if expert >= 0 and tags[slot].tolist() != [layer, expert]:
                 raise RuntimeError(
-                    f"slot {slot} of sequence {seq} holds {tags[slot].tolist()}, plan {table.plan_id} "
+                    f"slot {slot} in iteration {iteration} holds {tags[slot].tolist()}, plan {table.plan_id} "
                     f"names layer {layer} expert {expert}: protocol violated"
                 )
 
 
 @dataclass(frozen=True)
 class Agreement:
-    """The workers' common view of one group: run with the announced plan's slots, or degraded."""
+    """The workers' common view of one iteration: run with the announced plan's slots, or degraded."""
 
     use_plan: bool
     plan_id: int
@@ -368,50 +434,59 @@ class FillStats:
     copies: int = 0
     fills: int = 0
     release_wait_s: float = 0.0
-    copy_s: float = 0.0  # from a fill's first copy enqueued until all its copies landed
-    last_seq: int = -1
+    copy_s: float = 0.0  # time the copies took (GPU: CUDA events on the copy streams, flag waits excluded)
+    last_iteration: int = -1
     plan_switches: list[tuple[int, int]] = field(default_factory=list)  # (iteration, plan id)
 
 
 class SlotFillError(RuntimeError):
-    """One sequence's fill failed; its layer runs on the static placement."""
+    """A fill failed (its coordinator exits; the workers rescue the layer)."""
+
+
+class FillAborted(Exception):
+    """The fill loop was asked to stop while waiting."""
 
 
 class SlotFiller:
-    """Writes one layer sequence's slots into every local worker's buffer."""
+    """Publishes iterations and fills each layer's slots into every local worker's buffers."""
 
     def __init__(
         self,
         shared: SharedState,
-        buffers: list[torch.Tensor],
+        buffers: list[SlotBuffers],
         ranks: list[int],
         transport: SlotTransport,
         num_layers: int,
         abort: threading.Event,
-        resume_seq: int = 0,
+        generation: int,
         stats: FillStats | None = None,
+        resume_iteration: int = 0,
     ) -> None:
         self.shared = shared
-        self.buffers = buffers  # per local worker [S, D]
+        self.buffers = buffers
         self.ranks = ranks  # EP rank of each local worker
         self.transport = transport
         self.num_layers = num_layers
         self.abort = abort
-        self.stats = stats if stats is not None else FillStats()  # running totals survive a loop restart
-        self._written: set[tuple[int, int]] = set()  # (worker, slot) this filler copied
-        # Per worker and slot the last sequence that may read it. A new filler does not know what
-        # its predecessor filled: everything before ``resume_seq`` counts as possibly in use.
-        slots = buffers[0].shape[0] if buffers else 0
-        self._last_use = [[resume_seq - 1] * slots for _ in ranks]
+        self.generation = generation
+        # Iterations before this one may have been published by a predecessor and be half filled:
+        # the workers rescue them and may still read any slot, whatever its FREE flag says.
+        self.resume_iteration = resume_iteration
+        self.stats = stats if stats is not None else FillStats()  # running totals survive a restart
+        self.ops = transport.flag_ops(abort.is_set)
+        # Per worker and slot the layer whose fill wrote it last; None: unknown (a predecessor's),
+        # so the first fill of each worker waits for every layer's FREE flag.
+        self._last_layer: list[list[int] | None] = [None for _ in ranks]
+        self._events: list[tuple[Any, Any]] = []  # GPU: (start, end) CUDA events of fills in flight
+        self._written: list[set[int]] = [set() for _ in ranks]  # slots whose tag this filler wrote (trusted)
 
-    def _wait_released(self, worker: int, until: int) -> bool:
-        """Wait until the worker released sequence ``until``; False if aborted."""
+    def _wait_finished(self, worker: int, until: int) -> bool:
         state, bell = self.shared.state[worker], self.shared.to_coordinator[worker]
         start = time.perf_counter()
         while True:
             with self.shared.locks.hold(worker):
-                released = int(state[RELEASED])
-            if released >= until:
+                finished = int(state[FINISHED])
+            if finished >= until:
                 break
             if self.abort.is_set():
                 return False
@@ -419,121 +494,133 @@ class SlotFiller:
         self.stats.release_wait_s += time.perf_counter() - start
         return True
 
-    def fill(self, seq: int, assignment: Assignment, k: int, stop: bool) -> bool:
-        """Fill sequence ``seq`` for every worker; False if aborted.
-
-        First every worker's header is written and its copies are enqueued (on GPUs they run
-        concurrently, one copy stream per GPU), then per worker the copies are waited for
-        (:meth:`SlotTransport.flush`) before ``FILLED`` is bumped: a worker never sees "filled" while
-        a copy into its buffer is still in flight.
-        """
-        layer = seq % self.num_layers
-        table, pool = assignment.table, assignment.pool
-        elem = self.buffers[0].element_size() * self.buffers[0].shape[-1] if self.buffers else 0
-        first_copy: float | None = None
-        copies_here = 0
-        for worker, rank in enumerate(self.ranks):
-            wanted = table.slot_expert[layer, rank].tolist() if not stop else []
-            used = [slot for slot, expert in enumerate(wanted) if expert >= 0]
-            last_use = self._last_use[worker]
-            busy = max([last_use[slot] for slot in used], default=-1)
-            if not self._wait_released(worker, max(seq - AHEAD, busy)):
-                return False
+    def publish(self, iteration: int, plan_id: int, k: int, stop: bool) -> list[bool] | None:
+        """Announce ``iteration`` to every worker that has not claimed it; per worker whether its
+        layers must now be filled (None: aborted)."""
+        filling = []
+        for worker in range(len(self.ranks)):
+            if not self._wait_finished(worker, max(iteration - AHEAD, self.resume_iteration - 1)):
+                return None
             with self.shared.locks.hold(worker):
-                header = self.shared.headers[worker, seq % HEADERS]
-                header[HDR_SEQ], header[PLAN_ID], header[K_VALUE], header[STOP] = seq, table.plan_id, k, int(stop)
-                behind = int(self.shared.state[worker, RELEASED]) >= seq  # the worker gave up waiting and moved on
-            tags = self.shared.tags[worker]
-            if stop or behind:
+                state = self.shared.state[worker]
+                claimed = int(state[SKIPPED]) >= iteration
+                if not claimed:
+                    header = self.shared.headers[worker, iteration % HEADERS]
+                    header[ITERATION], header[PLAN_ID], header[K_VALUE] = iteration, plan_id, k
+                    header[STOP], header[GENERATION] = int(stop), self.generation
+                    state[PUBLISHED] = iteration
+            filling.append(not claimed and not stop)
+            ring(self.shared.to_worker[worker])
+        self.stats.last_iteration = iteration
+        return filling
+
+    def fill_layer(self, seq: int, layer: int, assignment: Assignment, filling: list[bool]) -> None:
+        """Enqueue (GPU) or perform (CPU) the fill of ``layer`` for every worker in ``filling``:
+        wait until the slots it overwrites are free, copy the planned experts whose slot does not
+        hold them yet, mark the layer FULL. ``seq`` numbers the fill (faults in tests key on it)."""
+        table, pool = assignment.table, assignment.pool
+        index = 0
+        for worker, rank in enumerate(self.ranks):
+            if not filling[worker]:
                 continue
+            buffers = self.buffers[worker]
+            stream = self.transport.stream(buffers)
+            wanted = table.slot_expert[layer, rank].tolist()
+            used = [slot for slot, expert in enumerate(wanted) if expert >= 0]
+            last = self._last_layer[worker]
+            if last is None:
+                before = [j for j in range(self.num_layers) if j != layer]
+                last = self._last_layer[worker] = [-1] * buffers.slots.shape[0]
+            else:
+                before = sorted({last[slot] for slot in used} - {-1, layer})
+            try:
+                for j in before:
+                    self.ops.wait_eq(stream, buffers.flags, j, FREE, 1)
+                self.ops.wait_eq(stream, buffers.flags, layer, FREE, 1)
+            except FlagWaitInterrupted:
+                raise FillAborted from None
+            self.ops.write(stream, buffers.flags, layer, FREE, 0)
+            start = self._mark(stream)  # copy time from here: the waits above are not copying
+            tags = self.shared.tags[worker]
+            row_bytes = buffers.slots.element_size() * buffers.slots.shape[-1]
             for slot in used:
                 expert = wanted[slot]
-                last_use[slot] = seq
-                trusted = (worker, slot) in self._written  # a predecessor's tags are not
-                if trusted and tags[slot].tolist() == [layer, expert]:
-                    continue
-                if first_copy is None:
-                    first_copy = time.perf_counter()
+                last[slot] = layer
+                if slot in self._written[worker] and tags[slot].tolist() == [layer, expert]:
+                    continue  # still holds it: a predecessor's tags are not trusted (its copy may not have landed)
                 # the tag says "empty" while the copy is in flight: a fill that fails half way
                 # leaves a slot no later fill will take for a complete copy
                 tags[slot, LAYER], tags[slot, EXPERT] = -1, -1
-                self.copy(seq, copies_here, self.buffers[worker][slot], pool.row(layer, expert))
+                self.copy(seq, index, buffers.slots[slot], pool.row(layer, expert))
                 tags[slot, LAYER], tags[slot, EXPERT] = layer, expert
-                self._written.add((worker, slot))
-                self.stats.bytes_streamed += elem
+                self._written[worker].add(slot)
+                self.stats.bytes_streamed += row_bytes
                 self.stats.copies += 1
-                copies_here += 1
-        for worker in range(len(self.ranks)):
-            self.transport.flush(self.buffers[worker])
-            with self.shared.locks.hold(worker):
-                self.shared.state[worker, FILLED] = seq
-            ring(self.shared.to_worker[worker])
-        if first_copy is not None:
-            self.stats.copy_s += time.perf_counter() - first_copy
+                index += 1
+            self.ops.write(stream, buffers.flags, layer, FULL, 1)
+            self._done(stream, start)
         self.stats.fills += 1
-        self.stats.last_seq = seq
-        return True
 
     def copy(self, seq: int, index: int, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Enqueue the ``index``-th copy of sequence ``seq`` (one packed expert row)."""
+        """Enqueue the ``index``-th copy of fill ``seq`` (one packed expert row)."""
         self.transport.copy(dst, src)
+
+    def _mark(self, stream: Any) -> Any:
+        if stream is None:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def _done(self, stream: Any, start: Any) -> None:
+        if stream is None:
+            self.stats.copy_s += time.perf_counter() - start
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        self._events.append((start, end))
+        while self._events and self._events[0][1].query():  # harvest fills that have run
+            first, last = self._events.pop(0)
+            self.stats.copy_s += first.elapsed_time(last) / 1000.0
 
 
 class FillLoop(threading.Thread):
-    """The coordinator's fill pipeline: runs ahead of the workers by one layer, picking up a new plan
-    at each iteration boundary.
+    """The coordinator's fill pipeline: publishes each iteration (with the plan it takes at the
+    iteration boundary) and fills its layers, running at most one iteration ahead of the workers.
 
-    ``take_plan(iteration, prefer)`` returns the assignment for an iteration (the node's latest
-    plan, or plan id ``prefer`` if it still has it); ``control(iteration)`` returns (k, stop).
-    A fill that raises an ``Exception`` leaves its sequence unfilled (that layer runs degraded);
-    anything else ends the loop with :attr:`error` set (the coordinator restarts it).
-
-    A loop (re)started mid-iteration (``start_layer`` > 0) finishes that iteration under the plan
-    its earlier layers announced (``resume_plan``) when it still has it, and takes a stop only at
-    the next iteration boundary: the workers are inside the iteration and a stop header for a later
-    layer would leave the next iteration's first layer unfilled until their slot wait times out.
+    ``take_plan(iteration)`` returns the assignment for an iteration; ``control(iteration)`` returns
+    (k, stop). Any exception ends the loop with :attr:`error` set: the coordinator then exits, and
+    the workers rescue the layers it left unfilled.
     """
 
     def __init__(
         self,
         filler: SlotFiller,
-        take_plan: Callable[[int, int | None], Assignment],
+        take_plan: Callable[[int], Assignment],
         control: Callable[[int], tuple[int, bool]],
         start_iteration: int = 0,
-        on_failure: Callable[[int, BaseException], None] | None = None,
-        start_layer: int = 0,
-        resume_plan: int | None = None,
     ) -> None:
         super().__init__(name="vexpert-fill", daemon=True)
         self.filler = filler
         self.take_plan = take_plan
         self.control = control
         self.start_iteration = start_iteration
-        self.start_layer = start_layer  # a coordinator that re-attaches mid-iteration starts there
-        self.resume_plan = resume_plan  # the plan the start iteration's earlier layers ran under
-        self.on_failure = on_failure
-        self.failures = 0  # sequences whose fill failed (left unfilled: their layer runs degraded)
         self.error: BaseException | None = None
 
     def run(self) -> None:
+        filler = self.filler
+        iteration = self.start_iteration
         try:
-            iteration, first = self.start_iteration, self.start_layer
-            num_layers = self.filler.num_layers
-            while not self.filler.abort.is_set():
-                assignment = self.take_plan(iteration, self.resume_plan if first else None)
+            while not filler.abort.is_set():
+                assignment = self.take_plan(iteration)
                 k, stop = self.control(iteration)
-                stop = stop and first == 0
-                for layer in range(first, first + 1 if stop else num_layers):
-                    seq = iteration * num_layers + layer
-                    try:
-                        if not self.filler.fill(seq, assignment, k, stop):
-                            return
-                    except Exception as exc:  # FILLED is not bumped: the workers time out and run degraded
-                        self.failures += 1
-                        if self.on_failure is not None:
-                            self.on_failure(seq, exc)
-                if stop:
+                filling = filler.publish(iteration, assignment.table.plan_id, k, stop)
+                if filling is None or stop:
                     return
-                iteration, first = iteration + 1, 0
-        except BaseException as exc:  # surfaced by the node, which keeps serving and restarts the loop
+                for layer in range(filler.num_layers):
+                    filler.fill_layer(iteration * filler.num_layers + layer, layer, assignment, filling)
+                iteration += 1
+        except FillAborted:
+            return
+        except BaseException as exc:  # surfaced by the coordinator, which exits: the workers rescue
             self.error = exc

@@ -65,9 +65,7 @@ from vexpert_runtime.node.messages import (
     CoordinatorFailed,
     CountsWindow,
     Exit,
-    FillFailed,
     FillLoopDied,
-    FillLoopRestarted,
     FillTotals,
     IterationDone,
     NewPlan,
@@ -345,7 +343,6 @@ class NodeRuntime:
             scripted=dict(self._scripted),
             k=self._k,
             filler=options.filler,
-            restart_delay_s=options.fill_restart_delay_s,
         )
         proc = self._ctx.Process(target=coordinator_main, args=(args,), name="vexpert-coordinator", daemon=True)
         proc.start()
@@ -380,13 +377,12 @@ class NodeRuntime:
 
     def _on_coordinator(self, msg: Any) -> None:
         if isinstance(msg, Attached):
-            layers = self.setup.spec.num_layers
             self._coordinator_attached = True
             self._pool_loaded = True
             self.metrics.coordinator_up.set(1)
             if self._coordinator_down_since is not None:
                 self._log(
-                    f"coordinator {msg.pid} attached at iteration {msg.seq // layers} (sequence {msg.seq}), "
+                    f"coordinator {msg.pid} attached at iteration {msg.iteration}, "
                     f"{time.monotonic() - self._coordinator_down_since:.1f} s after its predecessor died"
                 )
                 self._coordinator_down_since = None
@@ -401,17 +397,11 @@ class NodeRuntime:
                 self._switches.append((msg.iteration, msg.plan_id))
         elif isinstance(msg, FillTotals):
             self._streamed_now, self._copy_s_now = msg.bytes_streamed, msg.copy_s
-        elif isinstance(msg, FillFailed):
-            self.metrics.slot_fill_errors.inc()
-            self._log(f"slot fill of sequence {msg.seq} failed, the layer runs without its vExperts: {msg.error}")
         elif isinstance(msg, FillLoopDied):
             self._fill_loop_down = True
+            self.metrics.slot_fill_errors.inc()
             self.metrics.degraded.set(1)
-            self._log(f"slot fill loop died ({msg.error}): serving with base experts only, restarting in {msg.restart_in_s:.1f} s")
-        elif isinstance(msg, FillLoopRestarted):
-            self._fill_loop_down = False
-            self.metrics.fill_loop_restarts.inc()
-            self._log(f"slot fill loop restarted at iteration {msg.iteration}")
+            self._log(f"slot fill loop died ({msg.error}): its coordinator exits and is restarted")
         elif isinstance(msg, CoordinatorFailed):
             lines = msg.traceback.strip().splitlines()
             self._log(f"coordinator failed: {lines[-1] if lines else '?'}")
@@ -426,9 +416,11 @@ class NodeRuntime:
             self._copy_s_done += self._copy_s_now
             self._streamed_now, self._copy_s_now = 0, 0.0
             assert self._shared is not None and self._conn is not None
-            self._shared.set_coordinator(False)
+            self._shared.detach_coordinator()
             self._conn.close()
             self._coordinator, self._conn = None, None
+            if self._fill_loop_down:  # it exited because its fill loop failed
+                self.metrics.fill_loop_restarts.inc()
             self._coordinator_attached = self._fill_loop_down = False
             self._coordinator_down_since = now
             delay = min(30.0, self.options.fill_restart_delay_s * 2 ** min(self._coordinator_restarts, 5))
@@ -546,6 +538,8 @@ class NodeRuntime:
         if msg.output is not None and self._reference is not None:
             self._pending_verify.append((iteration, rank, msg.output))
         self.metrics.slot_wait.observe(waited)
+        if msg.rescued_layers:
+            self.metrics.rescued_layers.inc(msg.rescued_layers)
         if record.reports == self.setup.local_workers:
             self.metrics.step_time.observe(record.step_s)
             self.metrics.iterations.inc()

@@ -1,33 +1,37 @@
-"""Slot transport: how the coordinator reaches the workers' L1 slot buffers.
+"""Slot transport: how the coordinator reaches the workers' L1 slots and their flags.
 
-The protocol (:mod:`vexpert_runtime.node.protocol`) only needs five operations, so the device path is
-one small class:
+A worker's L1 is a :class:`~vexpert_runtime.node.slots.SlotBuffers`: the slot rows ``[S, D]``, the
+per-layer handshake flags ``[L, 2]`` int32 and two progress counters, all on the worker's device.
+The protocol (:mod:`vexpert_runtime.node.protocol`) needs:
 
-* worker side: :meth:`SlotTransport.allocate_slots` makes the slot buffer ``[S, 3·I·H]`` and
-  :meth:`SlotTransport.export` turns it into something that crosses a ``torch.multiprocessing``
-  queue;
-* coordinator side: :meth:`SlotTransport.open` maps a worker's buffer, :meth:`SlotTransport.host_buffer`
-  allocates L2 pool memory, :meth:`SlotTransport.copy` enqueues one expert copy and
-  :meth:`SlotTransport.flush` makes every enqueued copy into one worker's buffer complete before the
-  ready signal.
+* worker side: :meth:`SlotTransport.allocate` makes the buffers and :meth:`SlotTransport.export`
+  turns them into something that crosses a ``torch.multiprocessing`` queue;
+* coordinator side: :meth:`SlotTransport.open` maps a worker's buffers, :meth:`SlotTransport.host_buffer`
+  allocates L2 pool memory, :meth:`SlotTransport.stream` is the stream every copy and flag operation
+  into one worker is ordered on, :meth:`SlotTransport.copy` enqueues one expert copy on it, and
+  :meth:`SlotTransport.flag_ops` waits on / writes the flags in that order.
 
-:class:`CpuSharedMemoryTransport` is the CPU twin: slots are shared-memory tensors (torch's
+:class:`CpuSharedMemoryTransport` is the CPU twin: buffers are shared-memory tensors (torch's
 ``file_descriptor`` strategy: the /dev/shm file is unlinked at creation, so nothing can leak), a copy
-is ``copy_`` and the ready signal's lock provides the memory fence. :class:`CudaIpcTransport` is the
-GPU path: slots in the worker's HBM shared through CUDA IPC, pinned host pool, asynchronous copies on
-one copy stream per GPU, and :meth:`~CudaIpcTransport.flush` synchronizes that stream, so the
-coordinator never signals "filled" before the copies landed.
+is ``copy_`` and a flag wait polls. :class:`CudaIpcTransport` is the GPU path: buffers in the
+worker's HBM shared through CUDA IPC, pinned host pool, asynchronous copies on one copy stream per
+GPU, flags waited on and written by the GPU itself (``cuStreamWaitValue32``/``cuStreamWriteValue32``),
+so neither side's CPU waits for the other.
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.node.gpu_sync import CpuFlagOps, CudaStreamMemOps, FlagOps
+from vexpert_runtime.node.slots import SlotBuffers
 
 
 class SlotTransport(ABC):
@@ -36,38 +40,48 @@ class SlotTransport(ABC):
     kind: str = ""
 
     @abstractmethod
-    def allocate_slots(self, slots: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Worker: a zeroed slot buffer [S, numel] the coordinator can write."""
+    def allocate(self, slots: int, numel: int, dtype: torch.dtype, layers: int) -> SlotBuffers:
+        """Worker: zeroed slots [S, numel], flags [L, 2] all FREE, progress [2] (see :class:`SlotBuffers`)."""
 
-    def export(self, buffers: torch.Tensor) -> Any:
+    def export(self, buffers: SlotBuffers) -> Any:
         """Worker: a handle for the coordinator (sent through a torch.multiprocessing queue)."""
         return buffers
 
-    def open(self, handle: Any) -> torch.Tensor:
-        """Coordinator: the worker's buffer [S, numel] from its handle."""
-        tensor: torch.Tensor = handle
-        return tensor
+    def open(self, handle: Any) -> SlotBuffers:
+        """Coordinator: the worker's buffers from its handle."""
+        buffers: SlotBuffers = handle
+        return buffers
 
     @abstractmethod
     def host_buffer(self, rows: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Coordinator: L2 pool memory [rows, numel] (pinned where it speeds up copies)."""
 
-    @abstractmethod
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Coordinator: enqueue dst ← src for one expert row."""
+    def stream(self, buffers: SlotBuffers) -> Any:
+        """The stream copies and flag operations into ``buffers`` are ordered on (None on CPU)."""
+        return None
 
     @abstractmethod
-    def flush(self, dst: torch.Tensor) -> None:
-        """Coordinator: block until every copy enqueued into ``dst`` (a worker's buffer) has landed."""
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Coordinator: enqueue dst ← src for one expert row (on :meth:`stream` of dst's buffers)."""
+
+    @abstractmethod
+    def flag_ops(self, interrupted: Callable[[], bool]) -> FlagOps:
+        """Flag operations for these buffers; CPU waits give up (:class:`~vexpert_runtime.node.gpu_sync.FlagWaitInterrupted`)
+        once ``interrupted()`` is true."""
+
+    def drain(self, buffers: SlotBuffers, timeout_s: float | None = None) -> bool:
+        """Coordinator: wait until everything enqueued into ``buffers`` has run (at most ``timeout_s``);
+        whether it has."""
+        return True
 
 
 class CpuSharedMemoryTransport(SlotTransport):
-    """CPU twin: slots are shared-memory tensors, copies are synchronous memcpy."""
+    """CPU twin: buffers are shared-memory tensors, copies are synchronous memcpy, waits poll."""
 
     kind = "cpu-shm"
 
-    def allocate_slots(self, slots: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(slots, numel, dtype=dtype).share_memory_()
+    def allocate(self, slots: int, numel: int, dtype: torch.dtype, layers: int) -> SlotBuffers:
+        return SlotBuffers.zeros(slots, numel, dtype, layers, "cpu").share_memory_()
 
     def host_buffer(self, rows: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(rows, numel, dtype=dtype)
@@ -75,21 +89,23 @@ class CpuSharedMemoryTransport(SlotTransport):
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
-    def flush(self, dst: torch.Tensor) -> None:
-        return None
+    def flag_ops(self, interrupted: Callable[[], bool]) -> FlagOps:
+        return CpuFlagOps(timeout_s=None, interrupted=interrupted)
 
 
 @dataclass(frozen=True)
 class CudaSlotHandle:
-    """A worker's slot buffers as ``torch.multiprocessing``'s CUDA IPC reduction (plain data)."""
+    """A worker's buffers as ``torch.multiprocessing``'s CUDA IPC reductions (plain data)."""
 
-    args: tuple[Any, ...]
+    slots: tuple[Any, ...]
+    flags: tuple[Any, ...]
+    progress: tuple[Any, ...]
 
 
 class CudaIpcTransport(SlotTransport):
-    """GPU path: slots live in each worker's HBM and reach the coordinator through CUDA IPC
+    """GPU path: buffers live in each worker's HBM and reach the coordinator through CUDA IPC
     (torch.multiprocessing shares CUDA tensors that way); the pool is pinned host memory and each
-    worker's copies go on their own stream. Only constructed where CUDA exists."""
+    worker's copies and flag operations go on one copy stream. Only constructed where CUDA exists."""
 
     kind = "cuda-ipc"
 
@@ -102,48 +118,62 @@ class CudaIpcTransport(SlotTransport):
             )
         self.device = torch.device("cuda", device_index)
         self._streams: dict[int, torch.cuda.Stream] = {}
+        self._ops: CudaStreamMemOps | None = None
 
-    def export(self, buffers: torch.Tensor) -> Any:
-        """The CUDA IPC handle as plain data: the node passes it on to every coordinator process it
-        starts without opening it (a tensor received over IPC cannot be sent on, and the node needs
-        no CUDA context)."""
+    def export(self, buffers: SlotBuffers) -> Any:
+        """The CUDA IPC handles as plain data: the node passes them on to every coordinator process it
+        starts without opening them (a tensor received over IPC cannot be sent on, and the node needs
+        no CUDA context for them)."""
         from torch.multiprocessing.reductions import reduce_tensor
 
-        _, args = reduce_tensor(buffers)
-        return CudaSlotHandle(tuple(args))
+        return CudaSlotHandle(*(tuple(reduce_tensor(t)[1]) for t in (buffers.slots, buffers.flags, buffers.progress)))
 
-    def open(self, handle: Any) -> torch.Tensor:
-        if isinstance(handle, torch.Tensor):
+    def open(self, handle: Any) -> SlotBuffers:
+        if isinstance(handle, SlotBuffers):
             return handle
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        tensor: torch.Tensor = rebuild_cuda_tensor(*handle.args)
-        return tensor
+        return SlotBuffers(*(rebuild_cuda_tensor(*args) for args in (handle.slots, handle.flags, handle.progress)))
 
-    def allocate_slots(self, slots: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        buffers = torch.zeros(slots, numel, dtype=dtype, device=self.device)
-        # The zero fill runs on this process's stream; the coordinator's copies (another process,
-        # another stream) must not race it.
+    def allocate(self, slots: int, numel: int, dtype: torch.dtype, layers: int) -> SlotBuffers:
+        buffers = SlotBuffers.zeros(slots, numel, dtype, layers, self.device)
+        # The initial values are written by this process's stream; the coordinator's stream (another
+        # process) must not race them.
         torch.cuda.synchronize(self.device)
         return buffers
 
     def host_buffer(self, rows: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(rows, numel, dtype=dtype, pin_memory=True)
 
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        index = device.index or 0
+    def stream(self, buffers: SlotBuffers) -> torch.cuda.Stream:
+        index = buffers.slots.device.index or 0
         if index not in self._streams:
-            self._streams[index] = torch.cuda.Stream(device=device)
+            self._streams[index] = torch.cuda.Stream(device=buffers.slots.device)
         return self._streams[index]
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(self._stream(dst.device)):
+        index = dst.device.index or 0
+        with torch.cuda.stream(self._streams[index]):
             dst.copy_(src, non_blocking=True)
 
-    def flush(self, dst: torch.Tensor) -> None:
-        stream = self._streams.get(dst.device.index or 0)
-        if stream is not None:
+    def flag_ops(self, interrupted: Callable[[], bool]) -> FlagOps:
+        if self._ops is None:
+            self._ops = CudaStreamMemOps()
+        return self._ops
+
+    def drain(self, buffers: SlotBuffers, timeout_s: float | None = None) -> bool:
+        stream = self._streams.get(buffers.slots.device.index or 0)
+        if stream is None:
+            return True
+        if timeout_s is None:
             stream.synchronize()
+            return True
+        deadline = time.monotonic() + timeout_s
+        while not stream.query():  # polling: a stream stalled on a flag must not hang the caller
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
 
 def make_transport(device: str, device_index: int = 0) -> SlotTransport:

@@ -9,8 +9,10 @@ count windows) over gloo, through one process group with the ``cpu:gloo,cuda:ncc
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
+import threading
 import time
 import traceback
 from dataclasses import dataclass, fields, replace
@@ -45,7 +47,7 @@ from vexpert_runtime.node.messages import (
     WorkerReady,
 )
 from vexpert_runtime.node.protocol import SharedState, WorkerSlots, agree
-from vexpert_runtime.node.slots import sequence
+from vexpert_runtime.node.slots import FULL, row_checksum
 from vexpert_runtime.node.transport import make_transport
 from vexpert_runtime.simulation.workload import Workload
 
@@ -112,6 +114,18 @@ def worker_main(args: WorkerArgs) -> None:
                 dist.destroy_process_group()
 
 
+@dataclass
+class _Current:
+    """An iteration a worker runs: its plan's table, whether it uses the plan's slots, and the
+    generation of the coordinator whose fills it consumes (None: it set its flags itself)."""
+
+    iteration: int
+    table: RoutingTable
+    use_plan: bool
+    publisher: int | None
+    end: Any = None  # GPU: CUDA event recorded after the iteration's last layer (None while enqueueing)
+
+
 class _Worker:
     def __init__(self, args: WorkerArgs) -> None:
         self.args = args
@@ -123,7 +137,16 @@ class _Worker:
             0: static_table(spec.num_layers, spec.num_experts, args.world, args.slots)
         }
         self.digests: dict[int, int] = {}
+        self.stopping = threading.Event()
+        self.inflight: collections.deque[_Current] = collections.deque()  # GPU: iterations not yet finished on the device
+        self.rescued = 0  # layers this worker filled itself after its coordinator died
+        self.compute_stream: Any = None
         self.device = torch.device("cuda", args.local_rank) if args.device == "cuda" else torch.device("cpu")
+
+    def _publisher_gone(self) -> bool:
+        """CPU waits for a FULL flag give up (and rescue) once the coordinator that publishes this
+        iteration is gone, or when the worker stops."""
+        return self.stopping.is_set() or self.slots.publisher_gone()
 
     def _digest(self, table: RoutingTable) -> int:
         if table.plan_id not in self.digests:
@@ -149,9 +172,9 @@ class _Worker:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         transport = make_transport(args.device, args.local_rank)
-        buffers = transport.allocate_slots(args.slots, spec.expert_numel, spec.row_dtype(self.dtype))
+        buffers = transport.allocate(args.slots, spec.expert_numel, spec.row_dtype(self.dtype), spec.num_layers)
         args.results.put(SlotsExported(args.local_rank, transport.export(buffers)))
-        reader = CheckpointReader(args.checkpoint, spec)
+        self.reader = reader = CheckpointReader(args.checkpoint, spec)
         layers = range(spec.num_layers)
         self.routers = [_on_device(reader.router(i), device) for i in layers]
         self.shared = [_on_device(reader.shared(i, self.dtype), device) for i in layers]
@@ -165,10 +188,26 @@ class _Worker:
             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
         self.group = dist.group.WORLD if args.world > 1 else None
-        self.slots = WorkerSlots(args.shared, args.local_rank, buffers, args.timeout_s)
+        if device.type == "cuda":
+            # A stream of its own: the watchdog's side stream must not serialise behind it, as it
+            # would behind the legacy default stream.
+            self.compute_stream = torch.cuda.Stream(device=device)
+            torch.cuda.set_stream(self.compute_stream)
+        ops = transport.flag_ops(self.stopping.is_set if device.type == "cuda" else self._publisher_gone)
+        self.slots = WorkerSlots(args.shared, args.local_rank, buffers, args.timeout_s, ops,
+                                 self.compute_stream if device.type == "cuda" else None)
         args.results.put(WorkerReady(args.rank))
         self.slots.wait_for_coordinator(STARTUP_TIMEOUT_S)  # then degraded until one attaches
-        self._loop()
+        watchdog = None
+        if device.type == "cuda":
+            watchdog = threading.Thread(target=self._watchdog, name="vexpert-watchdog", daemon=True)
+            watchdog.start()
+        try:
+            self._loop()
+        finally:
+            self.stopping.set()
+            if watchdog is not None:
+                watchdog.join(timeout=5)
         args.results.put(WorkerDone(args.rank))
         if device.type == "cuda":
             self._await_bye()
@@ -198,41 +237,32 @@ class _Worker:
                 bias = bias.to(self.device)
             counts = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.int64)
             computed = torch.zeros(spec.num_layers, num_local, dtype=torch.int64)
-            waited = 0.0
-            degraded = 0
-            plan_ids: list[int] = []
             checksums: list[list[str]] = []
-            stop = False
-            for layer in range(spec.num_layers):
-                seq = sequence(iteration, layer, spec.num_layers)
-                ready, header, wait_s = self.slots.acquire(seq)
-                waited += wait_s
-                stop_flag = layer == 0 and self.slots.stop_requested(iteration)
-                announced = self._table(header.plan_id) if header is not None and not header.stop else None
-                digest = self._digest(announced) if announced is not None else -1
-                agreement = agree(ready, header, digest, args.world, self.group, stop=stop_flag)
-                if layer == 0:
-                    if agreement.stop:
-                        stop = True
-                        self.slots.release(seq)
-                        break
-                    k = agreement.k or k
-                if agreement.use_plan and announced is not None:
-                    table = announced
-                    self.slots.check_tags(seq, table, layer, args.rank)
-                else:
-                    table = self.tables[0]
-                    degraded += 1
-                plan_ids.append(table.plan_id)
-                if args.record:
-                    checksums.append(self._checksums())
-                h = self._layer(h, layer, seq, table, bias, counts, computed)
-            if stop:
+            layer_wait, rescued = self.slots.layer_wait_s, self.rescued
+            header, waited = self.slots.begin(iteration)
+            announced = self._table(header.plan_id) if header is not None and not header.stop else None
+            digest = self._digest(announced) if announced is not None else -1
+            stop_flag = self.slots.stop_requested(iteration)
+            agreement = agree(header is not None, header, digest, args.world, self.group, stop=stop_flag)
+            if agreement.stop:
                 if window:
                     self._flush(window, window_start)
                 return
+            k = agreement.k or k
+            use_plan = agreement.use_plan and announced is not None
+            table = announced if use_plan and announced is not None else self.tables[0]
+            self.current = _Current(iteration, table, use_plan, self.slots.publisher)
             if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+                self.inflight.append(self.current)
+            for layer in range(spec.num_layers):
+                h = self._layer(h, layer, table, bias, counts, computed, use_plan, checksums if args.record else None)
+            if self.device.type == "cuda":
+                # the host waits for this iteration's end (step time, counts): an event, not the device
+                end = torch.cuda.Event()
+                end.record(self.compute_stream)
+                self.current.end = end  # assigned once recorded: the watchdog reads it
+                end.synchronize()
+            self.slots.finish(iteration)
             step = time.perf_counter() - start
             loads = torch.zeros(spec.num_layers, args.world, dtype=torch.int64)
             loads[:, args.rank] = computed.sum(1)
@@ -242,12 +272,13 @@ class _Worker:
                     rank=args.rank,
                     iteration=iteration,
                     step_s=step,
-                    wait_s=waited,
-                    degraded_layers=degraded,
-                    plan_ids=plan_ids,
+                    wait_s=waited + self.slots.layer_wait_s - layer_wait,
+                    degraded_layers=0 if use_plan else spec.num_layers,
+                    plan_ids=[table.plan_id] * spec.num_layers,
                     output=h.to(torch.float32).cpu().numpy() if args.verify else None,
                     computed=computed.tolist() if args.record else None,
                     slot_checksums=checksums if args.record else None,
+                    rescued_layers=self.rescued - rescued,
                 )
             )
             iteration += 1
@@ -259,11 +290,12 @@ class _Worker:
         self,
         h: torch.Tensor,
         layer: int,
-        seq: int,
         table: RoutingTable,
         bias: torch.Tensor | None,
         counts: torch.Tensor,
         computed: torch.Tensor,
+        check: bool,
+        checksums: list[list[str]] | None,
     ) -> torch.Tensor:
         args, spec = self.args, self.spec
         normed = rms_norm(h)
@@ -279,6 +311,13 @@ class _Worker:
         def ffn(rows: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
             return expert_format.ffn(rows, row)  # block-FP8 rows are dequantised here
 
+        def slot_wait() -> None:
+            slots.acquire(layer, self._rescue if self.device.type == "cpu" else None)
+            if check and self.device.type == "cpu":  # on a GPU the wait is only enqueued
+                slots.check_tags(self.current.iteration, table, layer, args.rank)
+            if checksums is not None:  # what this layer computes with, before its slots are released
+                checksums.append(self._checksums())
+
         y, stats = ep_moe_layer(
             normed,
             ids,
@@ -291,16 +330,56 @@ class _Worker:
             args.rank,
             args.world,
             self.group,
-            after_compute=lambda: slots.release(seq),
+            slot_wait=slot_wait,
+            after_compute=lambda: slots.release(layer),
             # On CUDA (bf16/fp16) the experts run as grouped GEMMs over these stacks; elsewhere the loop.
-            stacks=ExpertStacks(base, slots.buffers, spec.intermediate_size, format=expert_format),
+            stacks=ExpertStacks(base, slots.buffers.slots, spec.intermediate_size, format=expert_format),
         )
         computed[layer] = stats.computed
         return h + y
 
-    def _checksums(self) -> list[str]:
-        from vexpert_runtime.node.slots import row_checksum
+    # -- rescue: the coordinator that published an iteration died before filling all its layers --
 
+    def _rescue(self, layer: int, current: _Current | None = None, stream: Any = None) -> None:
+        """Fill this worker's slots of ``layer`` for ``current`` (default: the iteration being run)
+        from the checkpoint and set its FULL flag (on ``stream`` on a GPU). Slow and exact: only
+        after a coordinator died mid-iteration."""
+        current = current or self.current
+        slots = self.slots
+        if current.use_plan:
+            for slot, expert in enumerate(current.table.slot_expert[layer, self.args.rank].tolist()):
+                if expert >= 0:
+                    row = self.reader.experts(layer, [expert], self.dtype)[0]
+                    slots.slot(slot).copy_(row, non_blocking=stream is not None)
+                    slots.set_tag(slot, layer, expert)
+        slots.ops.write(stream, slots.buffers.flags, layer, FULL, 1)
+        self.rescued += 1
+
+    def _watchdog(self) -> None:
+        """GPU workers: a stalled compute stream waits for a FULL flag whose coordinator is gone —
+        rescue that layer on a side stream (the layer before it is done, so no slot is in use)."""
+        side = torch.cuda.Stream(device=self.device)
+
+        def read(tensor: torch.Tensor) -> torch.Tensor:
+            with torch.cuda.stream(side):
+                host = tensor.to("cpu", non_blocking=True)
+            side.synchronize()
+            return host
+
+        while not self.stopping.wait(0.02):
+            while self.inflight and self.inflight[0].end is not None and self.inflight[0].end.query():
+                self.inflight.popleft()
+            if not self.inflight:
+                continue
+            oldest = self.inflight[0]
+            if oldest.publisher is None or self.slots.shared.publisher_alive(oldest.publisher):
+                continue
+            layer = self.slots.stalled_layer(read)
+            if layer is not None:
+                with torch.cuda.device(self.device):
+                    self._rescue(layer, oldest, side)
+
+    def _checksums(self) -> list[str]:
         return [row_checksum(self.slots.slot(s)) for s in range(self.args.slots)]
 
     def _flush(self, window: list[torch.Tensor], start: int) -> None:
