@@ -25,6 +25,7 @@ from vexpert_runtime.model.checkpoint import (
     MoESpec,
 )
 from vexpert_runtime.model.ep_moe import (
+    DeviceRoutingTable,
     ExpertStacks,
     RoutingTable,
     base_experts,
@@ -268,34 +269,44 @@ class _Worker:
         args, spec = self.args, self.spec
         normed = rms_norm(h)
         ids, weights = route(normed, self.routers[layer], spec, None if bias is None else bias[layer])
-        counts[layer] = torch.bincount(ids.reshape(-1), minlength=spec.num_experts).cpu()
-        base, per_gpu, slots = self.base[layer], self.per_gpu, self.slots
-
-        def local_weight(j: int) -> torch.Tensor:
-            return base[j] if j < per_gpu else slots.slot(j - per_gpu)
-
+        if layer == 0:
+            # This iteration's statistics stay on the device and reach the host once, after the
+            # last layer: a copy per layer would synchronise the host with every layer.
+            self.device_counts = torch.zeros(counts.shape, dtype=torch.int64, device=self.device)
+            self.device_computed = torch.zeros(computed.shape, dtype=torch.int64, device=self.device)
+        flat = ids.reshape(-1)
+        self.device_counts[layer].scatter_add_(0, flat, torch.ones_like(flat))
+        if not hasattr(self, "device_tables"):
+            # Fixed-shape device tables the layer reads: the static one (degraded layers) and the
+            # current plan's, which a plan switch overwrites in place.
+            self.device_tables = {
+                static: DeviceRoutingTable.allocate(spec.num_layers, spec.num_experts, args.world, args.slots, self.device)
+                for static in (True, False)
+            }
+        device_table = self.device_tables[table.plan_id == 0]
+        if device_table.plan_id != table.plan_id:
+            device_table.load(table)
+        base, slots = self.base[layer], self.slots
         expert_format = spec.expert_format(self.dtype)
-
-        def ffn(rows: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-            return expert_format.ffn(rows, row)  # block-FP8 rows are dequantised here
-
         y, stats = ep_moe_layer(
             normed,
             ids,
             weights,
-            table,
+            device_table,
             layer,
-            local_weight,
-            ffn,
+            # Grouped GEMMs on CUDA (bf16/fp16), the per-expert loop elsewhere; block-FP8 rows are
+            # dequantised into the GEMM.
+            ExpertStacks(base, slots.buffers, spec.intermediate_size, format=expert_format),
             shared_forward(normed, self.shared[layer]),
             args.rank,
             args.world,
             self.group,
             after_compute=lambda: slots.release(seq),
-            # On CUDA (bf16/fp16) the experts run as grouped GEMMs over these stacks; elsewhere the loop.
-            stacks=ExpertStacks(base, slots.buffers, spec.intermediate_size, format=expert_format),
         )
-        computed[layer] = stats.computed
+        self.device_computed[layer] = stats.computed
+        if layer == spec.num_layers - 1:
+            counts.copy_(self.device_counts)
+            computed.copy_(self.device_computed)
         return h + y
 
     def _checksums(self) -> list[str]:
