@@ -35,11 +35,13 @@ import torch.distributed as dist
 
 from vexpert_runtime.model.expert_format import ExpertFormat
 from vexpert_runtime.model.grouped_moe import (
+    GROUP_ALIGN,
     group_counts,
     group_layout,
     grouped_swiglu,
     packed_views,
     padded_capacity,
+    uses_grouped_gemm,
 )
 from vexpert_runtime.model.moe_math import combine
 from vexpert_runtime.policy.allocator import Plan
@@ -332,21 +334,22 @@ class ReceiveLayout:
     rows: int
 
 
-def receive_layout(local_of_row: torch.Tensor, resident: int, slots: int) -> ReceiveLayout:
+def receive_layout(local_of_row: torch.Tensor, resident: int, slots: int, align: int = GROUP_ALIGN) -> ReceiveLayout:
     """Lay received rows out by local expert (``group_layout`` padding), fixed shapes throughout.
 
     Args: local_of_row [T] int64 local expert of each received row (0..E/N−1 resident, E/N + s
-        slot s), −1 for padding. resident = E/N, slots = S.
+        slot s), −1 for padding. resident = E/N, slots = S. align: group alignment (the grouped
+        GEMM's; the per-expert loop needs none).
     """
     num_local = resident + slots
     group = torch.where(local_of_row < 0, num_local, local_of_row)  # num_local: not computed
     is_slot = group >= resident
-    resident_pos, resident_offs = group_layout(torch.where(is_slot, resident, group), resident)
-    slot_pos, slot_offs = group_layout(torch.where(is_slot, group - resident, slots), slots)
-    resident_rows = padded_capacity(local_of_row.numel(), resident)
+    resident_pos, resident_offs = group_layout(torch.where(is_slot, resident, group), resident, align)
+    slot_pos, slot_offs = group_layout(torch.where(is_slot, group - resident, slots), slots, align)
+    resident_rows = padded_capacity(local_of_row.numel(), resident, align)
     position = torch.where(is_slot, resident_rows + slot_pos, resident_pos)
     return ReceiveLayout(position, resident_offs, slot_offs, group_counts(group, num_local), resident_rows,
-                         resident_rows + padded_capacity(local_of_row.numel(), slots))
+                         resident_rows + padded_capacity(local_of_row.numel(), slots, align))
 
 
 @dataclass
@@ -468,7 +471,8 @@ def ep_moe_layer(
     recv_x = _exchange(send_x[:-1], group)
     recv_local = _exchange(send_local[:-1], group)
 
-    layout = receive_layout(recv_local, table.experts_per_gpu, table.slots)
+    grouped = stacks.grouped if stacks.grouped is not None else uses_grouped_gemm(recv_x)
+    layout = receive_layout(recv_local, table.experts_per_gpu, table.slots, GROUP_ALIGN if grouped else 1)
     buf = recv_x.new_zeros(layout.rows, hidden)
     buf.index_copy_(0, layout.position, recv_x)
     out = stacked_outputs(buf, layout.resident_offs, layout.slot_offs, layout.resident_rows, stacks,
