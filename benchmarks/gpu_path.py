@@ -41,15 +41,15 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 from vexpert_runtime.model.ep_moe import (
+    DeviceRoutingTable,
     ExpertStacks,
-    choose_replicas,
-    stacked_outputs,
+    RoutingTable,
+    ep_moe_layer,
     static_table,
     table_from_plan,
 )
-from vexpert_runtime.model.grouped_moe import group_layout
-from vexpert_runtime.node.gpu_pipeline import RingFiller, SlotRing, StaticRouting, capacity_for, moe_layer
-from vexpert_runtime.node.gpu_sync import flag_ops_for
+from vexpert_runtime.node.gpu_pipeline import RingFiller, SlotRing
+from vexpert_runtime.node.gpu_sync import acquire, flag_ops_for, release
 from vexpert_runtime.policy.allocator import AllocatorConfig, allocate
 from vexpert_runtime.policy.placement import static_placement
 from vexpert_runtime.ports import free_port
@@ -201,31 +201,50 @@ def pin_own_pool(rows: int, numel: int) -> dict[str, Any]:
     return dict(bytes=nbytes, seconds=seconds, pinned_after=pinned)
 
 
+def hot_copy_table(shares: list[float], experts: int, slots: int, plan_id: int = 1) -> RoutingTable:
+    """One GPU holding every expert; slot 0 of each layer holds a second copy of expert 0 (the
+    hottest) that takes ``shares[layer]`` of its pairs — a replica of a hot expert, on one GPU."""
+    layers = len(shares)
+    gpu = np.full((layers, experts, 2), -1, dtype=np.int64)
+    gpu[:, :, 0] = 0
+    gpu[:, 0, 1] = 0
+    local = np.full_like(gpu, -1)
+    local[:, :, 0] = np.arange(experts)
+    local[:, 0, 1] = experts
+    cum = np.full((layers, experts, 2), np.inf)
+    cum[:, :, 0] = 1.0
+    cum[:, 0, 0] = 1.0 - np.asarray(shares)
+    cum[:, 0, 1] = 1.0
+    slot_expert = np.full((layers, 1, slots), -1, dtype=np.int64)
+    slot_expert[:, 0, 0] = 0
+    return RoutingTable(plan_id, gpu, local, cum, slot_expert)
+
+
 def _routes(pairs: int, layers: int, shape: dict[str, Any], device: torch.device, seed: int,
-            slot_share: float) -> tuple[list[StaticRouting], torch.Tensor]:
-    """Per-layer fixed-shape routings: ``pairs`` pairs (one per token), a Zipf skew over the local
-    experts, and ``slot_share`` of the hottest expert's pairs moved to the slot."""
-    le, vmax = shape["local_experts"], shape["vmax"]
-    routes = []
-    for layer in range(layers):
-        local = skewed_local(pairs, le, seed + layer, torch.device("cpu"))
-        hot = (local == 0).nonzero().flatten()
-        moved = hot[: int(len(hot) * slot_share)]
-        local[moved] = le  # the slot (a copy of a hot expert elsewhere, in a real plan)
-        route = StaticRouting.empty(capacity_for(pairs, le), capacity_for(pairs, vmax), le, vmax, pairs, device)
-        route.load(torch.arange(pairs), local, torch.ones(pairs), le)
-        routes.append(route)
-    x = torch.zeros(pairs + 1, shape["hidden"], dtype=DTYPE, device=device)
-    x[:pairs] = torch.randn(pairs, shape["hidden"], device=device).to(DTYPE)
-    return routes, x
+            slot_share: float) -> tuple[DeviceRoutingTable, list[torch.Tensor], torch.Tensor]:
+    """A one-GPU plan in a device table (``slot_share`` of the hot expert's pairs to its copy in the
+    slot), per-layer expert ids [pairs, 1] with a Zipf skew over the local experts, and tokens."""
+    le = shape["local_experts"]
+    table = DeviceRoutingTable.of(hot_copy_table([slot_share] * layers, le, shape["vmax"]), device, replicas=2)
+    ids = [skewed_local(pairs, le, seed + layer, device).unsqueeze(1) for layer in range(layers)]
+    x = torch.randn(pairs, shape["hidden"], device=device).to(DTYPE)
+    return table, ids, x
 
 
-def _iteration(x: torch.Tensor, base: torch.Tensor, ring: SlotRing, routes: list[StaticRouting],
-               shape: dict[str, Any], ops: Any, stream: Any, out: torch.Tensor) -> torch.Tensor:
-    h = x
-    for layer, route in enumerate(routes):
-        moe_layer(h, base, ring, layer % ring.ring, route, shape["inter"], shape["hidden"], ops, stream, out)
-    return out
+def _iteration(x: torch.Tensor, base: torch.Tensor, ring: SlotRing, table: DeviceRoutingTable,
+               ids: list[torch.Tensor], shape: dict[str, Any], ops: Any, stream: Any) -> torch.Tensor:
+    """The node's layer (``ep_moe_layer``, one rank) per layer over ring buffer layer mod R, with the
+    slot handshake in its hooks when ``ops`` is given (None: slots pre-filled)."""
+    weights = torch.ones(x.shape[0], 1, device=x.device)
+    y = x
+    for layer, layer_ids in enumerate(ids):
+        buffer = layer % ring.ring
+        stacks = ExpertStacks(base, ring.slots[buffer], shape["inter"])
+        wait = None if ops is None else (lambda b=buffer: acquire(ops, stream, ring.flags, b))
+        free = None if ops is None else (lambda b=buffer: release(ops, stream, ring.flags, b))
+        y, _ = ep_moe_layer(x, layer_ids, weights, table, layer, stacks, None, 0, 1, None,
+                            slot_wait=wait, after_compute=free)
+    return y
 
 
 def _capture(fn: Any, device: torch.device) -> tuple[Any, str]:
@@ -248,13 +267,13 @@ def _capture(fn: Any, device: torch.device) -> tuple[Any, str]:
 def run_pipeline(rank: int, params: dict[str, Any], shape: dict[str, Any], device: torch.device,
                  base: torch.Tensor, ring: SlotRing, ops: Any, stream: Any, timer: Timer) -> dict[str, Any]:
     pairs, mode, iters = params["pairs"], params["mode"], params["iters"] + params["warmup"]
-    routes, x = _routes(pairs, shape["layers"], shape, device, seed=10 * rank, slot_share=0.5)
-    out = torch.zeros_like(x)
+    table, ids, x = _routes(pairs, shape["layers"], shape, device, seed=10 * rank, slot_share=0.5)
+    out: list[torch.Tensor] = []
     # Warm up without the handshake (allocations, kernels), then capture the real iteration.
-    _iteration(x, base, ring, routes, shape, None, stream, out)
+    _iteration(x, base, ring, table, ids, shape, None, stream)
     sync(device)
     step_ops = ops if mode == "pipeline" else None
-    replay, how = _capture(lambda: _iteration(x, base, ring, routes, shape, step_ops, stream, out), device)
+    replay, how = _capture(lambda: out.append(_iteration(x, base, ring, table, ids, shape, step_ops, stream)), device)
     sync(device)
     params["go"]()  # the coordinator starts its fills now
     marks = [timer.mark()]
@@ -264,28 +283,25 @@ def run_pipeline(rank: int, params: dict[str, Any], shape: dict[str, Any], devic
     sync(device)
     times = [timer.elapsed(a, b) for a, b in itertools.pairwise(marks)][params["warmup"]:]
     return dict(pairs=pairs, mode=mode, how=how, iteration_ms=times,
-                layer_ms=float(np.mean(times)) / shape["layers"], checksum=float(out.float().abs().sum()))
+                layer_ms=float(np.mean(times)) / shape["layers"], checksum=float(out[-1].float().abs().sum()))
 
 
 def run_switch(rank: int, params: dict[str, Any], shape: dict[str, Any], device: torch.device,
                base: torch.Tensor, ring: SlotRing, ops: Any, stream: Any, timer: Timer) -> dict[str, Any]:
     pairs, iters, every = params["pairs"], params["iters"], params["every"]
-    plans = [_routes(pairs, shape["layers"], shape, device, seed=100 * rank + 7 * p, slot_share=share)
+    plans = [hot_copy_table([share] * shape["layers"], shape["local_experts"], shape["vmax"], plan_id=p + 1)
              for p, share in enumerate((0.5, 0.3))]
-    routes, x = _routes(pairs, shape["layers"], shape, device, seed=100 * rank, slot_share=0.5)
-    out = torch.zeros_like(x)
-    _iteration(x, base, ring, routes, shape, None, stream, out)
+    table, ids, x = _routes(pairs, shape["layers"], shape, device, seed=100 * rank, slot_share=0.5)
+    _iteration(x, base, ring, table, ids, shape, None, stream)
     sync(device)
-    replay, how = _capture(lambda: _iteration(x, base, ring, routes, shape, ops, stream, out), device)
+    replay, how = _capture(lambda: _iteration(x, base, ring, table, ids, shape, ops, stream), device)
     sync(device)
     params["go"]()
     marks = [timer.mark()]
     switches = []
     for it in range(iters):
-        if it and it % every == 0:  # plan switch: new routing data into the captured tensors
-            plan = plans[(it // every) % 2][0]
-            for dst, src in zip(routes, plan, strict=True):
-                dst.assign(src)
+        if it and it % every == 0:  # plan switch: the new plan into the captured device table
+            table.load(plans[(it // every) % 2])
             switches.append(it)
         replay()
         marks.append(timer.mark())
@@ -300,48 +316,25 @@ def run_skew(rank: int, world: int, params: dict[str, Any], shape: dict[str, Any
     hidden, inter, le = shape["hidden"], shape["inter"], shape["local_experts"]
     tokens, topk = params["tokens"], params["topk"]
     stacks = ExpertStacks(base, ring.slots[0], inter)  # slots: buffer 0, pre-filled by the coordinator
+    table = DeviceRoutingTable.allocate(1, le * world, world, shape["vmax"], device)
     results = []
     for case in params["cases"]:
         gen = torch.Generator().manual_seed(case["seed"] * 97 + rank)
         probs = torch.tensor(case["probs"], dtype=torch.float64)
         ids = torch.multinomial(probs.expand(tokens, -1).float(), topk, replacement=False, generator=gen)
         x = torch.randn(tokens, hidden, generator=gen).to(DTYPE).to(device)
+        weights = torch.full((tokens, topk), 1.0 / topk, device=device)
+        ids = ids.to(device)
         row = {}
         for plan_name in ("static", "vexpert"):
-            table = case[plan_name]
-            gpu = torch.tensor(table["gpu"])
-            local = torch.tensor(table["local"])
-            cum = torch.tensor(table["cum_share"])
-            dest, dloc = choose_replicas(ids, gpu, local, cum, rank, world)
-            dest, dloc = dest.flatten(), dloc.flatten()
-            order = torch.argsort(dest, stable=True)
-            send_counts = torch.bincount(dest, minlength=world)
-            rc = torch.zeros(world, dtype=torch.int64, device=device)
-            dist.all_to_all_single(rc, send_counts.to(device))
-            recv_counts = rc.cpu()
-            token_of_pair = torch.arange(tokens).repeat_interleave(topk)[order]
-            send_local = dloc[order].to(device)
-            send_x = x[token_of_pair.to(device)]
-            s_split, r_split = send_counts.tolist(), recv_counts.tolist()
-            recv_local = torch.empty(sum(r_split), dtype=torch.int64, device=device)
-            dist.all_to_all_single(recv_local, send_local, r_split, s_split)
-            # The layout is planned outside the timed step: the step is dispatch, experts, combine.
-            position, offs = group_layout(recv_local, le + shape["vmax"])
-            ends = offs.tolist()
+            table.load(_table_of(case[plan_name]))  # a plan switch: the same device tensors
+            stats_of: list[Any] = []
 
-            def step(r_split: list[int] = r_split, s_split: list[int] = s_split, send_x: torch.Tensor = send_x,
-                     position: torch.Tensor = position, offs: torch.Tensor = offs, ends: list[int] = ends,
-                     token_of_pair: torch.Tensor = token_of_pair) -> torch.Tensor:
-                recv_x = torch.empty(sum(r_split), hidden, dtype=DTYPE, device=device)
-                dist.all_to_all_single(recv_x, send_x, r_split, s_split)
-                buf = torch.zeros(ends[-1], hidden, dtype=DTYPE, device=device)
-                buf[position] = recv_x
-                y = stacked_outputs(buf, offs, ends, stacks, le)
-                back = torch.empty_like(send_x)
-                dist.all_to_all_single(back, y[position].contiguous(), s_split, r_split)
-                out = torch.zeros(tokens, hidden, dtype=torch.float32, device=device)
-                out.index_add_(0, token_of_pair.to(device), back.float() * (1.0 / topk))
-                return out
+            def step(stats_of: list[Any] = stats_of, x: torch.Tensor = x, ids: torch.Tensor = ids,
+                     weights: torch.Tensor = weights) -> torch.Tensor:
+                y, stats = ep_moe_layer(x, ids, weights, table, 0, stacks, None, rank, world, dist.group.WORLD)
+                stats_of[:] = [stats]
+                return y.float()
 
             for _ in range(2):
                 step()
@@ -356,7 +349,7 @@ def run_skew(rank: int, world: int, params: dict[str, Any], shape: dict[str, Any
                 times.append(timer.elapsed(a, b))
             t = torch.tensor([float(np.median(times))], device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            pairs_here = torch.tensor([float(sum(r_split))], device=device)
+            pairs_here = stats_of[0].computed.sum().to(torch.float32).reshape(1)
             loads = [torch.zeros(1, device=device) for _ in range(world)]
             dist.all_gather(loads, pairs_here)
             row[plan_name] = dict(step_ms=float(t), loads=[float(v) for v in loads],
@@ -648,9 +641,15 @@ class Coordinator:
                     local_experts=le, cases=results)
 
 
-def _table_json(table: Any) -> dict[str, Any]:
-    return dict(gpu=table.gpu[0].tolist(), local=table.local[0].tolist(), cum_share=table.cum_share[0].tolist(),
-                slot_expert=table.slot_expert[0].tolist())
+def _table_json(table: RoutingTable) -> dict[str, Any]:
+    return dict(plan_id=table.plan_id, gpu=table.gpu[0].tolist(), local=table.local[0].tolist(),
+                cum_share=table.cum_share[0].tolist(), slot_expert=table.slot_expert[0].tolist())
+
+
+def _table_of(data: dict[str, Any]) -> RoutingTable:
+    """The one-layer :class:`RoutingTable` :func:`_table_json` wrote."""
+    return RoutingTable(data["plan_id"], np.asarray(data["gpu"])[None], np.asarray(data["local"])[None],
+                        np.asarray(data["cum_share"], dtype=np.float64)[None], np.asarray(data["slot_expert"])[None])
 
 
 def _nvml_process_memory(pid: int) -> dict[str, Any] | None:

@@ -28,7 +28,7 @@ from vexpert_runtime.model.checkpoint import (
     write_checkpoint,
     write_tiny_checkpoint,
 )
-from vexpert_runtime.model.ep_moe import ExpertStacks, ep_moe_layer, static_table
+from vexpert_runtime.model.ep_moe import DeviceRoutingTable, ExpertStacks, ep_moe_layer, static_table
 from vexpert_runtime.model.expert_format import ExpertFormat, dequantize_fp8_block, quantize_fp8_block
 from vexpert_runtime.model.expert_layout import DENSE, FP8_BLOCK, Fp8RowLayout, expert_row_bytes
 from vexpert_runtime.model.moe_math import expert_ffn, relative_error, shared_forward
@@ -195,13 +195,13 @@ def test_ep_forward_of_fp8_rows_matches_the_dequantised_reference(fp8_checkpoint
     assert reference.experts[0].dtype == dtype and reference.experts[0].shape[1] == 3 * 192 * 256
     fmt = spec.expert_format(dtype)
     x = torch.randn(24, spec.hidden_size, generator=torch.Generator().manual_seed(2)).to(dtype)
-    table = static_table(spec.num_layers, spec.num_experts, 1, 0)
+    table = DeviceRoutingTable.of(static_table(spec.num_layers, spec.num_experts, 1, 0), "cpu")
     for layer in range(spec.num_layers):
         rows = reader.experts(layer, list(range(spec.num_experts)), dtype)
         ids, weights = route(x, reference.routers[layer], spec)
         shared = shared_forward(x, reference.shared[layer])
         stacks = ExpertStacks(rows, None, spec.intermediate_size, grouped=grouped, format=fmt)
-        y, _ = ep_moe_layer(x, ids, weights, table, layer, rows.__getitem__, fmt.ffn, shared, 0, 1, None, stacks=stacks)
+        y, _ = ep_moe_layer(x, ids, weights, table, layer, stacks, shared, 0, 1, None)
         ref, _ = reference_moe_layer(x, reference, layer)
         tolerance = 1e-5 if dtype == torch.float32 else VERIFY_TOLERANCE["bfloat16"]
         assert relative_error(y, ref) <= tolerance

@@ -12,7 +12,7 @@ import torch
 from runtime_support import TINY_FP8_DEEPSEEK_SPEC as SPEC
 from vexpert_runtime.config import RuntimeConfig
 from vexpert_runtime.model.checkpoint import CheckpointReader, write_tiny_checkpoint
-from vexpert_runtime.model.ep_moe import ExpertStacks, ep_moe_layer, static_table
+from vexpert_runtime.model.ep_moe import DeviceRoutingTable, ExpertStacks, ep_moe_layer, static_table
 from vexpert_runtime.model.grouped_moe import uses_grouped_gemm
 from vexpert_runtime.model.moe_math import relative_error, shared_forward
 from vexpert_runtime.model.reference import VERIFY_TOLERANCE, ModelWeights, reference_moe_layer
@@ -46,8 +46,8 @@ def test_fp8_grouped_gemm_on_gpu_equals_the_dequantised_reference(tmp_path: Path
         ids, weights = route(xd, _on(device, reference.routers[layer]), SPEC)  # type: ignore[arg-type]
         shared = shared_forward(xd, _on(device, reference.shared[layer]))  # type: ignore[arg-type]
         stacks = ExpertStacks(rows, None, SPEC.intermediate_size, format=fmt)
-        y, _ = ep_moe_layer(xd, ids, weights, static_table(SPEC.num_layers, SPEC.num_experts, 1, 0), layer,
-                            rows.__getitem__, fmt.ffn, shared, 0, 1, None, stacks=stacks)
+        table = DeviceRoutingTable.of(static_table(SPEC.num_layers, SPEC.num_experts, 1, 0), device)
+        y, _ = ep_moe_layer(xd, ids, weights, table, layer, stacks, shared, 0, 1, None)
         assert relative_error(y.cpu(), ref) <= VERIFY_TOLERANCE["bfloat16"], layer
 
 

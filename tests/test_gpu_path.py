@@ -1,5 +1,5 @@
-"""The GPU path's protocol and arithmetic (issue #7): flag handshake, grouped GEMMs, fixed-shape
-routing, the layer-ahead pipeline — on the CPU twin in CI, on CUDA where one is visible."""
+"""The GPU path's protocol and arithmetic (issue #7): flag handshake, grouped GEMMs, the node's
+sync-free EP layer with the slot ring and a device routing table, the layer-ahead pipeline — on the CPU twin in CI, on CUDA where one is visible."""
 
 from __future__ import annotations
 
@@ -9,14 +9,23 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from vexpert_runtime.model.grouped_moe import group_layout, grouped_swiglu, packed_views
+from vexpert_runtime.model.ep_moe import (
+    DeviceRoutingTable,
+    ExpertStacks,
+    RoutingTable,
+    choose_replicas,
+    ep_moe_layer,
+)
+from vexpert_runtime.model.grouped_moe import group_layout, grouped_swiglu, packed_views, padded_capacity
 from vexpert_runtime.model.moe_math import packed_ffn
-from vexpert_runtime.node.gpu_pipeline import RingFiller, SlotRing, StaticRouting, capacity_for, moe_layer
+from vexpert_runtime.node.gpu_pipeline import RingFiller, SlotRing
 from vexpert_runtime.node.gpu_sync import (
     FREE,
     FULL,
@@ -130,56 +139,106 @@ def test_handshake_between_processes_never_exposes_a_half_filled_buffer() -> Non
 # ------------------------------------------------------------------------------------------ the MoE layer
 
 
-def _layer_setup(device: str, dtype: torch.dtype, seed: int = 0):
+def hot_copy_table(shares: list[float], experts: int, slots: int, plan_id: int = 1) -> RoutingTable:
+    """One GPU holding every expert; slot 0 of each layer holds a second copy of expert 0 that takes
+    ``shares[layer]`` of its pairs (the benchmark's stand-in for a replica of a hot expert)."""
+    layers = len(shares)
+    gpu = np.full((layers, experts, 2), -1, dtype=np.int64)
+    gpu[:, :, 0] = 0
+    gpu[:, 0, 1] = 0
+    local = np.full_like(gpu, -1)
+    local[:, :, 0] = np.arange(experts)
+    local[:, 0, 1] = experts
+    cum = np.full((layers, experts, 2), np.inf)
+    cum[:, :, 0] = 1.0
+    cum[:, 0, 0] = 1.0 - np.asarray(shares)
+    cum[:, 0, 1] = 1.0
+    slot_expert = np.full((layers, 1, slots), -1, dtype=np.int64)
+    slot_expert[:, 0, 0] = 0
+    return RoutingTable(plan_id, gpu, local, cum, slot_expert)
+
+
+def _layer_setup(device: str, dtype: torch.dtype, seed: int = 0, share: float = 0.5):
     torch.manual_seed(seed)
-    local_experts, vmax, inter, hidden, pairs = 3, 1, 16, 32, 40
+    local_experts, vmax, inter, hidden, tokens, top_k = 3, 1, 16, 32, 20, 2
     numel = 3 * inter * hidden
     base = (torch.randn(local_experts, numel) * 0.1).to(dtype).to(device)
     pool = (torch.randn(4, numel) * 0.1).to(dtype)
     ring = SlotRing.allocate(2, vmax, numel, dtype, device)
-    local = torch.randint(0, local_experts + vmax, (pairs,))
-    weight = torch.rand(pairs)
-    route = StaticRouting.empty(capacity_for(pairs, local_experts), capacity_for(pairs, vmax), local_experts, vmax,
-                                pairs, device)
-    route.load(torch.arange(pairs), local, weight, local_experts)
-    x = torch.zeros(pairs + 1, hidden, dtype=dtype, device=device)
-    x[:pairs] = torch.randn(pairs, hidden).to(dtype)
-    return dict(base=base, pool=pool, ring=ring, local=local, weight=weight, route=route, x=x, inter=inter,
+    ids = torch.stack([torch.randperm(local_experts)[:top_k] for _ in range(tokens)]).to(device)
+    ids[: tokens // 2, 0] = 0  # expert 0 is hot: half of its pairs go to its copy in the slot
+    weights = torch.rand(tokens, top_k, device=device)
+    table = DeviceRoutingTable.of(hot_copy_table([share], local_experts, vmax), device, replicas=2)
+    x = (torch.randn(tokens, hidden) * 0.5).to(dtype).to(device)
+    return dict(base=base, pool=pool, ring=ring, ids=ids, weights=weights, table=table, x=x, inter=inter,
                 hidden=hidden, local_experts=local_experts)
+
+
+def _layer(s: dict, buffer: int, ops: Any = None, grouped: bool | None = None) -> torch.Tensor:
+    """ep_moe_layer on one GPU over ring buffer ``buffer``, with the GPU path's handshake as its hooks."""
+    ring = s["ring"]
+    stacks = ExpertStacks(s["base"], ring.slots[buffer], s["inter"], grouped=grouped)
+    y, _ = ep_moe_layer(
+        s["x"], s["ids"], s["weights"], s["table"], 0, stacks, None, 0, 1, None,
+        slot_wait=None if ops is None else lambda: acquire(ops, None, ring.flags, buffer),
+        after_compute=None if ops is None else lambda: release(ops, None, ring.flags, buffer))
+    return y
+
+
+def _reference(s: dict, slot_row: torch.Tensor) -> torch.Tensor:
+    """Σ_k weight · expert(x) in float64, each pair through the copy :func:`choose_replicas` picks."""
+    table = s["table"]
+    _, local = choose_replicas(s["ids"], table.gpu[0], table.local[0], table.cum_share[0], 0, 1)
+    rows = torch.cat([s["base"].cpu(), slot_row.cpu().unsqueeze(0)]).double()
+    x, weights = s["x"].cpu().double(), s["weights"].cpu().double()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(local.shape[1]):
+            out[t] += weights[t, k] * packed_ffn(x[t: t + 1], rows[int(local[t, k])], s["inter"], s["hidden"])[0]
+    return out
 
 
 def test_moe_layer_with_a_streamed_slot_equals_the_reference() -> None:
     s = _layer_setup("cpu", torch.float32)
     ops = CpuFlagOps(timeout_s=10.0)
     filler = RingFiller(s["ring"], s["pool"], ops)
-    out = torch.zeros_like(s["x"])
     for seq, pool_row in enumerate([2, 0, 3]):  # three layers, ring of 2: buffers 0, 1, 0
         buffer = seq % 2
         thread = threading.Thread(target=filler.fill, args=(seq, [pool_row]))
         thread.start()  # the coordinator fills while the worker already runs the base experts
-        moe_layer(s["x"], s["base"], s["ring"], buffer, s["route"], s["inter"], s["hidden"], ops, None, out)
+        y = _layer(s, buffer, ops)
         thread.join()
-        rows = torch.cat([s["base"], s["pool"][pool_row: pool_row + 1]])
-        ref = _reference(s["x"][:-1], rows, s["local"], s["weight"], s["inter"], s["hidden"])
-        torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
-        assert out[-1].abs().sum() == 0  # the padding row stays zero
+        torch.testing.assert_close(y.double(), _reference(s, s["pool"][pool_row]), rtol=1e-4, atol=1e-5)
     assert filler.fills == 3 and s["ring"].flags.tolist() == [[1, 0], [1, 0]]
 
 
 def test_a_plan_switch_rewrites_the_routing_in_place() -> None:
     s = _layer_setup("cpu", torch.float32)
-    route: StaticRouting = s["route"]
-    pointers = [t.data_ptr() for t in (route.base_gather, route.base_offs, route.slot_gather, route.slot_offs)]
-    new_local = torch.zeros_like(s["local"])  # everything on local expert 0 now
-    route.load(torch.arange(new_local.numel()), new_local, s["weight"], s["local_experts"])
-    assert [t.data_ptr() for t in (route.base_gather, route.base_offs, route.slot_gather, route.slot_offs)] == pointers
-    assert int(route.base_offs[0]) >= new_local.numel() and int(route.slot_offs[-1]) == 0
-    out = torch.zeros_like(s["x"])
-    moe_layer(s["x"], s["base"], s["ring"], 0, route, s["inter"], s["hidden"], None, None, out)
-    ref = _reference(s["x"][:-1], s["base"], new_local, s["weight"], s["inter"], s["hidden"])
-    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
-    with pytest.raises(ValueError, match="do not fit"):
-        route.load(torch.arange(200), torch.zeros(200, dtype=torch.int64), torch.ones(200), s["local_experts"])
+    table: DeviceRoutingTable = s["table"]
+    s["ring"].slots[0, 0].copy_(s["pool"][1])
+    pointers = [t.data_ptr() for t in (table.gpu, table.local, table.cum_share)]
+    for share in (0.0, 1.0, 0.3):  # nothing, everything, some of the hot expert's pairs to the slot
+        table.load(hot_copy_table([share], s["local_experts"], 1, plan_id=2))
+        assert [t.data_ptr() for t in (table.gpu, table.local, table.cum_share)] == pointers
+        y, stats = ep_moe_layer(s["x"], s["ids"], s["weights"], table, 0,
+                                ExpertStacks(s["base"], s["ring"].slots[0], s["inter"]), None, 0, 1, None)
+        torch.testing.assert_close(y.double(), _reference(s, s["pool"][1]), rtol=1e-4, atol=1e-5)
+        hot = int((s["ids"] == 0).sum())
+        assert int(stats.computed[-1]) == round(share * hot) or 0 < share < 1
+    before = [t.clone() for t in (table.gpu, table.local, table.cum_share)]
+    with pytest.raises(ValueError, match="room for 2"):  # a plan with more copies than the fixed width
+        wide = hot_copy_table([0.5], s["local_experts"], 1)
+        table.load(RoutingTable(3, np.concatenate([wide.gpu, wide.gpu], 2), np.concatenate([wide.local] * 2, 2),
+                                np.concatenate([wide.cum_share] * 2, 2), wide.slot_expert))
+    assert all(torch.equal(a, b) for a, b in zip(before, (table.gpu, table.local, table.cum_share), strict=True))
+
+
+def test_a_dispatch_capacity_below_the_pairs_drops_pairs_and_says_so() -> None:
+    s = _layer_setup("cpu", torch.float32, share=0.0)
+    stacks = ExpertStacks(s["base"], s["ring"].slots[0], s["inter"])
+    y, stats = ep_moe_layer(s["x"], s["ids"], s["weights"], s["table"], 0, stacks, None, 0, 1, None, capacity=8)
+    assert int(stats.dropped) == s["ids"].numel() - 8 and int(stats.computed.sum()) == 8
+    assert torch.isfinite(y).all()
 
 
 def test_slot_ring_memory_for_deepseek_v3_bf16_is_under_300_mb() -> None:
@@ -226,13 +285,43 @@ def test_gpu_path_benchmark_runs_its_protocol_on_the_cpu_twin(tmp_path: Path) ->
 @pytest.mark.skipif(GPUS == 0, reason="no CUDA device")
 def test_cuda_grouped_mm_matches_the_loop() -> None:
     s = _layer_setup("cuda", torch.bfloat16)
-    route: StaticRouting = s["route"]
+    local = s["ids"].reshape(-1)
+    position, offs = group_layout(local, s["local_experts"])
+    buf = torch.zeros(padded_capacity(local.numel(), s["local_experts"]), s["hidden"], dtype=torch.bfloat16,
+                      device="cuda")
+    buf[position] = s["x"].repeat_interleave(2, 0)
     w13, w2 = packed_views(s["base"], s["inter"], s["hidden"])
-    xb = s["x"][route.base_gather]
-    a = grouped_swiglu(xb, w13, w2, route.base_offs, grouped=True)
-    b = grouped_swiglu(xb, w13, w2, route.base_offs, grouped=False)
-    n = int(route.base_offs[-1])
-    torch.testing.assert_close(a[:n].float(), b[:n].float(), rtol=2e-2, atol=2e-3)
+    a = grouped_swiglu(buf, w13, w2, offs, grouped=True)[position]
+    b = grouped_swiglu(buf, w13, w2, offs, grouped=False)[position]
+    torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS == 0, reason="no CUDA device")
+def test_the_layer_never_synchronises_with_the_host_and_replays_in_a_cuda_graph() -> None:
+    """ep_moe_layer (world 1, grouped GEMMs): no host sync (sync debug mode raises on one), captured
+    in a CUDA graph, replays equal eager runs, and a plan switch loaded into the device table between
+    replays is what the next replay computes."""
+    s = _layer_setup("cuda", torch.bfloat16)
+    s["ring"].slots[0, 0].copy_(s["pool"][1].cuda())
+    _layer(s, 0)  # warm-up: kernels, allocator
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = _layer(s, 0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _layer(s, 0)
+    for share in (0.5, 0.0, 1.0):
+        s["table"].load(hot_copy_table([share], s["local_experts"], 1, plan_id=2))
+        graph.replay()
+        expected = _layer(s, 0)
+        torch.testing.assert_close(captured, expected, rtol=0, atol=0)
+        torch.testing.assert_close(captured.double().cpu(), _reference(s, s["pool"][1]), rtol=5e-2, atol=5e-3)
+    assert not torch.equal(eager, captured)  # share 1.0 routes differently from 0.5
 
 
 @pytest.mark.gpu
@@ -244,41 +333,25 @@ def test_cuda_stream_memops_handshake_inside_a_captured_graph() -> None:
     ops = CudaStreamMemOps()
     copy_stream = torch.cuda.Stream()
     filler = RingFiller(s["ring"], s["pool"].pin_memory(), ops, copy_stream)
-    out = torch.zeros_like(s["x"])
+    outs: list[torch.Tensor] = []
 
-    def layer() -> None:
-        moe_layer(s["x"], s["base"], s["ring"], 0, s["route"], s["inter"], s["hidden"], ops, None, out)
-        moe_layer(s["x"], s["base"], s["ring"], 1, s["route"], s["inter"], s["hidden"], ops, None, out)
+    def two_layers() -> None:
+        outs[:] = [_layer(s, 0, ops), _layer(s, 1, ops)]
 
-    moe_layer(s["x"], s["base"], s["ring"], 0, s["route"], s["inter"], s["hidden"], None, None, out)  # warm-up
+    _layer(s, 0)  # warm-up
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        layer()
+        two_layers()
     for it, rows in enumerate([(1, 2), (3, 0), (2, 2)]):
         graph.replay()  # waits on the GPU for the fills below
         time.sleep(0.01)
         filler.fill(2 * it, [rows[0]])
         filler.fill(2 * it + 1, [rows[1]])
         torch.cuda.synchronize()
-        ref_rows = torch.cat([s["base"].cpu(), s["pool"][rows[1]: rows[1] + 1]])
-        ref = _reference(s["x"][:-1].cpu().float(), ref_rows.float(), s["local"], s["weight"], s["inter"], s["hidden"])
-        torch.testing.assert_close(out.double().cpu(), ref, rtol=5e-2, atol=5e-3)
+        for out, row in zip(outs, rows, strict=True):
+            torch.testing.assert_close(out.double().cpu(), _reference(s, s["pool"][row]), rtol=5e-2, atol=5e-3)
     assert s["ring"].flags.tolist() == [[1, 0], [1, 0]]
-
-
-def test_a_plan_that_does_not_fit_leaves_the_routing_as_it_was() -> None:
-    local_experts, vmax, pairs = 2, 1, 20
-    route = StaticRouting.empty(capacity_for(pairs, local_experts), capacity_for(4, vmax), local_experts, vmax,
-                                pairs, "cpu")
-    token, weight = torch.arange(pairs), torch.ones(pairs)
-    route.load(token, torch.tensor([0] * 8 + [1] * 8 + [2] * 4), weight, local_experts)  # 4 slot pairs fit
-    names = ("base_gather", "base_offs", "base_weight", "slot_gather", "slot_offs", "slot_weight")
-    before = {n: getattr(route, n).clone() for n in names}
-    with pytest.raises(ValueError, match="do not fit"):  # 17 slot pairs do not
-        route.load(token, torch.tensor([0] * 3 + [2] * 17), weight, local_experts)
-    for n in names:
-        assert torch.equal(getattr(route, n), before[n]), n
 
 
 def test_a_failed_fill_hands_its_buffer_back() -> None:

@@ -1,4 +1,4 @@
-"""EP MoE forward over gloo (4 processes) against the single-process reference, for the static
+"""EP MoE forward over gloo (4 processes; 1 and 2 as well) against the single-process reference, for the static
 placement, allocator plans and arbitrary random plans (replicas, slots, uneven shares), DeepSeek-V3
 and Qwen routing; plus the replica-choice bookkeeping on one rank."""
 
@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from legacy_ep_moe import legacy_ep_moe_layer
 from vexpert_runtime.model.checkpoint import DEEPSEEK, QWEN, CheckpointReader, MoESpec, write_tiny_checkpoint
 from vexpert_runtime.model.ep_moe import (
+    DeviceRoutingTable,
     ExpertStacks,
     RoutingTable,
     base_experts,
@@ -123,13 +125,13 @@ def test_plan_from_slots_rejects_two_copies_on_one_gpu() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def _random_plan(num_layers: int, num_experts: int, slots: int, seed: int) -> Any:
+def _random_plan(num_layers: int, num_experts: int, slots: int, seed: int, world: int = WORLD) -> Any:
     """Any valid plan: random slot contents (an expert may sit on every GPU), random shares."""
     gen = torch.Generator().manual_seed(seed)
-    base = static_placement(num_layers, num_experts, WORLD)
-    slot_expert = torch.full((num_layers, WORLD, slots), -1)
+    base = static_placement(num_layers, num_experts, world)
+    slot_expert = torch.full((num_layers, world, slots), -1)
     for layer in range(num_layers):
-        for g in range(WORLD):
+        for g in range(world):
             everywhere = layer == 0 and g > 0  # layer 0: expert 0 gets a copy on every GPU
             candidates = [e for e in range(num_experts) if int(base[layer, e]) != g and not (everywhere and e == 0)]
             picks = torch.randperm(len(candidates), generator=gen)[:slots].tolist()
@@ -138,16 +140,29 @@ def _random_plan(num_layers: int, num_experts: int, slots: int, seed: int) -> An
                     slot_expert[layer, g, s] = candidates[p]
             if everywhere:
                 slot_expert[layer, g, 0] = 0
-    share = torch.rand(num_layers, num_experts, WORLD + 1, generator=gen)
-    share[0, 0, 2] = 0.0  # a copy that gets no tokens
+    share = torch.rand(num_layers, num_experts, world + 1, generator=gen)
+    if world > 2:
+        share[0, 0, 2] = 0.0  # a copy that gets no tokens
     return plan_from_slots(base, slot_expert, share)
 
 
-def _run_rank(rank: int, port: int, root: str, cases: list[dict[str, Any]]) -> None:
+def _all_reduce(t: torch.Tensor, world: int) -> None:
+    if world > 1:
+        dist.all_reduce(t)
+
+
+def _run_rank(rank: int, port: int, root: str, cases: list[dict[str, Any]], world: int = WORLD) -> None:
+    """Every case on this rank: the fixed-capacity layer (loop and grouped GEMMs) against the
+    reference and the old host-synchronised layer. One device table per table shape, reloaded in
+    place from case to case (plan switches)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    group = None
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        group = dist.group.WORLD
     out = []
     models: dict[str, ModelWeights] = {}
+    device_tables: dict[tuple[int, ...], DeviceRoutingTable] = {}
     for case in cases:
         spec: MoESpec = case["spec"]
         table: RoutingTable = case["table"]
@@ -159,33 +174,38 @@ def _run_rank(rank: int, port: int, root: str, cases: list[dict[str, Any]]) -> N
         x = torch.randn(TOKENS[rank], spec.hidden_size, generator=gen)
         bias = case["bias"]
         ids, topk_weights = route(x, weights.routers[layer], spec, bias)
-        mine = base_experts(spec.num_experts, WORLD, rank)
+        mine = base_experts(spec.num_experts, world, rank)
         slot_rows = [
             weights.experts[layer][e] if e >= 0 else torch.zeros(spec.expert_numel)
             for e in table.slot_expert[layer, rank].tolist()
         ]
         local_rows = [weights.experts[layer][e] for e in mine] + slot_rows
-
-        y, stats = ep_moe_layer(
-            x,
-            ids,
-            topk_weights,
-            table,
-            layer,
-            local_rows.__getitem__,
-            lambda rows, row, spec=spec: packed_ffn(rows, row, spec.intermediate_size, spec.hidden_size),
-            shared_forward(x, weights.shared[layer]),
-            rank,
-            WORLD,
-            dist.group.WORLD,
-        )
-        # The same layer with grouped GEMMs over stacked rows (torch._grouped_mm runs on the CPU too).
-        stacks = ExpertStacks(torch.stack(local_rows[: len(mine)]), torch.stack(slot_rows) if slot_rows else None,
-                              spec.intermediate_size, grouped=True)
-        y_grouped, stats_grouped = ep_moe_layer(
-            x, ids, topk_weights, table, layer, local_rows.__getitem__, lambda rows, row: rows,
-            shared_forward(x, weights.shared[layer]), rank, WORLD, dist.group.WORLD, stacks=stacks)
+        key = (table.num_layers, table.num_experts, table.num_gpus, table.slots)
+        if key not in device_tables:
+            device_tables[key] = DeviceRoutingTable.allocate(*key, device="cpu")
+        device_table = device_tables[key]
+        pointers = [t.data_ptr() for t in (device_table.gpu, device_table.local, device_table.cum_share)]
+        device_table.load(table)  # a plan switch: the same tensors, new contents
+        assert [t.data_ptr() for t in (device_table.gpu, device_table.local, device_table.cum_share)] == pointers
+        capacity = max(TOKENS[:world]) * spec.top_k  # uneven batches: every rank uses the largest B·K
+        shared = shared_forward(x, weights.shared[layer])
+        hooks: list[str] = []
+        results = {}
+        for grouped in (False, True):  # per-expert loop, and grouped GEMMs (torch._grouped_mm runs on the CPU too)
+            stacks = ExpertStacks(torch.stack(local_rows[: len(mine)]), torch.stack(slot_rows) if slot_rows else None,
+                                  spec.intermediate_size, grouped=grouped)
+            results[grouped] = ep_moe_layer(
+                x, ids, topk_weights, device_table, layer, stacks, shared, rank, world, group, capacity=capacity,
+                slot_wait=lambda h=hooks: h.append("wait"), after_compute=lambda h=hooks: h.append("free"))
+        assert hooks == ["wait", "free"] * 2  # one wait and one release per layer, slots used or not
+        (y, stats), (y_grouped, stats_grouped) = results[False], results[True]
         assert torch.equal(stats_grouped.computed, stats.computed)
+        assert int(stats.dropped) == 0
+        y_legacy, computed_legacy = legacy_ep_moe_layer(
+            x, ids, topk_weights, table, layer, local_rows.__getitem__,
+            lambda rows, row, spec=spec: packed_ffn(rows, row, spec.intermediate_size, spec.hidden_size),
+            shared, rank, world, group)
+        assert torch.equal(stats.computed, computed_legacy)  # the same pairs reach the same experts
         ref, ref_counts = reference_moe_layer(x, weights, layer, bias)
         # logical expert of every local expert this rank computed
         logical = torch.zeros(spec.num_experts, dtype=torch.int64)
@@ -194,16 +214,17 @@ def _run_rank(rank: int, port: int, root: str, cases: list[dict[str, Any]]) -> N
             if n:
                 assert expert >= 0, "rows arrived for an empty slot"
                 logical[expert] += n
-        dist.all_reduce(logical)
-        dist.all_reduce(ref_counts)
-        loads = torch.zeros(WORLD, dtype=torch.int64)
+        _all_reduce(logical, world)
+        _all_reduce(ref_counts, world)
+        loads = torch.zeros(world, dtype=torch.int64)
         loads[rank] = stats.computed.sum()
-        dist.all_reduce(loads)
+        _all_reduce(loads, world)
         out.append(
             {
                 "name": case["name"],
                 "error": relative_error(y, ref) if TOKENS[rank] else 0.0,
                 "error_grouped": relative_error(y_grouped, ref) if TOKENS[rank] else 0.0,
+                "error_legacy": relative_error(y, y_legacy) if TOKENS[rank] else 0.0,
                 "finite": bool(torch.isfinite(y).all()),
                 "sent": stats.sent,
                 "logical": logical.tolist(),
@@ -212,7 +233,29 @@ def _run_rank(rank: int, port: int, root: str, cases: list[dict[str, Any]]) -> N
             }
         )
     Path(root, f"rank{rank}.json").write_text(json.dumps(out))
-    dist.destroy_process_group()
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def _by_case(root: Path, world: int) -> dict[str, list[dict[str, Any]]]:
+    per_rank = [json.loads((root / f"rank{r}.json").read_text()) for r in range(world)]
+    by_case: dict[str, list[dict[str, Any]]] = {}
+    for rows in per_rank:
+        for row in rows:
+            by_case.setdefault(row["name"], []).append(row)
+    return by_case
+
+
+def _check_exact(by_case: dict[str, list[dict[str, Any]]], world: int) -> None:
+    for name, rows in by_case.items():
+        assert len(rows) == world
+        worst = max(r["error"] for r in rows)
+        assert worst <= 1e-5, f"{name}: max relative error {worst}"
+        worst_grouped = max(r["error_grouped"] for r in rows)
+        assert worst_grouped <= 1e-5, f"{name} (grouped GEMMs): max relative error {worst_grouped}"
+        worst_legacy = max(r["error_legacy"] for r in rows)
+        assert worst_legacy <= 1e-6, f"{name}: differs from the old layer by {worst_legacy}"
+        assert all(r["finite"] for r in rows)
 
 
 @pytest.fixture(scope="module")
@@ -243,24 +286,39 @@ def ep_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list
     qw_table = table_from_plan(_random_plan(1, 16, 2, 99), 20)
     cases.append({"name": "random-qwen", "spec": QW, "ckpt": qw_dir, "layer": 0, "seed": 20, "bias": None, "table": qw_table})
     mp.spawn(_run_rank, args=(free_port(), str(root), cases), nprocs=WORLD, join=True)
-    per_rank = [json.loads((root / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    by_case: dict[str, list[dict[str, Any]]] = {}
-    for rows in per_rank:
-        for row in rows:
-            by_case.setdefault(row["name"], []).append(row)
-    return by_case, {"plan": plan, "counts": counts}
+    return _by_case(root, WORLD), {"plan": plan, "counts": counts}
 
 
 def test_ep_forward_equals_reference_for_every_plan(ep_results: Any) -> None:
     by_case, _ = ep_results
     assert len(by_case) == 9
-    for name, rows in by_case.items():
-        assert len(rows) == WORLD
-        worst = max(r["error"] for r in rows)
-        assert worst <= 1e-5, f"{name}: max relative error {worst}"
-        worst_grouped = max(r["error_grouped"] for r in rows)
-        assert worst_grouped <= 1e-5, f"{name} (grouped GEMMs): max relative error {worst_grouped}"
-        assert all(r["finite"] for r in rows)
+    _check_exact(by_case, WORLD)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_ep_forward_on_one_and_two_ranks_equals_reference_and_old_layer(tmp_path: Path, world: int) -> None:
+    """Static and random plans (replicas in slots, uneven shares) switched in place in one device
+    table, on one rank (no process group) and on two gloo processes."""
+    write_tiny_checkpoint(str(tmp_path / "ds"), DS, seed=1)
+    ckpt = str(tmp_path / "ds")
+    cases = [{"name": "static", "spec": DS, "ckpt": ckpt, "layer": 0, "seed": 1, "bias": SKEW,
+              "table": static_table(2, 16, world, 3)}]
+    for seed in range(3):
+        table = table_from_plan(_random_plan(2, 16, 3, seed, world), 10 + seed)
+        cases.append({"name": f"random-{seed}", "spec": DS, "ckpt": ckpt, "layer": seed % 2, "seed": 10 + seed,
+                      "bias": SKEW, "table": table})
+    cases.append({"name": "static-again", "spec": DS, "ckpt": ckpt, "layer": 1, "seed": 2, "bias": None,
+                  "table": static_table(2, 16, world, 3)})
+    if world == 1:
+        _run_rank(0, 0, str(tmp_path), cases, world)
+    else:
+        mp.spawn(_run_rank, args=(free_port(), str(tmp_path), cases, world), nprocs=world, join=True)
+    by_case = _by_case(tmp_path, world)
+    assert len(by_case) == len(cases)
+    _check_exact(by_case, world)
+    for rows in by_case.values():
+        assert [r["sent"] for r in rows] == [t * DS.top_k for t in TOKENS[:world]]
+        assert rows[0]["logical"] == rows[0]["reference_counts"]
 
 
 def test_no_token_dropped_or_duplicated(ep_results: Any) -> None:

@@ -21,8 +21,14 @@ from node_faults import faulty_filler
 from runtime_support import TINY_DEEPSEEK_SPEC
 from vexpert_runtime.config import RuntimeConfig
 from vexpert_runtime.model.checkpoint import CheckpointReader, write_tiny_checkpoint
-from vexpert_runtime.model.ep_moe import ep_moe_layer, plan_from_slots, static_table
-from vexpert_runtime.model.moe_math import packed_ffn, relative_error, shared_forward
+from vexpert_runtime.model.ep_moe import (
+    DeviceRoutingTable,
+    ExpertStacks,
+    ep_moe_layer,
+    plan_from_slots,
+    static_table,
+)
+from vexpert_runtime.model.moe_math import relative_error, shared_forward
 from vexpert_runtime.model.reference import VERIFY_TOLERANCE, ModelWeights, reference_moe_layer
 from vexpert_runtime.model.routing import route
 from vexpert_runtime.node import NodeOptions, resolve_setup, run_node
@@ -65,16 +71,15 @@ def test_ep_layer_on_gpu_equals_reference(tmp_path: Path, dtype: str) -> None:
             xd,
             ids,
             topk_weights,
-            static_table(SPEC.num_layers, SPEC.num_experts, 1, 0),
+            DeviceRoutingTable.of(static_table(SPEC.num_layers, SPEC.num_experts, 1, 0), device),
             layer,
-            rows.__getitem__,
-            lambda r, row: packed_ffn(r, row, SPEC.intermediate_size, SPEC.hidden_size),
+            ExpertStacks(rows, None, SPEC.intermediate_size),
             shared_forward(xd, shared_d),
             0,
             1,
             None,
         )
-        assert y.device == device and not stats.computed.is_cuda
+        assert y.device == device and stats.computed.is_cuda  # the caller reads it when it suits
         assert int(stats.computed.sum()) == 48 * SPEC.top_k
         assert relative_error(y.cpu(), ref) <= TOLERANCE[dtype], layer
 
@@ -86,7 +91,9 @@ def _setup(checkpoint: Path, gpus: int, dtype: str = "float32", k: int = 4, vmax
             "parallelism": {"expert_parallel_size": gpus, "gpus_per_node": gpus, "master_port": free_port()},
             "vexpert": {"group_size": group_size, "vmax": vmax, "balance_threshold": 0.95},
             "tuning": {"allocation_interval": k},
-            "runtime": {"device": "cuda", "metrics_port": 0, "slot_fill_timeout_s": 30.0},
+            # more ranks than GPUs: workers share them (all-to-all over gloo through host memory)
+            "runtime": {"device": "cuda", "metrics_port": 0, "slot_fill_timeout_s": 30.0,
+                        "workers_per_gpu": max(1, -(-gpus // max(GPUS, 1)))},
         }
     )
     return resolve_setup(config, checkpoint)
@@ -125,9 +132,9 @@ def test_node_allocates_on_the_gpu_once_the_graphed_allocator_is_ready(tmp_path:
     assert sorted(report.allocator_s)[len(report.allocator_s) // 2] < 0.05
 
 
-@two_gpus
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: the experts run as grouped GEMMs
-def test_node_on_two_gpus_fills_slots_over_ipc_and_switches_plans(tmp_path: Path, dtype: str) -> None:
+def test_node_with_two_ranks_fills_slots_over_ipc_and_switches_plans(tmp_path: Path, dtype: str) -> None:
+    # two GPUs, or two workers sharing the one GPU there is (the slot path is the same: IPC, GPU flags)
     write_tiny_checkpoint(tmp_path, SPEC, seed=5)
     setup = _setup(tmp_path, 2, dtype=dtype)
     base = static_placement(2, 8, 2)
@@ -150,7 +157,7 @@ def test_node_on_two_gpus_fills_slots_over_ipc_and_switches_plans(tmp_path: Path
     assert report.plan_switches == [(0, 1), (4, 2)]
     assert report.max_rel_error is not None and report.max_rel_error <= TOLERANCE[dtype]
     assert report.degraded_groups == 0
-    assert report.records[5].wait_s >= 0.3
+    assert report.records[5].step_s >= 0.3  # the GPU waited for the late layer (the host only sees the step)
     assert report.bytes_streamed > 0
     reader = CheckpointReader(tmp_path, SPEC)
     for record in report.records:  # every slot computed with held exactly its plan's expert (bitwise)

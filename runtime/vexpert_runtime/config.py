@@ -97,7 +97,16 @@ class RuntimeSettings(BaseModel):
     device: Literal["cuda", "cpu"] = "cuda"
     cpu_workers: int = Field(0, ge=0, le=64, description="CPU worker processes (0 = one per visible GPU)")
     metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus endpoint port (0 = disabled)")
-    slot_fill_timeout_s: float = Field(5.0, gt=0, description="A layer waiting longer runs without its vExperts")
+    slot_fill_timeout_s: float = Field(
+        5.0, gt=0, description="An iteration the coordinator has not announced within it runs without its vExperts"
+    )
+    workers_per_gpu: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="Worker processes sharing one GPU (> 1 only to run several EP ranks on a host with fewer GPUs, "
+        "e.g. to measure; their all-to-all then goes through host memory over gloo)",
+    )
     host_memory_limit_bytes: int | None = Field(None, ge=0, description="Pinned pool + slots must fit (None = no check)")
 
 

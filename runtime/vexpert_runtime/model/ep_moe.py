@@ -10,11 +10,17 @@ Replicated experts: each rank splits its own tokens of an expert over the expert
 proportion to the plan's shares (stratified positions, rotated by rank so small counts spread too),
 which makes the global split follow the allocator's water-filling shares.
 
-Collectives go through ``torch.distributed`` (gloo on CPU, NCCL on GPU): per layer one small
-all-to-all of counts ``[N, E/N + S]`` and one all-to-all each way for the rows.
+Fixed shapes, no host synchronisation (DeepEP low-latency style): a rank sends every rank a block
+of ``C`` rows (default ``B·K``: all its pairs could go to one rank, so nothing is dropped) plus the
+rows' local expert indices, by equal-split ``all_to_all_single`` (gloo on CPU, NCCL on GPU); the
+receiver groups the rows by local expert on the device. No split size, count or group end is read
+back to the host, so on CUDA a layer — a whole iteration — can be captured in a CUDA graph, and a
+plan switch only overwrites the :class:`DeviceRoutingTable` in place. The price is memory and
+all-to-all volume proportional to ``N·C`` instead of the pairs actually routed.
 
 Shapes: ``B`` tokens on this rank, ``H`` hidden, ``K`` top-k, ``E`` experts, ``N`` ranks, ``S`` slots
-per buffer, ``R`` max copies of an expert, ``P = B·K`` (token, expert) pairs.
+per buffer, ``R`` max copies of an expert, ``P = B·K`` (token, expert) pairs, ``C`` rows per
+destination rank, ``T = N·C`` rows received.
 """
 
 from __future__ import annotations
@@ -28,7 +34,15 @@ import torch
 import torch.distributed as dist
 
 from vexpert_runtime.model.expert_format import ExpertFormat
-from vexpert_runtime.model.grouped_moe import group_layout, grouped_swiglu, packed_views, uses_grouped_gemm
+from vexpert_runtime.model.grouped_moe import (
+    GROUP_ALIGN,
+    group_counts,
+    group_layout,
+    grouped_swiglu,
+    packed_views,
+    padded_capacity,
+    uses_grouped_gemm,
+)
 from vexpert_runtime.model.moe_math import combine
 from vexpert_runtime.policy.allocator import Plan
 from vexpert_runtime.policy.placement import static_placement
@@ -157,7 +171,99 @@ def base_experts(num_experts: int, num_gpus: int, rank: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Replica choice and dispatch bookkeeping (pure, single rank)
+# The routing table on the device
+# ---------------------------------------------------------------------------------------------
+
+
+def max_replicas(num_gpus: int, slots: int) -> int:
+    """R: the most copies an expert can have — its resident one plus at most one slot on each other
+    GPU (an expert never sits twice on one GPU), none without slots."""
+    return max(1, num_gpus) if slots > 0 else 1
+
+
+@dataclass
+class DeviceRoutingTable:
+    """A :class:`RoutingTable` in fixed-shape tensors on the device the layer runs on.
+
+    The layer reads only these tensors, and a plan switch overwrites them in place (:meth:`load`,
+    same storage, same shapes), so a CUDA graph captured over the layer stays valid across plans —
+    what vLLM and SGLang do with their logical→physical maps. The replica width R is fixed up front
+    (:func:`max_replicas`); a table with fewer copies per expert is padded (gpu/local −1, cum_share
+    inf: a draw u < 1 never picks a padded copy).
+
+    Attributes:
+        gpu, local: [L, E, R] int64; cum_share: [L, E, R] float64 (see :class:`RoutingTable`).
+        num_gpus, slots: N and S the table was made for (shapes, fixed).
+        plan_id: id of the table loaded last (host side; −1 before the first load).
+    """
+
+    gpu: torch.Tensor
+    local: torch.Tensor
+    cum_share: torch.Tensor
+    num_gpus: int
+    slots: int
+    plan_id: int = -1
+
+    @classmethod
+    def allocate(cls, num_layers: int, num_experts: int, num_gpus: int, slots: int,
+                 device: torch.device | str, replicas: int | None = None) -> DeviceRoutingTable:
+        width = max_replicas(num_gpus, slots) if replicas is None else replicas
+        shape = (num_layers, num_experts, width)
+        return cls(
+            gpu=torch.full(shape, -1, dtype=torch.int64, device=device),
+            local=torch.full(shape, -1, dtype=torch.int64, device=device),
+            cum_share=torch.full(shape, float("inf"), dtype=torch.float64, device=device),
+            num_gpus=num_gpus,
+            slots=slots,
+        )
+
+    @classmethod
+    def of(cls, table: RoutingTable, device: torch.device | str, replicas: int | None = None) -> DeviceRoutingTable:
+        """A new device table holding ``table``."""
+        out = cls.allocate(table.num_layers, table.num_experts, table.num_gpus, table.slots, device, replicas)
+        out.load(table)
+        return out
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.gpu.shape[0])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.gpu.shape[1])
+
+    @property
+    def replicas(self) -> int:
+        return int(self.gpu.shape[2])
+
+    @property
+    def experts_per_gpu(self) -> int:
+        return self.num_experts // self.num_gpus
+
+    def load(self, table: RoutingTable) -> None:
+        """Overwrite these tensors with ``table`` (a plan switch: data only, no new shapes).
+
+        The copies are ordered on the current stream, so layers enqueued before read the old plan
+        and layers enqueued after read the new one. Raises ``ValueError`` (tensors untouched) if the
+        table does not fit the fixed shapes.
+        """
+        expected = (self.num_layers, self.num_experts, self.num_gpus, self.slots)
+        got = (table.num_layers, table.num_experts, table.num_gpus, table.slots)
+        if got != expected:
+            raise ValueError(f"table has (L, E, N, S) = {got}, the device table {expected}")
+        width = table.gpu.shape[2]
+        if width > self.replicas:
+            raise ValueError(f"table has {width} copies of an expert, the device table room for {self.replicas}")
+        pad = ((0, 0), (0, 0), (0, self.replicas - width))
+        for target, value, fill in ((self.gpu, table.gpu, -1), (self.local, table.local, -1),
+                                    (self.cum_share, table.cum_share, np.inf)):
+            padded = np.pad(value, pad, constant_values=fill)
+            target.copy_(torch.from_numpy(padded).to(target.dtype))
+        self.plan_id = table.plan_id
+
+
+# ---------------------------------------------------------------------------------------------
+# Replica choice and dispatch bookkeeping (pure, single rank, fixed shapes: no host sync)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -169,37 +275,109 @@ def choose_replicas(
     The j-th of this rank's n_e pairs for expert e draws u = frac((j + ½)/n_e + rank/N) and takes the
     copy whose cumulative-share interval holds u: stratified within a rank, rotated across ranks.
 
-    Args: ids [B, K] int64; gpu, local [E, R] int64; cum_share [E, R] float64 (all on one device).
+    Args: ids [B, K] int64; gpu, local [E, R] int64; cum_share [E, R] float64 (all on one device;
+        padded copies have cum_share inf).
     Returns dest_gpu [B, K], dest_local [B, K] int64.
     """
     flat = ids.reshape(-1)
     num_experts = gpu.shape[0]
     if gpu.shape[1] == 1 or flat.numel() == 0:
         return gpu[flat, 0].view_as(ids), local[flat, 0].view_as(ids)
-    count = torch.bincount(flat, minlength=num_experts)
+    count = group_counts(flat, num_experts)
     order = torch.argsort(flat, stable=True)
     start = count.cumsum(0) - count
     position = torch.empty_like(flat)
-    position[order] = torch.arange(flat.numel(), device=flat.device) - start[flat[order]]
+    position.scatter_(0, order, torch.arange(flat.numel(), device=flat.device) - start[flat[order]])
     u = torch.frac((position.to(torch.float64) + 0.5) / count[flat].to(torch.float64) + rank / world)
     copy = (cum_share[flat] <= u.unsqueeze(1)).sum(1)
     return gpu[flat, copy].view_as(ids), local[flat, copy].view_as(ids)
 
 
+def send_rows(dest_gpu: torch.Tensor, world: int, capacity: int) -> torch.Tensor:
+    """Row of each pair in the send buffer [N·C + 1] (DeepEP low-latency style dispatch).
+
+    Destination rank d owns rows d·C .. d·C + C − 1; a pair takes the next free row of its block
+    (pair order). A pair past its block's C rows goes to the trash row N·C, which is never sent: it
+    is dropped (its output reads as zero). With C = every pair of the rank nothing is dropped.
+
+    Args: dest_gpu [P] int64 in [0, N). Returns [P] int64 in [0, N·C].
+    """
+    per_dest = group_counts(dest_gpu, world)
+    order = torch.argsort(dest_gpu, stable=True)
+    first = per_dest.cumsum(0) - per_dest
+    rank_in_dest = torch.empty_like(dest_gpu)
+    rank_in_dest.scatter_(0, order, torch.arange(dest_gpu.numel(), device=dest_gpu.device) - first[dest_gpu[order]])
+    return torch.where(rank_in_dest < capacity, dest_gpu * capacity + rank_in_dest, world * capacity)
+
+
+@dataclass(frozen=True)
+class ReceiveLayout:
+    """Where received rows go in the compute buffer, and the group ends the grouped GEMMs read.
+
+    The buffer has two regions of fixed size: the resident experts' groups in rows
+    [0, resident_rows), the slots' groups in [resident_rows, end). Each region starts at row 0 of its
+    own GEMM, so neither needs a split point known on the host.
+
+    Attributes:
+        position: [T] int64 buffer row of each received row (distinct; padding rows land past their
+            region's last group end, where no GEMM reads).
+        resident_offs: [E/N] int32, slot_offs: [S] int32 group ends within each region.
+        computed: [E/N + S] int64 real rows per local expert.
+        resident_rows, rows: region split and buffer size (host ints, from shapes only).
+    """
+
+    position: torch.Tensor
+    resident_offs: torch.Tensor
+    slot_offs: torch.Tensor
+    computed: torch.Tensor
+    resident_rows: int
+    rows: int
+
+
+def receive_layout(local_of_row: torch.Tensor, resident: int, slots: int, align: int = GROUP_ALIGN) -> ReceiveLayout:
+    """Lay received rows out by local expert (``group_layout`` padding), fixed shapes throughout.
+
+    Args: local_of_row [T] int64 local expert of each received row (0..E/N−1 resident, E/N + s
+        slot s), −1 for padding. resident = E/N, slots = S. align: group alignment (the grouped
+        GEMM's; the per-expert loop needs none).
+    """
+    num_local = resident + slots
+    group = torch.where(local_of_row < 0, num_local, local_of_row)  # num_local: not computed
+    is_slot = group >= resident
+    resident_pos, resident_offs = group_layout(torch.where(is_slot, resident, group), resident, align)
+    slot_pos, slot_offs = group_layout(torch.where(is_slot, group - resident, slots), slots, align)
+    resident_rows = padded_capacity(local_of_row.numel(), resident, align)
+    position = torch.where(is_slot, resident_rows + slot_pos, resident_pos)
+    return ReceiveLayout(position, resident_offs, slot_offs, group_counts(group, num_local), resident_rows,
+                         resident_rows + padded_capacity(local_of_row.numel(), slots, align))
+
+
 @dataclass
 class LayerStats:
-    """What one rank saw in one layer: computed [E/N + S] rows per local expert, sent pairs."""
+    """What one rank saw in one layer, on the layer's device (read them when it suits the caller):
+    computed [E/N + S] int64 rows per local expert; dropped: [] int64 pairs past the dispatch
+    capacity (0 with the default capacity); sent: pairs this rank routed (B·K, from shapes)."""
 
     computed: torch.Tensor
+    dropped: torch.Tensor
     sent: int
 
 
-def _exchange(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
-    """all_to_all_single of rows (identity for a single rank without a process group)."""
+def _exchange(send: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """all_to_all_single with equal splits (N blocks of the same size; identity without a group).
+
+    CUDA tensors over a gloo-only group (ranks sharing one GPU, where NCCL refuses to run) go
+    through host memory: correct, but it synchronises the host, so only for measuring on a host
+    with fewer GPUs than ranks."""
     if group is None:
         return send
-    out = send.new_empty((sum(recv_splits), *send.shape[1:]))
-    dist.all_to_all_single(out, send.contiguous(), recv_splits, send_splits, group=group)
+    if send.is_cuda and dist.get_backend(group) == "gloo":
+        staged = send.cpu()
+        out_host = torch.empty_like(staged)
+        dist.all_to_all_single(out_host, staged, group=group)
+        return out_host.to(send.device, non_blocking=True)
+    out = torch.empty_like(send)
+    dist.all_to_all_single(out, send.contiguous(), group=group)
     return out
 
 
@@ -222,106 +400,96 @@ class ExpertStacks:
         return self.format.stack_weights(rows)
 
 
-def stacked_outputs(buf: torch.Tensor, offs: torch.Tensor, ends: list[int], stacks: ExpertStacks,
-                    resident: int) -> torch.Tensor:
-    """Expert outputs [M, H] of a group-padded buffer ``buf`` [M, H] laid out by
-    :func:`~vexpert_runtime.model.grouped_moe.group_layout` over the resident experts then the slots
-    (``offs`` [E/N + S] int32 group ends, ``ends`` the same on the host): one grouped GEMM pair for
-    the resident stack, one for the slots."""
+def stacked_outputs(buf: torch.Tensor, resident_offs: torch.Tensor, slot_offs: torch.Tensor, resident_rows: int,
+                    stacks: ExpertStacks, slot_wait: Callable[[], None] | None = None,
+                    after_compute: Callable[[], None] | None = None) -> torch.Tensor:
+    """Expert outputs [M, H] of a buffer [M, H] laid out by :func:`receive_layout`: one grouped GEMM
+    pair over the resident stack (rows [0, resident_rows)), then — after ``slot_wait`` — one over the
+    slot stack (the rest), then ``after_compute``. Rows past a region's last group end are undefined.
+    Both hooks are called on every call, also when no row goes to a slot."""
     hidden = buf.shape[1]
     out = torch.empty_like(buf)
-    split = ends[resident - 1] if resident else 0
     w13, w2 = stacks.weights(stacks.resident, hidden)
-    out[:split] = grouped_swiglu(buf[:split], w13, w2, offs[:resident], grouped=stacks.grouped)
-    if ends and ends[-1] > split:
+    out[:resident_rows] = grouped_swiglu(buf[:resident_rows], w13, w2, resident_offs, grouped=stacks.grouped)
+    if slot_wait is not None:
+        slot_wait()
+    if slot_offs.numel():
         if stacks.slots is None:
-            raise ValueError("pairs were routed to slots but no slot stack was given")
-        s13, s2 = stacks.weights(stacks.slots, hidden)
-        out[split:] = grouped_swiglu(buf[split:], s13, s2, offs[resident:] - split, grouped=stacks.grouped)
+            raise ValueError("the routing table has slots but no slot stack was given")
+        s13, s2 = stacks.weights(stacks.slots, hidden)  # FP8: dequantised only once the slots are filled
+        out[resident_rows:] = grouped_swiglu(buf[resident_rows:], s13, s2, slot_offs, grouped=stacks.grouped)
+    if after_compute is not None:
+        after_compute()
     return out
-
-
-def _grouped_compute(rows: torch.Tensor, local_of_row: torch.Tensor, stacks: ExpertStacks, resident: int,
-                     num_local: int) -> torch.Tensor:
-    """Expert outputs [T, H] for received rows [T, H] with local expert ``local_of_row`` [T]."""
-    position, offs = group_layout(local_of_row, num_local)
-    ends = offs.tolist()
-    buf = rows.new_zeros(ends[-1] if ends else 0, rows.shape[1])
-    buf[position] = rows
-    return stacked_outputs(buf, offs, ends, stacks, resident)[position]
 
 
 def ep_moe_layer(
     x: torch.Tensor,
     ids: torch.Tensor,
     topk_weights: torch.Tensor,
-    table: RoutingTable,
+    table: DeviceRoutingTable,
     layer: int,
-    local_weight: Callable[[int], torch.Tensor],
-    expert_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    stacks: ExpertStacks,
     shared_out: torch.Tensor | None,
     rank: int,
     world: int,
     group: dist.ProcessGroup | None,
-    after_compute: Callable[[], None] | None = None,
-    stacks: ExpertStacks | None = None,
+    *,
+    capacity: int | None = None,
     slot_wait: Callable[[], None] | None = None,
+    after_compute: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, LayerStats]:
-    """One MoE layer on this rank's tokens, expert-parallel.
+    """One MoE layer on this rank's tokens, expert-parallel, with fixed shapes and no host sync.
+
+    Dispatch: every rank sends every rank a block of C rows plus C local-expert indices (−1 on
+    padding) with one equal-split all-to-all each, so no split size is ever read back to the host;
+    the receiver lays the rows out by local expert on the device, runs the grouped GEMMs with
+    device-side group ends, and sends each block back the same way; the sender gathers its pairs'
+    outputs from the rows it sent them from. Everything is a function of the shapes and of tensors
+    on ``x.device``, so on CUDA the layer can be captured in a CUDA graph (a plan switch is
+    :meth:`DeviceRoutingTable.load`).
 
     Args:
         x: [B, H] this rank's (normed) tokens; ids/topk_weights: [B, K] its routing.
-        table: routing table of the plan this layer runs under; layer: its index.
-        local_weight: j ↦ packed weights [3·I·H] of local expert j (base 0..E/N−1, slot E/N + s).
-        expert_fn: (rows [T, H], packed weights) ↦ [T, H].
+        table: the device routing table (plan) and the layer's index into it.
+        stacks: the local experts. Grouped GEMMs where they run (CUDA bf16/fp16, or ``stacks.grouped``);
+            elsewhere the per-expert loop over the same layout (it reads the group ends on the host).
         shared_out: [B, H] shared-expert output or None.
-        slot_wait: called once per call before any slot expert is computed; the worker waits there
-            until the layer's slots are filled (on a GPU: a wait enqueued on its stream).
-        after_compute: called once the expert compute is enqueued (before the combine); the worker
-            marks the layer's slots free there (on a GPU: a flag write enqueued on its stream).
-        stacks: the same local experts as stacked packed rows; where grouped GEMMs run (CUDA, bf16/fp16,
-            or ``stacks.grouped``) the compute is two grouped GEMMs per stack instead of a loop.
-    Every tensor lives on ``x.device`` (CPU with gloo, CUDA with NCCL); the table is moved there.
-    Returns (y [B, H], stats) with ``stats.computed`` on the host.
+        capacity: C, rows per destination rank; the same on every rank. Default B·K: nothing can be
+            dropped, provided every rank has B tokens; with uneven batches pass max B·K.
+        slot_wait: called after the resident experts' compute is enqueued, right before the slot
+            experts' (the worker waits there for its slots to be filled).
+        after_compute: called right after the slot experts' compute is enqueued (the worker releases
+            its slots there). Both hooks run on every call.
+    Returns (y [B, H], stats), stats on ``x.device``.
     """
     batch, top_k = ids.shape
     hidden = x.shape[1]
-    num_local = table.experts_per_gpu + table.slots
+    pairs = batch * top_k
+    block = pairs if capacity is None else capacity
     device = x.device
-    gpu = torch.from_numpy(table.gpu[layer]).to(device)
-    local = torch.from_numpy(table.local[layer]).to(device)
-    cum = torch.from_numpy(table.cum_share[layer]).to(device)
-    dest_gpu, dest_local = choose_replicas(ids, gpu, local, cum, rank, world)
-    key = (dest_gpu * num_local + dest_local).reshape(-1)
-    order = torch.argsort(key, stable=True)  # pairs grouped by destination rank, then local expert
-    send_matrix = torch.bincount(key, minlength=world * num_local).view(world, num_local)
-    recv_matrix = _exchange(send_matrix, [1] * world, [1] * world, group)
-    send_splits = send_matrix.sum(1).tolist()
-    recv_splits = recv_matrix.sum(1).tolist()
-    rows = _exchange(x[order // top_k], send_splits, recv_splits, group)
+    dest_gpu, dest_local = choose_replicas(ids, table.gpu[layer], table.local[layer], table.cum_share[layer],
+                                           rank, world)
+    row_of_pair = send_rows(dest_gpu.reshape(-1), world, block)  # [P] in [0, N·C]
+    token_of_pair = torch.arange(pairs, device=device) // top_k
+    # One extra (trash) row takes the dropped pairs; it is not sent.
+    send_x = x.new_zeros(world * block + 1, hidden)
+    send_x.index_copy_(0, row_of_pair, x.index_select(0, token_of_pair))
+    send_local = torch.full((world * block + 1,), -1, dtype=torch.int64, device=device)
+    send_local.index_copy_(0, row_of_pair, dest_local.reshape(-1))
+    recv_x = _exchange(send_x[:-1], group)
+    recv_local = _exchange(send_local[:-1], group)
 
-    # Compute: received rows come ordered by (source rank, local expert); group them by local expert.
-    local_of_row = torch.repeat_interleave(torch.arange(num_local, device=device).repeat(world), recv_matrix.reshape(-1))
-    by_expert = torch.argsort(local_of_row, stable=True)
-    computed = torch.bincount(local_of_row, minlength=num_local)
-    if slot_wait is not None:
-        slot_wait()
-    grouped = stacks is not None and (stacks.grouped if stacks.grouped is not None else uses_grouped_gemm(rows))
-    if stacks is not None and grouped:
-        results = _grouped_compute(rows, local_of_row, stacks, table.experts_per_gpu, num_local)
-    else:
-        results = rows.new_empty(rows.shape[0], hidden)
-        start = 0
-        for j, n in enumerate(computed.tolist()):
-            if n:
-                index = by_expert[start : start + n]
-                results[index] = expert_fn(rows[index], local_weight(j))
-                start += n
-    if after_compute is not None:
-        after_compute()
+    grouped = stacks.grouped if stacks.grouped is not None else uses_grouped_gemm(recv_x)
+    layout = receive_layout(recv_local, table.experts_per_gpu, table.slots, GROUP_ALIGN if grouped else 1)
+    buf = recv_x.new_zeros(layout.rows, hidden)
+    buf.index_copy_(0, layout.position, recv_x)
+    out = stacked_outputs(buf, layout.resident_offs, layout.slot_offs, layout.resident_rows, stacks,
+                          slot_wait, after_compute)
 
-    back = _exchange(results, recv_splits, send_splits, group)
-    outputs = torch.empty(batch * top_k, hidden, dtype=back.dtype, device=device)
-    outputs[order] = back
+    back = x.new_zeros(world * block + 1, hidden)  # the last row stays zero: dropped pairs read it
+    back[:-1] = _exchange(out.index_select(0, layout.position), group)
+    outputs = back.index_select(0, row_of_pair)
     y = combine(topk_weights, outputs.view(batch, top_k, hidden), shared_out)
-    return y, LayerStats(computed=computed.cpu(), sent=int(key.numel()))
+    dropped = (row_of_pair == world * block).sum()
+    return y, LayerStats(computed=layout.computed, dropped=dropped, sent=pairs)

@@ -65,28 +65,52 @@ def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: t
     return out
 
 
+def group_counts(group: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Rows per group [num_groups] int64 of ``group`` [P] with values in [0, num_groups]; the value
+    ``num_groups`` marks a row no group computes (padding, or a row of the other stack).
+
+    A fixed-size ``scatter_add_`` instead of ``torch.bincount``, whose output size depends on the
+    data: that size is read back to the host, which a CUDA graph cannot capture.
+    """
+    counts = torch.zeros(num_groups + 1, dtype=torch.int64, device=group.device)
+    counts.scatter_add_(0, group, torch.ones_like(group))
+    return counts[:num_groups]
+
+
 def group_layout(local_expert: torch.Tensor, num_groups: int, align: int = GROUP_ALIGN,
                  capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each routed pair goes in the expert-sorted, group-padded buffer.
+    """Where each routed pair goes in the expert-sorted, group-padded buffer (no host sync).
 
     Args:
-        local_expert: [P] int64 local expert (group) of each (token, expert) pair, in [0, num_groups).
+        local_expert: [P] int64 local expert (group) of each (token, expert) pair, in [0, num_groups];
+            ``num_groups`` marks a pair no group computes: it lands after the last group (past
+            ``offs[-1]``, where the grouped GEMM does not read), on a row of its own.
         num_groups: number of groups (experts in the stack).
         align: groups start on multiples of this many rows.
-        capacity: rows of the buffer (default: just enough); ``ValueError`` if the pairs do not fit.
+        capacity: rows of the buffer, checked on the host (``ValueError`` if the pairs do not fit);
+            None (what graph-captured callers pass) skips the check: every position is then below
+            P + num_groups·(align − 1), the worst case (:func:`padded_capacity`).
     Returns:
-        position [P] int64 row of each pair, offs [num_groups] int32 group ends.
+        position [P] int64 row of each pair (distinct), offs [num_groups] int32 group ends.
     """
-    counts = torch.bincount(local_expert, minlength=num_groups)[:num_groups]
+    counts = group_counts(local_expert, num_groups)
     padded = (counts + align - 1) // align * align
     ends = padded.cumsum(0)
-    starts = ends - padded
+    # Uncomputed pairs form one last, unpadded group after the real ones.
+    starts = torch.cat([ends - padded, ends[-1:] if num_groups else ends.new_zeros(1)])
+    first = torch.cat([counts.cumsum(0) - counts, counts.sum().view(1)])
     order = torch.argsort(local_expert, stable=True)
+    sorted_group = local_expert[order]
     rank_in_group = torch.empty_like(local_expert)
-    first = counts.cumsum(0) - counts
-    rank_in_group[order] = torch.arange(local_expert.numel(), device=local_expert.device) - first[local_expert[order]]
+    rank_in_group.scatter_(0, order, torch.arange(local_expert.numel(), device=local_expert.device) - first[sorted_group])
     position = starts[local_expert] + rank_in_group
-    total = int(ends[-1]) if num_groups else 0
-    if capacity is not None and total > capacity:
-        raise ValueError(f"{total} padded rows do not fit a buffer of {capacity}")
+    if capacity is not None:
+        total = int(ends[-1]) if num_groups else 0  # host sync: only where a caller asks for the check
+        if total > capacity:
+            raise ValueError(f"{total} padded rows do not fit a buffer of {capacity}")
     return position, ends.to(torch.int32)
+
+
+def padded_capacity(pairs: int, groups: int, align: int = GROUP_ALIGN) -> int:
+    """Rows a group-padded buffer needs for ``pairs`` pairs over ``groups`` groups, whatever the split."""
+    return pairs + groups * (align - 1)

@@ -68,6 +68,7 @@ class NodeSetup:
     host_memory_limit_bytes: int | None
     profile: PerformanceProfile
     memory: MemoryPlan
+    workers_per_gpu: int = 1  # worker processes sharing one GPU (their all-to-all goes over gloo)
     metrics_addr: str = "0.0.0.0"
 
     @property
@@ -108,15 +109,17 @@ def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: in
             "set runtime.device: cpu and runtime.cpu_workers: N, or pass --cpu-workers N",
         )
     par = config.parallelism
+    sharing = config.runtime.workers_per_gpu if device == "cuda" else 1
     if device == "cuda":
         visible = torch.cuda.device_count()
-        if par.gpus_per_node > visible:
+        needed = -(-par.gpus_per_node // sharing)
+        if needed > visible:
             raise VExpertInputError(
                 "parallelism.gpus_per_node",
-                f"{par.gpus_per_node} GPUs per node configured but {visible} visible",
+                f"{par.gpus_per_node} worker GPUs per node ({sharing} per GPU) need {needed} GPUs, {visible} visible",
                 "set gpus_per_node (and expert_parallel_size) to the GPUs this node sees",
             )
-        local = par.gpus_per_node  # one worker per GPU: local rank i uses cuda:i
+        local = par.gpus_per_node  # one worker per GPU: local rank i uses cuda:i (i // workers_per_gpu)
     else:
         local = cpu_workers or config.runtime.cpu_workers or par.gpus_per_node
     node_rank = resolve_node_rank(par.node_rank, par.num_nodes)
@@ -156,6 +159,7 @@ def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: in
         pooled=pooled,
         metrics_port=config.runtime.metrics_port,
         slot_fill_timeout_s=config.runtime.slot_fill_timeout_s,
+        workers_per_gpu=sharing,
         host_memory_limit_bytes=config.runtime.host_memory_limit_bytes,
         profile=config.profile,
         memory=memory,

@@ -209,6 +209,8 @@ class NodeRuntime:
             for local, rank in enumerate(setup.ranks):
                 args = WorkerArgs(
                     local_rank=local,
+                    gpu=local // setup.workers_per_gpu,
+                    shared_gpu=setup.workers_per_gpu > 1,
                     rank=rank,
                     world=setup.world,
                     master_addr=setup.master_addr,

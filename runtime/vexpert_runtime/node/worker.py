@@ -27,6 +27,7 @@ from vexpert_runtime.model.checkpoint import (
     MoESpec,
 )
 from vexpert_runtime.model.ep_moe import (
+    DeviceRoutingTable,
     ExpertStacks,
     RoutingTable,
     base_experts,
@@ -65,6 +66,8 @@ class WorkerArgs:
     """Everything a worker process needs (pickled at spawn)."""
 
     local_rank: int
+    gpu: int  # cuda:<gpu> on GPU nodes
+    shared_gpu: bool  # other workers use the same GPU: everything over gloo (NCCL refuses)
     rank: int
     world: int
     master_addr: str
@@ -141,7 +144,7 @@ class _Worker:
         self.inflight: collections.deque[_Current] = collections.deque()  # GPU: iterations not yet finished on the device
         self.rescued = 0  # layers this worker filled itself after its coordinator died
         self.compute_stream: Any = None
-        self.device = torch.device("cuda", args.local_rank) if args.device == "cuda" else torch.device("cpu")
+        self.device = torch.device("cuda", args.gpu) if args.device == "cuda" else torch.device("cpu")
 
     def _publisher_gone(self) -> bool:
         """CPU waits for a FULL flag give up (and rescue) once the coordinator that publishes this
@@ -171,7 +174,13 @@ class _Worker:
         device = self.device
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        transport = make_transport(args.device, args.local_rank)
+        # Fixed-shape device tables the layer reads: the static one (degraded iterations) and the
+        # current plan's, which a plan switch overwrites in place (same tensors, no new shapes).
+        self.device_tables = {
+            static: DeviceRoutingTable.allocate(spec.num_layers, spec.num_experts, args.world, args.slots, device)
+            for static in (True, False)
+        }
+        transport = make_transport(args.device, args.gpu)
         buffers = transport.allocate(args.slots, spec.expert_numel, spec.row_dtype(self.dtype), spec.num_layers)
         args.results.put(SlotsExported(args.local_rank, transport.export(buffers)))
         self.reader = reader = CheckpointReader(args.checkpoint, spec)
@@ -181,7 +190,7 @@ class _Worker:
         mine = base_experts(spec.num_experts, args.world, args.rank)
         self.base = [reader.experts(i, mine, self.dtype).to(device) for i in layers]
         dist.init_process_group(
-            "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl",
+            "gloo" if device.type == "cpu" or args.shared_gpu else "cpu:gloo,cuda:nccl",
             init_method=f"tcp://{args.master_addr}:{args.master_port}",
             rank=args.rank,
             world_size=args.world,
@@ -300,16 +309,18 @@ class _Worker:
         args, spec = self.args, self.spec
         normed = rms_norm(h)
         ids, weights = route(normed, self.routers[layer], spec, None if bias is None else bias[layer])
-        counts[layer] = torch.bincount(ids.reshape(-1), minlength=spec.num_experts).cpu()
-        base, per_gpu, slots = self.base[layer], self.per_gpu, self.slots
-
-        def local_weight(j: int) -> torch.Tensor:
-            return base[j] if j < per_gpu else slots.slot(j - per_gpu)
-
+        if layer == 0:
+            # This iteration's statistics stay on the device and reach the host once, after the
+            # last layer: a copy per layer would synchronise the host with every layer.
+            self.device_counts = torch.zeros(counts.shape, dtype=torch.int64, device=self.device)
+            self.device_computed = torch.zeros(computed.shape, dtype=torch.int64, device=self.device)
+        flat = ids.reshape(-1)
+        self.device_counts[layer].scatter_add_(0, flat, torch.ones_like(flat))
+        device_table = self.device_tables[table.plan_id == 0]
+        if device_table.plan_id != table.plan_id:
+            device_table.load(table)
+        base, slots = self.base[layer], self.slots
         expert_format = spec.expert_format(self.dtype)
-
-        def ffn(rows: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-            return expert_format.ffn(rows, row)  # block-FP8 rows are dequantised here
 
         def slot_wait() -> None:
             slots.acquire(layer, self._rescue if self.device.type == "cpu" else None)
@@ -322,20 +333,22 @@ class _Worker:
             normed,
             ids,
             weights,
-            table,
+            device_table,
             layer,
-            local_weight,
-            ffn,
+            # Grouped GEMMs on CUDA (bf16/fp16), the per-expert loop elsewhere; block-FP8 rows are
+            # dequantised into the GEMM.
+            ExpertStacks(base, slots.buffers.slots, spec.intermediate_size, format=expert_format),
             shared_forward(normed, self.shared[layer]),
             args.rank,
             args.world,
             self.group,
             slot_wait=slot_wait,
             after_compute=lambda: slots.release(layer),
-            # On CUDA (bf16/fp16) the experts run as grouped GEMMs over these stacks; elsewhere the loop.
-            stacks=ExpertStacks(base, slots.buffers.slots, spec.intermediate_size, format=expert_format),
         )
-        computed[layer] = stats.computed
+        self.device_computed[layer] = stats.computed
+        if layer == spec.num_layers - 1:
+            counts.copy_(self.device_counts)
+            computed.copy_(self.device_computed)
         return h + y
 
     # -- rescue: the coordinator that published an iteration died before filling all its layers --
