@@ -577,3 +577,23 @@ def test_killed_coordinator_leaves_no_orphans(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
     _assert_nothing_left(marker, shm_before, within_s=10.0)
+
+
+def test_a_profiled_iteration_leaves_a_trace_per_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt", SPEC)
+    config = load_runtime_config(_config(tmp_path / "runtime.yaml", checkpoint))
+    monkeypatch.setenv("VEXPERT_PROFILE", f"3:{tmp_path / 'traces'}")
+    report = run_node(resolve_setup(config, checkpoint), NodeOptions(iterations=5))
+    assert report.iterations == 5
+    traces = sorted(p.name for p in (tmp_path / "traces").glob("*.json"))
+    assert traces == ["worker0-iteration3.json", "worker1-iteration3.json"]
+    events = json.loads((tmp_path / "traces" / traces[0]).read_text())["traceEvents"]
+    assert any("ep_moe" in str(e.get("name", "")) or e.get("cat") == "cpu_op" for e in events)
+
+
+def test_a_bad_profile_request_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt", SPEC)
+    config = load_runtime_config(_config(tmp_path / "runtime.yaml", checkpoint))
+    monkeypatch.setenv("VEXPERT_PROFILE", "soon")
+    with pytest.raises(VExpertInputError, match="VEXPERT_PROFILE"):
+        run_node(resolve_setup(config, checkpoint), NodeOptions(iterations=2))

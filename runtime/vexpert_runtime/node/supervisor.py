@@ -674,36 +674,25 @@ class NodeRuntime:
 
     def _make_allocator(self) -> Callable[..., Plan]:
         """The options' allocator, else ``allocate`` on CPU nodes and, on GPU nodes, the graphed
-        allocator on the first GPU, compiled and captured in the background while the workers load
-        (the supervisor uses no other CUDA: it passes the workers' IPC handles on unopened)."""
+        allocator on the first GPU, compiled and captured here, before any process starts: compiling
+        beside the serving loop would starve it of the interpreter for the ≈20 s it takes (the
+        supervisor uses no other CUDA: it passes the workers' IPC handles on unopened)."""
         if self.options.allocator is not None:
             return self.options.allocator
         if self.setup.device != "cuda":
             return allocate
-        device = DeviceAllocator("cuda:0")
         spec = self.setup.spec
         consts, config = self._allocator_inputs()
-        counts = torch.ones(spec.num_layers, spec.num_experts)
-        ready, failed = threading.Event(), threading.Event()
-
-        def warm_up() -> None:
-            try:
-                device.warm_up(counts, self._base_gpu, self.setup.world, config, self.setup.profile, consts)
-                self._log("graphed allocator ready on cuda:0")
-            except Exception as exc:  # keep serving: allocate on the CPU instead
-                failed.set()
-                self._log(f"graphed allocator unavailable, allocating on the CPU: {exc}")
-            finally:
-                ready.set()
-
-        threading.Thread(target=warm_up, name="vexpert-allocator-warm-up", daemon=True).start()
-
-        def allocate_on_gpu(*args: Any, **kwargs: Any) -> Plan:
-            if not ready.is_set() or failed.is_set():  # still compiling (or no GPU allocator): the CPU plans
-                return allocate(*args, **kwargs)
-            return device(*args, **kwargs)
-
-        return allocate_on_gpu
+        device = DeviceAllocator("cuda:0")
+        started = time.perf_counter()
+        try:
+            device.warm_up(torch.ones(spec.num_layers, spec.num_experts), self._base_gpu, self.setup.world, config,
+                           self.setup.profile, consts)
+        except Exception as exc:  # keep serving: allocate on the CPU instead
+            self._log(f"graphed allocator unavailable, allocating on the CPU: {exc}")
+            return allocate
+        self._log(f"graphed allocator ready on cuda:0 ({time.perf_counter() - started:.1f} s to compile and capture)")
+        return device
 
     def _prune(self) -> None:
         """Keep the last ``keep_history`` iterations' records (and windows, allocator times, plan

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import queue
 import threading
 import time
 import traceback
 from dataclasses import dataclass, fields, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -115,6 +117,20 @@ def worker_main(args: WorkerArgs) -> None:
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+
+
+PROFILE_ENV = "VEXPERT_PROFILE"  # "<iteration>:<directory>": trace that iteration of every worker
+
+
+def _profile_request() -> tuple[int, Path]:
+    """The iteration to trace and where (``VEXPERT_PROFILE``), or (−1, .) for none."""
+    raw = os.environ.get(PROFILE_ENV, "")
+    if not raw:
+        return -1, Path(".")
+    at, _, directory = raw.partition(":")
+    if not at.isdigit() or not directory:
+        raise VExpertInputError(PROFILE_ENV, f"{raw!r} is not <iteration>:<directory>", "e.g. VEXPERT_PROFILE=50:/tmp/trace")
+    return int(at), Path(directory)
 
 
 @dataclass
@@ -238,7 +254,9 @@ class _Worker:
         window: list[torch.Tensor] = []
         window_start = 0
         iteration = 0
+        profile_at, profile_dir = _profile_request()
         while True:
+            profiler = self._profiler(profile_dir) if iteration == profile_at else None
             start = time.perf_counter()
             h = args.workload.inputs(iteration, args.rank, spec.hidden_size, self.dtype).to(self.device)
             bias = args.workload.logit_bias(iteration)
@@ -273,6 +291,9 @@ class _Worker:
                 end.synchronize()
             self.slots.finish(iteration)
             step = time.perf_counter() - start
+            if profiler is not None:
+                profiler.__exit__(None, None, None)
+                profiler.export_chrome_trace(str(profile_dir / f"worker{args.rank}-iteration{iteration}.json"))
             loads = torch.zeros(spec.num_layers, args.world, dtype=torch.int64)
             loads[:, args.rank] = computed.sum(1)
             window.append(torch.cat([counts, loads], dim=1))
@@ -350,6 +371,16 @@ class _Worker:
             counts.copy_(self.device_counts)
             computed.copy_(self.device_computed)
         return h + y
+
+    def _profiler(self, directory: Path) -> Any:
+        """A torch profiler (CPU and CUDA activity) around one iteration, started."""
+        from torch.profiler import ProfilerActivity, profile
+
+        directory.mkdir(parents=True, exist_ok=True)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        profiler = profile(activities=activities)
+        profiler.__enter__()
+        return profiler
 
     # -- rescue: the coordinator that published an iteration died before filling all its layers --
 
