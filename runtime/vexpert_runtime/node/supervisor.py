@@ -683,6 +683,9 @@ class NodeRuntime:
             return allocate
         spec = self.setup.spec
         consts, config = self._allocator_inputs()
+        import torch._inductor.config as inductor
+
+        inductor.compile_threads = 1  # no pool of compile worker processes outliving the compile
         device = DeviceAllocator("cuda:0")
         started = time.perf_counter()
         try:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import faulthandler
 import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -105,6 +107,7 @@ def worker_main(args: WorkerArgs) -> None:
     """Entry point of a worker process."""
     die_with_parent(args.parent_pid)
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack on stderr
     try:
         _Worker(args).run()
     except VExpertInputError as exc:
@@ -384,29 +387,43 @@ class _Worker:
 
     # -- rescue: the coordinator that published an iteration died before filling all its layers --
 
-    def _rescue(self, layer: int, current: _Current | None = None, stream: Any = None) -> None:
+    def _rescue(self, layer: int, current: _Current | None = None, stream: Any = None,
+                staging: torch.Tensor | None = None) -> None:
         """Fill this worker's slots of ``layer`` for ``current`` (default: the iteration being run)
-        from the checkpoint and set its FULL flag (on ``stream`` on a GPU). Slow and exact: only
-        after a coordinator died mid-iteration."""
+        from the checkpoint and set its FULL flag (on ``stream`` on a GPU, through the pinned
+        ``staging`` row). Slow and exact: only after a coordinator died mid-iteration."""
         current = current or self.current
         slots = self.slots
         if current.use_plan:
             for slot, expert in enumerate(current.table.slot_expert[layer, self.args.rank].tolist()):
                 if expert >= 0:
                     row = self.reader.experts(layer, [expert], self.dtype)[0]
-                    slots.slot(slot).copy_(row, non_blocking=stream is not None)
+                    if staging is None:
+                        slots.slot(slot).copy_(row)
+                    else:
+                        stream.synchronize()  # the staging row is free again
+                        staging.copy_(row)
+                        slots.slot(slot).copy_(staging, non_blocking=True)
                     slots.set_tag(slot, layer, expert)
         slots.ops.write(stream, slots.buffers.flags, layer, FULL, 1)
         self.rescued += 1
 
     def _watchdog(self) -> None:
         """GPU workers: a stalled compute stream waits for a FULL flag whose coordinator is gone —
-        rescue that layer on a side stream (the layer before it is done, so no slot is in use)."""
+        rescue that layer on a side stream (the layer before it is done, so no slot is in use).
+
+        Nothing here may allocate host or device memory while the compute stream is stalled (a
+        pinned allocation can wait for the device): the host buffers are made up front."""
         side = torch.cuda.Stream(device=self.device)
+        buffers = self.slots.buffers
+        progress = torch.empty(buffers.progress.shape, dtype=buffers.progress.dtype, pin_memory=True)
+        flags = torch.empty(buffers.flags.shape, dtype=buffers.flags.dtype, pin_memory=True)
+        staging = torch.empty(buffers.slots.shape[1], dtype=buffers.slots.dtype, pin_memory=True)
 
         def read(tensor: torch.Tensor) -> torch.Tensor:
+            host = progress if tensor is buffers.progress else flags
             with torch.cuda.stream(side):
-                host = tensor.to("cpu", non_blocking=True)
+                host.copy_(tensor, non_blocking=True)
             side.synchronize()
             return host
 
@@ -420,8 +437,10 @@ class _Worker:
                 continue
             layer = self.slots.stalled_layer(read)
             if layer is not None:
-                with torch.cuda.device(self.device):
-                    self._rescue(layer, oldest, side)
+                # on the side stream: this thread's default (legacy) stream would wait for the
+                # stalled compute stream and never run the rescue
+                with torch.cuda.device(self.device), torch.cuda.stream(side):
+                    self._rescue(layer, oldest, side, staging)
 
     def _checksums(self) -> list[str]:
         return [row_checksum(self.slots.slot(s)) for s in range(self.args.slots)]
