@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # Issue #9 on a full 8-GPU node (the paper's setting), in one call: every GPU at once.
 #   1. hardware calibration on all GPUs (per-GPU H2D under all-to-all contention, eta, spread)
-#   2. the GPU path benchmark on all GPUs (coordinator -> N workers IPC fills vs plain pinned H2D,
-#      pipeline, plan switch, skewed EP step static vs vExpert)
+#   2. `vexpert node` itself, streaming vs pre-filled, bf16 and FP8 (benchmarks/gpu_node_path.py)
 #   3. `vexpert node` on all GPUs under a skewed real-load trace
 #   4. the 64-GPU simulator prediction with the profile measured in step 1
-# Results land in $OUT/{calibrate,gpu_path,node}/ and $OUT/simulate_64gpu.json.
+# Results land in $OUT/{calibrate,gpu_node_path,node}/ and $OUT/simulate_64gpu.json.
 # Needs PYTHONPATH with runtime/ and pydantic; NCCL settings are taken from the environment as they are.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +13,7 @@ PY="${PYTHON:-python3}"
 mkdir -p "$OUT"
 rc=0
 OUT="$OUT/calibrate" bash benchmarks/gpu_calibrate.sh || rc=1
-OUT="$OUT/gpu_path" bash benchmarks/gpu_path.sh || rc=1
+"$PY" benchmarks/gpu_node_path.py --out "$OUT/gpu_node_path" || rc=1
 OUT="$OUT/node" bash benchmarks/gpu_node.sh || rc=1
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 profile="$OUT/calibrate/calib_${NGPU}gpu.stdout.json"

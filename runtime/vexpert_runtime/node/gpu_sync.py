@@ -1,6 +1,6 @@
-"""Slot handshake without CPU round trips: two int32 flags per L1 ring buffer.
+"""Slot handshake without CPU round trips: two int32 flags per MoE layer, next to a worker's slots.
 
-The coordinator (producer) and a worker (consumer) hand a slot buffer back and forth::
+The coordinator (producer) and a worker (consumer) hand each layer's slots back and forth::
 
     producer, per fill:  wait FREE == 1 · FREE ← 0 · copy experts in · FULL ← 1
     consumer, per layer: wait FULL == 1 · FULL ← 0 · compute with the slot · FREE ← 1
@@ -15,7 +15,9 @@ worker's side can be captured once in a CUDA graph and replayed every iteration.
 The CPU twin (:class:`CpuFlagOps`) runs the same protocol on a shared-memory tensor with polling
 waits, so the protocol is tested in CI; its waits time out (:class:`FlagTimeout`) instead of hanging.
 
-Shapes: ``flags`` is ``[R, 2]`` int32 — one row per ring buffer, columns :data:`FREE`, :data:`FULL`.
+Shapes: ``flags`` is ``[L, 2]`` int32 — one row per MoE layer (:class:`~vexpert_runtime.node.slots.SlotBuffers`),
+columns :data:`FREE`, :data:`FULL`. :func:`produce`, :func:`acquire` and :func:`release` are the
+handshake's one definition; :mod:`vexpert_runtime.node.protocol` runs them per layer.
 """
 
 from __future__ import annotations
@@ -41,20 +43,6 @@ class FlagTimeout(TimeoutError):
 
 class FlagWaitInterrupted(RuntimeError):
     """A CPU-twin wait was interrupted by its ``interrupted()`` check (shutdown, the other side died)."""
-
-
-def allocate_flags(ring: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Flags for ``ring`` buffers, every buffer FREE and not FULL. Returns [ring, 2] int32.
-
-    On the CPU the tensor is in shared memory so another process can map it.
-    """
-    flags = torch.zeros(ring, 2, dtype=torch.int32, device=device)
-    flags[:, FREE] = 1
-    if flags.device.type == "cpu":
-        flags.share_memory_()
-    else:
-        torch.cuda.synchronize(flags.device)  # initialised before any other process's stream reads it
-    return flags
 
 
 class FlagOps(ABC):
@@ -144,11 +132,6 @@ def _stream_handle(stream: Any) -> int:
     return int((stream if stream is not None else torch.cuda.current_stream()).cuda_stream)
 
 
-def flag_ops_for(device: torch.device | str, timeout_s: float = 10.0) -> FlagOps:
-    """The flag operations for flags on ``device``."""
-    return CudaStreamMemOps() if torch.device(device).type == "cuda" else CpuFlagOps(timeout_s)
-
-
 # ------------------------------------------------------------------------------------------------
 # The protocol (one definition for both sides and both backends)
 # ------------------------------------------------------------------------------------------------
@@ -179,8 +162,3 @@ def acquire(ops: FlagOps, stream: Any, flags: torch.Tensor, buffer: int) -> None
 def release(ops: FlagOps, stream: Any, flags: torch.Tensor, buffer: int) -> None:
     """Consumer: the layer that read ``buffer`` is done with it."""
     ops.write(stream, flags, buffer, FREE, 1)
-
-
-def ring_buffer(layer_sequence: int, ring: int) -> int:
-    """Ring buffer of the ``layer_sequence``-th slot use (iteration · L + layer)."""
-    return layer_sequence % ring

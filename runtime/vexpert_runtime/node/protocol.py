@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import threading
 import time
@@ -57,7 +58,7 @@ import torch.distributed as dist
 
 from vexpert_runtime.model.ep_moe import RoutingTable
 from vexpert_runtime.node.expert_pool import ExpertPool
-from vexpert_runtime.node.gpu_sync import FlagOps, FlagWaitInterrupted
+from vexpert_runtime.node.gpu_sync import FlagOps, FlagWaitInterrupted, acquire, produce, release
 from vexpert_runtime.node.slots import DONE, FREE, FULL, STARTED, SlotBuffers
 from vexpert_runtime.node.transport import SlotTransport
 
@@ -286,11 +287,10 @@ class WorkerSlots:
         fills the slots and sets FULL) and goes on. On a GPU the wait is enqueued on the stream; the
         worker's watchdog rescues a stalled GPU (:meth:`stalled_layer`).
         """
-        flags = self.buffers.flags
         start = time.perf_counter()
         while True:
             try:
-                self.ops.wait_eq(self.stream, flags, layer, FULL, 1)
+                acquire(self.ops, self.stream, self.buffers.flags, layer)
                 break
             except FlagWaitInterrupted:
                 if rescue is None:
@@ -298,12 +298,11 @@ class WorkerSlots:
                 rescue(layer)
         if self.stream is None:  # on a GPU the wait is only enqueued: nothing to time here
             self.layer_wait_s += time.perf_counter() - start
-        self.ops.write(self.stream, flags, layer, FULL, 0)
         self._write_progress(STARTED, layer + 1)
 
     def release(self, layer: int) -> None:
         """After layer ``layer``'s slot compute (enqueued on the stream): its slots are free again."""
-        self.ops.write(self.stream, self.buffers.flags, layer, FREE, 1)
+        release(self.ops, self.stream, self.buffers.flags, layer)
         self._write_progress(DONE, layer + 1)
 
     def finish(self, iteration: int) -> None:
@@ -479,6 +478,8 @@ class SlotFiller:
         self._last_layer: list[list[int] | None] = [None for _ in ranks]
         self._events: list[tuple[Any, Any]] = []  # GPU: (start, end) CUDA events of fills in flight
         self._written: list[set[int]] = [set() for _ in ranks]  # slots whose tag this filler wrote (trusted)
+        self._index = 0
+        self._copy_start: Any = None
 
     def _wait_finished(self, worker: int, until: int) -> bool:
         state, bell = self.shared.state[worker], self.shared.to_coordinator[worker]
@@ -519,7 +520,7 @@ class SlotFiller:
         wait until the slots it overwrites are free, copy the planned experts whose slot does not
         hold them yet, mark the layer FULL. ``seq`` numbers the fill (faults in tests key on it)."""
         table, pool = assignment.table, assignment.pool
-        index = 0
+        self._index = 0  # copies of this fill so far (faults in tests key on it)
         for worker, rank in enumerate(self.ranks):
             if not filling[worker]:
                 continue
@@ -534,32 +535,39 @@ class SlotFiller:
             else:
                 before = sorted({last[slot] for slot in used} - {-1, layer})
             try:
-                for j in before:
+                for j in before:  # slots still read by another layer: wait, without claiming its flag
                     self.ops.wait_eq(stream, buffers.flags, j, FREE, 1)
-                self.ops.wait_eq(stream, buffers.flags, layer, FREE, 1)
             except FlagWaitInterrupted:
                 raise FillAborted from None
-            self.ops.write(stream, buffers.flags, layer, FREE, 0)
-            start = self._mark(stream)  # copy time from here: the waits above are not copying
-            tags = self.shared.tags[worker]
-            row_bytes = buffers.slots.element_size() * buffers.slots.shape[-1]
-            for slot in used:
-                expert = wanted[slot]
-                last[slot] = layer
-                if slot in self._written[worker] and tags[slot].tolist() == [layer, expert]:
-                    continue  # still holds it: a predecessor's tags are not trusted (its copy may not have landed)
-                # the tag says "empty" while the copy is in flight: a fill that fails half way
-                # leaves a slot no later fill will take for a complete copy
-                tags[slot, LAYER], tags[slot, EXPERT] = -1, -1
-                self.copy(seq, index, buffers.slots[slot], pool.row(layer, expert))
-                tags[slot, LAYER], tags[slot, EXPERT] = layer, expert
-                self._written[worker].add(slot)
-                self.stats.bytes_streamed += row_bytes
-                self.stats.copies += 1
-                index += 1
-            self.ops.write(stream, buffers.flags, layer, FULL, 1)
-            self._done(stream, start)
+            copy_in = functools.partial(self._copy_layer, seq, worker, layer, wanted, used, pool)
+            try:
+                produce(self.ops, stream, buffers.flags, layer, copy_in)
+            except FlagWaitInterrupted:
+                raise FillAborted from None
+            self._done(stream, self._copy_start)
         self.stats.fills += 1
+
+    def _copy_layer(self, seq: int, worker: int, layer: int, wanted: list[int], used: list[int], pool: ExpertPool) -> None:
+        """Copy ``layer``'s planned experts (``wanted`` per slot, ``used`` slots) into ``worker``'s
+        slots, skipping a slot this filler already filled with the same expert."""
+        buffers, tags, last = self.buffers[worker], self.shared.tags[worker], self._last_layer[worker]
+        assert last is not None
+        self._copy_start = self._mark(self.transport.stream(buffers))  # copy time: from the claim on
+        row_bytes = buffers.slots.element_size() * buffers.slots.shape[-1]
+        for slot in used:
+            expert = wanted[slot]
+            last[slot] = layer
+            if slot in self._written[worker] and tags[slot].tolist() == [layer, expert]:
+                continue  # still holds it; a predecessor's tags are not trusted (its copy may not have landed)
+            # the tag says "empty" while the copy is in flight: a fill that fails half way leaves a
+            # slot no later fill will take for a complete copy
+            tags[slot, LAYER], tags[slot, EXPERT] = -1, -1
+            self.copy(seq, self._index, buffers.slots[slot], pool.row(layer, expert))
+            tags[slot, LAYER], tags[slot, EXPERT] = layer, expert
+            self._written[worker].add(slot)
+            self.stats.bytes_streamed += row_bytes
+            self.stats.copies += 1
+            self._index += 1
 
     def copy(self, seq: int, index: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Enqueue the ``index``-th copy of fill ``seq`` (one packed expert row)."""
