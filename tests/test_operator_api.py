@@ -175,11 +175,14 @@ def test_create_calibrates_new_node_type_then_deploys_group(cluster: Cluster, mo
         assert profile["spec"]["nodeType"]["driverVersion"] == "550.54.15"
 
         # Then the group: ConfigMap, headless Service, StatefulSet, PDB, all owned by the deployment.
-        sts = cluster.wait_for(lambda: cluster.get(kube.STATEFULSETS, nm.statefulset_name("dsv3")),
-                               what="the StatefulSet")
-        cm = cluster.get(kube.CONFIGMAPS, nm.config_map_name("dsv3"))
-        svc = cluster.get(kube.SERVICES, nm.service_name("dsv3"))
-        pdb = cluster.get(kube.PDBS, nm.pdb_name("dsv3"))
+        def children() -> tuple[Any, ...] | None:  # created one after another: wait for all four
+            found = (cluster.get(kube.STATEFULSETS, nm.statefulset_name("dsv3")),
+                     cluster.get(kube.CONFIGMAPS, nm.config_map_name("dsv3")),
+                     cluster.get(kube.SERVICES, nm.service_name("dsv3")),
+                     cluster.get(kube.PDBS, nm.pdb_name("dsv3")))
+            return found if all(child is not None for child in found) else None
+
+        sts, cm, svc, pdb = cluster.wait_for(children, what="the StatefulSet, ConfigMap, Service and PDB")
         for child in (sts, cm, svc, pdb):
             assert child is not None
             assert child["metadata"]["ownerReferences"][0]["uid"] == uid
