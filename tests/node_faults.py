@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from vexpert_runtime.node.protocol import Assignment, FillAborted, SlotFiller, SlotFillError
+from vexpert_runtime.node.protocol import Assignment, FillAborted, SlotFiller
 from vexpert_runtime.policy.allocator import Plan, allocate
 from vexpert_runtime.simulation.workload import Workload
 
@@ -27,6 +27,10 @@ def _once(fault: str, seq: int) -> bool:
         return False
     _FIRED.add((fault, seq))
     return True
+
+
+class SlotFillError(RuntimeError):
+    """An injected copy failure (an ``Exception``: the fill loop fails and its coordinator exits)."""
 
 
 class FillLoopKilled(BaseException):

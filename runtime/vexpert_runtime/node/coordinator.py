@@ -83,7 +83,6 @@ class CoordinatorArgs:
     dtype: str
     device: str
     ranks: list[int]
-    group_size: int
     shared: SharedState
     handles: list[Any]  # per local worker, what its transport exported
     conn: Any  # this coordinator's end of its pipe to the node

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from vexpert_runtime.model.ep_moe import RoutingTable
 from vexpert_runtime.node.expert_pool import ExpertPool
 from vexpert_runtime.node.gpu_sync import FlagOps, FlagWaitInterrupted, acquire, produce, release
-from vexpert_runtime.node.slots import DONE, FREE, FULL, STARTED, SlotBuffers
+from vexpert_runtime.node.slots import DONE, FREE, FULL, STARTED, SlotBuffers, sequence
 from vexpert_runtime.node.transport import SlotTransport
 
 PUBLISHED, SKIPPED, FINISHED = 0, 1, 2
@@ -438,10 +438,6 @@ class FillStats:
     plan_switches: list[tuple[int, int]] = field(default_factory=list)  # (iteration, plan id)
 
 
-class SlotFillError(RuntimeError):
-    """A fill failed (its coordinator exits; the workers rescue the layer)."""
-
-
 class FillAborted(Exception):
     """The fill loop was asked to stop while waiting."""
 
@@ -626,7 +622,7 @@ class FillLoop(threading.Thread):
                 if filling is None or stop:
                     return
                 for layer in range(filler.num_layers):
-                    filler.fill_layer(iteration * filler.num_layers + layer, layer, assignment, filling)
+                    filler.fill_layer(sequence(iteration, layer, filler.num_layers), layer, assignment, filling)
                 iteration += 1
         except FillAborted:
             return

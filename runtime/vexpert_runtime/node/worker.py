@@ -81,7 +81,6 @@ class WorkerArgs:
     dtype: str
     device: str
     slots: int
-    group_size: int
     k: int
     timeout_s: float
     workload: Workload
@@ -164,6 +163,7 @@ class _Worker:
         self.rescued = 0  # layers this worker filled itself after its coordinator died
         self.compute_stream: Any = None
         self.device = torch.device("cuda", args.gpu) if args.device == "cuda" else torch.device("cpu")
+        self.expert_format = spec.expert_format(self.dtype)  # how slot and resident rows are stored
 
     def _publisher_gone(self) -> bool:
         """CPU waits for a FULL flag give up (and rescue) once the coordinator that publishes this
@@ -344,7 +344,6 @@ class _Worker:
         if device_table.plan_id != table.plan_id:
             device_table.load(table)
         base, slots = self.base[layer], self.slots
-        expert_format = spec.expert_format(self.dtype)
 
         def slot_wait() -> None:
             slots.acquire(layer, self._rescue if self.device.type == "cpu" else None)
@@ -361,7 +360,7 @@ class _Worker:
             layer,
             # Grouped GEMMs on CUDA (bf16/fp16), the per-expert loop elsewhere; block-FP8 rows are
             # dequantised into the GEMM.
-            ExpertStacks(base, slots.buffers.slots, spec.intermediate_size, format=expert_format),
+            ExpertStacks(base, slots.buffers.slots, spec.intermediate_size, format=self.expert_format),
             shared_forward(normed, self.shared[layer]),
             args.rank,
             args.world,
