@@ -88,11 +88,13 @@ def count_syncs(trace: Path) -> dict[str, Any]:
              or n == "cudaMemcpy"]
     memops = [n for n in names if "StreamWaitValue" in n or "StreamWriteValue" in n]
     return {"runtime_calls": len(names), "host_syncs": len(syncs), "sync_calls": sorted(set(syncs)),
-            "stream_memops": len(memops)}
+            "stream_memops": len(memops), "graph_launches": sum(n.startswith("cudaGraphLaunch") for n in names),
+            "kernel_launches": sum(n.startswith(("cudaLaunchKernel", "cuLaunchKernel")) for n in names)}
 
 
 def run(checkpoint: Path, device: str, ranks: int, layers: int, iterations: int, tokens: int, k: int,
-        profile_dir: Path | None, profile_at: int) -> tuple[NodeReport, dict[str, Any]]:
+        profile_dir: Path | None, profile_at: int, perf_profile: dict[str, Any] | None = None,
+        verify: bool = False, env: dict[str, str] | None = None) -> tuple[NodeReport, dict[str, Any]]:
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     raw = {
         "model": {"checkpoint_path": str(checkpoint), "dtype": "bfloat16" if device == "cuda" else "float32"},
@@ -102,18 +104,23 @@ def run(checkpoint: Path, device: str, ranks: int, layers: int, iterations: int,
         "runtime": {"device": device, "cpu_workers": ranks if device == "cpu" else 0, "metrics_port": 0,
                     "slot_fill_timeout_s": 60.0, "workers_per_gpu": max(1, -(-ranks // max(gpus, 1))) if gpus else 1},
     }
+    if perf_profile is not None:
+        raw["profile"] = perf_profile
     setup = resolve_setup(RuntimeConfig.model_validate(raw), checkpoint)
     workload = drifting_workload((("decode_in1000out1000", 40), ("prefill_in4096", 40)), layers, setup.spec.num_experts,
                                  tokens_per_worker=tokens, seed=1)
     lines: list[str] = []
+    extra = dict(env or {})
     if profile_dir is not None:
-        os.environ["VEXPERT_PROFILE"] = f"{profile_at}:{profile_dir}"
+        extra["VEXPERT_PROFILE"] = f"{profile_at}:{profile_dir}"
+    os.environ.update(extra)  # the node's processes inherit it
     try:
         started = time.perf_counter()
-        report = run_node(setup, NodeOptions(workload=workload, iterations=iterations, log=lines.append))
+        report = run_node(setup, NodeOptions(workload=workload, iterations=iterations, log=lines.append, verify=verify))
         wall = time.perf_counter() - started
     finally:
-        os.environ.pop("VEXPERT_PROFILE", None)
+        for key in extra:
+            os.environ.pop(key, None)
     steps = [r.step_s for r in report.records if r.iteration >= 5]  # past start-up
     per_layer = sorted(s / layers * 1000 for s in steps)
     switches = {it for it, _ in report.plan_switches}
@@ -139,6 +146,8 @@ def run(checkpoint: Path, device: str, ranks: int, layers: int, iterations: int,
         "static_balance": round(report.static_balance, 3),
         "vexpert_balance": round(report.vexpert_balance, 3),
         "degraded_layers": report.degraded_groups,
+        "max_rel_error": report.max_rel_error,
+        "env": env or {},
         "log": [line for line in lines if "allocator" in line],
     }
     return report, summary
@@ -153,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--experts", type=int, default=4)
     parser.add_argument("--formats", nargs="+", default=["bf16", "fp8"])
+    parser.add_argument("--runs", nargs="+", default=["pair", "single"],
+                        help="pair: 2 ranks, streaming and pre-filled per format; single: 1 rank, graphed vs eager")
+    parser.add_argument("--perf-profile", type=Path, default=None,
+                        help="a calibrated PerformanceProfile JSON for the node's cost model (default: the paper's)")
     args = parser.parse_args(argv)
     device = "cpu" if args.cpu else "cuda"
     hidden, inter = (256, 128) if args.small else (7168, 2048)
@@ -165,8 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         results["pinned_h2d_gbps_bf16_row"] = round(pinned_h2d_gbps(bf16_row), 2)
         results["pinned_h2d_gbps_fp8_row"] = round(pinned_h2d_gbps(bf16_row // 2 + 4096), 2)
         results["gpus"] = torch.cuda.device_count()
+    perf = json.loads(args.perf_profile.read_text()) if args.perf_profile else None
+    if perf is not None:
+        results["perf_profile_hardware"] = perf.get("hardware")
+    summary_path = args.out / "summary.json"
+    if summary_path.exists():  # runs split over several invocations add to one summary
+        results = json.loads(summary_path.read_text()) | results
     with tempfile.TemporaryDirectory(prefix="vexpert-gnp-") as tmp:
-        for fmt in args.formats:
+        for fmt in args.formats if "pair" in args.runs else []:
             for name, layers in (("streaming", 4), ("prefilled", 2)):
                 key = f"{fmt}_{name}"
                 started = time.perf_counter()
@@ -174,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 write_s = time.perf_counter() - started
                 profile = args.out / f"trace_{key}" if name == "streaming" else None
                 _, summary = run(checkpoint, device, 2, layers, args.iterations, args.tokens, 10, profile,
-                                 profile_at=args.iterations - 5)
+                                 profile_at=args.iterations - 5, perf_profile=perf)
                 summary["checkpoint_write_s"] = round(write_s, 1)
                 if profile is not None:
                     traces = sorted(profile.glob("worker*.json"))
@@ -185,14 +204,19 @@ def main(argv: list[str] | None = None) -> int:
                 import shutil
 
                 shutil.rmtree(checkpoint, ignore_errors=True)
-        if device == "cuda":  # one rank alone on the GPU: NCCL-free, the layer has no host sync of its own
+        if device == "cuda" and "single" in args.runs:
+            # One rank alone on the GPU: no collective, so its decode step is one CUDA graph; checked
+            # against the single-process reference, traced, and timed against the same step run eagerly.
             checkpoint = write_model(Path(tmp) / "single", spec_for(4, args.experts, hidden, inter, False))
-            profile = args.out / "trace_single_rank"
-            _, summary = run(checkpoint, device, 1, 4, 30, args.tokens, 10, profile, profile_at=25)
-            summary["profile"] = {t.name: count_syncs(t) for t in sorted(profile.glob("worker*.json"))}
-            results["bf16_single_rank"] = summary
-            print("bf16_single_rank", json.dumps({k: v for k, v in summary.items() if k != "log"}), flush=True)
-    (args.out / "summary.json").write_text(json.dumps(results, indent=2))
+            for key, env in (("bf16_single_rank_graphed", {}), ("bf16_single_rank_eager", {"VEXPERT_CUDA_GRAPHS": "0"})):
+                profile = args.out / f"trace_{key}"
+                _, summary = run(checkpoint, device, 1, 4, 60, args.tokens, 10, profile, profile_at=55,
+                                 verify=True, env=env)
+                summary["profile"] = {t.name: count_syncs(t) for t in sorted(profile.glob("worker*.json"))}
+                results[key] = summary
+                print(key, json.dumps({k: v for k, v in summary.items() if k != "log"}), flush=True)
+                summary_path.write_text(json.dumps(results, indent=2))
+    summary_path.write_text(json.dumps(results, indent=2))
     return 0
 
 

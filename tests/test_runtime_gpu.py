@@ -110,6 +110,9 @@ def test_node_on_one_gpu_verifies_across_plan_changes(tmp_path: Path) -> None:
     assert report.max_rel_error is not None and report.max_rel_error <= TOLERANCE["float32"]
     assert report.degraded_groups == 0
     assert "vexpert_slot_fill_wait_seconds" in report.metrics_text
+    # one rank, no collective: every plan iteration after the warm-up replays the captured step
+    assert report.graphed_steps >= 10, report.graphed_steps
+    assert "vexpert_graphed_steps_total" in report.metrics_text
 
 
 def test_node_allocates_on_the_gpu_with_the_graphed_allocator(tmp_path: Path) -> None:

@@ -257,8 +257,10 @@ class DeviceRoutingTable:
         pad = ((0, 0), (0, 0), (0, self.replicas - width))
         for target, value, fill in ((self.gpu, table.gpu, -1), (self.local, table.local, -1),
                                     (self.cum_share, table.cum_share, np.inf)):
-            padded = np.pad(value, pad, constant_values=fill)
-            target.copy_(torch.from_numpy(padded).to(target.dtype))
+            host = torch.from_numpy(np.pad(value, pad, constant_values=fill)).to(target.dtype)
+            if target.is_cuda:  # pinned, so the copy is queued without waiting for the stream
+                host = host.pin_memory()
+            target.copy_(host, non_blocking=target.is_cuda)
         self.plan_id = table.plan_id
 
 

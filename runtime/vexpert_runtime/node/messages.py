@@ -58,6 +58,7 @@ class IterationDone:
     computed: list[list[int]] | None = None
     slot_checksums: list[list[str]] | None = None
     rescued_layers: int = 0  # layers this worker filled itself (their coordinator died)
+    graphed: bool = False  # the step was a replay of the worker's captured CUDA graph
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,11 @@ class NodeMetrics:
         self.slot_fill_errors = Counter(
             "vexpert_slot_fill_errors_total", "Fill loops that failed (their coordinator exited and was restarted)", registry=reg
         )
+        self.graphed_steps = Counter(
+            "vexpert_graphed_steps_total",
+            "Worker decode steps run as a replay of the worker's captured CUDA graph (summed over workers)",
+            registry=reg,
+        )
         self.rescued_layers = Counter(
             "vexpert_rescued_layers_total",
             "Layers a worker filled from the checkpoint itself because the coordinator that announced them died",

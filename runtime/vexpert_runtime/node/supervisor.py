@@ -112,6 +112,7 @@ class NodeRuntime:
         self._plan_id = 0
         self._records: dict[int, IterationRecord] = {}
         self._allocator_s: list[float] = []
+        self._graphed_steps = 0
         self._switches: list[tuple[int, int]] = []
         self._last_plan = -1
         self._max_error: float | None = None
@@ -540,6 +541,9 @@ class NodeRuntime:
         self.metrics.slot_wait.observe(waited)
         if msg.rescued_layers:
             self.metrics.rescued_layers.inc(msg.rescued_layers)
+        if msg.graphed:
+            self.metrics.graphed_steps.inc()
+            self._graphed_steps += 1
         if record.reports == self.setup.local_workers:
             self.metrics.step_time.observe(record.step_s)
             self.metrics.iterations.inc()
@@ -786,6 +790,7 @@ class NodeRuntime:
             allocations=self._allocations,
             allocator_s=list(self._allocator_s),
             degraded_groups=self._degraded_total,
+            graphed_steps=self._graphed_steps,
             metrics_port=self._metrics_port,
             records=records,
             metrics_text=self.metrics.render(),

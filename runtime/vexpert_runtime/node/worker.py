@@ -53,6 +53,7 @@ from vexpert_runtime.node.messages import (
 )
 from vexpert_runtime.node.protocol import SharedState, WorkerSlots, agree
 from vexpert_runtime.node.slots import FULL, row_checksum
+from vexpert_runtime.node.step_graph import StepGraph, graphs_enabled
 from vexpert_runtime.node.transport import make_transport
 from vexpert_runtime.simulation.workload import Workload
 
@@ -164,6 +165,20 @@ class _Worker:
         self.compute_stream: Any = None
         self.device = torch.device("cuda", args.gpu) if args.device == "cuda" else torch.device("cpu")
         self.expert_format = spec.expert_format(self.dtype)  # how slot and resident rows are stored
+        num_local = self.per_gpu + args.slots
+        # The iteration's statistics, accumulated on the device, reach the host once per iteration
+        # (pinned on a GPU: an asynchronous copy after the last layer, read once the step is done).
+        pinned = self.device.type == "cuda"
+        self.device_counts = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.int64, device=self.device)
+        self.device_computed = torch.zeros(spec.num_layers, num_local, dtype=torch.int64, device=self.device)
+        self.host_counts = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.int64, pin_memory=pinned)
+        self.host_computed = torch.zeros(spec.num_layers, num_local, dtype=torch.int64, pin_memory=pinned)
+        self.step_graph: StepGraph | None = None
+        self.graphed_last = False  # whether the last step was a graph replay
+        # The step is one CUDA graph where every collective in it can be captured (NCCL, or none)
+        # and nothing reads slots on the host per layer (recording runs).
+        self.graphable = (self.device.type == "cuda" and not args.shared_gpu and not args.record
+                          and graphs_enabled())
 
     def _publisher_gone(self) -> bool:
         """CPU waits for a FULL flag give up (and rescue) once the coordinator that publishes this
@@ -252,7 +267,6 @@ class _Worker:
 
     def _loop(self) -> None:
         args, spec = self.args, self.spec
-        num_local = self.per_gpu + args.slots
         k = args.k
         window: list[torch.Tensor] = []
         window_start = 0
@@ -261,12 +275,10 @@ class _Worker:
         while True:
             profiler = self._profiler(profile_dir) if iteration == profile_at else None
             start = time.perf_counter()
-            h = args.workload.inputs(iteration, args.rank, spec.hidden_size, self.dtype).to(self.device)
+            h = self._upload(args.workload.inputs(iteration, args.rank, spec.hidden_size, self.dtype))
             bias = args.workload.logit_bias(iteration)
             if bias is not None:
-                bias = bias.to(self.device)
-            counts = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.int64)
-            computed = torch.zeros(spec.num_layers, num_local, dtype=torch.int64)
+                bias = self._upload(bias)
             checksums: list[list[str]] = []
             layer_wait, rescued = self.slots.layer_wait_s, self.rescued
             header, waited = self.slots.begin(iteration)
@@ -284,14 +296,16 @@ class _Worker:
             self.current = _Current(iteration, table, use_plan, self.slots.publisher)
             if self.device.type == "cuda":
                 self.inflight.append(self.current)
-            for layer in range(spec.num_layers):
-                h = self._layer(h, layer, table, bias, counts, computed, use_plan, checksums if args.record else None)
+            h = self._step(h, table, bias, use_plan, iteration, checksums if args.record else None)
+            self.host_counts.copy_(self.device_counts, non_blocking=True)
+            self.host_computed.copy_(self.device_computed, non_blocking=True)
             if self.device.type == "cuda":
                 # the host waits for this iteration's end (step time, counts): an event, not the device
                 end = torch.cuda.Event()
                 end.record(self.compute_stream)
                 self.current.end = end  # assigned once recorded: the watchdog reads it
                 end.synchronize()
+            counts, computed = self.host_counts.clone(), self.host_computed.clone()
             self.slots.finish(iteration)
             step = time.perf_counter() - start
             if profiler is not None:
@@ -312,6 +326,7 @@ class _Worker:
                     computed=computed.tolist() if args.record else None,
                     slot_checksums=checksums if args.record else None,
                     rescued_layers=self.rescued - rescued,
+                    graphed=self.graphed_last,
                 )
             )
             iteration += 1
@@ -319,36 +334,59 @@ class _Worker:
                 self._flush(window, window_start)
                 window, window_start = [], iteration
 
+    def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the worker's device; on a GPU through pinned memory, without waiting."""
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _step(self, h: torch.Tensor, table: RoutingTable, bias: torch.Tensor | None, check: bool,
+              iteration: int, checksums: list[list[str]] | None) -> torch.Tensor:
+        """Enqueue (GPU) or run (CPU) every MoE layer of one iteration; the new hidden states.
+
+        Plan iterations on a GPU replay the captured step (captured at the first one after two
+        warm-up iterations); degraded ones (static table) run eagerly."""
+        device_table = self.device_tables[table.plan_id == 0]
+        if device_table.plan_id != table.plan_id:
+            device_table.load(table)  # in place: a captured step reads the new plan
+        graph = self.step_graph
+        self.graphed_last = False
+        if self.graphable and table.plan_id != 0 and iteration >= 2 and (graph is None or graph.fits(h, bias)):
+            if graph is None:
+                graph = self.step_graph = StepGraph(
+                    lambda x, b: self._layers(x, device_table, b, check=False, checksums=None),
+                    self.compute_stream, h, bias)
+            self.graphed_last = True
+            return graph.replay(h, bias)
+        return self._layers(h, device_table, bias, check, checksums)
+
+    def _layers(self, h: torch.Tensor, device_table: DeviceRoutingTable, bias: torch.Tensor | None, check: bool,
+                checksums: list[list[str]] | None) -> torch.Tensor:
+        self.device_counts.zero_()
+        for layer in range(self.spec.num_layers):
+            h = self._layer(h, layer, device_table, bias, check, checksums)
+        return h
+
     def _layer(
         self,
         h: torch.Tensor,
         layer: int,
-        table: RoutingTable,
+        device_table: DeviceRoutingTable,
         bias: torch.Tensor | None,
-        counts: torch.Tensor,
-        computed: torch.Tensor,
         check: bool,
         checksums: list[list[str]] | None,
     ) -> torch.Tensor:
         args, spec = self.args, self.spec
         normed = rms_norm(h)
         ids, weights = route(normed, self.routers[layer], spec, None if bias is None else bias[layer])
-        if layer == 0:
-            # This iteration's statistics stay on the device and reach the host once, after the
-            # last layer: a copy per layer would synchronise the host with every layer.
-            self.device_counts = torch.zeros(counts.shape, dtype=torch.int64, device=self.device)
-            self.device_computed = torch.zeros(computed.shape, dtype=torch.int64, device=self.device)
         flat = ids.reshape(-1)
         self.device_counts[layer].scatter_add_(0, flat, torch.ones_like(flat))
-        device_table = self.device_tables[table.plan_id == 0]
-        if device_table.plan_id != table.plan_id:
-            device_table.load(table)
         base, slots = self.base[layer], self.slots
 
         def slot_wait() -> None:
             slots.acquire(layer, self._rescue if self.device.type == "cpu" else None)
             if check and self.device.type == "cpu":  # on a GPU the wait is only enqueued
-                slots.check_tags(self.current.iteration, table, layer, args.rank)
+                slots.check_tags(self.current.iteration, self.current.table, layer, args.rank)
             if checksums is not None:  # what this layer computes with, before its slots are released
                 checksums.append(self._checksums())
 
@@ -369,9 +407,6 @@ class _Worker:
             after_compute=lambda: slots.release(layer),
         )
         self.device_computed[layer] = stats.computed
-        if layer == spec.num_layers - 1:
-            counts.copy_(self.device_counts)
-            computed.copy_(self.device_computed)
         return h + y
 
     def _profiler(self, directory: Path) -> Any:

@@ -925,6 +925,7 @@ class GraphedAllocator:
         self.pooled = torch.ones(num_layers, num_experts, dtype=torch.bool, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self._out: tuple[torch.Tensor, ...] = ()
+        self._host: tuple[torch.Tensor, ...] = ()  # pinned copies of the outputs (to_host)
         self._fn = self._static_allocation
         if compile:
             try:
@@ -938,16 +939,17 @@ class GraphedAllocator:
         plan = allocate(counts, base_gpu, self.num_gpus, self.config, self.profile, self.consts, pooled=pooled, static=True)
         return tuple(getattr(plan, f) for f in self._FIELDS)
 
-    def __call__(self, counts: torch.Tensor, base_gpu: torch.Tensor, pooled: torch.Tensor | None = None) -> Plan:
-        """Args: counts [L, E], base_gpu [L, E] int64, pooled [L, E] bool (None: every expert)."""
+    def _replay(self, counts: torch.Tensor, base_gpu: torch.Tensor, pooled: torch.Tensor | None) -> None:
+        """Load the inputs into the static buffers (asynchronously from pinned host tensors) and
+        enqueue the captured allocation (capturing it on the first call)."""
         _validate_counts(counts, base_gpu)
         validate_base_placement(base_gpu, self.num_gpus)
-        self.counts.copy_(counts, non_blocking=True)
-        self.base_gpu.copy_(base_gpu, non_blocking=True)
+        self.counts.copy_(_staged(counts, self.counts), non_blocking=True)
+        self.base_gpu.copy_(_staged(base_gpu, self.base_gpu), non_blocking=True)
         if pooled is None:
             self.pooled.fill_(True)
         else:
-            self.pooled.copy_(pooled, non_blocking=True)
+            self.pooled.copy_(_staged(pooled, self.pooled), non_blocking=True)
         if self.graph is None:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -958,9 +960,36 @@ class GraphedAllocator:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
                 self._out = self._fn(self.counts, self.base_gpu, self.pooled)
+            self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in self._out)
         self.graph.replay()
+
+    def __call__(self, counts: torch.Tensor, base_gpu: torch.Tensor, pooled: torch.Tensor | None = None) -> Plan:
+        """Args: counts [L, E], base_gpu [L, E] int64, pooled [L, E] bool (None: every expert).
+        The plan on the device."""
+        self._replay(counts, base_gpu, pooled)
         values = dict(zip(self._FIELDS, (t.clone() for t in self._out), strict=True))
         return Plan(base_gpu=self.base_gpu.clone(), **values)
+
+    def to_host(self, counts: torch.Tensor, base_gpu: torch.Tensor, pooled: torch.Tensor | None = None) -> Plan:
+        """The plan on the host from host inputs: the inputs go up and the outputs come down as
+        asynchronous pinned copies, and the host waits once, for the last of them (one round trip:
+        what keeps an allocation in a node under a millisecond)."""
+        self._replay(counts, base_gpu, pooled)
+        for host, out in zip(self._host, self._out, strict=True):
+            host.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        values = dict(zip(self._FIELDS, (t.clone() for t in self._host), strict=True))
+        return Plan(base_gpu=base_gpu.to(torch.int64).clone(), **values)
+
+
+def _staged(tensor: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``tensor`` ready for an asynchronous copy into ``target``: host tensors converted to its
+    dtype on the host and pinned (a pageable source would make the copy wait)."""
+    if tensor.device.type != "cpu" or not target.is_cuda:
+        return tensor
+    return tensor.to(target.dtype).pin_memory()
 
 
 class DeviceAllocator:
@@ -997,6 +1026,8 @@ class DeviceAllocator:
     ) -> Plan:
         with self._lock, torch.cuda.device(self.device):
             graphed = self._for(counts, num_gpus, config, profile, consts)
+            if counts.device.type == "cpu" and base_gpu.device.type == "cpu":
+                return graphed.to_host(counts, base_gpu, None if pooled is None else pooled.cpu())
             plan = graphed(counts.to(self.device), base_gpu.to(self.device), None if pooled is None else pooled.to(self.device))
             return plan.to("cpu")
 
