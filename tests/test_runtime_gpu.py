@@ -99,19 +99,22 @@ def _setup(checkpoint: Path, gpus: int, dtype: str = "float32", k: int = 4, vmax
     return resolve_setup(config, checkpoint)
 
 
-def test_node_on_one_gpu_verifies_across_plan_changes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_node_on_one_gpu_verifies_across_plan_changes(tmp_path: Path, dtype: str) -> None:
     write_tiny_checkpoint(tmp_path, SPEC, seed=4)
-    setup = _setup(tmp_path, 1, vmax=1, group_size=2)
+    setup = _setup(tmp_path, 1, dtype=dtype, vmax=1, group_size=2)
     assert setup.device == "cuda" and setup.local_workers == 1
     workload = drifting_workload((("decode_in1000out1000", 1000),), 2, 8, tokens_per_worker=32)
-    report = run_node(setup, NodeOptions(workload=workload, iterations=16, verify=True))
-    assert report.iterations == 16
-    assert len(report.plan_switches) >= 3  # plan ids change every k=4 iterations (one GPU: no replicas)
-    assert report.max_rel_error is not None and report.max_rel_error <= TOLERANCE["float32"]
+    report = run_node(setup, NodeOptions(workload=workload, iterations=24, verify=True))
+    assert report.iterations == 24
+    assert len(report.plan_switches) >= 3, report.plan_switches  # plans change every k=4 iterations (one GPU: no replicas)
+    assert report.max_rel_error is not None and report.max_rel_error <= TOLERANCE[dtype]
     assert report.degraded_groups == 0
     assert "vexpert_slot_fill_wait_seconds" in report.metrics_text
-    # one rank, no collective: every plan iteration after the warm-up replays the captured step
-    assert report.graphed_steps >= 10, report.graphed_steps
+    if dtype == "bfloat16":  # grouped GEMMs, one rank, no collective: plan iterations replay the captured step
+        assert report.graphed_steps >= 10, report.graphed_steps
+    else:  # the fp32 per-expert loop reads group ends on the host: eager
+        assert report.graphed_steps == 0
     assert "vexpert_graphed_steps_total" in report.metrics_text
 
 

@@ -30,8 +30,14 @@ def packed_views(rows: torch.Tensor, intermediate: int, hidden: int) -> tuple[to
     return w13, w2
 
 
+def grouped_gemm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether grouped GEMMs run for activations of ``dtype`` on ``device`` (else the per-expert
+    loop, which reads the group ends on the host)."""
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and hasattr(torch, "_grouped_mm")
+
+
 def uses_grouped_gemm(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and hasattr(torch, "_grouped_mm")
+    return grouped_gemm_runs(x.device, x.dtype)
 
 
 def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,

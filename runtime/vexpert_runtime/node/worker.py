@@ -15,6 +15,7 @@ import faulthandler
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -38,6 +39,7 @@ from vexpert_runtime.model.ep_moe import (
     ep_moe_layer,
     static_table,
 )
+from vexpert_runtime.model.grouped_moe import grouped_gemm_runs
 from vexpert_runtime.model.moe_math import rms_norm, shared_forward
 from vexpert_runtime.model.routing import route
 from vexpert_runtime.node.coordinator import die_with_parent
@@ -175,9 +177,10 @@ class _Worker:
         self.host_computed = torch.zeros(spec.num_layers, num_local, dtype=torch.int64, pin_memory=pinned)
         self.step_graph: StepGraph | None = None
         self.graphed_last = False  # whether the last step was a graph replay
-        # The step is one CUDA graph where every collective in it can be captured (NCCL, or none)
-        # and nothing reads slots on the host per layer (recording runs).
-        self.graphable = (self.device.type == "cuda" and not args.shared_gpu and not args.record
+        # The step is one CUDA graph where every collective in it can be captured (NCCL, or none),
+        # the experts run as grouped GEMMs (the fp32 loop reads group ends on the host) and nothing
+        # reads slots on the host per layer (recording runs).
+        self.graphable = (grouped_gemm_runs(self.device, self.dtype) and not args.shared_gpu and not args.record
                           and graphs_enabled())
 
     def _publisher_gone(self) -> bool:
@@ -353,11 +356,17 @@ class _Worker:
         self.graphed_last = False
         if self.graphable and table.plan_id != 0 and iteration >= 2 and (graph is None or graph.fits(h, bias)):
             if graph is None:
-                graph = self.step_graph = StepGraph(
-                    lambda x, b: self._layers(x, device_table, b, check=False, checksums=None),
-                    self.compute_stream, h, bias)
-            self.graphed_last = True
-            return graph.replay(h, bias)
+                try:
+                    graph = self.step_graph = StepGraph(
+                        lambda x, b: self._layers(x, device_table, b, check=False, checksums=None),
+                        self.compute_stream, h, bias)
+                except Exception as exc:  # serve eagerly rather than not at all
+                    self.graphable = False
+                    print(f"vexpert-worker-{self.args.rank}: CUDA graph capture failed, running eagerly: {exc}",
+                          file=sys.stderr, flush=True)
+            if graph is not None:
+                self.graphed_last = True
+                return graph.replay(h, bias)
         return self._layers(h, device_table, bias, check, checksums)
 
     def _layers(self, h: torch.Tensor, device_table: DeviceRoutingTable, bias: torch.Tensor | None, check: bool,
