@@ -68,24 +68,24 @@ class MoEExecutor(Protocol):
 # ---------------------------------------------------------------------------------------------
 
 
-def is_sparse_block(mlp: nn.Module) -> bool:
+def is_sparse_block(mlp: Any) -> bool:
     """Whether a decoder layer's ``mlp`` is a routed MoE block (router ``gate`` + fused ``experts``)."""
     experts = getattr(mlp, "experts", None)
     return (isinstance(getattr(mlp, "gate", None), nn.Module) and isinstance(experts, nn.Module)
             and (hasattr(experts, "gate_up_proj") or isinstance(experts, _ExecutorExperts)))
 
 
-def sparse_layers(model: nn.Module) -> list[int]:
+def sparse_layers(model: Any) -> list[int]:
     """Decoder layer indices of the sparse MoE blocks (the checkpoint's ``moe_layers``), ascending."""
     return [i for i, layer in enumerate(_decoder_layers(model)) if is_sparse_block(layer.mlp)]
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    layers: nn.ModuleList = model.model.layers  # type: ignore[union-attr,assignment]
-    return layers
+def _decoder_layers(model: Any) -> Any:
+    """The decoder layers (transformers modules are typed ``Any`` here: their attributes are dynamic)."""
+    return model.model.layers
 
 
-def packed_rows(experts: nn.Module, ids: Sequence[int]) -> torch.Tensor:
+def packed_rows(experts: Any, ids: Sequence[int]) -> torch.Tensor:
     """Packed rows [len(ids), D] of a transformers fused experts module (gate_up_proj [E, 2I, H] with
     the gate rows first, down_proj [E, H, I]) — the layout :func:`checkpoint.pack_expert` writes."""
     index = torch.as_tensor(list(ids), dtype=torch.int64, device=experts.gate_up_proj.device)
@@ -126,7 +126,7 @@ class LocalExperts:
     Loops over the experts hit, then combines with :func:`moe_math.combine` like the EP layer does.
     """
 
-    def __init__(self, experts: Sequence[nn.Module]) -> None:
+    def __init__(self, experts: Sequence[Any]) -> None:
         self.experts = list(experts)  # per MoE layer: transformers fused experts module
 
     def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -263,8 +263,8 @@ class HFStepModel:
         from transformers import AutoModelForCausalLM
 
         extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype, **extra)
-        self.model = model.to(device).eval()
+        model: Any = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype, **extra)
+        self.model: Any = model.to(device).eval()
         self.config = model.config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -278,7 +278,7 @@ class HFStepModel:
             raise ValueError(f"{path}: expert activation {act!r}; the EP layer computes SwiGLU (silu) experts")
         layers = _decoder_layers(model)
         # The model's own expert modules (LocalExperts and expert_rows read them), then the proxies.
-        self.experts: list[nn.Module | None] = [layers[i].mlp.experts for i in self.moe_layers]
+        self.experts: list[Any] = [layers[i].mlp.experts for i in self.moe_layers]
         for index, layer in enumerate(self.moe_layers):
             layers[layer].mlp.experts = _ExecutorExperts(self, index)
         self.executor: MoEExecutor = executor if executor is not None else LocalExperts(
@@ -417,7 +417,7 @@ class HFStepModel:
             return str(types[index])
         return "sliding_attention" if getattr(self.config, "sliding_window", None) is not None else "full_attention"
 
-    def _attention(self, layer: nn.Module, index: int, seq: _Running) -> torch.Tensor:
+    def _attention(self, layer: Any, index: int, seq: _Running) -> torch.Tensor:
         """Self-attention of one sequence's new tokens against its cache (which it extends): [1, n, H]."""
         out, _ = layer.self_attn(
             hidden_states=layer.input_layernorm(seq.hidden),
@@ -430,7 +430,7 @@ class HFStepModel:
         result: torch.Tensor = out
         return result
 
-    def _mlp(self, layer: nn.Module, index: int, running: list[_Running]) -> None:
+    def _mlp(self, layer: Any, index: int, running: list[_Running]) -> None:
         """The layer's MLP over every sequence's tokens at once (one executor call for a sparse
         block, also with no tokens), added to each sequence's residual stream."""
         hidden = self.config.hidden_size
