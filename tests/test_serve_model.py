@@ -87,7 +87,7 @@ def _reference(path: Path, prompts: Sequence[Sequence[int]] = PROMPTS,
     for prompt, new in zip(prompts, new_tokens, strict=True):
         ids = torch.tensor([list(prompt)])
         generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
-                                   min_new_tokens=new, eos_token_id=None, pad_token_id=0)
+                                   eos_token_id=None, pad_token_id=0)
         out.append(generated[0, len(prompt):].tolist())
         assert len(out[-1]) == new
     return out, counts
@@ -232,6 +232,7 @@ def _ep_rank(rank: int, path: str, port: int, slot_expert: torch.Tensor, result_
         slot_rows_computed = int(model.executor.computed[:, per_gpu:].sum())  # type: ignore[attr-defined]
         Path(result_dir, f"rank{rank}.json").write_text(
             json.dumps({"tokens": dict(zip(mine, out, strict=True)), "slot_rows": slot_rows_computed}))
+        dist.barrier()  # both ranks done with the group before either tears it down (gloo aborts otherwise)
     finally:
         dist.destroy_process_group()
 
@@ -256,3 +257,45 @@ def test_ep_experts_with_slots_match_generate(checkpoints: dict[str, Path], fami
         tokens.update({int(i): t for i, t in result["tokens"].items()})
         assert result["slot_rows"] > 0, f"rank {rank} computed nothing in its slots"
     assert [tokens[i] for i in range(len(PROMPTS))] == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# The demo checkpoint
+# ---------------------------------------------------------------------------------------------
+
+
+def test_demo_model_builds_once_loads_offline_and_generates(tmp_path: Path) -> None:
+    import time
+
+    from vexpert_runtime.serve.demo_model import EOS, ensure_demo_model
+
+    start = time.perf_counter()
+    path = ensure_demo_model(tmp_path / "demo")
+    built_s = time.perf_counter() - start
+    assert built_s < 10
+    size = sum(f.stat().st_size for f in path.iterdir())
+    assert size < 12 * 2**20
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert ensure_demo_model(path) == path and (path / "model.safetensors").stat().st_mtime_ns == stamp
+    assert not [p for p in tmp_path.iterdir() if p.name != "demo"]  # no staging directory left behind
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    assert tokenizer.eos_token == EOS
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hello! What is expert parallelism?"}],
+                                           tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|assistant|>\n")
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == prompt  # byte-level BPE round-trips
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+    assert model.config.model_type == "deepseek_v3" and model.config.vocab_size == len(tokenizer)
+    assert model.config.eos_token_id == tokenizer.eos_token_id
+    input_ids = torch.tensor([ids])
+    generated = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                               max_new_tokens=8, eos_token_id=None)[0, len(ids):].tolist()
+    assert len(generated) == 8
+    assert isinstance(tokenizer.decode(generated), str)
+
+    step_model = HFStepModel(path, dtype=torch.float32)
+    assert drive(step_model, [ids], [8], [0], 5) == [generated]
+    assert step_model.kv_bytes_per_token() == 4 * (32 + 16) * 4  # 4 layers × (kv_lora_rank + rope dim) × fp32
