@@ -199,12 +199,12 @@ def hot_slots(counts: list[dict[int, int]], num_experts: int, world: int, slots:
     return out
 
 
-def _ep_rank(rank: int, path: str, port: int, slot_expert: torch.Tensor, result_dir: str) -> None:
+def _ep_rank(rank: int, path: str, port: int, slot_expert: torch.Tensor, slot_mode: str, result_dir: str) -> None:
     import torch.distributed as dist
 
     from vexpert_runtime.model.ep_moe import DeviceRoutingTable, plan_from_slots, table_from_plan
     from vexpert_runtime.policy.placement import static_placement
-    from vexpert_runtime.serve.hf_model import EPExperts
+    from vexpert_runtime.serve.hf_model import EPExperts, SlotHooks
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
@@ -214,8 +214,19 @@ def _ep_rank(rank: int, path: str, port: int, slot_expert: torch.Tensor, result_
         plan = plan_from_slots(static_placement(layers, experts, WORLD), slot_expert)
         table = DeviceRoutingTable.of(table_from_plan(plan, plan_id=1), "cpu")
         slot_rows = [model.expert_rows(layer, slot_expert[layer, rank].tolist()) for layer in range(layers)]
+        options: dict[str, Any] = {"table": table, "slots": slot_rows}
+        if slot_mode == "buffer":
+            # As the node worker: one slot buffer for all layers, filled right before a layer's slot
+            # experts run and released after; a fixed dispatch capacity (no all-reduce per layer).
+            buffer = torch.full_like(slot_rows[0], float("nan"))
+
+            def release(_layer: int) -> None:
+                buffer.fill_(float("nan"))  # a slot read after its release would poison the tokens
+
+            options.update(slots=buffer, hooks=SlotHooks(lambda layer: buffer.copy_(slot_rows[layer]), release),
+                           max_tokens=2 * CHUNK)
         model.executor = EPExperts.from_rows(model.expert_rows, layers, model.intermediate_size, experts, rank, WORLD,
-                                             dist.group.WORLD, "cpu", table=table, slots=slot_rows)
+                                             dist.group.WORLD, "cpu", **options)
         model.drop_expert_weights()  # from here on only the executor's rows compute
 
         def more(local: bool) -> bool:
@@ -243,13 +254,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_ep_experts_with_slots_match_generate(checkpoints: dict[str, Path], family: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("family", "slot_mode"),
+                         [("deepseek_v3", "buffer"), ("qwen3_moe", "per_layer"), ("qwen2_moe", "buffer")])
+def test_ep_experts_with_slots_match_generate(checkpoints: dict[str, Path], family: str, slot_mode: str,
+                                              tmp_path: Path) -> None:
+    """per_layer: a slot stack per MoE layer, capacity agreed per layer; buffer: see _ep_rank."""
     import torch.multiprocessing as mp
 
     expected, counts = _reference(checkpoints[family])
     slot_expert = hot_slots(counts, 8, WORLD, SLOTS)
-    mp.spawn(_ep_rank, args=(str(checkpoints[family]), _free_port(), slot_expert, str(tmp_path)), nprocs=WORLD,
+    mp.spawn(_ep_rank, args=(str(checkpoints[family]), _free_port(), slot_expert, slot_mode, str(tmp_path)), nprocs=WORLD,
              join=True)
     tokens: dict[int, list[int]] = {}
     for rank in range(WORLD):
@@ -299,3 +313,17 @@ def test_demo_model_builds_once_loads_offline_and_generates(tmp_path: Path) -> N
     step_model = HFStepModel(path, dtype=torch.float32)
     assert drive(step_model, [ids], [8], [0], 5) == [generated]
     assert step_model.kv_bytes_per_token() == 4 * (32 + 16) * 4  # 4 layers × (kv_lora_rank + rope dim) × fp32
+
+
+def test_bf16_step_model_runs(tmp_path: Path) -> None:
+    """The default compute dtype (bf16): finite logits, caches sized by kv_bytes_per_token."""
+    from vexpert_runtime.serve.demo_model import ensure_demo_model
+
+    model = HFStepModel(ensure_demo_model(tmp_path / "demo"))
+    assert model.dtype == torch.bfloat16
+    logits = model.step([SequenceWork(0, (4, 5, 6, 7), 0), SequenceWork(1, (8,), 0)])
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    logits = model.step([SequenceWork(1, (int(logits[1].argmax()),), 1)])
+    assert logits.shape == (1, model.vocab_size)
+    held = sum(t.numel() * t.element_size() for layer in model.caches[1].layers for t in (layer.keys, layer.values))
+    assert held == 2 * model.kv_bytes_per_token()
