@@ -225,8 +225,7 @@ def _ep_rank(rank: int, path: str, port: int, slot_expert: torch.Tensor, slot_mo
 
             options.update(slots=buffer, hooks=SlotHooks(lambda layer: buffer.copy_(slot_rows[layer]), release),
                            max_tokens=2 * CHUNK)
-        model.executor = EPExperts.from_rows(model.expert_rows, layers, model.intermediate_size, experts, rank, WORLD,
-                                             dist.group.WORLD, "cpu", **options)
+        model.executor = EPExperts.for_model(model, rank, WORLD, dist.group.WORLD, **options)
         model.drop_expert_weights()  # from here on only the executor's rows compute
 
         def more(local: bool) -> bool:

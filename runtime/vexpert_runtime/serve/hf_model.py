@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,7 @@ from vexpert_runtime.model.ep_moe import (
 )
 from vexpert_runtime.model.expert_format import ExpertFormat
 from vexpert_runtime.model.moe_math import combine
-from vexpert_runtime.serve.step import SequenceWork
+from vexpert_runtime.serve.step import SequenceWork, StepModel
 
 # Expert activations the EP layer implements (its grouped GEMMs are SwiGLU).
 _SWIGLU_ACTIVATIONS = ("silu", "swish")
@@ -228,6 +228,14 @@ class EPExperts:
         resident = [rows(layer, mine).to(device) for layer in range(num_layers)]
         return cls(resident, intermediate, num_experts, rank, world, group, **kwargs)
 
+    @classmethod
+    def for_model(cls, model: HFStepModel, rank: int, world: int, group: dist.ProcessGroup | None,
+                  **kwargs: Any) -> EPExperts:
+        """This rank's executor for a loaded :class:`HFStepModel`, resident rows from its weights
+        (then ``model.executor = ep; model.drop_expert_weights()``); ``kwargs`` as in the constructor."""
+        return cls.from_rows(model.expert_rows, len(model.moe_layers), model.intermediate_size, model.num_experts,
+                             rank, world, group, model.device, **kwargs)
+
 
 # ---------------------------------------------------------------------------------------------
 # The step model
@@ -279,22 +287,14 @@ class HFStepModel:
         layers = _decoder_layers(model)
         # The model's own expert modules (LocalExperts and expert_rows read them), then the proxies.
         self.experts: list[Any] = [layers[i].mlp.experts for i in self.moe_layers]
+        self.num_experts = int(self.experts[0].gate_up_proj.shape[0])  # E: routed experts per MoE layer
         for index, layer in enumerate(self.moe_layers):
             layers[layer].mlp.experts = _ExecutorExperts(self, index)
-        self.executor: MoEExecutor = executor if executor is not None else LocalExperts(
-            [e for e in self.experts if e is not None])
+        self.executor: MoEExecutor = executor if executor is not None else LocalExperts(self.experts)
         self.top_k = int(self.config.num_experts_per_tok)
         self.caches: dict[int, Any] = {}
 
     # -- what a coordinator / worker needs ---------------------------------------------------
-
-    @property
-    def num_experts(self) -> int:
-        """E: routed experts per MoE layer."""
-        experts = self.experts[0]
-        if experts is None:
-            raise RuntimeError("expert weights were dropped")
-        return int(experts.gate_up_proj.shape[0])
 
     @property
     def intermediate_size(self) -> int:
@@ -451,3 +451,12 @@ class HFStepModel:
             end = start + seq.hidden.shape[1]
             seq.hidden = seq.hidden + out[:, start:end]
             start = end
+
+
+if TYPE_CHECKING:  # mypy checks the classes against the protocols they implement
+
+    def _step_model(model: HFStepModel) -> StepModel:
+        return model
+
+    def _executors(local: LocalExperts, ep: EPExperts) -> tuple[MoEExecutor, MoEExecutor]:
+        return local, ep
