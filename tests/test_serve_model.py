@@ -326,3 +326,16 @@ def test_bf16_step_model_runs(tmp_path: Path) -> None:
     assert logits.shape == (1, model.vocab_size)
     held = sum(t.numel() * t.element_size() for layer in model.caches[1].layers for t in (layer.keys, layer.values))
     assert held == 2 * model.kv_bytes_per_token()
+
+
+def test_quantised_expert_weights_are_refused() -> None:
+    """FP8 fused weights carry their scales elsewhere: rows must come from the checkpoint reader."""
+    from vexpert_runtime.serve.hf_model import packed_rows
+
+    experts = torch.nn.Module()
+    experts.gate_up_proj = torch.nn.Parameter(torch.zeros(2, 8, 4).to(torch.float8_e4m3fn), requires_grad=False)
+    experts.down_proj = torch.nn.Parameter(torch.zeros(2, 4, 4).to(torch.float8_e4m3fn), requires_grad=False)
+    with pytest.raises(ValueError, match="checkpoint_reader"):
+        packed_rows(experts, [0])
+    with pytest.raises(ValueError, match="checkpoint_reader"):
+        LocalExperts([experts])

@@ -88,10 +88,20 @@ def _decoder_layers(model: Any) -> Any:
 def packed_rows(experts: Any, ids: Sequence[int]) -> torch.Tensor:
     """Packed rows [len(ids), D] of a transformers fused experts module (gate_up_proj [E, 2I, H] with
     the gate rows first, down_proj [E, H, I]) — the layout :func:`checkpoint.pack_expert` writes."""
+    _check_dense(experts)
     index = torch.as_tensor(list(ids), dtype=torch.int64, device=experts.gate_up_proj.device)
     gate_up = experts.gate_up_proj.detach().index_select(0, index)
     down = experts.down_proj.detach().index_select(0, index)
     return torch.cat([gate_up.flatten(1), down.flatten(1)], dim=1)
+
+
+def _check_dense(experts: Any) -> None:
+    """Raise unless the fused expert weights are plain floating-point tensors: a quantised module
+    (block FP8 keeps its scales elsewhere) must be read with :func:`checkpoint_reader` instead."""
+    for weight in (experts.gate_up_proj, experts.down_proj):
+        if not (weight.is_floating_point() and weight.element_size() >= 2):
+            raise ValueError(f"expert weights are {weight.dtype}; read quantised experts with checkpoint_reader "
+                             "(and pass EPExperts their ExpertFormat)")
 
 
 def checkpoint_reader(path: str | Path) -> CheckpointReader:
@@ -128,6 +138,8 @@ class LocalExperts:
 
     def __init__(self, experts: Sequence[Any]) -> None:
         self.experts = list(experts)  # per MoE layer: transformers fused experts module
+        for module in self.experts:
+            _check_dense(module)
 
     def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         module = self.experts[moe_layer]
