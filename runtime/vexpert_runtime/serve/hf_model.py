@@ -341,7 +341,8 @@ class HFStepModel:
         MLA (DeepSeek-V3: ``kv_lora_rank`` in the config): transformers caches the compressed latent
         (``kv_lora_rank``, after kv_a_layernorm) and the shared rotary key (``qk_rope_head_dim``) —
         one "head" each as keys and values — so (kv_lora_rank + qk_rope_head_dim) per layer.
-        Otherwise (GQA): keys and values, 2 · num_key_value_heads · head_dim per layer.
+        Otherwise (GQA): keys and values, 2 · num_key_value_heads · head_dim per layer. Sliding-window
+        layers count as full ones (an upper bound: their caches stop growing at the window).
         """
         config = self.config
         element = torch.empty((), dtype=self.dtype).element_size()
