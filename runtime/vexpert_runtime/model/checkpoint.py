@@ -192,7 +192,8 @@ def _qwen_spec(raw: dict[str, Any], origin: str) -> MoESpec:
         architecture=QWEN,
         hidden_size=_need(raw, "hidden_size", origin),
         intermediate_size=_need(raw, "moe_intermediate_size", origin),
-        num_experts=_need(raw, "num_experts", origin),
+        # transformers 5 writes Qwen3-MoE's expert count as num_local_experts
+        num_experts=_need(raw, "num_experts" if "num_experts" in raw else "num_local_experts", origin),
         top_k=_need(raw, "num_experts_per_tok", origin),
         moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
         scoring="softmax",

@@ -5,6 +5,7 @@ own requests and the vExpert EP MoE layer across ranks in lockstep.
 
 * :mod:`.step` — the contract between the scheduler and a model (:class:`StepModel`);
 * :mod:`.hf_model` — Hugging Face transformers models run step by step, MoE blocks handed to an executor;
+* :mod:`.demo_model` — a small random DeepSeek-V3 checkpoint with a local tokenizer, for demos and tests;
 * :mod:`.scheduler`, :mod:`.sampling` — continuous batching, KV budget, sampling and stop handling;
 * :mod:`.openai_api`, :mod:`.api` — the OpenAI request/response types and the HTTP server.
 """

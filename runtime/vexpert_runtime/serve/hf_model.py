@@ -1,0 +1,475 @@
+"""Hugging Face transformers MoE models run one iteration at a time, the routed experts handed to an executor.
+
+:class:`HFStepModel` implements :class:`~vexpert_runtime.serve.step.StepModel` over a model loaded with
+``AutoModelForCausalLM.from_pretrained`` from a local directory: the model definition (attention, MLA,
+norms, rotary embeddings, routers, shared experts) is transformers' own; this module only drives its
+submodules in an order that lets a rank run its sequences' attention one by one (each with its own
+``DynamicCache``) and every sparse MoE block once for the concatenated tokens of the whole iteration —
+one EP collective per MoE layer per iteration, also with no sequences (lockstep across ranks).
+
+A sparse block is any decoder ``mlp`` with a ``gate`` (router) and an ``experts`` module called as
+``experts(x [T, H], top_k_index [T, K], top_k_weights [T, K])`` — transformers 5's layout for
+DeepSeek-V3, Qwen3-MoE and Qwen2-MoE. Its ``experts`` is replaced by a proxy that forwards to a
+:class:`MoEExecutor`, so the block's own forward still runs the router and adds its shared expert(s)
+(DeepSeek-V3 ``shared_experts``, Qwen2-MoE's sigmoid-gated ``shared_expert``) exactly as the model does.
+
+Executors: :class:`LocalExperts` (one process, the model's own expert weights) and :class:`EPExperts`
+(:func:`~vexpert_runtime.model.ep_moe.ep_moe_layer` over a torch.distributed group with this rank's
+resident experts and optional vExpert slots). Expert rows use the packed layout of
+:mod:`vexpert_runtime.model.checkpoint` (``[gate (I·H) | up (I·H) | down (H·I)]``), which is
+``cat(gate_up_proj[e], down_proj[e])`` of transformers' fused expert tensors.
+
+Shapes: ``T`` tokens of an iteration (all sequences), ``H`` hidden, ``K`` top-k, ``E`` routed experts,
+``I`` expert intermediate size, ``D = 3·I·H`` packed row, ``L`` MoE layers, ``N`` EP ranks, ``S`` slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from vexpert_runtime.model.checkpoint import CheckpointReader, MoESpec, read_model_spec
+from vexpert_runtime.model.ep_moe import (
+    DeviceRoutingTable,
+    ExpertStacks,
+    LayerStats,
+    base_experts,
+    ep_moe_layer,
+    static_table,
+)
+from vexpert_runtime.model.expert_format import ExpertFormat
+from vexpert_runtime.model.moe_math import combine
+from vexpert_runtime.serve.step import SequenceWork, StepModel
+
+# Expert activations the EP layer implements (its grouped GEMMs are SwiGLU).
+_SWIGLU_ACTIVATIONS = ("silu", "swish")
+
+
+class MoEExecutor(Protocol):
+    """Computes the routed experts of one MoE layer for one iteration's tokens."""
+
+    def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H] (post-attention-normed tokens), ids [T, K] int64 logical experts, weights [T, K]
+        (the router's, scaling included) → Σ_k weights·expert_k(x) [T, H] in x's dtype. Routed
+        experts only: the model adds its shared experts itself. Called once per MoE layer per
+        iteration on every rank, also with T = 0."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------------
+# The model's experts: finding sparse blocks, packed rows
+# ---------------------------------------------------------------------------------------------
+
+
+def is_sparse_block(mlp: Any) -> bool:
+    """Whether a decoder layer's ``mlp`` is a routed MoE block (router ``gate`` + fused ``experts``)."""
+    experts = getattr(mlp, "experts", None)
+    return (isinstance(getattr(mlp, "gate", None), nn.Module) and isinstance(experts, nn.Module)
+            and (hasattr(experts, "gate_up_proj") or isinstance(experts, _ExecutorExperts)))
+
+
+def sparse_layers(model: Any) -> list[int]:
+    """Decoder layer indices of the sparse MoE blocks (the checkpoint's ``moe_layers``), ascending."""
+    return [i for i, layer in enumerate(_decoder_layers(model)) if is_sparse_block(layer.mlp)]
+
+
+def _decoder_layers(model: Any) -> Any:
+    """The decoder layers (transformers modules are typed ``Any`` here: their attributes are dynamic)."""
+    return model.model.layers
+
+
+def packed_rows(experts: Any, ids: Sequence[int]) -> torch.Tensor:
+    """Packed rows [len(ids), D] of a transformers fused experts module (gate_up_proj [E, 2I, H] with
+    the gate rows first, down_proj [E, H, I]) — the layout :func:`checkpoint.pack_expert` writes."""
+    _check_dense(experts)
+    index = torch.as_tensor(list(ids), dtype=torch.int64, device=experts.gate_up_proj.device)
+    gate_up = experts.gate_up_proj.detach().index_select(0, index)
+    down = experts.down_proj.detach().index_select(0, index)
+    return torch.cat([gate_up.flatten(1), down.flatten(1)], dim=1)
+
+
+def _check_dense(experts: Any) -> None:
+    """Raise unless the fused expert weights are plain floating-point tensors: a quantised module
+    (block FP8 keeps its scales elsewhere) must be read with :func:`checkpoint_reader` instead."""
+    for weight in (experts.gate_up_proj, experts.down_proj):
+        if not (weight.is_floating_point() and weight.element_size() >= 2):
+            raise ValueError(f"expert weights are {weight.dtype}; read quantised experts with checkpoint_reader "
+                             "(and pass EPExperts their ExpertFormat)")
+
+
+def checkpoint_reader(path: str | Path) -> CheckpointReader:
+    """A validated :class:`CheckpointReader` of a local checkpoint (what a coordinator builds its
+    pool from: ``reader.experts(moe_layer, ids, dtype)`` gives packed rows [len(ids), D])."""
+    reader = CheckpointReader(path, read_model_spec(path))
+    reader.validate()
+    return reader
+
+
+class _ExecutorExperts(nn.Module):
+    """Stands in for a sparse block's ``experts``: the block's forward calls it with its router's
+    output, and it hands the batch to the step model's current executor."""
+
+    def __init__(self, owner: HFStepModel, moe_layer: int) -> None:
+        super().__init__()
+        self._owner = [owner]  # a list: not registered as a submodule (no cycle in the module tree)
+        self.moe_layer = moe_layer
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        return self._owner[0].executor.forward(self.moe_layer, x, top_k_index, top_k_weights)
+
+
+# ---------------------------------------------------------------------------------------------
+# Executors
+# ---------------------------------------------------------------------------------------------
+
+
+class LocalExperts:
+    """Every expert in this process, with the model's own weights (single-rank serving, reference).
+
+    Loops over the experts hit, then combines with :func:`moe_math.combine` like the EP layer does.
+    """
+
+    def __init__(self, experts: Sequence[Any]) -> None:
+        self.experts = list(experts)  # per MoE layer: transformers fused experts module
+        for module in self.experts:
+            _check_dense(module)
+
+    def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        module = self.experts[moe_layer]
+        outputs = x.new_zeros(*ids.shape, x.shape[1])  # [T, K, H]
+        for expert in torch.unique(ids).tolist():
+            token, slot = torch.nonzero(ids == expert, as_tuple=True)
+            gate_up = F.linear(x[token], module.gate_up_proj[expert])
+            gate, up = gate_up.chunk(2, dim=-1)
+            outputs[token, slot] = F.linear(F.silu(gate) * up, module.down_proj[expert])
+        return combine(weights, outputs, None)
+
+
+@dataclass
+class SlotHooks:
+    """How :class:`EPExperts` waits for and releases the slots a layer computes with (the node
+    worker's ``WorkerSlots.acquire`` / ``release``); both get the MoE layer index."""
+
+    wait: Callable[[int], None]
+    release: Callable[[int], None]
+
+
+class EPExperts:
+    """Routed experts expert-parallel over ``group``: :func:`ep_moe_layer` with this rank's resident
+    experts and, where the routing table puts copies in slots, the slot rows.
+
+    Args:
+        resident: per MoE layer, packed rows [E/N, D] of :func:`base_experts` (E, N, rank), in the
+            compute dtype (or the format's row dtype), on the compute device.
+        intermediate: I. num_experts: E. rank, world: this rank and N. group: the EP group (None: N = 1).
+        table: the device routing table (default: the static one, no slots); a plan switch is
+            ``table.load(new_table)`` between iterations.
+        slots: the slot rows: one buffer [S, D] reused by every layer (with ``hooks`` to fill it
+            layer by layer, as the node worker does), or one [S, D] per MoE layer; None without slots.
+        max_tokens: the most tokens any rank runs in one iteration. With it the dispatch capacity
+            is fixed (K·max_tokens: nothing dropped, no host sync); without it each layer agrees on
+            the capacity with one all-reduce of T (fine on CPU, a host sync on GPU).
+        format: the rows' format for block-FP8 rows (None: dense rows of the compute dtype).
+    """
+
+    def __init__(self, resident: Sequence[torch.Tensor], intermediate: int, num_experts: int, rank: int, world: int,
+                 group: dist.ProcessGroup | None, *, table: DeviceRoutingTable | None = None,
+                 slots: torch.Tensor | Sequence[torch.Tensor] | None = None, hooks: SlotHooks | None = None,
+                 max_tokens: int | None = None, format: ExpertFormat | None = None) -> None:
+        self.resident = list(resident)
+        self.intermediate = intermediate
+        self.rank, self.world, self.group = rank, world, group
+        if table is None:
+            table = DeviceRoutingTable.of(static_table(len(self.resident), num_experts, world, 0),
+                                          self.resident[0].device)
+        self.table = table
+        self.slots = slots
+        self.hooks = hooks
+        self.max_tokens = max_tokens
+        self.format = format
+        # Rows computed per local expert [L, E/N + S], accumulated on the device (read when it suits).
+        self.computed = torch.zeros(len(self.resident), table.experts_per_gpu + table.slots, dtype=torch.int64,
+                                    device=self.resident[0].device)
+        self.last_stats: LayerStats | None = None
+
+    def _slot_rows(self, moe_layer: int) -> torch.Tensor | None:
+        if self.slots is None or isinstance(self.slots, torch.Tensor):
+            return self.slots
+        return self.slots[moe_layer]
+
+    def _capacity(self, tokens: int, top_k: int) -> int:
+        """C: dispatch rows per destination rank, equal on every rank and ≥ any rank's T·K."""
+        if self.max_tokens is not None:
+            if tokens > self.max_tokens:
+                raise ValueError(f"{tokens} tokens in one iteration, EPExperts was built for at most {self.max_tokens}")
+            return self.max_tokens * top_k
+        if self.group is None:
+            return tokens * top_k
+        most = torch.tensor([tokens], dtype=torch.int64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+        return int(most) * top_k
+
+    def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        hooks = self.hooks
+        stacks = ExpertStacks(self.resident[moe_layer], self._slot_rows(moe_layer), self.intermediate,
+                              format=self.format)
+        y, stats = ep_moe_layer(
+            x, ids, weights, self.table, moe_layer, stacks, None, self.rank, self.world, self.group,
+            capacity=self._capacity(x.shape[0], ids.shape[1]),
+            slot_wait=None if hooks is None else (lambda: hooks.wait(moe_layer)),
+            after_compute=None if hooks is None else (lambda: hooks.release(moe_layer)),
+        )
+        self.computed[moe_layer] += stats.computed
+        self.last_stats = stats
+        return y
+
+    @classmethod
+    def from_rows(cls, rows: Callable[[int, list[int]], torch.Tensor], num_layers: int, intermediate: int,
+                  num_experts: int, rank: int, world: int, group: dist.ProcessGroup | None,
+                  device: torch.device | str, **kwargs: Any) -> EPExperts:
+        """Build with this rank's resident rows from ``rows(moe_layer, expert_ids) -> [n, D]``
+        (e.g. ``lambda l, ids: reader.experts(l, ids, dtype)`` or :meth:`HFStepModel.expert_rows`)."""
+        mine = base_experts(num_experts, world, rank)
+        resident = [rows(layer, mine).to(device) for layer in range(num_layers)]
+        return cls(resident, intermediate, num_experts, rank, world, group, **kwargs)
+
+    @classmethod
+    def for_model(cls, model: HFStepModel, rank: int, world: int, group: dist.ProcessGroup | None,
+                  **kwargs: Any) -> EPExperts:
+        """This rank's executor for a loaded :class:`HFStepModel`, resident rows from its weights
+        (then ``model.executor = ep; model.drop_expert_weights()``); ``kwargs`` as in the constructor."""
+        return cls.from_rows(model.expert_rows, len(model.moe_layers), model.intermediate_size, model.num_experts,
+                             rank, world, group, model.device, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The step model
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Running:
+    """One sequence during a step: its hidden states [1, n, H], positions [1, n], rotary
+    embeddings, attention masks by layer type, and its cache."""
+
+    hidden: torch.Tensor
+    position_ids: torch.Tensor
+    rotary: tuple[torch.Tensor, torch.Tensor]
+    masks: dict[str, Any]
+    cache: Any
+
+
+class HFStepModel:
+    """A transformers causal LM (DeepSeek-V3, Qwen3-MoE, Qwen2-MoE, …) as a :class:`StepModel`.
+
+    Args:
+        path: a local checkpoint directory (config.json, safetensors); nothing is fetched from a hub.
+        device, dtype: where and in what the model computes (float32 for bit-for-bit tests).
+        executor: the routed experts; default :class:`LocalExperts` over the model's own weights.
+            Assign ``self.executor`` later (e.g. an :class:`EPExperts` built from
+            :meth:`expert_rows`), then :meth:`drop_expert_weights` to free the unused copies.
+        attn_implementation: transformers' attention backend ("sdpa", "eager"); default: the model's.
+    """
+
+    def __init__(self, path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
+                 executor: MoEExecutor | None = None, attn_implementation: str | None = None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+        model: Any = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype, **extra)
+        self.model: Any = model.to(device).eval()
+        self.config = model.config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.vocab_size = int(self.config.vocab_size)
+        self.max_context = int(self.config.max_position_embeddings)
+        self.moe_layers = sparse_layers(model)
+        if not self.moe_layers:
+            raise ValueError(f"{path}: no sparse MoE block (router gate + fused experts) in {type(model).__name__}")
+        act = str(getattr(self.config, "hidden_act", "silu"))
+        if act not in _SWIGLU_ACTIVATIONS:
+            raise ValueError(f"{path}: expert activation {act!r}; the EP layer computes SwiGLU (silu) experts")
+        layers = _decoder_layers(model)
+        # The model's own expert modules (LocalExperts and expert_rows read them), then the proxies.
+        self.experts: list[Any] = [layers[i].mlp.experts for i in self.moe_layers]
+        self.num_experts = int(self.experts[0].gate_up_proj.shape[0])  # E: routed experts per MoE layer
+        for index, layer in enumerate(self.moe_layers):
+            layers[layer].mlp.experts = _ExecutorExperts(self, index)
+        self.executor: MoEExecutor = executor if executor is not None else LocalExperts(self.experts)
+        self.top_k = int(self.config.num_experts_per_tok)
+        self.caches: dict[int, Any] = {}
+
+    # -- what a coordinator / worker needs ---------------------------------------------------
+
+    @property
+    def intermediate_size(self) -> int:
+        """I: an expert's intermediate size."""
+        return int(self.config.moe_intermediate_size)
+
+    def expert_rows(self, moe_layer: int, ids: Sequence[int]) -> torch.Tensor:
+        """Packed rows [len(ids), D] of MoE layer ``moe_layer``'s experts from the loaded weights
+        (any layout transformers loads; :func:`checkpoint_reader` reads them without the model)."""
+        experts = self.experts[moe_layer]
+        if experts is None:
+            raise RuntimeError("expert weights were dropped")
+        return packed_rows(experts, ids)
+
+    def check_spec(self, spec: MoESpec) -> None:
+        """Raise if a :class:`MoESpec` (the coordinator's view) disagrees with the loaded model."""
+        got = (tuple(self.moe_layers), self.num_experts, self.top_k, self.intermediate_size,
+               int(self.config.hidden_size))
+        want = (spec.moe_layers, spec.num_experts, spec.top_k, spec.intermediate_size, spec.hidden_size)
+        if got != want:
+            raise ValueError(f"model has (moe_layers, E, K, I, H) = {got}, the spec {want}")
+
+    def drop_expert_weights(self) -> None:
+        """Free the model's own routed-expert weights (after the executor took what it needs)."""
+        if isinstance(self.executor, LocalExperts):
+            raise RuntimeError("LocalExperts computes with the model's expert weights")
+        self.experts = [None] * len(self.experts)
+
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes per token, all layers, in the compute dtype.
+
+        MLA (DeepSeek-V3: ``kv_lora_rank`` in the config): transformers caches the compressed latent
+        (``kv_lora_rank``, after kv_a_layernorm) and the shared rotary key (``qk_rope_head_dim``) —
+        one "head" each as keys and values — so (kv_lora_rank + qk_rope_head_dim) per layer.
+        Otherwise (GQA): keys and values, 2 · num_key_value_heads · head_dim per layer. Sliding-window
+        layers count as full ones (an upper bound: their caches stop growing at the window).
+        """
+        config = self.config
+        element = torch.empty((), dtype=self.dtype).element_size()
+        if getattr(config, "kv_lora_rank", None):
+            per_layer = int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
+        else:
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            per_layer = 2 * int(config.num_key_value_heads) * int(head_dim)
+        return per_layer * int(config.num_hidden_layers) * element
+
+    # -- one iteration -----------------------------------------------------------------------
+
+    def release(self, seq_id: int) -> None:
+        self.caches.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def step(self, work: Sequence[SequenceWork]) -> torch.Tensor:
+        """Run one iteration (see :class:`StepModel`): [len(work), V] float32 logits on the CPU."""
+        running = [self._start(item) for item in self._checked(work)]
+        for index, layer in enumerate(_decoder_layers(self.model)):
+            for seq in running:
+                seq.hidden = seq.hidden + self._attention(layer, index, seq)
+            self._mlp(layer, index, running)
+        if not running:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32)
+        last = torch.cat([seq.hidden[:, -1] for seq in running])  # [len(work), H]
+        logits = self.model.lm_head(self.model.model.norm(last))
+        return logits.float().cpu()
+
+    def _checked(self, work: Sequence[SequenceWork]) -> Sequence[SequenceWork]:
+        """Reject work the caches cannot take (before any cache changes)."""
+        seen: set[int] = set()
+        for item in work:
+            if item.seq_id in seen:
+                raise ValueError(f"sequence {item.seq_id} twice in one step")
+            seen.add(item.seq_id)
+            if not item.tokens:
+                raise ValueError(f"sequence {item.seq_id}: no tokens")
+            cache = self.caches.get(item.seq_id)
+            held = 0 if cache is None else int(cache.get_seq_length())
+            if item.position != held:
+                raise ValueError(f"sequence {item.seq_id}: position {item.position}, but its cache holds {held} tokens")
+            if item.position + len(item.tokens) > self.max_context:
+                raise ValueError(f"sequence {item.seq_id}: {item.position + len(item.tokens)} tokens exceed "
+                                 f"the model's context of {self.max_context}")
+        return work
+
+    def _start(self, item: SequenceWork) -> _Running:
+        """Embeddings, positions, rotary embeddings and masks of one sequence's new tokens, computed
+        before any layer runs (as the model's own forward does, against the cache's old length)."""
+        from transformers import DynamicCache
+
+        cache = self.caches.get(item.seq_id)
+        if cache is None:
+            cache = self.caches[item.seq_id] = DynamicCache(config=self.config)
+        ids = torch.tensor([item.tokens], dtype=torch.int64, device=self.device)
+        hidden = self.model.model.embed_tokens(ids)  # [1, n, H]
+        positions = torch.arange(item.position, item.position + len(item.tokens), device=self.device).unsqueeze(0)
+        rotary = self.model.model.rotary_emb(hidden, positions)
+        return _Running(hidden, positions, rotary, self._masks(hidden, positions, cache), cache)
+
+    def _masks(self, hidden: torch.Tensor, positions: torch.Tensor, cache: Any) -> dict[str, Any]:
+        """Causal masks by layer type ("full_attention", "sliding_attention") for a chunk at
+        ``positions`` after what ``cache`` holds, made by transformers' own mask functions."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        kwargs = {"config": self.config, "inputs_embeds": hidden, "attention_mask": None,
+                  "past_key_values": cache, "position_ids": positions}
+        masks = {"full_attention": create_causal_mask(**kwargs)}
+        if self._sliding_types():
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+        return masks
+
+    def _sliding_types(self) -> bool:
+        types = getattr(self.config, "layer_types", None)
+        if types:
+            return "sliding_attention" in types
+        return getattr(self.config, "sliding_window", None) is not None
+
+    def _layer_type(self, index: int) -> str:
+        """The mask a layer uses: its ``layer_types`` entry, else sliding for every layer when the
+        config has a sliding window (Qwen3-MoE's rule), else full."""
+        types = getattr(self.config, "layer_types", None)
+        if types:
+            return str(types[index])
+        return "sliding_attention" if getattr(self.config, "sliding_window", None) is not None else "full_attention"
+
+    def _attention(self, layer: Any, index: int, seq: _Running) -> torch.Tensor:
+        """Self-attention of one sequence's new tokens against its cache (which it extends): [1, n, H]."""
+        out, _ = layer.self_attn(
+            hidden_states=layer.input_layernorm(seq.hidden),
+            attention_mask=seq.masks[self._layer_type(index)],
+            position_ids=seq.position_ids,
+            past_key_values=seq.cache,
+            use_cache=True,
+            position_embeddings=seq.rotary,
+        )
+        result: torch.Tensor = out
+        return result
+
+    def _mlp(self, layer: Any, index: int, running: list[_Running]) -> None:
+        """The layer's MLP over every sequence's tokens at once (one executor call for a sparse
+        block, also with no tokens), added to each sequence's residual stream."""
+        hidden = self.config.hidden_size
+        if running:
+            flat = torch.cat([seq.hidden for seq in running], dim=1)  # [1, T, H]
+        else:
+            flat = torch.zeros(1, 0, hidden, dtype=self.dtype, device=self.device)
+        normed = layer.post_attention_layernorm(flat)
+        if flat.shape[1] == 0:
+            if is_sparse_block(layer.mlp):  # the router cannot take 0 rows; the collective must still run
+                moe_layer = self.moe_layers.index(index)
+                ids = torch.zeros(0, self.top_k, dtype=torch.int64, device=self.device)
+                self.executor.forward(moe_layer, normed[0], ids, torch.zeros(0, self.top_k, device=self.device))
+            return
+        out = layer.mlp(normed).reshape(1, -1, hidden)
+        start = 0
+        for seq in running:
+            end = start + seq.hidden.shape[1]
+            seq.hidden = seq.hidden + out[:, start:end]
+            start = end
+
+
+if TYPE_CHECKING:  # mypy checks the classes against the protocols they implement
+
+    def _step_model(model: HFStepModel) -> StepModel:
+        return model
+
+    def _executors(local: LocalExperts, ep: EPExperts) -> tuple[MoEExecutor, MoEExecutor]:
+        return local, ep

@@ -1,0 +1,341 @@
+"""HFStepModel (issue #13): transformers MoE models run step by step, experts local or expert-parallel.
+
+Tiny random DeepSeek-V3 (MLA), Qwen3-MoE and Qwen2-MoE checkpoints are written with ``save_pretrained``;
+the step model's greedy tokens must equal the unmodified model's ``generate(do_sample=False)`` in
+float32, with sequences joining and leaving a batch and prompts fed in chunks, on one rank with
+:class:`LocalExperts` and on two gloo ranks with :class:`EPExperts` whose routing table puts copies of
+hot experts into slots on the other rank.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from vexpert_runtime.model.checkpoint import read_model_spec  # noqa: E402
+from vexpert_runtime.serve.hf_model import HFStepModel, LocalExperts, checkpoint_reader  # noqa: E402
+from vexpert_runtime.serve.step import SequenceWork  # noqa: E402
+
+FAMILIES = ("deepseek_v3", "qwen3_moe", "qwen2_moe")
+# Prompts of different lengths; the second joins one step late, the third three steps late.
+PROMPTS = ([5, 9, 17], [40, 2, 7, 8, 61, 33, 12, 90, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24])
+JOINS = (0, 1, 3)
+NEW_TOKENS = (6, 4, 5)
+CHUNK = 4  # prompt tokens fed per step: the longer prompts are prefilled in chunks
+
+
+def _config(family: str) -> Any:
+    """A tiny config of ``family``: 3 layers (DeepSeek: the first dense), 8 experts, top-2, no EOS
+    (so generation never stops early), weights large enough that tokens and routing vary."""
+    common = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_experts_per_tok": 2,
+              "max_position_embeddings": 128, "initializer_range": 0.15, "eos_token_id": None,
+              "bos_token_id": None, "pad_token_id": None, "tie_word_embeddings": False}
+    if family == "deepseek_v3":
+        return transformers.DeepseekV3Config(
+            **common, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1,
+            n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=8)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=16, num_experts=8,
+                                           norm_topk_prob=True)
+    return transformers.Qwen2MoeConfig(**common, num_key_value_heads=2, num_experts=8,
+                                       shared_expert_intermediate_size=48)
+
+
+def _write(family: str, path: Path) -> Path:
+    torch.manual_seed(FAMILIES.index(family))
+    model = transformers.AutoModelForCausalLM.from_config(_config(family))
+    if family == "deepseek_v3":  # a non-zero correction bias, so the router's noaux_tc path matters
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {family: _write(family, root / family) for family in FAMILIES}
+
+
+def _reference(path: Path, prompts: Sequence[Sequence[int]] = PROMPTS,
+               new_tokens: Sequence[int] = NEW_TOKENS) -> tuple[list[list[int]], list[dict[int, int]]]:
+    """The unmodified model's greedy tokens per prompt (``generate``, one prompt at a time), and how
+    often each MoE layer's router picked each expert (from hooks on the routers)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+    routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    counts: list[dict[int, int]] = [{} for _ in routers]
+
+    def hook(index: int) -> Callable[..., None]:
+        def count(_module: Any, _args: Any, output: Any) -> None:
+            for expert in output[2].reshape(-1).tolist():
+                counts[index][expert] = counts[index].get(expert, 0) + 1
+        return count
+
+    for index, router in enumerate(routers):
+        router.register_forward_hook(hook(index))
+    out = []
+    for prompt, new in zip(prompts, new_tokens, strict=True):
+        ids = torch.tensor([list(prompt)])
+        generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                                   eos_token_id=None, pad_token_id=0)
+        out.append(generated[0, len(prompt):].tolist())
+        assert len(out[-1]) == new
+    return out, counts
+
+
+def drive(model: HFStepModel, prompts: Sequence[Sequence[int]], new_tokens: Sequence[int], joins: Sequence[int],
+          chunk: int, more: Callable[[bool], bool] = lambda local: local, seq_base: int = 0) -> list[list[int]]:
+    """A tiny continuous-batching driver: prompt i joins at step joins[i], is fed ``chunk`` tokens a
+    step, then decodes greedily until it has new_tokens[i] tokens and leaves (its cache released).
+    ``more(local_has_work)`` decides whether to run another step (the EP ranks' lockstep)."""
+    fed = [0] * len(prompts)
+    out: list[list[int]] = [[] for _ in prompts]
+    step = 0
+    while more(any(len(o) < n for o, n in zip(out, new_tokens, strict=True))):
+        work = []
+        for i, prompt in enumerate(prompts):
+            if joins[i] > step or len(out[i]) == new_tokens[i]:
+                continue
+            tokens = prompt[fed[i]:fed[i] + chunk] if fed[i] < len(prompt) else [out[i][-1]]
+            work.append(SequenceWork(seq_base + i, tuple(tokens), fed[i]))
+            fed[i] += len(tokens)
+        logits = model.step(work)
+        assert logits.shape == (len(work), model.vocab_size) and logits.dtype == torch.float32
+        for row, item in zip(logits, work, strict=True):
+            i = item.seq_id - seq_base
+            if fed[i] >= len(prompts[i]):  # the prompt is in: this row predicts a new token
+                out[i].append(int(row.argmax()))
+                if len(out[i]) == new_tokens[i]:
+                    model.release(item.seq_id)
+        step += 1
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank, the model's own experts
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_local_experts_match_generate(checkpoints: dict[str, Path], family: str) -> None:
+    expected, _ = _reference(checkpoints[family])
+    model = HFStepModel(checkpoints[family], dtype=torch.float32)
+    assert isinstance(model.executor, LocalExperts)
+    assert drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK) == expected
+    assert not model.caches  # every finished sequence released its cache
+    assert len({t for seq in expected for t in seq}) > 3  # the tokens vary: the comparison means something
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kv_bytes_per_token_counts_the_cache(checkpoints: dict[str, Path], family: str) -> None:
+    """MLA caches the compressed latent + rotary key per token, GQA keys and values."""
+    model = HFStepModel(checkpoints[family], dtype=torch.float32)
+    model.step([SequenceWork(7, tuple(range(1, 11)), 0)])
+    cache = model.caches[7]
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert held == 10 * model.kv_bytes_per_token()
+    assert model.max_context == 128
+
+
+def test_empty_step_still_runs_every_moe_layer(checkpoints: dict[str, Path]) -> None:
+    model = HFStepModel(checkpoints["deepseek_v3"], dtype=torch.float32)
+    calls: list[tuple[int, int]] = []
+    local = model.executor
+
+    class Counting:
+        def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            calls.append((moe_layer, x.shape[0]))
+            return local.forward(moe_layer, x, ids, weights)
+
+    model.executor = Counting()
+    assert model.step([]).shape == (0, model.vocab_size)
+    assert calls == [(0, 0), (1, 0)]
+    calls.clear()
+    model.step([SequenceWork(1, (3, 4, 5), 0), SequenceWork(2, (6,), 0)])
+    assert calls == [(0, 4), (1, 4)]  # one call per MoE layer for the whole batch
+    with pytest.raises(ValueError, match="holds 3 tokens"):
+        model.step([SequenceWork(1, (9,), 2)])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoint_reader_reads_save_pretrained_layout(checkpoints: dict[str, Path], family: str) -> None:
+    """transformers 5 fuses experts in memory but saves them per expert: CheckpointReader's rows
+    equal the loaded model's, and the spec agrees with the model."""
+    reader = checkpoint_reader(checkpoints[family])
+    model = HFStepModel(checkpoints[family], dtype=torch.float32)
+    model.check_spec(reader.spec)
+    assert reader.spec == read_model_spec(checkpoints[family])
+    for layer in range(reader.spec.num_layers):
+        assert torch.equal(reader.experts(layer, [0, 5, 7], torch.float32), model.expert_rows(layer, [0, 5, 7]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Two EP ranks with vExpert slots
+# ---------------------------------------------------------------------------------------------
+
+WORLD = 2
+SLOTS = 2
+
+
+def hot_slots(counts: list[dict[int, int]], num_experts: int, world: int, slots: int) -> torch.Tensor:
+    """slot_expert [L, N, S]: each rank's slots hold the hottest experts resident on other ranks."""
+    per_gpu = num_experts // world
+    out = torch.full((len(counts), world, slots), -1, dtype=torch.int64)
+    for layer, count in enumerate(counts):
+        for rank in range(world):
+            foreign = [e for e in range(num_experts) if e // per_gpu != rank]
+            hottest = sorted(foreign, key=lambda e: -count.get(e, 0))[:slots]
+            out[layer, rank] = torch.tensor(hottest)
+    return out
+
+
+def _ep_rank(rank: int, path: str, port: int, slot_expert: torch.Tensor, slot_mode: str, result_dir: str) -> None:
+    import torch.distributed as dist
+
+    from vexpert_runtime.model.ep_moe import DeviceRoutingTable, plan_from_slots, table_from_plan
+    from vexpert_runtime.policy.placement import static_placement
+    from vexpert_runtime.serve.hf_model import EPExperts, SlotHooks
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        model = HFStepModel(path, dtype=torch.float32)
+        layers, experts = len(model.moe_layers), model.num_experts
+        plan = plan_from_slots(static_placement(layers, experts, WORLD), slot_expert)
+        table = DeviceRoutingTable.of(table_from_plan(plan, plan_id=1), "cpu")
+        slot_rows = [model.expert_rows(layer, slot_expert[layer, rank].tolist()) for layer in range(layers)]
+        options: dict[str, Any] = {"table": table, "slots": slot_rows}
+        if slot_mode == "buffer":
+            # As the node worker: one slot buffer for all layers, filled right before a layer's slot
+            # experts run and released after; a fixed dispatch capacity (no all-reduce per layer).
+            buffer = torch.full_like(slot_rows[0], float("nan"))
+
+            def release(_layer: int) -> None:
+                buffer.fill_(float("nan"))  # a slot read after its release would poison the tokens
+
+            options.update(slots=buffer, hooks=SlotHooks(lambda layer: buffer.copy_(slot_rows[layer]), release),
+                           max_tokens=2 * CHUNK)
+        model.executor = EPExperts.for_model(model, rank, WORLD, dist.group.WORLD, **options)
+        model.drop_expert_weights()  # from here on only the executor's rows compute
+
+        def more(local: bool) -> bool:
+            flag = torch.tensor([int(local)])
+            dist.all_reduce(flag)
+            return bool(flag)
+
+        # Rank 0 runs prompts 0 and 2, rank 1 prompt 1: uneven batches, and rank 1 finishes early
+        # (then it steps with no work, in lockstep).
+        mine = [i for i in range(len(PROMPTS)) if i % WORLD == rank]
+        out = drive(model, [PROMPTS[i] for i in mine], [NEW_TOKENS[i] for i in mine], [JOINS[i] for i in mine],
+                    CHUNK, more, seq_base=100 * rank)
+        per_gpu = experts // WORLD
+        slot_rows_computed = int(model.executor.computed[:, per_gpu:].sum())  # type: ignore[attr-defined]
+        Path(result_dir, f"rank{rank}.json").write_text(
+            json.dumps({"tokens": dict(zip(mine, out, strict=True)), "slot_rows": slot_rows_computed}))
+        dist.barrier()  # both ranks done with the group before either tears it down (gloo aborts otherwise)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(("family", "slot_mode"),
+                         [("deepseek_v3", "buffer"), ("qwen3_moe", "per_layer"), ("qwen2_moe", "buffer")])
+def test_ep_experts_with_slots_match_generate(checkpoints: dict[str, Path], family: str, slot_mode: str,
+                                              tmp_path: Path) -> None:
+    """per_layer: a slot stack per MoE layer, capacity agreed per layer; buffer: see _ep_rank."""
+    import torch.multiprocessing as mp
+
+    expected, counts = _reference(checkpoints[family])
+    slot_expert = hot_slots(counts, 8, WORLD, SLOTS)
+    mp.spawn(_ep_rank, args=(str(checkpoints[family]), _free_port(), slot_expert, slot_mode, str(tmp_path)), nprocs=WORLD,
+             join=True)
+    tokens: dict[int, list[int]] = {}
+    for rank in range(WORLD):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        tokens.update({int(i): t for i, t in result["tokens"].items()})
+        assert result["slot_rows"] > 0, f"rank {rank} computed nothing in its slots"
+    assert [tokens[i] for i in range(len(PROMPTS))] == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# The demo checkpoint
+# ---------------------------------------------------------------------------------------------
+
+
+def test_demo_model_builds_once_loads_offline_and_generates(tmp_path: Path) -> None:
+    import time
+
+    from vexpert_runtime.serve.demo_model import EOS, ensure_demo_model
+
+    start = time.perf_counter()
+    path = ensure_demo_model(tmp_path / "demo")
+    built_s = time.perf_counter() - start
+    assert built_s < 10
+    size = sum(f.stat().st_size for f in path.iterdir())
+    assert size < 12 * 2**20
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert ensure_demo_model(path) == path and (path / "model.safetensors").stat().st_mtime_ns == stamp
+    assert not [p for p in tmp_path.iterdir() if p.name != "demo"]  # no staging directory left behind
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    assert tokenizer.eos_token == EOS
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hello! What is expert parallelism?"}],
+                                           tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|assistant|>\n")
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == prompt  # byte-level BPE round-trips
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+    assert model.config.model_type == "deepseek_v3" and model.config.vocab_size == len(tokenizer)
+    assert model.config.eos_token_id == tokenizer.eos_token_id
+    input_ids = torch.tensor([ids])
+    generated = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                               max_new_tokens=8, eos_token_id=None)[0, len(ids):].tolist()
+    assert len(generated) == 8
+    assert isinstance(tokenizer.decode(generated), str)
+
+    step_model = HFStepModel(path, dtype=torch.float32)
+    assert drive(step_model, [ids], [8], [0], 5) == [generated]
+    assert step_model.kv_bytes_per_token() == 4 * (32 + 16) * 4  # 4 layers × (kv_lora_rank + rope dim) × fp32
+
+
+def test_bf16_step_model_runs(tmp_path: Path) -> None:
+    """The default compute dtype (bf16): finite logits, caches sized by kv_bytes_per_token."""
+    from vexpert_runtime.serve.demo_model import ensure_demo_model
+
+    model = HFStepModel(ensure_demo_model(tmp_path / "demo"))
+    assert model.dtype == torch.bfloat16
+    logits = model.step([SequenceWork(0, (4, 5, 6, 7), 0), SequenceWork(1, (8,), 0)])
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    logits = model.step([SequenceWork(1, (int(logits[1].argmax()),), 1)])
+    assert logits.shape == (1, model.vocab_size)
+    held = sum(t.numel() * t.element_size() for layer in model.caches[1].layers for t in (layer.keys, layer.values))
+    assert held == 2 * model.kv_bytes_per_token()
+
+
+def test_quantised_expert_weights_are_refused() -> None:
+    """FP8 fused weights carry their scales elsewhere: rows must come from the checkpoint reader."""
+    from vexpert_runtime.serve.hf_model import packed_rows
+
+    experts = torch.nn.Module()
+    experts.gate_up_proj = torch.nn.Parameter(torch.zeros(2, 8, 4).to(torch.float8_e4m3fn), requires_grad=False)
+    experts.down_proj = torch.nn.Parameter(torch.zeros(2, 4, 4).to(torch.float8_e4m3fn), requires_grad=False)
+    with pytest.raises(ValueError, match="checkpoint_reader"):
+        packed_rows(experts, [0])
+    with pytest.raises(ValueError, match="checkpoint_reader"):
+        LocalExperts([experts])
