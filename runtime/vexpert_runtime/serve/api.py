@@ -355,7 +355,7 @@ class ServeApi:
             raise ApiError(400, str(exc), param=exc.field) from None
         job = _Job(generation.request_id, oa.now(), req.model, chat, bool(req.stream), req.include_usage, events)
         timer = _RequestTimer(self.metrics)
-        job.events = self._observed(job, timer)
+        job.events = self._observed(job, events, timer)
         try:
             return await (self._stream(request, job) if job.stream else self._collect(job))
         finally:
@@ -363,8 +363,9 @@ class ServeApi:
                 self.dispatcher.cancel(job.request_id)
 
     @staticmethod
-    async def _observed(job: _Job, timer: _RequestTimer) -> AsyncIterator[Event]:
-        async for event in job.events:
+    async def _observed(job: _Job, events: AsyncIterator[Event], timer: _RequestTimer) -> AsyncIterator[Event]:
+        """The dispatcher's events, timed, marking the job done at its last one."""
+        async for event in events:
             timer.observe(event)
             if event.finished:
                 job.done = True

@@ -190,6 +190,7 @@ class Scheduler:
         """
         self._take_inbox()
         batch = self._schedule()
+        self._update_load()  # admissions show while the step runs (a step can take a while)
         work = [w for _, w in batch]
         try:
             logits = self.model.step(work)
