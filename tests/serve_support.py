@@ -13,10 +13,10 @@ from typing import Any, TypeVar
 import torch
 from prometheus_client import CollectorRegistry
 
-from vexpert_runtime.serve.api import ApiConfig, ApiServer, ServeApi
+from vexpert_runtime.serve.api import ApiServer, ServeApi, single_rank_api
 from vexpert_runtime.serve.dispatcher import InProcessDispatcher
 from vexpert_runtime.serve.sampling import eos_token_ids
-from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
+from vexpert_runtime.serve.scheduler import SchedulerConfig
 from vexpert_runtime.serve.step import SequenceWork
 
 MODEL_NAME = "tiny-qwen3-moe"
@@ -146,7 +146,6 @@ class BackgroundServer:
 
     def start(self) -> BackgroundServer:
         self.thread.start()
-        self.dispatcher.start()
         port = self.run(self.server.start())
         self.url = f"http://127.0.0.1:{port}"
         return self
@@ -176,8 +175,10 @@ def make_server(
     model = RecomputeStepModel(hf_model)
     rank_tokenizer = load_tokenizer(checkpoint)
     config = SchedulerConfig(kv_budget_tokens, max_batch_tokens, max_running, max_waiting)
-    scheduler = Scheduler(model, rank_tokenizer, config, eos_token_ids(rank_tokenizer))
-    dispatcher = InProcessDispatcher(scheduler)
-    api_config = ApiConfig(MODEL_NAME, MAX_CONTEXT, model.vocab_size, drain_timeout_s)
-    api = ServeApi(dispatcher, load_tokenizer(checkpoint), api_config, CollectorRegistry())
+    api = single_rank_api(
+        model, load_tokenizer(checkpoint), rank_tokenizer, MODEL_NAME, config, eos_token_ids(rank_tokenizer),
+        drain_timeout_s, CollectorRegistry(),
+    )
+    assert isinstance(api.dispatcher, InProcessDispatcher)
+    dispatcher = api.dispatcher
     return BackgroundServer(api, dispatcher, model).start()

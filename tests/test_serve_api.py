@@ -422,6 +422,20 @@ def test_scheduler_refusals_and_cancel() -> None:
         SchedulerConfig(kv_budget_tokens=32).check(64)
 
 
+def test_what_crosses_process_boundaries_pickles() -> None:
+    """A multi-process dispatcher sends requests, events, loads and refusals over queues."""
+    import pickle
+
+    from vexpert_runtime.serve.events import RankLoad, overloaded
+
+    request = _request("r", 3, 4)
+    event = Event("r", text="hi", new_tokens=1, finish_reason="length", prompt_tokens=3, completion_tokens=4)
+    for item in (request, event, RankLoad(1, 2, 3, 4, 5)):
+        assert pickle.loads(pickle.dumps(item)) == item
+    refusal = pickle.loads(pickle.dumps(overloaded(8)))
+    assert (refusal.status, refusal.retry_after_s, str(refusal)) == (429, 1, str(overloaded(8)))
+
+
 # ---- sampling pieces --------------------------------------------------------------------------
 
 

@@ -73,6 +73,11 @@ class SchedulerConfig:
             )
 
 
+def kv_budget_tokens(model: StepModel, kv_cache_bytes: int) -> int:
+    """How many KV tokens ``kv_cache_bytes`` of cache memory hold for ``model`` (all layers)."""
+    return kv_cache_bytes // max(1, model.kv_bytes_per_token())
+
+
 @dataclass(eq=False)  # identity: a deque.remove must find this very sequence
 class _Sequence:
     """A request's state inside the scheduler."""
@@ -218,6 +223,9 @@ class Scheduler:
                 "max_tokens",
                 f"prompt ({n}) + max_tokens ({request.params.max_tokens}) exceeds the context ({self.model.max_context})",
             )
+        seed = request.params.seed
+        if seed is not None and not -(2**63) <= seed < 2**64:
+            raise VExpertInputError("seed", "must fit in 64 bits")
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.model.vocab_size:
             raise VExpertInputError("prompt", f"token ids must be in [0, {self.model.vocab_size})")
 
