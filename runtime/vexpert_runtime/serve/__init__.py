@@ -7,5 +7,7 @@ own requests and the vExpert EP MoE layer across ranks in lockstep.
 * :mod:`.hf_model` — Hugging Face transformers models run step by step, MoE blocks handed to an executor;
 * :mod:`.demo_model` — a small random DeepSeek-V3 checkpoint with a local tokenizer, for demos and tests;
 * :mod:`.scheduler`, :mod:`.sampling` — continuous batching, KV budget, sampling and stop handling;
+* :mod:`.events` — the picklable data between the API and the ranks (requests, events, loads, refusals);
+* :mod:`.dispatcher` — the API's interface to the ranks, and the in-process (single-rank) implementation;
 * :mod:`.openai_api`, :mod:`.api` — the OpenAI request/response types and the HTTP server.
 """

@@ -1,0 +1,496 @@
+"""The OpenAI-compatible HTTP server (aiohttp), one port.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as SSE with
+``"stream": true``: ``data: {chunk}\\n\\n`` … ``data: [DONE]\\n\\n``), ``GET /v1/models``,
+``GET /health`` (200 ready / 503 not: starting, shutting down, rank loop dead) and ``GET /metrics``.
+
+Every error is an OpenAI error object, never a traceback: 400 invalid JSON / parameters (naming the
+field) / prompt over the context, 404 unknown model or route, 405 wrong method, 429 queue full and
+503 shutting down (both with ``Retry-After``), 500 a failed model step. The server keeps serving.
+
+Metrics (own registry, all prefixed ``vexpert_serve_``): ``requests_total{endpoint,status}``
+(HTTP status of the generation endpoints), ``request_finish_total{reason}``,
+``time_to_first_token_seconds``, ``inter_token_latency_seconds``, ``request_duration_seconds``
+(as the API sees them: queueing included), ``prompt_tokens_total``, ``generation_tokens_total``,
+``requests_running``, ``requests_waiting``, ``kv_cache_usage_ratio`` (KV tokens reserved by admitted
+requests / budget, summed over ranks — what admission waits on) and ``kv_cache_tokens`` (held).
+
+The API tokenizes (prompt, chat template) and checks lengths itself, so a multi-rank dispatcher
+sends ranks token ids only. Give it its own tokenizer instance: the rank's scheduler decodes with
+another one on its thread (a Hugging Face fast tokenizer is not safe to share across threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from pydantic import BaseModel, ValidationError
+
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.serve import openai_api as oa
+from vexpert_runtime.serve.dispatcher import Dispatcher, InProcessDispatcher
+from vexpert_runtime.serve.events import (
+    Event,
+    GenerationRequest,
+    RankLoad,
+    SamplingParams,
+    ServeRefusal,
+    shutting_down,
+)
+from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
+from vexpert_runtime.serve.step import StepModel
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+_DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+_MAX_BODY_BYTES = 32 * 1024 * 1024  # long prompts as token-id lists are large JSON
+_Body = TypeVar("_Body", bound=BaseModel)
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """What the API needs to know about the served model."""
+
+    model_name: str
+    max_context: int
+    vocab_size: int
+    drain_timeout_s: float = 30.0
+
+
+class ApiError(Exception):
+    """An error the API answers with an OpenAI error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = oa.error_body(message, type_, param, code)
+        self.headers = headers or {}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body, status=self.status, headers=self.headers)
+
+
+def refusal_error(refusal: ServeRefusal) -> ApiError:
+    """429 / 503 with ``Retry-After`` for a request the ranks cannot take now."""
+    type_ = "rate_limit_error" if refusal.status == 429 else "server_error"
+    headers = {"Retry-After": str(refusal.retry_after_s)}
+    return ApiError(refusal.status, refusal.message, type_, None, refusal.code, headers)
+
+
+class ServeMetrics:
+    """The server's Prometheus series (see the module docstring) in ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        reg = registry
+        self.requests = Counter(
+            "vexpert_serve_requests", "Generation requests by endpoint and HTTP status", ["endpoint", "status"], registry=reg
+        )
+        self.finished = Counter("vexpert_serve_request_finish", "Finished requests by finish reason", ["reason"], registry=reg)
+        self.ttft = Histogram(
+            "vexpert_serve_time_to_first_token_seconds", "Request arrival to first token", buckets=_LATENCY_BUCKETS, registry=reg
+        )
+        self.itl = Histogram(
+            "vexpert_serve_inter_token_latency_seconds", "Time between a request's tokens", buckets=_LATENCY_BUCKETS, registry=reg
+        )
+        self.duration = Histogram(
+            "vexpert_serve_request_duration_seconds", "Request arrival to last token", buckets=_DURATION_BUCKETS, registry=reg
+        )
+        self.prompt_tokens = Counter("vexpert_serve_prompt_tokens", "Prompt tokens of finished requests", registry=reg)
+        self.generation_tokens = Counter("vexpert_serve_generation_tokens", "Tokens generated", registry=reg)
+        self.running = Gauge("vexpert_serve_requests_running", "Requests in the ranks' batches", registry=reg)
+        self.waiting = Gauge("vexpert_serve_requests_waiting", "Requests queued for admission", registry=reg)
+        self.kv_usage = Gauge(
+            "vexpert_serve_kv_cache_usage_ratio", "KV-cache tokens reserved by admitted requests / budget", registry=reg
+        )
+        self.kv_tokens = Gauge("vexpert_serve_kv_cache_tokens", "KV-cache tokens held by running sequences", registry=reg)
+
+    def refresh(self, loads: list[RankLoad]) -> None:
+        """Set the gauges from the ranks' loads (at scrape time)."""
+        self.running.set(sum(load.running for load in loads))
+        self.waiting.set(sum(load.waiting for load in loads))
+        budget = sum(load.kv_tokens_budget for load in loads)
+        self.kv_usage.set(sum(load.kv_tokens_reserved for load in loads) / budget if budget else 0.0)
+        self.kv_tokens.set(sum(load.kv_tokens_used for load in loads))
+
+
+class _RequestTimer:
+    """Observes one request's latencies and token counts as its events arrive."""
+
+    def __init__(self, metrics: ServeMetrics) -> None:
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.last: float | None = None
+
+    def observe(self, event: Event) -> None:
+        now = time.monotonic()
+        if event.new_tokens:
+            if self.last is None:
+                self.metrics.ttft.observe(now - self.start)
+            else:
+                self.metrics.itl.observe(now - self.last)
+            self.last = now
+            self.metrics.generation_tokens.inc(event.new_tokens)
+        if event.finished:
+            self.metrics.duration.observe(now - self.start)
+            self.metrics.prompt_tokens.inc(event.prompt_tokens)
+            self.metrics.finished.labels(event.finish_reason).inc()
+
+
+def _failed(event: Event) -> ApiError | None:
+    """The error an aborted or failed request ends with (None for stop / length)."""
+    if event.finish_reason == "abort":
+        return ApiError(503, f"request aborted: {event.error or 'server shutting down'}", "server_error", code="aborted")
+    if event.finish_reason == "error":
+        return ApiError(500, f"generation failed: {event.error or 'unknown error'}", "server_error", code="internal_error")
+    return None
+
+
+@dataclass
+class _Job:
+    """One accepted generation request, as the response writers need it."""
+
+    request_id: str
+    created: int
+    model: str
+    chat: bool
+    stream: bool
+    include_usage: bool
+    events: AsyncIterator[Event]
+    done: bool = False
+
+
+class ServeApi:
+    """The request handlers over a :class:`Dispatcher`; :meth:`app` builds the aiohttp app."""
+
+    def __init__(
+        self, dispatcher: Dispatcher, tokenizer: Any, config: ApiConfig, registry: CollectorRegistry | None = None
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.tokenizer = tokenizer
+        self.config = config
+        self.metrics = ServeMetrics(registry if registry is not None else CollectorRegistry())
+        self.created = oa.now()
+        self.shutting_down = False
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=_MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    # ---- middleware -------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        """Turn every failure into an OpenAI error object and count the generation requests."""
+        try:
+            response = await handler(request)
+        except ApiError as exc:
+            response = exc.response()
+        except web.HTTPException as exc:  # unknown route, wrong method, body too large
+            if exc.status < 400:
+                raise
+            code = "not_found" if exc.status == 404 else None
+            response = ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}", code=code).response()
+        except Exception:
+            log.exception("unhandled error serving %s %s", request.method, request.path)
+            response = ApiError(500, "internal server error", "server_error", code="internal_error").response()
+        if request.path in GENERATION_ENDPOINTS:
+            self.metrics.requests.labels(request.path, str(response.status)).inc()
+        return response
+
+    # ---- routes -----------------------------------------------------------------------------
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        req = self._parse(oa.CompletionRequest, await self._json(request))
+        self._check_model(req.model)
+        prompt_ids = self._encode_prompt(cast(str | list[int], req.prompt))  # unwrapped by its validator
+        return await self._generate(request, req, prompt_ids, chat=False)
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = self._parse(oa.ChatCompletionRequest, await self._json(request))
+        self._check_model(req.model)
+        prompt_ids = self._encode_chat(req.messages)
+        return await self._generate(request, req, prompt_ids, chat=True)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(oa.models_response(self.config.model_name, self.created, self.config.max_context))
+
+    async def _health(self, request: web.Request) -> web.Response:
+        reason = "shutting down" if self.shutting_down else self.dispatcher.ready()
+        if reason is None:
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "unavailable", "reason": reason}, status=503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.metrics.refresh(self.dispatcher.loads())
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # ---- request parsing --------------------------------------------------------------------
+
+    @staticmethod
+    async def _json(request: web.Request) -> dict[str, Any]:
+        """The body as a JSON object, or a 400."""
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"invalid JSON body: {exc}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+        return body
+
+    @staticmethod
+    def _parse(model: type[_Body], body: dict[str, Any]) -> _Body:
+        try:
+            return model.model_validate(body)
+        except ValidationError as exc:
+            message, param = oa.describe_validation_error(exc)
+            raise ApiError(400, message, param=param, code="invalid_value") from None
+
+    def _check_model(self, model: str) -> None:
+        if model != self.config.model_name:
+            raise ApiError(
+                404,
+                f"the model '{model}' does not exist; this server serves '{self.config.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        if any(t < 0 or t >= self.config.vocab_size for t in prompt):
+            raise ApiError(400, f"prompt: token ids must be in [0, {self.config.vocab_size})", param="prompt")
+        return prompt
+
+    def _encode_chat(self, messages: list[oa.ChatMessage]) -> list[int]:
+        """Render the chat template, then tokenize (the template already holds the special tokens)."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [m.as_template_input() for m in messages], add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # templates raise for conversations they reject (e.g. roles out of order)
+            raise ApiError(400, f"messages: the chat template rejected them: {exc}", param="messages") from None
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _sampling(self, req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt_len: int, chat: bool) -> SamplingParams:
+        """Resolve defaults and check the lengths against the context."""
+        limit = self.config.max_context
+        prompt_param = "messages" if chat else "prompt"
+        if prompt_len == 0:
+            raise ApiError(400, f"{prompt_param}: is empty", param=prompt_param)
+        if prompt_len >= limit:
+            raise ApiError(
+                400,
+                f"{prompt_param}: {prompt_len} tokens leave no room to generate: the context is {limit} tokens",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        requested = req.requested_max_tokens()
+        if requested is not None and prompt_len + requested > limit:
+            param = "max_completion_tokens" if chat and req.max_tokens is None else "max_tokens"
+            raise ApiError(
+                400,
+                f"{param}: {requested} + the prompt's {prompt_len} tokens exceed the context of {limit} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return SamplingParams(
+            max_tokens=requested if requested is not None else limit - prompt_len,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed,
+            stop=req.stop_strings,
+            ignore_eos=req.ignore_eos,
+        )
+
+    # ---- generation -------------------------------------------------------------------------
+
+    async def _generate(
+        self,
+        request: web.Request,
+        req: oa.CompletionRequest | oa.ChatCompletionRequest,
+        prompt_ids: list[int],
+        chat: bool,
+    ) -> web.StreamResponse:
+        """Submit to the dispatcher and answer as one JSON body or an SSE stream."""
+        params = self._sampling(req, len(prompt_ids), chat)
+        generation = GenerationRequest(oa.new_request_id("chatcmpl" if chat else "cmpl"), tuple(prompt_ids), params)
+        if self.shutting_down:
+            raise refusal_error(shutting_down())
+        try:
+            events = await self.dispatcher.submit(generation)
+        except ServeRefusal as refusal:
+            raise refusal_error(refusal) from None
+        except VExpertInputError as exc:
+            raise ApiError(400, str(exc), param=exc.field) from None
+        job = _Job(generation.request_id, oa.now(), req.model, chat, bool(req.stream), req.include_usage, events)
+        timer = _RequestTimer(self.metrics)
+        job.events = self._observed(job, events, timer)
+        try:
+            return await (self._stream(request, job) if job.stream else self._collect(job))
+        finally:
+            if not job.done:  # client gone (handler cancelled, write failed) or an error: free the sequence
+                self.dispatcher.cancel(job.request_id)
+
+    @staticmethod
+    async def _observed(job: _Job, events: AsyncIterator[Event], timer: _RequestTimer) -> AsyncIterator[Event]:
+        """The dispatcher's events, timed, marking the job done at its last one."""
+        async for event in events:
+            timer.observe(event)
+            if event.finished:
+                job.done = True
+            yield event
+
+    async def _collect(self, job: _Job) -> web.Response:
+        parts: list[str] = []
+        async for event in job.events:
+            parts.append(event.text)
+            if event.finished:
+                error = _failed(event)
+                if error is not None:
+                    raise error
+                build = oa.chat_response if job.chat else oa.completion_response
+                body = build(
+                    job.request_id,
+                    job.created,
+                    job.model,
+                    "".join(parts),
+                    event.finish_reason or "stop",
+                    event.prompt_tokens,
+                    event.completion_tokens,
+                )
+                return web.json_response(body)
+        raise ApiError(500, "the request ended without a result", "server_error", code="internal_error")
+
+    def _chunk(self, job: _Job, text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
+        if job.chat:
+            delta = {"content": text} if text is not None else {}
+            return oa.chat_chunk(job.request_id, job.created, job.model, delta, finish_reason)
+        return oa.completion_chunk(job.request_id, job.created, job.model, text or "", finish_reason)
+
+    async def _stream(self, request: web.Request, job: _Job) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        await response.prepare(request)
+
+        async def send(payload: dict[str, Any]) -> None:
+            await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+
+        try:
+            await self._write_events(job, send)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionError:  # the client went away mid-stream; _generate cancels the request
+            log.info("client of %s disconnected", job.request_id)
+        return response
+
+    async def _write_events(self, job: _Job, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        """The SSE chunks of one request: role, text deltas, finish (or error), usage."""
+        if job.chat:
+            await send(oa.chat_chunk(job.request_id, job.created, job.model, {"role": "assistant", "content": ""}))
+        async for event in job.events:
+            if event.text:
+                await send(self._chunk(job, event.text))
+            if event.finished:
+                error = _failed(event)
+                await send(error.body if error is not None else self._chunk(job, None, event.finish_reason))
+                if job.include_usage:
+                    obj = "chat.completion.chunk" if job.chat else "text_completion"
+                    await send(
+                        oa.usage_chunk(obj, job.request_id, job.created, job.model, event.prompt_tokens, event.completion_tokens)
+                    )
+
+
+class ApiServer:
+    """Runs a :class:`ServeApi` on ``host:port`` (port 0: a free one) and stops it gracefully."""
+
+    def __init__(self, api: ServeApi, host: str = "0.0.0.0", port: int = 8000) -> None:
+        self.api = api
+        self.host = host
+        self.port = port
+        # handler_cancellation: a client that disconnects cancels its handler, which cancels the request
+        self._runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+
+    async def start(self) -> int:
+        """Bind and serve; returns the port."""
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+        log.info("vexpert serve: listening on %s:%d (model %s)", self.host, self.port, self.api.config.model_name)
+        return self.port
+
+    async def stop(self) -> None:
+        """503 for new requests, drain (or abort after the timeout) the running ones, close."""
+        self.api.shutting_down = True
+        await self.api.dispatcher.shutdown(self.api.config.drain_timeout_s)
+        await self._runner.cleanup()
+
+
+def single_rank_api(
+    model: StepModel,
+    api_tokenizer: Any,
+    rank_tokenizer: Any,
+    model_name: str,
+    scheduler_config: SchedulerConfig,
+    eos_ids: frozenset[int],
+    drain_timeout_s: float = 30.0,
+    registry: CollectorRegistry | None = None,
+) -> ServeApi:
+    """A one-rank server: a :class:`Scheduler` on an :class:`InProcessDispatcher` (started) behind a
+    :class:`ServeApi`. ``api_tokenizer`` and ``rank_tokenizer`` must be two instances (two threads)."""
+    scheduler = Scheduler(model, rank_tokenizer, scheduler_config, eos_ids)
+    dispatcher = InProcessDispatcher(scheduler)
+    dispatcher.start()
+    config = ApiConfig(model_name, model.max_context, model.vocab_size, drain_timeout_s)
+    return ServeApi(dispatcher, api_tokenizer, config, registry)
+
+
+def run_server(api: ServeApi, host: str, port: int) -> None:
+    """Serve until SIGTERM / SIGINT, then shut down gracefully (the CLI's entry point)."""
+
+    async def main() -> None:
+        server = ApiServer(api, host, port)
+        await server.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("vexpert serve: stopping (draining for up to %.0f s)", api.config.drain_timeout_s)
+        await server.stop()
+
+    asyncio.run(main())

@@ -1,0 +1,106 @@
+"""Plain data between the API and the ranks: requests in, events out, load reports, refusals.
+
+Everything here pickles (frozen dataclasses of builtins), so a multi-process dispatcher can send a
+:class:`GenerationRequest` to a worker over a ``multiprocessing`` queue and get its :class:`Event`\\ s
+back the same way; the in-process dispatcher passes the same objects through a thread-safe callback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# finish reasons: "stop" (EOS or a stop string), "length" (max_tokens or the context), "abort" (shut down
+# or cancelled), "error" (the model or the sampler failed; ``Event.error`` says why).
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    ``temperature`` 0 is greedy; ``seed`` None draws a fresh seed (not reproducible);
+    ``max_tokens`` is already resolved by the API (never more than the context leaves).
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One tokenized request as a rank's scheduler receives it."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a request produced in one iteration.
+
+    ``text`` is the newly decoded text (may be empty: held back as a possible stop-string prefix or
+    an incomplete UTF-8 character); ``new_tokens`` how many tokens this event accounts for.
+    ``finish_reason`` is set on the request's last event only, together with the final usage.
+    """
+
+    request_id: str
+    text: str = ""
+    new_tokens: int = 0
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether this is the request's last event."""
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class RankLoad:
+    """A rank's load, for a least-loaded dispatcher and the gauges."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_tokens_reserved: int = 0
+    kv_tokens_budget: int = 0
+    kv_tokens_used: int = 0
+
+    @property
+    def score(self) -> tuple[int, int]:
+        """Sort key of a least-loaded choice: queued requests first, then reserved KV tokens."""
+        return (self.running + self.waiting, self.kv_tokens_reserved)
+
+
+class ServeRefusal(Exception):
+    """A request refused before it started: the API answers ``status`` with ``Retry-After``.
+
+    429 when the waiting queue is full (overload), 503 while the server shuts down. Pickles (its
+    ``args`` are its fields), so a worker process can send one back.
+    """
+
+    def __init__(self, status: int, message: str, retry_after_s: int = 1, code: str = "overloaded") -> None:
+        super().__init__(status, message, retry_after_s, code)
+        self.status = status
+        self.message = message
+        self.retry_after_s = retry_after_s
+        self.code = code
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def overloaded(max_waiting: int) -> ServeRefusal:
+    """The refusal for a full waiting queue."""
+    return ServeRefusal(429, f"server overloaded: {max_waiting} requests already waiting; retry later", 1, "overloaded")
+
+
+def shutting_down() -> ServeRefusal:
+    """The refusal while the server drains for shutdown."""
+    return ServeRefusal(503, "server is shutting down; retry on another replica", 5, "shutting_down")

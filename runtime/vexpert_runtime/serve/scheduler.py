@@ -1,0 +1,364 @@
+"""Continuous batching for one rank: which sequences run each iteration, and with which tokens.
+
+A :class:`Scheduler` owns one rank's :class:`~.step.StepModel`. Requests join and leave between
+iterations. Every :meth:`Scheduler.run_iteration`:
+
+1. takes in what other threads sent since the last one (new requests, cancellations, an abort);
+2. builds the batch under a per-iteration token budget (``max_batch_tokens``): first one token for
+   every decoding sequence (so running decodes never stall behind a long prompt), then prompt
+   chunks in admission order — a prompt longer than what is left is split over iterations
+   (chunked prefill); waiting requests are admitted while the KV budget holds their worst case;
+3. calls ``model.step`` — always, with an empty batch when idle, because on a multi-rank server
+   every rank steps in lockstep (the MoE layers are collectives);
+4. samples each sequence whose prompt is done, detokenizes incrementally, checks EOS, stop strings
+   and length, and sends :class:`~.events.Event`\\ s to the request's sink.
+
+KV budget: a request reserves ``prompt + max_tokens`` tokens when admitted (the most it can hold),
+so admitted sequences never run out of cache and no preemption is needed; the budget must hold at
+least one full-context sequence (checked at construction), so every valid request fits eventually.
+
+Only ``submit``, ``cancel``, ``abort_all``, ``stop_accepting``, ``load`` and ``has_work`` may be
+called from other threads; ``run_iteration`` runs on the rank's loop thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.serve.events import Event, GenerationRequest, RankLoad, overloaded, shutting_down
+from vexpert_runtime.serve.sampling import IncrementalDetokenizer, StopChecker, make_generator, sample_token
+from vexpert_runtime.serve.step import SequenceWork, StepModel
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[Event], None]  # called on the scheduler's thread; must not block
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one rank.
+
+    ``kv_budget_tokens``: KV-cache tokens the rank may hold (all sequences); ``max_batch_tokens``:
+    tokens run per iteration (prompt chunks + decodes); ``max_running``: sequences in the batch;
+    ``max_waiting``: queued requests beyond which ``submit`` refuses with 429.
+    """
+
+    kv_budget_tokens: int
+    max_batch_tokens: int = 512
+    max_running: int = 64
+    max_waiting: int = 256
+
+    def check(self, max_context: int) -> None:
+        """Raise :class:`VExpertInputError` for limits that could never serve a valid request."""
+        if self.kv_budget_tokens < max_context:
+            raise VExpertInputError(
+                "kv_budget_tokens",
+                f"{self.kv_budget_tokens} cannot hold one full-context sequence ({max_context} tokens)",
+                "raise the KV budget or lower max_context",
+            )
+        if self.max_running < 1 or self.max_waiting < 0:
+            raise VExpertInputError("max_running", "must be ≥ 1 (and max_waiting ≥ 0)")
+        if self.max_batch_tokens < self.max_running:
+            # every running sequence decodes one token per iteration; the budget must fit them all
+            raise VExpertInputError(
+                "max_batch_tokens", f"{self.max_batch_tokens} < max_running {self.max_running}", "raise it"
+            )
+
+
+def kv_budget_tokens(model: StepModel, kv_cache_bytes: int) -> int:
+    """How many KV tokens ``kv_cache_bytes`` of cache memory hold for ``model`` (all layers)."""
+    return kv_cache_bytes // max(1, model.kv_bytes_per_token())
+
+
+@dataclass(eq=False)  # identity: a deque.remove must find this very sequence
+class _Sequence:
+    """A request's state inside the scheduler."""
+
+    seq_id: int
+    request: GenerationRequest
+    sink: EventSink
+    detokenizer: IncrementalDetokenizer
+    stop: StopChecker
+    generator: torch.Generator
+    computed: int = 0  # tokens the model holds in its KV cache
+    admitted: bool = False
+    output: list[int] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def reservation(self) -> int:
+        """KV tokens this sequence may come to hold."""
+        return self.prompt_len + self.request.params.max_tokens
+
+    @property
+    def decoding(self) -> bool:
+        """Whether the prompt is in the cache and the next step feeds the last sampled token."""
+        return self.computed >= self.prompt_len
+
+    def decode_work(self) -> SequenceWork:
+        return SequenceWork(self.seq_id, (self.output[-1],), self.computed)
+
+    def prefill_work(self, budget: int) -> SequenceWork:
+        """The next prompt chunk, at most ``budget`` tokens."""
+        end = min(self.prompt_len, self.computed + budget)
+        return SequenceWork(self.seq_id, tuple(self.request.prompt_ids[self.computed : end]), self.computed)
+
+
+class Scheduler:
+    """Continuous batching over one :class:`StepModel` (see the module docstring)."""
+
+    def __init__(
+        self, model: StepModel, tokenizer: object, config: SchedulerConfig, eos_ids: frozenset[int] = frozenset()
+    ) -> None:
+        config.check(model.max_context)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.eos_ids = eos_ids
+        self._lock = threading.Lock()
+        self._inbox: list[tuple[GenerationRequest, EventSink]] = []
+        self._cancels: set[str] = set()
+        self._abort: str | None = None
+        self._accepting = True
+        self._waiting: deque[_Sequence] = deque()
+        self._running: dict[int, _Sequence] = {}  # insertion order = admission order
+        self._by_request: dict[str, _Sequence] = {}
+        self._next_seq_id = 0
+        self._kv_reserved = 0
+        self._load = RankLoad(kv_tokens_budget=config.kv_budget_tokens)
+
+    # ---- called from any thread -------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest, sink: EventSink) -> None:
+        """Queue a request; its events go to ``sink``. Raises :class:`~.events.ServeRefusal`
+        (queue full or shutting down) or :class:`VExpertInputError` (a request no rank can run)."""
+        self._validate(request)
+        with self._lock:
+            if not self._accepting:
+                raise shutting_down()
+            if len(self._waiting) + len(self._inbox) >= self.config.max_waiting:
+                raise overloaded(self.config.max_waiting)
+            self._inbox.append((request, sink))
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a request (client gone) before the next iteration; unknown ids are ignored."""
+        with self._lock:
+            self._cancels.add(request_id)
+
+    def abort_all(self, message: str) -> None:
+        """Finish every request with ``finish_reason="abort"`` before the next iteration."""
+        with self._lock:
+            self._abort = message
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests (503) from now on; queued and running ones continue."""
+        with self._lock:
+            self._accepting = False
+
+    def has_work(self) -> bool:
+        """Whether an iteration would do anything beyond the lockstep empty step."""
+        with self._lock:
+            pending = bool(self._inbox or self._cancels or self._abort)
+        return pending or bool(self._running or self._waiting)
+
+    def load(self) -> RankLoad:
+        """The load as of the last iteration, plus requests submitted since."""
+        with self._lock:
+            queued = len(self._inbox)
+        snapshot = self._load
+        return RankLoad(
+            snapshot.running,
+            snapshot.waiting + queued,
+            snapshot.kv_tokens_reserved,
+            snapshot.kv_tokens_budget,
+            snapshot.kv_tokens_used,
+        )
+
+    # ---- the rank's loop thread -------------------------------------------------------------
+
+    def run_iteration(self) -> int:
+        """One iteration (see the module docstring); returns the tokens the model ran.
+
+        If ``model.step`` raises, every sequence of the batch finishes with an error event and is
+        released, then the exception propagates: the loop owner decides whether the rank goes on.
+        """
+        self._take_inbox()
+        batch = self._schedule()
+        self._update_load()  # admissions show while the step runs (a step can take a while)
+        work = [w for _, w in batch]
+        try:
+            logits = self.model.step(work)
+        except Exception as exc:
+            for seq, _ in batch:
+                self._finish(seq, "error", error=f"model step failed: {exc}")
+            self._update_load()
+            raise
+        for row, (seq, item) in enumerate(batch):
+            seq.computed += len(item.tokens)
+            if seq.decoding:  # the chunk completed the prompt, or a decode: sample the next token
+                self._advance(seq, logits[row])
+        self._update_load()
+        return sum(len(w.tokens) for w in work)
+
+    def _validate(self, request: GenerationRequest) -> None:
+        """Reject what the API should have caught already, so one bad request never reaches a batch."""
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise VExpertInputError("prompt", "is empty")
+        if request.params.max_tokens < 1:
+            raise VExpertInputError("max_tokens", "must be ≥ 1")
+        if n + request.params.max_tokens > self.model.max_context:
+            raise VExpertInputError(
+                "max_tokens",
+                f"prompt ({n}) + max_tokens ({request.params.max_tokens}) exceeds the context ({self.model.max_context})",
+            )
+        seed = request.params.seed
+        if seed is not None and not -(2**63) <= seed < 2**64:
+            raise VExpertInputError("seed", "must fit in 64 bits")
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.model.vocab_size:
+            raise VExpertInputError("prompt", f"token ids must be in [0, {self.model.vocab_size})")
+
+    def _take_inbox(self) -> None:
+        """Apply what other threads sent: new requests, cancellations, a global abort."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, set()
+            abort, self._abort = self._abort, None
+        for request, sink in inbox:
+            seq = self._new_sequence(request, sink)
+            self._waiting.append(seq)
+            self._by_request[request.request_id] = seq
+        for request_id in cancels:
+            cancelled = self._by_request.get(request_id)
+            if cancelled is not None:
+                self._finish(cancelled, "abort", error="cancelled")
+        if abort is not None:
+            for aborted in list(self._by_request.values()):
+                self._finish(aborted, "abort", error=abort)
+
+    def _new_sequence(self, request: GenerationRequest, sink: EventSink) -> _Sequence:
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        return _Sequence(
+            seq_id=seq_id,
+            request=request,
+            sink=sink,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_ids),
+            stop=StopChecker(request.params.stop),
+            generator=make_generator(request.params.seed),
+        )
+
+    def _schedule(self) -> list[tuple[_Sequence, SequenceWork]]:
+        """This iteration's batch: decodes first, then prompt chunks, then admissions."""
+        budget = self.config.max_batch_tokens
+        batch: list[tuple[_Sequence, SequenceWork]] = []
+        for seq in self._running.values():
+            if seq.decoding:
+                batch.append((seq, seq.decode_work()))
+                budget -= 1
+        for seq in self._running.values():
+            if not seq.decoding and budget > 0:
+                item = seq.prefill_work(budget)
+                batch.append((seq, item))
+                budget -= len(item.tokens)
+        while budget > 0 and self._waiting and self._can_admit(self._waiting[0]):
+            seq = self._waiting.popleft()
+            self._admit(seq)
+            item = seq.prefill_work(budget)
+            batch.append((seq, item))
+            budget -= len(item.tokens)
+        return batch
+
+    def _can_admit(self, seq: _Sequence) -> bool:
+        """FIFO admission: the head waits (and blocks the rest) until its worst case fits."""
+        fits_kv = self._kv_reserved + seq.reservation <= self.config.kv_budget_tokens
+        return fits_kv and len(self._running) < self.config.max_running
+
+    def _admit(self, seq: _Sequence) -> None:
+        seq.admitted = True
+        self._kv_reserved += seq.reservation
+        self._running[seq.seq_id] = seq
+
+    def _advance(self, seq: _Sequence, logits: torch.Tensor) -> None:
+        """Sample one token for ``seq`` and send what it produced; finish it when it is done."""
+        params = seq.request.params
+        try:
+            token = sample_token(logits, params.temperature, params.top_p, seq.generator)
+        except Exception as exc:  # e.g. NaN logits: this request fails, the others go on
+            log.exception("sampling failed for %s", seq.request.request_id)
+            self._finish(seq, "error", error=f"sampling failed: {exc}")
+            return
+        seq.output.append(token)
+        if token in self.eos_ids and not params.ignore_eos:
+            self._finish(seq, "stop", text=self._flush_text(seq))
+            return
+        text, stopped = seq.stop.push(seq.detokenizer.push(token))
+        if stopped:
+            self._finish(seq, "stop", text=text)
+        elif len(seq.output) >= params.max_tokens or seq.prompt_len + len(seq.output) >= self.model.max_context:
+            tail, stopped = seq.stop.push(seq.detokenizer.flush())
+            text += tail if stopped else tail + seq.stop.flush()
+            self._finish(seq, "stop" if stopped else "length", text=text)
+        else:
+            self._send(seq, Event(seq.request.request_id, text=text, new_tokens=1))
+
+    def _flush_text(self, seq: _Sequence) -> str:
+        """Text held back (partial character, possible stop-string prefix) when a sequence ends."""
+        text, stopped = seq.stop.push(seq.detokenizer.flush())
+        return text if stopped else text + seq.stop.flush()
+
+    def _finish(self, seq: _Sequence, reason: str, text: str = "", error: str | None = None) -> None:
+        """Send the last event, free the sequence's cache and reservation."""
+        self._by_request.pop(seq.request.request_id, None)
+        if seq.admitted:
+            self._running.pop(seq.seq_id, None)
+            self._kv_reserved -= seq.reservation
+            try:
+                self.model.release(seq.seq_id)
+            except Exception:  # a failed release must not take the other requests down
+                log.exception("model.release(%d) failed", seq.seq_id)
+        else:
+            with contextlib.suppress(ValueError):  # already out of the queue
+                self._waiting.remove(seq)
+        produced = 1 if reason in ("stop", "length") and seq.output else 0
+        self._send(
+            seq,
+            Event(
+                seq.request.request_id,
+                text=text,
+                new_tokens=produced,
+                finish_reason=reason,
+                prompt_tokens=seq.prompt_len,
+                completion_tokens=len(seq.output),
+                error=error,
+            ),
+        )
+
+    def _send(self, seq: _Sequence, event: Event) -> None:
+        """Hand an event to its sink; a broken sink (consumer gone) cancels the request."""
+        try:
+            seq.sink(event)
+        except Exception:
+            log.warning("event sink of %s failed; cancelling it", seq.request.request_id, exc_info=True)
+            if not event.finished:
+                self.cancel(seq.request.request_id)
+
+    def _update_load(self) -> None:
+        self._load = RankLoad(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            kv_tokens_reserved=self._kv_reserved,
+            kv_tokens_budget=self.config.kv_budget_tokens,
+            kv_tokens_used=sum(s.computed for s in self._running.values()),
+        )

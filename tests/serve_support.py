@@ -1,0 +1,184 @@
+"""Test doubles of ``vexpert serve``: a tiny real MoE model + tokenizer, a full-recompute StepModel, a
+server on a background event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from vexpert_runtime.serve.api import ApiServer, ServeApi, single_rank_api
+from vexpert_runtime.serve.dispatcher import InProcessDispatcher
+from vexpert_runtime.serve.sampling import eos_token_ids
+from vexpert_runtime.serve.scheduler import SchedulerConfig
+from vexpert_runtime.serve.step import SequenceWork
+
+MODEL_NAME = "tiny-qwen3-moe"
+MAX_CONTEXT = 96
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world, how are you today? I am fine, thank you.",
+    "once upon a time there was a tiny mixture of experts model",
+    "experts are routed per token; the router picks the top two",
+    "naïve café – déjà vu: ünïcödé text, 数字 and emoji 🙂",
+]
+T = TypeVar("T")
+
+
+def build_tiny_checkpoint(directory: Path) -> None:
+    """A byte-level BPE tokenizer (chat template, EOS) and a random float32 Qwen3-MoE, saved to ``directory``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+
+    torch.manual_seed(1234)
+    config = Qwen3MoeConfig(
+        vocab_size=len(fast),
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,  # type: ignore[call-arg]  # a Qwen3 config kwarg its stub does not list
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        initializer_range=0.2,  # peaked logits: greedy has clear winners, so recompute == KV-cached generate
+    )
+    Qwen3MoeForCausalLM(config).eval().save_pretrained(directory)
+
+
+def load_tokenizer(directory: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+def load_model(directory: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True).eval()
+
+
+class RecomputeStepModel:
+    """A :class:`~vexpert_runtime.serve.step.StepModel` that recomputes each sequence from scratch.
+
+    Slow but obviously right: it only has to honour the contract, which it checks (``position`` must
+    equal what it holds, ``release`` must come for every sequence). ``delay_s`` slows each step;
+    ``gate`` (when set) makes steps wait for it, to hold requests in flight.
+    """
+
+    def __init__(self, hf_model: Any, max_context: int = MAX_CONTEXT) -> None:
+        self.hf_model = hf_model
+        self.vocab_size = int(hf_model.config.vocab_size)
+        self.max_context = max_context
+        self.held: dict[int, list[int]] = {}
+        self.steps: list[list[SequenceWork]] = []
+        self.released: list[int] = []
+        self.delay_s = 0.0
+        self.gate: threading.Event | None = None
+
+    def kv_bytes_per_token(self) -> int:
+        cfg = self.hf_model.config
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+
+    def step(self, work: Sequence[SequenceWork]) -> torch.Tensor:
+        self.steps.append(list(work))
+        if self.gate is not None:
+            self.gate.wait(30)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        rows = []
+        for item in work:
+            held = self.held.setdefault(item.seq_id, [])
+            assert item.position == len(held), f"seq {item.seq_id}: position {item.position} != {len(held)} held"
+            held.extend(item.tokens)
+            with torch.no_grad():
+                rows.append(self.hf_model(torch.tensor([held])).logits[0, -1].float())
+        return torch.stack(rows) if rows else torch.empty(0, self.vocab_size)
+
+    def release(self, seq_id: int) -> None:
+        self.held.pop(seq_id, None)
+        self.released.append(seq_id)
+
+
+class BackgroundServer:
+    """An :class:`ApiServer` on 127.0.0.1 (free port) with its event loop on a daemon thread."""
+
+    def __init__(self, api: ServeApi, dispatcher: InProcessDispatcher, model: RecomputeStepModel) -> None:
+        self.api = api
+        self.dispatcher = dispatcher
+        self.model = model
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.server = ApiServer(api, "127.0.0.1", 0)
+        self.url = ""
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> BackgroundServer:
+        self.thread.start()
+        port = self.run(self.server.start())
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def stop_async(self) -> Any:
+        """Begin the graceful stop; returns a concurrent future."""
+        return asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop)
+
+    def close(self) -> None:
+        if not self.api.shutting_down:
+            self.run(self.server.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def make_server(
+    checkpoint: Path,
+    hf_model: Any,
+    *,
+    kv_budget_tokens: int = 4 * MAX_CONTEXT,
+    max_batch_tokens: int = 64,
+    max_running: int = 32,
+    max_waiting: int = 64,
+    drain_timeout_s: float = 10.0,
+) -> BackgroundServer:
+    """A started single-rank server over the tiny model (the API and the rank each get a tokenizer)."""
+    model = RecomputeStepModel(hf_model)
+    rank_tokenizer = load_tokenizer(checkpoint)
+    config = SchedulerConfig(kv_budget_tokens, max_batch_tokens, max_running, max_waiting)
+    api = single_rank_api(
+        model, load_tokenizer(checkpoint), rank_tokenizer, MODEL_NAME, config, eos_token_ids(rank_tokenizer),
+        drain_timeout_s, CollectorRegistry(),
+    )
+    assert isinstance(api.dispatcher, InProcessDispatcher)
+    dispatcher = api.dispatcher
+    return BackgroundServer(api, dispatcher, model).start()

@@ -1,0 +1,464 @@
+"""``vexpert serve`` end to end on CPU: the official OpenAI client against a tiny random Qwen3-MoE.
+
+The model is real (transformers, float32), so greedy answers are compared with ``model.generate``;
+the StepModel is the full-recompute test double of ``serve_support``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+from serve_support import MAX_CONTEXT, MODEL_NAME, BackgroundServer, load_model, load_tokenizer, make_server
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.serve.events import Event, GenerationRequest, SamplingParams, ServeRefusal
+from vexpert_runtime.serve.sampling import IncrementalDetokenizer, StopChecker, top_p_filter
+from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
+
+PROMPT = "the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from serve_support import build_tiny_checkpoint
+
+    directory = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    build_tiny_checkpoint(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint: Path) -> Any:
+    return load_model(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint: Path) -> Any:
+    return load_tokenizer(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, hf_model: Any) -> Any:
+    srv = make_server(checkpoint, hf_model)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(server: BackgroundServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def generate_greedy(hf_model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """What ``model.generate(do_sample=False)`` produces after the prompt (EOS included if reached)."""
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def expected_text(tokenizer: Any, generated: list[int]) -> tuple[str, str]:
+    """(text, finish_reason) the server must give for HF ``generate``'s tokens."""
+    finish = "stop" if generated and generated[-1] == tokenizer.eos_token_id else "length"
+    return tokenizer.decode(generated, skip_special_tokens=True), finish
+
+
+# ---- the OpenAI client against the server ---------------------------------------------------
+
+
+def test_models_and_health(server: BackgroundServer, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_greedy_completion_equals_generate(
+    client: openai.OpenAI, hf_model: Any, tokenizer: Any, as_ids: bool
+) -> None:
+    prompt_ids = tokenizer.encode(PROMPT)
+    generated = generate_greedy(hf_model, prompt_ids, 16)
+    text, finish = expected_text(tokenizer, generated)
+    prompt: Any = prompt_ids if as_ids else PROMPT
+    result = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16, temperature=0)
+    assert result.choices[0].text == text
+    assert result.choices[0].finish_reason == finish
+    assert result.usage is not None
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (len(prompt_ids), len(generated))
+
+
+def test_greedy_chat_equals_generate(client: openai.OpenAI, hf_model: Any, tokenizer: Any) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)
+    generated = generate_greedy(hf_model, prompt_ids, 12)
+    text, finish = expected_text(tokenizer, generated)
+    result = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_completion_tokens=12, temperature=0  # type: ignore[arg-type]
+    )
+    assert result.choices[0].message.role == "assistant"
+    assert result.choices[0].message.content == text
+    assert result.choices[0].finish_reason == finish
+    assert result.usage is not None and result.usage.prompt_tokens == len(prompt_ids)
+
+
+def test_streaming_completion_and_chat(client: openai.OpenAI, server: BackgroundServer) -> None:
+    kwargs: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 10, "temperature": 0}
+    whole = client.completions.create(prompt=PROMPT, **kwargs)
+    chunks = list(client.completions.create(prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        whole.choices[0].finish_reason
+    ]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+    messages: Any = [{"role": "user", "content": "hello"}]
+    chat_whole = client.chat.completions.create(messages=messages, **kwargs)
+    chat_chunks = list(
+        client.chat.completions.create(messages=messages, stream=True, stream_options={"include_usage": True}, **kwargs)
+    )
+    assert chat_chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices)
+    assert streamed == chat_whole.choices[0].message.content
+    assert chat_chunks[-1].usage == chat_whole.usage
+
+    # the raw SSE: data lines, the last one [DONE]
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3, "stream": True}
+    raw = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in raw.text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        result = client.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.9, seed=seed,
+            extra_body={"ignore_eos": True},
+        )
+        return result.choices[0].text
+
+    assert sample(7) == sample(7)
+    assert len({sample(seed) for seed in range(4)}) > 1
+
+
+def test_stop_strings_are_trimmed(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    full = client.completions.create(extra_body={"ignore_eos": True}, **kwargs).choices[0].text
+    assert len(full) >= 8, full
+    stop = full[4:7]
+    expected = full[: full.index(stop)]
+    result = client.completions.create(stop=[stop, "never appears"], extra_body={"ignore_eos": True}, **kwargs)
+    assert (result.choices[0].text, result.choices[0].finish_reason) == (expected, "stop")
+    chunks = client.completions.create(stop=stop, stream=True, extra_body={"ignore_eos": True}, **kwargs)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+
+
+def test_max_tokens_gives_length(client: openai.OpenAI) -> None:
+    result = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0.7, seed=1, extra_body={"ignore_eos": True}
+    )
+    assert result.choices[0].finish_reason == "length"
+    assert result.usage is not None and result.usage.completion_tokens == 3
+
+
+def test_sixteen_concurrent_streams(client: openai.OpenAI, server: BackgroundServer) -> None:
+    """16 streams at once all complete; each seeded stream samples what it samples alone."""
+
+    def stream(i: int) -> tuple[str, str | None, int]:
+        chunks = list(
+            client.completions.create(
+                model=MODEL_NAME, prompt=f"{PROMPT} {i}", max_tokens=8, temperature=0.8, seed=i,
+                stream=True, stream_options={"include_usage": True},
+            )
+        )
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert chunks[-1].usage is not None
+        return "".join(c.choices[0].text for c in chunks if c.choices), finish[0], chunks[-1].usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(stream, range(16)))
+    assert all(finish in ("stop", "length") and 1 <= n <= 8 for _, finish, n in results)
+    assert max(len(step) for step in server.model.steps) > 1  # they really shared batches
+    assert [stream(i) for i in (0, 5)] == [results[0], results[5]]
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+def _error(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_errors_are_openai_error_objects(server: BackgroundServer, client: openai.OpenAI) -> None:
+    url = f"{server.url}/v1/completions"
+    assert _error(httpx.post(url, content=b"{not json", timeout=10), 400)["code"] == "invalid_json"
+    assert _error(httpx.post(url, json=[1, 2], timeout=10), 400)["code"] == "invalid_json"
+    base: dict[str, Any] = {"model": MODEL_NAME, "prompt": PROMPT}
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"temperature": 5}, "temperature"),
+        ({"n": 2}, "n"),
+        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"prompt": [1, 10**6]}, "prompt"),
+        ({"model": None}, "model"),
+    ]
+    for bad, param in cases:
+        error = _error(httpx.post(url, json={**base, **bad}, timeout=10), 400)
+        assert error["param"] == param, error
+        assert error["type"] == "invalid_request_error"
+    assert _error(httpx.post(url, json={**base, "model": "gpt-4"}, timeout=10), 404)["code"] == "model_not_found"
+    long_prompt = " ".join(["fox"] * (MAX_CONTEXT + 10))
+    error = _error(httpx.post(url, json={**base, "prompt": long_prompt}, timeout=10), 400)
+    assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+    error = _error(httpx.post(url, json={**base, "max_tokens": MAX_CONTEXT}, timeout=10), 400)
+    assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+    assert _error(httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=10), 400)["param"] == "messages.0.content"
+    assert _error(httpx.get(f"{server.url}/v1/nothing", timeout=10), 404)["code"] == "not_found"
+    assert _error(httpx.get(url, timeout=10), 405)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt=PROMPT)
+    # still serving
+    assert client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2).usage is not None
+
+
+def test_metrics(server: BackgroundServer, client: openai.OpenAI) -> None:
+    client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, extra_body={"ignore_eos": True})
+    text = httpx.get(f"{server.url}/metrics").text
+    assert 'vexpert_serve_requests_total{endpoint="/v1/completions",status="200"}' in text
+    for name in (
+        "vexpert_serve_time_to_first_token_seconds_count",
+        "vexpert_serve_inter_token_latency_seconds_count",
+        "vexpert_serve_generation_tokens_total",
+        "vexpert_serve_prompt_tokens_total",
+        "vexpert_serve_requests_running",
+        "vexpert_serve_requests_waiting",
+        "vexpert_serve_kv_cache_usage_ratio",
+    ):
+        assert name in text, name
+    samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert samples["vexpert_serve_time_to_first_token_seconds_count"] >= 1
+    assert samples["vexpert_serve_generation_tokens_total"] >= 4
+
+
+# ---- overload and shutdown --------------------------------------------------------------------
+
+
+def _wait_for(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_overload_gives_429_with_retry_after(checkpoint: Path, hf_model: Any) -> None:
+    srv = make_server(checkpoint, hf_model, max_running=1, max_batch_tokens=16, max_waiting=1)
+    srv.model.gate = threading.Event()  # steps block: the first request holds the batch
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2}
+    url = f"{srv.url}/v1/completions"
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(httpx.post, url, json=body, timeout=30)
+            _wait_for(lambda: srv.dispatcher.loads()[0].running == 1)
+            second = pool.submit(httpx.post, url, json=body, timeout=30)
+            _wait_for(lambda: srv.dispatcher.loads()[0].waiting == 1)
+            refused = httpx.post(url, json=body, timeout=30)
+            assert _error(refused, 429)["code"] == "overloaded"
+            assert int(refused.headers["Retry-After"]) >= 1
+            srv.model.gate.set()
+            assert first.result().status_code == second.result().status_code == 200
+        assert 'status="429"' in httpx.get(f"{srv.url}/metrics").text
+    finally:
+        srv.model.gate.set()
+        srv.close()
+
+
+def test_shutdown_drains_in_flight_requests(checkpoint: Path, hf_model: Any) -> None:
+    srv = make_server(checkpoint, hf_model)
+    srv.model.delay_s = 0.02
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True}
+    url = f"{srv.url}/v1/completions"
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            plain = pool.submit(httpx.post, url, json=body, timeout=30)
+            streamed = pool.submit(httpx.post, url, json={**body, "stream": True}, timeout=30)
+            _wait_for(lambda: srv.dispatcher.loads()[0].running == 2)
+            stopping = srv.stop_async()
+            _wait_for(lambda: httpx.get(f"{srv.url}/health").status_code == 503)
+            refused = httpx.post(url, json=body, timeout=10)
+            assert _error(refused, 503)["code"] == "shutting_down" and "Retry-After" in refused.headers
+            assert plain.result().json()["choices"][0]["finish_reason"] == "length"
+            assert streamed.result().text.endswith('"finish_reason": "length"}]}\n\ndata: [DONE]\n\n')
+            stopping.result(30)
+        assert sorted(srv.model.released) == [0, 1] and not srv.model.held
+    finally:
+        srv.close()
+
+
+def test_shutdown_aborts_after_the_drain_timeout(checkpoint: Path, hf_model: Any) -> None:
+    srv = make_server(checkpoint, hf_model, drain_timeout_s=0.3)
+    srv.model.delay_s = 0.05  # 60 tokens take 3 s: longer than the drain timeout
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 60, "ignore_eos": True}
+    url = f"{srv.url}/v1/completions"
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            plain = pool.submit(httpx.post, url, json=body, timeout=30)
+            streamed = pool.submit(httpx.post, url, json={**body, "stream": True}, timeout=30)
+            _wait_for(lambda: srv.dispatcher.loads()[0].running == 2)
+            srv.stop_async().result(30)
+            assert _error(plain.result(), 503)["code"] == "aborted"
+            text = streamed.result().text
+            assert '"code": "aborted"' in text and text.endswith("data: [DONE]\n\n")
+        assert not srv.model.held
+    finally:
+        srv.close()
+
+
+def test_client_disconnect_cancels_the_sequence(checkpoint: Path, hf_model: Any) -> None:
+    srv = make_server(checkpoint, hf_model)
+    srv.model.delay_s = 0.02
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 80, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=30) as response:
+            next(response.iter_lines())
+        _wait_for(lambda: srv.model.released == [0])
+        assert not srv.dispatcher.scheduler.has_work()
+    finally:
+        srv.close()
+
+
+# ---- the scheduler alone ----------------------------------------------------------------------
+
+
+class _RandomModel:
+    """A StepModel with random logits that records its batches (for scheduling properties)."""
+
+    vocab_size = 64
+    max_context = 64
+
+    def __init__(self) -> None:
+        self.steps: list[list[Any]] = []
+        self.released: list[int] = []
+
+    def kv_bytes_per_token(self) -> int:
+        return 1
+
+    def step(self, work: Any) -> torch.Tensor:
+        self.steps.append(list(work))
+        return torch.randn(len(work), self.vocab_size)
+
+    def release(self, seq_id: int) -> None:
+        self.released.append(seq_id)
+
+
+class _Tok:
+    """Decodes token i as the letter chr(97 + i % 26)."""
+
+    eos_token_id = None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def _request(rid: str, prompt_len: int, max_tokens: int) -> GenerationRequest:
+    return GenerationRequest(rid, tuple(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, temperature=0))
+
+
+def test_scheduler_idle_step_chunked_prefill_and_kv_budget() -> None:
+    model = _RandomModel()
+    scheduler = Scheduler(model, _Tok(), SchedulerConfig(kv_budget_tokens=64, max_batch_tokens=8, max_running=4))
+    scheduler.run_iteration()
+    assert model.steps == [[]]  # lockstep: an idle rank still steps
+
+    events: list[Event] = []
+    scheduler.submit(_request("short", 3, 30), events.append)
+    scheduler.run_iteration()  # prefill of "short"
+    scheduler.submit(_request("long", 20, 10), events.append)
+    scheduler.submit(_request("blocked", 30, 10), events.append)  # 30 + 10 does not fit beside 33 + 30
+    for _ in range(4):
+        scheduler.run_iteration()
+    long_chunks = [w for step in model.steps[2:] for w in step if w.seq_id == 1]
+    assert [len(w.tokens) for w in long_chunks[:3]] == [7, 7, 6]  # 8 tokens a step, one kept for the decode
+    assert [w.position for w in long_chunks[:3]] == [0, 7, 14]
+    assert all(any(w.seq_id == 0 for w in step) for step in model.steps[2:])  # "short" decodes every step
+    assert scheduler.load().waiting == 1 and all(w.seq_id != 2 for step in model.steps for w in step)
+    while scheduler.has_work():
+        scheduler.run_iteration()
+    finished = {e.request_id: e for e in events if e.finished}
+    assert {r: e.finish_reason for r, e in finished.items()} == {"short": "length", "long": "length", "blocked": "length"}
+    assert finished["short"].completion_tokens == 30 and sorted(model.released) == [0, 1, 2]
+    assert sum(e.new_tokens for e in events if e.request_id == "long") == 10
+
+
+def test_scheduler_refusals_and_cancel() -> None:
+    model = _RandomModel()
+    scheduler = Scheduler(model, _Tok(), SchedulerConfig(kv_budget_tokens=64, max_batch_tokens=8, max_running=1, max_waiting=1))
+    with pytest.raises(VExpertInputError):
+        scheduler.submit(_request("too-long", 60, 10), lambda e: None)
+    events: list[Event] = []
+    scheduler.submit(_request("a", 4, 50), events.append)
+    with pytest.raises(ServeRefusal) as refused:
+        scheduler.submit(_request("b", 4, 5), events.append)
+    assert refused.value.status == 429
+    scheduler.run_iteration()
+    scheduler.cancel("a")
+    scheduler.run_iteration()
+    assert events[-1].finish_reason == "abort" and model.released == [0] and not scheduler.has_work()
+    scheduler.stop_accepting()
+    with pytest.raises(ServeRefusal) as refused:
+        scheduler.submit(_request("c", 4, 5), events.append)
+    assert refused.value.status == 503
+    with pytest.raises(VExpertInputError):
+        SchedulerConfig(kv_budget_tokens=32).check(64)
+
+
+def test_what_crosses_process_boundaries_pickles() -> None:
+    """A multi-process dispatcher sends requests, events, loads and refusals over queues."""
+    import pickle
+
+    from vexpert_runtime.serve.events import RankLoad, overloaded
+
+    request = _request("r", 3, 4)
+    event = Event("r", text="hi", new_tokens=1, finish_reason="length", prompt_tokens=3, completion_tokens=4)
+    for item in (request, event, RankLoad(1, 2, 3, 4, 5)):
+        assert pickle.loads(pickle.dumps(item)) == item
+    refusal = pickle.loads(pickle.dumps(overloaded(8)))
+    assert (refusal.status, refusal.retry_after_s, str(refusal)) == (429, 1, str(overloaded(8)))
+
+
+# ---- sampling pieces --------------------------------------------------------------------------
+
+
+def test_stop_checker_holds_back_possible_prefixes() -> None:
+    checker = StopChecker(["END", "xyz"])
+    assert checker.push("abc E") == ("abc ", False)
+    assert checker.push("N") == ("", False)
+    assert checker.push("X") == ("ENX", False)  # not a stop string after all: released
+    assert checker.push(" fooEN") == (" foo", False)
+    assert checker.push("D and more") == ("", True)
+    other = StopChecker(["xyz"])
+    assert other.push("ax") == ("a", False) and other.flush() == "x"
+
+
+def test_incremental_detokenizer_matches_full_decode(tokenizer: Any) -> None:
+    text = "naïve café – déjà vu: 数字 🙂 done"
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer, [])
+    streamed = "".join(detok.push(i) for i in ids) + detok.flush()
+    assert streamed == tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+def test_top_p_keeps_the_smallest_sufficient_set() -> None:
+    probs = torch.tensor([0.1, 0.5, 0.3, 0.1])
+    assert top_p_filter(probs, 0.7).tolist() == pytest.approx([0.0, 0.5, 0.3, 0.0])
+    assert top_p_filter(probs, 0.01).tolist() == pytest.approx([0.0, 0.5, 0.0, 0.0])
