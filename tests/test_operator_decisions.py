@@ -554,6 +554,8 @@ def test_aggregate_reads_serving_rates_and_takes_the_allocator_share_of_inter_to
     assert served.inter_token_latency == pytest.approx(0.15) and served.time_to_first_token == pytest.approx(0.3)
     assert served.requests_running == 6 and served.requests_waiting == 2
     assert served.allocator_share == pytest.approx(0.06) and served.share_basis == "inter-token latency"
+    assert not served.serving  # the counters themselves were not in these dicts
+    assert aggregate([pod | {"vexpert_serve_generated_tokens_total": 5.0}]).serving
     old = aggregate([pod, pod])  # no serving rates (`vexpert node`, or the first scrape): step time as before
     assert old.generated_tokens_per_second is None and old.inter_token_latency is None
     assert old.allocator_share == pytest.approx(0.12) and old.share_basis == "step time"
@@ -577,8 +579,10 @@ def test_k_is_held_while_the_server_is_idle() -> None:
                                          memory_pressure=0.995))
     assert not idle.k_changed and "idle" in idle.reason
     assert idle.np_changed and idle.pooled_experts == 80  # memory pressure does not wait for traffic
-    first = decide_tuning(state(), sample(allocator_share=0.5, balance_decay=0.01))  # no rate yet: step time rules
-    assert first.k_changed
+    first = decide_tuning(state(), sample(allocator_share=0.5, balance_decay=0.01, serving=True))
+    assert not first.k_changed and "second scrape" in first.reason  # serving, no rate yet: not on the step gauge
+    node = decide_tuning(state(), sample(allocator_share=0.5, balance_decay=0.01))  # no serving series: as before
+    assert node.k_changed
 
 
 def test_tuning_holds_while_a_ready_pod_cannot_be_scraped() -> None:

@@ -55,8 +55,9 @@ Rules (each with a dead band, so a value near a threshold does not flap):
 * With serving series, what users see is the objective: the allocator's share is taken of the
   measured inter-token latency (the step plus everything else on a token's path, allocation stalls
   included) instead of the step-time gauge, and k is held while no tokens were generated between
-  two scrapes (an idle server's balance and step gauges describe no traffic). Without them (a
-  ``vexpert node`` pod, or the first scrape), the step-time rules above apply unchanged.
+  two scrapes (an idle server's balance and step gauges describe no traffic) or before a second
+  scrape gives the rates. Without serving series (a ``vexpert node`` pod) the step-time rules above
+  apply unchanged.
 * No change until every pod reports the current k and Np (the previous decision has taken effect),
   at most one change per parameter per ``cooldown`` decisions, nothing while degraded.
 """
@@ -220,6 +221,7 @@ class RuntimeSample:
     memory_pressure: float | None = None
     unscraped_pods: int = 0  # ready pods whose metrics could not be read
     share_basis: str = "step time"  # what allocator_share divides by: step time or inter-token latency
+    serving: bool = False  # a pod exports the serving counters (`vexpert serve`)
     # serving (None: no pod reported it, or no earlier scrape to take a rate against)
     generated_tokens_per_second: float | None = None  # all pods
     inter_token_latency: float | None = None  # seconds, mean over pods
@@ -273,6 +275,7 @@ def aggregate(per_pod: Iterable[Mapping[str, float]], unscraped: int = 0) -> Run
         memory_pressure=max(pressure) if pressure else None,
         unscraped_pods=unscraped,
         share_basis=share[1] if share else "step time",
+        serving=any(GENERATED_TOKENS in p for p in pods),
         generated_tokens_per_second=serve_sum(SERVE_TOKENS_PER_SECOND),
         inter_token_latency=_mean([p[SERVE_INTER_TOKEN_LATENCY] for p in pods if SERVE_INTER_TOKEN_LATENCY in p]),
         time_to_first_token=_mean([p[SERVE_TIME_TO_FIRST_TOKEN] for p in pods if SERVE_TIME_TO_FIRST_TOKEN in p]),
@@ -332,6 +335,8 @@ def _decide_k(state: TuningState, sample: RuntimeSample, policy: TuningPolicy) -
         return k, f"k fixed at {k}"
     if state.decisions_since_k_change < policy.cooldown:
         return k, f"k {k} held (cooldown after the last change)"
+    if sample.serving and sample.generated_tokens_per_second is None:
+        return k, f"k {k} held (serving: rates need a second scrape)"
     if sample.generated_tokens_per_second is not None and sample.generated_tokens_per_second <= 0:
         return k, f"k {k} held (idle: no tokens generated since the last scrape)"
     decay, share, basis = sample.balance_decay, sample.allocator_share, sample.share_basis
