@@ -56,7 +56,8 @@ RUN pip install --no-cache-dir "$(find /dist -name 'vexpert-*.whl')" "safetensor
     && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/vexpert --shell /usr/sbin/nologin vexpert
 USER 10001:10001
 WORKDIR /home/vexpert
-# 9400: node /metrics and /ready, 29500: group rendezvous
-EXPOSE 9400 29500
+# 8000: `vexpert serve` (OpenAI API, /health, /metrics; the operator's runtime.httpPort), 9400: `vexpert node`
+# /metrics and /ready (runtime.metrics_port), 29500: group rendezvous
+EXPOSE 8000 9400 29500
 ENTRYPOINT ["vexpert"]
 CMD ["--help"]

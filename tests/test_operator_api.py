@@ -174,21 +174,28 @@ def test_create_calibrates_new_node_type_then_deploys_group(cluster: Cluster, mo
         assert profile["spec"]["profile"]["hardware"]["h2d_bandwidth_gb_per_s"] == 41.5
         assert profile["spec"]["nodeType"]["driverVersion"] == "550.54.15"
 
-        # Then the group: ConfigMap, headless Service, StatefulSet, PDB, all owned by the deployment.
-        def children() -> tuple[Any, ...] | None:  # created one after another: wait for all four
+        # Then the group: ConfigMap, headless and API Services, StatefulSet, PDB, all owned by the deployment.
+        def children() -> tuple[Any, ...] | None:  # created one after another: wait for all five
             found = (cluster.get(kube.STATEFULSETS, nm.statefulset_name("dsv3")),
                      cluster.get(kube.CONFIGMAPS, nm.config_map_name("dsv3")),
                      cluster.get(kube.SERVICES, nm.service_name("dsv3")),
+                     cluster.get(kube.SERVICES, nm.api_service_name("dsv3")),
                      cluster.get(kube.PDBS, nm.pdb_name("dsv3")))
             return found if all(child is not None for child in found) else None
 
-        sts, cm, svc, pdb = cluster.wait_for(children, what="the StatefulSet, ConfigMap, Service and PDB")
-        for child in (sts, cm, svc, pdb):
+        sts, cm, svc, api, pdb = cluster.wait_for(children, what="the StatefulSet, ConfigMap, Services and PDB")
+        for child in (sts, cm, svc, api, pdb):
             assert child is not None
             assert child["metadata"]["ownerReferences"][0]["uid"] == uid
         assert sts["spec"]["replicas"] == 2
         assert sts["spec"]["updateStrategy"] == {"type": "OnDelete"}
         assert svc["spec"]["clusterIP"] == "None"
+        assert api["spec"]["type"] == "ClusterIP" and api["spec"]["clusterIP"] not in ("", "None")
+        assert api["spec"]["selector"] == nm.node_selector_labels("dsv3")
+        assert [(p["name"], p["port"], p["targetPort"]) for p in api["spec"]["ports"]] == [("http", 8000, "http")]
+        container = sts["spec"]["template"]["spec"]["containers"][0]
+        assert container["command"] == ["vexpert", "serve"] and container["args"][-2:] == ["--port", "8000"]
+        assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
         assert pdb["spec"]["minAvailable"] == 2
         config = runtime_config(cluster, "dsv3")
         assert config["profile"]["hardware"]["h2d_bandwidth_gb_per_s"] == 41.5
@@ -204,6 +211,7 @@ def test_create_calibrates_new_node_type_then_deploys_group(cluster: Cluster, mo
         assert status["observedGeneration"] == cluster.deployment("dsv3")["metadata"]["generation"]
         assert status["tuning"]["allocationInterval"] == 10
         assert status["tuning"]["pooledExperts"] == status["tuning"]["pooledExpertsCap"] > 0
+        assert status["endpoint"] == f"http://dsv3-api.{cluster.namespace}.svc:8000"
         assert cluster.condition("dsv3", "Ready")["status"] == "True"
         assert cluster.events("HardwareCalibrationStarted")
         assert len(hw_jobs(cluster)) == 1
@@ -451,7 +459,7 @@ def test_operator_restart_midway_creates_no_duplicates(cluster: Cluster, monkeyp
         assert len(model_jobs(cluster)) == 1
         assert len(cluster.list_by(kube.STATEFULSETS, nm.deployment_labels("dsv3"))) == 1
         assert len(cluster.list_by(kube.CONFIGMAPS, nm.deployment_labels("dsv3"))) == 1
-        assert len(cluster.list_by(kube.SERVICES, nm.deployment_labels("dsv3"))) == 1
+        assert len(cluster.list_by(kube.SERVICES, nm.deployment_labels("dsv3"))) == 2  # headless + API
         assert len(cluster.list_by(kube.PDBS, nm.deployment_labels("dsv3"))) == 1
         assert {p["metadata"]["uid"] for p in node_pods(cluster, "dsv3")} == uids
         assert cluster.status("dsv3")["phase"] == "Running"
@@ -475,7 +483,7 @@ def test_tuning_decision_is_written_to_configmap_and_status(cluster: Cluster, mo
         metrics.text = runtime.render()
         before = operator_metrics.TUNING_DECISIONS.labels("k", "changed")._value.get()
         with running_operator(cluster, monkeypatch):
-            cluster.create(deployment(vexpert__tuningIntervalSeconds=1, runtime__metricsPort=metrics.port))
+            cluster.create(deployment(vexpert__tuningIntervalSeconds=1, runtime__httpPort=metrics.port))
             calibrate(cluster, type_name)
             bring_up(cluster, "dsv3")
             wait_phase(cluster, "dsv3", "Running")
@@ -499,6 +507,55 @@ def test_tuning_decision_is_written_to_configmap_and_status(cluster: Cluster, mo
         metrics.close()
 
 
+def test_tuning_reads_the_serving_series(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `vexpert serve`'s series on /metrics: status reports served tokens/s and latencies, and
+    k is judged against the inter-token latency, not the step gauge."""
+    type_name = add_nodes(cluster, 2)
+    metrics = MetricsServer()
+    try:
+        # Allocator 0.06 s per allocation at k=10: 12 % of the 0.05 s step (alone, k would go 10→15),
+        # 3 % of the 0.2 s clients wait per token (within the dead band: k stays).
+        runtime = NodeMetrics(num_layers=2)
+        runtime.set_layers(runtime.balance, [0.72, 0.76])
+        runtime.tokens_per_second.set(1234.5)
+        for _ in range(3):
+            runtime.allocator_time.observe(0.06)
+            runtime.step_time.observe(0.05)
+        runtime.allocation_interval.set(10)
+        runtime.pooled_experts.set(256)
+        runtime.degraded.set(0)
+        static = runtime.render()
+        start = time.monotonic()
+
+        def render() -> str:  # cumulative series growing at 100 tokens/s and 10 latencies/s per pod
+            elapsed = time.monotonic() - start
+            count = int(10 * elapsed)
+            return static + (
+                f"vexpert_serve_generated_tokens_total {100 * elapsed:.3f}\n"
+                f"vexpert_serve_inter_token_latency_seconds_sum {0.2 * count:.3f}\n"
+                f"vexpert_serve_inter_token_latency_seconds_count {count}\n"
+                'vexpert_serve_requests_total{status="ok"} 7\n'
+                "vexpert_serve_requests_running 3\nvexpert_serve_requests_waiting 0\n")
+
+        metrics.render = render
+        with running_operator(cluster, monkeypatch):
+            cluster.create(deployment(vexpert__tuningIntervalSeconds=1, runtime__httpPort=metrics.port))
+            calibrate(cluster, type_name)
+            bring_up(cluster, "dsv3")
+            wait_phase(cluster, "dsv3", "Running")
+            report = cluster.wait_for(lambda: (lambda r: r if r.get("interTokenLatencySeconds") else None)(
+                cluster.status("dsv3").get("runtime") or {}), timeout=15, what="serving rates in status")
+            assert report["interTokenLatencySeconds"] == pytest.approx(0.2, rel=0.05)
+            assert report["tokensPerSecond"] == pytest.approx(200, rel=0.3)  # two pods (one server here) at 100/s
+            assert report["requestsRunning"] == 6 and report["requestsWaiting"] == 0
+            tuning = cluster.status("dsv3")["tuning"]
+            assert "of inter-token latency" in tuning["reason"], tuning
+            assert tuning["allocationInterval"] == 10 and tuning["changes"] == 0
+            assert runtime_config(cluster, "dsv3")["tuning"]["allocation_interval"] == 10
+    finally:
+        metrics.close()
+
+
 def test_deletion_cleans_up_children(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     type_name = add_nodes(cluster, 2)
     with running_operator(cluster, monkeypatch):
@@ -511,6 +568,7 @@ def test_deletion_cleans_up_children(cluster: Cluster, monkeypatch: pytest.Monke
         cluster.delete(kube.DEPLOYMENTS, "dsv3")
         cluster.wait_for(lambda: cluster.get(kube.DEPLOYMENTS, "dsv3") is None, what="the deployment gone")
         for res, name in ((kube.STATEFULSETS, nm.statefulset_name("dsv3")), (kube.SERVICES, nm.service_name("dsv3")),
+                          (kube.SERVICES, nm.api_service_name("dsv3")),
                           (kube.CONFIGMAPS, nm.config_map_name("dsv3")), (kube.PDBS, nm.pdb_name("dsv3"))):
             cluster.wait_for(lambda res=res, name=name: cluster.get(res, name) is None, what=f"{name} gone")
         cluster.wait_for(lambda: not hw_jobs(cluster) and not model_jobs(cluster), what="calibration Jobs gone")

@@ -154,7 +154,8 @@ def test_statefulset_pod_is_one_container_per_node_guaranteed_and_unprivileged()
     pod = sts["spec"]["template"]["spec"]
     assert len(pod["containers"]) == 1
     c = pod["containers"][0]
-    assert c["command"] == ["vexpert", "node"]
+    assert c["command"] == ["vexpert", "serve"]
+    assert c["args"] == ["--config", "/etc/vexpert/runtime.yaml", "--port", "8000"]
     # Guaranteed QoS: requests == limits, memory = pinned pool + /dev/shm + overhead.
     assert c["resources"]["requests"] == c["resources"]["limits"]
     assert c["resources"]["limits"]["memory"] == format_mebibytes(plan.sizing.pod_memory_bytes)
@@ -185,7 +186,7 @@ def test_service_pdb_and_configmap() -> None:
     svc = plan.service
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["publishNotReadyAddresses"] is True
-    assert {p["port"] for p in svc["spec"]["ports"]} == {29500, 9400}
+    assert [p["name"] for p in svc["spec"]["ports"]] == ["rendezvous"]  # /metrics moved to the API port
     assert plan.pdb["spec"]["minAvailable"] == 8
     assert plan.pdb["spec"]["selector"]["matchLabels"] == nm.node_selector_labels("dsv3")
     config = parse_runtime_config(yaml.safe_load(plan.config_map["data"]["runtime.yaml"]))
@@ -194,6 +195,41 @@ def test_service_pdb_and_configmap() -> None:
     assert config.tuning.allocation_interval == 10
     assert config.tuning.pooled_experts == plan.pooled_experts == plan.sizing.pooled_experts_cap
     assert config.model.checkpoint_path == "/models/DeepSeek-V3"
+    assert config.runtime.metrics_port == 0  # no second endpoint: `vexpert serve` has /metrics on --port
+
+
+def test_node_pod_serves_the_api_health_and_metrics_on_one_named_port() -> None:
+    s = spec(runtime__httpPort=8080)
+    template = _plan(s=s).statefulset["spec"]["template"]
+    c = template["spec"]["containers"][0]
+    assert c["args"][-2:] == ["--port", "8080"]
+    assert {"name": "http", "containerPort": 8080, "protocol": "TCP"} in c["ports"]
+    assert [p["name"] for p in c["ports"]] == ["rendezvous", "http"]
+    probe = c["readinessProbe"]
+    assert probe["httpGet"] == {"path": "/health", "port": "http"}
+    assert probe["periodSeconds"] == 5 and probe["failureThreshold"] == 3
+    # no liveness, hence no startup probe: the kubelet must not restart one rank of a group (see the builder)
+    assert "livenessProbe" not in c and "startupProbe" not in c
+    annotations = template["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == "8080" and annotations["prometheus.io/path"] == "/metrics"
+
+
+def test_api_service_load_balances_over_every_ready_node_pod() -> None:
+    plan = _plan()
+    svc = plan.api_service
+    assert svc["metadata"]["name"] == nm.api_service_name("dsv3") == "dsv3-api"
+    assert svc["metadata"]["namespace"] == "inference"
+    assert svc["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert svc["metadata"]["labels"][nm.LABEL_COMPONENT] == "api"
+    assert svc["spec"]["type"] == "ClusterIP"
+    assert "clusterIP" not in svc["spec"] and "publishNotReadyAddresses" not in svc["spec"]  # ready pods only
+    assert svc["spec"]["selector"] == nm.node_selector_labels("dsv3")
+    assert svc["spec"]["selector"].items() <= plan.statefulset["spec"]["template"]["metadata"]["labels"].items()
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP",
+                                     "appProtocol": "http"}]
+    assert mf.api_endpoint("dsv3", "inference", spec()) == "http://dsv3-api.inference.svc:8000"
+    kinds = [(c["kind"], c["metadata"]["name"]) for c in plan.children]
+    assert kinds.index(("Service", "dsv3-api")) < kinds.index(("StatefulSet", "dsv3-node"))
 
 
 def test_all_children_validate_against_kubernetes_schemas() -> None:

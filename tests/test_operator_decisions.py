@@ -35,6 +35,9 @@ from vexpert_operator.settings import OperatorSettings
 from vexpert_operator.sizing import KNOWN_SHAPES, size_pod
 from vexpert_operator.status import merge_patch_between, set_condition, status_patch
 from vexpert_operator.tuning import (
+    SERVE_INTER_TOKEN_LATENCY,
+    SERVE_TIME_TO_FIRST_TOKEN,
+    SERVE_TOKENS_PER_SECOND,
     MetricsError,
     RuntimeSample,
     TuningPolicy,
@@ -42,6 +45,7 @@ from vexpert_operator.tuning import (
     aggregate,
     decide_tuning,
     parse_runtime_metrics,
+    serving_rates,
 )
 from vexpert_operator.validation import check_fit, parse_spec, validate_spec
 
@@ -186,12 +190,18 @@ def test_parse_spec_errors_name_the_camelcase_field() -> None:
     ({"vexpert": {"pinnedExperts": {"mode": "fixed"}}}, "spec.vexpert.pinnedExperts.value"),
     ({"vexpert": {"pinnedExperts": {"mode": "fixed", "value": 300}}}, "spec.vexpert.pinnedExperts.value"),
     ({"vexpert": {"pinnedExperts": {"min": 300}}}, "spec.vexpert.pinnedExperts.min"),
-    ({"runtime__metricsPort": 29500}, "spec.runtime.metricsPort"),
+    ({"runtime__httpPort": 29500}, "spec.runtime.httpPort"),
     ({"runtime__env": [{"name": "VEXPERT_NODE_RANK", "value": "3"}]}, "spec.runtime.env[0].name"),
 ])
 def test_validate_spec_names_the_field(overrides: dict, field: str) -> None:
     problems = validate_spec(spec(**overrides), "dsv3")
     assert field in fields(problems), problems
+
+
+def test_removed_metrics_port_says_where_metrics_went() -> None:
+    parsed, problems = parse_spec(raw_spec(runtime__metricsPort=9400))
+    assert parsed is None and fields(problems) == {"spec.runtime"}
+    assert "metricsPort was removed" in problems[0].message and "httpPort" in problems[0].message
 
 
 def test_valid_spec_and_long_name() -> None:
@@ -479,6 +489,100 @@ def sample(**kw) -> RuntimeSample:
     base = {"pods": 2, "reported_k": {10}, "reported_np": {100}}
     base.update(kw)
     return RuntimeSample(**base)
+
+
+def serve_metrics(generated: int, itl: list[float], ttft: list[float], running: int = 3, waiting: int = 1,
+                  ok: int = 5, errors: int = 1) -> bytes:
+    """What `vexpert serve` adds to /metrics: counters, histograms and gauges (prometheus_client)."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    reg = CollectorRegistry()
+    requests = Counter("vexpert_serve_requests", "requests", ["status"], registry=reg)
+    requests.labels(status="ok").inc(ok)
+    requests.labels(status="error").inc(errors)
+    Counter("vexpert_serve_generated_tokens", "generated", registry=reg).inc(generated)
+    Counter("vexpert_serve_prompt_tokens", "prompt", registry=reg).inc(2 * generated)
+    itl_h = Histogram("vexpert_serve_inter_token_latency_seconds", "itl", registry=reg)
+    ttft_h = Histogram("vexpert_serve_time_to_first_token_seconds", "ttft", registry=reg)
+    for value in itl:
+        itl_h.observe(value)
+    for value in ttft:
+        ttft_h.observe(value)
+    Gauge("vexpert_serve_requests_running", "running", registry=reg).set(running)
+    Gauge("vexpert_serve_requests_waiting", "waiting", registry=reg).set(waiting)
+    Gauge("vexpert_serve_kv_cache_usage_ratio", "kv", registry=reg).set(0.4)
+    Gauge("vexpert_step_seconds", "step", registry=reg).set(0.02)
+    return generate_latest(reg)
+
+
+def test_parse_runtime_metrics_reads_the_serving_series() -> None:
+    values = parse_runtime_metrics(serve_metrics(100, [0.02, 0.04], [0.5]))
+    assert values["vexpert_serve_requests_total"] == 6  # summed over status
+    assert values["vexpert_serve_generated_tokens_total"] == 100
+    assert values["vexpert_serve_prompt_tokens_total"] == 200
+    assert values["vexpert_serve_inter_token_latency_seconds_sum"] == pytest.approx(0.06)
+    assert values["vexpert_serve_inter_token_latency_seconds_count"] == 2
+    assert values["vexpert_serve_time_to_first_token_seconds_count"] == 1
+    assert values["vexpert_serve_requests_running"] == 3 and values["vexpert_serve_requests_waiting"] == 1
+    assert values["vexpert_serve_kv_cache_usage_ratio"] == pytest.approx(0.4)
+    assert values["vexpert_step_seconds"] == pytest.approx(0.02)
+    assert not any(name.endswith(("_bucket", "_created")) for name in values)
+
+
+def test_serving_rates_are_taken_between_two_scrapes_of_a_pod() -> None:
+    before = parse_runtime_metrics(serve_metrics(100, [0.02, 0.04], [0.5]))
+    after = parse_runtime_metrics(serve_metrics(700, [0.02, 0.04, 0.05, 0.05, 0.05], [0.5, 0.3]))
+    rates = serving_rates(after, before, 60.0)
+    assert rates[SERVE_TOKENS_PER_SECOND] == pytest.approx(10.0)  # 600 tokens in 60 s
+    assert rates[SERVE_INTER_TOKEN_LATENCY] == pytest.approx(0.05)  # the 3 new observations only
+    assert rates[SERVE_TIME_TO_FIRST_TOKEN] == pytest.approx(0.3)
+    assert serving_rates(after, None, 60.0) == {}  # first scrape: no rate yet
+    assert serving_rates(before, after, 60.0) == {}  # counters went down: the container restarted
+    idle = serving_rates(before, before, 60.0)
+    assert idle == {SERVE_TOKENS_PER_SECOND: 0.0}  # no new latency observations: no latency
+    assert serving_rates({"vexpert_step_seconds": 0.1}, {"vexpert_step_seconds": 0.1}, 60.0) == {}  # `vexpert node`
+
+
+def test_aggregate_reads_serving_rates_and_takes_the_allocator_share_of_inter_token_latency() -> None:
+    pod = {"vexpert_allocator_seconds": 0.06, "vexpert_step_seconds": 0.05, "vexpert_allocation_interval": 10,
+           "vexpert_tokens_per_second": 999, "vexpert_serve_requests_running": 3, "vexpert_serve_requests_waiting": 1}
+    served = aggregate([
+        pod | {SERVE_TOKENS_PER_SECOND: 100.0, SERVE_INTER_TOKEN_LATENCY: 0.1, SERVE_TIME_TO_FIRST_TOKEN: 0.4},
+        pod | {SERVE_TOKENS_PER_SECOND: 50.0, SERVE_INTER_TOKEN_LATENCY: 0.2, SERVE_TIME_TO_FIRST_TOKEN: 0.2},
+    ])
+    assert served.generated_tokens_per_second == 150
+    assert served.inter_token_latency == pytest.approx(0.15) and served.time_to_first_token == pytest.approx(0.3)
+    assert served.requests_running == 6 and served.requests_waiting == 2
+    assert served.allocator_share == pytest.approx(0.06) and served.share_basis == "inter-token latency"
+    assert not served.serving  # the counters themselves were not in these dicts
+    assert aggregate([pod | {"vexpert_serve_generated_tokens_total": 5.0}]).serving
+    old = aggregate([pod, pod])  # no serving rates (`vexpert node`, or the first scrape): step time as before
+    assert old.generated_tokens_per_second is None and old.inter_token_latency is None
+    assert old.allocator_share == pytest.approx(0.12) and old.share_basis == "step time"
+
+
+def test_k_is_tuned_on_inter_token_latency_while_serving() -> None:
+    # The step gauge alone (12 %) would lengthen k; what clients wait per token is 4x the step, so
+    # the allocator's share of it (3 %) is within the dead band.
+    step_only = decide_tuning(state(), sample(allocator_share=0.12, balance_decay=0.01))
+    assert step_only.allocation_interval == 15 and "of step time" in step_only.reason
+    serving = decide_tuning(state(), sample(allocator_share=0.03, share_basis="inter-token latency",
+                                            balance_decay=0.01, generated_tokens_per_second=500.0))
+    assert not serving.k_changed and "allocator 3.0% of inter-token latency" in serving.reason
+    costly = decide_tuning(state(), sample(allocator_share=0.12, share_basis="inter-token latency",
+                                           generated_tokens_per_second=500.0))
+    assert costly.allocation_interval == 15 and "12.0% of inter-token latency" in costly.reason
+
+
+def test_k_is_held_while_the_server_is_idle() -> None:
+    idle = decide_tuning(state(), sample(allocator_share=0.5, balance_decay=0.01, generated_tokens_per_second=0.0,
+                                         memory_pressure=0.995))
+    assert not idle.k_changed and "idle" in idle.reason
+    assert idle.np_changed and idle.pooled_experts == 80  # memory pressure does not wait for traffic
+    first = decide_tuning(state(), sample(allocator_share=0.5, balance_decay=0.01, serving=True))
+    assert not first.k_changed and "second scrape" in first.reason  # serving, no rate yet: not on the step gauge
+    node = decide_tuning(state(), sample(allocator_share=0.5, balance_decay=0.01))  # no serving series: as before
+    assert node.k_changed
 
 
 def test_tuning_holds_while_a_ready_pod_cannot_be_scraped() -> None:

@@ -68,6 +68,8 @@ from vexpert_operator.tuning import (
     KNOWN_GAUGES,
     MAX_METRICS_BYTES,
     MAX_SAMPLES,
+    SERVE_COUNTERS,
+    SERVE_GAUGES,
     MetricsError,
     aggregate,
     parse_runtime_metrics,
@@ -115,7 +117,7 @@ FIELD_CHOICES: dict[str, list[Any]] = {
     "runtime__shmSize": ["16Gi", "1Ti", "0", "abc", "-1Gi", "100000Ti"],
     "runtime__memoryOverhead": ["32Gi", "1800Gi", "1", "lots"],
     "runtime__cpu": ["16", "500m", "x"],
-    "runtime__metricsPort": [9400, 29500, 0, 65536],
+    "runtime__httpPort": [8000, 29500, 0, 65536],
     "runtime__ipcLock": [True, False, "yes"],
     "runtime__nodeSelector": [{}, {"a": "b"}, {"a": "bad value!"}],
     "runtime__env": [[], [{"name": "FOO", "value": "1"}], [{"name": "VEXPERT_NODE_RANK", "value": "0"}],
@@ -715,7 +717,7 @@ def test_metrics_parser_refuses_oversized_and_malformed_bodies() -> None:
 
 
 def test_metrics_values_outside_the_schema_are_dropped() -> None:
-    assert set(GAUGE_RANGES) == set(KNOWN_GAUGES)
+    assert set(GAUGE_RANGES) == {*KNOWN_GAUGES, *SERVE_COUNTERS, *SERVE_GAUGES}
     text = ("vexpert_balance_ratio -1\nvexpert_pooled_experts -1e30\nvexpert_tokens_per_second NaN\n"
             "vexpert_step_seconds +Inf\nvexpert_degraded 7\nvexpert_pool_hit_ratio 0.9\n"
             "vexpert_allocation_interval 1e308\nvexpert_allocation_interval 1e308\n"
@@ -728,7 +730,8 @@ def test_metrics_values_outside_the_schema_are_dropped() -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(st.binary(max_size=2000), st.text(max_size=2000),
-                 st.lists(st.tuples(st.sampled_from([*list(KNOWN_GAUGES), "vexpert_x", "a{b", "#"]),
+                 st.lists(st.tuples(st.sampled_from([*KNOWN_GAUGES, *SERVE_COUNTERS, *SERVE_GAUGES,
+                                                     "vexpert_x", "a{b", "#"]),
                                     st.sampled_from(["", '{layer="0"}', "{", '{a="\\"}']),
                                     st.one_of(st.floats(), st.text(max_size=6))), max_size=30)
                  .map(lambda rows: "".join(f"{n}{lab} {v}\n" for n, lab, v in rows))))

@@ -1,6 +1,8 @@
 """The tuning loop's contract with the node runtime: a real `vexpert node` (CPU workers, built-in demo
-model) started the way the operator's pod starts it answers the pod's readiness probe, and what its
-/metrics says goes through the operator's parser and tuner to a decision made on all four inputs."""
+model) on the operator's config answers its readiness endpoint, and what its /metrics says goes
+through the operator's parser and tuner to a decision made on all four inputs. (Node pods run
+`vexpert serve` on the same config, which answers the pod's probe, GET /health on the `http` port, and
+exports these series with its own on that port.)"""
 
 from __future__ import annotations
 
@@ -53,7 +55,10 @@ def test_tuner_decides_on_a_real_nodes_metrics(tmp_path: Path) -> None:
     plan = plan_group(PlanInputs(name="d", namespace="ns", spec=s))
     container = plan.statefulset["spec"]["template"]["spec"]["containers"][0]
     probe = container["readinessProbe"]["httpGet"]
-    assert probe["port"] == plan.runtime_config.runtime.metrics_port
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert probe == {"path": "/health", "port": "http"}
+    assert container["command"] == ["vexpert", "serve"] and container["args"][-2:] == ["--port", str(ports["http"])]
+    assert plan.runtime_config.runtime.metrics_port == 0  # one port: serve's; no separate node endpoint
     assert {"VEXPERT_NODE_RANK", "VEXPERT_POD_NAME"} <= {e["name"] for e in container["env"]}
 
     config = plan.runtime_config.model_copy(deep=True)
@@ -84,7 +89,7 @@ def test_tuner_decides_on_a_real_nodes_metrics(tmp_path: Path) -> None:
         while time.monotonic() < deadline and not (wanted <= values.keys()):
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
             try:
-                probes.append(_get(base + probe["path"]))
+                probes.append(_get(base + "/ready"))
                 if probes[-1][0] == 200:
                     with urllib.request.urlopen(f"{base}/metrics", timeout=2) as response:
                         values = parse_runtime_metrics(response.read())

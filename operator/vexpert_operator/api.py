@@ -236,7 +236,12 @@ class RuntimeSpec(CamelModel):
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
     env: list[EnvVar] = Field(default_factory=list)
-    metrics_port: int = Field(9400, ge=1, le=65535, description="Runtime Prometheus port (tuning reads it)")
+    http_port: int = Field(
+        8000, ge=1, le=65535,
+        description="The one port of `vexpert serve` in every node pod: the OpenAI-compatible API (/v1/...), "
+        "GET /health (the readiness probe) and GET /metrics (Prometheus; the tuning loop reads it). The "
+        "deployment's API Service forwards this port",
+    )
     ipc_lock: bool = Field(
         False,
         description="Add the IPC_LOCK capability to node and calibration pods (outside Pod Security "
@@ -245,6 +250,15 @@ class RuntimeSpec(CamelModel):
     )
     group_restart_backoff_seconds: int = Field(10, ge=0, le=3600, description="Delay before re-forming after a failure")
     max_group_restart_backoff_seconds: int = Field(300, ge=0, le=86_400, description="Cap of the doubling delay")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _metrics_port_removed(cls, data: Any) -> Any:
+        # v1alpha1 had a separate runtime.metricsPort; /metrics is now on httpPort (the API server
+        # prunes the stored field, files given to `vexpert render` get this message instead)
+        if isinstance(data, dict) and ("metricsPort" in data or "metrics_port" in data):
+            raise ValueError("metricsPort was removed: node pods serve /metrics on httpPort (default 8000)")
+        return data
 
     @field_validator("node_selector")
     @classmethod
@@ -288,7 +302,14 @@ class TuningStatus(CamelModel):
 
 class RuntimeReport(CamelModel):
     balance_ratio: float | None = None
-    tokens_per_second: float | None = None
+    tokens_per_second: float | None = Field(
+        None, description="Generated tokens/s served (rate of vexpert_serve_generated_tokens_total between two "
+        "scrapes), else the runtime's decode-throughput gauge"
+    )
+    inter_token_latency_seconds: float | None = Field(None, description="Mean inter-token latency between two scrapes")
+    time_to_first_token_seconds: float | None = Field(None, description="Mean time to first token between two scrapes")
+    requests_running: int | None = Field(None, description="Requests being decoded, all node pods")
+    requests_waiting: int | None = Field(None, description="Requests queued, all node pods")
     allocator_share: float | None = Field(None, description="Allocator time / step time, amortised over k")
     degraded_ranks: int = 0
     scraped_pods: int = 0
@@ -328,6 +349,10 @@ class VExpertDeploymentStatus(CamelModel):
     nodes: int | None = Field(None, description="Node pods the group needs")
     ready_nodes: int = 0
     node_type: str = Field("", description="The node type the group is pinned to")
+    endpoint: str = Field(
+        "", description="The OpenAI-compatible API inside the cluster (the deployment's Service), e.g. "
+        "http://NAME-api.NAMESPACE.svc:8000; it answers once the group is Ready"
+    )
     tuning: TuningStatus = Field(default_factory=TuningStatus)
     runtime: RuntimeReport = Field(default_factory=RuntimeReport)
     group: GroupStatus = Field(default_factory=GroupStatus)
@@ -404,6 +429,7 @@ RESOURCES: list[ResourceInfo] = [
             {"name": "Balance", "type": "number", "jsonPath": ".status.runtime.balanceRatio"},
             {"name": "Tokens/s", "type": "number", "jsonPath": ".status.runtime.tokensPerSecond"},
             {"name": "Node-Type", "type": "string", "jsonPath": ".status.nodeType", "priority": 1},
+            {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": 1},
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         ],
     ),

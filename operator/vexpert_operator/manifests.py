@@ -43,6 +43,8 @@ TERMINATION_LOG = "/dev/termination-log"
 OPERATOR_MOUNT_PATHS = (CONFIG_DIR, SHM_DIR, TERMINATION_LOG)
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 CONTAINER = "node"
+HTTP_PORT_NAME = "http"  # the API, /health and /metrics of `vexpert serve`
+HEALTH_PATH = "/health"
 CALIBRATION_CONTAINER = "calibrate"
 JOB_TTL_SECONDS = 7 * 24 * 3600
 
@@ -111,7 +113,7 @@ def build_runtime_config(spec: VExpertDeploymentSpec, name: str, namespace: str,
         tuning=TuningConfig(allocation_interval=allocation_interval, pooled_experts=pooled_experts),
         runtime=RuntimeSettings(
             device="cuda",
-            metrics_port=spec.runtime.metrics_port,
+            metrics_port=0,  # no separate node endpoint: `vexpert serve` exports /metrics on the API port
             host_memory_limit_bytes=sizing.pinned_pool_bytes + sizing.overhead_bytes,
         ),
         profile=profile,
@@ -153,11 +155,33 @@ def build_service(name: str, namespace: str, spec: VExpertDeploymentSpec, owner:
             "ports": [
                 {"name": "rendezvous", "port": spec.parallelism.master_port,
                  "targetPort": spec.parallelism.master_port, "protocol": "TCP"},
-                {"name": "metrics", "port": spec.runtime.metrics_port,
-                 "targetPort": spec.runtime.metrics_port, "protocol": "TCP"},
             ],
         },
     })
+
+
+def build_api_service(name: str, namespace: str, spec: VExpertDeploymentSpec, owner: list[dict[str, Any]]
+                      ) -> Manifest:
+    """ClusterIP Service of the OpenAI-compatible API: every ready node pod takes requests (a node's
+    ranks forward work among themselves), so plain load balancing over all of them is right; a pod
+    is in it while ``GET /health`` answers 200."""
+    labels = nm.deployment_labels(name) | {nm.LABEL_COMPONENT: "api"}
+    return with_applied_hash({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(nm.api_service_name(name), namespace, labels, owner),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": nm.node_selector_labels(name),
+            "ports": [{"name": HTTP_PORT_NAME, "port": spec.runtime.http_port, "targetPort": HTTP_PORT_NAME,
+                       "protocol": "TCP", "appProtocol": "http"}],
+        },
+    })
+
+
+def api_endpoint(name: str, namespace: str, spec: VExpertDeploymentSpec) -> str:
+    """The API's URL inside the cluster (through :func:`build_api_service`)."""
+    return f"http://{nm.api_service_name(name)}.{namespace}.svc:{spec.runtime.http_port}"
 
 
 # ------------------------------------------------------------------------------------ statefulset
@@ -216,7 +240,15 @@ def _security_context(spec: VExpertDeploymentSpec) -> dict[str, Any]:
 
 def build_pod_template(name: str, spec: VExpertDeploymentSpec, sizing: Sizing, cfg_hash: str,
                        node_key: NodeTypeKey | None) -> dict[str, Any]:
-    """The node pod: one container running ``vexpert node`` with all of the node's GPUs."""
+    """The node pod: one container running ``vexpert serve`` with all of the node's GPUs.
+
+    One port (``runtime.httpPort``, named ``http``) carries the API, ``/health`` and ``/metrics``.
+    Readiness only: ``/health`` is 503 until the model is loaded and the group formed, and whenever
+    the pod cannot take requests; that takes the pod out of the API Service, nothing more. No liveness
+    and hence no startup probe: loading hundreds of GB of experts from a volume has no bound a probe
+    could rely on, and the kubelet restarting one rank would break the whole EP group; the operator
+    re-forms groups itself (with backoff) when a pod fails or a member is lost.
+    """
     memory = format_mebibytes(sizing.pod_memory_bytes)
     resources = {"cpu": spec.runtime.cpu, "memory": memory, GPU_RESOURCE: str(spec.parallelism.gpus_per_node)}
     resources.update(spec.runtime.extra_resources)
@@ -240,18 +272,19 @@ def build_pod_template(name: str, spec: VExpertDeploymentSpec, sizing: Sizing, c
             "name": CONTAINER,
             "image": spec.runtime.image,
             "imagePullPolicy": spec.runtime.image_pull_policy,
-            "command": ["vexpert", "node"],
-            "args": ["--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
+            "command": ["vexpert", "serve"],
+            "args": ["--config", f"{CONFIG_DIR}/{CONFIG_FILE}", "--port", str(spec.runtime.http_port)],
             "env": _env(spec),
             "ports": [
                 {"name": "rendezvous", "containerPort": spec.parallelism.master_port, "protocol": "TCP"},
-                {"name": "metrics", "containerPort": spec.runtime.metrics_port, "protocol": "TCP"},
+                {"name": HTTP_PORT_NAME, "containerPort": spec.runtime.http_port, "protocol": "TCP"},
             ],
             "resources": {"requests": dict(resources), "limits": dict(resources)},
             "securityContext": _security_context(spec),
             "readinessProbe": {
-                "httpGet": {"path": "/ready", "port": spec.runtime.metrics_port},
+                "httpGet": {"path": HEALTH_PATH, "port": HTTP_PORT_NAME},
                 "periodSeconds": 5,
+                "timeoutSeconds": 3,  # the API shares the server: allow for a busy event loop
                 "failureThreshold": 3,
             },
             "terminationMessagePath": TERMINATION_LOG,
@@ -287,7 +320,8 @@ def build_pod_template(name: str, spec: VExpertDeploymentSpec, sizing: Sizing, c
                 nm.ANNOTATION_CONFIG_HASH: cfg_hash,
                 "kubectl.kubernetes.io/default-container": CONTAINER,
                 "prometheus.io/scrape": "true",
-                "prometheus.io/port": str(spec.runtime.metrics_port),
+                "prometheus.io/port": str(spec.runtime.http_port),
+                "prometheus.io/path": "/metrics",
             },
         },
         "spec": pod_spec,

@@ -81,6 +81,11 @@ def service_name(deployment: str) -> str:
     return f"{deployment}-nodes"
 
 
+def api_service_name(deployment: str) -> str:
+    """The ClusterIP Service of the OpenAI-compatible API."""
+    return f"{deployment}-api"
+
+
 def statefulset_name(deployment: str) -> str:
     return f"{deployment}-node"
 

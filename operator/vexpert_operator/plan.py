@@ -70,14 +70,15 @@ class GroupPlan:
     template_hash: str
     config_map: dict[str, Any]
     service: dict[str, Any]
+    api_service: dict[str, Any]
     statefulset: dict[str, Any]
     pdb: dict[str, Any]
     problems: list[Problem]
 
     @property
     def children(self) -> list[dict[str, Any]]:
-        """In apply order: the config and Service before the pods that need them."""
-        return [self.config_map, self.service, self.statefulset, self.pdb]
+        """In apply order: the config and Services before the pods that need them."""
+        return [self.config_map, self.service, self.api_service, self.statefulset, self.pdb]
 
 
 def clamp(value: int, low: int, high: int) -> int:
@@ -120,6 +121,7 @@ def plan_group(inputs: PlanInputs) -> GroupPlan:
         template_hash=mf.template_hash(template),
         config_map=mf.build_config_map(inputs.name, inputs.namespace, config, owner),
         service=mf.build_service(inputs.name, inputs.namespace, spec, owner),
+        api_service=mf.build_api_service(inputs.name, inputs.namespace, spec, owner),
         statefulset=mf.build_statefulset(inputs.name, inputs.namespace, spec, template, owner,
                                          replicas=0 if inputs.draining else None),
         pdb=mf.build_pdb(inputs.name, inputs.namespace, spec, owner),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,7 @@ from .calibration import (
 )
 from .group import GroupDecision, decide_group, summarize_pod
 from .manifests import (
+    api_endpoint,
     build_hardware_calibration_job,
     build_model_calibration_job,
     build_model_profile,
@@ -65,6 +67,7 @@ from .tuning import (
     aggregate,
     decide_tuning,
     parse_runtime_metrics,
+    serving_rates,
 )
 from .validation import Problem, format_problems, parse_spec, validate_spec
 
@@ -94,6 +97,9 @@ class Context:
     post_events: bool = True
     counted_jobs: set[str] = field(default_factory=set)
     lists: SharedLists | None = None  # nodes and node profiles shared by concurrent reconciles
+    # the last scrape of each node pod, per deployment: (namespace, name) → pod UID → (monotonic s, metrics);
+    # serving counters become rates against it
+    scrapes: dict[tuple[str, str], dict[str, tuple[float, dict[str, float]]]] = field(default_factory=dict)
 
 
 async def list_cluster_wide(ctx: Context, res: kube.Resource) -> list[dict[str, Any]]:
@@ -535,7 +541,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False
 
     sample: RuntimeSample | None = None
     if tune and old.phase in ("Running", "Degraded"):
-        sample = await scrape_group(ctx, ns, name, spec.runtime.metrics_port)
+        sample = await scrape_group(ctx, ns, name, spec.runtime.http_port)
         plan = await _tune(ctx, body, spec, status, plan, inputs, sample, now)
 
     # Decide about the group before applying: a re-form first scales the StatefulSet to zero.
@@ -563,6 +569,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False
             ctx.logger.info("%s %s %s", action, child["kind"], child["metadata"]["name"])
 
     wake_at = await _apply_group_decision(ctx, body, status, decision, now)
+    status.endpoint = api_endpoint(name, ns, spec)
 
     status.tuning.allocation_interval = plan.allocation_interval
     status.tuning.pooled_experts = plan.pooled_experts
@@ -687,7 +694,8 @@ async def _scrape_one(session: aiohttp.ClientSession, url: str, max_bytes: int) 
 
 
 async def scrape_group(ctx: Context, namespace: str, name: str, port: int) -> RuntimeSample:
-    """Read every ready node pod's runtime metrics (bounded size and time)."""
+    """Read every ready node pod's runtime metrics (bounded size and time); serving counters become
+    rates against the pod's previous scrape (kept in ``ctx.scrapes``)."""
     pods = [summarize_pod(p) for p in await ctx.client.list(kube.PODS, namespace, labels=nm.node_selector_labels(name))]
     targets = [p for p in pods if p.ready and p.pod_ip and not p.terminating]
     timeout = aiohttp.ClientTimeout(total=ctx.settings.scrape_timeout_s)
@@ -695,7 +703,23 @@ async def scrape_group(ctx: Context, namespace: str, name: str, port: int) -> Ru
         results = await asyncio.gather(*[
             _scrape_one(session, f"http://{p.pod_ip}:{port}/metrics", ctx.settings.scrape_max_bytes) for p in targets
         ])
-    return aggregate([r for r in results if r is not None], unscraped=sum(1 for r in results if r is None))
+    scraped_at = time.monotonic()
+    previous = ctx.scrapes.get((namespace, name), {})
+    latest: dict[str, tuple[float, dict[str, float]]] = {}
+    per_pod: list[dict[str, float]] = []
+    for pod, values in zip(targets, results, strict=True):
+        if values is None:
+            continue
+        before = previous.get(pod.uid)
+        rates = serving_rates(values, before[1], scraped_at - before[0]) if before else {}
+        per_pod.append(values | rates)
+        latest[pod.uid] = (scraped_at, values)
+    ctx.scrapes[(namespace, name)] = latest  # pods gone or unscraped drop out
+    return aggregate(per_pod, unscraped=sum(1 for r in results if r is None))
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return round(value, digits) if value is not None else None
 
 
 def _since(stamp: str, now: dt.datetime, interval_s: float) -> int:
@@ -721,8 +745,13 @@ async def _tune(ctx: Context, body: Mapping[str, Any], spec: VExpertDeploymentSp
     )
     decision = decide_tuning(state, sample)
     status.runtime.balance_ratio = round(sample.balance_ratio, 4) if sample.balance_ratio is not None else None
-    status.runtime.tokens_per_second = round(sample.tokens_per_second, 1) \
-        if sample.tokens_per_second is not None else None
+    served = sample.generated_tokens_per_second
+    tokens = served if served is not None else sample.tokens_per_second
+    status.runtime.tokens_per_second = round(tokens, 1) if tokens is not None else None
+    status.runtime.inter_token_latency_seconds = _round(sample.inter_token_latency, 5)
+    status.runtime.time_to_first_token_seconds = _round(sample.time_to_first_token, 4)
+    status.runtime.requests_running = sample.requests_running
+    status.runtime.requests_waiting = sample.requests_waiting
     status.runtime.allocator_share = round(sample.allocator_share, 4) if sample.allocator_share is not None else None
     status.runtime.degraded_ranks = sample.degraded_pods
     status.runtime.scraped_pods = sample.pods

@@ -108,8 +108,8 @@ def validate_spec(spec: VExpertDeploymentSpec, name: str) -> list[Problem]:
         if npx.max is not None and npx.max > e:
             problems.append(Problem("spec.vexpert.pinnedExperts.max", f"Np max {npx.max} > {e} experts per layer"))
 
-    if spec.runtime.metrics_port == par.master_port:
-        problems.append(Problem("spec.runtime.metricsPort", f"clashes with parallelism.masterPort {par.master_port}"))
+    if spec.runtime.http_port == par.master_port:
+        problems.append(Problem("spec.runtime.httpPort", f"clashes with parallelism.masterPort {par.master_port}"))
     for i, env in enumerate(spec.runtime.env):
         if env.name in RESERVED_ENV:
             problems.append(Problem(f"spec.runtime.env[{i}].name", f"{env.name} is set by the operator"))

@@ -358,13 +358,14 @@ class MetricsServer:
 
     def __init__(self) -> None:
         self.text = ""
+        self.render: Callable[[], str] | None = None  # when set: the body, computed per request
         self.hits = 0
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 outer.hits += 1
-                body = outer.text.encode()
+                body = (outer.render() if outer.render is not None else outer.text).encode()
                 self.send_response(200 if self.path == "/metrics" else 404)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(body)))

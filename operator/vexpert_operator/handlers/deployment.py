@@ -35,7 +35,8 @@ def wake_all(memo: kopf.Memo, namespace: str | None) -> None:
 
 def _context(memo: kopf.Memo, logger: Any) -> Context:
     return Context(client=memo["client"], settings=memo["config"], logger=logger,
-                   counted_jobs=memo["counted_jobs"], lists=memo.get("lists"))
+                   counted_jobs=memo["counted_jobs"], lists=memo.get("lists"),
+                   scrapes=memo.setdefault("scrapes", {}))
 
 
 def periodic_delay(interval_s: float) -> float:
@@ -76,6 +77,7 @@ def forget(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Children go with the owner (garbage collection); only in-memory state is dropped here."""
     ns, name = body.metadata.namespace or "", body.metadata.name or ""
     m.DEPLOYMENT_PHASES.forget(ns, name)
+    memo.get("scrapes", {}).pop((ns, name), None)
     wake(memo, ns, name)
 
 
@@ -121,6 +123,7 @@ async def group_loop(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Me
     finally:
         memo["wakeups"].pop((ns, name), None)
         memo["locks"].pop((ns, name), None)
+        memo.get("scrapes", {}).pop((ns, name), None)
         # again here: a reconcile still running while `forget` ran sets the phase gauge back;
         # the daemon ends after its last reconcile (kopf holds the finalizer until then)
         m.DEPLOYMENT_PHASES.forget(ns, name)

@@ -24,6 +24,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: An
     memo["wakeups"] = {}
     memo["locks"] = {}
     memo["counted_jobs"] = set()
+    memo["scrapes"] = {}  # the last scrape of each node pod, for the serving rates
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="vexpert.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
