@@ -40,6 +40,13 @@ class WorkerReady:
 
 
 @dataclass(frozen=True)
+class Heartbeat:
+    """An idle serving worker is alive (no iteration runs while no rank has a request)."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
 class IterationDone:
     """One decode iteration of one worker.
 

@@ -61,6 +61,9 @@ class NodeOptions:
     metrics_addr: str | None = None
     on_metrics: Callable[[int], None] | None = None  # called with the bound port once serving
     log: Callable[[str], None] | None = None
+    # ``vexpert serve``: per local worker, its model and request/event queues (ServeWorkerArgs); the
+    # workers then run the model's requests instead of ``workload`` (which only sizes the allocator's batch)
+    serve: list[Any] | None = None
 
 
 @dataclass

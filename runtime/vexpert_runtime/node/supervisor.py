@@ -67,6 +67,7 @@ from vexpert_runtime.node.messages import (
     Exit,
     FillLoopDied,
     FillTotals,
+    Heartbeat,
     IterationDone,
     NewPlan,
     PlanSwitched,
@@ -174,7 +175,7 @@ class NodeRuntime:
         workers = self.setup.local_workers
         if self._ready < workers:
             return f"{self._ready}/{workers} workers have loaded the model and joined the process group"
-        if self._completed == 0:
+        if self._completed == 0 and self.options.serve is None:  # a server iterates once requests come
             return "waiting for the first iteration"
         return None
 
@@ -230,6 +231,7 @@ class NodeRuntime:
                     parent_pid=os.getpid(),
                     verify=options.verify,
                     record=options.record,
+                    serve=None if options.serve is None else options.serve[local],
                 )
                 proc = ctx.Process(target=worker_main, args=(args,), name=f"vexpert-worker-{rank}", daemon=True)
                 proc.start()
@@ -495,6 +497,8 @@ class NodeRuntime:
             self._handles[msg.local_rank] = msg.handle
             if len(self._handles) == setup.local_workers:
                 self._start_coordinator()
+        elif isinstance(msg, Heartbeat):
+            pass  # resets the no-progress clock: an idle server runs no iterations
         elif isinstance(msg, WorkerReady):
             self._ready += 1
             if self._ready == setup.local_workers:

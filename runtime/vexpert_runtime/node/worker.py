@@ -46,6 +46,7 @@ from vexpert_runtime.node.coordinator import die_with_parent
 from vexpert_runtime.node.messages import (
     Bye,
     CountsWindow,
+    Heartbeat,
     IterationDone,
     SlotsExported,
     WorkerDone,
@@ -93,6 +94,7 @@ class WorkerArgs:
     parent_pid: int
     verify: bool
     record: bool
+    serve: Any = None  # ServeWorkerArgs: serve requests through the model (vexpert serve) instead of ``workload``
 
 
 
@@ -222,10 +224,11 @@ class _Worker:
         args.results.put(SlotsExported(args.local_rank, transport.export(buffers)))
         self.reader = reader = CheckpointReader(args.checkpoint, spec)
         layers = range(spec.num_layers)
-        self.routers = [_on_device(reader.router(i), device) for i in layers]
-        self.shared = [_on_device(reader.shared(i, self.dtype), device) for i in layers]
-        mine = base_experts(spec.num_experts, args.world, args.rank)
-        self.base = [reader.experts(i, mine, self.dtype).to(device) for i in layers]
+        if args.serve is None:  # a server's model holds its own router, shared and resident experts
+            self.routers = [_on_device(reader.router(i), device) for i in layers]
+            self.shared = [_on_device(reader.shared(i, self.dtype), device) for i in layers]
+            mine = base_experts(spec.num_experts, args.world, args.rank)
+            self.base = [reader.experts(i, mine, self.dtype).to(device) for i in layers]
         dist.init_process_group(
             "gloo" if device.type == "cpu" or args.shared_gpu else "cpu:gloo,cuda:nccl",
             init_method=f"tcp://{args.master_addr}:{args.master_port}",
@@ -242,6 +245,20 @@ class _Worker:
         ops = transport.flag_ops(self.stopping.is_set if device.type == "cuda" else self._publisher_gone)
         self.slots = WorkerSlots(args.shared, args.local_rank, buffers, args.timeout_s, ops,
                                  self.compute_stream if device.type == "cuda" else None)
+        self.serving = None
+        if args.serve is not None:
+            from vexpert_runtime.serve.rank import ServingRank  # transformers: only where a worker serves
+
+            rescue = self._rescue if device.type == "cpu" else None
+            self.serving = ServingRank(args.serve, args.rank, args.world, self.group, device, self.dtype,
+                                       self.device_tables[False], buffers.slots,
+                                       wait=lambda layer: self.slots.acquire(layer, rescue),
+                                       release=self.slots.release)
+            if self.serving.num_moe_layers != spec.num_layers:
+                raise VExpertInputError("model.checkpoint_path",
+                                        f"the model has {self.serving.num_moe_layers} MoE layers, its spec {spec.num_layers}",
+                                        "serve the checkpoint the node's config names")
+            self.serving.report_load(force=True)
         args.results.put(WorkerReady(args.rank))
         self.slots.wait_for_coordinator(STARTUP_TIMEOUT_S)  # then degraded until one attaches
         watchdog = None
@@ -276,12 +293,16 @@ class _Worker:
         iteration = 0
         profile_at, profile_dir = _profile_request()
         while True:
+            if self.serving is not None:
+                self._await_work(iteration)
             profiler = self._profiler(profile_dir) if iteration == profile_at else None
             start = time.perf_counter()
-            h = self._upload(args.workload.inputs(iteration, args.rank, spec.hidden_size, self.dtype))
-            bias = args.workload.logit_bias(iteration)
-            if bias is not None:
-                bias = self._upload(bias)
+            h = bias = None
+            if self.serving is None:
+                h = self._upload(args.workload.inputs(iteration, args.rank, spec.hidden_size, self.dtype))
+                bias = args.workload.logit_bias(iteration)
+                if bias is not None:
+                    bias = self._upload(bias)
             checksums: list[list[str]] = []
             layer_wait, rescued = self.slots.layer_wait_s, self.rescued
             header, waited = self.slots.begin(iteration)
@@ -299,7 +320,11 @@ class _Worker:
             self.current = _Current(iteration, table, use_plan, self.slots.publisher)
             if self.device.type == "cuda":
                 self.inflight.append(self.current)
-            h = self._step(h, table, bias, use_plan, iteration, checksums if args.record else None)
+            if self.serving is not None:
+                self._serve_step(table)
+            else:
+                assert h is not None
+                h = self._step(h, table, bias, use_plan, iteration, checksums if args.record else None)
             self.host_counts.copy_(self.device_counts, non_blocking=True)
             self.host_computed.copy_(self.device_computed, non_blocking=True)
             if self.device.type == "cuda":
@@ -325,7 +350,7 @@ class _Worker:
                     wait_s=waited + self.slots.layer_wait_s - layer_wait,
                     degraded_layers=0 if use_plan else spec.num_layers,
                     plan_ids=[table.plan_id] * spec.num_layers,
-                    output=h.to(torch.float32).cpu().numpy() if args.verify else None,
+                    output=h.to(torch.float32).cpu().numpy() if args.verify and h is not None else None,
                     computed=computed.tolist() if args.record else None,
                     slot_checksums=checksums if args.record else None,
                     rescued_layers=self.rescued - rescued,
@@ -336,6 +361,39 @@ class _Worker:
             if len(window) >= k:
                 self._flush(window, window_start)
                 window, window_start = [], iteration
+
+    def _await_work(self, iteration: int) -> None:
+        """A serving worker: take its new requests and wait until some rank has work or the node
+        stops (one tiny all-reduce per wait; an idle server runs no iterations, so the coordinator
+        streams nothing while nobody sends requests)."""
+        import torch.distributed as dist
+
+        assert self.serving is not None
+        beat = time.monotonic()
+        while True:
+            self.serving.take_requests()
+            busy = self.serving.has_work() or self.slots.stop_requested(iteration) or self.stopping.is_set()
+            flag = torch.tensor([int(busy)])
+            if self.group is not None:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            if int(flag):
+                return
+            self.serving.report_load()
+            if time.monotonic() - beat > 5.0:
+                self.args.results.put(Heartbeat(self.args.rank))
+                beat = time.monotonic()
+            self.serving.take_requests(timeout_s=0.02)
+
+    def _serve_step(self, table: RoutingTable) -> None:
+        """One serving iteration: the scheduler's batch through the model, the EP experts reading
+        this iteration's table and slots; its statistics land in the device counters."""
+        assert self.serving is not None
+        device_table = self.device_tables[table.plan_id == 0]
+        if device_table.plan_id != table.plan_id:
+            device_table.load(table)
+        self.serving.experts.table = device_table
+        self.graphed_last = False
+        self.serving.run_iteration(self.device_counts, self.device_computed)
 
     def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor on the worker's device; on a GPU through pinned memory, without waiting."""

@@ -104,3 +104,41 @@ def overloaded(max_waiting: int) -> ServeRefusal:
 def shutting_down() -> ServeRefusal:
     """The refusal while the server drains for shutdown."""
     return ServeRefusal(503, "server is shutting down; retry on another replica", 5, "shutting_down")
+
+
+# ---- between the API process and the ranks (multi-rank servers; all plain picklable data) -------
+
+
+@dataclass(frozen=True)
+class CancelRequest:
+    """API → rank: the client went away."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class StopAccepting:
+    """API → every rank: the server drains (new requests are refused already by the API)."""
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    """API → every rank: the drain timed out; finish what runs with ``finish_reason="abort"``."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class RankEvent:
+    """Rank → API: an event of one of its requests."""
+
+    rank: int
+    event: Event
+
+
+@dataclass(frozen=True)
+class RankLoadReport:
+    """Rank → API: its load (every iteration that changed it, and when it goes idle)."""
+
+    rank: int
+    load: RankLoad

@@ -197,6 +197,8 @@ class EPExperts:
         # Rows computed per local expert [L, E/N + S], accumulated on the device (read when it suits).
         self.computed = torch.zeros(len(self.resident), table.experts_per_gpu + table.slots, dtype=torch.int64,
                                     device=self.resident[0].device)
+        # Tokens routed to each logical expert [L, E] (this rank's; the allocator's input once all-reduced).
+        self.counts = torch.zeros(len(self.resident), num_experts, dtype=torch.int64, device=self.resident[0].device)
         self.last_stats: LayerStats | None = None
 
     def _slot_rows(self, moe_layer: int) -> torch.Tensor | None:
@@ -227,6 +229,8 @@ class EPExperts:
             after_compute=None if hooks is None else (lambda: hooks.release(moe_layer)),
         )
         self.computed[moe_layer] += stats.computed
+        flat = ids.reshape(-1).to(torch.int64)
+        self.counts[moe_layer].scatter_add_(0, flat, torch.ones_like(flat))
         self.last_stats = stats
         return y
 

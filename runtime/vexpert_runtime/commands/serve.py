@@ -1,0 +1,156 @@
+"""``vexpert serve``: an OpenAI-compatible API on one port, served through the vExpert MoE path.
+
+One node: the coordinator (L2 pool, slot fills), one worker per GPU (or ``--cpu-workers N``), each an
+EP rank and a data-parallel attention rank running the Hugging Face model's non-expert layers for its
+own requests; the allocator every k iterations on the served tokens' expert counts. The API process
+tokenizes, sends each request to the least-loaded rank and streams the events back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PORT = 8000
+DEMO_NAME = "vexpert-demo"
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model's requests (OpenAI-compatible API) through vExpert",
+        description=(
+            "Serve /v1/completions, /v1/chat/completions (both with stream), /v1/models, /health and /metrics on one "
+            "port. Without --model and without a config naming a checkpoint, serves the embedded demo model (a small "
+            "DeepSeek-V3-shaped MoE with random weights and a local tokenizer) on CPU workers. Stops cleanly on "
+            "SIGTERM: new requests get 503, running ones finish (or are aborted after --drain-timeout)."
+        ),
+    )
+    parser.add_argument("--config", default=None, help="runtime.yaml (RuntimeConfig; the node pod's config)")
+    parser.add_argument("--model", default=None, help="a local checkpoint directory (config.json, safetensors, tokenizer)")
+    parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--cpu-workers", type=int, default=None, help="N CPU worker processes (EP ranks) instead of GPUs")
+    parser.add_argument("--max-batch-tokens", type=int, default=256, help="tokens per rank per iteration (prompt chunks + decodes)")
+    parser.add_argument("--max-running", type=int, default=64, help="sequences per rank in one batch")
+    parser.add_argument("--max-waiting", type=int, default=128, help="queued requests per rank before 429")
+    parser.add_argument("--kv-cache-tokens", type=int, default=None,
+                        help="KV-cache tokens per rank (default: 8 full contexts)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
+    parser.set_defaults(handler=run)
+
+
+def _model_dir(args: argparse.Namespace, configured: str) -> tuple[Path, bool]:
+    """The checkpoint to serve and whether it is the embedded demo model."""
+    from vexpert_runtime.errors import VExpertInputError
+    from vexpert_runtime.serve.demo_model import ensure_demo_model
+
+    chosen = args.model or configured
+    if chosen:
+        path = Path(chosen)
+        if not (path / "config.json").is_file():
+            raise VExpertInputError("--model", f"{path} has no config.json", "pass a local checkpoint directory")
+        return path, False
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vexpert" / "demo-model"
+    return ensure_demo_model(cache), True
+
+
+def _max_context(model_dir: Path) -> int:
+    raw = json.loads((model_dir / "config.json").read_text())
+    return int(raw.get("max_position_embeddings", 4096))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from vexpert_runtime.config import RuntimeConfig, load_runtime_config
+    from vexpert_runtime.errors import VExpertInputError
+    from vexpert_runtime.node import NodeOptions, NodeRuntime, resolve_setup
+    from vexpert_runtime.serve.api import ApiConfig, ServeApi, run_server
+    from vexpert_runtime.serve.multirank import MultiRankDispatcher
+    from vexpert_runtime.serve.rank import ServeWorkerArgs
+    from vexpert_runtime.serve.scheduler import SchedulerConfig
+    from vexpert_runtime.simulation.workload import Workload
+
+    if args.cpu_workers is not None and args.cpu_workers < 1:
+        raise VExpertInputError("--cpu-workers", f"must be ≥ 1, got {args.cpu_workers}")
+    if not 0 <= args.port <= 65535:
+        raise VExpertInputError("--port", f"{args.port} is not a TCP port")
+    if args.config:
+        config = load_runtime_config(args.config)
+    else:
+        on_gpu = torch.cuda.is_available() and args.cpu_workers is None
+        ranks = torch.cuda.device_count() if on_gpu else (args.cpu_workers or 2)
+        config = RuntimeConfig.model_validate({
+            "model": {"dtype": "bfloat16" if on_gpu else "float32"},
+            "parallelism": {"expert_parallel_size": ranks, "gpus_per_node": ranks},
+            "runtime": {"device": "cuda" if on_gpu else "cpu", "metrics_port": 0},
+        })
+    model_dir, demo = _model_dir(args, config.model.checkpoint_path)
+    name = args.served_model_name or (DEMO_NAME if demo else model_dir.name)
+    max_context = _max_context(model_dir)
+    kv_tokens = args.kv_cache_tokens if args.kv_cache_tokens is not None else 8 * max_context
+    scheduler = SchedulerConfig(kv_budget_tokens=kv_tokens, max_batch_tokens=args.max_batch_tokens,
+                                max_running=args.max_running, max_waiting=args.max_waiting)
+    scheduler.check(max_context)  # refuse impossible limits before any process starts
+    setup = resolve_setup(config, str(model_dir), cpu_workers=args.cpu_workers)
+
+    def log(line: str) -> None:
+        print(f"vexpert serve: {line}", file=sys.stderr, flush=True)
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    events = ctx.Queue()
+    requests = [ctx.Queue() for _ in range(setup.local_workers)]
+    options = NodeOptions(
+        workload=Workload(tokens_per_worker=args.max_running),  # sizes the allocator's decode batch
+        serve=[ServeWorkerArgs(str(model_dir), scheduler, inbound, events) for inbound in requests],
+        log=log,
+    )
+    runtime = NodeRuntime(setup, options)
+    failure: list[BaseException] = []
+
+    def node() -> None:
+        try:
+            runtime.run()
+        except BaseException as exc:  # the node is down: stop serving (the API's SIGTERM path)
+            failure.append(exc)
+            log(f"node failed: {exc}")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def node_ready() -> str | None:
+        if failure:
+            return f"node failed: {failure[0]}"
+        return runtime.readiness()
+
+    dispatcher = MultiRankDispatcher(requests, events, args.max_waiting, node_ready, runtime.request_stop)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    vocab = int(json.loads((model_dir / "config.json").read_text()).get("vocab_size", len(tokenizer)))
+    api = ServeApi(dispatcher, tokenizer, ApiConfig(name, max_context, vocab, args.drain_timeout),
+                   registry=runtime.metrics.registry)
+    log(f"serving {'the embedded demo model' if demo else model_dir} as {name!r} on {args.host}:{args.port}: "
+        f"{setup.local_workers} {setup.device} ranks, {setup.spec.num_layers} MoE layers × {setup.spec.num_experts} "
+        f"experts, G·Vmax = {setup.slots} slots per rank")
+    thread = threading.Thread(target=node, name="vexpert-node", daemon=True)
+    thread.start()
+    try:
+        run_server(api, args.host, args.port)
+    finally:
+        runtime.request_stop()
+        thread.join(timeout=60.0)
+        dispatcher.close()
+        for q in (*requests, events):
+            q.cancel_join_thread()
+            q.close()
+    if failure:
+        print(f"error: node failed: {failure[0]}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,134 @@
+"""One EP rank of ``vexpert serve``, inside a node worker process.
+
+The worker (:mod:`vexpert_runtime.node.worker`) keeps what every node worker does — the slot
+protocol with the coordinator, the plan agreement, the expert-count windows for the allocator — and
+hands each iteration's model work to a :class:`ServingRank`: the Hugging Face model's non-expert
+layers for this rank's own requests (data-parallel attention) and, for every sparse MoE block, the
+vExpert EP layer (:class:`~.hf_model.EPExperts`) over the worker's process group, computing with
+the slots the coordinator filled (the hooks are the worker's flag waits and releases).
+
+Requests arrive on the rank's queue from the API process (:mod:`.multirank`); events and load
+reports go back on one queue shared by the node's ranks.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vexpert_runtime.model.ep_moe import DeviceRoutingTable
+from vexpert_runtime.serve.events import (
+    AbortAll,
+    CancelRequest,
+    Event,
+    GenerationRequest,
+    RankEvent,
+    RankLoad,
+    RankLoadReport,
+    ServeRefusal,
+    StopAccepting,
+)
+from vexpert_runtime.serve.hf_model import EPExperts, HFStepModel, SlotHooks
+from vexpert_runtime.serve.sampling import eos_token_ids
+from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
+
+LOAD_REPORT_S = 0.05  # a rank whose load did not change reports it again after this long
+
+
+@dataclass
+class ServeWorkerArgs:
+    """What a node worker needs to serve (pickled at spawn). ``requests``: this rank's inbound
+    queue; ``events``: the node's outbound queue."""
+
+    model_dir: str
+    scheduler: SchedulerConfig
+    requests: Any
+    events: Any
+
+
+class ServingRank:
+    """A rank's model, EP experts and scheduler.
+
+    Args:
+        args: the serving arguments. rank, world, group: the EP rank, N and the process group.
+        device, dtype: where the model computes. table: the device routing table the EP layer reads
+            (the worker loads the iteration's plan into it). slots: the worker's slot rows [S, D].
+        wait, release: the worker's flag handshake for MoE layer l's slots.
+    """
+
+    def __init__(self, args: ServeWorkerArgs, rank: int, world: int, group: Any, device: torch.device,
+                 dtype: torch.dtype, table: DeviceRoutingTable, slots: torch.Tensor,
+                 wait: Callable[[int], None], release: Callable[[int], None]) -> None:
+        from transformers import AutoTokenizer
+
+        self.args = args
+        self.rank = rank
+        self.model = HFStepModel(args.model_dir, device=device, dtype=dtype)
+        self.experts = EPExperts.for_model(self.model, rank, world, group, table=table, slots=slots,
+                                           hooks=SlotHooks(wait, release), max_tokens=args.scheduler.max_batch_tokens)
+        self.model.executor = self.experts
+        self.model.drop_expert_weights()
+        tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
+        self.scheduler = Scheduler(self.model, tokenizer, args.scheduler, eos_token_ids(tokenizer))
+        self._reported: RankLoad | None = None
+        self._reported_at = 0.0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.model.moe_layers)
+
+    def take_requests(self, timeout_s: float = 0.0) -> None:
+        """Move what arrived on the inbound queue into the scheduler (waiting up to ``timeout_s``
+        for the first message)."""
+        inbound = self.args.requests
+        try:
+            msg = inbound.get(timeout=timeout_s) if timeout_s > 0 else inbound.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._on_message(msg)
+            try:
+                msg = inbound.get_nowait()
+            except queue.Empty:
+                return
+
+    def _on_message(self, msg: Any) -> None:
+        if isinstance(msg, GenerationRequest):
+            try:
+                self.scheduler.submit(msg, self._sink)
+            except ServeRefusal as refusal:  # the API chose this rank on an old load report
+                self._sink(Event(msg.request_id, finish_reason="error", error=str(refusal)))
+            except Exception as exc:
+                self._sink(Event(msg.request_id, finish_reason="error", error=str(exc)))
+        elif isinstance(msg, CancelRequest):
+            self.scheduler.cancel(msg.request_id)
+        elif isinstance(msg, StopAccepting):
+            self.scheduler.stop_accepting()
+        elif isinstance(msg, AbortAll):
+            self.scheduler.abort_all(msg.message)
+
+    def _sink(self, event: Event) -> None:
+        self.args.events.put(RankEvent(self.rank, event))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def run_iteration(self, counts: torch.Tensor, computed: torch.Tensor) -> None:
+        """One scheduler iteration (an empty step when idle: the MoE layers are collectives);
+        this iteration's expert counts [L, E] and rows per local expert [L, E/N + S] land in
+        ``counts`` / ``computed`` (device tensors, zeroed here)."""
+        self.experts.counts = counts.zero_()
+        self.experts.computed = computed.zero_()
+        self.scheduler.run_iteration()
+        self.report_load()
+
+    def report_load(self, force: bool = False) -> None:
+        load, now = self.scheduler.load(), time.monotonic()
+        if force or load != self._reported or now - self._reported_at > LOAD_REPORT_S:
+            self.args.events.put(RankLoadReport(self.rank, load))
+            self._reported, self._reported_at = load, now
