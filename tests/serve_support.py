@@ -35,10 +35,17 @@ _CORPUS = [
 T = TypeVar("T")
 
 
-def build_tiny_checkpoint(directory: Path) -> None:
-    """A byte-level BPE tokenizer (chat template, EOS) and a random float32 Qwen3-MoE, saved to ``directory``."""
+def build_tiny_checkpoint(directory: Path, family: str = "qwen3_moe") -> None:
+    """A byte-level BPE tokenizer (chat template, EOS) and a random float32 Qwen3-MoE (or DeepSeek-V3:
+    ``family="deepseek_v3"``, MLA, a dense first layer, grouped routing), saved to ``directory``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        PreTrainedTokenizerFast,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -54,6 +61,20 @@ def build_tiny_checkpoint(directory: Path) -> None:
     fast.save_pretrained(directory)
 
     torch.manual_seed(1234)
+    if family == "deepseek_v3":
+        ds_config = DeepseekV3Config(
+            vocab_size=len(fast), hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+            num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=256,
+            eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id, bos_token_id=None,
+            tie_word_embeddings=False, initializer_range=0.2,
+        )
+        model = DeepseekV3ForCausalLM(ds_config).eval()
+        for layer in model.model.layers[1:]:  # a non-zero correction bias: the router's noaux_tc path matters
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+        model.save_pretrained(directory)
+        return
     config = Qwen3MoeConfig(
         vocab_size=len(fast),
         hidden_size=64,
