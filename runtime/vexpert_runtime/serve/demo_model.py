@@ -19,7 +19,10 @@ from pathlib import Path
 from typing import Any
 
 MARKER = "vexpert_demo.json"  # written last: its presence means the directory is complete
-DEMO_VERSION = 1
+DEMO_VERSION = 2
+# The router skew of the demo model: a bundled real DeepSeek-V3 load, scaled for sigmoid scores in (0, 1).
+REAL_LOAD_PHASE = "decode_in1000out1000"
+REAL_LOAD_STRENGTH = 0.3  # EP2 balance of the demo model on its text: 0.50, 0.76, 0.82 per MoE layer (0.999, 0.89, 0.90 without)
 SEED = 1234
 BOS, EOS, PAD = "<|begin|>", "<|end|>", "<|pad|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -142,6 +145,20 @@ def _write_tokenizer(directory: Path) -> Any:
     return tokenizer
 
 
+def real_load_bias(num_layers: int, num_experts: int, phase: str = REAL_LOAD_PHASE,
+                   strength: float = REAL_LOAD_STRENGTH) -> Any:
+    """[L, E] float32 router correction biases ``strength · (log p − mean)`` from a bundled real
+    DeepSeek-V3 load ``p`` (SGLang's expert statistics, evenly subsampled to L layers, E experts):
+    random router weights route uniformly, this makes the hot experts hot, so balance moves."""
+    import numpy as np
+
+    from vexpert_runtime.simulation.trace import load_bundled_distribution
+    from vexpert_runtime.simulation.workload import subsample_distribution
+
+    logp = np.log(subsample_distribution(load_bundled_distribution(phase), num_layers, num_experts))
+    return (strength * (logp - logp.mean(1, keepdims=True))).astype(np.float32)
+
+
 def _write_model(directory: Path, tokenizer: Any) -> None:
     """Seeded random DeepSeek-V3 weights (bf16) sized to the tokenizer's vocabulary."""
     import torch
@@ -153,7 +170,9 @@ def _write_model(directory: Path, tokenizer: Any) -> None:
     with torch.random.fork_rng(devices=[]):  # seed only this build, not the caller's RNG
         torch.manual_seed(SEED)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        for layer in model.model.layers[config.first_k_dense_replace:]:
-            # A non-zero noaux_tc correction bias, as a trained DeepSeek-V3 has.
-            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.02)
+        moe = model.model.layers[config.first_k_dense_replace:]
+        skew = real_load_bias(len(moe), config.n_routed_experts)
+        for layer, bias in zip(moe, skew, strict=True):
+            # The noaux_tc correction bias (which a trained DeepSeek-V3 has) replays a real load's skew.
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.from_numpy(bias))
     model.to(torch.bfloat16).save_pretrained(str(directory))

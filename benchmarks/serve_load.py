@@ -1,0 +1,245 @@
+"""Issue #13: ``vexpert serve`` under load — requests/s, tokens/s, time to first token and inter-token
+latency, with vExpert streaming on and off.
+
+The model: transformers' DeepSeek-V3 with random weights and DeepSeek-V3-sized experts (H = 7168,
+I = 2048, MLA as in the release) but few layers and experts, its routers skewed by a bundled real
+DeepSeek-V3 load (:func:`vexpert_runtime.serve.demo_model.real_load_bias`), the demo tokenizer. The
+server: ``vexpert serve`` itself (coordinator, 2 EP ranks — two GPUs, or two workers sharing one GPU —
+the allocator every k iterations), started as a process per mode:
+
+* ``vexpert``: τ = 0.95 (layers below it get vExperts), the given calibrated profile;
+* ``static``: τ = 0 (no layer gets vExperts: the static EP placement, nothing streamed).
+
+The load: ``--concurrency`` clients, each sending streaming completions back to back for
+``--duration`` seconds (prompt ≈ 64 tokens, ``max_tokens`` 64, ``ignore_eos``); the first
+``--warmup`` seconds are not counted.
+
+    python benchmarks/serve_load.py --out benchmarks/results/serve_load \\
+        --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json      # GPU host
+    python benchmarks/serve_load.py --cpu --small --duration 20 --out /tmp/sl        # CPU twin (shapes only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+
+from vexpert_runtime.ports import free_port
+from vexpert_runtime.serve.demo_model import ensure_demo_model, real_load_bias
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def write_model(directory: Path, tokenizer_dir: Path, layers: int, experts: int, small: bool, device: str) -> Path:
+    """Random-weight DeepSeek-V3 (DeepSeek-V3-sized experts unless ``small``) + the demo tokenizer."""
+    from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, directory / name)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    shape: dict[str, Any] = (
+        {"hidden_size": 256, "moe_intermediate_size": 128, "intermediate_size": 512, "num_attention_heads": 4,
+         "q_lora_rank": 64, "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32}
+        if small else
+        {"hidden_size": 7168, "moe_intermediate_size": 2048, "intermediate_size": 18432, "num_attention_heads": 128,
+         "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
+    )
+    config = DeepseekV3Config(
+        **shape, vocab_size=len(tokenizer), num_hidden_layers=layers, first_k_dense_replace=0,
+        num_key_value_heads=shape["num_attention_heads"], n_routed_experts=experts, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5, max_position_embeddings=4096,
+        initializer_range=0.02, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+    skew = real_load_bias(layers, experts)
+    for layer, bias in zip(model.model.layers, skew, strict=True):
+        layer.mlp.gate.e_score_correction_bias.copy_(torch.from_numpy(bias))
+    model.save_pretrained(str(directory))
+    del model
+    return directory
+
+
+def write_config(path: Path, checkpoint: Path, device: str, tau: float, profile: dict[str, Any] | None, k: int) -> Path:
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    raw: dict[str, Any] = {
+        "model": {"checkpoint_path": str(checkpoint), "dtype": "bfloat16" if device == "cuda" else "float32"},
+        "parallelism": {"expert_parallel_size": 2, "gpus_per_node": 2, "master_port": free_port()},
+        "vexpert": {"group_size": 2, "vmax": 1, "balance_threshold": tau},
+        "tuning": {"allocation_interval": k},
+        "runtime": {"device": device, "cpu_workers": 2 if device == "cpu" else 0, "metrics_port": 0,
+                    "slot_fill_timeout_s": 60.0, "workers_per_gpu": 2 if device == "cuda" and gpus < 2 else 1},
+    }
+    if profile is not None:
+        raw["profile"] = profile
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+async def load(url: str, prompt: str, concurrency: int, duration: float, warmup: float,
+               max_tokens: int) -> dict[str, Any]:
+    """Closed-loop streaming clients; per request TTFT and the gaps between chunks that carry text
+(a token that ends inside a UTF-8 character carries none), tokens from ``usage`` (after warm-up)."""
+    import aiohttp
+
+    start = time.perf_counter()
+    stop_at, count_from = start + duration, start + warmup
+    ttft: list[float] = []
+    itl: list[float] = []
+    done = tokens = errors = 0
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        nonlocal done, tokens, errors
+        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        while time.perf_counter() < stop_at:
+            sent = time.perf_counter()
+            stamps: list[float] = []
+            generated = 0
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                if resp.status != 200:
+                    errors += 1
+                    await asyncio.sleep(0.1)
+                    continue
+                async for raw in resp.content:
+                    line = raw.decode().strip()
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        if chunk["choices"] and chunk["choices"][0].get("text"):
+                            stamps.append(time.perf_counter())
+                        if chunk.get("usage"):
+                            generated = chunk["usage"]["completion_tokens"]
+            if sent >= count_from and stamps:
+                done += 1
+                tokens += generated
+                ttft.append(stamps[0] - sent)
+                itl.extend(b - a for a, b in itertools.pairwise(stamps))
+
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+    measured = time.perf_counter() - count_from
+
+    def pct(values: list[float], q: float) -> float | None:
+        return round(1000 * sorted(values)[int(q * (len(values) - 1))], 2) if values else None
+
+    return {"requests": done, "errors": errors, "measured_s": round(measured, 1),
+            "requests_per_s": round(done / measured, 3), "tokens_per_s": round(tokens / measured, 1),
+            "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p90": pct(ttft, 0.9),
+            "itl_ms_p50": pct(itl, 0.5), "itl_ms_p90": pct(itl, 0.9),
+            "itl_ms_mean": round(1000 * statistics.fmean(itl), 2) if itl else None}
+
+
+def scrape(url: str) -> dict[str, float]:
+    import urllib.request
+
+    wanted = ("vexpert_bytes_streamed_total", "vexpert_balance_ratio", "vexpert_static_balance_ratio",
+              "vexpert_plan_id", "vexpert_iterations_total")
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    values: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted:
+            values.setdefault(name, []).append(float(line.rsplit(" ", 1)[1]))
+    return {k: round(statistics.fmean(v), 4) for k, v in values.items()}
+
+
+def serve_and_load(config: Path, model: Path, args: argparse.Namespace, log: Path) -> dict[str, Any]:
+    import urllib.error
+    import urllib.request
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "vexpert_runtime", "serve", "--config", str(config), "--model", str(model),
+           "--port", str(port), "--served-model-name", "bench", "--max-batch-tokens", str(args.max_batch_tokens),
+           "--max-running", str(args.concurrency), "--drain-timeout", "10"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "runtime"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError("server exited:\n" + log.read_text()[-3000:])
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=5).status == 200:
+                    break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.perf_counter() - started > 600:
+                raise RuntimeError("server not healthy in 600 s:\n" + log.read_text()[-3000:])
+            time.sleep(1.0)
+        ready_s = time.perf_counter() - started
+        prompt = ("A mixture of experts model sends every token to a few of its many expert networks. " * 4)[:300]
+        result = asyncio.run(load(url, prompt, args.concurrency, args.duration, args.warmup, args.max_tokens))
+        result["startup_s"] = round(ready_s, 1)
+        result["metrics"] = scrape(url)
+        return result
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--small", action="store_true", help="tiny shapes (H=256)")
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--duration", type=float, default=45.0)
+    parser.add_argument("--warmup", type=float, default=10.0)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-batch-tokens", type=int, default=256)
+    parser.add_argument("--k", type=int, default=10)
+    parser.add_argument("--profile", type=Path, default=None, help="calibrated PerformanceProfile JSON")
+    parser.add_argument("--modes", nargs="+", default=["vexpert", "static"])
+    args = parser.parse_args(argv)
+    device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
+    args.out.mkdir(parents=True, exist_ok=True)
+    profile = json.loads(args.profile.read_text()) if args.profile else None
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                               "gpus": torch.cuda.device_count() if device == "cuda" else 0, "torch": torch.__version__,
+                               "layers": args.layers, "experts": args.experts, "small": args.small,
+                               "concurrency": args.concurrency, "max_tokens": args.max_tokens}
+    with tempfile.TemporaryDirectory(prefix="vexpert-serve-load-") as tmp:
+        started = time.perf_counter()
+        tokenizer_dir = ensure_demo_model(Path(tmp) / "demo")
+        model = write_model(Path(tmp) / "model", tokenizer_dir, args.layers, args.experts, args.small, device)
+        results["model_write_s"] = round(time.perf_counter() - started, 1)
+        for mode in args.modes:
+            config = write_config(Path(tmp) / f"{mode}.yaml", model, device, 0.95 if mode == "vexpert" else 0.0,
+                                  profile, args.k)
+            results[mode] = serve_and_load(config, model, args, args.out / f"server_{mode}.log")
+            print(mode, json.dumps(results[mode]), flush=True)
+            (args.out / "summary.json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
