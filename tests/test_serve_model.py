@@ -10,6 +10,7 @@ hot experts into slots on the other rank.
 from __future__ import annotations
 
 import json
+import os
 import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -242,9 +243,13 @@ def _ep_rank(rank: int, path: str, port: int, slot_expert: torch.Tensor, slot_mo
         slot_rows_computed = int(model.executor.computed[:, per_gpu:].sum())  # type: ignore[attr-defined]
         Path(result_dir, f"rank{rank}.json").write_text(
             json.dumps({"tokens": dict(zip(mine, out, strict=True)), "slot_rows": slot_rows_computed}))
-        dist.barrier()  # both ranks done with the group before either tears it down (gloo aborts otherwise)
-    finally:
+        dist.barrier()  # both ranks done with the group before either leaves
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # The result is written: leave without gloo's teardown, whose threads can abort a finished process
+    # ("terminate called without an active exception", SIGABRT) on a loaded machine.
+    os._exit(0)
 
 
 def _free_port() -> int:
