@@ -4,20 +4,22 @@ server on a background event loop."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 from prometheus_client import CollectorRegistry
 
-from vexpert_runtime.serve.api import ApiServer, ServeApi, single_rank_api
-from vexpert_runtime.serve.dispatcher import InProcessDispatcher
+from vexpert_runtime.serve.api import ApiConfig, ApiServer, ServeApi
+from vexpert_runtime.serve.dispatcher import EventChannel
+from vexpert_runtime.serve.events import Event, GenerationRequest, RankLoad, shutting_down
 from vexpert_runtime.serve.sampling import eos_token_ids
-from vexpert_runtime.serve.scheduler import SchedulerConfig
-from vexpert_runtime.serve.step import SequenceWork
+from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
+from vexpert_runtime.serve.step import SequenceWork, StepModel
 
 MODEL_NAME = "tiny-qwen3-moe"
 MAX_CONTEXT = 96
@@ -33,6 +35,10 @@ _CORPUS = [
     "naïve café – déjà vu: ünïcödé text, 数字 and emoji 🙂",
 ]
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+_IDLE_WAIT_S = 0.05  # an idle single-rank loop sleeps until a submit wakes it (or this long)
+_DRAIN_POLL_S = 0.02
+_ABORT_GRACE_S = 10.0  # how long shutdown waits for the step in progress
 
 
 def build_tiny_checkpoint(directory: Path, family: str = "qwen3_moe") -> None:
@@ -148,6 +154,105 @@ class RecomputeStepModel:
     def release(self, seq_id: int) -> None:
         self.held.pop(seq_id, None)
         self.released.append(seq_id)
+
+
+# A one-rank dispatcher for the API tests: the scheduler on a thread of the test process (the
+# product's dispatcher is vexpert_runtime.serve.multirank, over a node's worker processes).
+
+
+class InProcessDispatcher:
+    """One scheduler on a background thread of this process.
+
+    ``lockstep_idle``: step the model even with no work (what a rank of a multi-rank server must
+    do); a lone rank can sleep instead.
+    """
+
+    def __init__(self, scheduler: Scheduler, lockstep_idle: bool = False) -> None:
+        self.scheduler = scheduler
+        self.lockstep_idle = lockstep_idle
+        self.step_failures = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="vexpert-serve-rank0", daemon=True)
+        self._started = False
+
+    def start(self) -> None:
+        """Start the loop thread (idempotent)."""
+        if not self._started:
+            self._started = True
+            self._thread.start()
+
+    def _loop(self) -> None:
+        """Iterate while there is work; a failed step is logged and the loop goes on."""
+        while not self._stop.is_set():
+            self._wake.clear()
+            if not (self.lockstep_idle or self.scheduler.has_work()):
+                self._wake.wait(_IDLE_WAIT_S)
+                continue
+            try:
+                self.scheduler.run_iteration()
+            except Exception:
+                self.step_failures += 1
+                log.exception("model step failed; its requests got an error, the rank goes on")
+
+    async def submit(self, request: GenerationRequest) -> AsyncIterator[Event]:
+        if self._stop.is_set():
+            raise shutting_down()
+        channel = EventChannel(asyncio.get_running_loop())
+        self.scheduler.submit(request, channel.put)
+        self._wake.set()
+        return channel.__aiter__()
+
+    def cancel(self, request_id: str) -> None:
+        self.scheduler.cancel(request_id)
+        self._wake.set()
+
+    def ready(self) -> str | None:
+        if not self._thread.is_alive():
+            return "the rank loop is not running"
+        if self._stop.is_set():
+            return "shutting down"
+        return None
+
+    def loads(self) -> list[RankLoad]:
+        return [self.scheduler.load()]
+
+    async def shutdown(self, drain_timeout_s: float) -> None:
+        self.scheduler.stop_accepting()
+        deadline = time.monotonic() + drain_timeout_s
+        while self.scheduler.has_work() and time.monotonic() < deadline:
+            await asyncio.sleep(_DRAIN_POLL_S)
+        if self.scheduler.has_work():
+            log.warning("drain timeout (%.1f s): aborting the requests still running", drain_timeout_s)
+            self.scheduler.abort_all("server shut down before the request finished")
+            self._wake.set()
+            # the abort lands at the start of the next iteration, after the step in progress
+            deadline = time.monotonic() + _ABORT_GRACE_S
+            while self.scheduler.has_work() and self._thread.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(_DRAIN_POLL_S)
+        self._stop.set()
+        self._wake.set()
+        if self._started:
+            await asyncio.to_thread(self._thread.join, _ABORT_GRACE_S)
+
+
+def single_rank_api(
+    model: StepModel,
+    api_tokenizer: Any,
+    rank_tokenizer: Any,
+    model_name: str,
+    scheduler_config: SchedulerConfig,
+    eos_ids: frozenset[int],
+    drain_timeout_s: float = 30.0,
+    registry: CollectorRegistry | None = None,
+) -> ServeApi:
+    """A one-rank server: a :class:`Scheduler` on an :class:`InProcessDispatcher` (started) behind a
+    :class:`ServeApi`. ``api_tokenizer`` and ``rank_tokenizer`` must be two instances (two threads)."""
+    scheduler = Scheduler(model, rank_tokenizer, scheduler_config, eos_ids)
+    dispatcher = InProcessDispatcher(scheduler)
+    dispatcher.start()
+    config = ApiConfig(model_name, model.max_context, model.vocab_size, drain_timeout_s)
+    return ServeApi(dispatcher, api_tokenizer, config, registry)
 
 
 class BackgroundServer:

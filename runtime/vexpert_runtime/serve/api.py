@@ -44,7 +44,7 @@ from pydantic import BaseModel, ValidationError
 
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.serve import openai_api as oa
-from vexpert_runtime.serve.dispatcher import Dispatcher, InProcessDispatcher
+from vexpert_runtime.serve.dispatcher import Dispatcher
 from vexpert_runtime.serve.events import (
     Event,
     GenerationRequest,
@@ -53,8 +53,6 @@ from vexpert_runtime.serve.events import (
     ServeRefusal,
     shutting_down,
 )
-from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
-from vexpert_runtime.serve.step import StepModel
 
 log = logging.getLogger(__name__)
 
@@ -458,25 +456,6 @@ class ApiServer:
         self.api.shutting_down = True
         await self.api.dispatcher.shutdown(self.api.config.drain_timeout_s)
         await self._runner.cleanup()
-
-
-def single_rank_api(
-    model: StepModel,
-    api_tokenizer: Any,
-    rank_tokenizer: Any,
-    model_name: str,
-    scheduler_config: SchedulerConfig,
-    eos_ids: frozenset[int],
-    drain_timeout_s: float = 30.0,
-    registry: CollectorRegistry | None = None,
-) -> ServeApi:
-    """A one-rank server: a :class:`Scheduler` on an :class:`InProcessDispatcher` (started) behind a
-    :class:`ServeApi`. ``api_tokenizer`` and ``rank_tokenizer`` must be two instances (two threads)."""
-    scheduler = Scheduler(model, rank_tokenizer, scheduler_config, eos_ids)
-    dispatcher = InProcessDispatcher(scheduler)
-    dispatcher.start()
-    config = ApiConfig(model_name, model.max_context, model.vocab_size, drain_timeout_s)
-    return ServeApi(dispatcher, api_tokenizer, config, registry)
 
 
 def run_server(api: ServeApi, host: str, port: int) -> None:
