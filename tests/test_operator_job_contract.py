@@ -127,6 +127,67 @@ def test_node_runtime_accepts_the_rendered_config_and_its_metrics_parse(tmp_path
             proc.wait()
 
 
+def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) -> None:
+    """The node pod's own command (`vexpert serve --config … --port …`, CPU workers, the embedded demo
+    model) on the operator's RuntimeConfig: /health turns 200, a completion is served, and /metrics
+    carries the serving series the tuning loop reads next to the node's."""
+    import json
+    import os
+    import time
+    import urllib.request
+
+    from vexpert_operator.manifests import build_pod_template
+    from vexpert_operator.plan import PlanInputs, plan_group
+    from vexpert_operator.tuning import parse_runtime_metrics
+    from vexpert_runtime.ports import free_port
+
+    s = spec(model={"name": "demo", "architecture": "deepseek_v3", "checkpoint": {"hostPath": "/models"}},
+             parallelism={"expertParallelSize": 2, "gpusPerNode": 2})
+    group = plan_group(PlanInputs(name="d", namespace="ns", spec=s))
+    config = group.runtime_config
+    config.model.checkpoint_path = ""
+    config.model.dtype = "float32"
+    config.runtime.device = "cpu"
+    config.parallelism.master_addr = "127.0.0.1"
+    config.parallelism.master_port = free_port()
+    config.tuning.pooled_experts = None
+    path = tmp_path / "runtime.yaml"
+    path.write_text(config.to_yaml())
+    container = build_pod_template("d", s, group.sizing, "h", None)["spec"]["containers"][0]
+    assert container["command"] == ["vexpert", "serve"]
+    port = free_port()
+    args = [a if a != "/etc/vexpert/runtime.yaml" else str(path) for a in container["args"][:-1]] + [str(port)]
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-m", "vexpert_runtime", "serve", *args, "--cpu-workers", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "no /health 200 within 120 s"
+            try:
+                if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        body = json.dumps({"model": "vexpert-demo", "prompt": "Hello", "max_tokens": 4}).encode()
+        request = urllib.request.Request(base + "/v1/completions", data=body, headers={"content-type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(request, timeout=60).read())
+        assert answer["usage"]["completion_tokens"] >= 1
+        values = parse_runtime_metrics(urllib.request.urlopen(base + "/metrics", timeout=5).read())
+        assert values.get("vexpert_serve_generated_tokens_total", 0) >= 1, values
+        assert "vexpert_step_seconds" in values
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def test_scrape_reads_a_body_that_arrives_in_pieces() -> None:
     """A node pod's /metrics (~15 KB for 58 layers) arrives in several TCP segments on a real
     network; the operator must parse all of it, not what had arrived at the first read."""

@@ -239,7 +239,7 @@ def test_metrics(server: BackgroundServer, client: openai.OpenAI) -> None:
     for name in (
         "vexpert_serve_time_to_first_token_seconds_count",
         "vexpert_serve_inter_token_latency_seconds_count",
-        "vexpert_serve_generation_tokens_total",
+        "vexpert_serve_generated_tokens_total",
         "vexpert_serve_prompt_tokens_total",
         "vexpert_serve_requests_running",
         "vexpert_serve_requests_waiting",
@@ -248,7 +248,7 @@ def test_metrics(server: BackgroundServer, client: openai.OpenAI) -> None:
         assert name in text, name
     samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
     assert samples["vexpert_serve_time_to_first_token_seconds_count"] >= 1
-    assert samples["vexpert_serve_generation_tokens_total"] >= 4
+    assert samples["vexpert_serve_generated_tokens_total"] >= 4
 
 
 # ---- overload and shutdown --------------------------------------------------------------------

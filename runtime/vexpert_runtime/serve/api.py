@@ -11,7 +11,7 @@ field) / prompt over the context, 404 unknown model or route, 405 wrong method, 
 Metrics (own registry, all prefixed ``vexpert_serve_``): ``requests_total{endpoint,status}``
 (HTTP status of the generation endpoints), ``request_finish_total{reason}``,
 ``time_to_first_token_seconds``, ``inter_token_latency_seconds``, ``request_duration_seconds``
-(as the API sees them: queueing included), ``prompt_tokens_total``, ``generation_tokens_total``,
+(as the API sees them: queueing included), ``prompt_tokens_total``, ``generated_tokens_total``,
 ``requests_running``, ``requests_waiting``, ``kv_cache_usage_ratio`` (KV tokens reserved by admitted
 requests / budget, summed over ranks — what admission waits on) and ``kv_cache_tokens`` (held).
 
@@ -121,7 +121,7 @@ class ServeMetrics:
             "vexpert_serve_request_duration_seconds", "Request arrival to last token", buckets=_DURATION_BUCKETS, registry=reg
         )
         self.prompt_tokens = Counter("vexpert_serve_prompt_tokens", "Prompt tokens of finished requests", registry=reg)
-        self.generation_tokens = Counter("vexpert_serve_generation_tokens", "Tokens generated", registry=reg)
+        self.generation_tokens = Counter("vexpert_serve_generated_tokens", "Tokens generated", registry=reg)
         self.running = Gauge("vexpert_serve_requests_running", "Requests in the ranks' batches", registry=reg)
         self.waiting = Gauge("vexpert_serve_requests_waiting", "Requests queued for admission", registry=reg)
         self.kv_usage = Gauge(
