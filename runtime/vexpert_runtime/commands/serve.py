@@ -115,13 +115,16 @@ def run(args: argparse.Namespace) -> int:
     )
     runtime = NodeRuntime(setup, options)
     failure: list[BaseException] = []
+    dispatcher: MultiRankDispatcher | None = None
 
     def node() -> None:
         try:
             runtime.run()
-        except BaseException as exc:  # the node is down: stop serving (the API's SIGTERM path)
+        except BaseException as exc:  # the node is down: fail what runs, stop serving (exit 1)
             failure.append(exc)
             log(f"node failed: {exc}")
+            if dispatcher is not None:
+                dispatcher.fail_all(f"the node failed: {exc}")
             os.kill(os.getpid(), signal.SIGTERM)
 
     def node_ready() -> str | None:

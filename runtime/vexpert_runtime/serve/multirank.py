@@ -136,6 +136,16 @@ class MultiRankDispatcher:
         with self._lock:
             return [self._loads.get(rank, RankLoad()) for rank in range(len(self.requests))]
 
+    def fail_all(self, message: str) -> None:
+        """The ranks are gone (the node failed): end every request now with an error event
+        instead of letting its client wait for tokens that will not come."""
+        self._stopping = True
+        with self._lock:
+            channels, self._channels = list(self._channels.items()), {}
+        for request_id, (_, channel) in channels:
+            with contextlib.suppress(RuntimeError):
+                channel.put(Event(request_id, finish_reason="error", error=message))
+
     def in_flight(self) -> int:
         with self._lock:
             return len(self._channels)
