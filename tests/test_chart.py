@@ -322,7 +322,8 @@ def _resources(node: ast.expr, module: types.ModuleType) -> list[kube.Resource] 
 
 
 CLIENT_VERBS = {"get": {"get"}, "get_or_none": {"get"}, "list": {"list"}, "create": {"create"},
-                "replace": {"update"}, "patch": {"patch"}, "delete": {"delete"}}
+                "replace": {"update"}, "patch": {"patch"}, "delete": {"delete"},
+                "server_side_apply": {"patch", "create"}}  # an apply creates what is missing
 
 
 class _Calls(ast.NodeVisitor):

@@ -11,8 +11,11 @@ and replaces the object store's semantics with:
   a global resourceVersion, ``generateName``; no-op writes change nothing and emit no event;
 * 409 AlreadyExists on create; 409 Conflict on a stale ``resourceVersion`` (PUT, merge patch,
   delete preconditions); 422 for a failed JSON-patch ``test`` op (what kopf relies on);
-* JSON merge patch (RFC 7386), JSON patch (RFC 6902), PUT; strategic merge and apply patches are
-  refused with 415 so nothing silently relies on them;
+* JSON merge patch (RFC 7386), JSON patch (RFC 6902), PUT, and server-side apply
+  (``application/apply-patch+yaml``: ``fieldManager`` required, field ownership per manager,
+  removal of fields a manager stopped applying, 409 conflicts unless ``force=true``,
+  ``metadata.managedFields``; the model is in ``fieldmanagers.py``, lists are atomic); strategic
+  merge patches are refused with 415 so nothing silently relies on them;
 * status subresource isolation: writes to the object ignore ``status``, writes to ``/status``
   change only ``status``;
 * watches resume from ``?resourceVersion`` (an event log per resource), honour label/field
@@ -56,9 +59,12 @@ import jsonschema
 import kmock
 import kubernetes_validate
 import kubernetes_validate.utils as kvu
+import yaml
 from kmock._internal import dsl, enums, parsing, references, rendering
 from kmock._internal.k8s import KubernetesError
 from referencing import Registry, Resource
+
+from . import fieldmanagers as fm
 
 VALIDATE_VERSION = "1.32"
 VALIDATED_KINDS = {"Pod", "ConfigMap", "Service", "StatefulSet", "Job", "PodDisruptionBudget", "Namespace",
@@ -273,6 +279,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     _controller_task: asyncio.Task[None] | None = attrs.field(default=None, init=False)
     _kick: asyncio.Event = attrs.field(factory=asyncio.Event, init=False)
     _closing: bool = attrs.field(default=False, init=False)
+    _managers: dict[tuple[references.resource, str | None, str], fm.Managers] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -474,6 +481,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             self._validate(res, obj)
         self._rv += 1
         meta["resourceVersion"] = str(self._rv)
+        self._managers.pop((res, ns, name), None)
         if (res, ns, name) in self._objects:
             self._objects[res, ns, name].create(copy.deepcopy(obj))  # keeps the soft-deleted history
         else:
@@ -569,6 +577,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     async def _remove(self, res: references.resource, ns: str | None, name: str, last: dict[str, Any],
                       orphan: bool = False) -> None:
         self._objects[res, ns, name].delete()
+        self._managers.pop((res, ns, name), None)
         await self._append(res, "DELETED", last, None)
         if last.get("kind") == "Namespace":
             for (r, n, nm_), obj in list(self._objects.items()):
@@ -704,6 +713,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self._info(res)
         assert res is not None and name is not None
         ctype = (request.headers.get("Content-Type") or "").split(";")[0].strip()
+        if ctype == "application/apply-patch+yaml":
+            return await self._serve_apply(request)
         async with self._lock:
             current = self._get(res, ns, name)
             if current is None:
@@ -728,8 +739,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
                     raise _err(422, "Invalid", f"invalid JSON patch: {exc}") from None
             else:
                 raise _err(415, "UnsupportedMediaType",
-                           f"the emulator implements merge and JSON patches only, not {ctype!r}")
-            return await self.update_object(res, ns, name, new, request.subresource)
+                           f"the emulator implements merge, JSON and apply patches only, not {ctype!r}")
+            return await self._tracked_update(request, current, new)
 
     async def _serve_replace(self, request: rendering.Request) -> rendering.Payload:
         res, ns, name = request.resource, request.namespace, request.name
@@ -748,7 +759,77 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 raise _err(409, "Conflict", f'Operation cannot be fulfilled on {res.plural} "{name}": the object '
                                             "has been modified; please apply your changes to the latest version "
                                             "and try again")
-            return await self.update_object(res, ns, name, copy.deepcopy(body), request.subresource)
+            return await self._tracked_update(request, current, copy.deepcopy(body))
+
+    # ----------------------------------------------------------------- server-side apply
+
+    @staticmethod
+    def _manager_of(request: rendering.Request) -> str:
+        """``?fieldManager=``, else the User-Agent's product (what a real server records)."""
+        agent = request.headers.get("User-Agent") or "unknown"
+        return request.params.get("fieldManager") or agent.split("/", 1)[0].split(" ", 1)[0] or "unknown"
+
+    def _stamp(self, obj: dict[str, Any], old: Mapping[str, Any] | None, table: fm.Managers,
+               before: fm.Managers | None) -> None:
+        """Render managedFields; unchanged ownership keeps the old rendering (a no-op stays a no-op)."""
+        meta = obj.setdefault("metadata", {})
+        if old is not None and table == before and "managedFields" in (old.get("metadata") or {}):
+            meta["managedFields"] = copy.deepcopy(old["metadata"]["managedFields"])
+        elif table:
+            meta["managedFields"] = fm.managed_fields(table, obj.get("apiVersion", ""), _now())
+        else:
+            meta.pop("managedFields", None)
+
+    async def _tracked_update(self, request: rendering.Request, current: dict[str, Any],
+                              new: dict[str, Any]) -> dict[str, Any]:
+        """A non-apply write (lock held): the writer takes over the fields it changed; writing
+        ``managedFields: [{}]`` strips ownership."""
+        res, ns, name = request.resource, request.namespace, request.name
+        assert res is not None and name is not None
+        key = (res, ns, name)
+        before = self._managers.get(key)
+        table = before
+        if (new.get("metadata") or {}).get("managedFields") == [{}]:
+            table = {}
+        elif before is not None and request.subresource is None:
+            table = fm.update(current, new, before, self._manager_of(request))
+        if table is not None and request.subresource is None:
+            self._stamp(new, current, table, before)
+        result = await self.update_object(res, ns, name, new, request.subresource)
+        if table is not None:
+            self._managers[key] = table
+        return result
+
+    async def _serve_apply(self, request: rendering.Request) -> rendering.Payload:
+        res, ns, name = request.resource, request.namespace, request.name
+        assert res is not None and name is not None
+        manager = request.params.get("fieldManager")
+        if not manager:
+            raise _err(422, "Invalid", "PatchOptions.meta.k8s.io \"\" is invalid: fieldManager: Required value: "
+                                       "is required for apply patch")
+        if request.subresource is not None:
+            raise _err(405, "MethodNotAllowed", f"apply to subresource {request.subresource} is not emulated")
+        config = request.data if isinstance(request.data, dict) else yaml.safe_load(request.text or "null")
+        if not isinstance(config, dict) or not config.get("apiVersion") or not config.get("kind"):
+            raise _err(400, "BadRequest", "an apply configuration must be an object with apiVersion and kind")
+        if (config.get("metadata") or {}).get("name") != name:
+            raise _err(400, "BadRequest", "the name of the object does not match the name on the URL")
+        force = request.params.get("force") == "true"
+        async with self._lock:
+            key = (res, ns, name)
+            current = self._get(res, ns, name)
+            before = self._managers.get(key, {}) if current is not None else {}
+            try:
+                obj, table = fm.apply(current, config, before, manager, force)
+            except fm.ApplyConflict as exc:
+                raise _err(409, "Conflict", str(exc)) from None
+            self._stamp(obj, current, table, before)
+            if current is None:
+                result = await self.create_object(res, ns, obj)
+            else:
+                result = await self.update_object(res, ns, name, obj, None)
+            self._managers[key] = table
+            return result
 
     async def _serve_delete(self, request: rendering.Request) -> rendering.Payload:
         res, ns, name = request.resource, request.namespace, request.name
