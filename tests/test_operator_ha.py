@@ -7,13 +7,12 @@ cluster (see ``tests/operator_support``), except where the emulator's request lo
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 
 from operator_support.harness import Cluster, running_operator
-from test_operator_api import add_nodes, bring_up, calibrate, cluster, deployment, node_pods, wait_phase
+from test_operator_api import add_nodes, bring_up, calibrate, cluster, deployment, wait_phase
 from vexpert_operator import kube
 from vexpert_operator import naming as nm
 
@@ -74,3 +73,54 @@ def test_children_of_the_hash_era_are_handed_over_to_the_apply(cluster: Cluster)
         [(kube.FIELD_MANAGER, "Apply")]
     action, again = cluster.run(kube.apply(cluster.client, kube.PDBS, desired))
     assert action == "unchanged" and again["metadata"]["resourceVersion"] == obj["metadata"]["resourceVersion"]
+
+
+# ------------------------------------------------------------------------ 2. label selectors
+
+
+def test_pods_and_jobs_are_listed_and_watched_with_a_label_selector(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    if cluster.emulator is None:
+        pytest.skip("the evidence is the emulator's request log")
+    with running_operator(cluster, monkeypatch):
+        running_group(cluster)
+    seen: dict[str, list[Any]] = {"pods": [], "jobs": []}
+    for request in cluster.emulator:
+        plural = str(request.url.path).rstrip("/").rsplit("/", 1)[-1]
+        if request.method == "GET" and plural in seen:  # collection URLs: list and watch
+            seen[plural].append(request)
+    for plural, requests in seen.items():
+        watches = [r for r in requests if r.params.get("watch") == "true"]
+        assert watches, f"no watch of {plural}"
+        unselected = [str(r.url) for r in requests if not r.params.get("labelSelector")]
+        assert unselected == [], f"{plural} listed or watched without a labelSelector"
+    assert {r.params["labelSelector"] for r in seen["pods"] if r.params.get("watch") == "true"} == \
+        {f"{nm.LABEL_MANAGED_BY}={nm.MANAGED_BY},{nm.LABEL_ROLE}={nm.ROLE_NODE}"}
+    assert {r.params["labelSelector"] for r in seen["jobs"] if r.params.get("watch") == "true"} == \
+        {f"{nm.LABEL_MANAGED_BY}={nm.MANAGED_BY},{nm.LABEL_ROLE}={nm.ROLE_CALIBRATION}"}
+
+
+# ------------------------------------------------------------------------------ 4. finalizers
+
+
+def test_deleting_a_deployment_does_not_need_the_operator(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    with running_operator(cluster, monkeypatch):
+        running_group(cluster)
+        assert not cluster.deployment("dsv3")["metadata"].get("finalizers")
+    # the operator is uninstalled; the deployment and everything it owns still go at once
+    cluster.delete(kube.DEPLOYMENTS, "dsv3")
+    cluster.wait_for(lambda: cluster.get(kube.DEPLOYMENTS, "dsv3") is None, timeout=10, what="the vxd gone")
+    for res, name in ((kube.STATEFULSETS, nm.statefulset_name("dsv3")), (kube.PDBS, nm.pdb_name("dsv3")),
+                      (kube.CONFIGMAPS, nm.config_map_name("dsv3")), (kube.SERVICES, nm.api_service_name("dsv3"))):
+        cluster.wait_for(lambda res=res, name=name: cluster.get(res, name) is None, what=f"{name} collected")
+
+
+def test_the_finalizer_of_older_versions_is_removed(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    add_nodes(cluster, 2)
+    body = deployment(calibration__mode="skip")
+    body["metadata"]["finalizers"] = [nm.FINALIZER]
+    cluster.create(body)
+    with running_operator(cluster, monkeypatch):
+        cluster.wait_for(lambda: not cluster.deployment("dsv3")["metadata"].get("finalizers"),
+                         what="the legacy finalizer removed")
+        cluster.wait_for(lambda: cluster.get(kube.STATEFULSETS, nm.statefulset_name("dsv3")), what="the group")

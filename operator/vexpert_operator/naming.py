@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .api import GROUP
@@ -46,6 +46,11 @@ def stable_hash(obj: Any, length: int = 10) -> str:
     """A short, stable hash of a JSON-able object (sorted keys)."""
     blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:length]
+
+
+def label_selector(labels: Mapping[str, str]) -> str:
+    """``{"a": "1", "b": "2"}`` → ``a=1,b=2`` (equality requirements, sorted)."""
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
 
 
 def slug(text: str, max_len: int = 63) -> str:
