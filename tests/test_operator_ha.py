@@ -7,6 +7,7 @@ cluster (see ``tests/operator_support``), except where the emulator's request lo
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -124,3 +125,69 @@ def test_the_finalizer_of_older_versions_is_removed(cluster: Cluster, monkeypatc
         cluster.wait_for(lambda: not cluster.deployment("dsv3")["metadata"].get("finalizers"),
                          what="the legacy finalizer removed")
         cluster.wait_for(lambda: cluster.get(kube.STATEFULSETS, nm.statefulset_name("dsv3")), what="the group")
+
+
+# ------------------------------------------------------------------------ 5. disruption policy
+
+
+def evict(cluster: Cluster, pod: str) -> int:
+    """One eviction API call, as ``kubectl drain`` makes them: 201, or 429 while the budget forbids."""
+    body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": cluster.namespace}}
+    try:
+        cluster.run(cluster.client.request("POST", kube.PODS.path(cluster.namespace, pod, "eviction"), body=body))
+    except kube.ApiError as exc:
+        return exc.status
+    return 201
+
+
+def test_a_running_group_is_protected_from_evictions_until_its_node_is_drained(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    with running_operator(cluster, monkeypatch):
+        pods = running_group(cluster)
+        nodes = sorted(cluster.created_nodes)
+        for pod, node in zip(sorted(p["metadata"]["name"] for p in pods), nodes, strict=True):  # the scheduler
+            cluster.run(cluster.client.request("POST", kube.PODS.path(cluster.namespace, pod, "binding"), body={
+                "apiVersion": "v1", "kind": "Binding", "metadata": {"name": pod}, "target": {"kind": "Node",
+                                                                                         "name": node}}))
+        victim = "dsv3-node-1"
+        node = cluster.get(kube.PODS, victim)["spec"]["nodeName"]  # type: ignore[index]
+        # An accidental eviction (autoscaler scale-down, descheduler) is refused: the group keeps serving.
+        assert evict(cluster, victim) == 429
+        # `kubectl drain NODE`: cordon, then evict every pod, retrying on 429 every few seconds.
+        cluster.patch(kube.NODES, node, {"spec": {"unschedulable": True}})
+        started = time.monotonic()
+        cluster.wait_for(lambda: evict(cluster, victim) == 201, timeout=15, interval=0.2, what="the eviction")
+        drained_in = time.monotonic() - started
+        pdb = cluster.get(kube.PDBS, nm.pdb_name("dsv3"))
+        assert pdb is not None and pdb["spec"] == {"maxUnavailable": 1, "selector": pdb["spec"]["selector"],
+                                                   "unhealthyPodEvictionPolicy": "AlwaysAllow"}
+        assert pdb["metadata"]["annotations"][nm.ANNOTATION_DRAINED_NODES] == node
+        # The rank is gone: the operator re-forms the group (its pods wait for schedulable nodes).
+        cluster.wait_for(lambda: cluster.status("dsv3")["group"]["restarts"] >= 1 or
+                         cluster.status("dsv3")["phase"] != "Running", what="the group re-formed")
+        # Uncordoned after the maintenance: the budget protects the whole group again.
+        cluster.patch(kube.NODES, node, {"spec": {"unschedulable": None}})
+        bring_up(cluster, "dsv3")
+        cluster.wait_for(lambda: cluster.get(kube.PDBS, nm.pdb_name("dsv3"))["spec"].get("minAvailable") == 2,  # type: ignore[index]
+                         what="minAvailable back")
+    assert drained_in < 10
+
+
+def test_the_budget_relaxes_only_for_cordoned_nodes_running_a_rank() -> None:
+    from vexpert_operator.group import nodes_being_drained
+    from vexpert_operator.manifests import build_pdb
+    from vexpert_operator.validation import parse_spec
+
+    pods = [{"metadata": {"name": "a"}, "spec": {"nodeName": "n1"}},
+            {"metadata": {"name": "b"}, "spec": {"nodeName": "n2"}},
+            {"metadata": {"name": "c", "deletionTimestamp": "x"}, "spec": {"nodeName": "n3"}},
+            {"metadata": {"name": "d"}, "spec": {}}]
+    assert nodes_being_drained(pods, ["n9"]) == ()  # a cordoned node without a rank changes nothing
+    assert nodes_being_drained(pods, ["n3"]) == ()  # nor one whose rank is already going
+    assert nodes_being_drained(pods, ["n2", "n1", "n9"]) == ("n1", "n2")
+    spec, problems = parse_spec(deployment()["spec"])
+    assert spec is not None and not problems
+    assert build_pdb("d", "ns", spec, [])["spec"]["minAvailable"] == 2
+    relaxed = build_pdb("d", "ns", spec, [], ("n1",))
+    assert "minAvailable" not in relaxed["spec"] and relaxed["spec"]["maxUnavailable"] == 1
+    assert relaxed["metadata"]["annotations"] == {nm.ANNOTATION_DRAINED_NODES: "n1"}

@@ -7,7 +7,7 @@ operator and ``vexpert render`` call it, so what you review is what the operator
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vexpert_runtime.config import (
@@ -351,15 +351,21 @@ def build_statefulset(name: str, namespace: str, spec: VExpertDeploymentSpec, te
     }
 
 
-def build_pdb(name: str, namespace: str, spec: VExpertDeploymentSpec, owner: list[dict[str, Any]]) -> Manifest:
-    """No voluntary disruption of a healthy group (losing one rank stops all); unhealthy pods may go."""
+def build_pdb(name: str, namespace: str, spec: VExpertDeploymentSpec, owner: list[dict[str, Any]],
+              drained_nodes: Sequence[str] = ()) -> Manifest:
+    """No voluntary disruption of a healthy group (losing one rank stops all: an autoscaler's
+    scale-down or a descheduler must not take a serving group down), unless a node of the group
+    is cordoned: then an administrator is draining it and one rank may be evicted (the operator
+    re-forms the group without it). Unhealthy pods may always go."""
     labels = nm.deployment_labels(name) | {nm.LABEL_COMPONENT: "node"}
+    budget: dict[str, Any] = {"maxUnavailable": 1} if drained_nodes else {"minAvailable": spec.parallelism.num_nodes}
+    annotations = {nm.ANNOTATION_DRAINED_NODES: ",".join(drained_nodes)} if drained_nodes else None
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(nm.pdb_name(name), namespace, labels, owner),
+        "metadata": _metadata(nm.pdb_name(name), namespace, labels, owner, annotations),
         "spec": {
-            "minAvailable": spec.parallelism.num_nodes,
+            **budget,
             "selector": {"matchLabels": nm.node_selector_labels(name)},
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },

@@ -29,6 +29,7 @@ LABEL_NODE_TYPE = f"{GROUP}/node-type"
 LABEL_MODEL_KEY = f"{GROUP}/model-key"
 LABEL_ATTEMPT = f"{GROUP}/attempt"
 ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
+ANNOTATION_DRAINED_NODES = f"{GROUP}/drained-nodes"  # on the PDB: the cordoned nodes that relax it
 ANNOTATION_MODEL = f"{GROUP}/model"
 ANNOTATION_REVISION = f"{GROUP}/model-revision"
 ANNOTATION_NODE_TYPE_KEY = f"{GROUP}/node-type-key"

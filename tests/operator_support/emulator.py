@@ -177,6 +177,27 @@ def field_selector_matches(selector: str | None, obj: Mapping[str, Any]) -> bool
     return True
 
 
+def _selector_matches(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> bool:
+    """A PDB's ``LabelSelector`` (matchLabels only, which is all the operator writes): in policy/v1
+    a null selector matches no pod, an empty one every pod of the namespace."""
+    if selector is None:
+        return False
+    return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+
+
+def _pod_ready(pod: Mapping[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def _scaled(value: int | str, total: int, round_up: bool) -> int:
+    """An int-or-percent field of a PDB against ``total`` pods."""
+    if isinstance(value, str) and value.endswith("%"):
+        exact = int(value[:-1]) * total / 100
+        return int(-(-exact // 1)) if round_up else int(exact)
+    return int(value)
+
+
 # ------------------------------------------------------------------------------------------ patches
 
 
@@ -290,6 +311,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                                                                             "apiextensions.k8s.io"):
                 self._status_sub.add(res)
         self.fallback["put"] << self._serve_replace
+        self.fallback["post"] << self._serve_create  # kmock guesses no action for POSTs to subresources
 
     async def __aenter__(self) -> KubeEmulator:
         await super().__aenter__()
@@ -704,7 +726,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
                         await asyncio.wait_for(self._changed.wait(), timeout=min(remaining or 1.0, 1.0))
 
     async def _serve_create(self, request: rendering.Request) -> rendering.Payload:
+        self._info(request.resource)
         assert request.resource is not None
+        if request.resource.plural == "pods" and request.subresource == "eviction":
+            return await self._serve_eviction(request)
+        if request.resource.plural == "pods" and request.subresource == "binding":
+            return await self._serve_binding(request)
+        if request.name is not None:
+            raise _err(405, "MethodNotAllowed", f"POST to {request.subresource or 'an object'} is not emulated")
         async with self._lock:
             return await self.create_object(request.resource, request.namespace, request.data)
 
@@ -760,6 +789,69 @@ class KubeEmulator(kmock.KubernetesEmulator):
                                             "has been modified; please apply your changes to the latest version "
                                             "and try again")
             return await self._tracked_update(request, current, copy.deepcopy(body))
+
+    # ------------------------------------------------------------------ eviction, binding
+
+    async def _serve_eviction(self, request: rendering.Request) -> rendering.Payload:
+        """The eviction API: refused with 429 while a matching PDB allows no disruption, else the
+        pod is deleted. The budget is computed on the spot (the real disruption controller keeps it
+        in the PDB's status), from Ready pods, ``minAvailable`` (number or percent) or
+        ``maxUnavailable`` against the owning StatefulSet's replicas, and
+        ``unhealthyPodEvictionPolicy``."""
+        pod_res, ns, name = request.resource, request.namespace, request.name
+        assert pod_res is not None and name is not None
+        async with self._lock:
+            pod = self._get(pod_res, ns, name)
+            if pod is None:
+                raise self._not_found(pod_res, name)
+            labels = pod["metadata"].get("labels") or {}
+            pdbs = [p for p in self._all(references.resource("policy", "v1", "poddisruptionbudgets"), ns)
+                    if _selector_matches((p.get("spec") or {}).get("selector"), labels)]
+            if len(pdbs) > 1:
+                raise _err(500, "InternalError", "This pod has more than one PodDisruptionBudget, which the eviction "
+                                                 "subresource does not support.")
+            if pdbs and not self._disruption_allowed(pdbs[0], pod, ns):
+                raise _err(429, "TooManyRequests", "Cannot evict pod as it would violate the pod's disruption "
+                                                   f"budget (PodDisruptionBudget {pdbs[0]['metadata']['name']}).")
+            await self.delete_object(pod_res, ns, name)
+        return {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}
+
+    def _disruption_allowed(self, pdb: Mapping[str, Any], pod: Mapping[str, Any], ns: str | None) -> bool:
+        spec = pdb.get("spec") or {}
+        pods = [p for p in self._live(references.resource("", "v1", "pods"), ns)
+                if not p["metadata"].get("deletionTimestamp")
+                and _selector_matches(spec.get("selector"), p["metadata"].get("labels") or {})]
+        healthy = sum(1 for p in pods if _pod_ready(p))
+        if not _pod_ready(pod) and spec.get("unhealthyPodEvictionPolicy") == "AlwaysAllow":
+            return True
+        expected = len(pods)
+        for ref in pod["metadata"].get("ownerReferences") or []:
+            if ref.get("kind") == "StatefulSet":
+                owner = self._get(references.resource("apps", "v1", "statefulsets"), ns, ref["name"])
+                if owner is not None:
+                    expected = int((owner.get("spec") or {}).get("replicas", 1))
+        if "minAvailable" in spec:
+            desired = _scaled(spec["minAvailable"], expected, round_up=True)
+        else:
+            desired = expected - _scaled(spec.get("maxUnavailable", 0), expected, round_up=True)
+        return healthy - desired > 0 and (_pod_ready(pod) or healthy >= desired)
+
+    async def _serve_binding(self, request: rendering.Request) -> rendering.Payload:
+        """``pods/binding``: what the scheduler does (sets ``spec.nodeName`` once)."""
+        pod_res, ns, name = request.resource, request.namespace, request.name
+        assert pod_res is not None and name is not None
+        target = ((request.data or {}).get("target") or {}).get("name") if isinstance(request.data, Mapping) else None
+        if not target:
+            raise _err(400, "BadRequest", "a Binding needs target.name")
+        async with self._lock:
+            pod = self._get(pod_res, ns, name)
+            if pod is None:
+                raise self._not_found(pod_res, name)
+            if (pod.get("spec") or {}).get("nodeName"):
+                raise _err(409, "Conflict", f'pod {name} is already assigned to node "{pod["spec"]["nodeName"]}"')
+            pod["spec"]["nodeName"] = target
+            await self.update_object(pod_res, ns, name, pod, None, validate=False)
+        return {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}
 
     # ----------------------------------------------------------------- server-side apply
 
