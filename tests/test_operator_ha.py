@@ -7,14 +7,18 @@ cluster (see ``tests/operator_support``), except where the emulator's request lo
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from typing import Any
 
 import pytest
 
-from operator_support.harness import Cluster, running_operator
+from operator_support.harness import OPERATOR_ENV, REPO, Cluster, running_operator
 from test_operator_api import add_nodes, bring_up, calibrate, cluster, deployment, wait_phase
-from vexpert_operator import kube
+from vexpert_operator import kube, leader
 from vexpert_operator import naming as nm
 
 __all__ = ["cluster"]  # the fixture (emulator, and the real cluster when KUBECONFIG is set)
@@ -191,3 +195,61 @@ def test_the_budget_relaxes_only_for_cordoned_nodes_running_a_rank() -> None:
     relaxed = build_pdb("d", "ns", spec, [], ("n1",))
     assert "minAvailable" not in relaxed["spec"] and relaxed["spec"]["maxUnavailable"] == 1
     assert relaxed["metadata"]["annotations"] == {nm.ANNOTATION_DRAINED_NODES: "n1"}
+
+
+# --------------------------------------------------------------------------- 3. leader election
+
+
+def start_replica(cluster: Cluster, log: Any) -> subprocess.Popen[bytes]:
+    """One operator replica as the chart runs it (``python -m vexpert_operator``), a process of its own."""
+    env = {**os.environ, **OPERATOR_ENV, "VEXPERT_OPERATOR_LEADER_ELECTION": "true",
+           "VEXPERT_OPERATOR_LEASE_NAMESPACE": cluster.namespace,
+           "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("runtime", "operator"))}
+    return subprocess.Popen([sys.executable, "-m", "vexpert_operator", "--namespace", cluster.namespace],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def lease_holder(cluster: Cluster) -> str:
+    lease = cluster.get(kube.LEASES, leader.LEASE_NAME)
+    return ((lease or {}).get("spec") or {}).get("holderIdentity") or ""
+
+
+def test_a_standby_replica_takes_over_within_30_s_of_the_leader_dying(
+        cluster: Cluster, tmp_path: Any) -> None:
+    add_nodes(cluster, 2)
+    logs = [open(tmp_path / f"replica-{i}.log", "wb") for i in range(2)]  # noqa: SIM115
+    first = start_replica(cluster, logs[0])
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        holder = cluster.wait_for(lambda: lease_holder(cluster), timeout=30, what="a leader")
+        second = start_replica(cluster, logs[1])
+        cluster.create(deployment(calibration__mode="skip"))
+        cluster.wait_for(lambda: cluster.get(kube.STATEFULSETS, nm.statefulset_name("dsv3")), timeout=30,
+                         what="the leader reconciling")
+        time.sleep(2 * 15 / 7.5)  # the standby has seen the renewing leader for a few retries
+        assert lease_holder(cluster) == holder, "the standby must not take a renewed Lease"
+        os.killpg(first.pid, signal.SIGKILL)  # no clean shutdown: the Lease is not released
+        first.wait(10)
+        died = time.monotonic()
+        generation = cluster.patch(kube.DEPLOYMENTS, "dsv3", {"spec": {"runtime": {
+            "groupRestartBackoffSeconds": 3}}})["metadata"]["generation"]
+        cluster.wait_for(lambda: cluster.status("dsv3").get("observedGeneration") == generation, timeout=30,
+                         interval=0.2, what="the standby reconciling the change")
+        took = time.monotonic() - died
+        new_holder = lease_holder(cluster)
+        assert new_holder and new_holder != holder
+        assert took < 30, took
+        print(f"takeover: the change was reconciled {took:.1f} s after the leader died")
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()  # the clean way: kopf stops, the Lease is released
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+        for log in logs:
+            log.close()
+    if second is not None:
+        assert second.returncode == 0, (tmp_path / "replica-1.log").read_text()[-3000:]
+        assert lease_holder(cluster) == "", "a replica stopping cleanly releases the Lease"
