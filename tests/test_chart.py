@@ -123,7 +123,7 @@ def test_deploy_manifest_is_rendered_from_the_chart(helm: Helm) -> None:
         if doc["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
             assert doc["metadata"]["namespace"] == "vexpert-system", doc["kind"]
     assert {d["kind"] for d in docs} == {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
-                                         "Service", "Deployment"}
+                                         "Role", "RoleBinding", "Service", "Deployment", "PodDisruptionBudget"}
 
 
 # -------------------------------------------------------------------------------- lint, validate
@@ -155,7 +155,8 @@ def test_deploy_manifest_validates_through_the_cli() -> None:
 
 BAD_VALUES = [
     (["--set", "image.pullPolicy=Sometimes"], "image.pullPolicy must be one of the following"),
-    (["--set", "replicaCount=2"], "Additional property replicaCount is not allowed"),
+    (["--set", "replicas=2"], "Additional property replicas is not allowed"),
+    (["--set", "leaderElection.enabled=false"], "replicaCount is 2 but leaderElection.enabled is false"),
     (["--set", "settings.reconcileIntervalSeconds=0"], "settings.reconcileIntervalSeconds: Must be greater than 0"),
     (["--set", "metrics.port=70000"], "metrics.port: Must be less than or equal to 65535"),
     (["--set-string", "metrics.port=8080"], "metrics.port: Invalid type. Expected: integer, given: string"),
@@ -221,11 +222,21 @@ def container(docs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("values", VALUE_SETS)
-def test_operator_deployment_is_one_recreated_replica_with_valid_settings(helm: Helm, values: str) -> None:
+def test_operator_deployment_is_two_replicas_with_leader_election_and_valid_settings(helm: Helm, values: str) -> None:
     docs = helm.render(values)
     deployment = one(docs, "Deployment")
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",
+                                              "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    pdb = one(docs, "PodDisruptionBudget")
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": selector}}
+    anti = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    term = anti["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname" and term["labelSelector"]["matchLabels"] == selector
+    env = {e["name"]: e.get("value") for e in container(docs)["env"]}
+    assert env["VEXPERT_OPERATOR_LEADER_ELECTION"] == "true"
+    assert env["VEXPERT_OPERATOR_LEASE_NAMESPACE"] == "vexpert-system"
     pod = deployment["spec"]["template"]["spec"]
     assert set(deployment["spec"]["selector"]["matchLabels"].items()) <= set(
         deployment["spec"]["template"]["metadata"]["labels"].items())
@@ -322,7 +333,8 @@ def _resources(node: ast.expr, module: types.ModuleType) -> list[kube.Resource] 
 
 
 CLIENT_VERBS = {"get": {"get"}, "get_or_none": {"get"}, "list": {"list"}, "create": {"create"},
-                "replace": {"update"}, "patch": {"patch"}, "delete": {"delete"}}
+                "replace": {"update"}, "patch": {"patch"}, "delete": {"delete"},
+                "server_side_apply": {"patch", "create"}}  # an apply creates what is missing
 
 
 class _Calls(ast.NodeVisitor):
@@ -502,10 +514,20 @@ def test_code_scan_resolves_every_api_call() -> None:
             ("apps", "statefulsets", "update"), ("", "pods", "delete"), ("batch", "jobs", "create")} <= perms
 
 
+LEASE_PERMS = {("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")}
+
+
 def test_cluster_role_is_exactly_the_api_calls_the_operator_makes(helm: Helm) -> None:
     docs = helm.render("default")
     code, _ = api_calls_in_the_code()
-    needed = code | set(kopf_needs("--all-namespaces" in container(docs)["args"])) | owner_reference_needs()
+    assert code & LEASE_PERMS == LEASE_PERMS  # leader election, granted in its namespace only
+    needed = (code - LEASE_PERMS) | set(kopf_needs("--all-namespaces" in container(docs)["args"])) | \
+        owner_reference_needs()
+    assert rule_perms(one(docs, "Role")["rules"]) == LEASE_PERMS
+    assert one(docs, "Role")["metadata"]["namespace"] == "vexpert-system"
+    binding = one(docs, "RoleBinding")
+    assert binding["roleRef"]["name"] == one(docs, "Role")["metadata"]["name"]
+    assert binding["subjects"] == one(docs, "ClusterRoleBinding")["subjects"]
     granted = rule_perms(one(docs, "ClusterRole")["rules"])
     assert sorted(granted - needed) == [], "granted but never used: remove from templates/clusterrole.yaml"
     assert sorted(needed - granted) == [], "used but not granted: add to templates/clusterrole.yaml"
@@ -513,8 +535,8 @@ def test_cluster_role_is_exactly_the_api_calls_the_operator_makes(helm: Helm) ->
 
 def test_rbac_has_no_wildcards_and_nodes_are_read_only(helm: Helm) -> None:
     docs = helm.render("default")
-    assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")
-    rules = one(docs, "ClusterRole")["rules"]
+    assert [r["metadata"]["name"] for r in by_kind(docs, "Role")] == ["vexpert-operator-leader-election"]
+    rules = one(docs, "ClusterRole")["rules"] + one(docs, "Role")["rules"]
     for rule in rules:
         assert set(rule) <= {"apiGroups", "resources", "verbs"}, rule  # no nonResourceURLs / resourceNames
         for key in ("apiGroups", "resources", "verbs"):

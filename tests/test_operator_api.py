@@ -298,8 +298,9 @@ def test_a_child_the_api_server_refuses_shows_in_status_and_a_later_success_clea
     message = 'StatefulSet.apps "dsv3-node" is invalid: spec.template.spec.containers[0].volumeMounts[2]: nope'
     refusal = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Invalid", "code": 422,
                "message": message}
-    # the first two creates are refused (two reconciles), the third goes through
-    cluster.emulator["post", f"/apis/apps/v1/namespaces/{cluster.namespace}/statefulsets"][:2] << 422 << refusal
+    # the first two applies are refused (two reconciles), the third goes through
+    cluster.emulator["patch", f"/apis/apps/v1/namespaces/{cluster.namespace}/statefulsets/dsv3-node"][:2] \
+        << 422 << refusal
     with running_operator(cluster, monkeypatch):
         cluster.create(deployment(calibration__mode="skip"))
         cond = cluster.wait_for(lambda: (lambda c: c if c.get("status") == "True" else None)(
@@ -591,4 +592,8 @@ def test_children_are_valid_kubernetes_objects(cluster: Cluster, monkeypatch: py
     assert rejected == []
     posts = [r for r in cluster.emulator if r.method == "POST"]
     kinds = {(r.data or {}).get("kind") for r in posts if isinstance(r.data, dict)}
-    assert {"Job", "ConfigMap", "Service", "StatefulSet", "PodDisruptionBudget", "VExpertNodeProfile"} <= kinds
+    assert {"Job", "VExpertNodeProfile"} <= kinds
+    applies = [r for r in cluster.emulator if r.method == "PATCH" and
+               r.headers.get("Content-Type", "").startswith("application/apply-patch+yaml")]
+    assert {r.params.get("fieldManager") for r in applies} == {kube.FIELD_MANAGER}
+    assert {r.data.get("kind") for r in applies} == {"ConfigMap", "Service", "StatefulSet", "PodDisruptionBudget"}

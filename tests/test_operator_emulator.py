@@ -234,3 +234,35 @@ def test_injected_faults_prevent_the_change(env: tuple[Cluster, EmulatorServer])
     assert api_error(cluster.create, CM).status == 500
     time.sleep(0.05)
     assert cluster.get(kube.CONFIGMAPS, "c") is None
+
+
+def test_server_side_apply_owns_merges_removes_and_conflicts(env: tuple[Cluster, EmulatorServer]) -> None:
+    """``application/apply-patch+yaml`` as the operator uses it (see ``fieldmanagers.py``)."""
+    from operator_support.fieldmanagers import parse_managed_fields
+
+    cluster, _ = env
+    client = cluster.client
+    cfg = {"apiVersion": "v1", "kind": "ConfigMap",
+           "metadata": {"name": "s", "namespace": "ns", "labels": {"a": "1"}}, "data": {"x": "1", "y": "2"}}
+    created = cluster.run(client.server_side_apply(kube.CONFIGMAPS, cfg))  # creates
+    owners = parse_managed_fields(created["metadata"]["managedFields"])
+    assert owners == {("vexpert-operator", "Apply"): {("metadata", "labels", "a"), ("data", "x"), ("data", "y")}}
+    again = cluster.run(client.server_side_apply(kube.CONFIGMAPS, cfg))  # a no-op apply writes nothing
+    assert again["metadata"]["resourceVersion"] == created["metadata"]["resourceVersion"]
+    # Another writer changes an owned field and adds its own: it takes the changed one over.
+    cluster.patch(kube.CONFIGMAPS, "s", {"data": {"x": "drift", "z": "theirs"}})
+    # Without force the applier is told; with force it takes the field back, and keeps theirs.
+    err = api_error(cluster.run, client.server_side_apply(kube.CONFIGMAPS, cfg, force=False))
+    assert err.status == 409 and "data.x" in err.message
+    fixed = cluster.run(client.server_side_apply(kube.CONFIGMAPS, cfg))
+    assert fixed["data"] == {"x": "1", "y": "2", "z": "theirs"}
+    # Dropping a field from the configuration removes it (nobody else owns it); others stay.
+    smaller = {**cfg, "metadata": {"name": "s", "namespace": "ns"}, "data": {"x": "1"}}
+    shrunk = cluster.run(client.server_side_apply(kube.CONFIGMAPS, smaller))
+    assert shrunk["data"] == {"x": "1", "z": "theirs"} and "labels" not in shrunk["metadata"]
+    # managedFields: [{}] in a PUT strips ownership (how kube.apply hands over legacy children).
+    body = {**shrunk, "metadata": {**shrunk["metadata"], "managedFields": [{}]}}
+    stripped = cluster.run(client.replace(kube.CONFIGMAPS, body))
+    assert "managedFields" not in stripped["metadata"]
+    assert api_error(cluster.run, client.server_side_apply(kube.CONFIGMAPS, {**cfg, "metadata": {"name": "s"},
+                                                                             "kind": ""})).status == 400

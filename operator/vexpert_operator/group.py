@@ -118,3 +118,12 @@ def decide_group(pods: Iterable[PodSummary], desired_hash: str, num_nodes: int, 
     formed = len(ready) == num_nodes and len(live) == num_nodes
     return GroupDecision("none", ready_nodes=len(ready), formed=formed,
                          members=sorted(p.uid for p in ready) if formed else [])
+
+
+def nodes_being_drained(pods: Iterable[Mapping[str, Any]], cordoned: Iterable[str]) -> tuple[str, ...]:
+    """The cordoned nodes (``spec.unschedulable``, the first step of ``kubectl drain`` and of every
+    node upgrade tool) that run one of the group's pods: an administrator is taking them down, so
+    the group's disruption budget lets one rank be evicted (``manifests.build_pdb``)."""
+    cordoned = set(cordoned)
+    on = {(p.get("spec") or {}).get("nodeName") for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")}
+    return tuple(sorted(cordoned & {n for n in on if n}))

@@ -3,8 +3,11 @@
 A small async client over aiohttp (kopf's own dependency) using the same ``kopf.ConnectionInfo``
 the operator logged in with: in-cluster service account, else ``$KUBECONFIG`` (read at login time,
 not import time), else ``~/.kube/config``. Plain JSON dicts in and out; errors are ``ApiError``.
-Updates are whole-object PUTs with ``resourceVersion`` (409 on conflict) or JSON merge patches —
-never strategic merge — so the semantics are the same on every API server.
+Children are written with server-side apply (field manager ``vexpert-operator``, forced): the API
+server merges what the operator owns and removes what it stopped setting, and any other writer's
+change to an owned field is taken back on the next reconcile (drift correction). Other updates are
+whole-object PUTs with ``resourceVersion`` (409 on conflict) or JSON merge patches — never strategic
+merge — so the semantics are the same on every API server.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ EVENTS = Resource("", "v1", "events")
 STATEFULSETS = Resource("apps", "v1", "statefulsets")
 JOBS = Resource("batch", "v1", "jobs")
 PDBS = Resource("policy", "v1", "poddisruptionbudgets")
+LEASES = Resource("coordination.k8s.io", "v1", "leases")
 CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", namespaced=False)
 DEPLOYMENTS = Resource(GROUP, VERSION, DEPLOYMENT_PLURAL)
 NODE_PROFILES = Resource(GROUP, VERSION, NODE_PROFILE_PLURAL, namespaced=False)
@@ -63,8 +67,13 @@ MODEL_PROFILES = Resource(GROUP, VERSION, MODEL_PROFILE_PLURAL)
 KIND_TO_RESOURCE: dict[str, Resource] = {
     "Namespace": NAMESPACES, "Node": NODES, "Pod": PODS, "ConfigMap": CONFIGMAPS, "Service": SERVICES,
     "StatefulSet": STATEFULSETS, "Job": JOBS, "PodDisruptionBudget": PDBS, "CustomResourceDefinition": CRDS,
-    "VExpertDeployment": DEPLOYMENTS, "VExpertNodeProfile": NODE_PROFILES, "VExpertModelProfile": MODEL_PROFILES,
+    "Lease": LEASES, "VExpertDeployment": DEPLOYMENTS, "VExpertNodeProfile": NODE_PROFILES, "VExpertModelProfile": MODEL_PROFILES,
 }
+
+
+FIELD_MANAGER = "vexpert-operator"
+# Stamped on children by operator versions that compared a hash instead of applying (see ``apply``).
+LEGACY_APPLIED_HASH = "vexpert.io/applied-hash"
 
 
 class ApiError(Exception):
@@ -228,6 +237,15 @@ class KubeClient:
         return await self.request("PATCH", res.path(namespace, name, subresource), body=patch,
                                   content_type="application/merge-patch+json")
 
+    async def server_side_apply(self, res: Resource, body: Mapping[str, Any], *, force: bool = True,
+                                field_manager: str = FIELD_MANAGER) -> dict[str, Any]:
+        """``PATCH`` as ``application/apply-patch+yaml`` (JSON is YAML): creates the object or merges
+        the fields this manager sets; ``force`` takes over fields another manager changed."""
+        meta = body.get("metadata") or {}
+        params = {"fieldManager": field_manager, "force": "true" if force else "false"}
+        return await self.request("PATCH", res.path(meta.get("namespace"), meta["name"]), body=body, params=params,
+                                  content_type="application/apply-patch+yaml")
+
     async def delete(self, res: Resource, name: str, namespace: str | None = None, *,
                      propagation: str = "Background", uid: str | None = None) -> bool:
         """Delete; False if it was already gone. ``uid`` makes it a precondition (409 if replaced)."""
@@ -244,30 +262,36 @@ class KubeClient:
 
 
 async def apply(client: KubeClient, res: Resource, desired: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """Create, or replace when ``vexpert.io/applied-hash`` differs. Returns (created|updated|unchanged, obj).
+    """Server-side apply ``desired`` (complete: every field the operator wants, nothing else).
+    Returns (created|updated|unchanged, obj).
 
-    Replacement is a PUT carrying the live ``resourceVersion`` (a concurrent writer gets 409 and the
-    next reconcile retries) and keeps server-owned fields (e.g. a Service's clusterIP).
+    Forced, on every reconcile: a ``kubectl scale`` or an edited PDB is reverted by the next one. The
+    GET before tells created/updated/unchanged apart (metrics, logs) and finds children written by
+    an operator version that PUT them (``LEGACY_APPLIED_HASH``): those are handed over first.
     """
-    from .naming import ANNOTATION_APPLIED_HASH
-
     meta = desired["metadata"]
     live = await client.get_or_none(res, meta["name"], meta.get("namespace"))
+    if live is not None and LEGACY_APPLIED_HASH in ((live.get("metadata") or {}).get("annotations") or {}):
+        live = await _hand_over(client, res, desired, live)
+    applied = await client.server_side_apply(res, desired)
     if live is None:
-        try:
-            return "created", await client.create(res, desired)
-        except ApiError as exc:
-            if not exc.conflict:
-                raise
-            live = await client.get(res, meta["name"], meta.get("namespace"))
-    want = (meta.get("annotations") or {}).get(ANNOTATION_APPLIED_HASH)
-    have = ((live.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_APPLIED_HASH)
-    if want and want == have:
-        return "unchanged", live
+        return "created", applied
+    same = applied["metadata"].get("resourceVersion") == live["metadata"].get("resourceVersion")
+    return ("unchanged" if same else "updated"), applied
+
+
+async def _hand_over(client: KubeClient, res: Resource, desired: Mapping[str, Any], live: Mapping[str, Any]
+                     ) -> dict[str, Any]:
+    """A child an older operator PUT: its fields belong to an ``Update`` manager, so an apply
+    would share them and never remove one the operator stopped setting (a PDB would keep its old
+    ``minAvailable`` next to the new ``maxUnavailable`` and be refused). One PUT of the desired
+    object with ``managedFields: [{}]`` (the documented way to strip them) leaves exactly the
+    desired fields, owned by nobody; the apply that follows owns them all."""
     body = json.loads(json.dumps(desired))
     body["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
-    if res == SERVICES and "clusterIP" in (live.get("spec") or {}):
+    body["metadata"]["managedFields"] = [{}]
+    if res == SERVICES and "clusterIP" in (live.get("spec") or {}):  # allocated by the server, immutable
         body["spec"]["clusterIP"] = live["spec"]["clusterIP"]
         if "clusterIPs" in live["spec"]:
             body["spec"]["clusterIPs"] = live["spec"]["clusterIPs"]
-    return "updated", await client.replace(res, body)
+    return await client.replace(res, body)

@@ -7,7 +7,7 @@ operator and ``vexpert render`` call it, so what you review is what the operator
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vexpert_runtime.config import (
@@ -76,13 +76,6 @@ def _metadata(name: str, namespace: str, labels: Mapping[str, str], owner: list[
     return meta
 
 
-def with_applied_hash(manifest: Manifest) -> Manifest:
-    """Stamp ``vexpert.io/applied-hash`` (hash of everything else) so updates are needed only on change."""
-    digest = nm.stable_hash(manifest, 16)
-    manifest["metadata"].setdefault("annotations", {})[nm.ANNOTATION_APPLIED_HASH] = digest
-    return manifest
-
-
 # --------------------------------------------------------------------------------- runtime config
 
 
@@ -129,13 +122,13 @@ def config_hash(config: RuntimeConfig) -> str:
 
 def build_config_map(name: str, namespace: str, config: RuntimeConfig, owner: list[dict[str, Any]]) -> Manifest:
     labels = nm.deployment_labels(name) | {nm.LABEL_COMPONENT: "config"}
-    return with_applied_hash({
+    return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(nm.config_map_name(name), namespace, labels, owner,
                               {nm.ANNOTATION_CONFIG_HASH: config_hash(config)}),
         "data": {CONFIG_FILE: config.to_yaml()},
-    })
+    }
 
 
 # ---------------------------------------------------------------------------------------- service
@@ -144,7 +137,7 @@ def build_config_map(name: str, namespace: str, config: RuntimeConfig, owner: li
 def build_service(name: str, namespace: str, spec: VExpertDeploymentSpec, owner: list[dict[str, Any]]) -> Manifest:
     """Headless Service: stable DNS per rank for the rendezvous, published before pods are Ready."""
     labels = nm.deployment_labels(name) | {nm.LABEL_COMPONENT: "rendezvous"}
-    return with_applied_hash({
+    return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(nm.service_name(name), namespace, labels, owner),
@@ -157,7 +150,7 @@ def build_service(name: str, namespace: str, spec: VExpertDeploymentSpec, owner:
                  "targetPort": spec.parallelism.master_port, "protocol": "TCP"},
             ],
         },
-    })
+    }
 
 
 def build_api_service(name: str, namespace: str, spec: VExpertDeploymentSpec, owner: list[dict[str, Any]]
@@ -166,7 +159,7 @@ def build_api_service(name: str, namespace: str, spec: VExpertDeploymentSpec, ow
     ranks forward work among themselves), so plain load balancing over all of them is right; a pod
     is in it while ``GET /health`` answers 200."""
     labels = nm.deployment_labels(name) | {nm.LABEL_COMPONENT: "api"}
-    return with_applied_hash({
+    return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(nm.api_service_name(name), namespace, labels, owner),
@@ -176,7 +169,7 @@ def build_api_service(name: str, namespace: str, spec: VExpertDeploymentSpec, ow
             "ports": [{"name": HTTP_PORT_NAME, "port": spec.runtime.http_port, "targetPort": HTTP_PORT_NAME,
                        "protocol": "TCP", "appProtocol": "http"}],
         },
-    })
+    }
 
 
 def api_endpoint(name: str, namespace: str, spec: VExpertDeploymentSpec) -> str:
@@ -342,7 +335,7 @@ def build_statefulset(name: str, namespace: str, spec: VExpertDeploymentSpec, te
     one is gone, so old and new ranks never meet at the rendezvous.
     """
     labels = nm.deployment_labels(name) | {nm.LABEL_COMPONENT: "node"}
-    return with_applied_hash({
+    return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": _metadata(nm.statefulset_name(name), namespace, labels, owner),
@@ -355,22 +348,28 @@ def build_statefulset(name: str, namespace: str, spec: VExpertDeploymentSpec, te
             "selector": {"matchLabels": nm.node_selector_labels(name)},
             "template": template,
         },
-    })
+    }
 
 
-def build_pdb(name: str, namespace: str, spec: VExpertDeploymentSpec, owner: list[dict[str, Any]]) -> Manifest:
-    """No voluntary disruption of a healthy group (losing one rank stops all); unhealthy pods may go."""
+def build_pdb(name: str, namespace: str, spec: VExpertDeploymentSpec, owner: list[dict[str, Any]],
+              drained_nodes: Sequence[str] = ()) -> Manifest:
+    """No voluntary disruption of a healthy group (losing one rank stops all: an autoscaler's
+    scale-down or a descheduler must not take a serving group down), unless a node of the group
+    is cordoned: then an administrator is draining it and one rank may be evicted (the operator
+    re-forms the group without it). Unhealthy pods may always go."""
     labels = nm.deployment_labels(name) | {nm.LABEL_COMPONENT: "node"}
-    return with_applied_hash({
+    budget: dict[str, Any] = {"maxUnavailable": 1} if drained_nodes else {"minAvailable": spec.parallelism.num_nodes}
+    annotations = {nm.ANNOTATION_DRAINED_NODES: ",".join(drained_nodes)} if drained_nodes else None
+    return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(nm.pdb_name(name), namespace, labels, owner),
+        "metadata": _metadata(nm.pdb_name(name), namespace, labels, owner, annotations),
         "spec": {
-            "minAvailable": spec.parallelism.num_nodes,
+            **budget,
             "selector": {"matchLabels": nm.node_selector_labels(name)},
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
-    })
+    }
 
 
 # ------------------------------------------------------------------------------- calibration jobs

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .api import GROUP
@@ -28,8 +28,8 @@ LABEL_CALIBRATION = f"{GROUP}/calibration"
 LABEL_NODE_TYPE = f"{GROUP}/node-type"
 LABEL_MODEL_KEY = f"{GROUP}/model-key"
 LABEL_ATTEMPT = f"{GROUP}/attempt"
-ANNOTATION_APPLIED_HASH = f"{GROUP}/applied-hash"
 ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
+ANNOTATION_DRAINED_NODES = f"{GROUP}/drained-nodes"  # on the PDB: the cordoned nodes that relax it
 ANNOTATION_MODEL = f"{GROUP}/model"
 ANNOTATION_REVISION = f"{GROUP}/model-revision"
 ANNOTATION_NODE_TYPE_KEY = f"{GROUP}/node-type-key"
@@ -47,6 +47,11 @@ def stable_hash(obj: Any, length: int = 10) -> str:
     """A short, stable hash of a JSON-able object (sorted keys)."""
     blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:length]
+
+
+def label_selector(labels: Mapping[str, str]) -> str:
+    """``{"a": "1", "b": "2"}`` → ``a=1,b=2`` (equality requirements, sorted)."""
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
 
 
 def slug(text: str, max_len: int = 63) -> str:

@@ -58,6 +58,7 @@ class PlanInputs:
     allocation_interval: int | None = None  # current k (tuned); None = the spec's starting value
     pooled_experts: int | None = None  # current Np (tuned); None = the cap
     draining: bool = False  # the group is being re-formed: StatefulSet at 0 replicas until no pod is left
+    drained_nodes: tuple[str, ...] = ()  # cordoned nodes running a rank: the PDB lets one rank go
 
 
 @dataclass
@@ -124,6 +125,6 @@ def plan_group(inputs: PlanInputs) -> GroupPlan:
         api_service=mf.build_api_service(inputs.name, inputs.namespace, spec, owner),
         statefulset=mf.build_statefulset(inputs.name, inputs.namespace, spec, template, owner,
                                          replicas=0 if inputs.draining else None),
-        pdb=mf.build_pdb(inputs.name, inputs.namespace, spec, owner),
+        pdb=mf.build_pdb(inputs.name, inputs.namespace, spec, owner, inputs.drained_nodes),
         problems=check_fit(spec, sizing, inputs.node_type),
     )

@@ -45,7 +45,7 @@ from .calibration import (
     summarize_job,
     termination_message,
 )
-from .group import GroupDecision, decide_group, summarize_pod
+from .group import GroupDecision, decide_group, nodes_being_drained, summarize_pod
 from .manifests import (
     api_endpoint,
     build_hardware_calibration_job,
@@ -551,8 +551,9 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False
         status.group.draining = True
     elif status.group.draining and not raw_pods:
         status.group.draining = False  # every old rank is gone: the group may start again
-    if status.group.draining != inputs.draining:
-        inputs.draining = status.group.draining
+    drained = nodes_being_drained(raw_pods, (n.name for n in nodes if n.unschedulable))
+    if status.group.draining != inputs.draining or drained != inputs.drained_nodes:
+        inputs.draining, inputs.drained_nodes = status.group.draining, drained
         plan = plan_group(inputs)
 
     for child in plan.children:

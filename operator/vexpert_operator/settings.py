@@ -19,6 +19,9 @@ class OperatorSettings(BaseModel):
     scrape_max_bytes: int = Field(512 * 1024, gt=0, description="Largest runtime metrics body accepted")
     group_stable_s: float = Field(600.0, ge=0, description="A group formed this long resets its restart backoff")
     watch_reconnect_s: float = Field(0.5, gt=0, description="kopf: delay before re-opening a closed watch")
+    leader_election: bool = Field(False, description="Run kopf only while holding the Lease (several replicas)")
+    lease_namespace: str = Field("", description="Namespace of the Lease (default: the pod's own)")
+    lease_duration_s: float = Field(15.0, ge=3, description="A standby takes over a Lease not renewed this long")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorSettings:

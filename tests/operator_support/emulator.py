@@ -11,8 +11,11 @@ and replaces the object store's semantics with:
   a global resourceVersion, ``generateName``; no-op writes change nothing and emit no event;
 * 409 AlreadyExists on create; 409 Conflict on a stale ``resourceVersion`` (PUT, merge patch,
   delete preconditions); 422 for a failed JSON-patch ``test`` op (what kopf relies on);
-* JSON merge patch (RFC 7386), JSON patch (RFC 6902), PUT; strategic merge and apply patches are
-  refused with 415 so nothing silently relies on them;
+* JSON merge patch (RFC 7386), JSON patch (RFC 6902), PUT, and server-side apply
+  (``application/apply-patch+yaml``: ``fieldManager`` required, field ownership per manager,
+  removal of fields a manager stopped applying, 409 conflicts unless ``force=true``,
+  ``metadata.managedFields``; the model is in ``fieldmanagers.py``, lists are atomic); strategic
+  merge patches are refused with 415 so nothing silently relies on them;
 * status subresource isolation: writes to the object ignore ``status``, writes to ``/status``
   change only ``status``;
 * watches resume from ``?resourceVersion`` (an event log per resource), honour label/field
@@ -56,9 +59,12 @@ import jsonschema
 import kmock
 import kubernetes_validate
 import kubernetes_validate.utils as kvu
+import yaml
 from kmock._internal import dsl, enums, parsing, references, rendering
 from kmock._internal.k8s import KubernetesError
 from referencing import Registry, Resource
+
+from . import fieldmanagers as fm
 
 VALIDATE_VERSION = "1.32"
 VALIDATED_KINDS = {"Pod", "ConfigMap", "Service", "StatefulSet", "Job", "PodDisruptionBudget", "Namespace",
@@ -171,6 +177,27 @@ def field_selector_matches(selector: str | None, obj: Mapping[str, Any]) -> bool
     return True
 
 
+def _selector_matches(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> bool:
+    """A PDB's ``LabelSelector`` (matchLabels only, which is all the operator writes): in policy/v1
+    a null selector matches no pod, an empty one every pod of the namespace."""
+    if selector is None:
+        return False
+    return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+
+
+def _pod_ready(pod: Mapping[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def _scaled(value: int | str, total: int, round_up: bool) -> int:
+    """An int-or-percent field of a PDB against ``total`` pods."""
+    if isinstance(value, str) and value.endswith("%"):
+        exact = int(value[:-1]) * total / 100
+        return int(-(-exact // 1)) if round_up else int(exact)
+    return int(value)
+
+
 # ------------------------------------------------------------------------------------------ patches
 
 
@@ -273,6 +300,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     _controller_task: asyncio.Task[None] | None = attrs.field(default=None, init=False)
     _kick: asyncio.Event = attrs.field(factory=asyncio.Event, init=False)
     _closing: bool = attrs.field(default=False, init=False)
+    _managers: dict[tuple[references.resource, str | None, str], fm.Managers] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -283,6 +311,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                                                                             "apiextensions.k8s.io"):
                 self._status_sub.add(res)
         self.fallback["put"] << self._serve_replace
+        self.fallback["post"] << self._serve_create  # kmock guesses no action for POSTs to subresources
 
     async def __aenter__(self) -> KubeEmulator:
         await super().__aenter__()
@@ -474,6 +503,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             self._validate(res, obj)
         self._rv += 1
         meta["resourceVersion"] = str(self._rv)
+        self._managers.pop((res, ns, name), None)
         if (res, ns, name) in self._objects:
             self._objects[res, ns, name].create(copy.deepcopy(obj))  # keeps the soft-deleted history
         else:
@@ -569,6 +599,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     async def _remove(self, res: references.resource, ns: str | None, name: str, last: dict[str, Any],
                       orphan: bool = False) -> None:
         self._objects[res, ns, name].delete()
+        self._managers.pop((res, ns, name), None)
         await self._append(res, "DELETED", last, None)
         if last.get("kind") == "Namespace":
             for (r, n, nm_), obj in list(self._objects.items()):
@@ -695,7 +726,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
                         await asyncio.wait_for(self._changed.wait(), timeout=min(remaining or 1.0, 1.0))
 
     async def _serve_create(self, request: rendering.Request) -> rendering.Payload:
+        self._info(request.resource)
         assert request.resource is not None
+        if request.resource.plural == "pods" and request.subresource == "eviction":
+            return await self._serve_eviction(request)
+        if request.resource.plural == "pods" and request.subresource == "binding":
+            return await self._serve_binding(request)
+        if request.name is not None:
+            raise _err(405, "MethodNotAllowed", f"POST to {request.subresource or 'an object'} is not emulated")
         async with self._lock:
             return await self.create_object(request.resource, request.namespace, request.data)
 
@@ -704,6 +742,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self._info(res)
         assert res is not None and name is not None
         ctype = (request.headers.get("Content-Type") or "").split(";")[0].strip()
+        if ctype == "application/apply-patch+yaml":
+            return await self._serve_apply(request)
         async with self._lock:
             current = self._get(res, ns, name)
             if current is None:
@@ -728,8 +768,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
                     raise _err(422, "Invalid", f"invalid JSON patch: {exc}") from None
             else:
                 raise _err(415, "UnsupportedMediaType",
-                           f"the emulator implements merge and JSON patches only, not {ctype!r}")
-            return await self.update_object(res, ns, name, new, request.subresource)
+                           f"the emulator implements merge, JSON and apply patches only, not {ctype!r}")
+            return await self._tracked_update(request, current, new)
 
     async def _serve_replace(self, request: rendering.Request) -> rendering.Payload:
         res, ns, name = request.resource, request.namespace, request.name
@@ -748,7 +788,140 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 raise _err(409, "Conflict", f'Operation cannot be fulfilled on {res.plural} "{name}": the object '
                                             "has been modified; please apply your changes to the latest version "
                                             "and try again")
-            return await self.update_object(res, ns, name, copy.deepcopy(body), request.subresource)
+            return await self._tracked_update(request, current, copy.deepcopy(body))
+
+    # ------------------------------------------------------------------ eviction, binding
+
+    async def _serve_eviction(self, request: rendering.Request) -> rendering.Payload:
+        """The eviction API: refused with 429 while a matching PDB allows no disruption, else the
+        pod is deleted. The budget is computed on the spot (the real disruption controller keeps it
+        in the PDB's status), from Ready pods, ``minAvailable`` (number or percent) or
+        ``maxUnavailable`` against the owning StatefulSet's replicas, and
+        ``unhealthyPodEvictionPolicy``."""
+        pod_res, ns, name = request.resource, request.namespace, request.name
+        assert pod_res is not None and name is not None
+        async with self._lock:
+            pod = self._get(pod_res, ns, name)
+            if pod is None:
+                raise self._not_found(pod_res, name)
+            labels = pod["metadata"].get("labels") or {}
+            pdbs = [p for p in self._all(references.resource("policy", "v1", "poddisruptionbudgets"), ns)
+                    if _selector_matches((p.get("spec") or {}).get("selector"), labels)]
+            if len(pdbs) > 1:
+                raise _err(500, "InternalError", "This pod has more than one PodDisruptionBudget, which the eviction "
+                                                 "subresource does not support.")
+            if pdbs and not self._disruption_allowed(pdbs[0], pod, ns):
+                raise _err(429, "TooManyRequests", "Cannot evict pod as it would violate the pod's disruption "
+                                                   f"budget (PodDisruptionBudget {pdbs[0]['metadata']['name']}).")
+            await self.delete_object(pod_res, ns, name)
+        return {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}
+
+    def _disruption_allowed(self, pdb: Mapping[str, Any], pod: Mapping[str, Any], ns: str | None) -> bool:
+        spec = pdb.get("spec") or {}
+        pods = [p for p in self._live(references.resource("", "v1", "pods"), ns)
+                if not p["metadata"].get("deletionTimestamp")
+                and _selector_matches(spec.get("selector"), p["metadata"].get("labels") or {})]
+        healthy = sum(1 for p in pods if _pod_ready(p))
+        if not _pod_ready(pod) and spec.get("unhealthyPodEvictionPolicy") == "AlwaysAllow":
+            return True
+        expected = len(pods)
+        for ref in pod["metadata"].get("ownerReferences") or []:
+            if ref.get("kind") == "StatefulSet":
+                owner = self._get(references.resource("apps", "v1", "statefulsets"), ns, ref["name"])
+                if owner is not None:
+                    expected = int((owner.get("spec") or {}).get("replicas", 1))
+        if "minAvailable" in spec:
+            desired = _scaled(spec["minAvailable"], expected, round_up=True)
+        else:
+            desired = expected - _scaled(spec.get("maxUnavailable", 0), expected, round_up=True)
+        return healthy - desired > 0 and (_pod_ready(pod) or healthy >= desired)
+
+    async def _serve_binding(self, request: rendering.Request) -> rendering.Payload:
+        """``pods/binding``: what the scheduler does (sets ``spec.nodeName`` once)."""
+        pod_res, ns, name = request.resource, request.namespace, request.name
+        assert pod_res is not None and name is not None
+        target = ((request.data or {}).get("target") or {}).get("name") if isinstance(request.data, Mapping) else None
+        if not target:
+            raise _err(400, "BadRequest", "a Binding needs target.name")
+        async with self._lock:
+            pod = self._get(pod_res, ns, name)
+            if pod is None:
+                raise self._not_found(pod_res, name)
+            if (pod.get("spec") or {}).get("nodeName"):
+                raise _err(409, "Conflict", f'pod {name} is already assigned to node "{pod["spec"]["nodeName"]}"')
+            pod["spec"]["nodeName"] = target
+            await self.update_object(pod_res, ns, name, pod, None, validate=False)
+        return {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}
+
+    # ----------------------------------------------------------------- server-side apply
+
+    @staticmethod
+    def _manager_of(request: rendering.Request) -> str:
+        """``?fieldManager=``, else the User-Agent's product (what a real server records)."""
+        agent = request.headers.get("User-Agent") or "unknown"
+        return request.params.get("fieldManager") or agent.split("/", 1)[0].split(" ", 1)[0] or "unknown"
+
+    def _stamp(self, obj: dict[str, Any], old: Mapping[str, Any] | None, table: fm.Managers,
+               before: fm.Managers | None) -> None:
+        """Render managedFields; unchanged ownership keeps the old rendering (a no-op stays a no-op)."""
+        meta = obj.setdefault("metadata", {})
+        if old is not None and table == before and "managedFields" in (old.get("metadata") or {}):
+            meta["managedFields"] = copy.deepcopy(old["metadata"]["managedFields"])
+        elif table:
+            meta["managedFields"] = fm.managed_fields(table, obj.get("apiVersion", ""), _now())
+        else:
+            meta.pop("managedFields", None)
+
+    async def _tracked_update(self, request: rendering.Request, current: dict[str, Any],
+                              new: dict[str, Any]) -> dict[str, Any]:
+        """A non-apply write (lock held): the writer takes over the fields it changed; writing
+        ``managedFields: [{}]`` strips ownership."""
+        res, ns, name = request.resource, request.namespace, request.name
+        assert res is not None and name is not None
+        key = (res, ns, name)
+        before = self._managers.get(key)
+        table = before
+        if (new.get("metadata") or {}).get("managedFields") == [{}]:
+            table = {}
+        elif before is not None and request.subresource is None:
+            table = fm.update(current, new, before, self._manager_of(request))
+        if table is not None and request.subresource is None:
+            self._stamp(new, current, table, before)
+        result = await self.update_object(res, ns, name, new, request.subresource)
+        if table is not None:
+            self._managers[key] = table
+        return result
+
+    async def _serve_apply(self, request: rendering.Request) -> rendering.Payload:
+        res, ns, name = request.resource, request.namespace, request.name
+        assert res is not None and name is not None
+        manager = request.params.get("fieldManager")
+        if not manager:
+            raise _err(422, "Invalid", "PatchOptions.meta.k8s.io \"\" is invalid: fieldManager: Required value: "
+                                       "is required for apply patch")
+        if request.subresource is not None:
+            raise _err(405, "MethodNotAllowed", f"apply to subresource {request.subresource} is not emulated")
+        config = request.data if isinstance(request.data, dict) else yaml.safe_load(request.text or "null")
+        if not isinstance(config, dict) or not config.get("apiVersion") or not config.get("kind"):
+            raise _err(400, "BadRequest", "an apply configuration must be an object with apiVersion and kind")
+        if (config.get("metadata") or {}).get("name") != name:
+            raise _err(400, "BadRequest", "the name of the object does not match the name on the URL")
+        force = request.params.get("force") == "true"
+        async with self._lock:
+            key = (res, ns, name)
+            current = self._get(res, ns, name)
+            before = self._managers.get(key, {}) if current is not None else {}
+            try:
+                obj, table = fm.apply(current, config, before, manager, force)
+            except fm.ApplyConflict as exc:
+                raise _err(409, "Conflict", str(exc)) from None
+            self._stamp(obj, current, table, before)
+            if current is None:
+                result = await self.create_object(res, ns, obj)
+            else:
+                result = await self.update_object(res, ns, name, obj, None)
+            self._managers[key] = table
+            return result
 
     async def _serve_delete(self, request: rendering.Request) -> rendering.Payload:
         res, ns, name = request.resource, request.namespace, request.name

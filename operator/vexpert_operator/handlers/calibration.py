@@ -10,8 +10,12 @@ from .. import naming as nm
 from ..api import GROUP, MODEL_PROFILE_PLURAL, NODE_PROFILE_PLURAL, VERSION
 from .deployment import wake_all
 
+JOBS = ("batch", "v1", "jobs")
+# Also the server-side label selector of the watch (lifecycle.configure), see pods.NODE_POD_LABELS.
+CALIBRATION_JOB_LABELS = {nm.LABEL_ROLE: nm.ROLE_CALIBRATION, nm.LABEL_MANAGED_BY: nm.MANAGED_BY}
 
-@kopf.on.event("batch", "v1", "jobs", labels={nm.LABEL_ROLE: nm.ROLE_CALIBRATION, nm.LABEL_MANAGED_BY: nm.MANAGED_BY})
+
+@kopf.on.event(*JOBS, labels=CALIBRATION_JOB_LABELS)
 def calibration_job_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     wake_all(memo, body.metadata.namespace)
 
