@@ -13,7 +13,9 @@ from .deployment import wake_all
 
 @kopf.on.event("batch", "v1", "jobs", labels={nm.LABEL_ROLE: nm.ROLE_CALIBRATION, nm.LABEL_MANAGED_BY: nm.MANAGED_BY})
 def calibration_job_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    wake_all(memo, body.metadata.namespace)
+    # a hardware Job (in the operator's namespace) serves deployments in every namespace
+    hardware = body.metadata.labels.get(nm.LABEL_CALIBRATION) == "hardware"
+    wake_all(memo, None if hardware else body.metadata.namespace)
 
 
 @kopf.on.event(GROUP, VERSION, NODE_PROFILE_PLURAL)
