@@ -30,6 +30,14 @@ from .calibration import (
     parse_time,
 )
 from .calibrator import ensure_calibration
+from .conditions import (
+    Blocker,
+    GroupObservation,
+    claim_blockers,
+    derive_group_conditions,
+    failed_create_blockers,
+    pod_blockers,
+)
 from .context import Context, list_cluster_wide
 from .context import post_event as _event
 from .group import GroupDecision, decide_group, summarize_pod
@@ -277,14 +285,16 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False
     status.tuning.pooled_experts_cap = plan.sizing.pooled_experts_cap
     if not status.tuning.reason:
         status.tuning.reason = "initial: k from the spec, Np as large as node memory allows"
-    _phase(status, sample, stamp, generation)
     usable = chosen.ready_nodes + len(chosen.cordoned)  # cordoned ones may already run group pods
-    if status.phase == "Deploying" and usable < spec.parallelism.num_nodes:
-        # say why pods stay Pending instead of only counting them
-        status.message = (f"node type {chosen.name} has {chosen.ready_nodes} Ready schedulable node(s), the group "
-                          f"needs {spec.parallelism.num_nodes}: its pods wait for nodes")
-        status.conditions = set_condition(status.conditions, "Progressing", True, "NotEnoughNodes", status.message,
-                                          stamp, generation)
+    ready = status.ready_nodes == spec.parallelism.num_nodes
+    seen = GroupObservation(
+        nodes=spec.parallelism.num_nodes, ready_nodes=status.ready_nodes, action=decision.action,
+        decision_reason=decision.reason, retry_at=format_time(decision.retry_at) if decision.retry_at else "",
+        restarts=status.group.restarts,
+        degraded_ranks=sample.degraded_pods if sample is not None else status.runtime.degraded_ranks,
+        usable_nodes=usable, node_type=chosen.name,
+        blockers=[] if ready or decision.action != "keep" else await observe_blockers(ctx, ns, name, spec, raw_pods))
+    derive_group_conditions(status, seen, stamp, generation)
     if status.phase != old.phase and status.phase in ("Running", "Degraded"):
         _event(ctx, body, "Normal" if status.phase == "Running" else "Warning", status.phase, status.message)
     await write_status(ctx, body, old, status)
@@ -307,35 +317,20 @@ def _kept_cap(old: VExpertDeploymentStatus, generation: int | None) -> int | Non
     return None
 
 
-def _phase(status: VExpertDeploymentStatus, sample: RuntimeSample | None, stamp: str, generation: int | None) -> None:
-    nodes = status.nodes or 0
-    ready = status.ready_nodes == nodes and nodes > 0
-    degraded_cond = get_condition(status, "Degraded")
-    backoff = degraded_cond is not None and degraded_cond.status == "True" and \
-        degraded_cond.reason == "GroupRestartBackoff"
-    runtime_degraded = status.runtime.degraded_ranks > 0
-    if sample is not None:
-        runtime_degraded = sample.degraded_pods > 0
-    if not backoff:
-        if runtime_degraded:
-            status.conditions = set_condition(status.conditions, "Degraded", True, "RuntimeDegraded",
-                                              f"{status.runtime.degraded_ranks} node pod(s) report degraded",
-                                              stamp, generation)
-        else:
-            status.conditions = set_condition(status.conditions, "Degraded", False, "AsExpected", "", stamp,
-                                              generation)
-    status.conditions = set_condition(status.conditions, "Ready", ready, "GroupReady" if ready else "NodesNotReady",
-                                      f"{status.ready_nodes}/{nodes} node pods ready", stamp, generation)
-    status.conditions = set_condition(status.conditions, "Progressing", not ready,
-                                      "Deploying" if not ready else "Deployed",
-                                      f"{status.ready_nodes}/{nodes} node pods ready", stamp, generation)
-    degraded = get_condition(status, "Degraded")
-    if degraded is not None and degraded.status == "True":
-        status.phase, status.message = "Degraded", degraded.message
-    elif ready:
-        status.phase, status.message = "Running", f"{nodes} node pods ready"
-    else:
-        status.phase, status.message = "Deploying", f"{status.ready_nodes}/{nodes} node pods ready"
+async def observe_blockers(ctx: Context, namespace: str, name: str, spec: VExpertDeploymentSpec,
+                          raw_pods: list[dict[str, Any]]) -> list[Blocker]:
+    """Why node pods do not run, in the scheduler's, kubelet's and controllers' words."""
+    blockers = pod_blockers(raw_pods)
+    live = [p for p in raw_pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    if len(live) < spec.parallelism.num_nodes:
+        sts = nm.statefulset_name(name)
+        events = await ctx.client.list(kube.EVENTS, namespace, field_selector=f"involvedObject.name={sts}")
+        blockers += failed_create_blockers(events, sts)
+    claim = spec.model.checkpoint.claim_name
+    if claim:
+        blockers += claim_blockers(await ctx.client.get_or_none(kube.PVCS, claim, namespace), claim,
+                                   spec.parallelism.num_nodes)
+    return blockers
 
 
 def _decide_group(spec: VExpertDeploymentSpec, status: VExpertDeploymentStatus, plan: GroupPlan,
@@ -351,7 +346,7 @@ def _decide_group(spec: VExpertDeploymentSpec, status: VExpertDeploymentStatus, 
 async def _apply_group_decision(ctx: Context, body: Mapping[str, Any], status: VExpertDeploymentStatus,
                                 decision: GroupDecision, now: dt.datetime) -> dt.datetime | None:
     meta = body["metadata"]
-    ns, generation = meta["namespace"], meta.get("generation")
+    ns = meta["namespace"]
     stamp = format_time(now)
     group = status.group
     wake_at: dt.datetime | None = None
@@ -370,15 +365,9 @@ async def _apply_group_decision(ctx: Context, body: Mapping[str, Any], status: V
             m.GROUP_REFORMS.labels("rollout").inc()
             _event(ctx, body, "Normal", "GroupRolled", decision.reason)
         status.ready_nodes = 0
-        status.conditions = set_condition(status.conditions, "Degraded", False, "AsExpected", "", stamp, generation)
     elif decision.action == "backoff":
         wake_at = decision.retry_at
-        status.conditions = set_condition(
-            status.conditions, "Degraded", True, "GroupRestartBackoff",
-            f"{decision.reason}; re-forming at {format_time(decision.retry_at) if decision.retry_at else 'soon'} "
-            f"(restart {group.restarts + 1})", stamp, generation)
     else:
-        status.conditions = set_condition(status.conditions, "Degraded", False, "AsExpected", "", stamp, generation)
         if decision.formed and decision.members != group.members:
             group.members = decision.members
             group.formed_at = stamp
