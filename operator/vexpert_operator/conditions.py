@@ -80,7 +80,7 @@ class GroupObservation:
 
     nodes: int
     ready_nodes: int
-    action: str = "keep"  # the group decision: keep, reform, backoff
+    action: str = "none"  # the group decision (group.GroupDecision): none, reform, backoff
     decision_reason: str = ""
     retry_at: str = ""  # backoff: when the group re-forms
     restarts: int = 0

@@ -293,7 +293,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False
         restarts=status.group.restarts,
         degraded_ranks=sample.degraded_pods if sample is not None else status.runtime.degraded_ranks,
         usable_nodes=usable, node_type=chosen.name,
-        blockers=[] if ready or decision.action != "keep" else await observe_blockers(ctx, ns, name, spec, raw_pods))
+        blockers=[] if ready or decision.action != "none" else await observe_blockers(ctx, ns, name, spec, raw_pods))
     derive_group_conditions(status, seen, stamp, generation)
     if status.phase != old.phase and status.phase in ("Running", "Degraded"):
         _event(ctx, body, "Normal" if status.phase == "Running" else "Warning", status.phase, status.message)
