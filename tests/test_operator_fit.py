@@ -7,6 +7,8 @@ Emulator tests run the real operator (see ``tests/operator_support``); the rest 
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
+import time
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +158,6 @@ def test_emulator_no_roll_when_a_node_of_the_type_changes(cluster: Cluster, monk
                       subresource="status")
         for _ in range(3):  # a few reconcile rounds
             cluster.wait_for(lambda: cluster.status("dsv3").get("phase") == "Running", what="Running")
-            import time
             time.sleep(0.5)
         assert cluster.status("dsv3")["group"]["templateHash"] == before
         assert sts_memory(cluster) == memory
@@ -181,7 +182,6 @@ def test_three_namespaces_on_a_new_type_make_exactly_one_calibration_job(
         for ns in (cluster.namespace, *others):
             cluster.wait_for(lambda ns=ns: (cluster.get(kube.DEPLOYMENTS, "dsv3", ns) or {}).get("status", {})
                              .get("phase") == "Calibrating", what=f"{ns} calibrating")
-        import time
         time.sleep(1.5)  # several reconcile rounds of all three
         jobs = [j for ns in (cluster.namespace, *others) for j in cluster.list_by(
             kube.JOBS, {nm.LABEL_CALIBRATION: "hardware"}, ns)]
@@ -210,13 +210,11 @@ def test_calibration_gives_up_after_max_attempts(cluster: Cluster, monkeypatch: 
             cluster.condition("dsv3", "Calibrated")), what="the final failure in status")
         assert "attempt 2 of 2" in cond["message"] and "cudaErrorNoDevice" in cond["message"]
         assert "kubectl delete jobs" in cond["message"]
-        import time
         time.sleep(3)  # past the retry delay: still no third attempt
         assert len(hw_jobs(cluster)) == 2
 
 
 def test_decide_calibration_is_bounded() -> None:
-    import datetime as dt
     now = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
     failed = [JobSummary(f"j{i}", i, "failed", now - dt.timedelta(hours=1), "boom") for i in (1, 2, 3)]
     assert decide_calibration(failed, now, 1, 2, max_attempts=3).action == "exhausted"
