@@ -35,6 +35,7 @@ import pytest
 import yaml
 
 from vexpert_operator import kube, manifests
+from vexpert_operator.manifests import CONTAINER
 from vexpert_operator.render import render_file
 from vexpert_operator.settings import PREFIX, OperatorSettings
 
@@ -688,6 +689,13 @@ def _pod_templates() -> tuple[tuple[str, dict[str, Any]], ...]:
     return tuple(rendered_pod_templates())
 
 
+def _opted_into_ipc_lock(name: str) -> bool:
+    """Examples whose deployment sets ``runtime.ipcLock`` (NCCL over InfiniBand): their node pods add
+    IPC_LOCK, the one thing beyond baseline, which the example's comment says."""
+    docs = [d for d in yaml.safe_load_all((EXAMPLES / name.split(":")[0]).read_text()) if d]
+    return any(d.get("kind") == "VExpertDeployment" and d["spec"]["runtime"].get("ipcLock") for d in docs)
+
+
 def test_node_and_calibration_pods_meet_pod_security_baseline() -> None:
     templates = _pod_templates()
     assert {name.split(":")[1].split("/")[0] for name, _ in templates} >= {"StatefulSet", "Job"}
@@ -695,9 +703,31 @@ def test_node_and_calibration_pods_meet_pod_security_baseline() -> None:
         pod = template["spec"]
         for field in ("hostIPC", "hostNetwork", "hostPID"):
             assert not pod.get(field), f"{name}: {field}"
-        assert baseline_violations(pod, template["metadata"].get("annotations")) == [], name
+        assert all("hostPath" not in v for v in pod.get("volumes") or []), name
+        allowed = [f"{CONTAINER}: capability IPC_LOCK added"] if "StatefulSet" in name and _opted_into_ipc_lock(name) \
+            else []
+        assert baseline_violations(pod, template["metadata"].get("annotations")) == allowed, name
 
 
 def test_node_pods_add_no_capability_beyond_baseline() -> None:
     for name, template in _pod_templates():
+        if _opted_into_ipc_lock(name):
+            continue
         assert baseline_violations(template["spec"], template["metadata"].get("annotations")) == [], name
+
+
+def test_infiniband_examples_request_rdma_devices_and_ipc_lock() -> None:
+    """An example that points NCCL at InfiniBand HCAs must also get them: an RDMA device resource and
+    IPC_LOCK; calibration Jobs request CPU."""
+    seen = 0
+    for name, template in _pod_templates():
+        container = template["spec"]["containers"][0]
+        if "Job" in name:
+            assert container["resources"]["requests"].get("cpu"), name
+        env = {e["name"] for e in container.get("env") or []}
+        if "StatefulSet" not in name or not env & {"NCCL_IB_HCA", "NCCL_IB_DISABLE", "NCCL_NET_GDR_LEVEL"}:
+            continue
+        seen += 1
+        assert any(k.startswith("rdma/") or "rdma" in k for k in container["resources"]["limits"]), name
+        assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"], name
+    assert seen

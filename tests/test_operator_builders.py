@@ -15,7 +15,15 @@ from vexpert_operator import naming as nm
 from vexpert_operator.nodetypes import candidate_types, node_info, node_type_key, node_type_terms
 from vexpert_operator.plan import PlanInputs, combine_profiles, default_profile, plan_group
 from vexpert_operator.quantity import GIB, MIB, format_mebibytes, parse_bytes, parse_quantity
-from vexpert_operator.sizing import KNOWN_SHAPES, model_shape, np_bounds, pinned_pool_bytes, size_pod
+from vexpert_operator.settings import OperatorSettings
+from vexpert_operator.sizing import (
+    KNOWN_SHAPES,
+    MemoryFit,
+    model_shape,
+    np_bounds,
+    pinned_pool_bytes,
+    size_pod,
+)
 from vexpert_runtime.config import parse_runtime_config
 from vexpert_runtime.policy.profile import (
     HardwareParameters,
@@ -91,7 +99,7 @@ def test_deployments_fitted_differently_do_not_share_a_model_profile() -> None:
 
     assert key(ep64) == key(spec(calibration={"traces": ["t.npz"]}, vexpert={"allocationInterval": {"value": 25}}))
     assert len({key(ep64), key(ep8), key(other_traces)}) == 3
-    job = mf.build_model_calibration_job("ns", key(ep8), 1, ep8, [])
+    job = mf.build_model_calibration_job("ns", key(ep8), 1, ep8, [], OperatorSettings())
     args = job["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--gpus") + 1] == "8" and job["metadata"]["labels"][nm.LABEL_MODEL_KEY] == key(ep8)
 
@@ -113,17 +121,18 @@ def test_np_cap_is_as_large_as_node_memory_allows() -> None:
     s = spec()
     shape = KNOWN_SHAPES["deepseek_v3"]
     per_expert = shape.expert_bytes * shape.num_moe_layers
-    memory = 48 * GIB + 100 * per_expert + per_expert // 2  # shm 16Gi + overhead 32Gi + 100.5 experts
-    sizing = size_pod(s, shape, memory)
+    memory = 56 * GIB + 100 * per_expert + per_expert // 2  # shm 16Gi + overhead 32Gi + headroom 8Gi + 100.5
+    fit = MemoryFit(node="n", allocatable=memory, requested=0, headroom=8 * GIB)
+    sizing = size_pod(s, shape, fit)
     assert sizing.pooled_experts_cap == 100
-    assert sizing.pod_memory_bytes == 100 * per_expert + 48 * GIB <= memory
+    assert sizing.pod_memory_bytes == 100 * per_expert + 48 * GIB <= memory - 8 * GIB
     assert sizing.pinned_pool_bytes == pinned_pool_bytes(100, shape)
     # Unknown memory: the upper bound (all experts); fixed Np: exactly that.
     assert size_pod(s, shape, None).pooled_experts_cap == 256
-    assert size_pod(spec(vexpert={"pinnedExperts": {"mode": "fixed", "value": 7}}), shape, memory
+    assert size_pod(spec(vexpert={"pinnedExperts": {"mode": "fixed", "value": 7}}), shape, fit
                     ).pooled_experts_cap == 7
     # Bounds clip it.
-    assert size_pod(spec(vexpert={"pinnedExperts": {"max": 50}}), shape, memory).pooled_experts_cap == 50
+    assert size_pod(spec(vexpert={"pinnedExperts": {"max": 50}}), shape, fit).pooled_experts_cap == 50
     assert np_bounds(spec(vexpert={"pinnedExperts": {"min": 10, "max": 50}}), shape) == (10, 50)
 
 
@@ -237,9 +246,9 @@ def test_all_children_validate_against_kubernetes_schemas() -> None:
     for child in plan.children:
         kubernetes_validate.validate(child, K8S, strict=True)
     key = h200_type().key
-    job = mf.build_hardware_calibration_job("inference", "t", key, 2, spec(), mf.owner_reference("d", "u"))
+    job = mf.build_hardware_calibration_job("inference", "t", key, 2, OperatorSettings())
     kubernetes_validate.validate(job, K8S, strict=True)
-    model_job = mf.build_model_calibration_job("inference", "k", 1, spec(calibration={"traces": ["t.npz"]}), [])
+    model_job = mf.build_model_calibration_job("inference", "k", 1, spec(calibration={"traces": ["t.npz"]}), [], OperatorSettings())
     kubernetes_validate.validate(model_job, K8S, strict=True)
 
 
@@ -276,7 +285,7 @@ def test_tuned_values_are_clamped_to_bounds_and_cap() -> None:
 
 def test_calibration_jobs_follow_the_contract() -> None:
     key = NodeTypeKey(gpu_product="NVIDIA-H200", gpu_count=8, gpu_memory_mib=143771, driver_version="550.54.15")
-    job = mf.build_hardware_calibration_job("ns", "type-a", key, 3, spec(), [])
+    job = mf.build_hardware_calibration_job("ns", "type-a", key, 3, OperatorSettings())
     assert job["metadata"]["name"] == nm.hardware_job_name("type-a", 3)
     assert job["spec"]["backoffLimit"] == 0  # the operator retries, with backoff, as new attempts
     c = job["spec"]["template"]["spec"]["containers"][0]
@@ -289,7 +298,7 @@ def test_calibration_jobs_follow_the_contract() -> None:
     assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
     assert job["metadata"]["labels"][nm.LABEL_ATTEMPT] == "3"
     traced = spec(calibration={"traces": ["traces/a.npz", "/data/b.npz"]}, vexpert={"vmax": 1})
-    mjob = mf.build_model_calibration_job("ns", "k", 1, traced, [])
+    mjob = mf.build_model_calibration_job("ns", "k", 1, traced, [], OperatorSettings())
     mpod = mjob["spec"]["template"]["spec"]
     args = mpod["containers"][0]["args"]
     assert args[:5] == ["model", "--trace", "/models/DeepSeek-V3/traces/a.npz", "--trace", "/data/b.npz"]
@@ -302,7 +311,7 @@ def test_calibration_jobs_follow_the_contract() -> None:
     # it mounts the checkpoint (maybe a hostPath only the GPU nodes have): it goes where the deployment may run
     placed = spec(calibration={"traces": ["t.npz"]}, runtime__nodeSelector={"pool": "gpu"},
                   runtime__tolerations=[{"operator": "Exists"}])
-    ppod = mf.build_model_calibration_job("ns", "k", 1, placed, [])["spec"]["template"]["spec"]
+    ppod = mf.build_model_calibration_job("ns", "k", 1, placed, [], OperatorSettings())["spec"]["template"]["spec"]
     assert ppod["nodeSelector"] == {"pool": "gpu"} and ppod["tolerations"] == [{"operator": "Exists"}]
 
 

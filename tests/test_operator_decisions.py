@@ -265,17 +265,19 @@ def test_check_fit_host_and_gpu_memory() -> None:
     shape = KNOWN_SHAPES["deepseek_v3"]
     small = next(iter(candidate_types([node_info(gpu_node("a", allocatable="100Gi"))], {}, [], 8).values()))
     fixed = spec(vexpert={"pinnedExperts": {"mode": "fixed", "value": 64}})
-    problems = check_fit(fixed, size_pod(fixed, shape, small.min_allocatable_memory), small)
+    fit = small.memory_fit(1, 8 * 2**30)
+    problems = check_fit(fixed, size_pod(fixed, shape, fit), fit)
     assert fields(problems) == {"spec.vexpert.pinnedExperts.value"}
-    assert "exceeds node type" in problems[0].message
+    assert "does not fit" in problems[0].message and "node a" in problems[0].message
     auto = spec(vexpert={"pinnedExperts": {"min": 64}})
-    assert fields(check_fit(auto, size_pod(auto, shape, small.min_allocatable_memory), small)) == \
-        {"spec.vexpert.pinnedExperts.min"}
+    assert fields(check_fit(auto, size_pod(auto, shape, fit), fit)) == {"spec.vexpert.pinnedExperts.min"}
     big = next(iter(candidate_types([node_info(gpu_node("b"))], {}, [], 8).values()))
-    assert check_fit(spec(), size_pod(spec(), shape, big.min_allocatable_memory), big) == []
+    big_fit = big.memory_fit(1, 8 * 2**30)
+    assert check_fit(spec(), size_pod(spec(), shape, big_fit), big_fit) == []
     h100 = next(iter(candidate_types([node_info(gpu_node("c", memory_mib=81559))], {}, [], 8).values()))
     ep16 = spec(parallelism__expertParallelSize=16)
-    assert fields(check_fit(ep16, size_pod(ep16, shape, None), h100)) == {"spec.vexpert.vmax"}
+    assert fields(check_fit(ep16, size_pod(ep16, shape, None), None, h100.gpu_memory_mib, "H100")) == \
+        {"spec.vexpert.vmax"}
 
 
 # ----------------------------------------------------------------------------------------- calibration

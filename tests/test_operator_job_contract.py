@@ -12,6 +12,7 @@ import pytest
 from operator_support.samples import spec
 from vexpert_operator import manifests as mf
 from vexpert_operator.calibration import JobSummary, failure_reason, parse_result
+from vexpert_operator.settings import OperatorSettings
 from vexpert_runtime.policy.profile import NodeTypeKey
 
 KEY = NodeTypeKey(gpu_product="NVIDIA-H200", gpu_count=8, gpu_memory_mib=143771, driver_version="550.54.15")
@@ -30,7 +31,7 @@ def container_argv(job: dict, termination: Path, replace: dict[str, str]) -> lis
 
 
 def test_hardware_job_contract(tmp_path: Path) -> None:
-    job = mf.build_hardware_calibration_job("ns", "t", KEY, 1, spec(), [])
+    job = mf.build_hardware_calibration_job("ns", "t", KEY, 1, OperatorSettings())
     log = tmp_path / "termination-log"
     argv = [*container_argv(job, log, {"--gpus": "2"}), "--cpu", "--iters", "2"]  # the CPU twin on 2 ranks
     result = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -42,7 +43,7 @@ def test_hardware_job_contract(tmp_path: Path) -> None:
 
 
 def test_hardware_job_failure_is_a_one_line_reason(tmp_path: Path) -> None:
-    job = mf.build_hardware_calibration_job("ns", "t", KEY, 1, spec(), [])
+    job = mf.build_hardware_calibration_job("ns", "t", KEY, 1, OperatorSettings())
     log = tmp_path / "termination-log"
     argv = [*container_argv(job, log, {"--node-type": "{not json"}), "--cpu"]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -63,7 +64,7 @@ def test_model_job_contract(tmp_path: Path) -> None:
                     "bundled:decode_in1000out1000:40", "--gpus", "64", "-o", str(trace)],
                    check=True, capture_output=True, timeout=300)
     s = spec(calibration={"traces": ["traces/decode.npz"]})
-    job = mf.build_model_calibration_job("ns", "k", 1, s, [])
+    job = mf.build_model_calibration_job("ns", "k", 1, s, [], OperatorSettings())
     log = tmp_path / "termination-log"
     result = subprocess.run(container_argv(job, log, {"--trace": str(trace)}), capture_output=True, text=True,
                             timeout=300, cwd=tmp_path)

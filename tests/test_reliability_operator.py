@@ -63,6 +63,7 @@ from vexpert_operator.group import decide_group, restart_delay, summarize_pod
 from vexpert_operator.manifests import build_hardware_calibration_job
 from vexpert_operator.nodetypes import candidate_types, node_info, node_type_key
 from vexpert_operator.plan import PlanInputs, plan_group
+from vexpert_operator.settings import OperatorSettings
 from vexpert_operator.tuning import (
     GAUGE_RANGES,
     KNOWN_GAUGES,
@@ -185,11 +186,13 @@ def test_ipc_lock_is_opt_in_for_node_and_calibration_pods() -> None:
         assert spec is not None
         key = node_type_key(NODES[0]["metadata"]["labels"])
         assert key is not None
-        job = build_hardware_calibration_job("ns", "t", key, 1, spec, [])
-        for c in (plan.statefulset["spec"]["template"]["spec"]["containers"][0],
-                  job["spec"]["template"]["spec"]["containers"][0]):
-            assert c["securityContext"].get("capabilities", {}).get("add", []) == (["IPC_LOCK"] if ipc_lock else [])
-            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        job = build_hardware_calibration_job("ns", "t", key, 1, OperatorSettings())
+        c = plan.statefulset["spec"]["template"]["spec"]["containers"][0]
+        assert c["securityContext"].get("capabilities", {}).get("add", []) == (["IPC_LOCK"] if ipc_lock else [])
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        # hardware calibration is the installer's (no tenant switch): it measures H2D copies, no RDMA
+        hw = job["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+        assert "capabilities" not in hw and hw["allowPrivilegeEscalation"] is False
 
 
 def fuzz_specs(count: int, seed: int) -> list[dict[str, Any]]:
@@ -414,8 +417,10 @@ def test_calibration_that_hangs_fails_or_prints_garbage_is_retried_and_writes_no
         ("exits 137", ("OOMKilled", 137), "exit 137"),
     ]
     seen: list[tuple[str, str, float]] = []
-    with running_operator(cluster, monkeypatch):
-        cluster.create(deployment(calibration__retryBackoffSeconds=3, calibration__maxRetryBackoffSeconds=3))
+    backoff = {"VEXPERT_OPERATOR_CALIBRATION_RETRY_BACKOFF_S": "3", "VEXPERT_OPERATOR_CALIBRATION_MAX_RETRY_BACKOFF_S": "3",
+               "VEXPERT_OPERATOR_CALIBRATION_MAX_ATTEMPTS": "50"}
+    with running_operator(cluster, monkeypatch, env=backoff):
+        cluster.create(deployment())
         for attempt, (what, message, expected) in enumerate(faults, start=1):
             job = cluster.wait_for(lambda a=attempt: [j for j in hw_jobs(cluster)
                                                       if j["metadata"]["labels"][nm.LABEL_ATTEMPT] == str(a)],

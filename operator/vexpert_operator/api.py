@@ -159,8 +159,10 @@ class VExpertSpec(CamelModel):
 class CalibrationSpec(CamelModel):
     """How the performance profile is obtained.
 
-    auto: run a hardware calibration Job for every candidate node type without a VExpertNodeProfile,
-    and a model calibration Job when no VExpertModelProfile exists for the model revision.
+    auto: have every candidate node type without a VExpertNodeProfile calibrated (one hardware Job per
+    node type for the whole cluster, run by the operator in its own namespace with the installer's
+    image and retry policy), and run a model calibration Job in this namespace when no
+    VExpertModelProfile exists for the model revision.
     skip: run nothing; use profiles that exist, else the paper's defaults.
     given: run nothing; use ``profile`` and/or ``modelProfileRef`` (and node profiles that exist).
     """
@@ -175,11 +177,24 @@ class CalibrationSpec(CamelModel):
     )
     profile: PerformanceProfile | None = Field(None, description="A full profile (mode given)")
     model_profile_ref: str | None = Field(None, description="Name of a VExpertModelProfile in this namespace (mode given)")
-    image: str | None = Field(None, description="Calibration image (default: runtime.image)")
-    timeout_seconds: int = Field(1800, ge=60, le=86_400, description="activeDeadlineSeconds of a calibration Job")
-    retry_backoff_seconds: int = Field(30, ge=1, le=86_400, description="First retry delay after a failed Job")
+    timeout_seconds: int = Field(1800, ge=60, le=86_400,
+                                 description="activeDeadlineSeconds of the model calibration Job")
+    retry_backoff_seconds: int = Field(30, ge=1, le=86_400,
+                                       description="First retry delay after a failed model calibration Job")
     max_retry_backoff_seconds: int = Field(600, ge=1, le=86_400, description="Retry delay cap (doubles per failure)")
-    memory: str = Field("64Gi", pattern=QUANTITY_PATTERN, description="Memory of a calibration pod")
+    memory: str = Field("64Gi", pattern=QUANTITY_PATTERN, description="Memory of the model calibration pod")
+    cpu: str = Field("4", pattern=QUANTITY_PATTERN, description="CPU of the model calibration pod (request = limit)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _image_removed(cls, data: Any) -> Any:
+        # v1alpha1 let tenants pick the calibration image; hardware calibration now runs once per
+        # node type for the whole cluster, so the installer sets it (the API server prunes the
+        # stored field, files given to `vexpert render` get this message instead)
+        if isinstance(data, dict) and "image" in data:
+            raise ValueError("image was removed: calibration images are set by the operator's installer (chart "
+                             "value calibration.image, VEXPERT_OPERATOR_CALIBRATION_IMAGE); delete this field")
+        return data
 
     @model_validator(mode="after")
     def _given_needs_a_source(self) -> CalibrationSpec:
@@ -230,6 +245,16 @@ class RuntimeSpec(CamelModel):
         "32Gi", pattern=QUANTITY_PATTERN, description="Host memory besides the pinned pool and /dev/shm"
     )
     shm_size: str = Field("16Gi", pattern=QUANTITY_PATTERN, description="/dev/shm size (counts toward the memory limit)")
+    memory_headroom: str = Field(
+        "8Gi", pattern=QUANTITY_PATTERN,
+        description="Node memory left free when sizing the node pod, besides what other pods bound to the node "
+        "already request (DaemonSets arriving later, requests that grow). The pod is sized into allocatable − "
+        "requested − headroom, or the deployment is Invalid with the figures",
+    )
+    runtime_class_name: str | None = Field(
+        None, description="RuntimeClass of the node pods and the model calibration Job (e.g. nvidia, where the "
+        "NVIDIA container runtime is not the node's default)",
+    )
     extra_resources: dict[str, str] = Field(
         default_factory=dict, description="More requests = limits per pod, e.g. rdma/ib: '1'"
     )

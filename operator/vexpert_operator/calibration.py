@@ -4,7 +4,8 @@ Job contract (``vexpert calibrate hardware|model``): the container writes the ``
 JSON as its termination message and exits 0, or exits non-zero with a one-line reason. The
 operator reads the message from the Job's pod, validates it with ``parse_profile`` and stores it
 as a ``VExpertNodeProfile`` / ``VExpertModelProfile``. Failed attempts are retried with a doubling
-delay; the Jobs themselves are the record of attempts, so an operator restart loses nothing.
+delay, at most ``max_attempts`` in all; the Jobs themselves are the record of attempts, so an
+operator restart loses nothing, and deleting a target's failed Jobs starts it afresh.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def summarize_job(job: Mapping[str, Any]) -> JobSummary:
 class CalibrationStep:
     """What to do next for one calibration target (a node type or a model revision)."""
 
-    action: Literal["create", "wait", "harvest", "backoff"]
+    action: Literal["create", "wait", "harvest", "backoff", "exhausted"]
     attempt: int = 1
     job: str = ""
     retry_at: dt.datetime | None = None
@@ -113,7 +114,9 @@ def stale_attempts(jobs: Iterable[JobSummary], keep: int = KEPT_FAILED_ATTEMPTS)
     return [j.name for j in failed[:-keep]] if keep > 0 else [j.name for j in failed]
 
 
-def decide_calibration(jobs: Iterable[JobSummary], now: dt.datetime, base_s: float, cap_s: float) -> CalibrationStep:
+def decide_calibration(jobs: Iterable[JobSummary], now: dt.datetime, base_s: float, cap_s: float,
+                       max_attempts: int | None = None) -> CalibrationStep:
+    """The next step; ``exhausted`` once ``max_attempts`` attempts failed (no more Jobs)."""
     ordered = sorted(jobs, key=lambda j: j.attempt)
     if not ordered:
         return CalibrationStep("create", attempt=1)
@@ -127,6 +130,9 @@ def decide_calibration(jobs: Iterable[JobSummary], now: dt.datetime, base_s: flo
     if latest.state == "active":
         return CalibrationStep("wait", attempt=latest.attempt, job=latest.name, failures=failures,
                                message=f"attempt {latest.attempt} running")
+    if max_attempts is not None and failures >= max_attempts:
+        return CalibrationStep("exhausted", attempt=latest.attempt, job=latest.name, failures=failures,
+                               message=latest.message)
     finished = latest.finished_at or now
     retry_at = finished + dt.timedelta(seconds=retry_delay(failures, base_s, cap_s))
     if now >= retry_at:

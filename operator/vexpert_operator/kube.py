@@ -55,6 +55,7 @@ PODS = Resource("", "v1", "pods")
 CONFIGMAPS = Resource("", "v1", "configmaps")
 SERVICES = Resource("", "v1", "services")
 EVENTS = Resource("", "v1", "events")
+PVCS = Resource("", "v1", "persistentvolumeclaims")
 STATEFULSETS = Resource("apps", "v1", "statefulsets")
 JOBS = Resource("batch", "v1", "jobs")
 PDBS = Resource("policy", "v1", "poddisruptionbudgets")
@@ -65,7 +66,7 @@ NODE_PROFILES = Resource(GROUP, VERSION, NODE_PROFILE_PLURAL, namespaced=False)
 MODEL_PROFILES = Resource(GROUP, VERSION, MODEL_PROFILE_PLURAL)
 
 KIND_TO_RESOURCE: dict[str, Resource] = {
-    "Namespace": NAMESPACES, "Node": NODES, "Pod": PODS, "ConfigMap": CONFIGMAPS, "Service": SERVICES,
+    "Namespace": NAMESPACES, "Node": NODES, "Pod": PODS, "PersistentVolumeClaim": PVCS, "ConfigMap": CONFIGMAPS, "Service": SERVICES,
     "StatefulSet": STATEFULSETS, "Job": JOBS, "PodDisruptionBudget": PDBS, "CustomResourceDefinition": CRDS,
     "Lease": LEASES, "VExpertDeployment": DEPLOYMENTS, "VExpertNodeProfile": NODE_PROFILES, "VExpertModelProfile": MODEL_PROFILES,
 }

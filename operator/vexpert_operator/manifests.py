@@ -33,6 +33,7 @@ from .api import (
 )
 from .nodetypes import GPU_RESOURCE, node_type_terms
 from .quantity import format_mebibytes
+from .settings import OperatorSettings
 from .sizing import Sizing
 
 CONFIG_DIR = "/etc/vexpert"
@@ -304,6 +305,8 @@ def build_pod_template(name: str, spec: VExpertDeploymentSpec, sizing: Sizing, c
         pod_spec["serviceAccountName"] = spec.runtime.service_account_name
     if spec.runtime.priority_class_name:
         pod_spec["priorityClassName"] = spec.runtime.priority_class_name
+    if spec.runtime.runtime_class_name:
+        pod_spec["runtimeClassName"] = spec.runtime.runtime_class_name
     if spec.runtime.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.runtime.image_pull_secrets]
     template: dict[str, Any] = {
@@ -388,50 +391,37 @@ def _calibration_labels(kind: str, extra: Mapping[str, str]) -> dict[str, str]:
 
 
 def _calibration_job(job_name: str, namespace: str, labels: dict[str, str], annotations: dict[str, str],
-                     spec: VExpertDeploymentSpec, node_key: NodeTypeKey | None, gpus: int, args: list[str],
-                     owner: list[dict[str, Any]], extra_volumes: list[dict[str, Any]],
-                     extra_mounts: list[dict[str, Any]]) -> Manifest:
-    calib = spec.calibration
-    resources = {"memory": calib.memory}
-    if gpus:
-        resources[GPU_RESOURCE] = str(gpus)
+                     image: str, pull_policy: str, resources: dict[str, str], timeout_s: int, shm_size: str,
+                     args: list[str], owner: list[dict[str, Any]], pod_fields: dict[str, Any],
+                     security_context: dict[str, Any], extra_volumes: tuple[dict[str, Any], ...] = (),
+                     extra_mounts: tuple[dict[str, Any], ...] = ()) -> Manifest:
+    """One attempt: ``backoffLimit: 0`` (the operator counts attempts and backs off itself, bounded by
+    ``calibration_max_attempts``) and ``activeDeadlineSeconds`` (a hung measurement fails)."""
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "enableServiceLinks": False,
         "containers": [{
             "name": CALIBRATION_CONTAINER,
-            "image": calib.image or spec.runtime.image,
-            "imagePullPolicy": spec.runtime.image_pull_policy,
+            "image": image,
+            "imagePullPolicy": pull_policy,
             "command": ["vexpert", "calibrate"],
             "args": [*args, "--termination-message-path", TERMINATION_LOG],
             "resources": {"requests": dict(resources), "limits": dict(resources)},
-            "securityContext": _security_context(spec),
+            "securityContext": security_context,
             "terminationMessagePath": TERMINATION_LOG,
             "terminationMessagePolicy": "FallbackToLogsOnError",
             "volumeMounts": [{"name": "shm", "mountPath": SHM_DIR}, *extra_mounts],
         }],
-        "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.runtime.shm_size}},
-                    *extra_volumes],
+        "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}}, *extra_volumes],
+        **{k: v for k, v in pod_fields.items() if v},
     }
-    if node_key is not None:  # GPU measurements: on a node of exactly this type
-        pod_spec["affinity"] = {"nodeAffinity": _node_affinity(node_type_terms(node_key))}
-    # both Jobs: where the deployment may run (the model Job mounts its checkpoint, which may be a
-    # hostPath that exists only on those nodes)
-    if spec.runtime.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.runtime.node_selector)
-    if spec.runtime.tolerations:
-        pod_spec["tolerations"] = _tolerations(spec)
-    if spec.runtime.service_account_name:
-        pod_spec["serviceAccountName"] = spec.runtime.service_account_name
-    if spec.runtime.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.runtime.image_pull_secrets]
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": _metadata(job_name, namespace, labels, owner, annotations),
         "spec": {
             "backoffLimit": 0,
-            "activeDeadlineSeconds": calib.timeout_seconds,
+            "activeDeadlineSeconds": timeout_s,
             "ttlSecondsAfterFinished": JOB_TTL_SECONDS,
             "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},
         },
@@ -439,18 +429,31 @@ def _calibration_job(job_name: str, namespace: str, labels: dict[str, str], anno
 
 
 def build_hardware_calibration_job(namespace: str, type_name: str, node_key: NodeTypeKey, attempt: int,
-                                   spec: VExpertDeploymentSpec, owner: list[dict[str, Any]]) -> Manifest:
-    """``vexpert calibrate hardware`` on one node of the type, with all its GPUs.
+                                   settings: OperatorSettings) -> Manifest:
+    """``vexpert calibrate hardware`` on one node of the type, with all its GPUs: one Job per node type
+    for the whole cluster, in the operator's namespace, everything from the installer's settings
+    (image, resources, deadline, tolerations), nothing from a tenant's spec. No owner: it serves
+    every deployment that may land on the type; ``ttlSecondsAfterFinished`` removes it.
 
     Contract (``vexpert calibrate``): the container writes a ``PerformanceProfile`` JSON to its
     termination message and exits 0, or exits non-zero with a one-line reason there.
     """
     labels = _calibration_labels("hardware", {nm.LABEL_NODE_TYPE: type_name, nm.LABEL_ATTEMPT: str(attempt)})
     key_json = json.dumps(node_key.model_dump(), sort_keys=True)
-    gpus = node_key.gpu_count or spec.parallelism.gpus_per_node
+    gpus = node_key.gpu_count or 1
     args = ["hardware", "--gpus", str(gpus), "--node-type", key_json]
+    resources = {"cpu": settings.calibration_cpu, "memory": settings.calibration_memory, GPU_RESOURCE: str(gpus)}
+    pod_fields = {
+        # GPU measurements: on a node of exactly this type
+        "affinity": {"nodeAffinity": _node_affinity(node_type_terms(node_key))},
+        "tolerations": list(settings.calibration_tolerations),
+        "runtimeClassName": settings.calibration_runtime_class,
+    }
     return _calibration_job(nm.hardware_job_name(type_name, attempt), namespace, labels,
-                            {nm.ANNOTATION_NODE_TYPE_KEY: key_json}, spec, node_key, gpus, args, owner, [], [])
+                            {nm.ANNOTATION_NODE_TYPE_KEY: key_json}, settings.calibration_image,
+                            settings.calibration_image_pull_policy, resources, settings.calibration_timeout_s,
+                            settings.calibration_shm_size, args, [], pod_fields,
+                            {"privileged": False, "allowPrivilegeEscalation": False})
 
 
 def trace_paths(spec: VExpertDeploymentSpec) -> list[str]:
@@ -474,16 +477,29 @@ def model_fit_inputs(spec: VExpertDeploymentSpec) -> list[str]:
 
 
 def build_model_calibration_job(namespace: str, key: str, attempt: int, spec: VExpertDeploymentSpec,
-                                owner: list[dict[str, Any]]) -> Manifest:
-    """``vexpert calibrate model``: fit α, β, intercept of Δ(L, V) on the expert-load traces (a CPU job;
-    the traces are read from the checkpoint volume)."""
+                                owner: list[dict[str, Any]], settings: OperatorSettings) -> Manifest:
+    """``vexpert calibrate model``: fit α, β, intercept of Δ(L, V) on the expert-load traces (a CPU job
+    in the deployment's namespace: it reads the traces from the deployment's checkpoint volume, where
+    the deployment may run). The image is the installer's (``settings.calibration_image``)."""
     labels = _calibration_labels("model", {nm.LABEL_MODEL_KEY: key, nm.LABEL_ATTEMPT: str(attempt)})
     args = ["model", *model_fit_inputs(spec), "--k", str(spec.vexpert.allocation_interval.value),
             "--model", spec.model.name, "--revision", spec.model.revision]
     annotations = {nm.ANNOTATION_MODEL: spec.model.name, nm.ANNOTATION_REVISION: spec.model.revision}
     mounts = [{"name": "model", "mountPath": spec.model.checkpoint.mount_path, "readOnly": True}]
-    return _calibration_job(nm.model_job_name(key, attempt), namespace, labels, annotations, spec, None, 0,
-                            args, owner, [_model_volume(spec)], mounts)
+    calib = spec.calibration
+    pod_fields = {
+        # where the deployment may run: its checkpoint volume is reachable there
+        "nodeSelector": dict(spec.runtime.node_selector),
+        "tolerations": _tolerations(spec),
+        "serviceAccountName": spec.runtime.service_account_name,
+        "imagePullSecrets": [{"name": s} for s in spec.runtime.image_pull_secrets],
+        "runtimeClassName": spec.runtime.runtime_class_name,
+    }
+    return _calibration_job(nm.model_job_name(key, attempt), namespace, labels, annotations,
+                            settings.calibration_image, settings.calibration_image_pull_policy,
+                            {"cpu": calib.cpu, "memory": calib.memory}, calib.timeout_seconds, spec.runtime.shm_size,
+                            args, owner, pod_fields, {"privileged": False, "allowPrivilegeEscalation": False},
+                            (_model_volume(spec),), tuple(mounts))
 
 
 # --------------------------------------------------------------------------------------- profiles

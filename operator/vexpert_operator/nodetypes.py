@@ -1,8 +1,13 @@
 """Node typing: which GPU nodes are "the same" for calibration, and where a deployment can land.
 
-A node type is a ``NodeTypeKey`` (GPU product, count, memory, driver version, instance type) read
-from the labels NVIDIA GPU feature discovery sets. A new driver version is a new type, so it gets
-recalibrated. Pure functions over plain node dicts.
+A node type is identified by GPU product, GPU count, driver version and instance type, read from
+the labels NVIDIA GPU feature discovery sets. A new driver version is a new type, so it gets
+recalibrated. GPU memory (``nvidia.com/gpu.memory``) is read but is not part of the identity: the
+product already names the GPU, and the label moves by a few MiB with ECC mode and driver
+reservations; were it part of the identity (name, node affinity, runtime config), a node reporting
+a little less would split the type and roll a healthy group. Host memory is never part of it
+either: sizing takes a figure from the type's nodes (:meth:`NodeType.memory_fit`) that the
+caller keeps stable. Pure functions over plain node dicts.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from vexpert_runtime.policy.profile import NodeTypeKey
 from .api import Toleration
 from .naming import bounded_name, label_value
 from .quantity import parse_bytes
+from .sizing import MemoryFit
 
 GPU_PRODUCT = "nvidia.com/gpu.product"
 GPU_COUNT = "nvidia.com/gpu.count"
@@ -60,10 +66,15 @@ def node_type_key(labels: Mapping[str, str]) -> NodeTypeKey | None:
     )
 
 
+def identity(key: NodeTypeKey) -> NodeTypeKey:
+    """The part of a key that makes a type: the key without GPU memory (see the module docstring)."""
+    return key.model_copy(update={"gpu_memory_mib": 0})
+
+
 def node_type_name(key: NodeTypeKey) -> str:
-    """A DNS-1123 name (≤ 63) for the type: readable prefix + hash of the whole key."""
+    """A DNS-1123 name (≤ 63) for the type: readable prefix + hash of the key's identity."""
     prefix = f"{key.gpu_product}-{key.gpu_count}x"
-    return bounded_name(prefix, key.model_dump(), 63)
+    return bounded_name(prefix, identity(key).model_dump(), 63)
 
 
 def _is(key: str, value: str) -> dict[str, Any]:
@@ -93,12 +104,11 @@ def node_type_terms(key: NodeTypeKey) -> list[list[dict[str, Any]]]:
     """Required node-affinity terms that match exactly the nodes of this type: ORed terms of ANDed
     expressions, one per label generation the key may have been read from (GFD's full or split
     driver labels, the GA or beta instance-type label); a field the key lacks must be absent, or
-    a type without an instance type would also match every other instance type."""
+    a type without an instance type would also match every other instance type. GPU memory is not
+    matched: it is no part of the type's identity."""
     common = [_is(GPU_PRODUCT, key.gpu_product)]
     if key.gpu_count:
         common.append(_is(GPU_COUNT, str(key.gpu_count)))
-    if key.gpu_memory_mib:
-        common.append(_is(GPU_MEMORY, str(key.gpu_memory_mib)))
     if key.instance_type:
         instance = [[_is(INSTANCE_TYPE, key.instance_type)],
                     [_absent(INSTANCE_TYPE), _is(INSTANCE_TYPE_BETA, key.instance_type)]]
@@ -111,16 +121,68 @@ def node_type_terms(key: NodeTypeKey) -> list[list[dict[str, Any]]]:
 class NodeInfo:
     name: str
     labels: Mapping[str, str]
-    key: NodeTypeKey | None
+    key: NodeTypeKey | None  # the full key (GPU memory included); the type is its identity()
     type_name: str
     allocatable_memory: int
     allocatable_gpus: int | None  # None: the node does not report nvidia.com/gpu
     ready: bool
     unschedulable: bool
     taints: tuple[Mapping[str, Any], ...] = ()
+    requested_memory: int = 0  # memory requests of the pods bound here that are not the deployment's own
+
+    @property
+    def free_memory(self) -> int:
+        return max(0, self.allocatable_memory - self.requested_memory)
+
+    @property
+    def gpu_memory_mib(self) -> int:
+        return self.key.gpu_memory_mib if self.key is not None else 0
 
 
-def node_info(node: Mapping[str, Any]) -> NodeInfo:
+def pod_memory_request(pod: Mapping[str, Any]) -> int:
+    """The memory a pod holds on its node for the scheduler: the larger of its containers' sum and
+    its largest init container, plus the pod overhead (RuntimeClass). A container with a limit but
+    no request requests its limit (the API server defaults it so)."""
+    spec = pod.get("spec") or {}
+
+    def memory(container: Mapping[str, Any]) -> int:
+        res = container.get("resources") or {}
+        value = (res.get("requests") or {}).get("memory") or (res.get("limits") or {}).get("memory") or 0
+        try:
+            return parse_bytes(value)
+        except ValueError:
+            return 0
+
+    containers = sum(memory(c) for c in spec.get("containers") or [])
+    init = max((memory(c) for c in spec.get("initContainers") or []), default=0)
+    try:
+        overhead = parse_bytes((spec.get("overhead") or {}).get("memory") or 0)
+    except ValueError:
+        overhead = 0
+    return max(containers, init) + overhead
+
+
+def memory_requested_by_node(pods: Iterable[Mapping[str, Any]], exclude: Mapping[str, str] | None = None,
+                             exclude_namespace: str = "") -> dict[str, int]:
+    """Node name → memory requested by the pods bound there and not finished (what the scheduler
+    counts against allocatable: DaemonSets, system pods, other workloads). Pods in
+    ``exclude_namespace`` whose labels contain ``exclude`` are left out: the deployment's own pods
+    are what is being sized."""
+    used: dict[str, int] = {}
+    for pod in pods:
+        node = (pod.get("spec") or {}).get("nodeName")
+        if not node or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        if exclude and meta.get("namespace", "") == exclude_namespace and \
+                all(labels.get(k) == v for k, v in exclude.items()):
+            continue
+        used[node] = used.get(node, 0) + pod_memory_request(pod)
+    return used
+
+
+def node_info(node: Mapping[str, Any], requested_memory: int = 0) -> NodeInfo:
     meta = node.get("metadata", {}) or {}
     labels = dict(meta.get("labels") or {})
     status = node.get("status", {}) or {}
@@ -143,6 +205,7 @@ def node_info(node: Mapping[str, Any]) -> NodeInfo:
         ready=ready,
         unschedulable=bool(spec.get("unschedulable")),
         taints=tuple(spec.get("taints") or ()),
+        requested_memory=requested_memory,
     )
 
 
@@ -181,7 +244,7 @@ class NodeType:
     (new pods cannot land there, the group's running pods may still be there)."""
 
     name: str
-    key: NodeTypeKey
+    key: NodeTypeKey  # the identity (no GPU memory): what affinity, profiles and the runtime config carry
     nodes: list[NodeInfo] = field(default_factory=list)
     cordoned: list[NodeInfo] = field(default_factory=list)
 
@@ -192,10 +255,31 @@ class NodeType:
 
     @property
     def min_allocatable_memory(self) -> int:
-        # Cordoned nodes count: cordoning changes no node's memory, so it must not change the
-        # pod size (that would roll a healthy group).
+        # Cordoned nodes count: cordoning changes no node's memory.
         values = [n.allocatable_memory for n in (*self.nodes, *self.cordoned) if n.allocatable_memory > 0]
         return min(values) if values else 0
+
+    @property
+    def gpu_memory_mib(self) -> int:
+        """The smallest GPU memory a node of the type reports (0: unknown)."""
+        values = [n.gpu_memory_mib for n in (*self.nodes, *self.cordoned) if n.gpu_memory_mib > 0]
+        return min(values) if values else 0
+
+    def memory_fit(self, needed_nodes: int, headroom: int) -> MemoryFit | None:
+        """The memory figure a node pod is sized from: the node with the ``needed_nodes``-th most
+        free memory (allocatable minus other pods' requests), so that ``needed_nodes`` nodes of the
+        type can hold the group; the scheduler places the pods on those. Cordoned nodes count only
+        when there are not enough others (the group's pods may still run there). None: no node
+        reports memory."""
+        pool = [n for n in self.nodes if n.allocatable_memory > 0]
+        if len(pool) < needed_nodes:
+            pool += [n for n in self.cordoned if n.allocatable_memory > 0]
+        if not pool:
+            return None
+        ranked = sorted(pool, key=lambda n: (-n.free_memory, n.name))
+        node = ranked[min(needed_nodes, len(ranked)) - 1]
+        return MemoryFit(node=node.name, allocatable=node.allocatable_memory, requested=node.requested_memory,
+                         headroom=headroom)
 
 
 def candidate_types(nodes: Iterable[NodeInfo], node_selector: Mapping[str, str],
@@ -210,7 +294,7 @@ def candidate_types(nodes: Iterable[NodeInfo], node_selector: Mapping[str, str],
         if node.unschedulable:
             cordoned.append(node)
             continue
-        entry = found.setdefault(node.type_name, NodeType(name=node.type_name, key=node.key))
+        entry = found.setdefault(node.type_name, NodeType(name=node.type_name, key=identity(node.key)))
         entry.nodes.append(node)
     for node in cordoned:
         if node.type_name in found:

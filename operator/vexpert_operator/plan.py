@@ -14,8 +14,8 @@ from vexpert_runtime.policy.profile import NodeTypeKey, PerformanceProfile, Prov
 
 from . import manifests as mf
 from .api import VExpertDeploymentSpec
-from .nodetypes import NodeType
-from .sizing import Sizing, model_shape, size_pod
+from .nodetypes import NodeType, node_type_name
+from .sizing import MemoryFit, Sizing, memory_headroom, model_shape, size_pod
 from .validation import Problem, check_fit
 
 EPOCH = "1970-01-01T00:00:00+00:00"
@@ -53,7 +53,8 @@ class PlanInputs:
     uid: str = ""
     node_type: NodeType | None = None
     node_key: NodeTypeKey | None = None
-    node_memory_bytes: int | None = None
+    node_memory_bytes: int | None = None  # offline (render): a node profile's allocatable memory
+    keep_cap: int | None = None  # the running group's Np_cap: kept while it fits (sizing.size_pod)
     profile: PerformanceProfile = field(default_factory=default_profile)
     allocation_interval: int | None = None  # current k (tuned); None = the spec's starting value
     pooled_experts: int | None = None  # current Np (tuned); None = the cap
@@ -93,8 +94,8 @@ def plan_group(inputs: PlanInputs) -> GroupPlan:
     if shape is None:
         raise ValueError("spec.model.shape: required when architecture is auto")
     node_key = inputs.node_type.key if inputs.node_type is not None else inputs.node_key
-    memory = inputs.node_type.min_allocatable_memory if inputs.node_type is not None else inputs.node_memory_bytes
-    sizing = size_pod(spec, shape, memory or None)
+    fit = memory_fit(inputs)
+    sizing = size_pod(spec, shape, fit, inputs.keep_cap)
 
     k_spec = spec.vexpert.allocation_interval
     if k_spec.mode == "fixed" or inputs.allocation_interval is None:
@@ -126,5 +127,26 @@ def plan_group(inputs: PlanInputs) -> GroupPlan:
         statefulset=mf.build_statefulset(inputs.name, inputs.namespace, spec, template, owner,
                                          replicas=0 if inputs.draining else None),
         pdb=mf.build_pdb(inputs.name, inputs.namespace, spec, owner, inputs.drained_nodes),
-        problems=check_fit(spec, sizing, inputs.node_type),
+        problems=check_fit(spec, sizing, fit, *_gpu(inputs)),
     )
+
+
+def memory_fit(inputs: PlanInputs) -> MemoryFit | None:
+    """The figure the pod is sized from: the type's nodes as the cluster reports them (operator),
+    else the node profile's allocatable memory with nothing known to run there (render)."""
+    headroom = memory_headroom(inputs.spec)
+    if inputs.node_type is not None:
+        return inputs.node_type.memory_fit(inputs.spec.parallelism.num_nodes, headroom)
+    if inputs.node_memory_bytes:
+        return MemoryFit(node="", allocatable=inputs.node_memory_bytes, requested=0, headroom=headroom)
+    return None
+
+
+def _gpu(inputs: PlanInputs) -> tuple[int, str, str]:
+    """(GPU memory MiB, GPU product, type name) for the GPU-memory check; zeros when unknown."""
+    if inputs.node_type is not None:
+        return inputs.node_type.gpu_memory_mib, inputs.node_type.key.gpu_product, inputs.node_type.name
+    key = inputs.node_key
+    if key is None:
+        return 0, "", ""
+    return key.gpu_memory_mib, key.gpu_product, node_type_name(key)

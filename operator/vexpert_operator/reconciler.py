@@ -9,56 +9,50 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import kopf
 from pydantic import ValidationError
-
-from vexpert_runtime.policy.profile import PerformanceProfile
 
 from . import kube
 from . import metrics as m
 from . import naming as nm
 from .api import (
-    NodeTypeCalibration,
     TuningStatus,
     VExpertDeploymentSpec,
     VExpertDeploymentStatus,
-    VExpertModelProfileSpec,
-    VExpertNodeProfileSpec,
 )
 from .calibration import (
-    CalibrationStep,
-    JobSummary,
-    decide_calibration,
-    failure_reason,
     format_time,
-    one_line,
-    parse_result,
     parse_time,
-    stale_attempts,
-    summarize_job,
-    termination_message,
 )
+from .calibrator import ensure_calibration
+from .conditions import (
+    Blocker,
+    GroupObservation,
+    claim_blockers,
+    derive_group_conditions,
+    failed_create_blockers,
+    pod_blockers,
+)
+from .context import Context, list_cluster_wide
+from .context import post_event as _event
 from .group import GroupDecision, decide_group, nodes_being_drained, summarize_pod
 from .manifests import (
     api_endpoint,
-    build_hardware_calibration_job,
-    build_model_calibration_job,
-    build_model_profile,
-    build_node_profile,
-    model_fit_inputs,
-    owner_reference,
 )
-from .nodetypes import NodeType, candidate_types, choose_node_type, node_info
+from .nodetypes import (
+    NodeInfo,
+    NodeType,
+    candidate_types,
+    choose_node_type,
+    memory_requested_by_node,
+    node_info,
+)
 from .plan import GroupPlan, PlanInputs, combine_profiles, plan_group
-from .settings import OperatorSettings
-from .sharedlists import SharedLists
 from .status import get_condition, merge_patch_between, set_condition, status_patch
 from .tuning import (
     MetricsError,
@@ -89,25 +83,6 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
-@dataclass
-class Context:
-    client: kube.KubeClient
-    settings: OperatorSettings
-    logger: logging.Logger | logging.LoggerAdapter = field(default_factory=lambda: logging.getLogger("vexpert"))
-    post_events: bool = True
-    counted_jobs: set[str] = field(default_factory=set)
-    lists: SharedLists | None = None  # nodes and node profiles shared by concurrent reconciles
-    # the last scrape of each node pod, per deployment: (namespace, name) → pod UID → (monotonic s, metrics);
-    # serving counters become rates against it
-    scrapes: dict[tuple[str, str], dict[str, tuple[float, dict[str, float]]]] = field(default_factory=dict)
-
-
-async def list_cluster_wide(ctx: Context, res: kube.Resource) -> list[dict[str, Any]]:
-    """Every object of a cluster-wide resource; shared with the other reconciles of this round."""
-    if ctx.lists is not None:
-        return await ctx.lists.list_all(res)
-    return await ctx.client.list(res)
-
 
 @dataclass
 class Outcome:
@@ -120,15 +95,6 @@ class Outcome:
     node_type: NodeType | None = None
     wake_at: dt.datetime | None = None
 
-
-def _event(ctx: Context, body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
-    if not ctx.post_events:
-        return
-    try:
-        obj = body if isinstance(body, kopf.Body) else kopf.Body(dict(body))  # type: ignore[arg-type]
-        kopf.event(obj, type=type_, reason=reason, message=one_line(message, 1000))
-    except Exception:  # events are auxiliary; outside kopf's context there is no poster
-        ctx.logger.debug("could not post event %s: %s", reason, message)
 
 
 def read_status(body: Mapping[str, Any]) -> VExpertDeploymentStatus:
@@ -152,263 +118,6 @@ async def write_status(ctx: Context, body: Mapping[str, Any], old: VExpertDeploy
         return
     await ctx.client.patch(kube.DEPLOYMENTS, meta["name"], {"status": patch}, meta["namespace"],
                            subresource="status")
-
-
-# ------------------------------------------------------------------------------------ calibration
-
-
-@dataclass
-class CalibrationOutcome:
-    ready: bool
-    hardware: PerformanceProfile | None = None
-    model: PerformanceProfile | None = None
-    reason: str = ""
-    message: str = ""
-    wake_at: dt.datetime | None = None
-    node_types: list[NodeTypeCalibration] = field(default_factory=list)
-    model_profile: str = ""
-    model_state: str = ""
-    model_message: str = ""
-
-
-def _profile_of(obj: Mapping[str, Any] | None, model: type[VExpertNodeProfileSpec] | type[VExpertModelProfileSpec]
-                ) -> PerformanceProfile | None:
-    if obj is None:
-        return None
-    try:
-        return model.model_validate(obj.get("spec") or {}).profile
-    except ValidationError:
-        return None
-
-
-async def _job_pod(ctx: Context, namespace: str, job: str) -> dict[str, Any] | None:
-    for label in ("batch.kubernetes.io/job-name", "job-name"):
-        pods = await ctx.client.list(kube.PODS, namespace, labels={label: job})
-        if pods:
-            return sorted(pods, key=lambda p: p["metadata"].get("creationTimestamp", ""))[-1]
-    return None
-
-
-async def _harvest(ctx: Context, namespace: str, job: str) -> PerformanceProfile | str:
-    """The profile a succeeded Job wrote, or the reason it is unusable (the Job is marked failed)."""
-    pod = await _job_pod(ctx, namespace, job)
-    if pod is None:
-        reason = "its pod is gone, so its termination message cannot be read"
-    else:
-        _, message = termination_message(pod)
-        try:
-            return parse_result(message)
-        except ValueError as exc:
-            reason = str(exc)
-    await ctx.client.patch(kube.JOBS, job, {"metadata": {"annotations": {nm.ANNOTATION_HARVEST_ERROR: reason}}},
-                           namespace)
-    m.CALIBRATION_JOBS.labels("unknown", "invalid-result").inc()
-    return reason
-
-
-def _note_failure(ctx: Context, body: Mapping[str, Any], kind: str, job: str, message: str) -> None:
-    """Count and announce a failed attempt once per operator run."""
-    if job in ctx.counted_jobs:
-        return
-    ctx.counted_jobs.add(job)
-    m.CALIBRATION_JOBS.labels(kind, "failed").inc()
-    _event(ctx, body, "Warning", f"{kind.capitalize()}CalibrationFailed", message)
-
-
-async def _step_message(ctx: Context, namespace: str, step: CalibrationStep, jobs: list[JobSummary]) -> str:
-    if step.action == "backoff":
-        latest = max(jobs, key=lambda j: j.attempt)
-        pod = await _job_pod(ctx, namespace, latest.name)
-        why = failure_reason(pod, latest)
-        when = format_time(step.retry_at) if step.retry_at else "soon"
-        return f"attempt {step.attempt} ({step.job}) failed: {why}; retry at {when}"
-    return step.message
-
-
-async def _prune_attempts(ctx: Context, namespace: str, jobs: list[JobSummary]) -> list[JobSummary]:
-    """Delete failed calibration Jobs beyond the last few; returns the Jobs that remain."""
-    stale = set(stale_attempts(jobs))
-    for name in stale:
-        await ctx.client.delete(kube.JOBS, name, namespace)
-    return [j for j in jobs if j.name not in stale]
-
-
-async def ensure_calibration(ctx: Context, body: Mapping[str, Any], spec: VExpertDeploymentSpec,
-                             candidates: Mapping[str, NodeType], chosen: NodeType, now: dt.datetime
-                             ) -> CalibrationOutcome:
-    meta = body["metadata"]
-    name, ns, uid = meta["name"], meta["namespace"], meta.get("uid", "")
-    owner = owner_reference(name, uid)
-    calib = spec.calibration
-    out = CalibrationOutcome(ready=True)
-    wake: list[dt.datetime] = []
-
-    # Hardware: every candidate type gets a profile (auto); the group waits for its own type only.
-    profiles = {p["metadata"]["name"]: p for p in await list_cluster_wide(ctx, kube.NODE_PROFILES)}
-    hw_jobs: dict[str, list[JobSummary]] = {}
-    if calib.mode == "auto":
-        for job in await ctx.client.list(kube.JOBS, ns, labels={nm.LABEL_CALIBRATION: "hardware"}):
-            type_name = (job["metadata"].get("labels") or {}).get(nm.LABEL_NODE_TYPE, "")
-            hw_jobs.setdefault(type_name, []).append(summarize_job(job))
-    chosen_message = ""
-    for type_name, node_type in candidates.items():
-        if type_name in profiles:
-            out.node_types.append(NodeTypeCalibration(name=type_name, state="Profiled"))
-            continue
-        if calib.mode != "auto":
-            continue
-        jobs = await _prune_attempts(ctx, ns, hw_jobs.get(type_name, []))
-        step = decide_calibration(jobs, now, calib.retry_backoff_seconds, calib.max_retry_backoff_seconds)
-        entry = NodeTypeCalibration(name=type_name, state="Running", attempts=step.attempt, job=step.job)
-        if step.action == "create":
-            job = build_hardware_calibration_job(ns, type_name, node_type.key, step.attempt, spec, owner)
-            try:
-                await ctx.client.create(kube.JOBS, job)
-                m.CALIBRATION_JOBS.labels("hardware", "started").inc()
-                _event(ctx, body, "Normal", "HardwareCalibrationStarted",
-                       f"Job {job['metadata']['name']} calibrates node type {type_name} (attempt {step.attempt})")
-            except kube.ApiError as exc:
-                if not exc.conflict:
-                    raise
-            entry.job = job["metadata"]["name"]
-            entry.message = f"attempt {step.attempt} started"
-        elif step.action == "harvest":
-            result = await _harvest(ctx, ns, step.job)
-            if isinstance(result, PerformanceProfile):
-                if result.provenance.node_type is None:
-                    result.provenance.node_type = node_type.key
-                profile_obj = build_node_profile(type_name, node_type.key, result, node_type.min_allocatable_memory,
-                                                 step.job, ns)
-                try:
-                    profiles[type_name] = await ctx.client.create(kube.NODE_PROFILES, profile_obj)
-                    if ctx.lists is not None:
-                        ctx.lists.invalidate()
-                    m.CALIBRATION_JOBS.labels("hardware", "succeeded").inc()
-                    _event(ctx, body, "Normal", "NodeTypeProfiled",
-                           f"VExpertNodeProfile {type_name} written from Job {step.job}")
-                except kube.ApiError as exc:
-                    if not exc.conflict:
-                        raise
-                    profiles[type_name] = await ctx.client.get(kube.NODE_PROFILES, type_name)
-                entry = NodeTypeCalibration(name=type_name, state="Profiled", attempts=step.attempt, job=step.job)
-            else:
-                entry.state, entry.message = "Failed", f"attempt {step.attempt} ({step.job}): {result}"
-                wake.append(now)
-                _note_failure(ctx, body, "hardware", step.job, f"node type {type_name}: {entry.message}")
-        elif step.action == "backoff":
-            entry.state = "Failed"
-            entry.message = await _step_message(ctx, ns, step, jobs)
-            _note_failure(ctx, body, "hardware", step.job, f"node type {type_name}: {entry.message}")
-            if step.retry_at:
-                wake.append(step.retry_at)
-        else:
-            entry.message = step.message
-        out.node_types.append(entry)
-        if type_name == chosen.name:
-            chosen_message = entry.message
-
-    chosen_profile = _profile_of(profiles.get(chosen.name), VExpertNodeProfileSpec)
-    if chosen_profile is not None:
-        out.hardware = chosen_profile
-    elif calib.mode == "auto":
-        state = next((e for e in out.node_types if e.name == chosen.name), None)
-        out.ready = False
-        out.reason = "HardwareCalibrationFailed" if state and state.state == "Failed" else "HardwareCalibrating"
-        out.message = f"node type {chosen.name}: {chosen_message or 'calibrating'}"
-    elif calib.mode == "given" and calib.profile is not None:
-        out.hardware = calib.profile
-    # skip / given without a node profile: the paper's defaults (combine_profiles fills them in)
-
-    # Model: one profile per model revision and fit inputs (traces, EP size, vmax), in the namespace.
-    key = nm.model_key(spec.model.name, spec.model.revision, model_fit_inputs(spec))
-    if calib.mode == "given":
-        if calib.model_profile_ref:
-            obj = await ctx.client.get_or_none(kube.MODEL_PROFILES, calib.model_profile_ref, ns)
-            out.model = _profile_of(obj, VExpertModelProfileSpec)
-            out.model_profile = calib.model_profile_ref
-            if out.model is None:
-                out.model_state = "Missing"
-                out.model_message = f"VExpertModelProfile {calib.model_profile_ref} not found or invalid"
-                if out.ready:
-                    out.ready, out.reason, out.message = False, "ModelProfileMissing", out.model_message
-            else:
-                out.model_state = "Profiled"
-        else:
-            out.model = calib.profile
-            out.model_state = "Given"
-    else:
-        obj = await ctx.client.get_or_none(kube.MODEL_PROFILES, key, ns)
-        out.model = _profile_of(obj, VExpertModelProfileSpec)
-        out.model_profile = key if obj is not None else ""
-        out.model_state = "Profiled" if out.model is not None else "Default"
-        if out.model is None and calib.mode == "auto":
-            if calib.traces:
-                await _model_calibration(ctx, body, spec, key, owner, now, out, wake)
-            else:
-                out.model_message = "no spec.calibration.traces to fit on: the paper's load-balance coefficients"
-    if out.ready:
-        out.reason = "Skipped" if calib.mode == "skip" else ("Given" if calib.mode == "given" else "Profiled")
-        out.message = f"hardware: {'profile ' + chosen.name if out.hardware else 'paper defaults'}; model: " \
-                      f"{out.model_profile or ('inline profile' if out.model else 'paper defaults')}"
-    out.wake_at = min(wake) if wake else None
-    return out
-
-
-async def _model_calibration(ctx: Context, body: Mapping[str, Any], spec: VExpertDeploymentSpec, key: str,
-                             owner: list[dict[str, Any]], now: dt.datetime, out: CalibrationOutcome,
-                             wake: list[dt.datetime]) -> None:
-    ns = body["metadata"]["namespace"]
-    calib = spec.calibration
-    jobs = [summarize_job(j) for j in
-            await ctx.client.list(kube.JOBS, ns, labels={nm.LABEL_CALIBRATION: "model", nm.LABEL_MODEL_KEY: key})]
-    jobs = await _prune_attempts(ctx, ns, jobs)
-    step = decide_calibration(jobs, now, calib.retry_backoff_seconds, calib.max_retry_backoff_seconds)
-    out.model_profile = key
-    out.model_state = "Running"
-    if step.action == "create":
-        job = build_model_calibration_job(ns, key, step.attempt, spec, owner)
-        try:
-            await ctx.client.create(kube.JOBS, job)
-            m.CALIBRATION_JOBS.labels("model", "started").inc()
-            _event(ctx, body, "Normal", "ModelCalibrationStarted",
-                   f"Job {job['metadata']['name']} calibrates {spec.model.name}@{spec.model.revision} "
-                   f"(attempt {step.attempt})")
-        except kube.ApiError as exc:
-            if not exc.conflict:
-                raise
-        out.model_message = f"attempt {step.attempt} started"
-    elif step.action == "harvest":
-        result = await _harvest(ctx, ns, step.job)
-        if isinstance(result, PerformanceProfile):
-            if not result.provenance.model:
-                result.provenance.model = spec.model.name
-                result.provenance.model_revision = spec.model.revision
-            obj = build_model_profile(ns, key, spec.model.name, spec.model.revision, spec.model.architecture, result,
-                                      step.job)
-            try:
-                await ctx.client.create(kube.MODEL_PROFILES, obj)
-                m.CALIBRATION_JOBS.labels("model", "succeeded").inc()
-                _event(ctx, body, "Normal", "ModelProfiled", f"VExpertModelProfile {key} written from Job {step.job}")
-            except kube.ApiError as exc:
-                if not exc.conflict:
-                    raise
-            out.model, out.model_state, out.model_message = result, "Profiled", ""
-            return
-        out.model_state, out.model_message = "Failed", f"attempt {step.attempt} ({step.job}): {result}"
-        wake.append(now)
-        _note_failure(ctx, body, "model", step.job, out.model_message)
-    elif step.action == "backoff":
-        out.model_state = "Failed"
-        out.model_message = await _step_message(ctx, ns, step, jobs)
-        _note_failure(ctx, body, "model", step.job, out.model_message)
-        if step.retry_at:
-            wake.append(step.retry_at)
-    else:
-        out.model_message = step.message
-    if out.ready:
-        out.ready = False
-        out.reason = "ModelCalibrationFailed" if out.model_state == "Failed" else "ModelCalibrating"
-        out.message = f"model {spec.model.name}@{spec.model.revision}: {out.model_message}"
 
 
 # --------------------------------------------------------------------------------------- reconcile
@@ -483,7 +192,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False
     status.nodes = spec.parallelism.num_nodes
     status.conditions = set_condition(status.conditions, "Invalid", False, "Valid", "", stamp, generation)
 
-    nodes = [node_info(n) for n in await list_cluster_wide(ctx, kube.NODES)]
+    nodes = await observe_nodes(ctx, ns, name)
     candidates = candidate_types(nodes, spec.runtime.node_selector, spec.runtime.tolerations,
                                  spec.parallelism.gpus_per_node)
     chosen_name = choose_node_type(candidates, spec.parallelism.num_nodes, status.node_type)
@@ -529,7 +238,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False
         else combine_profiles(None, None, chosen.key)
     inputs = PlanInputs(name=name, namespace=ns, spec=spec, uid=meta.get("uid", ""), node_type=chosen,
                         profile=profile, allocation_interval=status.tuning.allocation_interval,
-                        pooled_experts=status.tuning.pooled_experts)
+                        pooled_experts=status.tuning.pooled_experts, keep_cap=_kept_cap(old, generation))
     plan = plan_group(inputs)
     if plan.problems:
         new = _invalid(status, plan.problems, REASON_DOES_NOT_FIT, stamp, generation)
@@ -577,49 +286,52 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False
     status.tuning.pooled_experts_cap = plan.sizing.pooled_experts_cap
     if not status.tuning.reason:
         status.tuning.reason = "initial: k from the spec, Np as large as node memory allows"
-    _phase(status, sample, stamp, generation)
     usable = chosen.ready_nodes + len(chosen.cordoned)  # cordoned ones may already run group pods
-    if status.phase == "Deploying" and usable < spec.parallelism.num_nodes:
-        # say why pods stay Pending instead of only counting them
-        status.message = (f"node type {chosen.name} has {chosen.ready_nodes} Ready schedulable node(s), the group "
-                          f"needs {spec.parallelism.num_nodes}: its pods wait for nodes")
-        status.conditions = set_condition(status.conditions, "Progressing", True, "NotEnoughNodes", status.message,
-                                          stamp, generation)
+    ready = status.ready_nodes == spec.parallelism.num_nodes
+    seen = GroupObservation(
+        nodes=spec.parallelism.num_nodes, ready_nodes=status.ready_nodes, action=decision.action,
+        decision_reason=decision.reason, retry_at=format_time(decision.retry_at) if decision.retry_at else "",
+        restarts=status.group.restarts,
+        degraded_ranks=sample.degraded_pods if sample is not None else status.runtime.degraded_ranks,
+        usable_nodes=usable, node_type=chosen.name,
+        blockers=[] if ready or decision.action != "none" else await observe_blockers(ctx, ns, name, spec, raw_pods))
+    derive_group_conditions(status, seen, stamp, generation)
     if status.phase != old.phase and status.phase in ("Running", "Degraded"):
         _event(ctx, body, "Normal" if status.phase == "Running" else "Warning", status.phase, status.message)
     await write_status(ctx, body, old, status)
     return Outcome(status.phase, status, plan=plan, spec=spec, node_type=chosen, wake_at=wake_at)
 
 
-def _phase(status: VExpertDeploymentStatus, sample: RuntimeSample | None, stamp: str, generation: int | None) -> None:
-    nodes = status.nodes or 0
-    ready = status.ready_nodes == nodes and nodes > 0
-    degraded_cond = get_condition(status, "Degraded")
-    backoff = degraded_cond is not None and degraded_cond.status == "True" and \
-        degraded_cond.reason == "GroupRestartBackoff"
-    runtime_degraded = status.runtime.degraded_ranks > 0
-    if sample is not None:
-        runtime_degraded = sample.degraded_pods > 0
-    if not backoff:
-        if runtime_degraded:
-            status.conditions = set_condition(status.conditions, "Degraded", True, "RuntimeDegraded",
-                                              f"{status.runtime.degraded_ranks} node pod(s) report degraded",
-                                              stamp, generation)
-        else:
-            status.conditions = set_condition(status.conditions, "Degraded", False, "AsExpected", "", stamp,
-                                              generation)
-    status.conditions = set_condition(status.conditions, "Ready", ready, "GroupReady" if ready else "NodesNotReady",
-                                      f"{status.ready_nodes}/{nodes} node pods ready", stamp, generation)
-    status.conditions = set_condition(status.conditions, "Progressing", not ready,
-                                      "Deploying" if not ready else "Deployed",
-                                      f"{status.ready_nodes}/{nodes} node pods ready", stamp, generation)
-    degraded = get_condition(status, "Degraded")
-    if degraded is not None and degraded.status == "True":
-        status.phase, status.message = "Degraded", degraded.message
-    elif ready:
-        status.phase, status.message = "Running", f"{nodes} node pods ready"
-    else:
-        status.phase, status.message = "Deploying", f"{status.ready_nodes}/{nodes} node pods ready"
+async def observe_nodes(ctx: Context, namespace: str, name: str) -> list[NodeInfo]:
+    """Every node, with the memory that pods bound to it request, the deployment's own pods left out
+    (they are what is being sized)."""
+    pods = await list_cluster_wide(ctx, kube.PODS)
+    used = memory_requested_by_node(pods, nm.node_selector_labels(name), namespace)
+    return [node_info(n, used.get((n.get("metadata") or {}).get("name", ""), 0))
+            for n in await list_cluster_wide(ctx, kube.NODES)]
+
+
+def _kept_cap(old: VExpertDeploymentStatus, generation: int | None) -> int | None:
+    """The Np_cap the group was sized with, kept while the spec is the same (a spec change re-sizes)."""
+    if old.group.template_hash and old.observed_generation == generation:
+        return old.tuning.pooled_experts_cap
+    return None
+
+
+async def observe_blockers(ctx: Context, namespace: str, name: str, spec: VExpertDeploymentSpec,
+                          raw_pods: list[dict[str, Any]]) -> list[Blocker]:
+    """Why node pods do not run, in the scheduler's, kubelet's and controllers' words."""
+    blockers = pod_blockers(raw_pods)
+    live = [p for p in raw_pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    if len(live) < spec.parallelism.num_nodes:
+        sts = nm.statefulset_name(name)
+        events = await ctx.client.list(kube.EVENTS, namespace, field_selector=f"involvedObject.name={sts}")
+        blockers += failed_create_blockers(events, sts)
+    claim = spec.model.checkpoint.claim_name
+    if claim:
+        blockers += claim_blockers(await ctx.client.get_or_none(kube.PVCS, claim, namespace), claim,
+                                   spec.parallelism.num_nodes)
+    return blockers
 
 
 def _decide_group(spec: VExpertDeploymentSpec, status: VExpertDeploymentStatus, plan: GroupPlan,
@@ -635,7 +347,7 @@ def _decide_group(spec: VExpertDeploymentSpec, status: VExpertDeploymentStatus, 
 async def _apply_group_decision(ctx: Context, body: Mapping[str, Any], status: VExpertDeploymentStatus,
                                 decision: GroupDecision, now: dt.datetime) -> dt.datetime | None:
     meta = body["metadata"]
-    ns, generation = meta["namespace"], meta.get("generation")
+    ns = meta["namespace"]
     stamp = format_time(now)
     group = status.group
     wake_at: dt.datetime | None = None
@@ -654,15 +366,9 @@ async def _apply_group_decision(ctx: Context, body: Mapping[str, Any], status: V
             m.GROUP_REFORMS.labels("rollout").inc()
             _event(ctx, body, "Normal", "GroupRolled", decision.reason)
         status.ready_nodes = 0
-        status.conditions = set_condition(status.conditions, "Degraded", False, "AsExpected", "", stamp, generation)
     elif decision.action == "backoff":
         wake_at = decision.retry_at
-        status.conditions = set_condition(
-            status.conditions, "Degraded", True, "GroupRestartBackoff",
-            f"{decision.reason}; re-forming at {format_time(decision.retry_at) if decision.retry_at else 'soon'} "
-            f"(restart {group.restarts + 1})", stamp, generation)
     else:
-        status.conditions = set_condition(status.conditions, "Degraded", False, "AsExpected", "", stamp, generation)
         if decision.formed and decision.members != group.members:
             group.members = decision.members
             group.formed_at = stamp

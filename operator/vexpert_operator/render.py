@@ -32,8 +32,9 @@ from .api import (
     VExpertNodeProfileSpec,
 )
 from .nodetypes import node_type_name
-from .plan import PlanInputs, combine_profiles, plan_group
-from .quantity import parse_bytes
+from .plan import PlanInputs, combine_profiles, memory_fit, plan_group
+from .quantity import format_bytes_human, parse_bytes
+from .settings import OperatorSettings
 from .validation import format_problems, parse_spec, validate_spec
 
 
@@ -128,8 +129,10 @@ def render_deployment(doc: Mapping[str, Any], namespace: str | None, node_profil
     node_key = node_profile.key if node_profile else None
     memory = node_profile.allocatable_memory if node_profile else None
     profile = combine_profiles(hardware, model_profile, node_key)
-    plan = plan_group(PlanInputs(name=name, namespace=ns, spec=spec, node_key=node_key, node_memory_bytes=memory,
-                                 profile=profile))
+    inputs = PlanInputs(name=name, namespace=ns, spec=spec, node_key=node_key, node_memory_bytes=memory,
+                        profile=profile)
+    plan = plan_group(inputs)
+    fit = memory_fit(inputs)
     result.notes.append(f"vexpert render: {DEPLOYMENT_KIND} {ns}/{name} ({spec.parallelism.num_nodes} node pods, "
                         f"k={plan.allocation_interval}, Np={plan.pooled_experts}, "
                         f"Np cap {plan.sizing.pooled_experts_cap}, pod memory "
@@ -140,8 +143,12 @@ def render_deployment(doc: Mapping[str, Any], namespace: str | None, node_profil
     else:
         type_name = node_type_name(node_key) if node_key else "(unknown type)"
         result.notes.append(f"node type {type_name} from {node_profile.origin}")
-        if memory is None:
+        if fit is None:
             result.notes.append("node memory unknown: Np is the spec's upper bound, not fitted to node memory")
+        elif not plan.problems:
+            result.notes.append(
+                f"fits with headroom: pod {format_bytes_human(plan.sizing.pod_memory_bytes)} ≤ {fit.describe()} "
+                "(the operator also subtracts what pods already bound to the node request)")
     if model_profile is None:
         result.notes.append("load-balance coefficients: paper defaults" +
                             ("; the operator first runs a model calibration Job (below)"
@@ -154,7 +161,8 @@ def render_deployment(doc: Mapping[str, Any], namespace: str | None, node_profil
     result.manifests.extend(plan.children)
     if calib.mode == "auto" and model_profile is None and calib.traces:
         key = nm.model_key(spec.model.name, spec.model.revision, mf.model_fit_inputs(spec))
-        result.manifests.append(mf.build_model_calibration_job(ns, key, 1, spec, []))
+        # the image and pull policy are the installer's; offline, the operator's defaults
+        result.manifests.append(mf.build_model_calibration_job(ns, key, 1, spec, [], OperatorSettings()))
     return result
 
 

@@ -4,6 +4,14 @@ A node pod pins ``Np × expert_bytes × L`` bytes of host memory (the pool vExpe
 and keeps ``/dev/shm`` as a memory-backed emptyDir; both count against the container's memory
 limit, so the pod requests exactly ``pool(Np_cap) + shm + overhead`` (Guaranteed QoS). The tuner
 may lower Np at run time but never above ``Np_cap``, so tuning never needs a bigger pod.
+
+Headroom: the pod is sized into a node's allocatable memory minus what other pods bound there
+already request (DaemonSets, system pods) minus ``runtime.memoryHeadroom`` (DaemonSets that arrive
+later, requests that grow). A pod that filled allocatable would never schedule next to them.
+
+Stability: Np_cap, once chosen, is kept while the pod still fits next to what runs now (the
+headroom may be used up); a few GiB less on some node must not re-size, and so roll, a healthy
+group. It is chosen anew when the spec changes or when the pod no longer fits.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from dataclasses import dataclass
 from vexpert_runtime.model.expert_layout import DENSE, FP8_BLOCK, expert_row_bytes
 
 from .api import ModelShape, VExpertDeploymentSpec
-from .quantity import parse_bytes
+from .quantity import format_bytes_human, parse_bytes
 
 # Known MoE shapes (bf16). DeepSeek-V3: 58 MoE layers × 256 experts, expert = 3 × 7168 × 2048
 # parameters (the paper's 84 MiB slot; 42 MiB as the published block FP8). qwen2_moe:
@@ -48,12 +56,39 @@ def pinned_pool_bytes(pooled_experts: int, shape: ModelShape) -> int:
 
 
 @dataclass(frozen=True)
+class MemoryFit:
+    """The memory figure a pod is sized from: one node's allocatable memory, the requests of the
+    pods already bound there (not the deployment's own), and the headroom left free."""
+
+    node: str  # "" offline (a node profile's allocatable memory, nothing known to run there)
+    allocatable: int
+    requested: int
+    headroom: int
+
+    @property
+    def free(self) -> int:
+        return max(0, self.allocatable - self.requested)
+
+    @property
+    def available(self) -> int:
+        """What a new pod may take: free memory less the headroom."""
+        return max(0, self.free - self.headroom)
+
+    def describe(self) -> str:
+        where = f"node {self.node}" if self.node else "the node profile"
+        return (f"{where}: allocatable {format_bytes_human(self.allocatable)} − requested by other pods "
+                f"{format_bytes_human(self.requested)} − headroom {format_bytes_human(self.headroom)} = "
+                f"{format_bytes_human(self.available)} available")
+
+
+@dataclass(frozen=True)
 class Sizing:
     pooled_experts_cap: int
     pinned_pool_bytes: int
     shm_bytes: int
     overhead_bytes: int
     gpu_bytes_per_gpu: int
+    kept: bool = False  # Np_cap is the running group's (it fits what is free; the headroom may be used up)
 
     @property
     def pod_memory_bytes(self) -> int:
@@ -77,22 +112,33 @@ def np_bounds(spec: VExpertDeploymentSpec, shape: ModelShape) -> tuple[int, int]
     return min(pe.min, upper), upper
 
 
-def size_pod(spec: VExpertDeploymentSpec, shape: ModelShape, node_memory_bytes: int | None) -> Sizing:
-    """Choose Np_cap (as large as the node's allocatable memory allows, within bounds) and size the pod.
+def memory_headroom(spec: VExpertDeploymentSpec) -> int:
+    return parse_bytes(spec.runtime.memory_headroom)
 
-    With ``node_memory_bytes`` None (offline render without a node profile) Np_cap is the upper
-    bound. The result may not fit; :func:`vexpert_operator.validation.check_fit` says so.
+
+def size_pod(spec: VExpertDeploymentSpec, shape: ModelShape, fit: MemoryFit | None,
+             keep_cap: int | None = None) -> Sizing:
+    """Choose Np_cap (as large as ``fit.available`` allows, within bounds) and size the pod.
+
+    ``keep_cap`` (the cap the running group was sized with) is kept while it is within bounds and
+    the pod still fits into the node's free memory, headroom or not (see the module docstring).
+    With ``fit`` None (offline render without a node profile) Np_cap is the upper bound. The
+    result may not fit; :func:`vexpert_operator.validation.check_fit` says so.
     """
     shm = parse_bytes(spec.runtime.shm_size)
     overhead = parse_bytes(spec.runtime.memory_overhead)
     low, high = np_bounds(spec, shape)
     per_expert = shape.expert_bytes * shape.num_moe_layers
-    if node_memory_bytes is None or spec.vexpert.pinned_experts.mode == "fixed":
+    if fit is None or spec.vexpert.pinned_experts.mode == "fixed":
         cap = high
+    elif keep_cap is not None and low <= keep_cap <= high and \
+            pinned_pool_bytes(keep_cap, shape) + shm + overhead <= fit.free:
+        cap = keep_cap
     else:
-        room = node_memory_bytes - shm - overhead
+        room = fit.available - shm - overhead
         cap = max(low, min(high, room // per_expert if room > 0 else 0))
     return Sizing(
+        kept=cap == keep_cap and fit is not None and spec.vexpert.pinned_experts.mode != "fixed",
         pooled_experts_cap=cap,
         pinned_pool_bytes=pinned_pool_bytes(cap, shape),
         shm_bytes=shm,

@@ -19,9 +19,9 @@ from pydantic import ValidationError
 from .api import QUANTITY_PATTERN, VExpertDeploymentSpec
 from .manifests import OPERATOR_MOUNT_PATHS
 from .naming import MAX_DEPLOYMENT_NAME
-from .nodetypes import GPU_RESOURCE, NodeType
+from .nodetypes import GPU_RESOURCE
 from .quantity import MIB, format_bytes_human
-from .sizing import GPU_MEMORY_USABLE_FRACTION, Sizing, model_shape
+from .sizing import GPU_MEMORY_USABLE_FRACTION, MemoryFit, Sizing, model_shape
 
 RESERVED_ENV = {"VEXPERT_NODE_RANK", "VEXPERT_CONFIG", "VEXPERT_POD_NAME", "VEXPERT_NUM_NODES"}
 # Sized by the operator from the spec (pinned pool, GPUs per node, runtime.cpu); extraResources may not override.
@@ -152,26 +152,32 @@ def _extra_resource_problems(extra: Mapping[str, str]) -> list[Problem]:
     return problems
 
 
-def check_fit(spec: VExpertDeploymentSpec, sizing: Sizing, node_type: NodeType | None) -> list[Problem]:
-    """Does the pod fit the node type's memory, and do experts + slots fit a GPU?"""
-    if node_type is None:
-        return []
+def check_fit(spec: VExpertDeploymentSpec, sizing: Sizing, fit: MemoryFit | None, gpu_memory_mib: int = 0,
+              gpu_product: str = "", type_name: str = "") -> list[Problem]:
+    """Does the pod fit the node's memory with headroom, and do experts + slots fit a GPU?
+
+    The memory message names the fit: what the pod needs (pool + /dev/shm + overhead) against what
+    the node has (allocatable − other pods' requests − headroom), and which node. A kept Np_cap
+    (the running group's) needs only the free memory: the headroom is there to be used up.
+    """
     problems: list[Problem] = []
-    node_mem = node_type.min_allocatable_memory
-    if node_mem and sizing.pod_memory_bytes > node_mem:
+    where = f"node type {type_name}" if type_name else "the node type"
+    limit = (fit.free if sizing.kept else fit.available) if fit is not None else None
+    if limit is not None and fit is not None and sizing.pod_memory_bytes > limit:
         npx = spec.vexpert.pinned_experts
         field = "spec.vexpert.pinnedExperts.value" if npx.mode == "fixed" else "spec.vexpert.pinnedExperts.min"
         problems.append(Problem(field, (
-            f"pinned pool {format_bytes_human(sizing.pinned_pool_bytes)} (Np={sizing.pooled_experts_cap}) + /dev/shm "
+            f"the node pod does not fit {where}: it needs pinned pool "
+            f"{format_bytes_human(sizing.pinned_pool_bytes)} (Np={sizing.pooled_experts_cap}) + /dev/shm "
             f"{format_bytes_human(sizing.shm_bytes)} + overhead {format_bytes_human(sizing.overhead_bytes)} = "
-            f"{format_bytes_human(sizing.pod_memory_bytes)} exceeds node type {node_type.name}'s allocatable memory "
-            f"{format_bytes_human(node_mem)}"
+            f"{format_bytes_human(sizing.pod_memory_bytes)}, {fit.describe()}; lower Np, shmSize, memoryOverhead "
+            "or runtime.memoryHeadroom, or use nodes with more memory"
         )))
-    gpu_mem = node_type.key.gpu_memory_mib * MIB
+    gpu_mem = gpu_memory_mib * MIB
     if gpu_mem and sizing.gpu_bytes_per_gpu > gpu_mem * GPU_MEMORY_USABLE_FRACTION:
         problems.append(Problem("spec.vexpert.vmax", (
             f"base experts + G·Vmax slots need {format_bytes_human(sizing.gpu_bytes_per_gpu)} per GPU, more than "
-            f"{int(GPU_MEMORY_USABLE_FRACTION * 100)}% of {format_bytes_human(gpu_mem)} on {node_type.key.gpu_product}; "
+            f"{int(GPU_MEMORY_USABLE_FRACTION * 100)}% of {format_bytes_human(gpu_mem)} on {gpu_product}; "
             "raise expertParallelSize or lower vmax/groupSize"
         )))
     return problems

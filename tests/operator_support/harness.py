@@ -336,17 +336,24 @@ OPERATOR_ENV = {
     "VEXPERT_OPERATOR_METRICS_PORT": "0",
     "VEXPERT_OPERATOR_SCRAPE_TIMEOUT_S": "1",
     "VEXPERT_OPERATOR_WATCH_RECONNECT_S": "0.1",
+    "VEXPERT_OPERATOR_CALIBRATION_RETRY_BACKOFF_S": "1",
+    "VEXPERT_OPERATOR_CALIBRATION_MAX_RETRY_BACKOFF_S": "2",
 }
 
 
 @contextlib.contextmanager
-def running_operator(cluster: Cluster, monkeypatch: Any) -> Iterator[kopf.testing.KopfRunner]:
-    """The real operator (kopf's CLI in a thread, ``--standalone``), watching the test namespace."""
+def running_operator(cluster: Cluster, monkeypatch: Any, namespaces: list[str] | None = None,
+                     env: Mapping[str, str] | None = None) -> Iterator[kopf.testing.KopfRunner]:
+    """The real operator (kopf's CLI in a thread, ``--standalone``), watching the test namespace (or
+    ``namespaces``); hardware calibration Jobs go to the test namespace."""
     from kopf.testing import KopfRunner
 
-    for key, value in OPERATOR_ENV.items():
+    settings = {**OPERATOR_ENV, "VEXPERT_OPERATOR_CALIBRATION_NAMESPACE": cluster.namespace, **(env or {})}
+    for key, value in settings.items():
         monkeypatch.setenv(key, value)
-    args = ["run", "--standalone", "--namespace", cluster.namespace, "-m", "vexpert_operator.main"]
+    args = ["run", "--standalone", "-m", "vexpert_operator.main"]
+    for namespace in namespaces or [cluster.namespace]:
+        args += ["--namespace", namespace]
     with KopfRunner(args, timeout=30) as runner:
         yield runner
     assert runner.exit_code == 0, runner.output

@@ -17,7 +17,9 @@ CALIBRATION_JOB_LABELS = {nm.LABEL_ROLE: nm.ROLE_CALIBRATION, nm.LABEL_MANAGED_B
 
 @kopf.on.event(*JOBS, labels=CALIBRATION_JOB_LABELS)
 def calibration_job_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    wake_all(memo, body.metadata.namespace)
+    # a hardware Job (in the operator's namespace) serves deployments in every namespace
+    hardware = body.metadata.labels.get(nm.LABEL_CALIBRATION) == "hardware"
+    wake_all(memo, None if hardware else body.metadata.namespace)
 
 
 @kopf.on.event(GROUP, VERSION, NODE_PROFILE_PLURAL)
