@@ -97,8 +97,12 @@ def test_pods_and_jobs_are_listed_and_watched_with_a_label_selector(
     for plural, requests in seen.items():
         watches = [r for r in requests if r.params.get("watch") == "true"]
         assert watches, f"no watch of {plural}"
-        unselected = [str(r.url) for r in requests if not r.params.get("labelSelector")]
-        assert unselected == [], f"{plural} listed or watched without a labelSelector"
+        # Watches and lists select by label; the one exception is the sizing's per-node pod list,
+        # selected by field (the pods bound to one GPU node), never the whole cluster.
+        unselected = [str(r.url) for r in requests if not r.params.get("labelSelector")
+                      and not (plural == "pods" and r.params.get("watch") != "true"
+                               and str(r.params.get("fieldSelector", "")).startswith("spec.nodeName="))]
+        assert unselected == [], f"{plural} listed or watched without a selector"
     assert {r.params["labelSelector"] for r in seen["pods"] if r.params.get("watch") == "true"} == \
         {f"{nm.LABEL_MANAGED_BY}={nm.MANAGED_BY},{nm.LABEL_ROLE}={nm.ROLE_NODE}"}
     assert {r.params["labelSelector"] for r in seen["jobs"] if r.params.get("watch") == "true"} == \

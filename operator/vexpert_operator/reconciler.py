@@ -303,12 +303,18 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False
 
 
 async def observe_nodes(ctx: Context, namespace: str, name: str) -> list[NodeInfo]:
-    """Every node, with the memory that pods bound to it request, the deployment's own pods left out
-    (they are what is being sized)."""
-    pods = await list_cluster_wide(ctx, kube.PODS)
-    used = memory_requested_by_node(pods, nm.node_selector_labels(name), namespace)
-    return [node_info(n, used.get((n.get("metadata") or {}).get("name", ""), 0))
-            for n in await list_cluster_wide(ctx, kube.NODES)]
+    """Every node; for GPU nodes (the only ones a group can use) the memory that the pods bound to
+    them request, the deployment's own pods left out (they are what is being sized). Pods are listed
+    per GPU node with a ``spec.nodeName`` field selector: never every pod of the cluster."""
+    infos = []
+    for raw in await list_cluster_wide(ctx, kube.NODES):
+        info = node_info(raw)
+        if info.allocatable_gpus:
+            pods = await ctx.client.list(kube.PODS, field_selector=f"spec.nodeName={info.name}")
+            used = memory_requested_by_node(pods, nm.node_selector_labels(name), namespace)
+            info = node_info(raw, used.get(info.name, 0))
+        infos.append(info)
+    return infos
 
 
 def _kept_cap(old: VExpertDeploymentStatus, generation: int | None) -> int | None:
