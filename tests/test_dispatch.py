@@ -5,6 +5,9 @@ and a node run in each mode verified against the reference."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +42,7 @@ from vexpert_runtime.simulation.workload import drifting_workload
 
 # The plan is made for this skew; the batches route with SKEW (hot experts swapped around), so the
 # plan's copies sit on the right experts but its shares are stale — per-iteration noise, enlarged.
+REPO = Path(__file__).resolve().parents[1]
 PLAN_SKEW = torch.tensor([1.5, 3.0, 2.0, 0, 0, 0, 2.5, 0, 0, 0, 0, 0, 0, 0, 0, 0])
 
 
@@ -210,3 +214,22 @@ def test_node_runs_each_dispatch_mode_and_verifies(tmp_path: Path, mode: str) ->
     assert report.max_rel_error is not None and report.max_rel_error < 1e-4
     assert f'vexpert_dispatch_mode{{mode="{mode}"}} 1.0' in report.metrics_text
     assert any((t.slot_expert >= 0).any() for t in report.tables.values())  # replicas were split
+
+
+# ------------------------------------------------------------------------------------------------
+# The GPU benchmark's CPU twin
+# ------------------------------------------------------------------------------------------------
+
+
+def test_the_dispatch_cost_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "dispatch_cost.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "dispatch_cost.py"), "--cpu", "--reps", "2",
+                           "--sweeps", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["shape"]["replicas"] == max_replicas(64, 2) == 64 and summary["shape"]["replicated_experts"] > 0
+    rows = {row["mode"]: row for row in summary["rows"]}
+    assert sorted(rows) == sorted(DISPATCH_MODES)
+    assert rows["plan"]["kernels_shares"] == 0  # the plan's table is read as it is
+    # the batch's own counts level it better than the plan's stale shares
+    assert rows["local"]["batch_balance"] > rows["plan"]["batch_balance"]
