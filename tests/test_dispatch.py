@@ -30,7 +30,7 @@ from vexpert_runtime.model.dispatch import (
     plan_shares,
     water_fill,
 )
-from vexpert_runtime.model.ep_moe import max_replicas, plan_from_slots, table_from_plan
+from vexpert_runtime.model.ep_moe import choose_replicas, max_replicas, plan_from_slots, table_from_plan
 from vexpert_runtime.model.reference import ModelWeights
 from vexpert_runtime.model.routing import route
 from vexpert_runtime.node import NodeOptions, resolve_setup, run_node
@@ -233,3 +233,40 @@ def test_the_dispatch_cost_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     assert rows["plan"]["kernels_shares"] == 0  # the plan's table is read as it is
     # the batch's own counts level it better than the plan's stale shares
     assert rows["local"]["batch_balance"] > rows["plan"]["batch_balance"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("mode", ["local", "global"])
+def test_dispatch_never_synchronises_and_replays_in_a_cuda_graph(mode: str) -> None:
+    """The share computation and replica choice of one layer: no host sync (sync debug mode raises
+    on one), captured in a CUDA graph, replays equal eager runs for new routings copied in place."""
+    plan = _random_plan(1, 16, 3, seed=2)
+    table = table_from_plan(plan, 1)
+    gpu, local = torch.from_numpy(table.gpu[0]).cuda(), torch.from_numpy(table.local[0]).cuda()
+    cum = torch.from_numpy(table.cum_share[0]).cuda()
+    ids = torch.randint(0, 16, (64, 4), device="cuda")
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        return choose_replicas(ids, gpu, local, dispatch_cum_share(mode, ids, gpu, cum, WORLD, None), 0, WORLD)  # type: ignore[arg-type]
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in range(3):
+        ids.copy_(torch.randint(0, 16, (64, 4), generator=torch.Generator().manual_seed(seed)).cuda())
+        graph.replay()
+        expected = step()
+        assert all(torch.equal(a, b) for a, b in zip(captured, expected, strict=True))
