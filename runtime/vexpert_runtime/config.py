@@ -76,6 +76,19 @@ class VExpertKnobs(BaseModel):
     group_size: int = Field(2, ge=1, le=8, description="G: layers sharing one slot budget (ping-pong buffer)")
     vmax: int = Field(1, ge=0, le=8, description="Per-layer vExpert budget per GPU; slots per GPU = G·vmax")
     balance_threshold: float = Field(0.7, ge=0.0, le=1.0, description="τ: layers balanced above it get no vExperts")
+    dispatch: Literal["auto", "plan", "local", "global"] = Field(
+        "auto",
+        description="How a replicated expert's tokens split over its copies every layer: plan = the plan's shares "
+        "(fixed for k iterations), local = water-filled from each rank's own counts of the iteration, global = from "
+        "the counts all-reduced over the EP group (one 1 KiB all-reduce per layer); auto = global when that "
+        "all-reduce costs less than the balance it gains, else local (plan without slots)",
+    )
+    dispatch_allreduce_us: float | None = Field(
+        None, ge=0, description="auto: latency of the per-layer counts all-reduce, µs (None = estimate for the device)"
+    )
+    dispatch_moe_layer_us: float | None = Field(
+        None, gt=0, description="auto: an MoE layer's time at perfect balance, µs (None = estimate for the device)"
+    )
 
 
 class TuningConfig(BaseModel):

@@ -25,6 +25,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--tokens-per-worker", type=int, default=64, help="decode batch per worker (default 64)")
     parser.add_argument("-k", "--allocation-interval", type=int, default=4, help="iterations between allocations (default 4)")
     parser.add_argument("--metrics-port", type=int, default=0, help="metrics port on 127.0.0.1 (default: any free port)")
+    parser.add_argument(
+        "--dispatch", choices=("auto", "plan", "local", "global"), default="auto",
+        help="how a replicated expert's tokens split over its copies every layer: the plan's fixed shares, or "
+        "water-filled from each iteration's counts (local: each rank's own; global: all-reduced); default auto",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(handler=run)
 
@@ -44,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         verify=args.verify,
         metrics_port=args.metrics_port,
+        dispatch=args.dispatch,
     )
     out = sys.stderr if args.json else sys.stdout
 
@@ -56,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: demo failed: {exc}", file=sys.stderr)
         return 1
     emit(
-        f"done: {summary['iterations']} iterations, balance static {summary['static_balance']:.3f} → vExpert "
+        f"done: {summary['iterations']} iterations, dispatch {summary['dispatch']}, balance static {summary['static_balance']:.3f} → vExpert "
         f"{summary['vexpert_balance']:.3f} (+{summary['balance_gain']:.3f}), {summary['tokens_per_s']:.0f} tokens/s, "
         f"{summary['bytes_streamed']} bytes streamed, slots {summary['slot_bytes_per_worker']} B/worker"
         + (f", max rel error {summary['max_rel_error']:.2e}" if args.verify else "")

@@ -7,8 +7,10 @@ group's buffer holds. A rank's *local* experts are numbered ``0..E/N−1`` for i
 (:meth:`Plan.physical_ids`), so a plan translates into a :class:`RoutingTable` by subtraction.
 
 Replicated experts: each rank splits its own tokens of an expert over the expert's copies in
-proportion to the plan's shares (stratified positions, rotated by rank so small counts spread too),
-which makes the global split follow the allocator's water-filling shares.
+proportion to shares (stratified positions, rotated by rank so small counts spread too): the plan's
+water-filling shares (``dispatch="plan"``), or shares water-filled every layer from this
+iteration's own counts, rank-local (``"local"``) or all-reduced over the group (``"global"``); see
+:mod:`vexpert_runtime.model.dispatch`.
 
 Fixed shapes, no host synchronisation (DeepEP low-latency style): a rank sends every rank a block
 of ``C`` rows (default ``B·K``: all its pairs could go to one rank, so nothing is dropped) plus the
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from vexpert_runtime.model.dispatch import DispatchMode, dispatch_cum_share
 from vexpert_runtime.model.expert_format import ExpertFormat
 from vexpert_runtime.model.grouped_moe import (
     GROUP_ALIGN,
@@ -440,6 +443,7 @@ def ep_moe_layer(
     capacity: int | None = None,
     slot_wait: Callable[[], None] | None = None,
     after_compute: Callable[[], None] | None = None,
+    dispatch: DispatchMode = "plan",
 ) -> tuple[torch.Tensor, LayerStats]:
     """One MoE layer on this rank's tokens, expert-parallel, with fixed shapes and no host sync.
 
@@ -463,6 +467,10 @@ def ep_moe_layer(
             experts' (the worker waits there for its slots to be filled).
         after_compute: called right after the slot experts' compute is enqueued (the worker releases
             its slots there). Both hooks run on every call.
+        dispatch: how a replicated expert's pairs split over its copies: ``"plan"`` (the table's
+            shares), ``"local"`` (water-filled from this rank's counts of the layer) or ``"global"``
+            (from the group's counts: one all-reduce of [E] int32 before the all-to-all, so every
+            rank must pass the same mode). No host sync in any mode.
     Returns (y [B, H], stats), stats on ``x.device``.
     """
     batch, top_k = ids.shape
@@ -470,8 +478,9 @@ def ep_moe_layer(
     pairs = batch * top_k
     block = pairs if capacity is None else capacity
     device = x.device
-    dest_gpu, dest_local = choose_replicas(ids, table.gpu[layer], table.local[layer], table.cum_share[layer],
-                                           rank, world)
+    cum_share = dispatch_cum_share(dispatch, ids, table.gpu[layer], table.cum_share[layer], table.num_gpus,
+                                   group)
+    dest_gpu, dest_local = choose_replicas(ids, table.gpu[layer], table.local[layer], cum_share, rank, world)
     row_of_pair = send_rows(dest_gpu.reshape(-1), world, block)  # [P] in [0, N·C]
     token_of_pair = torch.arange(pairs, device=device) // top_k
     # One extra (trash) row takes the dropped pairs; it is not sent.

@@ -37,6 +37,7 @@ class DemoSettings:
     metrics_port: int = 0  # 0: any free port on 127.0.0.1
     group_size: int = 2
     vmax: int = 1
+    dispatch: str = "auto"  # vexpert.dispatch: auto | plan | local | global
 
 
 def demo_config(checkpoint: Path, settings: DemoSettings) -> RuntimeConfig:
@@ -50,7 +51,7 @@ def demo_config(checkpoint: Path, settings: DemoSettings) -> RuntimeConfig:
                 "master_addr": "127.0.0.1",
                 "master_port": free_port(),
             },
-            "vexpert": {"group_size": settings.group_size, "vmax": settings.vmax},
+            "vexpert": {"group_size": settings.group_size, "vmax": settings.vmax, "dispatch": settings.dispatch},
             "tuning": {"allocation_interval": settings.allocation_interval},
             "runtime": {"device": "cpu", "cpu_workers": settings.workers, "metrics_port": settings.metrics_port},
         }
@@ -78,6 +79,7 @@ def run_demo(settings: DemoSettings, emit: Callable[[str], None]) -> tuple[NodeR
             f"vexpert demo: {settings.workers} CPU workers + coordinator, model {spec.num_layers} MoE layers × "
             f"{spec.num_experts} experts (top-{spec.top_k}), {settings.tokens_per_worker} tokens/worker, "
             f"k={settings.allocation_interval}, G={settings.group_size}, vmax={settings.vmax}, "
+            f"dispatch {setup.dispatch} ({setup.dispatch_reason}), "
             f"phases {' → '.join(name for name, _ in DEMO_PHASES)}"
         )
         options = NodeOptions(
@@ -96,6 +98,7 @@ def run_demo(settings: DemoSettings, emit: Callable[[str], None]) -> tuple[NodeR
         "balance_gain": round(report.vexpert_balance - report.static_balance, 4),
         "tokens_per_s": round(report.tokens_per_s, 1),
         "workers": settings.workers,
+        "dispatch": report.dispatch,
         "allocation_interval": report.k,
         "pooled_experts": report.pooled,
         "allocations": report.allocations,

@@ -10,7 +10,7 @@ the same tokens), ``vexperts{layer}``, ``bytes_streamed_total``, ``slot_fill_wai
 ``allocator_seconds``, ``step_seconds``, ``tokens_per_second``, ``pooled_experts`` (Np),
 ``slot_bytes_per_worker``, ``pool_bytes``,
 ``allocation_interval`` (k), ``degraded`` (1 while groups run without their vExperts),
-``plan_id``, ``iterations_total``, ``degraded_groups_total``, ``config_reloads_total``,
+``plan_id``, ``dispatch_mode{mode}`` (1 for the replica dispatch the workers run), ``iterations_total``, ``degraded_groups_total``, ``config_reloads_total``,
 ``config_reload_errors_total``, ``slot_fill_errors_total``, ``fill_loop_restarts_total``, and the
 operator's tuning inputs:
 
@@ -79,6 +79,9 @@ class NodeMetrics:
         self.allocation_interval = Gauge("vexpert_allocation_interval", "k: iterations between allocations", registry=reg)
         self.degraded = Gauge("vexpert_degraded", "1 while groups run without their vExperts (slot fill late, coordinator down)", registry=reg)
         self.plan_id = Gauge("vexpert_plan_id", "Id of the plan the workers run", registry=reg)
+        self.dispatch = Gauge(
+            "vexpert_dispatch_mode", "1 for the replica dispatch the workers run (plan, local or global)", ["mode"], registry=reg
+        )
         self.iterations = Counter("vexpert_iterations_total", "Iterations completed", registry=reg)
         self.degraded_groups = Counter("vexpert_degraded_groups_total", "Groups run on the static placement", registry=reg)
         self.reloads = Counter("vexpert_config_reloads_total", "Config file reloads applied", registry=reg)

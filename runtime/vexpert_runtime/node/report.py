@@ -109,4 +109,5 @@ class NodeReport:
     plan_pools: dict[int, list[list[int]]] = field(default_factory=dict)  # plan id → pooled experts [L][Np]
     copy_s: float = 0.0  # time the fill loop's copies were in flight (bytes_streamed / copy_s: fill bandwidth)
     graphed_steps: int = 0  # worker steps replayed from a captured CUDA graph (summed over workers)
+    dispatch: str = "plan"  # replica dispatch the workers ran (plan | local | global)
 

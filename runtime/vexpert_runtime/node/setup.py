@@ -20,6 +20,7 @@ from vexpert_runtime.model.checkpoint import (
     read_model_spec,
     resolve_expert_storage,
 )
+from vexpert_runtime.model.dispatch import choose_dispatch
 from vexpert_runtime.node.slots import SlotLayout
 from vexpert_runtime.policy.profile import PerformanceProfile
 
@@ -69,6 +70,8 @@ class NodeSetup:
     profile: PerformanceProfile
     memory: MemoryPlan
     workers_per_gpu: int = 1  # worker processes sharing one GPU (their all-to-all goes over gloo)
+    dispatch: str = "plan"  # replica dispatch every worker runs (plan | local | global), resolved from auto
+    dispatch_reason: str = "configured"  # why (auto's comparison, for logs and the report)
     metrics_addr: str = "0.0.0.0"
 
     @property
@@ -142,6 +145,10 @@ def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: in
         check_port_free(par.master_addr, par.master_port, "parallelism.master_port")
     if config.runtime.metrics_port:
         check_port_free("0.0.0.0", config.runtime.metrics_port, "runtime.metrics_port")
+    dispatch, dispatch_reason = choose_dispatch(
+        knobs.dispatch, world=world, slots=knobs.group_size * knobs.vmax, nodes=par.num_nodes, device=device,
+        allreduce_us=knobs.dispatch_allreduce_us, moe_layer_us=knobs.dispatch_moe_layer_us,
+    )
     return NodeSetup(
         checkpoint=Path(checkpoint),
         spec=spec,
@@ -163,6 +170,8 @@ def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: in
         host_memory_limit_bytes=config.runtime.host_memory_limit_bytes,
         profile=config.profile,
         memory=memory,
+        dispatch=dispatch,
+        dispatch_reason=dispatch_reason,
     )
 
 

@@ -50,6 +50,7 @@ from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.model.checkpoint import (
     CheckpointReader,
 )
+from vexpert_runtime.model.dispatch import DISPATCH_MODES
 from vexpert_runtime.model.ep_moe import (
     RoutingTable,
     static_table,
@@ -232,6 +233,7 @@ class NodeRuntime:
                     verify=options.verify,
                     record=options.record,
                     serve=None if options.serve is None else options.serve[local],
+                    dispatch=setup.dispatch,
                 )
                 proc = ctx.Process(target=worker_main, args=(args,), name=f"vexpert-worker-{rank}", daemon=True)
                 proc.start()
@@ -277,6 +279,9 @@ class NodeRuntime:
         m.pool_bytes.set(self.setup.memory.pool_bytes)
         m.degraded.set(0)
         m.coordinator_up.set(0)
+        for mode in DISPATCH_MODES:
+            m.dispatch.labels(mode=mode).set(int(mode == self.setup.dispatch))
+        self._log(f"replica dispatch: {self.setup.dispatch} ({self.setup.dispatch_reason})")
         m.set_layers(m.vexperts, [0] * self.setup.spec.num_layers)
         m.pool_hit_ratio.set(1.0 if self._pooled >= self.setup.spec.num_experts else math.nan)
         m.pinned_memory_pressure.set(memory_pressure(self._pinned_bytes(self.setup.memory.pool_bytes), self.setup.host_memory_limit_bytes))
@@ -804,6 +809,7 @@ class NodeRuntime:
             tables=dict(self._tables),
             plan_pools=dict(self._plan_pools),
             copy_s=self._copy_s_done + self._copy_s_now,
+            dispatch=self.setup.dispatch,
         )
 
 

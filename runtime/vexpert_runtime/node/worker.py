@@ -95,6 +95,7 @@ class WorkerArgs:
     verify: bool
     record: bool
     serve: Any = None  # ServeWorkerArgs: serve requests through the model (vexpert serve) instead of ``workload``
+    dispatch: str = "plan"  # replica dispatch of every layer (plan | local | global; the same on every rank)
 
 
 
@@ -253,7 +254,7 @@ class _Worker:
             self.serving = ServingRank(args.serve, args.rank, args.world, self.group, device, self.dtype,
                                        self.device_tables[False], buffers.slots,
                                        wait=lambda layer: self.slots.acquire(layer, rescue),
-                                       release=self.slots.release)
+                                       release=self.slots.release, dispatch=args.dispatch)
             if self.serving.num_moe_layers != spec.num_layers:
                 raise VExpertInputError("model.checkpoint_path",
                                         f"the model has {self.serving.num_moe_layers} MoE layers, its spec {spec.num_layers}",
@@ -472,6 +473,7 @@ class _Worker:
             self.group,
             slot_wait=slot_wait,
             after_compute=lambda: slots.release(layer),
+            dispatch=args.dispatch,  # type: ignore[arg-type]  # validated by the setup
         )
         self.device_computed[layer] = stats.computed
         return h + y

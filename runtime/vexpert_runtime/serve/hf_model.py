@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vexpert_runtime.model.checkpoint import CheckpointReader, MoESpec, read_model_spec
+from vexpert_runtime.model.dispatch import DISPATCH_MODES, DispatchMode
 from vexpert_runtime.model.ep_moe import (
     DeviceRoutingTable,
     ExpertStacks,
@@ -177,12 +178,19 @@ class EPExperts:
             is fixed (K·max_tokens: nothing dropped, no host sync); without it each layer agrees on
             the capacity with one all-reduce of T (fine on CPU, a host sync on GPU).
         format: the rows' format for block-FP8 rows (None: dense rows of the compute dtype).
+        dispatch: how a replicated expert's tokens split over its copies every layer (``plan``,
+            ``local`` or ``global``: see :mod:`vexpert_runtime.model.dispatch`); ``global`` adds one
+            all-reduce per layer, so every rank of the group must use the same mode.
     """
 
     def __init__(self, resident: Sequence[torch.Tensor], intermediate: int, num_experts: int, rank: int, world: int,
                  group: dist.ProcessGroup | None, *, table: DeviceRoutingTable | None = None,
                  slots: torch.Tensor | Sequence[torch.Tensor] | None = None, hooks: SlotHooks | None = None,
-                 max_tokens: int | None = None, format: ExpertFormat | None = None) -> None:
+                 max_tokens: int | None = None, format: ExpertFormat | None = None,
+                 dispatch: str = "plan") -> None:
+        if dispatch not in DISPATCH_MODES:
+            raise ValueError(f"dispatch {dispatch!r} is not one of {', '.join(DISPATCH_MODES)}")
+        self.dispatch: DispatchMode = dispatch  # type: ignore[assignment]
         self.resident = list(resident)
         self.intermediate = intermediate
         self.rank, self.world, self.group = rank, world, group
@@ -227,6 +235,7 @@ class EPExperts:
             capacity=self._capacity(x.shape[0], ids.shape[1]),
             slot_wait=None if hooks is None else (lambda: hooks.wait(moe_layer)),
             after_compute=None if hooks is None else (lambda: hooks.release(moe_layer)),
+            dispatch=self.dispatch,
         )
         self.computed[moe_layer] += stats.computed
         flat = ids.reshape(-1).to(torch.int64)

@@ -59,18 +59,20 @@ class ServingRank:
         device, dtype: where the model computes. table: the device routing table the EP layer reads
             (the worker loads the iteration's plan into it). slots: the worker's slot rows [S, D].
         wait, release: the worker's flag handshake for MoE layer l's slots.
+        dispatch: the node's replica dispatch (plan | local | global), the same on every rank.
     """
 
     def __init__(self, args: ServeWorkerArgs, rank: int, world: int, group: Any, device: torch.device,
                  dtype: torch.dtype, table: DeviceRoutingTable, slots: torch.Tensor,
-                 wait: Callable[[int], None], release: Callable[[int], None]) -> None:
+                 wait: Callable[[int], None], release: Callable[[int], None], dispatch: str = "plan") -> None:
         from transformers import AutoTokenizer
 
         self.args = args
         self.rank = rank
         self.model = HFStepModel(args.model_dir, device=device, dtype=dtype)
         self.experts = EPExperts.for_model(self.model, rank, world, group, table=table, slots=slots,
-                                           hooks=SlotHooks(wait, release), max_tokens=args.scheduler.max_batch_tokens)
+                                           hooks=SlotHooks(wait, release), max_tokens=args.scheduler.max_batch_tokens,
+                                           dispatch=dispatch)
         self.model.executor = self.experts
         self.model.drop_expert_weights()
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)

@@ -1,0 +1,272 @@
+"""Per-iteration replica dispatch (``ep_moe_layer(dispatch=plan|local|global)``): the water-filling
+functions on one rank, outputs equal to the reference in every mode on 4 and 2 gloo ranks, measured
+balance better than the plan's fixed shares on a batch the plan was not made for, the mode choice,
+and a node run in each mode verified against the reference."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from runtime_support import TINY_DEEPSEEK_SPEC
+from test_runtime_ep_moe import DS, SKEW, TOKENS, WORLD, _by_case, _check_exact, _random_plan, _run_rank
+from vexpert_runtime.config import RuntimeConfig
+from vexpert_runtime.model.checkpoint import CheckpointReader, write_tiny_checkpoint
+from vexpert_runtime.model.dispatch import (
+    _DRY,
+    DISPATCH_MODES,
+    choose_dispatch,
+    cumulative_shares,
+    dispatch_cum_share,
+    gpu_loads,
+    level_shares,
+    plan_shares,
+    water_fill,
+)
+from vexpert_runtime.model.ep_moe import choose_replicas, max_replicas, plan_from_slots, table_from_plan
+from vexpert_runtime.model.reference import ModelWeights
+from vexpert_runtime.model.routing import route
+from vexpert_runtime.node import NodeOptions, resolve_setup, run_node
+from vexpert_runtime.policy.allocator import AllocatorConfig, allocate
+from vexpert_runtime.policy.perf_model import InferenceConstants
+from vexpert_runtime.policy.placement import balance_ratio, static_placement
+from vexpert_runtime.ports import free_port
+from vexpert_runtime.simulation.workload import drifting_workload
+
+# The plan is made for this skew; the batches route with SKEW (hot experts swapped around), so the
+# plan's copies sit on the right experts but its shares are stale — per-iteration noise, enlarged.
+REPO = Path(__file__).resolve().parents[1]
+PLAN_SKEW = torch.tensor([1.5, 3.0, 2.0, 0, 0, 0, 2.5, 0, 0, 0, 0, 0, 0, 0, 0, 0])
+
+
+# ------------------------------------------------------------------------------------------------
+# One rank: the pure functions
+# ------------------------------------------------------------------------------------------------
+
+
+def test_water_fill_pours_to_one_level_and_keeps_dry_bins_dry() -> None:
+    floor = torch.tensor([[1.0, 5.0, 3.0, _DRY], [0.0, 0.0, _DRY, _DRY]])
+    fill = water_fill(floor, torch.tensor([4.0, 3.0]), 1.0 / torch.arange(1, 5, dtype=torch.float32))
+    assert torch.allclose(fill, torch.tensor([[3.0, 0.0, 1.0, 0.0], [1.5, 1.5, 0.0, 0.0]]))
+
+
+def test_level_shares_levels_gpus_from_the_counts() -> None:
+    # GPU 0: expert 0 (10 tokens, copy on GPU 1) and expert 1 (2); GPU 1: expert 2 (6). Level = 9 each.
+    gpu = torch.tensor([[0, 1, -1], [0, -1, -1], [1, -1, -1]])
+    counts = torch.tensor([10, 2, 6])
+    share = level_shares(counts, gpu, 2, sweeps=30)
+    assert torch.allclose(share[0], torch.tensor([0.7, 0.3, 0.0]), atol=1e-3)
+    assert torch.allclose(gpu_loads(counts, gpu, share, 2), torch.tensor([9.0, 9.0]), atol=1e-2)
+    # a few sweeps from the plan's (stale) shares already get most of the way
+    stale = torch.tensor([[0.2, 0.8, 0.0], [1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    before = balance_ratio(gpu_loads(counts, gpu, stale, 2))
+    after = balance_ratio(gpu_loads(counts, gpu, level_shares(counts, gpu, 2, start=stale), 2))
+    assert after > before + 0.2 and after > 0.95  # momentum overshoots a little on a lone expert
+
+
+def test_level_shares_without_tokens_gives_proper_splits() -> None:
+    gpu = torch.tensor([[0, 1, 2], [1, -1, -1], [2, 0, -1]])
+    share = level_shares(torch.zeros(3), gpu, 3)
+    assert torch.isfinite(share).all()
+    assert torch.allclose(share.sum(-1), torch.ones(3))
+    assert (share[gpu < 0] == 0).all()
+    cum = cumulative_shares(share, gpu)
+    assert cum[0, 2] == 1.0 and cum[1, 1] == float("inf")
+
+
+def test_plan_shares_invert_the_tables_cumulative_shares() -> None:
+    plan = _random_plan(2, 16, 3, seed=5)
+    table = table_from_plan(plan, 1)
+    cum = torch.from_numpy(table.cum_share)
+    share = plan_shares(cum)
+    expected = plan.replica_share * (plan.replica_gpu >= 0)
+    assert torch.allclose(share, expected.to(torch.float32), atol=1e-6)
+    assert torch.equal(cumulative_shares(share, torch.from_numpy(table.gpu)).isinf(), cum.isinf())
+
+
+def test_plan_mode_and_single_copy_tables_return_the_plans_table() -> None:
+    gpu = torch.tensor([[0], [1]])
+    cum = torch.ones(2, 1, dtype=torch.float64)
+    ids = torch.tensor([[0, 1]])
+    for mode in DISPATCH_MODES:
+        assert dispatch_cum_share(mode, ids, gpu, cum, 2, None) is cum
+    with pytest.raises(ValueError, match="not one of"):
+        dispatch_cum_share("nearest", ids, torch.tensor([[0, 1], [1, -1]]), cum.expand(2, 2), 2, None)  # type: ignore[arg-type]
+
+
+def test_auto_picks_global_when_the_all_reduce_is_cheaper_than_the_balance_it_buys() -> None:
+    assert choose_dispatch("auto", world=8, slots=0, nodes=1, device="cuda")[0] == "plan"
+    assert choose_dispatch("auto", world=1, slots=2, nodes=1, device="cuda")[0] == "plan"
+    assert choose_dispatch("auto", world=8, slots=2, nodes=1, device="cuda")[0] == "global"  # NVLink: ~10 µs
+    assert choose_dispatch("auto", world=64, slots=2, nodes=8, device="cuda")[0] == "local"  # network: ~25 µs
+    assert choose_dispatch("auto", world=4, slots=2, nodes=1, device="cpu")[0] == "global"
+    mode, why = choose_dispatch("auto", world=8, slots=2, nodes=1, device="cuda", allreduce_us=50)
+    assert mode == "local" and "50 µs" in why
+    assert choose_dispatch("auto", world=64, slots=2, nodes=8, device="cuda", moe_layer_us=2000)[0] == "global"
+    assert choose_dispatch("local", world=1, slots=0, nodes=1, device="cpu") == ("local", "configured")
+    assert RuntimeConfig().vexpert.dispatch == "auto"
+
+
+# ------------------------------------------------------------------------------------------------
+# Gloo ranks: exact in every mode, and better balanced than the plan's shares
+# ------------------------------------------------------------------------------------------------
+
+
+def _stale_plan(ckpt: str) -> Any:
+    """An allocator plan made from the counts PLAN_SKEW routes (not the batches' SKEW)."""
+    weights = ModelWeights.load(CheckpointReader(ckpt, DS))
+    counts = torch.zeros(DS.num_layers, DS.num_experts)
+    for layer in range(DS.num_layers):
+        for rank in range(WORLD):
+            x = torch.randn(TOKENS[rank], DS.hidden_size, generator=torch.Generator().manual_seed(1000 * 3 + rank))
+            ids, _ = route(x, weights.routers[layer], DS, PLAN_SKEW)
+            counts[layer] += torch.bincount(ids.reshape(-1), minlength=DS.num_experts)
+    consts = InferenceConstants(tokens_per_gpu=20, top_k=DS.top_k, experts_per_gpu=4, expert_bytes=DS.expert_bytes(torch.float32))
+    return allocate(counts, static_placement(2, 16, WORLD), WORLD, AllocatorConfig(2, 1, 0.99), consts=consts)
+
+
+@pytest.fixture(scope="module")
+def dispatch_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("dispatch")
+    ckpt = str(root / "ds")
+    write_tiny_checkpoint(ckpt, DS, seed=1)
+    stale = table_from_plan(_stale_plan(ckpt), 1)
+    wide = table_from_plan(_random_plan(2, 16, 3, seed=7), 2)  # random shares, an expert on every GPU
+    cases = []
+    for mode in DISPATCH_MODES:
+        for layer in (0, 1):
+            cases.append({"name": f"stale-l{layer}-{mode}", "spec": DS, "ckpt": ckpt, "layer": layer, "seed": 3,
+                          "bias": SKEW, "table": stale, "dispatch": mode})
+        cases.append({"name": f"random-{mode}", "spec": DS, "ckpt": ckpt, "layer": 0, "seed": 11, "bias": SKEW,
+                      "table": wide, "dispatch": mode})
+    mp.spawn(_run_rank, args=(free_port(), str(root), cases), nprocs=WORLD, join=True)
+    return _by_case(root, WORLD)
+
+
+def test_every_dispatch_mode_equals_the_reference(dispatch_results: dict[str, list[dict[str, Any]]]) -> None:
+    _check_exact(dispatch_results, WORLD)
+    for name, rows in dispatch_results.items():
+        # every pair computed exactly once, by a copy of its own expert
+        assert rows[0]["logical"] == rows[0]["reference_counts"], name
+        assert [r["sent"] for r in rows] == [t * DS.top_k for t in TOKENS], name
+
+
+def _balance(rows: list[dict[str, Any]]) -> float:
+    return float(balance_ratio(torch.tensor(rows[0]["loads"], dtype=torch.float32)))
+
+
+def test_per_iteration_dispatch_balances_better_than_the_plans_shares(
+        dispatch_results: dict[str, list[dict[str, Any]]]) -> None:
+    for case in ("stale-l0", "stale-l1", "random"):
+        plan, local, global_ = (_balance(dispatch_results[f"{case}-{mode}"]) for mode in DISPATCH_MODES)
+        assert local > plan, (case, plan, local)
+        assert global_ > plan, (case, plan, global_)
+        assert global_ >= local - 0.02, (case, local, global_)  # the group's counts level at least as well
+
+
+def test_two_ranks_every_mode_equals_the_reference(tmp_path: Path) -> None:
+    write_tiny_checkpoint(str(tmp_path / "ds"), DS, seed=1)
+    ckpt = str(tmp_path / "ds")
+    table = table_from_plan(_random_plan(2, 16, 3, 4, world=2), 3)
+    cases = [{"name": f"random-{mode}", "spec": DS, "ckpt": ckpt, "layer": 1, "seed": 5, "bias": SKEW, "table": table,
+              "dispatch": mode} for mode in DISPATCH_MODES]
+    mp.spawn(_run_rank, args=(free_port(), str(tmp_path), cases, 2), nprocs=2, join=True)
+    _check_exact(_by_case(tmp_path, 2), 2)
+
+
+def test_one_rank_global_needs_no_group() -> None:
+    # N = 1 with slots: R = 1, nothing to split; a wider table still runs without a group
+    assert max_replicas(1, 2) == 1
+    gpu = torch.tensor([[0, 1], [1, -1], [0, -1], [1, 0]])
+    plan = plan_from_slots(static_placement(1, 4, 2), torch.tensor([[[3]], [[0]]]))
+    cum = torch.from_numpy(table_from_plan(plan, 1).cum_share[0])
+    out = dispatch_cum_share("global", torch.tensor([[0, 3], [0, 1]]), gpu, cum, 2, None)
+    assert out.shape == (4, 2) and out.dtype == torch.float64
+
+
+# ------------------------------------------------------------------------------------------------
+# A node in each mode
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", DISPATCH_MODES)
+def test_node_runs_each_dispatch_mode_and_verifies(tmp_path: Path, mode: str) -> None:
+    write_tiny_checkpoint(tmp_path / "ckpt", TINY_DEEPSEEK_SPEC, seed=2)
+    config = RuntimeConfig.model_validate({
+        "model": {"checkpoint_path": str(tmp_path / "ckpt"), "dtype": "float32"},
+        "parallelism": {"expert_parallel_size": 2, "gpus_per_node": 2, "master_port": free_port()},
+        "vexpert": {"group_size": 2, "vmax": 1, "balance_threshold": 0.95, "dispatch": mode},
+        "tuning": {"allocation_interval": 3},
+        "runtime": {"device": "cpu", "cpu_workers": 2, "metrics_port": 0},
+    })
+    setup = resolve_setup(config, tmp_path / "ckpt")
+    assert setup.dispatch == mode
+    workload = drifting_workload((("decode_in1000out1000", 1000),), 2, 8, tokens_per_worker=16)
+    report = run_node(setup, NodeOptions(workload=workload, iterations=12, verify=True))
+    assert report.iterations == 12 and report.dispatch == mode
+    assert report.max_rel_error is not None and report.max_rel_error < 1e-4
+    assert f'vexpert_dispatch_mode{{mode="{mode}"}} 1.0' in report.metrics_text
+    assert any((t.slot_expert >= 0).any() for t in report.tables.values())  # replicas were split
+
+
+# ------------------------------------------------------------------------------------------------
+# The GPU benchmark's CPU twin
+# ------------------------------------------------------------------------------------------------
+
+
+def test_the_dispatch_cost_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "dispatch_cost.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "dispatch_cost.py"), "--cpu", "--reps", "2",
+                           "--sweeps", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["shape"]["replicas"] == max_replicas(64, 2) == 64 and summary["shape"]["replicated_experts"] > 0
+    rows = {row["mode"]: row for row in summary["rows"]}
+    assert sorted(rows) == sorted(DISPATCH_MODES)
+    assert rows["plan"]["kernels_shares"] == 0  # the plan's table is read as it is
+    # the batch's own counts level it better than the plan's stale shares
+    assert rows["local"]["batch_balance"] > rows["plan"]["batch_balance"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("mode", ["local", "global"])
+def test_dispatch_never_synchronises_and_replays_in_a_cuda_graph(mode: str) -> None:
+    """The share computation and replica choice of one layer: no host sync (sync debug mode raises
+    on one), captured in a CUDA graph, replays equal eager runs for new routings copied in place."""
+    plan = _random_plan(1, 16, 3, seed=2)
+    table = table_from_plan(plan, 1)
+    gpu, local = torch.from_numpy(table.gpu[0]).cuda(), torch.from_numpy(table.local[0]).cuda()
+    cum = torch.from_numpy(table.cum_share[0]).cuda()
+    ids = torch.randint(0, 16, (64, 4), device="cuda")
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        return choose_replicas(ids, gpu, local, dispatch_cum_share(mode, ids, gpu, cum, WORLD, None), 0, WORLD)  # type: ignore[arg-type]
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in range(3):
+        ids.copy_(torch.randint(0, 16, (64, 4), generator=torch.Generator().manual_seed(seed)).cuda())
+        graph.replay()
+        expected = step()
+        assert all(torch.equal(a, b) for a, b in zip(captured, expected, strict=True))
