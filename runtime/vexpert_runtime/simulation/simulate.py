@@ -546,6 +546,8 @@ def _eplb_variants(cfg: SimulationConfig, num_experts: int) -> list[str]:
     """EPLB variants that apply: hierarchical needs the groups to split evenly over the nodes."""
     if cfg.eplb_policy != "auto" and not cfg.compare_eplb_policies:
         return [cfg.eplb_policy]
+    if cfg.num_nodes == 1 and cfg.groups(num_experts) == 1:
+        return ["global"]  # one group on one node: hierarchical is the global policy
     return [v for v in EPLB_VARIANTS if v != "hierarchical" or cfg.groups(num_experts) % cfg.num_nodes == 0]
 
 
