@@ -446,7 +446,7 @@ def _replay(
         stalls += int(pending.stall and pending.start >= warmup)
         allocations += int(pending.charged and pending.start >= warmup)
         pending = nxt
-    resolved = mode if mode != "auto" else "allreduce"
+    resolved = mode if mode != "auto" else "plan"  # never a plan with copies: nothing to dispatch
     return PolicyResult(name, balance[warmup:], vexperts[warmup:], stalls, timings, allocations, dispatch=resolved)
 
 
@@ -497,6 +497,7 @@ def simulate(
 
     def run_eplb(name: str, redundant: bool, variant: str, interval: int, dispatch: str) -> None:
         resident = num_layers * expert_bytes if redundant else 0.0  # one redundant expert per GPU per layer
+        dispatch = dispatch if redundant else "plan"  # no copies: nothing to split, nothing to charge
         run(name, lambda t: _eplb_schedule(counts_t, cfg, redundant, variant, interval, t), dispatch, resident=resident)
 
     def run_vexpert(name: str, dispatch: str) -> None:
@@ -510,7 +511,7 @@ def simulate(
             run(policy, lambda t: _static_schedule(counts_t, cfg))
         elif policy in ("eplb", "eplb-redundant"):
             redundant = policy == "eplb-redundant"
-            suffix = "" if cfg.eplb_dispatch == "plan" else f"+{cfg.eplb_dispatch}"
+            suffix = "" if cfg.eplb_dispatch == "plan" or not redundant else f"+{cfg.eplb_dispatch}"
             run_eplb(policy + suffix, redundant, cfg.eplb_policy, cfg.eplb_interval, cfg.eplb_dispatch)
             if cfg.compare_eplb_policies:
                 for variant in _eplb_variants(cfg, num_experts):
@@ -670,7 +671,7 @@ def sensitivity(
     parameter off by ±``error``, scored with the true one. Returns {param: {"-20%": Δ, "+20%": Δ}}
     as relative changes (−0.012 = 1.2 % slower)."""
     profile = profile or PerformanceProfile()
-    only = SimulationConfig(**{**cfg.__dict__, "policies": ("static", "vexpert")})
+    only = replace(cfg, policies=("static", "vexpert"), eplb_sweep=(), compare_dispatch=False, compare_eplb_policies=False)
     num_experts = int(np.asarray(counts).shape[-1])
     consts = consts or InferenceConstants(experts_per_gpu=num_experts // cfg.num_gpus)
 
