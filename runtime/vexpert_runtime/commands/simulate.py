@@ -102,7 +102,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot:
         from vexpert_runtime.simulation.plot import plot_balance
 
-        plot_balance(results, trace.phase_starts, trace.phase_names, args.plot)
+        # scored iterations start after the warm-up: shift the phase marks with them
+        shown = [(max(0, start - args.warmup), name) for start, name in zip(trace.phase_starts, trace.phase_names, strict=True)]
+        plot_balance(results, [s for s, _ in shown], [n for _, n in shown], args.plot)
     out = {
         "trace": {"path": args.trace, "iterations": iterations, "layers": layers, "experts": experts,
                   "phases": trace.phase_names, "phase_starts": trace.phase_starts},
