@@ -21,7 +21,7 @@ def plot_balance(results: dict[str, PolicyResult], phase_starts: list[int], phas
     except ImportError:  # pragma: no cover - depends on the install
         raise VExpertInputError("--plot", "matplotlib is not installed", "pip install 'vexpert[plot]'") from None
     fig, ax = plt.subplots(figsize=(10, 4.5), dpi=110)
-    colors = plt.get_cmap("tab20").colors  # more rows than the default 10-colour cycle
+    colors = [plt.get_cmap("tab20")(j) for j in range(20)]  # more rows than the default 10-colour cycle
     for i, (name, result) in enumerate(results.items()):
         series = result.balance.mean(axis=1)
         style = ":" if not result.scored else "-"  # a bound, not a policy
