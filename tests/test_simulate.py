@@ -80,10 +80,12 @@ def test_deterministic_per_seed(tmp_path):
     cfg = SimulationConfig(num_gpus=16, num_nodes=2, eplb_interval=10)
     a = summarize(simulate(build_trace(small, 16, 64, 8, seed=5).counts, cfg))
     b = summarize(simulate(build_trace(small, 16, 64, 8, seed=5).counts, cfg))
-    c = summarize(simulate(build_trace(small, 16, 64, 8, seed=6).counts, cfg))
+    # another seed changes the trace; two cheap policies are enough to see it
+    few = SimulationConfig(num_gpus=16, num_nodes=2, eplb_interval=10, policies=("static", "eplb"))
+    c = summarize(simulate(build_trace(small, 16, 64, 8, seed=6).counts, few))
     strip = lambda s: {p: {k: v for k, v in d.items() if k != "plan_ms_median"} for p, d in s.items()}  # noqa: E731
     assert strip(a) == strip(b)
-    assert strip(a) != strip(c)
+    assert {p: strip(a)[p] for p in c} != strip(c)
 
 
 def _trace_file(tmp_path, gpus=8, iterations=30):
