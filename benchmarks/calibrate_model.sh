@@ -31,7 +31,7 @@ model = PerformanceProfile.model_validate(fit)
 full = hw.with_load_balance(model.load_balance)
 open(f"{r}/profile_h200_deepseek_v3.json", "w").write(full.model_dump_json(indent=2))
 PY
-vexpert simulate out/ds3.npz --gpus 64 --nodes 8 --sensitivity --policies static,offload,vexpert,oracle \
+vexpert simulate out/ds3.npz --gpus 64 --nodes 8 --sensitivity --policies static,vexpert-k1,vexpert,vexpert-future \
   | tee $R/simulate_paper_profile_sensitivity.txt
-vexpert simulate out/ds3.npz --gpus 64 --nodes 8 --sensitivity --policies static,offload,vexpert,oracle \
+vexpert simulate out/ds3.npz --gpus 64 --nodes 8 --sensitivity --policies static,vexpert-k1,vexpert,vexpert-future \
   --profile $R/profile_h200_deepseek_v3.json | tee $R/simulate_calibrated_profile_sensitivity.txt

@@ -10,9 +10,9 @@ cd "$(dirname "$0")/.."
 . .venv/bin/activate
 mkdir -p out
 vexpert demo --iterations 40 --verify
-vexpert trace build --phase bundled:decode_in1000out1000:200 --phase bundled:prefill_in4096:200 \
-  --phase bundled:decode_in500out1500:200 --gpus 64 --tokens-per-gpu 256 --top-k 8 --seed 0 \
+vexpert trace build --phase bundled:decode_in1000out1000:283 --phase bundled:prefill_in4096:182 \
+  --phase bundled:decode_in500out1500:185 --gpus 64 --tokens-per-gpu 256 --top-k 8 --seed 0 --jitter 4096 \
   -o out/deepseek-v3-drift.npz
-vexpert simulate out/deepseek-v3-drift.npz --gpus 64 --nodes 8 --k 10 --group-size 2 --vmax 1 \
+vexpert simulate out/deepseek-v3-drift.npz --gpus 64 --nodes 8 --k 10 --group-size 2 --vmax 1 --warmup 50 \
   --compare-eplb-policies --plot out/balance.png
 echo "plot: out/balance.png"

@@ -462,3 +462,65 @@ def test_numpy_integer_arguments_give_a_trace_that_saves(tmp_path: Path) -> None
                         np.int64(2), seed=np.int64(0))
     save_trace(trace, tmp_path / "t.npz")
     assert load_trace(tmp_path / "t.npz").meta["gpus"] == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Variation: jitter, drift, raw CSV replay (issue #14)
+# ---------------------------------------------------------------------------------------------
+
+
+def _per_iteration_spread(counts: np.ndarray) -> float:
+    """Mean over (layer, expert) of the std over iterations of each expert's share."""
+    shares = counts / counts.sum(axis=-1, keepdims=True)
+    return float(shares.std(axis=0).mean())
+
+
+def test_no_variation_gives_the_old_trace() -> None:
+    plain = build_trace(demo_phases(5), 4, 32, 8, 2)
+    off = build_trace(demo_phases(5), 4, 32, 8, 2, tr.Variation())
+    np.testing.assert_array_equal(plain.counts, off.counts)
+
+
+def test_jitter_widens_per_iteration_spread_around_the_phase_mean() -> None:
+    source = deepseek_source("decode_in1000out1000")
+    probs = tr.load_source(source)
+    plain = build_trace([Phase(source, 200)], 8, 256, 8, 0)
+    jittered = build_trace([Phase(source, 200)], 8, 256, 8, 0, tr.Variation(jitter=2048))
+    assert np.all(jittered.counts.sum(axis=-1) == 8 * 256 * 8)  # the batch is unchanged
+    assert _per_iteration_spread(jittered.counts) > 1.3 * _per_iteration_spread(plain.counts)
+    # ...around the same distribution: the long-run mean still matches the source
+    empirical = jittered.counts.sum(axis=0) / jittered.counts.sum(axis=(0, 2))[:, None]
+    assert 0.5 * np.abs(empirical - probs).sum(axis=1).max() < 0.05
+
+
+def test_drift_wanders_every_iteration_and_continues_across_phases() -> None:
+    source = deepseek_source("decode_in1000out1000")
+    variation = tr.Variation(drift=0.5, drift_iterations=20)
+    trace = build_trace([Phase(source, 60), Phase(source, 60)], 8, 256, 8, 0, variation)
+    shares = trace.counts / trace.counts.sum(axis=-1, keepdims=True)
+    # neighbouring iterations stay close, distant ones differ: a wandering popularity, no switch
+    near = np.abs(shares[1:] - shares[:-1]).sum(-1).mean()
+    far = np.abs(shares[40:] - shares[:-40]).sum(-1).mean()
+    assert far > 1.5 * near
+    at_boundary = np.abs(shares[60] - shares[59]).sum(-1).mean()
+    assert at_boundary < 2 * near  # same source on both sides: the walk does not restart
+    walk = tr.drift_walk(4000, 1, 50, 0.5, 20.0, np.random.default_rng(0))
+    assert abs(walk.std() - 0.5) < 0.05
+    lag1 = np.corrcoef(walk[1:, 0].ravel(), walk[:-1, 0].ravel())[0, 1]
+    assert abs(lag1 - np.exp(-1 / 20)) < 0.02
+
+
+def test_raw_series_replays_recorded_counts(tmp_path: Path) -> None:
+    rows = [("d", 0, 0, [10, 0, 0]), ("d", 1, 0, [0, 3, 1])]
+    path = write_csv(tmp_path / "s.csv", rows)
+    trace = build_trace([Phase(path, 5)], 4, 5, 2, 0, tr.Variation(raw_series=True))
+    np.testing.assert_array_equal(trace.counts[:, 0], [[10, 0, 0], [0, 3, 1]] * 2 + [[10, 0, 0]])
+    assert trace.meta["raw_series"] is True
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [({"jitter": -1.0}, "jitter"), ({"drift": float("nan")}, "drift"),
+                                                ({"drift_iterations": 0.0}, "drift_iterations")])
+def test_bad_variation(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(VExpertInputError) as err:
+        build_trace(demo_phases(2), 2, 8, 8, 0, tr.Variation(**kwargs))
+    assert err.value.field == field

@@ -12,7 +12,7 @@ PLOT_HELP = "write a PNG of balance over iterations per policy (like the paper's
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("simulate", help="compare static, EPLB, offload, vExpert and oracle on a trace")
+    p = sub.add_parser("simulate", help="compare static, EPLB, B3, vExpert (k=1, k, future) and a bound on a trace")
     p.add_argument("trace", help="trace .npz from `vexpert trace build`")
     p.add_argument("--gpus", type=int, required=True, help="EP ranks (must divide the expert count)")
     p.add_argument("--nodes", type=int, default=1, help="nodes (EPLB's hierarchical policy packs groups per node)")
@@ -29,6 +29,20 @@ def register(sub: Any) -> None:
                    help="also report eplb[-redundant]:hierarchical and :global")
     p.add_argument("--expert-groups", type=int, default=0, help="expert groups (0 = 8 for 256 experts, else 1)")
     p.add_argument("--policies", default=None, help="comma-separated subset (default: all)")
+    p.add_argument("--dispatch", default="auto", choices=["plan", "local", "allreduce", "auto"],
+                   help="vexpert's per-iteration replica dispatch: the plan's fixed shares, rank-local counts, "
+                        "counts all-reduced per layer, or the performance model's pick (default auto)")
+    p.add_argument("--eplb-dispatch", default="plan", choices=["plan", "local", "allreduce", "auto"],
+                   help="the same for EPLB's replicas (default plan: split evenly, as SGLang does)")
+    p.add_argument("--compare-dispatch", action="store_true", help="also report vexpert+plan, +local and +allreduce")
+    p.add_argument("--eplb-sweep", default="", metavar="I1,I2,...",
+                   help="also report eplb-redundant at these rebalance intervals, with plan and all-reduced dispatch "
+                        "(e.g. 10,20,50,100,200,500)")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="first W iterations are prior traffic: every policy's first plan is made from them, "
+                        "no stall or allocation charged, not scored (default 0: every policy starts static)")
+    p.add_argument("--hbm-gb", type=float, default=None,
+                   help="HBM per GPU in GB for the KV-cache/batch model (default: the profile's, 80; 0 = off)")
     p.add_argument("--profile", default=None, help="PerformanceProfile JSON from `vexpert calibrate`")
     p.add_argument("--tokens-per-gpu", type=int, default=None, help="override the trace's batch for the time model")
     p.add_argument("--sensitivity", action="store_true",
@@ -48,14 +62,24 @@ def _run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     iterations, layers, experts = trace.counts.shape
     policies = tuple(POLICIES if not args.policies else [p.strip() for p in args.policies.split(",") if p.strip()])
+    try:
+        sweep = tuple(int(x) for x in args.eplb_sweep.split(",") if x.strip())
+    except ValueError:
+        raise VExpertInputError("--eplb-sweep", f"{args.eplb_sweep!r} is not a list of integers", "e.g. 10,20,50") from None
     cfg = SimulationConfig(
         num_gpus=args.gpus, num_nodes=args.nodes, allocation_interval=args.k, group_size=args.group_size,
         vmax=args.vmax, balance_threshold=args.tau, eplb_interval=args.eplb_interval,
         eplb_policy=args.eplb_policy, expert_groups=args.expert_groups, policies=policies,
         compare_eplb_policies=args.compare_eplb_policies, adjacency_bound=not args.no_adjacency_bound,
+        dispatch=args.dispatch, eplb_dispatch=args.eplb_dispatch, compare_dispatch=args.compare_dispatch,
+        eplb_sweep=sweep, warmup=args.warmup,
     )
-    cfg.validate(experts)
+    cfg.validate(experts, iterations)
     profile = load_profile(args.profile) if args.profile else PerformanceProfile()
+    if args.hbm_gb is not None:
+        if args.hbm_gb < 0:
+            raise VExpertInputError("--hbm-gb", f"must be ≥ 0, got {args.hbm_gb}")
+        profile = profile.with_hardware(profile.hardware.model_copy(update={"hbm_gb": args.hbm_gb}))
     tokens = args.tokens_per_gpu or _trace_tokens_per_gpu(trace.meta, args.gpus)
     if tokens <= 0:
         raise VExpertInputError("--tokens-per-gpu", f"must be positive, got {tokens}")
@@ -78,13 +102,17 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot:
         from vexpert_runtime.simulation.plot import plot_balance
 
-        plot_balance(results, trace.phase_starts, trace.phase_names, args.plot)
+        # scored iterations start after the warm-up: shift the phase marks with them
+        shown = [(max(0, start - args.warmup), name) for start, name in zip(trace.phase_starts, trace.phase_names, strict=True)]
+        plot_balance(results, [s for s, _ in shown], [n for _, n in shown], args.plot)
     out = {
         "trace": {"path": args.trace, "iterations": iterations, "layers": layers, "experts": experts,
                   "phases": trace.phase_names, "phase_starts": trace.phase_starts},
         "config": {"gpus": args.gpus, "nodes": args.nodes, "k": args.k, "group_size": args.group_size,
                    "vmax": args.vmax, "tau": args.tau, "eplb_interval": args.eplb_interval,
-                   "eplb_policy": args.eplb_policy, "adjacency_bound": not args.no_adjacency_bound},
+                   "eplb_policy": args.eplb_policy, "adjacency_bound": not args.no_adjacency_bound,
+                   "dispatch": args.dispatch, "eplb_dispatch": args.eplb_dispatch, "warmup": args.warmup,
+                   "hbm_gb": profile.hardware.hbm_gb},
         "policies": summary,
         "elapsed_s": round(elapsed, 3),
     }
@@ -104,13 +132,18 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def format_table(summary: dict[str, dict[str, Any]]) -> str:
-    header = f"{'policy':<28}{'balance':>9}{'p10':>8}{'worst layer':>13}{'vExp/GPU/it':>13}{'stalls':>8}{'rel. thrpt':>12}"
+    header = (f"{'policy':<40}{'balance':>9}{'p10':>8}{'worst layer':>13}{'vExp/GPU/it':>13}{'stalls':>8}"
+              f"{'dispatch':>10}{'batch':>7}{'tok/s/GPU':>11}{'rel. thrpt':>12}")
     lines = [header, "-" * len(header)]
     for name, s in summary.items():
         worst = f"{s['worst_layer_balance']:.3f}@{s['worst_layer']}"
+        scored = s["predicted_relative_throughput"] is not None
+        tps = f"{s['predicted_tokens_per_s_per_gpu']:>11.1f}" if scored else f"{'—':>11}"
+        rel = f"{s['predicted_relative_throughput']:>11.3f}×" if scored else f"{'(bound)':>12}"
         lines.append(
-            f"{name:<28}{s['balance_mean']:>9.3f}{s['balance_p10']:>8.3f}{worst:>13}"
-            f"{s['vexperts_per_gpu_per_iteration']:>13.1f}{s['rebalance_stalls']:>8d}{s['predicted_relative_throughput']:>11.3f}×"
+            f"{name:<40}{s['balance_mean']:>9.3f}{s['balance_p10']:>8.3f}{worst:>13}"
+            f"{s['vexperts_per_gpu_per_iteration']:>13.1f}{s['rebalance_stalls']:>8d}{s['dispatch']:>10}"
+            f"{s['batch_per_gpu']:>7.0f}{tps}{rel}"
         )
     return "\n".join(lines)
 

@@ -40,9 +40,62 @@ class InferenceConstants(BaseModel):
     moe_time_balanced_s: float = Field(0.8e-3, ge=0, description="Expert GEMM time of one layer at L=1 and B_ref, s")
     other_time_per_layer_s: float = Field(2.0e-3, ge=0, description="Attention and everything else per layer, s")
     eplb_stall_s: float = Field(1.0, ge=0, description="Stop-the-world time of one EPLB weight rearrangement, s")
-    allocation_time_s: float = Field(
-        0.011, ge=0, description="One vExpert allocation: count all-reduce + mapping (paper App. F: 4 + 7 ms), s"
+    allocation_time_s: float | None = Field(
+        None, ge=0,
+        description="One vExpert allocation, s; None = from the profile: measured allocator time + the counts "
+                    "all-reduce (the paper's App. F constant was 4 + 7 ms)",
     )
+    # What the HBM holds besides the KV cache (issue #14). Defaults: DeepSeek-V3 in bf16 at EP64 with
+    # data-parallel attention: 4 routed experts × 58 layers (20.4 GB) + 17.1 B replicated non-expert
+    # parameters (34.2 GB), and 5 GB of activations, graphs and communication buffers.
+    weight_bytes_per_gpu: float = Field(54.6e9, ge=0, description="Weights resident on every GPU without any slot or replica, bytes")
+    reserved_bytes_per_gpu: float = Field(5.0e9, ge=0, description="Activations, CUDA graphs, NCCL buffers per GPU, bytes")
+    kv_bytes_per_token: float = Field(
+        70_272, gt=0, description="KV cache per token over all layers (DeepSeek-V3 MLA: (512 + 64) × 2 B × 61), bytes"
+    )
+
+
+def allreduce_time(payload_bytes: float, hw: HardwareParameters) -> float:
+    """One all-reduce over the EP group: latency + payload / bus bandwidth, seconds."""
+    return hw.allreduce_latency_s + payload_bytes / (hw.allreduce_bandwidth_gb_per_s * 1e9)
+
+
+def allocation_time(consts: InferenceConstants, hw: HardwareParameters, num_layers: int, num_experts: int) -> float:
+    """One allocation charged to decode: the count all-reduce ([L, E] fp32) + the allocator's
+    mapping, both from the profile, unless the constants pin a value. Seconds."""
+    if consts.allocation_time_s is not None:
+        return consts.allocation_time_s
+    return allreduce_time(4.0 * num_layers * num_experts, hw) + hw.allocator_time_s
+
+
+def dispatch_time(mode: str, num_experts: int, hw: HardwareParameters) -> float:
+    """Per layer and iteration cost of per-iteration replica dispatch, seconds: none for the plan's
+    fixed shares; the dispatch kernel for rank-local counts; the kernel plus one all-reduce of the
+    layer's E counts (fp32) before it for all-reduced counts."""
+    if mode == "plan":
+        return 0.0
+    if mode == "local":
+        return hw.dispatch_time_per_layer_s
+    if mode == "allreduce":
+        return hw.dispatch_time_per_layer_s + allreduce_time(4.0 * num_experts, hw)
+    raise ValueError(f"unknown dispatch mode {mode!r}")
+
+
+def kv_cache_bytes(extra_resident_bytes: torch.Tensor | float, consts: InferenceConstants, hw: HardwareParameters) -> torch.Tensor:
+    """HBM left for the KV cache per GPU when a policy keeps ``extra_resident_bytes`` more expert
+    weights resident than the static placement (negative: it evicts some), bytes, ≥ 0."""
+    free = hw.hbm_gb * 1e9 - consts.weight_bytes_per_gpu - consts.reserved_bytes_per_gpu
+    return (free - torch.as_tensor(extra_resident_bytes, dtype=torch.float64)).clamp(min=0.0)
+
+
+def batch_for_hbm(extra_resident_bytes: float, consts: InferenceConstants, hw: HardwareParameters) -> float:
+    """Decode batch per GPU a policy fits: the static placement's batch ``tokens_per_gpu`` fills
+    its KV cache, and the batch scales with the KV cache left (same context length per request).
+    HBM not modeled (``hbm_gb`` 0) or no KV room at all in the static case: ``tokens_per_gpu``."""
+    static = float(kv_cache_bytes(0.0, consts, hw))
+    if hw.hbm_gb <= 0 or static <= 0:
+        return float(consts.tokens_per_gpu)
+    return consts.tokens_per_gpu * float(kv_cache_bytes(extra_resident_bytes, consts, hw)) / static
 
 
 def balance_gain(

@@ -50,6 +50,24 @@ class HardwareParameters(BaseModel):
     compute_bound_tokens_per_expert: float = Field(
         160.0, gt=0, description="Tokens per expert at and above which MoE GEMMs are compute-bound (γ2 = γ1)"
     )
+    # Measured costs of the per-iteration control path (issue #14). Defaults: the graphed allocator
+    # on an H200 (benchmarks §2: 0.5–0.65 ms), a small NCCL all-reduce over the EP group (a few
+    # µs on NVLink, tens across nodes over InfiniBand), the dispatch kernel's target (≤ 30 µs).
+    allocator_time_s: float = Field(
+        0.65e-3, ge=0, le=10, description="One allocation's mapping (the allocator itself, graphed on the GPU), s"
+    )
+    allreduce_latency_s: float = Field(
+        30e-6, ge=0, le=10, description="Latency of one small all-reduce over the EP group, s"
+    )
+    allreduce_bandwidth_gb_per_s: float = Field(
+        40.0, gt=0, le=10_000, description="All-reduce bus bandwidth over the EP group for larger payloads, GB/s"
+    )
+    dispatch_time_per_layer_s: float = Field(
+        30e-6, ge=0, le=10, description="Per-iteration replica dispatch (shares from the batch's counts) per layer, s"
+    )
+    hbm_gb: float = Field(
+        80.0, ge=0, le=100_000, description="HBM per GPU, GB (1e9 B); 0 = do not model the KV cache"
+    )
 
 
 class NodeTypeKey(BaseModel):

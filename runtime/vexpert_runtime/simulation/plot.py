@@ -21,9 +21,11 @@ def plot_balance(results: dict[str, PolicyResult], phase_starts: list[int], phas
     except ImportError:  # pragma: no cover - depends on the install
         raise VExpertInputError("--plot", "matplotlib is not installed", "pip install 'vexpert[plot]'") from None
     fig, ax = plt.subplots(figsize=(10, 4.5), dpi=110)
-    for name, result in results.items():
+    colors = [plt.get_cmap("tab20")(j) for j in range(20)]  # more rows than the default 10-colour cycle
+    for i, (name, result) in enumerate(results.items()):
         series = result.balance.mean(axis=1)
-        ax.plot(series, label=f"{name} ({series.mean():.3f})", linewidth=1.2)
+        style = ":" if not result.scored else "-"  # a bound, not a policy
+        ax.plot(series, style, color=colors[(2 * i) % 20 + (i // 10) % 2], label=f"{name} ({series.mean():.3f})", linewidth=1.2)
     for start, name in zip(phase_starts, phase_names, strict=False):
         ax.axvline(start, color="grey", linestyle=":", linewidth=0.8)
         ax.text(start + 2, 1.01, name, fontsize=7, color="grey", va="bottom")

@@ -411,13 +411,77 @@ class Trace:
         return ids
 
 
-def build_trace(phases: list[Phase], gpus: int, tokens_per_gpu: int, top_k: int, seed: int) -> Trace:
+@dataclass(frozen=True)
+class Variation:
+    """How each iteration's routing departs from its phase's source (all off by default).
+
+    ``jitter``: effective independent routings M per (iteration, layer). Each iteration's
+        distribution is drawn from Dirichlet(M · p_phase) before the batch is sampled from it:
+        the over-dispersion of small decode batches, whose tokens (and the sequences they come
+        from) route together. Mean p_phase, per-expert variance ≈ p(1 − p) / M; 0 = off (the
+        batch alone is multinomial).
+    ``drift``: stationary standard deviation σ of every expert's log-popularity, wandering
+        every iteration as an Ornstein–Uhlenbeck walk (correlation time ``drift_iterations``)
+        that runs on across phase boundaries; 0 = off.
+    ``raw_series``: CSV phases replay their recorded counts as they are (no resampling to the
+        batch), so per-iteration noise is the recording's own.
+    """
+
+    jitter: float = 0.0
+    drift: float = 0.0
+    drift_iterations: float = 100.0
+    raw_series: bool = False
+
+    def validate(self) -> None:
+        for name, value in (("jitter", self.jitter), ("drift", self.drift)):
+            if not np.isfinite(value) or value < 0:
+                raise VExpertInputError(name, f"must be ≥ 0, got {value!r}", f"pass --{name} 0 (off) or a positive number")
+        if not np.isfinite(self.drift_iterations) or self.drift_iterations <= 0:
+            raise VExpertInputError("drift_iterations", f"must be > 0, got {self.drift_iterations!r}", "pass e.g. --drift-iterations 100")
+
+    @property
+    def active(self) -> bool:
+        return self.jitter > 0 or self.drift > 0 or self.raw_series
+
+
+def drift_walk(iterations: int, layers: int, experts: int, sigma: float, tau: float, rng: np.random.Generator) -> FloatArray:
+    """Log-popularity offsets ``[T, L, E]``: an Ornstein–Uhlenbeck walk per (layer, expert),
+    stationary std ``sigma``, lag-1 correlation exp(−1/tau), starting in its stationary law so the
+    trace's first iterations drift like the later ones."""
+    rho = float(np.exp(-1.0 / tau))
+    steps = rng.standard_normal((iterations, layers, experts)) * sigma * np.sqrt(1.0 - rho * rho)
+    steps[0] = rng.standard_normal((layers, experts)) * sigma
+    walk = np.empty_like(steps)
+    walk[0] = steps[0]
+    for t in range(1, iterations):  # sequential by nature; T steps over [L, E] arrays
+        walk[t] = rho * walk[t - 1] + steps[t]
+    return walk
+
+
+def jitter_probs(probs: FloatArray, effective: float, rng: np.random.Generator) -> FloatArray:
+    """Draw each row of ``probs`` ``[..., E]`` from Dirichlet(effective · row) (via normalised
+    gammas; zero-probability experts stay at zero). Returns ``[..., E]`` rows summing to 1."""
+    draw = rng.gamma(np.maximum(effective * probs, 1e-300))
+    draw = np.where(probs > 0, draw, 0.0)
+    total = draw.sum(axis=-1, keepdims=True)
+    # a row whose gammas all underflow (tiny M) keeps its mean instead of dividing by zero
+    out: FloatArray = np.where(total > 0, draw / np.where(total > 0, total, 1.0), probs)
+    return out
+
+
+def build_trace(
+    phases: list[Phase], gpus: int, tokens_per_gpu: int, top_k: int, seed: int, variation: Variation | None = None
+) -> Trace:
     """Concatenate phases into a trace of ``sum(p.iterations)`` iterations; every layer of every
-    iteration routes exactly ``gpus * tokens_per_gpu * top_k`` tokens.
+    iteration routes exactly ``gpus * tokens_per_gpu * top_k`` tokens (except raw CSV replays).
 
     Each phase draws from its own stream ``SeedSequence(seed).spawn(len(phases))[i]``, so the same
     seed gives the same counts and a phase's counts do not depend on the other phases' lengths.
+    ``variation`` (jitter, drift, raw CSV replay) draws its own randomness from two further
+    streams, so without it the trace is the same as before it existed.
     """
+    variation = variation or Variation()
+    variation.validate()
     for name, value in (("gpus", gpus), ("tokens_per_gpu", tokens_per_gpu), ("top_k", top_k)):
         if not _is_int(value) or value <= 0:
             raise VExpertInputError(
@@ -441,12 +505,26 @@ def build_trace(phases: list[Phase], gpus: int, tokens_per_gpu: int, top_k: int,
 
     starts = np.concatenate([[0], np.cumsum([p.iterations for p in phases])]).tolist()
     counts = np.empty((starts[-1], layers, experts), dtype=np.int64)
-    streams = np.random.SeedSequence(seed).spawn(len(phases))
+    seq = np.random.SeedSequence(seed)
+    streams = seq.spawn(len(phases))
+    drift_rng, jitter_rng = (np.random.default_rng(s) for s in seq.spawn(2))
+    walk = (
+        drift_walk(starts[-1], layers, experts, variation.drift, variation.drift_iterations, drift_rng)
+        if variation.drift > 0 else None
+    )
     for phase, stream, start, stop in zip(phases, streams, starts[:-1], starts[1:], strict=True):
         rng = np.random.default_rng(stream)
         data = sources[phase.source]
-        sample = sample_distribution if data.ndim == 2 else resample_series
-        counts[start:stop] = sample(data, phase.iterations, tokens_per_layer, rng)
+        if not variation.active:
+            sample = sample_distribution if data.ndim == 2 else resample_series
+            counts[start:stop] = sample(data, phase.iterations, tokens_per_layer, rng)
+        elif data.ndim == 3 and variation.raw_series and walk is None and variation.jitter == 0:
+            counts[start:stop] = data[np.arange(phase.iterations) % data.shape[0]]
+        else:
+            counts[start:stop] = _sample_varied(
+                data, phase.iterations, tokens_per_layer, variation,
+                None if walk is None else walk[start:stop], rng, jitter_rng,
+            )
     meta = {  # plain ints: numpy integers are accepted above but JSON cannot hold them
         "format": TRACE_FORMAT,
         "gpus": int(gpus),
@@ -454,6 +532,10 @@ def build_trace(phases: list[Phase], gpus: int, tokens_per_gpu: int, top_k: int,
         "top_k": int(top_k),
         "seed": int(seed),
         "tokens_per_layer": int(tokens_per_layer),
+        "jitter": float(variation.jitter),
+        "drift": float(variation.drift),
+        "drift_iterations": float(variation.drift_iterations),
+        "raw_series": bool(variation.raw_series),
         "phases": [
             {
                 "name": p.name,
@@ -465,6 +547,34 @@ def build_trace(phases: list[Phase], gpus: int, tokens_per_gpu: int, top_k: int,
         ],
     }
     return Trace(counts=counts, phase_starts=starts[:-1], phase_names=[p.name for p in phases], meta=meta)
+
+
+def _sample_varied(
+    data: npt.NDArray[Any],
+    iterations: int,
+    tokens_per_layer: int,
+    variation: Variation,
+    walk: FloatArray | None,
+    rng: np.random.Generator,
+    jitter_rng: np.random.Generator,
+) -> IntArray:
+    """One phase's ``[iterations, L, E]`` counts with drift and/or jitter applied to its
+    per-iteration probabilities before the batch is drawn (``walk``: this phase's slice)."""
+    if data.ndim == 2:
+        probs = np.broadcast_to(data, (iterations, *data.shape))
+    else:
+        probs = normalize_rows(data)[np.arange(iterations) % data.shape[0]]
+    if walk is not None:
+        probs = normalize_rows(probs * np.exp(walk))
+    if variation.jitter > 0:
+        probs = jitter_probs(probs, variation.jitter, jitter_rng)
+    if data.ndim == 3 and variation.raw_series:
+        # keep each recorded iteration's own token total
+        totals = data.sum(axis=-1)[np.arange(iterations) % data.shape[0]]
+        raw: IntArray = rng.multinomial(totals, probs)
+        return raw
+    sampled: IntArray = rng.multinomial(tokens_per_layer, probs)
+    return sampled
 
 
 def _common_shape(phases: list[Phase], sources: dict[str, npt.NDArray[Any]]) -> tuple[int, int]:
