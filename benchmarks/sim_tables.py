@@ -10,7 +10,8 @@ import sys
 
 
 def rows(path: str) -> list[str]:
-    doc = json.load(open(path, encoding="utf-8"))
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
     out = [f"<!-- {path}: {doc['trace']['iterations']} iterations, warm-up {doc['config'].get('warmup', 0)}, "
            f"HBM {doc['config'].get('hbm_gb')} GB -->",
            "| policy | balance | p10 | worst layer | vExp/GPU/iter | stalls | dispatch | resident experts GB/GPU "

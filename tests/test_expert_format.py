@@ -245,7 +245,8 @@ def test_operator_sizes_the_deepseek_v3_example_with_fp8_bytes() -> None:
     from vexpert_operator.api import VExpertDeploymentSpec
     from vexpert_operator.sizing import gpu_bytes_per_gpu, model_shape
 
-    raw = yaml.safe_load((REPO / "examples" / "deepseek-v3-ep64.yaml").read_text())
+    docs = yaml.safe_load_all((REPO / "examples" / "deepseek-v3-ep64.yaml").read_text())
+    raw = next(d for d in docs if d and d.get("kind") == "VExpertDeployment")  # beside its checkpoint claim
     spec = VExpertDeploymentSpec.model_validate(raw["spec"])
     shape = model_shape(spec)
     assert shape is not None and shape.expert_bytes == Fp8RowLayout(2048, 7168).row_bytes  # ≈ 44 MB
