@@ -207,6 +207,18 @@ def test_service_pdb_and_configmap() -> None:
     assert config.runtime.metrics_port == 0  # no second endpoint: `vexpert serve` has /metrics on --port
 
 
+@pytest.mark.parametrize("dispatch", ["auto", "plan", "local", "global"])
+def test_the_replica_dispatch_reaches_the_runtime_config(dispatch: str) -> None:
+    plan = _plan(s=spec(vexpert__dispatch=dispatch))
+    config = parse_runtime_config(yaml.safe_load(plan.config_map["data"]["runtime.yaml"]))
+    assert config.vexpert.dispatch == dispatch
+
+
+def test_an_unknown_dispatch_is_refused_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="dispatch"):
+        spec(vexpert__dispatch="round-robin")
+
+
 def test_node_pod_serves_the_api_health_and_metrics_on_one_named_port() -> None:
     s = spec(runtime__httpPort=8080)
     template = _plan(s=s).statefulset["spec"]["template"]

@@ -148,6 +148,12 @@ class VExpertSpec(CamelModel):
     group_size: int = Field(2, ge=1, le=8, description="G: layers sharing one slot budget")
     vmax: int = Field(1, ge=0, le=8, description="Per-layer vExpert budget per GPU; slots per GPU = G·vmax")
     balance_threshold: float = Field(0.7, ge=0.0, le=1.0, description="τ: layers balanced above it get no vExperts")
+    dispatch: Literal["auto", "plan", "local", "global"] = Field(
+        "auto",
+        description="How a replicated expert's tokens split over its copies every layer: plan = the plan's "
+        "shares, local = from each rank's own counts of the iteration, global = from the counts all-reduced over "
+        "the EP group; auto = the runtime's cost model picks",
+    )
     allocation_interval: AllocationIntervalSpec = Field(default_factory=AllocationIntervalSpec)
     pinned_experts: PinnedExpertsSpec = Field(default_factory=PinnedExpertsSpec)
     tuning_interval_seconds: int = Field(60, ge=1, le=86_400, description="Seconds between tuning decisions")

@@ -103,6 +103,7 @@ def build_runtime_config(spec: VExpertDeploymentSpec, name: str, namespace: str,
             group_size=spec.vexpert.group_size,
             vmax=spec.vexpert.vmax,
             balance_threshold=spec.vexpert.balance_threshold,
+            dispatch=spec.vexpert.dispatch,
         ),
         tuning=TuningConfig(allocation_interval=allocation_interval, pooled_experts=pooled_experts),
         runtime=RuntimeSettings(
