@@ -301,6 +301,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     _kick: asyncio.Event = attrs.field(factory=asyncio.Event, init=False)
     _closing: bool = attrs.field(default=False, init=False)
     _managers: dict[tuple[references.resource, str | None, str], fm.Managers] = attrs.field(factory=dict, init=False)
+    _deleted_uids: set[str] = attrs.field(factory=set, init=False)  # owners gone: their late dependents are collected
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -511,6 +512,11 @@ class KubeEmulator(kmock.KubernetesEmulator):
         await self._append(res, "ADDED", obj, None)
         if info.kind == "CustomResourceDefinition":
             self._register_crd(obj)
+        refs = meta.get("ownerReferences") or []
+        if refs and all(ref.get("uid") in self._deleted_uids for ref in refs):
+            # Kubernetes' garbage collector deletes a dependent whose owners are all gone, also one
+            # created after its owner was deleted (a controller's write racing the deletion).
+            await self.delete_object(res, ns, name)
         return obj
 
     async def update_object(self, res: references.resource, ns: str | None, name: str, new: dict[str, Any],
@@ -599,6 +605,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     async def _remove(self, res: references.resource, ns: str | None, name: str, last: dict[str, Any],
                       orphan: bool = False) -> None:
         self._objects[res, ns, name].delete()
+        self._deleted_uids.add(last["metadata"]["uid"])
         self._managers.pop((res, ns, name), None)
         await self._append(res, "DELETED", last, None)
         if last.get("kind") == "Namespace":
