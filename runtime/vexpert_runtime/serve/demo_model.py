@@ -22,7 +22,9 @@ MARKER = "vexpert_demo.json"  # written last: its presence means the directory i
 DEMO_VERSION = 2
 # The router skew of the demo model: a bundled real DeepSeek-V3 load, scaled for sigmoid scores in (0, 1).
 REAL_LOAD_PHASE = "decode_in1000out1000"
-REAL_LOAD_STRENGTH = 0.3  # EP2 balance of the demo model on its text: 0.50, 0.76, 0.82 per MoE layer (0.999, 0.89, 0.90 without)
+# EP2 balance of the demo model on its text: 0.50, 0.76, 0.82 per MoE layer (0.999, 0.89, 0.90 without):
+# benchmarks/demo_model_balance.py, results/demo_model_balance.txt
+REAL_LOAD_STRENGTH = 0.3
 SEED = 1234
 BOS, EOS, PAD = "<|begin|>", "<|end|>", "<|pad|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
