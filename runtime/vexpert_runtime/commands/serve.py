@@ -62,9 +62,10 @@ def _model_dir(args: argparse.Namespace, configured: str) -> tuple[Path, bool]:
     return ensure_demo_model(cache), True
 
 
-def _max_context(model_dir: Path) -> int:
-    raw = json.loads((model_dir / "config.json").read_text())
-    return int(raw.get("max_position_embeddings", 4096))
+def _model_config(model_dir: Path) -> dict[str, Any]:
+    """The checkpoint's config.json (context length and vocabulary for the API's checks)."""
+    raw: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
+    return raw
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
         })
     model_dir, demo = _model_dir(args, config.model.checkpoint_path)
     name = args.served_model_name or (DEMO_NAME if demo else model_dir.name)
-    max_context = _max_context(model_dir)
+    model_config = _model_config(model_dir)
+    max_context = int(model_config.get("max_position_embeddings", 4096))
     kv_tokens = args.kv_cache_tokens if args.kv_cache_tokens is not None else 8 * max_context
     scheduler = SchedulerConfig(kv_budget_tokens=kv_tokens, max_batch_tokens=args.max_batch_tokens,
                                 max_running=args.max_running, max_waiting=args.max_waiting)
@@ -136,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    vocab = int(json.loads((model_dir / "config.json").read_text()).get("vocab_size", len(tokenizer)))
+    vocab = int(model_config.get("vocab_size", len(tokenizer)))
     api = ServeApi(dispatcher, tokenizer, ApiConfig(name, max_context, vocab, args.drain_timeout),
                    registry=runtime.metrics.registry)
     log(f"serving {'the embedded demo model' if demo else model_dir} as {name!r} on {args.host}:{args.port}: "

@@ -389,12 +389,17 @@ class _Worker:
         """One serving iteration: the scheduler's batch through the model, the EP experts reading
         this iteration's table and slots; its statistics land in the device counters."""
         assert self.serving is not None
+        self.serving.experts.table = self._device_table(table)
+        self.graphed_last = False
+        self.serving.run_iteration(self.device_counts, self.device_computed)
+
+    def _device_table(self, table: RoutingTable) -> DeviceRoutingTable:
+        """The device table for ``table`` (the static one, or the plan one with ``table`` loaded in
+        place: a captured step reads the new plan without re-capture)."""
         device_table = self.device_tables[table.plan_id == 0]
         if device_table.plan_id != table.plan_id:
             device_table.load(table)
-        self.serving.experts.table = device_table
-        self.graphed_last = False
-        self.serving.run_iteration(self.device_counts, self.device_computed)
+        return device_table
 
     def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor on the worker's device; on a GPU through pinned memory, without waiting."""
@@ -408,9 +413,7 @@ class _Worker:
 
         Plan iterations on a GPU replay the captured step (captured at the first one after two
         warm-up iterations); degraded ones (static table) run eagerly."""
-        device_table = self.device_tables[table.plan_id == 0]
-        if device_table.plan_id != table.plan_id:
-            device_table.load(table)  # in place: a captured step reads the new plan
+        device_table = self._device_table(table)
         graph = self.step_graph
         self.graphed_last = False
         if self.graphable and table.plan_id != 0 and iteration >= 2 and (graph is None or graph.fits(h, bias)):
