@@ -7,12 +7,13 @@ the batch routes with that distribution jittered (σ = 0.3 on the log-probabilit
 shares are stale as they are between allocations.
 
 Timed per mode (``plan``, ``local``, ``global``), with CUDA events, eager and replayed from a CUDA
-graph: ``shares`` = :func:`dispatch_cum_share` alone (the dispatch's extra work; ``plan`` reads
-the table: ~0) and ``choose`` = shares + :func:`choose_replicas` (what ``ep_moe_layer`` runs before
+graph: ``shares`` = :func:`dispatch_cum_share` alone (the dispatch's extra work, on a GPU the fused
+Triton kernel of ``dispatch_kernel`` after the counts; ``plan`` reads the table: ~0) and ``choose`` = shares + :func:`choose_replicas` (what ``ep_moe_layer`` runs before
 its all-to-all). ``global`` here runs over no group: on one GPU its all-reduce is free, so the
 number is the share computation only; run under ``torchrun --nproc-per-node 2`` (or more) and the
 [E] int32 NCCL all-reduce is timed as well (``allreduce_us``, in a CUDA graph like the layer).
-Also reported: whether each mode runs with torch's sync debug mode at "error" (no host sync), the
+Then the torch twin of the kernel (what runs without Triton) and the kernel at 4–32 warps, each
+with its largest difference from the twin. Also reported: whether each mode runs with torch's sync debug mode at "error" (no host sync), the
 kernels one call launches (torch profiler), and the shares' balance on the batch as if it were the
 whole group's (the local/global difference needs many ranks: see ``vexpert demo --dispatch``).
 
@@ -37,6 +38,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
+from vexpert_runtime.model import dispatch_kernel
 from vexpert_runtime.model.dispatch import (
     DISPATCH_MODES,
     SWEEPS,
@@ -189,6 +191,36 @@ def main() -> None:
         if rank == 0:
             print(json.dumps(row), flush=True)
         rows.append(row)
+    if dev.type == "cuda" and dispatch_kernel.supports(gpu):
+        # The product path above runs the fused kernel (dispatch_kernel); here its torch twin (the
+        # same arithmetic in ~140 kernels) and the kernel's block size, for the record.
+        counts = layer_counts(ids, args.experts)
+        twin_out = cumulative_shares(level_shares(counts, gpu, args.gpus, args.sweeps, plan_shares(cum)), gpu)
+        fin = torch.isfinite(twin_out)
+
+        def twin() -> torch.Tensor:
+            return cumulative_shares(level_shares(layer_counts(ids, args.experts), gpu, args.gpus, args.sweeps,
+                                                  plan_shares(cum)), gpu)
+
+        variants: list[tuple[str, Callable[[], Any]]] = [("local-torch-twin", twin)]
+        for warps in (4, 8, 16, 32):
+            def fused(warps: int = warps) -> torch.Tensor:
+                return dispatch_kernel.fused_cum_shares(layer_counts(ids, args.experts), gpu, cum, args.gpus,
+                                                        args.sweeps, num_warps=warps)
+
+            variants.append((f"local-fused-warps{warps}", fused))
+        for name, fn in variants:
+            out = fn()
+            row = {"mode": name, "shares_eager_us": round(timed(fn, reps, dev), 2),
+                   "kernels_shares": kernels(fn, dev), "sync_free": sync_free(fn, dev),
+                   "max_abs_diff_vs_twin": float((out[fin] - twin_out[fin]).abs().max()),
+                   "same_padding": bool(torch.equal(torch.isfinite(out), fin))}
+            replay = graphed(fn, dev)
+            if replay is not None:
+                row["shares_graph_us"] = round(timed(replay, reps, dev), 2)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+            rows.append(row)
     if args.compile and dev.type == "cuda":
         # The same arithmetic fused by Inductor: how far a fused kernel could take the cost.
         fused = torch.compile(level_shares, fullgraph=True, dynamic=False)

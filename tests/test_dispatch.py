@@ -6,6 +6,7 @@ and a node run in each mode verified against the reference."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -270,3 +271,88 @@ def test_dispatch_never_synchronises_and_replays_in_a_cuda_graph(mode: str) -> N
         graph.replay()
         expected = step()
         assert all(torch.equal(a, b) for a, b in zip(captured, expected, strict=True))
+
+
+# ------------------------------------------------------------------------------------------------
+# The fused kernel (dispatch_kernel) against its torch twin
+# ------------------------------------------------------------------------------------------------
+
+
+def _deepseek_table(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dispatch benchmark's layer: E = 256 over N = 64 GPUs, 2 slots each, R = 64, a plan made
+    for a bundled DeepSeek-V3 load, a batch of 256 tokens routed with that load jittered."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from dispatch_cost import setup  # the benchmark's own setup: the kernel is tested as it is timed
+
+    import argparse
+
+    args = argparse.Namespace(experts=256, gpus=64, slots=2, tokens=256, topk=8, phase="decode_in1000out1000",
+                              layer=10, seed=0)
+    s = setup(args, torch.device(device))
+    counts = torch.zeros(256, dtype=torch.int64, device=device).index_add_(
+        0, s["ids"].reshape(-1), torch.ones(s["ids"].numel(), dtype=torch.int64, device=device))
+    return counts, s["table"].gpu[0], s["table"].cum_share[0]
+
+
+def _small_tables(device: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    """Random valid plans (an expert on every GPU included) with E, R not powers of two."""
+    out = []
+    for seed, (experts, slots, world) in enumerate(((16, 3, WORLD), (12, 2, 3), (16, 1, 2))):
+        table = table_from_plan(_random_plan(1, experts, slots, seed, world=world), seed)
+        counts = torch.randint(0, 40, (experts,), generator=torch.Generator().manual_seed(seed))
+        counts[seed] = 0  # an expert without tokens keeps a proper split
+        out.append((counts.to(device), torch.from_numpy(table.gpu[0]).to(device),
+                    torch.from_numpy(table.cum_share[0]).to(device), world))
+    return out
+
+
+def _assert_fused_equals_twin(counts: torch.Tensor, gpu: torch.Tensor, cum: torch.Tensor, world: int) -> None:
+    from vexpert_runtime.model.dispatch_kernel import fused_cum_shares
+
+    for sweeps in (0, 1, 4):
+        twin = cumulative_shares(level_shares(counts, gpu, world, sweeps, start=plan_shares(cum)), gpu)
+        fused = fused_cum_shares(counts, gpu, cum, world, sweeps)
+        assert fused.dtype == torch.float64 and fused.shape == gpu.shape
+        assert torch.equal(torch.isfinite(fused), gpu >= 0)  # padding inf, as the draw needs
+        finite = gpu >= 0
+        # float32 rounding (the kernel adds loads in fixed point, the twin in float)
+        assert torch.allclose(fused[finite], twin[finite], atol=2e-6), (sweeps, (fused - twin)[finite].abs().max())
+
+
+def check_fused_kernel_on_cpu() -> None:
+    """Run in a subprocess with ``TRITON_INTERPRET=1`` set before Triton is imported (its
+    interpreter patches ``tl.sort``/``tl.cumsum`` at import)."""
+    for counts, gpu, cum, world in _small_tables("cpu"):
+        _assert_fused_equals_twin(counts, gpu, cum, world)
+    _assert_fused_equals_twin(*_deepseek_table("cpu"), 64)
+
+
+def test_fused_kernel_equals_its_torch_twin_in_the_interpreter() -> None:
+    """The kernel itself, run by Triton's interpreter on CPU tensors (CI has no GPU)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", "import test_dispatch; test_dispatch.check_fused_kernel_on_cpu()"],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_fused_kernel_refuses_tables_past_its_block() -> None:
+    from vexpert_runtime.model.dispatch_kernel import MAX_TABLE_ELEMENTS, fits, fused_cum_shares
+
+    wide = torch.zeros(512, 64, dtype=torch.int64)
+    assert 512 * 64 > MAX_TABLE_ELEMENTS and not fits(wide) and not fits(torch.zeros(4, 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="E·R"):
+        fused_cum_shares(torch.zeros(512), wide, torch.zeros(512, 64, dtype=torch.float64), 64, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_fused_kernel_equals_its_torch_twin_on_the_gpu() -> None:
+    from vexpert_runtime.model.dispatch_kernel import supports
+
+    counts, gpu, cum = _deepseek_table("cuda")
+    assert supports(gpu)  # the product path on a GPU at DeepSeek-V3 shape is the kernel
+    _assert_fused_equals_twin(counts, gpu, cum, 64)
+    for counts, gpu, cum, world in _small_tables("cuda"):
+        _assert_fused_equals_twin(counts, gpu, cum, world)

@@ -38,6 +38,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from vexpert_runtime.model import dispatch_kernel
 from vexpert_runtime.model.grouped_moe import group_counts
 
 DispatchMode = Literal["plan", "local", "global"]
@@ -197,6 +198,8 @@ def dispatch_cum_share(mode: DispatchMode, ids: torch.Tensor, gpu: torch.Tensor,
     counts = layer_counts(ids, gpu.shape[0])
     if mode == "global":
         counts = all_reduce_counts(counts, group)
+    if dispatch_kernel.supports(gpu):  # one launch instead of ~140 (see dispatch_kernel)
+        return dispatch_kernel.fused_cum_shares(counts, gpu, plan_cum_share, num_gpus, sweeps)
     # From the plan's shares: they were levelled for counts like these, so few sweeps remain.
     return cumulative_shares(level_shares(counts, gpu, num_gpus, sweeps, start=plan_shares(plan_cum_share)), gpu)
 
