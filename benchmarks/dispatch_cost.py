@@ -12,7 +12,7 @@ Triton kernel of ``dispatch_kernel`` after the counts; ``plan`` reads the table:
 its all-to-all). ``global`` here runs over no group: on one GPU its all-reduce is free, so the
 number is the share computation only; run under ``torchrun --nproc-per-node 2`` (or more) and the
 [E] int32 NCCL all-reduce is timed as well (``allreduce_us``, in a CUDA graph like the layer).
-Then the torch twin of the kernel (what runs without Triton) and the kernel at 4–32 warps, each
+Then the torch twin of the kernel (what runs without Triton) and the kernel at 1–8 warps, each
 with its largest difference from the twin. Also reported: whether each mode runs with torch's sync debug mode at "error" (no host sync), the
 kernels one call launches (torch profiler), and the shares' balance on the batch as if it were the
 whole group's (the local/global difference needs many ranks: see ``vexpert demo --dispatch``).
@@ -165,11 +165,13 @@ def main() -> None:
     s = setup(args, dev)
     table, ids = s["table"], s["ids"]
     gpu, local, cum = table.gpu[0], table.local[0], table.cum_share[0]
+    copies = table.copies(0)
     rows = []
     for mode in DISPATCH_MODES:
         # with a group every rank runs this loop in the same order: the all-reduces pair up
         def shares(mode: str = mode) -> torch.Tensor:
-            return dispatch_cum_share(mode, ids, gpu, cum, args.gpus, group, args.sweeps)  # type: ignore[arg-type]
+            return dispatch_cum_share(mode, ids, gpu, cum, args.gpus, group, args.sweeps,  # type: ignore[arg-type]
+                                      copies=copies)
 
         def choose(mode: str = mode) -> tuple[torch.Tensor, torch.Tensor]:
             return choose_replicas(ids, gpu, local, shares(mode), rank, args.gpus)
@@ -191,7 +193,7 @@ def main() -> None:
         if rank == 0:
             print(json.dumps(row), flush=True)
         rows.append(row)
-    if dev.type == "cuda" and dispatch_kernel.supports(gpu):
+    if dev.type == "cuda" and dispatch_kernel.supports(copies):
         # The product path above runs the fused kernel (dispatch_kernel); here its torch twin (the
         # same arithmetic in ~140 kernels) and the kernel's block size, for the record.
         counts = layer_counts(ids, args.experts)
@@ -203,9 +205,9 @@ def main() -> None:
                                                   plan_shares(cum)), gpu)
 
         variants: list[tuple[str, Callable[[], Any]]] = [("local-torch-twin", twin)]
-        for warps in (4, 8, 16, 32):
+        for warps in (1, 2, 4, 8):
             def fused(warps: int = warps) -> torch.Tensor:
-                return dispatch_kernel.fused_cum_shares(layer_counts(ids, args.experts), gpu, cum, args.gpus,
+                return dispatch_kernel.fused_cum_shares(layer_counts(ids, args.experts), copies, cum, args.gpus,
                                                         args.sweeps, num_warps=warps)
 
             variants.append((f"local-fused-warps{warps}", fused))

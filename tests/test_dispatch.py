@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -28,10 +29,17 @@ from vexpert_runtime.model.dispatch import (
     dispatch_cum_share,
     gpu_loads,
     level_shares,
+    list_replica_copies,
     plan_shares,
     water_fill,
 )
-from vexpert_runtime.model.ep_moe import choose_replicas, max_replicas, plan_from_slots, table_from_plan
+from vexpert_runtime.model.ep_moe import (
+    DeviceRoutingTable,
+    choose_replicas,
+    max_replicas,
+    plan_from_slots,
+    table_from_plan,
+)
 from vexpert_runtime.model.reference import ModelWeights
 from vexpert_runtime.model.routing import route
 from vexpert_runtime.node import NodeOptions, resolve_setup, run_node
@@ -238,18 +246,21 @@ def test_the_dispatch_cost_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("path", ["kernel", "torch"])
 @pytest.mark.parametrize("mode", ["local", "global"])
-def test_dispatch_never_synchronises_and_replays_in_a_cuda_graph(mode: str) -> None:
-    """The share computation and replica choice of one layer: no host sync (sync debug mode raises
-    on one), captured in a CUDA graph, replays equal eager runs for new routings copied in place."""
+def test_dispatch_never_synchronises_and_replays_in_a_cuda_graph(mode: str, path: str) -> None:
+    """The share computation and replica choice of one layer, through the fused kernel and through
+    its torch twin: no host sync (sync debug mode raises on one), captured in a CUDA graph, replays
+    equal eager runs for new routings copied in place."""
     plan = _random_plan(1, 16, 3, seed=2)
-    table = table_from_plan(plan, 1)
-    gpu, local = torch.from_numpy(table.gpu[0]).cuda(), torch.from_numpy(table.local[0]).cuda()
-    cum = torch.from_numpy(table.cum_share[0]).cuda()
+    table = DeviceRoutingTable.of(table_from_plan(plan, 1), "cuda")
+    gpu, local, cum = table.gpu[0], table.local[0], table.cum_share[0]
+    copies = table.copies(0) if path == "kernel" else None
     ids = torch.randint(0, 16, (64, 4), device="cuda")
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
-        return choose_replicas(ids, gpu, local, dispatch_cum_share(mode, ids, gpu, cum, WORLD, None), 0, WORLD)  # type: ignore[arg-type]
+        shares = dispatch_cum_share(mode, ids, gpu, cum, WORLD, None, copies=copies)  # type: ignore[arg-type]
+        return choose_replicas(ids, gpu, local, shares, 0, WORLD)
 
     step()
     torch.cuda.synchronize()
@@ -278,40 +289,41 @@ def test_dispatch_never_synchronises_and_replays_in_a_cuda_graph(mode: str) -> N
 # ------------------------------------------------------------------------------------------------
 
 
-def _deepseek_table(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _deepseek_table(device: str) -> tuple[torch.Tensor, Any, torch.Tensor]:
     """The dispatch benchmark's layer: E = 256 over N = 64 GPUs, 2 slots each, R = 64, a plan made
     for a bundled DeepSeek-V3 load, a batch of 256 tokens routed with that load jittered."""
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from dispatch_cost import setup  # the benchmark's own setup: the kernel is tested as it is timed
-
     import argparse
+
+    from dispatch_cost import setup  # the benchmark's own setup: the kernel is tested as it is timed
 
     args = argparse.Namespace(experts=256, gpus=64, slots=2, tokens=256, topk=8, phase="decode_in1000out1000",
                               layer=10, seed=0)
     s = setup(args, torch.device(device))
     counts = torch.zeros(256, dtype=torch.int64, device=device).index_add_(
         0, s["ids"].reshape(-1), torch.ones(s["ids"].numel(), dtype=torch.int64, device=device))
-    return counts, s["table"].gpu[0], s["table"].cum_share[0]
+    return counts, s["table"], s["table"].cum_share[0]
 
 
-def _small_tables(device: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+def _small_tables(device: str) -> list[tuple[torch.Tensor, Any, torch.Tensor, int]]:
     """Random valid plans (an expert on every GPU included) with E, R not powers of two."""
     out = []
     for seed, (experts, slots, world) in enumerate(((16, 3, WORLD), (12, 2, 3), (16, 1, 2))):
-        table = table_from_plan(_random_plan(1, experts, slots, seed, world=world), seed)
+        table = DeviceRoutingTable.of(table_from_plan(_random_plan(1, experts, slots, seed, world=world), seed), device)
         counts = torch.randint(0, 40, (experts,), generator=torch.Generator().manual_seed(seed))
-        counts[seed] = 0  # an expert without tokens keeps a proper split
-        out.append((counts.to(device), torch.from_numpy(table.gpu[0]).to(device),
-                    torch.from_numpy(table.cum_share[0]).to(device), world))
+        counts[int(table.copy_expert[0, 0])] = 0  # a replicated expert without tokens keeps a proper split
+        out.append((counts.to(device), table, table.cum_share[0], world))
     return out
 
 
-def _assert_fused_equals_twin(counts: torch.Tensor, gpu: torch.Tensor, cum: torch.Tensor, world: int) -> None:
+def _assert_fused_equals_twin(counts: torch.Tensor, table: Any, cum: torch.Tensor, world: int) -> None:
     from vexpert_runtime.model.dispatch_kernel import fused_cum_shares
 
+    gpu, copies = table.gpu[0], table.copies(0)
+    assert int((copies.expert >= 0).sum()) > 2  # replicated experts to split
     for sweeps in (0, 1, 4):
         twin = cumulative_shares(level_shares(counts, gpu, world, sweeps, start=plan_shares(cum)), gpu)
-        fused = fused_cum_shares(counts, gpu, cum, world, sweeps)
+        fused = fused_cum_shares(counts, copies, cum, world, sweeps)
         assert fused.dtype == torch.float64 and fused.shape == gpu.shape
         assert torch.equal(torch.isfinite(fused), gpu >= 0)  # padding inf, as the draw needs
         finite = gpu >= 0
@@ -322,8 +334,8 @@ def _assert_fused_equals_twin(counts: torch.Tensor, gpu: torch.Tensor, cum: torc
 def check_fused_kernel_on_cpu() -> None:
     """Run in a subprocess with ``TRITON_INTERPRET=1`` set before Triton is imported (its
     interpreter patches ``tl.sort``/``tl.cumsum`` at import)."""
-    for counts, gpu, cum, world in _small_tables("cpu"):
-        _assert_fused_equals_twin(counts, gpu, cum, world)
+    for counts, table, cum, world in _small_tables("cpu"):
+        _assert_fused_equals_twin(counts, table, cum, world)
     _assert_fused_equals_twin(*_deepseek_table("cpu"), 64)
 
 
@@ -337,13 +349,24 @@ def test_fused_kernel_equals_its_torch_twin_in_the_interpreter() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_fused_kernel_refuses_tables_past_its_block() -> None:
-    from vexpert_runtime.model.dispatch_kernel import MAX_TABLE_ELEMENTS, fits, fused_cum_shares
+def test_replica_copies_list_the_replicated_rows() -> None:
+    gpu = np.array([[[0, 1, -1], [1, -1, -1], [2, 0, 1], [2, -1, -1]]])
+    expert, copy_gpu, col, single = list_replica_copies(gpu, 8)
+    assert expert[0].tolist() == [0, 0, 2, 2, 2, -1, -1, -1]
+    assert copy_gpu[0, :5].tolist() == [0, 1, 2, 0, 1] and col[0, :5].tolist() == [0, 1, 0, 1, 2]
+    assert single[0].tolist() == [-1, 1, -1, 2]
+    with pytest.raises(ValueError, match="room for 4"):
+        list_replica_copies(gpu, 4)
 
-    wide = torch.zeros(512, 64, dtype=torch.int64)
-    assert 512 * 64 > MAX_TABLE_ELEMENTS and not fits(wide) and not fits(torch.zeros(4, 1, dtype=torch.int64))
-    with pytest.raises(ValueError, match="E·R"):
-        fused_cum_shares(torch.zeros(512), wide, torch.zeros(512, 64, dtype=torch.float64), 64, 4)
+
+def test_fused_kernel_refuses_lists_past_its_block() -> None:
+    from vexpert_runtime.model.dispatch import ReplicaCopies
+    from vexpert_runtime.model.dispatch_kernel import MAX_COPIES, fused_cum_shares
+
+    long = torch.zeros(MAX_COPIES + 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="listed copies"):
+        fused_cum_shares(torch.zeros(4), ReplicaCopies(long, long, long, torch.zeros(4, dtype=torch.int32)),
+                         torch.zeros(4, 2, dtype=torch.float64), 2, 4)
 
 
 @pytest.mark.gpu
@@ -351,8 +374,8 @@ def test_fused_kernel_refuses_tables_past_its_block() -> None:
 def test_fused_kernel_equals_its_torch_twin_on_the_gpu() -> None:
     from vexpert_runtime.model.dispatch_kernel import supports
 
-    counts, gpu, cum = _deepseek_table("cuda")
-    assert supports(gpu)  # the product path on a GPU at DeepSeek-V3 shape is the kernel
-    _assert_fused_equals_twin(counts, gpu, cum, 64)
-    for counts, gpu, cum, world in _small_tables("cuda"):
-        _assert_fused_equals_twin(counts, gpu, cum, world)
+    counts, table, cum = _deepseek_table("cuda")
+    assert supports(table.copies(0))  # the product path on a GPU at DeepSeek-V3 shape is the kernel
+    _assert_fused_equals_twin(counts, table, cum, 64)
+    for counts, table, cum, world in _small_tables("cuda"):
+        _assert_fused_equals_twin(counts, table, cum, world)

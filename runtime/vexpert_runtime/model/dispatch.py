@@ -33,8 +33,10 @@ Shapes: ``E`` experts, ``R`` copy slots per expert in the table (copy 0 resident
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -120,7 +122,7 @@ def level_shares(counts: torch.Tensor, gpu: torch.Tensor, num_gpus: int, sweeps:
     flat_bins = bins.flatten()
     # The spare bin is where padding copies gather their floor from: _DRY keeps them dry.
     empty = torch.zeros(num_gpus + 1, dtype=torch.float32, device=gpu.device)
-    empty[num_gpus] = _DRY
+    empty[num_gpus:].fill_(_DRY)  # a fill, not a copy from the host: capturable in a CUDA graph
     # Damping: a GPU's degree is the number of replicated experts with a copy on it.
     replicated = valid & (valid.sum(-1, keepdim=True) > 1)
     degree = torch.zeros_like(empty).index_add_(0, flat_bins, replicated.flatten().to(torch.float32))
@@ -181,8 +183,58 @@ def all_reduce_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> 
     return total
 
 
+@dataclass(frozen=True)
+class ReplicaCopies:
+    """One layer's replicated experts as a list of their copies: what the fused kernel
+    (:mod:`dispatch_kernel`) sweeps over instead of the dense [E, R] table, which at EP64 is
+    64 columns wide for ~2 valid copies per replicated row. Built on the host with the plan
+    (:func:`list_replica_copies`), loaded into the device table in place like the rest of it.
+
+    Attributes:
+        expert, gpu, col: [C] int32 — the logical expert, GPU and table column of each copy of a
+            replicated expert (an expert's copies adjacent, in column order), −1 padding.
+        single_gpu: [E] int32 — the GPU of each expert with one copy (its whole load lands there),
+            −1 for replicated experts.
+    """
+
+    expert: torch.Tensor
+    gpu: torch.Tensor
+    col: torch.Tensor
+    single_gpu: torch.Tensor
+
+
+def copies_capacity(num_gpus: int, slots: int) -> int:
+    """C: the most copies of replicated experts one layer can have — every slot holds one copy,
+    and each replicated expert has one slot copy at least besides its resident one: 2·N·S."""
+    return max(2, 2 * num_gpus * slots)
+
+
+def list_replica_copies(gpu: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The :class:`ReplicaCopies` of every layer of a table (host side, at plan load).
+
+    Args: gpu [L, E, R] int64 (−1 padding, valid copies first); capacity C.
+    Returns expert, gpu, col [L, C] int32 (−1 padding) and single_gpu [L, E] int32.
+    Raises ValueError if a layer has more than C copies of replicated experts.
+    """
+    valid = gpu >= 0
+    replicated = valid & (valid.sum(-1, keepdims=True) > 1)
+    layers = gpu.shape[0]
+    expert = np.full((layers, capacity), -1, dtype=np.int32)
+    copy_gpu, col = expert.copy(), expert.copy()
+    for layer in range(layers):
+        rows, cols = np.nonzero(replicated[layer])  # row-major: an expert's copies adjacent
+        if rows.size > capacity:
+            raise ValueError(f"layer {layer} has {rows.size} copies of replicated experts, room for {capacity}")
+        expert[layer, : rows.size] = rows
+        copy_gpu[layer, : rows.size] = gpu[layer, rows, cols]
+        col[layer, : rows.size] = cols
+    single_gpu = np.where(replicated.any(-1), -1, gpu[..., 0]).astype(np.int32)
+    return expert, copy_gpu, col, single_gpu
+
+
 def dispatch_cum_share(mode: DispatchMode, ids: torch.Tensor, gpu: torch.Tensor, plan_cum_share: torch.Tensor,
-                       num_gpus: int, group: dist.ProcessGroup | None, sweeps: int = SWEEPS) -> torch.Tensor:
+                       num_gpus: int, group: dist.ProcessGroup | None, sweeps: int = SWEEPS,
+                       copies: ReplicaCopies | None = None) -> torch.Tensor:
     """The cumulative shares [E, R] float64 this rank splits its pairs of one layer with.
 
     Args:
@@ -190,6 +242,8 @@ def dispatch_cum_share(mode: DispatchMode, ids: torch.Tensor, gpu: torch.Tensor,
             ``global`` all-reduces the counts over ``group`` first (every rank must call it).
         ids: [B, K] int64 this rank's routing of the layer. gpu: [E, R] int64 copies (−1 padding).
         plan_cum_share: [E, R] float64 the plan's (see ``RoutingTable.cum_share``).
+        copies: the layer's :class:`ReplicaCopies` (the device table has them): on a CUDA device
+            with Triton the shares then come from one fused kernel; else from the torch code here.
     """
     if mode == "plan" or gpu.shape[1] < 2:
         return plan_cum_share
@@ -198,8 +252,8 @@ def dispatch_cum_share(mode: DispatchMode, ids: torch.Tensor, gpu: torch.Tensor,
     counts = layer_counts(ids, gpu.shape[0])
     if mode == "global":
         counts = all_reduce_counts(counts, group)
-    if dispatch_kernel.supports(gpu):  # one launch instead of ~140 (see dispatch_kernel)
-        return dispatch_kernel.fused_cum_shares(counts, gpu, plan_cum_share, num_gpus, sweeps)
+    if copies is not None and dispatch_kernel.supports(copies):  # one launch instead of ~140
+        return dispatch_kernel.fused_cum_shares(counts, copies, plan_cum_share, num_gpus, sweeps)
     # From the plan's shares: they were levelled for counts like these, so few sweeps remain.
     return cumulative_shares(level_shares(counts, gpu, num_gpus, sweeps, start=plan_shares(plan_cum_share)), gpu)
 

@@ -1,33 +1,45 @@
 """The per-iteration dispatch's shares in one GPU kernel (Triton): :func:`fused_cum_shares`.
 
-:func:`vexpert_runtime.model.dispatch.level_shares` followed by ``cumulative_shares`` is a few
-dozen small kernels per sweep over the dense [E, R] table (a sort, a cumsum, an ``index_add`` and
-element-wise chains), ~140 launches per layer at DeepSeek-V3 shape: even replayed from a CUDA graph
-that is far from the ≤ 30 µs per layer issue #14 asks for. Here the whole computation — the plan's
-shares as the start, the damping, every Jacobi sweep and the cumulative draw table — runs in one
-program of one thread block: the table fits its registers, the per-GPU loads go through a few
-hundred bytes of scratch with atomics, and ``__syncthreads`` separates a sweep's scatter from its
-gather (one block, so no grid-wide barrier is needed). The loads add up in fixed point (int64,
-2⁻²⁴ of a token): integer atomics are associative, so the result does not depend on the order the
-threads get there and a graph replay computes bit for bit what an eager call does.
+:func:`vexpert_runtime.model.dispatch.level_shares` followed by ``cumulative_shares`` is ~140 small
+kernels per layer over the dense [E, R] table (a sort, a cumsum, an ``index_add`` and element-wise
+chains per sweep); at DeepSeek-V3 shape (E = 256, R = 64) that table is 16 Ki entries of which
+~400 are copies. Replayed from a CUDA graph it still costs ~0.5 ms per layer, far from issue #14's
+≤ 30 µs. Here one program of one thread block does it all over the *list* of the replicated experts'
+copies (:class:`~vexpert_runtime.model.dispatch.ReplicaCopies`, C ≤ 2·N·S entries, built with the
+plan on the host):
 
-The arithmetic is :func:`level_shares`' step for step (its torch code is the CPU twin, and the
-reference the GPU test compares with); only the per-GPU loads differ (fixed point instead of float
-additions), so results agree to float32 rounding.
+* the GPUs' base loads from the experts with one copy (their whole count), once;
+* per Jacobi sweep: the copies' tokens scattered to their GPUs (atomics into a few hundred bytes of
+  scratch), ``__syncthreads``, each copy's floor (its GPU's load without it) gathered, and each
+  expert's water level min_k (count + Σ_{i≤k} floor_(i)) / k computed without sorting: for copy j,
+  k_j = #{copies i of its expert with floor_i ≤ floor_j} and the sum of those floors, pairwise over
+  the list in chunks (ties give the level at the end of their run, the same minimum);
+* the shares normalised and cumulated per expert (pairwise again), written into a copy of the
+  plan's table, whose rows without replicas stay as they are.
 
-Shapes: ``E`` experts, ``R`` copy slots per expert (copy 0 resident, −1 padding), ``N`` GPUs.
+Loads add up in fixed point (int64, 2⁻²⁴ of a token) and per-expert minima of non-negative floats
+as integers: integer atomics are associative, so a graph replay computes bit for bit what an eager
+call does. The arithmetic is :func:`level_shares`' step for step (its torch code is the CPU twin,
+and the reference the tests compare with): results agree to float32 rounding.
+
+Shapes: ``E`` experts, ``R`` copy slots per expert in the dense table, ``N`` GPUs, ``C`` listed copies.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
-# Register budget of the one block: the table's loop-carried tensors (shares, previous shares, bins)
-# are E·R elements each; beyond this the kernel would spill heavily, and the torch path is used.
-MAX_TABLE_ELEMENTS = 256 * 64
+if TYPE_CHECKING:
+    from vexpert_runtime.model.dispatch import ReplicaCopies
+
+# Beyond this many listed copies (pairwise work C² per sweep) the torch path is used.
+MAX_COPIES = 1024
+_CHUNK = 32  # copies per pairwise tile row block: [CHUNK, C] per step
+_FIXED = float(2**24)  # fixed-point scale of token loads
 
 
 @functools.cache
@@ -43,15 +55,10 @@ def triton_available() -> bool:
     return True
 
 
-def fits(gpu: torch.Tensor) -> bool:
-    """Whether the table [E, R] fits the kernel's one block (and has copies to split)."""
-    return gpu.shape[1] >= 2 and _pow2(gpu.shape[0]) * _pow2(gpu.shape[1]) <= MAX_TABLE_ELEMENTS
-
-
-def supports(gpu: torch.Tensor) -> bool:
-    """Whether the dispatch runs this table through :func:`fused_cum_shares`: on a CUDA device, with
-    Triton, and when it fits (else the torch twin runs, the same arithmetic in many kernels)."""
-    return gpu.is_cuda and triton_available() and fits(gpu)
+def supports(copies: ReplicaCopies) -> bool:
+    """Whether the dispatch runs through :func:`fused_cum_shares`: the list on a CUDA device, Triton
+    there, and the list within :data:`MAX_COPIES` (else the torch twin runs)."""
+    return copies.expert.is_cuda and triton_available() and copies.expert.shape[0] <= MAX_COPIES
 
 
 def _pow2(n: int) -> int:
@@ -65,86 +72,139 @@ def _kernel():  # type: ignore[no-untyped-def]
     import triton.language as tl
 
     @triton.jit
-    def level_cum_shares(counts_ptr, gpu_ptr, cum_ptr, out_ptr, scratch_ptr, E, R, N,
-                         SWEEPS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_N: tl.constexpr, DAMPING: tl.constexpr, MOMENTUM: tl.constexpr,
-                         DRY: tl.constexpr, FIXED: tl.constexpr):
-        e = tl.arange(0, BLOCK_E)[:, None]
-        r = tl.arange(0, BLOCK_R)[None, :]
-        inside = (e < E) & (r < R)
-        gpu = tl.load(gpu_ptr + e * R + r, mask=inside, other=-1)
-        valid = gpu >= 0
-        nvalid = tl.sum(valid.to(tl.int32), axis=1)[:, None]
-        # plan_shares: differences of the capped cumulative table
-        hi = tl.load(cum_ptr + e * R + r, mask=inside, other=1.0)
-        lo = tl.load(cum_ptr + e * R + r - 1, mask=inside & (r > 0), other=0.0)
+    def level_cum_shares(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_ptr, cum_ptr, out_ptr,
+                         iscratch_ptr, fscratch_ptr, E, R, N, C, TABLE,
+                         SWEEPS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+                         BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, COPY_BLOCK: tl.constexpr, TABLE_CHUNKS: tl.constexpr,
+                         DAMPING: tl.constexpr, MOMENTUM: tl.constexpr, FIXED: tl.constexpr):
+        # int64 scratch: base [BN] | degree [BN] | most degree per expert [BE] | loads [SWEEPS, BN]
+        #                | level bits per expert [SWEEPS, BE];  float32: floors [SWEEPS, BC] | shares [BC]
+        base_s = iscratch_ptr
+        degree_s = iscratch_ptr + BLOCK_N
+        most_s = iscratch_ptr + 2 * BLOCK_N
+        loads_s = iscratch_ptr + 2 * BLOCK_N + BLOCK_E
+        level_s = loads_s + SWEEPS * BLOCK_N
+        floor_s = fscratch_ptr
+        share_s = fscratch_ptr + SWEEPS * BLOCK_C
+
+        # the plan's table as the output's start: rows without replicas keep it
+        for chunk in tl.static_range(TABLE_CHUNKS):  # TABLE = E·R entries in TABLE_CHUNKS blocks
+            offs = chunk * COPY_BLOCK + tl.arange(0, COPY_BLOCK)
+            tl.store(out_ptr + offs, tl.load(cum_ptr + offs, mask=offs < TABLE), mask=offs < TABLE)
+        nn = tl.arange(0, BLOCK_N)
+        ee = tl.arange(0, BLOCK_E)
+        tl.store(base_s + nn, tl.zeros([BLOCK_N], dtype=tl.int64))
+        tl.store(degree_s + nn, tl.zeros([BLOCK_N], dtype=tl.int64))
+        tl.store(most_s + ee, tl.zeros([BLOCK_E], dtype=tl.int64))
+        for s in tl.static_range(SWEEPS):
+            tl.store(loads_s + s * BLOCK_N + nn, tl.zeros([BLOCK_N], dtype=tl.int64))
+            tl.store(level_s + s * BLOCK_E + ee, tl.full([BLOCK_E], 2**62, dtype=tl.int64))
+
+        c = tl.arange(0, BLOCK_C)
+        expert = tl.load(expert_ptr + c, mask=c < C, other=-1)
+        valid = expert >= 0
+        x = tl.where(valid, expert, 0)
+        gpu = tl.load(gpu_ptr + c, mask=valid, other=0)
+        col = tl.load(col_ptr + c, mask=valid, other=0)
+        hi = tl.load(cum_ptr + x * R + col, mask=valid, other=1.0)
+        lo = tl.load(cum_ptr + x * R + col - 1, mask=valid & (col > 0), other=0.0)
         share = tl.where(valid, (tl.minimum(hi, 1.0) - tl.minimum(lo, 1.0)).to(tl.float32), 0.0)
-        if SWEEPS > 0:
-            w = tl.load(counts_ptr + e, mask=e < E, other=0).to(tl.float32)  # [BLOCK_E, 1]
-            inv_w = 1.0 / tl.maximum(w, 1e-6)
-            bins = tl.where(valid, gpu, N).to(tl.int32)
-            replicated = valid & (nvalid > 1)
-            n = tl.arange(0, BLOCK_N)
-            for row in tl.static_range(SWEEPS + 1):  # row 0: degrees, row s + 1: sweep s's loads
-                tl.store(scratch_ptr + row * BLOCK_N + n, tl.zeros([BLOCK_N], dtype=tl.int64))
+        w = tl.load(counts_ptr + x, mask=valid, other=0).to(tl.float32)
+        inv_w = 1.0 / tl.maximum(w, 1e-6)
+        single = tl.load(single_gpu_ptr + ee, mask=ee < E, other=-1)
+        w_single = tl.load(counts_ptr + ee, mask=(ee < E) & (single >= 0), other=0).to(tl.float32)
+        tl.debug_barrier()
+
+        tl.atomic_add(base_s + single, (w_single * FIXED + 0.5).to(tl.int64), mask=single >= 0)
+        tl.atomic_add(degree_s + gpu, tl.full([BLOCK_C], 1, dtype=tl.int64), mask=valid)
+        tl.debug_barrier()
+        tl.atomic_max(most_s + x, tl.load(degree_s + gpu, mask=valid, other=0, volatile=True), mask=valid)
+        tl.debug_barrier()
+        step = 1.0 / tl.maximum(DAMPING * tl.load(most_s + x, mask=valid, other=0, volatile=True).to(tl.float32), 1.0)
+        base = tl.load(base_s + gpu, mask=valid, other=0, volatile=True).to(tl.float32) * (1.0 / FIXED)
+
+        previous = share
+        for s in tl.static_range(SWEEPS):
+            mine = share * w
+            tl.atomic_add(loads_s + s * BLOCK_N + gpu, (mine * FIXED + 0.5).to(tl.int64), mask=valid)
             tl.debug_barrier()
-            tl.atomic_add(scratch_ptr + bins, replicated.to(tl.int64), mask=replicated)
+            load = base + tl.load(loads_s + s * BLOCK_N + gpu, mask=valid, other=0, volatile=True).to(tl.float32) * (1.0 / FIXED)
+            floor = load - mine
+            tl.store(floor_s + s * BLOCK_C + c, floor)
             tl.debug_barrier()
-            degree = tl.load(scratch_ptr + bins, mask=replicated, other=0, volatile=True).to(tl.float32)
-            step = 1.0 / tl.maximum(DAMPING * tl.max(degree, axis=1), 1.0)[:, None]
-            inv_rank = 1.0 / (r + 1).to(tl.float32)
+            # k_j and Σ floors of the copies of j's expert at or below floor_j, pairwise by tiles
+            wet = tl.zeros([BLOCK_C], dtype=tl.float32)
+            below = tl.zeros([BLOCK_C], dtype=tl.float32)
+            for i0 in tl.static_range(0, BLOCK_C, CHUNK):
+                i = i0 + tl.arange(0, CHUNK)
+                x_i = tl.load(expert_ptr + i, mask=i < C, other=-1)
+                f_i = tl.load(floor_s + s * BLOCK_C + i, volatile=True)
+                low = (x_i[:, None] == expert[None, :]) & (x_i[:, None] >= 0) & (f_i[:, None] <= floor[None, :])
+                wet += tl.sum(low.to(tl.float32), axis=0)
+                below += tl.sum(tl.where(low, f_i[:, None], 0.0), axis=0)
+            level_j = tl.maximum((w + below) / tl.maximum(wet, 1.0), 0.0)
+            tl.atomic_min(level_s + s * BLOCK_E + x, level_j.to(tl.int32, bitcast=True).to(tl.int64), mask=valid)
+            tl.debug_barrier()
+            level = tl.load(level_s + s * BLOCK_E + x, mask=valid, other=0, volatile=True).to(tl.int32).to(tl.float32, bitcast=True)
+            target = tl.maximum(level - floor, 0.0) * inv_w
+            stepped = tl.maximum(share + step * (target - share) + MOMENTUM * (share - previous), 0.0)
             previous = share
-            for s in tl.static_range(SWEEPS):
-                mine = share * w
-                loads = scratch_ptr + (s + 1) * BLOCK_N
-                tl.atomic_add(loads + bins, (mine * FIXED + 0.5).to(tl.int64), mask=valid)
-                tl.debug_barrier()
-                load = tl.load(loads + bins, mask=valid, other=0, volatile=True).to(tl.float32) * (1.0 / FIXED)
-                floor = tl.where(valid, load - mine, DRY)
-                # water_fill: the level is min_k (amount + Σ_{i≤k} floor_(i)) / k over the sorted floors
-                ordered = tl.sort(floor, dim=1)
-                level = tl.min((w + tl.cumsum(ordered, axis=1)) * inv_rank, axis=1)[:, None]
-                target = tl.maximum(level - floor, 0.0) * inv_w
-                stepped = tl.maximum(share + step * (target - share) + MOMENTUM * (share - previous), 0.0)
-                previous = share
-                share = stepped
-            total = tl.sum(share, axis=1)[:, None]
-            even = valid.to(tl.float32) / tl.maximum(nvalid, 1).to(tl.float32)
-            share = tl.where(total > 1e-6, share / tl.maximum(total, 1e-12), even)
-        # cumulative_shares: the last valid copy exactly 1, padding inf
-        cum = tl.cumsum(share.to(tl.float64), axis=1)
-        cum = tl.where(r == nvalid - 1, 1.0, cum)
-        cum = tl.where(valid, cum, float("inf"))
-        tl.store(out_ptr + e * R + r, cum, mask=inside)
+            share = stepped
+
+        # normalise per expert (an expert without tokens: an even split) and cumulate by column
+        tl.store(share_s + c, share)
+        tl.debug_barrier()
+        total = tl.zeros([BLOCK_C], dtype=tl.float32)
+        upto = tl.zeros([BLOCK_C], dtype=tl.float32)
+        copies = tl.zeros([BLOCK_C], dtype=tl.float32)
+        rank = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for i0 in tl.static_range(0, BLOCK_C, CHUNK):
+            i = i0 + tl.arange(0, CHUNK)
+            x_i = tl.load(expert_ptr + i, mask=i < C, other=-1)
+            s_i = tl.load(share_s + i, volatile=True)
+            col_i = tl.load(col_ptr + i, mask=i < C, other=0)
+            same = (x_i[:, None] == expert[None, :]) & (x_i[:, None] >= 0)
+            before = same & (col_i[:, None] <= col[None, :])
+            total += tl.sum(tl.where(same, s_i[:, None], 0.0), axis=0)
+            upto += tl.sum(tl.where(before, s_i[:, None], 0.0), axis=0)
+            copies += tl.sum(same.to(tl.float32), axis=0)
+            rank += tl.sum(before.to(tl.float32), axis=0)
+        cum = tl.where(total > 1e-6, upto.to(tl.float64) / tl.maximum(total, 1e-12).to(tl.float64),
+                       rank.to(tl.float64) / tl.maximum(copies, 1.0).to(tl.float64))
+        cum = tl.where(rank == copies, 1.0, cum)  # the last copy exactly 1: a draw never passes it
+        tl.store(out_ptr + x * R + col, cum, mask=valid)
 
     return level_cum_shares
 
 
-def fused_cum_shares(counts: torch.Tensor, gpu: torch.Tensor, plan_cum_share: torch.Tensor, num_gpus: int,
-                     sweeps: int, num_warps: int = 16) -> torch.Tensor:
+def fused_cum_shares(counts: torch.Tensor, copies: ReplicaCopies, plan_cum_share: torch.Tensor, num_gpus: int,
+                     sweeps: int, num_warps: int = 4) -> torch.Tensor:
     """``cumulative_shares(level_shares(counts, gpu, N, sweeps, start=plan_shares(plan_cum_share)), gpu)``
     in one kernel launch (no host sync; capturable in a CUDA graph).
 
     Args:
         counts: [E] tokens (pairs) routed to each expert (integer or float).
-        gpu: [E, R] int64 GPU of each copy, −1 padding (valid copies first in each row).
+        copies: the layer's :class:`ReplicaCopies` (the dense table's replicated rows, listed).
         plan_cum_share: [E, R] float64 the plan's cumulative shares (padding inf).
         num_gpus: N. sweeps: Jacobi sweeps (0: the plan's shares).
-        num_warps: threads of the block / 32 (16 measured fastest at DeepSeek-V3 shape on H200).
+        num_warps: threads of the block / 32.
     Tensors on a CUDA device (CPU tensors only under Triton's interpreter, ``TRITON_INTERPRET=1``).
     Returns [E, R] float64 cumulative shares, as ``choose_replicas`` draws from.
     """
-    if not fits(gpu):
-        raise ValueError(f"fused dispatch needs a table [E, R] with R ≥ 2 and E·R ≤ {MAX_TABLE_ELEMENTS} "
-                         f"(powers of two); got {tuple(gpu.shape)}")
-    from vexpert_runtime.model.dispatch import _DAMPING, _DRY, _MOMENTUM  # (dispatch imports this module)
+    from vexpert_runtime.model.dispatch import _DAMPING, _MOMENTUM  # (dispatch imports this module)
 
-    num_experts, width = gpu.shape
-    block_n = _pow2(num_gpus + 1)
-    gpu_c, cum_c, counts_c = gpu.contiguous(), plan_cum_share.to(torch.float64).contiguous(), counts.contiguous()
-    out = torch.empty(num_experts, width, dtype=torch.float64, device=gpu.device)
-    scratch = torch.empty((sweeps + 1) * block_n, dtype=torch.int64, device=gpu.device)
-    _kernel()[(1,)](counts_c, gpu_c, cum_c, out, scratch, num_experts, width, num_gpus,
-                    SWEEPS=sweeps, BLOCK_E=_pow2(num_experts), BLOCK_R=_pow2(width), BLOCK_N=block_n,
-                    DAMPING=_DAMPING, MOMENTUM=_MOMENTUM, DRY=_DRY, FIXED=float(2**24), num_warps=num_warps)
+    num_experts, width = plan_cum_share.shape
+    listed = copies.expert.shape[0]
+    if listed > MAX_COPIES:
+        raise ValueError(f"fused dispatch takes up to {MAX_COPIES} listed copies, got {listed}")
+    block_n, block_e, block_c = _pow2(num_gpus + 1), _pow2(num_experts), max(_CHUNK, _pow2(listed))
+    device = plan_cum_share.device
+    out = torch.empty(num_experts, width, dtype=torch.float64, device=device)
+    iscratch = torch.empty(2 * block_n + block_e + sweeps * (block_n + block_e), dtype=torch.int64, device=device)
+    fscratch = torch.empty((sweeps + 1) * block_c, dtype=torch.float32, device=device)
+    _kernel()[(1,)](counts.contiguous(), copies.single_gpu, copies.expert, copies.gpu, copies.col,
+                    plan_cum_share.to(torch.float64).contiguous(), out, iscratch, fscratch,
+                    num_experts, width, num_gpus, listed, num_experts * width,
+                    SWEEPS=sweeps, BLOCK_E=block_e, BLOCK_C=block_c, BLOCK_N=block_n, CHUNK=_CHUNK,
+                    COPY_BLOCK=1024, TABLE_CHUNKS=-(-num_experts * width // 1024), DAMPING=_DAMPING, MOMENTUM=_MOMENTUM, FIXED=_FIXED, num_warps=num_warps)
     return out

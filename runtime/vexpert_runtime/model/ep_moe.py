@@ -35,7 +35,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from vexpert_runtime.model.dispatch import DispatchMode, dispatch_cum_share
+from vexpert_runtime.model.dispatch import (
+    DispatchMode,
+    ReplicaCopies,
+    copies_capacity,
+    dispatch_cum_share,
+    list_replica_copies,
+)
 from vexpert_runtime.model.expert_format import ExpertFormat
 from vexpert_runtime.model.grouped_moe import (
     GROUP_ALIGN,
@@ -97,6 +103,10 @@ class RoutingTable:
     @property
     def experts_per_gpu(self) -> int:
         return self.num_experts // self.num_gpus
+
+    def copies(self, layer: int) -> ReplicaCopies:
+        """The layer's replicated experts' copies, listed (views: a later :meth:`load` shows through)."""
+        return ReplicaCopies(self.copy_expert[layer], self.copy_gpu[layer], self.copy_col[layer], self.single_gpu[layer])
 
 
 def table_from_plan(plan: Plan, plan_id: int) -> RoutingTable:
@@ -196,6 +206,9 @@ class DeviceRoutingTable:
 
     Attributes:
         gpu, local: [L, E, R] int64; cum_share: [L, E, R] float64 (see :class:`RoutingTable`).
+        copy_expert, copy_gpu, copy_col: [L, C] int32, single_gpu: [L, E] int32 — the replicated
+            experts' copies listed per layer, C = :func:`copies_capacity` (see :class:`ReplicaCopies`:
+            what the per-iteration dispatch's fused kernel sweeps over).
         num_gpus, slots: N and S the table was made for (shapes, fixed).
         plan_id: id of the table loaded last (host side; −1 before the first load).
     """
@@ -203,6 +216,10 @@ class DeviceRoutingTable:
     gpu: torch.Tensor
     local: torch.Tensor
     cum_share: torch.Tensor
+    copy_expert: torch.Tensor
+    copy_gpu: torch.Tensor
+    copy_col: torch.Tensor
+    single_gpu: torch.Tensor
     num_gpus: int
     slots: int
     plan_id: int = -1
@@ -212,10 +229,15 @@ class DeviceRoutingTable:
                  device: torch.device | str, replicas: int | None = None) -> DeviceRoutingTable:
         width = max_replicas(num_gpus, slots) if replicas is None else replicas
         shape = (num_layers, num_experts, width)
+        listed = (num_layers, copies_capacity(num_gpus, slots))
         return cls(
             gpu=torch.full(shape, -1, dtype=torch.int64, device=device),
             local=torch.full(shape, -1, dtype=torch.int64, device=device),
             cum_share=torch.full(shape, float("inf"), dtype=torch.float64, device=device),
+            copy_expert=torch.full(listed, -1, dtype=torch.int32, device=device),
+            copy_gpu=torch.full(listed, -1, dtype=torch.int32, device=device),
+            copy_col=torch.full(listed, -1, dtype=torch.int32, device=device),
+            single_gpu=torch.full((num_layers, num_experts), -1, dtype=torch.int32, device=device),
             num_gpus=num_gpus,
             slots=slots,
         )
@@ -243,6 +265,10 @@ class DeviceRoutingTable:
     def experts_per_gpu(self) -> int:
         return self.num_experts // self.num_gpus
 
+    def copies(self, layer: int) -> ReplicaCopies:
+        """The layer's replicated experts' copies, listed (views: a later :meth:`load` shows through)."""
+        return ReplicaCopies(self.copy_expert[layer], self.copy_gpu[layer], self.copy_col[layer], self.single_gpu[layer])
+
     def load(self, table: RoutingTable) -> None:
         """Overwrite these tensors with ``table`` (a plan switch: data only, no new shapes).
 
@@ -258,9 +284,12 @@ class DeviceRoutingTable:
         if width > self.replicas:
             raise ValueError(f"table has {width} copies of an expert, the device table room for {self.replicas}")
         pad = ((0, 0), (0, 0), (0, self.replicas - width))
-        for target, value, fill in ((self.gpu, table.gpu, -1), (self.local, table.local, -1),
-                                    (self.cum_share, table.cum_share, np.inf)):
-            host = torch.from_numpy(np.pad(value, pad, constant_values=fill)).to(target.dtype)
+        listed = list_replica_copies(table.gpu, self.copy_expert.shape[1])  # raises before any copy
+        for target, value in ((self.gpu, np.pad(table.gpu, pad, constant_values=-1)),
+                              (self.local, np.pad(table.local, pad, constant_values=-1)),
+                              (self.cum_share, np.pad(table.cum_share, pad, constant_values=np.inf)),
+                              *zip((self.copy_expert, self.copy_gpu, self.copy_col, self.single_gpu), listed, strict=True)):
+            host = torch.from_numpy(value).to(target.dtype)
             if target.is_cuda:  # pinned, so the copy is queued without waiting for the stream
                 host = host.pin_memory()
             target.copy_(host, non_blocking=target.is_cuda)
@@ -479,7 +508,7 @@ def ep_moe_layer(
     block = pairs if capacity is None else capacity
     device = x.device
     cum_share = dispatch_cum_share(dispatch, ids, table.gpu[layer], table.cum_share[layer], table.num_gpus,
-                                   group)
+                                   group, copies=table.copies(layer))
     dest_gpu, dest_local = choose_replicas(ids, table.gpu[layer], table.local[layer], cum_share, rank, world)
     row_of_pair = send_rows(dest_gpu.reshape(-1), world, block)  # [P] in [0, N·C]
     token_of_pair = torch.arange(pairs, device=device) // top_k
