@@ -12,7 +12,7 @@ Triton kernel of ``dispatch_kernel`` after the counts; ``plan`` reads the table:
 its all-to-all). ``global`` here runs over no group: on one GPU its all-reduce is free, so the
 number is the share computation only; run under ``torchrun --nproc-per-node 2`` (or more) and the
 [E] int32 NCCL all-reduce is timed as well (``allreduce_us``, in a CUDA graph like the layer).
-Then the torch twin of the kernel (what runs without Triton) and the kernel at 1–8 warps, each
+Then the torch twin of the kernel (what runs without Triton) and the kernel at 4–16 warps, each
 with its largest difference from the twin. Also reported: whether each mode runs with torch's sync debug mode at "error" (no host sync), the
 kernels one call launches (torch profiler), and the shares' balance on the batch as if it were the
 whole group's (the local/global difference needs many ranks: see ``vexpert demo --dispatch``).
@@ -205,7 +205,7 @@ def main() -> None:
                                                   plan_shares(cum)), gpu)
 
         variants: list[tuple[str, Callable[[], Any]]] = [("local-torch-twin", twin)]
-        for warps in (1, 2, 4, 8):
+        for warps in (4, 8, 16):
             def fused(warps: int = warps) -> torch.Tensor:
                 return dispatch_kernel.fused_cum_shares(layer_counts(ids, args.experts), copies, cum, args.gpus,
                                                         args.sweeps, num_warps=warps)

@@ -14,8 +14,8 @@ plan on the host):
   expert's water level min_k (count + Σ_{i≤k} floor_(i)) / k computed without sorting: for copy j,
   k_j = #{copies i of its expert with floor_i ≤ floor_j} and the sum of those floors, pairwise over
   the list in chunks (ties give the level at the end of their run, the same minimum);
-* the shares normalised and cumulated per expert (pairwise again), written into a copy of the
-  plan's table, whose rows without replicas stay as they are.
+* the shares normalised and cumulated per expert (pairwise again) and written over the plan's
+  rows without replicas ([1, inf, …]: one copy takes everything).
 
 Loads add up in fixed point (int64, 2⁻²⁴ of a token) and per-expert minima of non-negative floats
 as integers: integer atomics are associative, so a graph replay computes bit for bit what an eager
@@ -87,10 +87,10 @@ def _kernel():  # type: ignore[no-untyped-def]
         floor_s = fscratch_ptr
         share_s = fscratch_ptr + SWEEPS * BLOCK_C
 
-        # the plan's table as the output's start: rows without replicas keep it
+        # rows without replicas: the plan's [1, inf, inf, …] (written, not copied: stores do not wait)
         for chunk in tl.static_range(TABLE_CHUNKS):  # TABLE = E·R entries in TABLE_CHUNKS blocks
             offs = chunk * COPY_BLOCK + tl.arange(0, COPY_BLOCK)
-            tl.store(out_ptr + offs, tl.load(cum_ptr + offs, mask=offs < TABLE), mask=offs < TABLE)
+            tl.store(out_ptr + offs, tl.where(offs % R == 0, 1.0, float("inf")).to(tl.float64), mask=offs < TABLE)
         nn = tl.arange(0, BLOCK_N)
         ee = tl.arange(0, BLOCK_E)
         tl.store(base_s + nn, tl.zeros([BLOCK_N], dtype=tl.int64))
@@ -138,7 +138,7 @@ def _kernel():  # type: ignore[no-untyped-def]
             for i0 in tl.static_range(0, BLOCK_C, CHUNK):
                 i = i0 + tl.arange(0, CHUNK)
                 x_i = tl.load(expert_ptr + i, mask=i < C, other=-1)
-                f_i = tl.load(floor_s + s * BLOCK_C + i, volatile=True)
+                f_i = tl.load(floor_s + s * BLOCK_C + i)  # this block's own stores: no volatile, loads pipeline
                 low = (x_i[:, None] == expert[None, :]) & (x_i[:, None] >= 0) & (f_i[:, None] <= floor[None, :])
                 wet += tl.sum(low.to(tl.float32), axis=0)
                 below += tl.sum(tl.where(low, f_i[:, None], 0.0), axis=0)
@@ -161,7 +161,7 @@ def _kernel():  # type: ignore[no-untyped-def]
         for i0 in tl.static_range(0, BLOCK_C, CHUNK):
             i = i0 + tl.arange(0, CHUNK)
             x_i = tl.load(expert_ptr + i, mask=i < C, other=-1)
-            s_i = tl.load(share_s + i, volatile=True)
+            s_i = tl.load(share_s + i)
             col_i = tl.load(col_ptr + i, mask=i < C, other=0)
             same = (x_i[:, None] == expert[None, :]) & (x_i[:, None] >= 0)
             before = same & (col_i[:, None] <= col[None, :])
@@ -178,7 +178,7 @@ def _kernel():  # type: ignore[no-untyped-def]
 
 
 def fused_cum_shares(counts: torch.Tensor, copies: ReplicaCopies, plan_cum_share: torch.Tensor, num_gpus: int,
-                     sweeps: int, num_warps: int = 4) -> torch.Tensor:
+                     sweeps: int, num_warps: int = 8) -> torch.Tensor:
     """``cumulative_shares(level_shares(counts, gpu, N, sweeps, start=plan_shares(plan_cum_share)), gpu)``
     in one kernel launch (no host sync; capturable in a CUDA graph).
 
