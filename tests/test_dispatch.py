@@ -321,9 +321,9 @@ def _assert_fused_equals_twin(counts: torch.Tensor, table: Any, cum: torch.Tenso
 
     gpu, copies = table.gpu[0], table.copies(0)
     assert int((copies.expert >= 0).sum()) > 2  # replicated experts to split
-    for sweeps in (0, 1, 4):
+    for sweeps, chunk in ((0, None), (1, None), (4, None), (4, 32)):  # chunk 32: tiles through shared memory
         twin = cumulative_shares(level_shares(counts, gpu, world, sweeps, start=plan_shares(cum)), gpu)
-        fused = fused_cum_shares(counts, copies, cum, world, sweeps)
+        fused = fused_cum_shares(counts, copies, cum, world, sweeps, chunk=chunk)
         assert fused.dtype == torch.float64 and fused.shape == gpu.shape
         assert torch.equal(torch.isfinite(fused), gpu >= 0)  # padding inf, as the draw needs
         finite = gpu >= 0
@@ -351,31 +351,34 @@ def test_fused_kernel_equals_its_torch_twin_in_the_interpreter() -> None:
 
 def test_replica_copies_list_the_replicated_rows() -> None:
     gpu = np.array([[[0, 1, -1], [1, -1, -1], [2, 0, 1], [2, -1, -1]]])
-    expert, copy_gpu, col, single = list_replica_copies(gpu, 8)
+    expert, copy_gpu, col, step, single = list_replica_copies(gpu, 8)
     assert expert[0].tolist() == [0, 0, 2, 2, 2, -1, -1, -1]
     assert copy_gpu[0, :5].tolist() == [0, 1, 2, 0, 1] and col[0, :5].tolist() == [0, 1, 0, 1, 2]
+    # GPUs 0 and 1 hold copies of both replicated experts: step 1 / (0.4 · 2) → 1 (at most a full step)
+    assert step[0, :5].tolist() == [1.0] * 5 and step[0, 5:].tolist() == [0.0] * 3
     assert single[0].tolist() == [-1, 1, -1, 2]
     with pytest.raises(ValueError, match="room for 4"):
         list_replica_copies(gpu, 4)
 
 
 def test_fused_kernel_refuses_lists_past_its_block() -> None:
-    from vexpert_runtime.model.dispatch import ReplicaCopies
-    from vexpert_runtime.model.dispatch_kernel import MAX_COPIES, fused_cum_shares
+    pytest.importorskip("triton")
+    from vexpert_runtime.model.dispatch import MAX_FUSED_COPIES, ReplicaCopies
+    from vexpert_runtime.model.dispatch_kernel import fused_cum_shares
 
-    long = torch.zeros(MAX_COPIES + 1, dtype=torch.int32)
+    long = torch.zeros(MAX_FUSED_COPIES + 1, dtype=torch.int32)
     with pytest.raises(ValueError, match="listed copies"):
-        fused_cum_shares(torch.zeros(4), ReplicaCopies(long, long, long, torch.zeros(4, dtype=torch.int32)),
+        fused_cum_shares(torch.zeros(4), ReplicaCopies(long, long, long, long.float(), torch.zeros(4, dtype=torch.int32)),
                          torch.zeros(4, 2, dtype=torch.float64), 2, 4)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_fused_kernel_equals_its_torch_twin_on_the_gpu() -> None:
-    from vexpert_runtime.model.dispatch_kernel import supports
+    from vexpert_runtime.model.dispatch import fused_dispatch_runs
 
     counts, table, cum = _deepseek_table("cuda")
-    assert supports(table.copies(0))  # the product path on a GPU at DeepSeek-V3 shape is the kernel
+    assert fused_dispatch_runs(table.copies(0))  # the product path on a GPU at DeepSeek-V3 shape is the kernel
     _assert_fused_equals_twin(counts, table, cum, 64)
     for counts, table, cum, world in _small_tables("cuda"):
         _assert_fused_equals_twin(counts, table, cum, world)

@@ -33,6 +33,9 @@ Shapes: ``E`` experts, ``R`` copy slots per expert in the table (copy 0 resident
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,7 +43,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from vexpert_runtime.model import dispatch_kernel
 from vexpert_runtime.model.grouped_moe import group_counts
 
 DispatchMode = Literal["plan", "local", "global"]
@@ -193,6 +195,8 @@ class ReplicaCopies:
     Attributes:
         expert, gpu, col: [C] int32 — the logical expert, GPU and table column of each copy of a
             replicated expert (an expert's copies adjacent, in column order), −1 padding.
+        step: [C] float32 — the damped Jacobi step of each copy's expert (it depends on the
+            placement only: see :func:`level_shares`).
         single_gpu: [E] int32 — the GPU of each expert with one copy (its whole load lands there),
             −1 for replicated experts.
     """
@@ -200,6 +204,7 @@ class ReplicaCopies:
     expert: torch.Tensor
     gpu: torch.Tensor
     col: torch.Tensor
+    step: torch.Tensor
     single_gpu: torch.Tensor
 
 
@@ -209,11 +214,12 @@ def copies_capacity(num_gpus: int, slots: int) -> int:
     return max(2, 2 * num_gpus * slots)
 
 
-def list_replica_copies(gpu: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def list_replica_copies(gpu: np.ndarray, capacity: int
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The :class:`ReplicaCopies` of every layer of a table (host side, at plan load).
 
     Args: gpu [L, E, R] int64 (−1 padding, valid copies first); capacity C.
-    Returns expert, gpu, col [L, C] int32 (−1 padding) and single_gpu [L, E] int32.
+    Returns expert, gpu, col [L, C] int32 (−1 padding), step [L, C] float32, single_gpu [L, E] int32.
     Raises ValueError if a layer has more than C copies of replicated experts.
     """
     valid = gpu >= 0
@@ -221,15 +227,41 @@ def list_replica_copies(gpu: np.ndarray, capacity: int) -> tuple[np.ndarray, np.
     layers = gpu.shape[0]
     expert = np.full((layers, capacity), -1, dtype=np.int32)
     copy_gpu, col = expert.copy(), expert.copy()
+    step = np.zeros((layers, capacity), dtype=np.float32)
     for layer in range(layers):
         rows, cols = np.nonzero(replicated[layer])  # row-major: an expert's copies adjacent
         if rows.size > capacity:
             raise ValueError(f"layer {layer} has {rows.size} copies of replicated experts, room for {capacity}")
+        gpus = gpu[layer, rows, cols]
         expert[layer, : rows.size] = rows
-        copy_gpu[layer, : rows.size] = gpu[layer, rows, cols]
+        copy_gpu[layer, : rows.size] = gpus
         col[layer, : rows.size] = cols
+        # level_shares' damping: 1 / (damping · most replicated experts on any GPU of the expert)
+        degree = np.bincount(gpus, minlength=1)
+        most = np.zeros(gpu.shape[1])
+        np.maximum.at(most, rows, degree[gpus])
+        step[layer, : rows.size] = 1.0 / np.maximum(_DAMPING * most[rows], 1.0)
     single_gpu = np.where(replicated.any(-1), -1, gpu[..., 0]).astype(np.int32)
-    return expert, copy_gpu, col, single_gpu
+    return expert, copy_gpu, col, step, single_gpu
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether the fused kernel (:mod:`dispatch_kernel`) can run: Triton importable (CUDA builds of
+    torch ship it) and not switched off with ``VEXPERT_DISPATCH_KERNEL=torch`` (debugging)."""
+    if os.environ.get("VEXPERT_DISPATCH_KERNEL", "triton") == "torch":
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
+# Beyond this many listed copies (pairwise work C² per sweep, one thread block) the torch code runs.
+MAX_FUSED_COPIES = 1024
+
+
+def fused_dispatch_runs(copies: ReplicaCopies) -> bool:
+    """Whether the dispatch runs through the fused kernel: the list on a CUDA device with Triton,
+    at most :data:`MAX_FUSED_COPIES` long (else the torch code here, the kernel's twin, runs)."""
+    return copies.expert.is_cuda and copies.expert.shape[0] <= MAX_FUSED_COPIES and triton_available()
 
 
 def dispatch_cum_share(mode: DispatchMode, ids: torch.Tensor, gpu: torch.Tensor, plan_cum_share: torch.Tensor,
@@ -252,8 +284,10 @@ def dispatch_cum_share(mode: DispatchMode, ids: torch.Tensor, gpu: torch.Tensor,
     counts = layer_counts(ids, gpu.shape[0])
     if mode == "global":
         counts = all_reduce_counts(counts, group)
-    if copies is not None and dispatch_kernel.supports(copies):  # one launch instead of ~140
-        return dispatch_kernel.fused_cum_shares(counts, copies, plan_cum_share, num_gpus, sweeps)
+    if copies is not None and fused_dispatch_runs(copies):  # one launch instead of ~140
+        from vexpert_runtime.model.dispatch_kernel import fused_cum_shares
+
+        return fused_cum_shares(counts, copies, plan_cum_share, num_gpus, sweeps)
     # From the plan's shares: they were levelled for counts like these, so few sweeps remain.
     return cumulative_shares(level_shares(counts, gpu, num_gpus, sweeps, start=plan_shares(plan_cum_share)), gpu)
 

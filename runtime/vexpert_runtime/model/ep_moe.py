@@ -104,10 +104,6 @@ class RoutingTable:
     def experts_per_gpu(self) -> int:
         return self.num_experts // self.num_gpus
 
-    def copies(self, layer: int) -> ReplicaCopies:
-        """The layer's replicated experts' copies, listed (views: a later :meth:`load` shows through)."""
-        return ReplicaCopies(self.copy_expert[layer], self.copy_gpu[layer], self.copy_col[layer], self.single_gpu[layer])
-
 
 def table_from_plan(plan: Plan, plan_id: int) -> RoutingTable:
     """Translate an allocator :class:`Plan` into the table workers route with."""
@@ -206,7 +202,8 @@ class DeviceRoutingTable:
 
     Attributes:
         gpu, local: [L, E, R] int64; cum_share: [L, E, R] float64 (see :class:`RoutingTable`).
-        copy_expert, copy_gpu, copy_col: [L, C] int32, single_gpu: [L, E] int32 — the replicated
+        copy_expert, copy_gpu, copy_col: [L, C] int32, copy_step: [L, C] float32, single_gpu:
+            [L, E] int32 — the replicated
             experts' copies listed per layer, C = :func:`copies_capacity` (see :class:`ReplicaCopies`:
             what the per-iteration dispatch's fused kernel sweeps over).
         num_gpus, slots: N and S the table was made for (shapes, fixed).
@@ -219,6 +216,7 @@ class DeviceRoutingTable:
     copy_expert: torch.Tensor
     copy_gpu: torch.Tensor
     copy_col: torch.Tensor
+    copy_step: torch.Tensor
     single_gpu: torch.Tensor
     num_gpus: int
     slots: int
@@ -237,6 +235,7 @@ class DeviceRoutingTable:
             copy_expert=torch.full(listed, -1, dtype=torch.int32, device=device),
             copy_gpu=torch.full(listed, -1, dtype=torch.int32, device=device),
             copy_col=torch.full(listed, -1, dtype=torch.int32, device=device),
+            copy_step=torch.zeros(listed, dtype=torch.float32, device=device),
             single_gpu=torch.full((num_layers, num_experts), -1, dtype=torch.int32, device=device),
             num_gpus=num_gpus,
             slots=slots,
@@ -267,7 +266,8 @@ class DeviceRoutingTable:
 
     def copies(self, layer: int) -> ReplicaCopies:
         """The layer's replicated experts' copies, listed (views: a later :meth:`load` shows through)."""
-        return ReplicaCopies(self.copy_expert[layer], self.copy_gpu[layer], self.copy_col[layer], self.single_gpu[layer])
+        return ReplicaCopies(self.copy_expert[layer], self.copy_gpu[layer], self.copy_col[layer],
+                             self.copy_step[layer], self.single_gpu[layer])
 
     def load(self, table: RoutingTable) -> None:
         """Overwrite these tensors with ``table`` (a plan switch: data only, no new shapes).
@@ -288,7 +288,8 @@ class DeviceRoutingTable:
         for target, value in ((self.gpu, np.pad(table.gpu, pad, constant_values=-1)),
                               (self.local, np.pad(table.local, pad, constant_values=-1)),
                               (self.cum_share, np.pad(table.cum_share, pad, constant_values=np.inf)),
-                              *zip((self.copy_expert, self.copy_gpu, self.copy_col, self.single_gpu), listed, strict=True)):
+                              *zip((self.copy_expert, self.copy_gpu, self.copy_col, self.copy_step, self.single_gpu), listed,
+                                  strict=True)):
             host = torch.from_numpy(value).to(target.dtype)
             if target.is_cuda:  # pinned, so the copy is queued without waiting for the stream
                 host = host.pin_memory()
