@@ -12,7 +12,7 @@ Triton kernel of ``dispatch_kernel`` after the counts; ``plan`` reads the table:
 its all-to-all). ``global`` here runs over no group: on one GPU its all-reduce is free, so the
 number is the share computation only; run under ``torchrun --nproc-per-node 2`` (or more) and the
 [E] int32 NCCL all-reduce is timed as well (``allreduce_us``, in a CUDA graph like the layer).
-Then the torch twin of the kernel (what runs without Triton) and the kernel with [C, C] or [32, C] tiles at 4–16 warps, each
+Then the torch twin of the kernel (what runs without Triton) and the kernel at 4–16 warps, each
 with its largest difference from the twin. Also reported: whether each mode runs with torch's sync debug mode at "error" (no host sync), the
 kernels one call launches (torch profiler), and the shares' balance on the batch as if it were the
 whole group's (the local/global difference needs many ranks: see ``vexpert demo --dispatch``).
@@ -195,7 +195,7 @@ def main() -> None:
         rows.append(row)
     if dev.type == "cuda" and fused_dispatch_runs(copies):
         # The product path above runs the fused kernel (dispatch_kernel); here its torch twin (the
-        # same arithmetic in ~140 kernels) and the kernel's tile and block sizes, for the record.
+        # same arithmetic in ~140 kernels) and the kernel's block size, for the record.
         from vexpert_runtime.model.dispatch_kernel import fused_cum_shares
 
         counts = layer_counts(ids, args.experts)
@@ -207,13 +207,12 @@ def main() -> None:
                                                   plan_shares(cum)), gpu)
 
         variants: list[tuple[str, Callable[[], Any]]] = [("local-torch-twin", twin)]
-        for chunk in (None, 32):
-            for warps in (4, 8, 16):
-                def fused(warps: int = warps, chunk: int | None = chunk) -> torch.Tensor:
-                    return fused_cum_shares(layer_counts(ids, args.experts), copies, cum, args.gpus,
-                                            args.sweeps, num_warps=warps, chunk=chunk)
+        for warps in (4, 8, 16):
+            def fused(warps: int = warps) -> torch.Tensor:
+                return fused_cum_shares(layer_counts(ids, args.experts), copies, cum, args.gpus, args.sweeps,
+                                        num_warps=warps)
 
-                variants.append((f"local-fused-{'full' if chunk is None else f'chunk{chunk}'}-warps{warps}", fused))
+            variants.append((f"local-fused-warps{warps}", fused))
         for name, fn in variants:
             out = fn()
             row = {"mode": name, "shares_eager_us": round(timed(fn, reps, dev), 2),
