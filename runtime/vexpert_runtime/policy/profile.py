@@ -62,8 +62,10 @@ class HardwareParameters(BaseModel):
     allreduce_bandwidth_gb_per_s: float = Field(
         40.0, gt=0, le=10_000, description="All-reduce bus bandwidth over the EP group for larger payloads, GB/s"
     )
+    # Measured on an H200 (benchmarks/README.md, "Cost per layer"): the fused kernel at DeepSeek-V3
+    # shape (EP64, 2 slots/GPU) adds 61-65 µs per layer to the replica choice in a CUDA graph.
     dispatch_time_per_layer_s: float = Field(
-        30e-6, ge=0, le=10, description="Per-iteration replica dispatch (shares from the batch's counts) per layer, s"
+        65e-6, ge=0, le=10, description="Per-iteration replica dispatch (shares from the batch's counts) per layer, s"
     )
     hbm_gb: float = Field(
         80.0, ge=0, le=100_000, description="HBM per GPU, GB (1e9 B); 0 = do not model the KV cache"
