@@ -12,7 +12,8 @@ Triton kernel of ``dispatch_kernel`` after the counts; ``plan`` reads the table:
 its all-to-all). ``global`` here runs over no group: on one GPU its all-reduce is free, so the
 number is the share computation only; run under ``torchrun --nproc-per-node 2`` (or more) and the
 [E] int32 NCCL all-reduce is timed as well (``allreduce_us``, in a CUDA graph like the layer).
-Then the torch twin of the kernel (what runs without Triton) and the kernel at 4–16 warps, each
+Then the torch twin of the kernel (what runs without Triton) and the kernel's two variants (``tiles``,
+the default, and ``band``) at 4–16 warps, each
 with its largest difference from the twin. Also reported: whether each mode runs with torch's sync debug mode at "error" (no host sync), the
 kernels one call launches (torch profiler), and the shares' balance on the batch as if it were the
 whole group's (the local/global difference needs many ranks: see ``vexpert demo --dispatch``).
@@ -207,12 +208,13 @@ def main() -> None:
                                                   plan_shares(cum)), gpu)
 
         variants: list[tuple[str, Callable[[], Any]]] = [("local-torch-twin", twin)]
-        for warps in (4, 8, 16):
-            def fused(warps: int = warps) -> torch.Tensor:
-                return fused_cum_shares(layer_counts(ids, args.experts), copies, cum, args.gpus, args.sweeps,
-                                        num_warps=warps)
+        for variant in ("tiles", "band"):
+            for warps in (4, 8, 16):
+                def fused(warps: int = warps, variant: str = variant) -> torch.Tensor:
+                    return fused_cum_shares(layer_counts(ids, args.experts), copies, cum, args.gpus, args.sweeps,
+                                            num_warps=warps, variant=variant)
 
-            variants.append((f"local-fused-warps{warps}", fused))
+                variants.append((f"local-fused-{variant}-warps{warps}", fused))
         for name, fn in variants:
             out = fn()
             row = {"mode": name, "shares_eager_us": round(timed(fn, reps, dev), 2),

@@ -321,14 +321,14 @@ def _assert_fused_equals_twin(counts: torch.Tensor, table: Any, cum: torch.Tenso
 
     gpu, copies = table.gpu[0], table.copies(0)
     assert int((copies.expert >= 0).sum()) > 2  # replicated experts to split
-    for sweeps in (0, 1, 4):
+    for sweeps, variant in ((0, "tiles"), (1, "tiles"), (4, "tiles"), (0, "band"), (4, "band")):
         twin = cumulative_shares(level_shares(counts, gpu, world, sweeps, start=plan_shares(cum)), gpu)
-        fused = fused_cum_shares(counts, copies, cum, world, sweeps)
+        fused = fused_cum_shares(counts, copies, cum, world, sweeps, variant=variant)
         assert fused.dtype == torch.float64 and fused.shape == gpu.shape
         assert torch.equal(torch.isfinite(fused), gpu >= 0)  # padding inf, as the draw needs
         finite = gpu >= 0
         # float32 rounding (the kernel adds loads in fixed point, the twin in float)
-        assert torch.allclose(fused[finite], twin[finite], atol=2e-6), (sweeps, (fused - twin)[finite].abs().max())
+        assert torch.allclose(fused[finite], twin[finite], atol=2e-6), (sweeps, variant, (fused - twin)[finite].abs().max())
 
 
 def check_fused_kernel_on_cpu() -> None:

@@ -140,8 +140,90 @@ def level_cum_shares(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_ptr, s
     tl.store(out_ptr + x * R + col, cum, mask=valid)
 
 
+@triton.jit
+def level_cum_shares_band(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_ptr, step_ptr, cum_ptr, out_ptr,
+                          iscratch_ptr, fscratch_ptr, E, R, C, TABLE, SWEEPS: tl.constexpr, BLOCK_E: tl.constexpr,
+                          BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
+                          COPY_BLOCK: tl.constexpr, TABLE_CHUNKS: tl.constexpr, MOMENTUM: tl.constexpr,
+                          FIXED: tl.constexpr):
+    """The same arithmetic as :func:`level_cum_shares`, the per-expert comparisons over a band:
+    an expert's copies are adjacent in the list, in column order, so copy j's siblings are the list
+    entries j − col_j … j − col_j + R − 1 with the same expert — one [C, R] tile per pass, loaded at
+    once, instead of C / 32 dependent [32, C] tiles; the level's minimum over the band too (no
+    atomics)."""
+    # int64 scratch: loads per GPU [SWEEPS, BN]; float32: floors, levels [SWEEPS, BC] each | shares [BC]
+    loads_s = iscratch_ptr
+    floor_s = fscratch_ptr
+    level_s = fscratch_ptr + SWEEPS * BLOCK_C
+    share_s = fscratch_ptr + 2 * SWEEPS * BLOCK_C
+
+    for chunk in tl.static_range(TABLE_CHUNKS):
+        offs = chunk * COPY_BLOCK + tl.arange(0, COPY_BLOCK)
+        tl.store(out_ptr + offs, tl.where(offs % R == 0, 1.0, float("inf")).to(tl.float64), mask=offs < TABLE)
+    nn = tl.arange(0, BLOCK_N)
+    ee = tl.arange(0, BLOCK_E)
+    for s in tl.static_range(SWEEPS):
+        tl.store(loads_s + s * BLOCK_N + nn, tl.zeros([BLOCK_N], dtype=tl.int64))
+
+    c = tl.arange(0, BLOCK_C)
+    expert = tl.load(expert_ptr + c, mask=c < C, other=-1)
+    valid = expert >= 0
+    x = tl.where(valid, expert, 0)
+    gpu = tl.load(gpu_ptr + c, mask=valid, other=0)
+    col = tl.load(col_ptr + c, mask=valid, other=0)
+    step = tl.load(step_ptr + c, mask=valid, other=0.0)
+    hi = tl.load(cum_ptr + x * R + col, mask=valid, other=1.0)
+    lo = tl.load(cum_ptr + x * R + col - 1, mask=valid & (col > 0), other=0.0)
+    share = tl.where(valid, (tl.minimum(hi, 1.0) - tl.minimum(lo, 1.0)).to(tl.float32), 0.0)
+    w = tl.load(counts_ptr + x, mask=valid, other=0).to(tl.float32)
+    inv_w = 1.0 / tl.maximum(w, 1e-6)
+    single = tl.load(single_gpu_ptr + ee, mask=ee < E, other=-1)
+    w_single = (tl.load(counts_ptr + ee, mask=(ee < E) & (single >= 0), other=0).to(tl.float32) * FIXED + 0.5).to(tl.int64)
+    # the band: list entries of j's expert, [C, BAND]
+    k = tl.arange(0, BAND)[None, :]
+    sibling = (c - col)[:, None] + k
+    inband = (sibling < C) & valid[:, None]
+    inband = inband & (tl.load(expert_ptr + sibling, mask=inband, other=-1) == expert[:, None])
+    tl.debug_barrier()
+
+    previous = share
+    for s in tl.static_range(SWEEPS):
+        mine = share * w
+        tl.atomic_add(loads_s + s * BLOCK_N + single, w_single, mask=single >= 0)
+        tl.atomic_add(loads_s + s * BLOCK_N + gpu, (mine * FIXED + 0.5).to(tl.int64), mask=valid)
+        tl.debug_barrier()
+        load = tl.load(loads_s + s * BLOCK_N + gpu, mask=valid, other=0, volatile=True).to(tl.float32) * (1.0 / FIXED)
+        floor = load - mine
+        tl.store(floor_s + s * BLOCK_C + c, floor)
+        tl.debug_barrier()
+        f_k = tl.load(floor_s + s * BLOCK_C + sibling, mask=inband, other=0.0)
+        low = inband & (f_k <= floor[:, None])
+        wet = tl.sum(low.to(tl.float32), axis=1)
+        below = tl.sum(tl.where(low, f_k, 0.0), axis=1)
+        tl.store(level_s + s * BLOCK_C + c, (w + below) / tl.maximum(wet, 1.0))
+        tl.debug_barrier()
+        level = tl.min(tl.load(level_s + s * BLOCK_C + sibling, mask=inband, other=float("inf")), axis=1)
+        level = tl.where(valid, level, 0.0)  # padding rows: no band, keep them finite
+        target = tl.maximum(level - floor, 0.0) * inv_w
+        stepped = tl.maximum(share + step * (target - share) + MOMENTUM * (share - previous), 0.0)
+        previous = share
+        share = stepped
+
+    tl.store(share_s + c, share)
+    tl.debug_barrier()
+    s_k = tl.load(share_s + sibling, mask=inband, other=0.0)
+    total = tl.sum(s_k, axis=1)
+    upto = tl.sum(tl.where(k <= col[:, None], s_k, 0.0), axis=1)  # siblings at or before j: columns ≤ col_j
+    copies = tl.sum(inband.to(tl.float32), axis=1)
+    rank = (col + 1).to(tl.float32)
+    cum = tl.where(total > 1e-6, upto.to(tl.float64) / tl.maximum(total, 1e-12).to(tl.float64),
+                   rank.to(tl.float64) / tl.maximum(copies, 1.0).to(tl.float64))
+    cum = tl.where(rank == copies, 1.0, cum)
+    tl.store(out_ptr + x * R + col, cum, mask=valid)
+
+
 def fused_cum_shares(counts: torch.Tensor, copies: ReplicaCopies, plan_cum_share: torch.Tensor, num_gpus: int,
-                     sweeps: int, num_warps: int = 8) -> torch.Tensor:
+                     sweeps: int, num_warps: int = 8, variant: str = "tiles") -> torch.Tensor:
     """``cumulative_shares(level_shares(counts, gpu, N, sweeps, start=plan_shares(plan_cum_share)), gpu)``
     in one kernel launch (no host sync; capturable in a CUDA graph).
 
@@ -151,6 +233,8 @@ def fused_cum_shares(counts: torch.Tensor, copies: ReplicaCopies, plan_cum_share
         plan_cum_share: [E, R] float64 the plan's cumulative shares (padding inf).
         num_gpus: N. sweeps: Jacobi sweeps (0: the plan's shares, normalised).
         num_warps: threads of the block / 32 (8 measured fastest at DeepSeek-V3 shape on H200).
+        variant: ``tiles`` (measured: the default) or ``band`` (:func:`level_cum_shares_band`, fewer
+            dependent memory round trips; not yet timed on a GPU — the dispatch benchmark times both).
     Tensors on a CUDA device (CPU tensors only under Triton's interpreter, ``TRITON_INTERPRET=1``).
     Returns [E, R] float64 cumulative shares, as ``choose_replicas`` draws from.
     """
@@ -163,12 +247,20 @@ def fused_cum_shares(counts: torch.Tensor, copies: ReplicaCopies, plan_cum_share
     block_n, block_e, block_c = _pow2(num_gpus + 1), _pow2(num_experts), max(_CHUNK, _pow2(listed))
     device = plan_cum_share.device
     out = torch.empty(num_experts, width, dtype=torch.float64, device=device)
-    iscratch = torch.empty(max(1, sweeps) * (block_n + block_e), dtype=torch.int64, device=device)
-    fscratch = torch.empty((sweeps + 1) * block_c, dtype=torch.float32, device=device)
-    level_cum_shares[(1,)](counts.contiguous(), copies.single_gpu, copies.expert, copies.gpu, copies.col, copies.step,
-                           plan_cum_share.to(torch.float64).contiguous(), out, iscratch, fscratch,
-                           num_experts, width, listed, num_experts * width,
-                           SWEEPS=sweeps, BLOCK_E=block_e, BLOCK_C=block_c, BLOCK_N=block_n, CHUNK=_CHUNK,
-                           COPY_BLOCK=1024, TABLE_CHUNKS=-(-num_experts * width // 1024), MOMENTUM=_MOMENTUM,
-                           FIXED=_FIXED, num_warps=num_warps)
+    args = (counts.contiguous(), copies.single_gpu, copies.expert, copies.gpu, copies.col, copies.step,
+            plan_cum_share.to(torch.float64).contiguous(), out)
+    shape = (num_experts, width, listed, num_experts * width)
+    common = {"SWEEPS": sweeps, "BLOCK_E": block_e, "BLOCK_C": block_c, "BLOCK_N": block_n, "COPY_BLOCK": 1024,
+              "TABLE_CHUNKS": -(-num_experts * width // 1024), "MOMENTUM": _MOMENTUM, "FIXED": _FIXED,
+              "num_warps": num_warps}
+    if variant == "band":
+        iscratch = torch.empty(max(1, sweeps) * block_n, dtype=torch.int64, device=device)
+        fscratch = torch.empty((2 * sweeps + 1) * block_c, dtype=torch.float32, device=device)
+        level_cum_shares_band[(1,)](*args, iscratch, fscratch, *shape, BAND=_pow2(width), **common)
+    elif variant == "tiles":
+        iscratch = torch.empty(max(1, sweeps) * (block_n + block_e), dtype=torch.int64, device=device)
+        fscratch = torch.empty((sweeps + 1) * block_c, dtype=torch.float32, device=device)
+        level_cum_shares[(1,)](*args, iscratch, fscratch, *shape, CHUNK=_CHUNK, **common)
+    else:
+        raise ValueError(f"variant {variant!r} is not tiles or band")
     return out
