@@ -18,7 +18,10 @@ Modes (:data:`DISPATCH_MODES`):
   counts and splits its own tokens by them, so the global load is level.
 
 Everything runs on the layer's device with shapes fixed by (E, R, N) and no value read back to the
-host, so the layer stays CUDA-graph capturable (NCCL all-reduce is capturable too).
+host, so the layer stays CUDA-graph capturable (NCCL all-reduce is capturable too). On a CUDA device
+with Triton the shares come from one kernel (:mod:`dispatch_kernel`) over the layer's
+:class:`ReplicaCopies`; the torch functions here are its twin (CPU, and GPUs without Triton) and
+the reference it is tested against.
 
 The water-filling here is the per-layer, fixed-shape sibling of
 :func:`vexpert_runtime.policy.allocator.water_fill_shares` (which the allocator runs for all layers
