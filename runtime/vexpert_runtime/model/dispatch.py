@@ -227,23 +227,26 @@ def list_replica_copies(gpu: np.ndarray, capacity: int
     """
     valid = gpu >= 0
     replicated = valid & (valid.sum(-1, keepdims=True) > 1)
-    layers = gpu.shape[0]
+    layers, experts = gpu.shape[:2]
+    per_layer = replicated.sum((1, 2))
+    if per_layer.size and per_layer.max() > capacity:
+        layer = int(per_layer.argmax())
+        raise ValueError(f"layer {layer} has {int(per_layer[layer])} copies of replicated experts, room for {capacity}")
+    # one pass over all layers (a plan switch runs this on the worker's host thread): row-major order
+    # keeps each layer's copies together and an expert's copies adjacent, in column order
+    lyr, rows, cols = np.nonzero(replicated)
+    slot = np.arange(lyr.size) - np.repeat(np.cumsum(per_layer) - per_layer, per_layer)
+    gpus = gpu[lyr, rows, cols]
     expert = np.full((layers, capacity), -1, dtype=np.int32)
     copy_gpu, col = expert.copy(), expert.copy()
     step = np.zeros((layers, capacity), dtype=np.float32)
-    for layer in range(layers):
-        rows, cols = np.nonzero(replicated[layer])  # row-major: an expert's copies adjacent
-        if rows.size > capacity:
-            raise ValueError(f"layer {layer} has {rows.size} copies of replicated experts, room for {capacity}")
-        gpus = gpu[layer, rows, cols]
-        expert[layer, : rows.size] = rows
-        copy_gpu[layer, : rows.size] = gpus
-        col[layer, : rows.size] = cols
-        # level_shares' damping: 1 / (damping · most replicated experts on any GPU of the expert)
-        degree = np.bincount(gpus, minlength=1)
-        most = np.zeros(gpu.shape[1])
-        np.maximum.at(most, rows, degree[gpus])
-        step[layer, : rows.size] = 1.0 / np.maximum(_DAMPING * most[rows], 1.0)
+    expert[lyr, slot], copy_gpu[lyr, slot], col[lyr, slot] = rows, gpus, cols
+    # level_shares' damping: 1 / (damping · most replicated experts on any GPU of the expert)
+    degree = np.zeros((layers, max(1, int(gpu.max()) + 1)), dtype=np.int64)
+    np.add.at(degree, (lyr, gpus), 1)
+    most = np.zeros((layers, experts), dtype=np.int64)
+    np.maximum.at(most, (lyr, rows), degree[lyr, gpus])
+    step[lyr, slot] = 1.0 / np.maximum(_DAMPING * most[lyr, rows], 1.0)
     single_gpu = np.where(replicated.any(-1), -1, gpu[..., 0]).astype(np.int32)
     return expert, copy_gpu, col, step, single_gpu
 
