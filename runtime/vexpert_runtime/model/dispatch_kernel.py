@@ -53,27 +53,19 @@ def _pow2(n: int) -> int:
 
 
 @triton.jit
-def level_cum_shares(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_ptr, step_ptr, cum_ptr, out_ptr,
-                     iscratch_ptr, fscratch_ptr, E, R, C, TABLE, SWEEPS: tl.constexpr, BLOCK_E: tl.constexpr,
-                     BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, COPY_BLOCK: tl.constexpr,
-                     TABLE_CHUNKS: tl.constexpr, MOMENTUM: tl.constexpr, FIXED: tl.constexpr):
-    # int64 scratch: loads per GPU [SWEEPS, BN] | level bits per expert [SWEEPS, BE];
-    # float32 scratch: floors [SWEEPS, BC] | shares [BC]. A row per sweep: nothing is re-zeroed.
-    loads_s = iscratch_ptr
-    level_s = iscratch_ptr + SWEEPS * BLOCK_N
-    floor_s = fscratch_ptr
-    share_s = fscratch_ptr + SWEEPS * BLOCK_C
-
-    # rows without replicas: the plan's [1, inf, inf, …] (written, not copied: stores do not wait)
-    for chunk in tl.static_range(TABLE_CHUNKS):  # TABLE = E·R entries in TABLE_CHUNKS blocks
+def _write_single_copy_rows(out_ptr, R, TABLE, COPY_BLOCK: tl.constexpr, TABLE_CHUNKS: tl.constexpr):
+    """Rows without replicas: the plan's [1, inf, inf, …] (written, not copied: stores do not wait).
+    TABLE = E·R entries in TABLE_CHUNKS blocks of COPY_BLOCK."""
+    for chunk in tl.static_range(TABLE_CHUNKS):
         offs = chunk * COPY_BLOCK + tl.arange(0, COPY_BLOCK)
         tl.store(out_ptr + offs, tl.where(offs % R == 0, 1.0, float("inf")).to(tl.float64), mask=offs < TABLE)
-    nn = tl.arange(0, BLOCK_N)
-    ee = tl.arange(0, BLOCK_E)
-    for s in tl.static_range(SWEEPS):
-        tl.store(loads_s + s * BLOCK_N + nn, tl.zeros([BLOCK_N], dtype=tl.int64))
-        tl.store(level_s + s * BLOCK_E + ee, tl.full([BLOCK_E], 2**62, dtype=tl.int64))
 
+
+@triton.jit
+def _load_copies(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_ptr, step_ptr, cum_ptr, E, R, C,
+                 BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, FIXED: tl.constexpr):
+    """The listed copies [BLOCK_C] with their start shares (the plan's) and tokens, and the
+    single-copy experts [BLOCK_E] with their GPU and fixed-point counts."""
     c = tl.arange(0, BLOCK_C)
     expert = tl.load(expert_ptr + c, mask=c < C, other=-1)
     valid = expert >= 0
@@ -85,20 +77,67 @@ def level_cum_shares(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_ptr, s
     lo = tl.load(cum_ptr + x * R + col - 1, mask=valid & (col > 0), other=0.0)
     share = tl.where(valid, (tl.minimum(hi, 1.0) - tl.minimum(lo, 1.0)).to(tl.float32), 0.0)
     w = tl.load(counts_ptr + x, mask=valid, other=0).to(tl.float32)
-    inv_w = 1.0 / tl.maximum(w, 1e-6)
+    ee = tl.arange(0, BLOCK_E)
     single = tl.load(single_gpu_ptr + ee, mask=ee < E, other=-1)
     w_single = (tl.load(counts_ptr + ee, mask=(ee < E) & (single >= 0), other=0).to(tl.float32) * FIXED + 0.5).to(tl.int64)
+    return c, expert, valid, x, gpu, col, step, share, w, single, w_single
+
+
+@triton.jit
+def _floors(loads_row, single, w_single, gpu, valid, mine, FIXED: tl.constexpr):
+    """Each copy's floor: its GPU's load without it. The loads — the experts with one copy (whole
+    counts) and the replicated copies' tokens — add up in fixed point in ``loads_row`` (zeroed)."""
+    tl.atomic_add(loads_row + single, w_single, mask=single >= 0)
+    tl.atomic_add(loads_row + gpu, (mine * FIXED + 0.5).to(tl.int64), mask=valid)
+    tl.debug_barrier()
+    load = tl.load(loads_row + gpu, mask=valid, other=0, volatile=True).to(tl.float32) * (1.0 / FIXED)
+    return load - mine
+
+
+@triton.jit
+def _jacobi_step(share, previous, step, level, floor, inv_w, MOMENTUM: tl.constexpr):
+    """level_shares' damped update towards the water-filling target, with momentum."""
+    target = tl.maximum(level - floor, 0.0) * inv_w
+    return tl.maximum(share + step * (target - share) + MOMENTUM * (share - previous), 0.0)
+
+
+@triton.jit
+def _store_cumulative(out_ptr, x, R, col, valid, total, upto, copies, rank):
+    """Normalised cumulative shares (an expert without tokens: an even split), the last copy exactly
+    1 so a draw never passes it."""
+    cum = tl.where(total > 1e-6, upto.to(tl.float64) / tl.maximum(total, 1e-12).to(tl.float64),
+                   rank.to(tl.float64) / tl.maximum(copies, 1.0).to(tl.float64))
+    cum = tl.where(rank == copies, 1.0, cum)
+    tl.store(out_ptr + x * R + col, cum, mask=valid)
+
+
+@triton.jit
+def level_cum_shares(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_ptr, step_ptr, cum_ptr, out_ptr,
+                     iscratch_ptr, fscratch_ptr, E, R, C, TABLE, SWEEPS: tl.constexpr, BLOCK_E: tl.constexpr,
+                     BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, COPY_BLOCK: tl.constexpr,
+                     TABLE_CHUNKS: tl.constexpr, MOMENTUM: tl.constexpr, FIXED: tl.constexpr):
+    # int64 scratch: loads per GPU [SWEEPS, BN] | level bits per expert [SWEEPS, BE];
+    # float32 scratch: floors [SWEEPS, BC] | shares [BC]. A row per sweep: nothing is re-zeroed.
+    loads_s = iscratch_ptr
+    level_s = iscratch_ptr + SWEEPS * BLOCK_N
+    floor_s = fscratch_ptr
+    share_s = fscratch_ptr + SWEEPS * BLOCK_C
+
+    _write_single_copy_rows(out_ptr, R, TABLE, COPY_BLOCK, TABLE_CHUNKS)
+    nn = tl.arange(0, BLOCK_N)
+    ee = tl.arange(0, BLOCK_E)
+    for s in tl.static_range(SWEEPS):
+        tl.store(loads_s + s * BLOCK_N + nn, tl.zeros([BLOCK_N], dtype=tl.int64))
+        tl.store(level_s + s * BLOCK_E + ee, tl.full([BLOCK_E], 2**62, dtype=tl.int64))
+    c, expert, valid, x, gpu, col, step, share, w, single, w_single = _load_copies(
+        counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_ptr, step_ptr, cum_ptr, E, R, C, BLOCK_E, BLOCK_C, FIXED)
+    inv_w = 1.0 / tl.maximum(w, 1e-6)
     tl.debug_barrier()
 
     previous = share
     for s in tl.static_range(SWEEPS):
         mine = share * w
-        # the GPUs' loads: the experts with one copy (whole counts) and the replicated copies' tokens
-        tl.atomic_add(loads_s + s * BLOCK_N + single, w_single, mask=single >= 0)
-        tl.atomic_add(loads_s + s * BLOCK_N + gpu, (mine * FIXED + 0.5).to(tl.int64), mask=valid)
-        tl.debug_barrier()
-        load = tl.load(loads_s + s * BLOCK_N + gpu, mask=valid, other=0, volatile=True).to(tl.float32) * (1.0 / FIXED)
-        floor = load - mine  # the GPU without this copy
+        floor = _floors(loads_s + s * BLOCK_N, single, w_single, gpu, valid, mine, FIXED)
         tl.store(floor_s + s * BLOCK_C + c, floor)
         tl.debug_barrier()
         # k_j and Σ floors of the copies of j's expert at or below floor_j, pairwise by tiles
@@ -116,12 +155,9 @@ def level_cum_shares(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_ptr, s
         tl.atomic_min(level_s + s * BLOCK_E + x, level_j.to(tl.int32, bitcast=True).to(tl.int64), mask=valid)
         tl.debug_barrier()
         level = tl.load(level_s + s * BLOCK_E + x, mask=valid, other=0, volatile=True).to(tl.int32).to(tl.float32, bitcast=True)
-        target = tl.maximum(level - floor, 0.0) * inv_w
-        stepped = tl.maximum(share + step * (target - share) + MOMENTUM * (share - previous), 0.0)
-        previous = share
-        share = stepped
+        previous, share = share, _jacobi_step(share, previous, step, level, floor, inv_w, MOMENTUM)
 
-    # normalise per expert (an expert without tokens: an even split) and cumulate by column
+    # normalise per expert and cumulate by column
     tl.store(share_s + c, share)
     tl.debug_barrier()
     total = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -139,10 +175,7 @@ def level_cum_shares(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_ptr, s
         upto += tl.sum(tl.where(before, s_i[:, None], 0.0), axis=0)
         copies += tl.sum(same.to(tl.float32), axis=0)
         rank += tl.sum(before.to(tl.float32), axis=0)
-    cum = tl.where(total > 1e-6, upto.to(tl.float64) / tl.maximum(total, 1e-12).to(tl.float64),
-                   rank.to(tl.float64) / tl.maximum(copies, 1.0).to(tl.float64))
-    cum = tl.where(rank == copies, 1.0, cum)  # the last copy exactly 1: a draw never passes it
-    tl.store(out_ptr + x * R + col, cum, mask=valid)
+    _store_cumulative(out_ptr, x, R, col, valid, total, upto, copies, rank)
 
 
 @triton.jit
@@ -162,28 +195,13 @@ def level_cum_shares_band(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_p
     level_s = fscratch_ptr + SWEEPS * BLOCK_C
     share_s = fscratch_ptr + 2 * SWEEPS * BLOCK_C
 
-    for chunk in tl.static_range(TABLE_CHUNKS):
-        offs = chunk * COPY_BLOCK + tl.arange(0, COPY_BLOCK)
-        tl.store(out_ptr + offs, tl.where(offs % R == 0, 1.0, float("inf")).to(tl.float64), mask=offs < TABLE)
+    _write_single_copy_rows(out_ptr, R, TABLE, COPY_BLOCK, TABLE_CHUNKS)
     nn = tl.arange(0, BLOCK_N)
-    ee = tl.arange(0, BLOCK_E)
     for s in tl.static_range(SWEEPS):
         tl.store(loads_s + s * BLOCK_N + nn, tl.zeros([BLOCK_N], dtype=tl.int64))
-
-    c = tl.arange(0, BLOCK_C)
-    expert = tl.load(expert_ptr + c, mask=c < C, other=-1)
-    valid = expert >= 0
-    x = tl.where(valid, expert, 0)
-    gpu = tl.load(gpu_ptr + c, mask=valid, other=0)
-    col = tl.load(col_ptr + c, mask=valid, other=0)
-    step = tl.load(step_ptr + c, mask=valid, other=0.0)
-    hi = tl.load(cum_ptr + x * R + col, mask=valid, other=1.0)
-    lo = tl.load(cum_ptr + x * R + col - 1, mask=valid & (col > 0), other=0.0)
-    share = tl.where(valid, (tl.minimum(hi, 1.0) - tl.minimum(lo, 1.0)).to(tl.float32), 0.0)
-    w = tl.load(counts_ptr + x, mask=valid, other=0).to(tl.float32)
+    c, expert, valid, x, gpu, col, step, share, w, single, w_single = _load_copies(
+        counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_ptr, step_ptr, cum_ptr, E, R, C, BLOCK_E, BLOCK_C, FIXED)
     inv_w = 1.0 / tl.maximum(w, 1e-6)
-    single = tl.load(single_gpu_ptr + ee, mask=ee < E, other=-1)
-    w_single = (tl.load(counts_ptr + ee, mask=(ee < E) & (single >= 0), other=0).to(tl.float32) * FIXED + 0.5).to(tl.int64)
     # the band: list entries of j's expert, [C, BAND]
     k = tl.arange(0, BAND)[None, :]
     sibling = (c - col)[:, None] + k
@@ -194,11 +212,7 @@ def level_cum_shares_band(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_p
     previous = share
     for s in tl.static_range(SWEEPS):
         mine = share * w
-        tl.atomic_add(loads_s + s * BLOCK_N + single, w_single, mask=single >= 0)
-        tl.atomic_add(loads_s + s * BLOCK_N + gpu, (mine * FIXED + 0.5).to(tl.int64), mask=valid)
-        tl.debug_barrier()
-        load = tl.load(loads_s + s * BLOCK_N + gpu, mask=valid, other=0, volatile=True).to(tl.float32) * (1.0 / FIXED)
-        floor = load - mine
+        floor = _floors(loads_s + s * BLOCK_N, single, w_single, gpu, valid, mine, FIXED)
         tl.store(floor_s + s * BLOCK_C + c, floor)
         tl.debug_barrier()
         f_k = tl.load(floor_s + s * BLOCK_C + sibling, mask=inband, other=0.0)
@@ -209,10 +223,7 @@ def level_cum_shares_band(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_p
         tl.debug_barrier()
         level = tl.min(tl.load(level_s + s * BLOCK_C + sibling, mask=inband, other=float("inf")), axis=1)
         level = tl.where(valid, level, 0.0)  # padding rows: no band, keep them finite
-        target = tl.maximum(level - floor, 0.0) * inv_w
-        stepped = tl.maximum(share + step * (target - share) + MOMENTUM * (share - previous), 0.0)
-        previous = share
-        share = stepped
+        previous, share = share, _jacobi_step(share, previous, step, level, floor, inv_w, MOMENTUM)
 
     tl.store(share_s + c, share)
     tl.debug_barrier()
@@ -221,10 +232,7 @@ def level_cum_shares_band(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_p
     upto = tl.sum(tl.where(k <= col[:, None], s_k, 0.0), axis=1)  # siblings at or before j: columns ≤ col_j
     copies = tl.sum(inband.to(tl.float32), axis=1)
     rank = (col + 1).to(tl.float32)
-    cum = tl.where(total > 1e-6, upto.to(tl.float64) / tl.maximum(total, 1e-12).to(tl.float64),
-                   rank.to(tl.float64) / tl.maximum(copies, 1.0).to(tl.float64))
-    cum = tl.where(rank == copies, 1.0, cum)
-    tl.store(out_ptr + x * R + col, cum, mask=valid)
+    _store_cumulative(out_ptr, x, R, col, valid, total, upto, copies, rank)
 
 
 def fused_cum_shares(counts: torch.Tensor, copies: ReplicaCopies, plan_cum_share: torch.Tensor, num_gpus: int,
