@@ -361,6 +361,29 @@ def test_replica_copies_list_the_replicated_rows() -> None:
         list_replica_copies(gpu, 4)
 
 
+def test_fused_kernels_compile_for_hopper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both kernel variants compile to sm_90 machine code at DeepSeek-V3 shape (Triton ships ptxas:
+    no GPU needed), so a kernel the interpreter runs but the compiler rejects fails here, not on the
+    H200. The launch's arguments and constants as ``fused_cum_shares`` passes them."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from vexpert_runtime.model import dispatch_kernel as kernels
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile, do not reuse
+    pointers = {"counts_ptr": "*i64", "single_gpu_ptr": "*i32", "expert_ptr": "*i32", "gpu_ptr": "*i32",
+                "col_ptr": "*i32", "step_ptr": "*fp32", "cum_ptr": "*fp64", "out_ptr": "*fp64",
+                "iscratch_ptr": "*i64", "fscratch_ptr": "*fp32", "E": "i32", "R": "i32", "C": "i32", "TABLE": "i32"}
+    common = {"SWEEPS": 4, "BLOCK_E": 256, "BLOCK_C": 256, "BLOCK_N": 128, "COPY_BLOCK": 1024, "TABLE_CHUNKS": 16,
+              "MOMENTUM": 0.3, "FIXED": float(2**24)}
+    for fn, extra in ((kernels.level_cum_shares, {"CHUNK": 32}), (kernels.level_cum_shares_band, {"BAND": 64})):
+        constants = {**common, **extra}
+        source = ASTSource(fn=fn, signature={**pointers, **dict.fromkeys(constants, "constexpr")}, constexprs=constants)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        assert len(compiled.asm["cubin"]) > 0 and "atom." in compiled.asm["ptx"], fn.__name__
+
+
 def test_fused_kernel_refuses_lists_past_its_block() -> None:
     pytest.importorskip("triton")
     from vexpert_runtime.model.dispatch import MAX_FUSED_COPIES, ReplicaCopies
