@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -266,8 +267,13 @@ class DeviceRoutingTable:
 
     def copies(self, layer: int) -> ReplicaCopies:
         """The layer's replicated experts' copies, listed (views: a later :meth:`load` shows through)."""
-        return ReplicaCopies(self.copy_expert[layer], self.copy_gpu[layer], self.copy_col[layer],
-                             self.copy_step[layer], self.single_gpu[layer])
+        return self._layer_copies[layer]
+
+    @cached_property
+    def _layer_copies(self) -> list[ReplicaCopies]:
+        # made once: the EP layer asks every call, and :meth:`load` writes into these same storages
+        return [ReplicaCopies(self.copy_expert[layer], self.copy_gpu[layer], self.copy_col[layer],
+                              self.copy_step[layer], self.single_gpu[layer]) for layer in range(self.num_layers)]
 
     def load(self, table: RoutingTable) -> None:
         """Overwrite these tensors with ``table`` (a plan switch: data only, no new shapes).
