@@ -28,6 +28,7 @@ from vexpert_runtime.model.dispatch import (
     cumulative_shares,
     dispatch_cum_share,
     gpu_loads,
+    layer_counts,
     level_shares,
     list_replica_copies,
     plan_shares,
@@ -300,9 +301,7 @@ def _deepseek_table(device: str) -> tuple[torch.Tensor, Any, torch.Tensor]:
     args = argparse.Namespace(experts=256, gpus=64, slots=2, tokens=256, topk=8, phase="decode_in1000out1000",
                               layer=10, seed=0)
     s = setup(args, torch.device(device))
-    counts = torch.zeros(256, dtype=torch.int64, device=device).index_add_(
-        0, s["ids"].reshape(-1), torch.ones(s["ids"].numel(), dtype=torch.int64, device=device))
-    return counts, s["table"], s["table"].cum_share[0]
+    return layer_counts(s["ids"], 256), s["table"], s["table"].cum_share[0]
 
 
 def _small_tables(device: str) -> list[tuple[torch.Tensor, Any, torch.Tensor, int]]:
