@@ -467,21 +467,28 @@ def test_operator_restart_midway_creates_no_duplicates(cluster: Cluster, monkeyp
         assert cluster.status("dsv3")["phase"] == "Running"
 
 
+def allocator_heavy_node_metrics() -> NodeMetrics:
+    """What a node runtime exports (its own NodeMetrics) at k = 10 when the allocator takes 0.06 s per
+    allocation and a step 0.05 s (12 % of step time), balance 0.72/0.76, 1234.5 tokens/s."""
+    runtime = NodeMetrics(num_layers=2)
+    runtime.set_layers(runtime.balance, [0.72, 0.76])
+    runtime.tokens_per_second.set(1234.5)
+    for _ in range(3):
+        runtime.allocator_time.observe(0.06)
+        runtime.step_time.observe(0.05)
+    runtime.allocation_interval.set(10)
+    runtime.pooled_experts.set(256)
+    runtime.degraded.set(0)
+    return runtime
+
+
 def test_tuning_decision_is_written_to_configmap_and_status(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     type_name = add_nodes(cluster, 2)
     metrics = MetricsServer()
     try:
         # What the node runtime exports (its own NodeMetrics): the allocator takes 12% of step time at
         # k=10 (0.06 s per allocation, 0.05 s per step) and nothing says the balance decays: lengthen k.
-        runtime = NodeMetrics(num_layers=2)
-        runtime.set_layers(runtime.balance, [0.72, 0.76])
-        runtime.tokens_per_second.set(1234.5)
-        for _ in range(3):
-            runtime.allocator_time.observe(0.06)
-            runtime.step_time.observe(0.05)
-        runtime.allocation_interval.set(10)
-        runtime.pooled_experts.set(256)
-        runtime.degraded.set(0)
+        runtime = allocator_heavy_node_metrics()
         metrics.text = runtime.render()
         before = operator_metrics.TUNING_DECISIONS.labels("k", "changed")._value.get()
         with running_operator(cluster, monkeypatch):
@@ -517,15 +524,7 @@ def test_tuning_reads_the_serving_series(cluster: Cluster, monkeypatch: pytest.M
     try:
         # Allocator 0.06 s per allocation at k=10: 12 % of the 0.05 s step (alone, k would go 10→15),
         # 3 % of the 0.2 s clients wait per token (within the dead band: k stays).
-        runtime = NodeMetrics(num_layers=2)
-        runtime.set_layers(runtime.balance, [0.72, 0.76])
-        runtime.tokens_per_second.set(1234.5)
-        for _ in range(3):
-            runtime.allocator_time.observe(0.06)
-            runtime.step_time.observe(0.05)
-        runtime.allocation_interval.set(10)
-        runtime.pooled_experts.set(256)
-        runtime.degraded.set(0)
+        runtime = allocator_heavy_node_metrics()
         static = runtime.render()
         start = time.monotonic()
 
