@@ -203,10 +203,9 @@ class DeviceRoutingTable:
 
     Attributes:
         gpu, local: [L, E, R] int64; cum_share: [L, E, R] float64 (see :class:`RoutingTable`).
-        copy_expert, copy_gpu, copy_col: [L, C] int32, copy_step: [L, C] float32, single_gpu:
-            [L, E] int32 — the replicated
-            experts' copies listed per layer, C = :func:`copies_capacity` (see :class:`ReplicaCopies`:
-            what the per-iteration dispatch's fused kernel sweeps over).
+        copy_expert, copy_gpu, copy_col: [L, C] int32, copy_step: [L, C] float32, single_gpu: [L, E]
+            int32 — the replicated experts' copies listed per layer, C = :func:`copies_capacity`
+            (per layer, :meth:`copies`: what the per-iteration dispatch's fused kernel sweeps over).
         num_gpus, slots: N and S the table was made for (shapes, fixed).
         plan_id: id of the table loaded last (host side; −1 before the first load).
     """
