@@ -8,14 +8,14 @@ shares are stale as they are between allocations.
 
 Timed per mode (``plan``, ``local``, ``global``), with CUDA events, eager and replayed from a CUDA
 graph: ``shares`` = :func:`dispatch_cum_share` alone (the dispatch's extra work, on a GPU the fused
-Triton kernel of ``dispatch_kernel`` after the counts; ``plan`` reads the table: ~0) and ``choose`` = shares + :func:`choose_replicas` (what ``ep_moe_layer`` runs before
-its all-to-all). ``global`` here runs over no group: on one GPU its all-reduce is free, so the
+Triton kernel of ``dispatch_kernel`` after the counts; ``plan`` reads the table: ~0) and
+``choose`` = shares + :func:`choose_replicas` (what ``ep_moe_layer`` runs before its all-to-all). ``global`` here runs over no group: on one GPU its all-reduce is free, so the
 number is the share computation only; run under ``torchrun --nproc-per-node 2`` (or more) and the
 [E] int32 NCCL all-reduce is timed as well (``allreduce_us``, in a CUDA graph like the layer).
-Then the torch twin of the kernel (what runs without Triton) and the kernel's two variants (``tiles``,
-the default, and ``band``) at 4–16 warps, each
-with its largest difference from the twin. Also reported: whether each mode runs with torch's sync debug mode at "error" (no host sync), the
-kernels one call launches (torch profiler), and the shares' balance on the batch as if it were the
+Then the torch twin of the kernel (what runs without Triton) and the kernel's two variants
+(``tiles``, the default, and ``band``) at 4–16 warps, each with its largest difference from the
+twin. Also reported: whether each mode runs with torch's sync debug mode at "error" (no host
+sync), the kernels one call launches (torch profiler), and the shares' balance on the batch as if it were the
 whole group's (the local/global difference needs many ranks: see ``vexpert demo --dispatch``).
 
     python benchmarks/dispatch_cost.py --compile --out results/dispatch_cost.json  # one H200
@@ -196,16 +196,15 @@ def main() -> None:
         rows.append(row)
     if dev.type == "cuda" and fused_dispatch_runs(copies):
         # The product path above runs the fused kernel (dispatch_kernel); here its torch twin (the
-        # same arithmetic in ~140 kernels) and the kernel's block size, for the record.
+        # same arithmetic in ~140 kernels) and the kernel's variants and block sizes, for the record.
         from vexpert_runtime.model.dispatch_kernel import fused_cum_shares
-
-        counts = layer_counts(ids, args.experts)
-        twin_out = cumulative_shares(level_shares(counts, gpu, args.gpus, args.sweeps, plan_shares(cum)), gpu)
-        fin = torch.isfinite(twin_out)
 
         def twin() -> torch.Tensor:
             return cumulative_shares(level_shares(layer_counts(ids, args.experts), gpu, args.gpus, args.sweeps,
                                                   plan_shares(cum)), gpu)
+
+        twin_out = twin()
+        fin = torch.isfinite(twin_out)
 
         variants: list[tuple[str, Callable[[], Any]]] = [("local-torch-twin", twin)]
         for variant in ("tiles", "band"):
