@@ -334,8 +334,17 @@ def test_device_allocator_matches_cpu_with_and_without_a_pool_mask():
         cpu = allocate(counts, base, 64, pooled=pooled)
         gpu = device(counts, base, 64, pooled=pooled)
         assert gpu.slot_expert.device.type == "cpu"
-        assert torch.equal(cpu.slot_expert, gpu.slot_expert)
-        assert torch.allclose(cpu.expert_gpu_share(), gpu.expert_gpu_share(), atol=1e-4)
+        # As in test_graphed_allocator_matches_eager: compiled top-k may break ties between equally
+        # loaded experts differently (seen on an H200: equal V, a few slots differ), so V, quality
+        # and invariants must agree and nearly every slot; the mask must hold exactly.
+        assert torch.equal(cpu.vexperts, gpu.vexperts)
+        assert torch.allclose(cpu.balance_predicted, gpu.balance_predicted, atol=2e-3)
+        assert float((cpu.slot_expert == gpu.slot_expert).float().mean()) > 0.95
+        check_plan_invariants(gpu, counts, AllocatorConfig(), 64)
+        if pooled is not None:
+            filled = gpu.slot_expert >= 0
+            layer = torch.arange(58)[:, None, None].expand_as(gpu.slot_expert)
+            assert bool(pooled[layer[filled], gpu.slot_expert[filled]].all())  # slots only hold pooled experts
     assert len(device._graphed) == 1
 
 

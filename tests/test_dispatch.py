@@ -320,7 +320,8 @@ def _assert_fused_equals_twin(counts: torch.Tensor, table: Any, cum: torch.Tenso
 
     gpu, copies = table.gpu[0], table.copies(0)
     assert int((copies.expert >= 0).sum()) > 2  # replicated experts to split
-    for sweeps, variant in ((0, "tiles"), (1, "tiles"), (4, "tiles"), (0, "band"), (4, "band")):
+    for sweeps, variant in ((0, "tiles"), (1, "tiles"), (4, "tiles"), (0, "band"), (4, "band"), (0, "runs"),
+                           (1, "runs"), (4, "runs")):
         twin = cumulative_shares(level_shares(counts, gpu, world, sweeps, start=plan_shares(cum)), gpu)
         fused = fused_cum_shares(counts, copies, cum, world, sweeps, variant=variant)
         assert fused.dtype == torch.float64 and fused.shape == gpu.shape
@@ -376,7 +377,8 @@ def test_fused_kernels_compile_for_hopper(tmp_path: Path, monkeypatch: pytest.Mo
                 "iscratch_ptr": "*i64", "fscratch_ptr": "*fp32", "E": "i32", "R": "i32", "C": "i32", "TABLE": "i32"}
     common = {"SWEEPS": 4, "BLOCK_E": 256, "BLOCK_C": 256, "BLOCK_N": 128, "COPY_BLOCK": 1024, "TABLE_CHUNKS": 16,
               "MOMENTUM": 0.3, "FIXED": float(2**24)}
-    for fn, extra in ((kernels.level_cum_shares, {"CHUNK": 32}), (kernels.level_cum_shares_band, {"BAND": 64})):
+    for fn, extra in ((kernels.level_cum_shares, {"CHUNK": 32}), (kernels.level_cum_shares_band, {"BAND": 64}),
+                      (kernels.level_cum_shares_runs, {})):
         constants = {**common, **extra}
         source = ASTSource(fn=fn, signature={**pointers, **dict.fromkeys(constants, "constexpr")}, constexprs=constants)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})

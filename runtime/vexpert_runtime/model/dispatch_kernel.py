@@ -235,6 +235,94 @@ def level_cum_shares_band(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_p
     _store_cumulative(out_ptr, x, R, col, valid, total, upto, copies, rank)
 
 
+@triton.jit
+def level_cum_shares_runs(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_ptr, step_ptr, cum_ptr, out_ptr,
+                          iscratch_ptr, fscratch_ptr, E, R, C, TABLE, SWEEPS: tl.constexpr, BLOCK_E: tl.constexpr,
+                          BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, COPY_BLOCK: tl.constexpr,
+                          TABLE_CHUNKS: tl.constexpr, MOMENTUM: tl.constexpr, FIXED: tl.constexpr):
+    """The same arithmetic as :func:`level_cum_shares`, per expert over its *run*: an expert's copies
+    are adjacent in the list, in column order, so copy j's siblings are the entries
+    j − col_j + k for k below its expert's copy count. Every per-expert sum and minimum is a loop of
+    [C] loads over k < the longest run (a few copies, read from the list on the device: a plan
+    switch changes it without recompiling or re-capturing), not a [C, C] or [C, R] tile. The
+    experts with one copy add their GPUs' base loads once, not every sweep, and the atomics are
+    relaxed at block scope (the barrier that follows orders them: nothing outside the block reads
+    the scratch)."""
+    # int64 scratch: base loads [BN] | loads per sweep [SWEEPS, BN];
+    # float32: floors, levels [SWEEPS, BC] each | shares [BC]. A row per sweep: nothing is re-zeroed.
+    base_s = iscratch_ptr
+    loads_s = iscratch_ptr + BLOCK_N
+    floor_s = fscratch_ptr
+    level_s = fscratch_ptr + SWEEPS * BLOCK_C
+    share_s = fscratch_ptr + 2 * SWEEPS * BLOCK_C
+
+    _write_single_copy_rows(out_ptr, R, TABLE, COPY_BLOCK, TABLE_CHUNKS)
+    nn = tl.arange(0, BLOCK_N)
+    tl.store(base_s + nn, tl.zeros([BLOCK_N], dtype=tl.int64))
+    for s in tl.static_range(SWEEPS):
+        tl.store(loads_s + s * BLOCK_N + nn, tl.zeros([BLOCK_N], dtype=tl.int64))
+    c, expert, valid, x, gpu, col, step, share, w, single, w_single = _load_copies(
+        counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_ptr, step_ptr, cum_ptr, E, R, C, BLOCK_E, BLOCK_C, FIXED)
+    inv_w = 1.0 / tl.maximum(w, 1e-6)
+    first = c - col  # the list entry of copy j's expert's first copy
+    longest = tl.max(tl.where(valid, col + 1, 0), axis=0)
+    copies = tl.zeros([BLOCK_C], dtype=tl.int32)
+    k = 0
+    while k < longest:  # (a while: Triton's interpreter takes no tensor range bound)
+        sibling = first + k
+        same = valid & (sibling < C)
+        copies += (same & (tl.load(expert_ptr + sibling, mask=same, other=-1) == expert)).to(tl.int32)
+        k += 1
+    tl.debug_barrier()  # the zeroed scratch before any atomic
+    tl.atomic_add(base_s + single, w_single, mask=single >= 0, sem="relaxed", scope="cta")
+    tl.debug_barrier()
+    base = tl.load(base_s + gpu, mask=valid, other=0, volatile=True)
+
+    previous = share
+    for s in tl.static_range(SWEEPS):
+        mine = share * w
+        tl.atomic_add(loads_s + s * BLOCK_N + gpu, (mine * FIXED + 0.5).to(tl.int64), mask=valid,
+                      sem="relaxed", scope="cta")
+        tl.debug_barrier()
+        load = base + tl.load(loads_s + s * BLOCK_N + gpu, mask=valid, other=0, volatile=True)
+        floor = load.to(tl.float32) * (1.0 / FIXED) - mine
+        tl.store(floor_s + s * BLOCK_C + c, floor)
+        tl.debug_barrier()
+        # k_j and Σ floors of the copies of j's expert at or below floor_j
+        wet = tl.zeros([BLOCK_C], dtype=tl.float32)
+        below = tl.zeros([BLOCK_C], dtype=tl.float32)
+        k = 0
+        while k < longest:  # (a while: Triton's interpreter takes no tensor range bound)
+            inrun = valid & (k < copies)
+            f_k = tl.load(floor_s + s * BLOCK_C + first + k, mask=inrun, other=0.0)
+            low = inrun & (f_k <= floor)
+            wet += low.to(tl.float32)
+            below += tl.where(low, f_k, 0.0)
+            k += 1
+        tl.store(level_s + s * BLOCK_C + c, (w + below) / tl.maximum(wet, 1.0))
+        tl.debug_barrier()
+        level = tl.full([BLOCK_C], float("inf"), dtype=tl.float32)
+        k = 0
+        while k < longest:  # (a while: Triton's interpreter takes no tensor range bound)
+            inrun = valid & (k < copies)
+            level = tl.minimum(level, tl.load(level_s + s * BLOCK_C + first + k, mask=inrun, other=float("inf")))
+            k += 1
+        level = tl.where(valid, tl.maximum(level, 0.0), 0.0)  # padding: no run, keep it finite
+        previous, share = share, _jacobi_step(share, previous, step, level, floor, inv_w, MOMENTUM)
+
+    tl.store(share_s + c, share)
+    tl.debug_barrier()
+    total = tl.zeros([BLOCK_C], dtype=tl.float32)
+    upto = tl.zeros([BLOCK_C], dtype=tl.float32)
+    k = 0
+    while k < longest:  # (a while: Triton's interpreter takes no tensor range bound)
+        s_k = tl.load(share_s + first + k, mask=valid & (k < copies), other=0.0)
+        total += s_k
+        upto += tl.where(k <= col, s_k, 0.0)  # siblings at or before j: columns ≤ col_j
+        k += 1
+    _store_cumulative(out_ptr, x, R, col, valid, total, upto, copies.to(tl.float32), (col + 1).to(tl.float32))
+
+
 def fused_cum_shares(counts: torch.Tensor, copies: ReplicaCopies, plan_cum_share: torch.Tensor, num_gpus: int,
                      sweeps: int, num_warps: int = 8, variant: str = "tiles") -> torch.Tensor:
     """``cumulative_shares(level_shares(counts, gpu, N, sweeps, start=plan_shares(plan_cum_share)), gpu)``
@@ -266,7 +354,11 @@ def fused_cum_shares(counts: torch.Tensor, copies: ReplicaCopies, plan_cum_share
     common = {"SWEEPS": sweeps, "BLOCK_E": block_e, "BLOCK_C": block_c, "BLOCK_N": block_n, "COPY_BLOCK": 1024,
               "TABLE_CHUNKS": -(-num_experts * width // 1024), "MOMENTUM": _MOMENTUM, "FIXED": _FIXED,
               "num_warps": num_warps}
-    if variant == "band":
+    if variant == "runs":
+        iscratch = torch.empty((max(1, sweeps) + 1) * block_n, dtype=torch.int64, device=device)
+        fscratch = torch.empty((2 * sweeps + 1) * block_c, dtype=torch.float32, device=device)
+        level_cum_shares_runs[(1,)](*args, iscratch, fscratch, *shape, **common)
+    elif variant == "band":
         iscratch = torch.empty(max(1, sweeps) * block_n, dtype=torch.int64, device=device)
         fscratch = torch.empty((2 * sweeps + 1) * block_c, dtype=torch.float32, device=device)
         level_cum_shares_band[(1,)](*args, iscratch, fscratch, *shape, BAND=_pow2(width), **common)
@@ -275,5 +367,5 @@ def fused_cum_shares(counts: torch.Tensor, copies: ReplicaCopies, plan_cum_share
         fscratch = torch.empty((sweeps + 1) * block_c, dtype=torch.float32, device=device)
         level_cum_shares[(1,)](*args, iscratch, fscratch, *shape, CHUNK=_CHUNK, **common)
     else:
-        raise ValueError(f"variant {variant!r} is not tiles or band")
+        raise ValueError(f"variant {variant!r} is not runs, tiles or band")
     return out
