@@ -12,10 +12,9 @@ Triton kernel of ``dispatch_kernel`` after the counts; ``plan`` reads the table:
 ``choose`` = shares + :func:`choose_replicas` (what ``ep_moe_layer`` runs before its all-to-all). ``global`` here runs over no group: on one GPU its all-reduce is free, so the
 number is the share computation only; run under ``torchrun --nproc-per-node 2`` (or more) and the
 [E] int32 NCCL all-reduce is timed as well (``allreduce_us``, in a CUDA graph like the layer).
-Then the torch twin of the kernel (what runs without Triton) and the kernel's three variants
-(``runs``, ``tiles`` and ``band``) at 4–16 warps, each with its largest difference from the
-twin, and each variant alone (``kernel-only-*``: the counts made beforehand) at 0 sweeps and at the
-default. Also reported: whether each mode runs with torch's sync debug mode at "error" (no host
+Then the torch twin of the kernel (what runs without Triton) and the kernel at 4–16 warps, each
+with its largest difference from the twin, and the kernel alone (``kernel-only-*``: the counts made
+beforehand) at 0 sweeps and at the default. Also reported: whether each mode runs with torch's sync debug mode at "error" (no host
 sync), the kernels one call launches (torch profiler), and the shares' balance on the batch as if it were the
 whole group's (the local/global difference needs many ranks: see ``vexpert demo --dispatch``).
 
@@ -197,7 +196,7 @@ def main() -> None:
         rows.append(row)
     if dev.type == "cuda" and fused_dispatch_runs(copies):
         # The product path above runs the fused kernel (dispatch_kernel); here its torch twin (the
-        # same arithmetic in ~140 kernels) and the kernel's variants and block sizes, for the record.
+        # same arithmetic in ~140 kernels) and the kernel's block sizes, for the record.
         from vexpert_runtime.model.dispatch_kernel import fused_cum_shares
 
         def twin() -> torch.Tensor:
@@ -208,21 +207,19 @@ def main() -> None:
         fin = torch.isfinite(twin_out)
 
         variants: list[tuple[str, Callable[[], Any]]] = [("local-torch-twin", twin)]
-        for variant in ("runs", "tiles", "band"):
-            for warps in (4, 8, 16):
-                def fused(warps: int = warps, variant: str = variant) -> torch.Tensor:
-                    return fused_cum_shares(layer_counts(ids, args.experts), copies, cum, args.gpus, args.sweeps,
-                                            num_warps=warps, variant=variant)
+        for warps in (4, 8, 16):
+            def fused(warps: int = warps) -> torch.Tensor:
+                return fused_cum_shares(layer_counts(ids, args.experts), copies, cum, args.gpus, args.sweeps,
+                                        num_warps=warps)
 
-                variants.append((f"local-fused-{variant}-warps{warps}", fused))
+            variants.append((f"local-fused-warps{warps}", fused))
         # the kernel alone (counts made beforehand), and its fixed part (0 sweeps: load, write, cumulate)
         counts_once = layer_counts(ids, args.experts)
-        for variant in ("runs", "tiles", "band"):
-            for sweeps in (0, args.sweeps):
-                def kernel_only(variant: str = variant, sweeps: int = sweeps) -> torch.Tensor:
-                    return fused_cum_shares(counts_once, copies, cum, args.gpus, sweeps, variant=variant)
+        for sweeps in (0, args.sweeps):
+            def kernel_only(sweeps: int = sweeps) -> torch.Tensor:
+                return fused_cum_shares(counts_once, copies, cum, args.gpus, sweeps)
 
-                variants.append((f"kernel-only-{variant}-sweeps{sweeps}", kernel_only))
+            variants.append((f"kernel-only-sweeps{sweeps}", kernel_only))
         for name, fn in variants:
             out = fn()
             reference = twin_out if not name.endswith("sweeps0") else cumulative_shares(

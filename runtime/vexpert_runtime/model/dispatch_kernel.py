@@ -3,32 +3,34 @@
 :func:`vexpert_runtime.model.dispatch.level_shares` followed by ``cumulative_shares`` is ~140 small
 kernels per layer over the dense [E, R] table (a sort, a cumsum, an ``index_add`` and element-wise
 chains per sweep); at DeepSeek-V3 shape (E = 256, R = 64) that table is 16 Ki entries of which
-~400 are copies. Replayed from a CUDA graph it still costs 401 µs per layer on an H200, far from
-issue #14's ≤ 30 µs. Here one program of one thread block does it all over the *list* of the replicated experts'
-copies (:class:`~vexpert_runtime.model.dispatch.ReplicaCopies`, C ≤ 2·N·S entries, built with the
-plan on the host):
+~240 are copies. Replayed from a CUDA graph it still costs 401 µs per layer on an H200, far from
+issue #14's ≤ 30 µs. Here one program of one thread block does it all over the *list* of the
+replicated experts' copies (:class:`~vexpert_runtime.model.dispatch.ReplicaCopies`, C ≤ 2·N·S
+entries, built with the plan on the host), one thread per copy:
 
-* per Jacobi sweep: the GPUs' loads — the experts with one copy (their whole count) and the
-  replicated copies' tokens — added with atomics into a few hundred bytes of scratch,
-  ``__syncthreads``, each copy's floor (its GPU's load without it) gathered, and each expert's
-  water level min_k (count + Σ_{i≤k} floor_(i)) / k computed without sorting: for copy j,
-  k_j = #{copies i of its expert with floor_i ≤ floor_j} and the sum of those floors, pairwise over
-  the list in [32, C] tiles (ties give the level at the end of their run, the same minimum), the
-  least candidate of the expert's copies taken with an integer atomic minimum;
-* the shares normalised and cumulated per expert (pairwise again) and written over the plan's
-  rows without replicas ([1, inf, …]: one copy takes everything).
+* an expert's copies are adjacent in the list, in column order (a *run*), so every per-expert sum
+  or minimum is a loop over the run — k < the longest run, a few copies, found on the device from
+  the list, so a plan switch changes it without a recompile or a new CUDA-graph capture;
+* the experts with one copy add their whole counts to their GPUs' base loads once; per Jacobi
+  sweep only the replicated copies' tokens are added (integer atomics into a few hundred bytes of
+  scratch, relaxed at block scope: the barrier after them orders them, and nothing outside the
+  block reads the scratch), each copy's floor (its GPU's load without it) read back, and its
+  expert's water level min_k (count + Σ_{i≤k} floor_(i)) / k computed without sorting: for copy j,
+  k_j = #{copies i of its run with floor_i ≤ floor_j} and the sum of those floors (ties give the
+  level at the end of their run of equal floors, the same minimum), then the least over the run;
+* the shares normalised and cumulated over the run and written over the plan's rows without
+  replicas ([1, inf, …]: one copy takes everything).
 
-Loads add up in fixed point (int64, 2⁻²⁴ of a token) and the minima of non-negative floats as
-integers: integer atomics are associative, so a graph replay computes bit for bit what an eager
-call does. The arithmetic is :func:`level_shares`' step for step (its torch code is the CPU twin,
-and the reference the tests compare with): results agree to float32 rounding. This module imports
-Triton: :mod:`dispatch` imports it only where it runs
-(:func:`~vexpert_runtime.model.dispatch.fused_dispatch_runs`).
+Loads add up in fixed point (int64, 2⁻²⁴ of a token): integer atomics are associative, so a graph
+replay computes bit for bit what an eager call does. The arithmetic is :func:`level_shares`' step
+for step (its torch code is the CPU twin, and the reference the tests compare with): results
+agree to float32 rounding. This module imports Triton: :mod:`dispatch` imports it only where it
+runs (:func:`~vexpert_runtime.model.dispatch.fused_dispatch_runs`).
 
-Measured on an H200 at that shape (benchmarks/dispatch_cost.py): 66.9 µs per layer replayed from a
-CUDA graph at 8 warps — 6× below the torch path, 2× above the target. :func:`level_cum_shares_band`
-(``variant="band"``) cuts the dependent memory round trips per sweep from ~12 to ~4; it equals the
-twin in Triton's interpreter and is not yet timed on a GPU.
+Measured on an H200 at that shape (benchmarks/dispatch_cost.py; benchmarks/README §"Per-iteration
+dispatch"): the kernel alone 8.8 µs replayed from a CUDA graph (5.3 µs with no sweep; the graph's
+floor is ~3 µs), 15.9 µs with the layer's counts. Two earlier kernels over pairwise [32, C] tiles
+and [C, R] bands took 61 µs and 119 µs alone (block-wide reductions per tile, gpu-scope atomics).
 
 Shapes: ``E`` experts, ``R`` copy slots per expert in the dense table, ``N`` GPUs, ``C`` listed copies.
 """
@@ -44,7 +46,6 @@ import triton.language as tl
 if TYPE_CHECKING:
     from vexpert_runtime.model.dispatch import ReplicaCopies
 
-_CHUNK = 32  # rows of each pairwise tile: [CHUNK, C]
 _FIXED = float(2**24)  # fixed-point scale of token loads
 
 
@@ -84,17 +85,6 @@ def _load_copies(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_ptr, step_
 
 
 @triton.jit
-def _floors(loads_row, single, w_single, gpu, valid, mine, FIXED: tl.constexpr):
-    """Each copy's floor: its GPU's load without it. The loads — the experts with one copy (whole
-    counts) and the replicated copies' tokens — add up in fixed point in ``loads_row`` (zeroed)."""
-    tl.atomic_add(loads_row + single, w_single, mask=single >= 0)
-    tl.atomic_add(loads_row + gpu, (mine * FIXED + 0.5).to(tl.int64), mask=valid)
-    tl.debug_barrier()
-    load = tl.load(loads_row + gpu, mask=valid, other=0, volatile=True).to(tl.float32) * (1.0 / FIXED)
-    return load - mine
-
-
-@triton.jit
 def _jacobi_step(share, previous, step, level, floor, inv_w, MOMENTUM: tl.constexpr):
     """level_shares' damped update towards the water-filling target, with momentum."""
     target = tl.maximum(level - floor, 0.0) * inv_w
@@ -114,140 +104,10 @@ def _store_cumulative(out_ptr, x, R, col, valid, total, upto, copies, rank):
 @triton.jit
 def level_cum_shares(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_ptr, step_ptr, cum_ptr, out_ptr,
                      iscratch_ptr, fscratch_ptr, E, R, C, TABLE, SWEEPS: tl.constexpr, BLOCK_E: tl.constexpr,
-                     BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, COPY_BLOCK: tl.constexpr,
+                     BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, COPY_BLOCK: tl.constexpr,
                      TABLE_CHUNKS: tl.constexpr, MOMENTUM: tl.constexpr, FIXED: tl.constexpr):
-    # int64 scratch: loads per GPU [SWEEPS, BN] | level bits per expert [SWEEPS, BE];
-    # float32 scratch: floors [SWEEPS, BC] | shares [BC]. A row per sweep: nothing is re-zeroed.
-    loads_s = iscratch_ptr
-    level_s = iscratch_ptr + SWEEPS * BLOCK_N
-    floor_s = fscratch_ptr
-    share_s = fscratch_ptr + SWEEPS * BLOCK_C
-
-    _write_single_copy_rows(out_ptr, R, TABLE, COPY_BLOCK, TABLE_CHUNKS)
-    nn = tl.arange(0, BLOCK_N)
-    ee = tl.arange(0, BLOCK_E)
-    for s in tl.static_range(SWEEPS):
-        tl.store(loads_s + s * BLOCK_N + nn, tl.zeros([BLOCK_N], dtype=tl.int64))
-        tl.store(level_s + s * BLOCK_E + ee, tl.full([BLOCK_E], 2**62, dtype=tl.int64))
-    c, expert, valid, x, gpu, col, step, share, w, single, w_single = _load_copies(
-        counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_ptr, step_ptr, cum_ptr, E, R, C, BLOCK_E, BLOCK_C, FIXED)
-    inv_w = 1.0 / tl.maximum(w, 1e-6)
-    tl.debug_barrier()
-
-    previous = share
-    for s in tl.static_range(SWEEPS):
-        mine = share * w
-        floor = _floors(loads_s + s * BLOCK_N, single, w_single, gpu, valid, mine, FIXED)
-        tl.store(floor_s + s * BLOCK_C + c, floor)
-        tl.debug_barrier()
-        # k_j and Σ floors of the copies of j's expert at or below floor_j, pairwise by tiles
-        wet = tl.zeros([BLOCK_C], dtype=tl.float32)
-        below = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for i0 in tl.static_range(0, BLOCK_C, CHUNK):
-            i = i0 + tl.arange(0, CHUNK)
-            x_i = tl.load(expert_ptr + i, mask=i < C, other=-1)
-            f_i = tl.load(floor_s + s * BLOCK_C + i)  # this block's own stores: no volatile needed
-            low = (x_i[:, None] == expert[None, :]) & (x_i[:, None] >= 0) & (f_i[:, None] <= floor[None, :])
-            wet += tl.sum(low.to(tl.float32), axis=0)
-            below += tl.sum(tl.where(low, f_i[:, None], 0.0), axis=0)
-        # the level: the least candidate over the expert's copies (non-negative floats order as ints)
-        level_j = tl.maximum((w + below) / tl.maximum(wet, 1.0), 0.0)
-        tl.atomic_min(level_s + s * BLOCK_E + x, level_j.to(tl.int32, bitcast=True).to(tl.int64), mask=valid)
-        tl.debug_barrier()
-        level = tl.load(level_s + s * BLOCK_E + x, mask=valid, other=0, volatile=True).to(tl.int32).to(tl.float32, bitcast=True)
-        previous, share = share, _jacobi_step(share, previous, step, level, floor, inv_w, MOMENTUM)
-
-    # normalise per expert and cumulate by column
-    tl.store(share_s + c, share)
-    tl.debug_barrier()
-    total = tl.zeros([BLOCK_C], dtype=tl.float32)
-    upto = tl.zeros([BLOCK_C], dtype=tl.float32)
-    copies = tl.zeros([BLOCK_C], dtype=tl.float32)
-    rank = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for i0 in tl.static_range(0, BLOCK_C, CHUNK):
-        i = i0 + tl.arange(0, CHUNK)
-        x_i = tl.load(expert_ptr + i, mask=i < C, other=-1)
-        s_i = tl.load(share_s + i)
-        col_i = tl.load(col_ptr + i, mask=i < C, other=0)
-        same = (x_i[:, None] == expert[None, :]) & (x_i[:, None] >= 0)
-        before = same & (col_i[:, None] <= col[None, :])
-        total += tl.sum(tl.where(same, s_i[:, None], 0.0), axis=0)
-        upto += tl.sum(tl.where(before, s_i[:, None], 0.0), axis=0)
-        copies += tl.sum(same.to(tl.float32), axis=0)
-        rank += tl.sum(before.to(tl.float32), axis=0)
-    _store_cumulative(out_ptr, x, R, col, valid, total, upto, copies, rank)
-
-
-@triton.jit
-def level_cum_shares_band(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_ptr, step_ptr, cum_ptr, out_ptr,
-                          iscratch_ptr, fscratch_ptr, E, R, C, TABLE, SWEEPS: tl.constexpr, BLOCK_E: tl.constexpr,
-                          BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
-                          COPY_BLOCK: tl.constexpr, TABLE_CHUNKS: tl.constexpr, MOMENTUM: tl.constexpr,
-                          FIXED: tl.constexpr):
-    """The same arithmetic as :func:`level_cum_shares`, the per-expert comparisons over a band:
-    an expert's copies are adjacent in the list, in column order, so copy j's siblings are the list
-    entries j − col_j … j − col_j + R − 1 with the same expert — one [C, R] tile per pass, loaded at
-    once, instead of C / 32 dependent [32, C] tiles; the level's minimum over the band too (no
-    atomics)."""
-    # int64 scratch: loads per GPU [SWEEPS, BN]; float32: floors, levels [SWEEPS, BC] each | shares [BC]
-    loads_s = iscratch_ptr
-    floor_s = fscratch_ptr
-    level_s = fscratch_ptr + SWEEPS * BLOCK_C
-    share_s = fscratch_ptr + 2 * SWEEPS * BLOCK_C
-
-    _write_single_copy_rows(out_ptr, R, TABLE, COPY_BLOCK, TABLE_CHUNKS)
-    nn = tl.arange(0, BLOCK_N)
-    for s in tl.static_range(SWEEPS):
-        tl.store(loads_s + s * BLOCK_N + nn, tl.zeros([BLOCK_N], dtype=tl.int64))
-    c, expert, valid, x, gpu, col, step, share, w, single, w_single = _load_copies(
-        counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_ptr, step_ptr, cum_ptr, E, R, C, BLOCK_E, BLOCK_C, FIXED)
-    inv_w = 1.0 / tl.maximum(w, 1e-6)
-    # the band: list entries of j's expert, [C, BAND]
-    k = tl.arange(0, BAND)[None, :]
-    sibling = (c - col)[:, None] + k
-    inband = (sibling < C) & valid[:, None]
-    inband = inband & (tl.load(expert_ptr + sibling, mask=inband, other=-1) == expert[:, None])
-    tl.debug_barrier()
-
-    previous = share
-    for s in tl.static_range(SWEEPS):
-        mine = share * w
-        floor = _floors(loads_s + s * BLOCK_N, single, w_single, gpu, valid, mine, FIXED)
-        tl.store(floor_s + s * BLOCK_C + c, floor)
-        tl.debug_barrier()
-        f_k = tl.load(floor_s + s * BLOCK_C + sibling, mask=inband, other=0.0)
-        low = inband & (f_k <= floor[:, None])
-        wet = tl.sum(low.to(tl.float32), axis=1)
-        below = tl.sum(tl.where(low, f_k, 0.0), axis=1)
-        tl.store(level_s + s * BLOCK_C + c, (w + below) / tl.maximum(wet, 1.0))
-        tl.debug_barrier()
-        level = tl.min(tl.load(level_s + s * BLOCK_C + sibling, mask=inband, other=float("inf")), axis=1)
-        level = tl.where(valid, level, 0.0)  # padding rows: no band, keep them finite
-        previous, share = share, _jacobi_step(share, previous, step, level, floor, inv_w, MOMENTUM)
-
-    tl.store(share_s + c, share)
-    tl.debug_barrier()
-    s_k = tl.load(share_s + sibling, mask=inband, other=0.0)
-    total = tl.sum(s_k, axis=1)
-    upto = tl.sum(tl.where(k <= col[:, None], s_k, 0.0), axis=1)  # siblings at or before j: columns ≤ col_j
-    copies = tl.sum(inband.to(tl.float32), axis=1)
-    rank = (col + 1).to(tl.float32)
-    _store_cumulative(out_ptr, x, R, col, valid, total, upto, copies, rank)
-
-
-@triton.jit
-def level_cum_shares_runs(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_ptr, step_ptr, cum_ptr, out_ptr,
-                          iscratch_ptr, fscratch_ptr, E, R, C, TABLE, SWEEPS: tl.constexpr, BLOCK_E: tl.constexpr,
-                          BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, COPY_BLOCK: tl.constexpr,
-                          TABLE_CHUNKS: tl.constexpr, MOMENTUM: tl.constexpr, FIXED: tl.constexpr):
-    """The same arithmetic as :func:`level_cum_shares`, per expert over its *run*: an expert's copies
-    are adjacent in the list, in column order, so copy j's siblings are the entries
-    j − col_j + k for k below its expert's copy count. Every per-expert sum and minimum is a loop of
-    [C] loads over k < the longest run (a few copies, read from the list on the device: a plan
-    switch changes it without recompiling or re-capturing), not a [C, C] or [C, R] tile. The
-    experts with one copy add their GPUs' base loads once, not every sweep, and the atomics are
-    relaxed at block scope (the barrier that follows orders them: nothing outside the block reads
-    the scratch)."""
+    """One layer's cumulative shares (the module's docstring says how). Copy j's run is the list
+    entries j − col_j + k for k < ``copies`` (its expert's copy count)."""
     # int64 scratch: base loads [BN] | loads per sweep [SWEEPS, BN];
     # float32: floors, levels [SWEEPS, BC] each | shares [BC]. A row per sweep: nothing is re-zeroed.
     base_s = iscratch_ptr
@@ -292,7 +152,7 @@ def level_cum_shares_runs(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_p
         wet = tl.zeros([BLOCK_C], dtype=tl.float32)
         below = tl.zeros([BLOCK_C], dtype=tl.float32)
         k = 0
-        while k < longest:  # (a while: Triton's interpreter takes no tensor range bound)
+        while k < longest:
             inrun = valid & (k < copies)
             f_k = tl.load(floor_s + s * BLOCK_C + first + k, mask=inrun, other=0.0)
             low = inrun & (f_k <= floor)
@@ -303,7 +163,7 @@ def level_cum_shares_runs(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_p
         tl.debug_barrier()
         level = tl.full([BLOCK_C], float("inf"), dtype=tl.float32)
         k = 0
-        while k < longest:  # (a while: Triton's interpreter takes no tensor range bound)
+        while k < longest:
             inrun = valid & (k < copies)
             level = tl.minimum(level, tl.load(level_s + s * BLOCK_C + first + k, mask=inrun, other=float("inf")))
             k += 1
@@ -315,7 +175,7 @@ def level_cum_shares_runs(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_p
     total = tl.zeros([BLOCK_C], dtype=tl.float32)
     upto = tl.zeros([BLOCK_C], dtype=tl.float32)
     k = 0
-    while k < longest:  # (a while: Triton's interpreter takes no tensor range bound)
+    while k < longest:
         s_k = tl.load(share_s + first + k, mask=valid & (k < copies), other=0.0)
         total += s_k
         upto += tl.where(k <= col, s_k, 0.0)  # siblings at or before j: columns ≤ col_j
@@ -324,7 +184,7 @@ def level_cum_shares_runs(counts_ptr, single_gpu_ptr, expert_ptr, gpu_ptr, col_p
 
 
 def fused_cum_shares(counts: torch.Tensor, copies: ReplicaCopies, plan_cum_share: torch.Tensor, num_gpus: int,
-                     sweeps: int, num_warps: int = 8, variant: str = "tiles") -> torch.Tensor:
+                     sweeps: int, num_warps: int = 8) -> torch.Tensor:
     """``cumulative_shares(level_shares(counts, gpu, N, sweeps, start=plan_shares(plan_cum_share)), gpu)``
     in one kernel launch (no host sync; capturable in a CUDA graph).
 
@@ -333,9 +193,8 @@ def fused_cum_shares(counts: torch.Tensor, copies: ReplicaCopies, plan_cum_share
         copies: the layer's :class:`ReplicaCopies` (the dense table's replicated rows, listed).
         plan_cum_share: [E, R] float64 the plan's cumulative shares (padding inf).
         num_gpus: N. sweeps: Jacobi sweeps (0: the plan's shares, normalised).
-        num_warps: threads of the block / 32 (8 measured fastest at DeepSeek-V3 shape on H200).
-        variant: ``tiles`` (measured: the default) or ``band`` (:func:`level_cum_shares_band`, fewer
-            dependent memory round trips; not yet timed on a GPU — the dispatch benchmark times both).
+        num_warps: threads of the block / 32 (8 measured fastest at DeepSeek-V3 shape on H200:
+            one thread per listed copy).
     Tensors on a CUDA device (CPU tensors only under Triton's interpreter, ``TRITON_INTERPRET=1``).
     Returns [E, R] float64 cumulative shares, as ``choose_replicas`` draws from.
     """
@@ -345,27 +204,16 @@ def fused_cum_shares(counts: torch.Tensor, copies: ReplicaCopies, plan_cum_share
     listed = copies.expert.shape[0]
     if listed > MAX_FUSED_COPIES:
         raise ValueError(f"fused dispatch takes up to {MAX_FUSED_COPIES} listed copies, got {listed}")
-    block_n, block_e, block_c = _pow2(num_gpus + 1), _pow2(num_experts), max(_CHUNK, _pow2(listed))
+    block_n, block_e, block_c = _pow2(num_gpus + 1), _pow2(num_experts), _pow2(max(listed, 1))
     device = plan_cum_share.device
     out = torch.empty(num_experts, width, dtype=torch.float64, device=device)
-    args = (counts.contiguous(), copies.single_gpu, copies.expert, copies.gpu, copies.col, copies.step,
-            plan_cum_share.to(torch.float64).contiguous(), out)
-    shape = (num_experts, width, listed, num_experts * width)
-    common = {"SWEEPS": sweeps, "BLOCK_E": block_e, "BLOCK_C": block_c, "BLOCK_N": block_n, "COPY_BLOCK": 1024,
-              "TABLE_CHUNKS": -(-num_experts * width // 1024), "MOMENTUM": _MOMENTUM, "FIXED": _FIXED,
-              "num_warps": num_warps}
-    if variant == "runs":
-        iscratch = torch.empty((max(1, sweeps) + 1) * block_n, dtype=torch.int64, device=device)
-        fscratch = torch.empty((2 * sweeps + 1) * block_c, dtype=torch.float32, device=device)
-        level_cum_shares_runs[(1,)](*args, iscratch, fscratch, *shape, **common)
-    elif variant == "band":
-        iscratch = torch.empty(max(1, sweeps) * block_n, dtype=torch.int64, device=device)
-        fscratch = torch.empty((2 * sweeps + 1) * block_c, dtype=torch.float32, device=device)
-        level_cum_shares_band[(1,)](*args, iscratch, fscratch, *shape, BAND=_pow2(width), **common)
-    elif variant == "tiles":
-        iscratch = torch.empty(max(1, sweeps) * (block_n + block_e), dtype=torch.int64, device=device)
-        fscratch = torch.empty((sweeps + 1) * block_c, dtype=torch.float32, device=device)
-        level_cum_shares[(1,)](*args, iscratch, fscratch, *shape, CHUNK=_CHUNK, **common)
-    else:
-        raise ValueError(f"variant {variant!r} is not runs, tiles or band")
+    # int64: base loads and loads per sweep [1 + SWEEPS, BN]; float32: floors, levels [SWEEPS, BC] | shares [BC]
+    iscratch = torch.empty((1 + sweeps) * block_n, dtype=torch.int64, device=device)
+    fscratch = torch.empty((2 * sweeps + 1) * block_c, dtype=torch.float32, device=device)
+    level_cum_shares[(1,)](
+        counts.contiguous(), copies.single_gpu, copies.expert, copies.gpu, copies.col, copies.step,
+        plan_cum_share.to(torch.float64).contiguous(), out, iscratch, fscratch,
+        num_experts, width, listed, num_experts * width,
+        SWEEPS=sweeps, BLOCK_E=block_e, BLOCK_C=block_c, BLOCK_N=block_n, COPY_BLOCK=1024,
+        TABLE_CHUNKS=-(-num_experts * width // 1024), MOMENTUM=_MOMENTUM, FIXED=_FIXED, num_warps=num_warps)
     return out
