@@ -27,10 +27,11 @@ for step (its torch code is the CPU twin, and the reference the tests compare wi
 agree to float32 rounding. This module imports Triton: :mod:`dispatch` imports it only where it
 runs (:func:`~vexpert_runtime.model.dispatch.fused_dispatch_runs`).
 
-Measured on an H200 at that shape (benchmarks/dispatch_cost.py; benchmarks/README §"Per-iteration
-dispatch"): the kernel alone 8.8 µs replayed from a CUDA graph (5.3 µs with no sweep; the graph's
-floor is ~3 µs), 15.9 µs with the layer's counts. Two earlier kernels over pairwise [32, C] tiles
-and [C, R] bands took 61 µs and 119 µs alone (block-wide reductions per tile, gpu-scope atomics).
+Measured on an H200 at that shape (benchmarks/dispatch_cost.py; benchmarks/README, "Cost per layer
+on an H200"): the kernel alone 8.8–9.2 µs replayed from a CUDA graph (an empty replay: ~4 µs),
+15.6 µs with the layer's counts; the replica choice after it 14.4 µs slower than after the plan's
+shares. Two earlier kernels over pairwise [32, C] tiles and [C, R] bands took 61 µs and 119 µs
+alone (block-wide reductions per tile; wide gathers for runs of ~2).
 
 Shapes: ``E`` experts, ``R`` copy slots per expert in the dense table, ``N`` GPUs, ``C`` listed copies.
 """

@@ -52,7 +52,7 @@ class HardwareParameters(BaseModel):
     )
     # Measured costs of the per-iteration control path (issue #14). Defaults: the graphed allocator
     # on an H200 (benchmarks §2: 0.5–0.65 ms), a small NCCL all-reduce over the EP group (a few
-    # µs on NVLink, tens across nodes over InfiniBand), the dispatch kernel's target (≤ 30 µs).
+    # µs on NVLink, tens across nodes over InfiniBand), the dispatch kernel as measured below.
     allocator_time_s: float = Field(
         0.65e-3, ge=0, le=10, description="One allocation's mapping (the allocator itself, graphed on the GPU), s"
     )
@@ -62,10 +62,10 @@ class HardwareParameters(BaseModel):
     allreduce_bandwidth_gb_per_s: float = Field(
         40.0, gt=0, le=10_000, description="All-reduce bus bandwidth over the EP group for larger payloads, GB/s"
     )
-    # Measured on an H200 (benchmarks/README.md, "Cost per layer"): the fused kernel at DeepSeek-V3
-    # shape (EP64, 2 slots/GPU) adds 61-65 µs per layer to the replica choice in a CUDA graph.
+    # Measured on an H200 (benchmarks/README.md, "Cost per layer"): the counts and the fused kernel at
+    # DeepSeek-V3 shape (EP64, 2 slots/GPU) add 14.4-15.2 µs per layer to the replica choice in a CUDA graph.
     dispatch_time_per_layer_s: float = Field(
-        65e-6, ge=0, le=10, description="Per-iteration replica dispatch (shares from the batch's counts) per layer, s"
+        15e-6, ge=0, le=10, description="Per-iteration replica dispatch (shares from the batch's counts) per layer, s"
     )
     hbm_gb: float = Field(
         80.0, ge=0, le=100_000, description="HBM per GPU, GB (1e9 B); 0 = do not model the KV cache"
