@@ -103,6 +103,21 @@ def test_profile_round_trip(tmp_path):
     assert "h2d_bandwidth_gb_per_s" in json.dumps(schema)
 
 
+def test_profile_parameters_ignore_provenance() -> None:
+    """The GPU node's allocator keys its compiled graph by the profile's parameters: two profiles
+    with the same figures made at different times (a default profile is stamped to the second)
+    must share it, or every allocation window would compile and capture again (seen on the H200:
+    a second graph for the same shapes and knobs)."""
+    from vexpert_runtime.policy.profile import Provenance
+
+    early = PerformanceProfile(provenance=Provenance(created_at="2026-12-01T18:00:00+00:00"))
+    late = PerformanceProfile(provenance=Provenance(created_at="2026-12-01T18:00:01+00:00", source="manual"))
+    assert early != late and early.parameters_json() == late.parameters_json()
+    other = early.with_hardware(HardwareParameters(contention_eta=0.03))
+    assert other.parameters_json() != early.parameters_json()
+    assert json.loads(early.parameters_json()).keys() == {"load_balance", "hardware"}
+
+
 @pytest.mark.parametrize(
     ("raw", "field"),
     [

@@ -1007,7 +1007,7 @@ class DeviceAllocator:
              consts: InferenceConstants | None) -> GraphedAllocator:
         config, profile = config or AllocatorConfig(), profile or PerformanceProfile()
         consts = consts or InferenceConstants(experts_per_gpu=max(1, counts.shape[-1] // max(1, num_gpus)))
-        key = (tuple(counts.shape), num_gpus, config, profile.model_dump_json(), consts)
+        key = (tuple(counts.shape), num_gpus, config, profile.parameters_json(), consts)
         if key not in self._graphed:
             self._graphed[key] = GraphedAllocator(
                 counts.shape[0], counts.shape[1], num_gpus, config, profile, consts, self.device, self.compile

@@ -122,6 +122,11 @@ class PerformanceProfile(BaseModel):
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)
 
+    def parameters_json(self) -> str:
+        """The model's parameters alone (no provenance): what a plan depends on, so two profiles with
+        the same figures made at different times key the same compiled allocator."""
+        return self.model_dump_json(include={"load_balance", "hardware"})
+
 
 def load_profile(path: str | Path) -> PerformanceProfile:
     """Read a ``PerformanceProfile`` JSON file; bad files raise ``VExpertInputError`` naming the field."""
