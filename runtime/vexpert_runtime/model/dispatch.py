@@ -260,7 +260,8 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-# Beyond this many listed copies (pairwise work C² per sweep, one thread block) the torch code runs.
+# Beyond this many listed copies the torch code runs: the kernel keeps the whole list in one thread
+# block's registers (C = 2·N·S is 256 at EP64 with 2 slots per GPU; 1024 covers EP256).
 MAX_FUSED_COPIES = 1024
 
 
