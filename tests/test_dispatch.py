@@ -18,9 +18,19 @@ import torch
 import torch.multiprocessing as mp
 
 from runtime_support import TINY_DEEPSEEK_SPEC
-from test_runtime_ep_moe import DS, SKEW, TOKENS, WORLD, _by_case, _check_exact, _random_plan, _run_rank
+from test_runtime_ep_moe import (
+    DS,
+    SKEW,
+    TOKENS,
+    WORLD,
+    _by_case,
+    _check_exact,
+    _random_plan,
+    _run_rank,
+    plan_for_skew,
+)
 from vexpert_runtime.config import RuntimeConfig
-from vexpert_runtime.model.checkpoint import CheckpointReader, write_tiny_checkpoint
+from vexpert_runtime.model.checkpoint import write_tiny_checkpoint
 from vexpert_runtime.model.dispatch import (
     _DRY,
     DISPATCH_MODES,
@@ -41,11 +51,7 @@ from vexpert_runtime.model.ep_moe import (
     plan_from_slots,
     table_from_plan,
 )
-from vexpert_runtime.model.reference import ModelWeights
-from vexpert_runtime.model.routing import route
 from vexpert_runtime.node import NodeOptions, resolve_setup, run_node
-from vexpert_runtime.policy.allocator import AllocatorConfig, allocate
-from vexpert_runtime.policy.perf_model import InferenceConstants
 from vexpert_runtime.policy.placement import balance_ratio, static_placement
 from vexpert_runtime.ports import free_port
 from vexpert_runtime.simulation.workload import drifting_workload
@@ -129,25 +135,12 @@ def test_auto_picks_global_when_the_all_reduce_is_cheaper_than_the_balance_it_bu
 # ------------------------------------------------------------------------------------------------
 
 
-def _stale_plan(ckpt: str) -> Any:
-    """An allocator plan made from the counts PLAN_SKEW routes (not the batches' SKEW)."""
-    weights = ModelWeights.load(CheckpointReader(ckpt, DS))
-    counts = torch.zeros(DS.num_layers, DS.num_experts)
-    for layer in range(DS.num_layers):
-        for rank in range(WORLD):
-            x = torch.randn(TOKENS[rank], DS.hidden_size, generator=torch.Generator().manual_seed(1000 * 3 + rank))
-            ids, _ = route(x, weights.routers[layer], DS, PLAN_SKEW)
-            counts[layer] += torch.bincount(ids.reshape(-1), minlength=DS.num_experts)
-    consts = InferenceConstants(tokens_per_gpu=20, top_k=DS.top_k, experts_per_gpu=4, expert_bytes=DS.expert_bytes(torch.float32))
-    return allocate(counts, static_placement(2, 16, WORLD), WORLD, AllocatorConfig(2, 1, 0.99), consts=consts)
-
-
 @pytest.fixture(scope="module")
 def dispatch_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     root = tmp_path_factory.mktemp("dispatch")
     ckpt = str(root / "ds")
     write_tiny_checkpoint(ckpt, DS, seed=1)
-    stale = table_from_plan(_stale_plan(ckpt), 1)
+    stale = table_from_plan(plan_for_skew(ckpt, PLAN_SKEW)[0], 1)  # made for PLAN_SKEW, the batches route SKEW
     wide = table_from_plan(_random_plan(2, 16, 3, seed=7), 2)  # random shares, an expert on every GPU
     cases = []
     for mode in DISPATCH_MODES:

@@ -261,6 +261,20 @@ def _check_exact(by_case: dict[str, list[dict[str, Any]]], world: int) -> None:
         assert all(r["finite"] for r in rows)
 
 
+def plan_for_skew(ckpt: str, skew: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """The allocator's plan for the counts [L, E] ``skew`` routes the cases' inputs (seed 3) to on DS,
+    and those counts."""
+    weights = ModelWeights.load(CheckpointReader(ckpt, DS))
+    counts = torch.zeros(DS.num_layers, DS.num_experts)
+    for layer in range(DS.num_layers):
+        for rank in range(WORLD):
+            x = torch.randn(TOKENS[rank], DS.hidden_size, generator=torch.Generator().manual_seed(1000 * 3 + rank))
+            ids, _ = route(x, weights.routers[layer], DS, skew)
+            counts[layer] += torch.bincount(ids.reshape(-1), minlength=DS.num_experts)
+    consts = InferenceConstants(tokens_per_gpu=20, top_k=DS.top_k, experts_per_gpu=4, expert_bytes=DS.expert_bytes(torch.float32))
+    return allocate(counts, static_placement(2, 16, WORLD), WORLD, AllocatorConfig(2, 1, 0.99), consts=consts), counts
+
+
 @pytest.fixture(scope="module")
 def ep_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
     root = tmp_path_factory.mktemp("ep")
@@ -268,15 +282,7 @@ def ep_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list
     write_tiny_checkpoint(ds_dir, DS, seed=1)
     write_tiny_checkpoint(qw_dir, QW, seed=2)
     # An allocator plan made from exactly the counts the skewed routing produces on these inputs.
-    weights = ModelWeights.load(CheckpointReader(ds_dir, DS))
-    counts = torch.zeros(DS.num_layers, DS.num_experts)
-    for layer in range(DS.num_layers):
-        for rank in range(WORLD):
-            x = torch.randn(TOKENS[rank], DS.hidden_size, generator=torch.Generator().manual_seed(1000 * 3 + rank))
-            ids, _ = route(x, weights.routers[layer], DS, SKEW)
-            counts[layer] += torch.bincount(ids.reshape(-1), minlength=DS.num_experts)
-    consts = InferenceConstants(tokens_per_gpu=20, top_k=DS.top_k, experts_per_gpu=4, expert_bytes=DS.expert_bytes(torch.float32))
-    plan = allocate(counts, static_placement(2, 16, WORLD), WORLD, AllocatorConfig(2, 1, 0.99), consts=consts)
+    plan, counts = plan_for_skew(ds_dir, SKEW)
     cases = [
         {"name": "static", "spec": DS, "ckpt": ds_dir, "layer": 0, "seed": 1, "bias": None, "table": static_table(2, 16, WORLD, 2)},
         {"name": "allocator-l0", "spec": DS, "ckpt": ds_dir, "layer": 0, "seed": 3, "bias": SKEW, "table": table_from_plan(plan, 1)},
