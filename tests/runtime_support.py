@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 
 from vexpert_runtime.model.checkpoint import DEEPSEEK, MoESpec
 from vexpert_runtime.model.expert_layout import FP8_BLOCK
@@ -34,3 +35,13 @@ TINY_FP8_DEEPSEEK_SPEC = dataclasses.replace(
     fp8_block=(128, 128),
     expert_storage=FP8_BLOCK,
 )
+
+
+def stop_process(proc: subprocess.Popen[bytes] | subprocess.Popen[str], timeout: float) -> None:
+    """Terminate a runtime process started by a test; kill it if it has not exited after ``timeout`` s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

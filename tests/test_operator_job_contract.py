@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from operator_support.samples import spec
+from runtime_support import stop_process
 from vexpert_operator import manifests as mf
 from vexpert_operator.calibration import JobSummary, failure_reason, parse_result
 from vexpert_operator.settings import OperatorSettings
@@ -120,12 +121,7 @@ def test_node_runtime_accepts_the_rendered_config_and_its_metrics_parse(tmp_path
         assert sample.tokens_per_second is not None and sample.tokens_per_second > 0
         assert sample.allocator_share is not None and sample.degraded_pods == 0
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 20)
 
 
 def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) -> None:
@@ -181,12 +177,7 @@ def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) 
         assert values.get("vexpert_serve_generated_tokens_total", 0) >= 1, values
         assert "vexpert_step_seconds" in values
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 30)
 
 
 def test_scrape_reads_a_body_that_arrives_in_pieces() -> None:

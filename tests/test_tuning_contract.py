@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from operator_support.samples import spec
+from runtime_support import stop_process
 from vexpert_operator.plan import PlanInputs, plan_group
 from vexpert_operator.tuning import TuningState, aggregate, decide_tuning, parse_runtime_metrics
 from vexpert_runtime.node.setup import memory_plan
@@ -98,12 +99,7 @@ def test_tuner_decides_on_a_real_nodes_metrics(tmp_path: Path) -> None:
             time.sleep(0.2)
         assert wanted <= values.keys(), (sorted(values), proc.stderr.read() if proc.stderr else "")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 20)
     # readiness: 503 with a one-line reason until ready, then 200
     assert probes[-1] == (200, "ready\n")
     assert all(code == 503 and body.startswith("not ready: ") and body.count("\n") == 1
