@@ -136,6 +136,16 @@ def graphed(fn: Callable[[], Any], dev: torch.device) -> Callable[[], Any] | Non
     return graph.replay
 
 
+def shares_row(name: str, fn: Callable[[], Any], reps: int, dev: torch.device) -> dict[str, Any]:
+    """Eager and graph-replayed µs, kernels and sync-freedom of one share computation."""
+    row: dict[str, Any] = {"mode": name, "shares_eager_us": round(timed(fn, reps, dev), 2),
+                           "kernels_shares": kernels(fn, dev), "sync_free": sync_free(fn, dev)}
+    replay = graphed(fn, dev)
+    if replay is not None:
+        row["shares_graph_us"] = round(timed(replay, reps, dev), 2)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experts", type=int, default=256)
@@ -224,13 +234,9 @@ def main() -> None:
             out = fn()
             reference = twin_out if not name.endswith("sweeps0") else cumulative_shares(
                 level_shares(counts_once, gpu, args.gpus, 0, plan_shares(cum)), gpu)
-            row = {"mode": name, "shares_eager_us": round(timed(fn, reps, dev), 2),
-                   "kernels_shares": kernels(fn, dev), "sync_free": sync_free(fn, dev),
+            row = {**shares_row(name, fn, reps, dev),
                    "max_abs_diff_vs_twin": float((out[fin] - reference[fin]).abs().max()),
                    "same_padding": bool(torch.equal(torch.isfinite(out), fin))}
-            replay = graphed(fn, dev)
-            if replay is not None:
-                row["shares_graph_us"] = round(timed(replay, reps, dev), 2)
             if rank == 0:
                 print(json.dumps(row), flush=True)
             rows.append(row)
@@ -242,11 +248,7 @@ def main() -> None:
             counts = all_reduce_counts(layer_counts(ids, args.experts), group)
             return cumulative_shares(fused(counts, gpu, args.gpus, args.sweeps, plan_shares(cum)), gpu)
 
-        row = {"mode": "global-compiled", "shares_eager_us": round(timed(compiled, reps, dev), 2),
-               "kernels_shares": kernels(compiled, dev), "sync_free": sync_free(compiled, dev)}
-        replay = graphed(compiled, dev)
-        if replay is not None:
-            row["shares_graph_us"] = round(timed(replay, reps, dev), 2)
+        row = shares_row("global-compiled", compiled, reps, dev)
         if rank == 0:
             print(json.dumps(row), flush=True)
         rows.append(row)
