@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from vexpert_runtime.serve.api import ApiConfig, ApiServer, ServeApi
 from vexpert_runtime.serve.dispatcher import EventChannel
 from vexpert_runtime.serve.events import Event, GenerationRequest, RankLoad, shutting_down
-from vexpert_runtime.serve.sampling import eos_token_ids
+from vexpert_runtime.serve.sampling import eos_token_ids, sample_tokens, sampling_tensors
 from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
 from vexpert_runtime.serve.step import SequenceWork, StepModel
 
@@ -122,10 +122,14 @@ class RecomputeStepModel:
     ``gate`` (when set) makes steps wait for it, to hold requests in flight.
     """
 
-    def __init__(self, hf_model: Any, max_context: int = MAX_CONTEXT) -> None:
+    kv_block_size = 16
+    kv_cache_bytes = 0
+
+    def __init__(self, hf_model: Any, max_context: int = MAX_CONTEXT, kv_num_blocks: int = 1024) -> None:
         self.hf_model = hf_model
         self.vocab_size = int(hf_model.config.vocab_size)
         self.max_context = max_context
+        self.kv_num_blocks = kv_num_blocks
         self.held: dict[int, list[int]] = {}
         self.steps: list[list[SequenceWork]] = []
         self.released: list[int] = []
@@ -142,14 +146,17 @@ class RecomputeStepModel:
             self.gate.wait(30)
         if self.delay_s:
             time.sleep(self.delay_s)
-        rows = []
-        for item in work:
+        out = torch.full((len(work),), -1, dtype=torch.int64)
+        for row, item in enumerate(work):
             held = self.held.setdefault(item.seq_id, [])
             assert item.position == len(held), f"seq {item.seq_id}: position {item.position} != {len(held)} held"
+            assert len(item.blocks) * self.kv_block_size >= item.position + len(item.tokens)
             held.extend(item.tokens)
-            with torch.no_grad():
-                rows.append(self.hf_model(torch.tensor([held])).logits[0, -1].float())
-        return torch.stack(rows) if rows else torch.empty(0, self.vocab_size)
+            if item.sample is not None:
+                with torch.no_grad():
+                    logits = self.hf_model(torch.tensor([held])).logits[0, -1:].float()
+                out[row] = sample_tokens(logits, *sampling_tensors([item.sample], "cpu"))[0]
+        return out
 
     def release(self, seq_id: int) -> None:
         self.held.pop(seq_id, None)

@@ -345,8 +345,10 @@ class _RandomModel:
 
     vocab_size = 64
     max_context = 64
+    kv_cache_bytes = 0
 
-    def __init__(self) -> None:
+    def __init__(self, kv_block_size: int = 1, kv_num_blocks: int = 1000) -> None:
+        self.kv_block_size, self.kv_num_blocks = kv_block_size, kv_num_blocks
         self.steps: list[list[Any]] = []
         self.released: list[int] = []
 
@@ -355,7 +357,10 @@ class _RandomModel:
 
     def step(self, work: Any) -> torch.Tensor:
         self.steps.append(list(work))
-        return torch.randn(len(work), self.vocab_size)
+        for item in work:
+            assert len(item.blocks) * self.kv_block_size >= item.position + len(item.tokens)
+        tokens = torch.randint(0, self.vocab_size, (len(work),))
+        return torch.where(torch.tensor([item.sample is not None for item in work], dtype=torch.bool), tokens, -1)
 
     def release(self, seq_id: int) -> None:
         self.released.append(seq_id)
@@ -422,6 +427,60 @@ def test_scheduler_refusals_and_cancel() -> None:
         SchedulerConfig(kv_budget_tokens=32).check(64)
 
 
+def test_kv_blocks_are_taken_on_growth_and_a_request_that_does_not_fit_waits() -> None:
+    """Block size 4, 8 usable blocks (32 tokens). A request reserving exactly the whole pool is
+    admitted; the next waits (not refused) until the first finishes, then runs in the freed blocks."""
+    model = _RandomModel(kv_block_size=4, kv_num_blocks=9)
+    model.max_context = 32
+    scheduler = Scheduler(model, _Tok(), SchedulerConfig(kv_budget_tokens=1000, max_batch_tokens=8, max_running=4))
+    assert scheduler.pool.usable_blocks == 8 and scheduler.load().kv_tokens_budget == 32
+    events: list[Event] = []
+    scheduler.submit(_request("whole", 6, 26), events.append)  # 32 tokens = every block
+    scheduler.submit(_request("next", 3, 2), events.append)
+    scheduler.run_iteration()
+    load = scheduler.load()
+    assert (load.running, load.waiting) == (1, 1)
+    assert load.kv_tokens_reserved == 32 and load.kv_blocks_used == 2  # 6 prompt tokens hold 2 blocks, not 8
+    first = model.steps[0][0]
+    assert first.blocks == (1, 2) and first.sample is not None
+    for _ in range(3):
+        scheduler.run_iteration()
+    assert scheduler.load().kv_blocks_used == 3  # grew into a third block at token 9
+    while any(w.seq_id == 0 for w in model.steps[-1]):
+        scheduler.run_iteration()
+    assert scheduler.load().waiting == 0
+    while scheduler.has_work():
+        scheduler.run_iteration()
+    assert {e.request_id: e.finish_reason for e in events if e.finished} == {"whole": "length", "next": "length"}
+    assert not any(e.error for e in events)
+    assert scheduler.pool.used_blocks == 0 and scheduler.pool.reserved_blocks == 0
+
+
+def test_block_pool_reserves_grows_and_frees() -> None:
+    from vexpert_runtime.serve.kv_cache import SCRATCH_BLOCK, BlockPool, KVCacheFull
+
+    pool = BlockPool(num_blocks=5, block_size=4)  # 4 usable
+    assert pool.can_reserve(16) and not pool.can_reserve(17)
+    pool.reserve(1, 10)  # 3 blocks promised
+    assert pool.grow(1, 1) == [1] and pool.grow(1, 4) == [1] and pool.grow(1, 5) == [1, 2]
+    assert pool.slots(1, 3, 3) == [1 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1]
+    with pytest.raises(KVCacheFull):
+        pool.grow(1, 13)  # beyond its reservation
+    assert not pool.can_reserve(5)  # 3 + 2 > 4
+    with pytest.raises(KVCacheFull):
+        pool.reserve(2, 5)
+    pool.reserve(2, 4)
+    assert pool.grow(2, 4) == [3]
+    pool.free(1)
+    assert pool.free_blocks == 3 and pool.reserved_blocks == 1 and SCRATCH_BLOCK not in pool.table(2)
+    pool.reserve(3, 12)
+    assert sorted(pool.grow(3, 12)) == [1, 2, 4]  # freed blocks are reused; the scratch block never
+    pool.free(2)
+    pool.free(3)
+    pool.free(99)  # unknown: ignored
+    assert pool.free_blocks == 4 and pool.reserved_blocks == 0
+
+
 def test_what_crosses_process_boundaries_pickles() -> None:
     """A multi-process dispatcher sends requests, events, loads and refusals over queues."""
     import pickle
@@ -456,6 +515,36 @@ def test_incremental_detokenizer_matches_full_decode(tokenizer: Any) -> None:
     detok = IncrementalDetokenizer(tokenizer, [])
     streamed = "".join(detok.push(i) for i in ids) + detok.flush()
     assert streamed == tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+def test_sample_tokens_greedy_seeded_and_top_p() -> None:
+    from vexpert_runtime.serve.sampling import sample_tokens, sampling_tensors
+    from vexpert_runtime.serve.step import SamplingSpec
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    greedy = sample_tokens(logits, *sampling_tensors([SamplingSpec()] * 3, "cpu"))
+    assert greedy.tolist() == logits.argmax(1).tolist()
+    # A seeded row samples the same token whatever shares its batch; another draw index differs.
+    spec = SamplingSpec(temperature=1.0, top_p=1.0, seed=11, draw=3)
+    alone = sample_tokens(logits[:1], *sampling_tensors([spec], "cpu"))
+    batched = sample_tokens(logits, *sampling_tensors([spec, SamplingSpec(), SamplingSpec(1.0, 0.5, 4, 0)], "cpu"))
+    assert alone[0] == batched[0]
+    draws = [int(sample_tokens(logits[:1], *sampling_tensors([SamplingSpec(1.0, 1.0, 11, d)], "cpu"))[0])
+             for d in range(200)]
+    assert len(set(draws)) > 10
+    # Frequencies follow softmax: the hash race is a fair draw (2,000 draws over 4 tokens).
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    picks = torch.tensor([int(sample_tokens(probs.log(), *sampling_tensors([SamplingSpec(1.0, 1.0, 5, d)], "cpu"))[0])
+                          for d in range(2000)])
+    freq = torch.bincount(picks, minlength=4).float() / 2000
+    assert torch.allclose(freq, probs[0], atol=0.04)
+    # top-p: a token whose higher-ranked mass equals top_p exactly is outside the set.
+    edge = torch.tensor([[0.5, 0.25, 0.25]]).log()
+    kept = {int(sample_tokens(edge, *sampling_tensors([SamplingSpec(1.0, 0.75, 9, d)], "cpu"))[0]) for d in range(300)}
+    assert kept == {0, 1}
+    kept = {int(sample_tokens(edge, *sampling_tensors([SamplingSpec(1.0, 0.5, 9, d)], "cpu"))[0]) for d in range(300)}
+    assert kept == {0}
 
 
 def test_top_p_keeps_the_smallest_sufficient_set() -> None:

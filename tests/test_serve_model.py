@@ -23,7 +23,8 @@ transformers = pytest.importorskip("transformers")
 
 from vexpert_runtime.model.checkpoint import read_model_spec  # noqa: E402
 from vexpert_runtime.serve.hf_model import HFStepModel, LocalExperts, checkpoint_reader  # noqa: E402
-from vexpert_runtime.serve.step import SequenceWork  # noqa: E402
+from vexpert_runtime.serve.kv_cache import BlockPool  # noqa: E402
+from vexpert_runtime.serve.step import SamplingSpec, SequenceWork  # noqa: E402
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "qwen2_moe")
 # Prompts of different lengths; the second joins one step late, the third three steps late.
@@ -31,6 +32,7 @@ PROMPTS = ([5, 9, 17], [40, 2, 7, 8, 61, 33, 12, 90, 3], [11, 12, 13, 14, 15, 16
 JOINS = (0, 1, 3)
 NEW_TOKENS = (6, 4, 5)
 CHUNK = 4  # prompt tokens fed per step: the longer prompts are prefilled in chunks
+KV_TOKENS = 512  # KV-cache tokens of a test model (32 blocks of 16)
 
 
 def _config(family: str) -> Any:
@@ -97,8 +99,10 @@ def _reference(path: Path, prompts: Sequence[Sequence[int]] = PROMPTS,
 def drive(model: HFStepModel, prompts: Sequence[Sequence[int]], new_tokens: Sequence[int], joins: Sequence[int],
           chunk: int, more: Callable[[bool], bool] = lambda local: local, seq_base: int = 0) -> list[list[int]]:
     """A tiny continuous-batching driver: prompt i joins at step joins[i], is fed ``chunk`` tokens a
-    step, then decodes greedily until it has new_tokens[i] tokens and leaves (its cache released).
-    ``more(local_has_work)`` decides whether to run another step (the EP ranks' lockstep)."""
+    step, then decodes greedily until it has new_tokens[i] tokens and leaves (its blocks freed, so
+    later sequences reuse them). ``more(local_has_work)`` decides whether to run another step (the EP
+    ranks' lockstep)."""
+    pool = BlockPool(model.kv_num_blocks, model.kv_block_size)
     fed = [0] * len(prompts)
     out: list[list[int]] = [[] for _ in prompts]
     step = 0
@@ -107,17 +111,24 @@ def drive(model: HFStepModel, prompts: Sequence[Sequence[int]], new_tokens: Sequ
         for i, prompt in enumerate(prompts):
             if joins[i] > step or len(out[i]) == new_tokens[i]:
                 continue
+            if not pool.holds(seq_base + i):
+                pool.reserve(seq_base + i, len(prompt) + new_tokens[i])
             tokens = prompt[fed[i]:fed[i] + chunk] if fed[i] < len(prompt) else [out[i][-1]]
-            work.append(SequenceWork(seq_base + i, tuple(tokens), fed[i]))
+            blocks = pool.grow(seq_base + i, fed[i] + len(tokens))
+            sample = SamplingSpec(draw=len(out[i])) if fed[i] + len(tokens) >= len(prompt) else None
+            work.append(SequenceWork(seq_base + i, tuple(tokens), fed[i], tuple(blocks), sample))
             fed[i] += len(tokens)
-        logits = model.step(work)
-        assert logits.shape == (len(work), model.vocab_size) and logits.dtype == torch.float32
-        for row, item in zip(logits, work, strict=True):
+        sampled = model.step(work)
+        assert sampled.shape == (len(work),) and sampled.dtype == torch.int64
+        for token, item in zip(sampled.tolist(), work, strict=True):
             i = item.seq_id - seq_base
-            if fed[i] >= len(prompts[i]):  # the prompt is in: this row predicts a new token
-                out[i].append(int(row.argmax()))
-                if len(out[i]) == new_tokens[i]:
-                    model.release(item.seq_id)
+            if item.sample is None:
+                assert token == -1
+                continue
+            out[i].append(token)
+            if len(out[i]) == new_tokens[i]:
+                model.release(item.seq_id)
+                pool.free(item.seq_id)
         step += 1
     return out
 
@@ -130,26 +141,29 @@ def drive(model: HFStepModel, prompts: Sequence[Sequence[int]], new_tokens: Sequ
 @pytest.mark.parametrize("family", FAMILIES)
 def test_local_experts_match_generate(checkpoints: dict[str, Path], family: str) -> None:
     expected, _ = _reference(checkpoints[family])
-    model = HFStepModel(checkpoints[family], dtype=torch.float32)
+    model = HFStepModel(checkpoints[family], dtype=torch.float32, kv_cache_tokens=KV_TOKENS)
     assert isinstance(model.executor, LocalExperts)
     assert drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK) == expected
-    assert not model.caches  # every finished sequence released its cache
     assert len({t for seq in expected for t in seq}) > 3  # the tokens vary: the comparison means something
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_kv_bytes_per_token_counts_the_cache(checkpoints: dict[str, Path], family: str) -> None:
-    """MLA caches the compressed latent + rotary key per token, GQA keys and values."""
-    model = HFStepModel(checkpoints[family], dtype=torch.float32)
-    model.step([SequenceWork(7, tuple(range(1, 11)), 0)])
-    cache = model.caches[7]
-    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    assert held == 10 * model.kv_bytes_per_token()
+    """MLA caches the compressed latent + rotary key per token, GQA keys and values; a step writes
+    exactly the slots of its sequences' new tokens (block 3's first 10 slots here), nothing else."""
+    model = HFStepModel(checkpoints[family], dtype=torch.float32, kv_cache_tokens=KV_TOKENS)
+    assert model.kv_cache is not None
+    assert model.kv_cache_bytes == model.kv_num_blocks * model.kv_block_size * model.kv_bytes_per_token()
+    model.step([SequenceWork(7, tuple(range(1, 11)), 0, (3,))])
+    size = model.kv_block_size
+    for layer in model.kv_cache.layers:
+        written = layer.reshape(layer.shape[0], -1).abs().sum(1) > 0
+        assert written.nonzero().flatten().tolist() == list(range(3 * size, 3 * size + 10))
     assert model.max_context == 128
 
 
 def test_empty_step_still_runs_every_moe_layer(checkpoints: dict[str, Path]) -> None:
-    model = HFStepModel(checkpoints["deepseek_v3"], dtype=torch.float32)
+    model = HFStepModel(checkpoints["deepseek_v3"], dtype=torch.float32, kv_cache_tokens=KV_TOKENS)
     calls: list[tuple[int, int]] = []
     local = model.executor
 
@@ -159,13 +173,15 @@ def test_empty_step_still_runs_every_moe_layer(checkpoints: dict[str, Path]) -> 
             return local.forward(moe_layer, x, ids, weights)
 
     model.executor = Counting()
-    assert model.step([]).shape == (0, model.vocab_size)
+    assert model.step([]).shape == (0,)
     assert calls == [(0, 0), (1, 0)]
     calls.clear()
-    model.step([SequenceWork(1, (3, 4, 5), 0), SequenceWork(2, (6,), 0)])
+    model.step([SequenceWork(1, (3, 4, 5), 0, (1,)), SequenceWork(2, (6,), 0, (2,))])
     assert calls == [(0, 4), (1, 4)]  # one call per MoE layer for the whole batch
-    with pytest.raises(ValueError, match="holds 3 tokens"):
+    with pytest.raises(ValueError, match="0 blocks cannot hold 3 tokens"):  # a table that does not cover it
         model.step([SequenceWork(1, (9,), 2)])
+    with pytest.raises(ValueError, match="twice"):
+        model.step([SequenceWork(1, (9,), 3, (1,)), SequenceWork(1, (9,), 4, (1,))])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -173,7 +189,7 @@ def test_checkpoint_reader_reads_save_pretrained_layout(checkpoints: dict[str, P
     """transformers 5 fuses experts in memory but saves them per expert: CheckpointReader's rows
     equal the loaded model's, and the spec agrees with the model."""
     reader = checkpoint_reader(checkpoints[family])
-    model = HFStepModel(checkpoints[family], dtype=torch.float32)
+    model = HFStepModel(checkpoints[family], dtype=torch.float32, kv_cache_tokens=KV_TOKENS)
     model.check_spec(reader.spec)
     assert reader.spec == read_model_spec(checkpoints[family])
     for layer in range(reader.spec.num_layers):
@@ -210,7 +226,7 @@ def _ep_rank(rank: int, path: str, port: int, slot_expert: torch.Tensor, slot_mo
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        model = HFStepModel(path, dtype=torch.float32)
+        model = HFStepModel(path, dtype=torch.float32, kv_cache_tokens=KV_TOKENS)
         layers, experts = len(model.moe_layers), model.num_experts
         plan = plan_from_slots(static_placement(layers, experts, WORLD), slot_expert)
         table = DeviceRoutingTable.of(table_from_plan(plan, plan_id=1), "cpu")
@@ -314,23 +330,23 @@ def test_demo_model_builds_once_loads_offline_and_generates(tmp_path: Path) -> N
     assert len(generated) == 8
     assert isinstance(tokenizer.decode(generated), str)
 
-    step_model = HFStepModel(path, dtype=torch.float32)
+    step_model = HFStepModel(path, dtype=torch.float32, kv_cache_tokens=KV_TOKENS)
     assert drive(step_model, [ids], [8], [0], 5) == [generated]
     assert step_model.kv_bytes_per_token() == 4 * (32 + 16) * 4  # 4 layers × (kv_lora_rank + rope dim) × fp32
 
 
 def test_bf16_step_model_runs(tmp_path: Path) -> None:
-    """The default compute dtype (bf16): finite logits, caches sized by kv_bytes_per_token."""
+    """The default compute dtype (bf16): a prompt and a decode sample in-vocabulary tokens; a chunk
+    that does not end its prompt samples nothing."""
     from vexpert_runtime.serve.demo_model import ensure_demo_model
 
-    model = HFStepModel(ensure_demo_model(tmp_path / "demo"))
+    model = HFStepModel(ensure_demo_model(tmp_path / "demo"), kv_cache_tokens=KV_TOKENS)
     assert model.dtype == torch.bfloat16
-    logits = model.step([SequenceWork(0, (4, 5, 6, 7), 0), SequenceWork(1, (8,), 0)])
-    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
-    logits = model.step([SequenceWork(1, (int(logits[1].argmax()),), 1)])
-    assert logits.shape == (1, model.vocab_size)
-    held = sum(t.numel() * t.element_size() for layer in model.caches[1].layers for t in (layer.keys, layer.values))
-    assert held == 2 * model.kv_bytes_per_token()
+    greedy = SamplingSpec()
+    tokens = model.step([SequenceWork(0, (4, 5, 6, 7), 0, (1,), greedy), SequenceWork(1, (8,), 0, (2,), None)])
+    assert tokens[1] == -1 and 0 <= int(tokens[0]) < model.vocab_size
+    tokens = model.step([SequenceWork(0, (int(tokens[0]),), 4, (1,), SamplingSpec(0.8, 0.9, seed=5, draw=1))])
+    assert tokens.shape == (1,) and 0 <= int(tokens[0]) < model.vocab_size
 
 
 def test_quantised_expert_weights_are_refused() -> None:

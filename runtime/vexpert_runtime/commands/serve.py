@@ -42,7 +42,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--max-running", type=int, default=64, help="sequences per rank in one batch")
     parser.add_argument("--max-waiting", type=int, default=128, help="queued requests per rank before 429")
     parser.add_argument("--kv-cache-tokens", type=int, default=None,
-                        help="KV-cache tokens per rank (default: 8 full contexts)")
+                        help="KV-cache tokens per rank (default: on GPUs what --gpu-memory-utilization leaves, "
+                             "on CPU 8 full contexts)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="share of each GPU's memory a rank may fill; the paged KV cache gets what the weights, "
+                             "experts, slots and a 2 GiB headroom leave of it (default 0.9)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
     parser.set_defaults(handler=run)
 
@@ -98,11 +102,16 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or (DEMO_NAME if demo else model_dir.name)
     model_config = _model_config(model_dir)
     max_context = int(model_config.get("max_position_embeddings", 4096))
-    kv_tokens = args.kv_cache_tokens if args.kv_cache_tokens is not None else 8 * max_context
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise VExpertInputError("--gpu-memory-utilization", f"{args.gpu_memory_utilization} is not in (0, 1]",
+                                "e.g. 0.9")
+    setup = resolve_setup(config, str(model_dir), cpu_workers=args.cpu_workers)
+    kv_tokens = args.kv_cache_tokens
+    if kv_tokens is None and setup.device != "cuda":
+        kv_tokens = 8 * max_context
     scheduler = SchedulerConfig(kv_budget_tokens=kv_tokens, max_batch_tokens=args.max_batch_tokens,
                                 max_running=args.max_running, max_waiting=args.max_waiting)
     scheduler.check(max_context)  # refuse impossible limits before any process starts
-    setup = resolve_setup(config, str(model_dir), cpu_workers=args.cpu_workers)
 
     def log(line: str) -> None:
         print(f"vexpert serve: {line}", file=sys.stderr, flush=True)
@@ -112,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     requests = [ctx.Queue() for _ in range(setup.local_workers)]
     options = NodeOptions(
         workload=Workload(tokens_per_worker=args.max_running),  # sizes the allocator's decode batch
-        serve=[ServeWorkerArgs(str(model_dir), scheduler, inbound, events) for inbound in requests],
+        serve=[ServeWorkerArgs(str(model_dir), scheduler, inbound, events, args.gpu_memory_utilization)
+               for inbound in requests],
         log=log,
     )
     runtime = NodeRuntime(setup, options)

@@ -128,6 +128,10 @@ class ServeMetrics:
             "vexpert_serve_kv_cache_usage_ratio", "KV-cache tokens reserved by admitted requests / budget", registry=reg
         )
         self.kv_tokens = Gauge("vexpert_serve_kv_cache_tokens", "KV-cache tokens held by running sequences", registry=reg)
+        self.kv_blocks = Gauge("vexpert_serve_kv_cache_blocks", "Paged KV-cache blocks of all ranks", registry=reg)
+        self.kv_blocks_used = Gauge("vexpert_serve_kv_cache_blocks_used", "KV-cache blocks held by running sequences",
+                                    registry=reg)
+        self.kv_bytes = Gauge("vexpert_serve_kv_cache_bytes", "Device memory of the ranks' KV caches", registry=reg)
 
     def refresh(self, loads: list[RankLoad]) -> None:
         """Set the gauges from the ranks' loads (at scrape time)."""
@@ -136,6 +140,9 @@ class ServeMetrics:
         budget = sum(load.kv_tokens_budget for load in loads)
         self.kv_usage.set(sum(load.kv_tokens_reserved for load in loads) / budget if budget else 0.0)
         self.kv_tokens.set(sum(load.kv_tokens_used for load in loads))
+        self.kv_blocks.set(sum(load.kv_blocks_total for load in loads))
+        self.kv_blocks_used.set(sum(load.kv_blocks_used for load in loads))
+        self.kv_bytes.set(sum(load.kv_cache_bytes for load in loads))
 
 
 class _RequestTimer:

@@ -71,6 +71,9 @@ class RankLoad:
     kv_tokens_reserved: int = 0
     kv_tokens_budget: int = 0
     kv_tokens_used: int = 0
+    kv_blocks_total: int = 0  # usable blocks of the rank's paged KV cache
+    kv_blocks_used: int = 0  # blocks held by running sequences
+    kv_cache_bytes: int = 0  # device memory of the rank's KV cache
 
     @property
     def score(self) -> tuple[int, int]:

@@ -47,6 +47,15 @@ from vexpert_runtime.model.ep_moe import (
 )
 from vexpert_runtime.model.expert_format import ExpertFormat
 from vexpert_runtime.model.moe_math import combine
+from vexpert_runtime.serve.attention import build_metadata
+from vexpert_runtime.serve.attention_layers import (
+    AttentionStep,
+    attention_forward,
+    kv_layout,
+    sliding_windows,
+)
+from vexpert_runtime.serve.kv_cache import PagedKVCache, blocks_for
+from vexpert_runtime.serve.sampling import sample_tokens, sampling_tensors
 from vexpert_runtime.serve.step import SequenceWork, StepModel
 
 # Expert activations the EP layer implements (its grouped GEMMs are SwiGLU).
@@ -266,21 +275,17 @@ class EPExperts:
 # The step model
 # ---------------------------------------------------------------------------------------------
 
-
-@dataclass
-class _Running:
-    """One sequence during a step: its hidden states [1, n, H], positions [1, n], rotary
-    embeddings, attention masks by layer type, and its cache."""
-
-    hidden: torch.Tensor
-    position_ids: torch.Tensor
-    rotary: tuple[torch.Tensor, torch.Tensor]
-    masks: dict[str, Any]
-    cache: Any
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV-cache block (vLLM's default)
 
 
 class HFStepModel:
     """A transformers causal LM (DeepSeek-V3, Qwen3-MoE, Qwen2-MoE, …) as a :class:`StepModel`.
+
+    Every iteration runs all of the rank's sequences as one flat batch of tokens: embeddings, then
+    per decoder layer one batched attention call over the paged KV cache
+    (:func:`~.attention_layers.attention_forward`) and one MLP call (the sparse block's router and
+    shared experts, the routed experts through :attr:`executor`), then the final norm, the LM head on
+    each sampled sequence's last token and sampling on the device (:func:`~.sampling.sample_tokens`).
 
     Args:
         path: a local checkpoint directory (config.json, safetensors); nothing is fetched from a hub.
@@ -288,15 +293,17 @@ class HFStepModel:
         executor: the routed experts; default :class:`LocalExperts` over the model's own weights.
             Assign ``self.executor`` later (e.g. an :class:`EPExperts` built from
             :meth:`expert_rows`), then :meth:`drop_expert_weights` to free the unused copies.
-        attn_implementation: transformers' attention backend ("sdpa", "eager"); default: the model's.
+        kv_cache_tokens: size the KV cache for this many tokens now (else call
+            :meth:`allocate_kv_cache` once the rank knows what memory is left).
+        block_size: tokens per KV-cache block.
     """
 
     def __init__(self, path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
-                 executor: MoEExecutor | None = None, attn_implementation: str | None = None) -> None:
+                 executor: MoEExecutor | None = None, kv_cache_tokens: int | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         from transformers import AutoModelForCausalLM
 
-        extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-        model: Any = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype, **extra)
+        model: Any = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
         self.model: Any = model.to(device).eval()
         self.config = model.config
         self.device = torch.device(device)
@@ -317,7 +324,12 @@ class HFStepModel:
             layers[layer].mlp.experts = _ExecutorExperts(self, index)
         self.executor: MoEExecutor = executor if executor is not None else LocalExperts(self.experts)
         self.top_k = int(self.config.num_experts_per_tok)
-        self.caches: dict[int, Any] = {}
+        self.layout = kv_layout(self.config)
+        self.windows = sliding_windows(self.config)
+        self.kv_block_size = block_size
+        self.kv_cache: PagedKVCache | None = None
+        if kv_cache_tokens is not None:
+            self.allocate_kv_cache(blocks_for(kv_cache_tokens, block_size) + 1)
 
     # -- what a coordinator / worker needs ---------------------------------------------------
 
@@ -348,135 +360,86 @@ class HFStepModel:
             raise RuntimeError("LocalExperts computes with the model's expert weights")
         self.experts = [None] * len(self.experts)
 
-    def kv_bytes_per_token(self) -> int:
-        """KV-cache bytes per token, all layers, in the compute dtype.
+    # -- the KV cache ------------------------------------------------------------------------
 
-        MLA (DeepSeek-V3: ``kv_lora_rank`` in the config): transformers caches the compressed latent
-        (``kv_lora_rank``, after kv_a_layernorm) and the shared rotary key (``qk_rope_head_dim``) —
-        one "head" each as keys and values — so (kv_lora_rank + qk_rope_head_dim) per layer.
-        Otherwise (GQA): keys and values, 2 · num_key_value_heads · head_dim per layer. Sliding-window
-        layers count as full ones (an upper bound: their caches stop growing at the window).
-        """
-        config = self.config
-        element = torch.empty((), dtype=self.dtype).element_size()
-        if getattr(config, "kv_lora_rank", None):
-            per_layer = int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
-        else:
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            per_layer = 2 * int(config.num_key_value_heads) * int(head_dim)
-        return per_layer * int(config.num_hidden_layers) * element
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes per token, all layers, in the compute dtype: MLA caches the compressed
+        latent and the rotary key (kv_lora_rank + qk_rope_head_dim per layer), GQA keys and values
+        (2 · num_key_value_heads · head_dim per layer)."""
+        return self.layout.token_bytes(self.dtype)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Make the paged KV cache: ``num_blocks`` blocks (one of them scratch)."""
+        self.kv_cache = None  # free the old one first
+        self.kv_cache = PagedKVCache(self.layout, num_blocks, self.kv_block_size, self.device, self.dtype)
+
+    @property
+    def kv_num_blocks(self) -> int:
+        return 0 if self.kv_cache is None else self.kv_cache.pool.num_blocks
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 0 if self.kv_cache is None else self.kv_cache.bytes
 
     # -- one iteration -----------------------------------------------------------------------
 
     def release(self, seq_id: int) -> None:
-        self.caches.pop(seq_id, None)
+        """Nothing to do: the scheduler's pool took the sequence's blocks back."""
 
     @torch.inference_mode()
     def step(self, work: Sequence[SequenceWork]) -> torch.Tensor:
-        """Run one iteration (see :class:`StepModel`): [len(work), V] float32 logits on the CPU."""
-        running = [self._start(item) for item in self._checked(work)]
+        """Run one iteration (see :class:`StepModel`): [len(work)] int64 sampled tokens on the CPU."""
+        cache = self.kv_cache
+        if cache is None:
+            raise RuntimeError("no KV cache: call allocate_kv_cache first")
+        self._check(work)
+        tokens = torch.tensor([t for item in work for t in item.tokens], dtype=torch.int64).to(self.device)
+        hidden = self.model.model.embed_tokens(tokens)  # [T, H]
+        meta = build_metadata(work, self.kv_block_size, self.windows, self.device)
+        cos, sin = self.model.model.rotary_emb(hidden, meta.positions.unsqueeze(0))
+        attention = AttentionStep(cos[0], sin[0], meta)
         for index, layer in enumerate(_decoder_layers(self.model)):
-            for seq in running:
-                seq.hidden = seq.hidden + self._attention(layer, index, seq)
-            self._mlp(layer, index, running)
-        if not running:
-            return torch.empty(0, self.vocab_size, dtype=torch.float32)
-        last = torch.cat([seq.hidden[:, -1] for seq in running])  # [len(work), H]
-        logits = self.model.lm_head(self.model.model.norm(last))
-        return logits.float().cpu()
+            normed = layer.input_layernorm(hidden)
+            hidden = hidden + attention_forward(layer.self_attn, normed, cache.layers[index], attention,
+                                                self.windows[index])
+            hidden = hidden + self._mlp(layer, index, layer.post_attention_layernorm(hidden))
+        sampled = [row for row, item in enumerate(work) if item.sample is not None]
+        out = torch.full((len(work),), -1, dtype=torch.int64)
+        if sampled:
+            ends = torch.cumsum(torch.tensor([len(item.tokens) for item in work]), 0) - 1
+            last = hidden[ends[sampled].to(self.device)]  # [S, H]
+            logits = self.model.lm_head(self.model.model.norm(last))
+            specs = [spec for spec in (work[row].sample for row in sampled) if spec is not None]
+            out[sampled] = sample_tokens(logits, *sampling_tensors(specs, self.device)).cpu()
+        return out
 
-    def _checked(self, work: Sequence[SequenceWork]) -> Sequence[SequenceWork]:
-        """Reject work the caches cannot take (before any cache changes)."""
+    def _check(self, work: Sequence[SequenceWork]) -> None:
+        """Reject work the cache cannot take (before anything is written)."""
         seen: set[int] = set()
+        size = self.kv_block_size
         for item in work:
             if item.seq_id in seen:
                 raise ValueError(f"sequence {item.seq_id} twice in one step")
             seen.add(item.seq_id)
             if not item.tokens:
                 raise ValueError(f"sequence {item.seq_id}: no tokens")
-            cache = self.caches.get(item.seq_id)
-            held = 0 if cache is None else int(cache.get_seq_length())
-            if item.position != held:
-                raise ValueError(f"sequence {item.seq_id}: position {item.position}, but its cache holds {held} tokens")
-            if item.position + len(item.tokens) > self.max_context:
-                raise ValueError(f"sequence {item.seq_id}: {item.position + len(item.tokens)} tokens exceed "
-                                 f"the model's context of {self.max_context}")
-        return work
+            end = item.position + len(item.tokens)
+            if end > self.max_context:
+                raise ValueError(f"sequence {item.seq_id}: {end} tokens exceed the model's context of {self.max_context}")
+            if len(item.blocks) * size < end:
+                raise ValueError(f"sequence {item.seq_id}: {len(item.blocks)} blocks cannot hold {end} tokens")
 
-    def _start(self, item: SequenceWork) -> _Running:
-        """Embeddings, positions, rotary embeddings and masks of one sequence's new tokens, computed
-        before any layer runs (as the model's own forward does, against the cache's old length)."""
-        from transformers import DynamicCache
-
-        cache = self.caches.get(item.seq_id)
-        if cache is None:
-            cache = self.caches[item.seq_id] = DynamicCache(config=self.config)
-        ids = torch.tensor([item.tokens], dtype=torch.int64, device=self.device)
-        hidden = self.model.model.embed_tokens(ids)  # [1, n, H]
-        positions = torch.arange(item.position, item.position + len(item.tokens), device=self.device).unsqueeze(0)
-        rotary = self.model.model.rotary_emb(hidden, positions)
-        return _Running(hidden, positions, rotary, self._masks(hidden, positions, cache), cache)
-
-    def _masks(self, hidden: torch.Tensor, positions: torch.Tensor, cache: Any) -> dict[str, Any]:
-        """Causal masks by layer type ("full_attention", "sliding_attention") for a chunk at
-        ``positions`` after what ``cache`` holds, made by transformers' own mask functions."""
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-        kwargs = {"config": self.config, "inputs_embeds": hidden, "attention_mask": None,
-                  "past_key_values": cache, "position_ids": positions}
-        masks = {"full_attention": create_causal_mask(**kwargs)}
-        if self._sliding_types():
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
-        return masks
-
-    def _sliding_types(self) -> bool:
-        types = getattr(self.config, "layer_types", None)
-        if types:
-            return "sliding_attention" in types
-        return getattr(self.config, "sliding_window", None) is not None
-
-    def _layer_type(self, index: int) -> str:
-        """The mask a layer uses: its ``layer_types`` entry, else sliding for every layer when the
-        config has a sliding window (Qwen3-MoE's rule), else full."""
-        types = getattr(self.config, "layer_types", None)
-        if types:
-            return str(types[index])
-        return "sliding_attention" if getattr(self.config, "sliding_window", None) is not None else "full_attention"
-
-    def _attention(self, layer: Any, index: int, seq: _Running) -> torch.Tensor:
-        """Self-attention of one sequence's new tokens against its cache (which it extends): [1, n, H]."""
-        out, _ = layer.self_attn(
-            hidden_states=layer.input_layernorm(seq.hidden),
-            attention_mask=seq.masks[self._layer_type(index)],
-            position_ids=seq.position_ids,
-            past_key_values=seq.cache,
-            use_cache=True,
-            position_embeddings=seq.rotary,
-        )
-        result: torch.Tensor = out
-        return result
-
-    def _mlp(self, layer: Any, index: int, running: list[_Running]) -> None:
-        """The layer's MLP over every sequence's tokens at once (one executor call for a sparse
-        block, also with no tokens), added to each sequence's residual stream."""
-        hidden = self.config.hidden_size
-        if running:
-            flat = torch.cat([seq.hidden for seq in running], dim=1)  # [1, T, H]
-        else:
-            flat = torch.zeros(1, 0, hidden, dtype=self.dtype, device=self.device)
-        normed = layer.post_attention_layernorm(flat)
-        if flat.shape[1] == 0:
+    def _mlp(self, layer: Any, index: int, normed: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP over all tokens at once (one executor call for a sparse block, also
+        with no tokens: the EP collective runs on every rank)."""
+        if normed.shape[0] == 0:
             if is_sparse_block(layer.mlp):  # the router cannot take 0 rows; the collective must still run
                 moe_layer = self.moe_layers.index(index)
                 ids = torch.zeros(0, self.top_k, dtype=torch.int64, device=self.device)
-                self.executor.forward(moe_layer, normed[0], ids, torch.zeros(0, self.top_k, device=self.device))
-            return
-        out = layer.mlp(normed).reshape(1, -1, hidden)
-        start = 0
-        for seq in running:
-            end = start + seq.hidden.shape[1]
-            seq.hidden = seq.hidden + out[:, start:end]
-            start = end
+                self.executor.forward(moe_layer, normed, ids, torch.zeros(0, self.top_k, device=self.device))
+            return normed
+        out: torch.Tensor = layer.mlp(normed.unsqueeze(0))
+        return out.reshape(normed.shape)
 
 
 if TYPE_CHECKING:  # mypy checks the classes against the protocols they implement

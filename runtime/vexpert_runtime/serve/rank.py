@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.model.ep_moe import DeviceRoutingTable
 from vexpert_runtime.serve.events import (
     AbortAll,
@@ -33,22 +34,51 @@ from vexpert_runtime.serve.events import (
     ServeRefusal,
     StopAccepting,
 )
-from vexpert_runtime.serve.hf_model import EPExperts, HFStepModel, SlotHooks
+from vexpert_runtime.serve.hf_model import DEFAULT_BLOCK_SIZE, EPExperts, HFStepModel, SlotHooks
+from vexpert_runtime.serve.kv_cache import blocks_for, num_blocks_for_memory
 from vexpert_runtime.serve.sampling import eos_token_ids
 from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
 
 LOAD_REPORT_S = 0.05  # a rank whose load did not change reports it again after this long
 
 
+# GPU memory kept free beside the KV cache for activations, CUDA graphs and the allocator (bytes).
+GPU_HEADROOM_BYTES = 2 << 30
+
+
 @dataclass
 class ServeWorkerArgs:
     """What a node worker needs to serve (pickled at spawn). ``requests``: this rank's inbound
-    queue; ``events``: the node's outbound queue."""
+    queue; ``events``: the node's outbound queue. ``gpu_memory_utilization``: the share of the GPU's
+    memory the rank may fill (vLLM's knob): the KV cache gets what weights, resident experts, slots
+    and :data:`GPU_HEADROOM_BYTES` leave of it. On CPU the cache holds ``scheduler.kv_budget_tokens``."""
 
     model_dir: str
     scheduler: SchedulerConfig
     requests: Any
     events: Any
+    gpu_memory_utilization: float = 0.9
+    kv_block_size: int = DEFAULT_BLOCK_SIZE
+
+
+def kv_cache_blocks(args: ServeWorkerArgs, model: HFStepModel, device: torch.device) -> int:
+    """Blocks of the rank's KV cache: on a GPU from the memory left under the utilisation target
+    (capped by the configured token budget, if any), on CPU the configured budget."""
+    budget = args.scheduler.kv_budget_tokens
+    cap = None if budget is None else blocks_for(budget, args.kv_block_size) + 1
+    if device.type != "cuda":
+        if cap is None:
+            raise VExpertInputError("kv_budget_tokens", "a CPU rank needs a KV budget in tokens", "pass --kv-cache-tokens")
+        return cap
+    free, total = torch.cuda.mem_get_info(device)
+    available = free - (1.0 - args.gpu_memory_utilization) * total - GPU_HEADROOM_BYTES
+    blocks = num_blocks_for_memory(int(available), model.layout, args.kv_block_size, model.dtype)
+    if blocks < 2:
+        raise VExpertInputError("gpu_memory_utilization",
+                                f"{args.gpu_memory_utilization} leaves no memory for the KV cache "
+                                f"({free / 2**30:.1f} of {total / 2**30:.1f} GiB free after the weights)",
+                                "raise it, or give the rank fewer experts or slots")
+    return blocks if cap is None else min(blocks, cap)
 
 
 class ServingRank:
@@ -69,12 +99,13 @@ class ServingRank:
 
         self.args = args
         self.rank = rank
-        self.model = HFStepModel(args.model_dir, device=device, dtype=dtype)
+        self.model = HFStepModel(args.model_dir, device=device, dtype=dtype, block_size=args.kv_block_size)
         self.experts = EPExperts.for_model(self.model, rank, world, group, table=table, slots=slots,
                                            hooks=SlotHooks(wait, release), max_tokens=args.scheduler.max_batch_tokens,
                                            dispatch=dispatch)
         self.model.executor = self.experts
         self.model.drop_expert_weights()
+        self.model.allocate_kv_cache(kv_cache_blocks(args, self.model, device))
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
         self.scheduler = Scheduler(self.model, tokenizer, args.scheduler, eos_token_ids(tokenizer))
         self._reported: RankLoad | None = None

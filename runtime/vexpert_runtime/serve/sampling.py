@@ -1,8 +1,9 @@
 """Sampling, incremental detokenization and stop handling: small pure pieces the scheduler composes.
 
-Each request owns a :class:`torch.Generator` seeded from its ``seed``, so a seeded request samples
-the same tokens whatever else shares its batch (the draws of one request never consume another's
-random stream).
+:func:`sample_tokens` picks a whole batch's next tokens on the model's device (greedy, temperature,
+top-p) without a host sync, so it runs inside the decode step's CUDA graph. Its randomness is a hash
+of (request seed, draw index, token id), not a generator's stream: a seeded request samples the same
+tokens whatever else shares its batch, and nothing carries state from one iteration to the next.
 """
 
 from __future__ import annotations
@@ -13,20 +14,75 @@ from typing import Any
 
 import torch
 
+from vexpert_runtime.serve.step import SamplingSpec
+
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (dividing by ~0 only overflows)
 _DETOKENIZE_CONTEXT = 6  # prompt tokens decoded before the first new one, so leading spaces come out right
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator for one request: seeded when ``seed`` is given, else from fresh entropy."""
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(seed if seed is not None else secrets.randbits(63))
-    return generator
+_MASK32 = 0xFFFFFFFF
 
 
-def greedy(logits: torch.Tensor) -> int:
-    """The most likely token (ties: the lowest id, as ``torch.argmax`` and HF ``generate`` pick)."""
-    return int(torch.argmax(logits))
+def request_seed(seed: int | None) -> int:
+    """The seed a request samples with: its own (reduced to 63 bits), else fresh entropy."""
+    return seed % 2**63 if seed is not None else secrets.randbits(63)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding values in [0, 2³²). The products
+    wrap modulo 2⁶⁴; their low 32 bits are what the 32-bit hash keeps."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed: torch.Tensor, draw: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """Uniform (0, 1) float32 numbers, a pure function of (seed [B], draw [B], token [B, V]) → [B, V]."""
+    lo, hi = (seed & _MASK32).unsqueeze(1), ((seed >> 32) & _MASK32).unsqueeze(1)
+    x = _mix32(lo ^ _mix32(hi ^ _mix32((draw.unsqueeze(1) * 0x9E3779B1 + 0x7F4A7C15) & _MASK32)))
+    x = _mix32(x ^ ((token * 0x27D4EB2F + 0x165667B1) & _MASK32))
+    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
+                  draw: torch.Tensor, use_top_p: bool = True) -> torch.Tensor:
+    """Next tokens [B] int64 from logits [B, V]: rows with temperature < :data:`GREEDY_BELOW` take the
+    argmax (ties: the lowest id, as ``torch.argmax`` and HF ``generate``); the others sample from
+    softmax(logits / temperature) restricted to the top-p set (:func:`top_p_filter`'s rule), by an
+    exponential race over :func:`uniform_noise` (argmax of p / −log u is a draw from p).
+
+    temperature, top_p: [B] float32; seed, draw: [B] int64 (see :class:`~.step.SamplingSpec`).
+    ``use_top_p=False`` (every row has top_p ≥ 1) skips the sort. No host sync: graph-capturable.
+    """
+    greedy_rows = temperature < GREEDY_BELOW
+    best = torch.argmax(logits, dim=-1)
+    scaled = logits.float() / torch.where(greedy_rows, torch.ones_like(temperature), temperature).unsqueeze(1)
+    probs = torch.softmax(scaled, dim=-1)
+    if use_top_p:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        keep = (before < top_p.unsqueeze(1)) | (top_p.unsqueeze(1) >= 1.0)
+        keep[:, 0] = True
+        sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+        race = sorted_probs / -torch.log(uniform_noise(seed, draw, order))
+        sampled = order.gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)
+    else:
+        token = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0)
+        sampled = (probs / -torch.log(uniform_noise(seed, draw, token))).argmax(dim=-1)
+    return torch.where(greedy_rows, best, sampled)
+
+
+def sampling_tensors(specs: Sequence[SamplingSpec], device: torch.device | str
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """:func:`sample_tokens`' arguments after the logits, for ``specs`` (one per row)."""
+    temperature = torch.tensor([s.temperature for s in specs], dtype=torch.float32)
+    top_p = torch.tensor([s.top_p for s in specs], dtype=torch.float32)
+    seed = torch.tensor([s.seed for s in specs], dtype=torch.int64)
+    draw = torch.tensor([s.draw for s in specs], dtype=torch.int64)
+    use_top_p = any(s.top_p < 1.0 and s.temperature >= GREEDY_BELOW for s in specs)
+    return temperature.to(device), top_p.to(device), seed.to(device), draw.to(device), use_top_p
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -41,15 +97,6 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_probs = torch.where(before < top_p, sorted_probs, torch.zeros_like(sorted_probs))
     sorted_probs[0] = probs[order[0]]
     return torch.zeros_like(probs).scatter(0, order, sorted_probs)
-
-
-def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """One token from a [vocab] row of logits: greedy at temperature 0, else temperature + top-p."""
-    if temperature < GREEDY_BELOW:
-        return greedy(logits)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    probs = top_p_filter(probs, top_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def eos_token_ids(tokenizer: Any, extra: Iterable[int] = ()) -> frozenset[int]:

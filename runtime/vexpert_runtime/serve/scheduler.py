@@ -13,9 +13,13 @@ iterations. Every :meth:`Scheduler.run_iteration`:
 4. samples each sequence whose prompt is done, detokenizes incrementally, checks EOS, stop strings
    and length, and sends :class:`~.events.Event`\\ s to the request's sink.
 
-KV budget: a request reserves ``prompt + max_tokens`` tokens when admitted (the most it can hold),
-so admitted sequences never run out of cache and no preemption is needed; the budget must hold at
-least one full-context sequence (checked at construction), so every valid request fits eventually.
+KV cache: the scheduler owns the rank's :class:`~.kv_cache.BlockPool` (the model owns the tensors).
+A request reserves the blocks of ``prompt + max_tokens`` tokens when admitted (the most it can hold);
+blocks are taken as it grows and all return when it finishes. So admitted sequences never run out
+of cache and no preemption is needed; a request that does not fit yet **waits** in the queue (FIFO)
+until finished sequences free enough blocks — a 429 comes only when the queue itself is full. The
+pool must hold at least one full-context sequence (checked at construction), so every valid request
+fits eventually.
 
 Only ``submit``, ``cancel``, ``abort_all``, ``stop_accepting``, ``load`` and ``has_work`` may be
 called from other threads; ``run_iteration`` runs on the rank's loop thread.
@@ -30,12 +34,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.serve.events import Event, GenerationRequest, RankLoad, overloaded, shutting_down
-from vexpert_runtime.serve.sampling import IncrementalDetokenizer, StopChecker, make_generator, sample_token
-from vexpert_runtime.serve.step import SequenceWork, StepModel
+from vexpert_runtime.serve.kv_cache import BlockPool, blocks_for
+from vexpert_runtime.serve.sampling import IncrementalDetokenizer, StopChecker, request_seed
+from vexpert_runtime.serve.step import SamplingSpec, SequenceWork, StepModel
 
 log = logging.getLogger(__name__)
 
@@ -46,23 +49,27 @@ EventSink = Callable[[Event], None]  # called on the scheduler's thread; must no
 class SchedulerConfig:
     """Limits of one rank.
 
-    ``kv_budget_tokens``: KV-cache tokens the rank may hold (all sequences); ``max_batch_tokens``:
+    ``kv_budget_tokens``: KV-cache tokens the rank may hold (all sequences; the model's cache may
+    hold fewer, and then bounds it); ``max_batch_tokens``:
     tokens run per iteration (prompt chunks + decodes); ``max_running``: sequences in the batch;
     ``max_waiting``: queued requests beyond which ``submit`` refuses with 429.
     """
 
-    kv_budget_tokens: int
+    kv_budget_tokens: int | None  # None: every block of the model's cache
     max_batch_tokens: int = 512
     max_running: int = 64
     max_waiting: int = 256
 
-    def check(self, max_context: int) -> None:
-        """Raise :class:`VExpertInputError` for limits that could never serve a valid request."""
-        if self.kv_budget_tokens < max_context:
+    def check(self, max_context: int, capacity_tokens: int | None = None) -> None:
+        """Raise :class:`VExpertInputError` for limits that could never serve a valid request
+        (``capacity_tokens``: what the model's KV cache holds, block-rounded)."""
+        budgets = [b for b in (self.kv_budget_tokens, capacity_tokens) if b is not None]
+        budget = min(budgets) if budgets else max_context
+        if budget < max_context:
             raise VExpertInputError(
                 "kv_budget_tokens",
-                f"{self.kv_budget_tokens} cannot hold one full-context sequence ({max_context} tokens)",
-                "raise the KV budget or lower max_context",
+                f"{budget} KV tokens cannot hold one full-context sequence ({max_context} tokens)",
+                "give the KV cache more memory (kv_cache_tokens / gpu_memory_utilization) or lower max_context",
             )
         if self.max_running < 1 or self.max_waiting < 0:
             raise VExpertInputError("max_running", "must be ≥ 1 (and max_waiting ≥ 0)")
@@ -78,6 +85,15 @@ def kv_budget_tokens(model: StepModel, kv_cache_bytes: int) -> int:
     return kv_cache_bytes // max(1, model.kv_bytes_per_token())
 
 
+def scheduler_pool(model: StepModel, config: SchedulerConfig) -> BlockPool:
+    """The block pool the scheduler accounts with: the model's blocks, capped by the configured budget."""
+    size = model.kv_block_size
+    if config.kv_budget_tokens is None:
+        return BlockPool(model.kv_num_blocks, size)
+    cap = blocks_for(config.kv_budget_tokens, size) + 1  # + the scratch block
+    return BlockPool(min(model.kv_num_blocks, cap), size)
+
+
 @dataclass(eq=False)  # identity: a deque.remove must find this very sequence
 class _Sequence:
     """A request's state inside the scheduler."""
@@ -87,7 +103,7 @@ class _Sequence:
     sink: EventSink
     detokenizer: IncrementalDetokenizer
     stop: StopChecker
-    generator: torch.Generator
+    seed: int
     computed: int = 0  # tokens the model holds in its KV cache
     admitted: bool = False
     output: list[int] = field(default_factory=list)
@@ -106,13 +122,20 @@ class _Sequence:
         """Whether the prompt is in the cache and the next step feeds the last sampled token."""
         return self.computed >= self.prompt_len
 
-    def decode_work(self) -> SequenceWork:
-        return SequenceWork(self.seq_id, (self.output[-1],), self.computed)
+    def sampling(self) -> SamplingSpec:
+        params = self.request.params
+        return SamplingSpec(params.temperature, params.top_p, self.seed, len(self.output))
 
-    def prefill_work(self, budget: int) -> SequenceWork:
-        """The next prompt chunk, at most ``budget`` tokens."""
+    def decode_work(self, pool: BlockPool) -> SequenceWork:
+        blocks = pool.grow(self.seq_id, self.computed + 1)
+        return SequenceWork(self.seq_id, (self.output[-1],), self.computed, tuple(blocks), self.sampling())
+
+    def prefill_work(self, budget: int, pool: BlockPool) -> SequenceWork:
+        """The next prompt chunk, at most ``budget`` tokens (sampling if it ends the prompt)."""
         end = min(self.prompt_len, self.computed + budget)
-        return SequenceWork(self.seq_id, tuple(self.request.prompt_ids[self.computed : end]), self.computed)
+        blocks = pool.grow(self.seq_id, end)
+        return SequenceWork(self.seq_id, tuple(self.request.prompt_ids[self.computed : end]), self.computed,
+                            tuple(blocks), self.sampling() if end == self.prompt_len else None)
 
 
 class Scheduler:
@@ -121,7 +144,8 @@ class Scheduler:
     def __init__(
         self, model: StepModel, tokenizer: object, config: SchedulerConfig, eos_ids: frozenset[int] = frozenset()
     ) -> None:
-        config.check(model.max_context)
+        self.pool = scheduler_pool(model, config)
+        config.check(model.max_context, self.pool.capacity_tokens())
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -135,8 +159,8 @@ class Scheduler:
         self._running: dict[int, _Sequence] = {}  # insertion order = admission order
         self._by_request: dict[str, _Sequence] = {}
         self._next_seq_id = 0
-        self._kv_reserved = 0
-        self._load = RankLoad(kv_tokens_budget=config.kv_budget_tokens)
+        self._load = RankLoad(kv_tokens_budget=self.pool.capacity_tokens(), kv_blocks_total=self.pool.usable_blocks,
+                              kv_cache_bytes=model.kv_cache_bytes)
 
     # ---- called from any thread -------------------------------------------------------------
 
@@ -183,6 +207,9 @@ class Scheduler:
             snapshot.kv_tokens_reserved,
             snapshot.kv_tokens_budget,
             snapshot.kv_tokens_used,
+            snapshot.kv_blocks_total,
+            snapshot.kv_blocks_used,
+            snapshot.kv_cache_bytes,
         )
 
     # ---- the rank's loop thread -------------------------------------------------------------
@@ -198,16 +225,16 @@ class Scheduler:
         self._update_load()  # admissions show while the step runs (a step can take a while)
         work = [w for _, w in batch]
         try:
-            logits = self.model.step(work)
+            tokens = self.model.step(work).tolist()
         except Exception as exc:
             for seq, _ in batch:
                 self._finish(seq, "error", error=f"model step failed: {exc}")
             self._update_load()
             raise
-        for row, (seq, item) in enumerate(batch):
+        for token, (seq, item) in zip(tokens, batch, strict=True):
             seq.computed += len(item.tokens)
-            if seq.decoding:  # the chunk completed the prompt, or a decode: sample the next token
-                self._advance(seq, logits[row])
+            if item.sample is not None:  # the chunk completed the prompt, or a decode: a new token
+                self._advance(seq, token)
         self._update_load()
         return sum(len(w.tokens) for w in work)
 
@@ -256,7 +283,7 @@ class Scheduler:
             sink=sink,
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_ids),
             stop=StopChecker(request.params.stop),
-            generator=make_generator(request.params.seed),
+            seed=request_seed(request.params.seed),
         )
 
     def _schedule(self) -> list[tuple[_Sequence, SequenceWork]]:
@@ -265,39 +292,36 @@ class Scheduler:
         batch: list[tuple[_Sequence, SequenceWork]] = []
         for seq in self._running.values():
             if seq.decoding:
-                batch.append((seq, seq.decode_work()))
+                batch.append((seq, seq.decode_work(self.pool)))
                 budget -= 1
         for seq in self._running.values():
             if not seq.decoding and budget > 0:
-                item = seq.prefill_work(budget)
+                item = seq.prefill_work(budget, self.pool)
                 batch.append((seq, item))
                 budget -= len(item.tokens)
         while budget > 0 and self._waiting and self._can_admit(self._waiting[0]):
             seq = self._waiting.popleft()
             self._admit(seq)
-            item = seq.prefill_work(budget)
+            item = seq.prefill_work(budget, self.pool)
             batch.append((seq, item))
             budget -= len(item.tokens)
         return batch
 
     def _can_admit(self, seq: _Sequence) -> bool:
         """FIFO admission: the head waits (and blocks the rest) until its worst case fits."""
-        fits_kv = self._kv_reserved + seq.reservation <= self.config.kv_budget_tokens
-        return fits_kv and len(self._running) < self.config.max_running
+        return self.pool.can_reserve(seq.reservation) and len(self._running) < self.config.max_running
 
     def _admit(self, seq: _Sequence) -> None:
         seq.admitted = True
-        self._kv_reserved += seq.reservation
+        self.pool.reserve(seq.seq_id, seq.reservation)
         self._running[seq.seq_id] = seq
 
-    def _advance(self, seq: _Sequence, logits: torch.Tensor) -> None:
-        """Sample one token for ``seq`` and send what it produced; finish it when it is done."""
+    def _advance(self, seq: _Sequence, token: int) -> None:
+        """Take the token sampled for ``seq`` and send what it produced; finish it when it is done."""
         params = seq.request.params
-        try:
-            token = sample_token(logits, params.temperature, params.top_p, seq.generator)
-        except Exception as exc:  # e.g. NaN logits: this request fails, the others go on
-            log.exception("sampling failed for %s", seq.request.request_id)
-            self._finish(seq, "error", error=f"sampling failed: {exc}")
+        if not 0 <= token < self.model.vocab_size:  # e.g. NaN logits: this request fails, the others go on
+            log.error("sampling failed for %s: token %d", seq.request.request_id, token)
+            self._finish(seq, "error", error="sampling failed")
             return
         seq.output.append(token)
         if token in self.eos_ids and not params.ignore_eos:
@@ -323,7 +347,7 @@ class Scheduler:
         self._by_request.pop(seq.request.request_id, None)
         if seq.admitted:
             self._running.pop(seq.seq_id, None)
-            self._kv_reserved -= seq.reservation
+            self.pool.free(seq.seq_id)
             try:
                 self.model.release(seq.seq_id)
             except Exception:  # a failed release must not take the other requests down
@@ -355,10 +379,14 @@ class Scheduler:
                 self.cancel(seq.request.request_id)
 
     def _update_load(self) -> None:
+        pool = self.pool
         self._load = RankLoad(
             running=len(self._running),
             waiting=len(self._waiting),
-            kv_tokens_reserved=self._kv_reserved,
-            kv_tokens_budget=self.config.kv_budget_tokens,
+            kv_tokens_reserved=pool.reserved_blocks * pool.block_size,
+            kv_tokens_budget=pool.capacity_tokens(),
             kv_tokens_used=sum(s.computed for s in self._running.values()),
+            kv_blocks_total=pool.usable_blocks,
+            kv_blocks_used=pool.used_blocks,
+            kv_cache_bytes=self.model.kv_cache_bytes,
         )

@@ -1,8 +1,10 @@
 """The contract between a rank's scheduler and the model it drives.
 
 A rank's scheduler decides, every iteration, which of its sequences run and which tokens each feeds
-(a prompt chunk, or the token sampled last); the model runs them as one batch and returns the logits
-at each sequence's last new token. Every EP rank calls :meth:`StepModel.step` once per iteration, in
+(a prompt chunk, or the token sampled last) and which KV-cache blocks each holds (it owns the
+:class:`~.kv_cache.BlockPool`); the model runs them as one batch, writes their keys and values into
+those blocks and samples the next token of every sequence whose prompt is done (on the device: one
+small device→host copy per iteration, not the logits). Every EP rank calls :meth:`StepModel.step` once per iteration, in
 lockstep — with an empty list when it has no work — because the MoE layers inside are collectives.
 """
 
@@ -16,17 +18,33 @@ import torch
 
 
 @dataclass(frozen=True)
+class SamplingSpec:
+    """How to pick a sequence's next token: greedy below a tiny temperature, else temperature +
+    top-p. ``seed`` and ``draw`` (how many tokens the sequence sampled before) make the draw a pure
+    function of the request, whatever shares its batch (:func:`~.sampling.sample_tokens`)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    draw: int = 0
+
+
+@dataclass(frozen=True)
 class SequenceWork:
     """One sequence's share of an iteration.
 
     ``tokens``: the new token ids to run (≥ 1): a prompt chunk, or the one token sampled last.
     ``position``: the position of ``tokens[0]`` in the sequence, i.e. how many of its tokens the
     model already holds in its KV cache (0 for a new sequence).
+    ``blocks``: the sequence's KV block table, covering ``position + len(tokens)`` tokens.
+    ``sample``: sample a token after the last new one (None: a prompt chunk that does not end the prompt).
     """
 
     seq_id: int
     tokens: tuple[int, ...]
     position: int
+    blocks: tuple[int, ...] = ()
+    sample: SamplingSpec | None = None
 
 
 class StepModel(Protocol):
@@ -34,16 +52,27 @@ class StepModel(Protocol):
 
     vocab_size: int
     max_context: int  # the longest sequence (prompt + generated) the model accepts
+    kv_block_size: int  # tokens per KV-cache block
+
+    @property
+    def kv_num_blocks(self) -> int:
+        """Blocks in the model's KV cache (block 0 is scratch)."""
+        ...
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Device memory those blocks take."""
+        ...
 
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes one token of one sequence holds (all layers)."""
         ...
 
     def step(self, work: Sequence[SequenceWork]) -> torch.Tensor:
-        """Run one iteration: [len(work), vocab_size] float32 logits at each sequence's last new
-        token (on the CPU). Sequences not in ``work`` keep their caches untouched."""
+        """Run one iteration: [len(work)] int64 on the CPU, the token sampled for each item with a
+        ``sample`` spec (−1 for the others). Blocks not in ``work`` keep their contents."""
         ...
 
     def release(self, seq_id: int) -> None:
-        """Drop a finished or cancelled sequence's KV cache."""
+        """A finished or cancelled sequence is gone (its blocks are back in the scheduler's pool)."""
         ...

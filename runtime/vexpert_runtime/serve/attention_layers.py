@@ -1,0 +1,132 @@
+"""A decoder layer's self-attention over a whole iteration's tokens, with transformers' weights.
+
+:func:`attention_forward` runs one transformers attention module (DeepSeek-V3 MLA, Qwen3-MoE or
+Qwen2-MoE GQA) for the ``T`` flattened tokens of an iteration: its own projections, norms and rotary
+embedding, the new rows written into the paged cache, then one batched attention call
+(:mod:`.attention`, or a GPU kernel from :mod:`.attention_kernels` for decode-only iterations).
+The arithmetic of the projections, norms and rotary embeddings is the module's own (the same
+formulas, element for element); only the attention sum is batched and, for MLA, absorbed.
+
+Shapes: ``T`` tokens, ``H`` hidden, ``nh`` heads, ``d`` head dim, ``C`` latent (kv_lora_rank), ``R``
+rotary dims of MLA, ``dn``/``dv`` MLA's non-rotary query/key and value head dims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vexpert_runtime.serve.attention import AttentionMetadata, gqa_attention, mla_attention
+from vexpert_runtime.serve.kv_cache import KVLayout
+
+# A decode kernel: (queries..., cache, metadata) -> output; None: the torch path.
+DecodeKernel = Callable[..., torch.Tensor]
+
+
+def kv_layout(config: Any) -> KVLayout:
+    """The cache row of a transformers config: MLA when it has ``kv_lora_rank``, else GQA."""
+    layers = int(config.num_hidden_layers)
+    if getattr(config, "kv_lora_rank", None):
+        return KVLayout(layers, mla=True, latent=int(config.kv_lora_rank), rope=int(config.qk_rope_head_dim))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return KVLayout(layers, mla=False, kv_heads=int(config.num_key_value_heads), head_dim=int(head_dim))
+
+
+def sliding_windows(config: Any) -> list[int | None]:
+    """Per decoder layer, its sliding window (None: full attention) — transformers' rules: a
+    ``layer_types`` list names each layer's kind; without one, a set ``sliding_window`` applies to
+    every layer (Qwen3-MoE)."""
+    layers = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None) or None
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [int(window) if t == "sliding_attention" and window else None for t in types]
+    return [int(window) if window else None] * layers
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' rotate_half: (−x₂, x₁) over the last dim's halves."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotary embedding of x [T, heads, r] at cos/sin [T, r] (transformers' ``apply_rotary_pos_emb``,
+    or DeepSeek's ``apply_rotary_pos_emb_interleave`` when ``interleave``)."""
+    if interleave:
+        cos = cos[..., : cos.shape[-1] // 2].unsqueeze(1)
+        sin = sin[..., : sin.shape[-1] // 2].unsqueeze(1)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return (x * cos.unsqueeze(1)) + (rotate_half(x) * sin.unsqueeze(1))
+
+
+@dataclass
+class AttentionStep:
+    """What every layer's attention shares in one iteration."""
+
+    cos: torch.Tensor  # [T, r]
+    sin: torch.Tensor
+    meta: AttentionMetadata
+    decode_kernel: DecodeKernel | None = None  # set for decode-only iterations on a GPU
+
+
+def attention_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: AttentionStep,
+                      window: int | None) -> torch.Tensor:
+    """One layer's self-attention of the iteration's normed tokens x [T, H] → [T, H]; writes the
+    tokens' cache rows."""
+    if hasattr(attn, "kv_a_proj_with_mqa"):
+        return _mla_forward(attn, x, cache, step)
+    return _gqa_forward(attn, x, cache, step, window)
+
+
+def _gqa_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: AttentionStep,
+                 window: int | None) -> torch.Tensor:
+    tokens, head_dim = x.shape[0], int(attn.head_dim)
+    heads, kv_heads = int(attn.config.num_attention_heads), int(attn.config.num_key_value_heads)
+    q = attn.q_proj(x).view(tokens, heads, head_dim)
+    k = attn.k_proj(x).view(tokens, kv_heads, head_dim)
+    v = attn.v_proj(x).view(tokens, kv_heads, head_dim)
+    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head before the rotary embedding
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q = apply_rotary(q, step.cos, step.sin, interleave=False)
+    k = apply_rotary(k, step.cos, step.sin, interleave=False)
+    cache.index_copy_(0, step.meta.slot_mapping, torch.stack([k, v], dim=1).to(cache.dtype))
+    if step.decode_kernel is not None and window is None:
+        out = step.decode_kernel(q, cache, step.meta, float(attn.scaling))
+    else:
+        out = gqa_attention(q, cache, step.meta, float(attn.scaling), window)
+    return attn.o_proj(out.flatten(1))
+
+
+def mla_weights(attn: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj split per head into W_UK [nh, dn, C] and W_UV [nh, dv, C] (views)."""
+    dn, dv = int(attn.qk_nope_head_dim), int(attn.v_head_dim)
+    weight = attn.kv_b_proj.weight.view(int(attn.num_heads), dn + dv, int(attn.kv_lora_rank))
+    return weight[:, :dn], weight[:, dn:]
+
+
+def _mla_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: AttentionStep) -> torch.Tensor:
+    tokens, heads = x.shape[0], int(attn.num_heads)
+    dn, rope, latent = int(attn.qk_nope_head_dim), int(attn.qk_rope_head_dim), int(attn.kv_lora_rank)
+    q = attn.q_proj(x) if attn.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+    q = q.view(tokens, heads, dn + rope)
+    q_nope, q_rope = q[..., :dn], q[..., dn:]
+    compressed = attn.kv_a_proj_with_mqa(x)
+    c, k_rope = compressed[:, :latent], compressed[:, latent:]
+    c = attn.kv_a_layernorm(c)
+    interleave = bool(getattr(attn.config, "rope_interleave", False))
+    q_rope = apply_rotary(q_rope, step.cos, step.sin, interleave)
+    k_rope = apply_rotary(k_rope.view(tokens, 1, rope), step.cos, step.sin, interleave).view(tokens, rope)
+    cache.index_copy_(0, step.meta.slot_mapping, torch.cat([c, k_rope], dim=-1).to(cache.dtype))
+    w_uk, w_uv = mla_weights(attn)
+    q_latent = torch.einsum("tnd,ndc->tnc", q_nope, w_uk)
+    if step.decode_kernel is not None:
+        out_latent = step.decode_kernel(q_latent, q_rope, cache, step.meta, float(attn.scaling))
+    else:
+        out_latent = mla_attention(q_latent, q_rope, cache, step.meta, float(attn.scaling))
+    out = torch.einsum("tnc,nvc->tnv", out_latent, w_uv).flatten(1)
+    return attn.o_proj(out)

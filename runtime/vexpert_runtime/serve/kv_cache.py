@@ -1,0 +1,179 @@
+"""A rank's paged KV cache: fixed-size blocks in one pool, a block table per sequence.
+
+:class:`BlockPool` is the host-side bookkeeping (pure Python, no tensors): which blocks are free,
+which a sequence holds (its *block table*, in token order) and how many each admitted sequence may
+still take (its *reservation*). The scheduler reserves a request's worst case (prompt + max_tokens,
+in blocks) when it admits it, so an admitted sequence never finds the pool empty and nothing is ever
+preempted; the blocks themselves are taken as the sequence grows and all return at its finish.
+
+:class:`PagedKVCache` owns the device tensors: per attention layer, one tensor of ``num_blocks ·
+block_size`` token *slots* (slot ``b·block_size + i`` is token ``i`` of block ``b``), whose row is what
+a token leaves behind for later queries — keys and values (GQA: ``[slots, 2, kv_heads, head_dim]``)
+or DeepSeek's compressed latent and rotary key (MLA: ``[slots, kv_lora_rank + qk_rope_head_dim]``).
+Block 0 is never handed out: padded tokens of a CUDA-graph batch write there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vexpert_runtime.errors import VExpertInputError
+
+SCRATCH_BLOCK = 0  # written by padded tokens, never read by a sequence
+
+
+class KVCacheFull(RuntimeError):
+    """A sequence asked for more blocks than its reservation or the pool holds (a scheduler bug)."""
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks that hold ``tokens`` tokens."""
+    return -(-tokens // block_size)
+
+
+class BlockPool:
+    """Free list, block tables and reservations of one rank's KV cache (host side).
+
+    Args:
+        num_blocks: blocks in the pool, the scratch block included (so ``num_blocks - 1`` usable).
+        block_size: tokens per block.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if block_size < 1:
+            raise VExpertInputError("kv_block_size", f"{block_size} must be ≥ 1")
+        if num_blocks < 2:
+            raise VExpertInputError("kv_cache", f"{num_blocks} blocks: the pool needs at least 2 (one is scratch)",
+                                    "give the KV cache more memory")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: list[int] = list(range(num_blocks - 1, SCRATCH_BLOCK, -1))  # pop() takes the lowest
+        self._tables: dict[int, list[int]] = {}
+        self._reserved: dict[int, int] = {}  # blocks each sequence may hold at most
+        self._reserved_total = 0
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks not held by any sequence (some may be promised to admitted sequences)."""
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.usable_blocks - len(self._free)
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Blocks promised to admitted sequences (held or still to take)."""
+        return self._reserved_total
+
+    def capacity_tokens(self) -> int:
+        return self.usable_blocks * self.block_size
+
+    def can_reserve(self, tokens: int) -> bool:
+        """Whether a new sequence of up to ``tokens`` tokens fits beside every reservation."""
+        return self._reserved_total + blocks_for(tokens, self.block_size) <= self.usable_blocks
+
+    def reserve(self, seq_id: int, tokens: int) -> None:
+        """Promise ``seq_id`` room for ``tokens`` tokens (its worst case); no block is taken yet."""
+        if seq_id in self._reserved:
+            raise ValueError(f"sequence {seq_id} is already admitted")
+        need = blocks_for(tokens, self.block_size)
+        if self._reserved_total + need > self.usable_blocks:
+            raise KVCacheFull(f"sequence {seq_id}: {need} blocks do not fit ({self._reserved_total} of "
+                              f"{self.usable_blocks} reserved)")
+        self._reserved[seq_id] = need
+        self._reserved_total += need
+        self._tables[seq_id] = []
+
+    def grow(self, seq_id: int, tokens: int) -> list[int]:
+        """Make ``seq_id``'s table cover ``tokens`` tokens (taking blocks as needed); its table."""
+        table = self._tables[seq_id]
+        need = blocks_for(tokens, self.block_size)
+        if need > self._reserved[seq_id]:
+            raise KVCacheFull(f"sequence {seq_id}: {tokens} tokens exceed its reservation of "
+                              f"{self._reserved[seq_id]} blocks")
+        while len(table) < need:
+            table.append(self._free.pop())  # cannot fail: reservations never exceed the pool
+        return table
+
+    def table(self, seq_id: int) -> list[int]:
+        return self._tables[seq_id]
+
+    def holds(self, seq_id: int) -> bool:
+        return seq_id in self._tables
+
+    def free(self, seq_id: int) -> None:
+        """Return a sequence's blocks and reservation (unknown ids are ignored)."""
+        table = self._tables.pop(seq_id, None)
+        if table is None:
+            return
+        self._free.extend(reversed(table))
+        self._reserved_total -= self._reserved.pop(seq_id)
+
+    def slots(self, seq_id: int, start: int, count: int) -> list[int]:
+        """Cache slots of tokens ``start .. start+count-1`` of ``seq_id`` (the table must cover them)."""
+        table, size = self._tables[seq_id], self.block_size
+        return [table[p // size] * size + p % size for p in range(start, start + count)]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one token leaves in one attention layer's cache.
+
+    ``mla``: one row of ``latent`` (kv_lora_rank) + ``rope`` (qk_rope_head_dim) values; else GQA keys
+    and values: ``kv_heads`` × ``head_dim`` each.
+    """
+
+    num_layers: int
+    mla: bool
+    kv_heads: int = 0
+    head_dim: int = 0
+    latent: int = 0
+    rope: int = 0
+
+    def row_shape(self) -> tuple[int, ...]:
+        return (self.latent + self.rope,) if self.mla else (2, self.kv_heads, self.head_dim)
+
+    def token_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes one token holds over all layers."""
+        numel = 1
+        for n in self.row_shape():
+            numel *= n
+        return numel * self.num_layers * torch.empty((), dtype=dtype).element_size()
+
+
+class PagedKVCache:
+    """The device tensors of a rank's KV cache (see the module docstring) and their block pool."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, device: torch.device | str,
+                 dtype: torch.dtype) -> None:
+        self.layout = layout
+        self.pool = BlockPool(num_blocks, block_size)
+        self.block_size = block_size
+        self.dtype = dtype
+        self.layers = [torch.zeros(num_blocks * block_size, *layout.row_shape(), dtype=dtype, device=device)
+                       for _ in range(layout.num_layers)]
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.layers)
+
+    def block_table_tensor(self, seq_ids: Sequence[int], width: int, device: torch.device | str) -> torch.Tensor:
+        """[len(seq_ids), width] int32 block tables, padded with the scratch block."""
+        out = torch.full((len(seq_ids), width), SCRATCH_BLOCK, dtype=torch.int32)
+        for row, seq_id in enumerate(seq_ids):
+            table = self.pool.table(seq_id)
+            out[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        return out.to(device)
+
+
+def num_blocks_for_memory(free_bytes: int, layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:
+    """How many blocks ``free_bytes`` of memory hold."""
+    return max(0, free_bytes // (layout.token_bytes(dtype) * block_size))
