@@ -127,18 +127,20 @@ def worker_main(args: WorkerArgs) -> None:
                 dist.destroy_process_group()
 
 
-PROFILE_ENV = "VEXPERT_PROFILE"  # "<iteration>:<directory>": trace that iteration of every worker
+PROFILE_ENV = "VEXPERT_PROFILE"  # "<first>[-<last>]:<directory>": trace those iterations of every worker
 
 
-def _profile_request() -> tuple[int, Path]:
-    """The iteration to trace and where (``VEXPERT_PROFILE``), or (−1, .) for none."""
+def _profile_request() -> tuple[range, Path]:
+    """The iterations to trace (each in its own file) and where (``VEXPERT_PROFILE``); none by default."""
     raw = os.environ.get(PROFILE_ENV, "")
     if not raw:
-        return -1, Path(".")
+        return range(0), Path(".")
     at, _, directory = raw.partition(":")
-    if not at.isdigit() or not directory:
-        raise VExpertInputError(PROFILE_ENV, f"{raw!r} is not <iteration>:<directory>", "e.g. VEXPERT_PROFILE=50:/tmp/trace")
-    return int(at), Path(directory)
+    first, _, last = at.partition("-")
+    if not first.isdigit() or (last and not last.isdigit()) or not directory:
+        raise VExpertInputError(PROFILE_ENV, f"{raw!r} is not <first>[-<last>]:<directory>",
+                                "e.g. VEXPERT_PROFILE=50:/tmp/trace or 400-409:/tmp/trace")
+    return range(int(first), int(last or first) + 1), Path(directory)
 
 
 @dataclass
@@ -254,7 +256,8 @@ class _Worker:
             self.serving = ServingRank(args.serve, args.rank, args.world, self.group, device, self.dtype,
                                        self.device_tables[False], buffers.slots,
                                        wait=lambda layer: self.slots.acquire(layer, rescue),
-                                       release=self.slots.release, dispatch=args.dispatch)
+                                       release=self.slots.release, dispatch=args.dispatch,
+                                       graph_stream=self.compute_stream if self.graphable else None)
             if self.serving.num_moe_layers != spec.num_layers:
                 raise VExpertInputError("model.checkpoint_path",
                                         f"the model has {self.serving.num_moe_layers} MoE layers, its spec {spec.num_layers}",
@@ -296,7 +299,7 @@ class _Worker:
         while True:
             if self.serving is not None:
                 self._await_work(iteration)
-            profiler = self._profiler(profile_dir) if iteration == profile_at else None
+            profiler = self._profiler(profile_dir) if iteration in profile_at else None
             start = time.perf_counter()
             h = bias = None
             if self.serving is None:
@@ -389,9 +392,13 @@ class _Worker:
         """One serving iteration: the scheduler's batch through the model, the EP experts reading
         this iteration's table and slots; its statistics land in the device counters."""
         assert self.serving is not None
-        self.serving.experts.table = self._device_table(table)
-        self.graphed_last = False
-        self.serving.run_iteration(self.device_counts, self.device_computed)
+        # One device table for every serving iteration, static or plan, loaded in place: a captured
+        # decode graph reads whatever it holds.
+        device_table = self.device_tables[False]
+        if device_table.plan_id != table.plan_id:
+            device_table.load(table)
+        self.serving.experts.table = device_table
+        self.graphed_last = self.serving.run_iteration(self.device_counts, self.device_computed)
 
     def _device_table(self, table: RoutingTable) -> DeviceRoutingTable:
         """The device table for ``table`` (the static one, or the plan one with ``table`` loaded in

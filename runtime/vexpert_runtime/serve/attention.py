@@ -63,6 +63,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [B] int32: tokens each sequence attends to (cached + new)
     groups: tuple[PaddedGroup, ...]
     decode_only: bool  # every sequence feeds one token
+    block_size: int  # tokens per cache block
 
 
 def build_metadata(work: Sequence[SequenceWork], block_size: int, windows: Iterable[int | None],
@@ -93,6 +94,7 @@ def build_metadata(work: Sequence[SequenceWork], block_size: int, windows: Itera
         context_lens=torch.tensor([item.position + len(item.tokens) for item in work], dtype=torch.int32).to(device),
         groups=groups,
         decode_only=not prefill,
+        block_size=block_size,
     )
 
 

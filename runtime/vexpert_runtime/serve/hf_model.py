@@ -25,7 +25,8 @@ Shapes: ``T`` tokens of an iteration (all sequences), ``H`` hidden, ``K`` top-k,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -47,13 +48,16 @@ from vexpert_runtime.model.ep_moe import (
 )
 from vexpert_runtime.model.expert_format import ExpertFormat
 from vexpert_runtime.model.moe_math import combine
-from vexpert_runtime.serve.attention import build_metadata
+from vexpert_runtime.serve import attention_kernels
+from vexpert_runtime.serve.attention import AttentionMetadata, build_metadata
 from vexpert_runtime.serve.attention_layers import (
     AttentionStep,
+    DecodeKernel,
     attention_forward,
     kv_layout,
     sliding_windows,
 )
+from vexpert_runtime.serve.decode_graph import DecodeGraphs
 from vexpert_runtime.serve.kv_cache import PagedKVCache, blocks_for
 from vexpert_runtime.serve.sampling import sample_tokens, sampling_tensors
 from vexpert_runtime.serve.step import SequenceWork, StepModel
@@ -63,7 +67,12 @@ _SWIGLU_ACTIVATIONS = ("silu", "swish")
 
 
 class MoEExecutor(Protocol):
-    """Computes the routed experts of one MoE layer for one iteration's tokens."""
+    """Computes the routed experts of one MoE layer for one iteration's tokens.
+
+    ``token_valid`` ([T] bool or None): set by the step model for a padded CUDA-graph batch; rows
+    marked False are padding (an executor with statistics must not count them)."""
+
+    token_valid: torch.Tensor | None
 
     def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] (post-attention-normed tokens), ids [T, K] int64 logical experts, weights [T, K]
@@ -148,6 +157,7 @@ class LocalExperts:
 
     def __init__(self, experts: Sequence[Any]) -> None:
         self.experts = list(experts)  # per MoE layer: transformers fused experts module
+        self.token_valid: torch.Tensor | None = None  # no statistics here: padding needs no care
         for module in self.experts:
             _check_dense(module)
 
@@ -201,6 +211,10 @@ class EPExperts:
             raise ValueError(f"dispatch {dispatch!r} is not one of {', '.join(DISPATCH_MODES)}")
         self.dispatch: DispatchMode = dispatch  # type: ignore[assignment]
         self.resident = list(resident)
+        self.num_experts = num_experts
+        # Padding rows of a graphed batch (False): routed round-robin over the experts with weight 0
+        # (a pad row costs a dispatch row, never a hot spot) and left out of the counts.
+        self.token_valid: torch.Tensor | None = None
         self.intermediate = intermediate
         self.rank, self.world, self.group = rank, world, group
         if table is None:
@@ -235,8 +249,28 @@ class EPExperts:
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
         return int(most) * top_k
 
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Run a warm-up pass: no slot handshake (the node's flags see only real iterations) and the
+        statistics as they were before."""
+        hooks, counts, computed = self.hooks, self.counts.clone(), self.computed.clone()
+        self.hooks = None
+        try:
+            yield
+        finally:
+            self.hooks = hooks
+            self.counts.copy_(counts)
+            self.computed.copy_(computed)
+
     def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         hooks = self.hooks
+        counted: torch.Tensor | None = None
+        if self.token_valid is not None:
+            valid = self.token_valid.unsqueeze(1).expand_as(ids)
+            spread = torch.arange(ids.numel(), device=ids.device).view_as(ids) % self.num_experts
+            ids = torch.where(valid, ids, spread)
+            weights = torch.where(valid, weights, torch.zeros_like(weights))
+            counted = valid.reshape(-1).to(torch.int64)
         stacks = ExpertStacks(self.resident[moe_layer], self._slot_rows(moe_layer), self.intermediate,
                               format=self.format)
         y, stats = ep_moe_layer(
@@ -248,7 +282,7 @@ class EPExperts:
         )
         self.computed[moe_layer] += stats.computed
         flat = ids.reshape(-1).to(torch.int64)
-        self.counts[moe_layer].scatter_add_(0, flat, torch.ones_like(flat))
+        self.counts[moe_layer].scatter_add_(0, flat, torch.ones_like(flat) if counted is None else counted)
         self.last_stats = stats
         return y
 
@@ -328,6 +362,11 @@ class HFStepModel:
         self.windows = sliding_windows(self.config)
         self.kv_block_size = block_size
         self.kv_cache: PagedKVCache | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+        # Decode-only iterations on a GPU attend with the Triton kernels (the torch twin elsewhere).
+        self._decode_kernel: DecodeKernel | None = None
+        if self.device.type == "cuda" and attention_kernels.available():
+            self._decode_kernel = attention_kernels.mla_decode if self.layout.mla else attention_kernels.gqa_decode
         if kv_cache_tokens is not None:
             self.allocate_kv_cache(blocks_for(kv_cache_tokens, block_size) + 1)
 
@@ -386,31 +425,70 @@ class HFStepModel:
     def release(self, seq_id: int) -> None:
         """Nothing to do: the scheduler's pool took the sequence's blocks back."""
 
+    def enable_decode_graphs(self, max_batch: int, stream: Any) -> None:
+        """Run decode iterations of up to ``max_batch`` sequences as CUDA graphs on ``stream``
+        (:mod:`.decode_graph`); the KV cache must exist."""
+        if self.kv_cache is None:
+            raise RuntimeError("allocate the KV cache before capturing decode graphs")
+        width = blocks_for(self.max_context, self.kv_block_size)
+        self.decode_graphs = DecodeGraphs(self._graph_forward, max_batch, width, self.kv_block_size, self.device,
+                                          stream)
+
     @torch.inference_mode()
     def step(self, work: Sequence[SequenceWork]) -> torch.Tensor:
         """Run one iteration (see :class:`StepModel`): [len(work)] int64 sampled tokens on the CPU."""
-        cache = self.kv_cache
-        if cache is None:
+        if self.kv_cache is None:
             raise RuntimeError("no KV cache: call allocate_kv_cache first")
         self._check(work)
+        if self.decode_graphs is not None and self.decode_graphs.fits(work):
+            return self.decode_graphs.run(work)
         tokens = torch.tensor([t for item in work for t in item.tokens], dtype=torch.int64).to(self.device)
-        hidden = self.model.model.embed_tokens(tokens)  # [T, H]
         meta = build_metadata(work, self.kv_block_size, self.windows, self.device)
-        cos, sin = self.model.model.rotary_emb(hidden, meta.positions.unsqueeze(0))
-        attention = AttentionStep(cos[0], sin[0], meta)
-        for index, layer in enumerate(_decoder_layers(self.model)):
-            normed = layer.input_layernorm(hidden)
-            hidden = hidden + attention_forward(layer.self_attn, normed, cache.layers[index], attention,
-                                                self.windows[index])
-            hidden = hidden + self._mlp(layer, index, layer.post_attention_layernorm(hidden))
         sampled = [row for row, item in enumerate(work) if item.sample is not None]
+        specs = [spec for spec in (item.sample for item in work) if spec is not None]
+        ends = torch.cumsum(torch.tensor([len(item.tokens) for item in work], dtype=torch.int64), 0) - 1
+        ids = self._forward(tokens, meta, ends[sampled].to(self.device),
+                            sampling_tensors(specs, self.device) if specs else None, None)
         out = torch.full((len(work),), -1, dtype=torch.int64)
-        if sampled:
-            ends = torch.cumsum(torch.tensor([len(item.tokens) for item in work]), 0) - 1
-            last = hidden[ends[sampled].to(self.device)]  # [S, H]
-            logits = self.model.lm_head(self.model.model.norm(last))
-            specs = [spec for spec in (work[row].sample for row in sampled) if spec is not None]
-            out[sampled] = sample_tokens(logits, *sampling_tensors(specs, self.device)).cpu()
+        if ids is not None:
+            out[sampled] = ids.cpu()
+        return out
+
+    def _forward(self, tokens: torch.Tensor, meta: AttentionMetadata, last_rows: torch.Tensor | None,
+                 sampling: tuple[Any, ...] | None, valid: torch.Tensor | None) -> torch.Tensor | None:
+        """The model over tokens [T] (device work only, no host sync): the ids sampled at
+        ``last_rows`` (all rows if None), or None without ``sampling``."""
+        cache = self.kv_cache
+        assert cache is not None
+        hidden = self.model.model.embed_tokens(tokens)  # [T, H]
+        cos, sin = self.model.model.rotary_emb(hidden, meta.positions.unsqueeze(0))
+        attention = AttentionStep(cos[0], sin[0], meta, self._decode_kernel if meta.decode_only else None)
+        self.executor.token_valid = valid
+        try:
+            for index, layer in enumerate(_decoder_layers(self.model)):
+                normed = layer.input_layernorm(hidden)
+                hidden = hidden + attention_forward(layer.self_attn, normed, cache.layers[index], attention,
+                                                    self.windows[index])
+                hidden = hidden + self._mlp(layer, index, layer.post_attention_layernorm(hidden))
+        finally:
+            self.executor.token_valid = None
+        if sampling is None:
+            return None
+        last = hidden if last_rows is None else hidden[last_rows]
+        logits = self.model.lm_head(self.model.model.norm(last))
+        return sample_tokens(logits, *sampling)
+
+    def _graph_forward(self, tokens: torch.Tensor, meta: AttentionMetadata, sampling: tuple[Any, ...],
+                       valid: torch.Tensor, warmup: bool) -> torch.Tensor:
+        """A decode bucket's forward for :class:`DecodeGraphs` (``warmup``: an eager pass whose
+        only lasting effect is compiled kernels — pad rows, no slot handshake, counts kept)."""
+        if not warmup:
+            out = self._forward(tokens, meta, None, sampling, valid)
+        else:
+            quiet = getattr(self.executor, "quiet", contextlib.nullcontext)
+            with quiet():
+                out = self._forward(tokens, meta, None, sampling, valid)
+        assert out is not None
         return out
 
     def _check(self, work: Sequence[SequenceWork]) -> None:

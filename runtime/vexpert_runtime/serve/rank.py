@@ -86,7 +86,8 @@ class ServingRank:
 
     Args:
         args: the serving arguments. rank, world, group: the EP rank, N and the process group.
-        device, dtype: where the model computes. table: the device routing table the EP layer reads
+        device, dtype: where the model computes. graph_stream: capture decode CUDA graphs on this
+            stream (None: eager). table: the device routing table the EP layer reads
             (the worker loads the iteration's plan into it). slots: the worker's slot rows [S, D].
         wait, release: the worker's flag handshake for MoE layer l's slots.
         dispatch: the node's replica dispatch (plan | local | global), the same on every rank.
@@ -94,7 +95,8 @@ class ServingRank:
 
     def __init__(self, args: ServeWorkerArgs, rank: int, world: int, group: Any, device: torch.device,
                  dtype: torch.dtype, table: DeviceRoutingTable, slots: torch.Tensor,
-                 wait: Callable[[int], None], release: Callable[[int], None], dispatch: str = "plan") -> None:
+                 wait: Callable[[int], None], release: Callable[[int], None], dispatch: str = "plan",
+                 graph_stream: Any = None) -> None:
         from transformers import AutoTokenizer
 
         self.args = args
@@ -106,6 +108,8 @@ class ServingRank:
         self.model.executor = self.experts
         self.model.drop_expert_weights()
         self.model.allocate_kv_cache(kv_cache_blocks(args, self.model, device))
+        if graph_stream is not None:  # decode iterations replay CUDA graphs captured on the rank's stream
+            self.model.enable_decode_graphs(args.scheduler.max_running, graph_stream)
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
         self.scheduler = Scheduler(self.model, tokenizer, args.scheduler, eos_token_ids(tokenizer))
         self._reported: RankLoad | None = None
@@ -151,14 +155,17 @@ class ServingRank:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def run_iteration(self, counts: torch.Tensor, computed: torch.Tensor) -> None:
+    def run_iteration(self, counts: torch.Tensor, computed: torch.Tensor) -> bool:
         """One scheduler iteration (an empty step when idle: the MoE layers are collectives);
         this iteration's expert counts [L, E] and rows per local expert [L, E/N + S] land in
-        ``counts`` / ``computed`` (device tensors, zeroed here)."""
+        ``counts`` / ``computed`` (device tensors, zeroed here). Whether it replayed a CUDA graph."""
         self.experts.counts = counts.zero_()
         self.experts.computed = computed.zero_()
+        graphs = self.model.decode_graphs
+        before = 0 if graphs is None else graphs.replays
         self.scheduler.run_iteration()
         self.report_load()
+        return graphs is not None and graphs.replays > before
 
     def report_load(self, force: bool = False) -> None:
         load, now = self.scheduler.load(), time.monotonic()

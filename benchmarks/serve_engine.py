@@ -1,0 +1,262 @@
+"""Issue #21: the serving engine at GPU speed — ``vexpert serve`` against transformers ``generate``.
+
+One GPU, one EP rank (no host staging), the checkpoint of :mod:`serve_load` (random-weight
+DeepSeek-V3 with its real expert and MLA sizes: H 7168, expert I 2048, ``--layers`` MoE layers ×
+``--experts`` experts, top-2, one shared expert, routers skewed by a real DeepSeek-V3 load), the demo
+tokenizer, ~62-token prompts, ``--max-tokens`` new tokens each.
+
+* ``hf``: transformers' own ``generate`` on the same checkpoint and GPU (bf16, sdpa, greedy, one padded
+  batch of N identical prompts, ``min_new_tokens`` = ``max_new_tokens``): output tokens / wall time of
+  the call, after one warm-up call.
+* ``vexpert`` / ``static``: ``vexpert serve`` (API process, coordinator, one worker) under N closed-loop
+  streaming clients (:func:`serve_load.load`), τ = 0.95 / τ = 0 (static placement, nothing streamed).
+* ``--profile-streams N``: a torch-profiler trace of iterations ``--profile-iters`` of the worker at N
+  streams (``VEXPERT_PROFILE``), summarised per iteration: wall time, GPU busy share (union of kernel
+  and copy intervals / iteration span), host launches (kernel launches, graph launches, async copies).
+* the HBM bound of a decode step at N streams: bytes the step must read (every non-embedding weight,
+  the experts all hit, the embedding rows of the batch, the KV cache at the mean context) ÷ 4.8 TB/s.
+
+    python benchmarks/serve_engine.py --out benchmarks/results/serve_engine --model-dir .cache/bench-ds3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+
+from serve_load import load, scrape, write_model
+
+from vexpert_runtime.ports import free_port
+from vexpert_runtime.serve.demo_model import ensure_demo_model
+
+HBM_BYTES_PER_S = 4.8e12  # H200
+PROMPT_TOKENS = 62
+TEXT = ("A mixture of experts model sends every token to a few of its many expert networks, and expert "
+        "parallelism spreads those experts over GPUs, so a hot expert makes one GPU the straggler. ") * 4
+
+
+def prompt_text(model_dir: Path) -> tuple[str, list[int]]:
+    """A prompt of about PROMPT_TOKENS tokens and its ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)[:PROMPT_TOKENS]
+    text = tokenizer.decode(ids)
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def hf_generate(model_dir: Path, streams: list[int], prompt_ids: list[int], new_tokens: int) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=torch.bfloat16)
+    model = model.to("cuda").eval()
+    out: dict[str, Any] = {"attn_implementation": model.config._attn_implementation}
+    for batch in streams:
+        ids = torch.tensor([prompt_ids] * batch, device="cuda")
+        mask = torch.ones_like(ids)
+
+        def run(n: int, ids: torch.Tensor = ids, mask: torch.Tensor = mask) -> float:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                               pad_token_id=0)
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        run(4)
+        elapsed = run(new_tokens)
+        out[str(batch)] = {"tokens_per_s": round(batch * new_tokens / elapsed, 1), "seconds": round(elapsed, 3)}
+        print("hf", batch, out[str(batch)], flush=True)
+    model = None  # free it before the servers start
+    torch.cuda.empty_cache()
+    return out
+
+
+def hbm_bound(model_dir: Path, batch: int, mean_context: float) -> dict[str, Any]:
+    """Bytes one decode step of ``batch`` sequences must read, and that ÷ HBM bandwidth."""
+    from safetensors import safe_open
+
+    from vexpert_runtime.serve.attention_layers import kv_layout
+
+    weights = embed = 0
+    hidden = 0
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118  # safe_open is not a mapping
+                tensor = handle.get_slice(name)
+                shape = tensor.get_shape()
+                numel = 1
+                for n in shape:
+                    numel *= n
+                nbytes = numel * 2  # served in bf16
+                if "embed_tokens" in name:
+                    embed += nbytes
+                    hidden = shape[1]
+                else:
+                    weights += nbytes
+    from transformers import AutoConfig
+
+    layout = kv_layout(AutoConfig.from_pretrained(str(model_dir), local_files_only=True))
+    kv = int(batch * mean_context * layout.token_bytes(torch.bfloat16))
+    total = weights + batch * hidden * 2 + kv
+    return {"batch": batch, "weight_bytes": weights, "kv_bytes": kv, "embedding_rows_bytes": batch * hidden * 2,
+            "bytes": total, "bound_ms": round(1000 * total / HBM_BYTES_PER_S, 3)}
+
+
+def write_config(path: Path, checkpoint: Path, tau: float, profile: dict[str, Any] | None, k: int) -> Path:
+    raw: dict[str, Any] = {
+        "model": {"checkpoint_path": str(checkpoint), "dtype": "bfloat16"},
+        "parallelism": {"expert_parallel_size": 1, "gpus_per_node": 1, "master_port": free_port()},
+        "vexpert": {"group_size": 2, "vmax": 1, "balance_threshold": tau},
+        "tuning": {"allocation_interval": k},
+        "runtime": {"device": "cuda", "metrics_port": 0, "slot_fill_timeout_s": 60.0},
+    }
+    if profile is not None:
+        raw["profile"] = profile
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def serve(config: Path, model: Path, streams: int, prompt: str, args: argparse.Namespace, log: Path,
+          trace_dir: Path | None) -> dict[str, Any]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "vexpert_runtime", "serve", "--config", str(config), "--model", str(model),
+           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench",
+           "--max-batch-tokens", str(args.max_batch_tokens), "--max-running", str(max(streams, 16)),
+           "--max-waiting", str(2 * streams), "--drain-timeout", "5"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "runtime"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    if trace_dir is not None:
+        env["VEXPERT_PROFILE"] = f"{args.profile_iters}:{trace_dir}"
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError("server exited:\n" + log.read_text()[-3000:])
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=5).status == 200:
+                    break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.perf_counter() - started > 300:
+                raise RuntimeError("server not healthy in 300 s:\n" + log.read_text()[-3000:])
+            time.sleep(0.5)
+        result = asyncio.run(load(url, prompt, streams, args.duration, args.warmup, args.max_tokens))
+        result["startup_s"] = round(time.perf_counter() - started, 1)
+        result["metrics"] = scrape(url)
+        return result
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+             "cudaMemcpyAsync", "cudaMemsetAsync", "cuStreamWaitValue32", "cuStreamWriteValue32")
+
+
+def summarise_trace(path: Path) -> dict[str, Any]:
+    """Wall time, GPU busy share and host launches of one traced iteration."""
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    start = min(e["ts"] for e in events)
+    end = max(e["ts"] + e["dur"] for e in events)
+    busy, cursor = 0.0, start
+    for a, b in gpu:
+        a = max(a, cursor)
+        if b > a:
+            busy += b - a
+            cursor = b
+    launches: dict[str, int] = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and e["name"] in _LAUNCHES:
+            launches[e["name"]] = launches.get(e["name"], 0) + 1
+    names = {e["name"] for e in events if e.get("cat") == "cpu_op"}
+    return {"file": path.name, "wall_ms": round((end - start) / 1000, 3), "gpu_busy_ms": round(busy / 1000, 3),
+            "gpu_busy_share": round(busy / max(1.0, end - start), 3), "host_launches": sum(launches.values()),
+            "launches": launches, "graph_replay": launches.get("cudaGraphLaunch", 0) > 0,
+            "gpu_kernels": sum(1 for e in events if e.get("cat") == "kernel"), "cpu_ops": len(names)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model-dir", type=Path, default=Path(".cache/bench-ds3"), help="written once, reused")
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--streams", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--duration", type=float, default=25.0)
+    parser.add_argument("--warmup", type=float, default=8.0)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-batch-tokens", type=int, default=512)
+    parser.add_argument("--k", type=int, default=10)
+    parser.add_argument("--profile", type=Path, default=None, help="calibrated PerformanceProfile JSON")
+    parser.add_argument("--modes", nargs="+", default=["hf", "vexpert"], help="hf, vexpert, static")
+    parser.add_argument("--onoff-streams", type=int, nargs="*", default=[], help="streams to run static at too")
+    parser.add_argument("--profile-streams", type=int, default=None)
+    parser.add_argument("--profile-iters", default="600-611")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary_path = args.out / "summary.json"
+    results: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    results.update({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "layers": args.layers,
+                    "experts": args.experts, "max_tokens": args.max_tokens, "prompt_tokens": PROMPT_TOKENS})
+    if not (args.model_dir / "config.json").exists():
+        started = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="vexpert-tok-") as tmp:
+            write_model(args.model_dir, ensure_demo_model(Path(tmp) / "demo"), args.layers, args.experts, False, "cuda")
+        results["model_write_s"] = round(time.perf_counter() - started, 1)
+    prompt, prompt_ids = prompt_text(args.model_dir)
+    results["prompt_ids"] = len(prompt_ids)
+
+    def save() -> None:
+        summary_path.write_text(json.dumps(results, indent=2))
+
+    if "hf" in args.modes:
+        results["hf"] = hf_generate(args.model_dir, args.streams, prompt_ids, args.max_tokens)
+        save()
+    profile = json.loads(args.profile.read_text()) if args.profile else None
+    for streams in args.streams:
+        results.setdefault("hbm_bound", {})[str(streams)] = hbm_bound(args.model_dir, streams,
+                                                                      len(prompt_ids) + args.max_tokens / 2)
+        modes = [m for m in ("vexpert", "static") if m in args.modes or (m == "static" and streams in args.onoff_streams)]
+        for mode in modes:
+            trace_dir = args.out / f"trace_{mode}_{streams}" if streams == args.profile_streams else None
+            config = write_config(args.out / f"{mode}.yaml", args.model_dir, 0.95 if mode == "vexpert" else 0.0,
+                                  profile, args.k)
+            result = serve(config, args.model_dir, streams, prompt, args, args.out / f"server_{mode}_{streams}.log",
+                           trace_dir)
+            if trace_dir is not None and trace_dir.exists():
+                result["trace"] = [summarise_trace(p) for p in sorted(trace_dir.glob("*.json"))]
+            results.setdefault(mode, {})[str(streams)] = result
+            print(mode, streams, json.dumps(result), flush=True)
+            save()
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""The serving engine on a GPU (issue #21): decode attention kernels and graphed decode steps.
+
+GPU only (marker ``gpu``; skipped without CUDA or Triton). The CPU twins of the same pieces are tested
+in test_serve_model.py (batched paged attention == transformers' generate) and
+test_attention_kernels.py (the Triton kernels in Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("triton")
+
+from test_serve_model import CHUNK, JOINS, NEW_TOKENS, PROMPTS, _write, drive  # noqa: E402
+from vexpert_runtime.serve.attention import build_metadata, gqa_attention, mla_attention  # noqa: E402
+from vexpert_runtime.serve.attention_kernels import gqa_decode, mla_decode  # noqa: E402
+from vexpert_runtime.serve.hf_model import EPExperts, HFStepModel  # noqa: E402
+from vexpert_runtime.serve.step import SequenceWork  # noqa: E402
+
+
+def _decode_batch(lengths: list[int], block_size: int) -> list[SequenceWork]:
+    """One decode token per sequence at position len−1, blocks scattered over the pool."""
+    work, next_block = [], 1
+    for seq, length in enumerate(lengths):
+        blocks = -(-length // block_size)
+        table = tuple(range(next_block, next_block + 2 * blocks, 2))  # every other block: not contiguous
+        next_block += 2 * blocks
+        work.append(SequenceWork(seq, (1,), length - 1, table))
+    return work
+
+
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_mla_decode_kernel_matches_the_torch_twin_at_deepseek_shapes(batch: int) -> None:
+    torch.manual_seed(batch)
+    lengths = torch.randint(1, 300, (batch,)).tolist()
+    work = _decode_batch(lengths, 16)
+    meta = build_metadata(work, 16, [None], "cuda")
+    slots = (max(max(w.blocks) for w in work) + 1) * 16
+    cache = torch.randn(slots, 512 + 64, device="cuda", dtype=torch.bfloat16)
+    q_latent = torch.randn(batch, 128, 512, device="cuda", dtype=torch.bfloat16)
+    q_rope = torch.randn(batch, 128, 64, device="cuda", dtype=torch.bfloat16)
+    want = mla_attention(q_latent.float(), q_rope.float(), cache.float(), meta, 0.1)
+    got = mla_decode(q_latent, q_rope, cache, meta, 0.1).float()
+    assert (got - want).abs().max() < 3e-2 * want.abs().max()
+
+
+def test_gqa_decode_kernel_matches_the_torch_twin() -> None:
+    torch.manual_seed(0)
+    lengths = torch.randint(1, 200, (32,)).tolist()
+    work = _decode_batch(lengths, 16)
+    meta = build_metadata(work, 16, [None], "cuda")
+    slots = (max(max(w.blocks) for w in work) + 1) * 16
+    cache = torch.randn(slots, 2, 4, 128, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(32, 32, 128, device="cuda", dtype=torch.bfloat16)
+    want = gqa_attention(q.float(), cache.float(), meta, 0.088, None)
+    got = gqa_decode(q, cache, meta, 0.088).float()
+    assert (got - want).abs().max() < 3e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "qwen2_moe"])
+def test_graphed_decode_equals_the_eager_step(family: str, tmp_path: Path) -> None:
+    """bf16 on the GPU, the EP layer on one rank (grouped GEMMs, no host sync): the tokens of a
+    continuous batch (joins, chunked prompts, leaves) are the same with decode graphs as without,
+    and the graphs were replayed."""
+    path = _write(family, tmp_path / family)
+    outputs = []
+    for graphs in (False, True):
+        model = HFStepModel(path, device="cuda", dtype=torch.bfloat16, kv_cache_tokens=512)
+        model.executor = EPExperts.for_model(model, 0, 1, None, max_tokens=64)
+        model.drop_expert_weights()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            if graphs:
+                model.enable_decode_graphs(8, stream)
+            outputs.append(drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK))
+        if graphs:
+            assert model.decode_graphs is not None and model.decode_graphs.replays >= 3
+    assert outputs[0] == outputs[1]
