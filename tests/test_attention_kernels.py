@@ -1,8 +1,9 @@
-"""The Triton decode-attention kernels (issue #21) in Triton's interpreter, against their torch twins.
+"""The Triton paged-attention kernels (issue #21) in Triton's interpreter, against their torch twins.
 
 CI has no GPU: the kernels run on CPU tensors with ``TRITON_INTERPRET=1`` (set before Triton is
-imported, so in a subprocess). Sequences of different lengths, block tables that are not contiguous
-and a block size that does not divide the lengths; a zero-length row (a CUDA-graph pad row) yields zeros.
+imported, so in a subprocess). Decodes and a prompt chunk (each token its own causal context),
+sequences of different lengths, block tables that are not contiguous and a block size that does not
+divide the lengths; a zero-length row (a CUDA-graph pad row) yields zeros.
 """
 
 from __future__ import annotations
@@ -25,25 +26,30 @@ def check_kernels_on_cpu() -> None:
 
     torch.manual_seed(0)
     size = 4
-    work = [SequenceWork(0, (1,), 5, (3, 5)), SequenceWork(1, (1,), 0, (1,)), SequenceWork(2, (1,), 40, tuple(range(6, 30, 2)))]
+    # Two decodes, a first token, a prompt chunk in the middle of its prompt (causal inside it).
+    work = [SequenceWork(0, (1,), 5, (3, 5)), SequenceWork(1, (1,), 0, (1,)), SequenceWork(2, (1,), 40, tuple(range(6, 30, 2))),
+            SequenceWork(3, (1, 2, 3, 4, 5, 6), 7, (31, 30, 2, 4))]
     meta = build_metadata(work, size, [None], "cpu")
+    tokens = meta.slot_mapping.shape[0]
     blocks = 32
     for latent, rope, heads in ((32, 16, 20), (24, 8, 3)):  # powers of two, and widths the kernel pads
         cache = torch.randn(blocks * size, latent + rope)
-        q_latent, q_rope = torch.randn(3, heads, latent), torch.randn(3, heads, rope)
+        q_latent, q_rope = torch.randn(tokens, heads, latent), torch.randn(tokens, heads, rope)
         want = mla_attention(q_latent, q_rope, cache, meta, 0.3)
         got = mla_decode(q_latent, q_rope, cache, meta, 0.3, block_n=16)
         assert (got - want).abs().max() < 1e-5, (latent, rope)
     for kv_heads, group, dim in ((2, 3, 16), (1, 4, 12)):
         cache = torch.randn(blocks * size, 2, kv_heads, dim)
-        q = torch.randn(3, kv_heads * group, dim)
+        q = torch.randn(tokens, kv_heads * group, dim)
         want = gqa_attention(q, cache, meta, 0.25, None)
         got = gqa_decode(q, cache, meta, 0.25, block_n=16)
         assert (got - want).abs().max() < 1e-5, (kv_heads, group, dim)
     # A pad row of a graphed batch: no context, output zeros (not NaN).
-    pad = meta.__class__(**{**meta.__dict__, "context_lens": torch.tensor([6, 0, 41], dtype=torch.int32)})
+    lens = meta.context_lens.clone()
+    lens[1] = 0
+    pad = meta.__class__(**{**meta.__dict__, "context_lens": lens})
     cache = torch.randn(blocks * size, 2, 2, 16)
-    out = gqa_decode(torch.randn(3, 6, 16), cache, pad, 0.25)
+    out = gqa_decode(torch.randn(tokens, 6, 16), cache, pad, 0.25)
     assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isfinite(out).all()
 
 

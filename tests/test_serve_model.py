@@ -148,6 +148,21 @@ def test_local_experts_match_generate(checkpoints: dict[str, Path], family: str)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_rank_local_model_matches_generate(checkpoints: dict[str, Path], family: str) -> None:
+    """Loaded without its routed experts (they stay on meta), the rank's experts read from the
+    shards: the same greedy tokens as transformers' generate."""
+    from vexpert_runtime.serve.hf_model import EPExperts
+
+    expected, _ = _reference(checkpoints[family])
+    reader = checkpoint_reader(checkpoints[family])
+    executor = EPExperts.from_checkpoint(reader, reader.spec.num_layers, torch.float32, 0, 1, None, "cpu")
+    model = HFStepModel(checkpoints[family], dtype=torch.float32, kv_cache_tokens=KV_TOKENS, load_experts=False,
+                        executor=executor)
+    assert all(e is None for e in model.experts) and model.load_report.bytes_read > 0
+    assert drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK) == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_kv_bytes_per_token_counts_the_cache(checkpoints: dict[str, Path], family: str) -> None:
     """MLA caches the compressed latent + rotary key per token, GQA keys and values; a step writes
     exactly the slots of its sequences' new tokens (block 3's first 10 slots here), nothing else."""

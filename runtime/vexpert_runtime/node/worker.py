@@ -175,11 +175,14 @@ class _Worker:
         num_local = self.per_gpu + args.slots
         # The iteration's statistics, accumulated on the device, reach the host once per iteration
         # (pinned on a GPU: an asynchronous copy after the last layer, read once the step is done).
+        # Counts [L, E] and computed rows [L, E/N + S] are column blocks of one tensor: one memset and
+        # one copy per iteration.
         pinned = self.device.type == "cuda"
-        self.device_counts = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.int64, device=self.device)
-        self.device_computed = torch.zeros(spec.num_layers, num_local, dtype=torch.int64, device=self.device)
-        self.host_counts = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.int64, pin_memory=pinned)
-        self.host_computed = torch.zeros(spec.num_layers, num_local, dtype=torch.int64, pin_memory=pinned)
+        width = spec.num_experts + num_local
+        self.device_stats = torch.zeros(spec.num_layers, width, dtype=torch.int64, device=self.device)
+        self.host_stats = torch.zeros(spec.num_layers, width, dtype=torch.int64, pin_memory=pinned)
+        self.device_counts, self.device_computed = self.device_stats[:, :spec.num_experts], self.device_stats[:, spec.num_experts:]
+        self.host_counts, self.host_computed = self.host_stats[:, :spec.num_experts], self.host_stats[:, spec.num_experts:]
         self.step_graph: StepGraph | None = None
         self.graphed_last = False  # whether the last step was a graph replay
         # The step is one CUDA graph where every collective in it can be captured (NCCL, or none),
@@ -329,8 +332,7 @@ class _Worker:
             else:
                 assert h is not None
                 h = self._step(h, table, bias, use_plan, iteration, checksums if args.record else None)
-            self.host_counts.copy_(self.device_counts, non_blocking=True)
-            self.host_computed.copy_(self.device_computed, non_blocking=True)
+            self.host_stats.copy_(self.device_stats, non_blocking=True)
             if self.device.type == "cuda":
                 # the host waits for this iteration's end (step time, counts): an event, not the device
                 end = torch.cuda.Event()
@@ -398,6 +400,7 @@ class _Worker:
         if device_table.plan_id != table.plan_id:
             device_table.load(table)
         self.serving.experts.table = device_table
+        self.device_stats.zero_()
         self.graphed_last = self.serving.run_iteration(self.device_counts, self.device_computed)
 
     def _device_table(self, table: RoutingTable) -> DeviceRoutingTable:

@@ -5,8 +5,9 @@ tokens are ``T_b`` consecutive rows). :func:`build_metadata` turns the scheduler
 tables into :class:`AttentionMetadata`, once per iteration, shared by every layer:
 
 * ``slot_mapping [T]``: the cache slot each new token writes (:mod:`.kv_cache`);
-* ``block_tables [B, W]`` and ``context_lens [B]``: what each sequence's queries read (its cached
-  tokens and the new ones), the layout of the GPU decode kernels (:mod:`.attention_kernels`);
+* ``block_tables [B, W]``, and per token ``token_seq [T]`` and ``context_lens [T]``: what each query
+  reads (its sequence's tokens up to and including itself), the layout of the GPU kernels
+  (:mod:`.attention_kernels`), which attend decodes and prompt chunks alike;
 * for the torch path, :class:`PaddedGroup`\\ s: the sequences padded to ``[B, Q]`` queries and
   ``[B, K]`` context slots with a boolean mask (causal and, where the model has one, sliding window),
   one SDPA call per group — decodes (Q = 1) in one group, prompt chunks in another, so a long chunk
@@ -55,45 +56,57 @@ class PaddedGroup:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """One iteration's attention inputs, shared by all layers (see the module docstring)."""
+    """One iteration's attention inputs, shared by all layers (see the module docstring).
+
+    The kernel layout is per token: token ``t`` of sequence ``token_seq[t]`` attends to the first
+    ``context_lens[t]`` tokens of that sequence (its position + 1: causal by construction, also
+    inside a prompt chunk, because a layer writes the chunk's rows before it attends) through
+    ``block_tables[token_seq[t]]``. ``groups`` (the torch path) are empty where a kernel attends.
+    """
 
     slot_mapping: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    block_tables: torch.Tensor  # [B, W] int32
-    context_lens: torch.Tensor  # [B] int32: tokens each sequence attends to (cached + new)
+    block_tables: torch.Tensor  # [B, W]
+    context_lens: torch.Tensor  # [T]: tokens each query attends to
+    token_seq: torch.Tensor  # [T]: the row of block_tables each query reads
     groups: tuple[PaddedGroup, ...]
-    decode_only: bool  # every sequence feeds one token
     block_size: int  # tokens per cache block
 
 
 def build_metadata(work: Sequence[SequenceWork], block_size: int, windows: Iterable[int | None],
-                   device: torch.device | str, table_width: int | None = None) -> AttentionMetadata:
+                   device: torch.device | str, padded_groups: bool = True) -> AttentionMetadata:
     """Metadata of an iteration (each item's ``blocks`` must cover ``position + len(tokens)``);
-    ``windows``: the sliding windows the model's layers use (None: full attention)."""
+    ``windows``: the sliding windows the model's layers use (None: full attention);
+    ``padded_groups``: also build the torch path's groups (not needed where a kernel attends)."""
     slots: list[int] = []
     positions: list[int] = []
+    seqs: list[int] = []
     rows: list[range] = []
-    for item in work:
+    for b, item in enumerate(work):
         new = len(item.tokens)
         rows.append(range(len(slots), len(slots) + new))
         slots.extend(_slots(item.blocks, item.position, new, block_size))
         positions.extend(range(item.position, item.position + new))
-    width = table_width or max((len(item.blocks) for item in work), default=1)
-    tables = torch.zeros(len(work), max(width, 1), dtype=torch.int32)
+        seqs.extend([b] * new)
+    width = max((len(item.blocks) for item in work), default=1)
+    tables = torch.zeros(len(work), max(width, 1), dtype=torch.int64)
     for b, item in enumerate(work):
-        tables[b, : len(item.blocks)] = torch.tensor(item.blocks, dtype=torch.int32)
-    decode = [b for b, item in enumerate(work) if len(item.tokens) == 1]
-    prefill = [b for b, item in enumerate(work) if len(item.tokens) > 1]
-    window_set = set(windows)
-    groups = tuple(_group(work, rows, members, window_set, block_size, device) for members in (decode, prefill)
-                   if members)
+        tables[b, : len(item.blocks)] = torch.tensor(item.blocks, dtype=torch.int64)
+    groups: tuple[PaddedGroup, ...] = ()
+    if padded_groups:
+        decode = [b for b, item in enumerate(work) if len(item.tokens) == 1]
+        prefill = [b for b, item in enumerate(work) if len(item.tokens) > 1]
+        window_set = set(windows)
+        groups = tuple(_group(work, rows, members, window_set, block_size, device)
+                       for members in (decode, prefill) if members)
+    position = torch.tensor(positions, dtype=torch.int64)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
-        positions=torch.tensor(positions, dtype=torch.int64).to(device),
+        positions=position.to(device),
         block_tables=tables.to(device),
-        context_lens=torch.tensor([item.position + len(item.tokens) for item in work], dtype=torch.int32).to(device),
+        context_lens=(position + 1).to(device),
+        token_seq=torch.tensor(seqs, dtype=torch.int64).to(device),
         groups=groups,
-        decode_only=not prefill,
         block_size=block_size,
     )
 

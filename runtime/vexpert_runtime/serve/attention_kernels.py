@@ -43,12 +43,13 @@ def _pow2(n: int, least: int = 16) -> int:
 if triton is not None:
 
     @triton.jit
-    def _mla_decode_kernel(q_lat, q_rope, cache, tables, lens, out, scale,
+    def _mla_decode_kernel(q_lat, q_rope, cache, tables, token_seq, lens, out, scale,
                            stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_cache, stride_tb,
                            stride_ob, stride_oh,
                            NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr,
                            PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
         b = tl.program_id(0)
+        table = tables + tl.load(token_seq + b) * stride_tb
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < NH
         offs_c = tl.arange(0, CP)
@@ -66,7 +67,7 @@ if triton is not None:
         for start in range(0, length, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             nmask = n < length
-            block = tl.load(tables + b * stride_tb + n // PAGE, mask=nmask, other=0).to(tl.int64)
+            block = tl.load(table + n // PAGE, mask=nmask, other=0).to(tl.int64)
             row = (block * PAGE + n % PAGE) * stride_cache
             kc = tl.load(cache + row[:, None] + offs_c[None, :], mask=nmask[:, None] & cmask[None, :], other=0.0)
             kr = tl.load(cache + row[:, None] + C + offs_r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
@@ -83,11 +84,12 @@ if triton is not None:
                  result.to(out.dtype.element_ty), mask=hmask[:, None] & cmask[None, :])
 
     @triton.jit
-    def _gqa_decode_kernel(q, cache, tables, lens, out, scale,
+    def _gqa_decode_kernel(q, cache, tables, token_seq, lens, out, scale,
                            stride_qb, stride_qh, stride_cache, stride_kv, stride_head, stride_tb, stride_ob, stride_oh,
                            GROUP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
                            BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
         b = tl.program_id(0)
+        table = tables + tl.load(token_seq + b) * stride_tb
         kv_head = tl.program_id(1)
         g = tl.arange(0, BLOCK_G)
         gmask = g < GROUP
@@ -103,7 +105,7 @@ if triton is not None:
         for start in range(0, length, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             nmask = n < length
-            block = tl.load(tables + b * stride_tb + n // PAGE, mask=nmask, other=0).to(tl.int64)
+            block = tl.load(table + n // PAGE, mask=nmask, other=0).to(tl.int64)
             row = (block * PAGE + n % PAGE) * stride_cache + kv_head * stride_head
             mask2 = nmask[:, None] & dmask[None, :]
             k = tl.load(cache + row[:, None] + offs_d[None, :], mask=mask2, other=0.0)
@@ -123,15 +125,16 @@ if triton is not None:
 
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, block_h: int = 16, block_n: int = 32) -> torch.Tensor:
-    """q_latent [B, nh, C], q_rope [B, nh, R] (one query per sequence) over a latent cache
-    [slots, C + R] through ``meta.block_tables`` / ``meta.context_lens`` → Σ p·c [B, nh, C]."""
+    """q_latent [T, nh, C], q_rope [T, nh, R] (any tokens: decodes or prompt chunks, each with its
+    own context, see :class:`~.attention.AttentionMetadata`) over a latent cache [slots, C + R]
+    → Σ p·c [T, nh, C]."""
     batch, heads, latent = q_latent.shape
     rope = q_rope.shape[2]
     out = torch.empty_like(q_latent)
     page = meta.block_size
     grid = (batch, triton.cdiv(heads, block_h))
     _mla_decode_kernel[grid](
-        q_latent, q_rope, cache, meta.block_tables, meta.context_lens, out, scale,
+        q_latent, q_rope, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
         meta.block_tables.stride(0), out.stride(0), out.stride(1),
         NH=heads, C=latent, R=rope, CP=_pow2(latent), RP=_pow2(rope), PAGE=page, BLOCK_H=block_h,
@@ -142,14 +145,15 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
 
 def gqa_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                block_n: int = 32) -> torch.Tensor:
-    """q [B, nh, d] over a GQA cache [slots, 2, nkv, d] → [B, nh, d]."""
+    """q [T, nh, d] (per-token contexts as in :func:`mla_decode`) over a GQA cache [slots, 2, nkv, d]
+    → [T, nh, d]."""
     batch, heads, dim = q.shape
     kv_heads = cache.shape[2]
     group = heads // kv_heads
     out = torch.empty_like(q)
     page = meta.block_size
     _gqa_decode_kernel[(batch, kv_heads)](
-        q, cache, meta.block_tables, meta.context_lens, out, scale,
+        q, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), meta.block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, D=dim, DP=_pow2(dim), PAGE=page, BLOCK_G=_pow2(group), BLOCK_N=block_n,

@@ -3,7 +3,7 @@
 :func:`attention_forward` runs one transformers attention module (DeepSeek-V3 MLA, Qwen3-MoE or
 Qwen2-MoE GQA) for the ``T`` flattened tokens of an iteration: its own projections, norms and rotary
 embedding, the new rows written into the paged cache, then one batched attention call
-(:mod:`.attention`, or a GPU kernel from :mod:`.attention_kernels` for decode-only iterations).
+(:mod:`.attention`'s padded SDPA groups, or a kernel from :mod:`.attention_kernels` on a GPU).
 The arithmetic of the projections, norms and rotary embeddings is the module's own (the same
 formulas, element for element); only the attention sum is batched and, for MLA, absorbed.
 
@@ -22,8 +22,8 @@ import torch
 from vexpert_runtime.serve.attention import AttentionMetadata, gqa_attention, mla_attention
 from vexpert_runtime.serve.kv_cache import KVLayout
 
-# A decode kernel: (queries..., cache, metadata) -> output; None: the torch path.
-DecodeKernel = Callable[..., torch.Tensor]
+# An attention kernel: (queries..., cache, metadata, scale) -> output; None: the torch path.
+AttentionKernel = Callable[..., torch.Tensor]
 
 
 def kv_layout(config: Any) -> KVLayout:
@@ -71,7 +71,7 @@ class AttentionStep:
     cos: torch.Tensor  # [T, r]
     sin: torch.Tensor
     meta: AttentionMetadata
-    decode_kernel: DecodeKernel | None = None  # set for decode-only iterations on a GPU
+    kernel: AttentionKernel | None = None  # the GPU kernel (per-token metadata); None: padded SDPA groups
 
 
 def attention_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: AttentionStep,
@@ -95,8 +95,8 @@ def _gqa_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: Attentio
     q = apply_rotary(q, step.cos, step.sin, interleave=False)
     k = apply_rotary(k, step.cos, step.sin, interleave=False)
     cache.index_copy_(0, step.meta.slot_mapping, torch.stack([k, v], dim=1).to(cache.dtype))
-    if step.decode_kernel is not None and window is None:
-        out = step.decode_kernel(q, cache, step.meta, float(attn.scaling))
+    if step.kernel is not None and window is None:
+        out = step.kernel(q, cache, step.meta, float(attn.scaling))
     else:
         out = gqa_attention(q, cache, step.meta, float(attn.scaling), window)
     return attn.o_proj(out.flatten(1))
@@ -124,8 +124,8 @@ def _mla_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: Attentio
     cache.index_copy_(0, step.meta.slot_mapping, torch.cat([c, k_rope], dim=-1).to(cache.dtype))
     w_uk, w_uv = mla_weights(attn)
     q_latent = torch.einsum("tnd,ndc->tnc", q_nope, w_uk)
-    if step.decode_kernel is not None:
-        out_latent = step.decode_kernel(q_latent, q_rope, cache, step.meta, float(attn.scaling))
+    if step.kernel is not None:
+        out_latent = step.kernel(q_latent, q_rope, cache, step.meta, float(attn.scaling))
     else:
         out_latent = mla_attention(q_latent, q_rope, cache, step.meta, float(attn.scaling))
     out = torch.einsum("tnc,nvc->tnv", out_latent, w_uv).flatten(1)

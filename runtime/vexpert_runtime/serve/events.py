@@ -133,10 +133,11 @@ class AbortAll:
 
 @dataclass(frozen=True)
 class RankEvent:
-    """Rank → API: an event of one of its requests."""
+    """Rank → API: the events of its requests from one iteration (one message per iteration, not
+    one per token: at hundreds of streams the queue's per-message cost would dominate)."""
 
     rank: int
-    event: Event
+    events: tuple[Event, ...]
 
 
 @dataclass(frozen=True)

@@ -51,14 +51,15 @@ from vexpert_runtime.model.moe_math import combine
 from vexpert_runtime.serve import attention_kernels
 from vexpert_runtime.serve.attention import AttentionMetadata, build_metadata
 from vexpert_runtime.serve.attention_layers import (
+    AttentionKernel,
     AttentionStep,
-    DecodeKernel,
     attention_forward,
     kv_layout,
     sliding_windows,
 )
-from vexpert_runtime.serve.decode_graph import DecodeGraphs
+from vexpert_runtime.serve.cuda_graphs import GraphedSteps
 from vexpert_runtime.serve.kv_cache import PagedKVCache, blocks_for
+from vexpert_runtime.serve.model_loading import load_without_experts
 from vexpert_runtime.serve.sampling import sample_tokens, sampling_tensors
 from vexpert_runtime.serve.step import SequenceWork, StepModel
 
@@ -297,6 +298,15 @@ class EPExperts:
         return cls(resident, intermediate, num_experts, rank, world, group, **kwargs)
 
     @classmethod
+    def from_checkpoint(cls, reader: CheckpointReader, num_layers: int, dtype: torch.dtype, rank: int, world: int,
+                        group: dist.ProcessGroup | None, device: torch.device | str, **kwargs: Any) -> EPExperts:
+        """This rank's executor with its resident rows read from the checkpoint (only those experts'
+        tensors are read: rank-local loading, with :func:`load_without_experts` for the rest)."""
+        spec = reader.spec
+        return cls.from_rows(lambda layer, ids: reader.experts(layer, ids, dtype), num_layers, spec.intermediate_size,
+                             spec.num_experts, rank, world, group, device, **kwargs)
+
+    @classmethod
     def for_model(cls, model: HFStepModel, rank: int, world: int, group: dist.ProcessGroup | None,
                   **kwargs: Any) -> EPExperts:
         """This rank's executor for a loaded :class:`HFStepModel`, resident rows from its weights
@@ -334,11 +344,15 @@ class HFStepModel:
 
     def __init__(self, path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
                  executor: MoEExecutor | None = None, kv_cache_tokens: int | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+                 block_size: int = DEFAULT_BLOCK_SIZE, load_experts: bool = True) -> None:
         from transformers import AutoModelForCausalLM
 
-        model: Any = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
-        self.model: Any = model.to(device).eval()
+        if load_experts:
+            model: Any = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+            model = model.to(device)
+        else:  # rank-local: every non-expert tensor, no routed expert (an executor brings its own rows)
+            model, self.load_report = load_without_experts(path, device, dtype)
+        self.model: Any = model.eval()
         self.config = model.config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -356,17 +370,22 @@ class HFStepModel:
         self.num_experts = int(self.experts[0].gate_up_proj.shape[0])  # E: routed experts per MoE layer
         for index, layer in enumerate(self.moe_layers):
             layers[layer].mlp.experts = _ExecutorExperts(self, index)
+        if not load_experts:
+            self.experts = [None] * len(self.experts)  # never materialised (meta)
+        if executor is None and not load_experts:
+            raise ValueError("a model loaded without its experts needs an executor (e.g. EPExperts.from_checkpoint)")
         self.executor: MoEExecutor = executor if executor is not None else LocalExperts(self.experts)
         self.top_k = int(self.config.num_experts_per_tok)
         self.layout = kv_layout(self.config)
         self.windows = sliding_windows(self.config)
         self.kv_block_size = block_size
         self.kv_cache: PagedKVCache | None = None
-        self.decode_graphs: DecodeGraphs | None = None
-        # Decode-only iterations on a GPU attend with the Triton kernels (the torch twin elsewhere).
-        self._decode_kernel: DecodeKernel | None = None
-        if self.device.type == "cuda" and attention_kernels.available():
-            self._decode_kernel = attention_kernels.mla_decode if self.layout.mla else attention_kernels.gqa_decode
+        self.graphs: GraphedSteps | None = None
+        # On a GPU every iteration attends with the Triton kernels (the torch twin on CPU, and where a
+        # layer has a sliding window, which the kernels do not take).
+        self._attention_kernel: AttentionKernel | None = None
+        if self.device.type == "cuda" and attention_kernels.available() and not any(self.windows):
+            self._attention_kernel = attention_kernels.mla_decode if self.layout.mla else attention_kernels.gqa_decode
         if kv_cache_tokens is not None:
             self.allocate_kv_cache(blocks_for(kv_cache_tokens, block_size) + 1)
 
@@ -425,14 +444,16 @@ class HFStepModel:
     def release(self, seq_id: int) -> None:
         """Nothing to do: the scheduler's pool took the sequence's blocks back."""
 
-    def enable_decode_graphs(self, max_batch: int, stream: Any) -> None:
-        """Run decode iterations of up to ``max_batch`` sequences as CUDA graphs on ``stream``
-        (:mod:`.decode_graph`); the KV cache must exist."""
+    def enable_cuda_graphs(self, max_tokens: int, max_seqs: int, stream: Any) -> None:
+        """Run iterations of up to ``max_tokens`` tokens of up to ``max_seqs`` sequences as CUDA graphs
+        captured on ``stream`` (:mod:`.cuda_graphs`); needs the KV cache and the attention kernels."""
         if self.kv_cache is None:
-            raise RuntimeError("allocate the KV cache before capturing decode graphs")
+            raise RuntimeError("allocate the KV cache before capturing CUDA graphs")
+        if self._attention_kernel is None:
+            raise RuntimeError("CUDA graphs need the Triton attention kernels (a CUDA device, Triton, no sliding window)")
         width = blocks_for(self.max_context, self.kv_block_size)
-        self.decode_graphs = DecodeGraphs(self._graph_forward, max_batch, width, self.kv_block_size, self.device,
-                                          stream)
+        self.graphs = GraphedSteps(self._graph_forward, max_tokens, max_seqs, width, self.kv_block_size,
+                                   self.device, stream)
 
     @torch.inference_mode()
     def step(self, work: Sequence[SequenceWork]) -> torch.Tensor:
@@ -440,10 +461,11 @@ class HFStepModel:
         if self.kv_cache is None:
             raise RuntimeError("no KV cache: call allocate_kv_cache first")
         self._check(work)
-        if self.decode_graphs is not None and self.decode_graphs.fits(work):
-            return self.decode_graphs.run(work)
+        if self.graphs is not None and self.graphs.fits(work):
+            return self.graphs.run(work)
         tokens = torch.tensor([t for item in work for t in item.tokens], dtype=torch.int64).to(self.device)
-        meta = build_metadata(work, self.kv_block_size, self.windows, self.device)
+        meta = build_metadata(work, self.kv_block_size, self.windows, self.device,
+                              padded_groups=self._attention_kernel is None)
         sampled = [row for row, item in enumerate(work) if item.sample is not None]
         specs = [spec for spec in (item.sample for item in work) if spec is not None]
         ends = torch.cumsum(torch.tensor([len(item.tokens) for item in work], dtype=torch.int64), 0) - 1
@@ -454,15 +476,15 @@ class HFStepModel:
             out[sampled] = ids.cpu()
         return out
 
-    def _forward(self, tokens: torch.Tensor, meta: AttentionMetadata, last_rows: torch.Tensor | None,
+    def _forward(self, tokens: torch.Tensor, meta: AttentionMetadata, sample_rows: torch.Tensor,
                  sampling: tuple[Any, ...] | None, valid: torch.Tensor | None) -> torch.Tensor | None:
-        """The model over tokens [T] (device work only, no host sync): the ids sampled at
-        ``last_rows`` (all rows if None), or None without ``sampling``."""
+        """The model over tokens [T] (device work only, no host sync): the ids sampled at the rows
+        ``sample_rows`` [S], or None without ``sampling``."""
         cache = self.kv_cache
         assert cache is not None
         hidden = self.model.model.embed_tokens(tokens)  # [T, H]
         cos, sin = self.model.model.rotary_emb(hidden, meta.positions.unsqueeze(0))
-        attention = AttentionStep(cos[0], sin[0], meta, self._decode_kernel if meta.decode_only else None)
+        attention = AttentionStep(cos[0], sin[0], meta, None if meta.groups else self._attention_kernel)
         self.executor.token_valid = valid
         try:
             for index, layer in enumerate(_decoder_layers(self.model)):
@@ -474,20 +496,16 @@ class HFStepModel:
             self.executor.token_valid = None
         if sampling is None:
             return None
-        last = hidden if last_rows is None else hidden[last_rows]
-        logits = self.model.lm_head(self.model.model.norm(last))
+        logits = self.model.lm_head(self.model.model.norm(hidden[sample_rows]))
         return sample_tokens(logits, *sampling)
 
-    def _graph_forward(self, tokens: torch.Tensor, meta: AttentionMetadata, sampling: tuple[Any, ...],
-                       valid: torch.Tensor, warmup: bool) -> torch.Tensor:
-        """A decode bucket's forward for :class:`DecodeGraphs` (``warmup``: an eager pass whose
-        only lasting effect is compiled kernels — pad rows, no slot handshake, counts kept)."""
-        if not warmup:
-            out = self._forward(tokens, meta, None, sampling, valid)
-        else:
-            quiet = getattr(self.executor, "quiet", contextlib.nullcontext)
-            with quiet():
-                out = self._forward(tokens, meta, None, sampling, valid)
+    def _graph_forward(self, tokens: torch.Tensor, meta: AttentionMetadata, sample_rows: torch.Tensor,
+                       sampling: tuple[Any, ...], valid: torch.Tensor, warmup: bool) -> torch.Tensor:
+        """A bucket's forward for :class:`GraphedSteps` (``warmup``: an eager pass over pad rows
+        whose only lasting effect is compiled kernels — no slot handshake, statistics kept)."""
+        quiet = getattr(self.executor, "quiet", contextlib.nullcontext) if warmup else contextlib.nullcontext
+        with quiet():
+            out = self._forward(tokens, meta, sample_rows, sampling, valid)
         assert out is not None
         return out
 

@@ -77,7 +77,8 @@ class MultiRankDispatcher:
                 with self._lock:
                     self._loads[msg.rank] = msg.load
             elif isinstance(msg, RankEvent):
-                self._route(msg.event)
+                for event in msg.events:
+                    self._route(event)
 
     def _route(self, event: Event) -> None:
         with self._lock:

@@ -34,7 +34,13 @@ from vexpert_runtime.serve.events import (
     ServeRefusal,
     StopAccepting,
 )
-from vexpert_runtime.serve.hf_model import DEFAULT_BLOCK_SIZE, EPExperts, HFStepModel, SlotHooks
+from vexpert_runtime.serve.hf_model import (
+    DEFAULT_BLOCK_SIZE,
+    EPExperts,
+    HFStepModel,
+    SlotHooks,
+    checkpoint_reader,
+)
 from vexpert_runtime.serve.kv_cache import blocks_for, num_blocks_for_memory
 from vexpert_runtime.serve.sampling import eos_token_ids
 from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
@@ -101,17 +107,20 @@ class ServingRank:
 
         self.args = args
         self.rank = rank
-        self.model = HFStepModel(args.model_dir, device=device, dtype=dtype, block_size=args.kv_block_size)
-        self.experts = EPExperts.for_model(self.model, rank, world, group, table=table, slots=slots,
-                                           hooks=SlotHooks(wait, release), max_tokens=args.scheduler.max_batch_tokens,
-                                           dispatch=dispatch)
-        self.model.executor = self.experts
-        self.model.drop_expert_weights()
+        # Rank-local loading: the non-expert weights, then this rank's resident experts from the shards.
+        reader = checkpoint_reader(args.model_dir)
+        self.experts = EPExperts.from_checkpoint(reader, reader.spec.num_layers, dtype, rank, world, group, device,
+                                                 table=table, slots=slots, hooks=SlotHooks(wait, release),
+                                                 max_tokens=args.scheduler.max_batch_tokens, dispatch=dispatch)
+        del reader  # its shard handles map the whole checkpoint
+        self.model = HFStepModel(args.model_dir, device=device, dtype=dtype, block_size=args.kv_block_size,
+                                 load_experts=False, executor=self.experts)
         self.model.allocate_kv_cache(kv_cache_blocks(args, self.model, device))
-        if graph_stream is not None:  # decode iterations replay CUDA graphs captured on the rank's stream
-            self.model.enable_decode_graphs(args.scheduler.max_running, graph_stream)
+        if graph_stream is not None:  # iterations replay CUDA graphs captured on the rank's stream
+            self.model.enable_cuda_graphs(args.scheduler.max_batch_tokens, args.scheduler.max_running, graph_stream)
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
         self.scheduler = Scheduler(self.model, tokenizer, args.scheduler, eos_token_ids(tokenizer))
+        self._outbox: list[Event] = []  # events of this iteration, sent together by flush_events
         self._reported: RankLoad | None = None
         self._reported_at = 0.0
 
@@ -132,6 +141,7 @@ class ServingRank:
             try:
                 msg = inbound.get_nowait()
             except queue.Empty:
+                self.flush_events()  # refusals go out at once
                 return
 
     def _on_message(self, msg: Any) -> None:
@@ -150,7 +160,13 @@ class ServingRank:
             self.scheduler.abort_all(msg.message)
 
     def _sink(self, event: Event) -> None:
-        self.args.events.put(RankEvent(self.rank, event))
+        self._outbox.append(event)
+
+    def flush_events(self) -> None:
+        """Send the events gathered since the last flush as one message."""
+        if self._outbox:
+            events, self._outbox = tuple(self._outbox), []
+            self.args.events.put(RankEvent(self.rank, events))
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -158,12 +174,15 @@ class ServingRank:
     def run_iteration(self, counts: torch.Tensor, computed: torch.Tensor) -> bool:
         """One scheduler iteration (an empty step when idle: the MoE layers are collectives);
         this iteration's expert counts [L, E] and rows per local expert [L, E/N + S] land in
-        ``counts`` / ``computed`` (device tensors, zeroed here). Whether it replayed a CUDA graph."""
-        self.experts.counts = counts.zero_()
-        self.experts.computed = computed.zero_()
-        graphs = self.model.decode_graphs
+        ``counts`` / ``computed`` (device tensors the caller zeroed). Whether it replayed a CUDA graph."""
+        self.experts.counts = counts
+        self.experts.computed = computed
+        graphs = self.model.graphs
         before = 0 if graphs is None else graphs.replays
-        self.scheduler.run_iteration()
+        try:
+            self.scheduler.run_iteration()
+        finally:
+            self.flush_events()
         self.report_load()
         return graphs is not None and graphs.replays > before
 

@@ -107,6 +107,16 @@ def eos_token_ids(tokenizer: Any, extra: Iterable[int] = ()) -> frozenset[int]:
     return frozenset(ids)
 
 
+def fast_decoder(tokenizer: Any) -> Any:
+    """The Rust ``tokenizers`` decode behind a transformers fast tokenizer, where calling it directly
+    gives what ``tokenizer.decode`` gives (no post-hoc clean-up of spaces): ~8× less time per call,
+    and the rank decodes twice per generated token. None: use ``tokenizer.decode``."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    return backend.decode
+
+
 class IncrementalDetokenizer:
     """Turns a growing token list into text deltas whose concatenation equals the full decode.
 
@@ -117,11 +127,14 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int]) -> None:
         self.tokenizer = tokenizer
+        self._fast = fast_decoder(tokenizer)
         self.ids: list[int] = list(prompt_ids[-_DETOKENIZE_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self._fast is not None:
+            return str(self._fast(list(ids), skip_special_tokens=True))
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     def push(self, token_id: int) -> str:

@@ -1,0 +1,183 @@
+"""A serving rank's iterations as CUDA graphs, one per token-count bucket.
+
+An iteration — decodes and prompt chunks alike — runs the whole model as one graph replay:
+embeddings, per layer the attention kernel over the paged cache (:mod:`.attention_kernels`, where
+every token attends to its own sequence up to itself, so a prompt chunk needs no other code path)
+and the MoE block (router, shared experts, the vExpert EP layer with its slot flag waits, in-place
+routing table and dispatch kernel), the final norm, the LM head at each sampled token and sampling.
+Its inputs live in one static device buffer that one host→device copy fills (token ids, positions,
+cache slots, per-token context lengths and sequence rows, block tables, sampled rows, sampling
+parameters); the sampled ids come back in one device→host copy.
+
+An iteration of ``T`` tokens of ``B`` sequences replays the smallest captured bucket with at least
+``T`` token rows (its sampling rows are ``min(bucket, max_seqs)``). Pad rows write the scratch block,
+attend to nothing, are spread over the experts with weight 0 and are not counted
+(:attr:`~.hf_model.EPExperts.token_valid`). Buckets are captured lazily, on first use, after one
+eager warm-up pass over pad rows only (kernels compiled, workspaces made, no lasting effect), all in
+one memory pool. A plan switch only rewrites the device routing table in place: graphs stay valid.
+
+Shapes: ``T`` token rows, ``S`` sampling rows, ``W`` the widest block table (a full context).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vexpert_runtime.serve.attention import AttentionMetadata
+from vexpert_runtime.serve.kv_cache import SCRATCH_BLOCK
+from vexpert_runtime.serve.step import SequenceWork
+
+_TOKEN_FIELDS = ("tokens", "positions", "slots", "lengths", "seqs", "valid")
+_SAMPLE_FIELDS = ("rows", "seeds", "draws", "temperature", "top_p")
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Token-row buckets: 1, 2, 4, 8, every 16 up to 256, every 32 above (pad ≤ 31 rows), and
+    ``max_tokens`` itself."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_tokens]
+    sizes += list(range(16, min(max_tokens, 257), 16)) + list(range(288, max_tokens, 32))
+    return sorted({*(b for b in sizes if b < max_tokens), max_tokens})
+
+
+@dataclass
+class GraphInputs:
+    """Views into one static int64 buffer: the token fields [T] each, the sampling fields [S] each
+    (floats stored as float64 bits), the block tables [S, W]."""
+
+    buffer: torch.Tensor
+    views: dict[str, torch.Tensor]
+    tables: torch.Tensor
+
+    @classmethod
+    def allocate(cls, tokens: int, seqs: int, width: int, device: torch.device | str, pin: bool = False
+                 ) -> GraphInputs:
+        size = len(_TOKEN_FIELDS) * tokens + len(_SAMPLE_FIELDS) * seqs + seqs * width
+        buffer = torch.zeros(size, dtype=torch.int64, device=device, pin_memory=pin)
+        views, at = {}, 0
+        for names, n in ((_TOKEN_FIELDS, tokens), (_SAMPLE_FIELDS, seqs)):
+            for name in names:
+                views[name] = buffer[at:at + n]
+                at += n
+        views["temperature"] = views["temperature"].view(torch.float64)
+        views["top_p"] = views["top_p"].view(torch.float64)
+        return cls(buffer, views, buffer[at:].view(seqs, width))
+
+    def fill(self, work: Sequence[SequenceWork], block_size: int) -> int:
+        """Write an iteration into this (host, pinned) buffer: real rows first, pad rows after;
+        the number of sampling rows used."""
+        v = {name: t.numpy() for name, t in self.views.items()}
+        tables = self.tables.numpy()
+        self.buffer.numpy()[:] = 0
+        tokens = [t for item in work for t in item.tokens]
+        n = len(tokens)
+        positions = np.fromiter((item.position + i for item in work for i in range(len(item.tokens))), np.int64, n)
+        seqs = np.fromiter((b for b, item in enumerate(work) for _ in item.tokens), np.int64, n)
+        v["tokens"][:n] = tokens
+        v["positions"][:n] = positions
+        v["lengths"][:n] = positions + 1
+        v["seqs"][:n] = seqs
+        v["valid"][:n] = 1
+        v["slots"][:] = SCRATCH_BLOCK * block_size
+        for b, item in enumerate(work):
+            tables[b, : len(item.blocks)] = item.blocks
+        v["slots"][:n] = tables[seqs, positions // block_size] * block_size + positions % block_size
+        sampled = [(b, item.sample) for b, item in enumerate(work) if item.sample is not None]
+        ends = np.cumsum([len(item.tokens) for item in work]) - 1
+        s = len(sampled)
+        v["rows"][:s] = [ends[b] for b, _ in sampled]
+        v["seeds"][:s] = [spec.seed for _, spec in sampled]
+        v["draws"][:s] = [spec.draw for _, spec in sampled]
+        v["temperature"][:s] = [spec.temperature for _, spec in sampled]
+        v["top_p"][:s] = [spec.top_p for _, spec in sampled]
+        return s
+
+    def metadata(self, tokens: int, seqs: int, block_size: int) -> AttentionMetadata:
+        """Attention metadata over the first ``tokens`` / ``seqs`` rows (views: a graph reads them in place)."""
+        v = self.views
+        return AttentionMetadata(slot_mapping=v["slots"][:tokens], positions=v["positions"][:tokens],
+                                 block_tables=self.tables[:seqs], context_lens=v["lengths"][:tokens],
+                                 token_seq=v["seqs"][:tokens], groups=(), block_size=block_size)
+
+
+# forward(tokens [T], metadata, sample_rows [S], sampling (temperature, top_p, seed, draw, use_top_p),
+#         valid [T] bool, warmup) -> ids [S]; a warm-up pass must leave nothing behind but compiled kernels.
+GraphForward = Callable[[torch.Tensor, AttentionMetadata, torch.Tensor, tuple[Any, ...], torch.Tensor, bool],
+                        torch.Tensor]
+
+
+class GraphedSteps:
+    """Captured iterations (see the module docstring).
+
+    Args:
+        forward: the model's forward (eager code; captured per bucket).
+        max_tokens: the most tokens in an iteration (the scheduler's max_batch_tokens).
+        max_seqs: the most sequences in an iteration (max_running). width: W.
+        block_size: tokens per cache block. stream: the stream the rank computes on.
+    """
+
+    def __init__(self, forward: GraphForward, max_tokens: int, max_seqs: int, width: int, block_size: int,
+                 device: torch.device, stream: Any) -> None:
+        self.forward = forward
+        self.buckets = token_buckets(max_tokens)
+        self.max_seqs = max_seqs
+        self.width = width
+        self.block_size = block_size
+        self.stream = stream
+        self.host = GraphInputs.allocate(max_tokens, max_seqs, width, "cpu", pin=True)
+        self.device_inputs = GraphInputs.allocate(max_tokens, max_seqs, width, device)
+        self.warmup_inputs = GraphInputs.allocate(max_tokens, max_seqs, width, device)  # pad rows only
+        self.host_out = torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool: Any = None
+        self.replays = 0
+
+    def fits(self, work: Sequence[SequenceWork]) -> bool:
+        """Whether a captured bucket can run ``work``."""
+        return (0 < len(work) <= self.max_seqs and sum(len(item.tokens) for item in work) <= self.buckets[-1]
+                and all(len(item.blocks) <= self.width for item in work))
+
+    def run(self, work: Sequence[SequenceWork]) -> torch.Tensor:
+        """One iteration: [len(work)] int64 on the CPU, the sampled ids (−1 where nothing is sampled)."""
+        tokens = sum(len(item.tokens) for item in work)
+        bucket = next(b for b in self.buckets if b >= tokens)
+        use_top_p = any(item.sample is not None and item.sample.top_p < 1.0 and item.sample.temperature > 0
+                        for item in work)
+        sampled = self.host.fill(work, self.block_size)
+        self.device_inputs.buffer.copy_(self.host.buffer, non_blocking=True)
+        key = (bucket, use_top_p)
+        if key not in self.graphs:
+            self._capture(bucket, use_top_p)
+        graph, out = self.graphs[key]
+        graph.replay()
+        self.replays += 1
+        host = self.host_out[: out.shape[0]]
+        host.copy_(out, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        result = torch.full((len(work),), -1, dtype=torch.int64)
+        rows = [b for b, item in enumerate(work) if item.sample is not None]
+        result[rows] = host[:sampled]
+        return result
+
+    def _call(self, inputs: GraphInputs, tokens: int, use_top_p: bool, warmup: bool = False) -> torch.Tensor:
+        seqs = min(tokens, self.max_seqs)
+        v = inputs.views
+        sampling = (v["temperature"][:seqs].float(), v["top_p"][:seqs].float(), v["seeds"][:seqs], v["draws"][:seqs],
+                    use_top_p)
+        return self.forward(v["tokens"][:tokens], inputs.metadata(tokens, seqs, self.block_size), v["rows"][:seqs],
+                            sampling, v["valid"][:tokens].bool(), warmup)
+
+    def _capture(self, tokens: int, use_top_p: bool) -> None:
+        """Warm up eagerly on pad rows, then capture the bucket."""
+        self._call(self.warmup_inputs, tokens, use_top_p, warmup=True)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the worker's watchdog thread may touch its own side stream meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+            out = self._call(self.device_inputs, tokens, use_top_p)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[(tokens, use_top_p)] = (graph, out)
