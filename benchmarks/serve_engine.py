@@ -62,31 +62,47 @@ def prompt_text(model_dir: Path) -> tuple[str, list[int]]:
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
-def hf_generate(model_dir: Path, streams: list[int], prompt_ids: list[int], new_tokens: int) -> dict[str, Any]:
+def hf_generate(model_dir: Path, streams: list[int], prompt_ids: list[int], new_tokens: int,
+                variants: list[str]) -> dict[str, Any]:
+    """transformers ``generate`` per variant ``attention:cache`` (e.g. ``sdpa:dynamic``, ``eager:dynamic``,
+    ``sdpa:static``); experts run transformers' default (``grouped_mm`` where it dispatches)."""
     from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=torch.bfloat16)
-    model = model.to("cuda").eval()
-    out: dict[str, Any] = {"attn_implementation": model.config._attn_implementation}
-    for batch in streams:
-        ids = torch.tensor([prompt_ids] * batch, device="cuda")
-        mask = torch.ones_like(ids)
+    out: dict[str, Any] = {}
+    for variant in variants:
+        attention, _, cache = variant.partition(":")
+        model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=torch.bfloat16,
+                                                          attn_implementation=attention)
+        model = model.to("cuda").eval()
+        rows: dict[str, Any] = {"experts_implementation": getattr(model.config, "_experts_implementation", None)}
+        for batch in streams:
+            ids = torch.tensor([prompt_ids] * batch, device="cuda")
+            mask = torch.ones_like(ids)
 
-        def run(n: int, ids: torch.Tensor = ids, mask: torch.Tensor = mask) -> float:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            with torch.inference_mode():
-                model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                               pad_token_id=0)
-            torch.cuda.synchronize()
-            return time.perf_counter() - start
+            def run(n: int, ids: torch.Tensor = ids, mask: torch.Tensor = mask, model: Any = model,
+                    cache: str = cache) -> float:
+                extra = {"cache_implementation": cache} if cache and cache != "dynamic" else {}
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                with torch.inference_mode():
+                    model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                                   pad_token_id=0, **extra)
+                torch.cuda.synchronize()
+                return time.perf_counter() - start
 
-        run(4)
-        elapsed = run(new_tokens)
-        out[str(batch)] = {"tokens_per_s": round(batch * new_tokens / elapsed, 1), "seconds": round(elapsed, 3)}
-        print("hf", batch, out[str(batch)], flush=True)
-    model = None  # free it before the servers start
-    torch.cuda.empty_cache()
+            try:
+                run(4)
+                elapsed = run(new_tokens)
+                rows[str(batch)] = {"tokens_per_s": round(batch * new_tokens / elapsed, 1),
+                                    "seconds": round(elapsed, 3)}
+            except Exception as exc:  # a variant that does not run is reported, not fatal
+                rows[str(batch)] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            print("hf", variant, batch, rows[str(batch)], flush=True)
+        out[variant] = rows
+        model = None  # free it before the next variant and the servers
+        torch.cuda.empty_cache()
+    best = {str(b): max((r[str(b)].get("tokens_per_s", 0.0) for r in out.values()), default=0.0) for b in streams}
+    out["best_tokens_per_s"] = best
     return out
 
 
@@ -216,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, default=None, help="calibrated PerformanceProfile JSON")
     parser.add_argument("--modes", nargs="+", default=["hf", "vexpert"], help="hf, vexpert, static")
     parser.add_argument("--onoff-streams", type=int, nargs="*", default=[], help="streams to run static at too")
+    parser.add_argument("--hf-variants", nargs="+", default=["sdpa:dynamic", "eager:dynamic", "sdpa:static"])
     parser.add_argument("--profile-streams", type=int, default=None)
     parser.add_argument("--profile-iters", default="600-611")
     args = parser.parse_args(argv)
@@ -236,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         summary_path.write_text(json.dumps(results, indent=2))
 
     if "hf" in args.modes:
-        results["hf"] = hf_generate(args.model_dir, args.streams, prompt_ids, args.max_tokens)
+        results["hf"] = hf_generate(args.model_dir, args.streams, prompt_ids, args.max_tokens, args.hf_variants)
         save()
     profile = json.loads(args.profile.read_text()) if args.profile else None
     for streams in args.streams:
