@@ -137,13 +137,17 @@ def hbm_bound(model_dir: Path, batch: int, mean_context: float) -> dict[str, Any
             "bytes": total, "bound_ms": round(1000 * total / HBM_BYTES_PER_S, 3)}
 
 
-def write_config(path: Path, checkpoint: Path, tau: float, profile: dict[str, Any] | None, k: int) -> Path:
+def write_config(path: Path, checkpoint: Path, tau: float, profile: dict[str, Any] | None, k: int,
+                 ranks: int = 1) -> Path:
+    """``ranks`` EP ranks: one per GPU, or (more ranks than GPUs) workers sharing the GPU."""
+    gpus = torch.cuda.device_count()
     raw: dict[str, Any] = {
         "model": {"checkpoint_path": str(checkpoint), "dtype": "bfloat16"},
-        "parallelism": {"expert_parallel_size": 1, "gpus_per_node": 1, "master_port": free_port()},
+        "parallelism": {"expert_parallel_size": ranks, "gpus_per_node": ranks, "master_port": free_port()},
         "vexpert": {"group_size": 2, "vmax": 1, "balance_threshold": tau},
         "tuning": {"allocation_interval": k},
-        "runtime": {"device": "cuda", "metrics_port": 0, "slot_fill_timeout_s": 60.0},
+        "runtime": {"device": "cuda", "metrics_port": 0, "slot_fill_timeout_s": 60.0,
+                    "workers_per_gpu": ranks if gpus < ranks else 1},
     }
     if profile is not None:
         raw["profile"] = profile
@@ -232,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, default=None, help="calibrated PerformanceProfile JSON")
     parser.add_argument("--modes", nargs="+", default=["hf", "vexpert"], help="hf, vexpert, static")
     parser.add_argument("--onoff-streams", type=int, nargs="*", default=[], help="streams to run static at too")
+    parser.add_argument("--ranks", type=int, default=1, help="EP ranks (more than GPUs: workers share a GPU)")
     parser.add_argument("--hf-variants", nargs="+", default=["sdpa:dynamic", "eager:dynamic", "sdpa:static"])
     parser.add_argument("--profile-streams", type=int, default=None)
     parser.add_argument("--profile-iters", default="600-611")
@@ -263,12 +268,13 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             trace_dir = args.out / f"trace_{mode}_{streams}" if streams == args.profile_streams else None
             config = write_config(args.out / f"{mode}.yaml", args.model_dir, 0.95 if mode == "vexpert" else 0.0,
-                                  profile, args.k)
-            result = serve(config, args.model_dir, streams, prompt, args, args.out / f"server_{mode}_{streams}.log",
-                           trace_dir)
+                                  profile, args.k, args.ranks)
+            result = serve(config, args.model_dir, streams, prompt, args,
+                           args.out / f"server_{mode}_{streams}_r{args.ranks}.log", trace_dir)
+            result["ranks"] = args.ranks
             if trace_dir is not None and trace_dir.exists():
                 result["trace"] = [summarise_trace(p) for p in sorted(trace_dir.glob("*.json"))]
-            results.setdefault(mode, {})[str(streams)] = result
+            results.setdefault(mode if args.ranks == 1 else f"{mode}_r{args.ranks}", {})[str(streams)] = result
             print(mode, streams, json.dumps(result), flush=True)
             save()
     save()
