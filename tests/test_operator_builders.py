@@ -207,6 +207,21 @@ def test_service_pdb_and_configmap() -> None:
     assert config.runtime.metrics_port == 0  # no second endpoint: `vexpert serve` has /metrics on --port
 
 
+def test_gpu_memory_utilization_reaches_the_node_pods_runtime_yaml() -> None:
+    default = parse_runtime_config(yaml.safe_load(_plan().config_map["data"]["runtime.yaml"]))
+    assert default.runtime.gpu_memory_utilization == 0.9
+    plan = _plan(s=spec(runtime__gpuMemoryUtilization=0.75))
+    raw = yaml.safe_load(plan.config_map["data"]["runtime.yaml"])
+    assert raw["runtime"]["gpu_memory_utilization"] == 0.75
+    assert parse_runtime_config(raw).runtime.gpu_memory_utilization == 0.75
+    # `vexpert serve --config` reads it from the file: no flag on the container
+    args = plan.statefulset["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--gpu-memory-utilization" not in args
+    # a new share needs new ranks: it is part of the config hash that rolls the group
+    hashes = [p.config_map["metadata"]["annotations"][nm.ANNOTATION_CONFIG_HASH] for p in (plan, _plan())]
+    assert hashes[0] != hashes[1]
+
+
 @pytest.mark.parametrize("dispatch", ["auto", "plan", "local", "global"])
 def test_the_replica_dispatch_reaches_the_runtime_config(dispatch: str) -> None:
     plan = _plan(s=spec(vexpert__dispatch=dispatch))

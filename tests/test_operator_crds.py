@@ -110,6 +110,23 @@ def test_examples_validate_against_the_crd_schema(name: str, doc: dict[str, Any]
     assert errors == []
 
 
+def test_crd_runtime_has_gpu_memory_utilization_with_bounds_and_default() -> None:
+    validator, raw = crd_validator("VExpertDeployment")
+    field = raw["properties"]["spec"]["properties"]["runtime"]["properties"]["gpuMemoryUtilization"]
+    assert field["type"] == "number" and field["default"] == 0.9
+    assert field["minimum"] == 0 and field["exclusiveMinimum"] is True  # OpenAPI 3.0: 0 < x
+    assert field["maximum"] == 1 and field.get("exclusiveMaximum") is not True  # x ≤ 1
+    assert "KV cache" in field["description"]
+    doc = yaml.safe_load((EXAMPLES / "qwen-moe-small.yaml").read_text())
+    assert apply_defaults(raw, copy.deepcopy(doc))["spec"]["runtime"]["gpuMemoryUtilization"] == 0.9
+    for good in (0.5, 1):
+        doc["spec"]["runtime"]["gpuMemoryUtilization"] = good
+        assert list(validator.iter_errors(doc)) == []
+    for bad in (0, -0.1, 1.5, "0.9"):
+        doc["spec"]["runtime"]["gpuMemoryUtilization"] = bad
+        assert [e.path[-1] for e in validator.iter_errors(doc)] == ["gpuMemoryUtilization"], bad
+
+
 def test_crd_schema_rejects_unknown_and_wrong_fields() -> None:
     validator, _ = crd_validator("VExpertDeployment")
     doc = yaml.safe_load((EXAMPLES / "qwen-moe-small.yaml").read_text())

@@ -198,6 +198,15 @@ def test_validate_spec_names_the_field(overrides: dict, field: str) -> None:
     assert field in fields(problems), problems
 
 
+@pytest.mark.parametrize("value", [0, -0.5, 1.5, "most", True])
+def test_a_bad_gpu_memory_utilization_names_the_field_and_the_fix(value: object) -> None:
+    parsed, problems = parse_spec(raw_spec(runtime__gpuMemoryUtilization=value))
+    assert parsed is None and [p.field for p in problems] == ["spec.runtime.gpuMemoryUtilization"]
+    assert "is not a share in (0, 1]" in problems[0].message and "e.g. 0.9 (the default)" in problems[0].message
+    assert spec().runtime.gpu_memory_utilization == 0.9
+    assert spec(runtime__gpuMemoryUtilization=1).runtime.gpu_memory_utilization == 1.0
+
+
 def test_removed_metrics_port_says_where_metrics_went() -> None:
     parsed, problems = parse_spec(raw_spec(runtime__metricsPort=9400))
     assert parsed is None and fields(problems) == {"spec.runtime"}
@@ -278,6 +287,21 @@ def test_check_fit_host_and_gpu_memory() -> None:
     ep16 = spec(parallelism__expertParallelSize=16)
     assert fields(check_fit(ep16, size_pod(ep16, shape, None), None, h100.gpu_memory_mib, "H100")) == \
         {"spec.vexpert.vmax"}
+
+
+def test_experts_and_slots_must_fit_under_the_gpu_memory_utilization() -> None:
+    shape = KNOWN_SHAPES["deepseek_v3"]
+    h200 = next(iter(candidate_types([node_info(gpu_node("c"))], {}, [], 8).values()))
+    ep64 = spec()
+    gpu_bytes = size_pod(ep64, shape, None).gpu_bytes_per_gpu
+    share = gpu_bytes / (h200.gpu_memory_mib * 2**20)  # what the experts and slots fill of one GPU
+    roomy = spec(runtime__gpuMemoryUtilization=round(share + 0.01, 2))
+    assert check_fit(roomy, size_pod(roomy, shape, None), None, h200.gpu_memory_mib, "H200") == []
+    tight = spec(runtime__gpuMemoryUtilization=round(share - 0.01, 2))
+    problems = check_fit(tight, size_pod(tight, shape, None), None, h200.gpu_memory_mib, "H200")
+    assert fields(problems) == {"spec.vexpert.vmax"}
+    assert "runtime.gpuMemoryUtilization" in problems[0].message and "raise runtime.gpuMemoryUtilization" in \
+        problems[0].message
 
 
 # ----------------------------------------------------------------------------------------- calibration

@@ -18,6 +18,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from vexpert_runtime.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    GPU_MEMORY_UTILIZATION_HELP,
+    check_gpu_memory_utilization,
+)
 from vexpert_runtime.policy.profile import NodeTypeKey, PerformanceProfile
 
 GROUP = "vexpert.io"
@@ -279,6 +284,11 @@ class RuntimeSpec(CamelModel):
         "'baseline'). Only RDMA / GPUDirect (ibverbs memory registration beyond RLIMIT_MEMLOCK) needs it; "
         "CUDA pinned host memory (cudaHostAlloc / cudaHostRegister) does not",
     )
+    gpu_memory_utilization: float = Field(
+        DEFAULT_GPU_MEMORY_UTILIZATION, gt=0, le=1,
+        description=GPU_MEMORY_UTILIZATION_HELP + " (runtime.yaml's runtime.gpu_memory_utilization). Experts and "
+        "slots must fit under it",
+    )
     group_restart_backoff_seconds: int = Field(10, ge=0, le=3600, description="Delay before re-forming after a failure")
     max_group_restart_backoff_seconds: int = Field(300, ge=0, le=86_400, description="Cap of the doubling delay")
 
@@ -290,6 +300,8 @@ class RuntimeSpec(CamelModel):
         if isinstance(data, dict) and ("metricsPort" in data or "metrics_port" in data):
             raise ValueError("metricsPort was removed: node pods serve /metrics on httpPort (default 8000)")
         return data
+
+    _gpu_memory_utilization = field_validator("gpu_memory_utilization", mode="wrap")(check_gpu_memory_utilization)
 
     @field_validator("node_selector")
     @classmethod

@@ -110,6 +110,7 @@ def build_runtime_config(spec: VExpertDeploymentSpec, name: str, namespace: str,
             device="cuda",
             metrics_port=0,  # no separate node endpoint: `vexpert serve` exports /metrics on the API port
             host_memory_limit_bytes=sizing.pinned_pool_bytes + sizing.overhead_bytes,
+            gpu_memory_utilization=spec.runtime.gpu_memory_utilization,
         ),
         profile=profile,
     )

@@ -33,8 +33,6 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
 # (intermediate, hidden) of the known shapes' experts: what the FP8 row layout needs.
 KNOWN_EXPERT_DIMS: dict[str, tuple[int, int]] = {"deepseek_v3": (2048, 7168), "qwen2_moe": (1408, 2048)}
 
-GPU_MEMORY_USABLE_FRACTION = 0.9  # the rest is for attention weights, KV cache and CUDA context
-
 
 def model_shape(spec: VExpertDeploymentSpec) -> ModelShape | None:
     """The shape used for sizing: the spec's, else the architecture's known one with the bytes of

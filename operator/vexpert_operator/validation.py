@@ -21,7 +21,7 @@ from .manifests import OPERATOR_MOUNT_PATHS
 from .naming import MAX_DEPLOYMENT_NAME
 from .nodetypes import GPU_RESOURCE
 from .quantity import MIB, format_bytes_human
-from .sizing import GPU_MEMORY_USABLE_FRACTION, MemoryFit, Sizing, model_shape
+from .sizing import MemoryFit, Sizing, model_shape
 
 RESERVED_ENV = {"VEXPERT_NODE_RANK", "VEXPERT_CONFIG", "VEXPERT_POD_NAME", "VEXPERT_NUM_NODES"}
 # Sized by the operator from the spec (pinned pool, GPUs per node, runtime.cpu); extraResources may not override.
@@ -174,11 +174,13 @@ def check_fit(spec: VExpertDeploymentSpec, sizing: Sizing, fit: MemoryFit | None
             "or runtime.memoryHeadroom, or use nodes with more memory"
         )))
     gpu_mem = gpu_memory_mib * MIB
-    if gpu_mem and sizing.gpu_bytes_per_gpu > gpu_mem * GPU_MEMORY_USABLE_FRACTION:
+    usable = spec.runtime.gpu_memory_utilization  # the rest of it is the weights', KV cache's and headroom's
+    if gpu_mem and sizing.gpu_bytes_per_gpu > gpu_mem * usable:
+        raise_it = " or raise runtime.gpuMemoryUtilization" if usable < 1 else ""
         problems.append(Problem("spec.vexpert.vmax", (
             f"base experts + G·Vmax slots need {format_bytes_human(sizing.gpu_bytes_per_gpu)} per GPU, more than "
-            f"{int(GPU_MEMORY_USABLE_FRACTION * 100)}% of {format_bytes_human(gpu_mem)} on {gpu_product}; "
-            "raise expertParallelSize or lower vmax/groupSize"
+            f"{usable:.0%} (runtime.gpuMemoryUtilization) of {format_bytes_human(gpu_mem)} on {gpu_product}; "
+            f"raise expertParallelSize, lower vmax/groupSize{raise_it}"
         )))
     return problems
 

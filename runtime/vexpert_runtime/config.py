@@ -11,13 +11,45 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.policy.profile import PerformanceProfile
 
 Architecture = Literal["deepseek_v3", "qwen2_moe", "auto"]
 ExpertFormatChoice = Literal["auto", "dense", "fp8_block"]  # see expert_layout.py
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+GPU_MEMORY_UTILIZATION_HELP = (
+    "Share of each GPU's memory a serving rank may fill, in (0, 1]; the paged KV cache gets what the weights, "
+    "resident experts, slots and a 2 GiB headroom leave of it"
+)
+
+
+def gpu_memory_utilization_problem(value: Any) -> str:
+    """The message for a ``gpu_memory_utilization`` outside (0, 1] (shared with the operator's spec)."""
+    return (f"{value!r} is not a share in (0, 1]: set the fraction of each GPU's memory a rank may fill, "
+            f"e.g. {DEFAULT_GPU_MEMORY_UTILIZATION} (the default)")
+
+
+def check_gpu_memory_utilization(value: Any, handler: ValidatorFunctionWrapHandler) -> float:
+    """Wrap validator of a ``gt=0, le=1`` float field: any failure (out of range, not a number, a
+    boolean) becomes one message that says what the field is and what to set."""
+    if isinstance(value, bool):  # YAML `true` would pass as 1.0
+        raise ValueError(gpu_memory_utilization_problem(value))
+    try:
+        result: float = handler(value)
+    except ValidationError:
+        raise ValueError(gpu_memory_utilization_problem(value)) from None
+    return result
 
 
 class ModelSource(BaseModel):
@@ -121,6 +153,12 @@ class RuntimeSettings(BaseModel):
         "e.g. to measure; their all-to-all then goes through host memory over gloo)",
     )
     host_memory_limit_bytes: int | None = Field(None, ge=0, description="Pinned pool + slots must fit (None = no check)")
+    gpu_memory_utilization: float = Field(
+        DEFAULT_GPU_MEMORY_UTILIZATION, gt=0, le=1,
+        description=GPU_MEMORY_UTILIZATION_HELP + " (`vexpert serve --gpu-memory-utilization` overrides it)",
+    )
+
+    _gpu_memory_utilization = field_validator("gpu_memory_utilization", mode="wrap")(check_gpu_memory_utilization)
 
 
 class RuntimeConfig(BaseModel):
@@ -147,7 +185,7 @@ def parse_runtime_config(raw: Any, origin: str = "config") -> RuntimeConfig:
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(part) for part in first["loc"]) or "(root)"
-        raise VExpertInputError(f"{origin}: {loc}", first["msg"]) from None
+        raise VExpertInputError(f"{origin}: {loc}", first["msg"].removeprefix("Value error, ")) from None
 
 
 def load_runtime_config(path: str | Path) -> RuntimeConfig:

@@ -44,11 +44,26 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--kv-cache-tokens", type=int, default=None,
                         help="KV-cache tokens per rank (default: on GPUs what --gpu-memory-utilization leaves, "
                              "on CPU 8 full contexts)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="share of each GPU's memory a rank may fill; the paged KV cache gets what the weights, "
-                             "experts, slots and a 2 GiB headroom leave of it (default 0.9)")
+                             "experts, slots and a 2 GiB headroom leave of it (default: the config's "
+                             "runtime.gpu_memory_utilization, else 0.9)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
     parser.set_defaults(handler=run)
+
+
+def resolve_gpu_memory_utilization(cli: float | None, configured: float | None) -> float:
+    """The share of each GPU's memory a rank may fill: ``--gpu-memory-utilization`` if given, else the
+    config's ``runtime.gpu_memory_utilization`` (validated when the config was read), else 0.9."""
+    from vexpert_runtime.config import DEFAULT_GPU_MEMORY_UTILIZATION
+    from vexpert_runtime.errors import VExpertInputError
+
+    if cli is None:
+        return DEFAULT_GPU_MEMORY_UTILIZATION if configured is None else configured
+    if not 0.0 < cli <= 1.0:  # also NaN
+        raise VExpertInputError("--gpu-memory-utilization", f"{cli} is not in (0, 1]",
+                                f"the share of each GPU's memory a rank may fill, e.g. {DEFAULT_GPU_MEMORY_UTILIZATION}")
+    return cli
 
 
 def _model_dir(args: argparse.Namespace, configured: str) -> tuple[Path, bool]:
@@ -102,9 +117,8 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or (DEMO_NAME if demo else model_dir.name)
     model_config = _model_config(model_dir)
     max_context = int(model_config.get("max_position_embeddings", 4096))
-    if not 0.0 < args.gpu_memory_utilization <= 1.0:
-        raise VExpertInputError("--gpu-memory-utilization", f"{args.gpu_memory_utilization} is not in (0, 1]",
-                                "e.g. 0.9")
+    gpu_memory_utilization = resolve_gpu_memory_utilization(args.gpu_memory_utilization,
+                                                            config.runtime.gpu_memory_utilization)
     setup = resolve_setup(config, str(model_dir), cpu_workers=args.cpu_workers)
     kv_tokens = args.kv_cache_tokens
     if kv_tokens is None and setup.device != "cuda":
@@ -121,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     requests = [ctx.Queue() for _ in range(setup.local_workers)]
     options = NodeOptions(
         workload=Workload(tokens_per_worker=args.max_running),  # sizes the allocator's decode batch
-        serve=[ServeWorkerArgs(str(model_dir), scheduler, inbound, events, args.gpu_memory_utilization)
+        serve=[ServeWorkerArgs(str(model_dir), scheduler, inbound, events, gpu_memory_utilization)
                for inbound in requests],
         log=log,
     )
