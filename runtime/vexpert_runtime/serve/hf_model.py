@@ -195,8 +195,9 @@ class EPExperts:
         slots: the slot rows: one buffer [S, D] reused by every layer (with ``hooks`` to fill it
             layer by layer, as the node worker does), or one [S, D] per MoE layer; None without slots.
         max_tokens: the most tokens any rank runs in one iteration. With it the dispatch capacity
-            is fixed (K·max_tokens: nothing dropped, no host sync); without it each layer agrees on
-            the capacity with one all-reduce of T (fine on CPU, a host sync on GPU).
+            of several ranks is fixed (K·max_tokens: nothing dropped, no host sync: what CUDA graphs
+            need); without it each layer agrees on the capacity with one all-reduce of T (fine on
+            CPU, a host sync on GPU). One rank sends exactly its T·K rows either way.
         format: the rows' format for block-FP8 rows (None: dense rows of the compute dtype).
         dispatch: how a replicated expert's tokens split over its copies every layer (``plan``,
             ``local`` or ``global``: see :mod:`vexpert_runtime.model.dispatch`); ``global`` adds one
@@ -240,12 +241,12 @@ class EPExperts:
 
     def _capacity(self, tokens: int, top_k: int) -> int:
         """C: dispatch rows per destination rank, equal on every rank and ≥ any rank's T·K."""
-        if self.max_tokens is not None:
-            if tokens > self.max_tokens:
-                raise ValueError(f"{tokens} tokens in one iteration, EPExperts was built for at most {self.max_tokens}")
-            return self.max_tokens * top_k
-        if self.group is None:
+        if self.max_tokens is not None and tokens > self.max_tokens:
+            raise ValueError(f"{tokens} tokens in one iteration, EPExperts was built for at most {self.max_tokens}")
+        if self.group is None:  # one rank: nothing to agree on (a graph's T is its bucket)
             return tokens * top_k
+        if self.max_tokens is not None:
+            return self.max_tokens * top_k
         most = torch.tensor([tokens], dtype=torch.int64)
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
         return int(most) * top_k

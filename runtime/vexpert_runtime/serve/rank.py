@@ -111,7 +111,9 @@ class ServingRank:
         reader = checkpoint_reader(args.model_dir)
         self.experts = EPExperts.from_checkpoint(reader, reader.spec.num_layers, dtype, rank, world, group, device,
                                                  table=table, slots=slots, hooks=SlotHooks(wait, release),
-                                                 max_tokens=args.scheduler.max_batch_tokens, dispatch=dispatch)
+                                                 # fixed dispatch capacity where graphs need it; else agreed per layer
+                                                 max_tokens=args.scheduler.max_batch_tokens if graph_stream is not None
+                                                 else None, dispatch=dispatch)
         del reader  # its shard handles map the whole checkpoint
         self.model = HFStepModel(args.model_dir, device=device, dtype=dtype, block_size=args.kv_block_size,
                                  load_experts=False, executor=self.experts)
