@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--onoff-streams", type=int, nargs="*", default=[], help="streams to run static at too")
     parser.add_argument("--ranks", type=int, default=1, help="EP ranks (more than GPUs: workers share a GPU)")
     parser.add_argument("--hf-variants", nargs="+", default=["sdpa:dynamic", "eager:dynamic", "sdpa:static"])
-    parser.add_argument("--profile-streams", type=int, default=None)
+    parser.add_argument("--profile-streams", type=int, nargs="*", default=[])
     parser.add_argument("--profile-iters", default="600-611")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                       len(prompt_ids) + args.max_tokens / 2)
         modes = [m for m in ("vexpert", "static") if m in args.modes or (m == "static" and streams in args.onoff_streams)]
         for mode in modes:
-            trace_dir = args.out / f"trace_{mode}_{streams}" if streams == args.profile_streams else None
+            trace_dir = args.out / f"trace_{mode}_{streams}" if streams in args.profile_streams else None
             config = write_config(args.out / f"{mode}.yaml", args.model_dir, 0.95 if mode == "vexpert" else 0.0,
                                   profile, args.k, args.ranks)
             result = serve(config, args.model_dir, streams, prompt, args,
