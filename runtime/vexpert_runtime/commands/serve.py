@@ -135,8 +135,8 @@ def run(args: argparse.Namespace) -> int:
     requests = [ctx.Queue() for _ in range(setup.local_workers)]
     options = NodeOptions(
         workload=Workload(tokens_per_worker=args.max_running),  # sizes the allocator's decode batch
-        serve=[ServeWorkerArgs(str(model_dir), scheduler, inbound, events, gpu_memory_utilization)
-               for inbound in requests],
+        serve=[ServeWorkerArgs(str(model_dir), scheduler, inbound, events, gpu_memory_utilization,
+                               ranks_per_gpu=setup.workers_per_gpu) for inbound in requests],
         log=log,
     )
     runtime = NodeRuntime(setup, options)

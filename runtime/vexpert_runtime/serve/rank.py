@@ -65,6 +65,7 @@ class ServeWorkerArgs:
     events: Any
     gpu_memory_utilization: float = 0.9
     kv_block_size: int = DEFAULT_BLOCK_SIZE
+    ranks_per_gpu: int = 1  # workers sharing one GPU split its share evenly
 
 
 def kv_cache_blocks(args: ServeWorkerArgs, model: HFStepModel, device: torch.device) -> int:
@@ -78,6 +79,9 @@ def kv_cache_blocks(args: ServeWorkerArgs, model: HFStepModel, device: torch.dev
         return cap
     free, total = torch.cuda.mem_get_info(device)
     available = free - (1.0 - args.gpu_memory_utilization) * total - GPU_HEADROOM_BYTES
+    if args.ranks_per_gpu > 1:  # ranks sharing the GPU start one after another: each takes its own part
+        share = args.gpu_memory_utilization * total / args.ranks_per_gpu
+        available = min(available, share - torch.cuda.memory_reserved(device) - GPU_HEADROOM_BYTES / args.ranks_per_gpu)
     blocks = num_blocks_for_memory(int(available), model.layout, args.kv_block_size, model.dtype)
     if blocks < 2:
         raise VExpertInputError("gpu_memory_utilization",
