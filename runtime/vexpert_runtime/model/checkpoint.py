@@ -28,6 +28,8 @@ are dequantised at load.
 from __future__ import annotations
 
 import json
+import os
+import struct
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -427,32 +429,144 @@ class SharedExpertWeights:
     output_gate: torch.Tensor | None
 
 
+# Safetensors files are read here without the library: the header (8-byte little-endian length, then
+# JSON) gives each tensor's dtype, shape and byte range, and tensor bytes are read with plain reads
+# straight into the tensor that keeps them. Nothing is memory-mapped and no handle outlives a read,
+# so a process holds exactly the tensors it asked for: a mapping would keep every page it touched
+# resident (and counted in its RSS) for as long as the handle lived.
+_MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+_STORED_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": FP8_DTYPE, "F8_E5M2": torch.float8_e5m2, "C64": torch.complex64,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor's header entry: safetensors dtype name, shape and absolute byte range in its file."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for size in self.shape:
+            n *= size
+        return n
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return _STORED_DTYPES.get(self.dtype)
+
+
+def _not_safetensors(file: Path, why: str) -> VExpertInputError:
+    return VExpertInputError("model.checkpoint_path", f"{file.name} is not a safetensors file: {why}",
+                             "re-download or re-convert the shard")
+
+
+def read_safetensors_header(file: Path) -> dict[str, StoredTensor]:
+    """Tensor name → :class:`StoredTensor` from a safetensors file's header (no tensor bytes read).
+    Raises :class:`VExpertInputError` ("… is not a safetensors file: …") for a truncated, empty or
+    corrupt file."""
+    try:
+        with open(file, "rb", buffering=0) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise _not_safetensors(file, f"{size} bytes, shorter than the 8-byte header length")
+            length = struct.unpack("<Q", prefix)[0]
+            if length > min(size - 8, _MAX_HEADER_BYTES):
+                raise _not_safetensors(file, f"header length {length} exceeds the file ({size} bytes) or 100 MB")
+            raw = handle.read(length)
+    except OSError as exc:
+        raise VExpertInputError("model.checkpoint_path", f"{file.name} cannot be read: {exc}") from None
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _not_safetensors(file, f"header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise _not_safetensors(file, "header is not a JSON object")
+    data_start, data_bytes = 8 + length, size - 8 - length
+    out: dict[str, StoredTensor] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            valid = (isinstance(dtype, str) and isinstance(shape, list)
+                     and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (*shape, begin, end)))
+        except (TypeError, KeyError, ValueError):
+            valid = False
+        if not valid:
+            raise _not_safetensors(file, f"bad header entry for {name}")
+        stored = StoredTensor(dtype, tuple(shape), data_start + begin, data_start + end)
+        torch_dtype = stored.torch_dtype
+        if begin > end or (torch_dtype is not None and end - begin != stored.numel * _itemsize(torch_dtype)):
+            raise _not_safetensors(file, f"{name}'s byte range [{begin}, {end}) does not fit {dtype} {shape}")
+        if end > data_bytes:
+            raise _not_safetensors(file, f"it ends before {name} does (truncated: {size} bytes)")
+        out[name] = stored
+    return out
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _read_bytes(file: Path, stored: StoredTensor, name: str, out: torch.Tensor) -> None:
+    """Read ``stored``'s bytes into ``out`` (a contiguous CPU tensor of exactly that many bytes)."""
+    view = out.reshape(-1).view(torch.uint8).numpy().data  # writable, shares out's memory
+    if len(view) != stored.end - stored.start:
+        raise ValueError(f"{name}: {len(view)} bytes asked, {stored.end - stored.start} stored")
+    done = 0
+    try:
+        with open(file, "rb", buffering=0) as handle:
+            handle.seek(stored.start)
+            while done < len(view):
+                got = handle.readinto(view[done:])
+                if not got:
+                    raise _not_safetensors(file, f"it ends inside {name} (truncated)")
+                done += got
+    except OSError as exc:
+        raise VExpertInputError("model.checkpoint_path", f"{file.name} cannot be read: {exc}") from None
+
+
 class CheckpointReader:
-    """Lazy reader of a (possibly sharded) safetensors checkpoint; reads only the tensors asked for."""
+    """Lazy reader of a (possibly sharded) safetensors checkpoint; reads only the tensors asked for.
+
+    It caches each shard's header, never its bytes: a tensor read is a plain read into the tensor
+    returned (or, for :meth:`experts` with ``out``, into the caller's rows), so the reader adds
+    nothing to a process's memory beyond what the caller keeps."""
 
     def __init__(self, path: str | Path, spec: MoESpec) -> None:
         self.path = Path(path)
         self.spec = spec
         self._file_of = _tensor_files(self.path)
-        self._handles: dict[Path, Any] = {}
-        self._key_cache: dict[Path, set[str]] = {}
+        self._headers: dict[Path, dict[str, StoredTensor]] = {}
 
-    def _handle(self, file: Path) -> Any:
-        from safetensors import safe_open
-
-        if file not in self._handles:
-            try:
-                self._handles[file] = safe_open(str(file), framework="pt")
-            except Exception as exc:  # truncated, empty or corrupt header: one clear line, not a traceback
-                raise VExpertInputError(
-                    "model.checkpoint_path", f"{file.name} is not a safetensors file: {exc}", "re-download or re-convert the shard"
-                ) from None
-        return self._handles[file]
+    def _header(self, file: Path) -> dict[str, StoredTensor]:
+        if file not in self._headers:
+            self._headers[file] = read_safetensors_header(file)
+        return self._headers[file]
 
     def _keys(self, file: Path) -> set[str]:
-        if file not in self._key_cache:
-            self._key_cache[file] = set(self._handle(file).keys())
-        return self._key_cache[file]
+        return set(self._header(file))
+
+    def _stored(self, name: str) -> tuple[Path, StoredTensor]:
+        file = self._file_of.get(name)
+        if file is None:
+            raise VExpertInputError("model.checkpoint_path", f"tensor {name} is missing from {self.path}")
+        stored = self._header(file).get(name)
+        if stored is None:
+            raise VExpertInputError("model.checkpoint_path",
+                                    f"tensor {name} is missing from {file.name} (the index lists it there)",
+                                    "use a complete checkpoint whose index matches its shards")
+        return file, stored
 
     def has(self, name: str) -> bool:
         return name in self._file_of
@@ -468,30 +582,33 @@ class CheckpointReader:
                     f"tensor {name} is missing from {self.path}",
                     "use a complete checkpoint whose config.json matches its weights",
                 )
-            if name not in self._keys(file):
+            stored = self._header(file).get(name)
+            if stored is None:
                 raise VExpertInputError(
                     "model.checkpoint_path",
                     f"tensor {name} is missing from {file.name} (the index lists it there)",
                     "use a complete checkpoint whose index matches its shards",
                 )
-            sliced = self._handle(file).get_slice(name)
-            got = tuple(sliced.get_shape())
-            if got != shape:
+            if stored.shape != shape:
                 raise VExpertInputError(
                     "model.checkpoint_path",
-                    f"tensor {name} in {file.name} has shape {list(got)}, config.json implies {list(shape)}",
+                    f"tensor {name} in {file.name} has shape {list(stored.shape)}, config.json implies {list(shape)}",
                     "use the config.json that belongs to these weights",
                 )
-            problem = _dtype_problem(self.spec, name, sliced.get_dtype())
+            problem = _dtype_problem(self.spec, name, stored.dtype)
             if problem is not None:
                 raise VExpertInputError("model.checkpoint_path", f"tensor {name} in {file.name} {problem[0]}", problem[1])
 
     def raw(self, name: str) -> torch.Tensor:
-        """A tensor in its stored dtype."""
-        file = self._file_of.get(name)
-        if file is None:
-            raise VExpertInputError("model.checkpoint_path", f"tensor {name} is missing from {self.path}")
-        out: torch.Tensor = self._handle(file).get_tensor(name)
+        """A tensor in its stored dtype (a new tensor: its bytes read from the shard)."""
+        file, stored = self._stored(name)
+        dtype = stored.torch_dtype
+        if dtype is None:
+            raise VExpertInputError("model.checkpoint_path", f"tensor {name} in {file.name} has dtype {stored.dtype}, "
+                                    "which this runtime cannot read")
+        out = torch.empty(stored.shape, dtype=dtype)
+        if out.numel():
+            _read_bytes(file, stored, name, out)
         return out
 
     def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -504,23 +621,67 @@ class CheckpointReader:
             return dequantize_fp8_block(out, self.raw(name + SCALE_SUFFIX), self.spec.fp8_block, dtype)
         return out.to(dtype)
 
+    def _fill(self, name: str, target: torch.Tensor) -> None:
+        """Write tensor ``name``, flattened and in ``target``'s dtype, into the 1-D ``target``: straight
+        from the file when the stored dtype is ``target``'s and ``target`` is dense CPU memory, else
+        through one temporary (a cast, FP8 dequantisation, or a device copy)."""
+        file, stored = self._stored(name)
+        if stored.numel != target.numel():
+            raise VExpertInputError("model.checkpoint_path",
+                                    f"tensor {name} in {file.name} has shape {list(stored.shape)} "
+                                    f"({stored.numel} elements), the packed row expects {target.numel()}",
+                                    "use the config.json that belongs to these weights")
+        if stored.torch_dtype == target.dtype and target.device.type == "cpu" and target.is_contiguous():
+            if target.numel():
+                _read_bytes(file, stored, name, target)
+            return
+        source = self.raw(name) if stored.torch_dtype == target.dtype else self.tensor(name, target.dtype)
+        target.copy_(source.reshape(-1))
+
+    def _fill_row(self, layer: int, expert: int, fmt: ExpertFormat, row: torch.Tensor) -> None:
+        """Packed row ``row`` [D] of ``expert`` of checkpoint layer ``layer`` in format ``fmt``."""
+        names = {p: expert_tensor(layer, expert, p) for p in PROJECTIONS}
+        if fmt.fp8_block is None:
+            n = fmt.intermediate * fmt.hidden
+            for k, name in enumerate(names.values()):
+                self._fill(name, row[k * n : (k + 1) * n])
+            return
+        layout = fmt.layout
+        for proj, name in names.items():
+            start, end = layout.matrix_range(proj)
+            self._fill(name, row[start:end].view(FP8_DTYPE))
+            start, end = layout.scale_range(proj)  # 16-byte aligned: viewable as float32
+            self._fill(name + SCALE_SUFFIX, row[start:end].view(torch.float32))
+        row[layout.matrix_range("down")[1] : layout.scales_offset].zero_()  # padding, as pack_fp8 leaves it
+        row[layout.scale_range("down")[1] :].zero_()
+
     def expert(self, layer_index: int, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """Packed row [D] of expert ``expert`` of MoE layer ``layer_index`` (0..L−1) in the spec's
         storage format (``dtype`` is the compute dtype: the element type of dense rows)."""
-        layer = self.spec.moe_layers[layer_index]
-        names = {p: expert_tensor(layer, expert, p) for p in PROJECTIONS}
-        fmt = self.spec.expert_format(dtype)
-        if fmt.fp8_block is not None:
-            weights = {p: self.raw(n) for p, n in names.items()}
-            scales = {p: self.raw(n + SCALE_SUFFIX) for p, n in names.items()}
-            return fmt.pack_fp8(weights, scales)
-        return pack_expert(*(self.tensor(n, dtype) for n in names.values()))
+        return self.experts(layer_index, [expert], dtype)[0]
 
-    def experts(self, layer_index: int, experts: list[int], dtype: torch.dtype) -> torch.Tensor:
-        """Packed rows [len(experts), D] (see :meth:`expert`)."""
-        if not experts:
-            return torch.empty(0, self.spec.expert_numel, dtype=self.spec.row_dtype(dtype))
-        return torch.stack([self.expert(layer_index, e, dtype) for e in experts])
+    def experts(self, layer_index: int, experts: list[int], dtype: torch.dtype,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed rows [len(experts), D] (see :meth:`expert`), each read straight into its row of one
+        tensor: ``out`` when given (a [len(experts), D] tensor of the row dtype, e.g. a pool buffer;
+        returned), else a new one. Peak memory is the rows plus, at most, one projection in flight
+        (none when the checkpoint's dtype is the row's)."""
+        fmt = self.spec.expert_format(dtype)
+        shape = (len(experts), fmt.row_numel)
+        if out is None:
+            out = torch.empty(shape, dtype=fmt.row_dtype)
+        elif tuple(out.shape) != shape or out.dtype != fmt.row_dtype:
+            raise ValueError(f"out is {out.dtype} {list(out.shape)}, the rows are {fmt.row_dtype} {list(shape)}")
+        layer = self.spec.moe_layers[layer_index]
+        direct = out.device.type == "cpu" and out.stride(-1) == 1
+        staging = None if direct else torch.empty(fmt.row_numel, dtype=fmt.row_dtype)
+        for i, expert in enumerate(experts):
+            if staging is None:
+                self._fill_row(layer, expert, fmt, out[i])
+            else:  # a device or strided destination: one row of host staging
+                self._fill_row(layer, expert, fmt, staging)
+                out[i].copy_(staging)
+        return out
 
     def router(self, layer_index: int) -> RouterWeights:
         layer = self.spec.moe_layers[layer_index]
@@ -558,16 +719,9 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise VExpertInputError("model.checkpoint_path", f"no *.safetensors files in {path}")
-    from safetensors import safe_open
-
     files = {}
     for shard in shards:
-        try:
-            with safe_open(str(shard), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    files[name] = shard
-        except Exception as exc:  # safetensors raises its own error types for corrupt headers
-            raise VExpertInputError("model.checkpoint_path", f"{shard.name} is not a safetensors file: {exc}") from None
+        files.update(dict.fromkeys(read_safetensors_header(shard), shard))
     return files
 
 

@@ -110,7 +110,8 @@ class Coordinator:
         self.args = args
         self.spec = args.spec
         # Pool rows in the expert storage format (uint8 for block FP8), not the compute dtype.
-        self.dtype: torch.dtype = args.spec.row_dtype(getattr(torch, args.dtype))
+        self.compute_dtype: torch.dtype = getattr(torch, args.dtype)
+        self.dtype: torch.dtype = args.spec.row_dtype(self.compute_dtype)
         self.reader = CheckpointReader(Path(args.checkpoint), args.spec)
         self.transport = make_transport(args.device)
         self.abort = threading.Event()
@@ -127,7 +128,11 @@ class Coordinator:
     # -- pool ---------------------------------------------------------------------------------
 
     def _load(self, layer: int, experts: list[int]) -> torch.Tensor:
-        return self.reader.experts(layer, experts, self.dtype)
+        return self.reader.experts(layer, experts, self.compute_dtype)
+
+    def _read_into(self, layer: int, experts: list[int], out: torch.Tensor) -> None:
+        """Read rows straight into the pool buffer ``out`` (no temporary copy of the layer)."""
+        self.reader.experts(layer, experts, self.compute_dtype, out=out)
 
     def _alloc(self, rows: int, numel: int) -> torch.Tensor:
         return self.transport.host_buffer(rows, numel, self.dtype)
@@ -137,7 +142,7 @@ class Coordinator:
         pool = self.pool
         assert pool is not None
         if experts.shape != pool.experts.shape or not torch.equal(experts, pool.experts):
-            pool = pool.refreshed(experts, self._load, self._alloc)
+            pool = pool.refreshed(experts, self._load, self._alloc, self._read_into)
             self.pool = pool
         return Assignment(table, pool)
 
@@ -176,7 +181,8 @@ class Coordinator:
         args = self.args
         self.buffers = buffers = [self.transport.open(handle) for handle in args.handles]
         table, experts = args.plan
-        self.pool = ExpertPool.build(experts, self.spec.num_experts, self.spec.expert_numel, self._load, self._alloc)
+        self.pool = ExpertPool.build(experts, self.spec.num_experts, self.spec.expert_numel, self._load, self._alloc,
+                                     self._read_into)
         self.current = Assignment(table, self.pool)
         self.scripted = {i: self._assignment(t, e) for i, (t, e) in args.scripted.items()}
         iteration = self._start_loop()

@@ -17,7 +17,26 @@ from collections.abc import Callable
 import torch
 
 RowLoader = Callable[[int, list[int]], torch.Tensor]  # (layer, experts) → [len, D]
+RowReader = Callable[[int, list[int], torch.Tensor], object]  # (layer, experts, out [len, D]) fills out
 Allocator = Callable[[int, int], torch.Tensor]  # (rows, D) → empty [rows, D]
+
+# Rows a plain RowLoader is asked for at once: its result is a temporary beside the pool, so it is
+# kept to about this many bytes (at least one row).
+LOAD_CHUNK_BYTES = 64 << 20
+
+
+def _read_rows(out: torch.Tensor, layer: int, experts: list[int], load: RowLoader,
+               read_into: RowReader | None) -> None:
+    """Fill ``out`` [len(experts), D] with the experts' rows: straight into ``out`` with
+    ``read_into``, else through ``load`` in chunks of about :data:`LOAD_CHUNK_BYTES`."""
+    if not experts:
+        return
+    if read_into is not None:
+        read_into(layer, experts, out)
+        return
+    step = max(1, LOAD_CHUNK_BYTES // max(1, out[0].numel() * out.element_size()))
+    for start in range(0, len(experts), step):
+        out[start : start + step].copy_(load(layer, experts[start : start + step]))
 
 
 def hottest_experts(hotness: torch.Tensor, pooled: int) -> torch.Tensor:
@@ -44,12 +63,15 @@ class ExpertPool:
         self.row_of = row_of
 
     @classmethod
-    def build(cls, experts: torch.Tensor, num_experts: int, numel: int, load: RowLoader, allocate: Allocator) -> ExpertPool:
-        """Allocate and fill the pool for ``experts`` [L, Np]."""
+    def build(cls, experts: torch.Tensor, num_experts: int, numel: int, load: RowLoader, allocate: Allocator,
+              read_into: RowReader | None = None) -> ExpertPool:
+        """Allocate and fill the pool for ``experts`` [L, Np]: each layer's rows read straight into
+        its buffer with ``read_into`` where given, else loaded in bounded chunks (so the peak is the
+        pool plus at most one chunk, never a second copy of a layer)."""
         buffers = []
         for layer in range(experts.shape[0]):
             buf = allocate(experts.shape[1], numel)
-            buf.copy_(load(layer, experts[layer].tolist()))
+            _read_rows(buf, layer, experts[layer].tolist(), load, read_into)
             buffers.append(buf)
         return cls(experts, buffers, num_experts)
 
@@ -73,9 +95,10 @@ class ExpertPool:
             raise KeyError(f"expert {expert} of layer {layer} is not in the pool (Np={self.pooled})")
         return self.buffers[layer][index]
 
-    def refreshed(self, experts: torch.Tensor, load: RowLoader, allocate: Allocator) -> ExpertPool:
+    def refreshed(self, experts: torch.Tensor, load: RowLoader, allocate: Allocator,
+                  read_into: RowReader | None = None) -> ExpertPool:
         """A pool holding ``experts`` [L, Np']: unchanged layers share buffers, changed layers get a
-        new buffer (rows of experts kept are copied from this pool, new ones loaded)."""
+        new buffer (rows of experts kept are copied from this pool, new ones loaded as in :meth:`build`)."""
         buffers = []
         for layer in range(experts.shape[0]):
             wanted = experts[layer]
@@ -90,9 +113,14 @@ class ExpertPool:
                     buf[row].copy_(self.buffers[layer][old])
                 else:
                     missing.append((row, expert))
-            if missing:
-                loaded = load(layer, [e for _, e in missing])
-                for i, (row, _) in enumerate(missing):
-                    buf[row].copy_(loaded[i])
+            # new experts, one run of consecutive rows at a time (straight into buf with read_into)
+            start = 0
+            while start < len(missing):
+                end = start + 1
+                while end < len(missing) and missing[end][0] == missing[end - 1][0] + 1:
+                    end += 1
+                first = missing[start][0]
+                _read_rows(buf[first : first + end - start], layer, [e for _, e in missing[start:end]], load, read_into)
+                start = end
             buffers.append(buf)
         return ExpertPool(experts, buffers, self.num_experts)
