@@ -118,7 +118,7 @@ class ServingRank:
                                                  # fixed dispatch capacity where graphs need it; else agreed per layer
                                                  max_tokens=args.scheduler.max_batch_tokens if graph_stream is not None
                                                  else None, dispatch=dispatch)
-        del reader  # its shard handles map the whole checkpoint
+        del reader
         self.model = HFStepModel(args.model_dir, device=device, dtype=dtype, block_size=args.kv_block_size,
                                  load_experts=False, executor=self.experts)
         self.model.allocate_kv_cache(kv_cache_blocks(args, self.model, device))
