@@ -189,6 +189,42 @@ def test_tied_embeddings_share_one_tensor(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_an_ep_rank_reads_its_resident_experts_and_the_rest_only(checkpoints: dict[str, Path], family: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a serving rank reads at start (rank 1 of 2: ``EPExperts.from_checkpoint`` then the model
+    without experts), counted at the checkpoint reader's one read call: exactly the non-expert bytes plus
+    the bytes of this rank's resident experts, none of the other rank's."""
+    import re
+
+    from vexpert_runtime.model import checkpoint
+    from vexpert_runtime.model.ep_moe import base_experts
+    from vexpert_runtime.serve.hf_model import EPExperts, HFStepModel, checkpoint_reader
+
+    path = checkpoints[family]
+    sizes = _header_bytes(path)
+    read: dict[str, int] = {}
+    original = checkpoint._read_bytes
+
+    def counting(file: Path, stored: Any, name: str, out: torch.Tensor) -> None:
+        read[name] = read.get(name, 0) + stored.end - stored.start
+        original(file, stored, name, out)
+
+    monkeypatch.setattr(checkpoint, "_read_bytes", counting)
+    reader = checkpoint_reader(path)
+    executor = EPExperts.from_checkpoint(reader, reader.spec.num_layers, torch.float32, 1, 2, None, "cpu")
+    model = HFStepModel(path, dtype=torch.float32, load_experts=False, executor=executor, kv_cache_tokens=64)
+    mine = set(base_experts(reader.spec.num_experts, 2, 1))
+    expert_name = re.compile(r"\.mlp\.experts\.(\d+)\.")
+    resident = {name: size for name, size in sizes.items()
+                if (m := expert_name.search(name)) is not None and int(m.group(1)) in mine}
+    assert read == resident and resident  # the expert reads: this rank's, each once
+    non_expert = sum(size for name, size in sizes.items() if EXPERTS not in name)
+    assert model.load_report.bytes_read == non_expert
+    total = sum(sizes.values())
+    assert non_expert + sum(resident.values()) < total - sum(resident.values()) // 2  # the other half stayed unread
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_reads_only_the_non_expert_bytes(checkpoints: dict[str, Path], family: str) -> None:
     path = checkpoints[family]
     sizes = _header_bytes(path)
