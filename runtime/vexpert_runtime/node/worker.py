@@ -1,6 +1,9 @@
-"""A worker process: one EP rank. It holds its base experts, routes its tokens and runs the EP MoE
-forward with the other workers over torch.distributed, computing with the slots the coordinator
-filled (layer by layer, under the :mod:`~vexpert_runtime.node.protocol`).
+"""A worker process: one EP rank. It runs the slot protocol with the coordinator (layer by layer,
+under the :mod:`~vexpert_runtime.node.protocol`), agrees on each iteration's plan with the other
+workers, reports the expert counts and rescues slots whose coordinator died; the model work of each
+iteration is its :class:`~vexpert_runtime.node.runners.ModelRunner`'s — the synthetic decode of
+``vexpert node`` or a serving rank of ``vexpert serve`` — which runs the EP MoE forward with the
+other workers over torch.distributed, computing with the slots the coordinator filled.
 
 On CPU everything goes over gloo; on GPUs (one worker per GPU, ``cuda:<local rank>``) the rows and
 counts are all-to-all'd over NCCL on device tensors and the tiny control collectives (plan agreement,
@@ -15,11 +18,10 @@ import faulthandler
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -31,17 +33,8 @@ from vexpert_runtime.model.checkpoint import (
     CheckpointReader,
     MoESpec,
 )
-from vexpert_runtime.model.ep_moe import (
-    DeviceRoutingTable,
-    ExpertStacks,
-    RoutingTable,
-    base_experts,
-    ep_moe_layer,
-    static_table,
-)
+from vexpert_runtime.model.ep_moe import RoutingTable, static_table
 from vexpert_runtime.model.grouped_moe import grouped_gemm_runs
-from vexpert_runtime.model.moe_math import rms_norm, shared_forward
-from vexpert_runtime.model.routing import route
 from vexpert_runtime.node.coordinator import die_with_parent
 from vexpert_runtime.node.messages import (
     Bye,
@@ -55,8 +48,15 @@ from vexpert_runtime.node.messages import (
     WorkerReady,
 )
 from vexpert_runtime.node.protocol import SharedState, WorkerSlots, agree
-from vexpert_runtime.node.slots import FULL, row_checksum
-from vexpert_runtime.node.step_graph import StepGraph, graphs_enabled
+from vexpert_runtime.node.runners import (
+    DeviceTables,
+    IterationStats,
+    ModelRunner,
+    RunnerContext,
+    choose_runner,
+)
+from vexpert_runtime.node.slots import FULL
+from vexpert_runtime.node.step_graph import graphs_enabled
 from vexpert_runtime.node.transport import make_transport
 from vexpert_runtime.simulation.workload import Workload
 
@@ -96,16 +96,6 @@ class WorkerArgs:
     record: bool
     serve: Any = None  # ServeWorkerArgs: serve requests through the model (vexpert serve) instead of ``workload``
     dispatch: str = "plan"  # replica dispatch of every layer (plan | local | global; the same on every rank)
-
-
-
-
-def _on_device(weights: Any, device: torch.device) -> Any:
-    """A copy of a weights dataclass (router, shared expert) with every tensor on ``device``."""
-    if weights is None or device.type == "cpu":
-        return weights
-    moved = {f.name: getattr(weights, f.name) for f in fields(weights)}
-    return replace(weights, **{k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)})
 
 
 def worker_main(args: WorkerArgs) -> None:
@@ -171,20 +161,12 @@ class _Worker:
         self.rescued = 0  # layers this worker filled itself after its coordinator died
         self.compute_stream: Any = None
         self.device = torch.device("cuda", args.gpu) if args.device == "cuda" else torch.device("cpu")
-        self.expert_format = spec.expert_format(self.dtype)  # how slot and resident rows are stored
         num_local = self.per_gpu + args.slots
         # The iteration's statistics, accumulated on the device, reach the host once per iteration
         # (pinned on a GPU: an asynchronous copy after the last layer, read once the step is done).
-        # Counts [L, E] and computed rows [L, E/N + S] are column blocks of one tensor: one memset and
-        # one copy per iteration.
         pinned = self.device.type == "cuda"
-        width = spec.num_experts + num_local
-        self.device_stats = torch.zeros(spec.num_layers, width, dtype=torch.int64, device=self.device)
-        self.host_stats = torch.zeros(spec.num_layers, width, dtype=torch.int64, pin_memory=pinned)
-        self.device_counts, self.device_computed = self.device_stats[:, :spec.num_experts], self.device_stats[:, spec.num_experts:]
-        self.host_counts, self.host_computed = self.host_stats[:, :spec.num_experts], self.host_stats[:, spec.num_experts:]
-        self.step_graph: StepGraph | None = None
-        self.graphed_last = False  # whether the last step was a graph replay
+        self.device_stats = IterationStats.zeros(spec.num_layers, spec.num_experts, num_local, self.device)
+        self.host_stats = IterationStats.zeros(spec.num_layers, spec.num_experts, num_local, pin_memory=pinned)
         # The step is one CUDA graph where every collective in it can be captured (NCCL, or none),
         # the experts run as grouped GEMMs (the fp32 loop reads group ends on the host) and nothing
         # reads slots on the host per layer (recording runs).
@@ -219,22 +201,12 @@ class _Worker:
         device = self.device
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        # Fixed-shape device tables the layer reads: the static one (degraded iterations) and the
-        # current plan's, which a plan switch overwrites in place (same tensors, no new shapes).
-        self.device_tables = {
-            static: DeviceRoutingTable.allocate(spec.num_layers, spec.num_experts, args.world, args.slots, device)
-            for static in (True, False)
-        }
+        tables = DeviceTables.allocate(spec, args.world, args.slots, device)
         transport = make_transport(args.device, args.gpu)
         buffers = transport.allocate(args.slots, spec.expert_numel, spec.row_dtype(self.dtype), spec.num_layers)
         args.results.put(SlotsExported(args.local_rank, transport.export(buffers)))
-        self.reader = reader = CheckpointReader(args.checkpoint, spec)
-        layers = range(spec.num_layers)
-        if args.serve is None:  # a server's model holds its own router, shared and resident experts
-            self.routers = [_on_device(reader.router(i), device) for i in layers]
-            self.shared = [_on_device(reader.shared(i, self.dtype), device) for i in layers]
-            mine = base_experts(spec.num_experts, args.world, args.rank)
-            self.base = [reader.experts(i, mine, self.dtype).to(device) for i in layers]
+        self.reader = CheckpointReader(args.checkpoint, spec)  # rescues read experts from it
+        start_runner = choose_runner(args, self.reader, device, self.dtype)  # the one choice of the mode
         dist.init_process_group(
             "gloo" if device.type == "cpu" or args.shared_gpu else "cpu:gloo,cuda:nccl",
             init_method=f"tcp://{args.master_addr}:{args.master_port}",
@@ -251,21 +223,16 @@ class _Worker:
         ops = transport.flag_ops(self.stopping.is_set if device.type == "cuda" else self._publisher_gone)
         self.slots = WorkerSlots(args.shared, args.local_rank, buffers, args.timeout_s, ops,
                                  self.compute_stream if device.type == "cuda" else None)
-        self.serving = None
-        if args.serve is not None:
-            from vexpert_runtime.serve.rank import ServingRank  # transformers: only where a worker serves
-
-            rescue = self._rescue if device.type == "cpu" else None
-            self.serving = ServingRank(args.serve, args.rank, args.world, self.group, device, self.dtype,
-                                       self.device_tables[False], buffers.slots,
-                                       wait=lambda layer: self.slots.acquire(layer, rescue),
-                                       release=self.slots.release, dispatch=args.dispatch,
-                                       graph_stream=self.compute_stream if self.graphable else None)
-            if self.serving.num_moe_layers != spec.num_layers:
-                raise VExpertInputError("model.checkpoint_path",
-                                        f"the model has {self.serving.num_moe_layers} MoE layers, its spec {spec.num_layers}",
-                                        "serve the checkpoint the node's config names")
-            self.serving.report_load(force=True)
+        self.runner: ModelRunner = start_runner(RunnerContext(
+            spec=spec, rank=args.rank, world=args.world, group=self.group, device=device, dtype=self.dtype,
+            slots=self.slots, num_slots=args.slots,
+            rescue=self._rescue if device.type == "cpu" else None,  # on a GPU the watchdog rescues
+            tables=tables, stats=self.device_stats,
+            graph_stream=self.compute_stream if self.graphable else None,
+            dispatch=args.dispatch,
+            stop_requested=lambda iteration: self.slots.stop_requested(iteration) or self.stopping.is_set(),
+            heartbeat=lambda: args.results.put(Heartbeat(args.rank)),
+        ))
         args.results.put(WorkerReady(args.rank))
         self.slots.wait_for_coordinator(STARTUP_TIMEOUT_S)  # then degraded until one attaches
         watchdog = None
@@ -299,18 +266,12 @@ class _Worker:
         window_start = 0
         iteration = 0
         profile_at, profile_dir = _profile_request()
+        runner = self.runner
         while True:
-            if self.serving is not None:
-                self._await_work(iteration)
+            runner.await_work(iteration)
             profiler = self._profiler(profile_dir) if iteration in profile_at else None
             start = time.perf_counter()
-            h = bias = None
-            if self.serving is None:
-                h = self._upload(args.workload.inputs(iteration, args.rank, spec.hidden_size, self.dtype))
-                bias = args.workload.logit_bias(iteration)
-                if bias is not None:
-                    bias = self._upload(bias)
-            checksums: list[list[str]] = []
+            runner.prepare(iteration)
             layer_wait, rescued = self.slots.layer_wait_s, self.rescued
             header, waited = self.slots.begin(iteration)
             announced = self._table(header.plan_id) if header is not None and not header.stop else None
@@ -327,19 +288,15 @@ class _Worker:
             self.current = _Current(iteration, table, use_plan, self.slots.publisher)
             if self.device.type == "cuda":
                 self.inflight.append(self.current)
-            if self.serving is not None:
-                self._serve_step(table)
-            else:
-                assert h is not None
-                h = self._step(h, table, bias, use_plan, iteration, checksums if args.record else None)
-            self.host_stats.copy_(self.device_stats, non_blocking=True)
+            output = runner.run(iteration, table, use_plan)
+            self.host_stats.all.copy_(self.device_stats.all, non_blocking=True)
             if self.device.type == "cuda":
                 # the host waits for this iteration's end (step time, counts): an event, not the device
                 end = torch.cuda.Event()
                 end.record(self.compute_stream)
                 self.current.end = end  # assigned once recorded: the watchdog reads it
                 end.synchronize()
-            counts, computed = self.host_counts.clone(), self.host_computed.clone()
+            counts, computed = self.host_stats.counts.clone(), self.host_stats.computed.clone()
             self.slots.finish(iteration)
             step = time.perf_counter() - start
             if profiler is not None:
@@ -356,140 +313,18 @@ class _Worker:
                     wait_s=waited + self.slots.layer_wait_s - layer_wait,
                     degraded_layers=0 if use_plan else spec.num_layers,
                     plan_ids=[table.plan_id] * spec.num_layers,
-                    output=h.to(torch.float32).cpu().numpy() if args.verify and h is not None else None,
+                    output=output.hidden.to(torch.float32).cpu().numpy()
+                    if args.verify and output.hidden is not None else None,
                     computed=computed.tolist() if args.record else None,
-                    slot_checksums=checksums if args.record else None,
+                    slot_checksums=output.slot_checksums if args.record else None,
                     rescued_layers=self.rescued - rescued,
-                    graphed=self.graphed_last,
+                    graphed=output.graphed,
                 )
             )
             iteration += 1
             if len(window) >= k:
                 self._flush(window, window_start)
                 window, window_start = [], iteration
-
-    def _await_work(self, iteration: int) -> None:
-        """A serving worker: take its new requests and wait until some rank has work or the node
-        stops (one tiny all-reduce per wait; an idle server runs no iterations, so the coordinator
-        streams nothing while nobody sends requests)."""
-        import torch.distributed as dist
-
-        assert self.serving is not None
-        beat = time.monotonic()
-        while True:
-            self.serving.take_requests()
-            busy = self.serving.has_work() or self.slots.stop_requested(iteration) or self.stopping.is_set()
-            flag = torch.tensor([int(busy)])
-            if self.group is not None:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            if int(flag):
-                return
-            self.serving.report_load()
-            if time.monotonic() - beat > 5.0:
-                self.args.results.put(Heartbeat(self.args.rank))
-                beat = time.monotonic()
-            self.serving.take_requests(timeout_s=0.02)
-
-    def _serve_step(self, table: RoutingTable) -> None:
-        """One serving iteration: the scheduler's batch through the model, the EP experts reading
-        this iteration's table and slots; its statistics land in the device counters."""
-        assert self.serving is not None
-        # One device table for every serving iteration, static or plan, loaded in place: a captured
-        # decode graph reads whatever it holds.
-        device_table = self.device_tables[False]
-        if device_table.plan_id != table.plan_id:
-            device_table.load(table)
-        self.serving.experts.table = device_table
-        self.device_stats.zero_()
-        self.graphed_last = self.serving.run_iteration(self.device_counts, self.device_computed)
-
-    def _device_table(self, table: RoutingTable) -> DeviceRoutingTable:
-        """The device table for ``table`` (the static one, or the plan one with ``table`` loaded in
-        place: a captured step reads the new plan without re-capture)."""
-        device_table = self.device_tables[table.plan_id == 0]
-        if device_table.plan_id != table.plan_id:
-            device_table.load(table)
-        return device_table
-
-    def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the worker's device; on a GPU through pinned memory, without waiting."""
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
-
-    def _step(self, h: torch.Tensor, table: RoutingTable, bias: torch.Tensor | None, check: bool,
-              iteration: int, checksums: list[list[str]] | None) -> torch.Tensor:
-        """Enqueue (GPU) or run (CPU) every MoE layer of one iteration; the new hidden states.
-
-        Plan iterations on a GPU replay the captured step (captured at the first one after two
-        warm-up iterations); degraded ones (static table) run eagerly."""
-        device_table = self._device_table(table)
-        graph = self.step_graph
-        self.graphed_last = False
-        if self.graphable and table.plan_id != 0 and iteration >= 2 and (graph is None or graph.fits(h, bias)):
-            if graph is None:
-                try:
-                    graph = self.step_graph = StepGraph(
-                        lambda x, b: self._layers(x, device_table, b, check=False, checksums=None),
-                        self.compute_stream, h, bias)
-                except Exception as exc:  # serve eagerly rather than not at all
-                    self.graphable = False
-                    print(f"vexpert-worker-{self.args.rank}: CUDA graph capture failed, running eagerly: {exc}",
-                          file=sys.stderr, flush=True)
-            if graph is not None:
-                self.graphed_last = True
-                return graph.replay(h, bias)
-        return self._layers(h, device_table, bias, check, checksums)
-
-    def _layers(self, h: torch.Tensor, device_table: DeviceRoutingTable, bias: torch.Tensor | None, check: bool,
-                checksums: list[list[str]] | None) -> torch.Tensor:
-        self.device_counts.zero_()
-        for layer in range(self.spec.num_layers):
-            h = self._layer(h, layer, device_table, bias, check, checksums)
-        return h
-
-    def _layer(
-        self,
-        h: torch.Tensor,
-        layer: int,
-        device_table: DeviceRoutingTable,
-        bias: torch.Tensor | None,
-        check: bool,
-        checksums: list[list[str]] | None,
-    ) -> torch.Tensor:
-        args, spec = self.args, self.spec
-        normed = rms_norm(h)
-        ids, weights = route(normed, self.routers[layer], spec, None if bias is None else bias[layer])
-        flat = ids.reshape(-1)
-        self.device_counts[layer].scatter_add_(0, flat, torch.ones_like(flat))
-        base, slots = self.base[layer], self.slots
-
-        def slot_wait() -> None:
-            slots.acquire(layer, self._rescue if self.device.type == "cpu" else None)
-            if check and self.device.type == "cpu":  # on a GPU the wait is only enqueued
-                slots.check_tags(self.current.iteration, self.current.table, layer, args.rank)
-            if checksums is not None:  # what this layer computes with, before its slots are released
-                checksums.append(self._checksums())
-
-        y, stats = ep_moe_layer(
-            normed,
-            ids,
-            weights,
-            device_table,
-            layer,
-            # Grouped GEMMs on CUDA (bf16/fp16), the per-expert loop elsewhere; block-FP8 rows are
-            # dequantised into the GEMM.
-            ExpertStacks(base, slots.buffers.slots, spec.intermediate_size, format=self.expert_format),
-            shared_forward(normed, self.shared[layer]),
-            args.rank,
-            args.world,
-            self.group,
-            slot_wait=slot_wait,
-            after_compute=lambda: slots.release(layer),
-            dispatch=args.dispatch,  # type: ignore[arg-type]  # validated by the setup
-        )
-        self.device_computed[layer] = stats.computed
-        return h + y
 
     def _profiler(self, directory: Path) -> Any:
         """A torch profiler (CPU and CUDA activity) around one iteration, started."""
@@ -557,9 +392,6 @@ class _Worker:
                 # stalled compute stream and never run the rescue
                 with torch.cuda.device(self.device), torch.cuda.stream(side):
                     self._rescue(layer, oldest, side, staging)
-
-    def _checksums(self) -> list[str]:
-        return [row_checksum(self.slots.slot(s)) for s in range(self.args.slots)]
 
     def _flush(self, window: list[torch.Tensor], start: int) -> None:
         """All-reduce the window's [n, L, E + N] counts/loads; local rank 0 hands them to its coordinator."""

@@ -2,7 +2,8 @@
 
 The worker (:mod:`vexpert_runtime.node.worker`) keeps what every node worker does — the slot
 protocol with the coordinator, the plan agreement, the expert-count windows for the allocator — and
-hands each iteration's model work to a :class:`ServingRank`: the Hugging Face model's non-expert
+hands each iteration's model work to a :class:`ServingRank` (through its
+:class:`~vexpert_runtime.node.runners.ServingRunner`): the Hugging Face model's non-expert
 layers for this rank's own requests (data-parallel attention) and, for every sparse MoE block, the
 vExpert EP layer (:class:`~.hf_model.EPExperts`) over the worker's process group, computing with
 the slots the coordinator filled (the hooks are the worker's flag waits and releases).
@@ -98,7 +99,7 @@ class ServingRank:
         args: the serving arguments. rank, world, group: the EP rank, N and the process group.
         device, dtype: where the model computes. graph_stream: capture decode CUDA graphs on this
             stream (None: eager). table: the device routing table the EP layer reads
-            (the worker loads the iteration's plan into it). slots: the worker's slot rows [S, D].
+            (the worker's runner loads the iteration's table into it). slots: the worker's slot rows [S, D].
         wait, release: the worker's flag handshake for MoE layer l's slots.
         dispatch: the node's replica dispatch (plan | local | global), the same on every rank.
     """

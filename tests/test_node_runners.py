@@ -1,0 +1,105 @@
+"""The node worker's model runners on their own: the synthetic decode a worker chooses when it does
+not serve, run in this process as one EP rank on CPU (no coordinator: the rank claims its iterations
+and sets its slot flags itself, the static table), equals the single-process reference model and
+reports the iteration's expert counts, computed rows and — recording — slot checksums."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from runtime_support import TINY_DEEPSEEK_SPEC
+from vexpert_runtime.model.checkpoint import CheckpointReader, write_tiny_checkpoint
+from vexpert_runtime.model.ep_moe import static_table
+from vexpert_runtime.model.reference import ModelWeights, reference_forward
+from vexpert_runtime.node.gpu_sync import CpuFlagOps
+from vexpert_runtime.node.protocol import SharedState, WorkerSlots
+from vexpert_runtime.node.runners import (
+    DeviceTables,
+    IterationStats,
+    RunnerContext,
+    SyntheticDecodeRunner,
+    choose_runner,
+)
+from vexpert_runtime.node.slots import row_checksum
+from vexpert_runtime.node.transport import CpuSharedMemoryTransport
+from vexpert_runtime.node.worker import WorkerArgs
+from vexpert_runtime.simulation.workload import drifting_workload
+
+SPEC = TINY_DEEPSEEK_SPEC
+SLOTS = 2
+CPU = torch.device("cpu")
+
+
+def _args(checkpoint: Path, shared: SharedState, record: bool) -> WorkerArgs:
+    """One rank of one, no coordinator; a skewed workload (its router bias reaches every layer)."""
+    workload = drifting_workload((("decode_in1000out1000", 1000),), SPEC.num_layers, SPEC.num_experts, tokens_per_worker=16)
+    return WorkerArgs(local_rank=0, gpu=0, shared_gpu=False, rank=0, world=1, master_addr="127.0.0.1",
+                      master_port=0, checkpoint=str(checkpoint), spec=SPEC, dtype="float32", device="cpu",
+                      slots=SLOTS, k=4, timeout_s=5.0, workload=workload, shared=shared, results=None,
+                      control=None, parent_pid=0, verify=True, record=record)
+
+
+@pytest.fixture
+def rank(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """What a CPU worker holds when it starts its runner: the checkpoint, its slots and flags,
+    the device tables and the statistics tensor."""
+    write_tiny_checkpoint(tmp_path, SPEC)
+    shared = SharedState.create(1, SLOTS, multiprocessing.get_context("spawn"))
+    shared.detach_coordinator()  # none will attach: the rank runs degraded at once
+    buffers = CpuSharedMemoryTransport().allocate(SLOTS, SPEC.expert_numel, torch.float32, layers=SPEC.num_layers)
+    stopping = threading.Event()
+    slots = WorkerSlots(shared, 0, buffers, 5.0, CpuFlagOps(timeout_s=5.0, interrupted=stopping.is_set))
+    buffers.slots.copy_(torch.randn(buffers.slots.shape))  # whatever a coordinator left there
+    stats = IterationStats.zeros(SPEC.num_layers, SPEC.num_experts, SPEC.num_experts + SLOTS, CPU)
+
+    def context() -> RunnerContext:
+        return RunnerContext(spec=SPEC, rank=0, world=1, group=None, device=CPU, dtype=torch.float32,
+                             slots=slots, num_slots=SLOTS, rescue=None,
+                             tables=DeviceTables.allocate(SPEC, 1, SLOTS, CPU), stats=stats, graph_stream=None,
+                             dispatch="plan", stop_requested=lambda iteration: stopping.is_set(),
+                             heartbeat=lambda: None)
+
+    yield {"checkpoint": tmp_path, "shared": shared, "slots": slots, "stats": stats, "context": context}
+    stopping.set()
+
+
+@pytest.mark.parametrize("record", [False, True])
+def test_a_worker_that_does_not_serve_runs_the_synthetic_decode(rank: dict[str, Any], record: bool) -> None:
+    args = _args(rank["checkpoint"], rank["shared"], record)
+    reader = CheckpointReader(args.checkpoint, SPEC)
+    runner = choose_runner(args, reader, CPU, torch.float32)(rank["context"]())
+    assert isinstance(runner, SyntheticDecodeRunner)
+    reference = ModelWeights.load(reader)
+    slots: WorkerSlots = rank["slots"]
+    stats: IterationStats = rank["stats"]
+    table = static_table(SPEC.num_layers, SPEC.num_experts, 1, SLOTS)
+    tokens = args.workload.tokens_per_worker
+    for iteration in range(3):
+        runner.await_work(iteration)  # the workload always has the next iteration
+        runner.prepare(iteration)
+        header, _ = slots.begin(iteration)
+        assert header is None  # no coordinator: the rank sets its FULL flags itself
+        stats.all.fill_(-1)  # the runner's statistics replace whatever the tensor held
+        output = runner.run(iteration, table, use_plan=False)
+        slots.finish(iteration)
+
+        x = args.workload.inputs(iteration, 0, SPEC.hidden_size)
+        bias = args.workload.logit_bias(iteration)
+        assert bias is not None
+        expected, counts = reference_forward(x, reference, bias)
+        assert output.hidden is not None
+        torch.testing.assert_close(output.hidden, expected, rtol=1e-5, atol=1e-5)
+        assert not output.graphed
+        assert torch.equal(stats.counts, counts)
+        # one rank holds every expert: each routed pair computed once, by its resident copy
+        assert stats.computed.sum(1).tolist() == [tokens * SPEC.top_k] * SPEC.num_layers
+        assert stats.computed[:, SPEC.num_experts:].sum() == 0  # static table: slots unused
+        checksums = [row_checksum(slots.slot(s)) for s in range(SLOTS)]
+        assert output.slot_checksums == ([checksums] * SPEC.num_layers if record else [])
