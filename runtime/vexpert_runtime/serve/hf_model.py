@@ -434,7 +434,7 @@ class HFStepModel:
 
     @property
     def kv_num_blocks(self) -> int:
-        return 0 if self.kv_cache is None else self.kv_cache.pool.num_blocks
+        return 0 if self.kv_cache is None else self.kv_cache.num_blocks
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -15,7 +15,6 @@ Block 0 is never handed out: padded tokens of a CUDA-graph batch write there.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -150,12 +149,13 @@ class KVLayout:
 
 
 class PagedKVCache:
-    """The device tensors of a rank's KV cache (see the module docstring) and their block pool."""
+    """The device tensors of a rank's KV cache (see the module docstring); which blocks belong to
+    whom is the scheduler's :class:`BlockPool`, made with the same ``num_blocks`` and ``block_size``."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, device: torch.device | str,
                  dtype: torch.dtype) -> None:
         self.layout = layout
-        self.pool = BlockPool(num_blocks, block_size)
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         self.layers = [torch.zeros(num_blocks * block_size, *layout.row_shape(), dtype=dtype, device=device)
@@ -164,14 +164,6 @@ class PagedKVCache:
     @property
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.layers)
-
-    def block_table_tensor(self, seq_ids: Sequence[int], width: int, device: torch.device | str) -> torch.Tensor:
-        """[len(seq_ids), width] int32 block tables, padded with the scratch block."""
-        out = torch.full((len(seq_ids), width), SCRATCH_BLOCK, dtype=torch.int32)
-        for row, seq_id in enumerate(seq_ids):
-            table = self.pool.table(seq_id)
-            out[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        return out.to(device)
 
 
 def num_blocks_for_memory(free_bytes: int, layout: KVLayout, block_size: int, dtype: torch.dtype) -> int:

@@ -80,11 +80,6 @@ class SchedulerConfig:
             )
 
 
-def kv_budget_tokens(model: StepModel, kv_cache_bytes: int) -> int:
-    """How many KV tokens ``kv_cache_bytes`` of cache memory hold for ``model`` (all layers)."""
-    return kv_cache_bytes // max(1, model.kv_bytes_per_token())
-
-
 def scheduler_pool(model: StepModel, config: SchedulerConfig) -> BlockPool:
     """The block pool the scheduler accounts with: the model's blocks, capped by the configured budget."""
     size = model.kv_block_size
