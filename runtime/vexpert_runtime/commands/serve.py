@@ -35,7 +35,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--config", default=None, help="runtime.yaml (RuntimeConfig; the node pod's config)")
     parser.add_argument("--model", default=None, help="a local checkpoint directory (config.json, safetensors, tokenizer)")
     parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="0.0.0.0",
+                        help="address to listen on; the default 0.0.0.0 exposes the API on every network interface "
+                             "(reachable from other machines: set --api-key), 127.0.0.1 keeps it on this machine")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--cpu-workers", type=int, default=None, help="N CPU worker processes (EP ranks) instead of GPUs")
     parser.add_argument("--max-batch-tokens", type=int, default=256, help="tokens per rank per iteration (prompt chunks + decodes)")
@@ -48,6 +50,12 @@ def register(subparsers: Any) -> None:
                         help="share of each GPU's memory a rank may fill; the paged KV cache gets what the weights, "
                              "experts, slots and a 2 GiB headroom leave of it (default: the config's "
                              "runtime.gpu_memory_utilization, else 0.9)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer <key>' on /v1/* (401 otherwise; /health and /metrics "
+                             "stay open); default: the environment variable VEXPERT_API_KEY, else no key")
+    parser.add_argument("--header-timeout", type=float, default=15.0,
+                        help="seconds a connection gets to send a request's headers (and to stay idle between "
+                             "requests) before it is closed: a slow client cannot hold connections open")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
     parser.set_defaults(handler=run)
 
@@ -103,6 +111,11 @@ def run(args: argparse.Namespace) -> int:
         raise VExpertInputError("--cpu-workers", f"must be ≥ 1, got {args.cpu_workers}")
     if not 0 <= args.port <= 65535:
         raise VExpertInputError("--port", f"{args.port} is not a TCP port")
+    if not args.header_timeout > 0:  # also NaN
+        raise VExpertInputError("--header-timeout", f"{args.header_timeout} is not > 0", "seconds, e.g. 15")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("VEXPERT_API_KEY")
+    if api_key is not None and not api_key.strip():
+        raise VExpertInputError("--api-key", "is empty", "pass a non-empty key, or neither --api-key nor VEXPERT_API_KEY")
     if args.config:
         config = load_runtime_config(args.config)
     else:
@@ -163,11 +176,13 @@ def run(args: argparse.Namespace) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     vocab = int(model_config.get("vocab_size", len(tokenizer)))
-    api = ServeApi(dispatcher, tokenizer, ApiConfig(name, max_context, vocab, args.drain_timeout),
-                   registry=runtime.metrics.registry)
+    api_config = ApiConfig(name, max_context, vocab, args.drain_timeout, api_key=api_key,
+                           header_timeout_s=args.header_timeout)
+    api = ServeApi(dispatcher, tokenizer, api_config, registry=runtime.metrics.registry)
     log(f"serving {'the embedded demo model' if demo else model_dir} as {name!r} on {args.host}:{args.port}: "
         f"{setup.local_workers} {setup.device} ranks, {setup.spec.num_layers} MoE layers × {setup.spec.num_experts} "
-        f"experts, G·Vmax = {setup.slots} slots per rank")
+        f"experts, G·Vmax = {setup.slots} slots per rank; "
+        f"{'an API key is required on /v1/*' if api_key else 'no API key (anyone who reaches the port can use it)'}")
     thread = threading.Thread(target=node, name="vexpert-node", daemon=True)
     thread.start()
     try:

@@ -5,8 +5,19 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as 
 ``GET /health`` (200 ready / 503 not: starting, shutting down, rank loop dead) and ``GET /metrics``.
 
 Every error is an OpenAI error object, never a traceback: 400 invalid JSON / parameters (naming the
-field) / prompt over the context, 404 unknown model or route, 405 wrong method, 429 queue full and
-503 shutting down (both with ``Retry-After``), 500 a failed model step. The server keeps serving.
+field) / prompt over the context, 401 a missing or wrong API key, 404 unknown model or route, 405 wrong
+method, 413 a body over the limit, 415 a Content-Type other than JSON, 429 queue full and 503 shutting
+down (both with ``Retry-After``), 500 a failed model step. The server keeps serving. Errors are this
+module's own text naming the field and the fix; a dependency's exception text goes to the log only.
+
+Bad input is refused cheaply and before it can hold the event loop: the body is limited by the
+context (:func:`body_limit`: a prompt cannot hold more than ``_BYTES_PER_TOKEN`` bytes per token of
+the context), checked from ``Content-Length`` before it is read; JSON nested deeper than
+``MAX_JSON_DEPTH`` is refused by a scan before it is parsed (``json`` recurses); strings that are not
+Unicode text (lone surrogates) are refused naming their field; the tokenizer runs on its own thread,
+never on the loop. With :attr:`ApiConfig.api_key`, ``/v1/*`` needs ``Authorization: Bearer <key>``
+(``/health`` and ``/metrics`` stay open); a connection has :attr:`ApiConfig.header_timeout_s` to send
+its request's headers (aiohttp's keep-alive timer, which also runs from the connection's start).
 
 Metrics (own registry, all prefixed ``vexpert_serve_``): ``requests_total{endpoint,status}``
 (HTTP status of the generation endpoints), ``request_finish_total{reason}``,
@@ -23,15 +34,20 @@ another one on its thread (a Hugging Face fast tokenizer is not safe to share ac
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import re
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from aiohttp import web
+from aiohttp.http_exceptions import LineTooLong
+from aiohttp.web_protocol import RequestHandler
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -58,7 +74,13 @@ log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 _DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
-_MAX_BODY_BYTES = 32 * 1024 * 1024  # long prompts as token-id lists are large JSON
+_BYTES_PER_TOKEN = 16  # a token id in JSON is ≤ 7 bytes; a token of text rarely over 16 (escapes included)
+_BODY_MARGIN_BYTES = 64 * 1024  # the other fields, chat framing
+_BODY_CAP_BYTES = 4 * 1024 * 1024
+_PARSE_ON_LOOP_BYTES = 64 * 1024  # larger bodies are parsed on a thread
+MAX_JSON_DEPTH = 64
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _Body = TypeVar("_Body", bound=BaseModel)
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
@@ -71,6 +93,82 @@ class ApiConfig:
     max_context: int
     vocab_size: int
     drain_timeout_s: float = 30.0
+    api_key: str | None = None  # ``/v1/*`` needs ``Authorization: Bearer <api_key>``
+    header_timeout_s: float = 15.0  # to send a request's headers, and a keep-alive connection's idle time
+    max_body_bytes: int | None = None  # None: :func:`body_limit` of the context
+
+    @property
+    def body_limit(self) -> int:
+        return self.max_body_bytes if self.max_body_bytes is not None else body_limit(self.max_context)
+
+
+def body_limit(max_context: int) -> int:
+    """The largest request body a context of ``max_context`` tokens can need (capped at 4 MiB)."""
+    return min(max_context * _BYTES_PER_TOKEN + _BODY_MARGIN_BYTES, _BODY_CAP_BYTES)
+
+
+def json_too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``raw`` nests arrays / objects deeper than ``limit`` (brackets inside strings do not count)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    depth = 0
+    for char in _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS):
+        if char in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > limit:
+                return True
+        else:
+            depth -= 1
+    return False
+
+
+def not_text(value: Any, path: str = "") -> str | None:
+    """The path (``messages.0.content``) of the first string in ``value`` that is not Unicode text (a lone
+    surrogate, which JSON's ``\\ud800`` escapes can produce), or None."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        if isinstance(key, str) and not_text(key) is not None:
+            return path or "body"
+        found = not_text(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object of text strings, or a 400 (run on a thread for large bodies)."""
+    if json_too_deep(raw):
+        raise ApiError(400, f"the body nests arrays / objects deeper than {MAX_JSON_DEPTH} levels; send a flat "
+                       "OpenAI request", code="invalid_json")
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ApiError(400, f"the body is not valid JSON (line {exc.lineno}, column {exc.colno}); send a JSON "
+                       "object", code="invalid_json") from None
+    except UnicodeDecodeError:
+        raise ApiError(400, "the body is not UTF-8 text; send JSON encoded as UTF-8", code="invalid_json") from None
+    except RecursionError:  # json_too_deep should have caught it
+        raise ApiError(400, "the body nests too deeply; send a flat OpenAI request", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    bad = not_text(body)
+    if bad is not None:
+        raise ApiError(400, f"{bad}: contains a lone surrogate (\\ud800–\\udfff without its pair), which is not "
+                       "text; send valid Unicode", param=bad, code="invalid_value")
+    return body
 
 
 class ApiError(Exception):
@@ -99,6 +197,45 @@ def refusal_error(refusal: ServeRefusal) -> ApiError:
     type_ = "rate_limit_error" if refusal.status == 429 else "server_error"
     headers = {"Retry-After": str(refusal.retry_after_s)}
     return ApiError(refusal.status, refusal.message, type_, None, refusal.code, headers)
+
+
+def _bad_http_response(status: int, exc: BaseException | None) -> web.Response:
+    """aiohttp's answer to a request it could not parse (a header over 8 KB, a bad request line), as an
+    OpenAI error object instead of plain text."""
+    if status >= 500:
+        body = oa.error_body("internal server error", "server_error", code="internal_error")
+    elif isinstance(exc, LineTooLong):
+        body = oa.error_body("a request line or header is too long (the limit is 8190 bytes each); send shorter "
+                             "headers", code="header_too_large")
+    else:
+        body = oa.error_body("malformed HTTP request; send a valid HTTP/1.1 request", code="bad_request")
+    response = web.json_response(body, status=status)
+    response.force_close()
+    return response
+
+
+class _JsonErrorHandler(RequestHandler):
+    """aiohttp's connection handler, answering unparseable requests with OpenAI error objects."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self, request: Any, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; raises if a response was already started
+        return _bad_http_response(status, exc)
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class _AppRunner(web.AppRunner):
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorServer  # only __call__ differs: it builds the handler above
+        return server
 
 
 class ServeMetrics:
@@ -203,9 +340,15 @@ class ServeApi:
         self.metrics = ServeMetrics(registry if registry is not None else CollectorRegistry())
         self.created = oa.now()
         self.shutting_down = False
+        # one thread: a Hugging Face fast tokenizer is not safe to share across threads
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="vexpert-tokenize")
+
+    def close(self) -> None:
+        """Stop the tokenizer thread (after the server stopped)."""
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=_MAX_BODY_BYTES)
+        app = web.Application(middlewares=[self._errors], client_max_size=self.config.body_limit)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
@@ -219,14 +362,17 @@ class ServeApi:
     async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         """Turn every failure into an OpenAI error object and count the generation requests."""
         try:
+            if self.config.api_key and request.path.startswith("/v1/"):
+                self._authorize(request, self.config.api_key)
             response = await handler(request)
         except ApiError as exc:
             response = exc.response()
-        except web.HTTPException as exc:  # unknown route, wrong method, body too large
+        except web.HTTPException as exc:  # unknown route, wrong method
             if exc.status < 400:
                 raise
             code = "not_found" if exc.status == 404 else None
-            response = ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}", code=code).response()
+            path = request.path[:200]
+            response = ApiError(exc.status, f"{exc.reason}: {request.method} {path}", code=code).response()
         except Exception:
             log.exception("unhandled error serving %s %s", request.method, request.path)
             response = ApiError(500, "internal server error", "server_error", code="internal_error").response()
@@ -234,19 +380,38 @@ class ServeApi:
             self.metrics.requests.labels(request.path, str(response.status)).inc()
         return response
 
+    @staticmethod
+    def _authorize(request: web.Request, key: str) -> None:
+        """``Authorization: Bearer <key>`` or a 401 (compared in constant time)."""
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        given = token.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.encode("utf-8")):
+            raise ApiError(
+                401,
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key the server "
+                "was started with (--api-key or VEXPERT_API_KEY)",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
     # ---- routes -----------------------------------------------------------------------------
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         req = self._parse(oa.CompletionRequest, await self._json(request))
         self._check_model(req.model)
-        prompt_ids = self._encode_prompt(cast(str | list[int], req.prompt))  # unwrapped by its validator
+        prompt = cast(str | list[int], req.prompt)  # unwrapped by its validator
+        prompt_ids = await self._off_loop(self._encode_prompt, prompt)
         return await self._generate(request, req, prompt_ids, chat=False)
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = self._parse(oa.ChatCompletionRequest, await self._json(request))
         self._check_model(req.model)
-        prompt_ids = self._encode_chat(req.messages)
+        prompt_ids = await self._off_loop(self._encode_chat, req.messages)
         return await self._generate(request, req, prompt_ids, chat=True)
+
+    async def _off_loop(self, encode: Callable[[Any], list[int]], prompt: Any) -> list[int]:
+        """Run ``encode(prompt)`` on the tokenizer thread (a long prompt must not stall the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, encode, prompt)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(oa.models_response(self.config.model_name, self.created, self.config.max_context))
@@ -263,17 +428,25 @@ class ServeApi:
 
     # ---- request parsing --------------------------------------------------------------------
 
-    @staticmethod
-    async def _json(request: web.Request) -> dict[str, Any]:
-        """The body as a JSON object, or a 400."""
-        raw = await request.read()
+    async def _json(self, request: web.Request) -> dict[str, Any]:
+        """The body as a JSON object: 415 unless it is declared JSON, 413 over the limit, else a 400."""
+        declared = request.headers.get("Content-Type")
+        if declared is not None and request.content_type != "application/json":
+            raise ApiError(415, f"Content-Type must be application/json, got '{declared[:100]}'; send the body as "
+                           "JSON", code="unsupported_media_type")
+        limit = self.config.body_limit
+        too_large = ApiError(413, f"the request body is over {limit} bytes, more than a prompt of the model's "
+                             f"{self.config.max_context}-token context needs; shorten the prompt (or messages)",
+                             code="request_too_large")
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large  # before reading a byte of it
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"invalid JSON body: {exc}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object", code="invalid_json")
-        return body
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:  # chunked, no Content-Length
+            raise too_large from None
+        if len(raw) <= _PARSE_ON_LOOP_BYTES:
+            return parse_body(raw)
+        return await asyncio.to_thread(parse_body, raw)
 
     @staticmethod
     def _parse(model: type[_Body], body: dict[str, Any]) -> _Body:
@@ -306,7 +479,10 @@ class ServeApi:
                 [m.as_template_input() for m in messages], add_generation_prompt=True, tokenize=False
             )
         except Exception as exc:  # templates raise for conversations they reject (e.g. roles out of order)
-            raise ApiError(400, f"messages: the chat template rejected them: {exc}", param="messages") from None
+            log.info("chat template rejected a conversation: %r", exc)
+            raise ApiError(400, "messages: the model's chat template rejects this conversation (e.g. roles out of "
+                           "the order it expects, or a role it does not know); reorder or merge the messages",
+                           param="messages") from None
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _sampling(self, req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt_len: int, chat: bool) -> SamplingParams:
@@ -446,8 +622,10 @@ class ApiServer:
         self.api = api
         self.host = host
         self.port = port
-        # handler_cancellation: a client that disconnects cancels its handler, which cancels the request
-        self._runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+        # handler_cancellation: a client that disconnects cancels its handler, which cancels the request;
+        # keepalive_timeout runs from the connection's start too: the time to send a request's headers
+        self._runner = _AppRunner(api.app(), handler_cancellation=True, access_log=None,
+                                  keepalive_timeout=api.config.header_timeout_s)
 
     async def start(self) -> int:
         """Bind and serve; returns the port."""
@@ -463,6 +641,7 @@ class ApiServer:
         self.api.shutting_down = True
         await self.api.dispatcher.shutdown(self.api.config.drain_timeout_s)
         await self._runner.cleanup()
+        self.api.close()
 
 
 def run_server(api: ServeApi, host: str, port: int) -> None:

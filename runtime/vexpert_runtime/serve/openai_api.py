@@ -5,25 +5,41 @@ Requests ignore fields they do not know (OpenAI clients send many optional ones 
 cannot honour and would otherwise silently get wrong (``n`` > 1, several prompts, ``echo``,
 ``logprobs``, ``best_of`` > 1, non-text message parts) is a 400 naming the field.
 ``ignore_eos`` is the vLLM extension (benchmarks use it to force exact lengths).
+
+Types are strict, as OpenAI's own API checks them: a boolean is not an integer (``max_tokens: true``),
+a string is not a boolean (``stream: "yes"``), a number is not a string; ``role`` is one of
+:data:`ROLES`. Each is a 400 naming the field.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
 
 Json = dict[str, Any]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+ROLES = ("system", "developer", "user", "assistant", "tool")
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk with the usage and no choices."""
 
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool | None = False
+    include_usage: StrictBool | None = False
 
 
 class _GenerationRequest(BaseModel):
@@ -31,16 +47,16 @@ class _GenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    stop: str | list[str] | None = None
-    stream: bool | None = False
+    model: StrictStr
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
-    ignore_eos: bool = False
+    n: StrictInt | None = 1
+    ignore_eos: StrictBool = False
 
     @field_validator("n")
     @classmethod
@@ -74,10 +90,10 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool | None = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    echo: StrictBool | None = False
+    logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -120,17 +136,17 @@ class ContentPart(BaseModel):
     """One part of a message's content; only ``{"type": "text", "text": …}`` is supported."""
 
     model_config = ConfigDict(extra="ignore")
-    type: str
-    text: str | None = None
+    type: StrictStr
+    text: StrictStr | None = None
 
 
 class ChatMessage(BaseModel):
     """A chat message; ``content`` as a string or a list of text parts."""
 
     model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    role: Role
+    content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
 
     @field_validator("content")
     @classmethod
@@ -154,8 +170,8 @@ class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = False
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = False
 
     @field_validator("logprobs")
     @classmethod
