@@ -71,6 +71,9 @@ class ModelSource(BaseModel):
     )
 
 
+DEFAULT_MASTER_PORT = 29500  # the rendezvous port of a multi-node group whose config pins none
+
+
 class ParallelismConfig(BaseModel):
     """Expert-parallel layout: EP degree = num_nodes × gpus_per_node."""
 
@@ -81,8 +84,14 @@ class ParallelismConfig(BaseModel):
     node_rank: int = Field(
         0, ge=0, description="This node's index; env VEXPERT_NODE_RANK, else the ordinal ending VEXPERT_POD_NAME, overrides"
     )
-    master_addr: str = Field("127.0.0.1", description="Rendezvous host (rank 0's stable DNS name)")
-    master_port: int = Field(29500, ge=1, le=65535)
+    master_addr: str = Field(
+        "127.0.0.1",
+        description="Rendezvous host (rank 0's stable DNS name); a single-node group always uses 127.0.0.1",
+    )
+    master_port: int | None = Field(
+        None, ge=1, le=65535,
+        description=f"Rendezvous port on rank 0; unset: a free port on a single node, {DEFAULT_MASTER_PORT} across nodes",
+    )
 
     @property
     def num_nodes(self) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from vexpert_runtime.config import RuntimeConfig
+from vexpert_runtime.config import DEFAULT_MASTER_PORT, RuntimeConfig
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.model.checkpoint import (
     CheckpointReader,
@@ -23,6 +23,7 @@ from vexpert_runtime.model.checkpoint import (
 from vexpert_runtime.model.dispatch import choose_dispatch
 from vexpert_runtime.node.slots import SlotLayout
 from vexpert_runtime.policy.profile import PerformanceProfile
+from vexpert_runtime.ports import free_port
 
 # ---------------------------------------------------------------------------------------------
 # Setup: everything resolved and validated before any process starts
@@ -141,8 +142,9 @@ def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: in
     dtype: torch.dtype = getattr(torch, config.model.dtype)
     memory = memory_plan(spec, dtype, pooled, knobs.group_size * knobs.vmax, world, local, device)
     check_memory(memory, config.runtime.host_memory_limit_bytes)
-    if node_rank == 0:
-        check_port_free(par.master_addr, par.master_port, "parallelism.master_port")
+    master_addr, master_port = rendezvous_address(par.master_addr, par.master_port, par.num_nodes)
+    if node_rank == 0 and par.master_port is not None:
+        check_port_free(master_addr, master_port, "parallelism.master_port")
     if config.runtime.metrics_port:
         check_port_free("0.0.0.0", config.runtime.metrics_port, "runtime.metrics_port")
     dispatch, dispatch_reason = choose_dispatch(
@@ -157,8 +159,8 @@ def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: in
         local_workers=local,
         world=world,
         node_rank=node_rank,
-        master_addr=par.master_addr,
-        master_port=par.master_port,
+        master_addr=master_addr,
+        master_port=master_port,
         group_size=knobs.group_size,
         vmax=knobs.vmax,
         balance_threshold=knobs.balance_threshold,
@@ -291,3 +293,33 @@ def check_memory(memory: MemoryPlan, limit: int | None) -> None:
                 "lower vmax or group_size, or enlarge /dev/shm",
             )
 
+
+
+LOOPBACK = "127.0.0.1"
+
+
+def rendezvous_address(master_addr: str, master_port: int | None, num_nodes: int) -> tuple[str, int]:
+    """Where the workers' torch.distributed group meets: one node's group needs nobody outside the
+    pod, so it meets on loopback (whatever the config names) and, unless the config pins a port, on
+    a free one; a multi-node group meets at rank 0's address and the pinned (or default) port."""
+    if num_nodes == 1:
+        return LOOPBACK, master_port if master_port is not None else free_port()
+    return master_addr, master_port if master_port is not None else DEFAULT_MASTER_PORT
+
+
+def single_node_environment(setup: NodeSetup) -> dict[str, str]:
+    """Environment for the workers of a single-node group: gloo's pair sockets on the loopback
+    interface (by default gloo listens on the address the host name resolves to)."""
+    if setup.world != setup.local_workers or "GLOO_SOCKET_IFNAME" in os.environ:
+        return {}
+    return {"GLOO_SOCKET_IFNAME": loopback_interface()}
+
+
+def loopback_interface() -> str:
+    """The loopback interface's name ("lo" on Linux)."""
+    import socket
+
+    for _, name in socket.if_nameindex():
+        if name == "lo" or name.startswith("lo"):
+            return name
+    return "lo"

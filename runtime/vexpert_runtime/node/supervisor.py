@@ -82,7 +82,13 @@ from vexpert_runtime.node.messages import (
 from vexpert_runtime.node.metrics import BalanceDecay, NodeMetrics, PoolHits, memory_pressure
 from vexpert_runtime.node.protocol import SharedState
 from vexpert_runtime.node.report import IterationRecord, NodeOptions, NodeReport, Progress
-from vexpert_runtime.node.setup import NodeSetup, check_memory, check_pooled, memory_plan
+from vexpert_runtime.node.setup import (
+    NodeSetup,
+    check_memory,
+    check_pooled,
+    memory_plan,
+    single_node_environment,
+)
 from vexpert_runtime.node.worker import COLLECTIVE_TIMEOUT_S, STARTUP_TIMEOUT_S, WorkerArgs, worker_main
 from vexpert_runtime.policy.allocator import AllocatorConfig, DeviceAllocator, Plan, allocate
 from vexpert_runtime.policy.perf_model import InferenceConstants
@@ -209,6 +215,7 @@ class NodeRuntime:
             controls = [ctx.Queue() for _ in range(setup.local_workers)]
             queues = [results, *controls]
             self._prepare_scripted(controls)
+            os.environ.update(single_node_environment(setup))  # the spawned workers inherit it
             for local, rank in enumerate(setup.ranks):
                 args = WorkerArgs(
                     local_rank=local,

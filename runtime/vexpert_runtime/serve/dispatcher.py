@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Protocol
 
 from vexpert_runtime.serve.events import Event, GenerationRequest, RankLoad
@@ -54,6 +55,40 @@ class Dispatcher(Protocol):
         """Refuse new requests, let running ones finish for up to ``drain_timeout_s``, abort the
         rest (``finish_reason="abort"``), then stop the ranks."""
         ...
+
+
+@dataclass(frozen=True)
+class RankAccepted:
+    """Rank → API: these requests are in the rank's scheduler (the API answers only then, so a
+    refusal can still be an HTTP status and not an error inside a started stream)."""
+
+    rank: int
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RankRefused:
+    """Rank → API: the rank did not queue ``request_id``. ``status`` 429 / 503 (a
+    :class:`~.events.ServeRefusal`: ``message``, ``retry_after_s``, ``code``) or 400 (a request no
+    rank can run: ``field`` names the parameter)."""
+
+    rank: int
+    request_id: str
+    status: int
+    message: str
+    retry_after_s: int = 1
+    code: str = "overloaded"
+    field: str | None = None
+
+
+@dataclass(frozen=True)
+class RankCapacity:
+    """Rank → API, once at start: how many requests it runs in one batch and queues beyond that
+    (the API admits at most ``max_running + max_waiting`` in-flight requests per rank)."""
+
+    rank: int
+    max_running: int
+    max_waiting: int
 
 
 class EventChannel:

@@ -1,9 +1,22 @@
 """The API process's :class:`~.dispatcher.Dispatcher` over a node's ranks (worker processes).
 
-Each request goes to the least-loaded rank (:attr:`~.events.RankLoad.score` of its latest report)
-on that rank's queue; one reader thread takes every rank's events and load reports off the node's
+Admission control is here, before anything is sent: the dispatcher counts the requests it sent to
+each rank and has not seen finish (in flight); a rank is full at ``max_running + max_waiting`` in
+flight (its :class:`~.dispatcher.RankCapacity`) or when its latest report shows a full queue; when
+every rank is full ``submit`` raises 429 (``Retry-After``), while draining or once the node failed
+503. Otherwise the request goes to the rank with the fewest in flight (then the lowest
+:attr:`~.events.RankLoad.score`), and ``submit`` returns once that rank queued it
+(:class:`~.dispatcher.RankAccepted`), so a rank's own refusal (:class:`~.dispatcher.RankRefused`)
+is still an HTTP status — 429 / 503 / 400 — and never an error inside a started stream.
+
+One reader thread takes every rank's events, acceptances, refusals and load reports off the node's
 outbound queue and routes events to their request's :class:`~.dispatcher.EventChannel`. Cancels and
 the shutdown's stop / abort are control messages on the same queues.
+
+A dead rank (the node failed): :meth:`MultiRankDispatcher.fail_all` ends every request in flight at
+once with ``finish_reason="abort"`` (the API's 503) and a message without the failure's internals,
+and new requests get 503; the server then exits non-zero and the pod restarts (README, "A dead
+worker").
 """
 
 from __future__ import annotations
@@ -17,7 +30,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from vexpert_runtime.serve.dispatcher import EventChannel
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.serve.dispatcher import EventChannel, RankAccepted, RankCapacity, RankRefused
 from vexpert_runtime.serve.events import (
     AbortAll,
     CancelRequest,
@@ -26,6 +40,7 @@ from vexpert_runtime.serve.events import (
     RankEvent,
     RankLoad,
     RankLoadReport,
+    ServeRefusal,
     StopAccepting,
     overloaded,
     shutting_down,
@@ -35,6 +50,12 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
 _DRAIN_POLL_S = 0.02
+NODE_FAILED = "the node failed: a rank process of this server died; it restarts, retry"
+
+
+def node_down() -> ServeRefusal:
+    """The refusal once a rank died (the server is about to exit and be restarted)."""
+    return ServeRefusal(503, NODE_FAILED, 10, "node_failed")
 
 
 class MultiRankDispatcher:
@@ -43,22 +64,30 @@ class MultiRankDispatcher:
     Args:
         requests: one inbound queue per rank. events: the ranks' shared outbound queue.
         max_waiting: a rank's queue bound (requests beyond it on every rank: 429).
+        max_running: a rank's batch bound; None: each rank's :class:`~.dispatcher.RankCapacity`.
         node_ready: the node's own readiness (None = serving, else why not), e.g.
             :meth:`~vexpert_runtime.node.NodeRuntime.readiness`.
         on_drained: called once the drain is over (stops the node).
     """
 
     def __init__(self, requests: list[Any], events: Any, max_waiting: int,
-                 node_ready: Callable[[], str | None], on_drained: Callable[[], None]) -> None:
+                 node_ready: Callable[[], str | None], on_drained: Callable[[], None],
+                 max_running: int | None = None) -> None:
         self.requests = requests
         self.events = events
         self.max_waiting = max_waiting
+        self.max_running = max_running
         self.node_ready = node_ready
         self.on_drained = on_drained
         self._loads: dict[int, RankLoad] = {}
+        self._capacity: dict[int, int] = {}  # rank → max_running + max_waiting, from RankCapacity
         self._channels: dict[str, tuple[int, EventChannel]] = {}
+        self._in_flight = [0] * len(requests)  # per rank: sent, not yet seen finish (nor cancelled)
+        self._acks: dict[str, asyncio.Future[None]] = {}  # submitted, not yet queued by the rank
         self._lock = threading.Lock()
         self._stopping = False
+        self._failed = False
+        self._was_ready = False
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read, name="vexpert-serve-events", daemon=True)
         self._reader.start()
@@ -79,12 +108,56 @@ class MultiRankDispatcher:
             elif isinstance(msg, RankEvent):
                 for event in msg.events:
                     self._route(event)
+            elif isinstance(msg, RankAccepted):
+                for request_id in msg.request_ids:
+                    self._resolve(request_id, None)
+            elif isinstance(msg, RankRefused):
+                self._refused(msg)
+            elif isinstance(msg, RankCapacity):
+                with self._lock:
+                    self._capacity[msg.rank] = msg.max_running + msg.max_waiting
+
+    def _forget(self, request_id: str) -> tuple[int, EventChannel] | None:
+        """Drop a request from the in-flight books (caller holds the lock)."""
+        entry = self._channels.pop(request_id, None)
+        if entry is not None:
+            self._in_flight[entry[0]] -= 1
+        return entry
+
+    def _resolve(self, request_id: str, error: BaseException | None) -> None:
+        """Wake the ``submit`` waiting for the rank to queue ``request_id`` (with ``error``: raise it)."""
+        with self._lock:
+            future = self._acks.pop(request_id, None)
+        if future is None:
+            return
+
+        def settle() -> None:
+            if not future.done():
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(error)
+
+        with contextlib.suppress(RuntimeError):  # the client's event loop is gone
+            future.get_loop().call_soon_threadsafe(settle)
+
+    def _refused(self, msg: RankRefused) -> None:
+        with self._lock:
+            self._forget(msg.request_id)
+        error: BaseException
+        if msg.status == 400:
+            error = VExpertInputError(msg.field or "request", msg.message)
+        else:
+            error = ServeRefusal(msg.status, msg.message, msg.retry_after_s, msg.code)
+        self._resolve(msg.request_id, error)
 
     def _route(self, event: Event) -> None:
+        if event.finished:
+            self._resolve(event.request_id, None)  # failed before the acceptance was seen
         with self._lock:
             entry = self._channels.get(event.request_id)
             if entry is not None and event.finished:
-                del self._channels[event.request_id]
+                self._forget(event.request_id)
         if entry is None:
             return  # cancelled meanwhile
         with contextlib.suppress(RuntimeError):  # the client's event loop is gone
@@ -92,32 +165,62 @@ class MultiRankDispatcher:
 
     # -- Dispatcher ---------------------------------------------------------------------------
 
+    def _capacity_of(self, rank: int) -> int:
+        if self.max_running is not None:
+            return self.max_running + self.max_waiting
+        return self._capacity.get(rank, self.max_waiting)
+
     def _choose(self) -> int:
-        """The least-loaded rank; 429 when every rank's queue is full."""
-        with self._lock:
-            loads = {rank: self._loads.get(rank, RankLoad()) for rank in range(len(self.requests))}
-            # requests sent since a rank's last report count as waiting there
-            pending = {rank: 0 for rank in loads}
-            for rank, _ in self._channels.values():
-                pending[rank] += 1
-        open_ranks = [r for r, load in loads.items() if load.waiting < self.max_waiting]
+        """The rank with the fewest requests in flight (then the lowest reported load) that is not
+        full; 429 when every rank is (caller holds the lock)."""
+        open_ranks = []
+        for rank in range(len(self.requests)):
+            load = self._loads.get(rank, RankLoad())
+            in_flight = self._in_flight[rank]
+            # full: its whole capacity in flight, or its queue full and nothing of it finished since
+            if in_flight >= self._capacity_of(rank) or (load.waiting >= self.max_waiting
+                                                        and in_flight >= load.running + load.waiting):
+                continue
+            open_ranks.append((in_flight, load.score, rank))
         if not open_ranks:
             raise overloaded(self.max_waiting)
-        return min(open_ranks, key=lambda r: (pending[r], loads[r].score))
+        return min(open_ranks)[2]
 
-    async def submit(self, request: GenerationRequest) -> AsyncIterator[Event]:
+    def _check_open(self) -> None:
+        """503 while draining or once the node failed."""
+        if self._failed:
+            raise node_down()
         if self._stopping:
             raise shutting_down()
-        rank = self._choose()
-        channel = EventChannel(asyncio.get_running_loop())
+        if self._was_ready and self.node_ready() is not None:  # it served, and now a part is down
+            raise node_down()
+
+    async def submit(self, request: GenerationRequest) -> AsyncIterator[Event]:
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        channel = EventChannel(loop)
+        accepted: asyncio.Future[None] = loop.create_future()
         with self._lock:
+            rank = self._choose()
             self._channels[request.request_id] = (rank, channel)
-        self.requests[rank].put(request)
+            self._in_flight[rank] += 1
+            self._acks[request.request_id] = accepted
+        try:
+            self.requests[rank].put(request)
+            await accepted  # the rank queued it, or raises its refusal
+        except BaseException:  # refused, the client went away, or the queue is gone
+            with self._lock:
+                self._acks.pop(request.request_id, None)
+                sent = self._forget(request.request_id) is not None
+            if sent:
+                with contextlib.suppress(Exception):
+                    self.requests[rank].put(CancelRequest(request.request_id))
+            raise
         return channel.__aiter__()
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
-            entry = self._channels.pop(request_id, None)
+            entry = self._forget(request_id)
         if entry is not None:
             self.requests[entry[0]].put(CancelRequest(request_id))
 
@@ -131,6 +234,7 @@ class MultiRankDispatcher:
             reported = len(self._loads)
         if reported < len(self.requests):
             return f"{reported}/{len(self.requests)} ranks have loaded the model"
+        self._was_ready = True
         return None
 
     def loads(self) -> list[RankLoad]:
@@ -138,14 +242,24 @@ class MultiRankDispatcher:
             return [self._loads.get(rank, RankLoad()) for rank in range(len(self.requests))]
 
     def fail_all(self, message: str) -> None:
-        """The ranks are gone (the node failed): end every request now with an error event
-        instead of letting its client wait for tokens that will not come."""
+        """The ranks are gone (the node failed): end every request now instead of letting its
+        client wait for tokens that will not come — ``finish_reason="abort"`` (503) with a message
+        that names no internals (``message``, the failure itself, goes to the log), and 503 for the
+        requests not yet queued by their rank and for every new one."""
+        log.error("failing %d requests in flight: %s", self.in_flight(), message)
+        self._failed = True
         self._stopping = True
         with self._lock:
             channels, self._channels = list(self._channels.items()), {}
+            self._in_flight = [0] * len(self.requests)
+            pending = list(self._acks)
+        for request_id in pending:
+            self._resolve(request_id, node_down())
         for request_id, (_, channel) in channels:
+            if request_id in pending:
+                continue
             with contextlib.suppress(RuntimeError):
-                channel.put(Event(request_id, finish_reason="error", error=message))
+                channel.put(Event(request_id, finish_reason="abort", error=NODE_FAILED))
 
     def in_flight(self) -> int:
         with self._lock:

@@ -14,16 +14,18 @@ reports go back on one queue shared by the node's ranks.
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.model.ep_moe import DeviceRoutingTable
+from vexpert_runtime.serve.dispatcher import RankAccepted, RankCapacity, RankRefused
 from vexpert_runtime.serve.events import (
     AbortAll,
     CancelRequest,
@@ -45,6 +47,8 @@ from vexpert_runtime.serve.hf_model import (
 from vexpert_runtime.serve.kv_cache import blocks_for, num_blocks_for_memory
 from vexpert_runtime.serve.sampling import eos_token_ids
 from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
 
 LOAD_REPORT_S = 0.05  # a rank whose load did not change reports it again after this long
 
@@ -126,8 +130,18 @@ class ServingRank:
         if graph_stream is not None:  # iterations replay CUDA graphs captured on the rank's stream
             self.model.enable_cuda_graphs(args.scheduler.max_batch_tokens, args.scheduler.max_running, graph_stream)
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
-        self.scheduler = Scheduler(self.model, tokenizer, args.scheduler, eos_token_ids(tokenizer))
+        # The API process admits at most max_running + max_waiting requests to this rank (it counts
+        # what it sent and has not seen finish); requests it sent wait here until an iteration admits
+        # them, so the rank's own queue bound is that whole capacity: what the API admitted is never
+        # refused here (a refusal would still reach the client as 429, see RankRefused).
+        config = args.scheduler
+        self.scheduler = Scheduler(self.model, tokenizer,
+                                   replace(config, max_waiting=config.max_running + config.max_waiting),
+                                   eos_token_ids(tokenizer))
+        self.world = world
         self._outbox: list[Event] = []  # events of this iteration, sent together by flush_events
+        self._accepted: list[str] = []  # requests queued since the last flush
+        args.events.put(RankCapacity(rank, config.max_running, config.max_waiting))
         self._reported: RankLoad | None = None
         self._reported_at = 0.0
 
@@ -155,10 +169,16 @@ class ServingRank:
         if isinstance(msg, GenerationRequest):
             try:
                 self.scheduler.submit(msg, self._sink)
-            except ServeRefusal as refusal:  # the API chose this rank on an old load report
-                self._sink(Event(msg.request_id, finish_reason="error", error=str(refusal)))
-            except Exception as exc:
-                self._sink(Event(msg.request_id, finish_reason="error", error=str(exc)))
+            except ServeRefusal as refusal:  # full or draining: a typed refusal (429 / 503), not an error
+                self._refuse(msg.request_id, refusal.status, refusal.message, refusal.retry_after_s, refusal.code)
+            except VExpertInputError as exc:  # a request no rank can run: 400 naming the field
+                self._refuse(msg.request_id, 400, str(exc), code="invalid_value", field=exc.field)
+            except Exception:
+                log.exception("rank %d: could not queue request %s", self.rank, msg.request_id)
+                self._sink(Event(msg.request_id, finish_reason="error",
+                                 error="the rank could not queue the request (details in the server log)"))
+            else:
+                self._accepted.append(msg.request_id)
         elif isinstance(msg, CancelRequest):
             self.scheduler.cancel(msg.request_id)
         elif isinstance(msg, StopAccepting):
@@ -166,11 +186,18 @@ class ServingRank:
         elif isinstance(msg, AbortAll):
             self.scheduler.abort_all(msg.message)
 
+    def _refuse(self, request_id: str, status: int, message: str, retry_after_s: int = 1,
+                code: str = "overloaded", field: str | None = None) -> None:
+        self.args.events.put(RankRefused(self.rank, request_id, status, message, retry_after_s, code, field))
+
     def _sink(self, event: Event) -> None:
-        self._outbox.append(event)
+        self._outbox.append(clean_failure(event, self.rank, self.world))
 
     def flush_events(self) -> None:
-        """Send the events gathered since the last flush as one message."""
+        """Send the acceptances and the events gathered since the last flush (one message each)."""
+        if self._accepted:
+            accepted, self._accepted = tuple(self._accepted), []
+            self.args.events.put(RankAccepted(self.rank, accepted))
         if self._outbox:
             events, self._outbox = tuple(self._outbox), []
             self.args.events.put(RankEvent(self.rank, events))
@@ -198,3 +225,21 @@ class ServingRank:
         if force or load != self._reported or now - self._reported_at > LOAD_REPORT_S:
             self.args.events.put(RankLoadReport(self.rank, load))
             self._reported, self._reported_at = load, now
+
+
+STEP_FAILED = "model step failed"
+
+
+def clean_failure(event: Event, rank: int, world: int) -> Event:
+    """A failed model step's event without the exception's text (a dependency's message, internal
+    paths: they go to the log). In a group of several ranks a step fails when a peer rank died (its
+    collective broke), and the node is going down: the request ends ``abort`` (the API's 503, retry
+    elsewhere) rather than ``error`` (500)."""
+    if event.finish_reason != "error" or not (event.error or "").startswith(STEP_FAILED):
+        return event
+    log.error("rank %d: request %s: %s", rank, event.request_id, event.error)
+    if world > 1:
+        return replace(event, finish_reason="abort",
+                       error=f"the node failed: a model step failed on rank {rank} (a rank of the group "
+                             "is down); retry")
+    return replace(event, error=f"{STEP_FAILED} (details in the server log)")

@@ -1,0 +1,177 @@
+"""Issue 22, points 4–6, against a real ``vexpert serve`` process (2 CPU EP ranks, the tiny
+Qwen3-MoE made here): overload is answered 429 + Retry-After before any stream starts (streaming
+and not), a killed worker fails what runs at once with a clean 503 and the server exits non-zero,
+and the single-node rendezvous listens on loopback only."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+aiohttp = pytest.importorskip("aiohttp")
+
+from serve_support import build_tiny_checkpoint  # noqa: E402
+from vexpert_runtime.ports import free_port  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+INTERNAL = ("/__w/", ".cc:", ".py", "Traceback", "gloo", "pytorch")
+
+
+def _serve(tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    checkpoint = tmp / "ckpt"
+    build_tiny_checkpoint(checkpoint, "qwen3_moe")
+    config = tmp / "runtime.yaml"
+    config.write_text(json.dumps({  # JSON is YAML; no master_port: the node picks a free loopback one
+        "model": {"checkpoint_path": str(checkpoint), "dtype": "float32"},
+        "parallelism": {"expert_parallel_size": 2, "gpus_per_node": 2},
+        "runtime": {"device": "cpu", "cpu_workers": 2, "metrics_port": 0, "slot_fill_timeout_s": 30.0},
+    }))
+    port = free_port()
+    log = tmp / "serve.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "runtime"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vexpert_runtime", "serve", "--config", str(config), "--host", "127.0.0.1",
+         "--port", str(port), "--served-model-name", "tiny", "--max-batch-tokens", "64", *extra],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=tmp,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return proc, url, log
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError("server not healthy within 180 s:\n" + log.read_text()[-3000:])
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+async def _one(session: aiohttp.ClientSession, url: str, stream: bool, i: int) -> tuple[int, str | None, str]:
+    body = {"model": "tiny", "prompt": f"request {i}", "max_tokens": 24, "stream": stream, "ignore_eos": True}
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        text = await resp.text()
+        return resp.status, resp.headers.get("Retry-After"), text
+
+
+def test_overload_is_429_with_retry_after_before_any_stream_and_the_rendezvous_is_loopback(tmp_path: Path) -> None:
+    proc, url, log = _serve(tmp_path, "--max-running", "2", "--max-waiting", "1")
+    try:
+        # the rendezvous store and gloo pairs of this single-node group: nothing beyond loopback but the API
+        listening = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout.splitlines()
+        ours = {str(proc.pid), *map(str, _children(proc.pid))}
+        wide = [line for line in listening if any(f"pid={p}," in line for p in ours)
+                and not line.split()[3].startswith(("127.0.0.1:", "[::1]:", "[::ffff:127.0.0.1]:"))]
+        if wide:  # torch's TCPStore binds the wildcard address: reported, not hidden
+            print("listening beyond loopback:", *wide, sep="\n")
+
+        async def burst() -> list[tuple[int, str | None, str]]:
+            timeout = aiohttp.ClientTimeout(total=120)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                return await asyncio.gather(*(_one(session, url, i % 2 == 0, i) for i in range(40)))
+
+        started = time.monotonic()
+        results = asyncio.run(burst())
+        elapsed = time.monotonic() - started
+        statuses = [status for status, _, _ in results]
+        assert set(statuses) <= {200, 429}, [(s, t[:200]) for s, _, t in results if s not in (200, 429)]
+        refused = [(retry, text) for status, retry, text in results if status == 429]
+        assert refused, statuses  # 2 ranks × (2 running + 1 waiting) cannot hold 40
+        assert all(retry is not None and int(retry) >= 1 for retry, _ in refused)
+        for _, text in refused:
+            assert json.loads(text)["error"]["code"] == "overloaded", text
+        served = [text for status, _, text in results if status == 200]
+        assert len(served) >= 6, statuses  # at least the capacity of the two ranks
+        for i, (status, _, text) in enumerate(results):
+            if status == 200 and i % 2 == 0:  # a served stream ends normally, with no error chunk
+                assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text, text[-300:]
+        print(f"40 concurrent: {len(served)} × 200, {len(refused)} × 429 in {elapsed:.1f} s")
+        # after the burst the server serves again
+        status, _, _ = asyncio.run(_single(url))
+        assert status == 200
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+
+
+async def _single(url: str) -> tuple[int, str | None, str]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        return await _one(session, url, False, 0)
+
+
+def test_a_killed_worker_fails_requests_with_a_clean_503_and_the_server_exits(tmp_path: Path) -> None:
+    proc, url, log = _serve(tmp_path, "--max-running", "8")
+    spawned = [pid for pid in _children(proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(spawned) >= 3, spawned  # coordinator + 2 workers (any one of the workers is the victim)
+
+    async def main() -> tuple[list[tuple[int, str]], float, list[int]]:
+        timeout = aiohttp.ClientTimeout(total=90)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            body = {"model": "tiny", "prompt": "go", "max_tokens": 240, "ignore_eos": True}
+            tasks = [asyncio.create_task(session.post(url + "/v1/completions", json={**body, "stream": False}))
+                     for _ in range(3)]
+            streamed = await session.post(url + "/v1/completions", json={**body, "stream": True})
+            first = await streamed.content.readline()  # a stream runs: the node dies mid-request
+            victim = _worker_pids(proc.pid)[0]  # the workers start before the coordinator
+            os.kill(victim, signal.SIGKILL)
+            killed = time.monotonic()
+            rest = (await streamed.content.read()).decode()
+            outcomes = [(streamed.status, first.decode() + rest)]
+            for task in tasks:
+                resp = await task
+                outcomes.append((resp.status, await resp.text()))
+            waited = time.monotonic() - killed
+            later = []
+            for _ in range(3):  # new requests while the node is down: 503, or the server is gone already
+                try:
+                    async with session.post(url + "/v1/completions", json=body) as resp:
+                        later.append(resp.status)
+                        assert resp.status != 503 or resp.headers.get("Retry-After"), resp.headers
+                except aiohttp.ClientError:
+                    later.append(0)
+            return outcomes, waited, later
+
+    started = time.monotonic()
+    outcomes, waited, later = asyncio.run(main())
+    assert waited < 30, waited  # no hang
+    stream_status, stream_text = outcomes[0]  # killed mid-stream: the 200 stream ends with a 503 error object
+    assert stream_status == 200 and '"code": "aborted"' in stream_text and "node failed" in stream_text, stream_text
+    for status, text in outcomes:
+        # non-streaming: 503 (or done before the kill: 200 with its whole result)
+        assert status == 503 or (status == 200 and ("node failed" in text or '"finish_reason": "length"' in text)), text
+        errors = [line for line in text.splitlines() if '"error"' in line]  # (generated text is random bytes)
+        assert not any(mark in line for line in errors for mark in INTERNAL), errors
+    assert all(code in (0, 503) for code in later), later
+    assert proc.wait(60) == 1, log.read_text()[-3000:]
+    print(f"killed worker: requests failed after {waited:.1f} s, exit 1 after {time.monotonic() - started:.1f} s,"
+          f" later requests {later}")
+
+
+def _worker_pids(pid: int) -> list[int]:
+    return [p for p in _children(pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
