@@ -47,6 +47,7 @@ from .manifests import (
     owner_reference,
 )
 from .nodetypes import NodeType, node_type_name
+from .ownership import OwnerGone, read_owner_state, withdraw_if_owner_gone
 
 
 @dataclass
@@ -295,8 +296,14 @@ async def _model_calibration(ctx: Context, body: Mapping[str, Any], spec: VExper
     out.model_state = "Running"
     if step.action == "create":
         job = build_model_calibration_job(ns, key, step.attempt, spec, owner, ctx.settings)
+        # The Job is the deployment's child: not for an owner that went since the reconcile read
+        # it, and taken back if it went while the Job was created (see ownership.py).
+        state = await read_owner_state(ctx, body["metadata"])
+        if state != "live":
+            raise OwnerGone(state)
         try:
             await ctx.client.create(kube.JOBS, job)
+            await withdraw_if_owner_gone(ctx, body["metadata"], [(kube.JOBS, job["metadata"]["name"])])
             m.CALIBRATION_JOBS.labels("model", "started").inc()
             _event(ctx, body, "Normal", "ModelCalibrationStarted",
                    f"Job {job['metadata']['name']} calibrates {spec.model.name}@{spec.model.revision} "

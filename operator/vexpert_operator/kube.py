@@ -248,11 +248,14 @@ class KubeClient:
                                   content_type="application/apply-patch+yaml")
 
     async def delete(self, res: Resource, name: str, namespace: str | None = None, *,
-                     propagation: str = "Background", uid: str | None = None) -> bool:
-        """Delete; False if it was already gone. ``uid`` makes it a precondition (409 if replaced)."""
+                     propagation: str = "Background", uid: str | None = None,
+                     resource_version: str | None = None) -> bool:
+        """Delete; False if it was already gone. ``uid`` and ``resource_version`` are preconditions
+        (409 if the object was replaced, or changed since it was read)."""
         body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": propagation}
-        if uid:
-            body["preconditions"] = {"uid": uid}
+        preconditions = {k: v for k, v in (("uid", uid), ("resourceVersion", resource_version)) if v}
+        if preconditions:
+            body["preconditions"] = preconditions
         try:
             await self.request("DELETE", res.path(namespace, name), body=body)
         except ApiError as exc:

@@ -8,6 +8,7 @@ Children have deterministic names, so a restarted operator adopts what it create
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import time
 from collections.abc import Mapping
@@ -52,6 +53,7 @@ from .nodetypes import (
     memory_requested_by_node,
     node_info,
 )
+from .ownership import OwnerGone, read_owner_state, withdraw_if_owner_gone
 from .plan import GroupPlan, PlanInputs, combine_profiles, plan_group
 from .status import get_condition, merge_patch_between, set_condition, status_patch
 from .tuning import (
@@ -214,6 +216,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False
 
     try:
         cal = await ensure_calibration(ctx, body, spec, candidates, chosen, now)
+    except OwnerGone:
+        return Outcome("Deleted", status)
     except kube.ApiError as exc:
         if not _refused_by_api_server(exc):
             raise
@@ -265,18 +269,33 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False
         inputs.draining, inputs.drained_nodes = status.group.draining, drained
         plan = plan_group(inputs)
 
-    for child in plan.children:
-        try:
-            action, _ = await kube.apply(ctx.client, KIND_TO_RES[child["kind"]], child)
-        except kube.ApiError as exc:
-            if not _refused_by_api_server(exc):
-                raise
-            what = f"{child['kind']} {child['metadata']['name']}"
-            new = await _rejected(ctx, body, old, status, what, exc, stamp, generation)
-            return Outcome("Invalid", new, plan=plan, spec=spec, node_type=chosen)
-        if action != "unchanged":
-            m.CHILD_WRITES.labels(child["kind"], action).inc()
-            ctx.logger.info("%s %s %s", action, child["kind"], child["metadata"]["name"])
+    # A deletion wins over this reconcile (see ownership.py): no child for an owner that went
+    # since the first read, and what was written while it went is taken back.
+    if await read_owner_state(ctx, meta) != "live":
+        return Outcome("Deleted", status)
+    written: list[tuple[kube.Resource, str]] = []
+    try:
+        for child in plan.children:
+            res = KIND_TO_RES[child["kind"]]
+            try:
+                action, _ = await kube.apply(ctx.client, res, child)
+            except kube.ApiError as exc:
+                if not _refused_by_api_server(exc):
+                    raise
+                what = f"{child['kind']} {child['metadata']['name']}"
+                new = await _rejected(ctx, body, old, status, what, exc, stamp, generation)
+                return Outcome("Invalid", new, plan=plan, spec=spec, node_type=chosen)
+            if action != "unchanged":
+                written.append((res, child["metadata"]["name"]))
+                m.CHILD_WRITES.labels(child["kind"], action).inc()
+                ctx.logger.info("%s %s %s", action, child["kind"], child["metadata"]["name"])
+    except Exception:
+        if written:  # failed half-way (the namespace going, say): still take back a gone owner's children
+            with contextlib.suppress(Exception):
+                await withdraw_if_owner_gone(ctx, meta, written)
+        raise
+    if written and await withdraw_if_owner_gone(ctx, meta, written) != "live":
+        return Outcome("Deleted", status)
 
     wake_at = await _apply_group_decision(ctx, body, status, decision, now)
     status.endpoint = api_endpoint(name, ns, spec)

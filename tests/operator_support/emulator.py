@@ -50,7 +50,7 @@ import re
 import string
 import uuid
 import warnings
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import attrs
@@ -289,6 +289,13 @@ def _builtin_validator(api_version: str, kind: str) -> Any:
 class KubeEmulator(kmock.KubernetesEmulator):
     validate_builtins: bool = True
     run_controllers: bool = True
+    # Kubernetes' garbage collector also deletes a dependent created after all its owners were
+    # deleted (eventually). Off: such a late dependent stays, so a test sees what the operator itself
+    # leaves behind (the delete-during-reconcile race, tests/test_operator_delete_race.py).
+    collect_late_dependents: bool = True
+    # Called with every request and "before" (not yet served) or "after" (served, the response not
+    # yet sent): a test injects a write of its own at an exact point of the operator's sequence.
+    request_hook: Callable[[rendering.Request, str], Awaitable[None]] | None = None
 
     _rv: int = attrs.field(default=0, init=False)
     _log: dict[references.resource, list[tuple[int, str, dict[str, Any], dict[str, Any] | None]]] = attrs.field(
@@ -344,6 +351,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
     # filters, priorities, unions, intersections, exclusions and streams from the request alone and
     # falls back to kmock for what needs the history (slices, reactions, anything unknown).
     async def _handle(self, request: rendering.Request) -> Any:
+        if self.request_hook is not None:
+            await self.request_hook(request, "before")
+        result = await self._dispatch(request)
+        if self.request_hook is not None:
+            await self.request_hook(request, "after")
+        return result
+
+    async def _dispatch(self, request: rendering.Request) -> Any:
         payloads = self._sorted_payloads()
         for payload in payloads:
             if self._sees(payload._source, request) and not payload._disabled.is_set():
@@ -513,7 +528,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if info.kind == "CustomResourceDefinition":
             self._register_crd(obj)
         refs = meta.get("ownerReferences") or []
-        if refs and all(ref.get("uid") in self._deleted_uids for ref in refs):
+        if self.collect_late_dependents and refs and all(ref.get("uid") in self._deleted_uids for ref in refs):
             # Kubernetes' garbage collector deletes a dependent whose owners are all gone, also one
             # created after its owner was deleted (a controller's write racing the deletion).
             await self.delete_object(res, ns, name)
