@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from operator_support.samples import gpu_node, spec
+from operator_support.samples import gpu_node, raw_spec, spec
 from vexpert_operator import manifests as mf
 from vexpert_operator import naming as nm
 from vexpert_operator.nodetypes import candidate_types, node_info, node_type_key, node_type_terms
@@ -24,6 +24,7 @@ from vexpert_operator.sizing import (
     pinned_pool_bytes,
     size_pod,
 )
+from vexpert_operator.validation import parse_spec, validate_spec
 from vexpert_runtime.config import parse_runtime_config
 from vexpert_runtime.policy.profile import (
     HardwareParameters,
@@ -248,6 +249,39 @@ def test_node_pod_serves_the_api_health_and_metrics_on_one_named_port() -> None:
     assert "livenessProbe" not in c and "startupProbe" not in c
     annotations = template["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == "8080" and annotations["prometheus.io/path"] == "/metrics"
+
+
+def test_api_key_secret_reaches_the_serving_container_as_a_secret_key_ref() -> None:
+    def env_of(s):
+        return _plan(s=s).statefulset["spec"]["template"]["spec"]["containers"][0]["env"]
+
+    assert all(e["name"] != "VEXPERT_API_KEY" for e in env_of(spec()))
+    env = env_of(spec(runtime__apiKeySecret={"name": "vexpert-api-key", "key": "token"}))
+    entries = [e for e in env if e["name"] == "VEXPERT_API_KEY"]
+    assert entries == [{"name": "VEXPERT_API_KEY",
+                        "valueFrom": {"secretKeyRef": {"name": "vexpert-api-key", "key": "token"}}}]
+    assert "optional" not in entries[0]["valueFrom"]["secretKeyRef"]  # a missing Secret keeps the pod from starting
+    default_key = env_of(spec(runtime__apiKeySecret={"name": "k"}))
+    assert {"name": "VEXPERT_API_KEY", "valueFrom": {"secretKeyRef": {"name": "k", "key": "api-key"}}} in default_key
+
+
+@pytest.mark.parametrize("field, ref", [
+    ("name", {"name": "My_Secret"}),
+    ("name", {"name": "-x"}),
+    ("name", {"name": "a" * 254}),
+    ("key", {"name": "ok", "key": "bad/key"}),
+])
+def test_a_bad_api_key_secret_is_refused_naming_the_field(field: str, ref: dict[str, str]) -> None:
+    parsed, problems = parse_spec(raw_spec(runtime__apiKeySecret=ref))
+    assert parsed is None
+    assert [p.field for p in problems] == [f"spec.runtime.apiKeySecret.{field}"]
+    assert "e.g." in problems[0].message
+
+
+def test_api_key_env_clashes_with_api_key_secret() -> None:
+    s = spec(runtime__apiKeySecret={"name": "k"}, runtime__env=[{"name": "VEXPERT_API_KEY", "value": "x"}])
+    assert [p.field for p in validate_spec(s, "dsv3")] == ["spec.runtime.env[0].name"]
+    assert validate_spec(spec(runtime__env=[{"name": "VEXPERT_API_KEY", "value": "x"}]), "dsv3") == []
 
 
 def test_api_service_load_balances_over_every_ready_node_pod() -> None:

@@ -127,6 +127,22 @@ def test_crd_runtime_has_gpu_memory_utilization_with_bounds_and_default() -> Non
         assert [e.path[-1] for e in validator.iter_errors(doc)] == ["gpuMemoryUtilization"], bad
 
 
+def test_crd_runtime_has_api_key_secret() -> None:
+    validator, raw = crd_validator("VExpertDeployment")
+    field = raw["properties"]["spec"]["properties"]["runtime"]["properties"]["apiKeySecret"]
+    assert field["type"] == "object" and field["required"] == ["name"]
+    assert field["properties"]["key"]["default"] == "api-key"
+    assert "VEXPERT_API_KEY" in field["description"]
+    doc = yaml.safe_load((EXAMPLES / "qwen-moe-small.yaml").read_text())
+    assert "apiKeySecret" not in apply_defaults(raw, copy.deepcopy(doc))["spec"]["runtime"]
+    doc["spec"]["runtime"]["apiKeySecret"] = {"name": "vexpert-api-key"}
+    assert list(validator.iter_errors(doc)) == []
+    assert apply_defaults(raw, copy.deepcopy(doc))["spec"]["runtime"]["apiKeySecret"]["key"] == "api-key"
+    for bad in ({"name": "Bad_Name"}, {"key": "api-key"}, {"name": "ok", "key": "a/b"}, {"name": "ok", "other": 1}):
+        doc["spec"]["runtime"]["apiKeySecret"] = bad
+        assert list(validator.iter_errors(doc)), bad
+
+
 def test_crd_schema_rejects_unknown_and_wrong_fields() -> None:
     validator, _ = crd_validator("VExpertDeployment")
     doc = yaml.safe_load((EXAMPLES / "qwen-moe-small.yaml").read_text())

@@ -243,6 +243,45 @@ class EnvVar(CamelModel):
     value_from: dict[str, Any] | None = Field(None, description="As in a Pod's env[].valueFrom")
 
 
+# A Secret's name: a DNS-1123 subdomain; a key in its data: letters, digits, '-', '_' and '.'.
+DNS_1123_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+SECRET_KEY_RE = re.compile(r"^[-._a-zA-Z0-9]+$")
+
+
+class SecretKeyRef(CamelModel):
+    """A key in a Secret of the deployment's namespace (read by the kubelet, not by the operator)."""
+
+    # the schema carries the same rules for the API server; the validators give the messages
+    name: str = Field(
+        ..., description="Secret name (in the deployment's namespace)",
+        json_schema_extra={"pattern": DNS_1123_SUBDOMAIN_RE.pattern, "maxLength": 253},
+    )
+    key: str = Field(
+        "api-key", description="Key in the Secret's data",
+        json_schema_extra={"pattern": SECRET_KEY_RE.pattern, "maxLength": 253},
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _secret_name(cls, value: str) -> str:
+        if len(value) > 253 or not DNS_1123_SUBDOMAIN_RE.match(value):
+            raise ValueError(
+                f"{value!r} is not a Kubernetes Secret name: use at most 253 lower-case letters, digits, "
+                "'-' and '.', starting and ending with a letter or digit (e.g. vexpert-api-key)"
+            )
+        return value
+
+    @field_validator("key")
+    @classmethod
+    def _secret_key(cls, value: str) -> str:
+        if len(value) > 253 or not SECRET_KEY_RE.match(value) or value in (".", ".."):
+            raise ValueError(
+                f"{value!r} is not a valid Secret key: use at most 253 letters, digits, '-', '_' and '.' "
+                "(e.g. api-key, the default)"
+            )
+        return value
+
+
 class RuntimeSpec(CamelModel):
     """The node pods: image, resources and placement."""
 
@@ -288,6 +327,12 @@ class RuntimeSpec(CamelModel):
         DEFAULT_GPU_MEMORY_UTILIZATION, gt=0, le=1,
         description=GPU_MEMORY_UTILIZATION_HELP + " (runtime.yaml's runtime.gpu_memory_utilization). Experts and "
         "slots must fit under it",
+    )
+    api_key_secret: SecretKeyRef | None = Field(
+        None,
+        description="Secret holding the API key of `vexpert serve` ({name, key: api-key by default}): passed "
+        "as env VEXPERT_API_KEY, so /v1/* needs `Authorization: Bearer <key>` (/health and /metrics stay open). "
+        "Unset: no authentication",
     )
     group_restart_backoff_seconds: int = Field(10, ge=0, le=3600, description="Delay before re-forming after a failure")
     max_group_restart_backoff_seconds: int = Field(300, ge=0, le=86_400, description="Cap of the doubling delay")

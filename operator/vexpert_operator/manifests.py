@@ -46,6 +46,7 @@ POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 CONTAINER = "node"
 HTTP_PORT_NAME = "http"  # the API, /health and /metrics of `vexpert serve`
 HEALTH_PATH = "/health"
+API_KEY_ENV = "VEXPERT_API_KEY"  # `vexpert serve` reads its API key from it (runtime.apiKeySecret)
 CALIBRATION_CONTAINER = "calibrate"
 JOB_TTL_SECONDS = 7 * 24 * 3600
 
@@ -210,6 +211,11 @@ def _env(spec: VExpertDeploymentSpec) -> list[dict[str, Any]]:
         else:
             entry["value"] = item.value or ""
         env.append(entry)
+    secret = spec.runtime.api_key_secret
+    if secret is not None:
+        # the kubelet reads the Secret; the operator needs no access to it
+        env.append({"name": API_KEY_ENV,
+                    "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}})
     return env
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .api import QUANTITY_PATTERN, VExpertDeploymentSpec
-from .manifests import OPERATOR_MOUNT_PATHS
+from .manifests import API_KEY_ENV, OPERATOR_MOUNT_PATHS
 from .naming import MAX_DEPLOYMENT_NAME
 from .nodetypes import GPU_RESOURCE
 from .quantity import MIB, format_bytes_human
@@ -115,6 +115,10 @@ def validate_spec(spec: VExpertDeploymentSpec, name: str) -> list[Problem]:
             problems.append(Problem(f"spec.runtime.env[{i}].name", f"{env.name} is set by the operator"))
         if env.value is not None and env.value_from is not None:
             problems.append(Problem(f"spec.runtime.env[{i}]", "set value or valueFrom, not both"))
+        if env.name == API_KEY_ENV and spec.runtime.api_key_secret is not None:
+            problems.append(Problem(f"spec.runtime.env[{i}].name", (
+                f"{API_KEY_ENV} is set from runtime.apiKeySecret; remove this entry or apiKeySecret"
+            )))
     problems += _mount_problems(spec.model.checkpoint.mount_path)
     problems += _extra_resource_problems(spec.runtime.extra_resources)
     calib = spec.calibration
