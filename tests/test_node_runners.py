@@ -40,8 +40,8 @@ CPU = torch.device("cpu")
 def _args(checkpoint: Path, shared: SharedState, record: bool) -> WorkerArgs:
     """One rank of one, no coordinator; a skewed workload (its router bias reaches every layer)."""
     workload = drifting_workload((("decode_in1000out1000", 1000),), SPEC.num_layers, SPEC.num_experts, tokens_per_worker=16)
-    return WorkerArgs(local_rank=0, gpu=0, shared_gpu=False, rank=0, world=1, master_addr="127.0.0.1",
-                      master_port=0, checkpoint=str(checkpoint), spec=SPEC, dtype="float32", device="cpu",
+    return WorkerArgs(local_rank=0, gpu=0, shared_gpu=False, rank=0, world=1, rendezvous="tcp://127.0.0.1:0",
+                      checkpoint=str(checkpoint), spec=SPEC, dtype="float32", device="cpu",
                       slots=SLOTS, k=4, timeout_s=5.0, workload=workload, shared=shared, results=None,
                       control=None, parent_pid=0, verify=True, record=record)
 
@@ -103,3 +103,19 @@ def test_a_worker_that_does_not_serve_runs_the_synthetic_decode(rank: dict[str, 
         assert stats.computed[:, SPEC.num_experts:].sum() == 0  # static table: slots unused
         checksums = [row_checksum(slots.slot(s)) for s in range(SLOTS)]
         assert output.slot_checksums == ([checksums] * SPEC.num_layers if record else [])
+
+
+def test_a_single_node_group_meets_in_a_file_store_and_a_multi_node_one_over_tcp() -> None:
+    """One node: no listening rendezvous socket at all (torch's TCPStore binds every interface);
+    each group start gets its own store file. Several nodes: rank 0's address and port."""
+    import dataclasses
+
+    from vexpert_runtime.node.setup import LOOPBACK, rendezvous_address, rendezvous_url
+
+    single = dataclasses.make_dataclass("S", ["world", "local_workers", "master_addr", "master_port"])
+    one, again = rendezvous_url(single(2, 2, LOOPBACK, 1234)), rendezvous_url(single(2, 2, LOOPBACK, 1234))
+    assert one.startswith("file://") and again.startswith("file://") and one != again
+    assert not Path(one[len("file://"):]).exists()  # made by the first rank, not before
+    assert rendezvous_url(single(4, 2, "10.0.0.7", 29500)) == "tcp://10.0.0.7:29500"
+    assert rendezvous_address("0.0.0.0", None, 1)[0] == LOOPBACK
+    assert rendezvous_address("10.0.0.7", None, 2) == ("10.0.0.7", 29500)

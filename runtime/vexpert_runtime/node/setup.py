@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import tempfile
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -305,6 +307,17 @@ def rendezvous_address(master_addr: str, master_port: int | None, num_nodes: int
     if num_nodes == 1:
         return LOOPBACK, master_port if master_port is not None else free_port()
     return master_addr, master_port if master_port is not None else DEFAULT_MASTER_PORT
+
+
+def rendezvous_url(setup: NodeSetup) -> str:
+    """The workers' ``init_method``: a single-node group meets in a file store in the temporary
+    directory (torch's TCPStore listens on every interface whatever address it is given; a file
+    store listens on none), named per group start so a restarted group never reads an old one;
+    a multi-node group meets at rank 0's TCP address."""
+    if setup.world == setup.local_workers:
+        path = Path(tempfile.gettempdir()) / f"vexpert-rendezvous-{os.getpid()}-{uuid.uuid4().hex}"
+        return f"file://{path}"
+    return f"tcp://{setup.master_addr}:{setup.master_port}"
 
 
 def single_node_environment(setup: NodeSetup) -> dict[str, str]:

@@ -87,6 +87,7 @@ from vexpert_runtime.node.setup import (
     check_memory,
     check_pooled,
     memory_plan,
+    rendezvous_url,
     single_node_environment,
 )
 from vexpert_runtime.node.worker import COLLECTIVE_TIMEOUT_S, STARTUP_TIMEOUT_S, WorkerArgs, worker_main
@@ -216,6 +217,7 @@ class NodeRuntime:
             queues = [results, *controls]
             self._prepare_scripted(controls)
             os.environ.update(single_node_environment(setup))  # the spawned workers inherit it
+            rendezvous = rendezvous_url(setup)
             for local, rank in enumerate(setup.ranks):
                 args = WorkerArgs(
                     local_rank=local,
@@ -223,8 +225,7 @@ class NodeRuntime:
                     shared_gpu=setup.workers_per_gpu > 1,
                     rank=rank,
                     world=setup.world,
-                    master_addr=setup.master_addr,
-                    master_port=setup.master_port,
+                    rendezvous=rendezvous,
                     checkpoint=str(setup.checkpoint),
                     spec=setup.spec,
                     dtype=setup.dtype,

@@ -78,8 +78,7 @@ class WorkerArgs:
     shared_gpu: bool  # other workers use the same GPU: everything over gloo (NCCL refuses)
     rank: int
     world: int
-    master_addr: str
-    master_port: int
+    rendezvous: str  # torch.distributed init_method (node.setup.rendezvous_url)
     checkpoint: str
     spec: MoESpec
     dtype: str
@@ -209,7 +208,7 @@ class _Worker:
         start_runner = choose_runner(args, self.reader, device, self.dtype)  # the one choice of the mode
         dist.init_process_group(
             "gloo" if device.type == "cpu" or args.shared_gpu else "cpu:gloo,cuda:nccl",
-            init_method=f"tcp://{args.master_addr}:{args.master_port}",
+            init_method=args.rendezvous,
             rank=args.rank,
             world_size=args.world,
             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
