@@ -303,7 +303,7 @@ async def _model_calibration(ctx: Context, body: Mapping[str, Any], spec: VExper
             raise OwnerGone(state)
         try:
             await ctx.client.create(kube.JOBS, job)
-            await withdraw_if_owner_gone(ctx, body["metadata"], [(kube.JOBS, job["metadata"]["name"])])
+            await withdraw_if_owner_gone(ctx, body["metadata"], [("Job", job["metadata"]["name"])])
             m.CALIBRATION_JOBS.labels("model", "started").inc()
             _event(ctx, body, "Normal", "ModelCalibrationStarted",
                    f"Job {job['metadata']['name']} calibrates {spec.model.name}@{spec.model.revision} "

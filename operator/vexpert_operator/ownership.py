@@ -86,14 +86,25 @@ async def withdraw(ctx: Context, res: kube.Resource, name: str, namespace: str, 
     return False
 
 
+# The kinds of child a reconcile may have to take back (by kind, so the RBAC scan of the chart's
+# tests sees every resource a withdrawal may delete).
+CHILD_RESOURCES: dict[str, kube.Resource] = {
+    "ConfigMap": kube.CONFIGMAPS,
+    "Service": kube.SERVICES,
+    "StatefulSet": kube.STATEFULSETS,
+    "PodDisruptionBudget": kube.PDBS,
+    "Job": kube.JOBS,
+}
+
+
 async def withdraw_if_owner_gone(ctx: Context, meta: Mapping[str, Any],
-                                 written: Iterable[tuple[kube.Resource, str]]) -> OwnerState:
-    """After writing children: if the owner is no longer live, delete the ones written (that still
-    belong to it). Returns the owner's state."""
+                                 written: Iterable[tuple[str, str]]) -> OwnerState:
+    """After writing children, given as (kind, name): if the owner is no longer live, delete the
+    ones written (that still belong to it). Returns the owner's state."""
     state = await read_owner_state(ctx, meta)
     if state != "live":
         uid = meta.get("uid") or ""
-        for res, name in written:
-            if await withdraw(ctx, res, name, meta["namespace"], uid):
-                ctx.logger.info("withdrew %s %s: the deployment is %s", res.plural, name, state)
+        for kind, name in written:
+            if await withdraw(ctx, CHILD_RESOURCES[kind], name, meta["namespace"], uid):
+                ctx.logger.info("withdrew %s %s: the deployment is %s", kind, name, state)
     return state

@@ -273,12 +273,11 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False
     # since the first read, and what was written while it went is taken back.
     if await read_owner_state(ctx, meta) != "live":
         return Outcome("Deleted", status)
-    written: list[tuple[kube.Resource, str]] = []
+    written: list[tuple[str, str]] = []  # (kind, name)
     try:
         for child in plan.children:
-            res = KIND_TO_RES[child["kind"]]
             try:
-                action, _ = await kube.apply(ctx.client, res, child)
+                action, _ = await kube.apply(ctx.client, KIND_TO_RES[child["kind"]], child)
             except kube.ApiError as exc:
                 if not _refused_by_api_server(exc):
                     raise
@@ -286,7 +285,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False
                 new = await _rejected(ctx, body, old, status, what, exc, stamp, generation)
                 return Outcome("Invalid", new, plan=plan, spec=spec, node_type=chosen)
             if action != "unchanged":
-                written.append((res, child["metadata"]["name"]))
+                written.append((child["kind"], child["metadata"]["name"]))
                 m.CHILD_WRITES.labels(child["kind"], action).inc()
                 ctx.logger.info("%s %s %s", action, child["kind"], child["metadata"]["name"])
     except Exception:
