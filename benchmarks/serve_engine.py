@@ -30,8 +30,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +39,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
-from serve_load import load, scrape, write_model
+from serve_load import load, scrape, wait_healthy, write_model
 
 from vexpert_runtime.ports import free_port
 from vexpert_runtime.serve.demo_model import ensure_demo_model
@@ -170,17 +168,7 @@ def serve(config: Path, model: Path, streams: int, prompt: str, args: argparse.N
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + log.read_text()[-3000:])
-            try:
-                if urllib.request.urlopen(url + "/health", timeout=5).status == 200:
-                    break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.perf_counter() - started > 300:
-                raise RuntimeError("server not healthy in 300 s:\n" + log.read_text()[-3000:])
-            time.sleep(0.5)
+        wait_healthy(proc, url, log, started, 300)
         result = asyncio.run(load(url, prompt, streams, args.duration, args.warmup, args.max_tokens))
         result["startup_s"] = round(time.perf_counter() - started, 1)
         result["metrics"] = scrape(url)

@@ -165,9 +165,26 @@ def scrape(url: str) -> dict[str, float]:
     return {k: round(statistics.fmean(v), 4) for k, v in values.items()}
 
 
-def serve_and_load(config: Path, model: Path, args: argparse.Namespace, log: Path) -> dict[str, Any]:
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, started: float, timeout_s: float) -> None:
+    """Until ``url``/health answers 200; raise with the log's tail if the server exits or is not
+    healthy ``timeout_s`` after ``started``."""
     import urllib.error
     import urllib.request
+
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError("server exited:\n" + log.read_text()[-3000:])
+        try:
+            if urllib.request.urlopen(url + "/health", timeout=5).status == 200:
+                return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.perf_counter() - started > timeout_s:
+            raise RuntimeError(f"server not healthy in {timeout_s:.0f} s:\n" + log.read_text()[-3000:])
+        time.sleep(0.5)
+
+
+def serve_and_load(config: Path, model: Path, args: argparse.Namespace, log: Path) -> dict[str, Any]:
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -179,17 +196,7 @@ def serve_and_load(config: Path, model: Path, args: argparse.Namespace, log: Pat
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + log.read_text()[-3000:])
-            try:
-                if urllib.request.urlopen(url + "/health", timeout=5).status == 200:
-                    break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.perf_counter() - started > 600:
-                raise RuntimeError("server not healthy in 600 s:\n" + log.read_text()[-3000:])
-            time.sleep(1.0)
+        wait_healthy(proc, url, log, started, 600)
         ready_s = time.perf_counter() - started
         prompt = ("A mixture of experts model sends every token to a few of its many expert networks. " * 4)[:300]
         result = asyncio.run(load(url, prompt, args.concurrency, args.duration, args.warmup, args.max_tokens))

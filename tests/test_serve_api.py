@@ -20,8 +20,14 @@ import torch
 from serve_support import MAX_CONTEXT, MODEL_NAME, BackgroundServer, load_model, load_tokenizer, make_server
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.serve.events import Event, GenerationRequest, SamplingParams, ServeRefusal
-from vexpert_runtime.serve.sampling import IncrementalDetokenizer, StopChecker, top_p_filter
+from vexpert_runtime.serve.sampling import (
+    IncrementalDetokenizer,
+    StopChecker,
+    sample_tokens,
+    sampling_tensors,
+)
 from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
+from vexpert_runtime.serve.step import SamplingSpec
 
 PROMPT = "the quick brown fox"
 
@@ -548,6 +554,12 @@ def test_sample_tokens_greedy_seeded_and_top_p() -> None:
 
 
 def test_top_p_keeps_the_smallest_sufficient_set() -> None:
-    probs = torch.tensor([0.1, 0.5, 0.3, 0.1])
-    assert top_p_filter(probs, 0.7).tolist() == pytest.approx([0.0, 0.5, 0.3, 0.0])
-    assert top_p_filter(probs, 0.01).tolist() == pytest.approx([0.0, 0.5, 0.0, 0.0])
+    """The tokens sample_tokens can draw under top-p are exactly the smallest most-likely set."""
+    logits = torch.tensor([[0.1, 0.5, 0.3, 0.1]]).log()
+
+    def drawable(top_p: float) -> set[int]:
+        return {int(sample_tokens(logits, *sampling_tensors([SamplingSpec(1.0, top_p, 3, d)], "cpu"))[0])
+                for d in range(400)}
+
+    assert drawable(0.7) == {1, 2}
+    assert drawable(0.01) == {1}

@@ -50,7 +50,8 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
                   draw: torch.Tensor, use_top_p: bool = True) -> torch.Tensor:
     """Next tokens [B] int64 from logits [B, V]: rows with temperature < :data:`GREEDY_BELOW` take the
     argmax (ties: the lowest id, as ``torch.argmax`` and HF ``generate``); the others sample from
-    softmax(logits / temperature) restricted to the top-p set (:func:`top_p_filter`'s rule), by an
+    softmax(logits / temperature) restricted to the top-p set — the smallest most-likely set whose mass reaches ``top_p``
+    (a token stays while the mass ranked above it is < top_p; the most likely always stays) — by an
     exponential race over :func:`uniform_noise` (argmax of p / −log u is a draw from p).
 
     temperature, top_p: [B] float32; seed, draw: [B] int64 (see :class:`~.step.SamplingSpec`).
@@ -83,20 +84,6 @@ def sampling_tensors(specs: Sequence[SamplingSpec], device: torch.device | str
     draw = torch.tensor([s.draw for s in specs], dtype=torch.int64)
     use_top_p = any(s.top_p < 1.0 and s.temperature >= GREEDY_BELOW for s in specs)
     return temperature.to(device), top_p.to(device), seed.to(device), draw.to(device), use_top_p
-
-
-def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zero every token outside the smallest most-likely set whose probability reaches ``top_p``.
-
-    The most likely token always stays, so the result never sums to zero.
-    """
-    if top_p >= 1.0:
-        return probs
-    sorted_probs, order = torch.sort(probs, descending=True)
-    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the tokens ranked above
-    sorted_probs = torch.where(before < top_p, sorted_probs, torch.zeros_like(sorted_probs))
-    sorted_probs[0] = probs[order[0]]
-    return torch.zeros_like(probs).scatter(0, order, sorted_probs)
 
 
 def eos_token_ids(tokenizer: Any, extra: Iterable[int] = ()) -> frozenset[int]:
