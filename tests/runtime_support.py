@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
+import sys
+from pathlib import Path
 
 from vexpert_runtime.model.checkpoint import DEEPSEEK, MoESpec
 from vexpert_runtime.model.expert_layout import FP8_BLOCK
@@ -45,3 +48,14 @@ def stop_process(proc: subprocess.Popen[bytes] | subprocess.Popen[str], timeout:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def run_in_triton_interpreter(module: str, function: str) -> None:
+    """Run ``tests/<module>.py``'s ``function()`` in a subprocess with ``TRITON_INTERPRET=1`` (set before
+    Triton is imported: its interpreter patches ``tl.sort``/``tl.cumsum`` at import); fail with its stderr."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(repo / "tests"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", f"import {module}; {module}.{function}()"],
+                          env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -8,13 +8,12 @@ divide the lengths; a zero-length row (a CUDA-graph pad row) yields zeros.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from runtime_support import run_in_triton_interpreter
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,8 +54,4 @@ def check_kernels_on_cpu() -> None:
 
 def test_decode_kernels_equal_their_torch_twins_in_the_interpreter() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", "import test_attention_kernels as t; t.check_kernels_on_cpu()"],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_in_triton_interpreter("test_attention_kernels", "check_kernels_on_cpu")

@@ -6,7 +6,6 @@ and a node run in each mode verified against the reference."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from runtime_support import TINY_DEEPSEEK_SPEC
+from runtime_support import TINY_DEEPSEEK_SPEC, run_in_triton_interpreter
 from test_runtime_ep_moe import (
     DS,
     SKEW,
@@ -342,11 +341,7 @@ def check_fused_kernel_on_cpu() -> None:
 def test_fused_kernel_equals_its_torch_twin_in_the_interpreter() -> None:
     """The kernel itself, run by Triton's interpreter on CPU tensors (CI has no GPU)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", "import test_dispatch; test_dispatch.check_fused_kernel_on_cpu()"],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_in_triton_interpreter("test_dispatch", "check_fused_kernel_on_cpu")
 
 
 def test_replica_copies_list_the_replicated_rows() -> None:
