@@ -11,6 +11,7 @@ export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD/runtime:$PWD/tests
+  [ -x /tmp/site/bin/py-spy ] && export PYSPY=/tmp/site/bin/py-spy  # host sampling (serve_engine.py --pyspy)
 else
   export PYTHONPATH=$PWD/runtime:$PWD/tests
 fi

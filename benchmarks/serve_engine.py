@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -169,7 +170,11 @@ def serve(config: Path, model: Path, streams: int, prompt: str, args: argparse.N
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         wait_healthy(proc, url, log, started, 300)
+        sampler = host_sampler(proc.pid, args, log.with_suffix(".pyspy.txt"))
         result = asyncio.run(load(url, prompt, streams, args.duration, args.warmup, args.max_tokens))
+        if sampler is not None:
+            sampler.wait(60)
+            result["host_profile"] = summarise_host_profile(log.with_suffix(".pyspy.txt"))
         result["startup_s"] = round(time.perf_counter() - started, 1)
         result["metrics"] = scrape(url)
         return result
@@ -179,6 +184,50 @@ def serve(config: Path, model: Path, streams: int, prompt: str, args: argparse.N
             proc.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def host_sampler(pid: int, args: argparse.Namespace, out: Path) -> subprocess.Popen[bytes] | None:
+    """py-spy sampling the server's processes (Python stacks, without pausing them) for ``--pyspy``
+    seconds of the measured window, or None (not asked for, or py-spy absent)."""
+    if not args.pyspy:
+        return None
+    exe = os.environ.get("PYSPY") or shutil.which("py-spy")
+    if exe is None:
+        print("py-spy not found (PATH or $PYSPY): no host profile", file=sys.stderr)
+        return None
+    command = (f"sleep {args.warmup + 1}; exec {exe} record --pid {pid} --subprocesses --nonblocking --rate 500 "
+               f"--format raw --duration {int(args.pyspy)} -o {out}")
+    return subprocess.Popen(["bash", "-c", command], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def summarise_host_profile(path: Path, top: int = 40) -> dict[str, Any]:
+    """Per process, the functions with the most samples on the stack (inclusive) and on top (self),
+    from py-spy's raw (collapsed) output: ``frame;frame;… count`` lines."""
+    if not path.exists():
+        return {}
+    inclusive: dict[str, dict[str, int]] = {}
+    own: dict[str, dict[str, int]] = {}
+    totals: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        process = frames[0][:60]
+        n = int(count)
+        totals[process] = totals.get(process, 0) + n
+        seen = set()
+        for frame in frames[1:]:
+            if frame not in seen:
+                seen.add(frame)
+                inclusive.setdefault(process, {})[frame] = inclusive.setdefault(process, {}).get(frame, 0) + n
+        own.setdefault(process, {})[frames[-1]] = own.setdefault(process, {}).get(frames[-1], 0) + n
+
+    def ranked(table: dict[str, int], total: int) -> list[tuple[str, float]]:
+        return [(name, round(n / total, 3)) for name, n in sorted(table.items(), key=lambda kv: -kv[1])[:top]]
+
+    return {process: {"samples": total, "inclusive": ranked(inclusive.get(process, {}), total),
+                      "self": ranked(own.get(process, {}), total)} for process, total in totals.items()}
 
 
 _LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
@@ -228,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-variants", nargs="+", default=["sdpa:dynamic", "eager:dynamic", "sdpa:static"])
     parser.add_argument("--profile-streams", type=int, nargs="*", default=[])
     parser.add_argument("--profile-iters", default="600-611")
+    parser.add_argument("--pyspy", type=float, default=0.0, help="seconds of py-spy host sampling per serve run")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     summary_path = args.out / "summary.json"
