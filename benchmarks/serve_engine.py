@@ -195,7 +195,7 @@ def host_sampler(pid: int, args: argparse.Namespace, out: Path) -> subprocess.Po
     if exe is None:
         print("py-spy not found (PATH or $PYSPY): no host profile", file=sys.stderr)
         return None
-    command = (f"sleep {args.warmup + 1}; exec {exe} record --pid {pid} --subprocesses --nonblocking --rate 500 "
+    command = (f"sleep {args.warmup + 1}; exec {exe} record --pid {pid} --subprocesses --nonblocking --function --rate 500 "
                f"--format raw --duration {int(args.pyspy)} -o {out}")
     return subprocess.Popen(["bash", "-c", command], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
