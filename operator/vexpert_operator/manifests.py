@@ -240,6 +240,120 @@ def _security_context(spec: VExpertDeploymentSpec) -> dict[str, Any]:
     return sc
 
 
+def _resources(spec: VExpertDeploymentSpec, sizing: Sizing) -> dict[str, str]:
+    """Requests = limits (Guaranteed QoS): a rank evicted under memory pressure stops the whole group."""
+    memory = format_mebibytes(sizing.pod_memory_bytes)
+    resources = {"cpu": spec.runtime.cpu, "memory": memory, GPU_RESOURCE: str(spec.parallelism.gpus_per_node)}
+    resources.update(spec.runtime.extra_resources)
+    return resources
+
+
+def _readiness_probe() -> dict[str, Any]:
+    return {
+        "httpGet": {"path": HEALTH_PATH, "port": HTTP_PORT_NAME},
+        "periodSeconds": 5,
+        "timeoutSeconds": 3,  # the API shares the server: allow for a busy event loop
+        "failureThreshold": 3,
+    }
+
+
+def _node_container(spec: VExpertDeploymentSpec, sizing: Sizing) -> dict[str, Any]:
+    """The one container: ``vexpert serve`` on the rendered config, rendezvous and API ports."""
+    resources = _resources(spec, sizing)
+    return {
+        "name": CONTAINER,
+        "image": spec.runtime.image,
+        "imagePullPolicy": spec.runtime.image_pull_policy,
+        "command": ["vexpert", "serve"],
+        "args": ["--config", f"{CONFIG_DIR}/{CONFIG_FILE}", "--port", str(spec.runtime.http_port)],
+        "env": _env(spec),
+        "ports": [
+            {"name": "rendezvous", "containerPort": spec.parallelism.master_port, "protocol": "TCP"},
+            {"name": HTTP_PORT_NAME, "containerPort": spec.runtime.http_port, "protocol": "TCP"},
+        ],
+        "resources": {"requests": dict(resources), "limits": dict(resources)},
+        "securityContext": _security_context(spec),
+        "readinessProbe": _readiness_probe(),
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "model", "mountPath": spec.model.checkpoint.mount_path, "readOnly": True},
+            {"name": "shm", "mountPath": SHM_DIR},
+        ],
+    }
+
+
+def _node_volumes(name: str, spec: VExpertDeploymentSpec) -> list[dict[str, Any]]:
+    return [
+        {"name": "config", "configMap": {"name": nm.config_map_name(name)}},
+        _model_volume(spec),
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.runtime.shm_size}},
+    ]
+
+
+def _node_affinities(name: str, node_key: NodeTypeKey | None) -> dict[str, Any]:
+    """One rank per host (two ranks on one host would share its GPUs), on nodes of the chosen type."""
+    affinity: dict[str, Any] = {
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [{
+                "labelSelector": {"matchLabels": nm.node_selector_labels(name)},
+                "topologyKey": "kubernetes.io/hostname",
+            }],
+        },
+    }
+    if node_key is not None:
+        affinity["nodeAffinity"] = _node_affinity(node_type_terms(node_key))
+    return affinity
+
+
+def _optional_pod_fields(spec: VExpertDeploymentSpec) -> dict[str, Any]:
+    """The pod fields the spec may set; unset ones are left out (not rendered empty)."""
+    runtime = spec.runtime
+    fields: dict[str, Any] = {}
+    if runtime.node_selector:
+        fields["nodeSelector"] = dict(runtime.node_selector)
+    if runtime.tolerations:
+        fields["tolerations"] = _tolerations(spec)
+    if runtime.service_account_name:
+        fields["serviceAccountName"] = runtime.service_account_name
+    if runtime.priority_class_name:
+        fields["priorityClassName"] = runtime.priority_class_name
+    if runtime.runtime_class_name:
+        fields["runtimeClassName"] = runtime.runtime_class_name
+    if runtime.image_pull_secrets:
+        fields["imagePullSecrets"] = [{"name": s} for s in runtime.image_pull_secrets]
+    return fields
+
+
+def _node_pod_spec(name: str, spec: VExpertDeploymentSpec, sizing: Sizing,
+                   node_key: NodeTypeKey | None) -> dict[str, Any]:
+    """The pod spec of a node pod: no host namespaces, restarted in place, everything else from the spec."""
+    return {
+        "affinity": _node_affinities(name, node_key),
+        "hostIPC": False,
+        "hostNetwork": False,
+        "hostPID": False,
+        "enableServiceLinks": False,
+        "restartPolicy": "Always",
+        "terminationGracePeriodSeconds": 30,
+        "containers": [_node_container(spec, sizing)],
+        "volumes": _node_volumes(name, spec),
+        **_optional_pod_fields(spec),
+    }
+
+
+def _node_pod_annotations(spec: VExpertDeploymentSpec, cfg_hash: str) -> dict[str, str]:
+    """The config hash (a changed config rolls the group) and where Prometheus scrapes."""
+    return {
+        nm.ANNOTATION_CONFIG_HASH: cfg_hash,
+        "kubectl.kubernetes.io/default-container": CONTAINER,
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(spec.runtime.http_port),
+        "prometheus.io/path": "/metrics",
+    }
+
+
 def build_pod_template(name: str, spec: VExpertDeploymentSpec, sizing: Sizing, cfg_hash: str,
                        node_key: NodeTypeKey | None) -> dict[str, Any]:
     """The node pod: one container running ``vexpert serve`` with all of the node's GPUs.
@@ -250,85 +364,14 @@ def build_pod_template(name: str, spec: VExpertDeploymentSpec, sizing: Sizing, c
     and hence no startup probe: loading hundreds of GB of experts from a volume has no bound a probe
     could rely on, and the kubelet restarting one rank would break the whole EP group; the operator
     re-forms groups itself (with backoff) when a pod fails or a member is lost.
+
+    The template's own hash goes into its labels: the operator compares it with the running pods'
+    to decide when a group must re-form (the StatefulSet is ``OnDelete``).
     """
-    memory = format_mebibytes(sizing.pod_memory_bytes)
-    resources = {"cpu": spec.runtime.cpu, "memory": memory, GPU_RESOURCE: str(spec.parallelism.gpus_per_node)}
-    resources.update(spec.runtime.extra_resources)
-    selector_labels = nm.node_selector_labels(name)
-    pod_spec: dict[str, Any] = {
-        "affinity": {
-            "podAntiAffinity": {
-                "requiredDuringSchedulingIgnoredDuringExecution": [{
-                    "labelSelector": {"matchLabels": selector_labels},
-                    "topologyKey": "kubernetes.io/hostname",
-                }],
-            },
-        },
-        "hostIPC": False,
-        "hostNetwork": False,
-        "hostPID": False,
-        "enableServiceLinks": False,
-        "restartPolicy": "Always",
-        "terminationGracePeriodSeconds": 30,
-        "containers": [{
-            "name": CONTAINER,
-            "image": spec.runtime.image,
-            "imagePullPolicy": spec.runtime.image_pull_policy,
-            "command": ["vexpert", "serve"],
-            "args": ["--config", f"{CONFIG_DIR}/{CONFIG_FILE}", "--port", str(spec.runtime.http_port)],
-            "env": _env(spec),
-            "ports": [
-                {"name": "rendezvous", "containerPort": spec.parallelism.master_port, "protocol": "TCP"},
-                {"name": HTTP_PORT_NAME, "containerPort": spec.runtime.http_port, "protocol": "TCP"},
-            ],
-            "resources": {"requests": dict(resources), "limits": dict(resources)},
-            "securityContext": _security_context(spec),
-            "readinessProbe": {
-                "httpGet": {"path": HEALTH_PATH, "port": HTTP_PORT_NAME},
-                "periodSeconds": 5,
-                "timeoutSeconds": 3,  # the API shares the server: allow for a busy event loop
-                "failureThreshold": 3,
-            },
-            "terminationMessagePath": TERMINATION_LOG,
-            "terminationMessagePolicy": "FallbackToLogsOnError",
-            "volumeMounts": [
-                {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-                {"name": "model", "mountPath": spec.model.checkpoint.mount_path, "readOnly": True},
-                {"name": "shm", "mountPath": SHM_DIR},
-            ],
-        }],
-        "volumes": [
-            {"name": "config", "configMap": {"name": nm.config_map_name(name)}},
-            _model_volume(spec),
-            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.runtime.shm_size}},
-        ],
-    }
-    if node_key is not None:
-        pod_spec["affinity"]["nodeAffinity"] = _node_affinity(node_type_terms(node_key))
-    if spec.runtime.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.runtime.node_selector)
-    if spec.runtime.tolerations:
-        pod_spec["tolerations"] = _tolerations(spec)
-    if spec.runtime.service_account_name:
-        pod_spec["serviceAccountName"] = spec.runtime.service_account_name
-    if spec.runtime.priority_class_name:
-        pod_spec["priorityClassName"] = spec.runtime.priority_class_name
-    if spec.runtime.runtime_class_name:
-        pod_spec["runtimeClassName"] = spec.runtime.runtime_class_name
-    if spec.runtime.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.runtime.image_pull_secrets]
+    labels = nm.deployment_labels(name) | nm.node_selector_labels(name) | {nm.LABEL_COMPONENT: "node"}
     template: dict[str, Any] = {
-        "metadata": {
-            "labels": nm.deployment_labels(name) | selector_labels | {nm.LABEL_COMPONENT: "node"},
-            "annotations": {
-                nm.ANNOTATION_CONFIG_HASH: cfg_hash,
-                "kubectl.kubernetes.io/default-container": CONTAINER,
-                "prometheus.io/scrape": "true",
-                "prometheus.io/port": str(spec.runtime.http_port),
-                "prometheus.io/path": "/metrics",
-            },
-        },
-        "spec": pod_spec,
+        "metadata": {"labels": labels, "annotations": _node_pod_annotations(spec, cfg_hash)},
+        "spec": _node_pod_spec(name, spec, sizing, node_key),
     }
     template["metadata"]["labels"][nm.LABEL_TEMPLATE_HASH] = nm.stable_hash(template, 10)
     return template
