@@ -37,7 +37,8 @@ from vexpert_runtime.config import RuntimeConfig  # noqa: E402
 from vexpert_runtime.model.checkpoint import write_tiny_checkpoint  # noqa: E402
 from vexpert_runtime.node import NodeOptions, NodeRuntime, Progress, resolve_setup  # noqa: E402
 from vexpert_runtime.ports import free_port  # noqa: E402
-from vexpert_runtime.simulation.workload import Workload, demo_model_spec  # noqa: E402
+from vexpert_runtime.simulation.workload import demo_model_spec  # noqa: E402
+from vexpert_runtime.workload import Workload  # noqa: E402
 
 SHM_MARKERS = ("/dev/shm/", "memfd:", "torch_")
 

@@ -17,7 +17,7 @@ import torch
 
 from vexpert_runtime.node.protocol import Assignment, FillAborted, SlotFiller
 from vexpert_runtime.policy.allocator import Plan, allocate
-from vexpert_runtime.simulation.workload import Workload
+from vexpert_runtime.workload import Workload
 
 _FIRED: set[tuple[str, int]] = set()  # (fault, sequence) already injected in this process
 

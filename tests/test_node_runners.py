@@ -29,7 +29,7 @@ from vexpert_runtime.node.runners import (
 )
 from vexpert_runtime.node.slots import row_checksum
 from vexpert_runtime.node.transport import CpuSharedMemoryTransport
-from vexpert_runtime.node.worker import WorkerArgs
+from vexpert_runtime.node.worker_args import WorkerArgs
 from vexpert_runtime.simulation.workload import drifting_workload
 
 SPEC = TINY_DEEPSEEK_SPEC

@@ -50,7 +50,8 @@ from vexpert_runtime.node import NodeOptions, NodeReport, NodeRuntime, Progress,
 from vexpert_runtime.node.slots import row_checksum, sequence
 from vexpert_runtime.policy.placement import static_placement
 from vexpert_runtime.ports import free_port
-from vexpert_runtime.simulation.workload import Workload, drifting_workload
+from vexpert_runtime.simulation.workload import drifting_workload
+from vexpert_runtime.workload import Workload
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = TINY_DEEPSEEK_SPEC

@@ -35,7 +35,8 @@ from vexpert_runtime.node import NodeOptions, resolve_setup, run_node
 from vexpert_runtime.node.slots import row_checksum
 from vexpert_runtime.policy.placement import static_placement
 from vexpert_runtime.ports import free_port
-from vexpert_runtime.simulation.workload import Workload, drifting_workload
+from vexpert_runtime.simulation.workload import drifting_workload
+from vexpert_runtime.workload import Workload
 
 REPO = Path(__file__).resolve().parents[1]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -28,7 +28,8 @@ from vexpert_runtime.node.slots import row_checksum, sequence
 from vexpert_runtime.node.transport import CpuSharedMemoryTransport
 from vexpert_runtime.policy.placement import static_placement
 from vexpert_runtime.ports import free_port
-from vexpert_runtime.simulation.workload import Workload, drifting_workload
+from vexpert_runtime.simulation.workload import drifting_workload
+from vexpert_runtime.workload import Workload
 
 SPEC = TINY_DEEPSEEK_SPEC
 

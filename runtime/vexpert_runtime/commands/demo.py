@@ -35,8 +35,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vexpert_runtime.demo import VERIFY_TOLERANCE, DemoSettings, run_demo
     from vexpert_runtime.errors import VExpertInputError
-    from vexpert_runtime.node.demo import VERIFY_TOLERANCE, DemoSettings, run_demo
 
     for name in ("iterations", "workers", "tokens_per_worker", "allocation_interval"):
         if getattr(args, name) < 1:

@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     from vexpert_runtime.model.checkpoint import write_tiny_checkpoint
     from vexpert_runtime.model.reference import VERIFY_TOLERANCE
     from vexpert_runtime.node import NodeOptions, NodeRuntime, install_signal_handlers, resolve_setup
-    from vexpert_runtime.simulation.workload import Workload, demo_model_spec, drifting_workload
+    from vexpert_runtime.simulation.workload import demo_model_spec, drifting_workload
+    from vexpert_runtime.workload import Workload
 
     if args.cpu_workers is not None and args.cpu_workers < 1:
         raise VExpertInputError("--cpu-workers", f"must be ≥ 1, got {args.cpu_workers}")

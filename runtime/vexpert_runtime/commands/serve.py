@@ -14,8 +14,16 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported where used: `vexpert --help` and the other commands stay free of torch
+    from vexpert_runtime.config import RuntimeConfig
+    from vexpert_runtime.node import NodeRuntime, NodeSetup
+    from vexpert_runtime.serve.api import ServeApi
+    from vexpert_runtime.serve.multirank import MultiRankDispatcher
+    from vexpert_runtime.serve.scheduler import SchedulerConfig
 
 DEFAULT_PORT = 8000
 DEMO_NAME = "vexpert-demo"
@@ -95,17 +103,14 @@ def _model_config(model_dir: Path) -> dict[str, Any]:
     return raw
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
+def _log(line: str) -> None:
+    print(f"vexpert serve: {line}", file=sys.stderr, flush=True)
 
-    from vexpert_runtime.config import RuntimeConfig, load_runtime_config
+
+def _checked_api_key(args: argparse.Namespace) -> str | None:
+    """Refuse impossible flags before anything is loaded; the API key from ``--api-key``, else the
+    environment (None: no key)."""
     from vexpert_runtime.errors import VExpertInputError
-    from vexpert_runtime.node import NodeOptions, NodeRuntime, resolve_setup
-    from vexpert_runtime.serve.api import ApiConfig, ServeApi, run_server
-    from vexpert_runtime.serve.multirank import MultiRankDispatcher
-    from vexpert_runtime.serve.rank import ServeWorkerArgs
-    from vexpert_runtime.serve.scheduler import SchedulerConfig
-    from vexpert_runtime.simulation.workload import Workload
 
     if args.cpu_workers is not None and args.cpu_workers < 1:
         raise VExpertInputError("--cpu-workers", f"must be ≥ 1, got {args.cpu_workers}")
@@ -113,21 +118,49 @@ def run(args: argparse.Namespace) -> int:
         raise VExpertInputError("--port", f"{args.port} is not a TCP port")
     if not args.header_timeout > 0:  # also NaN
         raise VExpertInputError("--header-timeout", f"{args.header_timeout} is not > 0", "seconds, e.g. 15")
-    api_key = args.api_key if args.api_key is not None else os.environ.get("VEXPERT_API_KEY")
+    api_key: str | None = args.api_key if args.api_key is not None else os.environ.get("VEXPERT_API_KEY")
     if api_key is not None and not api_key.strip():
         raise VExpertInputError("--api-key", "is empty", "pass a non-empty key, or neither --api-key nor VEXPERT_API_KEY")
+    return api_key
+
+
+def _runtime_config(args: argparse.Namespace) -> RuntimeConfig:
+    """``--config`` (the node pod's runtime.yaml), or one for this machine: every GPU an EP rank in
+    bfloat16, else ``--cpu-workers`` (default 2) CPU ranks in float32."""
+    import torch
+
+    from vexpert_runtime.config import RuntimeConfig, load_runtime_config
+
     if args.config:
-        config = load_runtime_config(args.config)
-    else:
-        on_gpu = torch.cuda.is_available() and args.cpu_workers is None
-        ranks = torch.cuda.device_count() if on_gpu else (args.cpu_workers or 2)
-        config = RuntimeConfig.model_validate({
-            "model": {"dtype": "bfloat16" if on_gpu else "float32"},
-            "parallelism": {"expert_parallel_size": ranks, "gpus_per_node": ranks},
-            "runtime": {"device": "cuda" if on_gpu else "cpu", "metrics_port": 0},
-        })
+        return load_runtime_config(args.config)
+    on_gpu = torch.cuda.is_available() and args.cpu_workers is None
+    ranks = torch.cuda.device_count() if on_gpu else (args.cpu_workers or 2)
+    return RuntimeConfig.model_validate({
+        "model": {"dtype": "bfloat16" if on_gpu else "float32"},
+        "parallelism": {"expert_parallel_size": ranks, "gpus_per_node": ranks},
+        "runtime": {"device": "cuda" if on_gpu else "cpu", "metrics_port": 0},
+    })
+
+
+@dataclass(frozen=True)
+class _Served:
+    """What this process serves and within which limits, all checked before a process starts."""
+
+    model_dir: Path
+    demo: bool  # the embedded demo model (no --model and no checkpoint in the config)
+    name: str  # the model id clients send
+    model_config: dict[str, Any]
+    max_context: int
+    gpu_memory_utilization: float
+    setup: NodeSetup
+    scheduler: SchedulerConfig
+
+
+def _resolve_served(args: argparse.Namespace, config: RuntimeConfig) -> _Served:
+    from vexpert_runtime.node import resolve_setup
+    from vexpert_runtime.serve.scheduler import SchedulerConfig
+
     model_dir, demo = _model_dir(args, config.model.checkpoint_path)
-    name = args.served_model_name or (DEMO_NAME if demo else model_dir.name)
     model_config = _model_config(model_dir)
     max_context = int(model_config.get("max_position_embeddings", 4096))
     gpu_memory_utilization = resolve_gpu_memory_utilization(args.gpu_memory_utilization,
@@ -139,62 +172,111 @@ def run(args: argparse.Namespace) -> int:
     scheduler = SchedulerConfig(kv_budget_tokens=kv_tokens, max_batch_tokens=args.max_batch_tokens,
                                 max_running=args.max_running, max_waiting=args.max_waiting)
     scheduler.check(max_context)  # refuse impossible limits before any process starts
+    return _Served(
+        model_dir=model_dir, demo=demo, name=args.served_model_name or (DEMO_NAME if demo else model_dir.name),
+        model_config=model_config, max_context=max_context,
+        gpu_memory_utilization=gpu_memory_utilization,
+        setup=setup, scheduler=scheduler,
+    )
 
-    def log(line: str) -> None:
-        print(f"vexpert serve: {line}", file=sys.stderr, flush=True)
 
+class _NodeThread:
+    """The node runtime on a daemon thread beside the HTTP server (which owns the main thread).
+
+    When the node fails, the running requests fail with it and the process gets SIGTERM: the server
+    then stops the way it does for a pod deletion, and :func:`run` exits 1."""
+
+    def __init__(self, runtime: NodeRuntime) -> None:
+        self.runtime = runtime
+        self.failure: BaseException | None = None
+        self.dispatcher: MultiRankDispatcher | None = None  # set before start: failures reach the requests
+        self._thread = threading.Thread(target=self._run, name="vexpert-node", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.runtime.run()
+        except BaseException as exc:  # the node is down: fail what runs, stop serving (exit 1)
+            self.failure = exc
+            _log(f"node failed: {exc}")
+            if self.dispatcher is not None:
+                self.dispatcher.fail_all(f"the node failed: {exc}")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def readiness(self) -> str | None:
+        """Why the node cannot take requests now (None: it can)."""
+        if self.failure is not None:
+            return f"node failed: {self.failure}"
+        return self.runtime.readiness()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.runtime.request_stop()
+        self._thread.join(timeout=60.0)
+
+
+def _start_message(served: _Served, args: argparse.Namespace, api_key: str | None) -> str:
+    setup = served.setup
+    what = "the embedded demo model" if served.demo else served.model_dir
+    access = "an API key is required on /v1/*" if api_key else "no API key (anyone who reaches the port can use it)"
+    return (f"serving {what} as {served.name!r} on {args.host}:{args.port}: "
+            f"{setup.local_workers} {setup.device} ranks, {setup.spec.num_layers} MoE layers × {setup.spec.num_experts} "
+            f"experts, G·Vmax = {setup.slots} slots per rank; {access}")
+
+
+def _build_api(served: _Served, args: argparse.Namespace, api_key: str | None, dispatcher: MultiRankDispatcher,
+               runtime: NodeRuntime) -> ServeApi:
+    """The HTTP API over the dispatcher, with the checkpoint's tokenizer and the node's metrics."""
+    from transformers import AutoTokenizer
+
+    from vexpert_runtime.serve.api import ApiConfig, ServeApi
+
+    tokenizer = AutoTokenizer.from_pretrained(str(served.model_dir), local_files_only=True)
+    vocab = int(served.model_config.get("vocab_size", len(tokenizer)))
+    api_config = ApiConfig(served.name, served.max_context, vocab, args.drain_timeout, api_key=api_key,
+                           header_timeout_s=args.header_timeout)
+    return ServeApi(dispatcher, tokenizer, api_config, registry=runtime.metrics.registry)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from vexpert_runtime.node import NodeOptions, NodeRuntime
+    from vexpert_runtime.serve.api import run_server
+    from vexpert_runtime.serve.multirank import MultiRankDispatcher
+    from vexpert_runtime.serve.rank import ServeWorkerArgs
+    from vexpert_runtime.workload import Workload
+
+    api_key = _checked_api_key(args)
+    served = _resolve_served(args, _runtime_config(args))
+    setup = served.setup
+    # spawn: CUDA cannot be initialised again in a forked child
     ctx = torch.multiprocessing.get_context("spawn")
     events = ctx.Queue()
     requests = [ctx.Queue() for _ in range(setup.local_workers)]
     options = NodeOptions(
         workload=Workload(tokens_per_worker=args.max_running),  # sizes the allocator's decode batch
-        serve=[ServeWorkerArgs(str(model_dir), scheduler, inbound, events, gpu_memory_utilization,
-                               ranks_per_gpu=setup.workers_per_gpu) for inbound in requests],
-        log=log,
+        serve=[ServeWorkerArgs(str(served.model_dir), served.scheduler, inbound, events,
+                               served.gpu_memory_utilization, ranks_per_gpu=setup.workers_per_gpu)
+               for inbound in requests],
+        log=_log,
     )
-    runtime = NodeRuntime(setup, options)
-    failure: list[BaseException] = []
-    dispatcher: MultiRankDispatcher | None = None
-
-    def node() -> None:
-        try:
-            runtime.run()
-        except BaseException as exc:  # the node is down: fail what runs, stop serving (exit 1)
-            failure.append(exc)
-            log(f"node failed: {exc}")
-            if dispatcher is not None:
-                dispatcher.fail_all(f"the node failed: {exc}")
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    def node_ready() -> str | None:
-        if failure:
-            return f"node failed: {failure[0]}"
-        return runtime.readiness()
-
-    dispatcher = MultiRankDispatcher(requests, events, args.max_waiting, node_ready, runtime.request_stop)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    vocab = int(model_config.get("vocab_size", len(tokenizer)))
-    api_config = ApiConfig(name, max_context, vocab, args.drain_timeout, api_key=api_key,
-                           header_timeout_s=args.header_timeout)
-    api = ServeApi(dispatcher, tokenizer, api_config, registry=runtime.metrics.registry)
-    log(f"serving {'the embedded demo model' if demo else model_dir} as {name!r} on {args.host}:{args.port}: "
-        f"{setup.local_workers} {setup.device} ranks, {setup.spec.num_layers} MoE layers × {setup.spec.num_experts} "
-        f"experts, G·Vmax = {setup.slots} slots per rank; "
-        f"{'an API key is required on /v1/*' if api_key else 'no API key (anyone who reaches the port can use it)'}")
-    thread = threading.Thread(target=node, name="vexpert-node", daemon=True)
-    thread.start()
+    node = _NodeThread(NodeRuntime(setup, options))
+    dispatcher = MultiRankDispatcher(requests, events, args.max_waiting, node.readiness, node.runtime.request_stop)
+    node.dispatcher = dispatcher
+    api = _build_api(served, args, api_key, dispatcher, node.runtime)
+    _log(_start_message(served, args, api_key))
+    node.start()
     try:
         run_server(api, args.host, args.port)
     finally:
-        runtime.request_stop()
-        thread.join(timeout=60.0)
+        node.stop()
         dispatcher.close()
         for q in (*requests, events):
             q.cancel_join_thread()
             q.close()
-    if failure:
-        print(f"error: node failed: {failure[0]}", file=sys.stderr)
+    if node.failure is not None:
+        print(f"error: node failed: {node.failure}", file=sys.stderr)
         return 1
     return 0

@@ -3,9 +3,10 @@ slot-fill protocol between them, the transports that reach the slots, the L1 slo
 
 Modules: :mod:`.setup` (configuration checked before anything starts), :mod:`.supervisor` (processes,
 allocation windows, metrics), :mod:`.coordinator` (pool and fill loop), :mod:`.worker` (one EP rank),
-:mod:`.runners` (a worker's model work: the synthetic decode or serving), :mod:`.protocol` (the slot
-handshake), :mod:`.transport`, :mod:`.slots`, :mod:`.expert_pool`, :mod:`.messages`, :mod:`.report`,
-:mod:`.metrics`, :mod:`.demo`.
+:mod:`.runners` (a worker's model work: the synthetic decode or serving), :mod:`.worker_args` (what a
+worker starts with), :mod:`.protocol` (the slot handshake), :mod:`.transport`, :mod:`.slots`,
+:mod:`.expert_pool`, :mod:`.messages`, :mod:`.report`, :mod:`.metrics`. The demo that drives a node
+(:mod:`vexpert_runtime.demo`) and the simulation package sit outside: ``node/`` imports neither.
 
 The public API of a node run: :func:`resolve_setup` validates a config against the machine and the
 checkpoint, :func:`run_node` runs it (:class:`NodeRuntime`) with :class:`NodeOptions` and returns a

@@ -13,7 +13,7 @@ from vexpert_runtime.model.ep_moe import (
 )
 from vexpert_runtime.node.protocol import SlotFiller
 from vexpert_runtime.policy import allocator as placement_policy
-from vexpert_runtime.simulation.workload import Workload
+from vexpert_runtime.workload import Workload
 
 # ---------------------------------------------------------------------------------------------
 # Options and report

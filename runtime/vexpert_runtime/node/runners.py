@@ -40,10 +40,10 @@ from vexpert_runtime.model.routing import route
 from vexpert_runtime.node.protocol import Rescue, WorkerSlots
 from vexpert_runtime.node.slots import row_checksum
 from vexpert_runtime.node.step_graph import StepGraph
-from vexpert_runtime.simulation.workload import Workload
+from vexpert_runtime.workload import Workload
 
 if TYPE_CHECKING:
-    from vexpert_runtime.node.worker import WorkerArgs
+    from vexpert_runtime.node.worker_args import WorkerArgs
     from vexpert_runtime.serve.rank import ServeWorkerArgs
 
 

@@ -90,7 +90,8 @@ from vexpert_runtime.node.setup import (
     rendezvous_url,
     single_node_environment,
 )
-from vexpert_runtime.node.worker import COLLECTIVE_TIMEOUT_S, STARTUP_TIMEOUT_S, WorkerArgs, worker_main
+from vexpert_runtime.node.worker import COLLECTIVE_TIMEOUT_S, STARTUP_TIMEOUT_S, worker_main
+from vexpert_runtime.node.worker_args import WorkerArgs
 from vexpert_runtime.policy.allocator import AllocatorConfig, DeviceAllocator, Plan, allocate
 from vexpert_runtime.policy.perf_model import InferenceConstants
 from vexpert_runtime.policy.placement import balance_ratio, base_gpu_loads, static_placement

@@ -31,7 +31,6 @@ import torch
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.model.checkpoint import (
     CheckpointReader,
-    MoESpec,
 )
 from vexpert_runtime.model.ep_moe import RoutingTable, static_table
 from vexpert_runtime.model.grouped_moe import grouped_gemm_runs
@@ -47,7 +46,7 @@ from vexpert_runtime.node.messages import (
     WorkerInputError,
     WorkerReady,
 )
-from vexpert_runtime.node.protocol import SharedState, WorkerSlots, agree
+from vexpert_runtime.node.protocol import WorkerSlots, agree
 from vexpert_runtime.node.runners import (
     DeviceTables,
     IterationStats,
@@ -58,7 +57,7 @@ from vexpert_runtime.node.runners import (
 from vexpert_runtime.node.slots import FULL
 from vexpert_runtime.node.step_graph import graphs_enabled
 from vexpert_runtime.node.transport import make_transport
-from vexpert_runtime.simulation.workload import Workload
+from vexpert_runtime.node.worker_args import WorkerArgs
 
 COLLECTIVE_TIMEOUT_S = 120.0
 STARTUP_TIMEOUT_S = 180.0
@@ -67,34 +66,6 @@ STARTUP_TIMEOUT_S = 180.0
 # ---------------------------------------------------------------------------------------------
 # Worker process
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class WorkerArgs:
-    """Everything a worker process needs (pickled at spawn)."""
-
-    local_rank: int
-    gpu: int  # cuda:<gpu> on GPU nodes
-    shared_gpu: bool  # other workers use the same GPU: everything over gloo (NCCL refuses)
-    rank: int
-    world: int
-    rendezvous: str  # torch.distributed init_method (node.setup.rendezvous_url)
-    checkpoint: str
-    spec: MoESpec
-    dtype: str
-    device: str
-    slots: int
-    k: int
-    timeout_s: float
-    workload: Workload
-    shared: SharedState
-    results: Any
-    control: Any
-    parent_pid: int
-    verify: bool
-    record: bool
-    serve: Any = None  # ServeWorkerArgs: serve requests through the model (vexpert serve) instead of ``workload``
-    dispatch: str = "plan"  # replica dispatch of every layer (plan | local | global; the same on every rank)
 
 
 def worker_main(args: WorkerArgs) -> None:

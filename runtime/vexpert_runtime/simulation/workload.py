@@ -1,20 +1,19 @@
-"""Synthetic decode load for a node without a serving frontend, and the built-in demo model.
+"""Drifting synthetic load from the bundled real-load traces, and the built-in demo model.
 
-Each EP rank draws its own tokens per iteration from a seeded generator (so the coordinator can
-regenerate any rank's batch to verify it). A tiny random model routes almost uniformly, so to replay
-*real* skew the workload can add a per-layer router logit bias ``log p_l`` (``p_l``: a bundled
-DeepSeek-V3 per-layer expert distribution, subsampled to the model's layer and expert counts);
-switching between bundled distributions makes the load drift the way the paper's phased traces do.
+A tiny random model routes almost uniformly, so to replay *real* skew a
+:class:`~vexpert_runtime.workload.Workload` can add a per-layer router logit bias ``log p_l``
+(``p_l``: a bundled DeepSeek-V3 per-layer expert distribution, subsampled to the model's layer and
+expert counts); switching between bundled distributions makes the load drift the way the paper's
+phased traces do. The workload type itself lives outside this package, so the node runs it without
+importing the simulation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
-import torch
 
 from vexpert_runtime.model.checkpoint import DEEPSEEK, MoESpec
+from vexpert_runtime.workload import LoadPhase, Workload
 
 DEMO_PHASES: tuple[tuple[str, int], ...] = (
     ("decode_in1000out1000", 14),
@@ -41,50 +40,6 @@ def demo_model_spec() -> MoESpec:
         correction_bias=True,
         shared_intermediate_size=32,
     )
-
-
-@dataclass(frozen=True)
-class LoadPhase:
-    """One phase of router skew: from ``start`` on, add ``bias`` [L, E] to the router logits."""
-
-    name: str
-    start: int
-    bias: np.ndarray
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Per-iteration input of every rank, plus optional drifting router skew (cycling phases)."""
-
-    tokens_per_worker: int = 64
-    seed: int = 0
-    phases: tuple[LoadPhase, ...] = field(default_factory=tuple)
-    cycle: int = 0  # phases repeat every ``cycle`` iterations (0 = last phase lasts forever)
-
-    def inputs(self, iteration: int, rank: int, hidden: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rank ``rank``'s tokens at ``iteration``: [B, H], standard normal, reproducible."""
-        state = np.random.SeedSequence([self.seed, iteration, rank]).generate_state(1, dtype=np.uint64)[0]
-        gen = torch.Generator().manual_seed(int(state) & ((1 << 63) - 1))
-        return torch.randn(self.tokens_per_worker, hidden, generator=gen).to(dtype)
-
-    def _phase(self, iteration: int) -> LoadPhase | None:
-        if not self.phases:
-            return None
-        t = iteration % self.cycle if self.cycle else iteration
-        current = self.phases[0]
-        for phase in self.phases:
-            if phase.start <= t:
-                current = phase
-        return current
-
-    def logit_bias(self, iteration: int) -> torch.Tensor | None:
-        """[L, E] fp32 router skew at ``iteration`` or None."""
-        phase = self._phase(iteration)
-        return None if phase is None else torch.from_numpy(phase.bias).to(torch.float32)
-
-    def phase_name(self, iteration: int) -> str:
-        phase = self._phase(iteration)
-        return "uniform" if phase is None else phase.name
 
 
 def subsample_distribution(dist: np.ndarray, num_layers: int, num_experts: int) -> np.ndarray:
