@@ -30,7 +30,7 @@ from .calibration import (
     format_time,
     parse_time,
 )
-from .calibrator import ensure_calibration
+from .calibrator import CalibrationOutcome, ensure_calibration
 from .conditions import (
     Blocker,
     GroupObservation,
@@ -163,114 +163,221 @@ def is_permanently_invalid(body: Mapping[str, Any]) -> bool:
                 and cond.observed_generation == generation)
 
 
+@dataclass
+class _Pass:
+    """What one reconcile pass holds fixed: the fresh body, the status it started from, and its clock
+    (every condition written in the pass carries the same stamp and generation)."""
+
+    ctx: Context
+    body: Mapping[str, Any]
+    old: VExpertDeploymentStatus
+    now: dt.datetime
+
+    @property
+    def meta(self) -> Mapping[str, Any]:
+        meta: Mapping[str, Any] = self.body["metadata"]
+        return meta
+
+    @property
+    def name(self) -> str:
+        return str(self.meta["name"])
+
+    @property
+    def namespace(self) -> str:
+        return str(self.meta["namespace"])
+
+    @property
+    def generation(self) -> int | None:
+        generation: int | None = self.meta.get("generation")
+        return generation
+
+    @property
+    def stamp(self) -> str:
+        return format_time(self.now)
+
+    def condition(self, status: VExpertDeploymentStatus, kind: str, value: bool | None, reason: str,
+                  message: str) -> None:
+        status.conditions = set_condition(status.conditions, kind, value, reason, message, self.stamp,
+                                          self.generation)
+
+    def event(self, kind: str, reason: str, message: str) -> None:
+        _event(self.ctx, self.body, kind, reason, message)
+
+    async def write(self, new: VExpertDeploymentStatus) -> None:
+        await write_status(self.ctx, self.body, self.old, new)
+
+
 async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False) -> Outcome:
-    # Re-read: a daemon's or handler's body can lag behind the API (a stale spec would flip the
-    # template back; a stale status would forget group restarts). Writes are serialised per object.
-    fresh = await ctx.client.get_or_none(kube.DEPLOYMENTS, body["metadata"]["name"], body["metadata"]["namespace"])
-    if fresh is None or (fresh["metadata"].get("uid") and body["metadata"].get("uid")
-                         and fresh["metadata"]["uid"] != body["metadata"]["uid"]):
+    """One level-triggered pass: each step either hands the next one what it needs or ends the pass
+    with the status it wrote (invalid spec, no node type, calibrating, does not fit, rejected, gone)."""
+    fresh = await _read_fresh(ctx, body)
+    if fresh is None:
         return Outcome("Deleted", VExpertDeploymentStatus())
-    body = fresh
+    if fresh["metadata"].get("deletionTimestamp"):
+        return Outcome("Deleted", read_status(fresh))
+    run = _Pass(ctx, fresh, read_status(fresh), utcnow())
+
+    spec = await _valid_spec(run)
+    if isinstance(spec, Outcome):
+        return spec
+    status = _status_for_valid_spec(run, spec)
+    nodes = await observe_nodes(ctx, run.namespace, run.name)
+    placed = await _choose_node_type(run, spec, status, nodes)
+    if isinstance(placed, Outcome):
+        return placed
+    candidates, chosen = placed
+    cal = await _calibrate(run, spec, status, candidates, chosen)
+    if isinstance(cal, Outcome):
+        return cal
+    planned = await _plan(run, spec, status, chosen, cal)
+    if isinstance(planned, Outcome):
+        return planned
+    plan, inputs = planned
+
+    sample: RuntimeSample | None = None
+    if tune and run.old.phase in ("Running", "Degraded"):
+        sample = await scrape_group(ctx, run.namespace, run.name, spec.runtime.http_port)
+        plan = await _tune(ctx, run.body, spec, status, plan, inputs, sample, run.now)
+
+    # Decide about the group before applying: a re-form first scales the StatefulSet to zero.
+    raw_pods = await ctx.client.list(kube.PODS, run.namespace, labels=nm.node_selector_labels(run.name))
+    decision = _decide_group(spec, status, plan, raw_pods, run.now)
+    plan = _replan_for_draining(status, decision, inputs, plan, raw_pods, nodes)
+
+    applied = await _apply_children(run, spec, status, plan, chosen)
+    if applied is not None:
+        return applied
+    wake_at = await _apply_group_decision(ctx, run.body, status, decision, run.now)
+    await _report_group(run, spec, status, plan, chosen, decision, sample, raw_pods)
+    return Outcome(status.phase, status, plan=plan, spec=spec, node_type=chosen, wake_at=wake_at)
+
+
+async def _read_fresh(ctx: Context, body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The deployment as the API has it now, or None when it is gone (or replaced: another uid).
+
+    Re-read: a daemon's or handler's body can lag behind the API (a stale spec would flip the
+    template back; a stale status would forget group restarts). Writes are serialised per object."""
     meta = body["metadata"]
-    name, ns, generation = meta["name"], meta["namespace"], meta.get("generation")
-    if meta.get("deletionTimestamp"):
-        return Outcome("Deleted", read_status(body))
-    now = utcnow()
-    stamp = format_time(now)
-    old = read_status(body)
+    fresh = await ctx.client.get_or_none(kube.DEPLOYMENTS, meta["name"], meta["namespace"])
+    if fresh is None:
+        return None
+    fresh_uid, uid = fresh["metadata"].get("uid"), meta.get("uid")
+    if fresh_uid and uid and fresh_uid != uid:
+        return None
+    return fresh
 
-    spec, problems = parse_spec(body.get("spec") or {})
+
+async def _valid_spec(run: _Pass) -> VExpertDeploymentSpec | Outcome:
+    """The parsed spec, or the Invalid outcome (its event only when the status changes)."""
+    spec, problems = parse_spec(run.body.get("spec") or {})
     if spec is not None:
-        problems = validate_spec(spec, name)
-    if problems or spec is None:
-        new = _invalid(old, problems, REASON_INVALID_SPEC, stamp, generation)
-        if status_patch(new) != status_patch(old):
-            _event(ctx, body, "Warning", "Invalid", new.message)
-        await write_status(ctx, body, old, new)
-        return Outcome("Invalid", new)
+        problems = validate_spec(spec, run.name)
+    if spec is not None and not problems:
+        return spec
+    new = _invalid(run.old, problems, REASON_INVALID_SPEC, run.stamp, run.generation)
+    if status_patch(new) != status_patch(run.old):
+        run.event("Warning", "Invalid", new.message)
+    await run.write(new)
+    return Outcome("Invalid", new)
 
-    status = old.model_copy(deep=True)
-    status.observed_generation = generation
+
+def _status_for_valid_spec(run: _Pass, spec: VExpertDeploymentSpec) -> VExpertDeploymentStatus:
+    """The status this pass builds up, starting from the old one: this generation, valid."""
+    status = run.old.model_copy(deep=True)
+    status.observed_generation = run.generation
     status.nodes = spec.parallelism.num_nodes
-    status.conditions = set_condition(status.conditions, "Invalid", False, "Valid", "", stamp, generation)
+    run.condition(status, "Invalid", False, "Valid", "")
+    return status
 
-    nodes = await observe_nodes(ctx, ns, name)
+
+async def _choose_node_type(run: _Pass, spec: VExpertDeploymentSpec, status: VExpertDeploymentStatus,
+                            nodes: list[NodeInfo]) -> tuple[dict[str, NodeType], NodeType] | Outcome:
+    """The node types the spec may use and the one chosen (kept once chosen), or Pending when none."""
     candidates = candidate_types(nodes, spec.runtime.node_selector, spec.runtime.tolerations,
                                  spec.parallelism.gpus_per_node)
     chosen_name = choose_node_type(candidates, spec.parallelism.num_nodes, status.node_type)
-    if chosen_name is None:
-        msg = (f"no schedulable GPU node with ≥ {spec.parallelism.gpus_per_node} GPUs matches "
-               f"nodeSelector {spec.runtime.node_selector or '{}'} and the tolerations")
-        status.phase, status.message = "Pending", msg
-        status.conditions = set_condition(status.conditions, "Calibrated", None, "NoMatchingNodes", msg, stamp,
-                                          generation)
-        status.conditions = set_condition(status.conditions, "Progressing", False, "NoMatchingNodes", msg, stamp,
-                                          generation)
-        status.conditions = set_condition(status.conditions, "Ready", False, "NoMatchingNodes", msg, stamp, generation)
-        if status.phase != old.phase:
-            _event(ctx, body, "Warning", "NoMatchingNodes", msg)
-        await write_status(ctx, body, old, status)
-        return Outcome("Pending", status, spec=spec)
-    chosen = candidates[chosen_name]
-    status.node_type = chosen_name
+    if chosen_name is not None:
+        status.node_type = chosen_name
+        return candidates, candidates[chosen_name]
+    msg = (f"no schedulable GPU node with ≥ {spec.parallelism.gpus_per_node} GPUs matches "
+           f"nodeSelector {spec.runtime.node_selector or '{}'} and the tolerations")
+    status.phase, status.message = "Pending", msg
+    run.condition(status, "Calibrated", None, "NoMatchingNodes", msg)
+    run.condition(status, "Progressing", False, "NoMatchingNodes", msg)
+    run.condition(status, "Ready", False, "NoMatchingNodes", msg)
+    if run.old.phase != "Pending":
+        run.event("Warning", "NoMatchingNodes", msg)
+    await run.write(status)
+    return Outcome("Pending", status, spec=spec)
 
+
+async def _calibrate(run: _Pass, spec: VExpertDeploymentSpec, status: VExpertDeploymentStatus,
+                     candidates: Mapping[str, NodeType], chosen: NodeType) -> CalibrationOutcome | Outcome:
+    """The calibrated profiles, or the pass ends: owner gone, Job refused, or still calibrating."""
     try:
-        cal = await ensure_calibration(ctx, body, spec, candidates, chosen, now)
+        cal = await ensure_calibration(run.ctx, run.body, spec, candidates, chosen, run.now)
     except OwnerGone:
         return Outcome("Deleted", status)
     except kube.ApiError as exc:
         if not _refused_by_api_server(exc):
             raise
-        new = await _rejected(ctx, body, old, status, "calibration Job", exc, stamp, generation)
+        new = await _rejected(run.ctx, run.body, run.old, status, "calibration Job", exc, run.stamp, run.generation)
         return Outcome("Invalid", new, spec=spec, node_type=chosen)
     status.calibration.node_types = cal.node_types
     status.calibration.model_profile = cal.model_profile
     status.calibration.model_state = cal.model_state
     status.calibration.model_message = cal.model_message
-    status.conditions = set_condition(status.conditions, "Calibrated", cal.ready, cal.reason, cal.message, stamp,
-                                      generation)
-    if not cal.ready:
-        status.phase, status.message = "Calibrating", cal.message
-        status.conditions = set_condition(status.conditions, "Progressing", True, cal.reason,
-                                          "waiting for calibration", stamp, generation)
-        status.conditions = set_condition(status.conditions, "Ready", False, cal.reason,
-                                          "waiting for calibration", stamp, generation)
-        await write_status(ctx, body, old, status)
-        return Outcome("Calibrating", status, spec=spec, node_type=chosen, wake_at=cal.wake_at)
+    run.condition(status, "Calibrated", cal.ready, cal.reason, cal.message)
+    if cal.ready:
+        return cal
+    status.phase, status.message = "Calibrating", cal.message
+    run.condition(status, "Progressing", True, cal.reason, "waiting for calibration")
+    run.condition(status, "Ready", False, cal.reason, "waiting for calibration")
+    await run.write(status)
+    return Outcome("Calibrating", status, spec=spec, node_type=chosen, wake_at=cal.wake_at)
 
-    profile = combine_profiles(cal.hardware, cal.model, chosen.key) if (cal.hardware or cal.model) \
-        else combine_profiles(None, None, chosen.key)
-    inputs = PlanInputs(name=name, namespace=ns, spec=spec, uid=meta.get("uid", ""), node_type=chosen,
-                        profile=profile, allocation_interval=status.tuning.allocation_interval,
-                        pooled_experts=status.tuning.pooled_experts, keep_cap=_kept_cap(old, generation))
+
+async def _plan(run: _Pass, spec: VExpertDeploymentSpec, status: VExpertDeploymentStatus, chosen: NodeType,
+                cal: CalibrationOutcome) -> tuple[GroupPlan, PlanInputs] | Outcome:
+    """The group's plan at the current k and Np, or Invalid when the model does not fit the node type
+    (its event once per new message)."""
+    inputs = PlanInputs(name=run.name, namespace=run.namespace, spec=spec, uid=run.meta.get("uid", ""),
+                        node_type=chosen, profile=combine_profiles(cal.hardware, cal.model, chosen.key),
+                        allocation_interval=status.tuning.allocation_interval,
+                        pooled_experts=status.tuning.pooled_experts, keep_cap=_kept_cap(run.old, run.generation))
     plan = plan_group(inputs)
-    if plan.problems:
-        new = _invalid(status, plan.problems, REASON_DOES_NOT_FIT, stamp, generation)
-        was = get_condition(old, "Invalid")
-        if was is None or was.status != "True" or old.message != new.message:
-            _event(ctx, body, "Warning", "Invalid", new.message)
-        await write_status(ctx, body, old, new)
-        return Outcome("Invalid", new, spec=spec, node_type=chosen)
+    if not plan.problems:
+        return plan, inputs
+    new = _invalid(status, plan.problems, REASON_DOES_NOT_FIT, run.stamp, run.generation)
+    was = get_condition(run.old, "Invalid")
+    if was is None or was.status != "True" or run.old.message != new.message:
+        run.event("Warning", "Invalid", new.message)
+    await run.write(new)
+    return Outcome("Invalid", new, spec=spec, node_type=chosen)
 
-    sample: RuntimeSample | None = None
-    if tune and old.phase in ("Running", "Degraded"):
-        sample = await scrape_group(ctx, ns, name, spec.runtime.http_port)
-        plan = await _tune(ctx, body, spec, status, plan, inputs, sample, now)
 
-    # Decide about the group before applying: a re-form first scales the StatefulSet to zero.
-    raw_pods = await ctx.client.list(kube.PODS, ns, labels=nm.node_selector_labels(name))
-    decision = _decide_group(spec, status, plan, raw_pods, now)
+def _replan_for_draining(status: VExpertDeploymentStatus, decision: GroupDecision, inputs: PlanInputs,
+                         plan: GroupPlan, raw_pods: list[dict[str, Any]], nodes: list[NodeInfo]) -> GroupPlan:
+    """The plan again when draining changed (a re-form scales the StatefulSet to zero until every old
+    rank is gone) or cordoned nodes run ranks (the PDB then lets one go)."""
     if decision.action == "reform":
         status.group.draining = True
     elif status.group.draining and not raw_pods:
         status.group.draining = False  # every old rank is gone: the group may start again
     drained = nodes_being_drained(raw_pods, (n.name for n in nodes if n.unschedulable))
-    if status.group.draining != inputs.draining or drained != inputs.drained_nodes:
-        inputs.draining, inputs.drained_nodes = status.group.draining, drained
-        plan = plan_group(inputs)
+    if status.group.draining == inputs.draining and drained == inputs.drained_nodes:
+        return plan
+    inputs.draining, inputs.drained_nodes = status.group.draining, drained
+    return plan_group(inputs)
 
-    # A deletion wins over this reconcile (see ownership.py): no child for an owner that went
-    # since the first read, and what was written while it went is taken back.
+
+async def _apply_children(run: _Pass, spec: VExpertDeploymentSpec, status: VExpertDeploymentStatus,
+                          plan: GroupPlan, chosen: NodeType) -> Outcome | None:
+    """Apply the plan's children; None when all are in place, else the outcome that ends the pass.
+
+    A deletion wins over this reconcile (see ownership.py): no child for an owner that went since
+    the first read, and what was written while it went is taken back."""
+    ctx, meta = run.ctx, run.meta
     if await read_owner_state(ctx, meta) != "live":
         return Outcome("Deleted", status)
     written: list[tuple[str, str]] = []  # (kind, name)
@@ -282,7 +389,7 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False
                 if not _refused_by_api_server(exc):
                     raise
                 what = f"{child['kind']} {child['metadata']['name']}"
-                new = await _rejected(ctx, body, old, status, what, exc, stamp, generation)
+                new = await _rejected(ctx, run.body, run.old, status, what, exc, run.stamp, run.generation)
                 return Outcome("Invalid", new, plan=plan, spec=spec, node_type=chosen)
             if action != "unchanged":
                 written.append((child["kind"], child["metadata"]["name"]))
@@ -295,29 +402,39 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], *, tune: bool = False
         raise
     if written and await withdraw_if_owner_gone(ctx, meta, written) != "live":
         return Outcome("Deleted", status)
+    return None
 
-    wake_at = await _apply_group_decision(ctx, body, status, decision, now)
-    status.endpoint = api_endpoint(name, ns, spec)
 
+def _record_tuning(status: VExpertDeploymentStatus, plan: GroupPlan) -> None:
+    """The k and Np the applied plan runs with."""
     status.tuning.allocation_interval = plan.allocation_interval
     status.tuning.pooled_experts = plan.pooled_experts
     status.tuning.pooled_experts_cap = plan.sizing.pooled_experts_cap
     if not status.tuning.reason:
         status.tuning.reason = "initial: k from the spec, Np as large as node memory allows"
+
+
+async def _report_group(run: _Pass, spec: VExpertDeploymentSpec, status: VExpertDeploymentStatus, plan: GroupPlan,
+                        chosen: NodeType, decision: GroupDecision, sample: RuntimeSample | None,
+                        raw_pods: list[dict[str, Any]]) -> None:
+    """Endpoint, tuning and the group's conditions into the status; an event when it starts running
+    or degrades. Blockers are looked up only when the group is short of ready ranks and waiting."""
+    status.endpoint = api_endpoint(run.name, run.namespace, spec)
+    _record_tuning(status, plan)
     usable = chosen.ready_nodes + len(chosen.cordoned)  # cordoned ones may already run group pods
     ready = status.ready_nodes == spec.parallelism.num_nodes
+    waiting = not ready and decision.action == "none"
     seen = GroupObservation(
         nodes=spec.parallelism.num_nodes, ready_nodes=status.ready_nodes, action=decision.action,
         decision_reason=decision.reason, retry_at=format_time(decision.retry_at) if decision.retry_at else "",
         restarts=status.group.restarts,
         degraded_ranks=sample.degraded_pods if sample is not None else status.runtime.degraded_ranks,
         usable_nodes=usable, node_type=chosen.name,
-        blockers=[] if ready or decision.action != "none" else await observe_blockers(ctx, ns, name, spec, raw_pods))
-    derive_group_conditions(status, seen, stamp, generation)
-    if status.phase != old.phase and status.phase in ("Running", "Degraded"):
-        _event(ctx, body, "Normal" if status.phase == "Running" else "Warning", status.phase, status.message)
-    await write_status(ctx, body, old, status)
-    return Outcome(status.phase, status, plan=plan, spec=spec, node_type=chosen, wake_at=wake_at)
+        blockers=await observe_blockers(run.ctx, run.namespace, run.name, spec, raw_pods) if waiting else [])
+    derive_group_conditions(status, seen, run.stamp, run.generation)
+    if status.phase != run.old.phase and status.phase in ("Running", "Degraded"):
+        run.event("Normal" if status.phase == "Running" else "Warning", status.phase, status.message)
+    await run.write(status)
 
 
 async def observe_nodes(ctx: Context, namespace: str, name: str) -> list[NodeInfo]:
