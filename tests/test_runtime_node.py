@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,12 @@ import torch
 import yaml
 
 from runtime_support import TINY_DEEPSEEK_SPEC
+from shm_support import (
+    assert_run_has_named_semaphores,
+    assert_run_left_nothing,
+    noise_created_since,
+    other_programs_semaphores,
+)
 from vexpert_runtime import cli
 from vexpert_runtime.config import load_runtime_config
 from vexpert_runtime.errors import VExpertInputError
@@ -83,18 +90,15 @@ def _vexpert(*args: str) -> list[str]:
     return [sys.executable, "-m", "vexpert_runtime", *args]
 
 
-def _assert_nothing_left(marker: str, shm_before: set[str], within_s: float = 5.0) -> None:
+def _assert_nothing_left(marker: str, shm_before: set[str], root_pid: int, pids: Sequence[int] = (),
+                         within_s: float = 5.0) -> None:
+    """No process of the run alive, no shared-memory object of the run (``root_pid``: its ``vexpert``
+    process; ``pids``: its processes) left; other programs' objects are not counted."""
     deadline = time.monotonic() + within_s
     while _marked_processes(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _marked_processes(marker) == [], "processes of the run are still alive"
-    # Other test runs on the machine may hold their own objects for a moment: only what stays counts.
-    ours = ("torch_", "sem.mp", "psm_", "mp-")
-    leaked = {name for name in _shm() - shm_before if name.startswith(ours)}
-    while leaked and time.monotonic() < deadline + 3.0:
-        time.sleep(0.2)
-        leaked &= _shm()
-    assert leaked == set(), f"leaked shared memory: {leaked}"
+    assert_run_left_nothing(root_pid, pids, shm_before)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -106,14 +110,16 @@ def test_demo_shows_vexpert_beating_static_and_verifies() -> None:
     marker = uuid.uuid4().hex
     shm_before = _shm()
     started = time.monotonic()
-    done = subprocess.run(
+    proc = subprocess.Popen(
         _vexpert("demo", "--iterations", "40", "--verify", "--json"),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env=_env(marker),
-        timeout=120,
         cwd=REPO,
     )
+    done = subprocess.CompletedProcess(proc.args, 0, *proc.communicate(timeout=120))
+    done.returncode = proc.returncode
     elapsed = time.monotonic() - started
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout.strip().splitlines()[-1])
@@ -126,7 +132,7 @@ def test_demo_shows_vexpert_beating_static_and_verifies() -> None:
     assert len(progress) >= 5 and "balance static" in progress[-1] and "tok/s" in progress[-1]
     assert any(line.startswith("metrics: http://127.0.0.1:") for line in done.stderr.splitlines())
     assert elapsed < 60
-    _assert_nothing_left(marker, shm_before)
+    _assert_nothing_left(marker, shm_before, proc.pid)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -147,7 +153,7 @@ def test_reported_rate_and_bytes_are_what_happened(tmp_path: Path) -> None:
     tokens_per_iteration = setup.world * 16
     fastest = tokens_per_iteration / min(r.step_s for r in report.records if r.step_s)
     assert progress and max(p.tokens_per_s for p in progress) <= 1.2 * fastest
-    assert report.bytes_streamed == runtime._streamed_done > 0  # the coordinator's final count
+    assert report.bytes_streamed == runtime.coordinator.fills.bytes_done > 0  # the coordinator's final count
     assert f"vexpert_bytes_streamed_total {float(report.bytes_streamed)}" in report.metrics_text
 
 
@@ -194,18 +200,18 @@ def test_a_degraded_iteration_reported_with_its_window_shows_as_degraded(tmp_pat
     checkpoint = write_tiny_checkpoint(tmp_path / "ckpt", SPEC)
     config = load_runtime_config(_config(tmp_path / "runtime.yaml", checkpoint, tuning={"allocation_interval": 1}))
     runtime = NodeRuntime(resolve_setup(config, checkpoint), NodeOptions(allocate=False))
-    runtime._coordinator_attached = True
-    window = np.ones((1, SPEC.num_layers, SPEC.num_experts + 2), dtype=np.int64)
+    runtime.coordinator.attached = True
+    counts, loads = np.ones((1, SPEC.num_layers, SPEC.num_experts), dtype=np.int64), np.ones((1, SPEC.num_layers, 2), dtype=np.int64)
 
     def report(rank: int) -> IterationDone:  # one layer ran degraded
         return IterationDone(rank=rank, iteration=0, step_s=0.01, wait_s=0.0, degraded_layers=1, plan_ids=[0])
 
     batches = [
         [WorkerReady(0), WorkerReady(1)],
-        [report(0), report(1), CountsWindow(0, window)],
+        [report(0), report(1), CountsWindow(0, counts, loads)],
         [WorkerDone(0), WorkerDone(1)],
     ]
-    runtime._serve(_Batches(batches), [], None)
+    runtime._serve(_Batches(batches), [])
     text = runtime.metrics.render()
     assert "vexpert_degraded 1.0" in text and "vexpert_degraded_groups_total 1.0" in text
 
@@ -322,16 +328,16 @@ def test_rejected_reload_keeps_the_running_values(tmp_path: Path) -> None:
         raw["tuning"] = tuning
         config_path.write_text(yaml.safe_dump(raw))
         os.utime(config_path, ns=(time.time_ns(), time.time_ns() + 10**9 * len([*lines, ""])))
-        runtime._last_reload_check = 0.0
-        runtime._maybe_reload()
+        runtime.reload.watch.last_check = 0.0
+        runtime._serve_reload()
 
-    runtime._maybe_reload()  # first look records the file's mtime
+    runtime._serve_reload()  # first look records the file's mtime
     rewrite({"allocation_interval": 6, "pooled_experts": 99})
-    assert runtime._k == 4 and runtime._pooled == 8
+    assert runtime.balance.k == 4 and runtime.balance.pooled == 8
     assert "Np=99 does not fit" in lines[-1]
     assert "vexpert_config_reload_errors_total 1.0" in runtime.metrics.render()
     rewrite({"allocation_interval": 6, "pooled_experts": 5})
-    assert runtime._k == 6 and runtime._pooled == 5
+    assert runtime.balance.k == 6 and runtime.balance.pooled == 5
 
 
 # ------------------------------------------------------------------------------------------------
@@ -548,35 +554,43 @@ def _wait_for_iterations(proc: subprocess.Popen[str]) -> list[str]:
 
 def test_sigterm_stops_the_node_cleanly(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
-    shm_before = _shm()
-    proc = _start_node(tmp_path, marker)
-    try:
-        _wait_for_iterations(proc)
-        assert len(_marked_processes(marker)) >= 3  # coordinator + 2 workers
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err
-    assert "stopped after" in err
-    _assert_nothing_left(marker, shm_before)
+    with other_programs_semaphores():  # the machine is shared: their sem.mp-* are not the run's leaks
+        shm_before = _shm()
+        proc = _start_node(tmp_path, marker)
+        try:
+            _wait_for_iterations(proc)
+            pids = _marked_processes(marker)
+            assert len(pids) >= 3  # coordinator + 2 workers
+            assert_run_has_named_semaphores(proc.pid)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, err
+        assert "stopped after" in err
+        _assert_nothing_left(marker, shm_before, proc.pid, pids)
+        assert noise_created_since(shm_before), "the other program created nothing beside the run"
 
 
 def test_killed_coordinator_leaves_no_orphans(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
-    shm_before = _shm()
-    proc = _start_node(tmp_path, marker)
-    try:
-        _wait_for_iterations(proc)
-        workers = [pid for pid in _marked_processes(marker) if pid != proc.pid]
-        assert len(workers) >= 2
-        proc.kill()  # SIGKILL: no cleanup code runs in the coordinator
-        proc.wait(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    _assert_nothing_left(marker, shm_before, within_s=10.0)
+    with other_programs_semaphores():
+        shm_before = _shm()
+        proc = _start_node(tmp_path, marker)
+        try:
+            _wait_for_iterations(proc)
+            pids = _marked_processes(marker)
+            workers = [pid for pid in pids if pid != proc.pid]
+            assert len(workers) >= 2
+            assert_run_has_named_semaphores(proc.pid)
+            proc.kill()  # SIGKILL: no cleanup code runs in the coordinator
+            proc.wait(timeout=10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        _assert_nothing_left(marker, shm_before, proc.pid, pids, within_s=10.0)
+        assert noise_created_since(shm_before), "the other program created nothing beside the run"
 
 
 def test_a_profiled_iteration_leaves_a_trace_per_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

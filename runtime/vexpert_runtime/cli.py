@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from vexpert_runtime import __version__, commands
 from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.shm_names import name_semaphores_by_run
 
 EXIT_BAD_INPUT = 2
 
@@ -39,6 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "handler", None):
         parser.print_help()
         return EXIT_BAD_INPUT
+    name_semaphores_by_run()  # this run's /dev/shm objects are told apart from other programs'
     try:
         return int(args.handler(args) or 0)
     except VExpertInputError as exc:
