@@ -1,8 +1,11 @@
-"""Test doubles that inject faults into a node run (they live here, not in the production types).
+"""Test doubles that script or inject faults into a node run (they live here, not in the
+production types).
 
 :class:`FaultySlotFiller` is passed as ``NodeOptions(filler=faulty_filler(...))``; the partial is
 pickled into the coordinator process, which imports this module (the test directory is on the
 spawned process's ``sys.path``). Each fault fires once per coordinator process.
+:class:`ScriptedBalance` is passed as ``NodeRuntime(..., balance=scripted_plans({...}))``: the node
+serves fixed plans from fixed iterations and makes none of its own.
 """
 
 from __future__ import annotations
@@ -15,7 +18,12 @@ from typing import Any
 
 import torch
 
+from vexpert_runtime.node.balance import BalanceState, PlanMade
+from vexpert_runtime.node.plans import ScheduledPlan
 from vexpert_runtime.node.protocol import Assignment, FillAborted, SlotFiller
+from vexpert_runtime.node.report import NodeOptions
+from vexpert_runtime.node.setup import NodeSetup
+from vexpert_runtime.node.supervisor import BalanceFactory
 from vexpert_runtime.policy.allocator import Plan, allocate
 from vexpert_runtime.workload import Workload
 
@@ -102,3 +110,25 @@ class PacedWorkload(Workload):
     def inputs(self, iteration: int, rank: int, hidden: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         time.sleep(self.pace_s)
         return super().inputs(iteration, rank, hidden, dtype)
+
+
+class ScriptedBalance(BalanceState):
+    """A balance state that replays ``plans`` (iteration → allocator :class:`Plan` served from that
+    iteration on, under plan ids 1, 2, … in iteration order) and makes no plan of its own: a test
+    fixes the iterations of the plan switches."""
+
+    def __init__(self, setup: NodeSetup, options: NodeOptions, plans: dict[int, Plan]) -> None:
+        super().__init__(setup, options.workload.tokens_per_worker)
+        self.script = dict(plans)
+
+    def opening_plans(self) -> list[ScheduledPlan]:
+        opening = super().opening_plans()
+        return opening + [ScheduledPlan(self.adopt(self.script[i]), i) for i in sorted(self.script)]
+
+    def next_plan(self, counts: torch.Tensor) -> PlanMade | None:
+        return None
+
+
+def scripted_plans(plans: dict[int, Plan]) -> BalanceFactory:
+    """``NodeRuntime(..., balance=)`` for a :class:`ScriptedBalance` of ``plans``."""
+    return lambda setup, options: ScriptedBalance(setup, options, plans)

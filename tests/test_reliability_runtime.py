@@ -34,7 +34,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from node_faults import PacedWorkload, faulty_filler
+from node_faults import PacedWorkload, faulty_filler, scripted_plans
 from runtime_support import TINY_DEEPSEEK_SPEC
 from vexpert_runtime import cli
 from vexpert_runtime.config import RuntimeConfig, load_runtime_config
@@ -122,13 +122,13 @@ def test_dead_fill_loop_serves_base_experts_degraded_then_resumes_streaming(tmp_
             iterations=60,
             verify=True,
             allocate=False,
-            scripted_plans={0: PLAN_A, 50: PLAN_B},  # PLAN_B needs copies: only a live loop can run it
             filler=faulty_filler(kill_at=sequence(3, 0, 2)),
             fill_restart_delay_s=0.6,
             record=True,
             progress=progress,
             log=lines.append,
         ),
+        balance=scripted_plans({0: PLAN_A, 50: PLAN_B}),  # PLAN_B needs copies: only a live loop can run it
     )
     runtime_box.append(runtime)
     report = runtime.run()
@@ -185,8 +185,9 @@ def test_a_stop_while_the_fill_loop_is_down_mid_iteration_is_prompt(tmp_path: Pa
             threading.Timer(0.25, stop).start()
 
     runtime = NodeRuntime(setup, NodeOptions(workload=Workload(tokens_per_worker=16, seed=1), iterations=1000,
-                                             record=True, allocate=False, scripted_plans={0: PLAN_A},
-                                             filler=faulty_filler(kill_at=sequence(4, 1, 2)), fill_restart_delay_s=0.5, log=watch))
+                                             record=True, allocate=False,
+                                             filler=faulty_filler(kill_at=sequence(4, 1, 2)), fill_restart_delay_s=0.5, log=watch),
+                         balance=scripted_plans({0: PLAN_A}))
     box.append(runtime)
     report = runtime.run()
     took = time.monotonic() - marks["stop"]
@@ -324,14 +325,14 @@ def test_a_fill_failing_half_way_is_rescued_and_never_exposes_a_half_copied_slot
             iterations=40,
             verify=True,
             allocate=False,
-            # back to A's experts at 30 (a new coordinator by then): the slot half overwritten at 2
-            # held an A expert, and a fill that trusted its old tag would skip the copy
-            scripted_plans={0: PLAN_A, 2: PLAN_B, 30: PLAN_A},
             filler=faulty_filler(fail_at_copy={failing: 0}),
             fill_restart_delay_s=0.2,
             record=True,
             log=lines.append,
         ),
+        # back to A's experts at 30 (a new coordinator by then): the slot half overwritten at 2
+        # held an A expert, and a fill that trusted its old tag would skip the copy
+        balance=scripted_plans({0: PLAN_A, 2: PLAN_B, 30: PLAN_A}),
     )
     report = runtime.run()
     assert report.iterations == 40
@@ -457,16 +458,16 @@ def test_invalid_reload_is_rejected_counted_and_the_old_values_kept(tmp_path: Pa
     lines: list[str] = []
     runtime = NodeRuntime(setup, NodeOptions(config_path=path, log=lines.append))
     runtime._start_metrics()  # gauges as a running node has them (no endpoint: metrics_port 0)
-    runtime._maybe_reload()  # the first look records the file's mtime
+    runtime._serve_reload()  # the first look records the file's mtime
     bad = BAD_RELOADS[case]
     if isinstance(bad, bytes):
         path.write_bytes(bad)
     else:
         path.write_text(yaml.safe_dump({**raw, "tuning": bad}))
     os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
-    runtime._last_reload_check = 0.0
-    runtime._maybe_reload()
-    assert (runtime._k, runtime._pooled) == (4, 8)
+    runtime.reload.watch.last_check = 0.0
+    runtime._serve_reload()
+    assert (runtime.balance.k, runtime.balance.pooled) == (4, 8)
     metrics = runtime.metrics.render()
     assert "vexpert_config_reload_errors_total 1.0" in metrics and "vexpert_config_reloads_total 0.0" in metrics
     assert "vexpert_allocation_interval 4.0" in metrics and "vexpert_pooled_experts 8.0" in metrics
@@ -475,9 +476,9 @@ def test_invalid_reload_is_rejected_counted_and_the_old_values_kept(tmp_path: Pa
     # and a good file afterwards still applies
     path.write_text(yaml.safe_dump({**raw, "tuning": {"allocation_interval": 6, "pooled_experts": 5}}))
     os.utime(path, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))
-    runtime._last_reload_check = 0.0
-    runtime._maybe_reload()
-    assert (runtime._k, runtime._pooled) == (6, 5)
+    runtime.reload.watch.last_check = 0.0
+    runtime._serve_reload()
+    assert (runtime.balance.k, runtime.balance.pooled) == (6, 5)
     runtime.metrics.close()
 
 

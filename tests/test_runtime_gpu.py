@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from node_faults import faulty_filler
+from node_faults import faulty_filler, scripted_plans
 from runtime_support import TINY_DEEPSEEK_SPEC
 from vexpert_runtime.config import RuntimeConfig
 from vexpert_runtime.model.checkpoint import CheckpointReader, write_tiny_checkpoint
@@ -31,7 +31,7 @@ from vexpert_runtime.model.ep_moe import (
 from vexpert_runtime.model.moe_math import relative_error, shared_forward
 from vexpert_runtime.model.reference import VERIFY_TOLERANCE, ModelWeights, reference_moe_layer
 from vexpert_runtime.model.routing import route
-from vexpert_runtime.node import NodeOptions, resolve_setup, run_node
+from vexpert_runtime.node import NodeOptions, NodeRuntime, resolve_setup, run_node
 from vexpert_runtime.node.slots import row_checksum
 from vexpert_runtime.policy.placement import static_placement
 from vexpert_runtime.ports import free_port
@@ -139,18 +139,18 @@ def test_node_with_two_ranks_fills_slots_over_ipc_and_switches_plans(tmp_path: P
     # rank 0 holds experts 0-3, rank 1 holds 4-7; G=1, vmax=2: two slots per buffer
     plan_a = plan_from_slots(base, torch.tensor([[[4, 5], [0, 1]], [[6, -1], [2, -1]]]))
     plan_b = plan_from_slots(base, torch.tensor([[[6, 7], [2, 3]], [[4, 5], [0, 1]]]))
-    report = run_node(
+    report = NodeRuntime(
         setup,
         NodeOptions(
             workload=Workload(tokens_per_worker=32, seed=1),
             iterations=8,
             verify=True,
             allocate=False,
-            scripted_plans={0: plan_a, 4: plan_b},
             filler=faulty_filler(delays={5 * 2 + 1: 0.5}),  # iteration 5, layer 1: workers must wait, not read stale slots
             record=True,
         ),
-    )
+        balance=scripted_plans({0: plan_a, 4: plan_b}),
+    ).run()
     assert report.iterations == 8
     assert report.plan_switches == [(0, 1), (4, 2)]
     assert report.max_rel_error is not None and report.max_rel_error <= TOLERANCE[dtype]

@@ -19,8 +19,8 @@ from runtime_support import TINY_DEEPSEEK_SPEC
 from vexpert_runtime.config import load_runtime_config
 from vexpert_runtime.model.checkpoint import write_tiny_checkpoint
 from vexpert_runtime.node import NodeOptions, NodeRuntime, Progress, resolve_setup
+from vexpert_runtime.node.balance import pool_hits
 from vexpert_runtime.node.metrics import BalanceDecay, NodeMetrics, PoolHits, memory_pressure
-from vexpert_runtime.node.supervisor import pool_hits
 from vexpert_runtime.simulation.workload import drifting_workload
 
 SPEC = TINY_DEEPSEEK_SPEC

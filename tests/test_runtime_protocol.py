@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-from node_faults import faulty_filler, slow_allocator
+from node_faults import faulty_filler, scripted_plans, slow_allocator
 from runtime_support import TINY_DEEPSEEK_SPEC
 from vexpert_runtime.config import RuntimeConfig
 from vexpert_runtime.model.checkpoint import CheckpointReader, write_tiny_checkpoint
 from vexpert_runtime.model.ep_moe import plan_from_slots, table_from_plan
-from vexpert_runtime.node import NodeOptions, NodeReport, resolve_setup, run_node
+from vexpert_runtime.node import NodeOptions, NodeReport, NodeRuntime, resolve_setup, run_node
 from vexpert_runtime.node.expert_pool import ExpertPool
 from vexpert_runtime.node.gpu_sync import CpuFlagOps
 from vexpert_runtime.node.protocol import Assignment, SharedState, SlotFiller, WorkerSlots, decide
@@ -305,18 +305,18 @@ def test_delayed_coordinator_and_scripted_plan_change(tmp_path: Path) -> None:
     plan_a = plan_from_slots(base, torch.tensor([[[4, 5], [0, 1]], [[6, -1], [2, -1]]]))
     plan_b = plan_from_slots(base, torch.tensor([[[6, 7], [2, 3]], [[4, 5], [0, 1]]]))
     delayed = sequence(3, 1, 2)  # iteration 3, group 1 (layer 1): the first fill under plan B there
-    report = run_node(
+    report = NodeRuntime(
         setup,
         NodeOptions(
             workload=Workload(tokens_per_worker=24, seed=1),
             iterations=6,
             verify=True,
             allocate=False,
-            scripted_plans={0: plan_a, 3: plan_b},
             filler=faulty_filler(delays={delayed: 0.8}),
             record=True,
         ),
-    )
+        balance=scripted_plans({0: plan_a, 3: plan_b}),
+    ).run()
     assert report.iterations == 6
     assert report.plan_switches == [(0, 1), (3, 2)]
     assert report.max_rel_error is not None and report.max_rel_error <= 1e-5
@@ -360,17 +360,17 @@ def test_timeout_runs_degraded_instead_of_hanging(tmp_path: Path) -> None:
     setup = dataclasses.replace(_setup(tmp_path), slot_fill_timeout_s=0.3)
     base = static_placement(2, 8, 2)
     plan = plan_from_slots(base, torch.tensor([[[4, 5], [0, 1]], [[6, -1], [2, -1]]]))
-    report = run_node(
+    report = NodeRuntime(
         setup,
         NodeOptions(
             workload=Workload(tokens_per_worker=16),
             iterations=4,
             verify=True,
             allocate=False,
-            scripted_plans={0: plan},
             filler=faulty_filler(publish_delays={1: 0.5}),  # iteration 1 is published too late
         ),
-    )
+        balance=scripted_plans({0: plan}),
+    ).run()
     assert report.degraded_groups >= 1
     assert report.records[1].plan_ids[0] == 0  # the late group ran on the static placement
     assert report.records[3].plan_ids == [1, 1]  # and the plan came back afterwards

@@ -11,10 +11,11 @@ A coordinator attaches the same way at start and after a restart:
 
 1. it re-opens every worker's slot buffers from the handles the workers exported (CPU: shared-memory
    tensors; GPU: CUDA IPC handles, opened only here, never in the supervisor);
-2. it builds its pool from the checkpoint (the experts the supervisor's latest plan pools);
+2. it builds its pool from the checkpoint (the experts the supervisor's plans pool);
 3. it attaches (a new generation, :meth:`SharedState.attach_coordinator`) and starts its fill loop at
-   the first iteration no worker has seen (:meth:`SharedState.resume_iteration`), with the
-   supervisor's latest plan.
+   the first iteration no worker has seen (:meth:`SharedState.resume_iteration`), serving at each
+   iteration boundary the newest plan of the supervisor's schedule in effect
+   (:mod:`~vexpert_runtime.node.plans`).
 
 Messages (:mod:`~vexpert_runtime.node.messages`) go over one pipe to the supervisor, a new pipe per
 coordinator, so nothing a killed one half-wrote can wedge the next.
@@ -28,21 +29,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import queue
 import signal
 import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from vexpert_runtime.model.checkpoint import CheckpointReader, MoESpec
-from vexpert_runtime.model.ep_moe import RoutingTable
 from vexpert_runtime.node.expert_pool import ExpertPool
 from vexpert_runtime.node.messages import (
     Attached,
@@ -53,7 +52,9 @@ from vexpert_runtime.node.messages import (
     NewPlan,
     PlanSwitched,
     SetInterval,
+    ToCoordinator,
 )
+from vexpert_runtime.node.plans import NodePlan, ScheduledPlan, add_to_schedule, in_effect
 from vexpert_runtime.node.protocol import Assignment, FillLoop, FillStats, SharedState, SlotFiller
 from vexpert_runtime.node.slots import SlotBuffers
 from vexpert_runtime.node.transport import make_transport
@@ -87,8 +88,7 @@ class CoordinatorArgs:
     handles: list[Any]  # per local worker, what its transport exported
     conn: Any  # this coordinator's end of its pipe to the node
     parent_pid: int
-    plan: tuple[RoutingTable, torch.Tensor]  # the latest plan and the experts [L, Np] its pool holds
-    scripted: dict[int, tuple[RoutingTable, torch.Tensor]] = field(default_factory=dict)  # iteration → plan (tests)
+    plans: list[ScheduledPlan]  # the supervisor's schedule (the newest plan in effect serves; never empty)
     k: int = 1
     filler: Callable[..., SlotFiller] = SlotFiller  # builds the fill loop's filler (picklable)
 
@@ -124,6 +124,8 @@ class Coordinator:
         self.filler: SlotFiller | None = None
         self.stats = FillStats()
         self.buffers: list[SlotBuffers] = []
+        self.schedule: list[ScheduledPlan] = []  # the plans to serve (under ``lock``)
+        self.assignments: dict[int, Assignment] = {}  # plan id → the plan with its pool (under ``lock``)
 
     # -- pool ---------------------------------------------------------------------------------
 
@@ -137,23 +139,29 @@ class Coordinator:
     def _alloc(self, rows: int, numel: int) -> torch.Tensor:
         return self.transport.host_buffer(rows, numel, self.dtype)
 
-    def _assignment(self, table: RoutingTable, experts: torch.Tensor) -> Assignment:
-        """The plan with a pool holding ``experts`` (unchanged layers share the current buffers)."""
+    def _assignment(self, plan: NodePlan) -> Assignment:
+        """The plan with a pool holding its experts (unchanged layers share the current buffers)."""
         pool = self.pool
         assert pool is not None
-        if experts.shape != pool.experts.shape or not torch.equal(experts, pool.experts):
-            pool = pool.refreshed(experts, self._load, self._alloc, self._read_into)
+        if plan.pooled.shape != pool.experts.shape or not torch.equal(plan.pooled, pool.experts):
+            pool = pool.refreshed(plan.pooled, self._load, self._alloc, self._read_into)
             self.pool = pool
-        return Assignment(table, pool)
+        return Assignment(plan.table, pool)
+
+    def _schedule(self, scheduled: ScheduledPlan) -> None:
+        """Add a plan to the schedule, its pool built here (main thread), not in the fill loop."""
+        assignment = self._assignment(scheduled.plan)
+        with self.lock:
+            self.schedule = add_to_schedule(self.schedule, scheduled)
+            live = {s.plan.plan_id for s in self.schedule}
+            self.assignments = {i: a for i, a in self.assignments.items() if i in live}
+            self.assignments[scheduled.plan.plan_id] = assignment
 
     # -- fill loop callbacks (fill thread) ----------------------------------------------------
 
     def _take_plan(self, iteration: int) -> Assignment:
         with self.lock:
-            assignment = self.current
-            due = [i for i in self.scripted if i <= iteration]
-            if due:
-                assignment = self.scripted[max(due)]
+            assignment = self.assignments[in_effect(self.schedule, iteration).plan.plan_id]
         if assignment.table.plan_id != self.last_plan:
             self.last_plan = assignment.table.plan_id
             self.outbox.put(PlanSwitched(iteration, assignment.table.plan_id))
@@ -180,11 +188,10 @@ class Coordinator:
     def run(self) -> None:
         args = self.args
         self.buffers = buffers = [self.transport.open(handle) for handle in args.handles]
-        table, experts = args.plan
-        self.pool = ExpertPool.build(experts, self.spec.num_experts, self.spec.expert_numel, self._load, self._alloc,
-                                     self._read_into)
-        self.current = Assignment(table, self.pool)
-        self.scripted = {i: self._assignment(t, e) for i, (t, e) in args.scripted.items()}
+        self.pool = ExpertPool.build(args.plans[0].plan.pooled, self.spec.num_experts, self.spec.expert_numel,
+                                     self._load, self._alloc, self._read_into)
+        for scheduled in args.plans:
+            self._schedule(scheduled)
         iteration = self._start_loop()
         args.conn.send(Attached(os.getpid(), iteration))
         sent = (-1, -1.0)
@@ -235,12 +242,9 @@ class Coordinator:
                 self.buffers = []
                 buffers.clear()
 
-    def _handle(self, msg: Any) -> None:
+    def _handle(self, msg: ToCoordinator) -> None:
         if isinstance(msg, NewPlan):
-            table, experts = pickle.loads(msg.payload)  # from the node (trusted), pickled by value
-            assignment = self._assignment(table, experts)
-            with self.lock:
-                self.current = assignment
+            self._schedule(msg.scheduled)
         elif isinstance(msg, SetInterval):
             self.k = msg.k
 

@@ -3,21 +3,27 @@
 * worker → supervisor (the results queue): :class:`SlotsExported`, :class:`WorkerReady`,
   :class:`IterationDone`, :class:`CountsWindow`, :class:`WorkerDone`, :class:`WorkerInputError`,
   :class:`WorkerFailed`;
-* supervisor → worker (its control queue): a :class:`~vexpert_runtime.model.ep_moe.RoutingTable`
-  before any header announces it, and :class:`Bye` once the coordinator dropped its CUDA IPC mappings;
+* supervisor → worker (its control queue): :class:`PlanTable` before any header announces its plan,
+  and :class:`Bye` once the coordinator dropped its CUDA IPC mappings;
 * supervisor → coordinator (its pipe): :class:`NewPlan`, :class:`SetInterval`, :class:`Exit`;
 * coordinator → supervisor: :class:`Attached`, :class:`PlanSwitched`, :class:`FillLoopDied`,
   :class:`FillTotals`, :class:`CoordinatorFailed`.
 
-Everything here is plain data (pickled through ``multiprocessing`` queues and pipes).
+Each direction has its union type (:data:`FromWorker`, :data:`ToWorker`, :data:`ToCoordinator`,
+:data:`FromCoordinator`). Everything here is plain data (pickled through ``multiprocessing`` queues
+and pipes).
 """
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+
+from vexpert_runtime.model.ep_moe import RoutingTable
+from vexpert_runtime.node.plans import ScheduledPlan
 
 # --------------------------------------------------------------------------------------------
 # worker → supervisor
@@ -70,10 +76,27 @@ class IterationDone:
 
 @dataclass(frozen=True)
 class CountsWindow:
-    """All-reduced expert counts and per-rank loads of ``k`` iterations from ``start``: [k, L, E + N]."""
+    """The all-reduced counts of the ``n`` iterations from ``start``: ``counts`` [n, L, E] tokens
+    routed to each expert, ``loads`` [n, L, N] rows each EP rank computed."""
 
     start: int
-    data: np.ndarray
+    counts: np.ndarray
+    loads: np.ndarray
+
+    @property
+    def length(self) -> int:
+        return int(self.counts.shape[0])
+
+    @property
+    def span(self) -> WindowSpan:
+        return WindowSpan(self.start, self.length)
+
+
+class WindowSpan(NamedTuple):
+    """The iterations one count window covers."""
+
+    start: int
+    length: int
 
 
 @dataclass(frozen=True)
@@ -97,14 +120,28 @@ class WorkerFailed:
     traceback: str
 
 
+FromWorker = (SlotsExported | WorkerReady | Heartbeat | IterationDone | CountsWindow | WorkerDone | WorkerInputError
+              | WorkerFailed)
+
+
 # --------------------------------------------------------------------------------------------
 # supervisor → worker
 # --------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
+class PlanTable:
+    """The routing table of a plan, sent to every worker before any header announces the plan."""
+
+    table: RoutingTable
+
+
+@dataclass(frozen=True)
 class Bye:
     """The coordinator's IPC mappings of this worker's slots are gone: the worker may exit."""
+
+
+ToWorker = PlanTable | Bye
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,11 +151,18 @@ class Bye:
 
 @dataclass(frozen=True)
 class NewPlan:
-    """The latest plan, pickled by value: ``(RoutingTable, pooled experts [L, Np])``. A tensor sent
-    as itself would go through ``torch.multiprocessing``'s fd sharing, which a coordinator killed
+    """A plan for the coordinator's schedule. It crosses the pipe pickled by value: a tensor sent as
+    itself would go through ``torch.multiprocessing``'s fd sharing, which a coordinator killed
     mid-receive interrupts."""
 
-    payload: bytes
+    scheduled: ScheduledPlan
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        return _new_plan_from_bytes, (pickle.dumps(self.scheduled),)
+
+
+def _new_plan_from_bytes(payload: bytes) -> NewPlan:
+    return NewPlan(pickle.loads(payload))  # from the supervisor (trusted)
 
 
 @dataclass(frozen=True)
@@ -131,6 +175,9 @@ class SetInterval:
 @dataclass(frozen=True)
 class Exit:
     pass
+
+
+ToCoordinator = NewPlan | SetInterval | Exit
 
 
 @dataclass(frozen=True)
@@ -165,3 +212,6 @@ class FillTotals:
 @dataclass(frozen=True)
 class CoordinatorFailed:
     traceback: str
+
+
+FromCoordinator = Attached | PlanSwitched | FillLoopDied | FillTotals | CoordinatorFailed

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vexpert_runtime.model.ep_moe import (
-    RoutingTable,
-)
+from vexpert_runtime.model.ep_moe import RoutingTable
+from vexpert_runtime.node.messages import WindowSpan
+from vexpert_runtime.node.plans import PlanSwitch
 from vexpert_runtime.node.protocol import SlotFiller
 from vexpert_runtime.policy import allocator as placement_policy
 from vexpert_runtime.workload import Workload
@@ -47,7 +47,6 @@ class NodeOptions:
     config_path: Path | None = None  # re-read ``tuning`` when this file changes
     progress: Callable[[Progress], None] | None = None
     allocate: bool = True  # run the allocator every k iterations
-    scripted_plans: dict[int, Any] = field(default_factory=dict)  # replay: iteration → Plan served from then on
     # The coordinator's slot filler: a SlotFiller subclass, or a picklable callable making one
     # (it crosses into the coordinator process).
     filler: Callable[..., SlotFiller] = SlotFiller
@@ -68,7 +67,7 @@ class NodeOptions:
 
 @dataclass
 class IterationRecord:
-    """One iteration as the coordinator saw it."""
+    """One iteration as the supervisor saw it (its workers' reports and its count window)."""
 
     iteration: int
     step_s: float = 0.0
@@ -95,7 +94,7 @@ class NodeReport:
     slot_bytes_per_worker: int
     pool_bytes: int
     bytes_streamed: int
-    plan_switches: list[tuple[int, int]]  # (iteration, plan id) taken by the fill loop; first = starting plan
+    plan_switches: list[PlanSwitch]  # taken by the fill loop; first = starting plan
     allocations: int
     allocator_s: list[float]
     degraded_groups: int
@@ -104,7 +103,7 @@ class NodeReport:
     metrics_text: str = ""
     pooled: int = 0
     k: int = 0
-    windows: list[tuple[int, int]] = field(default_factory=list)  # (first iteration, length) per all-reduce
+    windows: list[WindowSpan] = field(default_factory=list)  # one per all-reduce
     tables: dict[int, RoutingTable] = field(default_factory=dict)  # plan id → routing table
     plan_pools: dict[int, list[list[int]]] = field(default_factory=dict)  # plan id → pooled experts [L][Np]
     copy_s: float = 0.0  # time the fill loop's copies were in flight (bytes_streamed / copy_s: fill bandwidth)

@@ -40,7 +40,9 @@ from vexpert_runtime.node.messages import (
     CountsWindow,
     Heartbeat,
     IterationDone,
+    PlanTable,
     SlotsExported,
+    ToWorker,
     WorkerDone,
     WorkerFailed,
     WorkerInputError,
@@ -154,11 +156,12 @@ class _Worker:
         return self.digests[table.plan_id]
 
     def _table(self, plan_id: int) -> RoutingTable:
-        """The routing table of ``plan_id`` (the coordinator queues it before announcing it)."""
+        """The routing table of ``plan_id`` (the supervisor queues it before the coordinator
+        announces the plan)."""
         while plan_id not in self.tables:
-            msg = self.args.control.get(timeout=COLLECTIVE_TIMEOUT_S)
-            if isinstance(msg, RoutingTable):
-                self.tables[msg.plan_id] = msg
+            msg: ToWorker = self.args.control.get(timeout=COLLECTIVE_TIMEOUT_S)
+            if isinstance(msg, PlanTable):
+                self.tables[msg.table.plan_id] = msg.table
         for old in [p for p in self.tables if 0 < p < plan_id - 4]:
             del self.tables[old]
             self.digests.pop(old, None)
@@ -224,7 +227,8 @@ class _Worker:
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline:
             try:
-                if isinstance(self.args.control.get(timeout=max(0.0, deadline - time.monotonic())), Bye):
+                msg: ToWorker = self.args.control.get(timeout=max(0.0, deadline - time.monotonic()))
+                if isinstance(msg, Bye):
                     return
             except queue.Empty:
                 return
@@ -364,12 +368,14 @@ class _Worker:
                     self._rescue(layer, oldest, side, staging)
 
     def _flush(self, window: list[torch.Tensor], start: int) -> None:
-        """All-reduce the window's [n, L, E + N] counts/loads; local rank 0 hands them to its coordinator."""
+        """All-reduce the window's counts and loads [n, L, E + N] (one collective); local rank 0
+        hands them to the supervisor."""
         import torch.distributed as dist
 
         data = torch.stack(window)
         if self.group is not None:
             dist.all_reduce(data, group=self.group)
         if self.args.local_rank == 0:
-            self.args.results.put(CountsWindow(start, data.numpy()))
+            experts = self.spec.num_experts
+            self.args.results.put(CountsWindow(start, data[..., :experts].numpy(), data[..., experts:].numpy()))
 
