@@ -19,7 +19,7 @@ from vexpert_runtime.serve.dispatcher import EventChannel
 from vexpert_runtime.serve.events import Event, GenerationRequest, RankLoad, shutting_down
 from vexpert_runtime.serve.sampling import eos_token_ids, sample_tokens, sampling_tensors
 from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
-from vexpert_runtime.serve.step import SequenceWork, StepModel
+from vexpert_runtime.serve.step import SequenceWork, StepModel, SynchronousSteps
 
 MODEL_NAME = "tiny-qwen3-moe"
 MAX_CONTEXT = 96
@@ -114,18 +114,22 @@ def load_model(directory: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True).eval()
 
 
-class RecomputeStepModel:
+class RecomputeStepModel(SynchronousSteps):
     """A :class:`~vexpert_runtime.serve.step.StepModel` that recomputes each sequence from scratch.
 
     Slow but obviously right: it only has to honour the contract, which it checks (``position`` must
-    equal what it holds, ``release`` must come for every sequence). ``delay_s`` slows each step;
-    ``gate`` (when set) makes steps wait for it, to hold requests in flight.
+    equal what it holds, ``release`` must come for every sequence, a ``fed`` token is one the previous
+    step sampled). ``delay_s`` slows each step; ``gate`` (when set) makes steps wait for it, to hold
+    requests in flight. ``overlaps_steps``: let the scheduler overlap steps (``fed`` decodes).
     """
 
     kv_block_size = 16
     kv_cache_bytes = 0
 
-    def __init__(self, hf_model: Any, max_context: int = MAX_CONTEXT, kv_num_blocks: int = 1024) -> None:
+    def __init__(self, hf_model: Any, max_context: int = MAX_CONTEXT, kv_num_blocks: int = 1024,
+                 overlaps_steps: bool = False) -> None:
+        self.overlaps_steps = overlaps_steps
+        self.last_sampled: list[int] = []  # the previous step's sampled ids, in sampling-row order
         self.hf_model = hf_model
         self.vocab_size = int(hf_model.config.vocab_size)
         self.max_context = max_context
@@ -151,11 +155,16 @@ class RecomputeStepModel:
             held = self.held.setdefault(item.seq_id, [])
             assert item.position == len(held), f"seq {item.seq_id}: position {item.position} != {len(held)} held"
             assert len(item.blocks) * self.kv_block_size >= item.position + len(item.tokens)
-            held.extend(item.tokens)
+            if item.fed is not None:
+                assert self.overlaps_steps and len(item.tokens) == 1, "fed only to an overlapping model, one token"
+                held.append(self.last_sampled[item.fed])
+            else:
+                held.extend(item.tokens)
             if item.sample is not None:
                 with torch.no_grad():
                     logits = self.hf_model(torch.tensor([held])).logits[0, -1:].float()
                 out[row] = sample_tokens(logits, *sampling_tensors([item.sample], "cpu"))[0]
+        self.last_sampled = [int(t) for t, item in zip(out, work, strict=True) if item.sample is not None]
         return out
 
     def release(self, seq_id: int) -> None:

@@ -27,7 +27,7 @@ from vexpert_runtime.serve.sampling import (
     sampling_tensors,
 )
 from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
-from vexpert_runtime.serve.step import SamplingSpec
+from vexpert_runtime.serve.step import SamplingSpec, SynchronousSteps
 
 PROMPT = "the quick brown fox"
 
@@ -346,7 +346,7 @@ def test_client_disconnect_cancels_the_sequence(checkpoint: Path, hf_model: Any)
 # ---- the scheduler alone ----------------------------------------------------------------------
 
 
-class _RandomModel:
+class _RandomModel(SynchronousSteps):
     """A StepModel with random logits that records its batches (for scheduling properties)."""
 
     vocab_size = 64

@@ -32,7 +32,7 @@ from vexpert_runtime.serve.attention import AttentionMetadata
 from vexpert_runtime.serve.kv_cache import SCRATCH_BLOCK
 from vexpert_runtime.serve.step import SequenceWork
 
-_TOKEN_FIELDS = ("tokens", "positions", "slots", "lengths", "seqs", "valid")
+_TOKEN_FIELDS = ("tokens", "positions", "slots", "lengths", "seqs", "valid", "fed")
 _SAMPLE_FIELDS = ("rows", "seeds", "draws", "temperature", "top_p")
 
 
@@ -78,6 +78,10 @@ class GraphInputs:
         positions = np.fromiter((item.position + i for item in work for i in range(len(item.tokens))), np.int64, n)
         seqs = np.fromiter((b for b, item in enumerate(work) for _ in item.tokens), np.int64, n)
         v["tokens"][:n] = tokens
+        v["fed"][:] = -1
+        for row, item in zip(np.cumsum([len(item.tokens) for item in work]) - 1, work, strict=True):
+            if item.fed is not None:  # a decode's one token, sampled by the previous step (on the device)
+                v["fed"][row] = item.fed
         v["positions"][:n] = positions
         v["lengths"][:n] = positions + 1
         v["seqs"][:n] = seqs
@@ -104,10 +108,38 @@ class GraphInputs:
                                  token_seq=v["seqs"][:tokens], groups=(), block_size=block_size)
 
 
-# forward(tokens [T], metadata, sample_rows [S], sampling (temperature, top_p, seed, draw, use_top_p),
-#         valid [T] bool, warmup) -> ids [S]; a warm-up pass must leave nothing behind but compiled kernels.
-GraphForward = Callable[[torch.Tensor, AttentionMetadata, torch.Tensor, tuple[Any, ...], torch.Tensor, bool],
-                        torch.Tensor]
+# forward(tokens [T], fed [T] (−1, or the previous step's sampling row a token comes from), metadata,
+#         sample_rows [S], sampling (temperature, top_p, seed, draw, use_top_p), valid [T] bool, warmup)
+# -> ids [S]; a warm-up pass must leave nothing behind but compiled kernels.
+GraphForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, tuple[Any, ...], torch.Tensor,
+                         bool], torch.Tensor]
+
+
+@dataclass
+class _Staging:
+    """One of two pinned host sides of the graph inputs and outputs: while the device runs step i
+    from one, the host fills step i+1 into the other. ``copied``: the event after its inputs' copy
+    to the device (the host may refill it once that has run)."""
+
+    inputs: GraphInputs
+    out: torch.Tensor
+    copied: Any = None
+
+
+@dataclass
+class GraphStep:
+    """A replayed iteration in flight (:class:`~.step.PendingStep`)."""
+
+    done: Any  # CUDA event after the sampled ids' copy to the host
+    out: torch.Tensor  # [S] pinned host ids, valid once ``done``
+    rows: list[int]  # the work items that sample, in sampling-row order
+    items: int
+
+    def result(self) -> torch.Tensor:
+        self.done.synchronize()
+        result = torch.full((self.items,), -1, dtype=torch.int64)
+        result[self.rows] = self.out[: len(self.rows)]
+        return result
 
 
 class GraphedSteps:
@@ -128,10 +160,10 @@ class GraphedSteps:
         self.width = width
         self.block_size = block_size
         self.stream = stream
-        self.host = GraphInputs.allocate(max_tokens, max_seqs, width, "cpu", pin=True)
+        self.staging = [_Staging(GraphInputs.allocate(max_tokens, max_seqs, width, "cpu", pin=True),
+                                 torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True)) for _ in range(2)]
         self.device_inputs = GraphInputs.allocate(max_tokens, max_seqs, width, device)
         self.warmup_inputs = GraphInputs.allocate(max_tokens, max_seqs, width, device)  # pad rows only
-        self.host_out = torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True)
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: Any = None
         self.replays = 0
@@ -143,33 +175,40 @@ class GraphedSteps:
 
     def run(self, work: Sequence[SequenceWork]) -> torch.Tensor:
         """One iteration: [len(work)] int64 on the CPU, the sampled ids (−1 where nothing is sampled)."""
+        return self.launch(work).result()
+
+    def launch(self, work: Sequence[SequenceWork]) -> GraphStep:
+        """Enqueue one iteration (one input copy, one replay, one output copy) without waiting for it."""
         tokens = sum(len(item.tokens) for item in work)
         bucket = next(b for b in self.buckets if b >= tokens)
         use_top_p = any(item.sample is not None and item.sample.top_p < 1.0 and item.sample.temperature > 0
                         for item in work)
-        sampled = self.host.fill(work, self.block_size)
-        self.device_inputs.buffer.copy_(self.host.buffer, non_blocking=True)
+        staging = self.staging[self.replays % 2]
+        if staging.copied is not None:  # its inputs of two steps ago are on the device (long since, as a rule)
+            staging.copied.synchronize()
+        staging.inputs.fill(work, self.block_size)
+        self.device_inputs.buffer.copy_(staging.inputs.buffer, non_blocking=True)
+        staging.copied = torch.cuda.Event()
+        staging.copied.record()
         key = (bucket, use_top_p)
         if key not in self.graphs:
             self._capture(bucket, use_top_p)
         graph, out = self.graphs[key]
         graph.replay()
         self.replays += 1
-        host = self.host_out[: out.shape[0]]
+        host = staging.out[: out.shape[0]]
         host.copy_(out, non_blocking=True)
-        torch.cuda.current_stream().synchronize()
-        result = torch.full((len(work),), -1, dtype=torch.int64)
-        rows = [b for b, item in enumerate(work) if item.sample is not None]
-        result[rows] = host[:sampled]
-        return result
+        done = torch.cuda.Event()
+        done.record()
+        return GraphStep(done, host, [b for b, item in enumerate(work) if item.sample is not None], len(work))
 
     def _call(self, inputs: GraphInputs, tokens: int, use_top_p: bool, warmup: bool = False) -> torch.Tensor:
         seqs = min(tokens, self.max_seqs)
         v = inputs.views
         sampling = (v["temperature"][:seqs].float(), v["top_p"][:seqs].float(), v["seeds"][:seqs], v["draws"][:seqs],
                     use_top_p)
-        return self.forward(v["tokens"][:tokens], inputs.metadata(tokens, seqs, self.block_size), v["rows"][:seqs],
-                            sampling, v["valid"][:tokens].bool(), warmup)
+        return self.forward(v["tokens"][:tokens], v["fed"][:tokens], inputs.metadata(tokens, seqs, self.block_size),
+                            v["rows"][:seqs], sampling, v["valid"][:tokens].bool(), warmup)
 
     def _capture(self, tokens: int, use_top_p: bool) -> None:
         """Warm up eagerly on pad rows, then capture the bucket."""

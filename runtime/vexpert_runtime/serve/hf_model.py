@@ -61,7 +61,7 @@ from vexpert_runtime.serve.cuda_graphs import GraphedSteps
 from vexpert_runtime.serve.kv_cache import PagedKVCache, blocks_for
 from vexpert_runtime.serve.model_loading import load_without_experts
 from vexpert_runtime.serve.sampling import sample_tokens, sampling_tensors
-from vexpert_runtime.serve.step import SequenceWork, StepModel
+from vexpert_runtime.serve.step import FinishedStep, PendingStep, SequenceWork, StepModel
 
 # Expert activations the EP layer implements (its grouped GEMMs are SwiGLU).
 _SWIGLU_ACTIVATIONS = ("silu", "swish")
@@ -382,6 +382,10 @@ class HFStepModel:
         self.kv_block_size = block_size
         self.kv_cache: PagedKVCache | None = None
         self.graphs: GraphedSteps | None = None
+        # Whether the scheduler launches step i+1 before reading step i (see serve/step.py): on with
+        # CUDA graphs, where the launch returns at once; on CPU the step is done when launched.
+        self.overlaps_steps = False
+        self.last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
         # On a GPU every iteration attends with the Triton kernels (the torch twin on CPU, and where a
         # layer has a sliding window, which the kernels do not take).
         self._attention_kernel: AttentionKernel | None = None
@@ -431,6 +435,9 @@ class HFStepModel:
         """Make the paged KV cache: ``num_blocks`` blocks (one of them scratch)."""
         self.kv_cache = None  # free the old one first
         self.kv_cache = PagedKVCache(self.layout, num_blocks, self.kv_block_size, self.device, self.dtype)
+        # the last step's sampled ids, on the device (a step samples for at most one row per sequence,
+        # and every sequence holds a block): what an overlapped step's ``fed`` decodes read
+        self.last_sampled = torch.zeros(num_blocks, dtype=torch.int64, device=self.device)
 
     @property
     def kv_num_blocks(self) -> int:
@@ -455,34 +462,50 @@ class HFStepModel:
         width = blocks_for(self.max_context, self.kv_block_size)
         self.graphs = GraphedSteps(self._graph_forward, max_tokens, max_seqs, width, self.kv_block_size,
                                    self.device, stream)
+        self.overlaps_steps = True  # the host forms step i+1 while the device runs step i
 
     @torch.inference_mode()
     def step(self, work: Sequence[SequenceWork]) -> torch.Tensor:
         """Run one iteration (see :class:`StepModel`): [len(work)] int64 sampled tokens on the CPU."""
+        return self.launch(work).result()
+
+    @torch.inference_mode()
+    def launch(self, work: Sequence[SequenceWork]) -> PendingStep:
+        """Enqueue one iteration (see :class:`StepModel`): a graph replay where one fits, without
+        waiting for the device; else the eager step, done when this returns."""
         if self.kv_cache is None:
             raise RuntimeError("no KV cache: call allocate_kv_cache first")
         self._check(work)
         if self.graphs is not None and self.graphs.fits(work):
-            return self.graphs.run(work)
+            return self.graphs.launch(work)
         tokens = torch.tensor([t for item in work for t in item.tokens], dtype=torch.int64).to(self.device)
+        fed = None
+        if any(item.fed is not None for item in work):
+            fed = torch.tensor([-1 if item.fed is None else item.fed for item in work for _ in item.tokens],
+                               dtype=torch.int64).to(self.device)
         meta = build_metadata(work, self.kv_block_size, self.windows, self.device,
                               padded_groups=self._attention_kernel is None)
         sampled = [row for row, item in enumerate(work) if item.sample is not None]
         specs = [spec for spec in (item.sample for item in work) if spec is not None]
         ends = torch.cumsum(torch.tensor([len(item.tokens) for item in work], dtype=torch.int64), 0) - 1
-        ids = self._forward(tokens, meta, ends[sampled].to(self.device),
+        ids = self._forward(tokens, fed, meta, ends[sampled].to(self.device),
                             sampling_tensors(specs, self.device) if specs else None, None)
         out = torch.full((len(work),), -1, dtype=torch.int64)
         if ids is not None:
             out[sampled] = ids.cpu()
-        return out
+        return FinishedStep(out)
 
-    def _forward(self, tokens: torch.Tensor, meta: AttentionMetadata, sample_rows: torch.Tensor,
-                 sampling: tuple[Any, ...] | None, valid: torch.Tensor | None) -> torch.Tensor | None:
+    def _forward(self, tokens: torch.Tensor, fed: torch.Tensor | None, meta: AttentionMetadata,
+                 sample_rows: torch.Tensor, sampling: tuple[Any, ...] | None, valid: torch.Tensor | None,
+                 publish: bool = True) -> torch.Tensor | None:
         """The model over tokens [T] (device work only, no host sync): the ids sampled at the rows
-        ``sample_rows`` [S], or None without ``sampling``."""
+        ``sample_rows`` [S], or None without ``sampling``. ``fed`` [T]: where ≥ 0, the token is the
+        previous step's sampled id at that row (:attr:`last_sampled`); ``publish``: keep this step's
+        ids there for the next step."""
         cache = self.kv_cache
         assert cache is not None
+        if fed is not None:
+            tokens = torch.where(fed >= 0, self.last_sampled[fed.clamp(min=0)], tokens)
         hidden = self.model.model.embed_tokens(tokens)  # [T, H]
         cos, sin = self.model.model.rotary_emb(hidden, meta.positions.unsqueeze(0))
         attention = AttentionStep(cos[0], sin[0], meta, None if meta.groups else self._attention_kernel)
@@ -498,15 +521,20 @@ class HFStepModel:
         if sampling is None:
             return None
         logits = self.model.lm_head(self.model.model.norm(hidden[sample_rows]))
-        return sample_tokens(logits, *sampling)
+        ids = sample_tokens(logits, *sampling)
+        if publish:
+            self.last_sampled[: ids.shape[0]].copy_(ids)
+        return ids
 
-    def _graph_forward(self, tokens: torch.Tensor, meta: AttentionMetadata, sample_rows: torch.Tensor,
-                       sampling: tuple[Any, ...], valid: torch.Tensor, warmup: bool) -> torch.Tensor:
+    def _graph_forward(self, tokens: torch.Tensor, fed: torch.Tensor, meta: AttentionMetadata,
+                       sample_rows: torch.Tensor, sampling: tuple[Any, ...], valid: torch.Tensor,
+                       warmup: bool) -> torch.Tensor:
         """A bucket's forward for :class:`GraphedSteps` (``warmup``: an eager pass over pad rows
-        whose only lasting effect is compiled kernels — no slot handshake, statistics kept)."""
+        whose only lasting effect is compiled kernels — no slot handshake, statistics kept, the
+        previous step's sampled ids untouched)."""
         quiet = getattr(self.executor, "quiet", contextlib.nullcontext) if warmup else contextlib.nullcontext
         with quiet():
-            out = self._forward(tokens, meta, sample_rows, sampling, valid)
+            out = self._forward(tokens, fed, meta, sample_rows, sampling, valid, publish=not warmup)
         assert out is not None
         return out
 

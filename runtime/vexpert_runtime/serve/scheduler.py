@@ -8,10 +8,16 @@ iterations. Every :meth:`Scheduler.run_iteration`:
    every decoding sequence (so running decodes never stall behind a long prompt), then prompt
    chunks in admission order — a prompt longer than what is left is split over iterations
    (chunked prefill); waiting requests are admitted while the KV budget holds their worst case;
-3. calls ``model.step`` — always, with an empty batch when idle, because on a multi-rank server
-   every rank steps in lockstep (the MoE layers are collectives);
-4. samples each sequence whose prompt is done, detokenizes incrementally, checks EOS, stop strings
-   and length, and sends :class:`~.events.Event`\\ s to the request's sink.
+3. launches the model's step (``model.launch``) — always, with an empty batch when idle, because on
+   a multi-rank server every rank steps in lockstep (the MoE layers are collectives);
+4. reads each sampled token, detokenizes incrementally, checks EOS, stop strings and length, and
+   sends :class:`~.events.Event`\\ s to the request's sink.
+
+Where the model ``overlaps_steps`` (CUDA graphs), step 4 of iteration i runs after step 3 of
+iteration i+1, while the device computes: iteration i+1 decodes with the tokens i sampled on the
+device (``SequenceWork.fed``), a sequence at its length limit is not scheduled again, and one that
+stops on EOS or a stop string (or is cancelled) while a step holds it keeps its blocks until that step
+is done (:mod:`.step`).
 
 KV cache: the scheduler owns the rank's :class:`~.kv_cache.BlockPool` (the model owns the tensors).
 A request reserves the blocks of ``prompt + max_tokens`` tokens when admitted (the most it can hold);
@@ -38,7 +44,7 @@ from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.serve.events import Event, GenerationRequest, RankLoad, overloaded, shutting_down
 from vexpert_runtime.serve.kv_cache import BlockPool, blocks_for
 from vexpert_runtime.serve.sampling import IncrementalDetokenizer, StopChecker, request_seed
-from vexpert_runtime.serve.step import SamplingSpec, SequenceWork, StepModel
+from vexpert_runtime.serve.step import PendingStep, SamplingSpec, SequenceWork, StepModel
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +105,14 @@ class _Sequence:
     detokenizer: IncrementalDetokenizer
     stop: StopChecker
     seed: int
-    computed: int = 0  # tokens the model holds in its KV cache
+    computed: int = 0  # tokens the model holds in its KV cache (or will, once the launched steps are done)
     admitted: bool = False
     output: list[int] = field(default_factory=list)
+    pending: int = 0  # tokens launched steps sample that the host has not read yet (at most 2, briefly)
+    sample_row: int = -1  # the last launched one's sampling row in its step
+    steps_in_flight: int = 0  # launched steps that hold this sequence (its blocks stay until they are done)
+    holds_blocks: bool = False  # reserved in the pool (from admission until released)
+    finished: bool = False
 
     @property
     def prompt_len(self) -> int:
@@ -117,12 +128,24 @@ class _Sequence:
         """Whether the prompt is in the cache and the next step feeds the last sampled token."""
         return self.computed >= self.prompt_len
 
+    @property
+    def generated(self) -> int:
+        """Tokens sampled so far, read or not."""
+        return len(self.output) + self.pending
+
     def sampling(self) -> SamplingSpec:
         params = self.request.params
-        return SamplingSpec(params.temperature, params.top_p, self.seed, len(self.output))
+        return SamplingSpec(params.temperature, params.top_p, self.seed, self.generated)
+
+    def last_pending(self, max_context: int) -> bool:
+        """Whether the token still being sampled is this sequence's last (length or context limit)."""
+        return self.pending > 0 and (self.generated >= self.request.params.max_tokens
+                                 or self.prompt_len + self.generated >= max_context)
 
     def decode_work(self, pool: BlockPool) -> SequenceWork:
         blocks = pool.grow(self.seq_id, self.computed + 1)
+        if self.pending:  # its token is on the device, sampled by the step still running
+            return SequenceWork(self.seq_id, (0,), self.computed, tuple(blocks), self.sampling(), fed=self.sample_row)
         return SequenceWork(self.seq_id, (self.output[-1],), self.computed, tuple(blocks), self.sampling())
 
     def prefill_work(self, budget: int, pool: BlockPool) -> SequenceWork:
@@ -131,6 +154,14 @@ class _Sequence:
         blocks = pool.grow(self.seq_id, end)
         return SequenceWork(self.seq_id, tuple(self.request.prompt_ids[self.computed : end]), self.computed,
                             tuple(blocks), self.sampling() if end == self.prompt_len else None)
+
+
+@dataclass(frozen=True)
+class _LaunchedStep:
+    """A step the model is running: its batch and its tokens to come."""
+
+    batch: list[tuple[_Sequence, SequenceWork]]
+    step: PendingStep
 
 
 class Scheduler:
@@ -154,6 +185,7 @@ class Scheduler:
         self._running: dict[int, _Sequence] = {}  # insertion order = admission order
         self._by_request: dict[str, _Sequence] = {}
         self._next_seq_id = 0
+        self._in_flight: _LaunchedStep | None = None  # the step whose tokens are not read yet (overlapped)
         self._load = RankLoad(kv_tokens_budget=self.pool.capacity_tokens(), kv_blocks_total=self.pool.usable_blocks,
                               kv_cache_bytes=model.kv_cache_bytes)
 
@@ -189,7 +221,7 @@ class Scheduler:
         """Whether an iteration would do anything beyond the lockstep empty step."""
         with self._lock:
             pending = bool(self._inbox or self._cancels or self._abort)
-        return pending or bool(self._running or self._waiting)
+        return pending or bool(self._running or self._waiting or self._in_flight)
 
     def load(self) -> RankLoad:
         """The load as of the last iteration, plus requests submitted since."""
@@ -212,26 +244,72 @@ class Scheduler:
     def run_iteration(self) -> int:
         """One iteration (see the module docstring); returns the tokens the model ran.
 
-        If ``model.step`` raises, every sequence of the batch finishes with an error event and is
-        released, then the exception propagates: the loop owner decides whether the rank goes on.
+        If the model fails, every sequence of the failed step (and of the step still in flight)
+        finishes with an error event and is released, then the exception propagates: the loop owner
+        decides whether the rank goes on.
         """
         self._take_inbox()
         batch = self._schedule()
+        if not batch and self._in_flight is not None:  # nothing runs before its tokens are read
+            self._complete(self._take_in_flight())
+            batch = self._schedule()
         self._update_load()  # admissions show while the step runs (a step can take a while)
         work = [w for _, w in batch]
         try:
-            tokens = self.model.step(work).tolist()
+            step = self.model.launch(work)
         except Exception as exc:
-            for seq, _ in batch:
-                self._finish(seq, "error", error=f"model step failed: {exc}")
-            self._update_load()
+            self._fail(batch + (self._in_flight.batch if self._in_flight else []), exc)
+            self._in_flight = None
             raise
-        for token, (seq, item) in zip(tokens, batch, strict=True):
-            seq.computed += len(item.tokens)
-            if item.sample is not None:  # the chunk completed the prompt, or a decode: a new token
-                self._advance(seq, token)
+        self._launched(batch)
+        previous, self._in_flight = self._in_flight, _LaunchedStep(batch, step)
+        if previous is not None:
+            self._complete(previous)  # while the device runs the step just launched
+        if not self.model.overlaps_steps or not batch:  # an empty step samples nothing to wait for
+            self._complete(self._take_in_flight())
         self._update_load()
         return sum(len(w.tokens) for w in work)
+
+    def _take_in_flight(self) -> _LaunchedStep:
+        flight, self._in_flight = self._in_flight, None
+        assert flight is not None
+        return flight
+
+    def _launched(self, batch: list[tuple[_Sequence, SequenceWork]]) -> None:
+        """The batch is on its way: its sequences hold what it writes, and wait for what it samples."""
+        row = 0
+        for seq, item in batch:
+            seq.computed += len(item.tokens)
+            seq.steps_in_flight += 1
+            if item.sample is not None:
+                seq.pending, seq.sample_row = seq.pending + 1, row
+                row += 1
+
+    def _complete(self, flight: _LaunchedStep) -> None:
+        """Read a launched step's tokens and advance its sequences."""
+        try:
+            tokens = flight.step.result().tolist()
+        except Exception as exc:
+            self._fail(flight.batch + (self._in_flight.batch if self._in_flight else []), exc)
+            self._in_flight = None
+            raise
+        for token, (seq, item) in zip(tokens, flight.batch, strict=True):
+            seq.steps_in_flight -= 1
+            if seq.finished:  # stopped or cancelled while this step ran: its row was wasted
+                self._release_if_idle(seq)
+                continue
+            if item.sample is not None:  # the chunk completed the prompt, or a decode: a new token
+                seq.pending -= 1
+                self._advance(seq, token)
+
+    def _fail(self, batch: list[tuple[_Sequence, SequenceWork]], exc: Exception) -> None:
+        for seq, _ in batch:
+            seq.steps_in_flight = 0
+            if not seq.finished:
+                self._finish(seq, "error", error=f"model step failed: {exc}")
+            else:
+                self._release_if_idle(seq)
+        self._update_load()
 
     def _validate(self, request: GenerationRequest) -> None:
         """Reject what the API should have caught already, so one bad request never reaches a batch."""
@@ -286,7 +364,7 @@ class Scheduler:
         budget = self.config.max_batch_tokens
         batch: list[tuple[_Sequence, SequenceWork]] = []
         for seq in self._running.values():
-            if seq.decoding:
+            if seq.decoding and not seq.last_pending(self.model.max_context):
                 batch.append((seq, seq.decode_work(self.pool)))
                 budget -= 1
         for seq in self._running.values():
@@ -307,7 +385,7 @@ class Scheduler:
         return self.pool.can_reserve(seq.reservation) and len(self._running) < self.config.max_running
 
     def _admit(self, seq: _Sequence) -> None:
-        seq.admitted = True
+        seq.admitted = seq.holds_blocks = True
         self.pool.reserve(seq.seq_id, seq.reservation)
         self._running[seq.seq_id] = seq
 
@@ -338,15 +416,13 @@ class Scheduler:
         return text if stopped else text + seq.stop.flush()
 
     def _finish(self, seq: _Sequence, reason: str, text: str = "", error: str | None = None) -> None:
-        """Send the last event, free the sequence's cache and reservation."""
+        """Send the last event, free the sequence's cache and reservation (once no launched step
+        writes it any more)."""
         self._by_request.pop(seq.request.request_id, None)
+        seq.finished = True
         if seq.admitted:
             self._running.pop(seq.seq_id, None)
-            self.pool.free(seq.seq_id)
-            try:
-                self.model.release(seq.seq_id)
-            except Exception:  # a failed release must not take the other requests down
-                log.exception("model.release(%d) failed", seq.seq_id)
+            self._release_if_idle(seq)
         else:
             with contextlib.suppress(ValueError):  # already out of the queue
                 self._waiting.remove(seq)
@@ -363,6 +439,17 @@ class Scheduler:
                 error=error,
             ),
         )
+
+    def _release_if_idle(self, seq: _Sequence) -> None:
+        """Return a finished sequence's blocks, unless a launched step still writes them."""
+        if seq.steps_in_flight > 0 or not seq.holds_blocks:
+            return
+        seq.holds_blocks = False
+        self.pool.free(seq.seq_id)
+        try:
+            self.model.release(seq.seq_id)
+        except Exception:  # a failed release must not take the other requests down
+            log.exception("model.release(%d) failed", seq.seq_id)
 
     def _send(self, seq: _Sequence, event: Event) -> None:
         """Hand an event to its sink; a broken sink (consumer gone) cancels the request."""

@@ -6,6 +6,14 @@ A rank's scheduler decides, every iteration, which of its sequences run and whic
 those blocks and samples the next token of every sequence whose prompt is done (on the device: one
 small device→host copy per iteration, not the logits). Every EP rank calls :meth:`StepModel.step` once per iteration, in
 lockstep — with an empty list when it has no work — because the MoE layers inside are collectives.
+
+**Overlapped steps.** On a GPU the host's bookkeeping (forming the batch, detokenizing, sending
+events) would leave the device idle between iterations. A model with ``overlaps_steps`` lets the
+scheduler :meth:`StepModel.launch` iteration i+1 *before* it reads iteration i's tokens: a decode
+whose last token the host has not seen yet names the sampling row it came from (``SequenceWork.fed``)
+and the model takes that token from its device copy of the previous step's sampled ids. The host
+then reads step i's tokens while the device runs step i+1. A sequence that stopped at step i (EOS,
+a stop string, a cancel) has one wasted row in step i+1, and its blocks return only once that step is done.
 """
 
 from __future__ import annotations
@@ -38,6 +46,9 @@ class SequenceWork:
     model already holds in its KV cache (0 for a new sequence).
     ``blocks``: the sequence's KV block table, covering ``position + len(tokens)`` tokens.
     ``sample``: sample a token after the last new one (None: a prompt chunk that does not end the prompt).
+    ``fed``: a decode whose token the previous step sampled at its sampling row ``fed`` (the host has
+    not read it yet, see the module docstring): the model takes it from the device, ``tokens`` holds
+    a placeholder.
     """
 
     seq_id: int
@@ -45,6 +56,25 @@ class SequenceWork:
     position: int
     blocks: tuple[int, ...] = ()
     sample: SamplingSpec | None = None
+    fed: int | None = None
+
+
+class PendingStep(Protocol):
+    """An iteration the model launched; its sampled tokens once it is done."""
+
+    def result(self) -> torch.Tensor:
+        """Wait for the iteration: [len(work)] int64 on the CPU, as :meth:`StepModel.step` returns."""
+        ...
+
+
+@dataclass(frozen=True)
+class FinishedStep:
+    """A :class:`PendingStep` already done (a model that computes while it launches)."""
+
+    tokens: torch.Tensor
+
+    def result(self) -> torch.Tensor:
+        return self.tokens
 
 
 class StepModel(Protocol):
@@ -53,6 +83,7 @@ class StepModel(Protocol):
     vocab_size: int
     max_context: int  # the longest sequence (prompt + generated) the model accepts
     kv_block_size: int  # tokens per KV-cache block
+    overlaps_steps: bool  # whether the scheduler may launch step i+1 before it reads step i (``fed``)
 
     @property
     def kv_num_blocks(self) -> int:
@@ -73,6 +104,20 @@ class StepModel(Protocol):
         ``sample`` spec (−1 for the others). Blocks not in ``work`` keep their contents."""
         ...
 
+    def launch(self, work: Sequence[SequenceWork]) -> PendingStep:
+        """Enqueue one iteration (as :meth:`step`, whose tokens :meth:`PendingStep.result` returns).
+        Only a model with ``overlaps_steps`` may receive ``fed`` items."""
+        ...
+
     def release(self, seq_id: int) -> None:
         """A finished or cancelled sequence is gone (its blocks are back in the scheduler's pool)."""
         ...
+
+
+class SynchronousSteps:
+    """What a model whose :meth:`StepModel.step` is the whole iteration provides: ``launch`` runs it."""
+
+    overlaps_steps = False
+
+    def launch(self, work: Sequence[SequenceWork]) -> PendingStep:
+        return FinishedStep(self.step(work))  # type: ignore[attr-defined]
