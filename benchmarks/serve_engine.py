@@ -235,8 +235,11 @@ _LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLau
 
 
 def summarise_trace(path: Path) -> dict[str, Any]:
-    """Wall time, GPU busy share and host launches of one traced iteration."""
+    """Per iteration, over one trace of consecutive iterations (``worker<r>-iterations<a>-<b>.json``):
+    wall time, GPU busy time and share (union of kernels and copies), host launches."""
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    first, _, last = path.stem.rpartition("iterations")[2].partition("-")
+    iterations = int(last or first) - int(first) + 1 if first.isdigit() else 1
     gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
     start = min(e["ts"] for e in events)
@@ -252,10 +255,14 @@ def summarise_trace(path: Path) -> dict[str, Any]:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and e["name"] in _LAUNCHES:
             launches[e["name"]] = launches.get(e["name"], 0) + 1
     names = {e["name"] for e in events if e.get("cat") == "cpu_op"}
-    return {"file": path.name, "wall_ms": round((end - start) / 1000, 3), "gpu_busy_ms": round(busy / 1000, 3),
-            "gpu_busy_share": round(busy / max(1.0, end - start), 3), "host_launches": sum(launches.values()),
-            "launches": launches, "graph_replay": launches.get("cudaGraphLaunch", 0) > 0,
-            "gpu_kernels": sum(1 for e in events if e.get("cat") == "kernel"), "cpu_ops": len(names)}
+    wall = end - start
+    return {"file": path.name, "iterations": iterations, "wall_ms_per_iteration": round(wall / 1000 / iterations, 3),
+            "gpu_busy_ms_per_iteration": round(busy / 1000 / iterations, 3),
+            "gpu_busy_share": round(busy / max(1.0, wall), 3),
+            "host_launches_per_iteration": round(sum(launches.values()) / iterations, 2),
+            "launches": launches, "graph_replays": launches.get("cudaGraphLaunch", 0),
+            "gpu_kernels_per_iteration": round(sum(1 for e in events if e.get("cat") == "kernel") / iterations, 1),
+            "cpu_ops": len(names)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=1, help="EP ranks (more than GPUs: workers share a GPU)")
     parser.add_argument("--hf-variants", nargs="+", default=["sdpa:dynamic", "eager:dynamic", "sdpa:static"])
     parser.add_argument("--profile-streams", type=int, nargs="*", default=[])
-    parser.add_argument("--profile-iters", default="600-611")
+    parser.add_argument("--profile-iters", default="600-619", help="one trace over these iterations")
     parser.add_argument("--pyspy", type=float, default=0.0, help="seconds of py-spy host sampling per serve run")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -83,3 +83,45 @@ def test_graphed_decode_equals_the_eager_step(family: str, tmp_path: Path) -> No
         if graphs:
             assert model.graphs is not None and model.graphs.replays >= 10  # prompt chunks and decodes
     assert outputs[0] == outputs[1]
+
+
+def test_overlapped_graphed_scheduler_equals_the_eager_one(tmp_path: Path) -> None:
+    """The scheduler over graphed steps launches step i+1 before reading step i (decodes fed from
+    the device): every request's greedy tokens equal those of the eager, sequential scheduler."""
+    import re
+
+    from vexpert_runtime.serve.events import GenerationRequest, SamplingParams
+    from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
+
+    class IdText:
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return "".join(f"<{i}>" for i in ids)
+
+    path = _write("deepseek_v3", tmp_path / "ds3")
+    results = []
+    for graphs in (False, True):
+        model = HFStepModel(path, device="cuda", dtype=torch.bfloat16, kv_cache_tokens=2048)
+        model.executor = EPExperts.for_model(model, 0, 1, None, max_tokens=64)
+        model.drop_expert_weights()
+        stream = torch.cuda.Stream()
+        texts: dict[str, list[str]] = {}
+        with torch.cuda.stream(stream):
+            if graphs:
+                model.enable_cuda_graphs(64, 16, stream)
+            assert model.overlaps_steps == graphs
+            scheduler = Scheduler(model, IdText(), SchedulerConfig(kv_budget_tokens=None, max_batch_tokens=64,
+                                                                   max_running=16))
+            for i in range(12):
+                rid = f"r{i}"
+                texts[rid] = []
+                prompt = tuple(range(3 + i, 10 + 3 * i))
+                scheduler.submit(GenerationRequest(rid, prompt, SamplingParams(max_tokens=5 + i, temperature=0,
+                                                                               ignore_eos=True)),
+                                 lambda e, out=texts[rid]: out.append(e.text))
+            while scheduler.has_work():
+                scheduler.run_iteration()
+        results.append({r: [int(t) for t in re.findall(r"<(\d+)>", "".join(t))] for r, t in texts.items()})
+        if graphs:
+            assert model.graphs is not None and model.graphs.replays >= 10
+    assert results[0] == results[1]
+    assert all(len(tokens) == 5 + i for i, tokens in enumerate(results[1].values()))

@@ -132,7 +132,16 @@ class RunnerContext:
 
 
 class ModelRunner(Protocol):
-    """The model work of a worker's iterations."""
+    """The model work of a worker's iterations.
+
+    ``overlaps_iterations``: :meth:`run` returns with the iteration enqueued on the device, whose
+    outputs (``hidden``) nobody reads, so the worker may start the next before reporting this one.
+    """
+
+    overlaps_iterations: bool
+
+    def has_work(self) -> bool:
+        """Whether another iteration would do anything (false: the worker may report and idle)."""
 
     def await_work(self, iteration: int) -> None:
         """Return once ``iteration`` is to run — or the node is stopping (not timed)."""
@@ -222,6 +231,11 @@ class SyntheticDecodeRunner:
         self.graph_stream = context.graph_stream
         self.step_graph: StepGraph | None = None
         self._inputs: _Inputs | None = None
+
+    overlaps_iterations = False  # verification and recording read each iteration's output
+
+    def has_work(self) -> bool:
+        return True
 
     def await_work(self, iteration: int) -> None:
         """The workload always has the next iteration."""
@@ -343,6 +357,11 @@ class ServingRunner:
                                     f"the model has {self.serving.num_moe_layers} MoE layers, its spec {context.spec.num_layers}",
                                     "serve the checkpoint the node's config names")
         self.serving.report_load(force=True)
+        # with CUDA graphs the scheduler launches iteration i+1 before reading i (serve/step.py)
+        self.overlaps_iterations = self.serving.model.overlaps_steps
+
+    def has_work(self) -> bool:
+        return self.serving.has_work()
 
     def await_work(self, iteration: int) -> None:
         """Take new requests and wait until some rank has work or the node stops (one tiny

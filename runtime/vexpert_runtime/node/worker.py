@@ -51,6 +51,7 @@ from vexpert_runtime.node.messages import (
 from vexpert_runtime.node.protocol import WorkerSlots, agree
 from vexpert_runtime.node.runners import (
     DeviceTables,
+    IterationOutput,
     IterationStats,
     ModelRunner,
     RunnerContext,
@@ -93,7 +94,7 @@ PROFILE_ENV = "VEXPERT_PROFILE"  # "<first>[-<last>]:<directory>": trace those i
 
 
 def _profile_request() -> tuple[range, Path]:
-    """The iterations to trace (each in its own file) and where (``VEXPERT_PROFILE``); none by default."""
+    """The iterations to trace (one file over the range) and where (``VEXPERT_PROFILE``); none by default."""
     raw = os.environ.get(PROFILE_ENV, "")
     if not raw:
         return range(0), Path(".")
@@ -117,6 +118,22 @@ class _Current:
     end: Any = None  # GPU: CUDA event recorded after the iteration's last layer (None while enqueueing)
 
 
+@dataclass(frozen=True)
+class _Launched:
+    """An iteration whose work is enqueued (on a GPU) or done (on CPU), not reported yet."""
+
+    iteration: int
+    start: float  # perf_counter when it began
+    waited: float  # seconds its start waited for the coordinator
+    layer_wait: float  # the worker's slot-wait total before it
+    rescued: int  # the worker's rescued-layer count before it
+    table: RoutingTable
+    use_plan: bool
+    output: IterationOutput
+    host_stats: IterationStats  # where its statistics land
+    end: Any  # GPU: the CUDA event after its last kernel (None on CPU)
+
+
 class _Worker:
     def __init__(self, args: WorkerArgs) -> None:
         self.args = args
@@ -138,7 +155,8 @@ class _Worker:
         # (pinned on a GPU: an asynchronous copy after the last layer, read once the step is done).
         pinned = self.device.type == "cuda"
         self.device_stats = IterationStats.zeros(spec.num_layers, spec.num_experts, num_local, self.device)
-        self.host_stats = IterationStats.zeros(spec.num_layers, spec.num_experts, num_local, pin_memory=pinned)
+        self.host_stats = [IterationStats.zeros(spec.num_layers, spec.num_experts, num_local, pin_memory=pinned)
+                           for _ in range(2)]  # two: an overlapped iteration's copy lands beside the last one's
         # The step is one CUDA graph where every collective in it can be captured (NCCL, or none),
         # the experts run as grouped GEMMs (the fp32 loop reads group ends on the host) and nothing
         # reads slots on the host per layer (recording runs).
@@ -234,16 +252,27 @@ class _Worker:
                 return
 
     def _loop(self) -> None:
-        args, spec = self.args, self.spec
+        """Iterations until the node stops. A runner that ``overlaps_iterations`` (serving with CUDA
+        graphs) has iteration i+1 enqueued before the worker reports iteration i — its statistics,
+        its end for the coordinator, its ``IterationDone`` — so the host's work of both overlaps the
+        device's; other runners report each iteration before the next starts."""
+        args = self.args
         k = args.k
-        window: list[torch.Tensor] = []
-        window_start = 0
+        self._window: list[torch.Tensor] = []
+        self._window_start = 0
+        self._last_report = time.perf_counter()
         iteration = 0
         profile_at, profile_dir = _profile_request()
         runner = self.runner
+        launched: _Launched | None = None
+        profiler = None
         while True:
+            if launched is not None and not runner.has_work():  # idle next: report what ran
+                self._report(launched, k)
+                launched = None
             runner.await_work(iteration)
-            profiler = self._profiler(profile_dir) if iteration in profile_at else None
+            if profile_at and iteration == profile_at.start:  # one trace over the whole range
+                profiler = self._profiler(profile_dir)
             start = time.perf_counter()
             runner.prepare(iteration)
             layer_wait, rescued = self.slots.layer_wait_s, self.rescued
@@ -253,8 +282,10 @@ class _Worker:
             stop_flag = self.slots.stop_requested(iteration)
             agreement = agree(header is not None, header, digest, args.world, self.group, stop=stop_flag)
             if agreement.stop:
-                if window:
-                    self._flush(window, window_start)
+                if launched is not None:
+                    self._report(launched, k)
+                if self._window:
+                    self._flush(self._window, self._window_start)
                 return
             k = agreement.k or k
             use_plan = agreement.use_plan and announced is not None
@@ -263,42 +294,62 @@ class _Worker:
             if self.device.type == "cuda":
                 self.inflight.append(self.current)
             output = runner.run(iteration, table, use_plan)
-            self.host_stats.all.copy_(self.device_stats.all, non_blocking=True)
+            host = self.host_stats[iteration % 2]  # the other one may still wait for iteration − 1's report
+            host.all.copy_(self.device_stats.all, non_blocking=True)
             if self.device.type == "cuda":
-                # the host waits for this iteration's end (step time, counts): an event, not the device
                 end = torch.cuda.Event()
                 end.record(self.compute_stream)
                 self.current.end = end  # assigned once recorded: the watchdog reads it
-                end.synchronize()
-            counts, computed = self.host_stats.counts.clone(), self.host_stats.computed.clone()
-            self.slots.finish(iteration)
-            step = time.perf_counter() - start
-            if profiler is not None:
+            this = _Launched(iteration, start, waited, layer_wait, rescued, table, use_plan, output, host,
+                             self.current.end)
+            if launched is not None:
+                self._report(launched, k)
+            launched = this
+            if not runner.overlaps_iterations:
+                self._report(this, k)
+                launched = None
+            if profiler is not None and iteration == profile_at.stop - 1:
+                if launched is not None:
+                    self._report(launched, k)
+                    launched = None
                 profiler.__exit__(None, None, None)
-                profiler.export_chrome_trace(str(profile_dir / f"worker{args.rank}-iteration{iteration}.json"))
-            loads = torch.zeros(spec.num_layers, args.world, dtype=torch.int64)
-            loads[:, args.rank] = computed.sum(1)
-            window.append(torch.cat([counts, loads], dim=1))
-            args.results.put(
-                IterationDone(
-                    rank=args.rank,
-                    iteration=iteration,
-                    step_s=step,
-                    wait_s=waited + self.slots.layer_wait_s - layer_wait,
-                    degraded_layers=0 if use_plan else spec.num_layers,
-                    plan_ids=[table.plan_id] * spec.num_layers,
-                    output=output.hidden.to(torch.float32).cpu().numpy()
-                    if args.verify and output.hidden is not None else None,
-                    computed=computed.tolist() if args.record else None,
-                    slot_checksums=output.slot_checksums if args.record else None,
-                    rescued_layers=self.rescued - rescued,
-                    graphed=output.graphed,
-                )
-            )
+                name = f"worker{args.rank}-iterations{profile_at.start}-{iteration}.json"
+                profiler.export_chrome_trace(str(profile_dir / name))
+                profiler = None
             iteration += 1
-            if len(window) >= k:
-                self._flush(window, window_start)
-                window, window_start = [], iteration
+
+    def _report(self, done: _Launched, k: int) -> None:
+        """Wait for a launched iteration's end; send its statistics and tell the coordinator."""
+        args, spec = self.args, self.spec
+        if done.end is not None:  # the host waits for the iteration's end: an event, not the device
+            done.end.synchronize()
+        counts, computed = done.host_stats.counts.clone(), done.host_stats.computed.clone()
+        self.slots.finish(done.iteration)
+        now = time.perf_counter()
+        step, self._last_report = now - max(done.start, self._last_report), now  # its share of the wall time
+        loads = torch.zeros(spec.num_layers, args.world, dtype=torch.int64)
+        loads[:, args.rank] = computed.sum(1)
+        self._window.append(torch.cat([counts, loads], dim=1))
+        output = done.output
+        args.results.put(
+            IterationDone(
+                rank=args.rank,
+                iteration=done.iteration,
+                step_s=step,
+                wait_s=done.waited + self.slots.layer_wait_s - done.layer_wait,
+                degraded_layers=0 if done.use_plan else spec.num_layers,
+                plan_ids=[done.table.plan_id] * spec.num_layers,
+                output=output.hidden.to(torch.float32).cpu().numpy()
+                if args.verify and output.hidden is not None else None,
+                computed=computed.tolist() if args.record else None,
+                slot_checksums=output.slot_checksums if args.record else None,
+                rescued_layers=self.rescued - done.rescued,
+                graphed=output.graphed,
+            )
+        )
+        if len(self._window) >= k:
+            self._flush(self._window, self._window_start)
+            self._window, self._window_start = [], done.iteration + 1
 
     def _profiler(self, directory: Path) -> Any:
         """A torch profiler (CPU and CUDA activity) around one iteration, started."""
