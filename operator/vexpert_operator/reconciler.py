@@ -163,7 +163,7 @@ def is_permanently_invalid(body: Mapping[str, Any]) -> bool:
                 and cond.observed_generation == generation)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Pass:
     """What one reconcile pass holds fixed: the fresh body, the status it started from, and its clock
     (every condition written in the pass carries the same stamp and generation)."""
