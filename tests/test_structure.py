@@ -4,11 +4,15 @@ In ``runtime/vexpert_runtime`` and ``operator/vexpert_operator``: no class over 
 function over 100, no import cycle between modules, and the model-family names spelled in one
 module. Read with :mod:`ast` only (nothing is imported, so the checks need neither torch nor a GPU),
 and every check lists all of its offenders, not the first.
+
+The architecture page (``docs/architecture.md``) stays true with the code: every file it names exists,
+and its table of the runtime's rooms lists every module where it lives.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -209,3 +213,64 @@ def test_the_model_family_names_are_defined_in_one_module() -> None:
     assert len(found) == 1, (
         f"the model-family names must be one Literal in one module (the family registry), which the "
         f"config and the operator's API import; Literal[...] with {FAMILY_NAME!r} found at: {found or 'nowhere'}")
+
+
+# ------------------------------------------------------------------------------ the architecture page
+
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+RUNTIME = REPO / "runtime" / "vexpert_runtime"
+# where a path the page names may start (it names runtime modules from inside the package)
+PATH_ROOTS = (REPO, REPO / "runtime", RUNTIME, REPO / "operator" / "vexpert_operator")
+PY_PATH = re.compile(r"(?<![\w/.])((?:[\w*]+/)*[\w*]+\.py)\b")
+
+
+def package_files() -> list[Path]:
+    return [module.path for module in modules().values()]
+
+
+def named_file_exists(name: str) -> bool:
+    """A path with folders exists under one of :data:`PATH_ROOTS` (``*`` a wildcard); a bare file
+    name is some module's of the two packages."""
+    if "/" not in name:
+        return any(path.match(name) for path in package_files())
+    return any(any(root.glob(name)) for root in PATH_ROOTS)
+
+
+def architecture_rooms() -> dict[str, list[str]]:
+    """The page's table of the runtime's rooms: folder (``""`` for the package's top level) → the
+    modules its row lists (``attention*``: several; ``commands/*``: a folder)."""
+    rooms: dict[str, list[str]] = {}
+    for line in ARCHITECTURE.read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        folder = re.fullmatch(r"`(\w+)/`", cells[0])
+        if len(cells) > 2 and (folder or cells[0] == "top level"):
+            rooms[folder.group(1) if folder else ""] = re.findall(r"`([\w*/]+)`", cells[1])
+    return rooms
+
+
+def listed_modules(folder: str, name: str) -> list[Path]:
+    return sorted((RUNTIME / folder).glob(f"{name}.py"))
+
+
+def test_every_file_the_architecture_page_names_exists() -> None:
+    missing = sorted({name for name in PY_PATH.findall(ARCHITECTURE.read_text()) if not named_file_exists(name)})
+    assert not missing, "docs/architecture.md names files that do not exist: " + ", ".join(missing)
+
+
+def test_the_architecture_page_lists_every_runtime_module_in_its_room() -> None:
+    """A module added, moved or removed shows up here until the page's room table says so."""
+    rooms = architecture_rooms()
+    assert rooms, "docs/architecture.md has no table of the runtime's rooms"
+    listed: set[Path] = set()
+    unknown = []
+    for folder, names in rooms.items():
+        for name in names:
+            found = listed_modules(folder, name)
+            listed.update(found)
+            if not found:
+                unknown.append(f"{folder or '(top level)'}: {name}")
+    actual = {path for path in RUNTIME.rglob("*.py") if path.stem not in ("__init__", "__main__")}
+    unlisted = sorted(str(path.relative_to(RUNTIME)) for path in actual - listed)
+    assert not unknown and not unlisted, (
+        "docs/architecture.md's room table is out of date:\n"
+        f"  listed but not in the package: {unknown}\n  in the package but not listed: {unlisted}")
