@@ -1,11 +1,9 @@
-"""Test doubles that script or inject faults into a node run (they live here, not in the
-production types).
+"""Test doubles that inject faults into a node run (they live here, not in the production types).
 
 :class:`FaultySlotFiller` is passed as ``NodeOptions(filler=faulty_filler(...))``; the partial is
 pickled into the coordinator process, which imports this module (the test directory is on the
-spawned process's ``sys.path``). Each fault fires once per coordinator process.
-:class:`ScriptedBalance` is passed as ``NodeRuntime(..., balance=scripted_plans({...}))``: the node
-serves fixed plans from fixed iterations and makes none of its own.
+spawned process's ``sys.path``), so it imports no more of the node than the coordinator does. Each
+fault fires once per coordinator process. Scripted plans are in :mod:`scripted_plans`.
 """
 
 from __future__ import annotations
@@ -18,12 +16,8 @@ from typing import Any
 
 import torch
 
-from vexpert_runtime.node.balance import BalanceState, PlanMade
-from vexpert_runtime.node.plans import ScheduledPlan
 from vexpert_runtime.node.protocol import Assignment, FillAborted, SlotFiller
-from vexpert_runtime.node.report import NodeOptions
-from vexpert_runtime.node.setup import NodeSetup
-from vexpert_runtime.node.supervisor import BalanceFactory
+from vexpert_runtime.node.slots import sequence
 from vexpert_runtime.policy.allocator import Plan, allocate
 from vexpert_runtime.workload import Workload
 
@@ -51,7 +45,8 @@ class FaultySlotFiller(SlotFiller):
 
     publish_delays: iteration → seconds before publishing it; delays: layer sequence (t·L + l) →
     seconds to stall before filling it; kill_at: layer sequence at which the fill loop dies;
-    fail_at_copy: layer sequence → index of the copy that writes half a row and then raises.
+    fail_at_copy: layer sequence → index of the copy that writes half a row and then raises. The
+    faults key on the layer sequence of the fill in progress and the copies it made so far.
     """
 
     def __init__(self, *args: Any, publish_delays: dict[int, float] | None = None,
@@ -62,6 +57,8 @@ class FaultySlotFiller(SlotFiller):
         self.delays = dict(delays or {})
         self.kill_at = kill_at
         self.fail_at_copy = dict(fail_at_copy or {})
+        self._seq = -1  # layer sequence of the fill in progress
+        self._copies = 0  # copies it made so far
 
     def publish(self, iteration: int, plan_id: int, k: int, stop: bool) -> list[bool] | None:
         delay = self.publish_delays.get(iteration, 0.0)
@@ -69,20 +66,24 @@ class FaultySlotFiller(SlotFiller):
             return None
         return super().publish(iteration, plan_id, k, stop)
 
-    def fill_layer(self, seq: int, layer: int, assignment: Assignment, filling: list[bool]) -> None:
+    def fill_layer(self, iteration: int, layer: int, assignment: Assignment, filling: list[bool]) -> None:
+        seq = sequence(iteration, layer, self.num_layers)
         if seq == self.kill_at and _once("kill", seq):
             raise FillLoopKilled(f"fill loop killed at sequence {seq}")
         delay = self.delays.get(seq, 0.0)
         if delay and _once("delay", seq) and self.abort.wait(delay):
             raise FillAborted
-        super().fill_layer(seq, layer, assignment, filling)
+        self._seq, self._copies = seq, 0
+        super().fill_layer(iteration, layer, assignment, filling)
 
-    def copy(self, seq: int, index: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        seq, index = self._seq, self._copies
+        self._copies += 1
         if index == self.fail_at_copy.get(seq, -1) and _once("fail", seq):
             half = dst.shape[0] // 2
             dst[:half].copy_(src[:half])
             raise SlotFillError(f"injected failure half way through a copy of sequence {seq}")
-        super().copy(seq, index, dst, src)
+        super().copy(dst, src)
 
 
 def faulty_filler(**faults: Any) -> Callable[..., SlotFiller]:
@@ -110,25 +111,3 @@ class PacedWorkload(Workload):
     def inputs(self, iteration: int, rank: int, hidden: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         time.sleep(self.pace_s)
         return super().inputs(iteration, rank, hidden, dtype)
-
-
-class ScriptedBalance(BalanceState):
-    """A balance state that replays ``plans`` (iteration → allocator :class:`Plan` served from that
-    iteration on, under plan ids 1, 2, … in iteration order) and makes no plan of its own: a test
-    fixes the iterations of the plan switches."""
-
-    def __init__(self, setup: NodeSetup, options: NodeOptions, plans: dict[int, Plan]) -> None:
-        super().__init__(setup, options.workload.tokens_per_worker)
-        self.script = dict(plans)
-
-    def opening_plans(self) -> list[ScheduledPlan]:
-        opening = super().opening_plans()
-        return opening + [ScheduledPlan(self.adopt(self.script[i]), i) for i in sorted(self.script)]
-
-    def next_plan(self, counts: torch.Tensor) -> PlanMade | None:
-        return None
-
-
-def scripted_plans(plans: dict[int, Plan]) -> BalanceFactory:
-    """``NodeRuntime(..., balance=)`` for a :class:`ScriptedBalance` of ``plans``."""
-    return lambda setup, options: ScriptedBalance(setup, options, plans)

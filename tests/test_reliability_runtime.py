@@ -34,8 +34,9 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from node_faults import PacedWorkload, faulty_filler, scripted_plans
+from node_faults import PacedWorkload, faulty_filler
 from runtime_support import TINY_DEEPSEEK_SPEC
+from scripted_plans import scripted_plans
 from vexpert_runtime import cli
 from vexpert_runtime.config import RuntimeConfig, load_runtime_config
 from vexpert_runtime.errors import VExpertInputError

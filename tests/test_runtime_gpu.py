@@ -17,8 +17,9 @@ import pytest
 import torch
 import yaml
 
-from node_faults import faulty_filler, scripted_plans
+from node_faults import faulty_filler
 from runtime_support import TINY_DEEPSEEK_SPEC
+from scripted_plans import scripted_plans
 from vexpert_runtime.config import RuntimeConfig
 from vexpert_runtime.model.checkpoint import CheckpointReader, write_tiny_checkpoint
 from vexpert_runtime.model.ep_moe import (

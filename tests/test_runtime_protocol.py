@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from node_faults import faulty_filler, scripted_plans, slow_allocator
+from node_faults import faulty_filler, slow_allocator
 from runtime_support import TINY_DEEPSEEK_SPEC
+from scripted_plans import scripted_plans
 from vexpert_runtime.config import RuntimeConfig
 from vexpert_runtime.model.checkpoint import CheckpointReader, write_tiny_checkpoint
 from vexpert_runtime.model.ep_moe import plan_from_slots, table_from_plan
@@ -71,7 +72,7 @@ def handshake(tmp_path: Path) -> dict[str, Any]:
         filling = filler.publish(iteration, plan.table.plan_id, 4, False)
         assert filling is not None
         for layer in range(2):
-            filler.fill_layer(iteration * 2 + layer, layer, plan, filling)
+            filler.fill_layer(iteration, layer, plan, filling)
 
     yield {"filler": filler, "worker": worker, "assignment": assignment, "pool": pool, "abort": abort,
            "fill": fill, "shared": shared}
@@ -121,7 +122,7 @@ def test_coordinator_never_overwrites_a_slot_in_use(handshake: dict[str, Any]) -
     worker.acquire(0)  # computing layer 0 of iteration 1 with slot 0
     in_use = _checksums(worker)
     assert filler.publish(2, 2, 4, False) == [True]  # iteration 0 is finished: 2 may be published
-    writer = threading.Thread(target=filler.fill_layer, args=(4, 0, second, [True]))  # slot 0 again
+    writer = threading.Thread(target=filler.fill_layer, args=(2, 0, second, [True]))  # slot 0 again
     writer.start()
     writer.join(timeout=0.4)
     assert writer.is_alive(), "the coordinator must wait until layer 0 of iteration 1 is released"
@@ -144,7 +145,7 @@ def test_overlapping_adjacent_layers_wait_for_the_previous_layer(handshake: dict
     filler.fill_layer(0, 0, plan, filling)
     worker.begin(0)
     worker.acquire(0)
-    writer = threading.Thread(target=filler.fill_layer, args=(1, 1, plan, filling))
+    writer = threading.Thread(target=filler.fill_layer, args=(0, 1, plan, filling))
     writer.start()
     writer.join(timeout=0.4)
     assert writer.is_alive() and _checksums(worker) == [row_checksum(pool.row(0, 0)), row_checksum(pool.row(0, 2))]

@@ -97,7 +97,7 @@ def test_coordinator_fills_another_process_slots(device: str) -> None:
                 seq = iteration * LAYERS + layer
                 if seq == DELAYED_SEQ:
                     time.sleep(DELAY_S)
-                filler.fill_layer(seq, layer, assignment, filling)  # GPU: enqueued, returns at once
+                filler.fill_layer(iteration, layer, assignment, filling)  # GPU: enqueued, returns at once
         seen = {}
         for _ in range(ITERATIONS * LAYERS):
             _, iteration, layer, plan_id, sums, waited = results.get(timeout=60)

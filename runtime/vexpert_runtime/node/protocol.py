@@ -50,7 +50,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,7 +59,7 @@ import torch.distributed as dist
 from vexpert_runtime.model.ep_moe import RoutingTable
 from vexpert_runtime.node.expert_pool import ExpertPool
 from vexpert_runtime.node.gpu_sync import FlagOps, FlagWaitInterrupted, acquire, produce, release
-from vexpert_runtime.node.slots import DONE, FREE, FULL, STARTED, SlotBuffers, sequence
+from vexpert_runtime.node.slots import DONE, FREE, FULL, STARTED, SlotBuffers
 from vexpert_runtime.node.transport import SlotTransport
 
 PUBLISHED, SKIPPED, FINISHED = 0, 1, 2
@@ -435,7 +435,6 @@ class FillStats:
     release_wait_s: float = 0.0
     copy_s: float = 0.0  # time the copies took (GPU: CUDA events on the copy streams, flag waits excluded)
     last_iteration: int = -1
-    plan_switches: list[tuple[int, int]] = field(default_factory=list)  # (iteration, plan id)
 
 
 class FillAborted(Exception):
@@ -474,7 +473,6 @@ class SlotFiller:
         self._last_layer: list[list[int] | None] = [None for _ in ranks]
         self._events: list[tuple[Any, Any]] = []  # GPU: (start, end) CUDA events of fills in flight
         self._written: list[set[int]] = [set() for _ in ranks]  # slots whose tag this filler wrote (trusted)
-        self._index = 0
         self._copy_start: Any = None
 
     def _wait_finished(self, worker: int, until: int) -> bool:
@@ -511,12 +509,11 @@ class SlotFiller:
         self.stats.last_iteration = iteration
         return filling
 
-    def fill_layer(self, seq: int, layer: int, assignment: Assignment, filling: list[bool]) -> None:
-        """Enqueue (GPU) or perform (CPU) the fill of ``layer`` for every worker in ``filling``:
-        wait until the slots it overwrites are free, copy the planned experts whose slot does not
-        hold them yet, mark the layer FULL. ``seq`` numbers the fill (faults in tests key on it)."""
+    def fill_layer(self, iteration: int, layer: int, assignment: Assignment, filling: list[bool]) -> None:
+        """Enqueue (GPU) or perform (CPU) the fill of ``layer`` of ``iteration`` for every worker in
+        ``filling``: wait until the slots it overwrites are free, copy the planned experts whose slot
+        does not hold them yet, mark the layer FULL."""
         table, pool = assignment.table, assignment.pool
-        self._index = 0  # copies of this fill so far (faults in tests key on it)
         for worker, rank in enumerate(self.ranks):
             if not filling[worker]:
                 continue
@@ -535,7 +532,7 @@ class SlotFiller:
                     self.ops.wait_eq(stream, buffers.flags, j, FREE, 1)
             except FlagWaitInterrupted:
                 raise FillAborted from None
-            copy_in = functools.partial(self._copy_layer, seq, worker, layer, wanted, used, pool)
+            copy_in = functools.partial(self._copy_layer, worker, layer, wanted, used, pool)
             try:
                 produce(self.ops, stream, buffers.flags, layer, copy_in)
             except FlagWaitInterrupted:
@@ -543,7 +540,7 @@ class SlotFiller:
             self._done(stream, self._copy_start)
         self.stats.fills += 1
 
-    def _copy_layer(self, seq: int, worker: int, layer: int, wanted: list[int], used: list[int], pool: ExpertPool) -> None:
+    def _copy_layer(self, worker: int, layer: int, wanted: list[int], used: list[int], pool: ExpertPool) -> None:
         """Copy ``layer``'s planned experts (``wanted`` per slot, ``used`` slots) into ``worker``'s
         slots, skipping a slot this filler already filled with the same expert."""
         buffers, tags, last = self.buffers[worker], self.shared.tags[worker], self._last_layer[worker]
@@ -558,15 +555,14 @@ class SlotFiller:
             # the tag says "empty" while the copy is in flight: a fill that fails half way leaves a
             # slot no later fill will take for a complete copy
             tags[slot, LAYER], tags[slot, EXPERT] = -1, -1
-            self.copy(seq, self._index, buffers.slots[slot], pool.row(layer, expert))
+            self.copy(buffers.slots[slot], pool.row(layer, expert))
             tags[slot, LAYER], tags[slot, EXPERT] = layer, expert
             self._written[worker].add(slot)
             self.stats.bytes_streamed += row_bytes
             self.stats.copies += 1
-            self._index += 1
 
-    def copy(self, seq: int, index: int, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Enqueue the ``index``-th copy of fill ``seq`` (one packed expert row)."""
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Enqueue the copy of one packed expert row into a slot."""
         self.transport.copy(dst, src)
 
     def _mark(self, stream: Any) -> Any:
@@ -622,7 +618,7 @@ class FillLoop(threading.Thread):
                 if filling is None or stop:
                     return
                 for layer in range(filler.num_layers):
-                    filler.fill_layer(sequence(iteration, layer, filler.num_layers), layer, assignment, filling)
+                    filler.fill_layer(iteration, layer, assignment, filling)
                 iteration += 1
         except FillAborted:
             return
