@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from node_faults import PacedWorkload, faulty_filler
 from runtime_support import TINY_DEEPSEEK_SPEC
 from scripted_plans import scripted_plans
+from shm_support import assert_run_has_named_semaphores, assert_run_left_nothing
 from vexpert_runtime import cli
 from vexpert_runtime.config import RuntimeConfig, load_runtime_config
 from vexpert_runtime.errors import VExpertInputError
@@ -410,6 +411,7 @@ def test_worker_crash_exits_non_zero_with_a_clear_line_and_leaves_nothing(tmp_pa
         coordinator = _coordinator_pid(seen)
         workers = [pid for pid in _workers(marker, proc.pid) if pid != coordinator]
         assert len(workers) == 2
+        assert_run_has_named_semaphores(proc.pid)
         os.kill(workers[1], signal.SIGKILL)
         _, err = proc.communicate(timeout=30)
     finally:
@@ -422,11 +424,7 @@ def test_worker_crash_exits_non_zero_with_a_clear_line_and_leaves_nothing(tmp_pa
     while _marked_processes(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _marked_processes(marker) == [], "processes of the node are still alive"
-    leaked = {name for name in _shm() - shm_before if name.startswith(("torch_", "sem.mp", "psm_", "mp-"))}
-    while leaked and time.monotonic() < deadline + 3:
-        time.sleep(0.2)
-        leaked &= _shm()
-    assert leaked == set(), f"leaked shared memory: {leaked}"
+    assert_run_left_nothing(proc.pid, [coordinator, *workers], shm_before)  # other programs' objects not counted
 
 
 # ------------------------------------------------------------------------------------------------
