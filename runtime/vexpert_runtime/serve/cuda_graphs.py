@@ -12,9 +12,12 @@ parameters); the sampled ids come back in one device→host copy.
 An iteration of ``T`` tokens of ``B`` sequences replays the smallest captured bucket with at least
 ``T`` token rows (its sampling rows are ``min(bucket, max_seqs)``). Pad rows write the scratch block,
 attend to nothing, are spread over the experts with weight 0 and are not counted
-(:attr:`~.hf_model.EPExperts.token_valid`). Buckets are captured lazily, on first use, after one
-eager warm-up pass over pad rows only (kernels compiled, workspaces made, no lasting effect), all in
-one memory pool. A plan switch only rewrites the device routing table in place: graphs stay valid.
+(:attr:`~.hf_model.EPExperts.token_valid`) — so an empty iteration (a rank with no work stepping in
+lockstep with its EP group) is the 1-row bucket of pad rows only, not an eager pass. Every bucket is
+captured at the first iteration, largest first (so the smaller ones reuse the memory of the larger),
+each after one eager warm-up pass over pad rows only (kernels compiled, workspaces made, no lasting
+effect), all in one memory pool; the top-p variants, on first use. A plan switch only rewrites the
+device routing table in place: graphs stay valid.
 
 Shapes: ``T`` token rows, ``S`` sampling rows, ``W`` the widest block table (a full context).
 """
@@ -170,7 +173,7 @@ class GraphedSteps:
 
     def fits(self, work: Sequence[SequenceWork]) -> bool:
         """Whether a captured bucket can run ``work``."""
-        return (0 < len(work) <= self.max_seqs and sum(len(item.tokens) for item in work) <= self.buckets[-1]
+        return (len(work) <= self.max_seqs and sum(len(item.tokens) for item in work) <= self.buckets[-1]
                 and all(len(item.blocks) <= self.width for item in work))
 
     def run(self, work: Sequence[SequenceWork]) -> torch.Tensor:
@@ -190,6 +193,9 @@ class GraphedSteps:
         self.device_inputs.buffer.copy_(staging.inputs.buffer, non_blocking=True)
         staging.copied = torch.cuda.Event()
         staging.copied.record()
+        if not self.graphs:  # the first iteration: every plain bucket now, not one by one while serving
+            for size in reversed(self.buckets):
+                self._capture(size, False)
         key = (bucket, use_top_p)
         if key not in self.graphs:
             self._capture(bucket, use_top_p)
