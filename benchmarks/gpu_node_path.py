@@ -40,8 +40,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 from vexpert_runtime.config import RuntimeConfig
-from vexpert_runtime.model.checkpoint import DEEPSEEK, MoESpec, random_weights, write_checkpoint
+from vexpert_runtime.model.checkpoint import MoESpec, random_weights, write_checkpoint
 from vexpert_runtime.model.expert_layout import FP8_BLOCK
+from vexpert_runtime.model.families import DEEPSEEK
 from vexpert_runtime.node import NodeOptions, NodeReport, resolve_setup, run_node
 from vexpert_runtime.ports import free_port
 from vexpert_runtime.simulation.workload import drifting_workload

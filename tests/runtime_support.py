@@ -8,8 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vexpert_runtime.model.checkpoint import DEEPSEEK, MoESpec
 from vexpert_runtime.model.expert_layout import FP8_BLOCK
+from vexpert_runtime.model.families import DEEPSEEK
+from vexpert_runtime.model.moe_spec import MoESpec
 
 # 2 MoE layers × 8 experts, group-limited top-2 routing, correction bias, a shared expert:
 # every DeepSeek-V3 routing feature at a size the 2-core CI machine runs in milliseconds.

@@ -39,7 +39,6 @@ from vexpert_runtime.model.dispatch import (
     gpu_loads,
     layer_counts,
     level_shares,
-    list_replica_copies,
     plan_shares,
     water_fill,
 )
@@ -50,6 +49,7 @@ from vexpert_runtime.model.ep_moe import (
     plan_from_slots,
     table_from_plan,
 )
+from vexpert_runtime.model.levelling import list_replica_copies
 from vexpert_runtime.node import NodeOptions, resolve_setup, run_node
 from vexpert_runtime.policy.placement import balance_ratio, static_placement
 from vexpert_runtime.ports import free_port
@@ -383,8 +383,8 @@ def test_fused_kernel_compiles_for_hopper(tmp_path: Path, monkeypatch: pytest.Mo
 
 def test_fused_kernel_refuses_lists_past_its_block() -> None:
     pytest.importorskip("triton")
-    from vexpert_runtime.model.dispatch import MAX_FUSED_COPIES, ReplicaCopies
     from vexpert_runtime.model.dispatch_kernel import fused_cum_shares
+    from vexpert_runtime.model.levelling import MAX_FUSED_COPIES, ReplicaCopies
 
     long = torch.zeros(MAX_FUSED_COPIES + 1, dtype=torch.int32)
     with pytest.raises(ValueError, match="listed copies"):

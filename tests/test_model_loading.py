@@ -32,8 +32,8 @@ from vexpert_runtime.model.checkpoint import (  # noqa: E402
 )
 from vexpert_runtime.model.expert_format import dequantize_fp8_block, quantize_fp8_block  # noqa: E402
 from vexpert_runtime.serve import model_loading  # noqa: E402
-from vexpert_runtime.serve.hf_model import is_sparse_block  # noqa: E402
 from vexpert_runtime.serve.model_loading import LoadReport, load_without_experts  # noqa: E402
+from vexpert_runtime.serve.sparse_blocks import is_sparse_block  # noqa: E402
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "qwen2_moe")
 EXPERTS = ".mlp.experts."  # every routed-expert tensor name (checkpoint and model) contains it

@@ -12,8 +12,6 @@ from safetensors.torch import load_file, save_file
 
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.model.checkpoint import (
-    DEEPSEEK,
-    QWEN,
     CheckpointReader,
     MoESpec,
     correction_bias_tensor,
@@ -23,11 +21,12 @@ from vexpert_runtime.model.checkpoint import (
     router_tensor,
     shared_gate_tensor,
     shared_tensor,
-    unpack_expert,
     write_checkpoint,
     write_tiny_checkpoint,
 )
+from vexpert_runtime.model.families import DEEPSEEK, QWEN
 from vexpert_runtime.model.routing import deepseek_v3_topk, route, softmax_topk
+from vexpert_runtime.model.weights import unpack_expert
 from vexpert_runtime.node.expert_pool import ExpertPool, hottest_experts
 
 DS = MoESpec(

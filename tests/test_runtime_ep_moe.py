@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from legacy_ep_moe import legacy_ep_moe_layer
-from vexpert_runtime.model.checkpoint import DEEPSEEK, QWEN, CheckpointReader, MoESpec, write_tiny_checkpoint
+from vexpert_runtime.model.checkpoint import CheckpointReader, MoESpec, write_tiny_checkpoint
 from vexpert_runtime.model.ep_moe import (
     DeviceRoutingTable,
     ExpertStacks,
@@ -27,6 +27,7 @@ from vexpert_runtime.model.ep_moe import (
     static_table,
     table_from_plan,
 )
+from vexpert_runtime.model.families import DEEPSEEK, QWEN
 from vexpert_runtime.model.moe_math import packed_ffn, relative_error, shared_forward
 from vexpert_runtime.model.reference import ModelWeights, reference_moe_layer
 from vexpert_runtime.model.routing import route

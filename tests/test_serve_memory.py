@@ -41,9 +41,9 @@ from vexpert_runtime.model.checkpoint import (
     CheckpointReader,
     MoESpec,
     expert_tensor,
-    pack_expert,
     write_tiny_checkpoint,
 )
+from vexpert_runtime.model.weights import pack_expert
 from vexpert_runtime.node import expert_pool
 from vexpert_runtime.node.expert_pool import ExpertPool
 

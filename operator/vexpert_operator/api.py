@@ -21,8 +21,12 @@ from pydantic.alias_generators import to_camel
 from vexpert_runtime.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     GPU_MEMORY_UTILIZATION_HELP,
+    ComputeDtype,
+    ExpertFormatChoice,
+    GroupKnobs,
     check_gpu_memory_utilization,
 )
+from vexpert_runtime.model.families import Architecture
 from vexpert_runtime.policy.profile import NodeTypeKey, PerformanceProfile
 
 GROUP = "vexpert.io"
@@ -38,8 +42,6 @@ MODEL_PROFILE_PLURAL = "vexpertmodelprofiles"
 
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 LABEL_VALUE_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
-
-Architecture = Literal["deepseek_v3", "qwen2_moe", "auto"]
 
 
 class CamelModel(BaseModel):
@@ -89,10 +91,10 @@ class ModelSpec(CamelModel):
         "auto", description="Routing family; auto = the runtime reads model_type from config.json (then set shape)"
     )
     shape: ModelShape | None = Field(None, description="MoE shape; defaults to the architecture's known shape")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+    dtype: ComputeDtype = Field(
         "bfloat16", description="Compute dtype, and the dtype of dense (unquantised) experts"
     )
-    expert_format: Literal["auto", "dense", "fp8_block"] = Field(
+    expert_format: ExpertFormatChoice = Field(
         "auto",
         description="Expert storage in pool and slots: fp8_block for block-FP8 checkpoints (DeepSeek-V3/R1, "
         "Kimi-K2; ~half the bytes of bf16), dense = dtype; auto follows the checkpoint but is sized as dense",
@@ -147,18 +149,10 @@ class PinnedExpertsSpec(CamelModel):
     max: int | None = Field(None, ge=1, le=4096, description="Upper bound for auto (default: all experts)")
 
 
-class VExpertSpec(CamelModel):
+class VExpertSpec(CamelModel, GroupKnobs):
     """vExpert's knobs (paper §3): G, Vmax, τ are fixed for a group's lifetime; k and Np are tunable."""
 
-    group_size: int = Field(2, ge=1, le=8, description="G: layers sharing one slot budget")
-    vmax: int = Field(1, ge=0, le=8, description="Per-layer vExpert budget per GPU; slots per GPU = G·vmax")
-    balance_threshold: float = Field(0.7, ge=0.0, le=1.0, description="τ: layers balanced above it get no vExperts")
-    dispatch: Literal["auto", "plan", "local", "global"] = Field(
-        "auto",
-        description="How a replicated expert's tokens split over its copies every layer: plan = the plan's "
-        "shares, local = from each rank's own counts of the iteration, global = from the counts all-reduced over "
-        "the EP group; auto = the runtime's cost model picks",
-    )
+    # groupSize, vmax, balanceThreshold, dispatch: the runtime's GroupKnobs, defined there once
     allocation_interval: AllocationIntervalSpec = Field(default_factory=AllocationIntervalSpec)
     pinned_experts: PinnedExpertsSpec = Field(default_factory=PinnedExpertsSpec)
     tuning_interval_seconds: int = Field(60, ge=1, le=86_400, description="Seconds between tuning decisions")

@@ -100,12 +100,7 @@ def build_runtime_config(spec: VExpertDeploymentSpec, name: str, namespace: str,
             master_addr=nm.rank0_address(name, namespace),
             master_port=spec.parallelism.master_port,
         ),
-        vexpert=VExpertKnobs(
-            group_size=spec.vexpert.group_size,
-            vmax=spec.vexpert.vmax,
-            balance_threshold=spec.vexpert.balance_threshold,
-            dispatch=spec.vexpert.dispatch,
-        ),
+        vexpert=VExpertKnobs(**spec.vexpert.group_knobs()),
         tuning=TuningConfig(allocation_interval=allocation_interval, pooled_experts=pooled_experts),
         runtime=RuntimeSettings(
             device="cuda",

@@ -19,19 +19,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vexpert_runtime.model.expert_layout import DENSE, FP8_BLOCK, expert_row_bytes
+from vexpert_runtime.model.families import FAMILIES, ModelFamily
 
 from .api import ModelShape, VExpertDeploymentSpec
 from .quantity import format_bytes_human, parse_bytes
 
-# Known MoE shapes (bf16). DeepSeek-V3: 58 MoE layers × 256 experts, expert = 3 × 7168 × 2048
-# parameters (the paper's 84 MiB slot; 42 MiB as the published block FP8). qwen2_moe:
-# Qwen1.5-MoE-A2.7B, 24 layers × 60 experts, expert = 3 × 2048 × 1408 parameters.
-KNOWN_SHAPES: dict[str, ModelShape] = {
-    "deepseek_v3": ModelShape(num_experts=256, num_moe_layers=58, expert_bytes=3 * 7168 * 2048 * 2, top_k=8),
-    "qwen2_moe": ModelShape(num_experts=60, num_moe_layers=24, expert_bytes=3 * 2048 * 1408 * 2, top_k=4),
-}
-# (intermediate, hidden) of the known shapes' experts: what the FP8 row layout needs.
-KNOWN_EXPERT_DIMS: dict[str, tuple[int, int]] = {"deepseek_v3": (2048, 7168), "qwen2_moe": (1408, 2048)}
+
+def family_shape(family: ModelFamily, expert_format: str = DENSE, dtype: str = "bfloat16") -> ModelShape:
+    """The shape of the family's published model (its registry ``reference``, e.g. DeepSeek-V3) with the
+    bytes of one expert row stored as ``expert_format`` (dense: in ``dtype``)."""
+    ref = family.reference
+    return ModelShape(num_experts=ref.num_experts, num_moe_layers=ref.num_moe_layers, top_k=ref.top_k,
+                      expert_bytes=expert_row_bytes(expert_format, ref.intermediate_size, ref.hidden_size, dtype))
+
+
+# Every family's reference shape in bf16 (DeepSeek-V3: the paper's 84 MiB slot; 42 MiB as block FP8).
+KNOWN_SHAPES: dict[str, ModelShape] = {name: family_shape(family) for name, family in FAMILIES.items()}
 
 
 def model_shape(spec: VExpertDeploymentSpec) -> ModelShape | None:
@@ -40,12 +43,11 @@ def model_shape(spec: VExpertDeploymentSpec) -> ModelShape | None:
     block scales; dense and auto = dtype, the upper bound since auto keeps dense checkpoints dense)."""
     if spec.model.shape is not None:
         return spec.model.shape
-    known = KNOWN_SHAPES.get(spec.model.architecture)
-    if known is None:
+    family = FAMILIES.get(spec.model.architecture)
+    if family is None:  # auto: the runtime reads the family from config.json
         return None
-    intermediate, hidden = KNOWN_EXPERT_DIMS[spec.model.architecture]
     fmt = FP8_BLOCK if spec.model.expert_format == FP8_BLOCK else DENSE
-    return known.model_copy(update={"expert_bytes": expert_row_bytes(fmt, intermediate, hidden, spec.model.dtype)})
+    return family_shape(family, fmt, spec.model.dtype)
 
 
 def pinned_pool_bytes(pooled_experts: int, shape: ModelShape) -> int:

@@ -22,10 +22,12 @@ from pydantic import (
 )
 
 from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.model.families import Architecture
 from vexpert_runtime.policy.profile import PerformanceProfile
 
-Architecture = Literal["deepseek_v3", "qwen2_moe", "auto"]
+ComputeDtype = Literal["float32", "bfloat16", "float16"]
 ExpertFormatChoice = Literal["auto", "dense", "fp8_block"]  # see expert_layout.py
+DispatchChoice = Literal["auto", "plan", "local", "global"]  # see model/dispatch.py
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 GPU_MEMORY_UTILIZATION_HELP = (
@@ -61,7 +63,7 @@ class ModelSource(BaseModel):
     checkpoint_path: str = Field("", description="Directory with config.json and *.safetensors ('' = built-in demo model)")
     revision: str = Field("", description="Checkpoint revision (recorded in profiles and status)")
     architecture: Architecture = Field("auto", description="Routing family; auto = read model_type from config.json")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+    dtype: ComputeDtype = Field(
         "bfloat16", description="Compute dtype (activations, dequantised weights) and the dtype of dense experts"
     )
     expert_format: ExpertFormatChoice = Field(
@@ -109,21 +111,33 @@ class ParallelismConfig(BaseModel):
         return self
 
 
-class VExpertKnobs(BaseModel):
-    """Allocator knobs fixed for the lifetime of a node group (changing them re-forms the group)."""
+class GroupKnobs(BaseModel):
+    """vExpert's knobs a deployment sets that are fixed for the lifetime of a node group (changing them
+    re-forms the group). Defined once: the runtime's ``vexpert`` section (:class:`VExpertKnobs`) and the
+    operator's ``spec.vexpert`` (camelCase on the wire) both extend this class."""
 
     model_config = ConfigDict(extra="forbid")
 
     group_size: int = Field(2, ge=1, le=8, description="G: layers sharing one slot budget (ping-pong buffer)")
     vmax: int = Field(1, ge=0, le=8, description="Per-layer vExpert budget per GPU; slots per GPU = G·vmax")
     balance_threshold: float = Field(0.7, ge=0.0, le=1.0, description="τ: layers balanced above it get no vExperts")
-    dispatch: Literal["auto", "plan", "local", "global"] = Field(
+    dispatch: DispatchChoice = Field(
         "auto",
         description="How a replicated expert's tokens split over its copies every layer: plan = the plan's shares "
         "(fixed for k iterations), local = water-filled from each rank's own counts of the iteration, global = from "
         "the counts all-reduced over the EP group (one 1 KiB all-reduce per layer); auto = global when that "
         "all-reduce costs less than the balance it gains, else local (plan without slots)",
     )
+
+    def group_knobs(self) -> dict[str, Any]:
+        """The values of :class:`GroupKnobs`' own fields (what the operator renders into ``runtime.yaml``)."""
+        return {name: getattr(self, name) for name in GroupKnobs.model_fields}
+
+
+class VExpertKnobs(GroupKnobs):
+    """The runtime config's ``vexpert`` section: the group's knobs and the figures ``dispatch: auto``
+    weighs (estimated for the device unless set)."""
+
     dispatch_allreduce_us: float | None = Field(
         None, ge=0, description="auto: latency of the per-layer counts all-reduce, µs (None = estimate for the device)"
     )

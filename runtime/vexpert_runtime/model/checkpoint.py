@@ -1,22 +1,13 @@
 """MoE checkpoints: ``config.json`` → :class:`MoESpec`, safetensors → expert, router and shared weights.
 
-Two naming families are read (Hugging Face layout, one tensor per projection):
+The families read, their ``config.json`` fields and their tensor names are the registry's
+(:mod:`~vexpert_runtime.model.families`); this module does the I/O. Only the MoE part is read
+(attention and dense layers are not this runtime's business). Shapes come from ``config.json``;
+:meth:`CheckpointReader.validate` checks every needed tensor's presence, shape and dtype from the
+safetensors headers alone, so a bad checkpoint fails before any process starts.
 
-* DeepSeek-V3 (``model_type: deepseek_v3``): ``model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight``,
-  router ``mlp.gate.weight`` [E, H] and, for ``topk_method: noaux_tc``, ``mlp.gate.e_score_correction_bias``
-  [E]; shared experts ``mlp.shared_experts.{gate,up,down}_proj.weight`` (intermediate
-  ``n_shared_experts · moe_intermediate_size``). MoE layers are ``l ≥ first_k_dense_replace`` with
-  ``l % moe_layer_freq == 0``.
-* Qwen-MoE (``model_type: qwen2_moe`` / ``qwen3_moe``): same expert and router names, shared expert
-  ``mlp.shared_expert.{gate,up,down}_proj.weight`` plus its sigmoid gate ``mlp.shared_expert_gate.weight``
-  [1, H] (Qwen2 only). MoE layers are those not in ``mlp_only_layers`` with ``(l+1) % decoder_sparse_step == 0``.
-
-Only the MoE part is read (attention and dense layers are not this runtime's business). Shapes come
-from ``config.json``; :meth:`CheckpointReader.validate` checks every needed tensor's presence, shape
-and dtype from the safetensors headers alone, so a bad checkpoint fails before any process starts.
-
-Expert weights are *packed*: one flat row ``[gate (I·H) | up (I·H) | down (H·I)]`` per expert, the layout
-of the L2 pool and the L1 slots (one copy per expert fill).
+Expert weights are *packed*: one flat row ``[gate (I·H) | up (I·H) | down (H·I)]`` per expert
+(:mod:`~vexpert_runtime.model.weights`), the layout of the L2 pool and the L1 slots (one copy per expert fill).
 
 Block-FP8 checkpoints (DeepSeek-V3/R1, Kimi-K2, Qwen3-FP8: ``quantization_config`` ``{quant_method: fp8,
 fmt: e4m3, weight_block_size: [bo, bi]}``) store each expert and shared projection as ``F8_E4M3`` with a
@@ -31,9 +22,8 @@ import json
 import os
 import struct
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -45,69 +35,23 @@ from vexpert_runtime.model.expert_format import (
     quantize_fp8_block,
 )
 from vexpert_runtime.model.expert_layout import DENSE, FP8_BLOCK, scale_shape
+from vexpert_runtime.model.families import DEEPSEEK as DEEPSEEK  # simulation/workload.py imports it from here
+from vexpert_runtime.model.families import (
+    PROJECTIONS,
+    TensorNames,
+    config_json_for,
+    spec_from_config,
+    tensor_names,
+)
+from vexpert_runtime.model.moe_spec import MoESpec
+from vexpert_runtime.model.weights import RouterWeights, SharedExpertWeights
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
-DEEPSEEK = "deepseek_v3"
-QWEN = "qwen2_moe"
-_QWEN_TYPES = ("qwen2_moe", "qwen3_moe")
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-PROJECTIONS = ("gate", "up", "down")
 SCALE_SUFFIX = "_scale_inv"  # block scales of ``X.weight`` are ``X.weight_scale_inv``
 FP8_HEADER_DTYPE = "F8_E4M3"
 EXPERT_FORMAT_CHOICES = ("auto", DENSE, FP8_BLOCK)
-
-
-@dataclass(frozen=True)
-class MoESpec:
-    """What the runtime needs to know about a model's MoE layers.
-
-    ``moe_layers`` are checkpoint layer indices (``model.layers.{l}``); everything else in the runtime
-    numbers MoE layers 0..L−1 in that order.
-    """
-
-    architecture: str  # DEEPSEEK or QWEN
-    hidden_size: int  # H
-    intermediate_size: int  # I, per routed expert
-    num_experts: int  # E
-    top_k: int  # K
-    moe_layers: tuple[int, ...]
-    scoring: str = "sigmoid"  # "sigmoid" (DeepSeek-V3) or "softmax" (Qwen)
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    norm_topk_prob: bool = True
-    correction_bias: bool = False  # DeepSeek-V3 noaux_tc: e_score_correction_bias per layer
-    shared_intermediate_size: int = 0  # 0 = no shared expert
-    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid gate on the shared expert's output
-    fp8_block: tuple[int, int] | None = None  # checkpoint's expert/shared projections are block FP8 (bo, bi)
-    expert_storage: str = DENSE  # row format of pool and slots: DENSE or FP8_BLOCK (resolve_expert_storage)
-
-    @property
-    def num_layers(self) -> int:
-        """L: MoE layers."""
-        return len(self.moe_layers)
-
-    def expert_format(self, compute_dtype: torch.dtype) -> ExpertFormat:
-        """How pool and slot rows are stored and read, computing in ``compute_dtype`` (model.dtype)."""
-        block = self.fp8_block if self.expert_storage == FP8_BLOCK else None
-        return ExpertFormat(self.intermediate_size, self.hidden_size, compute_dtype, block)
-
-    @property
-    def expert_numel(self) -> int:
-        """D: elements of one packed expert row (dense: 3·I·H; FP8: bytes of weights and scales)."""
-        return self.expert_format(torch.float32).row_numel
-
-    def row_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """Element type of packed rows (pool, slots) when the model computes in ``dtype``."""
-        return self.expert_format(dtype).row_dtype
-
-    def expert_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of one packed expert row (one slot fill)."""
-        return self.expert_format(dtype).row_bytes
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +62,8 @@ class MoESpec:
 def read_model_spec(path: str | Path, architecture: str = "auto") -> MoESpec:
     """Parse ``path/config.json`` (a Hugging Face config) into a :class:`MoESpec`.
 
-    ``architecture`` forces the routing family ("deepseek_v3", "qwen2_moe"); "auto" reads ``model_type``.
+    ``architecture`` forces the family (a name of :data:`~vexpert_runtime.model.families.FAMILIES`);
+    "auto" reads ``model_type``.
     """
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
@@ -132,101 +77,6 @@ def read_model_spec(path: str | Path, architecture: str = "auto") -> MoESpec:
     if not isinstance(raw, dict):
         raise VExpertInputError("model.checkpoint_path", f"{config_path} is a JSON {type(raw).__name__}, not an object")
     return spec_from_config(raw, architecture, origin=str(config_path))
-
-
-def spec_from_config(raw: dict[str, Any], architecture: str = "auto", origin: str = CONFIG_FILE) -> MoESpec:
-    """Build a :class:`MoESpec` from a parsed ``config.json`` mapping."""
-    model_type = str(raw.get("model_type", ""))
-    family = architecture if architecture != "auto" else ("qwen2_moe" if model_type in _QWEN_TYPES else model_type)
-    if family == DEEPSEEK:
-        return _deepseek_spec(raw, origin)
-    if family == QWEN:
-        return _qwen_spec(raw, origin)
-    raise VExpertInputError(
-        "model.architecture",
-        f"{origin}: model_type {model_type!r} is not a supported MoE family",
-        "use a DeepSeek-V3 (deepseek_v3) or Qwen-MoE (qwen2_moe, qwen3_moe) checkpoint, or set model.architecture",
-    )
-
-
-def _need(raw: dict[str, Any], key: str, origin: str) -> int:
-    value = raw.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise VExpertInputError(f"{origin}: {key}", f"must be a positive integer, got {value!r}")
-    return value
-
-
-def _deepseek_spec(raw: dict[str, Any], origin: str) -> MoESpec:
-    if raw.get("scoring_func", "sigmoid") != "sigmoid":
-        raise VExpertInputError(
-            f"{origin}: scoring_func", f"{raw.get('scoring_func')!r} is not supported", "DeepSeek-V3 uses sigmoid"
-        )
-    layers = _need(raw, "num_hidden_layers", origin)
-    first_dense = int(raw.get("first_k_dense_replace", 0) or 0)
-    freq = int(raw.get("moe_layer_freq", 1) or 1)
-    experts = _need(raw, "n_routed_experts", origin)
-    n_group = int(raw.get("n_group", 1) or 1)
-    spec = MoESpec(
-        architecture=DEEPSEEK,
-        hidden_size=_need(raw, "hidden_size", origin),
-        intermediate_size=_need(raw, "moe_intermediate_size", origin),
-        num_experts=experts,
-        top_k=_need(raw, "num_experts_per_tok", origin),
-        moe_layers=tuple(i for i in range(first_dense, layers) if i % freq == 0),
-        scoring="sigmoid",
-        n_group=n_group,
-        topk_group=int(raw.get("topk_group", 1) or 1),
-        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0) or 1.0),
-        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-        correction_bias=raw.get("topk_method", "noaux_tc") == "noaux_tc",
-        shared_intermediate_size=int(raw.get("n_shared_experts", 0) or 0) * _need(raw, "moe_intermediate_size", origin),
-        **_quantization(raw, origin),
-    )
-    return _check_spec(spec, origin)
-
-
-def _qwen_spec(raw: dict[str, Any], origin: str) -> MoESpec:
-    layers = _need(raw, "num_hidden_layers", origin)
-    step = int(raw.get("decoder_sparse_step", 1) or 1)
-    dense = set(raw.get("mlp_only_layers", []) or [])
-    shared = int(raw.get("shared_expert_intermediate_size", 0) or 0)
-    spec = MoESpec(
-        architecture=QWEN,
-        hidden_size=_need(raw, "hidden_size", origin),
-        intermediate_size=_need(raw, "moe_intermediate_size", origin),
-        # transformers 5 writes Qwen3-MoE's expert count as num_local_experts
-        num_experts=_need(raw, "num_experts" if "num_experts" in raw else "num_local_experts", origin),
-        top_k=_need(raw, "num_experts_per_tok", origin),
-        moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
-        scoring="softmax",
-        norm_topk_prob=bool(raw.get("norm_topk_prob", raw.get("model_type") == "qwen3_moe")),
-        shared_intermediate_size=shared,
-        shared_expert_gate=shared > 0,
-        **_quantization(raw, origin),
-    )
-    return _check_spec(spec, origin)
-
-
-def _quantization(raw: dict[str, Any], origin: str) -> dict[str, Any]:
-    """MoESpec fields for ``quantization_config``: none (dense), or block FP8 stored as FP8 (auto)."""
-    quant = raw.get("quantization_config")
-    if quant is None:
-        return {}
-    field = f"{origin}: quantization_config"
-    fix = "use a bf16/fp16/fp32 checkpoint or a block-FP8 one (quant_method fp8, fmt e4m3, weight_block_size)"
-    if not isinstance(quant, dict):
-        raise VExpertInputError(field, f"must be an object, got {quant!r}", fix)
-    if quant.get("quant_method") != "fp8":
-        raise VExpertInputError(f"{field}.quant_method", f"{quant.get('quant_method')!r} is not supported", fix)
-    if quant.get("fmt", "e4m3") != "e4m3":
-        raise VExpertInputError(f"{field}.fmt", f"{quant.get('fmt')!r} is not supported (only e4m3)", fix)
-    block = quant.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2
-            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise VExpertInputError(
-            f"{field}.weight_block_size", f"must be two positive integers, got {block!r} (per-tensor FP8 is not supported)", fix
-        )
-    return {"fp8_block": (block[0], block[1]), "expert_storage": FP8_BLOCK}
 
 
 def resolve_expert_storage(spec: MoESpec, requested: str) -> MoESpec:
@@ -248,96 +98,34 @@ def resolve_expert_storage(spec: MoESpec, requested: str) -> MoESpec:
     raise VExpertInputError("model.expert_format", f"{requested!r} is unknown", f"use one of {EXPERT_FORMAT_CHOICES}")
 
 
-def _check_spec(spec: MoESpec, origin: str) -> MoESpec:
-    if not spec.moe_layers:
-        raise VExpertInputError(origin, "the model has no MoE layers")
-    if spec.top_k > spec.num_experts:
-        raise VExpertInputError(f"{origin}: num_experts_per_tok", f"{spec.top_k} exceeds {spec.num_experts} experts")
-    if spec.num_experts % spec.n_group != 0:
-        raise VExpertInputError(f"{origin}: n_group", f"{spec.n_group} does not divide {spec.num_experts} experts")
-    if not 1 <= spec.topk_group <= spec.n_group:
-        raise VExpertInputError(f"{origin}: topk_group", f"must be in [1, n_group={spec.n_group}]")
-    per_group = spec.num_experts // spec.n_group
-    if spec.topk_group * per_group < spec.top_k:
-        raise VExpertInputError(f"{origin}: topk_group", "the selected groups hold fewer experts than top_k")
-    return spec
-
-
-def config_json_for(spec: MoESpec) -> dict[str, Any]:
-    """A Hugging Face style ``config.json`` mapping describing ``spec`` (for tiny test checkpoints).
-
-    The MoE layers must be contiguous at the end (``first_k_dense_replace`` dense layers before them).
-    """
-    first = spec.moe_layers[0]
-    if spec.moe_layers != tuple(range(first, first + spec.num_layers)):
-        raise ValueError("config_json_for needs contiguous MoE layers")
-    common: dict[str, Any] = {
-        "hidden_size": spec.hidden_size,
-        "moe_intermediate_size": spec.intermediate_size,
-        "num_experts_per_tok": spec.top_k,
-        "num_hidden_layers": first + spec.num_layers,
-        "norm_topk_prob": spec.norm_topk_prob,
-        "torch_dtype": "float32",
-    }
-    if spec.fp8_block is not None:
-        common["quantization_config"] = {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "weight_block_size": list(spec.fp8_block),
-            "activation_scheme": "dynamic",
-        }
-    if spec.architecture == DEEPSEEK:
-        if spec.shared_intermediate_size % spec.intermediate_size:
-            raise ValueError("DeepSeek shared experts must be a multiple of moe_intermediate_size")
-        return {
-            "model_type": DEEPSEEK,
-            "architectures": ["DeepseekV3ForCausalLM"],
-            **common,
-            "n_routed_experts": spec.num_experts,
-            "n_shared_experts": spec.shared_intermediate_size // spec.intermediate_size,
-            "n_group": spec.n_group,
-            "topk_group": spec.topk_group,
-            "routed_scaling_factor": spec.routed_scaling_factor,
-            "scoring_func": "sigmoid",
-            "topk_method": "noaux_tc" if spec.correction_bias else "greedy",
-            "first_k_dense_replace": first,
-            "moe_layer_freq": 1,
-        }
-    return {
-        "model_type": "qwen2_moe",
-        "architectures": ["Qwen2MoeForCausalLM"],
-        **common,
-        "num_experts": spec.num_experts,
-        "shared_expert_intermediate_size": spec.shared_intermediate_size,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": list(range(first)),
-    }
-
-
 # ---------------------------------------------------------------------------------------------
 # Tensor names and shapes
 # ---------------------------------------------------------------------------------------------
 
 
+# Routed-expert, router and shared-gate names in the layout DeepSeek-V3 and Qwen-MoE share (tests and tools
+# name tensors of tiny checkpoints with them); the reader asks the spec's family (tensor_names).
+_SHARED_LAYOUT = TensorNames()
+
+
 def expert_tensor(layer: int, expert: int, projection: str) -> str:
-    return f"model.layers.{layer}.mlp.experts.{expert}.{projection}_proj.weight"
+    return _SHARED_LAYOUT.expert(layer, expert, projection)
 
 
 def router_tensor(layer: int) -> str:
-    return f"model.layers.{layer}.mlp.gate.weight"
+    return _SHARED_LAYOUT.router_weight(layer)
 
 
 def correction_bias_tensor(layer: int) -> str:
-    return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+    return _SHARED_LAYOUT.correction_bias(layer)
 
 
 def shared_tensor(spec: MoESpec, layer: int, projection: str) -> str:
-    module = "shared_experts" if spec.architecture == DEEPSEEK else "shared_expert"
-    return f"model.layers.{layer}.mlp.{module}.{projection}_proj.weight"
+    return tensor_names(spec).shared(layer, projection)
 
 
 def shared_gate_tensor(layer: int) -> str:
-    return f"model.layers.{layer}.mlp.shared_expert_gate.weight"
+    return _SHARED_LAYOUT.shared_gate(layer)
 
 
 def projection_shape(projection: str, rows: int, hidden: int) -> tuple[int, int]:
@@ -348,19 +136,20 @@ def projection_shape(projection: str, rows: int, hidden: int) -> tuple[int, int]
 def required_tensors(spec: MoESpec) -> Iterator[tuple[str, tuple[int, ...]]]:
     """Every tensor the runtime reads, with its expected shape."""
     hidden, inter = spec.hidden_size, spec.intermediate_size
+    names = tensor_names(spec)
     for layer in spec.moe_layers:
-        yield router_tensor(layer), (spec.num_experts, hidden)
+        yield names.router_weight(layer), (spec.num_experts, hidden)
         if spec.correction_bias:
-            yield correction_bias_tensor(layer), (spec.num_experts,)
+            yield names.correction_bias(layer), (spec.num_experts,)
         for expert in range(spec.num_experts):
             for proj in PROJECTIONS:
-                yield from _projection_tensors(spec, expert_tensor(layer, expert, proj), projection_shape(proj, inter, hidden))
+                yield from _projection_tensors(spec, names.expert(layer, expert, proj), projection_shape(proj, inter, hidden))
         if spec.shared_intermediate_size:
             for proj in PROJECTIONS:
                 shape = projection_shape(proj, spec.shared_intermediate_size, hidden)
-                yield from _projection_tensors(spec, shared_tensor(spec, layer, proj), shape)
+                yield from _projection_tensors(spec, names.shared(layer, proj), shape)
         if spec.shared_expert_gate:
-            yield shared_gate_tensor(layer), (1, hidden)
+            yield names.shared_gate(layer), (1, hidden)
 
 
 def _projection_tensors(spec: MoESpec, name: str, shape: tuple[int, int]) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -372,7 +161,7 @@ def _projection_tensors(spec: MoESpec, name: str, shape: tuple[int, int]) -> Ite
 
 def is_fp8_projection(spec: MoESpec, name: str) -> bool:
     """Whether ``name`` is an expert or shared projection stored as FP8 in ``spec``'s checkpoint."""
-    return spec.fp8_block is not None and name.endswith("_proj.weight")
+    return spec.fp8_block is not None and tensor_names(spec).is_projection(name)
 
 
 def _dtype_problem(spec: MoESpec, name: str, dtype: str) -> tuple[str, str] | None:
@@ -395,38 +184,9 @@ def _dtype_problem(spec: MoESpec, name: str, dtype: str) -> tuple[str, str] | No
     return None
 
 
-def pack_expert(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """gate [I, H], up [I, H], down [H, I] → one flat row [3·I·H]."""
-    return torch.cat([gate.reshape(-1), up.reshape(-1), down.reshape(-1)])
-
-
-def unpack_expert(row: torch.Tensor, intermediate: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Views (gate [I, H], up [I, H], down [H, I]) into a packed row [3·I·H] (no copy)."""
-    n = intermediate * hidden
-    return row[:n].view(intermediate, hidden), row[n : 2 * n].view(intermediate, hidden), row[2 * n :].view(hidden, intermediate)
-
-
 # ---------------------------------------------------------------------------------------------
 # Reading
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RouterWeights:
-    """One MoE layer's router: weight [E, H] fp32, correction bias [E] fp32 or None."""
-
-    weight: torch.Tensor
-    correction_bias: torch.Tensor | None
-
-
-@dataclass
-class SharedExpertWeights:
-    """One layer's shared expert: gate/up [Is, H], down [H, Is]; Qwen2's output gate [1, H] or None."""
-
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
-    output_gate: torch.Tensor | None
 
 
 # Safetensors files are read here without the library: the header (8-byte little-endian length, then
@@ -640,7 +400,7 @@ class CheckpointReader:
 
     def _fill_row(self, layer: int, expert: int, fmt: ExpertFormat, row: torch.Tensor) -> None:
         """Packed row ``row`` [D] of ``expert`` of checkpoint layer ``layer`` in format ``fmt``."""
-        names = {p: expert_tensor(layer, expert, p) for p in PROJECTIONS}
+        names = {p: tensor_names(self.spec).expert(layer, expert, p) for p in PROJECTIONS}
         if fmt.fp8_block is None:
             n = fmt.intermediate * fmt.hidden
             for k, name in enumerate(names.values()):
@@ -685,15 +445,17 @@ class CheckpointReader:
 
     def router(self, layer_index: int) -> RouterWeights:
         layer = self.spec.moe_layers[layer_index]
-        bias = self.tensor(correction_bias_tensor(layer)) if self.spec.correction_bias else None
-        return RouterWeights(self.tensor(router_tensor(layer)), bias)
+        names = tensor_names(self.spec)
+        bias = self.tensor(names.correction_bias(layer)) if self.spec.correction_bias else None
+        return RouterWeights(self.tensor(names.router_weight(layer)), bias)
 
     def shared(self, layer_index: int, dtype: torch.dtype) -> SharedExpertWeights | None:
         if not self.spec.shared_intermediate_size:
             return None
         layer = self.spec.moe_layers[layer_index]
-        gate, up, down = (self.tensor(shared_tensor(self.spec, layer, p), dtype) for p in PROJECTIONS)
-        out_gate = self.tensor(shared_gate_tensor(layer), dtype) if self.spec.shared_expert_gate else None
+        names = tensor_names(self.spec)
+        gate, up, down = (self.tensor(names.shared(layer, p), dtype) for p in PROJECTIONS)
+        out_gate = self.tensor(names.shared_gate(layer), dtype) if self.spec.shared_expert_gate else None
         return SharedExpertWeights(gate, up, down, out_gate)
 
 

@@ -39,14 +39,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from vexpert_runtime.model.grouped_moe import group_counts
+from vexpert_runtime.model.levelling import DAMPING, MAX_FUSED_COPIES, MOMENTUM, ReplicaCopies
 
 DispatchMode = Literal["plan", "local", "global"]
 DISPATCH_MODES: tuple[DispatchMode, ...] = ("plan", "local", "global")
@@ -56,11 +55,6 @@ DISPATCH_MODES: tuple[DispatchMode, ...] = ("plan", "local", "global")
 # balance 0.681 (plan) → 0.751 / 0.767 / 0.773 / 0.780 after 2 / 3 / 4 / 6 sweeps, 0.783 after 60;
 # a sweep is ~15 small kernels, so 4 is the knee of cost against balance.
 SWEEPS = 4
-# Damping of the parallel (Jacobi) update: experts sharing a GPU all move at once, so each moves
-# 1 / (0.4 · most replicated experts on any of its GPUs) of the way, with heavy-ball momentum 0.3.
-# Both measured as above: 0.4/0.3 beats the allocator's 0.6/0.3 by 0.008 at 4 sweeps, 0.3 overshoots.
-_DAMPING = 0.4
-_MOMENTUM = 0.3
 _DRY = 1.0e30  # floor of padding copies: no water ever reaches them (finite: no inf − inf = NaN)
 
 
@@ -131,7 +125,7 @@ def level_shares(counts: torch.Tensor, gpu: torch.Tensor, num_gpus: int, sweeps:
     # Damping: a GPU's degree is the number of replicated experts with a copy on it.
     replicated = valid & (valid.sum(-1, keepdim=True) > 1)
     degree = torch.zeros_like(empty).index_add_(0, flat_bins, replicated.flatten().to(torch.float32))
-    step = 1.0 / (_DAMPING * torch.where(replicated, degree[bins], 0.0).amax(-1, keepdim=True)).clamp(min=1.0)
+    step = 1.0 / (DAMPING * torch.where(replicated, degree[bins], 0.0).amax(-1, keepdim=True)).clamp(min=1.0)
     inv_rank = 1.0 / torch.arange(1, width + 1, device=gpu.device, dtype=torch.float32)
     previous = share
     for _ in range(sweeps):
@@ -140,7 +134,7 @@ def level_shares(counts: torch.Tensor, gpu: torch.Tensor, num_gpus: int, sweeps:
         floor = load[bins] - mine  # every copy's GPU without this expert
         target = water_fill(floor, w, inv_rank) * inv_w.unsqueeze(-1)
         # Padding copies have target 0 and start at 0, so they stay 0.
-        stepped = torch.lerp(share, target, step).add_(share - previous, alpha=_MOMENTUM).clamp_(min=0)
+        stepped = torch.lerp(share, target, step).add_(share - previous, alpha=MOMENTUM).clamp_(min=0)
         previous, share = share, stepped
     # Experts with no tokens end with all-zero targets: keep their rows proper splits.
     total = share.sum(-1, keepdim=True)
@@ -188,69 +182,6 @@ def all_reduce_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> 
     return total
 
 
-@dataclass(frozen=True)
-class ReplicaCopies:
-    """One layer's replicated experts as a list of their copies: what the fused kernel
-    (:mod:`dispatch_kernel`) sweeps over instead of the dense [E, R] table, which at EP64 is
-    64 columns wide for ~2 valid copies per replicated row. Built on the host with the plan
-    (:func:`list_replica_copies`), loaded into the device table in place like the rest of it.
-
-    Attributes:
-        expert, gpu, col: [C] int32 — the logical expert, GPU and table column of each copy of a
-            replicated expert (an expert's copies adjacent, in column order), −1 padding.
-        step: [C] float32 — the damped Jacobi step of each copy's expert (it depends on the
-            placement only: see :func:`level_shares`).
-        single_gpu: [E] int32 — the GPU of each expert with one copy (its whole load lands there),
-            −1 for replicated experts.
-    """
-
-    expert: torch.Tensor
-    gpu: torch.Tensor
-    col: torch.Tensor
-    step: torch.Tensor
-    single_gpu: torch.Tensor
-
-
-def copies_capacity(num_gpus: int, slots: int) -> int:
-    """C: the most copies of replicated experts one layer can have — every slot holds one copy,
-    and each replicated expert has one slot copy at least besides its resident one: 2·N·S."""
-    return max(2, 2 * num_gpus * slots)
-
-
-def list_replica_copies(gpu: np.ndarray, capacity: int
-                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The :class:`ReplicaCopies` of every layer of a table (host side, at plan load).
-
-    Args: gpu [L, E, R] int64 (−1 padding, valid copies first); capacity C.
-    Returns expert, gpu, col [L, C] int32 (−1 padding), step [L, C] float32, single_gpu [L, E] int32.
-    Raises ValueError if a layer has more than C copies of replicated experts.
-    """
-    valid = gpu >= 0
-    replicated = valid & (valid.sum(-1, keepdims=True) > 1)
-    layers, experts = gpu.shape[:2]
-    per_layer = replicated.sum((1, 2))
-    if per_layer.size and per_layer.max() > capacity:
-        layer = int(per_layer.argmax())
-        raise ValueError(f"layer {layer} has {int(per_layer[layer])} copies of replicated experts, room for {capacity}")
-    # one pass over all layers (a plan switch runs this on the worker's host thread): row-major order
-    # keeps each layer's copies together and an expert's copies adjacent, in column order
-    lyr, rows, cols = np.nonzero(replicated)
-    slot = np.arange(lyr.size) - np.repeat(np.cumsum(per_layer) - per_layer, per_layer)
-    gpus = gpu[lyr, rows, cols]
-    expert = np.full((layers, capacity), -1, dtype=np.int32)
-    copy_gpu, col = expert.copy(), expert.copy()
-    step = np.zeros((layers, capacity), dtype=np.float32)
-    expert[lyr, slot], copy_gpu[lyr, slot], col[lyr, slot] = rows, gpus, cols
-    # level_shares' damping: 1 / (damping · most replicated experts on any GPU of the expert)
-    degree = np.zeros((layers, max(1, int(gpu.max()) + 1)), dtype=np.int64)
-    np.add.at(degree, (lyr, gpus), 1)
-    most = np.zeros((layers, experts), dtype=np.int64)
-    np.maximum.at(most, (lyr, rows), degree[lyr, gpus])
-    step[lyr, slot] = 1.0 / np.maximum(_DAMPING * most[lyr, rows], 1.0)
-    single_gpu = np.where(replicated.any(-1), -1, gpu[..., 0]).astype(np.int32)
-    return expert, copy_gpu, col, step, single_gpu
-
-
 @functools.cache
 def triton_available() -> bool:
     """Whether the fused kernel (:mod:`dispatch_kernel`) can run: Triton importable (CUDA builds of
@@ -258,11 +189,6 @@ def triton_available() -> bool:
     if os.environ.get("VEXPERT_DISPATCH_KERNEL", "triton") == "torch":
         return False
     return importlib.util.find_spec("triton") is not None
-
-
-# Beyond this many listed copies the torch code runs: the kernel keeps the whole list in one thread
-# block's registers (C = 2·N·S is 256 at EP64 with 2 slots per GPU; 1024 covers EP256).
-MAX_FUSED_COPIES = 1024
 
 
 def fused_dispatch_runs(copies: ReplicaCopies) -> bool:

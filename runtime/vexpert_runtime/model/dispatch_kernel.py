@@ -5,7 +5,7 @@ kernels per layer over the dense [E, R] table (a sort, a cumsum, an ``index_add`
 chains per sweep); at DeepSeek-V3 shape (E = 256, R = 64) that table is 16 Ki entries of which
 ~240 are copies. Replayed from a CUDA graph it still costs 401 µs per layer on an H200, far from
 issue #14's ≤ 30 µs. Here one program of one thread block does it all over the *list* of the
-replicated experts' copies (:class:`~vexpert_runtime.model.dispatch.ReplicaCopies`, C ≤ 2·N·S
+replicated experts' copies (:class:`~vexpert_runtime.model.levelling.ReplicaCopies`, C ≤ 2·N·S
 entries, built with the plan on the host), one thread per copy:
 
 * an expert's copies are adjacent in the list, in column order (a *run*), so every per-expert sum
@@ -38,14 +38,11 @@ Shapes: ``E`` experts, ``R`` copy slots per expert in the dense table, ``N`` GPU
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from vexpert_runtime.model.dispatch import ReplicaCopies
+from vexpert_runtime.model.levelling import MAX_FUSED_COPIES, MOMENTUM, ReplicaCopies
 
 _FIXED = float(2**24)  # fixed-point scale of token loads
 
@@ -199,8 +196,6 @@ def fused_cum_shares(counts: torch.Tensor, copies: ReplicaCopies, plan_cum_share
     Tensors on a CUDA device (CPU tensors only under Triton's interpreter, ``TRITON_INTERPRET=1``).
     Returns [E, R] float64 cumulative shares, as ``choose_replicas`` draws from.
     """
-    from vexpert_runtime.model.dispatch import _MOMENTUM, MAX_FUSED_COPIES  # (dispatch imports this module)
-
     num_experts, width = plan_cum_share.shape
     listed = copies.expert.shape[0]
     if listed > MAX_FUSED_COPIES:
@@ -216,5 +211,5 @@ def fused_cum_shares(counts: torch.Tensor, copies: ReplicaCopies, plan_cum_share
         plan_cum_share.to(torch.float64).contiguous(), out, iscratch, fscratch,
         num_experts, width, listed, num_experts * width,
         SWEEPS=sweeps, BLOCK_E=block_e, BLOCK_C=block_c, BLOCK_N=block_n, COPY_BLOCK=1024,
-        TABLE_CHUNKS=-(-num_experts * width // 1024), MOMENTUM=_MOMENTUM, FIXED=_FIXED, num_warps=num_warps)
+        TABLE_CHUNKS=-(-num_experts * width // 1024), MOMENTUM=MOMENTUM, FIXED=_FIXED, num_warps=num_warps)
     return out

@@ -36,13 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from vexpert_runtime.model.dispatch import (
-    DispatchMode,
-    ReplicaCopies,
-    copies_capacity,
-    dispatch_cum_share,
-    list_replica_copies,
-)
+from vexpert_runtime.model.dispatch import DispatchMode, dispatch_cum_share
 from vexpert_runtime.model.expert_format import ExpertFormat
 from vexpert_runtime.model.grouped_moe import (
     GROUP_ALIGN,
@@ -53,6 +47,7 @@ from vexpert_runtime.model.grouped_moe import (
     padded_capacity,
     uses_grouped_gemm,
 )
+from vexpert_runtime.model.levelling import ReplicaCopies, copies_capacity, list_replica_copies
 from vexpert_runtime.model.moe_math import combine
 from vexpert_runtime.policy.allocator import Plan
 from vexpert_runtime.policy.placement import static_placement

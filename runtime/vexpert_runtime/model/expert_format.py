@@ -17,6 +17,7 @@ import torch
 
 from vexpert_runtime.model.expert_layout import DENSE, FP8_BLOCK, Fp8RowLayout, scale_shape
 from vexpert_runtime.model.grouped_moe import packed_views
+from vexpert_runtime.model.moe_math import expert_ffn
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -144,10 +145,6 @@ class ExpertFormat:
 
     def ffn(self, x: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
         """SwiGLU of tokens x [T, H] through the expert in ``row`` [D] → [T, H]."""
-        from vexpert_runtime.model.moe_math import (
-            expert_ffn,  # moe_math → checkpoint → this module: import on use
-        )
-
         return expert_ffn(x, *self.weights(row))
 
     def dense_rows(self, rows: torch.Tensor) -> torch.Tensor:

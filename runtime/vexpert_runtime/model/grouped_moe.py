@@ -1,6 +1,6 @@
 """Expert compute on one GPU as grouped GEMMs over packed expert rows.
 
-A packed expert row is ``[gate (I·H) | up (I·H) | down (H·I)]`` (:func:`checkpoint.pack_expert`), so a
+A packed expert row is ``[gate (I·H) | up (I·H) | down (H·I)]`` (:func:`weights.pack_expert`), so a
 stack of rows ``[E, D]`` gives, without copying, ``w13 [E, 2I, H]`` (gate and up as one matrix) and
 ``w2 [E, H, I]``. Tokens arrive sorted by local expert with ``offs[e]`` = end row of expert ``e``'s
 group; rows past ``offs[-1]`` are padding (their output is undefined and must be ignored).

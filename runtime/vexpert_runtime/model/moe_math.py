@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vexpert_runtime.model.checkpoint import SharedExpertWeights, unpack_expert
+from vexpert_runtime.model.weights import SharedExpertWeights, unpack_expert
 
 
 def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from vexpert_runtime.model.checkpoint import CheckpointReader, MoESpec, RouterWeights, SharedExpertWeights
+from vexpert_runtime.model.checkpoint import CheckpointReader
 from vexpert_runtime.model.moe_math import combine, packed_ffn, rms_norm, shared_forward
+from vexpert_runtime.model.moe_spec import MoESpec
 from vexpert_runtime.model.routing import expert_counts, route
+from vexpert_runtime.model.weights import RouterWeights, SharedExpertWeights
 
 # Largest relative error a --verify run accepts, per weight dtype (low precision accumulates
 # differently in the EP split than in one process).

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from vexpert_runtime.model.checkpoint import MoESpec, RouterWeights
+from vexpert_runtime.model.moe_spec import MoESpec
+from vexpert_runtime.model.weights import RouterWeights
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, logit_bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,16 +7,15 @@ submodules in an order that lets a rank run its sequences' attention one by one 
 ``DynamicCache``) and every sparse MoE block once for the concatenated tokens of the whole iteration —
 one EP collective per MoE layer per iteration, also with no sequences (lockstep across ranks).
 
-A sparse block is any decoder ``mlp`` with a ``gate`` (router) and an ``experts`` module called as
-``experts(x [T, H], top_k_index [T, K], top_k_weights [T, K])`` — transformers 5's layout for
-DeepSeek-V3, Qwen3-MoE and Qwen2-MoE. Its ``experts`` is replaced by a proxy that forwards to a
+Every sparse block (:mod:`.sparse_blocks`: router ``gate`` + fused ``experts``, transformers 5's layout
+for DeepSeek-V3, Qwen3-MoE and Qwen2-MoE) has its ``experts`` replaced by a proxy that forwards to a
 :class:`MoEExecutor`, so the block's own forward still runs the router and adds its shared expert(s)
 (DeepSeek-V3 ``shared_experts``, Qwen2-MoE's sigmoid-gated ``shared_expert``) exactly as the model does.
 
 Executors: :class:`LocalExperts` (one process, the model's own expert weights) and :class:`EPExperts`
 (:func:`~vexpert_runtime.model.ep_moe.ep_moe_layer` over a torch.distributed group with this rank's
 resident experts and optional vExpert slots). Expert rows use the packed layout of
-:mod:`vexpert_runtime.model.checkpoint` (``[gate (I·H) | up (I·H) | down (H·I)]``), which is
+:mod:`vexpert_runtime.model.weights` (``[gate (I·H) | up (I·H) | down (H·I)]``), which is
 ``cat(gate_up_proj[e], down_proj[e])`` of transformers' fused expert tensors.
 
 Shapes: ``T`` tokens of an iteration (all sequences), ``H`` hidden, ``K`` top-k, ``E`` routed experts,
@@ -34,7 +33,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from vexpert_runtime.model.checkpoint import CheckpointReader, MoESpec, read_model_spec
 from vexpert_runtime.model.dispatch import DISPATCH_MODES, DispatchMode
@@ -61,6 +59,12 @@ from vexpert_runtime.serve.cuda_graphs import GraphedSteps
 from vexpert_runtime.serve.kv_cache import PagedKVCache, blocks_for
 from vexpert_runtime.serve.model_loading import load_without_experts
 from vexpert_runtime.serve.sampling import sample_tokens, sampling_tensors
+from vexpert_runtime.serve.sparse_blocks import (
+    ExecutorExperts,
+    decoder_layers,
+    is_sparse_block,
+    sparse_layers,
+)
 from vexpert_runtime.serve.step import FinishedStep, PendingStep, SequenceWork, StepModel
 
 # Expert activations the EP layer implements (its grouped GEMMs are SwiGLU).
@@ -88,26 +92,9 @@ class MoEExecutor(Protocol):
 # ---------------------------------------------------------------------------------------------
 
 
-def is_sparse_block(mlp: Any) -> bool:
-    """Whether a decoder layer's ``mlp`` is a routed MoE block (router ``gate`` + fused ``experts``)."""
-    experts = getattr(mlp, "experts", None)
-    return (isinstance(getattr(mlp, "gate", None), nn.Module) and isinstance(experts, nn.Module)
-            and (hasattr(experts, "gate_up_proj") or isinstance(experts, _ExecutorExperts)))
-
-
-def sparse_layers(model: Any) -> list[int]:
-    """Decoder layer indices of the sparse MoE blocks (the checkpoint's ``moe_layers``), ascending."""
-    return [i for i, layer in enumerate(_decoder_layers(model)) if is_sparse_block(layer.mlp)]
-
-
-def _decoder_layers(model: Any) -> Any:
-    """The decoder layers (transformers modules are typed ``Any`` here: their attributes are dynamic)."""
-    return model.model.layers
-
-
 def packed_rows(experts: Any, ids: Sequence[int]) -> torch.Tensor:
     """Packed rows [len(ids), D] of a transformers fused experts module (gate_up_proj [E, 2I, H] with
-    the gate rows first, down_proj [E, H, I]) — the layout :func:`checkpoint.pack_expert` writes."""
+    the gate rows first, down_proj [E, H, I]) — the layout :func:`~vexpert_runtime.model.weights.pack_expert` writes."""
     _check_dense(experts)
     index = torch.as_tensor(list(ids), dtype=torch.int64, device=experts.gate_up_proj.device)
     gate_up = experts.gate_up_proj.detach().index_select(0, index)
@@ -130,19 +117,6 @@ def checkpoint_reader(path: str | Path) -> CheckpointReader:
     reader = CheckpointReader(path, read_model_spec(path))
     reader.validate()
     return reader
-
-
-class _ExecutorExperts(nn.Module):
-    """Stands in for a sparse block's ``experts``: the block's forward calls it with its router's
-    output, and it hands the batch to the step model's current executor."""
-
-    def __init__(self, owner: HFStepModel, moe_layer: int) -> None:
-        super().__init__()
-        self._owner = [owner]  # a list: not registered as a submodule (no cycle in the module tree)
-        self.moe_layer = moe_layer
-
-    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        return self._owner[0].executor.forward(self.moe_layer, x, top_k_index, top_k_weights)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,12 +339,12 @@ class HFStepModel:
         act = str(getattr(self.config, "hidden_act", "silu"))
         if act not in _SWIGLU_ACTIVATIONS:
             raise ValueError(f"{path}: expert activation {act!r}; the EP layer computes SwiGLU (silu) experts")
-        layers = _decoder_layers(model)
+        layers = decoder_layers(model)
         # The model's own expert modules (LocalExperts and expert_rows read them), then the proxies.
         self.experts: list[Any] = [layers[i].mlp.experts for i in self.moe_layers]
         self.num_experts = int(self.experts[0].gate_up_proj.shape[0])  # E: routed experts per MoE layer
         for index, layer in enumerate(self.moe_layers):
-            layers[layer].mlp.experts = _ExecutorExperts(self, index)
+            layers[layer].mlp.experts = ExecutorExperts(self._route_experts, index)
         if not load_experts:
             self.experts = [None] * len(self.experts)  # never materialised (meta)
         if executor is None and not load_experts:
@@ -393,6 +367,10 @@ class HFStepModel:
             self._attention_kernel = attention_kernels.mla_decode if self.layout.mla else attention_kernels.gqa_decode
         if kv_cache_tokens is not None:
             self.allocate_kv_cache(blocks_for(kv_cache_tokens, block_size) + 1)
+
+    def _route_experts(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """What each sparse block's :class:`ExecutorExperts` calls: the executor of the moment."""
+        return self.executor.forward(moe_layer, x, ids, weights)
 
     # -- what a coordinator / worker needs ---------------------------------------------------
 
@@ -511,7 +489,7 @@ class HFStepModel:
         attention = AttentionStep(cos[0], sin[0], meta, None if meta.groups else self._attention_kernel)
         self.executor.token_valid = valid
         try:
-            for index, layer in enumerate(_decoder_layers(self.model)):
+            for index, layer in enumerate(decoder_layers(self.model)):
                 normed = layer.input_layernorm(hidden)
                 hidden = hidden + attention_forward(layer.self_attn, normed, cache.layers[index], attention,
                                                     self.windows[index])

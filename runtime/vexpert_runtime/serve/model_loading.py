@@ -63,6 +63,8 @@ from vexpert_runtime.model.checkpoint import (
 )
 from vexpert_runtime.model.expert_format import dequantize_fp8_block
 from vexpert_runtime.model.expert_layout import scale_shape
+from vexpert_runtime.model.families import supported_checkpoints
+from vexpert_runtime.serve.sparse_blocks import is_sparse_block
 
 _FIELD = "model.checkpoint_path"
 # safetensors header dtypes → torch (what a tensor may be stored as)
@@ -194,12 +196,10 @@ def load_without_experts(path: str | Path, device: torch.device | str = "cpu", d
 
 def _routed_expert_prefixes(model: Any) -> tuple[str, ...]:
     """``"<block>.experts."`` of every sparse MoE block (router gate + fused experts)."""
-    from vexpert_runtime.serve.hf_model import is_sparse_block  # here: hf_model imports this module
-
     prefixes = tuple(f"{name}.experts." for name, module in model.named_modules() if name and is_sparse_block(module))
     if not prefixes:
         raise VExpertInputError(_FIELD, f"{type(model).__name__} has no sparse MoE block (router gate + fused experts)",
-                                "use a DeepSeek-V3, Qwen3-MoE or Qwen2-MoE checkpoint")
+                                f"use a {supported_checkpoints()} checkpoint")
     return prefixes
 
 
