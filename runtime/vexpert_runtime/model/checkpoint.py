@@ -35,7 +35,6 @@ from vexpert_runtime.model.expert_format import (
     quantize_fp8_block,
 )
 from vexpert_runtime.model.expert_layout import DENSE, FP8_BLOCK, scale_shape
-from vexpert_runtime.model.families import DEEPSEEK as DEEPSEEK  # simulation/workload.py imports it from here
 from vexpert_runtime.model.families import (
     PROJECTIONS,
     TensorNames,

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vexpert_runtime.model.checkpoint import DEEPSEEK, MoESpec
+from vexpert_runtime.model.families import DEEPSEEK
+from vexpert_runtime.model.moe_spec import MoESpec
 from vexpert_runtime.workload import LoadPhase, Workload
 
 DEMO_PHASES: tuple[tuple[str, int], ...] = (
