@@ -54,7 +54,7 @@ def main() -> None:
                 print("state", box[0]._shared.state if box[0]._shared is not None else None, flush=True)
                 os._exit(3)
     threading.Thread(target=watch, daemon=True).start()
-    rt = NodeRuntime(setup, NodeOptions(workload=workload, iterations=5000, verify=True, fill_restart_delay_s=0.5, record=True, progress=progress, log=lambda line: print("LOG", line, flush=True)))
+    rt = NodeRuntime(setup, NodeOptions(workload=workload, iterations=5000, verify=True, fill_restart_delay_s=0.5, progress=progress, log=lambda line: print("LOG", line, flush=True)))
     box.append(rt)
     rep = rt.run()
     print("OK iterations", rep.iterations, "max err", rep.max_rel_error, "degraded", rep.degraded_groups, flush=True)

@@ -1,7 +1,8 @@
 """The node worker's model runners on their own: the synthetic decode a worker chooses when it does
 not serve, run in this process as one EP rank on CPU (no coordinator: the rank claims its iterations
 and sets its slot flags itself, the static table), equals the single-process reference model and
-reports the iteration's expert counts, computed rows and — recording — slot checksums."""
+reports the iteration's expert counts and computed rows; a slot probe sees the slots each layer
+computed with."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from runtime_support import TINY_DEEPSEEK_SPEC
+from slot_audit import SlotAudit
 from vexpert_runtime.model.checkpoint import CheckpointReader, write_tiny_checkpoint
 from vexpert_runtime.model.ep_moe import static_table
 from vexpert_runtime.model.reference import ModelWeights, reference_forward
@@ -27,6 +29,7 @@ from vexpert_runtime.node.runners import (
     SyntheticDecodeRunner,
     choose_runner,
 )
+from vexpert_runtime.node.slot_probe import ProbedSlots
 from vexpert_runtime.node.slots import row_checksum
 from vexpert_runtime.node.transport import CpuSharedMemoryTransport
 from vexpert_runtime.node.worker_args import WorkerArgs
@@ -37,13 +40,13 @@ SLOTS = 2
 CPU = torch.device("cpu")
 
 
-def _args(checkpoint: Path, shared: SharedState, record: bool) -> WorkerArgs:
+def _args(checkpoint: Path, shared: SharedState) -> WorkerArgs:
     """One rank of one, no coordinator; a skewed workload (its router bias reaches every layer)."""
     workload = drifting_workload((("decode_in1000out1000", 1000),), SPEC.num_layers, SPEC.num_experts, tokens_per_worker=16)
     return WorkerArgs(local_rank=0, gpu=0, shared_gpu=False, rank=0, world=1, rendezvous="tcp://127.0.0.1:0",
                       checkpoint=str(checkpoint), spec=SPEC, dtype="float32", device="cpu",
                       slots=SLOTS, k=4, timeout_s=5.0, workload=workload, shared=shared, results=None,
-                      control=None, parent_pid=0, verify=True, record=record)
+                      control=None, parent_pid=0, verify=True)
 
 
 @pytest.fixture
@@ -59,9 +62,9 @@ def rank(tmp_path: Path) -> Iterator[dict[str, Any]]:
     buffers.slots.copy_(torch.randn(buffers.slots.shape))  # whatever a coordinator left there
     stats = IterationStats.zeros(SPEC.num_layers, SPEC.num_experts, SPEC.num_experts + SLOTS, CPU)
 
-    def context() -> RunnerContext:
+    def context(worker_slots: WorkerSlots = slots) -> RunnerContext:
         return RunnerContext(spec=SPEC, rank=0, world=1, group=None, device=CPU, dtype=torch.float32,
-                             slots=slots, num_slots=SLOTS, rescue=None,
+                             slots=worker_slots, num_slots=SLOTS, rescue=None,
                              tables=DeviceTables.allocate(SPEC, 1, SLOTS, CPU), stats=stats, graph_stream=None,
                              dispatch="plan", stop_requested=lambda iteration: stopping.is_set(),
                              heartbeat=lambda: None)
@@ -70,14 +73,16 @@ def rank(tmp_path: Path) -> Iterator[dict[str, Any]]:
     stopping.set()
 
 
-@pytest.mark.parametrize("record", [False, True])
-def test_a_worker_that_does_not_serve_runs_the_synthetic_decode(rank: dict[str, Any], record: bool) -> None:
-    args = _args(rank["checkpoint"], rank["shared"], record)
+@pytest.mark.parametrize("probed", [False, True])
+def test_a_worker_that_does_not_serve_runs_the_synthetic_decode(rank: dict[str, Any], probed: bool) -> None:
+    args = _args(rank["checkpoint"], rank["shared"])
     reader = CheckpointReader(args.checkpoint, SPEC)
-    runner = choose_runner(args, reader, CPU, torch.float32)(rank["context"]())
+    audit = SlotAudit()
+    plain: WorkerSlots = rank["slots"]
+    slots = ProbedSlots(audit, rank["shared"], 0, plain.buffers, 5.0, plain.ops) if probed else plain
+    runner = choose_runner(args, reader, CPU, torch.float32)(rank["context"](slots))
     assert isinstance(runner, SyntheticDecodeRunner)
     reference = ModelWeights.load(reader)
-    slots: WorkerSlots = rank["slots"]
     stats: IterationStats = rank["stats"]
     table = static_table(SPEC.num_layers, SPEC.num_experts, 1, SLOTS)
     tokens = args.workload.tokens_per_worker
@@ -102,7 +107,8 @@ def test_a_worker_that_does_not_serve_runs_the_synthetic_decode(rank: dict[str, 
         assert stats.computed.sum(1).tolist() == [tokens * SPEC.top_k] * SPEC.num_layers
         assert stats.computed[:, SPEC.num_experts:].sum() == 0  # static table: slots unused
         checksums = [row_checksum(slots.slot(s)) for s in range(SLOTS)]
-        assert output.slot_checksums == ([checksums] * SPEC.num_layers if record else [])
+        seen = audit.iteration_done(stats.computed).slot_checksums  # what each layer computed with
+        assert seen == ([checksums] * SPEC.num_layers if probed else [])
 
 
 def test_a_single_node_group_meets_in_a_file_store_and_a_multi_node_one_over_tcp() -> None:

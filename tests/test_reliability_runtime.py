@@ -38,6 +38,7 @@ from node_faults import PacedWorkload, faulty_filler
 from runtime_support import TINY_DEEPSEEK_SPEC
 from scripted_plans import scripted_plans
 from shm_support import assert_run_has_named_semaphores, assert_run_left_nothing
+from slot_audit import SlotAudit, slot_checksums
 from vexpert_runtime import cli
 from vexpert_runtime.config import RuntimeConfig, load_runtime_config
 from vexpert_runtime.errors import VExpertInputError
@@ -93,7 +94,7 @@ def _assert_slots_exact(report: NodeReport, checkpoint: Path) -> int:
             table = report.tables.get(plan_id)
             if plan_id == 0 or table is None:
                 continue  # degraded: the group did not read its slots
-            for rank, per_group in record.slot_checksums.items():
+            for rank, per_group in slot_checksums(record.details).items():
                 for slot, expert in enumerate(table.slot_expert[group, rank].tolist()):
                     if expert >= 0:
                         assert per_group[group][slot] == row_checksum(reader.expert(group, expert, torch.float32))
@@ -126,7 +127,7 @@ def test_dead_fill_loop_serves_base_experts_degraded_then_resumes_streaming(tmp_
             allocate=False,
             filler=faulty_filler(kill_at=sequence(3, 0, 2)),
             fill_restart_delay_s=0.6,
-            record=True,
+            probe=SlotAudit,
             progress=progress,
             log=lines.append,
         ),
@@ -163,7 +164,7 @@ def test_an_iteration_left_half_filled_finishes_under_its_plan(tmp_path: Path) -
     setup = _setup(tmp_path, timeout_s=5.0)
     setup = dataclasses.replace(setup, k=1)
     workload = drifting_workload((("decode_in1000out1000", 4), ("prefill_in4096", 4)), 2, 8, tokens_per_worker=16)
-    report = NodeRuntime(setup, NodeOptions(workload=workload, iterations=10, verify=True, record=True,
+    report = NodeRuntime(setup, NodeOptions(workload=workload, iterations=10, verify=True, probe=SlotAudit,
                                             filler=faulty_filler(kill_at=sequence(6, 1, 2)), fill_restart_delay_s=0.3)).run()
     assert report.max_rel_error is not None and report.max_rel_error <= 1e-5
     mixed = [(r.iteration, r.plan_ids) for r in report.records if len(set(r.plan_ids)) > 1 and 0 not in r.plan_ids]
@@ -187,7 +188,7 @@ def test_a_stop_while_the_fill_loop_is_down_mid_iteration_is_prompt(tmp_path: Pa
             threading.Timer(0.25, stop).start()
 
     runtime = NodeRuntime(setup, NodeOptions(workload=Workload(tokens_per_worker=16, seed=1), iterations=1000,
-                                             record=True, allocate=False,
+                                             probe=SlotAudit, allocate=False,
                                              filler=faulty_filler(kill_at=sequence(4, 1, 2)), fill_restart_delay_s=0.5, log=watch),
                          balance=scripted_plans({0: PLAN_A}))
     box.append(runtime)
@@ -258,7 +259,7 @@ def test_killed_coordinator_process_workers_serve_degraded_then_a_restarted_one_
             iterations=5000,  # a bound; the test stops it
             verify=True,
             fill_restart_delay_s=0.5,
-            record=True,
+            probe=SlotAudit,
             progress=progress,
             log=lines.append,
         ),
@@ -329,7 +330,7 @@ def test_a_fill_failing_half_way_is_rescued_and_never_exposes_a_half_copied_slot
             allocate=False,
             filler=faulty_filler(fail_at_copy={failing: 0}),
             fill_restart_delay_s=0.2,
-            record=True,
+            probe=SlotAudit,
             log=lines.append,
         ),
         # back to A's experts at 30 (a new coordinator by then): the slot half overwritten at 2

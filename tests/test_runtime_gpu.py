@@ -20,6 +20,7 @@ import yaml
 from node_faults import faulty_filler
 from runtime_support import TINY_DEEPSEEK_SPEC
 from scripted_plans import scripted_plans
+from slot_audit import SlotAudit, slot_checksums
 from vexpert_runtime.config import RuntimeConfig
 from vexpert_runtime.model.checkpoint import CheckpointReader, write_tiny_checkpoint
 from vexpert_runtime.model.ep_moe import (
@@ -148,7 +149,7 @@ def test_node_with_two_ranks_fills_slots_over_ipc_and_switches_plans(tmp_path: P
             verify=True,
             allocate=False,
             filler=faulty_filler(delays={5 * 2 + 1: 0.5}),  # iteration 5, layer 1: workers must wait, not read stale slots
-            record=True,
+            probe=SlotAudit,
         ),
         balance=scripted_plans({0: plan_a, 4: plan_b}),
     ).run()
@@ -161,7 +162,7 @@ def test_node_with_two_ranks_fills_slots_over_ipc_and_switches_plans(tmp_path: P
     reader = CheckpointReader(tmp_path, SPEC)
     for record in report.records:  # every slot computed with held exactly its plan's expert (bitwise)
         table = report.tables[record.plan_ids[0]]
-        for rank, per_group in record.slot_checksums.items():
+        for rank, per_group in slot_checksums(record.details).items():
             for layer, sums in enumerate(per_group):
                 for slot, expert in enumerate(table.slot_expert[layer, rank].tolist()):
                     if expert >= 0:

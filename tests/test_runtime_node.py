@@ -27,6 +27,7 @@ from shm_support import (
     noise_created_since,
     other_programs_semaphores,
 )
+from slot_audit import SlotAudit
 from vexpert_runtime import cli
 from vexpert_runtime.config import load_runtime_config
 from vexpert_runtime.errors import VExpertInputError
@@ -148,7 +149,7 @@ def test_reported_rate_and_bytes_are_what_happened(tmp_path: Path) -> None:
     setup = resolve_setup(config, checkpoint, cpu_workers=2)
     workload = drifting_workload((("decode_in1000out1000", 100),), SPEC.num_layers, SPEC.num_experts, 16)
     progress: list[Progress] = []
-    runtime = NodeRuntime(setup, NodeOptions(workload=workload, iterations=16, progress=progress.append, record=True))
+    runtime = NodeRuntime(setup, NodeOptions(workload=workload, iterations=16, progress=progress.append, probe=SlotAudit))
     report = runtime.run()
     tokens_per_iteration = setup.world * 16
     fastest = tokens_per_iteration / min(r.step_s for r in report.records if r.step_s)

@@ -18,6 +18,7 @@ import torch
 from node_faults import faulty_filler, slow_allocator
 from runtime_support import TINY_DEEPSEEK_SPEC
 from scripted_plans import scripted_plans
+from slot_audit import SlotAudit, computed_rows, slot_checksums
 from vexpert_runtime.config import RuntimeConfig
 from vexpert_runtime.model.checkpoint import CheckpointReader, write_tiny_checkpoint
 from vexpert_runtime.model.ep_moe import plan_from_slots, table_from_plan
@@ -290,7 +291,7 @@ def _slot_experts_computed(report: NodeReport, iteration: int, per_gpu: int) -> 
     record = report.records[iteration]
     table = report.tables[record.plan_ids[0]]
     out = set()
-    for rank, computed in record.computed.items():
+    for rank, computed in computed_rows(record.details).items():
         for layer, row in enumerate(computed):
             for slot, rows in enumerate(row[per_gpu:]):
                 if rows:
@@ -314,7 +315,7 @@ def test_delayed_coordinator_and_scripted_plan_change(tmp_path: Path) -> None:
             verify=True,
             allocate=False,
             filler=faulty_filler(delays={delayed: 0.8}),
-            record=True,
+            probe=SlotAudit,
         ),
         balance=scripted_plans({0: plan_a, 3: plan_b}),
     ).run()
@@ -328,7 +329,7 @@ def test_delayed_coordinator_and_scripted_plan_change(tmp_path: Path) -> None:
     reader = CheckpointReader(tmp_path, SPEC)
     for record in report.records:
         table = report.tables[record.plan_ids[0]]
-        for rank, per_group in record.slot_checksums.items():
+        for rank, per_group in slot_checksums(record.details).items():
             for layer, sums in enumerate(per_group):
                 for slot, expert in enumerate(table.slot_expert[layer, rank].tolist()):
                     if expert >= 0:

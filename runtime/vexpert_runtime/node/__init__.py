@@ -1,8 +1,11 @@
 """One node's processes (``vexpert node``): the supervisor, the coordinator, one worker per GPU, the
 slot-fill protocol between them, the transports that reach the slots, the L1 slots and the L2 pool.
 
-Modules: :mod:`.setup` (configuration checked before anything starts), :mod:`.supervisor` (processes,
-allocation windows, metrics), :mod:`.coordinator` (pool and fill loop), :mod:`.worker` (one EP rank),
+Modules: :mod:`.setup` (configuration checked before anything starts), :mod:`.supervisor` (processes
+and the message loop) with its pieces :mod:`.balance` (load, placement, the next plan),
+:mod:`.coordinator_handle` (the coordinator process seen from the supervisor), :mod:`.history` (per
+iteration records, the report), :mod:`.verification`, :mod:`.config_reload` and :mod:`.processes`;
+:mod:`.plans` (plans as the node serves them), :mod:`.coordinator` (pool and fill loop), :mod:`.worker` (one EP rank),
 :mod:`.runners` (a worker's model work: the synthetic decode or serving), :mod:`.worker_args` (what a
 worker starts with), :mod:`.protocol` (the slot handshake), :mod:`.transport`, :mod:`.slots`,
 :mod:`.expert_pool`, :mod:`.messages`, :mod:`.report`, :mod:`.metrics`. The demo that drives a node

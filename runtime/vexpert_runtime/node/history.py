@@ -22,13 +22,11 @@ class RunHistory:
     iterations completed, the clocks and the largest verified error.
 
     ``workers``: local workers (an iteration is complete once each reported it); ``tokens_per_iteration``:
-    tokens the whole EP group runs per iteration; ``keep_details``: keep every record and the per-rank
-    details the workers send (else only the last ``keep_history`` iterations, see :meth:`prune`)."""
+    tokens the whole EP group runs per iteration."""
 
-    def __init__(self, workers: int, tokens_per_iteration: int, keep_details: bool) -> None:
+    def __init__(self, workers: int, tokens_per_iteration: int) -> None:
         self.workers = workers
         self.tokens_per_iteration = tokens_per_iteration
-        self.keep_details = keep_details
         self.records: dict[int, IterationRecord] = {}
         self.completed = 0  # iterations every local worker finished
         self.graphed_steps = 0
@@ -54,9 +52,8 @@ class RunHistory:
         record.degraded_groups = max(record.degraded_groups, msg.degraded_layers)
         record.plan_ids = msg.plan_ids
         record.reports += 1
-        if msg.computed is not None:
-            record.computed[msg.rank] = msg.computed
-            record.slot_checksums[msg.rank] = msg.slot_checksums or []
+        if msg.details is not None:
+            record.details[msg.rank] = msg.details
         if msg.graphed:
             self.graphed_steps += 1
         if record.reports == self.workers:
@@ -96,9 +93,9 @@ class RunHistory:
         return (i1 - i0) * self.tokens_per_iteration / (t1 - t0)
 
     def prune(self, keep: int) -> bool:
-        """Keep the last ``keep`` iterations' records unless every detail is kept; whether it pruned
-        (checked once ``keep`` is exceeded by a tenth, so pruning is rare)."""
-        if self.keep_details or len(self.records) <= keep + keep // 10:
+        """Keep the last ``keep`` iterations' records; whether it pruned (once ``keep`` is exceeded by
+        a tenth, so pruning is rare)."""
+        if len(self.records) <= keep + keep // 10:
             return False
         for iteration in sorted(self.records)[: len(self.records) - keep]:
             del self.records[iteration]

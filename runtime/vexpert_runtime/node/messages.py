@@ -57,8 +57,8 @@ class IterationDone:
     """One decode iteration of one worker.
 
     ``plan_ids`` per layer (0 = static placement: degraded or no plan yet); ``output`` [B, H] float32
-    when verifying; ``computed`` [L][E/N + S] rows per local expert and ``slot_checksums`` [L][S] when
-    recording details.
+    when verifying; ``details``: what the worker's slot probe reported (:mod:`.slot_probe`; None
+    without one).
     """
 
     rank: int
@@ -68,8 +68,7 @@ class IterationDone:
     degraded_layers: int
     plan_ids: list[int]
     output: np.ndarray | None = None
-    computed: list[list[int]] | None = None
-    slot_checksums: list[list[str]] | None = None
+    details: Any = None
     rescued_layers: int = 0  # layers this worker filled itself (their coordinator died)
     graphed: bool = False  # the step was a replay of the worker's captured CUDA graph
 

@@ -12,6 +12,7 @@ from vexpert_runtime.model.ep_moe import RoutingTable
 from vexpert_runtime.node.messages import WindowSpan
 from vexpert_runtime.node.plans import PlanSwitch
 from vexpert_runtime.node.protocol import SlotFiller
+from vexpert_runtime.node.slot_probe import ProbeFactory
 from vexpert_runtime.policy import allocator as placement_policy
 from vexpert_runtime.workload import Workload
 
@@ -53,10 +54,12 @@ class NodeOptions:
     # The placement policy the supervisor runs every k iterations (``allocate``'s signature); None:
     # ``allocate`` on CPU nodes, the graphed allocator on the first GPU of GPU nodes.
     allocator: Callable[..., placement_policy.Plan] | None = None
-    keep_history: int = 10_000  # iterations (and windows, plans/10) the report keeps unless ``record``: a node
+    keep_history: int = 10_000  # iterations (and windows, plans/10) the report keeps: a node
     # that runs until SIGTERM must not grow without bound
     fill_restart_delay_s: float = 1.0  # first wait before restarting a dead fill loop (doubles, ≤ 30 s)
-    record: bool = False  # keep per-rank details in the records (tests)
+    # Looks at every layer's slots in every worker (node.slot_probe; picklable, it crosses into the
+    # workers): what it reports lands in the records' ``details``. Probed workers run eagerly.
+    probe: ProbeFactory | None = None
     metrics_addr: str | None = None
     on_metrics: Callable[[int], None] | None = None  # called with the bound port once serving
     log: Callable[[str], None] | None = None
@@ -77,8 +80,7 @@ class IterationRecord:
     static_balance: float | None = None
     vexpert_balance: float | None = None
     rel_error: float | None = None
-    computed: dict[int, list[list[int]]] = field(default_factory=dict)  # rank → [L][E/N + S] (record)
-    slot_checksums: dict[int, list[list[str]]] = field(default_factory=dict)  # rank → per group, slot (record)
+    details: dict[int, Any] = field(default_factory=dict)  # rank → what its slot probe reported (options.probe)
     reports: int = 0
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -38,7 +38,6 @@ from vexpert_runtime.model.ep_moe import (
 from vexpert_runtime.model.moe_math import rms_norm, shared_forward
 from vexpert_runtime.model.routing import route
 from vexpert_runtime.node.protocol import Rescue, WorkerSlots
-from vexpert_runtime.node.slots import row_checksum
 from vexpert_runtime.node.step_graph import StepGraph
 from vexpert_runtime.workload import Workload
 
@@ -53,13 +52,11 @@ class IterationOutput:
 
     ``hidden``: the new hidden states [B, H] (the synthetic decode; None when serving) — on a GPU
     valid once the iteration's work is done, and a replayed graph's are overwritten by its next
-    replay. ``graphed``: whether the iteration replayed a CUDA graph. ``slot_checksums``: per layer,
-    the checksums of the slots it computed with (recording runs of the synthetic decode; else empty).
+    replay. ``graphed``: whether the iteration replayed a CUDA graph.
     """
 
     hidden: torch.Tensor | None
     graphed: bool
-    slot_checksums: list[list[str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -167,8 +164,8 @@ def choose_runner(args: WorkerArgs, reader: CheckpointReader, device: torch.devi
     serve = args.serve
     if serve is None:
         weights = DecodeWeights.load(reader, args.spec, args.rank, args.world, dtype, device)
-        workload, record = args.workload, args.record
-        return lambda context: SyntheticDecodeRunner(context, weights, workload, record)
+        workload = args.workload
+        return lambda context: SyntheticDecodeRunner(context, weights, workload)
     return lambda context: ServingRunner(context, serve)
 
 
@@ -218,21 +215,19 @@ class SyntheticDecodeRunner:
     computing with the slots the coordinator filled.
 
     Plan iterations on a GPU replay the captured step (captured at the first one after two warm-up
-    iterations, where ``graph_stream`` is set); degraded ones (static table) run eagerly. Recording
-    runs checksum each layer's slots (``record``)."""
+    iterations, where ``graph_stream`` is set); degraded ones (static table) run eagerly."""
 
-    def __init__(self, context: RunnerContext, weights: DecodeWeights, workload: Workload, record: bool) -> None:
+    def __init__(self, context: RunnerContext, weights: DecodeWeights, workload: Workload) -> None:
         self.context = context
         self.spec = context.spec
         self.weights = weights
         self.workload = workload
-        self.record = record
         self.expert_format = context.spec.expert_format(context.dtype)  # how slot and resident rows are stored
         self.graph_stream = context.graph_stream
         self.step_graph: StepGraph | None = None
         self._inputs: _Inputs | None = None
 
-    overlaps_iterations = False  # verification and recording read each iteration's output
+    overlaps_iterations = False  # verification and slot probes read each iteration's output
 
     def has_work(self) -> bool:
         return True
@@ -257,7 +252,6 @@ class SyntheticDecodeRunner:
         inputs = self._inputs
         assert inputs is not None, "prepare() before run()"
         self._inputs = None
-        checksums: list[list[str]] = []
         h, bias = inputs.hidden, inputs.bias
         # the static table for degraded iterations, the plan one (loaded in place) otherwise: a
         # captured step reads the new plan without re-capture
@@ -268,22 +262,22 @@ class SyntheticDecodeRunner:
             if graph is None:
                 try:
                     graph = self.step_graph = StepGraph(
-                        lambda x, b: self._layers(x, iteration, table, device_table, b, check=False, checksums=None),
+                        lambda x, b: self._layers(x, iteration, table, device_table, b, check=False),
                         self.graph_stream, h, bias)
                 except Exception as exc:  # serve eagerly rather than not at all
                     self.graph_stream = None
                     print(f"vexpert-worker-{self.context.rank}: CUDA graph capture failed, running eagerly: {exc}",
                           file=sys.stderr, flush=True)
             if graph is not None:
-                return IterationOutput(hidden=graph.replay(h, bias), graphed=True, slot_checksums=checksums)
-        h = self._layers(h, iteration, table, device_table, bias, use_plan, checksums if self.record else None)
-        return IterationOutput(hidden=h, graphed=False, slot_checksums=checksums)
+                return IterationOutput(hidden=graph.replay(h, bias), graphed=True)
+        h = self._layers(h, iteration, table, device_table, bias, use_plan)
+        return IterationOutput(hidden=h, graphed=False)
 
     def _layers(self, h: torch.Tensor, iteration: int, table: RoutingTable, device_table: DeviceRoutingTable,
-                bias: torch.Tensor | None, check: bool, checksums: list[list[str]] | None) -> torch.Tensor:
+                bias: torch.Tensor | None, check: bool) -> torch.Tensor:
         self.context.stats.counts.zero_()
         for layer in range(self.spec.num_layers):
-            h = self._layer(h, layer, iteration, table, device_table, bias, check, checksums)
+            h = self._layer(h, layer, iteration, table, device_table, bias, check)
         return h
 
     def _layer(
@@ -295,7 +289,6 @@ class SyntheticDecodeRunner:
         device_table: DeviceRoutingTable,
         bias: torch.Tensor | None,
         check: bool,
-        checksums: list[list[str]] | None,
     ) -> torch.Tensor:
         ctx, spec, weights = self.context, self.spec, self.weights
         normed = rms_norm(h)
@@ -308,8 +301,6 @@ class SyntheticDecodeRunner:
             slots.acquire(layer, ctx.rescue)
             if check and ctx.device.type == "cpu":  # on a GPU the wait is only enqueued
                 slots.check_tags(iteration, table, layer, ctx.rank)
-            if checksums is not None:  # what this layer computes with, before its slots are released
-                checksums.append([row_checksum(slots.slot(s)) for s in range(ctx.num_slots)])
 
         y, stats = ep_moe_layer(
             normed,

@@ -1,10 +1,15 @@
 """One vExpert node: a supervisor (this process), a coordinator process and one worker process per
 GPU (or CPU worker).
 
-* The **supervisor** (:class:`NodeRuntime`) owns the shared protocol state, the workers and their
-  queues; it runs the allocator every ``k`` iterations on the all-reduced expert counts, serves the
-  node's metrics, re-reads the config file's ``tuning`` section when it changes, verifies outputs
-  against the single-process reference on request, and shuts everything down cleanly.
+* The **supervisor** (:class:`NodeRuntime`, this module) owns the shared protocol state, the workers
+  and their queues, and runs the message loop; each message goes to the piece whose job it is: the
+  :class:`~.balance.BalanceState` (load and placement; every ``k`` iterations the next plan from the
+  all-reduced expert counts), the :class:`~.coordinator_handle.CoordinatorHandle` (the coordinator
+  process: spawn, watch, back off, send plans), the :class:`~.history.RunHistory` (per-iteration
+  records and the report), the :class:`~.verification.OutputVerifier` (outputs against the
+  single-process reference, on request) and :class:`~.config_reload.ConfigReload` (the config
+  file's ``tuning`` section when it changes). It serves the node's metrics and shuts everything down
+  cleanly.
 * The **coordinator** (:mod:`~vexpert_runtime.node.coordinator`, a child process) owns the L2 expert pool
   and fills the workers' L1 slots through the :mod:`~vexpert_runtime.node.protocol` fill loop (a thread
   running one group ahead of the workers) with the supervisor's latest plan.
@@ -106,8 +111,7 @@ class NodeRuntime:
         self.abort = threading.Event()
         self._stop = threading.Event()
         self.balance = balance(setup, options)
-        self.history = RunHistory(setup.local_workers, setup.world * options.workload.tokens_per_worker,
-                                  keep_details=options.record)
+        self.history = RunHistory(setup.local_workers, setup.world * options.workload.tokens_per_worker)
         self.reload = ConfigReload(options.config_path, setup, self.metrics, self._log)
         self.coordinator = CoordinatorHandle(None, setup, self.metrics, self._log, options.filler,
                                              options.fill_restart_delay_s, self.abort)
@@ -200,35 +204,11 @@ class NodeRuntime:
 
     def _start_workers(self, ctx: Any, shared: SharedState, results: Any) -> list[Any]:
         """Spawn one worker process per local EP rank."""
-        setup, options = self.setup, self.options
-        os.environ.update(single_node_environment(setup))  # the spawned workers inherit it
-        rendezvous = rendezvous_url(setup)
+        os.environ.update(single_node_environment(self.setup))  # the spawned workers inherit it
+        rendezvous = rendezvous_url(self.setup)  # one per group start: every worker meets there
         procs = []
-        for local, rank in enumerate(setup.ranks):
-            args = WorkerArgs(
-                local_rank=local,
-                gpu=local // setup.workers_per_gpu,
-                shared_gpu=setup.workers_per_gpu > 1,
-                rank=rank,
-                world=setup.world,
-                rendezvous=rendezvous,
-                checkpoint=str(setup.checkpoint),
-                spec=setup.spec,
-                dtype=setup.dtype,
-                device=setup.device,
-                slots=setup.slots,
-                k=setup.k,
-                timeout_s=setup.slot_fill_timeout_s,
-                workload=options.workload,
-                shared=shared,
-                results=results,
-                control=self._controls[local],
-                parent_pid=os.getpid(),
-                verify=options.verify,
-                record=options.record,
-                serve=None if options.serve is None else options.serve[local],
-                dispatch=setup.dispatch,
-            )
+        for local, rank in enumerate(self.setup.ranks):
+            args = worker_args(self.setup, self.options, local, rendezvous, shared, results, self._controls[local])
             proc = ctx.Process(target=worker_main, args=(args,), name=f"vexpert-worker-{rank}", daemon=True)
             proc.start()
             procs.append(proc)
@@ -428,7 +408,7 @@ class NodeRuntime:
 
     def _prune(self) -> None:
         """Keep the last ``keep_history`` iterations' records (and windows, allocator times, plan
-        switches; a tenth as many plans' tables) unless every detail was asked for (``record``)."""
+        switches; a tenth as many plans' tables)."""
         keep = self.options.keep_history
         if self.history.prune(keep):
             self.balance.prune(keep)
@@ -467,6 +447,35 @@ class NodeRuntime:
             dispatch=self.setup.dispatch,
         )
         return compose_report(self.history, self.balance, totals)
+
+
+def worker_args(setup: NodeSetup, options: NodeOptions, local: int, rendezvous: str, shared: SharedState,
+                results: Any, control: Any) -> WorkerArgs:
+    """What local worker ``local`` starts with (``rendezvous``: where the process group meets)."""
+    return WorkerArgs(
+        local_rank=local,
+        gpu=local // setup.workers_per_gpu,
+        shared_gpu=setup.workers_per_gpu > 1,
+        rank=setup.ranks[local],
+        world=setup.world,
+        rendezvous=rendezvous,
+        checkpoint=str(setup.checkpoint),
+        spec=setup.spec,
+        dtype=setup.dtype,
+        device=setup.device,
+        slots=setup.slots,
+        k=setup.k,
+        timeout_s=setup.slot_fill_timeout_s,
+        workload=options.workload,
+        shared=shared,
+        results=results,
+        control=control,
+        parent_pid=os.getpid(),
+        verify=options.verify,
+        probe=options.probe,
+        serve=None if options.serve is None else options.serve[local],
+        dispatch=setup.dispatch,
+    )
 
 
 def run_node(setup: NodeSetup, options: NodeOptions | None = None) -> NodeReport:

@@ -57,6 +57,7 @@ from vexpert_runtime.node.runners import (
     RunnerContext,
     choose_runner,
 )
+from vexpert_runtime.node.slot_probe import ProbedSlots, SlotProbe
 from vexpert_runtime.node.slots import FULL
 from vexpert_runtime.node.step_graph import graphs_enabled
 from vexpert_runtime.node.transport import make_transport
@@ -159,9 +160,10 @@ class _Worker:
                            for _ in range(2)]  # two: an overlapped iteration's copy lands beside the last one's
         # The step is one CUDA graph where every collective in it can be captured (NCCL, or none),
         # the experts run as grouped GEMMs (the fp32 loop reads group ends on the host) and nothing
-        # reads slots on the host per layer (recording runs).
-        self.graphable = (grouped_gemm_runs(self.device, self.dtype) and not args.shared_gpu and not args.record
+        # reads slots on the host per layer (a slot probe).
+        self.graphable = (grouped_gemm_runs(self.device, self.dtype) and not args.shared_gpu and args.probe is None
                           and graphs_enabled())
+        self.probe: SlotProbe | None = args.probe() if args.probe is not None else None
 
     def _publisher_gone(self) -> bool:
         """CPU waits for a FULL flag give up (and rescue) once the coordinator that publishes this
@@ -212,8 +214,10 @@ class _Worker:
             self.compute_stream = torch.cuda.Stream(device=device)
             torch.cuda.set_stream(self.compute_stream)
         ops = transport.flag_ops(self.stopping.is_set if device.type == "cuda" else self._publisher_gone)
-        self.slots = WorkerSlots(args.shared, args.local_rank, buffers, args.timeout_s, ops,
-                                 self.compute_stream if device.type == "cuda" else None)
+        stream = self.compute_stream if device.type == "cuda" else None
+        self.slots = (WorkerSlots(args.shared, args.local_rank, buffers, args.timeout_s, ops, stream)
+                      if self.probe is None
+                      else ProbedSlots(self.probe, args.shared, args.local_rank, buffers, args.timeout_s, ops, stream))
         self.runner: ModelRunner = start_runner(RunnerContext(
             spec=spec, rank=args.rank, world=args.world, group=self.group, device=device, dtype=self.dtype,
             slots=self.slots, num_slots=args.slots,
@@ -341,8 +345,7 @@ class _Worker:
                 plan_ids=[done.table.plan_id] * spec.num_layers,
                 output=output.hidden.to(torch.float32).cpu().numpy()
                 if args.verify and output.hidden is not None else None,
-                computed=computed.tolist() if args.record else None,
-                slot_checksums=output.slot_checksums if args.record else None,
+                details=self.probe.iteration_done(computed) if self.probe is not None else None,
                 rescued_layers=self.rescued - done.rescued,
                 graphed=output.graphed,
             )

@@ -9,6 +9,7 @@ from typing import Any
 
 from vexpert_runtime.model.checkpoint import MoESpec
 from vexpert_runtime.node.protocol import SharedState
+from vexpert_runtime.node.slot_probe import ProbeFactory
 from vexpert_runtime.workload import Workload
 
 
@@ -35,6 +36,6 @@ class WorkerArgs:
     control: Any
     parent_pid: int
     verify: bool
-    record: bool
+    probe: ProbeFactory | None = None  # looks at every layer's slots (node.slot_probe); the worker then runs eagerly
     serve: Any = None  # ServeWorkerArgs: serve requests through the model (vexpert serve) instead of ``workload``
     dispatch: str = "plan"  # replica dispatch of every layer (plan | local | global; the same on every rank)
