@@ -95,8 +95,10 @@ def example_docs(custom: bool = True) -> list[tuple[str, dict[str, Any]]]:
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_builtin_objects_in_examples_validate_strictly(version: str) -> None:
-    docs = example_docs(custom=False)
-    assert {d["kind"] for _, d in docs} >= {"Deployment", "ClusterRole", "ServiceAccount"}
+    """The examples' built-in objects and the install manifest (deploy/vexpert-operator.yaml)."""
+    install = REPO / "deploy" / "vexpert-operator.yaml"
+    docs = example_docs(custom=False) + [(install.name, d) for d in yaml.safe_load_all(install.read_text()) if d]
+    assert {d["kind"] for _, d in docs} >= {"Deployment", "ClusterRole", "ServiceAccount", "PersistentVolumeClaim"}
     for _, doc in docs:
         kubernetes_validate.validate(doc, version, strict=True)
 

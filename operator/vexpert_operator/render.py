@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from vexpert_runtime.documents import read_document, read_documents
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.policy.profile import NodeTypeKey, PerformanceProfile, parse_profile
 
@@ -57,17 +58,7 @@ class RenderResult:
 
 
 def load_documents(path: str | Path) -> list[dict[str, Any]]:
-    p = Path(path)
-    if not p.is_file():
-        raise VExpertInputError("-f", f"no such file: {p}")
-    try:
-        docs = [d for d in yaml.safe_load_all(p.read_text()) if d]
-    except yaml.YAMLError as exc:
-        raise VExpertInputError("-f", f"{p} is not valid YAML: {exc}") from None
-    for doc in docs:
-        if not isinstance(doc, dict):
-            raise VExpertInputError("-f", f"{p}: every document must be a mapping")
-    return docs
+    return read_documents(path, "-f", "pass a VExpertDeployment manifest such as examples/qwen-moe-small.yaml")
 
 
 def _node_profile_from_doc(doc: Mapping[str, Any], origin: str) -> NodeProfileInput:
@@ -91,21 +82,11 @@ def _model_profile_from_doc(doc: Mapping[str, Any], origin: str) -> PerformanceP
     return parse_profile(doc, origin=origin)
 
 
-def load_profile_file(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise VExpertInputError(str(path), "no such file")
-    text = p.read_text()
-    try:
-        loaded = json.loads(text)
-    except json.JSONDecodeError:
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise VExpertInputError(str(path), f"neither JSON nor YAML: {exc}") from None
-    if not isinstance(loaded, dict):
-        raise VExpertInputError(str(path), "expected one mapping (a profile)")
-    return loaded
+def load_profile_file(path: str | Path, field: str = "--node-profile") -> dict[str, Any]:
+    """A profile file, JSON or YAML (a ``VExpertNodeProfile``/``VExpertModelProfile`` or a bare profile)."""
+    data: dict[str, Any] = read_document(path, field, "pass a profile written by `vexpert calibrate … --output FILE` "
+                                         "or a VExpertNodeProfile such as examples/profiles/h200-node-profile.yaml").data
+    return data
 
 
 def render_deployment(doc: Mapping[str, Any], namespace: str | None, node_profile: NodeProfileInput | None,
@@ -177,7 +158,7 @@ def render_file(path: str | Path, namespace: str | None = None, node_profile_fil
     model: PerformanceProfile | None = None
     model_name = ""
     if model_profile_file:
-        model = _model_profile_from_doc(load_profile_file(model_profile_file), model_profile_file)
+        model = _model_profile_from_doc(load_profile_file(model_profile_file, "--model-profile"), model_profile_file)
         model_name = model_profile_file
     deployments = [d for d in docs if d.get("kind") == DEPLOYMENT_KIND]
     if not deployments:

@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.documents import Document, read_document, validation_error
 from vexpert_runtime.model.families import Architecture
 from vexpert_runtime.policy.profile import PerformanceProfile
 
@@ -201,29 +201,19 @@ class RuntimeConfig(BaseModel):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-def parse_runtime_config(raw: Any, origin: str = "config") -> RuntimeConfig:
-    """Validate a mapping into a ``RuntimeConfig``; errors name the field (``VExpertInputError``)."""
+CONFIG_FIX = "pass the runtime.yaml the operator renders (`vexpert render -f deployment.yaml` prints one)"
+
+
+def parse_runtime_config(raw: Any, origin: str = "config", document: Document | None = None) -> RuntimeConfig:
+    """Validate a mapping into a ``RuntimeConfig``; errors name the field, and the line when
+    ``document`` holds the file's text (``VExpertInputError``)."""
     try:
         return RuntimeConfig.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(part) for part in first["loc"]) or "(root)"
-        raise VExpertInputError(f"{origin}: {loc}", first["msg"].removeprefix("Value error, ")) from None
+        raise validation_error(exc, origin, CONFIG_FIX, document) from None
 
 
 def load_runtime_config(path: str | Path) -> RuntimeConfig:
     """Read YAML or JSON from ``path`` into a ``RuntimeConfig``."""
-    p = Path(path)
-    if not p.is_file():
-        raise VExpertInputError("--config", f"no such file: {p}", "pass the runtime.yaml rendered by the operator")
-    try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise VExpertInputError("--config", f"{p} is not valid YAML: {exc}") from None
-    except UnicodeDecodeError:
-        raise VExpertInputError("--config", f"{p} is not UTF-8 text", "pass the runtime.yaml rendered by the operator") from None
-    except OSError as exc:
-        raise VExpertInputError("--config", f"cannot read {p}: {exc.strerror}") from None
-    if raw is not None and not isinstance(raw, dict):
-        raise VExpertInputError("--config", f"{p} holds a YAML {type(raw).__name__}, not a mapping of sections")
-    return parse_runtime_config(raw or {}, origin=str(p))
+    document = read_document(path, "--config", CONFIG_FIX)
+    return parse_runtime_config(document.data, origin=str(document.path), document=document)

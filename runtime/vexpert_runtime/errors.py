@@ -17,3 +17,13 @@ class VExpertInputError(ValueError):
         if fix:
             message += f" (fix: {fix})"
         super().__init__(message)
+
+
+def require_at_least(flag: str, value: float | None, minimum: float, meaning: str) -> None:
+    """Refuse a flag below its minimum in the promised form: ``--cpu-workers: must be ≥ 1, got 0
+    (fix: pass --cpu-workers 1 or more: <meaning>)``. ``None`` (flag not given) passes."""
+    if value is not None and value < minimum:
+        raise VExpertInputError(flag, f"must be ≥ {minimum:g}, got {value:g}", f"pass {flag} {minimum:g} or more: {meaning}")
+
+
+CPU_WORKERS_MEANING = "one CPU worker process per EP rank; leave the flag out on a GPU node for one worker per GPU"

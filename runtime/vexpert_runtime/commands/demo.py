@@ -36,11 +36,12 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vexpert_runtime.demo import VERIFY_TOLERANCE, DemoSettings, run_demo
-    from vexpert_runtime.errors import VExpertInputError
+    from vexpert_runtime.errors import require_at_least
 
-    for name in ("iterations", "workers", "tokens_per_worker", "allocation_interval"):
-        if getattr(args, name) < 1:
-            raise VExpertInputError(f"--{name.replace('_', '-')}", f"must be ≥ 1, got {getattr(args, name)}")
+    for name, meaning in (("iterations", "decode iterations to run"), ("workers", "the demo node's CPU worker processes (EP ranks)"),
+                          ("tokens_per_worker", "tokens each worker routes per iteration"),
+                          ("allocation_interval", "iterations between allocations (k)")):
+        require_at_least(f"--{name.replace('_', '-')}", getattr(args, name), 1, meaning)
     settings = DemoSettings(
         iterations=args.iterations,
         workers=args.workers,

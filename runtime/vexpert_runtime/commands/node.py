@@ -36,11 +36,10 @@ def register(subparsers: Any) -> None:
 
 def _load_phases(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
     """Validate ``--tokens-per-worker`` and parse ``--load`` (before anything starts)."""
-    from vexpert_runtime.errors import VExpertInputError
+    from vexpert_runtime.errors import VExpertInputError, require_at_least
     from vexpert_runtime.simulation.trace import BUNDLED_PREFIX, bundled_names, parse_phase
 
-    if args.tokens_per_worker < 1:
-        raise VExpertInputError("--tokens-per-worker", f"must be ≥ 1, got {args.tokens_per_worker}")
+    require_at_least("--tokens-per-worker", args.tokens_per_worker, 1, "tokens each worker routes per iteration")
     phases = []
     for item in filter(None, (part.strip() for part in args.load.split(","))):
         phase = parse_phase(item)
@@ -58,17 +57,15 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from vexpert_runtime.config import load_runtime_config
-    from vexpert_runtime.errors import VExpertInputError
+    from vexpert_runtime.errors import CPU_WORKERS_MEANING, require_at_least
     from vexpert_runtime.model.checkpoint import write_tiny_checkpoint
     from vexpert_runtime.model.reference import VERIFY_TOLERANCE
     from vexpert_runtime.node import NodeOptions, NodeRuntime, install_signal_handlers, resolve_setup
     from vexpert_runtime.simulation.workload import demo_model_spec, drifting_workload
     from vexpert_runtime.workload import Workload
 
-    if args.cpu_workers is not None and args.cpu_workers < 1:
-        raise VExpertInputError("--cpu-workers", f"must be ≥ 1, got {args.cpu_workers}")
-    if args.iterations is not None and args.iterations < 1:
-        raise VExpertInputError("--iterations", f"must be ≥ 1, got {args.iterations}")
+    require_at_least("--cpu-workers", args.cpu_workers, 1, CPU_WORKERS_MEANING)
+    require_at_least("--iterations", args.iterations, 1, "iterations to run (leave it out to run until stopped)")
     config_path = Path(args.config)
     config = load_runtime_config(config_path)
     phases = _load_phases(args)

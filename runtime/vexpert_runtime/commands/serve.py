@@ -110,12 +110,11 @@ def _log(line: str) -> None:
 def _checked_api_key(args: argparse.Namespace) -> str | None:
     """Refuse impossible flags before anything is loaded; the API key from ``--api-key``, else the
     environment (None: no key)."""
-    from vexpert_runtime.errors import VExpertInputError
+    from vexpert_runtime.errors import CPU_WORKERS_MEANING, VExpertInputError, require_at_least
 
-    if args.cpu_workers is not None and args.cpu_workers < 1:
-        raise VExpertInputError("--cpu-workers", f"must be ≥ 1, got {args.cpu_workers}")
+    require_at_least("--cpu-workers", args.cpu_workers, 1, CPU_WORKERS_MEANING)
     if not 0 <= args.port <= 65535:
-        raise VExpertInputError("--port", f"{args.port} is not a TCP port")
+        raise VExpertInputError("--port", f"{args.port} is not a TCP port", "pass 1–65535 (0: any free port)")
     if not args.header_timeout > 0:  # also NaN
         raise VExpertInputError("--header-timeout", f"{args.header_timeout} is not > 0", "seconds, e.g. 15")
     api_key: str | None = args.api_key if args.api_key is not None else os.environ.get("VEXPERT_API_KEY")

@@ -53,7 +53,7 @@ def register(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from vexpert_runtime.errors import VExpertInputError
+    from vexpert_runtime.errors import VExpertInputError, require_at_least
     from vexpert_runtime.policy.perf_model import InferenceConstants
     from vexpert_runtime.policy.profile import PerformanceProfile, load_profile
     from vexpert_runtime.simulation.simulate import POLICIES, SimulationConfig, simulate, summarize
@@ -77,12 +77,10 @@ def _run(args: argparse.Namespace) -> int:
     cfg.validate(experts, iterations)
     profile = load_profile(args.profile) if args.profile else PerformanceProfile()
     if args.hbm_gb is not None:
-        if args.hbm_gb < 0:
-            raise VExpertInputError("--hbm-gb", f"must be ≥ 0, got {args.hbm_gb}")
+        require_at_least("--hbm-gb", args.hbm_gb, 0, "HBM per GPU in GB (0: no KV-cache/batch model)")
         profile = profile.with_hardware(profile.hardware.model_copy(update={"hbm_gb": args.hbm_gb}))
     tokens = args.tokens_per_gpu or _trace_tokens_per_gpu(trace.meta, args.gpus)
-    if tokens <= 0:
-        raise VExpertInputError("--tokens-per-gpu", f"must be positive, got {tokens}")
+    require_at_least("--tokens-per-gpu", tokens, 1, "tokens each GPU routes per iteration (the trace's when left out)")
     consts = InferenceConstants(tokens_per_gpu=tokens, top_k=int(trace.meta.get("top_k", 8)),
                                 experts_per_gpu=experts // args.gpus)
     if args.plot:

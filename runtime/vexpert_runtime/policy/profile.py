@@ -9,13 +9,12 @@ model profiles the load-balance half) and read by the allocator, simulator and r
 from __future__ import annotations
 
 import datetime as _dt
-import json
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.documents import Document, read_document, validation_error
 
 PROFILE_API_VERSION: Literal["vexpert.io/v1alpha1"] = "vexpert.io/v1alpha1"
 COEFFICIENT_LIMIT = 10  # |α|, |β|, |intercept| beyond this is a failed fit, not a model
@@ -128,26 +127,19 @@ class PerformanceProfile(BaseModel):
         return self.model_dump_json(include={"load_balance", "hardware"})
 
 
+PROFILE_FIX = "pass a JSON file written by `vexpert calibrate … --output FILE`"
+
+
 def load_profile(path: str | Path) -> PerformanceProfile:
-    """Read a ``PerformanceProfile`` JSON file; bad files raise ``VExpertInputError`` naming the field."""
-    p = Path(path)
-    if not p.is_file():
-        raise VExpertInputError("--profile", f"no such file: {p}", "pass a JSON file written by `vexpert calibrate`")
-    try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise VExpertInputError("--profile", f"{p} is not JSON ({exc.msg} at line {exc.lineno})") from None
-    except UnicodeDecodeError:
-        raise VExpertInputError("--profile", f"{p} is not UTF-8 text", "pass a JSON file written by `vexpert calibrate`") from None
-    except OSError as exc:
-        raise VExpertInputError("--profile", f"cannot read {p}: {exc.strerror}") from None
-    return parse_profile(raw, origin=str(p))
+    """Read a ``PerformanceProfile`` JSON file; bad files raise ``VExpertInputError`` naming the
+    file, the line and the field."""
+    document = read_document(path, "--profile", PROFILE_FIX, fmt="json")
+    return parse_profile(document.data, origin=str(document.path), document=document)
 
 
-def parse_profile(raw: Any, origin: str = "profile") -> PerformanceProfile:
+def parse_profile(raw: Any, origin: str = "profile", document: Document | None = None) -> PerformanceProfile:
     try:
         return PerformanceProfile.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(part) for part in first["loc"]) or "(root)"
-        raise VExpertInputError(f"{origin}: {loc}", first["msg"], "see `PerformanceProfile` in docs") from None
+        raise validation_error(exc, origin, "see `PerformanceProfile` in runtime/vexpert_runtime/policy/profile.py",
+                               document) from None

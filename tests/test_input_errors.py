@@ -1,0 +1,146 @@
+"""Bad input is one ``error: <field>: <problem> (fix: …)`` line and exit code 2 (README "Command line").
+
+Issue 24 found two that were not: ``--cpu-workers 0`` had no fix, and a YAML indentation typo in a
+config file printed PyYAML's six lines naming ``"<unicode string>"`` instead of the file and line.
+The file-loading checks live once, in :mod:`vexpert_runtime.documents`.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from vexpert_runtime.cli import main
+from vexpert_runtime.config import load_runtime_config
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.policy.profile import load_profile
+
+REPO = Path(__file__).resolve().parents[1]
+RUNTIME = REPO / "runtime" / "vexpert_runtime"
+ONE_LINE = re.compile(r"^error: (?P<field>[^\n]+?): (?P<problem>[^\n]+) \(fix: (?P<fix>[^\n]+)\)$")
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> re.Match[str]:
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"not one line:\n{err}"
+    match = ONE_LINE.match(lines[0])
+    assert match, f"not `error: <field>: <problem> (fix: …)`: {lines[0]}"
+    return match
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--cpu-workers", "0"],
+    ["node", "--config", "runtime.yaml", "--cpu-workers", "0"],
+    ["node", "--config", "runtime.yaml", "--cpu-workers", "-3"],
+])
+def test_cpu_workers_below_one_says_how_to_fix_it(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    match = run_cli(argv, capsys)
+    assert match["field"] == "--cpu-workers"
+    assert "pass --cpu-workers 1 or more" in match["fix"] and "GPU" in match["fix"]
+
+
+def test_demo_and_simulate_bounds_say_how_to_fix_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(["demo", "--workers", "0"], capsys)["fix"].startswith("pass --workers 1 or more")
+    assert run_cli(["serve", "--port", "70000"], capsys)["field"] == "--port"
+
+
+INDENT_TYPO = "runtime:\n  device: cpu\n   metrics_port: 0\n"  # line 3 indented one space too far
+
+
+def test_yaml_indentation_typo_names_the_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "runtime.yaml"
+    config.write_text(INDENT_TYPO)
+    match = run_cli(["node", "--config", str(config), "--cpu-workers", "1"], capsys)
+    assert match["field"] == "--config"
+    assert f"{config} line 3, column" in match["problem"]
+    assert "<unicode string>" not in match.group(0)
+    assert "line 3" in match["fix"] and "indentation" in match["fix"]
+
+
+def test_yaml_tab_indentation_says_spaces(tmp_path: Path) -> None:
+    config = tmp_path / "runtime.yaml"
+    config.write_text("runtime:\n\tdevice: cpu\n")
+    with pytest.raises(VExpertInputError) as err:
+        load_runtime_config(config)
+    assert f"{config} line 2" in err.value.problem and "spaces, not tabs" in err.value.fix
+
+
+def test_a_refused_value_names_its_line(tmp_path: Path) -> None:
+    config = tmp_path / "runtime.yaml"
+    config.write_text("vexpert:\n  vmax: 1\nruntime:\n  metrics_port: 0\n  device: gpu\n")
+    with pytest.raises(VExpertInputError) as err:
+        load_runtime_config(config)
+    assert err.value.field == f"{config} line 5: runtime.device"
+    assert "cpu" in err.value.problem and err.value.fix
+    config.write_text("runtime:\n  device: cpu\n  devise: cpu\n")
+    with pytest.raises(VExpertInputError) as err:
+        load_runtime_config(config)
+    assert err.value.field == f"{config} line 3: runtime.devise"
+    assert "spelling" in err.value.fix
+
+
+def test_config_top_level_and_missing_file(tmp_path: Path) -> None:
+    config = tmp_path / "runtime.yaml"
+    config.write_text("- a\n- b\n")
+    with pytest.raises(VExpertInputError, match=r"holds a YAML list, not a mapping") as err:
+        load_runtime_config(config)
+    assert err.value.fix
+    with pytest.raises(VExpertInputError, match="no such file") as err:
+        load_runtime_config(tmp_path / "absent.yaml")
+    assert "vexpert render" in err.value.fix
+    config.write_text("")
+    assert load_runtime_config(config).runtime.device  # empty file: every default
+
+
+def test_profile_json_errors_name_the_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = tmp_path / "profile.json"
+    profile.write_text('{"hardware":\n  {"bw_h2d_gbps": 50,}\n}\n')
+    with pytest.raises(VExpertInputError) as err:
+        load_profile(profile)
+    assert err.value.field == "--profile"
+    assert f"{profile} line 2, column" in err.value.problem and "line 2" in err.value.fix
+    profile.write_text(json.dumps({"hardware": {"no_such_figure": 1}}, indent=2))
+    with pytest.raises(VExpertInputError) as err:
+        load_profile(profile)
+    assert err.value.field == f"{profile} line 3: hardware.no_such_figure"
+
+
+def test_render_manifest_typo_names_the_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest = tmp_path / "deployment.yaml"
+    manifest.write_text("apiVersion: vexpert.io/v1alpha1\nkind: VExpertDeployment\nmetadata:\n  name: x\n"
+                        "spec:\n  model:\n    name: m\n     revision: main\n")
+    match = run_cli(["render", "-f", str(manifest)], capsys)
+    assert match["field"] == "-f" and f"{manifest} line 8, column" in match["problem"]
+
+
+def _input_errors(path: Path) -> list[tuple[int, int]]:
+    """(line, argument count) of every ``VExpertInputError(...)`` call in ``path``."""
+    calls = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "VExpertInputError":
+            calls.append((node.lineno, len(node.args) + len(node.keywords)))
+    return calls
+
+
+def test_every_command_and_file_error_carries_a_fix() -> None:
+    """The command modules' flag checks and the file loaders give every error a fix (the third argument)."""
+    files = [*sorted((RUNTIME / "commands").glob("*.py")), RUNTIME / "documents.py", RUNTIME / "config.py",
+             RUNTIME / "policy" / "profile.py", RUNTIME / "errors.py"]
+    missing = [f"{p.relative_to(REPO)}:{line}" for p in files for line, n in _input_errors(p) if n < 3]
+    assert not missing, f"VExpertInputError without a fix: {missing}"
+
+
+def test_one_file_loading_ladder() -> None:
+    """Parse errors of user files are handled in documents.py only (config.py and policy/profile.py
+    each had their own copy of the ladder, operator/render.py a third)."""
+    for path in [RUNTIME / "config.py", RUNTIME / "policy" / "profile.py", REPO / "operator" / "vexpert_operator" / "render.py"]:
+        text = path.read_text()
+        for handler in ("yaml.YAMLError", "json.JSONDecodeError", "UnicodeDecodeError", "yaml.safe_load(", "json.loads("):
+            assert handler not in text, f"{path.relative_to(REPO)} handles {handler} itself: use vexpert_runtime.documents"
