@@ -1,9 +1,10 @@
 """The coordinator process: the node's L2 expert pool and its slot-fill loop, in a process of its own.
 
 ``vexpert node`` (:class:`~vexpert_runtime.node.NodeRuntime`) is the supervisor: it owns the shared
-protocol state (:class:`~vexpert_runtime.node.protocol.SharedState`), the workers, the allocator, the
-metrics and the verification, and runs this process as a child that it restarts with backoff when it
-dies. The workers do not depend on it: while it is down they run every iteration on their base
+protocol state (:class:`~vexpert_runtime.node.protocol.SharedState`), the workers, the balance state
+(the plans), the metrics and the verification, and runs this process as a child through its
+:class:`~vexpert_runtime.node.coordinator_handle.CoordinatorHandle`, which restarts it with backoff
+when it dies. The workers do not depend on it: while it is down they run every iteration on their base
 experts (``vexpert_degraded`` 1), and they fill the layers a dead coordinator left half done from the
 checkpoint themselves, so outputs stay equal to the reference.
 
