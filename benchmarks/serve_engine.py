@@ -44,6 +44,7 @@ from serve_load import load, scrape, wait_healthy, write_model
 
 from vexpert_runtime.ports import free_port
 from vexpert_runtime.serve.demo_model import ensure_demo_model
+from vexpert_runtime.serve.hf_model import EP_LAYER_RANGE
 
 HBM_BYTES_PER_S = 4.8e12  # H200
 PROMPT_TOKENS = 62
@@ -256,13 +257,35 @@ def summarise_trace(path: Path) -> dict[str, Any]:
             launches[e["name"]] = launches.get(e["name"], 0) + 1
     names = {e["name"] for e in events if e.get("cat") == "cpu_op"}
     wall = end - start
+    ep_ms = ep_layer_gpu_ms(events)
     return {"file": path.name, "iterations": iterations, "wall_ms_per_iteration": round(wall / 1000 / iterations, 3),
             "gpu_busy_ms_per_iteration": round(busy / 1000 / iterations, 3),
             "gpu_busy_share": round(busy / max(1.0, wall), 3),
             "host_launches_per_iteration": round(sum(launches.values()) / iterations, 2),
             "launches": launches, "graph_replays": launches.get("cudaGraphLaunch", 0),
             "gpu_kernels_per_iteration": round(sum(1 for e in events if e.get("cat") == "kernel") / iterations, 1),
-            "cpu_ops": len(names)}
+            "cpu_ops": len(names),
+            "ep_layer_gpu_ms_per_iteration": None if ep_ms is None else round(ep_ms / iterations, 3),
+            "ep_layer_share_of_gpu_busy": None if ep_ms is None or not busy else round(ep_ms * 1000 / busy, 3)}
+
+
+def ep_layer_gpu_ms(events: list[dict[str, Any]]) -> float | None:
+    """GPU time of the kernels launched inside the EP layer's profiler ranges (``EP_LAYER_RANGE``,
+    eager steps; a graph replay has no per-layer ranges): None where the trace has none. A kernel is
+    matched to its launch by the correlation id, the launch to a range on the same thread by time."""
+    ranges: dict[Any, list[tuple[float, float]]] = {}
+    for e in events:
+        if e["name"] == EP_LAYER_RANGE and e.get("cat") in ("user_annotation", "cpu_op"):
+            ranges.setdefault(e.get("tid"), []).append((e["ts"], e["ts"] + e["dur"]))
+    if not ranges:
+        return None
+    inside = set()
+    for e in events:
+        launch = e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+        if launch and any(a <= e["ts"] <= b for a, b in ranges.get(e.get("tid"), ())):
+            inside.add(e["args"]["correlation"])
+    return sum(e["dur"] for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+               and e.get("args", {}).get("correlation") in inside) / 1000
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,6 +67,8 @@ from vexpert_runtime.serve.sparse_blocks import (
 )
 from vexpert_runtime.serve.step import FinishedStep, PendingStep, SequenceWork, StepModel
 
+EP_LAYER_RANGE = "vexpert.ep_layer"  # the profiler range around each EP MoE layer (eager steps)
+
 # Expert activations the EP layer implements (its grouped GEMMs are SwiGLU).
 _SWIGLU_ACTIVATIONS = ("silu", "swish")
 
@@ -249,13 +251,14 @@ class EPExperts:
             counted = valid.reshape(-1).to(torch.int64)
         stacks = ExpertStacks(self.resident[moe_layer], self._slot_rows(moe_layer), self.intermediate,
                               format=self.format)
-        y, stats = ep_moe_layer(
-            x, ids, weights, self.table, moe_layer, stacks, None, self.rank, self.world, self.group,
-            capacity=self._capacity(x.shape[0], ids.shape[1]),
-            slot_wait=None if hooks is None else (lambda: hooks.wait(moe_layer)),
-            after_compute=None if hooks is None else (lambda: hooks.release(moe_layer)),
-            dispatch=self.dispatch,
-        )
+        with torch.profiler.record_function(EP_LAYER_RANGE):  # a profiler trace's EP-layer share
+            y, stats = ep_moe_layer(
+                x, ids, weights, self.table, moe_layer, stacks, None, self.rank, self.world, self.group,
+                capacity=self._capacity(x.shape[0], ids.shape[1]),
+                slot_wait=None if hooks is None else (lambda: hooks.wait(moe_layer)),
+                after_compute=None if hooks is None else (lambda: hooks.release(moe_layer)),
+                dispatch=self.dispatch,
+            )
         self.computed[moe_layer] += stats.computed
         flat = ids.reshape(-1).to(torch.int64)
         self.counts[moe_layer].scatter_add_(0, flat, torch.ones_like(flat) if counted is None else counted)
