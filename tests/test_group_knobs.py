@@ -19,7 +19,8 @@ from vexpert_runtime.config import GroupKnobs, VExpertKnobs, parse_runtime_confi
 from vexpert_runtime.policy.profile import PerformanceProfile
 
 # A value other than the default for every group knob (a new knob adds one here).
-CHANGED: dict[str, Any] = {"group_size": 3, "vmax": 2, "balance_threshold": 0.55, "dispatch": "global"}
+CHANGED: dict[str, Any] = {"group_size": 3, "vmax": 2, "balance_threshold": 0.55, "dispatch": "global",
+                           "placement_policy": "eplb-redundant"}
 
 
 def test_the_deployment_and_the_runtime_share_the_knob_definitions() -> None:
@@ -33,7 +34,7 @@ def test_the_deployment_and_the_runtime_share_the_knob_definitions() -> None:
 
 
 @pytest.mark.parametrize(("name", "bad"), [("groupSize", 9), ("vmax", -1), ("balanceThreshold", 1.5),
-                                           ("dispatch", "round-robin")])
+                                           ("dispatch", "round-robin"), ("placementPolicy", "eplb")])
 def test_the_deployment_refuses_what_the_runtime_would(name: str, bad: Any) -> None:
     with pytest.raises(ValidationError):
         VExpertSpec.model_validate({name: bad})

@@ -23,6 +23,7 @@ from pydantic import (
 
 from vexpert_runtime.documents import Document, read_document, validation_error
 from vexpert_runtime.model.families import Architecture
+from vexpert_runtime.policy.names import DEFAULT_PLACEMENT_POLICY, PLACEMENT_POLICY_HELP, PlacementPolicyName
 from vexpert_runtime.policy.profile import PerformanceProfile
 
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
@@ -121,12 +122,14 @@ class GroupKnobs(BaseModel):
     group_size: int = Field(2, ge=1, le=8, description="G: layers sharing one slot budget (ping-pong buffer)")
     vmax: int = Field(1, ge=0, le=8, description="Per-layer vExpert budget per GPU; slots per GPU = G·vmax")
     balance_threshold: float = Field(0.7, ge=0.0, le=1.0, description="τ: layers balanced above it get no vExperts")
+    placement_policy: PlacementPolicyName = Field(DEFAULT_PLACEMENT_POLICY, description=PLACEMENT_POLICY_HELP)
     dispatch: DispatchChoice = Field(
         "auto",
         description="How a replicated expert's tokens split over its copies every layer: plan = the plan's shares "
         "(fixed for k iterations), local = water-filled from each rank's own counts of the iteration, global = from "
         "the counts all-reduced over the EP group (one 1 KiB all-reduce per layer); auto = global when that "
-        "all-reduce costs less than the balance it gains, else local (plan without slots)",
+        "all-reduce costs less than the balance it gains, else local (plan without slots, and for a placement policy "
+        "whose copies split evenly: eplb-redundant)",
     )
 
     def group_knobs(self) -> dict[str, Any]:

@@ -28,7 +28,8 @@ def register(sub: Any) -> None:
     p.add_argument("--compare-eplb-policies", action="store_true",
                    help="also report eplb[-redundant]:hierarchical and :global")
     p.add_argument("--expert-groups", type=int, default=0, help="expert groups (0 = 8 for 256 experts, else 1)")
-    p.add_argument("--policies", default=None, help="comma-separated subset (default: all)")
+    p.add_argument("--policies", default=None,
+                   help="comma-separated policies (default: all but eplb-slots, EPLB as a node runs it live)")
     p.add_argument("--dispatch", default="auto", choices=["plan", "local", "allreduce", "auto"],
                    help="vexpert's per-iteration replica dispatch: the plan's fixed shares, rank-local counts, "
                         "counts all-reduced per layer, or the performance model's pick (default auto)")
@@ -56,12 +57,12 @@ def _run(args: argparse.Namespace) -> int:
     from vexpert_runtime.errors import VExpertInputError, require_at_least
     from vexpert_runtime.policy.perf_model import InferenceConstants
     from vexpert_runtime.policy.profile import PerformanceProfile, load_profile
-    from vexpert_runtime.simulation.simulate import POLICIES, SimulationConfig, simulate, summarize
+    from vexpert_runtime.simulation.simulate import DEFAULT_POLICIES, SimulationConfig, simulate, summarize
     from vexpert_runtime.simulation.trace import load_trace
 
     trace = load_trace(args.trace)
     iterations, layers, experts = trace.counts.shape
-    policies = tuple(POLICIES if not args.policies else [p.strip() for p in args.policies.split(",") if p.strip()])
+    policies = tuple(DEFAULT_POLICIES if not args.policies else [p.strip() for p in args.policies.split(",") if p.strip()])
     try:
         sweep = tuple(int(x) for x in args.eplb_sweep.split(",") if x.strip())
     except ValueError:

@@ -24,6 +24,7 @@ from vexpert_runtime.node.setup import NodeSetup
 from vexpert_runtime.policy.allocator import AllocatorConfig, DeviceAllocator, Plan, allocate
 from vexpert_runtime.policy.perf_model import InferenceConstants
 from vexpert_runtime.policy.placement import balance_ratio, base_gpu_loads, static_placement
+from vexpert_runtime.policy.registry import placement_policy
 
 HOTNESS_DECAY = 0.8  # weight of the past in the experts' hotness, per window
 
@@ -93,11 +94,16 @@ def allocator_inputs(setup: NodeSetup, tokens_per_worker: int) -> tuple[Inferenc
     return consts, config
 
 
-def graphed_allocator(setup: NodeSetup, tokens_per_worker: int, log: Callable[[str], None]) -> Allocator:
-    """On GPU nodes the graphed allocator on the first GPU, compiled and captured here, before any
-    process starts: compiling beside the serving loop would starve it of the interpreter for the
+def node_allocator(setup: NodeSetup, tokens_per_worker: int, log: Callable[[str], None]) -> Allocator:
+    """The configured placement policy (``vexpert.placement_policy``, :mod:`~vexpert_runtime.policy.registry`).
+
+    vExpert: on GPU nodes the graphed allocator on the first GPU, compiled and captured here, before
+    any process starts: compiling beside the serving loop would starve it of the interpreter for the
     ≈20 s it takes (the supervisor uses no other CUDA: it passes the workers' IPC handles on
-    unopened). ``allocate`` on CPU nodes, or when the GPU one cannot be built."""
+    unopened); ``allocate`` on CPU nodes, or when the GPU one cannot be built. Any other policy (a
+    baseline): the registry's plan function, on the CPU."""
+    if setup.placement_policy != "vexpert":
+        return placement_policy(setup.placement_policy).plan
     if setup.device != "cuda":
         return allocate
     spec = setup.spec

@@ -52,7 +52,8 @@ class NodeOptions:
     # (it crosses into the coordinator process).
     filler: Callable[..., SlotFiller] = SlotFiller
     # The placement policy the supervisor runs every k iterations (``allocate``'s signature); None:
-    # ``allocate`` on CPU nodes, the graphed allocator on the first GPU of GPU nodes.
+    # the config's ``vexpert.placement_policy`` (``balance.node_allocator``: for vExpert the graphed
+    # allocator on the first GPU of GPU nodes, ``allocate`` on CPU nodes).
     allocator: Callable[..., placement_policy.Plan] | None = None
     keep_history: int = 10_000  # iterations (and windows, plans/10) the report keeps: a node
     # that runs until SIGTERM must not grow without bound

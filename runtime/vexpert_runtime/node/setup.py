@@ -24,7 +24,9 @@ from vexpert_runtime.model.checkpoint import (
 )
 from vexpert_runtime.model.dispatch import choose_dispatch
 from vexpert_runtime.node.slots import SlotLayout
+from vexpert_runtime.policy.names import DEFAULT_PLACEMENT_POLICY, PlacementPolicyName
 from vexpert_runtime.policy.profile import PerformanceProfile
+from vexpert_runtime.policy.registry import placement_policy
 from vexpert_runtime.ports import free_port
 
 # ---------------------------------------------------------------------------------------------
@@ -76,6 +78,7 @@ class NodeSetup:
     dispatch: str = "plan"  # replica dispatch every worker runs (plan | local | global), resolved from auto
     dispatch_reason: str = "configured"  # why (auto's comparison, for logs and the report)
     metrics_addr: str = "0.0.0.0"
+    placement_policy: PlacementPolicyName = DEFAULT_PLACEMENT_POLICY  # the registry entry the node runs
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -149,10 +152,14 @@ def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: in
         check_port_free(master_addr, master_port, "parallelism.master_port")
     if config.runtime.metrics_port:
         check_port_free("0.0.0.0", config.runtime.metrics_port, "runtime.metrics_port")
-    dispatch, dispatch_reason = choose_dispatch(
-        knobs.dispatch, world=world, slots=knobs.group_size * knobs.vmax, nodes=par.num_nodes, device=device,
-        allreduce_us=knobs.dispatch_allreduce_us, moe_layer_us=knobs.dispatch_moe_layer_us,
-    )
+    policy = placement_policy(knobs.placement_policy)
+    if knobs.dispatch == "auto" and policy.even_split:  # keep the even split that defines the policy
+        dispatch, dispatch_reason = "plan", f"auto: {policy.name} splits an expert's tokens evenly over its copies"
+    else:
+        dispatch, dispatch_reason = choose_dispatch(
+            knobs.dispatch, world=world, slots=knobs.group_size * knobs.vmax, nodes=par.num_nodes, device=device,
+            allreduce_us=knobs.dispatch_allreduce_us, moe_layer_us=knobs.dispatch_moe_layer_us,
+        )
     return NodeSetup(
         checkpoint=Path(checkpoint),
         spec=spec,
@@ -176,6 +183,7 @@ def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: in
         memory=memory,
         dispatch=dispatch,
         dispatch_reason=dispatch_reason,
+        placement_policy=policy.name,
     )
 
 

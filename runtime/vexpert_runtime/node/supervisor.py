@@ -50,7 +50,7 @@ from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.model.checkpoint import CheckpointReader
 from vexpert_runtime.model.dispatch import DISPATCH_MODES
 from vexpert_runtime.model.reference import ModelWeights
-from vexpert_runtime.node.balance import BalanceState, PlanMade, graphed_allocator
+from vexpert_runtime.node.balance import BalanceState, PlanMade, node_allocator
 from vexpert_runtime.node.config_reload import ConfigReload, Tuning
 from vexpert_runtime.node.coordinator_handle import CoordinatorHandle
 from vexpert_runtime.node.history import RunHistory, RunTotals, compose_report
@@ -160,7 +160,7 @@ class NodeRuntime:
         try:
             self._start_metrics()
             if self.options.allocator is None:
-                self.balance.allocator = graphed_allocator(setup, self.options.workload.tokens_per_worker, self._log)
+                self.balance.allocator = node_allocator(setup, self.options.workload.tokens_per_worker, self._log)
             if self.options.verify:
                 reference = ModelWeights.load(CheckpointReader(setup.checkpoint, setup.spec), setup.torch_dtype)
                 self.verifier = OutputVerifier(reference, self.options.workload, setup.spec.hidden_size, setup.torch_dtype)

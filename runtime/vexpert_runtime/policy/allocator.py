@@ -768,7 +768,7 @@ def allocate(
     consts = consts or InferenceConstants(experts_per_gpu=max(1, counts.shape[-1] // max(1, num_gpus)))
     if not static:
         config.validate()
-        _validate_counts(counts, base_gpu)
+        validate_counts(counts, base_gpu)
         validate_base_placement(base_gpu, num_gpus)
     slots_total = config.slots_per_gpu
     w = counts.to(torch.float32)
@@ -778,7 +778,32 @@ def allocate(
     copies = replica_counts(
         w, vexperts * num_gpus, num_gpus, pooled, max_copies, max_extra=slots_total * num_gpus if static else None
     )
-    local_slots = place_replicas(w, base_gpu, copies, vexperts, num_gpus, rounds=slots_total if static else None)
+    return plan_from_copies(w, base_gpu, copies, vexperts, num_gpus, config, balance_before, static)
+
+
+def plan_from_copies(
+    counts: torch.Tensor,
+    base_gpu: torch.Tensor,
+    copies: torch.Tensor,
+    vexperts: torch.Tensor,
+    num_gpus: int,
+    config: AllocatorConfig,
+    balance_before: torch.Tensor,
+    static: bool = False,
+) -> Plan:
+    """Steps 3 and 4 for chosen copy counts: the extra copies placed into ``V_i`` slots per GPU of
+    each layer (:func:`place_replicas`), laid out alternately in the ``S = G·vmax`` slots, and each
+    replicated expert's tokens split over its copies by ``config.share_refinement_sweeps``
+    water-filling sweeps (0 = an even split). Every placement policy that streams copies into the
+    node's slots (vExpert, EPLB's redundant experts) ends here, so their plans obey the same limits.
+
+    Args: counts [L, E] float32; base_gpu [L, E] int64; copies [L, E] int64 (≥ 1, ≤ min(N,
+        max_copies_per_expert)); vexperts [L] int64 slots per GPU each layer may fill;
+        balance_before [L] float32 (recorded in the plan); static: as in :func:`allocate`.
+    """
+    slots_total = config.slots_per_gpu
+    max_copies = min(num_gpus, config.max_copies_per_expert)
+    local_slots = place_replicas(counts, base_gpu, copies, vexperts, num_gpus, rounds=slots_total if static else None)
     # Placement may drop a copy (conflict), leaving a hole in an earlier round of a GPU whose later
     # round is filled: move each GPU's filled rounds to the front (stable), so the first V_i
     # rounds hold every placed copy; the copies actually placed define the plan.
@@ -788,10 +813,10 @@ def allocate(
     width = max_copies if static else None
     replica_gpu, replica_slot = _replica_table(base_gpu, slot_expert, width)
     share = water_fill_shares(
-        w, replica_gpu, num_gpus, config.share_refinement_sweeps,
+        counts, replica_gpu, num_gpus, config.share_refinement_sweeps,
         max_replicated=slots_total * num_gpus if static else None,
     )
-    predicted = balance_ratio(_plan_loads(w, replica_gpu, share, num_gpus))
+    predicted = balance_ratio(_plan_loads(counts, replica_gpu, share, num_gpus))
     return Plan(
         vexperts=vexperts,
         slot_expert=slot_expert,
@@ -812,7 +837,8 @@ def _plan_loads(counts: torch.Tensor, replica_gpu: torch.Tensor, share: torch.Te
     return loads[:, :num_gpus]
 
 
-def _validate_counts(counts: torch.Tensor, base_gpu: torch.Tensor) -> None:
+def validate_counts(counts: torch.Tensor, base_gpu: torch.Tensor) -> None:
+    """A placement policy's window: counts [L, E] ≥ 0 of the base placement's shape."""
     if counts.dim() != 2:
         raise VExpertInputError("counts", f"must be [layers, experts], got shape {tuple(counts.shape)}")
     if counts.shape != base_gpu.shape:
@@ -942,7 +968,7 @@ class GraphedAllocator:
     def _replay(self, counts: torch.Tensor, base_gpu: torch.Tensor, pooled: torch.Tensor | None) -> None:
         """Load the inputs into the static buffers (asynchronously from pinned host tensors) and
         enqueue the captured allocation (capturing it on the first call)."""
-        _validate_counts(counts, base_gpu)
+        validate_counts(counts, base_gpu)
         validate_base_placement(base_gpu, self.num_gpus)
         self.counts.copy_(_staged(counts, self.counts), non_blocking=True)
         self.base_gpu.copy_(_staged(base_gpu, self.base_gpu), non_blocking=True)

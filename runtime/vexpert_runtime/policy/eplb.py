@@ -18,17 +18,35 @@ tensor element at a time (on a 2-core CPU, 58 layers × 256 experts on 8 nodes �
 (or per redundant replica) over numpy arrays that hold every layer, and each step picks the packs
 of all layers with one ``argmin``: 1–4 ms per plan for the same inputs.
 
+Two forms of the policy (both used by :mod:`.registry`): :func:`rearranged_share` is EPLB as
+DeepSeek and SGLang run it, every expert's weights moved to where EPLB packs them (a stop-the-world
+rearrangement; the simulator's ``eplb`` and ``eplb-redundant`` rows). :func:`slot_plan` is what a
+vExpert node can run live, where resident experts never move: EPLB's redundant experts streamed into
+the node's vExpert slots, as a :class:`~vexpert_runtime.policy.allocator.Plan`.
+
 Shapes: ``L`` layers, ``E`` logical experts, ``P`` physical experts (replicas), ``X`` independent
-rows (layers, or layers × nodes).
+rows (layers, or layers × nodes), ``N`` GPUs.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.policy.allocator import (
+    AllocatorConfig,
+    Plan,
+    plan_from_copies,
+    replica_counts,
+    validate_counts,
+)
+from vexpert_runtime.policy.perf_model import InferenceConstants
+from vexpert_runtime.policy.placement import balance_ratio, base_gpu_loads, validate_base_placement
+from vexpert_runtime.policy.profile import PerformanceProfile
 
 POLICIES = ("hierarchical", "global", "auto")
 
@@ -257,6 +275,75 @@ def expert_gpu_share(phy2log: Tensor, logcnt: Tensor, num_logical: int, num_gpus
     if bool((logcnt <= 0).any()):
         raise VExpertInputError("phy2log", "some logical expert has no replica", "give every expert ≥ 1 slot")
     return replicas.to(torch.float32) / logcnt.to(torch.float32).unsqueeze(-1)
+
+
+def rearranged_share(
+    counts: Tensor, num_redundant: int, num_groups: int, num_nodes: int, num_gpus: int, policy: str = "auto"
+) -> Tensor:
+    """EPLB as DeepSeek runs it: every expert placed anew (:func:`rebalance_experts` with
+    ``E + num_redundant`` physical experts), tokens split evenly over an expert's replicas.
+
+    Args: counts [L, E] expert loads of the window EPLB plans from. Returns share [L, E, N] float32.
+    """
+    num_experts = counts.shape[-1]
+    phy2log, _, logcnt = rebalance_experts(counts, num_experts + num_redundant, num_groups, num_nodes, num_gpus, policy)
+    return expert_gpu_share(phy2log, logcnt, num_experts, num_gpus)
+
+
+def redundant_per_gpu(config: AllocatorConfig) -> int:
+    """EPLB's redundant experts per GPU in every layer, within a node's slots.
+
+    EPLB gives every layer the same number of redundant experts. A node streams a layer's copies
+    while the layer before it computes, into one set of ``S = G·vmax`` slots per GPU, so two
+    adjacent layers' copies must fit together (V_l + V_{l+1} ≤ S), and a group of G layers streams
+    at most G·vmax copies per GPU: every layer gets min(vmax, S // 2) (vmax without the adjacency
+    bound). G = 2, vmax = 1 gives one per GPU per layer, the paper's EPLB-redundant (B2).
+    """
+    if not config.adjacency_bound:
+        return config.vmax
+    return min(config.vmax, config.slots_per_gpu // 2)
+
+
+def slot_plan(
+    counts: Tensor,
+    base_gpu: Tensor,
+    num_gpus: int,
+    config: AllocatorConfig | None = None,
+    profile: PerformanceProfile | None = None,
+    consts: InferenceConstants | None = None,
+    pooled: Tensor | None = None,
+) -> Plan:
+    """EPLB's redundant experts as a :class:`Plan` a node runs live: resident experts stay where
+    ``base_gpu`` has them, and :func:`redundant_per_gpu` copies per GPU in every layer go into the
+    node's vExpert slots.
+
+    It gets exactly what vExpert's allocator gets (``allocate``'s signature): the window's counts,
+    the base placement, N, the slot knobs in ``config`` (G, vmax, adjacency bound, copies cap) and the
+    host pool mask. It uses none of vExpert's decisions: ``profile``/``consts`` (EPLB has no cost
+    model), τ and the per-layer vExpert counts are ignored. EPLB's rules, under the node's limits:
+
+    1. every layer gets ``V = redundant_per_gpu(config)`` copies per GPU (N·V in all);
+    2. each next copy goes to the expert with the highest load per copy (:func:`replicate_experts`'s
+       rule, computed by :func:`~vexpert_runtime.policy.allocator.replica_counts`), only experts in
+       the host pool, at most one copy per GPU;
+    3. heaviest copy first onto the least-loaded GPU with a free slot that does not hold the expert
+       (:func:`balanced_packing`'s rule, starting from the resident experts' loads);
+    4. an expert's tokens split evenly over its copies (SGLang's dispatch of EPLB replicas).
+
+    Args: counts [L, E] ≥ 0; base_gpu [L, E] int64 (E/N per GPU); pooled [L, E] bool or None (all).
+    """
+    del profile, consts  # same inputs as vExpert's allocator; EPLB has no cost model
+    config = config or AllocatorConfig()
+    config.validate()
+    validate_counts(counts, base_gpu)
+    validate_base_placement(base_gpu, num_gpus)
+    w = counts.to(torch.float32)
+    num_layers = w.shape[0]
+    vexperts = torch.full((num_layers,), redundant_per_gpu(config), dtype=torch.int64, device=w.device)
+    copies = replica_counts(w, vexperts * num_gpus, num_gpus, pooled, min(num_gpus, config.max_copies_per_expert))
+    even = replace(config, share_refinement_sweeps=0)  # no water-filling: the even split
+    balance_before = balance_ratio(base_gpu_loads(w, base_gpu, num_gpus))
+    return plan_from_copies(w, base_gpu, copies, vexperts, num_gpus, even, balance_before)
 
 
 # --------------------------------------------------------------------------------------------

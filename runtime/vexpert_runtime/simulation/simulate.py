@@ -12,6 +12,10 @@ Policies:
     eplb             EPLB placement recomputed every ``eplb_interval`` iterations from the counts
                      since the last one, no redundant experts (B1)
     eplb-redundant   the same with one redundant expert per GPU, resident in every layer (B2)
+    eplb-slots       the placement registry's ``eplb-redundant`` as a node runs it live: residents stay,
+                     EPLB's redundant experts streamed into vExpert's slots, replanned every ``k``
+                     (not run unless asked for)
+    any other name of the placement registry: as a node runs it, replanned every ``k`` (not by default)
     b3-offload       the paper's B3: static placement, one resident expert per GPU evicted to host
                      and streamed back for every layer (frees HBM, gains no balance)
     vexpert-k1       vExpert's allocator every iteration on the previous one, no cost model
@@ -21,6 +25,10 @@ Policies:
     vexpert-future   the same heuristic fed each iteration's own counts (was ``oracle``; not a bound)
     bound            an upper bound on balance for the slot budget (static base, ≤ S copies per GPU
                      in any one layer, any split): a relaxation, see :func:`slot_budget_bound`
+
+Every policy comes from the placement registry (:mod:`vexpert_runtime.policy.registry`): static,
+EPLB (its stop-the-world ``rearrange`` form for eplb/eplb-redundant, its node ``plan`` for eplb-slots)
+and vExpert's allocator for the vexpert rows.
 
 Warm start: every policy starts from the same state. ``warmup = 0``: static for all. ``warmup = W``:
 the first W iterations are prior traffic, not scored; every policy's first plan is made from them
@@ -47,7 +55,7 @@ import torch
 
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.policy import eplb
-from vexpert_runtime.policy.allocator import AllocatorConfig, allocate, slots_overlap, water_fill_shares
+from vexpert_runtime.policy.allocator import AllocatorConfig, slots_overlap, water_fill_shares
 from vexpert_runtime.policy.perf_model import (
     InferenceConstants,
     allocation_time,
@@ -65,9 +73,16 @@ from vexpert_runtime.policy.placement import (
     static_placement,
 )
 from vexpert_runtime.policy.profile import PerformanceProfile
+from vexpert_runtime.policy.registry import (
+    PLACEMENT_POLICIES,
+    PlacementFunction,
+    PlacementPolicy,
+    placement_policy,
+)
 
-POLICIES = ("static", "eplb", "eplb-redundant", "b3-offload", "vexpert-k1", "vexpert", "vexpert-future", "bound")
-DEFAULT_POLICIES = POLICIES
+DEFAULT_POLICIES = ("static", "eplb", "eplb-redundant", "b3-offload", "vexpert-k1", "vexpert", "vexpert-future", "bound")
+# every registry policy is a row: those without one of their own above run as a node runs them
+POLICIES = (*DEFAULT_POLICIES, "eplb-slots", *(name for name in PLACEMENT_POLICIES if name not in DEFAULT_POLICIES))
 RENAMED = {"oracle": "vexpert-future", "offload": "vexpert-k1"}
 EPLB_VARIANTS = ("hierarchical", "global")
 DISPATCH_MODES = ("plan", "local", "allreduce", "auto")
@@ -87,7 +102,7 @@ class SimulationConfig:
     eplb_interval: int = 200
     eplb_policy: str = "auto"
     expert_groups: int = 0  # 0 = DeepSeek's 8 groups when E = 256, else 1
-    policies: tuple[str, ...] = POLICIES
+    policies: tuple[str, ...] = DEFAULT_POLICIES
     compare_eplb_policies: bool = False  # add eplb[-redundant]:hierarchical/global rows
     adjacency_bound: bool = True  # allocator keeps V_l + V_{l+1} ≤ G·vmax (False: group budget only)
     dispatch: str = "auto"  # vexpert's per-iteration replica dispatch
@@ -346,9 +361,11 @@ Schedule = Iterator[Step]
 
 
 def _static_schedule(counts: torch.Tensor, cfg: SimulationConfig) -> Schedule:
+    """The registry's static plan, planned once (it is the same for any counts)."""
     _, num_layers, num_experts = counts.shape
     base = static_placement(num_layers, num_experts, cfg.num_gpus)
-    yield Step(0, share_from_base(base, cfg.num_gpus), torch.zeros(num_layers, dtype=torch.int64), False, False)
+    plan = PLACEMENT_POLICIES["static"].plan(torch.zeros(num_layers, num_experts), base, cfg.num_gpus)
+    yield Step(0, plan.expert_gpu_share(), plan.vexperts, False, False)
 
 
 def _b3_schedule(counts: torch.Tensor, cfg: SimulationConfig) -> Schedule:
@@ -368,18 +385,19 @@ def _plan_starts(iterations: int, warmup: int, interval: int) -> list[int]:
 def _eplb_schedule(
     counts: torch.Tensor, cfg: SimulationConfig, redundant: bool, policy: str, interval: int, timings: list[float]
 ) -> Schedule:
+    """EPLB as DeepSeek runs it (the registry's ``rearrange`` form): every ``interval`` iterations
+    all experts placed anew from the counts since the last plan, a stall charged for each move."""
     iterations, num_layers, num_experts = counts.shape
     yield from _static_schedule(counts, cfg)
-    replicas = num_experts + (cfg.num_gpus if redundant else 0)
+    rearrange = PLACEMENT_POLICIES["eplb-redundant"].rearrange
+    assert rearrange is not None  # the registry's EPLB has its stop-the-world form
     zero_v = torch.zeros(num_layers, dtype=torch.int64)
     for start in _plan_starts(iterations, cfg.warmup, interval):
         warm = start == cfg.warmup and cfg.warmup > 0
         window = counts[: cfg.warmup].sum(0) if warm else counts[max(0, start - interval) : start].sum(0)
         t0 = time.perf_counter()
-        phy2log, _, logcnt = eplb.rebalance_experts(
-            window, replicas, cfg.groups(num_experts), cfg.num_nodes, cfg.num_gpus, policy
-        )
-        share = eplb.expert_gpu_share(phy2log, logcnt, num_experts, cfg.num_gpus)
+        redundant_count = cfg.num_gpus if redundant else 0
+        share = rearrange(window, redundant_count, cfg.groups(num_experts), cfg.num_nodes, cfg.num_gpus, policy)
         timings.append(time.perf_counter() - t0)
         yield Step(start, share, zero_v, not warm, False)
 
@@ -393,9 +411,11 @@ def _allocator_schedule(
     interval: int,
     lookahead: bool,
     timings: list[float],
+    plan_with: PlacementFunction,
 ) -> Schedule:
-    """Allocator every ``interval`` iterations on the last ``interval`` iterations' counts (the
-    whole warm-up for the first plan), or (``lookahead``) on the iterations it is about to serve."""
+    """A registry policy's ``plan_with`` (the allocator for the vexpert rows) every ``interval``
+    iterations on the last ``interval`` iterations' counts (the whole warm-up for the first plan),
+    or (``lookahead``) on the iterations it is about to serve."""
     iterations, num_layers, num_experts = counts.shape
     base = static_placement(num_layers, num_experts, cfg.num_gpus)
     if lookahead:
@@ -410,7 +430,7 @@ def _allocator_schedule(
         else:
             window = counts[: cfg.warmup] if warm else counts[start - interval : start]
         t0 = time.perf_counter()
-        plan = allocate(window.sum(0), base, cfg.num_gpus, alloc_cfg, profile, consts)
+        plan = plan_with(window.sum(0), base, cfg.num_gpus, alloc_cfg, profile, consts)
         timings.append(time.perf_counter() - t0)
         yield Step(start, plan.expert_gpu_share(), plan.vexperts, False, not (lookahead or warm), plan.replica_gpu)
 
@@ -450,6 +470,19 @@ def _replay(
     return PolicyResult(name, balance[warmup:], vexperts[warmup:], stalls, timings, allocations, dispatch=resolved)
 
 
+def _checked_trace(counts: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """The trace as float32 [T, L, E]; a wrong shape, an empty trace or a negative count is a
+    one-line error naming ``counts``."""
+    counts_t = torch.as_tensor(np.asarray(counts), dtype=torch.float32)
+    if counts_t.dim() != 3:
+        raise VExpertInputError("counts", f"trace must be [iterations, layers, experts], got shape {tuple(counts_t.shape)}")
+    if counts_t.numel() == 0:
+        raise VExpertInputError("counts", "trace is empty")
+    if bool((counts_t < 0).any()):
+        raise VExpertInputError("counts", "trace has negative expert counts", "rebuild it with `vexpert trace build`")
+    return counts_t
+
+
 def simulate(
     counts: np.ndarray | torch.Tensor,
     cfg: SimulationConfig,
@@ -463,13 +496,7 @@ def simulate(
     ``allocator_profile`` is what the allocator *believes* (default: ``profile``); scoring always
     uses the measured balance and ``profile``'s hardware. Giving a wrong one measures how
     sensitive decisions are to calibration error (:func:`sensitivity`)."""
-    counts_t = torch.as_tensor(np.asarray(counts), dtype=torch.float32)
-    if counts_t.dim() != 3:
-        raise VExpertInputError("counts", f"trace must be [iterations, layers, experts], got shape {tuple(counts_t.shape)}")
-    if counts_t.numel() == 0:
-        raise VExpertInputError("counts", "trace is empty")
-    if bool((counts_t < 0).any()):
-        raise VExpertInputError("counts", "trace has negative expert counts", "rebuild it with `vexpert trace build`")
+    counts_t = _checked_trace(counts)
     iterations, num_layers, num_experts = counts_t.shape
     cfg.validate(num_experts, iterations)
     profile = profile or PerformanceProfile()
@@ -500,8 +527,17 @@ def simulate(
         dispatch = dispatch if redundant else "plan"  # no copies: nothing to split, nothing to charge
         run(name, lambda t: _eplb_schedule(counts_t, cfg, redundant, variant, interval, t), dispatch, resident=resident)
 
+    vexpert = PLACEMENT_POLICIES["vexpert"].plan
+
+    def run_live(name: str, entry: PlacementPolicy, dispatch: str) -> None:
+        """A registry policy as a node runs it: replanned every k iterations from the last k."""
+        run(name, lambda t: _allocator_schedule(counts_t, cfg, alloc_cfg, believed, consts, cfg.allocation_interval,
+                                                False, t, entry.plan),
+            dispatch, alloc_cfg.slots_per_gpu, alloc_cfg.slots_per_gpu * expert_bytes)
+
     def run_vexpert(name: str, dispatch: str) -> None:
-        run(name, lambda t: _allocator_schedule(counts_t, cfg, alloc_cfg, believed, consts, cfg.allocation_interval, False, t),
+        run(name, lambda t: _allocator_schedule(counts_t, cfg, alloc_cfg, believed, consts, cfg.allocation_interval, False, t,
+                                                vexpert),
             dispatch, alloc_cfg.slots_per_gpu, alloc_cfg.slots_per_gpu * expert_bytes)
 
     # static is the throughput reference, so it always runs.
@@ -516,11 +552,13 @@ def simulate(
             if cfg.compare_eplb_policies:
                 for variant in _eplb_variants(cfg, num_experts):
                     run_eplb(f"{policy}:{variant}{suffix}", redundant, variant, cfg.eplb_interval, cfg.eplb_dispatch)
+        elif policy == "eplb-slots":
+            run_live(policy, PLACEMENT_POLICIES["eplb-redundant"], cfg.eplb_dispatch)
         elif policy == "b3-offload":
             # one expert per GPU per layer lives on the host: L experts' HBM freed, 2 slots stream them
             run(policy, lambda t: _b3_schedule(counts_t, cfg), slots=2, resident=(2 - num_layers) * expert_bytes)
         elif policy == "vexpert-k1":
-            run(policy, lambda t: _allocator_schedule(counts_t, cfg, k1_cfg, believed, consts, 1, False, t),
+            run(policy, lambda t: _allocator_schedule(counts_t, cfg, k1_cfg, believed, consts, 1, False, t, vexpert),
                 slots=2, resident=2 * expert_bytes)
         elif policy == "vexpert":
             run_vexpert(policy, cfg.dispatch)
@@ -528,13 +566,16 @@ def simulate(
                 for mode in ("plan", "local", "allreduce"):
                     run_vexpert(f"vexpert+{mode}", mode)
         elif policy == "vexpert-future":
-            run(policy, lambda t: _allocator_schedule(counts_t, cfg, alloc_cfg, believed, consts, 1, True, t),
+            run(policy, lambda t: _allocator_schedule(counts_t, cfg, alloc_cfg, believed, consts, 1, True, t, vexpert),
                 slots=alloc_cfg.slots_per_gpu, resident=alloc_cfg.slots_per_gpu * expert_bytes)
         elif policy == "bound":
             base = static_placement(num_layers, num_experts, cfg.num_gpus)
             bound = budget_bound(counts_t[cfg.warmup :], base, cfg.num_gpus, alloc_cfg.slots_per_gpu)
             results[policy] = PolicyResult(policy, bound.numpy().astype(np.float64),
                                            np.zeros(bound.shape, dtype=np.int64), scored=False)
+        else:  # a registry policy without a row of its own (validate() admits no other name)
+            entry = placement_policy(policy, "--policies")
+            run_live(policy, entry, "plan" if entry.even_split else cfg.dispatch)
     for interval in cfg.eplb_sweep:
         for variant in _eplb_variants(cfg, num_experts):
             for mode in dict.fromkeys(("plan", "allreduce" if cfg.eplb_dispatch == "plan" else cfg.eplb_dispatch)):
