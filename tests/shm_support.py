@@ -55,14 +55,16 @@ def assert_run_left_nothing(root_pid: int, pids: Iterable[int], before: set[str]
 
 # Another Python program on the machine: creates a multiprocessing lock every 20 ms (default
 # names, sem.mp-<random>), drops each after about a second, and keeps every tenth until it is
-# stopped, so new sem.mp-* entries appear all the time and some stay past any grace period.
+# stopped, so new sem.mp-* entries appear all the time and some stay past any grace period. It ends
+# by itself (objects removed) if the test process dies without stopping it.
 _NOISE = """
-import multiprocessing, signal, sys, time
+import multiprocessing, os, signal, sys, time
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 ctx = multiprocessing.get_context("spawn")
 recent, kept, made = [], [], 0
+parent, until = os.getppid(), time.monotonic() + 600
 print("ready", flush=True)
-while True:
+while os.getppid() == parent and time.monotonic() < until:  # never outlives the test session
     made += 1
     (kept if made % 10 == 0 else recent).append(ctx.Lock())
     del recent[:-50]
