@@ -12,7 +12,8 @@ GPU (or CPU worker).
   cleanly.
 * The **coordinator** (:mod:`~vexpert_runtime.node.coordinator`, a child process) owns the L2 expert pool
   and fills the workers' L1 slots through the :mod:`~vexpert_runtime.node.protocol` fill loop (a thread
-  running one group ahead of the workers) with the supervisor's latest plan.
+  running one group ahead of the workers), serving the newest plan in effect of the supervisor's
+  schedule (:mod:`~vexpert_runtime.node.plans`).
 * Each **worker** is one EP rank: it holds its base experts, routes its tokens, and runs the EP MoE
   forward (:mod:`~vexpert_runtime.model.ep_moe`) with the other workers over torch.distributed, computing
   with the slots the coordinator filled. On CPU everything goes over gloo; on GPUs (one worker per
