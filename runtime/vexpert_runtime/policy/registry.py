@@ -62,13 +62,12 @@ RearrangeFunction = Callable[[Tensor, int, int, int, int, str], Tensor]
 
 @dataclass(frozen=True)
 class PlacementPolicy:
-    """One entry of :data:`PLACEMENT_POLICIES`."""
+    """One entry of :data:`PLACEMENT_POLICIES` (what each name means for users:
+    :data:`.names.PLACEMENT_POLICY_HELP`)."""
 
     name: PlacementPolicyName
     plan: PlacementFunction
-    uses_counts: bool  # False: the plan is the same for any counts (planned once)
     even_split: bool  # copies take equal token shares: a node's ``dispatch: auto`` keeps the plan's shares
-    summary: str
     rearrange: RearrangeFunction | None = None
 
 
@@ -96,18 +95,12 @@ def static_plan(
 
 
 PLACEMENT_POLICIES: Mapping[PlacementPolicyName, PlacementPolicy] = MappingProxyType({
-    "vexpert": PlacementPolicy(
-        "vexpert", allocate, uses_counts=True, even_split=False,
-        summary="vExpert's allocator: per-layer vExpert counts from the cost model, copies water-filled",
-    ),
-    "eplb-redundant": PlacementPolicy(
-        "eplb-redundant", eplb.slot_plan, uses_counts=True, even_split=True,
-        summary="EPLB's redundant experts in the slots: the same count every layer, tokens split evenly",
-        rearrange=eplb.rearranged_share,
-    ),
-    "static": PlacementPolicy(
-        "static", static_plan, uses_counts=False, even_split=True, summary="the base placement, no copies",
-    ),
+    # per-layer vExpert counts from the cost model, copies water-filled
+    "vexpert": PlacementPolicy("vexpert", allocate, even_split=False),
+    # EPLB's redundant experts in the slots (the same count every layer, split evenly); DeepSeek's own
+    # stop-the-world form for the simulator
+    "eplb-redundant": PlacementPolicy("eplb-redundant", eplb.slot_plan, even_split=True, rearrange=eplb.rearranged_share),
+    "static": PlacementPolicy("static", static_plan, even_split=True),  # the base placement, no copies
 })
 
 
