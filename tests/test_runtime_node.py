@@ -594,14 +594,14 @@ def test_killed_coordinator_leaves_no_orphans(tmp_path: Path) -> None:
         assert noise_created_since(shm_before), "the other program created nothing beside the run"
 
 
-def test_a_profiled_iteration_leaves_a_trace_per_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_profiled_range_leaves_one_trace_per_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     checkpoint = write_tiny_checkpoint(tmp_path / "ckpt", SPEC)
     config = load_runtime_config(_config(tmp_path / "runtime.yaml", checkpoint))
-    monkeypatch.setenv("VEXPERT_PROFILE", f"3:{tmp_path / 'traces'}")
+    monkeypatch.setenv("VEXPERT_PROFILE", f"2-3:{tmp_path / 'traces'}")
     report = run_node(resolve_setup(config, checkpoint), NodeOptions(iterations=5))
     assert report.iterations == 5
     traces = sorted(p.name for p in (tmp_path / "traces").glob("*.json"))
-    assert traces == ["worker0-iteration3.json", "worker1-iteration3.json"]
+    assert traces == ["worker0-iterations2-3.json", "worker1-iterations2-3.json"]
     events = json.loads((tmp_path / "traces" / traces[0]).read_text())["traceEvents"]
     assert any("ep_moe" in str(e.get("name", "")) or e.get("cat") == "cpu_op" for e in events)
 
