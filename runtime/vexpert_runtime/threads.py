@@ -5,9 +5,9 @@ loads, the allocator's per-layer plans, a CPU worker's few tokens per step): tor
 intra-op threads buy little there and, by default, spin while they wait for the next parallel
 region. On a machine whose cores are busy with other programs a spinning team burns its time slices
 waiting for a descheduled member, so the work slows far more than the load explains (measured on a
-2-core machine with other tests running: `vexpert simulate` took 88–99 s wall and 32–36 s CPU with
-torch's default two spinning threads, 12–24 s and 5 s with one thread or passive waiting;
-benchmarks/README.md "CPU threads under contention").
+2-core machine while other test suites ran, load average 7–12: a 120-iteration `vexpert simulate`
+took 73–99 s wall and 32–36 s CPU with torch's default two spinning threads, 10–24 s and 5 s with
+one thread or with passive waiting; benchmarks/README.md §11 "CPU threads under contention").
 
 So before torch is imported, :func:`configure_cpu_threads` sets ``OMP_WAIT_POLICY=PASSIVE`` (idle
 threads sleep instead of spinning) and one intra-op thread, unless the user chose otherwise:
