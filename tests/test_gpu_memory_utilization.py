@@ -50,7 +50,8 @@ def test_a_bad_value_in_a_config_file_exits_2_with_one_line(tmp_path: Path, caps
         load_runtime_config(path)
     assert cli_main(["serve", "--config", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"error: {path}: runtime.gpu_memory_utilization: 1.5 ")
+    # one line naming the file, the value's line and the field
+    assert len(err) == 1 and err[0].startswith(f"error: {path} line 2: runtime.gpu_memory_utilization: 1.5 ")
 
 
 def test_the_config_round_trips_through_yaml() -> None:

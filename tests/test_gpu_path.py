@@ -300,7 +300,7 @@ def test_the_node_benchmark_runs_vexpert_node_on_the_cpu_twin(tmp_path: Path) ->
     # 4 layers share 2 slots: each iteration under a plan re-copies; 2 layers keep theirs: only new
     # experts are copied
     assert streaming["bytes_streamed"] > prefilled["bytes_streamed"] > 0
-    assert sorted(streaming["profile"]) == ["worker0-iteration43.json", "worker1-iteration43.json"]
+    assert sorted(streaming["profile"]) == ["worker0-iterations43-43.json", "worker1-iterations43-43.json"]
 
 
 # ------------------------------------------------------------------------------------------ CUDA
