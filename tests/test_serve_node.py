@@ -83,7 +83,7 @@ class Server:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def _start(tmp: Path, family: str) -> Server:
+def _start(tmp: Path, family: str, overlap_steps: str = "auto") -> Server:
     checkpoint = tmp / family
     build_tiny_checkpoint(checkpoint, family)
     config = _config(tmp / f"{family}.yaml", checkpoint)
@@ -92,7 +92,8 @@ def _start(tmp: Path, family: str) -> Server:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "runtime"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(
         [sys.executable, "-m", "vexpert_runtime", "serve", "--config", str(config), "--port", str(port),
-         "--served-model-name", "tiny", "--max-batch-tokens", "64", "--max-running", "16", "--drain-timeout", "20"],
+         "--served-model-name", "tiny", "--max-batch-tokens", "64", "--max-running", "16", "--drain-timeout", "20",
+         "--overlap-steps", overlap_steps],
         stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=tmp,
     )
     server = Server(proc, port, checkpoint, log)
@@ -118,9 +119,12 @@ def _stop(server: Server) -> None:
             server.proc.kill()
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+# DeepSeek-V3's server runs overlapped steps on CPU: the protocol CUDA graphs use on a GPU (the scheduler
+# launches step i+1 before reading step i, fed decodes, the worker reports i after i+1 is enqueued).
+@pytest.fixture(scope="module", params=[("qwen3_moe", "auto"), ("deepseek_v3", "on")], ids=["qwen3_moe", "deepseek_v3-overlapped"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = _start(tmp_path_factory.mktemp(request.param), request.param)
+    family, overlap_steps = request.param
+    srv = _start(tmp_path_factory.mktemp(family), family, overlap_steps)
     yield srv
     _stop(srv)
 

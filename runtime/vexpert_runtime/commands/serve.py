@@ -65,6 +65,9 @@ def register(subparsers: Any) -> None:
                         help="seconds a connection gets to send a request's headers (and to stay idle between "
                              "requests) before it is closed: a slow client cannot hold connections open")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
+    parser.add_argument("--overlap-steps", choices=("auto", "on", "off"), default="auto",
+                        help="form iteration i+1 while the device runs iteration i (auto: with CUDA graphs; on CPU "
+                             "the step is done when launched, so 'on' only exercises the protocol)")
     parser.set_defaults(handler=run)
 
 
@@ -257,7 +260,8 @@ def run(args: argparse.Namespace) -> int:
     options = NodeOptions(
         workload=Workload(tokens_per_worker=args.max_running),  # sizes the allocator's decode batch
         serve=[ServeWorkerArgs(str(served.model_dir), served.scheduler, inbound, events,
-                               served.gpu_memory_utilization, ranks_per_gpu=setup.workers_per_gpu)
+                               served.gpu_memory_utilization, ranks_per_gpu=setup.workers_per_gpu,
+                               overlap_steps={"auto": None, "on": True, "off": False}[args.overlap_steps])
                for inbound in requests],
         log=_log,
     )

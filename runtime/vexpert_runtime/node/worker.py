@@ -271,7 +271,10 @@ class _Worker:
         launched: _Launched | None = None
         profiler = None
         while True:
-            if launched is not None and not runner.has_work():  # idle next: report what ran
+            # Idle next: report what ran — alone only, since a report may all-reduce a counts window and
+            # every rank of a group must reach its collectives in the same order (a group's ranks report
+            # each iteration in the next one, or when they all stop).
+            if launched is not None and self.group is None and not runner.has_work():
                 self._report(launched, k)
                 launched = None
             runner.await_work(iteration)

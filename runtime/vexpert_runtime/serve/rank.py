@@ -71,6 +71,7 @@ class ServeWorkerArgs:
     gpu_memory_utilization: float = 0.9
     kv_block_size: int = DEFAULT_BLOCK_SIZE
     ranks_per_gpu: int = 1  # workers sharing one GPU split its share evenly
+    overlap_steps: bool | None = None  # launch step i+1 before reading step i; None: where CUDA graphs run
 
 
 def kv_cache_blocks(args: ServeWorkerArgs, model: HFStepModel, device: torch.device) -> int:
@@ -129,6 +130,8 @@ class ServingRank:
         self.model.allocate_kv_cache(kv_cache_blocks(args, self.model, device))
         if graph_stream is not None:  # iterations replay CUDA graphs captured on the rank's stream
             self.model.enable_cuda_graphs(args.scheduler.max_batch_tokens, args.scheduler.max_running, graph_stream)
+        if args.overlap_steps is not None:
+            self.model.overlaps_steps = args.overlap_steps
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
         # The API process admits at most max_running + max_waiting requests to this rank (it counts
         # what it sent and has not seen finish); requests it sent wait here until an iteration admits
