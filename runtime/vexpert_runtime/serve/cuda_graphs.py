@@ -80,9 +80,10 @@ class GraphInputs:
         n = len(tokens)
         positions = np.fromiter((item.position + i for item in work for i in range(len(item.tokens))), np.int64, n)
         seqs = np.fromiter((b for b, item in enumerate(work) for _ in item.tokens), np.int64, n)
+        ends = np.cumsum([len(item.tokens) for item in work], dtype=np.int64) - 1  # each item's last token row
         v["tokens"][:n] = tokens
         v["fed"][:] = -1
-        for row, item in zip(np.cumsum([len(item.tokens) for item in work]) - 1, work, strict=True):
+        for row, item in zip(ends, work, strict=True):
             if item.fed is not None:  # a decode's one token, sampled by the previous step (on the device)
                 v["fed"][row] = item.fed
         v["positions"][:n] = positions
@@ -94,7 +95,6 @@ class GraphInputs:
             tables[b, : len(item.blocks)] = item.blocks
         v["slots"][:n] = tables[seqs, positions // block_size] * block_size + positions % block_size
         sampled = [(b, item.sample) for b, item in enumerate(work) if item.sample is not None]
-        ends = np.cumsum([len(item.tokens) for item in work]) - 1
         s = len(sampled)
         v["rows"][:s] = [ends[b] for b, _ in sampled]
         v["seeds"][:s] = [spec.seed for _, spec in sampled]

@@ -258,8 +258,7 @@ class Scheduler:
         try:
             step = self.model.launch(work)
         except Exception as exc:
-            self._fail(batch + (self._in_flight.batch if self._in_flight else []), exc)
-            self._in_flight = None
+            self._fail(batch, exc)
             raise
         self._launched(batch)
         previous, self._in_flight = self._in_flight, _LaunchedStep(batch, step)
@@ -290,8 +289,7 @@ class Scheduler:
         try:
             tokens = flight.step.result().tolist()
         except Exception as exc:
-            self._fail(flight.batch + (self._in_flight.batch if self._in_flight else []), exc)
-            self._in_flight = None
+            self._fail(flight.batch, exc)
             raise
         for token, (seq, item) in zip(tokens, flight.batch, strict=True):
             seq.steps_in_flight -= 1
@@ -303,7 +301,9 @@ class Scheduler:
                 self._advance(seq, token)
 
     def _fail(self, batch: list[tuple[_Sequence, SequenceWork]], exc: Exception) -> None:
-        for seq, _ in batch:
+        """A step failed: its sequences and those of the step still in flight end with an error."""
+        flight, self._in_flight = self._in_flight, None
+        for seq, _ in batch + (flight.batch if flight is not None else []):
             seq.steps_in_flight = 0
             if not seq.finished:
                 self._finish(seq, "error", error=f"model step failed: {exc}")
