@@ -158,3 +158,36 @@ def test_overlapped_batched_model_matches_generate(tmp_path: Path, family: str) 
         got = [int(t) for t in re.findall(r"<(\d+)>", "".join(texts[f"r{i}"]))]
         assert got == expected.tolist(), f"request {i}"
     assert scheduler.pool.used_blocks == 0
+
+
+def test_a_failed_step_ends_its_sequences_and_the_one_in_flight_and_the_rank_goes_on(hf_model: Any,
+                                                                                     tokenizer: Any) -> None:
+    """Overlapped: step i+1 fails at launch while step i is in flight — every sequence of both ends
+    with an error event, every block returns, and a later request is served."""
+    model = RecomputeStepModel(hf_model, overlaps_steps=True)
+    step = model.step
+    calls = {"n": 0}
+
+    def failing_step(work: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise RuntimeError("device lost")
+        return step(work)
+
+    model.step = failing_step  # type: ignore[method-assign]
+    scheduler = Scheduler(model, tokenizer, SchedulerConfig(kv_budget_tokens=400, max_batch_tokens=6, max_running=5))
+    events: dict[str, list[Event]] = {}
+    for request in _requests()[:3]:
+        events[request.request_id] = []
+        scheduler.submit(request, events[request.request_id].append)
+    with pytest.raises(RuntimeError, match="device lost"):
+        while scheduler.has_work():
+            scheduler.run_iteration()
+    assert {r: e[-1].finish_reason for r, e in events.items()} == {"g0": "error", "g1": "error", "g2": "error"}
+    assert all("device lost" in (e[-1].error or "") for e in events.values())
+    assert scheduler.pool.used_blocks == 0 and scheduler.pool.reserved_blocks == 0 and not scheduler.has_work()
+    after: list[Event] = []
+    scheduler.submit(GenerationRequest("later", (5, 6, 7), SamplingParams(max_tokens=3, temperature=0)), after.append)
+    while scheduler.has_work():
+        scheduler.run_iteration()
+    assert after[-1].finish_reason == "length" and after[-1].completion_tokens == 3
