@@ -162,7 +162,7 @@ def serve(config: Path, model: Path, streams: int, prompt: str, args: argparse.N
     cmd = [sys.executable, "-m", "vexpert_runtime", "serve", "--config", str(config), "--model", str(model),
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench",
            "--max-batch-tokens", str(args.max_batch_tokens), "--max-running", str(max(streams, 16)),
-           "--max-waiting", str(2 * streams), "--drain-timeout", "5"]
+           "--max-waiting", str(2 * streams), "--drain-timeout", "5", "--compile", args.compile]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "runtime"),
                                                         os.environ.get("PYTHONPATH", "")])}
     if trace_dir is not None:
@@ -256,6 +256,13 @@ def summarise_trace(path: Path) -> dict[str, Any]:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and e["name"] in _LAUNCHES:
             launches[e["name"]] = launches.get(e["name"], 0) + 1
     names = {e["name"] for e in events if e.get("cat") == "cpu_op"}
+    by_kernel: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("cat") == "kernel":
+            entry = by_kernel.setdefault(e["name"][:80], [0, 0.0])
+            entry[0] += 1
+            entry[1] += e["dur"]
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:15]
     wall = end - start
     ep_ms = ep_layer_gpu_ms(events)
     return {"file": path.name, "iterations": iterations, "wall_ms_per_iteration": round(wall / 1000 / iterations, 3),
@@ -265,6 +272,8 @@ def summarise_trace(path: Path) -> dict[str, Any]:
             "launches": launches, "graph_replays": launches.get("cudaGraphLaunch", 0),
             "gpu_kernels_per_iteration": round(sum(1 for e in events if e.get("cat") == "kernel") / iterations, 1),
             "cpu_ops": len(names),
+            "top_kernels_us_per_iteration": [[name, round(n / iterations, 1), round(us / iterations, 1)]
+                                             for name, (n, us) in top],
             "ep_layer_gpu_ms_per_iteration": None if ep_ms is None else round(ep_ms / iterations, 3),
             "ep_layer_share_of_gpu_busy": None if ep_ms is None or not busy else round(ep_ms * 1000 / busy, 3)}
 
@@ -308,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-streams", type=int, nargs="*", default=[])
     parser.add_argument("--profile-iters", default="600-619", help="one trace over these iterations")
     parser.add_argument("--pyspy", type=float, default=0.0, help="seconds of py-spy host sampling per serve run")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                        help="vexpert serve --compile (results of 'off' go under '<mode>_compile-off')")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     summary_path = args.out / "summary.json"
@@ -334,15 +345,18 @@ def main(argv: list[str] | None = None) -> int:
                                                                       len(prompt_ids) + args.max_tokens / 2)
         modes = [m for m in ("vexpert", "static") if m in args.modes or (m == "static" and streams in args.onoff_streams)]
         for mode in modes:
-            trace_dir = args.out / f"trace_{mode}_{streams}" if streams in args.profile_streams else None
+            tag = "" if args.compile == "auto" else f"_compile-{args.compile}"
+            trace_dir = args.out / f"trace_{mode}{tag}_{streams}" if streams in args.profile_streams else None
             config = write_config(args.out / f"{mode}.yaml", args.model_dir, 0.95 if mode == "vexpert" else 0.0,
                                   profile, args.k, args.ranks)
             result = serve(config, args.model_dir, streams, prompt, args,
-                           args.out / f"server_{mode}_{streams}_r{args.ranks}.log", trace_dir)
+                           args.out / f"server_{mode}{tag}_{streams}_r{args.ranks}.log", trace_dir)
             result["ranks"] = args.ranks
             if trace_dir is not None and trace_dir.exists():
                 result["trace"] = [summarise_trace(p) for p in sorted(trace_dir.glob("*.json"))]
-            results.setdefault(mode if args.ranks == 1 else f"{mode}_r{args.ranks}", {})[str(streams)] = result
+            key = (mode if args.ranks == 1 else f"{mode}_r{args.ranks}") + ("" if args.compile == "auto" else
+                                                                             f"_compile-{args.compile}")
+            results.setdefault(key, {})[str(streams)] = result
             print(mode, streams, json.dumps(result), flush=True)
             save()
     save()

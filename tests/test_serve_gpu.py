@@ -64,11 +64,13 @@ def test_gqa_decode_kernel_matches_the_torch_twin() -> None:
     assert (got - want).abs().max() < 3e-2 * want.abs().max()
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "qwen2_moe"])
-def test_graphed_decode_equals_the_eager_step(family: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("family", "fused"), [("deepseek_v3", False), ("qwen3_moe", False), ("qwen2_moe", False),
+                                               ("deepseek_v3", True), ("qwen3_moe", True)])
+def test_graphed_decode_equals_the_eager_step(family: str, fused: bool, tmp_path: Path) -> None:
     """bf16 on the GPU, the EP layer on one rank (grouped GEMMs, no host sync): the tokens of a
-    continuous batch (joins, chunked prompts, leaves) are the same with CUDA graphs as eager, and
-    every iteration replayed a graph."""
+    continuous batch (joins, chunked prompts, leaves) are the same with CUDA graphs as eager — also
+    with the step's small pieces compiled by inductor into the graphs (``fused``) — and every
+    iteration replayed a graph."""
     path = _write(family, tmp_path / family)
     outputs = []
     for graphs in (False, True):
@@ -78,6 +80,8 @@ def test_graphed_decode_equals_the_eager_step(family: str, tmp_path: Path) -> No
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
             if graphs:
+                if fused:
+                    assert model.compile_pieces() > 0
                 model.enable_cuda_graphs(64, 8, stream)
             outputs.append(drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK))
         if graphs:

@@ -68,7 +68,14 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--overlap-steps", choices=("auto", "on", "off"), default="auto",
                         help="form iteration i+1 while the device runs iteration i (auto: with CUDA graphs; on CPU "
                              "the step is done when launched, so 'on' only exercises the protocol)")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                        help="fuse the step's small pieces (norms, routers, rotary, the EP layer's dispatch "
+                             "bookkeeping, sampling) with torch.compile (auto: with CUDA graphs, where a step is "
+                             "captured once and replayed; compiles take about a minute at start, cached on disk)")
     parser.set_defaults(handler=run)
+
+
+_AUTO_ON_OFF: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 
 
 def resolve_gpu_memory_utilization(cli: float | None, configured: float | None) -> float:
@@ -261,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
         workload=Workload(tokens_per_worker=args.max_running),  # sizes the allocator's decode batch
         serve=[ServeWorkerArgs(str(served.model_dir), served.scheduler, inbound, events,
                                served.gpu_memory_utilization, ranks_per_gpu=setup.workers_per_gpu,
-                               overlap_steps={"auto": None, "on": True, "off": False}[args.overlap_steps])
+                               overlap_steps=_AUTO_ON_OFF[args.overlap_steps], compile=_AUTO_ON_OFF[args.compile])
                for inbound in requests],
         log=_log,
     )

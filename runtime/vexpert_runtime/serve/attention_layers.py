@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from vexpert_runtime.model import fusion
 from vexpert_runtime.serve.attention import AttentionMetadata, gqa_attention, mla_attention
 from vexpert_runtime.serve.kv_cache import KVLayout
 
@@ -72,6 +73,7 @@ class AttentionStep:
     sin: torch.Tensor
     meta: AttentionMetadata
     kernel: AttentionKernel | None = None  # the GPU kernel (per-token metadata); None: padded SDPA groups
+    compiled: bool = False  # the projections, norms and rotary embedding compiled (:mod:`~vexpert_runtime.model.fusion`)
 
 
 def attention_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: AttentionStep,
@@ -85,6 +87,19 @@ def attention_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: Att
 
 def _gqa_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: AttentionStep,
                  window: int | None) -> torch.Tensor:
+    inputs = fusion.compiled(gqa_inputs) if step.compiled else gqa_inputs
+    q, row = inputs(attn, x, step.cos, step.sin)
+    cache.index_copy_(0, step.meta.slot_mapping, row.to(cache.dtype))
+    if step.kernel is not None and window is None:
+        out = step.kernel(q, cache, step.meta, float(attn.scaling))
+    else:
+        out = gqa_attention(q, cache, step.meta, float(attn.scaling), window)
+    return attn.o_proj(out.flatten(1))
+
+
+def gqa_inputs(attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GQA layer's queries q [T, nh, d] and cache rows [T, 2, kv_heads, d] (keys, values) of x [T, H]
+    at rotary cos/sin [T, d]: the module's projections, Qwen3's per-head norms, the rotary embedding."""
     tokens, head_dim = x.shape[0], int(attn.head_dim)
     heads, kv_heads = int(attn.config.num_attention_heads), int(attn.config.num_key_value_heads)
     q = attn.q_proj(x).view(tokens, heads, head_dim)
@@ -92,14 +107,9 @@ def _gqa_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: Attentio
     v = attn.v_proj(x).view(tokens, kv_heads, head_dim)
     if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head before the rotary embedding
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q = apply_rotary(q, step.cos, step.sin, interleave=False)
-    k = apply_rotary(k, step.cos, step.sin, interleave=False)
-    cache.index_copy_(0, step.meta.slot_mapping, torch.stack([k, v], dim=1).to(cache.dtype))
-    if step.kernel is not None and window is None:
-        out = step.kernel(q, cache, step.meta, float(attn.scaling))
-    else:
-        out = gqa_attention(q, cache, step.meta, float(attn.scaling), window)
-    return attn.o_proj(out.flatten(1))
+    q = apply_rotary(q, cos, sin, interleave=False)
+    k = apply_rotary(k, cos, sin, interleave=False)
+    return q, torch.stack([k, v], dim=1)
 
 
 def mla_weights(attn: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +119,10 @@ def mla_weights(attn: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return weight[:, :dn], weight[:, dn:]
 
 
-def _mla_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: AttentionStep) -> torch.Tensor:
+def mla_inputs(attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An MLA layer's absorbed query — q_latent [T, nh, C] (W_UK folded in) and q_rope [T, nh, R] — and
+    its cache rows [T, C + R] (normed latent, rotary key) of x [T, H] at rotary cos/sin [T, R]."""
     tokens, heads = x.shape[0], int(attn.num_heads)
     dn, rope, latent = int(attn.qk_nope_head_dim), int(attn.qk_rope_head_dim), int(attn.kv_lora_rank)
     q = attn.q_proj(x) if attn.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
@@ -119,14 +132,26 @@ def _mla_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: Attentio
     c, k_rope = compressed[:, :latent], compressed[:, latent:]
     c = attn.kv_a_layernorm(c)
     interleave = bool(getattr(attn.config, "rope_interleave", False))
-    q_rope = apply_rotary(q_rope, step.cos, step.sin, interleave)
-    k_rope = apply_rotary(k_rope.view(tokens, 1, rope), step.cos, step.sin, interleave).view(tokens, rope)
-    cache.index_copy_(0, step.meta.slot_mapping, torch.cat([c, k_rope], dim=-1).to(cache.dtype))
-    w_uk, w_uv = mla_weights(attn)
+    q_rope = apply_rotary(q_rope, cos, sin, interleave)
+    k_rope = apply_rotary(k_rope.view(tokens, 1, rope), cos, sin, interleave).view(tokens, rope)
+    w_uk, _ = mla_weights(attn)
     q_latent = torch.einsum("tnd,ndc->tnc", q_nope, w_uk)
+    return q_latent, q_rope, torch.cat([c, k_rope], dim=-1)
+
+
+def mla_output(attn: Any, out_latent: torch.Tensor) -> torch.Tensor:
+    """The layer's output [T, H] of the attention's latent output [T, nh, C]: W_UV, then o_proj."""
+    _, w_uv = mla_weights(attn)
+    return attn.o_proj(torch.einsum("tnc,nvc->tnv", out_latent, w_uv).flatten(1))
+
+
+def _mla_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: AttentionStep) -> torch.Tensor:
+    inputs, output = (fusion.compiled(mla_inputs), fusion.compiled(mla_output)) if step.compiled else (mla_inputs,
+                                                                                                        mla_output)
+    q_latent, q_rope, row = inputs(attn, x, step.cos, step.sin)
+    cache.index_copy_(0, step.meta.slot_mapping, row.to(cache.dtype))
     if step.kernel is not None:
         out_latent = step.kernel(q_latent, q_rope, cache, step.meta, float(attn.scaling))
     else:
         out_latent = mla_attention(q_latent, q_rope, cache, step.meta, float(attn.scaling))
-    out = torch.einsum("tnc,nvc->tnv", out_latent, w_uv).flatten(1)
-    return attn.o_proj(out)
+    return output(attn, out_latent)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from vexpert_runtime.model import fusion
 from vexpert_runtime.model.checkpoint import CheckpointReader, MoESpec, read_model_spec
 from vexpert_runtime.model.dispatch import DISPATCH_MODES, DispatchMode
 from vexpert_runtime.model.ep_moe import (
@@ -149,6 +150,20 @@ class LocalExperts:
         return combine(weights, outputs, None)
 
 
+def mask_padding(ids: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor, num_experts: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A padded batch's routing with its pad rows made harmless: spread round-robin over the experts
+    (a pad row costs a dispatch row, never a hot spot) with weight 0.
+
+    Args: ids [T, K] int64, weights [T, K], valid [T] bool (False: pad row).
+    Returns ids [T, K], weights [T, K], counted [T·K] int64 (1 for a real row's pairs: what statistics count).
+    """
+    valid_pairs = valid.unsqueeze(1).expand_as(ids)
+    spread = torch.arange(ids.numel(), device=ids.device).view_as(ids) % num_experts
+    return (torch.where(valid_pairs, ids, spread), torch.where(valid_pairs, weights, torch.zeros_like(weights)),
+            valid_pairs.reshape(-1).to(torch.int64))
+
+
 @dataclass
 class SlotHooks:
     """How :class:`EPExperts` waits for and releases the slots a layer computes with (the node
@@ -209,6 +224,8 @@ class EPExperts:
         # Tokens routed to each logical expert [L, E] (this rank's; the allocator's input once all-reduced).
         self.counts = torch.zeros(len(self.resident), num_experts, dtype=torch.int64, device=self.resident[0].device)
         self.last_stats: LayerStats | None = None
+        # Run the EP layer's bookkeeping compiled (:mod:`~vexpert_runtime.model.fusion`): set with CUDA graphs.
+        self.compiled = False
 
     def _slot_rows(self, moe_layer: int) -> torch.Tensor | None:
         if self.slots is None or isinstance(self.slots, torch.Tensor):
@@ -244,11 +261,8 @@ class EPExperts:
         hooks = self.hooks
         counted: torch.Tensor | None = None
         if self.token_valid is not None:
-            valid = self.token_valid.unsqueeze(1).expand_as(ids)
-            spread = torch.arange(ids.numel(), device=ids.device).view_as(ids) % self.num_experts
-            ids = torch.where(valid, ids, spread)
-            weights = torch.where(valid, weights, torch.zeros_like(weights))
-            counted = valid.reshape(-1).to(torch.int64)
+            mask = fusion.compiled(mask_padding) if self.compiled else mask_padding
+            ids, weights, counted = mask(ids, weights, self.token_valid, self.num_experts)
         stacks = ExpertStacks(self.resident[moe_layer], self._slot_rows(moe_layer), self.intermediate,
                               format=self.format)
         with torch.profiler.record_function(EP_LAYER_RANGE):  # a profiler trace's EP-layer share
@@ -257,7 +271,7 @@ class EPExperts:
                 capacity=self._capacity(x.shape[0], ids.shape[1]),
                 slot_wait=None if hooks is None else (lambda: hooks.wait(moe_layer)),
                 after_compute=None if hooks is None else (lambda: hooks.release(moe_layer)),
-                dispatch=self.dispatch,
+                dispatch=self.dispatch, compiled=self.compiled,
             )
         self.computed[moe_layer] += stats.computed
         flat = ids.reshape(-1).to(torch.int64)
@@ -362,6 +376,8 @@ class HFStepModel:
         # Whether the scheduler launches step i+1 before reading step i (see serve/step.py): on with
         # CUDA graphs, where the launch returns at once; on CPU the step is done when launched.
         self.overlaps_steps = False
+        # Whether the step's small pieces run compiled (:meth:`compile_pieces`).
+        self.compiled = False
         self.last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
         # On a GPU every iteration attends with the Triton kernels (the torch twin on CPU, and where a
         # layer has a sliding window, which the kernels do not take).
@@ -433,6 +449,26 @@ class HFStepModel:
     def release(self, seq_id: int) -> None:
         """Nothing to do: the scheduler's pool took the sequence's blocks back."""
 
+    def compile_pieces(self) -> int:
+        """Run the step's small pieces compiled by inductor (:mod:`~vexpert_runtime.model.fusion`), the
+        GEMMs and attention kernels as they are: transformers' norms, routers, shared experts, dense
+        MLPs and rotary embedding (their own ``forward``, compiled in place); the attention layers'
+        projections + norms + rotary embedding (:func:`~.attention_layers.mla_inputs`,
+        :func:`~.attention_layers.gqa_inputs`); the EP layer's dispatch bookkeeping; sampling.
+        Compiles happen at the first calls (the graph warm-up passes). Returns the modules compiled."""
+        modules: list[Any] = [self.model.model.norm, self.model.model.rotary_emb]
+        for layer in decoder_layers(self.model):
+            modules += [layer.input_layernorm, layer.post_attention_layernorm]
+            if is_sparse_block(layer.mlp):
+                modules += [layer.mlp.gate, getattr(layer.mlp, "shared_experts", None),
+                            getattr(layer.mlp, "shared_expert", None), getattr(layer.mlp, "shared_expert_gate", None)]
+            else:
+                modules.append(layer.mlp)
+        self.compiled = True
+        if hasattr(self.executor, "compiled"):
+            self.executor.compiled = True
+        return fusion.compile_modules(modules)
+
     def enable_cuda_graphs(self, max_tokens: int, max_seqs: int, stream: Any) -> None:
         """Run iterations of up to ``max_tokens`` tokens of up to ``max_seqs`` sequences as CUDA graphs
         captured on ``stream`` (:mod:`.cuda_graphs`); needs the KV cache and the attention kernels."""
@@ -489,7 +525,7 @@ class HFStepModel:
             tokens = torch.where(fed >= 0, self.last_sampled[fed.clamp(min=0)], tokens)
         hidden = self.model.model.embed_tokens(tokens)  # [T, H]
         cos, sin = self.model.model.rotary_emb(hidden, meta.positions.unsqueeze(0))
-        attention = AttentionStep(cos[0], sin[0], meta, None if meta.groups else self._attention_kernel)
+        attention = AttentionStep(cos[0], sin[0], meta, None if meta.groups else self._attention_kernel, self.compiled)
         self.executor.token_valid = valid
         try:
             for index, layer in enumerate(decoder_layers(self.model)):
@@ -502,7 +538,7 @@ class HFStepModel:
         if sampling is None:
             return None
         logits = self.model.lm_head(self.model.model.norm(hidden[sample_rows]))
-        ids = sample_tokens(logits, *sampling)
+        ids = (fusion.compiled(sample_tokens) if self.compiled else sample_tokens)(logits, *sampling)
         if publish:
             self.last_sampled[: ids.shape[0]].copy_(ids)
         return ids

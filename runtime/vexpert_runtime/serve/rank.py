@@ -72,6 +72,7 @@ class ServeWorkerArgs:
     kv_block_size: int = DEFAULT_BLOCK_SIZE
     ranks_per_gpu: int = 1  # workers sharing one GPU split its share evenly
     overlap_steps: bool | None = None  # launch step i+1 before reading step i; None: where CUDA graphs run
+    compile: bool | None = None  # fuse the step's small pieces with torch.compile; None: where CUDA graphs run
 
 
 def kv_cache_blocks(args: ServeWorkerArgs, model: HFStepModel, device: torch.device) -> int:
@@ -128,6 +129,8 @@ class ServingRank:
         self.model = HFStepModel(args.model_dir, device=device, dtype=dtype, block_size=args.kv_block_size,
                                  load_experts=False, executor=self.experts)
         self.model.allocate_kv_cache(kv_cache_blocks(args, self.model, device))
+        if args.compile or (args.compile is None and graph_stream is not None):
+            self.model.compile_pieces()  # compiled at the first calls: the graphs' warm-up passes
         if graph_stream is not None:  # iterations replay CUDA graphs captured on the rank's stream
             self.model.enable_cuda_graphs(args.scheduler.max_batch_tokens, args.scheduler.max_running, graph_stream)
         if args.overlap_steps is not None:
