@@ -61,6 +61,11 @@ def _configure() -> None:
     for name in ("recompile_limit", "cache_size_limit"):  # the name changed across torch releases
         if hasattr(config, name) and getattr(config, name) < _RECOMPILE_LIMIT:
             setattr(config, name, _RECOMPILE_LIMIT)
+    # A symbol per dynamic size: with duck sizing a bucket of 512 tokens would be traced as "the
+    # latent width" (kv_lora_rank 512) and every other bucket would recompile.
+    import torch.fx.experimental._config as fx_config
+
+    fx_config.use_duck_shape = False
     # Round where eager rounds (a bf16 cast inside a fused kernel is kept, not skipped), so compiled
     # pieces compute what transformers' eager modules do, bit for bit as a rule.
     inductor: Any = torch._inductor.config
