@@ -171,6 +171,7 @@ def serve(config: Path, model: Path, streams: int, prompt: str, args: argparse.N
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         wait_healthy(proc, url, log, started, 300)
+        first_request(url, prompt)  # the first iteration captures the graphs (and compiles): not measured
         sampler = host_sampler(proc.pid, args, log.with_suffix(".pyspy.txt"))
         result = asyncio.run(load(url, prompt, streams, args.duration, args.warmup, args.max_tokens))
         if sampler is not None:
@@ -185,6 +186,17 @@ def serve(config: Path, model: Path, streams: int, prompt: str, args: argparse.N
             proc.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def first_request(url: str, prompt: str, timeout_s: float = 400.0) -> None:
+    """One completion, waited for: the rank captures its CUDA graphs (compiling the fused pieces the
+    first time) at its first iteration, which the measured window should not include."""
+    import urllib.request
+
+    body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": 4}).encode()
+    request = urllib.request.Request(url + "/v1/completions", data=body, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        response.read()
 
 
 def host_sampler(pid: int, args: argparse.Namespace, out: Path) -> subprocess.Popen[bytes] | None:
