@@ -235,6 +235,23 @@ def _children(pid: int) -> set[int]:
     return found
 
 
+def test_the_first_iteration_runs_at_start_before_any_request(tmp_path: Path) -> None:
+    """Every rank runs iteration 0 at once, an empty lockstep step (on a GPU it captures the CUDA
+    graphs and compiles the fused pieces there, not when the first request comes); after it an
+    idle server runs no iterations."""
+    server = _start(tmp_path, "qwen3_moe")
+    try:
+        deadline = time.monotonic() + 60
+        while server.metric("vexpert_iterations_total") < 1:
+            assert time.monotonic() < deadline, server.log.read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(1.0)
+        assert server.metric("vexpert_iterations_total") == 1  # idle: nothing more without requests
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0, server.log.read_text()[-3000:]
+
+
 def test_sigterm_finishes_in_flight_requests_and_leaves_no_process(tmp_path: Path) -> None:
     server = _start(tmp_path, "qwen3_moe")
     children = _children(server.proc.pid)

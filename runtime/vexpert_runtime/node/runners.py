@@ -357,10 +357,15 @@ class ServingRunner:
     def await_work(self, iteration: int) -> None:
         """Take new requests and wait until some rank has work or the node stops (one tiny
         all-reduce per wait; an idle server runs no iterations, so the coordinator streams nothing
-        while nobody sends requests)."""
+        while nobody sends requests) — except before iteration 0, which every rank runs at start."""
         import torch.distributed as dist
 
         ctx, serving = self.context, self.serving
+        if iteration == 0:
+            # The first iteration runs at once on every rank (an empty lockstep step): on a GPU it
+            # captures every CUDA graph bucket and compiles the fused pieces, which would otherwise
+            # hold up the first request (≈ 40–60 s on an H200 the first time).
+            return
         beat = time.monotonic()
         while True:
             serving.take_requests()
