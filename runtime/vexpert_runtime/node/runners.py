@@ -331,7 +331,8 @@ class SyntheticDecodeRunner:
 class ServingRunner:
     """A :class:`~vexpert_runtime.serve.rank.ServingRank` (model, EP experts, scheduler) in the
     worker's loop: its MoE layers read the plan device table and wait for / release the worker's
-    slots; between iterations it takes requests, and an idle node runs none."""
+    slots; between iterations it takes requests, and an idle node runs none — but iteration 0,
+    which every rank runs at start (graph capture and compiles happen there)."""
 
     def __init__(self, context: RunnerContext, serve: ServeWorkerArgs) -> None:
         from vexpert_runtime.serve.rank import ServingRank  # transformers: only where a worker serves
