@@ -21,8 +21,10 @@ if shutil.which("g++") is None and shutil.which("c++") is None:  # inductor's CP
 from test_serve_model import CHUNK, JOINS, NEW_TOKENS, PROMPTS, _write, drive  # noqa: E402
 from vexpert_runtime.model.ep_moe import (  # noqa: E402
     DeviceRoutingTable,
+    ExpertStacks,
     arrange_received,
     combine_received,
+    ep_moe_layer,
     pack_dispatch,
     static_table,
 )
@@ -83,8 +85,25 @@ def test_the_compiled_step_equals_the_eager_step_for_deepseek_v3(tmp_path: Path)
         if fuse:
             assert model.compile_pieces() == 2 + 3 * 2 + 2 * 2 + 1  # norm, rotary; 3 layers' norms;
             # 2 sparse blocks' router + shared expert; 1 dense MLP
+        # A rank's iteration 0 at start is an empty step (eager on CPU): the pieces' first call sees no rows.
+        assert model.step([]).shape == (0,)
         outputs.append(drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK))
     assert outputs[0] == outputs[1]
     assert [len(o) for o in outputs[1]] == list(NEW_TOKENS)
     assert not counters["graph_break"]
     assert counters["stats"]["unique_graphs"] >= 8  # the pieces really ran compiled
+
+
+def test_an_empty_ep_layer_call_with_slots_runs_eagerly_when_compiled() -> None:
+    """A rank's first iteration is an empty step: inductor fails to compile the layout of zero rows
+    with slots in the table, so ``ep_moe_layer(compiled=True)`` runs an empty call eagerly."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    experts, slots, hidden, intermediate, top_k = 8, 2, 16, 4, 2
+    table = DeviceRoutingTable.of(static_table(1, experts, 1, slots), "cpu")
+    rows = torch.randn(experts, 3 * intermediate * hidden)
+    stacks = ExpertStacks(rows, torch.randn(slots, 3 * intermediate * hidden), intermediate)
+    y, stats = ep_moe_layer(torch.zeros(0, hidden), torch.zeros(0, top_k, dtype=torch.int64), torch.zeros(0, top_k),
+                            table, 0, stacks, None, 0, 1, None, compiled=True)
+    assert y.shape == (0, hidden) and int(stats.computed.sum()) == 0

@@ -564,7 +564,7 @@ def ep_moe_layer(
     pairs = batch * top_k
     block = pairs if capacity is None else capacity
     pack, arrange, combine_back = pack_dispatch, arrange_received, combine_received
-    if compiled:
+    if compiled and pairs > 0:  # inductor fails on some empty shapes; an empty step is cheap eagerly
         pack, arrange, combine_back = (fusion.compiled(pack_dispatch), fusion.compiled(arrange_received),
                                        fusion.compiled(combine_received))
     cum_share = dispatch_cum_share(dispatch, ids, table.gpu[layer], table.cum_share[layer], table.num_gpus,

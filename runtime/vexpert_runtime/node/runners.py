@@ -348,7 +348,9 @@ class ServingRunner:
             raise VExpertInputError("model.checkpoint_path",
                                     f"the model has {self.serving.num_moe_layers} MoE layers, its spec {context.spec.num_layers}",
                                     "serve the checkpoint the node's config names")
-        self.serving.report_load(force=True)
+        # No load report yet: the API counts a rank in once it reports, and a rank first reports at the
+        # end of iteration 0, which it runs at once (see await_work) — so /health waits for the CUDA
+        # graphs' capture and compiles there instead of a request waiting for them.
         # with CUDA graphs the scheduler launches iteration i+1 before reading i (serve/step.py)
         self.overlaps_iterations = self.serving.model.overlaps_steps
 

@@ -233,7 +233,8 @@ class MultiRankDispatcher:
         with self._lock:
             reported = len(self._loads)
         if reported < len(self.requests):
-            return f"{reported}/{len(self.requests)} ranks have loaded the model"
+            return (f"{reported}/{len(self.requests)} ranks have loaded the model and run their first iteration "
+                    "(CUDA graphs are captured there)")
         self._was_ready = True
         return None
 
