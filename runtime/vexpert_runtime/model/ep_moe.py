@@ -563,10 +563,10 @@ def ep_moe_layer(
     batch, top_k = ids.shape
     pairs = batch * top_k
     block = pairs if capacity is None else capacity
-    pack, arrange, combine_back = pack_dispatch, arrange_received, combine_received
-    if compiled and pairs > 0:  # inductor fails on some empty shapes; an empty step is cheap eagerly
-        pack, arrange, combine_back = (fusion.compiled(pack_dispatch), fusion.compiled(arrange_received),
-                                       fusion.compiled(combine_received))
+    fused = compiled and pairs > 0  # inductor fails on some empty shapes; an empty step is cheap eagerly
+    pack, arrange, combine_back = (fusion.maybe_compiled(pack_dispatch, fused),
+                                   fusion.maybe_compiled(arrange_received, fused),
+                                   fusion.maybe_compiled(combine_received, fused))
     cum_share = dispatch_cum_share(dispatch, ids, table.gpu[layer], table.cum_share[layer], table.num_gpus,
                                    group, copies=table.copies(layer))
     send_x, send_local, row_of_pair = pack(x, ids, table.gpu[layer], table.local[layer], cum_share, rank, world,

@@ -41,6 +41,11 @@ def compiled(fn: F) -> F:
     return torch.compile(fn, dynamic=True)  # type: ignore[return-value]
 
 
+def maybe_compiled(fn: F, on: bool) -> F:
+    """:func:`compiled` ``fn`` where ``on``, else ``fn`` itself (the eager path)."""
+    return compiled(fn) if on else fn
+
+
 def compile_modules(modules: Iterable[nn.Module | None]) -> int:
     """Compile transformers modules in place (``nn.Module.compile``: their own ``forward``, the state
     dict unchanged); returns how many. None entries are skipped."""

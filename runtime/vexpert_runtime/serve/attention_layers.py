@@ -87,8 +87,7 @@ def attention_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: Att
 
 def _gqa_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: AttentionStep,
                  window: int | None) -> torch.Tensor:
-    inputs = fusion.compiled(gqa_inputs) if step.compiled else gqa_inputs
-    q, row = inputs(attn, x, step.cos, step.sin)
+    q, row = fusion.maybe_compiled(gqa_inputs, step.compiled)(attn, x, step.cos, step.sin)
     cache.index_copy_(0, step.meta.slot_mapping, row.to(cache.dtype))
     if step.kernel is not None and window is None:
         out = step.kernel(q, cache, step.meta, float(attn.scaling))
@@ -146,12 +145,10 @@ def mla_output(attn: Any, out_latent: torch.Tensor) -> torch.Tensor:
 
 
 def _mla_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: AttentionStep) -> torch.Tensor:
-    inputs, output = (fusion.compiled(mla_inputs), fusion.compiled(mla_output)) if step.compiled else (mla_inputs,
-                                                                                                        mla_output)
-    q_latent, q_rope, row = inputs(attn, x, step.cos, step.sin)
+    q_latent, q_rope, row = fusion.maybe_compiled(mla_inputs, step.compiled)(attn, x, step.cos, step.sin)
     cache.index_copy_(0, step.meta.slot_mapping, row.to(cache.dtype))
     if step.kernel is not None:
         out_latent = step.kernel(q_latent, q_rope, cache, step.meta, float(attn.scaling))
     else:
         out_latent = mla_attention(q_latent, q_rope, cache, step.meta, float(attn.scaling))
-    return output(attn, out_latent)
+    return fusion.maybe_compiled(mla_output, step.compiled)(attn, out_latent)

@@ -261,7 +261,7 @@ class EPExperts:
         hooks = self.hooks
         counted: torch.Tensor | None = None
         if self.token_valid is not None:
-            mask = fusion.compiled(mask_padding) if self.compiled else mask_padding
+            mask = fusion.maybe_compiled(mask_padding, self.compiled)
             ids, weights, counted = mask(ids, weights, self.token_valid, self.num_experts)
         stacks = ExpertStacks(self.resident[moe_layer], self._slot_rows(moe_layer), self.intermediate,
                               format=self.format)
@@ -538,7 +538,7 @@ class HFStepModel:
         if sampling is None:
             return None
         logits = self.model.lm_head(self.model.model.norm(hidden[sample_rows]))
-        ids = (fusion.compiled(sample_tokens) if self.compiled else sample_tokens)(logits, *sampling)
+        ids = fusion.maybe_compiled(sample_tokens, self.compiled)(logits, *sampling)
         if publish:
             self.last_sampled[: ids.shape[0]].copy_(ids)
         return ids
