@@ -19,30 +19,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from runtime_support import TINY_DEEPSEEK_SPEC
-from vexpert_runtime.config import RuntimeConfig
+from runtime_support import TINY_DEEPSEEK_SPEC, planned_balance, run_policy_node
 from vexpert_runtime.model.checkpoint import write_tiny_checkpoint
-from vexpert_runtime.node import NodeOptions, resolve_setup, run_node
 from vexpert_runtime.policy.names import PLACEMENT_POLICY_NAMES
-from vexpert_runtime.ports import free_port
-from vexpert_runtime.simulation.workload import drifting_workload
 
 
 def run(checkpoint: Path, policy: str, workers: int, iterations: int, k: int) -> dict[str, object]:
-    config = RuntimeConfig.model_validate({
-        "model": {"checkpoint_path": str(checkpoint), "dtype": "float32"},
-        "parallelism": {"expert_parallel_size": workers, "gpus_per_node": workers, "master_port": free_port()},
-        "vexpert": {"group_size": 2, "vmax": 1, "balance_threshold": 0.95, "placement_policy": policy},
-        "tuning": {"allocation_interval": k},
-        "runtime": {"device": "cpu", "cpu_workers": workers, "metrics_port": 0},
-    })
-    setup = resolve_setup(config, checkpoint)
-    workload = drifting_workload((("decode_in1000out1000", 1000),), 2, 8, tokens_per_worker=16)
-    report = run_node(setup, NodeOptions(workload=workload, iterations=iterations, verify=True))
-    planned = [r for r in report.records if r.iteration >= k and r.vexpert_balance is not None]
+    setup, report = run_policy_node(checkpoint, policy, workers, iterations, k)
+    static, balance = planned_balance(report, k)
     return {"policy": policy, "workers": workers, "iterations": iterations, "dispatch": setup.dispatch,
-            "static_balance": round(sum(r.static_balance or 0.0 for r in planned) / len(planned), 3),
-            "balance": round(sum(r.vexpert_balance for r in planned) / len(planned), 3),
+            "static_balance": round(static, 3), "balance": round(balance, 3),
             "max_rel_error": report.max_rel_error, "allocations": report.allocations}
 
 

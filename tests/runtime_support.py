@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from vexpert_runtime.model.expert_layout import FP8_BLOCK
 from vexpert_runtime.model.families import DEEPSEEK
@@ -60,3 +61,35 @@ def run_in_triton_interpreter(module: str, function: str) -> None:
     proc = subprocess.run([sys.executable, "-c", f"import {module}; {module}.{function}()"],
                           env=env, cwd=repo, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def run_policy_node(checkpoint: Path, policy: str, workers: int, iterations: int, k: int) -> tuple[Any, Any]:
+    """One local CPU node of ``workers`` EP ranks under placement ``policy`` (``vexpert.placement_policy``),
+    ``iterations`` of the bundled skewed decode load, an allocation every ``k``, outputs verified against
+    the single-process reference; returns (the resolved NodeSetup, the NodeReport). What
+    tests/test_node_placement_policies.py asserts on and benchmarks/node_placement_policies.py prints."""
+    from vexpert_runtime.config import RuntimeConfig
+    from vexpert_runtime.node import NodeOptions, resolve_setup, run_node
+    from vexpert_runtime.ports import free_port
+    from vexpert_runtime.simulation.workload import drifting_workload
+
+    config = RuntimeConfig.model_validate({
+        "model": {"checkpoint_path": str(checkpoint), "dtype": "float32"},
+        "parallelism": {"expert_parallel_size": workers, "gpus_per_node": workers, "master_port": free_port()},
+        "vexpert": {"group_size": 2, "vmax": 1, "balance_threshold": 0.95, "placement_policy": policy},
+        "tuning": {"allocation_interval": k},
+        "runtime": {"device": "cpu", "cpu_workers": workers, "metrics_port": 0},
+    })
+    setup = resolve_setup(config, checkpoint)
+    workload = drifting_workload((("decode_in1000out1000", 1000),), 2, 8, tokens_per_worker=16)
+    return setup, run_node(setup, NodeOptions(workload=workload, iterations=iterations, verify=True))
+
+
+def planned_balance(report: Any, k: int) -> tuple[float, float]:
+    """Mean balance of the static placement and as measured, over the iterations served by a plan
+    (from the second window of ``k`` on: the first one runs the static table)."""
+    records = [r for r in report.records if r.iteration >= k and r.vexpert_balance is not None]
+    if not records:
+        raise ValueError("no iteration ran under a plan")
+    return (sum(r.static_balance or 0.0 for r in records) / len(records),
+            sum(r.vexpert_balance for r in records) / len(records))
