@@ -208,7 +208,8 @@ def host_sampler(pid: int, args: argparse.Namespace, out: Path) -> subprocess.Po
     if exe is None:
         print("py-spy not found (PATH or $PYSPY): no host profile", file=sys.stderr)
         return None
-    command = (f"sleep {args.warmup + 1}; exec {exe} record --pid {pid} --subprocesses --nonblocking --function --rate 500 "
+    idle = "--idle " if args.pyspy_idle else ""  # waits too (sleeping, blocked on a lock or the GPU)
+    command = (f"sleep {args.warmup + 1}; exec {exe} record --pid {pid} --subprocesses --nonblocking --function --rate 500 {idle}"
                f"--format raw --duration {int(args.pyspy)} -o {out}")
     return subprocess.Popen(["bash", "-c", command], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
@@ -329,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-streams", type=int, nargs="*", default=[])
     parser.add_argument("--profile-iters", default="600-619", help="one trace over these iterations")
     parser.add_argument("--pyspy", type=float, default=0.0, help="seconds of py-spy host sampling per serve run")
+    parser.add_argument("--pyspy-idle", action="store_true", help="py-spy samples idle threads too (--idle)")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="vexpert serve --compile (results of 'off' go under '<mode>_compile-off')")
     args = parser.parse_args(argv)

@@ -155,7 +155,8 @@ def scrape(url: str) -> dict[str, float]:
     import urllib.request
 
     wanted = ("vexpert_bytes_streamed_total", "vexpert_balance_ratio", "vexpert_static_balance_ratio",
-              "vexpert_plan_id", "vexpert_iterations_total")
+              "vexpert_plan_id", "vexpert_iterations_total", "vexpert_step_seconds_sum", "vexpert_step_seconds_count",
+              "vexpert_slot_fill_wait_seconds_sum", "vexpert_slot_fill_wait_seconds_count")
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     values: dict[str, list[float]] = {}
     for line in text.splitlines():

@@ -28,9 +28,11 @@ destination rank, ``T = N·C`` rows received.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import torch
@@ -181,6 +183,42 @@ def base_experts(num_experts: int, num_gpus: int, rank: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 
 
+_TABLE_ALIGN = 16  # bytes: every packed field starts aligned for its dtype
+
+
+def _table_fields(shape: tuple[int, ...], listed: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], torch.dtype, float]]:
+    """(name, shape, dtype, empty value) of every :class:`DeviceRoutingTable` tensor, in packing order."""
+    return [("gpu", shape, torch.int64, -1), ("local", shape, torch.int64, -1),
+            ("cum_share", shape, torch.float64, float("inf")), ("copy_expert", listed, torch.int32, -1),
+            ("copy_gpu", listed, torch.int32, -1), ("copy_col", listed, torch.int32, -1),
+            ("copy_step", listed, torch.float32, 0.0), ("single_gpu", shape[:2], torch.int32, -1)]
+
+
+def _fields_of(tensors: Sequence[torch.Tensor]) -> list[tuple[str, tuple[int, ...], torch.dtype, float]]:
+    names = ("gpu", "local", "cum_share", "copy_expert", "copy_gpu", "copy_col", "copy_step", "single_gpu")
+    return [(name, tuple(t.shape), t.dtype, 0.0) for name, t in zip(names, tensors, strict=True)]
+
+
+def _field_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    size = math.prod(shape) * dtype.itemsize
+    return -(-size // _TABLE_ALIGN) * _TABLE_ALIGN
+
+
+def _packed_bytes(fields: Sequence[tuple[str, tuple[int, ...], torch.dtype, float]]) -> int:
+    return sum(_field_bytes(shape, dtype) for _, shape, dtype, _ in fields)
+
+
+def _packed_views(storage: torch.Tensor, fields: Sequence[tuple[str, tuple[int, ...], torch.dtype, float]]
+                  ) -> dict[str, torch.Tensor]:
+    """Each field a typed view of its aligned byte range of ``storage`` [bytes] uint8."""
+    views, at = {}, 0
+    for name, shape, dtype, _ in fields:
+        size = math.prod(shape) * dtype.itemsize
+        views[name] = storage[at:at + size].view(dtype).view(shape)
+        at += _field_bytes(shape, dtype)
+    return views
+
+
 def max_replicas(num_gpus: int, slots: int) -> int:
     """R: the most copies an expert can have — its resident one plus at most one slot on each other
     GPU (an expert never sits twice on one GPU), none without slots."""
@@ -217,25 +255,24 @@ class DeviceRoutingTable:
     num_gpus: int
     slots: int
     plan_id: int = -1
+    storage: torch.Tensor | None = field(default=None, repr=False)  # the byte buffer the tensors view
+    _staging: tuple[torch.Tensor, Any] | None = field(default=None, repr=False)  # pinned host bytes, last copy's event
 
     @classmethod
     def allocate(cls, num_layers: int, num_experts: int, num_gpus: int, slots: int,
                  device: torch.device | str, replicas: int | None = None) -> DeviceRoutingTable:
+        """Tensors of a table for these sizes, every one a view of one device byte buffer (so that
+        :meth:`load` is one host→device copy), holding no plan yet."""
         width = max_replicas(num_gpus, slots) if replicas is None else replicas
-        shape = (num_layers, num_experts, width)
-        listed = (num_layers, copies_capacity(num_gpus, slots))
-        return cls(
-            gpu=torch.full(shape, -1, dtype=torch.int64, device=device),
-            local=torch.full(shape, -1, dtype=torch.int64, device=device),
-            cum_share=torch.full(shape, float("inf"), dtype=torch.float64, device=device),
-            copy_expert=torch.full(listed, -1, dtype=torch.int32, device=device),
-            copy_gpu=torch.full(listed, -1, dtype=torch.int32, device=device),
-            copy_col=torch.full(listed, -1, dtype=torch.int32, device=device),
-            copy_step=torch.zeros(listed, dtype=torch.float32, device=device),
-            single_gpu=torch.full((num_layers, num_experts), -1, dtype=torch.int32, device=device),
-            num_gpus=num_gpus,
-            slots=slots,
-        )
+        fields = _table_fields((num_layers, num_experts, width), (num_layers, copies_capacity(num_gpus, slots)))
+        storage = torch.empty(_packed_bytes(fields), dtype=torch.uint8, device=device)
+        views = _packed_views(storage, fields)
+        for (_, _, _, empty), view in zip(fields, views.values(), strict=True):
+            view.fill_(empty)
+        return cls(gpu=views["gpu"], local=views["local"], cum_share=views["cum_share"],
+                   copy_expert=views["copy_expert"], copy_gpu=views["copy_gpu"], copy_col=views["copy_col"],
+                   copy_step=views["copy_step"], single_gpu=views["single_gpu"], num_gpus=num_gpus, slots=slots,
+                   storage=storage)
 
     @classmethod
     def of(cls, table: RoutingTable, device: torch.device | str, replicas: int | None = None) -> DeviceRoutingTable:
@@ -270,6 +307,18 @@ class DeviceRoutingTable:
         return [ReplicaCopies(self.copy_expert[layer], self.copy_gpu[layer], self.copy_col[layer],
                               self.copy_step[layer], self.single_gpu[layer]) for layer in range(self.num_layers)]
 
+    def _host_staging(self) -> torch.Tensor:
+        """The host bytes :meth:`load` writes the next table into: pinned and kept on a GPU (after
+        the previous copy from them has run), a new CPU tensor elsewhere."""
+        assert self.storage is not None
+        if not self.storage.is_cuda:
+            return torch.empty_like(self.storage)
+        if self._staging is None:
+            return torch.empty(self.storage.shape, dtype=torch.uint8, pin_memory=True)
+        host, done = self._staging
+        done.synchronize()  # a plan ago: long since copied, as a rule
+        return host
+
     def load(self, table: RoutingTable) -> None:
         """Overwrite these tensors with ``table`` (a plan switch: data only, no new shapes).
 
@@ -286,15 +335,22 @@ class DeviceRoutingTable:
             raise ValueError(f"table has {width} copies of an expert, the device table room for {self.replicas}")
         pad = ((0, 0), (0, 0), (0, self.replicas - width))
         listed = list_replica_copies(table.gpu, self.copy_expert.shape[1])  # raises before any copy
-        for target, value in ((self.gpu, np.pad(table.gpu, pad, constant_values=-1)),
-                              (self.local, np.pad(table.local, pad, constant_values=-1)),
-                              (self.cum_share, np.pad(table.cum_share, pad, constant_values=np.inf)),
-                              *zip((self.copy_expert, self.copy_gpu, self.copy_col, self.copy_step, self.single_gpu), listed,
-                                  strict=True)):
-            host = torch.from_numpy(value).to(target.dtype)
-            if target.is_cuda:  # pinned, so the copy is queued without waiting for the stream
-                host = host.pin_memory()
-            target.copy_(host, non_blocking=target.is_cuda)
+        values = (np.pad(table.gpu, pad, constant_values=-1), np.pad(table.local, pad, constant_values=-1),
+                  np.pad(table.cum_share, pad, constant_values=np.inf), *listed)
+        targets = (self.gpu, self.local, self.cum_share, self.copy_expert, self.copy_gpu, self.copy_col,
+                   self.copy_step, self.single_gpu)
+        if self.storage is None:  # tensors made elsewhere: one copy each
+            for target, value in zip(targets, values, strict=True):
+                target.copy_(torch.from_numpy(value).to(target.dtype))
+        else:  # one host→device copy of the whole table (on a GPU from pinned memory: queued, no wait)
+            host = self._host_staging()
+            for view, value in zip(_packed_views(host, _fields_of(targets)).values(), values, strict=True):
+                view.copy_(torch.from_numpy(value).to(view.dtype))
+            self.storage.copy_(host, non_blocking=self.storage.is_cuda)
+            if self.storage.is_cuda:
+                done = torch.cuda.Event()
+                done.record()
+                self._staging = (host, done)
         self.plan_id = table.plan_id
 
 

@@ -386,29 +386,25 @@ def agree(
     ``stop`` is set if any rank saw a stop request (in its header or out of band: ``stop``).
     """
     stopping = stop or bool(header and header.stop)
-    mine = torch.tensor(
-        [int(ready), header.plan_id if header else -1, digest, header.k if header else 0, int(stopping)],
-        dtype=torch.int64,
-    )
-    if group is None or world == 1:
-        everyone = mine.view(1, -1)
-    else:
-        everyone = torch.empty(world * mine.numel(), dtype=torch.int64)
-        dist.all_to_all_single(everyone, mine.repeat(world), group=group)
-        everyone = everyone.view(world, -1)
-    return decide(everyone)
+    mine = [int(ready), header.plan_id if header else -1, digest, header.k if header else 0, int(stopping)]
+    if group is None or world == 1:  # plain ints: this runs every iteration, torch ops cost µs each
+        return decide([mine])
+    everyone = torch.empty(world * len(mine), dtype=torch.int64)
+    dist.all_to_all_single(everyone, torch.tensor(mine, dtype=torch.int64).repeat(world), group=group)
+    return decide(everyone.view(world, -1))
 
 
-def decide(everyone: torch.Tensor) -> Agreement:
+def decide(everyone: torch.Tensor | list[list[int]]) -> Agreement:
     """The common decision from every rank's (ready, plan id or −1, digest or −1, k or 0, stop): [N, 5]."""
-    ready_all = bool(everyone[:, 0].min() == 1)
-    digests = everyone[:, 2]
-    same = bool(digests.min() == digests.max()) and int(digests.min()) >= 0
+    rows = everyone.tolist() if isinstance(everyone, torch.Tensor) else everyone
+    digests = [row[2] for row in rows]
+    ready_all = min(row[0] for row in rows) == 1
+    same = min(digests) == max(digests) and min(digests) >= 0
     return Agreement(
         use_plan=ready_all and same,
-        plan_id=int(everyone[:, 1].max()),
-        k=int(everyone[:, 3].max()),
-        stop=bool(everyone[:, 4].max() > 0),
+        plan_id=int(max(row[1] for row in rows)),
+        k=int(max(row[3] for row in rows)),
+        stop=max(row[4] for row in rows) > 0,
     )
 
 

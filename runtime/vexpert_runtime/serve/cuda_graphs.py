@@ -25,7 +25,7 @@ Shapes: ``T`` token rows, ``S`` sampling rows, ``W`` the widest block table (a f
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -55,6 +55,7 @@ class GraphInputs:
     buffer: torch.Tensor
     views: dict[str, torch.Tensor]
     tables: torch.Tensor
+    _numpy: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def allocate(cls, tokens: int, seqs: int, width: int, device: torch.device | str, pin: bool = False
@@ -72,36 +73,57 @@ class GraphInputs:
 
     def fill(self, work: Sequence[SequenceWork], block_size: int) -> int:
         """Write an iteration into this (host, pinned) buffer: real rows first, pad rows after;
-        the number of sampling rows used."""
-        v = {name: t.numpy() for name, t in self.views.items()}
-        tables = self.tables.numpy()
-        self.buffer.numpy()[:] = 0
-        tokens = [t for item in work for t in item.tokens]
-        n = len(tokens)
-        positions = np.fromiter((item.position + i for item in work for i in range(len(item.tokens))), np.int64, n)
-        seqs = np.fromiter((b for b, item in enumerate(work) for _ in item.tokens), np.int64, n)
-        ends = np.cumsum([len(item.tokens) for item in work], dtype=np.int64) - 1  # each item's last token row
-        v["tokens"][:n] = tokens
+        the number of sampling rows used. Per-field numpy writes, one Python pass over the work:
+        at 256 sequences this runs every few milliseconds on the serving loop's thread."""
+        v = self._host_views()
+        tables = v["tables"]
+        items = len(work)
+        lengths = np.fromiter((len(item.tokens) for item in work), np.int64, items)
+        n = int(lengths.sum())
+        starts = np.fromiter((item.position for item in work), np.int64, items)
+        ends = np.cumsum(lengths) - 1  # each item's last token row
+        seqs = np.repeat(np.arange(items, dtype=np.int64), lengths)
+        positions = np.repeat(starts - (ends + 1 - lengths), lengths) + np.arange(n, dtype=np.int64)
+        v["tokens"][:n] = np.fromiter((t for item in work for t in item.tokens), np.int64, n)
+        v["tokens"][n:] = 0
         v["fed"][:] = -1
-        for row, item in zip(ends, work, strict=True):
-            if item.fed is not None:  # a decode's one token, sampled by the previous step (on the device)
-                v["fed"][row] = item.fed
+        fed = [(row, item.fed) for row, item in zip(ends.tolist(), work, strict=True) if item.fed is not None]
+        if fed:  # decodes whose one token the previous step sampled (on the device)
+            fed_rows, fed_from = zip(*fed, strict=True)
+            v["fed"][list(fed_rows)] = fed_from
         v["positions"][:n] = positions
+        v["positions"][n:] = 0
         v["lengths"][:n] = positions + 1
+        v["lengths"][n:] = 0
         v["seqs"][:n] = seqs
+        v["seqs"][n:] = 0
         v["valid"][:n] = 1
-        v["slots"][:] = SCRATCH_BLOCK * block_size
-        for b, item in enumerate(work):
-            tables[b, : len(item.blocks)] = item.blocks
+        v["valid"][n:] = 0
+        # block tables: the used rows, one scatter of every block id (columns past a row's blocks
+        # keep whatever they held: attention reads a row only up to its context length)
+        widths = np.fromiter((len(item.blocks) for item in work), np.int64, items)
+        flat = np.fromiter((b for item in work for b in item.blocks), np.int64, int(widths.sum()))
+        first = np.cumsum(widths) - widths
+        tables[np.repeat(np.arange(items), widths), np.arange(flat.size) - np.repeat(first, widths)] = flat
         v["slots"][:n] = tables[seqs, positions // block_size] * block_size + positions % block_size
-        sampled = [(b, item.sample) for b, item in enumerate(work) if item.sample is not None]
+        v["slots"][n:] = SCRATCH_BLOCK * block_size
+        sampled = [(row, item.sample) for row, item in zip(ends.tolist(), work, strict=True) if item.sample is not None]
         s = len(sampled)
-        v["rows"][:s] = [ends[b] for b, _ in sampled]
+        v["rows"][:s] = [row for row, _ in sampled]
         v["seeds"][:s] = [spec.seed for _, spec in sampled]
         v["draws"][:s] = [spec.draw for _, spec in sampled]
         v["temperature"][:s] = [spec.temperature for _, spec in sampled]
         v["top_p"][:s] = [spec.top_p for _, spec in sampled]
+        for name in _SAMPLE_FIELDS:
+            v[name][s:] = 0
         return s
+
+    def _host_views(self) -> dict[str, np.ndarray]:
+        """numpy views of :attr:`views` and :attr:`tables` (made once: a view costs µs per call)."""
+        if self._numpy is None:
+            self._numpy = {name: t.numpy() for name, t in self.views.items()}
+            self._numpy["tables"] = self.tables.numpy()
+        return self._numpy
 
     def metadata(self, tokens: int, seqs: int, block_size: int) -> AttentionMetadata:
         """Attention metadata over the first ``tokens`` / ``seqs`` rows (views: a graph reads them in place)."""

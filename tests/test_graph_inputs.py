@@ -1,0 +1,63 @@
+"""The host side of a graphed iteration's inputs (:class:`~vexpert_runtime.serve.cuda_graphs.GraphInputs`),
+which runs on CPU: every field a replay reads, for a mixed batch, and nothing left over from a
+larger batch before it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vexpert_runtime.serve.cuda_graphs import GraphInputs
+from vexpert_runtime.serve.kv_cache import SCRATCH_BLOCK
+from vexpert_runtime.serve.sampling import SamplingSpec
+from vexpert_runtime.serve.step import SequenceWork
+
+BLOCK = 4
+
+
+def _expected(work: list[SequenceWork], tokens: int, seqs: int) -> dict[str, list[float]]:
+    """Every field, written out row by row (the definition ``fill`` must match)."""
+    out: dict[str, list[float]] = {name: [] for name in ("tokens", "positions", "slots", "lengths", "seqs", "valid", "fed")}
+    rows, seeds, draws, temperature, top_p = [], [], [], [], []
+    for b, item in enumerate(work):
+        for i, token in enumerate(item.tokens):
+            position = item.position + i
+            last = i == len(item.tokens) - 1
+            out["tokens"].append(token)
+            out["positions"].append(position)
+            out["lengths"].append(position + 1)
+            out["seqs"].append(b)
+            out["valid"].append(1)
+            out["slots"].append(item.blocks[position // BLOCK] * BLOCK + position % BLOCK)
+            out["fed"].append(item.fed if last and item.fed is not None else -1)
+            if last and item.sample is not None:
+                rows.append(len(out["tokens"]) - 1)
+                seeds.append(item.sample.seed)
+                draws.append(item.sample.draw)
+                temperature.append(item.sample.temperature)
+                top_p.append(item.sample.top_p)
+    pad = tokens - len(out["tokens"])
+    for name, value in (("tokens", 0), ("positions", 0), ("lengths", 0), ("seqs", 0), ("valid", 0), ("fed", -1),
+                        ("slots", SCRATCH_BLOCK * BLOCK)):
+        out[name] += [value] * pad
+    free = seqs - len(rows)
+    out |= {"rows": rows + [0] * free, "seeds": seeds + [0] * free, "draws": draws + [0] * free,
+            "temperature": temperature + [0.0] * free, "top_p": top_p + [0.0] * free}
+    return out
+
+
+def test_fill_writes_every_field_and_resets_the_pad_rows() -> None:
+    inputs = GraphInputs.allocate(tokens=24, seqs=6, width=8, device="cpu")
+    big = [SequenceWork(0, tuple(range(10, 22)), 0, (5, 6, 7), SamplingSpec(0.0, 1.0, 3, 0)),
+           SequenceWork(1, (9,), 6, (2, 3), SamplingSpec(0.8, 0.9, 4, 2), fed=0),
+           SequenceWork(2, tuple(range(30, 38)), 4, (1, 4, 9), None),  # a middle prompt chunk: no sample
+           SequenceWork(3, (7,), 13, (11, 12, 13, 14), SamplingSpec(1.0, 0.5, 5, 9))]
+    small = [SequenceWork(4, (8,), 2, (15,), SamplingSpec(0.0, 1.0, 6, 1), fed=1),
+             SequenceWork(5, (1, 2, 3), 0, (16,), SamplingSpec(0.0, 1.0, 7, 0))]
+    for work in (big, small):
+        sampled = inputs.fill(work, BLOCK)
+        want = _expected(work, 24, 6)
+        assert sampled == sum(item.sample is not None for item in work)
+        for name, values in want.items():
+            assert np.array_equal(inputs.views[name].numpy(), np.array(values, dtype=inputs.views[name].numpy().dtype)), name
+        for b, item in enumerate(work):
+            assert inputs.tables[b, : len(item.blocks)].tolist() == list(item.blocks)
