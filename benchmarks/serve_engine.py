@@ -22,7 +22,6 @@ tokenizer, ~62-token prompts, ``--max-tokens`` new tokens each.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
@@ -40,7 +39,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
-from serve_load import load, scrape, wait_healthy, write_model
+from serve_load import load_processes, scrape, wait_healthy, write_model
 
 from vexpert_runtime.ports import free_port
 from vexpert_runtime.serve.demo_model import ensure_demo_model
@@ -173,7 +172,7 @@ def serve(config: Path, model: Path, streams: int, prompt: str, args: argparse.N
         wait_healthy(proc, url, log, started, 300)
         first_request(url, prompt)  # the first iteration captures the graphs (and compiles): not measured
         sampler = host_sampler(proc.pid, args, log.with_suffix(".pyspy.txt"))
-        result = asyncio.run(load(url, prompt, streams, args.duration, args.warmup, args.max_tokens))
+        result = load_processes(url, prompt, streams, args.duration, args.warmup, args.max_tokens, args.client_processes)
         if sampler is not None:
             sampler.wait(60)
             result["host_profile"] = summarise_host_profile(log.with_suffix(".pyspy.txt"))
@@ -331,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-iters", default="600-619", help="one trace over these iterations")
     parser.add_argument("--pyspy", type=float, default=0.0, help="seconds of py-spy host sampling per serve run")
     parser.add_argument("--pyspy-idle", action="store_true", help="py-spy samples idle threads too (--idle)")
+    parser.add_argument("--client-processes", type=int, default=1, help="load generator processes (streams split)")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="vexpert serve --compile (results of 'off' go under '<mode>_compile-off')")
     args = parser.parse_args(argv)
