@@ -7,16 +7,13 @@ group; rows past ``offs[-1]`` are padding (their output is undefined and must be
 
 On CUDA (bf16/fp16) this is two ``torch._grouped_mm`` calls per stack — one kernel each for the
 base experts and for the slots — which is also what a CUDA graph captures; elsewhere the same
-arithmetic runs as a loop over experts (the CPU twin and the reference in tests), its fp32 GEMMs
-through oneDNN (:mod:`.cpu_linear`).
+arithmetic runs as a loop over experts (the CPU twin and the reference in tests).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from vexpert_runtime.model import cpu_linear
 
 # Token groups are padded to this many rows: the grouped GEMM wants 16-byte-aligned group starts.
 GROUP_ALIGN = 16
@@ -68,8 +65,8 @@ def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: t
     start = 0
     for e, end in enumerate(ends):
         if end > start:
-            h = cpu_linear.linear(x[start:end], w13[e])
-            out[start:end] = cpu_linear.linear(F.silu(h[:, :intermediate]) * h[:, intermediate:], w2[e])
+            h = F.linear(x[start:end], w13[e])
+            out[start:end] = F.linear(F.silu(h[:, :intermediate]) * h[:, intermediate:], w2[e])
         start = end
     return out
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from vexpert_runtime.model import cpu_linear, fusion
+from vexpert_runtime.model import fusion
 from vexpert_runtime.model.checkpoint import CheckpointReader, MoESpec, read_model_spec
 from vexpert_runtime.model.dispatch import DISPATCH_MODES, DispatchMode
 from vexpert_runtime.model.ep_moe import (
@@ -345,8 +345,6 @@ class HFStepModel:
         else:  # rank-local: every non-expert tensor, no routed expert (an executor brings its own rows)
             model, self.load_report = load_without_experts(path, device, dtype)
         self.model: Any = model.eval()
-        if torch.device(device).type == "cpu":
-            cpu_linear.route_linears_to_onednn(self.model)  # fp32: oneDNN's kernels, ~2× MKL's here
         self.config = model.config
         self.device = torch.device(device)
         self.dtype = dtype
