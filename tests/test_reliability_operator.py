@@ -285,9 +285,10 @@ def test_operator_restarted_at_every_step_converges_without_duplicates(
             time.sleep(0.3)
 
     cluster.create(deployment())                       # created while no operator runs
-    restart()                                          # 1: create handler → hardware + model Jobs
-    cluster.wait_for(lambda: (len(hw_jobs(cluster)) == 1 and len(model_jobs(cluster)) == 1) or None,
-                     what="the Jobs")
+    restart()                                          # 1: create handler → hardware + model Jobs (maybe not yet:
+    with running_operator(cluster, monkeypatch):       #    0.3 s on a loaded CI machine) — the next operator finishes
+        cluster.wait_for(lambda: (len(hw_jobs(cluster)) == 1 and len(model_jobs(cluster)) == 1) or None,
+                         what="the Jobs")
     job = hw_jobs(cluster)[0]["metadata"]["name"]
     cluster.finish_job(job, profile_json())            # finished while no operator runs
     restart()                                          # 2: harvest (may stop midway)
