@@ -170,13 +170,17 @@ def serve(config: Path, model: Path, streams: int, prompt: str, args: argparse.N
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         wait_healthy(proc, url, log, started, 300)
-        first_request(url, prompt)  # the first iteration captures the graphs (and compiles): not measured
+        healthy = time.perf_counter()
+        first_request(url, prompt)  # before the window (a rank captures its graphs before /health answers)
+        first = time.perf_counter()
         sampler = host_sampler(proc.pid, args, log.with_suffix(".pyspy.txt"))
         result = load_processes(url, prompt, streams, args.duration, args.warmup, args.max_tokens, args.client_processes)
         if sampler is not None:
             sampler.wait(60)
             result["host_profile"] = summarise_host_profile(log.with_suffix(".pyspy.txt"))
-        result["startup_s"] = round(time.perf_counter() - started, 1)
+        result["healthy_s"] = round(healthy - started, 1)  # start → /health 200 (graphs captured, compiled)
+        result["first_request_s"] = round(first - healthy, 2)  # one 4-token completion sent at /health
+        result["startup_s"] = round(time.perf_counter() - started, 1)  # the whole run: start, load, profile
         result["metrics"] = scrape(url)
         return result
     finally:
