@@ -28,6 +28,7 @@ from vexpert_runtime.model.ep_moe import (
     table_from_plan,
 )
 from vexpert_runtime.model.families import DEEPSEEK, QWEN
+from vexpert_runtime.model.levelling import list_replica_copies
 from vexpert_runtime.model.moe_math import packed_ffn, relative_error, shared_forward
 from vexpert_runtime.model.reference import ModelWeights, reference_moe_layer
 from vexpert_runtime.model.routing import route
@@ -116,35 +117,25 @@ def test_table_from_plan_matches_physical_ids() -> None:
 
 def test_a_device_table_is_one_buffer_and_loads_every_field_through_it() -> None:
     """A plan switch is one host→device copy: every tensor of an allocated table views one byte
-    buffer, and loading through it gives what loading each tensor on its own gives — for a plan
-    with replicas, then back to the static table (nothing of the plan left behind)."""
+    buffer, and loading through it writes each tensor's definition — the routing table padded to
+    the fixed replica width, the replicated copies listed — for a plan with replicas, then back to
+    the static table (nothing of the plan left behind)."""
     counts = torch.rand(2, 16, generator=torch.Generator().manual_seed(0)) * 100 + SKEW.unsqueeze(0) * 300
     plan = table_from_plan(allocate(counts, static_placement(2, 16, WORLD), WORLD, AllocatorConfig(2, 1, 0.99)), 7)
     packed = DeviceRoutingTable.allocate(2, 16, WORLD, 2, "cpu")
     fields = ("gpu", "local", "cum_share", "copy_expert", "copy_gpu", "copy_col", "copy_step", "single_gpu")
-    assert packed.storage is not None
     base = packed.storage.untyped_storage().data_ptr()
     assert all(getattr(packed, name).untyped_storage().data_ptr() == base for name in fields)
     for table in (plan, static_table(2, 16, WORLD, 2)):
-        separate = DeviceRoutingTable.allocate(2, 16, WORLD, 2, "cpu")
-        separate.storage = None  # the one-copy-per-tensor path
-        separate.load(table)
         packed.load(table)
         assert packed.plan_id == table.plan_id
-        for name in fields:
-            assert torch.equal(getattr(packed, name), getattr(separate, name)), name
-        assert torch.equal(packed.copies(1).expert, separate.copy_expert[1])  # cached per-layer views follow
-
-def test_plan_from_slots_rejects_two_copies_on_one_gpu() -> None:
-    slots = torch.full((1, WORLD, 2), -1)
-    slots[0, 0, 0] = 1  # expert 1 is resident on GPU 0 already
-    with pytest.raises(ValueError, match="twice on GPU 0"):
-        plan_from_slots(static_placement(1, 16, WORLD), slots)
-
-
-# ------------------------------------------------------------------------------------------------
-# Four gloo ranks
-# ------------------------------------------------------------------------------------------------
+        pad = ((0, 0), (0, 0), (0, packed.replicas - table.gpu.shape[2]))
+        want = (np.pad(table.gpu, pad, constant_values=-1), np.pad(table.local, pad, constant_values=-1),
+                np.pad(table.cum_share, pad, constant_values=np.inf),
+                *list_replica_copies(table.gpu, packed.copy_expert.shape[1]))
+        for name, value in zip(fields, want, strict=True):
+            assert np.array_equal(getattr(packed, name).numpy(), value), name
+        assert torch.equal(packed.copies(1).expert, packed.copy_expert[1])  # cached per-layer views follow
 
 
 def _random_plan(num_layers: int, num_experts: int, slots: int, seed: int, world: int = WORLD) -> Any:

@@ -183,39 +183,21 @@ def base_experts(num_experts: int, num_gpus: int, rank: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 
 
-_TABLE_ALIGN = 16  # bytes: every packed field starts aligned for its dtype
+_TABLE_ALIGN = 16  # bytes: every packed tensor starts aligned for its dtype
+
+Layout = Sequence[tuple[tuple[int, ...], torch.dtype]]  # (shape, dtype) of each packed tensor, in order
 
 
-def _table_fields(shape: tuple[int, ...], listed: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], torch.dtype, float]]:
-    """(name, shape, dtype, empty value) of every :class:`DeviceRoutingTable` tensor, in packing order."""
-    return [("gpu", shape, torch.int64, -1), ("local", shape, torch.int64, -1),
-            ("cum_share", shape, torch.float64, float("inf")), ("copy_expert", listed, torch.int32, -1),
-            ("copy_gpu", listed, torch.int32, -1), ("copy_col", listed, torch.int32, -1),
-            ("copy_step", listed, torch.float32, 0.0), ("single_gpu", shape[:2], torch.int32, -1)]
+def _aligned_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return -(-math.prod(shape) * dtype.itemsize // _TABLE_ALIGN) * _TABLE_ALIGN
 
 
-def _fields_of(tensors: Sequence[torch.Tensor]) -> list[tuple[str, tuple[int, ...], torch.dtype, float]]:
-    names = ("gpu", "local", "cum_share", "copy_expert", "copy_gpu", "copy_col", "copy_step", "single_gpu")
-    return [(name, tuple(t.shape), t.dtype, 0.0) for name, t in zip(names, tensors, strict=True)]
-
-
-def _field_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    size = math.prod(shape) * dtype.itemsize
-    return -(-size // _TABLE_ALIGN) * _TABLE_ALIGN
-
-
-def _packed_bytes(fields: Sequence[tuple[str, tuple[int, ...], torch.dtype, float]]) -> int:
-    return sum(_field_bytes(shape, dtype) for _, shape, dtype, _ in fields)
-
-
-def _packed_views(storage: torch.Tensor, fields: Sequence[tuple[str, tuple[int, ...], torch.dtype, float]]
-                  ) -> dict[str, torch.Tensor]:
-    """Each field a typed view of its aligned byte range of ``storage`` [bytes] uint8."""
-    views, at = {}, 0
-    for name, shape, dtype, _ in fields:
-        size = math.prod(shape) * dtype.itemsize
-        views[name] = storage[at:at + size].view(dtype).view(shape)
-        at += _field_bytes(shape, dtype)
+def _packed_views(storage: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    """Each tensor of ``layout`` a typed view of its aligned byte range of ``storage`` [bytes] uint8."""
+    views, at = [], 0
+    for shape, dtype in layout:
+        views.append(storage[at:at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
+        at += _aligned_bytes(shape, dtype)
     return views
 
 
@@ -254,8 +236,8 @@ class DeviceRoutingTable:
     single_gpu: torch.Tensor
     num_gpus: int
     slots: int
+    storage: torch.Tensor = field(repr=False)  # the one byte buffer every tensor above views
     plan_id: int = -1
-    storage: torch.Tensor | None = field(default=None, repr=False)  # the byte buffer the tensors view
     _staging: tuple[torch.Tensor, Any] | None = field(default=None, repr=False)  # pinned host bytes, last copy's event
 
     @classmethod
@@ -264,15 +246,16 @@ class DeviceRoutingTable:
         """Tensors of a table for these sizes, every one a view of one device byte buffer (so that
         :meth:`load` is one host→device copy), holding no plan yet."""
         width = max_replicas(num_gpus, slots) if replicas is None else replicas
-        fields = _table_fields((num_layers, num_experts, width), (num_layers, copies_capacity(num_gpus, slots)))
-        storage = torch.empty(_packed_bytes(fields), dtype=torch.uint8, device=device)
-        views = _packed_views(storage, fields)
-        for (_, _, _, empty), view in zip(fields, views.values(), strict=True):
+        shape, listed = (num_layers, num_experts, width), (num_layers, copies_capacity(num_gpus, slots))
+        layout = [(shape, torch.int64), (shape, torch.int64), (shape, torch.float64), (listed, torch.int32),
+                  (listed, torch.int32), (listed, torch.int32), (listed, torch.float32), (shape[:2], torch.int32)]
+        storage = torch.empty(sum(_aligned_bytes(*field) for field in layout), dtype=torch.uint8, device=device)
+        views = _packed_views(storage, layout)
+        for view, empty in zip(views, (-1, -1, float("inf"), -1, -1, -1, 0.0, -1), strict=True):
             view.fill_(empty)
-        return cls(gpu=views["gpu"], local=views["local"], cum_share=views["cum_share"],
-                   copy_expert=views["copy_expert"], copy_gpu=views["copy_gpu"], copy_col=views["copy_col"],
-                   copy_step=views["copy_step"], single_gpu=views["single_gpu"], num_gpus=num_gpus, slots=slots,
-                   storage=storage)
+        gpu, local, cum_share, copy_expert, copy_gpu, copy_col, copy_step, single_gpu = views
+        return cls(gpu, local, cum_share, copy_expert, copy_gpu, copy_col, copy_step, single_gpu, num_gpus, slots,
+                   storage)
 
     @classmethod
     def of(cls, table: RoutingTable, device: torch.device | str, replicas: int | None = None) -> DeviceRoutingTable:
@@ -307,12 +290,16 @@ class DeviceRoutingTable:
         return [ReplicaCopies(self.copy_expert[layer], self.copy_gpu[layer], self.copy_col[layer],
                               self.copy_step[layer], self.single_gpu[layer]) for layer in range(self.num_layers)]
 
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        """The table's tensors in packing order (the order of the fields)."""
+        return (self.gpu, self.local, self.cum_share, self.copy_expert, self.copy_gpu, self.copy_col,
+                self.copy_step, self.single_gpu)
+
     def _host_staging(self) -> torch.Tensor:
-        """The host bytes :meth:`load` writes the next table into: pinned and kept on a GPU (after
-        the previous copy from them has run), a new CPU tensor elsewhere."""
-        assert self.storage is not None
+        """The bytes :meth:`load` writes the next table into: on a GPU a pinned host buffer, kept and
+        reused once the previous copy from it has run; on the CPU the table's own storage."""
         if not self.storage.is_cuda:
-            return torch.empty_like(self.storage)
+            return self.storage
         if self._staging is None:
             return torch.empty(self.storage.shape, dtype=torch.uint8, pin_memory=True)
         host, done = self._staging
@@ -337,20 +324,14 @@ class DeviceRoutingTable:
         listed = list_replica_copies(table.gpu, self.copy_expert.shape[1])  # raises before any copy
         values = (np.pad(table.gpu, pad, constant_values=-1), np.pad(table.local, pad, constant_values=-1),
                   np.pad(table.cum_share, pad, constant_values=np.inf), *listed)
-        targets = (self.gpu, self.local, self.cum_share, self.copy_expert, self.copy_gpu, self.copy_col,
-                   self.copy_step, self.single_gpu)
-        if self.storage is None:  # tensors made elsewhere: one copy each
-            for target, value in zip(targets, values, strict=True):
-                target.copy_(torch.from_numpy(value).to(target.dtype))
-        else:  # one host→device copy of the whole table (on a GPU from pinned memory: queued, no wait)
-            host = self._host_staging()
-            for view, value in zip(_packed_views(host, _fields_of(targets)).values(), values, strict=True):
-                view.copy_(torch.from_numpy(value).to(view.dtype))
-            self.storage.copy_(host, non_blocking=self.storage.is_cuda)
-            if self.storage.is_cuda:
-                done = torch.cuda.Event()
-                done.record()
-                self._staging = (host, done)
+        host = self._host_staging()
+        for view, value in zip(_packed_views(host, [(t.shape, t.dtype) for t in self._tensors()]), values, strict=True):
+            view.copy_(torch.from_numpy(value).to(view.dtype))
+        if self.storage.is_cuda:  # one host→device copy of the whole table, queued (pinned), no wait
+            self.storage.copy_(host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self._staging = (host, done)
         self.plan_id = table.plan_id
 
 
