@@ -98,7 +98,7 @@ def write_config(path: Path, checkpoint: Path, device: str, tau: float, profile:
 
 
 async def load_samples(url: str, prompt: str, concurrency: int, duration: float, warmup: float,
-                       max_tokens: int) -> dict[str, Any]:
+                       max_tokens: int, pool_limit: int = 0) -> dict[str, Any]:
     """Closed-loop streaming clients; per request TTFT and the gaps between chunks that carry text
 (a token that ends inside a UTF-8 character carries none), tokens from ``usage`` (after warm-up):
 the raw samples (:func:`summarise_load` makes the figures)."""
@@ -138,7 +138,8 @@ the raw samples (:func:`summarise_load` makes the figures)."""
                 itl.extend(b - a for a, b in itertools.pairwise(stamps))
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
-    connector = aiohttp.TCPConnector(limit=0)  # no pool cap: every client its own connection
+    # 0: no pool cap, every client its own connection (aiohttp's default, 100, held "256 streams" to ~100)
+    connector = aiohttp.TCPConnector(limit=pool_limit)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         await asyncio.gather(*(client(session) for _ in range(concurrency)))
     return {"requests": done, "errors": errors, "tokens": tokens, "measured_s": time.perf_counter() - count_from,
@@ -168,25 +169,26 @@ async def load(url: str, prompt: str, concurrency: int, duration: float, warmup:
     return summarise_load([await load_samples(url, prompt, concurrency, duration, warmup, max_tokens)])
 
 
-def _load_in_process(args: tuple[str, str, int, float, float, int]) -> dict[str, Any]:
+def _load_in_process(args: tuple[str, str, int, float, float, int, int]) -> dict[str, Any]:
     return asyncio.run(load_samples(*args))
 
 
 def load_processes(url: str, prompt: str, concurrency: int, duration: float, warmup: float, max_tokens: int,
-                   processes: int) -> dict[str, Any]:
+                   processes: int, pool_limit: int = 0) -> dict[str, Any]:
     """The same closed-loop load from ``processes`` client processes (the streams split evenly), so
     that one Python client — parsing every streamed chunk — is not what limits a fast server: on a
     2-core machine one client process and a minimal aiohttp server that emits a token to 256 streams
-    every 3 ms reached 25 k tokens/s of the 85 k offered, the client at 75 % of a core."""
+    every 3 ms took 57 k tokens/s of the 85 k offered, the client at 97 % of a core
+    (``benchmarks/client_capacity.py``, ``results/client_capacity.md``)."""
     if processes <= 1:
-        return asyncio.run(load(url, prompt, concurrency, duration, warmup, max_tokens))
+        return summarise_load([asyncio.run(load_samples(url, prompt, concurrency, duration, warmup, max_tokens, pool_limit))])
     import concurrent.futures
     import multiprocessing
 
     shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
-        parts = list(pool.map(_load_in_process, [(url, prompt, n, duration, warmup, max_tokens) for n in shares if n]))
+        parts = list(pool.map(_load_in_process, [(url, prompt, n, duration, warmup, max_tokens, pool_limit) for n in shares if n]))
     return summarise_load(parts)
 
 
