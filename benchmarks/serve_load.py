@@ -163,12 +163,6 @@ def summarise_load(parts: list[dict[str, Any]]) -> dict[str, Any]:
             "itl_ms_mean": round(1000 * statistics.fmean(itl), 2) if itl else None, "client_processes": len(parts)}
 
 
-async def load(url: str, prompt: str, concurrency: int, duration: float, warmup: float,
-               max_tokens: int) -> dict[str, Any]:
-    """:func:`load_samples` in this process, summarised."""
-    return summarise_load([await load_samples(url, prompt, concurrency, duration, warmup, max_tokens)])
-
-
 def _load_in_process(args: tuple[str, str, int, float, float, int, int]) -> dict[str, Any]:
     return asyncio.run(load_samples(*args))
 
@@ -181,7 +175,7 @@ def load_processes(url: str, prompt: str, concurrency: int, duration: float, war
     every 3 ms took 57 k tokens/s of the 85 k offered, the client at 97 % of a core
     (``benchmarks/client_capacity.py``, ``results/client_capacity.md``)."""
     if processes <= 1:
-        return summarise_load([asyncio.run(load_samples(url, prompt, concurrency, duration, warmup, max_tokens, pool_limit))])
+        return summarise_load([_load_in_process((url, prompt, concurrency, duration, warmup, max_tokens, pool_limit))])
     import concurrent.futures
     import multiprocessing
 
@@ -241,7 +235,7 @@ def serve_and_load(config: Path, model: Path, args: argparse.Namespace, log: Pat
         wait_healthy(proc, url, log, started, 600)
         ready_s = time.perf_counter() - started
         prompt = ("A mixture of experts model sends every token to a few of its many expert networks. " * 4)[:300]
-        result = asyncio.run(load(url, prompt, args.concurrency, args.duration, args.warmup, args.max_tokens))
+        result = load_processes(url, prompt, args.concurrency, args.duration, args.warmup, args.max_tokens, 1)
         result["startup_s"] = round(ready_s, 1)
         result["metrics"] = scrape(url)
         return result
