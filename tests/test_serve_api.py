@@ -521,6 +521,17 @@ def test_incremental_detokenizer_matches_full_decode(tokenizer: Any) -> None:
     detok = IncrementalDetokenizer(tokenizer, [])
     streamed = "".join(detok.push(i) for i in ids) + detok.flush()
     assert streamed == tokenizer.decode(ids, skip_special_tokens=True) == text
+    # After a prompt: tokenizers' DecodeStream and the window decode give the same deltas, which add
+    # up to the text the generated tokens add to the prompt's.
+    prompt = tokenizer.encode("A prompt that ends in a word")
+    streaming = IncrementalDetokenizer(tokenizer, prompt)
+    windows = IncrementalDetokenizer(tokenizer, prompt)
+    assert streaming._stream is not None
+    windows._stream = None
+    deltas = [streaming.push(i) for i in ids]
+    assert deltas == [windows.push(i) for i in ids]
+    full = tokenizer.decode(prompt + ids, skip_special_tokens=True)
+    assert "".join(deltas) + streaming.flush() == full[len(tokenizer.decode(prompt, skip_special_tokens=True)):]
 
 
 def test_sample_tokens_greedy_seeded_and_top_p() -> None:

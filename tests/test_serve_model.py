@@ -162,6 +162,26 @@ def test_rank_local_model_matches_generate(checkpoints: dict[str, Path], family:
     assert drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK) == expected
 
 
+def test_ep_statistics_are_the_last_iterations(checkpoints: dict[str, Path]) -> None:
+    """Every MoE layer overwrites its rows of the expert counts and computed rows each iteration (the
+    worker zeroes nothing between iterations): after a 10-token step, a 1-token step and an empty
+    step, the counts are each step's own."""
+    from vexpert_runtime.serve.hf_model import EPExperts
+
+    reader = checkpoint_reader(checkpoints["qwen3_moe"])
+    executor = EPExperts.from_checkpoint(reader, reader.spec.num_layers, torch.float32, 0, 1, None, "cpu")
+    model = HFStepModel(checkpoints["qwen3_moe"], dtype=torch.float32, kv_cache_tokens=KV_TOKENS, load_experts=False,
+                        executor=executor)
+    top_k = model.top_k
+    for work, tokens in (([SequenceWork(1, tuple(range(1, 11)), 0, (1,))], 10),
+                         ([SequenceWork(1, (4,), 10, (1,))], 1), ([], 0)):
+        executor.counts.fill_(99)  # what an earlier iteration could have left
+        executor.computed.fill_(99)
+        model.step(work)
+        assert executor.counts.sum(1).tolist() == [tokens * top_k] * len(model.moe_layers)
+        assert executor.computed.sum(1).tolist() == [tokens * top_k] * len(model.moe_layers)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_kv_bytes_per_token_counts_the_cache(checkpoints: dict[str, Path], family: str) -> None:
     """MLA caches the compressed latent + rotary key per token, GQA keys and values; a step writes

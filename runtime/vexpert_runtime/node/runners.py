@@ -394,6 +394,6 @@ class ServingRunner:
         # One device table for every serving iteration, static or plan, loaded in place: a captured
         # graph reads whatever it holds.
         self.serving.experts.table = _loaded(ctx.tables.plan, table)
-        ctx.stats.all.zero_()
+        # no zeroing: every MoE layer writes its rows of the statistics each iteration (EPExperts.forward)
         graphed = self.serving.run_iteration(ctx.stats.counts, ctx.stats.computed)
         return IterationOutput(hidden=None, graphed=graphed)

@@ -218,10 +218,10 @@ class EPExperts:
         self.hooks = hooks
         self.max_tokens = max_tokens
         self.format = format
-        # Rows computed per local expert [L, E/N + S], accumulated on the device (read when it suits).
+        # Rows computed per local expert [L, E/N + S], of the last iteration, on the device (read when it suits).
         self.computed = torch.zeros(len(self.resident), table.experts_per_gpu + table.slots, dtype=torch.int64,
                                     device=self.resident[0].device)
-        # Tokens routed to each logical expert [L, E] (this rank's; the allocator's input once all-reduced).
+        # Tokens routed to each logical expert [L, E] in the last iteration (this rank's; the allocator's input once all-reduced).
         self.counts = torch.zeros(len(self.resident), num_experts, dtype=torch.int64, device=self.resident[0].device)
         self.last_stats: LayerStats | None = None
         # Run the EP layer's bookkeeping compiled (:mod:`~vexpert_runtime.model.fusion`): set with CUDA graphs.
@@ -273,9 +273,14 @@ class EPExperts:
                 after_compute=None if hooks is None else (lambda: hooks.release(moe_layer)),
                 dispatch=self.dispatch, compiled=self.compiled,
             )
-        self.computed[moe_layer] += stats.computed
+        # The iteration's statistics are written, not accumulated: every MoE layer runs exactly once
+        # per iteration (also with no tokens), so no memset has to precede an iteration (on a GPU
+        # these are kernels inside the step's graph, not one more launch).
+        self.computed[moe_layer].copy_(stats.computed)
         flat = ids.reshape(-1).to(torch.int64)
-        self.counts[moe_layer].scatter_add_(0, flat, torch.ones_like(flat) if counted is None else counted)
+        row = self.counts[moe_layer]
+        row.zero_()
+        row.scatter_add_(0, flat, torch.ones_like(flat) if counted is None else counted)
         self.last_stats = stats
         return y
 

@@ -214,7 +214,7 @@ class ServingRank:
     def run_iteration(self, counts: torch.Tensor, computed: torch.Tensor) -> bool:
         """One scheduler iteration (an empty step when idle: the MoE layers are collectives);
         this iteration's expert counts [L, E] and rows per local expert [L, E/N + S] land in
-        ``counts`` / ``computed`` (device tensors the caller zeroed). Whether it replayed a CUDA graph."""
+        ``counts`` / ``computed`` (device tensors every MoE layer overwrites its row of). Whether it replayed a CUDA graph."""
         self.experts.counts = counts
         self.experts.computed = computed
         graphs = self.model.graphs

@@ -95,9 +95,10 @@ def scheduler_pool(model: StepModel, config: SchedulerConfig) -> BlockPool:
     return BlockPool(min(model.kv_num_blocks, cap), size)
 
 
-@dataclass(eq=False)  # identity: a deque.remove must find this very sequence
+@dataclass(eq=False, slots=True)  # identity: a deque.remove must find this very sequence
 class _Sequence:
-    """A request's state inside the scheduler."""
+    """A request's state inside the scheduler (read for every sequence of every iteration: plain
+    slotted fields, no properties on the hot path)."""
 
     seq_id: int
     request: GenerationRequest
@@ -105,6 +106,8 @@ class _Sequence:
     detokenizer: IncrementalDetokenizer
     stop: StopChecker
     seed: int
+    prompt_len: int = 0
+    max_tokens: int = 0
     computed: int = 0  # tokens the model holds in its KV cache (or will, once the launched steps are done)
     admitted: bool = False
     output: list[int] = field(default_factory=list)
@@ -114,38 +117,30 @@ class _Sequence:
     holds_blocks: bool = False  # reserved in the pool (from admission until released)
     finished: bool = False
 
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.prompt_ids)
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.request.prompt_ids)
+        self.max_tokens = self.request.params.max_tokens
 
     @property
     def reservation(self) -> int:
         """KV tokens this sequence may come to hold."""
-        return self.prompt_len + self.request.params.max_tokens
-
-    @property
-    def decoding(self) -> bool:
-        """Whether the prompt is in the cache and the next step feeds the last sampled token."""
-        return self.computed >= self.prompt_len
-
-    @property
-    def generated(self) -> int:
-        """Tokens sampled so far, read or not."""
-        return len(self.output) + self.pending
+        return self.prompt_len + self.max_tokens
 
     def sampling(self) -> SamplingSpec:
         params = self.request.params
-        return SamplingSpec(params.temperature, params.top_p, self.seed, self.generated)
+        return SamplingSpec(params.temperature, params.top_p, self.seed, len(self.output) + self.pending)
 
     def last_pending(self, max_context: int) -> bool:
         """Whether the token still being sampled is this sequence's last (length or context limit)."""
-        return self.pending > 0 and (self.generated >= self.request.params.max_tokens
-                                 or self.prompt_len + self.generated >= max_context)
+        if not self.pending:
+            return False
+        generated = len(self.output) + self.pending
+        return generated >= self.max_tokens or self.prompt_len + generated >= max_context
 
     def decode_work(self, pool: BlockPool) -> SequenceWork:
         blocks = pool.grow(self.seq_id, self.computed + 1)
         if self.pending:  # its token is on the device, sampled by the step still running
-            return SequenceWork(self.seq_id, (0,), self.computed, tuple(blocks), self.sampling(), fed=self.sample_row)
+            return SequenceWork(self.seq_id, (0,), self.computed, tuple(blocks), self.sampling(), self.sample_row)
         return SequenceWork(self.seq_id, (self.output[-1],), self.computed, tuple(blocks), self.sampling())
 
     def prefill_work(self, budget: int, pool: BlockPool) -> SequenceWork:
@@ -363,19 +358,24 @@ class Scheduler:
         """This iteration's batch: decodes first, then prompt chunks, then admissions."""
         budget = self.config.max_batch_tokens
         batch: list[tuple[_Sequence, SequenceWork]] = []
+        prefilling: list[_Sequence] = []
+        pool, max_context = self.pool, self.model.max_context
         for seq in self._running.values():
-            if seq.decoding and not seq.last_pending(self.model.max_context):
-                batch.append((seq, seq.decode_work(self.pool)))
-                budget -= 1
-        for seq in self._running.values():
-            if not seq.decoding and budget > 0:
-                item = seq.prefill_work(budget, self.pool)
-                batch.append((seq, item))
-                budget -= len(item.tokens)
+            if seq.computed < seq.prompt_len:
+                prefilling.append(seq)
+            elif not seq.last_pending(max_context):
+                batch.append((seq, seq.decode_work(pool)))
+        budget -= len(batch)
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            item = seq.prefill_work(budget, pool)
+            batch.append((seq, item))
+            budget -= len(item.tokens)
         while budget > 0 and self._waiting and self._can_admit(self._waiting[0]):
             seq = self._waiting.popleft()
             self._admit(seq)
-            item = seq.prefill_work(budget, self.pool)
+            item = seq.prefill_work(budget, pool)
             batch.append((seq, item))
             budget -= len(item.tokens)
         return batch
@@ -396,14 +396,15 @@ class Scheduler:
             log.error("sampling failed for %s: token %d", seq.request.request_id, token)
             self._finish(seq, "error", error="sampling failed")
             return
-        seq.output.append(token)
+        output = seq.output
+        output.append(token)
         if token in self.eos_ids and not params.ignore_eos:
             self._finish(seq, "stop", text=self._flush_text(seq))
             return
         text, stopped = seq.stop.push(seq.detokenizer.push(token))
         if stopped:
             self._finish(seq, "stop", text=text)
-        elif len(seq.output) >= params.max_tokens or seq.prompt_len + len(seq.output) >= self.model.max_context:
+        elif len(output) >= seq.max_tokens or seq.prompt_len + len(output) >= self.model.max_context:
             tail, stopped = seq.stop.push(seq.detokenizer.flush())
             text += tail if stopped else tail + seq.stop.flush()
             self._finish(seq, "stop" if stopped else "length", text=text)

@@ -24,8 +24,12 @@ from typing import Protocol
 
 import torch
 
+# SamplingSpec and SequenceWork are made for every sequence of every iteration (hundreds per few
+# milliseconds on the serving loop's thread): plain slotted dataclasses, whose construction costs a
+# fifth of a frozen one's. Nothing changes them once made.
 
-@dataclass(frozen=True)
+
+@dataclass(slots=True)
 class SamplingSpec:
     """How to pick a sequence's next token: greedy below a tiny temperature, else temperature +
     top-p. ``seed`` and ``draw`` (how many tokens the sequence sampled before) make the draw a pure
@@ -37,7 +41,7 @@ class SamplingSpec:
     draw: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SequenceWork:
     """One sequence's share of an iteration.
 
