@@ -212,14 +212,16 @@ def host_sampler(pid: int, args: argparse.Namespace, out: Path) -> subprocess.Po
         print("py-spy not found (PATH or $PYSPY): no host profile", file=sys.stderr)
         return None
     idle = "--idle " if args.pyspy_idle else ""  # waits too (sleeping, blocked on a lock or the GPU)
-    command = (f"sleep {args.warmup + 1}; exec {exe} record --pid {pid} --subprocesses --nonblocking --function --rate 500 {idle}"
+    command = (f"sleep {args.warmup + 1}; exec {exe} record --pid {pid} --subprocesses --nonblocking --function --threads "
+               f"--rate 500 {idle}"
                f"--format raw --duration {int(args.pyspy)} -o {out}")
     return subprocess.Popen(["bash", "-c", command], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
 def summarise_host_profile(path: Path, top: int = 40) -> dict[str, Any]:
-    """Per process, the functions with the most samples on the stack (inclusive) and on top (self),
-    from py-spy's raw (collapsed) output: ``frame;frame;… count`` lines."""
+    """Per process and thread, the functions with the most samples on the stack (inclusive) and on top
+    (self), from py-spy's raw (collapsed) output: ``process …;thread (tid): name;frame;… count`` lines
+    (key: the pid and the thread; a worker's serving loop is the thread whose frames include ``_loop``)."""
     if not path.exists():
         return {}
     inclusive: dict[str, dict[str, int]] = {}
@@ -230,15 +232,19 @@ def summarise_host_profile(path: Path, top: int = 40) -> dict[str, Any]:
         if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
-        process = frames[0][:60]
+        process = frames[0].partition(":")[0]  # "process <pid>"
+        body = frames[1:]
+        if body and body[0].startswith("thread "):
+            process, body = f"{process} {body[0]}", body[1:]
         n = int(count)
         totals[process] = totals.get(process, 0) + n
         seen = set()
-        for frame in frames[1:]:
+        for frame in body:
             if frame not in seen:
                 seen.add(frame)
                 inclusive.setdefault(process, {})[frame] = inclusive.setdefault(process, {}).get(frame, 0) + n
-        own.setdefault(process, {})[frames[-1]] = own.setdefault(process, {}).get(frames[-1], 0) + n
+        if body:
+            own.setdefault(process, {})[body[-1]] = own.setdefault(process, {}).get(body[-1], 0) + n
 
     def ranked(table: dict[str, int], total: int) -> list[tuple[str, float]]:
         return [(name, round(n / total, 3)) for name, n in sorted(table.items(), key=lambda kv: -kv[1])[:top]]
