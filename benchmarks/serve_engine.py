@@ -232,8 +232,12 @@ def summarise_host_profile(path: Path, top: int = 40) -> dict[str, Any]:
         if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
-        process = frames[0].partition(":")[0]  # "process <pid>"
-        body = frames[1:]
+        # --subprocesses nests a child's frames under its parent's: "process <root>:…;process <child>:…;thread …"
+        # (a command line may hold ";": only frames that start a process or thread count as such)
+        heads = [i for i, f in enumerate(frames) if f.startswith("process ") and f.partition(":")[0][8:].isdigit()]
+        at = heads[-1] if heads else 0
+        process = frames[at].partition(":")[0]
+        body = [f for f in frames[at + 1:] if not f.startswith(" spawn_main")]
         if body and body[0].startswith("thread "):
             process, body = f"{process} {body[0]}", body[1:]
         n = int(count)

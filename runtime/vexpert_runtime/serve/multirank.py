@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from vexpert_runtime.errors import VExpertInputError
@@ -106,8 +106,7 @@ class MultiRankDispatcher:
                 with self._lock:
                     self._loads[msg.rank] = msg.load
             elif isinstance(msg, RankEvent):
-                for event in msg.events:
-                    self._route(event)
+                EventChannel.put_all(self._route(msg.events))
             elif isinstance(msg, RankAccepted):
                 for request_id in msg.request_ids:
                     self._resolve(request_id, None)
@@ -151,17 +150,22 @@ class MultiRankDispatcher:
             error = ServeRefusal(msg.status, msg.message, msg.retry_after_s, msg.code)
         self._resolve(msg.request_id, error)
 
-    def _route(self, event: Event) -> None:
-        if event.finished:
-            self._resolve(event.request_id, None)  # failed before the acceptance was seen
+    def _route(self, events: Sequence[Event]) -> list[tuple[EventChannel, Event]]:
+        """Where each of a rank's events goes (events of requests cancelled meanwhile go nowhere);
+        a finishing event takes its request off the books."""
+        deliveries = []
+        for event in events:
+            if event.finished:
+                self._resolve(event.request_id, None)  # failed before the acceptance was seen
         with self._lock:
-            entry = self._channels.get(event.request_id)
-            if entry is not None and event.finished:
-                self._forget(event.request_id)
-        if entry is None:
-            return  # cancelled meanwhile
-        with contextlib.suppress(RuntimeError):  # the client's event loop is gone
-            entry[1].put(event)
+            for event in events:
+                entry = self._channels.get(event.request_id)
+                if entry is None:
+                    continue  # cancelled meanwhile
+                if event.finished:
+                    self._forget(event.request_id)
+                deliveries.append((entry[1], event))
+        return deliveries
 
     # -- Dispatcher ---------------------------------------------------------------------------
 
