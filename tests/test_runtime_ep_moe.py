@@ -362,3 +362,26 @@ def test_replicas_split_tokens_so_gpus_balance(ep_results: Any) -> None:
     assert static < 0.7
     assert balanced >= static + 0.15
     assert balanced >= float(plan.balance_predicted[0]) - 0.1  # the split realises the plan's shares
+
+
+def test_prepacked_cpu_experts_compute_the_packed_rows_experts() -> None:
+    """oneDNN-prepacked experts (what a CPU rank keeps) give the expert loop's outputs over the packed
+    rows (up to fp32 rounding), with empty groups and rows past the last group; a CPU EP rank's
+    resident experts are prepacked, a GPU's rows stay rows."""
+    from vexpert_runtime.model.grouped_moe import PrepackedExperts, grouped_swiglu, packed_views, prepacking_runs
+
+    if not prepacking_runs(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no oneDNN")
+    torch.manual_seed(0)
+    experts, inter, hidden = 5, 6, 8
+    rows = torch.randn(experts, 3 * inter * hidden)
+    prepacked = PrepackedExperts.of(rows, inter, hidden)
+    assert len(prepacked) == experts
+    x = torch.randn(13, hidden)
+    offs = torch.tensor([2, 2, 5, 9, 11], dtype=torch.int32)  # expert 1 empty; rows 11–12 past the groups
+    got = prepacked.swiglu(x, offs)
+    want = grouped_swiglu(x, *packed_views(rows, inter, hidden), offs, grouped=False)
+    torch.testing.assert_close(got[:11], want[:11])
+    assert not torch.equal(got[:11], torch.zeros_like(got[:11]))
+    assert not prepacking_runs(torch.device("cpu"), torch.bfloat16)
+    assert not prepacking_runs(torch.device("cuda"), torch.float32)

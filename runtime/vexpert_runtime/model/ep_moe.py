@@ -43,6 +43,7 @@ from vexpert_runtime.model.dispatch import DispatchMode, dispatch_cum_share
 from vexpert_runtime.model.expert_format import ExpertFormat
 from vexpert_runtime.model.grouped_moe import (
     GROUP_ALIGN,
+    PrepackedExperts,
     group_counts,
     group_layout,
     grouped_swiglu,
@@ -512,7 +513,7 @@ class ExpertStacks:
     [S, D] (local index E/N + s is slot s), with the expert FFN's intermediate size and, for rows
     that are not dense rows of the compute dtype (block FP8), their format."""
 
-    resident: torch.Tensor
+    resident: torch.Tensor | PrepackedExperts  # rows, or (CPU) the same experts prepacked for oneDNN
     slots: torch.Tensor | None
     intermediate: int
     grouped: bool | None = None  # force (True/False) the grouped-GEMM path; None: where it runs
@@ -534,8 +535,11 @@ def stacked_outputs(buf: torch.Tensor, resident_offs: torch.Tensor, slot_offs: t
     Both hooks are called on every call, also when no row goes to a slot."""
     hidden = buf.shape[1]
     out = torch.empty_like(buf)
-    w13, w2 = stacks.weights(stacks.resident, hidden)
-    out[:resident_rows] = grouped_swiglu(buf[:resident_rows], w13, w2, resident_offs, grouped=stacks.grouped)
+    if isinstance(stacks.resident, PrepackedExperts):
+        out[:resident_rows] = stacks.resident.swiglu(buf[:resident_rows], resident_offs)
+    else:
+        w13, w2 = stacks.weights(stacks.resident, hidden)
+        out[:resident_rows] = grouped_swiglu(buf[:resident_rows], w13, w2, resident_offs, grouped=stacks.grouped)
     if slot_wait is not None:
         slot_wait()
     if slot_offs.numel():
