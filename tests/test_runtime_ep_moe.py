@@ -368,7 +368,12 @@ def test_prepacked_cpu_experts_compute_the_packed_rows_experts() -> None:
     """oneDNN-prepacked experts (what a CPU rank keeps) give the expert loop's outputs over the packed
     rows (up to fp32 rounding), with empty groups and rows past the last group; a CPU EP rank's
     resident experts are prepacked, a GPU's rows stay rows."""
-    from vexpert_runtime.model.grouped_moe import PrepackedExperts, grouped_swiglu, packed_views, prepacking_runs
+    from vexpert_runtime.model.grouped_moe import (
+        PrepackedExperts,
+        grouped_swiglu,
+        packed_views,
+        prepacking_runs,
+    )
 
     if not prepacking_runs(torch.device("cpu"), torch.float32):
         pytest.skip("this torch has no oneDNN")
@@ -385,3 +390,7 @@ def test_prepacked_cpu_experts_compute_the_packed_rows_experts() -> None:
     assert not torch.equal(got[:11], torch.zeros_like(got[:11]))
     assert not prepacking_runs(torch.device("cpu"), torch.bfloat16)
     assert not prepacking_runs(torch.device("cuda"), torch.float32)
+    from vexpert_runtime.serve.hf_model import EPExperts
+
+    executor = EPExperts([rows, rows.clone()], inter, experts, 0, 1, None)
+    assert all(isinstance(layer, PrepackedExperts) and len(layer) == experts for layer in executor.resident)

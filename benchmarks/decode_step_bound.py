@@ -1,0 +1,108 @@
+"""A pure decode step on a GPU beside the bytes it must read: how far the graphed step is from HBM bandwidth.
+
+Served iterations mix decodes with the prompt chunks of requests that replace finished ones, so a traced
+serving iteration (``serve_engine.py --profile-streams``) is not the decode step the HBM bound describes.
+This builds what a serving rank runs — :class:`~vexpert_runtime.serve.hf_model.HFStepModel` with the EP
+layer on one rank (:class:`~vexpert_runtime.serve.hf_model.EPExperts`), its pieces compiled, CUDA graphs per
+token bucket — on ``serve_engine.py``'s checkpoint, and times ``--iters`` back-to-back launches of one
+decode step of B sequences at context ``--context`` (the same step relaunched: it rewrites the same KV
+slots) between two CUDA events, after warm-up (``launch_span_ms``: with the host's input fill between
+steps), then the bucket's graph alone, replayed back to back on the same inputs (``graph_ms``: the GPU's
+time for the step). The bound is ``serve_engine.hbm_bound``: non-embedding weights (every expert hit) + the batch's
+embedding rows + the KV cache at that context, ÷ 4.8 TB/s.
+
+    python benchmarks/decode_step_bound.py --batches 16 64 256 --context 96 --out out/decode_step_bound.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+
+from serve_engine import hbm_bound
+from serve_load import write_model
+
+from vexpert_runtime.serve.demo_model import ensure_demo_model
+from vexpert_runtime.serve.hf_model import EPExperts, HFStepModel
+from vexpert_runtime.serve.kv_cache import BlockPool
+from vexpert_runtime.serve.step import SamplingSpec, SequenceWork
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", type=Path, default=Path(".cache/bench-ds3"), help="written once, reused")
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--context", type=int, default=96, help="tokens each sequence holds")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--max-batch-tokens", type=int, default=512)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if not (args.model_dir / "config.json").exists():
+        write_model(args.model_dir, ensure_demo_model(Path("/tmp/vexpert-demo-model")), args.layers, args.experts,
+                    small=False, device="cuda")
+    max_seqs = max(args.batches)
+    model = HFStepModel(args.model_dir, device="cuda", dtype=torch.bfloat16,
+                        kv_cache_tokens=max_seqs * (args.context + 32))
+    model.executor = EPExperts.for_model(model, 0, 1, None, max_tokens=args.max_batch_tokens)
+    model.drop_expert_weights()
+    stream = torch.cuda.Stream()
+    results = []
+    with torch.cuda.stream(stream):
+        model.compile_pieces()
+        model.enable_cuda_graphs(args.max_batch_tokens, max_seqs, stream)
+        pool = BlockPool(model.kv_num_blocks, model.kv_block_size)
+        for seq in range(max_seqs):
+            pool.reserve(seq, args.context + 1)
+        blocks = [tuple(pool.grow(seq, args.context + 1)) for seq in range(max_seqs)]
+        for batch in args.batches:
+            work = [SequenceWork(seq, (seq % 100 + 3,), args.context, blocks[seq], SamplingSpec(draw=1))
+                    for seq in range(batch)]
+            for _ in range(5):
+                model.step(work)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            host = time.perf_counter()
+            start.record(stream)
+            for _ in range(args.iters):
+                model.launch(work)
+            end.record(stream)
+            host_ms = (time.perf_counter() - host) / args.iters * 1e3
+            end.synchronize()
+            step_ms = start.elapsed_time(end) / args.iters
+            # The graph alone: its replays back to back on the inputs the last launch copied (no host work
+            # between them), i.e. the GPU's time for the step.
+            graphs = model.graphs
+            assert graphs is not None
+            graph, _ = graphs.graphs[(next(b for b in graphs.buckets if b >= batch), False)]
+            start.record(stream)
+            for _ in range(args.iters):
+                graph.replay()
+            end.record(stream)
+            end.synchronize()
+            graph_ms = start.elapsed_time(end) / args.iters
+            bound = hbm_bound(args.model_dir, batch, args.context)
+            row = {"batch": batch, "context": args.context, "graph_ms": round(graph_ms, 3),
+                   "launch_span_ms": round(step_ms, 3), "host_launch_ms": round(host_ms, 3),
+                   "bound_ms": bound["bound_ms"], "graph_over_bound": round(graph_ms / bound["bound_ms"], 2),
+                   "bytes": bound["bytes"]}
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                        "rows": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
