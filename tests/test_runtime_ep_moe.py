@@ -394,3 +394,19 @@ def test_prepacked_cpu_experts_compute_the_packed_rows_experts() -> None:
 
     executor = EPExperts([rows, rows.clone()], inter, experts, 0, 1, None)
     assert all(isinstance(layer, PrepackedExperts) and len(layer) == experts for layer in executor.resident)
+
+
+@pytest.mark.parametrize(("pairs", "groups"), [(0, 4), (1, 1), (37, 3), (500, 9), (5000, 300)])
+def test_rank_in_group_is_a_stable_sorts_rank(pairs: int, groups: int) -> None:
+    """Sort-free ranks (one-hot prefix sums; the last case is past the limit, so it sorts) equal the
+    ranks a stable sort by group gives, padding value ``groups`` included."""
+    from vexpert_runtime.model.grouped_moe import _ONE_HOT_LIMIT, rank_in_group
+
+    assert 500 * 10 <= _ONE_HOT_LIMIT < 5000 * 301
+    generator = torch.Generator().manual_seed(pairs)
+    group = torch.randint(0, groups + 1, (pairs,), generator=generator)
+    want = torch.empty_like(group)
+    for value in range(groups + 1):
+        members = (group == value).nonzero().view(-1)
+        want[members] = torch.arange(members.numel())
+    assert torch.equal(rank_in_group(group, groups), want)

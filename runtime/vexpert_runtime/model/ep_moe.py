@@ -49,6 +49,7 @@ from vexpert_runtime.model.grouped_moe import (
     grouped_swiglu,
     packed_views,
     padded_capacity,
+    rank_in_group,
     uses_grouped_gemm,
 )
 from vexpert_runtime.model.levelling import ReplicaCopies, copies_capacity, list_replica_copies
@@ -358,10 +359,7 @@ def choose_replicas(
     if gpu.shape[1] == 1 or flat.numel() == 0:
         return gpu[flat, 0].view_as(ids), local[flat, 0].view_as(ids)
     count = group_counts(flat, num_experts)
-    order = torch.argsort(flat, stable=True)
-    start = count.cumsum(0) - count
-    position = torch.empty_like(flat)
-    position.scatter_(0, order, torch.arange(flat.numel(), device=flat.device) - start[flat[order]])
+    position = rank_in_group(flat, num_experts)
     u = torch.frac((position.to(torch.float64) + 0.5) / count[flat].to(torch.float64) + rank / world)
     copy = (cum_share[flat] <= u.unsqueeze(1)).sum(1)
     return gpu[flat, copy].view_as(ids), local[flat, copy].view_as(ids)
@@ -376,11 +374,7 @@ def send_rows(dest_gpu: torch.Tensor, world: int, capacity: int) -> torch.Tensor
 
     Args: dest_gpu [P] int64 in [0, N). Returns [P] int64 in [0, N·C].
     """
-    per_dest = group_counts(dest_gpu, world)
-    order = torch.argsort(dest_gpu, stable=True)
-    first = per_dest.cumsum(0) - per_dest
-    rank_in_dest = torch.empty_like(dest_gpu)
-    rank_in_dest.scatter_(0, order, torch.arange(dest_gpu.numel(), device=dest_gpu.device) - first[dest_gpu[order]])
+    rank_in_dest = rank_in_group(dest_gpu, world)
     return torch.where(rank_in_dest < capacity, dest_gpu * capacity + rank_in_dest, world * capacity)
 
 

@@ -133,6 +133,32 @@ def group_counts(group: torch.Tensor, num_groups: int) -> torch.Tensor:
     return counts[:num_groups]
 
 
+# Above this many one-hot elements (pairs × groups) rank_in_group sorts instead: the one-hot scan's memory and
+# time grow with both, a sort's only with the pairs (a shape-only choice: graph-safe).
+_ONE_HOT_LIMIT = 1 << 20
+
+
+def rank_in_group(group: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Each entry's rank within its group, in input order: how many earlier entries of ``group`` [P]
+    (values in [0, num_groups]) have its value; [P] int64. What a stable sort by group gives, without
+    the sort (a radix sort is several kernels per call on a GPU, and the EP layer needs three such
+    ranks per MoE layer): the exclusive prefix sum of the entries' one-hot rows [P, num_groups + 1]
+    (above ``_ONE_HOT_LIMIT`` elements, the stable sort). No host sync either way."""
+    pairs = group.numel()
+    if pairs * (num_groups + 1) > _ONE_HOT_LIMIT:
+        order = torch.argsort(group, stable=True)
+        counts = torch.zeros(num_groups + 1, dtype=torch.int64, device=group.device)
+        counts.scatter_add_(0, group, torch.ones_like(group))
+        first = counts.cumsum(0) - counts
+        rank = torch.empty_like(group)
+        rank.scatter_(0, order, torch.arange(pairs, device=group.device) - first[group[order]])
+        return rank
+    column = group.view(-1, 1)
+    one_hot = torch.zeros(pairs, num_groups + 1, dtype=torch.int32, device=group.device).scatter_(1, column, 1)
+    before = one_hot.cumsum(0, dtype=torch.int32) - one_hot
+    return before.gather(1, column).view(-1).to(torch.int64)
+
+
 def group_layout(local_expert: torch.Tensor, num_groups: int, align: int = GROUP_ALIGN,
                  capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Where each routed pair goes in the expert-sorted, group-padded buffer (no host sync).
@@ -154,12 +180,7 @@ def group_layout(local_expert: torch.Tensor, num_groups: int, align: int = GROUP
     ends = padded.cumsum(0)
     # Uncomputed pairs form one last, unpadded group after the real ones.
     starts = torch.cat([ends - padded, ends[-1:] if num_groups else ends.new_zeros(1)])
-    first = torch.cat([counts.cumsum(0) - counts, counts.sum().view(1)])
-    order = torch.argsort(local_expert, stable=True)
-    sorted_group = local_expert[order]
-    rank_in_group = torch.empty_like(local_expert)
-    rank_in_group.scatter_(0, order, torch.arange(local_expert.numel(), device=local_expert.device) - first[sorted_group])
-    position = starts[local_expert] + rank_in_group
+    position = starts[local_expert] + rank_in_group(local_expert, num_groups)
     if capacity is not None:
         total = int(ends[-1]) if num_groups else 0  # host sync: only where a caller asks for the check
         if total > capacity:
