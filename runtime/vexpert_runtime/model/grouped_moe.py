@@ -12,6 +12,7 @@ arithmetic runs as a loop over experts (the CPU twin and the reference in tests)
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,16 +69,26 @@ class PrepackedExperts:
     def swiglu(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """:func:`grouped_swiglu`'s loop over these experts: x [M, H] sorted by expert, groups ending
         at ``offs`` [E]; rows past offs[-1] are undefined."""
-        linear = torch.ops.mkldnn._linear_pointwise
-        inter = self.intermediate
-        out = torch.zeros_like(x)
-        start = 0
-        for e, end in enumerate(offs.tolist()):
-            if end > start:
-                h = linear(x[start:end], self.w13[e], None, "none", [], "")
-                out[start:end] = linear(F.silu(h[:, :inter]) * h[:, inter:], self.w2[e], None, "none", [], "")
-            start = end
-        return out
+        return _swiglu_loop(x, self.w13, self.w2, offs, self.intermediate, _prepacked_linear)
+
+
+def _prepacked_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return out
+
+
+def _swiglu_loop(x: torch.Tensor, w13: torch.Tensor | Sequence[torch.Tensor],
+                 w2: torch.Tensor | Sequence[torch.Tensor], offs: torch.Tensor, intermediate: int, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """SwiGLU of every expert over its token group, one expert at a time (reads the group ends on the
+    host): ``linear(rows, w13[e])`` then ``linear(act, w2[e])`` per non-empty group."""
+    out = torch.zeros_like(x)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            h = linear(x[start:end], w13[e])
+            out[start:end] = linear(F.silu(h[:, :intermediate]) * h[:, intermediate:], w2[e])
+        start = end
+    return out
 
 
 def grouped_gemm_runs(device: torch.device, dtype: torch.dtype) -> bool:
@@ -110,15 +121,7 @@ def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: t
         act = F.silu(h[:, :intermediate]) * h[:, intermediate:]
         out: torch.Tensor = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)
         return out
-    out = torch.zeros_like(x)
-    ends = offs.tolist()
-    start = 0
-    for e, end in enumerate(ends):
-        if end > start:
-            h = F.linear(x[start:end], w13[e])
-            out[start:end] = F.linear(F.silu(h[:, :intermediate]) * h[:, intermediate:], w2[e])
-        start = end
-    return out
+    return _swiglu_loop(x, w13, w2, offs, intermediate, F.linear)
 
 
 def group_counts(group: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -147,8 +150,7 @@ def rank_in_group(group: torch.Tensor, num_groups: int) -> torch.Tensor:
     pairs = group.numel()
     if pairs * (num_groups + 1) > _ONE_HOT_LIMIT:
         order = torch.argsort(group, stable=True)
-        counts = torch.zeros(num_groups + 1, dtype=torch.int64, device=group.device)
-        counts.scatter_add_(0, group, torch.ones_like(group))
+        counts = group_counts(group, num_groups + 1)  # the value num_groups counted too
         first = counts.cumsum(0) - counts
         rank = torch.empty_like(group)
         rank.scatter_(0, order, torch.arange(pairs, device=group.device) - first[group[order]])

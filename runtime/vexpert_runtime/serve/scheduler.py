@@ -106,8 +106,8 @@ class _Sequence:
     detokenizer: IncrementalDetokenizer
     stop: StopChecker
     seed: int
-    prompt_len: int = 0
-    max_tokens: int = 0
+    prompt_len: int = field(init=False)  # len(request.prompt_ids), kept: read every iteration
+    max_tokens: int = field(init=False)  # request.params.max_tokens, likewise
     computed: int = 0  # tokens the model holds in its KV cache (or will, once the launched steps are done)
     admitted: bool = False
     output: list[int] = field(default_factory=list)
@@ -126,15 +126,20 @@ class _Sequence:
         """KV tokens this sequence may come to hold."""
         return self.prompt_len + self.max_tokens
 
+    @property
+    def generated(self) -> int:
+        """Tokens sampled so far, read or not."""
+        return len(self.output) + self.pending
+
     def sampling(self) -> SamplingSpec:
         params = self.request.params
-        return SamplingSpec(params.temperature, params.top_p, self.seed, len(self.output) + self.pending)
+        return SamplingSpec(params.temperature, params.top_p, self.seed, self.generated)
 
     def last_pending(self, max_context: int) -> bool:
         """Whether the token still being sampled is this sequence's last (length or context limit)."""
         if not self.pending:
             return False
-        generated = len(self.output) + self.pending
+        generated = self.generated
         return generated >= self.max_tokens or self.prompt_len + generated >= max_context
 
     def decode_work(self, pool: BlockPool) -> SequenceWork:
