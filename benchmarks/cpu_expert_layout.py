@@ -8,19 +8,101 @@ with ``rows`` tokens per expert, interleaved A/B, medians; fp32, one torch threa
 side-by-side CPU model of ``cpu_serve_compare.py`` (32 experts, hidden 512, moe_intermediate 256).
 
     .venv/bin/python benchmarks/cpu_expert_layout.py --out benchmarks/results/cpu_compare/expert_layout.jsonl
+
+``--model DIR``: whole steps of that checkpoint instead, through the product's ``HFStepModel`` with the EP
+layer on one rank (``EPExperts``: prepacked resident experts) against the same executor holding the packed rows
+(what a CPU rank ran before): a 16-sequence decode step at context 64+ and a 4 × 64-token prefill, interleaved,
+medians; ``--profile`` adds cProfile's top functions of 20 decode steps (prepacked).
+
+    .venv/bin/python benchmarks/cpu_expert_layout.py --model /tmp/cpu-compare/model --profile \
+        --out benchmarks/results/cpu_compare/expert_layout_steps.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
+import random
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from vexpert_runtime.model.ep_moe import base_experts
 from vexpert_runtime.model.grouped_moe import PrepackedExperts, grouped_swiglu, packed_views
+from vexpert_runtime.serve.hf_model import EPExperts, HFStepModel
+from vexpert_runtime.serve.kv_cache import BlockPool
+from vexpert_runtime.serve.step import SamplingSpec, SequenceWork
+
+
+def steps(model_dir: str, rounds: int, profile: bool) -> dict[str, Any]:
+    """Decode and prefill steps with prepacked vs packed-row resident experts (see the module docstring)."""
+    model = HFStepModel(model_dir, dtype=torch.float32, kv_cache_tokens=16384)
+    executor = EPExperts.for_model(model, 0, 1, None)
+    model.executor = executor
+    mine = base_experts(model.num_experts, 1, 0)
+    residents = {"prepacked": executor.resident,
+                 "packed": [model.expert_rows(layer, mine) for layer in range(len(model.moe_layers))]}
+    assert isinstance(executor.resident[0], PrepackedExperts)
+    model.drop_expert_weights()
+    rng, sequences, context = random.Random(0), 16, 64
+    pool = BlockPool(model.kv_num_blocks, model.kv_block_size)
+    next_seq = sequences
+
+    def prompt() -> tuple[int, ...]:
+        return tuple(rng.randrange(model.vocab_size) for _ in range(context))
+
+    for seq in range(sequences):
+        pool.reserve(seq, context + 8 * rounds + 64)
+    model.step([SequenceWork(seq, prompt(), 0, tuple(pool.grow(seq, context)), SamplingSpec()) for seq in range(sequences)])
+    position = context
+
+    def decode() -> None:
+        nonlocal position
+        model.step([SequenceWork(seq, (rng.randrange(model.vocab_size),), position, tuple(pool.grow(seq, position + 1)),
+                                 SamplingSpec(draw=position - context)) for seq in range(sequences)])
+        position += 1
+
+    def prefill() -> None:
+        nonlocal next_seq
+        seqs = list(range(next_seq, next_seq + 4))
+        next_seq += 4
+        for seq in seqs:
+            pool.reserve(seq, context + 1)
+        model.step([SequenceWork(seq, prompt(), 0, tuple(pool.grow(seq, context)), SamplingSpec()) for seq in seqs])
+        for seq in seqs:
+            pool.free(seq)
+
+    times: dict[str, list[float]] = {f"{kind}_{name}": [] for kind in ("decode16", "prefill4x64") for name in residents}
+    for round_ in range(rounds + 1):
+        for name, resident in residents.items():
+            executor.resident = resident  # type: ignore[assignment]
+            for kind, step, repeat in (("decode16", decode, 3), ("prefill4x64", prefill, 1)):
+                start = time.perf_counter()
+                for _ in range(repeat):
+                    step()
+                if round_:  # round 0: warm-up (oneDNN compiles its kernels per row count)
+                    times[f"{kind}_{name}"].append((time.perf_counter() - start) / repeat * 1e3)
+    result: dict[str, Any] = {"model": model_dir, "rounds": rounds,
+                              **{f"{key}_ms": round(statistics.median(v), 2) for key, v in times.items()}}
+    for kind in ("decode16", "prefill4x64"):
+        result[f"{kind}_speedup"] = round(result[f"{kind}_packed_ms"] / result[f"{kind}_prepacked_ms"], 3)
+    if profile:
+        executor.resident = residents["prepacked"]  # type: ignore[assignment]
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(20):
+            decode()
+        profiler.disable()
+        rows = sorted(pstats.Stats(profiler).stats.items(), key=lambda kv: -kv[1][3])[:30]  # type: ignore[attr-defined]
+        result["decode16_profile_cumulative_self_ms_per_step"] = [
+            (f"{Path(f).name}:{line} {fn}", round(ct / 20 * 1e3, 2), round(tt / 20 * 1e3, 2))
+            for (f, line, fn), (_, _, tt, ct, _) in rows]
+    return result
 
 
 def main() -> None:
@@ -31,9 +113,18 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8, 16, 32, 64])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--model", help="time whole steps of this checkpoint instead (see the module docstring)")
+    parser.add_argument("--profile", action="store_true", help="with --model: cProfile 20 decode steps")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    if args.model:
+        result = steps(args.model, args.rounds, args.profile)
+        print(json.dumps(result))
+        if args.out:
+            with args.out.open("a") as f:
+                f.write(json.dumps(result) + "\n")
+        return
     e, h, i = args.experts, args.hidden, args.intermediate
     packed = torch.randn(e, 3 * i * h) * 0.02
     w13, w2 = packed_views(packed, i, h)
