@@ -1,18 +1,19 @@
-"""The CPU expert loop over packed expert rows vs oneDNN-prepacked experts (why a CPU rank keeps its
-resident experts prepacked: ``grouped_moe.PrepackedExperts``).
+"""A CPU rank's expert kernels side by side (why a CPU rank times them at load: ``--cpu-expert-kernel auto``,
+``grouped_moe.cpu_expert_kernel_seconds``).
 
-The product's two CPU expert loops over the same random experts: ``grouped_moe.grouped_swiglu`` over
-``packed_views`` of the packed rows (``F.linear``, MKL: what a CPU rank ran before, and what its slots
-still run) and ``PrepackedExperts.swiglu`` (oneDNN's ``_linear_pointwise`` over weights reordered once),
-with ``rows`` tokens per expert, interleaved A/B, medians; fp32, one torch thread. Default shapes: the
+The product's CPU expert computations over the same random experts: the per-expert loop over
+``packed_views`` of the packed rows (``F.linear``, MKL: what a CPU rank ran first; the tests' reference),
+``grouped``: ``torch._grouped_mm`` over the same rows (one call per stack, no Python loop), and
+``prepacked``: ``PrepackedExperts.swiglu`` (oneDNN's ``_linear_pointwise`` over weights reordered once),
+with ``rows`` tokens per expert, interleaved, medians; fp32, one torch thread. Default shapes: the
 side-by-side CPU model of ``cpu_serve_compare.py`` (32 experts, hidden 512, moe_intermediate 256).
 
     .venv/bin/python benchmarks/cpu_expert_layout.py --out benchmarks/results/cpu_compare/expert_layout.jsonl
 
 ``--model DIR``: whole steps of that checkpoint instead, through the product's ``HFStepModel`` with the EP
-layer on one rank (``EPExperts``: prepacked resident experts) against the same executor holding the packed rows
-(what a CPU rank ran before): a 16-sequence decode step at context 64+ and a 4 × 64-token prefill, interleaved,
-medians; ``--profile`` adds cProfile's top functions of 20 decode steps (prepacked).
+layer on one rank (``EPExperts``) holding its resident experts prepacked vs as rows (``_grouped_mm``):
+a 16-sequence decode step at context 64+ and a 4 × 64-token prefill, interleaved, medians; ``--profile``
+adds cProfile's top functions of 20 decode steps (with the kernel ``auto`` picks, which is also printed).
 
     .venv/bin/python benchmarks/cpu_expert_layout.py --model /tmp/cpu-compare/model --profile \
         --out benchmarks/results/cpu_compare/expert_layout_steps.jsonl
@@ -42,12 +43,14 @@ from vexpert_runtime.serve.step import SamplingSpec, SequenceWork
 def steps(model_dir: str, rounds: int, profile: bool) -> dict[str, Any]:
     """Decode and prefill steps with prepacked vs packed-row resident experts (see the module docstring)."""
     model = HFStepModel(model_dir, dtype=torch.float32, kv_cache_tokens=16384)
-    executor = EPExperts.for_model(model, 0, 1, None)
+    executor = EPExperts.for_model(model, 0, 1, None)  # auto: times both kernels on layer 0
     model.executor = executor
     mine = base_experts(model.num_experts, 1, 0)
-    residents = {"prepacked": executor.resident,
-                 "packed": [model.expert_rows(layer, mine) for layer in range(len(model.moe_layers))]}
-    assert isinstance(executor.resident[0], PrepackedExperts)
+    rows = [model.expert_rows(layer, mine) for layer in range(len(model.moe_layers))]
+    residents = {"prepacked": [PrepackedExperts.of(r, model.intermediate_size, r.shape[1] // (3 * model.intermediate_size))
+                               for r in rows],
+                 "grouped": rows}
+    chosen, resident_auto = executor.cpu_expert_kernel, executor.resident
     model.drop_expert_weights()
     rng, sequences, context = random.Random(0), 16, 64
     pool = BlockPool(model.kv_num_blocks, model.kv_block_size)
@@ -90,9 +93,11 @@ def steps(model_dir: str, rounds: int, profile: bool) -> dict[str, Any]:
     result: dict[str, Any] = {"model": model_dir, "rounds": rounds,
                               **{f"{key}_ms": round(statistics.median(v), 2) for key, v in times.items()}}
     for kind in ("decode16", "prefill4x64"):
-        result[f"{kind}_speedup"] = round(result[f"{kind}_packed_ms"] / result[f"{kind}_prepacked_ms"], 3)
+        result[f"{kind}_grouped_over_prepacked"] = round(result[f"{kind}_prepacked_ms"] / result[f"{kind}_grouped_ms"], 3)
+    result["auto_chose"] = chosen
+    result["auto_seconds"] = {name: round(s * 1e3, 3) for name, s in executor.cpu_expert_seconds.items()}
     if profile:
-        executor.resident = residents["prepacked"]  # type: ignore[assignment]
+        executor.resident = resident_auto
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(20):
@@ -129,7 +134,9 @@ def main() -> None:
     packed = torch.randn(e, 3 * i * h) * 0.02
     w13, w2 = packed_views(packed, i, h)
     prepacked = PrepackedExperts.of(packed, i, h)
-    loops = {"packed": lambda x, offs: grouped_swiglu(x, w13, w2, offs, grouped=False), "prepacked": prepacked.swiglu}
+    loops = {"loop": lambda x, offs: grouped_swiglu(x, w13, w2, offs, grouped=False),
+             "grouped": lambda x, offs: grouped_swiglu(x, w13, w2, offs, grouped=True),
+             "prepacked": prepacked.swiglu}
     weight_bytes = packed.numel() * packed.element_size()
     for rows in args.rows:
         x = torch.randn(e * rows, h)
@@ -143,9 +150,9 @@ def main() -> None:
                     times[name].append(time.perf_counter() - start)
         median = {name: statistics.median(t) for name, t in times.items()}
         result = {"experts": e, "hidden": h, "intermediate": i, "rows_per_expert": rows,
-                  "packed_ms": round(median["packed"] * 1e3, 3), "prepacked_ms": round(median["prepacked"] * 1e3, 3),
-                  "speedup": round(median["packed"] / median["prepacked"], 3),
-                  "prepacked_weight_gb_per_s": round(weight_bytes / median["prepacked"] / 1e9, 1)}
+                  **{f"{name}_ms": round(median[name] * 1e3, 3) for name in loops},
+                  **{f"{name}_over_loop": round(median["loop"] / median[name], 3) for name in ("grouped", "prepacked")},
+                  **{f"{name}_weight_gb_per_s": round(weight_bytes / median[name] / 1e9, 1) for name in loops}}
         print(json.dumps(result))
         if args.out:
             with args.out.open("a") as f:

@@ -392,8 +392,70 @@ def test_prepacked_cpu_experts_compute_the_packed_rows_experts() -> None:
     assert not prepacking_runs(torch.device("cuda"), torch.float32)
     from vexpert_runtime.serve.hf_model import EPExperts
 
-    executor = EPExperts([rows, rows.clone()], inter, experts, 0, 1, None)
+    executor = EPExperts([rows, rows.clone()], inter, experts, 0, 1, None, cpu_expert_kernel="prepacked")
     assert all(isinstance(layer, PrepackedExperts) and len(layer) == experts for layer in executor.resident)
+    assert executor.cpu_expert_kernel == "prepacked"
+
+
+def test_cpu_grouped_gemm_computes_the_loops_experts() -> None:
+    """``torch._grouped_mm`` on CPU (fp32, any group starts, empty groups, rows past the last group)
+    gives the per-expert loop's outputs exactly (the same GEMMs, one call); shapes whose strides are not
+    16-byte multiples take the loop."""
+    from vexpert_runtime.model.grouped_moe import (
+        grouped_gemm_runs,
+        grouped_swiglu,
+        packed_views,
+        uses_grouped_gemm,
+    )
+
+    if not grouped_gemm_runs(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no CPU _grouped_mm")
+    torch.manual_seed(0)
+    experts, inter, hidden = 5, 8, 16
+    rows = torch.randn(experts, 3 * inter * hidden)
+    x = torch.randn(13, hidden)
+    offs = torch.tensor([2, 2, 5, 9, 11], dtype=torch.int32)  # expert 1 empty; rows 11–12 past the groups
+    grouped = grouped_swiglu(x, *packed_views(rows, inter, hidden), offs, grouped=True)
+    loop = grouped_swiglu(x, *packed_views(rows, inter, hidden), offs, grouped=False)
+    assert torch.equal(grouped[:11], loop[:11])
+    assert uses_grouped_gemm(x)
+    odd = torch.randn(experts, 3 * 6 * hidden)  # I = 6: 24-byte rows of w2
+    want = grouped_swiglu(x, *packed_views(odd, 6, hidden), offs, grouped=False)
+    torch.testing.assert_close(grouped_swiglu(x, *packed_views(odd, 6, hidden), offs)[:11], want[:11])
+
+
+def test_cpu_rank_picks_its_expert_kernel() -> None:
+    """A CPU rank's resident experts: rows for ``grouped``, prepacked for ``prepacked``, the faster of the
+    two by a timed pass over layer 0 for ``auto`` (both timings kept); every choice computes the same
+    layer; an unknown kernel is refused naming the option."""
+    from vexpert_runtime.errors import VExpertInputError
+    from vexpert_runtime.model.grouped_moe import PrepackedExperts, prepacking_runs
+    from vexpert_runtime.serve.hf_model import EPExperts
+
+    if not prepacking_runs(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no oneDNN")
+    torch.manual_seed(0)
+    experts, inter, hidden, top_k = 8, 16, 32, 2
+    layers = [torch.randn(experts, 3 * inter * hidden) * 0.1 for _ in range(2)]
+    x = torch.randn(11, hidden)
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(11)])
+    weights = torch.rand(11, top_k)
+    outputs = {}
+    for kernel in ("grouped", "prepacked", "auto"):
+        executor = EPExperts.from_rows(lambda layer, mine: layers[layer][mine], 2, inter, experts, 0, 1, None, "cpu",
+                                       cpu_expert_kernel=kernel)
+        chosen = executor.cpu_expert_kernel
+        assert chosen == kernel if kernel != "auto" else chosen in ("grouped", "prepacked")
+        assert all(isinstance(r, PrepackedExperts) == (chosen == "prepacked") for r in executor.resident)
+        if kernel == "auto":
+            assert set(executor.cpu_expert_seconds) == {"grouped", "prepacked"}
+            assert all(s > 0 for s in executor.cpu_expert_seconds.values())
+            assert chosen == min(executor.cpu_expert_seconds, key=executor.cpu_expert_seconds.__getitem__)
+        outputs[kernel] = executor.forward(1, x, ids, weights)
+    torch.testing.assert_close(outputs["grouped"], outputs["prepacked"])
+    torch.testing.assert_close(outputs["auto"], outputs["grouped"])
+    with pytest.raises(VExpertInputError, match="cpu_expert_kernel"):
+        EPExperts([layers[0]], inter, experts, 0, 1, None, cpu_expert_kernel="mkl")
 
 
 @pytest.mark.parametrize(("pairs", "groups"), [(0, 4), (1, 1), (37, 3), (500, 9), (5000, 300)])

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vexpert_runtime.model.expert_layout import CPU_EXPERT_KERNELS
+
 if TYPE_CHECKING:  # imported where used: `vexpert --help` and the other commands stay free of torch
     from vexpert_runtime.config import RuntimeConfig
     from vexpert_runtime.node import NodeRuntime, NodeSetup
@@ -72,6 +74,10 @@ def register(subparsers: Any) -> None:
                         help="fuse the step's small pieces (norms, routers, rotary, the EP layer's dispatch "
                              "bookkeeping, sampling) with torch.compile (auto: with CUDA graphs, where a step is "
                              "captured once and replayed; compiles take about a minute at start, cached on disk)")
+    parser.add_argument("--cpu-expert-kernel", choices=CPU_EXPERT_KERNELS, default="auto",
+                        help="how a CPU rank multiplies its resident experts (fp32): grouped (torch._grouped_mm "
+                             "over the packed rows), prepacked (oneDNN, weights reordered at load), or auto: the "
+                             "faster of the two on this machine, timed over the first layer's experts at load")
     parser.set_defaults(handler=run)
 
 
@@ -268,7 +274,8 @@ def run(args: argparse.Namespace) -> int:
         workload=Workload(tokens_per_worker=args.max_running),  # sizes the allocator's decode batch
         serve=[ServeWorkerArgs(str(served.model_dir), served.scheduler, inbound, events,
                                served.gpu_memory_utilization, ranks_per_gpu=setup.workers_per_gpu,
-                               overlap_steps=_AUTO_ON_OFF[args.overlap_steps], compile=_AUTO_ON_OFF[args.compile])
+                               overlap_steps=_AUTO_ON_OFF[args.overlap_steps], compile=_AUTO_ON_OFF[args.compile],
+                               cpu_expert_kernel=args.cpu_expert_kernel)
                for inbound in requests],
         log=_log,
     )

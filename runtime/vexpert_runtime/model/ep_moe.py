@@ -44,6 +44,7 @@ from vexpert_runtime.model.expert_format import ExpertFormat
 from vexpert_runtime.model.grouped_moe import (
     GROUP_ALIGN,
     PrepackedExperts,
+    group_align,
     group_counts,
     group_layout,
     grouped_swiglu,
@@ -611,7 +612,7 @@ def ep_moe_layer(
 
     grouped = stacks.grouped if stacks.grouped is not None else uses_grouped_gemm(recv_x)
     resident, slots = table.experts_per_gpu, table.slots
-    align = GROUP_ALIGN if grouped else 1
+    align = group_align(recv_x.device) if grouped else 1
     buf, position, resident_offs, slot_offs, computed = arrange(recv_x, recv_local, resident, slots, align)
     resident_rows = padded_capacity(recv_local.numel(), resident, align)
     out = stacked_outputs(buf, resident_offs, slot_offs, resident_rows, stacks, slot_wait, after_compute)

@@ -20,6 +20,9 @@ DEFAULT_FP8_BLOCK = (128, 128)  # weight_block_size of every published block-FP8
 ROW_ALIGN = 16  # bytes; grouped GEMMs and vectorised copies want 16-byte-aligned rows
 SCALE_BYTES = 4  # float32 weight_scale_inv
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# How a CPU rank multiplies its resident expert rows (``grouped_moe``: torch._grouped_mm over the rows, or
+# oneDNN-prepacked copies of them); "auto": the faster of the two on the machine, timed at load.
+CPU_EXPERT_KERNELS = ("auto", "grouped", "prepacked")
 
 
 def align_up(n: int, multiple: int = ROW_ALIGN) -> int:

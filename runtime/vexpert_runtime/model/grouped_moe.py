@@ -6,12 +6,16 @@ stack of rows ``[E, D]`` gives, without copying, ``w13 [E, 2I, H]`` (gate and up
 group; rows past ``offs[-1]`` are padding (their output is undefined and must be ignored).
 
 On CUDA (bf16/fp16) this is two ``torch._grouped_mm`` calls per stack — one kernel each for the
-base experts and for the slots — which is also what a CUDA graph captures; elsewhere the same
-arithmetic runs as a loop over experts (the CPU twin and the reference in tests).
+base experts and for the slots — which is also what a CUDA graph captures. On CPU (fp32/bf16)
+``torch._grouped_mm`` runs too (any group starts: :func:`group_align`), or a CPU rank keeps its
+resident experts oneDNN-prepacked (:class:`PrepackedExperts`) where that is faster
+(:func:`cpu_expert_kernel_seconds`); the per-expert loop stays as the reference in tests.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -92,13 +96,30 @@ def _swiglu_loop(x: torch.Tensor, w13: torch.Tensor | Sequence[torch.Tensor],
 
 
 def grouped_gemm_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether grouped GEMMs run for activations of ``dtype`` on ``device`` (else the per-expert
-    loop, which reads the group ends on the host)."""
-    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and hasattr(torch, "_grouped_mm")
+    """Whether grouped GEMMs (``torch._grouped_mm``) run for activations of ``dtype`` on ``device``:
+    CUDA bf16/fp16, CPU fp32/bf16 (else the per-expert loop, which reads the group ends on the host)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cuda":
+        return dtype in (torch.bfloat16, torch.float16)
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+
+
+def group_align(device: torch.device) -> int:
+    """Rows a grouped GEMM's groups start on: :data:`GROUP_ALIGN` on CUDA (16-byte-aligned group
+    starts); 1 on CPU, whose grouped GEMM takes any start (padding there would only add rows to compute)."""
+    return GROUP_ALIGN if device.type == "cuda" else 1
 
 
 def uses_grouped_gemm(x: torch.Tensor) -> bool:
     return grouped_gemm_runs(x.device, x.dtype)
+
+
+def _aligned_for_grouped_mm(*tensors: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` wants 16-byte-aligned strides and data (real models' H and I are; tiny test
+    shapes may not be: they take the loop)."""
+    return all(t.data_ptr() % 16 == 0 and all(stride * t.element_size() % 16 == 0 for stride in t.stride() if stride != 1)
+               for t in tensors)
 
 
 def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
@@ -114,7 +135,7 @@ def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: t
         [M, H]; rows past offs[-1] are undefined.
     """
     if grouped is None:
-        grouped = uses_grouped_gemm(x)
+        grouped = uses_grouped_gemm(x) and _aligned_for_grouped_mm(x, w13, w2)
     intermediate = w2.shape[-1]
     if grouped:
         h = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)
@@ -122,6 +143,41 @@ def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: t
         out: torch.Tensor = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)
         return out
     return _swiglu_loop(x, w13, w2, offs, intermediate, F.linear)
+
+
+def cpu_expert_kernel_seconds(rows: torch.Tensor, intermediate: int, rows_per_expert: Sequence[int] = (1, 2, 8),
+                              repeats: int = 3) -> dict[str, float]:
+    """Seconds one SwiGLU pass over the stack ``rows`` [E, 3·I·H] (CPU) takes with each CPU expert kernel
+    — ``grouped``: ``torch._grouped_mm`` over the packed rows; ``prepacked``: :class:`PrepackedExperts` —
+    summed over passes of ``rows_per_expert`` tokens per expert (decodes: 1–2; prompt chunks: more),
+    each the median of ``repeats`` interleaved runs after one warm-up (oneDNN compiles per row count).
+
+    Why time rather than fix one: which is faster depends on the machine — on one 2-core Xeon,
+    prepacked was 1.3× faster than the per-expert ``F.linear`` loop at 1–2 rows per expert; on
+    another, 0.8× of it, where ``_grouped_mm`` was 1.13× faster (``benchmarks/cpu_expert_layout.py``)."""
+    experts = rows.shape[0]
+    hidden = rows.shape[1] // (3 * intermediate)
+    w13, w2 = packed_views(rows, intermediate, hidden)
+    prepacked = PrepackedExperts.of(rows, intermediate, hidden)
+    kernels: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+        "grouped": lambda x, offs: grouped_swiglu(x, w13, w2, offs),  # the loop where _grouped_mm cannot run
+        "prepacked": prepacked.swiglu,
+    }
+    total = dict.fromkeys(kernels, 0.0)
+    generator = torch.Generator().manual_seed(0)
+    for per_expert in rows_per_expert:
+        x = torch.randn(experts * per_expert, hidden, generator=generator, dtype=rows.dtype)
+        offs = (torch.arange(1, experts + 1) * per_expert).to(torch.int32)
+        times: dict[str, list[float]] = {name: [] for name in kernels}
+        for run in range(repeats + 1):
+            for name, kernel in kernels.items():
+                start = time.perf_counter()
+                kernel(x, offs)
+                if run:
+                    times[name].append(time.perf_counter() - start)
+        for name in kernels:
+            total[name] += statistics.median(times[name])
+    return total
 
 
 def group_counts(group: torch.Tensor, num_groups: int) -> torch.Tensor:

@@ -160,9 +160,9 @@ class _Worker:
                            for _ in range(2)]  # two: an overlapped iteration's copy lands beside the last one's
         # The step is one CUDA graph where every collective in it can be captured (NCCL, or none),
         # the experts run as grouped GEMMs (the fp32 loop reads group ends on the host) and nothing
-        # reads slots on the host per layer (a slot probe).
-        self.graphable = (grouped_gemm_runs(self.device, self.dtype) and not args.shared_gpu and args.probe is None
-                          and graphs_enabled())
+        # reads slots on the host per layer (a slot probe). CUDA only: a CPU step is eager.
+        self.graphable = (self.device.type == "cuda" and grouped_gemm_runs(self.device, self.dtype)
+                          and not args.shared_gpu and args.probe is None and graphs_enabled())
         self.probe: SlotProbe | None = args.probe() if args.probe is not None else None
 
     def _publisher_gone(self) -> bool:

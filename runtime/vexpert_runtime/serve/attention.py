@@ -9,7 +9,7 @@ tables into :class:`AttentionMetadata`, once per iteration, shared by every laye
   reads (its sequence's tokens up to and including itself), the layout of the GPU kernels
   (:mod:`.attention_kernels`), which attend decodes and prompt chunks alike;
 * for the torch path, :class:`PaddedGroup`\\ s: the sequences padded to ``[B, Q]`` queries and
-  ``[B, K]`` context slots with a boolean mask (causal and, where the model has one, sliding window),
+  ``[B, W]`` context blocks with an additive mask (causal and, where the model has one, sliding window),
   one SDPA call per group — decodes (Q = 1) in one group, prompt chunks in another, so a long chunk
   does not pad every decode to its length.
 
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vexpert_runtime.serve.kv_cache import blocks_for
 from vexpert_runtime.serve.step import SequenceWork
 
 
@@ -43,13 +44,16 @@ class PaddedGroup:
     """Sequences attended in one padded SDPA call.
 
     ``query_index [B, Q]``: the rows of the iteration's tokens that are the queries (padding: 0);
-    ``query_valid [B, Q]``; ``context_slots [B, K]``: cache slots of each sequence's context (padding:
-    slot 0); ``mask [B, 1, Q, K]`` bool: query may attend key (per sliding window: one mask per window).
+    ``query_valid [B, Q]``; ``context_blocks [B, W]``: each sequence's block table (padding: block 0),
+    so its context is the ``K = W·block_size`` slots of those blocks, gathered a block at a time (one
+    contiguous copy per block instead of one per token: the gather is most of a CPU decode's attention);
+    ``masks [B, 1, Q, K]``: additive, 0 where the query may attend the key (causal, inside the
+    sequence's length and, per sliding window, the window), −inf elsewhere (one per window).
     """
 
     query_index: torch.Tensor
     query_valid: torch.Tensor
-    context_slots: torch.Tensor
+    context_blocks: torch.Tensor
     masks: dict[int | None, torch.Tensor]
     token_rows: torch.Tensor  # [n_valid] rows of the valid queries, in query_index[query_valid] order
 
@@ -74,10 +78,12 @@ class AttentionMetadata:
 
 
 def build_metadata(work: Sequence[SequenceWork], block_size: int, windows: Iterable[int | None],
-                   device: torch.device | str, padded_groups: bool = True) -> AttentionMetadata:
+                   device: torch.device | str, padded_groups: bool = True,
+                   dtype: torch.dtype = torch.float32) -> AttentionMetadata:
     """Metadata of an iteration (each item's ``blocks`` must cover ``position + len(tokens)``);
     ``windows``: the sliding windows the model's layers use (None: full attention);
-    ``padded_groups``: also build the torch path's groups (not needed where a kernel attends)."""
+    ``padded_groups``: also build the torch path's groups (not needed where a kernel attends), with
+    their additive masks in ``dtype`` (the queries')."""
     slots: list[int] = []
     positions: list[int] = []
     seqs: list[int] = []
@@ -97,7 +103,7 @@ def build_metadata(work: Sequence[SequenceWork], block_size: int, windows: Itera
         decode = [b for b, item in enumerate(work) if len(item.tokens) == 1]
         prefill = [b for b, item in enumerate(work) if len(item.tokens) > 1]
         window_set = set(windows)
-        groups = tuple(_group(work, rows, members, window_set, block_size, device)
+        groups = tuple(_group(work, rows, members, window_set, block_size, device, dtype)
                        for members in (decode, prefill) if members)
     position = torch.tensor(positions, dtype=torch.int64)
     return AttentionMetadata(
@@ -117,12 +123,13 @@ def _slots(blocks: Sequence[int], start: int, count: int, size: int) -> list[int
 
 
 def _group(work: Sequence[SequenceWork], rows: Sequence[range], members: list[int], windows: set[int | None],
-           size: int, device: torch.device | str) -> PaddedGroup:
+           size: int, device: torch.device | str, dtype: torch.dtype) -> PaddedGroup:
     q = max(len(work[b].tokens) for b in members)
-    k = max(work[b].position + len(work[b].tokens) for b in members)
+    width = max(blocks_for(work[b].position + len(work[b].tokens), size) for b in members)
+    k = width * size
     query_index = torch.zeros(len(members), q, dtype=torch.int64)
     query_valid = torch.zeros(len(members), q, dtype=torch.bool)
-    context = torch.zeros(len(members), k, dtype=torch.int64)
+    context = torch.zeros(len(members), width, dtype=torch.int64)
     query_pos = torch.full((len(members), q), -1, dtype=torch.int64)
     context_len = torch.zeros(len(members), 1, dtype=torch.int64)
     for i, b in enumerate(members):
@@ -131,19 +138,27 @@ def _group(work: Sequence[SequenceWork], rows: Sequence[range], members: list[in
         query_index[i, :new] = torch.arange(rows[b].start, rows[b].stop)
         query_valid[i, :new] = True
         query_pos[i, :new] = torch.arange(item.position, total)
-        table = torch.tensor(item.blocks, dtype=torch.int64)
-        pos = torch.arange(total)
-        context[i, :total] = table[pos // size] * size + pos % size
+        used = blocks_for(total, size)
+        context[i, :used] = torch.tensor(item.blocks[:used], dtype=torch.int64)
         context_len[i] = total
     key_pos = torch.arange(k).view(1, 1, k)
     qp = query_pos.unsqueeze(-1)  # [B, Q, 1]
     causal = (key_pos <= qp) & (key_pos < context_len.unsqueeze(-1))
     masks = {}
     for window in windows:
-        mask = causal if window is None else causal & (qp - key_pos < window)
-        masks[window] = mask.unsqueeze(1).to(device)
+        allowed = causal if window is None else causal & (qp - key_pos < window)
+        additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+        masks[window] = additive.unsqueeze(1).to(device)
     return PaddedGroup(query_index.to(device), query_valid.to(device), context.to(device), masks,
                        query_index[query_valid].to(device))
+
+
+def _gather_context(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The cache rows of each sequence's blocks: cache [slots, ...] → [B, W·block_size, ...] for
+    block tables ``blocks`` [B, W] (whole blocks: one contiguous copy each)."""
+    by_block = cache.view(-1, block_size, *cache.shape[1:])
+    gathered = by_block.index_select(0, blocks.reshape(-1))
+    return gathered.view(blocks.shape[0], blocks.shape[1] * block_size, *cache.shape[1:])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,7 +173,7 @@ def gqa_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
     out = q.new_zeros(q.shape)
     for group in meta.groups:
         query = q[group.query_index].transpose(1, 2)  # [B, nh, Q, d]
-        context = cache[group.context_slots]  # [B, K, 2, nkv, d]
+        context = _gather_context(cache, group.context_blocks, meta.block_size)  # [B, K, 2, nkv, d]
         key = context[:, :, 0].transpose(1, 2)  # [B, nkv, K, d]
         value = context[:, :, 1].transpose(1, 2)
         result = F.scaled_dot_product_attention(query, key, value, attn_mask=group.masks[window], scale=scale,
@@ -176,7 +191,7 @@ def mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Ten
     out = q_latent.new_zeros(q_latent.shape)
     for group in meta.groups:
         padded = query[group.query_index].transpose(1, 2)  # [B, nh, Q, C+R]
-        context = cache[group.context_slots].unsqueeze(1)  # [B, 1, K, C+R]
+        context = _gather_context(cache, group.context_blocks, meta.block_size).unsqueeze(1)  # [B, 1, K, C+R]
         result = F.scaled_dot_product_attention(padded, context, context[..., :latent],
                                                 attn_mask=group.masks[None], scale=scale, enable_gqa=True)
         out[group.token_rows] = result.transpose(1, 2)[group.query_valid]

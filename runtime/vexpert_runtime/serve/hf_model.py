@@ -25,6 +25,7 @@ Shapes: ``T`` tokens of an iteration (all sequences), ``H`` hidden, ``K`` top-k,
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.model import fusion
 from vexpert_runtime.model.checkpoint import CheckpointReader, MoESpec, read_model_spec
 from vexpert_runtime.model.dispatch import DISPATCH_MODES, DispatchMode
@@ -46,7 +48,12 @@ from vexpert_runtime.model.ep_moe import (
     static_table,
 )
 from vexpert_runtime.model.expert_format import ExpertFormat
-from vexpert_runtime.model.grouped_moe import PrepackedExperts, prepacking_runs
+from vexpert_runtime.model.expert_layout import CPU_EXPERT_KERNELS
+from vexpert_runtime.model.grouped_moe import (
+    PrepackedExperts,
+    cpu_expert_kernel_seconds,
+    prepacking_runs,
+)
 from vexpert_runtime.model.moe_math import combine
 from vexpert_runtime.serve import attention_kernels
 from vexpert_runtime.serve.attention import AttentionMetadata, build_metadata
@@ -68,6 +75,8 @@ from vexpert_runtime.serve.sparse_blocks import (
     sparse_layers,
 )
 from vexpert_runtime.serve.step import FinishedStep, PendingStep, SequenceWork, StepModel
+
+log = logging.getLogger(__name__)
 
 EP_LAYER_RANGE = "vexpert.ep_layer"  # the profiler range around each EP MoE layer (eager steps)
 
@@ -174,12 +183,31 @@ class SlotHooks:
     release: Callable[[int], None]
 
 
-def _cpu_prepacked(rows: torch.Tensor | PrepackedExperts, intermediate: int,
-                   format: ExpertFormat | None) -> torch.Tensor | PrepackedExperts:
-    """A CPU rank's dense fp32 resident experts prepacked for oneDNN (:class:`PrepackedExperts`: 1.2–2×
-    faster expert loops); anything else (GPU rows, FP8 rows, already prepacked) as it is. The slots
-    the coordinator fills stay rows."""
-    if isinstance(rows, PrepackedExperts) or format is not None or not prepacking_runs(rows.device, rows.dtype):
+def cpu_resident_kernel(resident: Sequence[torch.Tensor | PrepackedExperts], intermediate: int,
+                        format: ExpertFormat | None, kernel: str) -> tuple[str | None, dict[str, float]]:
+    """The CPU expert kernel a rank's resident experts run with (see ``expert_layout.CPU_EXPERT_KERNELS``):
+    ``kernel`` itself, or for ``"auto"`` the faster one over the first layer's experts
+    (:func:`cpu_expert_kernel_seconds`, returned too); None where the choice does not apply (GPU rows,
+    FP8 rows, no oneDNN: their rows stay rows)."""
+    if kernel not in CPU_EXPERT_KERNELS:
+        raise VExpertInputError("cpu_expert_kernel", f"{kernel!r} is not one of {', '.join(CPU_EXPERT_KERNELS)}",
+                                "pass auto (time both at load), grouped or prepacked")
+    first = resident[0] if resident else None
+    if isinstance(first, PrepackedExperts):
+        return "prepacked", {}
+    if first is None or format is not None or not prepacking_runs(first.device, first.dtype):
+        return None, {}
+    if kernel != "auto" or first.shape[0] == 0:
+        return "grouped" if kernel == "auto" else kernel, {}
+    seconds = cpu_expert_kernel_seconds(first, intermediate)
+    return min(seconds, key=seconds.__getitem__), seconds
+
+
+def _cpu_resident(rows: torch.Tensor | PrepackedExperts, intermediate: int,
+                  kernel: str | None) -> torch.Tensor | PrepackedExperts:
+    """A CPU rank's resident experts for ``kernel`` (from :func:`cpu_resident_kernel`): prepacked for
+    oneDNN, or the packed rows (``torch._grouped_mm``'s). The slots the coordinator fills stay rows."""
+    if kernel != "prepacked" or isinstance(rows, PrepackedExperts):
         return rows
     return PrepackedExperts.of(rows, intermediate, rows.shape[1] // (3 * intermediate))
 
@@ -211,13 +239,18 @@ class EPExperts:
                  group: dist.ProcessGroup | None, *, table: DeviceRoutingTable | None = None,
                  slots: torch.Tensor | Sequence[torch.Tensor] | None = None, hooks: SlotHooks | None = None,
                  max_tokens: int | None = None, format: ExpertFormat | None = None,
-                 dispatch: str = "plan") -> None:
+                 dispatch: str = "plan", cpu_expert_kernel: str = "auto",
+                 cpu_expert_seconds: dict[str, float] | None = None) -> None:
         if dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch {dispatch!r} is not one of {', '.join(DISPATCH_MODES)}")
         self.dispatch: DispatchMode = dispatch  # type: ignore[assignment]
         first = resident[0]
         device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
-        self.resident = [_cpu_prepacked(r, intermediate, format) for r in resident]
+        kernel, seconds = cpu_resident_kernel(resident, intermediate, format, cpu_expert_kernel)
+        # The CPU expert kernel in use (None: not a CPU fp32 rank) and, where it was timed, each kernel's seconds.
+        self.cpu_expert_kernel = kernel
+        self.cpu_expert_seconds = cpu_expert_seconds if cpu_expert_seconds is not None else seconds
+        self.resident = [_cpu_resident(r, intermediate, kernel) for r in resident]
         self.num_experts = num_experts
         # Padding rows of a graphed batch (False): routed round-robin over the experts with weight 0
         # (a pad row costs a dispatch row, never a hot spot) and left out of the counts.
@@ -304,9 +337,17 @@ class EPExperts:
         """Build with this rank's resident rows from ``rows(moe_layer, expert_ids) -> [n, D]``
         (e.g. ``lambda l, ids: reader.experts(l, ids, dtype)`` or :meth:`HFStepModel.expert_rows`)."""
         mine = base_experts(num_experts, world, rank)
-        resident = [_cpu_prepacked(rows(layer, mine).to(device), intermediate, kwargs.get("format"))
+        first = rows(0, mine).to(device) if num_layers else None
+        kernel, seconds = cpu_resident_kernel([first] if first is not None else [], intermediate, kwargs.get("format"),
+                                              kwargs.pop("cpu_expert_kernel", "auto"))
+        resident = [_cpu_resident(first if layer == 0 and first is not None else rows(layer, mine).to(device),
+                                  intermediate, kernel)
                     for layer in range(num_layers)]  # layer by layer: a rank never holds its rows twice
-        return cls(resident, intermediate, num_experts, rank, world, group, **kwargs)
+        if kernel is not None:
+            log.info("rank %d: CPU experts run %s (one pass over layer 0's experts: %s)", rank, kernel,
+                     ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in seconds.items()) or "as asked")
+        return cls(resident, intermediate, num_experts, rank, world, group, cpu_expert_kernel=kernel or "auto",
+                   cpu_expert_seconds=seconds, **kwargs)
 
     @classmethod
     def from_checkpoint(cls, reader: CheckpointReader, num_layers: int, dtype: torch.dtype, rank: int, world: int,
@@ -520,7 +561,7 @@ class HFStepModel:
             fed = torch.tensor([-1 if item.fed is None else item.fed for item in work for _ in item.tokens],
                                dtype=torch.int64).to(self.device)
         meta = build_metadata(work, self.kv_block_size, self.windows, self.device,
-                              padded_groups=self._attention_kernel is None)
+                              padded_groups=self._attention_kernel is None, dtype=self.dtype)
         sampled = [row for row, item in enumerate(work) if item.sample is not None]
         specs = [spec for spec in (item.sample for item in work) if spec is not None]
         ends = torch.cumsum(torch.tensor([len(item.tokens) for item in work], dtype=torch.int64), 0) - 1

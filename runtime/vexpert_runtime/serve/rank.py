@@ -73,6 +73,7 @@ class ServeWorkerArgs:
     ranks_per_gpu: int = 1  # workers sharing one GPU split its share evenly
     overlap_steps: bool | None = None  # launch step i+1 before reading step i; None: where CUDA graphs run
     compile: bool | None = None  # fuse the step's small pieces with torch.compile; None: where CUDA graphs run
+    cpu_expert_kernel: str = "auto"  # a CPU rank's resident expert kernel (expert_layout.CPU_EXPERT_KERNELS)
 
 
 def kv_cache_blocks(args: ServeWorkerArgs, model: HFStepModel, device: torch.device) -> int:
@@ -124,7 +125,8 @@ class ServingRank:
                                                  table=table, slots=slots, hooks=SlotHooks(wait, release),
                                                  # fixed dispatch capacity where graphs need it; else agreed per layer
                                                  max_tokens=args.scheduler.max_batch_tokens if graph_stream is not None
-                                                 else None, dispatch=dispatch)
+                                                 else None, dispatch=dispatch,
+                                                 cpu_expert_kernel=args.cpu_expert_kernel)
         del reader
         self.model = HFStepModel(args.model_dir, device=device, dtype=dtype, block_size=args.kv_block_size,
                                  load_experts=False, executor=self.experts)
