@@ -12,6 +12,11 @@ time for the step). The bound is ``serve_engine.hbm_bound``: non-embedding weigh
 embedding rows + the KV cache at that context, ÷ 4.8 TB/s.
 
     python benchmarks/decode_step_bound.py --batches 16 64 256 --context 96 --out out/decode_step_bound.json
+
+Also printed per batch: ``flop_ms``, the step's matmul FLOPs (2 × the weights a token multiplies — its
+top-k experts, not all — plus MLA's latent attention over the context) ÷ the GPU's dense bf16 peak
+(``--peak-tflops``, 989 for an H200), the other floor a step of many tokens meets; and with ``--profile``
+the graph's kernels by name (torch.profiler over ``--iters`` replays: CUDA ms per step, top 12).
 """
 
 from __future__ import annotations
@@ -36,6 +41,42 @@ from vexpert_runtime.serve.kv_cache import BlockPool
 from vexpert_runtime.serve.step import SamplingSpec, SequenceWork
 
 
+def step_flops(model: HFStepModel, batch: int, context: int) -> int:
+    """Matmul FLOPs of one decode step of ``batch`` tokens at ``context``: 2 × the parameters each token
+    multiplies (every linear weight outside the routed experts, which it multiplies top-k of, and
+    outside the embedding, which it only reads a row of) + MLA's absorbed attention (scores over C + R
+    and the latent sum over C per head and context token; GQA: 2 × 2 · heads · d per context token)."""
+    config = model.model.config
+    per_token = 0
+    for name, param in model.model.named_parameters():
+        if param.dim() == 2 and "embed_tokens" not in name and "norm" not in name:
+            per_token += param.numel()
+    experts = len(model.moe_layers) * int(config.num_experts_per_tok) * 3 * model.intermediate_size * int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    if getattr(config, "kv_lora_rank", None):
+        width = 2 * int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
+    else:
+        width = 2 * (getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
+    attention = int(config.num_hidden_layers) * heads * context * width
+    return 2 * batch * (per_token + experts + attention)
+
+
+def kernel_times(graph: torch.cuda.CUDAGraph, iters: int, top: int = 12) -> list[tuple[str, float]]:
+    """CUDA ms per replay of each kernel name (profiler over ``iters`` replays), the ``top`` largest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            graph.replay()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time / 1e3
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return [(name[:90], round(ms / iters, 4)) for name, ms in ranked]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=Path(".cache/bench-ds3"), help="written once, reused")
@@ -45,6 +86,8 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=96, help="tokens each sequence holds")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--max-batch-tokens", type=int, default=512)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H200 SXM: 989)")
+    parser.add_argument("--profile", action="store_true", help="kernel times of the graph replays (torch.profiler)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not (args.model_dir / "config.json").exists():
@@ -91,10 +134,14 @@ def main() -> int:
             end.synchronize()
             graph_ms = start.elapsed_time(end) / args.iters
             bound = hbm_bound(args.model_dir, batch, args.context)
+            flops = step_flops(model, batch, args.context)
             row = {"batch": batch, "context": args.context, "graph_ms": round(graph_ms, 3),
                    "launch_span_ms": round(step_ms, 3), "host_launch_ms": round(host_ms, 3),
                    "bound_ms": bound["bound_ms"], "graph_over_bound": round(graph_ms / bound["bound_ms"], 2),
-                   "bytes": bound["bytes"]}
+                   "bytes": bound["bytes"], "flops": flops,
+                   "flop_ms": round(flops / (args.peak_tflops * 1e12) * 1e3, 3)}
+            if args.profile:
+                row["kernels_ms_per_step"] = kernel_times(graph, args.iters)
             print(json.dumps(row), flush=True)
             results.append(row)
     if args.out:

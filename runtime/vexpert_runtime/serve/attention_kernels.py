@@ -123,12 +123,28 @@ if triton is not None:
                  result.to(out.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
 
 
+def mla_launch_config(tokens: int) -> tuple[int, int, int, int]:
+    """(head block, context block, warps, stages) of :func:`mla_decode` for ``tokens`` queries: from a
+    sweep on an H200 at DeepSeek-V3's shapes, context 96 (``benchmarks/mla_decode_tuning.py``,
+    ``results/serve_engine/mla_decode_tuning_run12.json``): (32, 64, 8, 3) took 0.028 / 0.030 ms at 16 / 64
+    sequences against 0.043 / 0.045 for the first choice (16, 32, 4, 2); at 256, (64, 64, 8, 3) took
+    0.084 ms against 0.135 (more heads per program: each cached row read by fewer programs)."""
+    return (64, 64, 8, 3) if tokens >= 128 else (32, 64, 8, 3)
+
+
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, block_h: int = 16, block_n: int = 32) -> torch.Tensor:
+               scale: float, block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+               num_stages: int | None = None) -> torch.Tensor:
     """q_latent [T, nh, C], q_rope [T, nh, R] (any tokens: decodes or prompt chunks, each with its
     own context, see :class:`~.attention.AttentionMetadata`) over a latent cache [slots, C + R]
-    → Σ p·c [T, nh, C]."""
+    → Σ p·c [T, nh, C]. Launch parameters left None come from :func:`mla_launch_config` (T is a
+    graph bucket's size where graphs run: a shape-only choice)."""
     batch, heads, latent = q_latent.shape
+    tuned = mla_launch_config(batch)
+    block_h = tuned[0] if block_h is None else block_h
+    block_n = tuned[1] if block_n is None else block_n
+    num_warps = tuned[2] if num_warps is None else num_warps
+    num_stages = tuned[3] if num_stages is None else num_stages
     rope = q_rope.shape[2]
     out = torch.empty_like(q_latent)
     page = meta.block_size
@@ -138,7 +154,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
         meta.block_tables.stride(0), out.stride(0), out.stride(1),
         NH=heads, C=latent, R=rope, CP=_pow2(latent), RP=_pow2(rope), PAGE=page, BLOCK_H=block_h,
-        BLOCK_N=block_n, num_warps=4, num_stages=2,
+        BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

@@ -1,0 +1,92 @@
+"""The MLA decode kernel's launch parameters on a GPU: ``attention_kernels.mla_decode`` (the product's kernel,
+what the graphed decode step runs for DeepSeek-V3) swept over head block, context block, warps and
+stages at DeepSeek-V3's shapes (128 heads, latent 512, rope 64, 16-token pages), for several batches at
+one context; each configuration checked against the torch twin (``attention.mla_attention``) and timed
+over ``--iters`` launches between CUDA events (median of 5 repeats). Prints one JSON row per
+configuration and the best per batch.
+
+    PYTHONPATH=runtime python3 benchmarks/mla_decode_tuning.py --batches 16 64 256 --context 96
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+
+from vexpert_runtime.serve import attention_kernels
+from vexpert_runtime.serve.attention import build_metadata, mla_attention
+from vexpert_runtime.serve.kv_cache import BlockPool
+from vexpert_runtime.serve.step import SamplingSpec, SequenceWork
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--context", type=int, default=96)
+    parser.add_argument("--heads", type=int, default=128)
+    parser.add_argument("--latent", type=int, default=512)
+    parser.add_argument("--rope", type=int, default=64)
+    parser.add_argument("--page", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    device, dtype = "cuda", torch.bfloat16
+    rows = []
+    for batch in args.batches:
+        pool = BlockPool(batch * (args.context // args.page + 2) + 2, args.page)
+        work = []
+        for seq in range(batch):
+            pool.reserve(seq, args.context + 1)
+            work.append(SequenceWork(seq, (1,), args.context, tuple(pool.grow(seq, args.context + 1)), SamplingSpec()))
+        meta = build_metadata(work, args.page, [None], device, dtype=dtype)
+        kernel_meta = build_metadata(work, args.page, [None], device, padded_groups=False)
+        cache = torch.randn(pool.num_blocks * args.page, args.latent + args.rope, device=device, dtype=dtype)
+        q_latent = torch.randn(batch, args.heads, args.latent, device=device, dtype=dtype)
+        q_rope = torch.randn(batch, args.heads, args.rope, device=device, dtype=dtype)
+        scale = (args.latent + args.rope) ** -0.5
+        want = mla_attention(q_latent, q_rope, cache, meta, scale).float()
+        best = None
+        for block_h, block_n, warps, stages in itertools.product((16, 32, 64), (16, 32, 64), (4, 8), (1, 2, 3)):
+            try:
+                got = attention_kernels.mla_decode(q_latent, q_rope, cache, kernel_meta, scale, block_h=block_h,
+                                                   block_n=block_n, num_warps=warps, num_stages=stages)
+                torch.cuda.synchronize()
+            except Exception as exc:  # a configuration Triton cannot build (shared memory)
+                rows.append({"batch": batch, "block_h": block_h, "block_n": block_n, "warps": warps,
+                             "stages": stages, "error": str(exc)[:120]})
+                continue
+            error = (got.float() - want).abs().max().item()
+            times = []
+            for _ in range(5):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(args.iters):
+                    attention_kernels.mla_decode(q_latent, q_rope, cache, kernel_meta, scale, block_h=block_h,
+                                                 block_n=block_n, num_warps=warps, num_stages=stages)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / args.iters)
+            row = {"batch": batch, "context": args.context, "block_h": block_h, "block_n": block_n, "warps": warps,
+                   "stages": stages, "ms": round(statistics.median(times), 4), "max_abs_error": round(error, 4)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if error < 0.05 and (best is None or row["ms"] < best["ms"]):
+                best = row
+        print("best", json.dumps(best), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
