@@ -427,8 +427,9 @@ def pack_dispatch(x: torch.Tensor, ids: torch.Tensor, gpu: torch.Tensor, local: 
 
     Args: x [B, H]; ids [B, K]; gpu, local [E, R] int64; cum_share [E, R] float64 (the layer's
         table, shares as :func:`choose_replicas` draws them); block: C rows per destination.
-    Returns send_x [N·C, H] (zero rows where no pair), send_local [N·C] int64 local expert of each
-    row (−1 padding), row_of_pair [P] int64 in [0, N·C] (N·C: dropped, past its block).
+    Returns send_x [N·C, H] (rows where no pair are left unwritten: their receiver lays them past every
+    group, where nothing reads them), send_local [N·C] int64 local expert of each row (−1 padding),
+    row_of_pair [P] int64 in [0, N·C] (N·C: dropped, past its block).
     """
     batch, top_k = ids.shape
     pairs = batch * top_k
@@ -436,7 +437,7 @@ def pack_dispatch(x: torch.Tensor, ids: torch.Tensor, gpu: torch.Tensor, local: 
     row_of_pair = send_rows(dest_gpu.reshape(-1), world, block)
     token_of_pair = torch.arange(pairs, device=x.device) // top_k
     # One extra (trash) row takes the dropped pairs; it is not sent.
-    send_x = x.new_zeros(world * block + 1, x.shape[1])
+    send_x = x.new_empty(world * block + 1, x.shape[1])  # no memset: padding rows are never read
     send_x.index_copy_(0, row_of_pair, x.index_select(0, token_of_pair))
     send_local = torch.full((world * block + 1,), -1, dtype=torch.int64, device=x.device)
     send_local.index_copy_(0, row_of_pair, dest_local.reshape(-1))
@@ -448,11 +449,13 @@ def arrange_received(recv_x: torch.Tensor, recv_local: torch.Tensor, resident: i
     """The received rows laid out for the grouped GEMMs (:func:`receive_layout`).
 
     Args: recv_x [T, H]; recv_local [T] int64 (−1 padding); resident = E/N; slots = S.
-    Returns buf [M, H] (rows by local expert, M = :attr:`ReceiveLayout.rows`), position [T],
+    Returns buf [M, H] (rows by local expert, M = :attr:`ReceiveLayout.rows`; rows no received row
+    lands on — a group's alignment padding, the space past the groups — are left unwritten: a GEMM
+    row depends only on its own input row, and no such output row is read), position [T],
     resident_offs [E/N] int32, slot_offs [S] int32, computed [E/N + S] int64.
     """
     layout = receive_layout(recv_local, resident, slots, align)
-    buf = recv_x.new_zeros(layout.rows, recv_x.shape[1])
+    buf = recv_x.new_empty(layout.rows, recv_x.shape[1])  # no memset (a kernel per layer on a GPU)
     buf.index_copy_(0, layout.position, recv_x)
     return buf, layout.position, layout.resident_offs, layout.slot_offs, layout.computed
 
