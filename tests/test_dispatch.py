@@ -116,6 +116,21 @@ def test_plan_mode_and_single_copy_tables_return_the_plans_table() -> None:
         dispatch_cum_share("nearest", ids, torch.tensor([[0, 1], [1, -1]]), cum.expand(2, 2), 2, None)  # type: ignore[arg-type]
 
 
+def test_an_eager_layer_without_replicas_skips_the_global_all_reduce() -> None:
+    """A CPU (eager) layer whose table is wide (slots exist) but replicates nothing returns the plan's
+    shares without touching the group — every rank reads the same table, so all skip together — while a
+    layer with a replicated expert all-reduces (here: a group that cannot, so it raises)."""
+    not_a_group = object()  # any collective on it fails
+    cum = torch.tensor([[1.0, float("inf")], [1.0, float("inf")]], dtype=torch.float64)
+    ids = torch.tensor([[0, 1]])
+    unreplicated = torch.tensor([[0, -1], [1, -1]])
+    assert dispatch_cum_share("global", ids, unreplicated, cum, 2, not_a_group) is cum  # type: ignore[arg-type]
+    replicated = torch.tensor([[0, 1], [1, -1]])
+    with pytest.raises(AttributeError, match="allreduce"):  # the collective reached the bogus group
+        dispatch_cum_share("global", ids, replicated, torch.tensor([[0.5, 1.0], [1.0, float("inf")]],
+                                                                    dtype=torch.float64), 2, not_a_group)  # type: ignore[arg-type]
+
+
 def test_auto_picks_global_when_the_all_reduce_is_cheaper_than_the_balance_it_buys() -> None:
     assert choose_dispatch("auto", world=8, slots=0, nodes=1, device="cuda")[0] == "plan"
     assert choose_dispatch("auto", world=1, slots=2, nodes=1, device="cuda")[0] == "plan"

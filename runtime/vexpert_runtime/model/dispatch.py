@@ -212,6 +212,11 @@ def dispatch_cum_share(mode: DispatchMode, ids: torch.Tensor, gpu: torch.Tensor,
     """
     if mode == "plan" or gpu.shape[1] < 2:
         return plan_cum_share
+    if not gpu.is_cuda and bool((gpu[:, 1] < 0).all()):
+        # An eager (CPU) step, a layer the plan replicates nothing of: nothing to split, and every rank
+        # reads the same table, so all skip the all-reduce together (a graphed GPU step keeps it: the
+        # collectives in a graph are fixed at capture, whatever plan comes later).
+        return plan_cum_share
     if mode not in DISPATCH_MODES:
         raise ValueError(f"dispatch mode {mode!r} is not one of {', '.join(DISPATCH_MODES)}")
     counts = layer_counts(ids, gpu.shape[0])

@@ -272,23 +272,28 @@ class EPExperts:
         self.last_stats: LayerStats | None = None
         # Run the EP layer's bookkeeping compiled (:mod:`~vexpert_runtime.model.fusion`): set with CUDA graphs.
         self.compiled = False
+        self._agreed_tokens: int | None = None  # the iteration's most tokens on any rank (see _capacity)
 
     def _slot_rows(self, moe_layer: int) -> torch.Tensor | None:
         if self.slots is None or isinstance(self.slots, torch.Tensor):
             return self.slots
         return self.slots[moe_layer]
 
-    def _capacity(self, tokens: int, top_k: int) -> int:
-        """C: dispatch rows per destination rank, equal on every rank and ≥ any rank's T·K."""
+    def _capacity(self, tokens: int, top_k: int, moe_layer: int) -> int:
+        """C: dispatch rows per destination rank, equal on every rank and ≥ any rank's T·K. Without
+        ``max_tokens`` the ranks agree on the most tokens once per iteration, at its first MoE layer
+        (every layer of an iteration runs the same tokens, and every rank runs every layer)."""
         if self.max_tokens is not None and tokens > self.max_tokens:
             raise ValueError(f"{tokens} tokens in one iteration, EPExperts was built for at most {self.max_tokens}")
         if self.group is None:  # one rank: nothing to agree on (a graph's T is its bucket)
             return tokens * top_k
         if self.max_tokens is not None:
             return self.max_tokens * top_k
-        most = torch.tensor([tokens], dtype=torch.int64)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
-        return int(most) * top_k
+        if moe_layer == 0 or self._agreed_tokens is None:
+            most = torch.tensor([tokens], dtype=torch.int64)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+            self._agreed_tokens = int(most)
+        return self._agreed_tokens * top_k
 
     @contextlib.contextmanager
     def quiet(self) -> Iterator[None]:
@@ -314,7 +319,7 @@ class EPExperts:
         with torch.profiler.record_function(EP_LAYER_RANGE):  # a profiler trace's EP-layer share
             y, stats = ep_moe_layer(
                 x, ids, weights, self.table, moe_layer, stacks, None, self.rank, self.world, self.group,
-                capacity=self._capacity(x.shape[0], ids.shape[1]),
+                capacity=self._capacity(x.shape[0], ids.shape[1], moe_layer),
                 slot_wait=None if hooks is None else (lambda: hooks.wait(moe_layer)),
                 after_compute=None if hooks is None else (lambda: hooks.release(moe_layer)),
                 dispatch=self.dispatch, compiled=self.compiled,
