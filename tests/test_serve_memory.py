@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -239,6 +240,10 @@ def test_serve_peak_rss_is_what_each_process_keeps(tmp_path: Path) -> None:
             peaks["api"] = _status(proc.pid, "VmHWM")
         finally:
             _stop(proc)
+        served = log.read_text(errors="replace")
+        for rank in range(2):  # each CPU worker says which expert kernel it timed faster on this machine
+            assert re.search(rf"vexpert-worker-{rank}: CPU experts run (grouped|prepacked) \(one pass over layer 0: "
+                             r"grouped [0-9.]+ ms, prepacked [0-9.]+ ms\)", served), served[-2000:]
     finally:
         shutil.rmtree(path, ignore_errors=True)
     print(f"\ncheckpoint {file_bytes / MIB:.0f} MiB (experts {expert_bytes / MIB:.0f} MiB); peak RSS (VmHWM): "

@@ -344,6 +344,11 @@ class ServingRunner:
                                    wait=lambda layer: slots.acquire(layer, rescue),
                                    release=slots.release, dispatch=context.dispatch,
                                    graph_stream=context.graph_stream)
+        experts = self.serving.experts
+        if experts.cpu_expert_kernel is not None:  # say which CPU expert kernel this machine got, and why
+            timed = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in experts.cpu_expert_seconds.items())
+            print(f"vexpert-worker-{context.rank}: CPU experts run {experts.cpu_expert_kernel}"
+                  f" ({'one pass over layer 0: ' + timed if timed else 'as asked'})", file=sys.stderr, flush=True)
         if self.serving.num_moe_layers != context.spec.num_layers:
             raise VExpertInputError("model.checkpoint_path",
                                     f"the model has {self.serving.num_moe_layers} MoE layers, its spec {context.spec.num_layers}",

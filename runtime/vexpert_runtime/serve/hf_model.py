@@ -25,7 +25,6 @@ Shapes: ``T`` tokens of an iteration (all sequences), ``H`` hidden, ``K`` top-k,
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,8 +74,6 @@ from vexpert_runtime.serve.sparse_blocks import (
     sparse_layers,
 )
 from vexpert_runtime.serve.step import FinishedStep, PendingStep, SequenceWork, StepModel
-
-log = logging.getLogger(__name__)
 
 EP_LAYER_RANGE = "vexpert.ep_layer"  # the profiler range around each EP MoE layer (eager steps)
 
@@ -348,9 +345,6 @@ class EPExperts:
         resident = [_cpu_resident(first if layer == 0 and first is not None else rows(layer, mine).to(device),
                                   intermediate, kernel)
                     for layer in range(num_layers)]  # layer by layer: a rank never holds its rows twice
-        if kernel is not None:
-            log.info("rank %d: CPU experts run %s (one pass over layer 0's experts: %s)", rank, kernel,
-                     ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in seconds.items()) or "as asked")
         return cls(resident, intermediate, num_experts, rank, world, group, cpu_expert_kernel=kernel or "auto",
                    cpu_expert_seconds=seconds, **kwargs)
 
