@@ -342,9 +342,12 @@ class EPExperts:
         first = rows(0, mine).to(device) if num_layers else None
         kernel, seconds = cpu_resident_kernel([first] if first is not None else [], intermediate, kwargs.get("format"),
                                               kwargs.pop("cpu_expert_kernel", "auto"))
-        resident = [_cpu_resident(first if layer == 0 and first is not None else rows(layer, mine).to(device),
-                                  intermediate, kernel)
-                    for layer in range(num_layers)]  # layer by layer: a rank never holds its rows twice
+        resident: list[torch.Tensor | PrepackedExperts] = []
+        for layer in range(num_layers):  # layer by layer: a rank never holds its rows twice
+            stack = first if layer == 0 and first is not None else rows(layer, mine).to(device)
+            first = None
+            resident.append(_cpu_resident(stack, intermediate, kernel))
+            del stack
         return cls(resident, intermediate, num_experts, rank, world, group, cpu_expert_kernel=kernel or "auto",
                    cpu_expert_seconds=seconds, **kwargs)
 
