@@ -16,7 +16,7 @@ embedding rows + the KV cache at that context, ÷ 4.8 TB/s.
 Also printed per batch: ``flop_ms``, the step's matmul FLOPs (2 × the weights a token multiplies — its
 top-k experts, not all — plus MLA's latent attention over the context) ÷ the GPU's dense bf16 peak
 (``--peak-tflops``, 989 for an H200), the other floor a step of many tokens meets; and with ``--profile``
-the graph's kernels by name (torch.profiler over ``--iters`` replays: CUDA ms per step, top 12).
+the graph's kernels by name (torch.profiler over ``--iters`` replays: CUDA ms and launches per step, top 25, and the kernels' total).
 """
 
 from __future__ import annotations
@@ -61,20 +61,25 @@ def step_flops(model: HFStepModel, batch: int, context: int) -> int:
     return 2 * batch * (per_token + experts + attention)
 
 
-def kernel_times(graph: torch.cuda.CUDAGraph, iters: int, top: int = 12) -> list[tuple[str, float]]:
-    """CUDA ms per replay of each kernel name (profiler over ``iters`` replays), the ``top`` largest."""
+def kernel_times(graph: torch.cuda.CUDAGraph, iters: int, top: int = 25) -> dict[str, object]:
+    """CUDA ms and launches per replay of each kernel name (profiler over ``iters`` replays): the ``top``
+    largest, and the kernels' total (ms, count) per replay."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             graph.replay()
         torch.cuda.synchronize()
-    totals: dict[str, float] = {}
+    totals: dict[str, list[float]] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name] = totals.get(event.name, 0.0) + event.device_time / 1e3
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
-    return [(name[:90], round(ms / iters, 4)) for name, ms in ranked]
+            entry = totals.setdefault(event.name, [0.0, 0])
+            entry[0] += event.device_time / 1e3
+            entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    return {"kernels_per_step": round(sum(n for _, n in totals.values()) / iters, 1),
+            "kernel_ms_per_step": round(sum(ms for ms, _ in totals.values()) / iters, 4),
+            "top": [(name[:90], round(ms / iters, 4), round(n / iters, 1)) for name, (ms, n) in ranked[:top]]}
 
 
 def main() -> int:
@@ -141,7 +146,7 @@ def main() -> int:
                    "bytes": bound["bytes"], "flops": flops,
                    "flop_ms": round(flops / (args.peak_tflops * 1e12) * 1e3, 3)}
             if args.profile:
-                row["kernels_ms_per_step"] = kernel_times(graph, args.iters)
+                row["kernels"] = kernel_times(graph, args.iters)
             print(json.dumps(row), flush=True)
             results.append(row)
     if args.out:

@@ -36,7 +36,7 @@ def _decode_batch(lengths: list[int], block_size: int) -> list[SequenceWork]:
     return work
 
 
-@pytest.mark.parametrize("batch", [1, 16, 64])
+@pytest.mark.parametrize("batch", [1, 16, 64, 256])
 def test_mla_decode_kernel_matches_the_torch_twin_at_deepseek_shapes(batch: int) -> None:
     torch.manual_seed(batch)
     lengths = torch.randint(1, 300, (batch,)).tolist()

@@ -551,14 +551,14 @@ def stacked_outputs(buf: torch.Tensor, resident_offs: torch.Tensor, slot_offs: t
         out[:resident_rows] = stacks.resident.swiglu(buf[:resident_rows], resident_offs)
     else:
         w13, w2 = stacks.weights(stacks.resident, hidden)
-        out[:resident_rows] = grouped_swiglu(buf[:resident_rows], w13, w2, resident_offs, grouped=stacks.grouped)
+        grouped_swiglu(buf[:resident_rows], w13, w2, resident_offs, grouped=stacks.grouped, out=out[:resident_rows])
     if slot_wait is not None:
         slot_wait()
     if slot_offs.numel():
         if stacks.slots is None:
             raise ValueError("the routing table has slots but no slot stack was given")
         s13, s2 = stacks.weights(stacks.slots, hidden)  # FP8: dequantised only once the slots are filled
-        out[resident_rows:] = grouped_swiglu(buf[resident_rows:], s13, s2, slot_offs, grouped=stacks.grouped)
+        grouped_swiglu(buf[resident_rows:], s13, s2, slot_offs, grouped=stacks.grouped, out=out[resident_rows:])
     if after_compute is not None:
         after_compute()
     return out

@@ -5,8 +5,9 @@ stack of rows ``[E, D]`` gives, without copying, ``w13 [E, 2I, H]`` (gate and up
 ``w2 [E, H, I]``. Tokens arrive sorted by local expert with ``offs[e]`` = end row of expert ``e``'s
 group; rows past ``offs[-1]`` are padding (their output is undefined and must be ignored).
 
-On CUDA (bf16/fp16) this is two ``torch._grouped_mm`` calls per stack — one kernel each for the
-base experts and for the slots — which is also what a CUDA graph captures. On CPU (fp32/bf16)
+On CUDA (bf16/fp16) this is two Triton grouped GEMMs per stack (:mod:`.grouped_gemm_kernel`: SwiGLU in
+the first one's epilogue; ``torch._grouped_mm`` where Triton is missing) — one pair each for the base
+experts and for the slots — which is also what a CUDA graph captures. On CPU (fp32/bf16)
 ``torch._grouped_mm`` runs too (any group starts: :func:`group_align`), or a CPU rank keeps its
 resident experts oneDNN-prepacked (:class:`PrepackedExperts`) where that is faster
 (:func:`cpu_expert_kernel_seconds`); the per-expert loop stays as the reference in tests.
@@ -122,8 +123,21 @@ def _aligned_for_grouped_mm(*tensors: torch.Tensor) -> bool:
                for t in tensors)
 
 
+def triton_experts_run(x: torch.Tensor) -> bool:
+    """Whether the Triton grouped SwiGLU (:mod:`.grouped_gemm_kernel`) serves ``x``'s experts: CUDA
+    bf16/fp16 with Triton importable (CUDA builds of torch ship it)."""
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # pragma: no cover - CUDA torch without Triton
+        return False
+    return True
+
+
 def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
-                   grouped: bool | None = None) -> torch.Tensor:
+                   grouped: bool | None = None, gpu_kernel: str | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU of every expert over its token group.
 
     Args:
@@ -131,18 +145,31 @@ def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: t
         w13: [E, 2I, H]; w2: [E, H, I] (views from :func:`packed_views`).
         offs: [E] int32 cumulative group ends (non-decreasing; a multiple of GROUP_ALIGN on CUDA).
         grouped: force the grouped-GEMM (True) or loop (False) path; default: grouped where it runs.
+        gpu_kernel: the grouped GEMMs on CUDA — "triton" (:func:`~.grouped_gemm_kernel.triton_swiglu`,
+            the default where Triton runs: it streams decode-sized groups' weights near HBM bandwidth,
+            ``benchmarks/grouped_gemm_tuning.py``) or "cutlass" (``torch._grouped_mm``).
+        out: [M, H] to write the result into (the Triton kernel writes it there directly), or None.
     Returns:
-        [M, H]; rows past offs[-1] are undefined.
+        [M, H] (``out`` when given); rows past offs[-1] are undefined.
     """
+    if gpu_kernel not in (None, "triton", "cutlass"):
+        raise ValueError(f"gpu_kernel must be 'triton', 'cutlass' or None, not {gpu_kernel!r}")
     if grouped is None:
-        grouped = uses_grouped_gemm(x) and _aligned_for_grouped_mm(x, w13, w2)
+        grouped = uses_grouped_gemm(x) and (_aligned_for_grouped_mm(x, w13, w2) or triton_experts_run(x))
     intermediate = w2.shape[-1]
+    if grouped and gpu_kernel != "cutlass" and triton_experts_run(x):
+        from vexpert_runtime.model.grouped_gemm_kernel import triton_swiglu
+
+        return triton_swiglu(x, w13, w2, offs, out=out)
     if grouped:
         h = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)
         act = F.silu(h[:, :intermediate]) * h[:, intermediate:]
-        out: torch.Tensor = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)
-        return out
-    return _swiglu_loop(x, w13, w2, offs, intermediate, F.linear)
+        result = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)
+    else:
+        result = _swiglu_loop(x, w13, w2, offs, intermediate, F.linear)
+    if out is None:
+        return result
+    return out.copy_(result)
 
 
 def cpu_expert_kernel_seconds(rows: torch.Tensor, intermediate: int, rows_per_expert: Sequence[int] = (1, 2, 8),

@@ -1,0 +1,120 @@
+"""Sweep the Triton grouped SwiGLU's launch parameters against ``torch._grouped_mm`` on a GPU (issue #21).
+
+The decode step's expert GEMMs at the serving benchmark's DeepSeek-V3 sizes (H 7168, expert I 2048,
+8 experts on the rank, top-2): for 16 / 64 / 256 tokens, groups padded to 16 rows as the EP layer lays
+them out, once split evenly and once skewed (a Zipf-like split, as the demo router's hot experts give).
+Each configuration of ``vexpert_runtime.model.grouped_gemm_kernel`` is checked against the CUTLASS path
+(``grouped_moe.grouped_swiglu``) and timed with CUDA events over back-to-back calls; printed: ms per
+call, the weights' bytes over that time (GB/s; the GEMMs read every expert once), the best
+configuration per GEMM and token count. ``--out`` writes the JSON that ``launch_config``'s table
+comes from.
+
+    PYTHONPATH=runtime python3 benchmarks/grouped_gemm_tuning.py --tokens 16 64 256 --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from vexpert_runtime.model.grouped_gemm_kernel import grouped_gemm
+from vexpert_runtime.model.grouped_moe import GROUP_ALIGN, grouped_swiglu, packed_views, padded_capacity
+
+
+def group_ends(tokens: int, top_k: int, experts: int, skewed: bool) -> tuple[torch.Tensor, int]:
+    """offs [E] int32 of ``tokens``·``top_k`` pairs over ``experts`` groups padded to GROUP_ALIGN, and
+    the buffer's rows (the EP layer's capacity for that many pairs)."""
+    pairs = tokens * top_k
+    weights = torch.tensor([1.0 / (e + 1) if skewed else 1.0 for e in range(experts)])
+    counts = (weights / weights.sum() * pairs).floor().long()
+    counts[0] += pairs - int(counts.sum())
+    padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    return padded.cumsum(0).to(torch.int32), padded_capacity(pairs, experts)
+
+
+def time_ms(iters: int, fn: Callable[..., object], *args: object, **kwargs: object) -> float:
+    """ms per call of fn(*args, **kwargs), back to back between CUDA events (after 3 warm-up calls)."""
+    for _ in range(3):
+        fn(*args, **kwargs)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn(*args, **kwargs)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    hidden, inter, experts = args.hidden, args.intermediate, args.experts
+    rows = torch.randn(experts, 3 * inter * hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+    w13, w2 = packed_views(rows, inter, hidden)
+    bytes_gate_up, bytes_down = w13.numel() * 2, w2.numel() * 2
+    results = []
+    for tokens, skewed in itertools.product(args.tokens, (False, True)):
+        offs, capacity = group_ends(tokens, args.top_k, experts, skewed)
+        offs = offs.cuda()
+        used = int(offs[-1])
+        x = torch.randn(capacity, hidden, device="cuda", dtype=torch.bfloat16)
+        want_h = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)
+        want_act = torch.nn.functional.silu(want_h[:, :inter]) * want_h[:, inter:]
+        want = grouped_swiglu(x, w13, w2, offs, gpu_kernel="cutlass")
+        case = {"tokens": tokens, "skewed": skewed, "rows": capacity, "used_rows": used,
+                "cutlass_ms": round(time_ms(args.iters, grouped_swiglu, x, w13, w2, offs, gpu_kernel="cutlass"), 4),
+                "triton_default_ms": round(time_ms(args.iters, grouped_swiglu, x, w13, w2, offs), 4),
+                "cutlass_gate_up_ms": round(time_ms(args.iters, torch._grouped_mm, x, w13.transpose(-2, -1),
+                                                    offs=offs), 4),
+                "cutlass_down_ms": round(time_ms(args.iters, torch._grouped_mm, want_act, w2.transpose(-2, -1),
+                                                 offs=offs), 4),
+                "configs": {"gate_up": [], "down": []}}
+        block_ms = (16,) if tokens * args.top_k / experts <= 16 else (32, 64)
+        for gemm, weight, source, ks in (("gate_up", w13, x, (64, 128, 256)), ("down", w2, want_act, (64, 128, 256))):
+            reference = want_act if gemm == "gate_up" else want
+            for block_m, block_n, block_k, warps, stages in itertools.product(block_ms, (32, 64, 128), ks, (4, 8), (3, 4)):
+                config = (block_m, block_n, block_k, warps, stages)
+                try:
+                    got = grouped_gemm(source, weight, offs, swiglu=gemm == "gate_up", config=config)
+                    torch.cuda.synchronize()
+                except Exception as error:  # out of shared memory etc.: the sweep goes on
+                    case["configs"][gemm].append({"config": config, "error": str(error)[:120]})
+                    continue
+                err = float((got[:used].float() - reference[:used].float()).abs().max())
+                scale = float(reference[:used].float().abs().max())
+                ms = time_ms(args.iters, grouped_gemm, source, weight, offs, swiglu=gemm == "gate_up", config=config)
+                size = bytes_gate_up if gemm == "gate_up" else bytes_down
+                case["configs"][gemm].append({"config": config, "ms": round(ms, 4), "gbps": round(size / ms / 1e6),
+                                              "rel_err": round(err / max(scale, 1e-6), 4)})
+            ok = [c for c in case["configs"][gemm] if "ms" in c and c["rel_err"] < 0.02]
+            best = min(ok, key=lambda c: c["ms"])
+            case[f"best_{gemm}"] = best
+            cutlass = case[f"cutlass_{gemm}_ms"]
+            size = bytes_gate_up if gemm == "gate_up" else bytes_down
+            print(f"tokens {tokens:4d} {'skewed' if skewed else 'even  '} {gemm:7s}: cutlass {cutlass:.4f} ms "
+                  f"({size / cutlass / 1e6:.0f} GB/s), triton best {best['config']} {best['ms']:.4f} ms "
+                  f"({best['gbps']} GB/s, rel err {best['rel_err']}); {len(ok)} configs ok", flush=True)
+        results.append(case)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                        "hidden": hidden, "intermediate": inter, "experts": experts,
+                                        "cases": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,114 @@
+"""Expert SwiGLU on a GPU as two Triton grouped GEMMs over the packed expert rows: :func:`triton_swiglu`.
+
+Why our own kernel: a decode step multiplies few rows per expert (256 sequences × top-2 over 8 experts:
+~64; 16 sequences: ~4), so the expert GEMMs are bound by reading the experts' weights, and
+``torch._grouped_mm`` (CUTLASS, a tile shape it picks for large groups) read them at ~50 % of an
+H200's HBM bandwidth at 64 rows per expert — a third of the whole decode step (benchmarks/README.md,
+§10, run 12). A grouped GEMM whose tiles fit the row counts — one program per (expert, block of
+output columns), the expert's rows in blocks of ``BLOCK_M`` inside the program (so a column block of
+the weights is read from HBM once per expert however the rows fall), a long pipelined loop over K —
+streams them near bandwidth, and the gate/up GEMM takes SwiGLU in its epilogue (gate and up columns
+of the same block in two accumulators), so the [M, 2I] intermediate is never written.
+
+Layout as :func:`~.grouped_moe.grouped_swiglu`: ``x`` [M, H] sorted by expert, group ``e`` the rows
+``[offs[e-1], offs[e])`` (device tensor: no host sync, graph-safe: the grid is a function of the
+shapes only); rows past ``offs[-1]`` are not written. Weights are the strided views of packed rows
+(``w13`` [E, 2I, H], ``w2`` [E, H, I]); no copy. Launch parameters by rows per expert
+(:func:`launch_config`, from ``benchmarks/grouped_gemm_tuning.py`` on an H200). The CPU tests run it
+in Triton's interpreter against the per-expert loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _grouped_gemm_kernel(x, w, offs, out, K, N, UP, stride_xm, stride_we, stride_wn, stride_om,
+                         SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[rows of e, n] = x[rows of e] @ w[e, n, :]ᵀ, or with SWIGLU silu(x·w[e, n]) · (x·w[e, UP + n])."""
+    pid_n = tl.program_id(0)
+    expert = tl.program_id(1)
+    start = tl.load(offs + expert - 1, mask=expert > 0, other=0)
+    end = tl.load(offs + expert)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    kk = tl.arange(0, BLOCK_K)
+    w_expert = w + expert.to(tl.int64) * stride_we
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        rmask = rows < end
+        a_ptr = x + rows[:, None].to(tl.int64) * stride_xm + kk[None, :]
+        b_ptr = w_expert + n[None, :].to(tl.int64) * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kmask = k0 + kk < K
+            a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(b_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+            if SWIGLU:
+                b_up = tl.load(b_ptr + UP * stride_wn, mask=kmask[:, None] & nmask[None, :], other=0.0)
+                acc_up = tl.dot(a, b_up, acc_up)
+            a_ptr += BLOCK_K
+            b_ptr += BLOCK_K
+        if SWIGLU:
+            acc = acc * tl.sigmoid(acc) * acc_up
+        tl.store(out + rows[:, None].to(tl.int64) * stride_om + n[None, :], acc.to(out.dtype.element_ty),
+                 mask=rmask[:, None] & nmask[None, :])
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) per GEMM ("gate_up", "down"), by rows per expert up to the key.
+LaunchConfig = tuple[int, int, int, int, int]
+_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
+    "gate_up": ((16, (16, 64, 128, 4, 4)), (64, (64, 64, 128, 4, 4)), (1 << 30, (64, 128, 64, 8, 3))),
+    "down": ((16, (16, 64, 128, 4, 4)), (64, (64, 64, 128, 4, 4)), (1 << 30, (64, 128, 64, 8, 3))),
+}
+
+
+def launch_config(gemm: str, rows_per_expert: float) -> LaunchConfig:
+    """Launch parameters of ``gemm`` ("gate_up" / "down") for groups of ~``rows_per_expert`` rows (a
+    shape-only figure: the buffer's rows over the experts, so a graph bucket keeps one choice)."""
+    for limit, config in _CONFIGS[gemm]:
+        if rows_per_expert <= limit:
+            return config
+    raise AssertionError("the last limit covers every row count")
+
+
+def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu: bool = False,
+                 config: LaunchConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] grouped by ``offs`` [E] (int32 ends) times w [E, N', K] (any row and expert stride,
+    unit stride along K) → [M, N] with N = N' (or N'/2 and SwiGLU of the two halves when ``swiglu``),
+    written into ``out`` (unit column stride) when given; rows past offs[-1] are not written."""
+    rows, depth = x.shape
+    experts, columns, _ = w.shape
+    if w.shape[2] != depth or w.stride(2) != 1 or x.stride(1) != 1:
+        raise ValueError(f"grouped_gemm wants x [M, K] and w [E, N, K] with unit stride along K: "
+                         f"got x {tuple(x.shape)} strides {x.stride()}, w {tuple(w.shape)} strides {w.stride()}")
+    width = columns // 2 if swiglu else columns
+    if out is None:
+        out = x.new_empty(rows, width)
+    elif out.shape != (rows, width) or out.stride(1) != 1:
+        raise ValueError(f"out must be [{rows}, {width}] with unit column stride, got {tuple(out.shape)} {out.stride()}")
+    if rows == 0 or experts == 0:
+        return out
+    block_m, block_n, block_k, warps, stages = config or launch_config(
+        "gate_up" if swiglu else "down", rows / experts)
+    grid = (triton.cdiv(width, block_n), experts)
+    _grouped_gemm_kernel[grid](x, w, offs, out, depth, width, width, x.stride(0), w.stride(0), w.stride(1),
+                               out.stride(0), SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                               num_warps=warps, num_stages=stages)
+    return out
+
+
+def triton_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
+                  configs: tuple[LaunchConfig, LaunchConfig] | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`~.grouped_moe.grouped_swiglu` as two Triton launches: x [M, H], w13 [E, 2I, H], w2 [E, H, I],
+    offs [E] → [M, H] (into ``out`` when given; rows past offs[-1] undefined). ``configs``: (gate_up,
+    down) launch parameters, default :func:`launch_config`'s."""
+    gate_up, down = configs or (None, None)
+    act = grouped_gemm(x, w13, offs, swiglu=True, config=gate_up)
+    return grouped_gemm(act, w2, offs, config=down, out=out)

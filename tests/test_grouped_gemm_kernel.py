@@ -1,0 +1,72 @@
+"""The Triton grouped SwiGLU (``model/grouped_gemm_kernel.py``, issue #21) against the per-expert loop.
+
+CPU: in Triton's interpreter (a subprocess with ``TRITON_INTERPRET=1``), on shapes that are not
+multiples of the blocks, empty groups, a group longer than ``BLOCK_M`` (the loop over the expert's row
+blocks inside a program), strided weight views of packed rows and a slice of a larger output.
+GPU (marker ``gpu``): at DeepSeek-V3's expert sizes in bf16, against ``torch._grouped_mm``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime_support import run_in_triton_interpreter
+
+
+def check_kernel_on_cpu() -> None:
+    from vexpert_runtime.model.grouped_gemm_kernel import grouped_gemm, triton_swiglu
+    from vexpert_runtime.model.grouped_moe import grouped_swiglu, packed_views
+
+    torch.manual_seed(0)
+    experts, intermediate, hidden = 4, 24, 40
+    rows = torch.randn(experts, 3 * intermediate * hidden) / hidden**0.5
+    w13, w2 = packed_views(rows, intermediate, hidden)
+    offs = torch.tensor([5, 5, 37, 40], dtype=torch.int32)  # group 1 empty, group 2 longer than BLOCK_M = 16
+    x = torch.randn(48, hidden)  # 8 rows past offs[-1]: not written
+    want = grouped_swiglu(x, w13, w2, offs, grouped=False)
+    for configs in (((16, 16, 16, 4, 2), (16, 16, 32, 4, 2)), ((32, 32, 64, 4, 2), (16, 64, 16, 4, 2))):
+        got = triton_swiglu(x, w13, w2, offs, configs=configs)
+        assert torch.allclose(got[:40], want[:40], rtol=1e-4, atol=1e-4), configs
+    # Into a slice of a larger buffer (the EP layer's resident rows): rows around it untouched.
+    out = torch.full((60, hidden), 7.0)
+    triton_swiglu(x, w13, w2, offs, configs=((16, 16, 16, 4, 2),) * 2, out=out[10:58])
+    assert torch.allclose(out[10:50], want[:40], rtol=1e-4, atol=1e-4)
+    assert torch.equal(out[:10], torch.full((10, hidden), 7.0)) and torch.equal(out[50:], torch.full((10, hidden), 7.0))
+    # The plain GEMM (the down projection) alone, and a bad weight layout named.
+    plain = grouped_gemm(x, w13, offs, config=(16, 32, 16, 4, 2))
+    for e, (start, end) in enumerate(zip([0, *offs[:-1].tolist()], offs.tolist(), strict=True)):
+        assert torch.allclose(plain[start:end], x[start:end] @ w13[e].T, rtol=1e-4, atol=1e-4)
+    try:
+        grouped_gemm(x, w13.transpose(1, 2), offs)
+    except ValueError as error:
+        assert "unit stride along K" in str(error)
+    else:
+        raise AssertionError("a transposed weight view was accepted")
+
+
+def test_triton_grouped_swiglu_equals_the_loop_in_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    run_in_triton_interpreter("test_grouped_gemm_kernel", "check_kernel_on_cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [16, 256])
+def test_triton_grouped_swiglu_matches_grouped_mm_at_deepseek_sizes(tokens: int) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("triton")
+    from vexpert_runtime.model.grouped_moe import GROUP_ALIGN, grouped_swiglu, packed_views
+
+    torch.manual_seed(tokens)
+    experts, intermediate, hidden = 8, 2048, 7168
+    rows = torch.randn(experts, 3 * intermediate * hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+    w13, w2 = packed_views(rows, intermediate, hidden)
+    counts = torch.multinomial(torch.tensor([8.0, 4, 2, 1, 1, 0.5, 0.5, 0.01]), 2 * tokens, replacement=True).bincount(
+        minlength=experts)
+    offs = ((counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN).cumsum(0).to(torch.int32).cuda()
+    x = torch.randn(int(offs[-1]) + 16, hidden, device="cuda", dtype=torch.bfloat16)
+    want = grouped_swiglu(x, w13, w2, offs, gpu_kernel="cutlass").float()
+    got = grouped_swiglu(x, w13, w2, offs).float()  # the default on CUDA: the Triton kernel
+    used = int(offs[-1])
+    assert (got[:used] - want[:used]).abs().max() <= 0.02 * want[:used].abs().max()
