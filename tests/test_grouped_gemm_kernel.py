@@ -25,16 +25,16 @@ def check_kernel_on_cpu() -> None:
     offs = torch.tensor([5, 5, 37, 40], dtype=torch.int32)  # group 1 empty, group 2 longer than BLOCK_M = 16
     x = torch.randn(48, hidden)  # 8 rows past offs[-1]: not written
     want = grouped_swiglu(x, w13, w2, offs, grouped=False)
-    for configs in (((16, 16, 16, 4, 2), (16, 16, 32, 4, 2)), ((32, 32, 64, 4, 2), (16, 64, 16, 4, 2))):
+    for configs in (((16, 16, 16, 4, 2, 1), (16, 16, 32, 4, 2, 2)), ((32, 32, 64, 4, 2, 1), (16, 64, 16, 4, 2, 3))):
         got = triton_swiglu(x, w13, w2, offs, configs=configs)
         assert torch.allclose(got[:40], want[:40], rtol=1e-4, atol=1e-4), configs
     # Into a slice of a larger buffer (the EP layer's resident rows): rows around it untouched.
     out = torch.full((60, hidden), 7.0)
-    triton_swiglu(x, w13, w2, offs, configs=((16, 16, 16, 4, 2),) * 2, out=out[10:58])
+    triton_swiglu(x, w13, w2, offs, configs=((16, 16, 16, 4, 2, 2),) * 2, out=out[10:58])
     assert torch.allclose(out[10:50], want[:40], rtol=1e-4, atol=1e-4)
     assert torch.equal(out[:10], torch.full((10, hidden), 7.0)) and torch.equal(out[50:], torch.full((10, hidden), 7.0))
     # The plain GEMM (the down projection) alone, and a bad weight layout named.
-    plain = grouped_gemm(x, w13, offs, config=(16, 32, 16, 4, 2))
+    plain = grouped_gemm(x, w13, offs, config=(16, 32, 16, 4, 2, 1))
     for e, (start, end) in enumerate(zip([0, *offs[:-1].tolist()], offs.tolist(), strict=True)):
         assert torch.allclose(plain[start:end], x[start:end] @ w13[e].T, rtol=1e-4, atol=1e-4)
     try:

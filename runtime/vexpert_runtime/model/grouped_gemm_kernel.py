@@ -27,17 +27,21 @@ import triton.language as tl
 
 @triton.jit
 def _grouped_gemm_kernel(x, w, offs, out, K, N, UP, stride_xm, stride_we, stride_wn, stride_om,
-                         SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[rows of e, n] = x[rows of e] @ w[e, n, :]ᵀ, or with SWIGLU silu(x·w[e, n]) · (x·w[e, UP + n])."""
+                         SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SPLIT_M: tl.constexpr):
+    """out[rows of e, n] = x[rows of e] @ w[e, n, :]ᵀ, or with SWIGLU silu(x·w[e, n]) · (x·w[e, UP + n]).
+    Program (n block, expert, s) takes the expert's row blocks s, s + SPLIT_M, …: a hot expert's rows
+    spread over SPLIT_M programs (which read its weights at the same time, mostly from L2)."""
     pid_n = tl.program_id(0)
     expert = tl.program_id(1)
+    split = tl.program_id(2)
     start = tl.load(offs + expert - 1, mask=expert > 0, other=0)
     end = tl.load(offs + expert)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     kk = tl.arange(0, BLOCK_K)
     w_expert = w + expert.to(tl.int64) * stride_we
-    for m0 in range(start, end, BLOCK_M):
+    for m0 in range(start + split * BLOCK_M, end, BLOCK_M * SPLIT_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         rmask = rows < end
         a_ptr = x + rows[:, None].to(tl.int64) * stride_xm + kk[None, :]
@@ -60,11 +64,11 @@ def _grouped_gemm_kernel(x, w, offs, out, K, N, UP, stride_xm, stride_we, stride
                  mask=rmask[:, None] & nmask[None, :])
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) per GEMM ("gate_up", "down"), by rows per expert up to the key.
-LaunchConfig = tuple[int, int, int, int, int]
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_M) per GEMM ("gate_up", "down"), by rows per expert up to the key.
+LaunchConfig = tuple[int, int, int, int, int, int]
 _CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
-    "gate_up": ((16, (16, 64, 128, 4, 4)), (64, (64, 64, 128, 4, 4)), (1 << 30, (64, 128, 64, 8, 3))),
-    "down": ((16, (16, 64, 128, 4, 4)), (64, (64, 64, 128, 4, 4)), (1 << 30, (64, 128, 64, 8, 3))),
+    "gate_up": ((40, (16, 64, 128, 4, 3, 4)), (1 << 30, (64, 64, 128, 8, 4, 2))),
+    "down": ((40, (16, 64, 128, 4, 3, 4)), (1 << 30, (64, 128, 64, 8, 4, 2))),
 }
 
 
@@ -94,12 +98,12 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu
         raise ValueError(f"out must be [{rows}, {width}] with unit column stride, got {tuple(out.shape)} {out.stride()}")
     if rows == 0 or experts == 0:
         return out
-    block_m, block_n, block_k, warps, stages = config or launch_config(
+    block_m, block_n, block_k, warps, stages, split_m = config or launch_config(
         "gate_up" if swiglu else "down", rows / experts)
-    grid = (triton.cdiv(width, block_n), experts)
+    grid = (triton.cdiv(width, block_n), experts, split_m)
     _grouped_gemm_kernel[grid](x, w, offs, out, depth, width, width, x.stride(0), w.stride(0), w.stride(1),
                                out.stride(0), SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                               num_warps=warps, num_stages=stages)
+                               SPLIT_M=split_m, num_warps=warps, num_stages=stages)
     return out
 
 
