@@ -249,7 +249,11 @@ def test_killed_coordinator_process_workers_serve_degraded_then_a_restarted_one_
             os.kill(pid, signal.SIGKILL)
         elif "killed" in events and "attached" not in events and up and pid not in (None, events["killed"][1]):
             events["attached"] = (p.iteration, pid, time.monotonic())
-        elif "attached" in events and p.iteration >= events["attached"][0] + 16:
+        elif "attached" in events and "resumed" not in events and not samples[-1][1]:
+            # the restarted coordinator's first full copy done: the node runs undegraded again (how many
+            # iterations that takes depends on the host's CPUs: a 2-core CI host running other tests is slow)
+            events["resumed"] = (p.iteration, time.monotonic())
+        elif "resumed" in events and p.iteration >= events["resumed"][0] + 16:
             runtime.request_stop()
 
     runtime = NodeRuntime(
@@ -271,7 +275,7 @@ def test_killed_coordinator_process_workers_serve_degraded_then_a_restarted_one_
     killed_at, killed_pid, killed_t, streamed_at_kill = events["killed"]
     attached_at, new_pid, attached_t = events["attached"]
     # the workers kept going and every output (degraded ones included) equals the reference
-    assert report.iterations >= attached_at + 16
+    assert report.iterations >= events["resumed"][0] + 16
     assert report.max_rel_error is not None and report.max_rel_error <= 1e-5
     assert all(r.reports == 2 for r in report.records)
     # while it was down: base experts only, and the node said so
@@ -287,7 +291,9 @@ def test_killed_coordinator_process_workers_serve_degraded_then_a_restarted_one_
     assert "vexpert_coordinator_restarts_total 1.0" in report.metrics_text
     # a restarted coordinator resumed streaming: later plan changes copied experts and ran undegraded
     assert new_pid != killed_pid
-    after = [r for r in report.records if r.iteration >= attached_at + 4]
+    resumed_at, resumed_t = events["resumed"]
+    assert resumed_t - attached_t < 60, "the restarted coordinator took over a minute to fill the slots"
+    after = [r for r in report.records if r.iteration > resumed_at]
     assert after and all(r.degraded_groups == 0 and 0 not in r.plan_ids for r in after)
     assert len({pid for r in after for pid in r.plan_ids}) >= 2, "plans changed after the restart"
     assert report.bytes_streamed > streamed_at_kill
