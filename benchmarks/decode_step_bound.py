@@ -82,6 +82,23 @@ def kernel_times(graph: torch.cuda.CUDAGraph, iters: int, top: int = 25) -> dict
             "top": [(name[:90], round(ms / iters, 4), round(n / iters, 1)) for name, (ms, n) in ranked[:top]]}
 
 
+def op_times(model: HFStepModel, work: list[SequenceWork], iters: int, top: int = 25) -> list[tuple[str, str, float]]:
+    """The eager step's torch ops with their input shapes (profiler, ``record_shapes``): (op, shapes,
+    CUDA ms per step) of the ``top`` largest — which GEMM a graph kernel's name stands for."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.step(work)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(iters):
+            model.step(work)
+        torch.cuda.synchronize()
+    rows = [(e.key, str(e.input_shapes)[:160], e.self_device_time_total / 1e3 / iters)
+            for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0]
+    rows.sort(key=lambda r: -r[2])
+    return [(key, shapes, round(ms, 4)) for key, shapes, ms in rows[:top]]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=Path(".cache/bench-ds3"), help="written once, reused")
@@ -93,6 +110,8 @@ def main() -> int:
     parser.add_argument("--max-batch-tokens", type=int, default=512)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H200 SXM: 989)")
     parser.add_argument("--profile", action="store_true", help="kernel times of the graph replays (torch.profiler)")
+    parser.add_argument("--profile-ops", action="store_true",
+                        help="before the graphs: the eager step's ops with input shapes at the largest batch")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not (args.model_dir / "config.json").exists():
@@ -105,8 +124,18 @@ def main() -> int:
     model.drop_expert_weights()
     stream = torch.cuda.Stream()
     results = []
+    ops = None
     with torch.cuda.stream(stream):
         model.compile_pieces()
+        if args.profile_ops:
+            pool = BlockPool(model.kv_num_blocks, model.kv_block_size)
+            for seq in range(max_seqs):
+                pool.reserve(seq, args.context + 1)
+            work = [SequenceWork(seq, (seq % 100 + 3,), args.context, tuple(pool.grow(seq, args.context + 1)),
+                                 SamplingSpec(draw=1)) for seq in range(max_seqs)]
+            ops = op_times(model, work, 5)
+            for op in ops:
+                print("op", json.dumps(op), flush=True)
         model.enable_cuda_graphs(args.max_batch_tokens, max_seqs, stream)
         pool = BlockPool(model.kv_num_blocks, model.kv_block_size)
         for seq in range(max_seqs):
@@ -152,7 +181,7 @@ def main() -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                        "rows": results}, indent=1))
+                                        "rows": results, "eager_ops": ops}, indent=1))
     return 0
 
 
