@@ -1,8 +1,8 @@
 """The Triton grouped SwiGLU (``model/grouped_gemm_kernel.py``, issue #21) against the per-expert loop.
 
 CPU: in Triton's interpreter (a subprocess with ``TRITON_INTERPRET=1``), on shapes that are not
-multiples of the blocks, empty groups, a group longer than ``BLOCK_M`` (its row tiles over
-several programs), strided weight views of packed rows and a slice of a larger output.
+multiples of the blocks, empty groups, a group longer than ``BLOCK_M`` (the loop over the expert's row
+blocks inside a program), strided weight views of packed rows and a slice of a larger output.
 GPU (marker ``gpu``): at DeepSeek-V3's expert sizes in bf16, against ``torch._grouped_mm``.
 """
 
@@ -22,19 +22,19 @@ def check_kernel_on_cpu() -> None:
     experts, intermediate, hidden = 4, 24, 40
     rows = torch.randn(experts, 3 * intermediate * hidden) / hidden**0.5
     w13, w2 = packed_views(rows, intermediate, hidden)
-    offs = torch.tensor([5, 5, 37, 40], dtype=torch.int32)  # group 1 empty, group 2 longer than BLOCK_M = 16: two tiles
+    offs = torch.tensor([5, 5, 37, 40], dtype=torch.int32)  # group 1 empty, group 2 longer than BLOCK_M = 16
     x = torch.randn(48, hidden)  # 8 rows past offs[-1]: not written
     want = grouped_swiglu(x, w13, w2, offs, grouped=False)
-    for configs in (((16, 16, 16, 4, 2), (16, 16, 32, 4, 2)), ((32, 32, 64, 4, 2), (16, 64, 16, 4, 2))):
+    for configs in (((16, 16, 16, 4, 2, 1), (16, 16, 32, 4, 2, 2)), ((32, 32, 64, 4, 2, 1), (16, 64, 16, 4, 2, 3))):
         got = triton_swiglu(x, w13, w2, offs, configs=configs)
         assert torch.allclose(got[:40], want[:40], rtol=1e-4, atol=1e-4), configs
     # Into a slice of a larger buffer (the EP layer's resident rows): rows around it untouched.
     out = torch.full((60, hidden), 7.0)
-    triton_swiglu(x, w13, w2, offs, configs=((16, 16, 16, 4, 2),) * 2, out=out[10:58])
+    triton_swiglu(x, w13, w2, offs, configs=((16, 16, 16, 4, 2, 2),) * 2, out=out[10:58])
     assert torch.allclose(out[10:50], want[:40], rtol=1e-4, atol=1e-4)
     assert torch.equal(out[:10], torch.full((10, hidden), 7.0)) and torch.equal(out[50:], torch.full((10, hidden), 7.0))
     # The plain GEMM (the down projection) alone, and a bad weight layout named.
-    plain = grouped_gemm(x, w13, offs, config=(16, 32, 16, 4, 2))
+    plain = grouped_gemm(x, w13, offs, config=(16, 32, 16, 4, 2, 1))
     for e, (start, end) in enumerate(zip([0, *offs[:-1].tolist()], offs.tolist(), strict=True)):
         assert torch.allclose(plain[start:end], x[start:end] @ w13[e].T, rtol=1e-4, atol=1e-4)
     try:

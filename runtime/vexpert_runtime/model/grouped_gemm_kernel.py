@@ -5,9 +5,9 @@ Why our own kernel: a decode step multiplies few rows per expert (256 sequences 
 ``torch._grouped_mm`` (CUTLASS, a tile shape it picks for large groups) read them at ~50 % of an
 H200's HBM bandwidth at 64 rows per expert — a third of the whole decode step (benchmarks/README.md,
 §10, run 12). A grouped GEMM whose tiles fit the row counts — one program per (expert, block of
-output columns), each program one tile of ``BLOCK_M`` rows of one expert (a hot expert's tiles run side
-by side, reading its weights mostly from L2, as vLLM's fused MoE kernel does), a long pipelined loop
-over K — streams them near bandwidth, and the gate/up GEMM takes SwiGLU in its epilogue (gate and up columns
+output columns), the expert's rows in blocks of ``BLOCK_M`` inside the program (so a column block of
+the weights is read from HBM once per expert however the rows fall), a long pipelined loop over K —
+streams them near bandwidth, and the gate/up GEMM takes SwiGLU in its epilogue (gate and up columns
 of the same block in two accumulators), so the [M, 2I] intermediate is never written.
 
 Layout as :func:`~.grouped_moe.grouped_swiglu`: ``x`` [M, H] sorted by expert, group ``e`` the rows
@@ -27,34 +27,25 @@ import triton.language as tl
 
 @triton.jit
 def _grouped_gemm_kernel(x, w, offs, out, K, N, UP, stride_xm, stride_we, stride_wn, stride_om,
-                         E: tl.constexpr, EP: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SPLIT_M: tl.constexpr):
     """out[rows of e, n] = x[rows of e] @ w[e, n, :]ᵀ, or with SWIGLU silu(x·w[e, n]) · (x·w[e, UP + n]).
-
-    Program (t, n block) takes row tile t of the list of every expert's row tiles (each group cut into
-    tiles of BLOCK_M rows: a hot expert's rows spread over as many programs as it has tiles, all of the
-    same columns side by side, so they read its weights at the same time, mostly from L2); programs past
-    the last tile do nothing (the grid is sized for the worst case: a function of the shapes)."""
-    tile = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e_idx = tl.arange(0, EP)
-    ends = tl.load(offs + e_idx, mask=e_idx < E, other=0)
-    starts = tl.load(offs + e_idx - 1, mask=(e_idx > 0) & (e_idx < E), other=0)
-    tiles = tl.where(e_idx < E, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
-    after = tl.cumsum(tiles, 0)  # tiles up to and including each expert
-    expert = tl.sum((after <= tile).to(tl.int32), 0)
-    if expert < E:
-        here = e_idx == expert
-        start = tl.sum(tl.where(here, starts, 0), 0)
-        end = tl.sum(tl.where(here, ends, 0), 0)
-        first_tile = tl.sum(tl.where(here, after - tiles, 0), 0)
-        rows = start + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    Program (n block, expert, s) takes the expert's row blocks s, s + SPLIT_M, …: a hot expert's rows
+    spread over SPLIT_M programs (which read its weights at the same time, mostly from L2)."""
+    pid_n = tl.program_id(0)
+    expert = tl.program_id(1)
+    split = tl.program_id(2)
+    start = tl.load(offs + expert - 1, mask=expert > 0, other=0)
+    end = tl.load(offs + expert)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    kk = tl.arange(0, BLOCK_K)
+    w_expert = w + expert.to(tl.int64) * stride_we
+    for m0 in range(start + split * BLOCK_M, end, BLOCK_M * SPLIT_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
         rmask = rows < end
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = n < N
-        kk = tl.arange(0, BLOCK_K)
         a_ptr = x + rows[:, None].to(tl.int64) * stride_xm + kk[None, :]
-        b_ptr = w + expert.to(tl.int64) * stride_we + n[None, :].to(tl.int64) * stride_wn + kk[:, None]  # [BK, BN]
+        b_ptr = w_expert + n[None, :].to(tl.int64) * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -73,11 +64,11 @@ def _grouped_gemm_kernel(x, w, offs, out, K, N, UP, stride_xm, stride_we, stride
                  mask=rmask[:, None] & nmask[None, :])
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) per GEMM ("gate_up", "down"), by rows per expert up to the key.
-LaunchConfig = tuple[int, int, int, int, int]
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_M) per GEMM ("gate_up", "down"), by rows per expert up to the key.
+LaunchConfig = tuple[int, int, int, int, int, int]
 _CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
-    "gate_up": ((40, (16, 64, 128, 4, 3)), (1 << 30, (64, 64, 128, 8, 4))),
-    "down": ((40, (16, 64, 128, 4, 3)), (1 << 30, (64, 128, 64, 8, 4))),
+    "gate_up": ((40, (16, 64, 128, 4, 3, 4)), (1 << 30, (64, 64, 128, 8, 4, 2))),
+    "down": ((40, (16, 64, 128, 4, 3, 4)), (1 << 30, (64, 128, 64, 8, 4, 2))),
 }
 
 
@@ -107,12 +98,12 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu
         raise ValueError(f"out must be [{rows}, {width}] with unit column stride, got {tuple(out.shape)} {out.stride()}")
     if rows == 0 or experts == 0:
         return out
-    block_m, block_n, block_k, warps, stages = config or launch_config(
+    block_m, block_n, block_k, warps, stages, split_m = config or launch_config(
         "gate_up" if swiglu else "down", rows / experts)
-    grid = (triton.cdiv(rows, block_m) + experts, triton.cdiv(width, block_n))  # row tiles: at most one partial per group
+    grid = (triton.cdiv(width, block_n), experts, split_m)
     _grouped_gemm_kernel[grid](x, w, offs, out, depth, width, width, x.stride(0), w.stride(0), w.stride(1),
-                               out.stride(0), E=experts, EP=triton.next_power_of_2(experts), SWIGLU=swiglu,
-                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+                               out.stride(0), SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                               SPLIT_M=split_m, num_warps=warps, num_stages=stages)
     return out
 
 
