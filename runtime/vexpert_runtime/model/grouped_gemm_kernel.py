@@ -5,8 +5,8 @@ Why our own kernel: a decode step multiplies few rows per expert (256 sequences 
 ``torch._grouped_mm`` (CUTLASS, a tile shape it picks for large groups) read them at ~50 % of an
 H200's HBM bandwidth at 64 rows per expert — a third of the whole decode step (benchmarks/README.md,
 §10, run 12). A grouped GEMM whose tiles fit the row counts — one program per (expert, block of
-output columns), the expert's rows in blocks of ``BLOCK_M`` inside the program (so a column block of
-the weights is read from HBM once per expert however the rows fall), a long pipelined loop over K —
+output columns, row split), the expert's rows in blocks of ``BLOCK_M`` shared out over ``SPLIT_M``
+programs (a hot expert's blocks side by side, reading its weights mostly from L2), a long pipelined loop over K —
 streams them near bandwidth, and the gate/up GEMM takes SwiGLU in its epilogue (gate and up columns
 of the same block in two accumulators), so the [M, 2I] intermediate is never written.
 

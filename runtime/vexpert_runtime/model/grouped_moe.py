@@ -15,6 +15,7 @@ resident experts oneDNN-prepacked (:class:`PrepackedExperts`) where that is fast
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -123,16 +124,19 @@ def _aligned_for_grouped_mm(*tensors: torch.Tensor) -> bool:
                for t in tensors)
 
 
-def triton_experts_run(x: torch.Tensor) -> bool:
-    """Whether the Triton grouped SwiGLU (:mod:`.grouped_gemm_kernel`) serves ``x``'s experts: CUDA
-    bf16/fp16 with Triton importable (CUDA builds of torch ship it)."""
-    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
-        return False
+@functools.cache
+def _triton_importable() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:  # pragma: no cover - CUDA torch without Triton
         return False
     return True
+
+
+def triton_experts_run(x: torch.Tensor) -> bool:
+    """Whether the Triton grouped SwiGLU (:mod:`.grouped_gemm_kernel`) serves ``x``'s experts: CUDA
+    bf16/fp16 with Triton importable (CUDA builds of torch ship it)."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _triton_importable()
 
 
 def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
