@@ -2,9 +2,9 @@
 eager ones do.
 
 On the CPU inductor emits C++ instead of Triton, but the traced graphs are the ones a GPU rank
-compiles: no graph break (each piece is one fused graph), one compile serving every batch size
-(``dynamic=True``), and the step's tokens — greedy and seeded sampling, prompt chunks, joins —
-equal to the eager step's. The GPU twin (compiled + CUDA graphs == eager) is in test_serve_gpu.py.
+compiles: no graph break (each piece is one fused graph), a bounded number of compiles serving every
+batch size (``dynamic=None``: the first size static, then the token count symbolic), and the
+step's tokens — greedy and seeded sampling, prompt chunks, joins — equal to the eager step's. The GPU twin (compiled + CUDA graphs == eager) is in test_serve_gpu.py.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from vexpert_runtime.serve.hf_model import EPExperts, HFStepModel  # noqa: E402
 
 def test_the_ep_layers_pieces_compiled_equal_the_eager_ones_at_every_batch_size() -> None:
     """pack → arrange → combine, eager and compiled, over batches of 1–96 tokens with slots in the
-    table: the same send rows, layout, group ends and outputs; at most two compiles of each piece."""
+    table: the same send rows, layout, group ends and outputs; at most three compiles of each piece."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -66,7 +66,7 @@ def test_the_ep_layers_pieces_compiled_equal_the_eager_ones_at_every_batch_size(
         torch.testing.assert_close(fused_y, y)
         assert int(dropped) == int(fused_dropped) == 0
     assert not counters["graph_break"]
-    assert counters["stats"]["unique_graphs"] <= 6  # 3 pieces × (batch > 1, batch 1)
+    assert counters["stats"]["unique_graphs"] <= 9  # 3 pieces × (first batch static, batch > 1 symbolic, batch 1)
 
 
 def test_the_compiled_step_equals_the_eager_step_for_deepseek_v3(tmp_path: Path) -> None:

@@ -11,9 +11,13 @@ Compiled code is only worth its start-up cost where a step is captured once and 
 times, so the serving rank turns it on with its CUDA graphs (``vexpert serve --compile``); the
 eager functions stay the CPU path and the reference the compiled ones are tested against.
 
-``dynamic=True``: one compiled graph serves every token-count bucket (inductor specialises only
-sizes 0 and 1), so a rank compiles each piece about twice, not once per bucket; inductor's on-disk
-cache makes a restarted rank's compiles cache hits.
+``dynamic=None`` (dynamo's automatic dynamic shapes): a piece is traced static at its first shape and
+once more with the sizes that changed (the token count) symbolic, so a rank compiles each piece about
+twice, not once per bucket, while the hidden size stays a constant. With ``dynamic=True`` every size
+was a symbol: the EP layer's row copies did an integer division by the symbolic hidden size per
+element (35-39 us for ~7 MB at 256 tokens on an H200), and the graphed decode step at 256 sequences
+took 2.446 ms against 2.303 ms now (benchmarks/README.md, §10, run 14). Inductor's on-disk cache
+makes a restarted rank's compiles cache hits.
 """
 
 from __future__ import annotations
@@ -35,10 +39,10 @@ _RECOMPILE_LIMIT = 32
 
 @functools.cache
 def compiled(fn: F) -> F:
-    """``fn`` compiled by inductor (``dynamic=True``; lazily, at its first call). The same object for
-    the same ``fn``, so every caller shares one compile cache."""
+    """``fn`` compiled by inductor (``dynamic=None``: see the module docstring; lazily, at its first
+    call). The same object for the same ``fn``, so every caller shares one compile cache."""
     _configure()
-    return torch.compile(fn, dynamic=True)  # type: ignore[return-value]
+    return torch.compile(fn, dynamic=None)  # type: ignore[return-value]
 
 
 def maybe_compiled(fn: F, on: bool) -> F:
@@ -53,7 +57,7 @@ def compile_modules(modules: Iterable[nn.Module | None]) -> int:
     count = 0
     for module in modules:
         if module is not None:
-            module.compile(dynamic=True)
+            module.compile(dynamic=None)
             count += 1
     return count
 
