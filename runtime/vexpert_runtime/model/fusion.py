@@ -12,8 +12,8 @@ times, so the serving rank turns it on with its CUDA graphs (``vexpert serve --c
 eager functions stay the CPU path and the reference the compiled ones are tested against.
 
 ``dynamic=None`` (dynamo's automatic dynamic shapes): a piece is traced static at its first shape and
-once more with the sizes that changed (the token count) symbolic, so a rank compiles each piece about
-twice, not once per bucket, while the hidden size stays a constant. With ``dynamic=True`` every size
+once more with the sizes that changed (the token count) symbolic (a batch of 1 is specialised), so a
+rank compiles each piece two or three times, not once per bucket, while the hidden size stays a constant. With ``dynamic=True`` every size
 was a symbol: the EP layer's row copies did an integer division by the symbolic hidden size per
 element (35-39 us for ~7 MB at 256 tokens on an H200), and the graphed decode step at 256 sequences
 took 2.446 ms against 2.303 ms now (benchmarks/README.md, §10, run 14). Inductor's on-disk cache
