@@ -6,8 +6,9 @@ them out, once split evenly and once skewed (a Zipf-like split, as the demo rout
 Each configuration of ``vexpert_runtime.model.grouped_gemm_kernel`` is checked against the CUTLASS path
 (``grouped_moe.grouped_swiglu``) and timed with CUDA events over back-to-back calls; printed: ms per
 call, the weights' bytes over that time (GB/s; the GEMMs read every expert once), the best
-configuration per GEMM and token count. ``--out`` writes the JSON that ``launch_config``'s table
-comes from.
+configuration per GEMM and token count, and per bucket of ``launch_config``'s table the configuration
+with the least time over that bucket's cases. ``--out`` writes the JSON; ``--apply`` writes the table into
+``grouped_gemm_kernel.py``.
 
     PYTHONPATH=runtime python3 benchmarks/grouped_gemm_tuning.py --tokens 16 64 256 --out results.json
 """
@@ -22,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from vexpert_runtime.model.grouped_gemm_kernel import grouped_gemm
+from vexpert_runtime.model import grouped_gemm_kernel
+from vexpert_runtime.model.grouped_gemm_kernel import grouped_gemm, launch_config
 from vexpert_runtime.model.grouped_moe import GROUP_ALIGN, grouped_swiglu, packed_views, padded_capacity
 
 
@@ -35,6 +37,17 @@ def group_ends(tokens: int, top_k: int, experts: int, skewed: bool) -> tuple[tor
     counts[0] += pairs - int(counts.sum())
     padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
     return padded.cumsum(0).to(torch.int32), padded_capacity(pairs, experts)
+
+
+def with_launch_table(source: str, table: dict[str, list[tuple[int, tuple[int, ...]]]]) -> str:
+    """grouped_gemm_kernel.py's text with ``table`` (per GEMM: (rows-per-expert limit, config)) as _CONFIGS."""
+    begin = source.index("_CONFIGS: dict[")
+    stop = source.index("}\n", begin) + 2
+    lines = ["_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {"]
+    for gemm, rows in table.items():
+        entries = ", ".join(f"({'1 << 30' if limit >= 1 << 30 else limit}, {tuple(config)})" for limit, config in rows)
+        lines.append(f'    "{gemm}": ({entries}),')
+    return source[:begin] + "\n".join(lines) + "\n}\n" + source[stop:]
 
 
 def time_ms(iters: int, fn: Callable[..., object], *args: object, **kwargs: object) -> float:
@@ -59,6 +72,8 @@ def main() -> int:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--apply", action="store_true", help="write the best configuration per bucket into "
+                        "grouped_gemm_kernel.py's launch table")
     args = parser.parse_args()
     torch.manual_seed(0)
     hidden, inter, experts = args.hidden, args.intermediate, args.experts
@@ -82,12 +97,16 @@ def main() -> int:
                 "cutlass_down_ms": round(time_ms(args.iters, torch._grouped_mm, want_act, w2.transpose(-2, -1),
                                                  offs=offs), 4),
                 "configs": {"gate_up": [], "down": []}}
-        # Around run 13's winners (a 5-dimensional sweep there), now with the row split.
-        block_ms = (16,) if tokens * args.top_k / experts <= 16 else (64,)
+        # Around run 13's winners (a 5-dimensional sweep there), with the row split of the expert-major
+        # grid (1, 2, 4) and the row-tile grid (0).
+        # (run 13: BLOCK_M 64 for the expert-major grid past 16 rows per expert; the row-tile grid's
+        # tiles may be smaller, so more of a hot expert's rows run at once)
+        small = tokens * args.top_k / experts <= 16
+        grids = [((16,) if small else (64,), (1, 2, 4)), ((16,) if small else (16, 32, 64), (0,))]
         for gemm, weight, source, ks in (("gate_up", w13, x, (128,)), ("down", w2, want_act, (64, 128))):
             reference = want_act if gemm == "gate_up" else want
-            for block_m, block_n, block_k, warps, stages, split in itertools.product(
-                    block_ms, (32, 64, 128), ks, (4, 8), (3, 4), (1, 2, 4)):
+            for block_m, block_n, block_k, warps, stages, split in itertools.chain.from_iterable(
+                    itertools.product(block_ms, (64, 128), ks, (4, 8), (3, 4), splits) for block_ms, splits in grids):
                 config = (block_m, block_n, block_k, warps, stages, split)
                 try:
                     got = grouped_gemm(source, weight, offs, swiglu=gemm == "gate_up", config=config)
@@ -110,11 +129,34 @@ def main() -> int:
                   f"({size / cutlass / 1e6:.0f} GB/s), triton best {best['config']} {best['ms']:.4f} ms "
                   f"({best['gbps']} GB/s, rel err {best['rel_err']}); {len(ok)} configs ok", flush=True)
         results.append(case)
+    # launch_config picks by rows per expert (a bucket of the table), not by skew: per bucket and GEMM,
+    # the configuration with the least time summed over every case in that bucket (even and skewed)
+    table = {}
+    for gemm in ("gate_up", "down"):
+        rows_table = []
+        for limit, default in grouped_gemm_kernel._CONFIGS[gemm]:
+            cases = [c for c in results if launch_config(gemm, c["rows"] / experts) == default]
+            totals: dict[tuple[int, ...], list[float]] = {}
+            for c in cases:
+                for entry in c["configs"][gemm]:
+                    if "ms" in entry and entry["rel_err"] < 0.02:
+                        totals.setdefault(tuple(entry["config"]), []).append(entry["ms"])
+            complete = {k: sum(v) for k, v in totals.items() if len(v) == len(cases)}
+            best = min(complete, key=complete.__getitem__) if complete else default
+            rows_table.append((limit, best))
+            if complete:
+                print(f"{gemm:7s} rows/expert <= {limit}: best over {len(cases)} cases {best} {complete[best]:.4f} ms; "
+                      f"the table's {default} {complete.get(default, float('nan')):.4f} ms", flush=True)
+        table[gemm] = rows_table
+    if args.apply:
+        source = Path(grouped_gemm_kernel.__file__)
+        source.write_text(with_launch_table(source.read_text(), table))
+        print(f"wrote the table into {source}", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                         "hidden": hidden, "intermediate": inter, "experts": experts,
-                                        "cases": results}, indent=1))
+                                        "table": table, "cases": results}, indent=1))
     return 0
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -37,6 +38,7 @@ from vexpert_runtime.config import RuntimeConfig  # noqa: E402
 from vexpert_runtime.model.checkpoint import write_tiny_checkpoint  # noqa: E402
 from vexpert_runtime.node import NodeOptions, NodeRuntime, Progress, resolve_setup  # noqa: E402
 from vexpert_runtime.ports import free_port  # noqa: E402
+from vexpert_runtime.shm_names import name_semaphores_by_run, run_semaphore_prefix  # noqa: E402
 from vexpert_runtime.simulation.workload import demo_model_spec  # noqa: E402
 from vexpert_runtime.workload import Workload  # noqa: E402
 
@@ -107,10 +109,14 @@ def _shm_fds(pid: int) -> int:
     return count
 
 
-def _shm_usage() -> tuple[int, int]:
+def _shm_usage(pids: list[int]) -> tuple[int, int]:
+    """The run's /dev/shm entries (its named semaphores, torch's shared files of its processes) and
+    the bytes /dev/shm holds in all. /dev/shm is machine-wide: other programs' entries (a parallel
+    test, another job) come and go, and only the run's own are counted."""
     if not os.path.isdir("/dev/shm"):
         return 0, 0
-    entries = os.listdir("/dev/shm")
+    prefixes = (run_semaphore_prefix(os.getpid()), *(f"torch_{pid}_" for pid in pids))
+    entries = [name for name in os.listdir("/dev/shm") if name.startswith(prefixes)]
     stat = os.statvfs("/dev/shm")
     return len(entries), (stat.f_blocks - stat.f_bfree) * stat.f_frsize
 
@@ -124,7 +130,7 @@ def sample(iteration: int) -> Sample:
             rss.append(_rss(pid))
         except OSError:
             rss.append(0)
-    entries, used = _shm_usage()
+    entries, used = _shm_usage([me, *workers])
     return Sample(iteration, _rss(me), rss, entries, used, _shm_fds(me) + sum(_shm_fds(p) for p in workers))
 
 
@@ -136,7 +142,7 @@ def check(samples: list[Sample], warmup: float, rss_slack_bytes: int) -> list[st
     first, problems = steady[0], []
     if max(s.shm_fds for s in steady) > first.shm_fds:  # (the last window may see workers already closing)
         problems.append(f"shared-memory descriptors grew from {first.shm_fds} to {max(s.shm_fds for s in steady)}")
-    # /dev/shm is shared with everything else on the machine: only growth counts
+    # the run's own /dev/shm entries (see _shm_usage): only growth counts
     if max(s.shm_entries for s in steady) > first.shm_entries:
         problems.append(f"/dev/shm entries grew from {first.shm_entries} to {max(s.shm_entries for s in steady)}")
     grew = max(s.coordinator_rss for s in steady) - first.coordinator_rss
@@ -190,9 +196,18 @@ def run_long(
             progress=progress,
             keep_history=keep_history,
         )
-        started = time.monotonic()
-        report = NodeRuntime(setup, options).run()
-        elapsed = time.monotonic() - started
+        # name the run's semaphores after this process, as `vexpert` does, so that only they are counted;
+        # the caller's own setting comes back afterwards (a test process runs other nodes after this one)
+        mp_config = getattr(multiprocessing.current_process(), "_config", {})
+        previous_prefix = mp_config.get("semprefix")
+        name_semaphores_by_run()
+        try:
+            started = time.monotonic()
+            report = NodeRuntime(setup, options).run()
+            elapsed = time.monotonic() - started
+        finally:
+            if previous_prefix is not None:
+                mp_config["semprefix"] = previous_prefix
     result = LongRunResult(report.iterations, elapsed, len(plans) - 1, report.degraded_groups, len(report.records), samples)
     result.problems = check(samples, warmup, int(rss_slack_mb * 2**20))
     if report.iterations != iterations:

@@ -6,4 +6,6 @@ cd "$(dirname "$0")/.."
 . .venv/bin/activate
 ruff check runtime operator tests benchmarks
 mypy runtime/vexpert_runtime operator/vexpert_operator
-python -m pytest -q -m "not gpu and not cluster" "$@"
+# tests run in VEXPERT_TEST_JOBS processes (pytest-xdist; work stealing evens out the slow ones);
+# VEXPERT_TEST_JOBS=0 runs them in this process, one after another
+python -m pytest -q -n "${VEXPERT_TEST_JOBS:-2}" --dist worksteal -m "not gpu and not cluster" "$@"

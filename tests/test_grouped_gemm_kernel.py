@@ -2,7 +2,7 @@
 
 CPU: in Triton's interpreter (a subprocess with ``TRITON_INTERPRET=1``), on shapes that are not
 multiples of the blocks, empty groups, a group longer than ``BLOCK_M`` (the loop over the expert's row
-blocks inside a program), strided weight views of packed rows and a slice of a larger output.
+blocks inside a program, or several row tiles), both grids, strided weight views of packed rows and a slice of a larger output.
 GPU (marker ``gpu``): at DeepSeek-V3's expert sizes in bf16, against ``torch._grouped_mm``.
 """
 
@@ -25,7 +25,9 @@ def check_kernel_on_cpu() -> None:
     offs = torch.tensor([5, 5, 37, 40], dtype=torch.int32)  # group 1 empty, group 2 longer than BLOCK_M = 16
     x = torch.randn(48, hidden)  # 8 rows past offs[-1]: not written
     want = grouped_swiglu(x, w13, w2, offs, grouped=False)
-    for configs in (((16, 16, 16, 4, 2, 1), (16, 16, 32, 4, 2, 2)), ((32, 32, 64, 4, 2, 1), (16, 64, 16, 4, 2, 3))):
+    # expert-major grids (row splits 1-3) and row-tile grids (split 0), blocks that do not divide the shapes
+    for configs in (((16, 16, 16, 4, 2, 1), (16, 16, 32, 4, 2, 2)), ((32, 32, 64, 4, 2, 1), (16, 64, 16, 4, 2, 3)),
+                    ((16, 16, 16, 4, 2, 0), (16, 32, 32, 4, 2, 0)), ((32, 16, 64, 4, 2, 0), (16, 16, 16, 4, 2, 1))):
         got = triton_swiglu(x, w13, w2, offs, configs=configs)
         assert torch.allclose(got[:40], want[:40], rtol=1e-4, atol=1e-4), configs
     # Into a slice of a larger buffer (the EP layer's resident rows): rows around it untouched.
@@ -34,9 +36,10 @@ def check_kernel_on_cpu() -> None:
     assert torch.allclose(out[10:50], want[:40], rtol=1e-4, atol=1e-4)
     assert torch.equal(out[:10], torch.full((10, hidden), 7.0)) and torch.equal(out[50:], torch.full((10, hidden), 7.0))
     # The plain GEMM (the down projection) alone, and a bad weight layout named.
-    plain = grouped_gemm(x, w13, offs, config=(16, 32, 16, 4, 2, 1))
-    for e, (start, end) in enumerate(zip([0, *offs[:-1].tolist()], offs.tolist(), strict=True)):
-        assert torch.allclose(plain[start:end], x[start:end] @ w13[e].T, rtol=1e-4, atol=1e-4)
+    for config in ((16, 32, 16, 4, 2, 1), (16, 32, 16, 4, 2, 0)):
+        plain = grouped_gemm(x, w13, offs, config=config)
+        for e, (start, end) in enumerate(zip([0, *offs[:-1].tolist()], offs.tolist(), strict=True)):
+            assert torch.allclose(plain[start:end], x[start:end] @ w13[e].T, rtol=1e-4, atol=1e-4), config
     try:
         grouped_gemm(x, w13.transpose(1, 2), offs)
     except ValueError as error:

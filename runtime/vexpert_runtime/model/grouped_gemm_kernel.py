@@ -4,11 +4,13 @@ Why our own kernel: a decode step multiplies few rows per expert (256 sequences 
 ~64; 16 sequences: ~4), so the expert GEMMs are bound by reading the experts' weights, and
 ``torch._grouped_mm`` (CUTLASS, a tile shape it picks for large groups) read them at ~50 % of an
 H200's HBM bandwidth at 64 rows per expert — a third of the whole decode step (benchmarks/README.md,
-§10, run 12). A grouped GEMM whose tiles fit the row counts — one program per (expert, block of
-output columns, row split), the expert's rows in blocks of ``BLOCK_M`` shared out over ``SPLIT_M``
-programs (a hot expert's blocks side by side, reading its weights mostly from L2), a long pipelined loop over K —
-streams them near bandwidth, and the gate/up GEMM takes SwiGLU in its epilogue (gate and up columns
-of the same block in two accumulators), so the [M, 2I] intermediate is never written.
+§10, run 12). A grouped GEMM whose tiles fit the row counts, with a long pipelined loop over K, streams
+them near bandwidth, and the gate/up GEMM takes SwiGLU in its epilogue (gate and up columns of the same
+block in two accumulators), so the [M, 2I] intermediate is never written. Two grids, picked per shape by
+the launch table: expert-major (one program per expert, block of output columns and row split, the
+expert's rows in blocks of ``BLOCK_M`` shared out over ``SPLIT_M`` programs) and row-tile (one program
+per tile of ``BLOCK_M`` rows of one expert and block of columns: however skewed the routing, a hot
+expert's tiles all run at once, reading its weights together, mostly from L2).
 
 Layout as :func:`~.grouped_moe.grouped_swiglu`: ``x`` [M, H] sorted by expert, group ``e`` the rows
 ``[offs[e-1], offs[e])`` (device tensor: no host sync, graph-safe: the grid is a function of the
@@ -26,12 +28,36 @@ import triton.language as tl
 
 
 @triton.jit
-def _grouped_gemm_kernel(x, w, offs, out, K, N, UP, stride_xm, stride_we, stride_wn, stride_om,
-                         SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SPLIT_M: tl.constexpr):
-    """out[rows of e, n] = x[rows of e] @ w[e, n, :]ᵀ, or with SWIGLU silu(x·w[e, n]) · (x·w[e, UP + n]).
-    Program (n block, expert, s) takes the expert's row blocks s, s + SPLIT_M, …: a hot expert's rows
-    spread over SPLIT_M programs (which read its weights at the same time, mostly from L2)."""
+def _gemm_tile(x, w_expert, out, rows, rmask, n, nmask, K, UP, stride_xm, stride_wn, stride_om,
+               SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[rows, n] = x[rows] @ w_expert[n, :]ᵀ (or SwiGLU of the gate column n and the up column UP + n)."""
+    kk = tl.arange(0, BLOCK_K)
+    a_ptr = x + rows[:, None].to(tl.int64) * stride_xm + kk[None, :]
+    b_ptr = w_expert + n[None, :].to(tl.int64) * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = k0 + kk < K
+        a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+        if SWIGLU:
+            b_up = tl.load(b_ptr + UP * stride_wn, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            acc_up = tl.dot(a, b_up, acc_up)
+        a_ptr += BLOCK_K
+        b_ptr += BLOCK_K
+    if SWIGLU:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    tl.store(out + rows[:, None].to(tl.int64) * stride_om + n[None, :], acc.to(out.dtype.element_ty),
+             mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _grouped_gemm_kernel(x, w, offs, out, K, N, UP, stride_xm, stride_we, stride_wn, stride_om, split_m,
+                         SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Expert-major grid. Program (n block, expert, s) takes the expert's row blocks s, s + split_m, …:
+    a hot expert's rows spread over split_m programs (which read its weights at the same time, mostly
+    from L2)."""
     pid_n = tl.program_id(0)
     expert = tl.program_id(1)
     split = tl.program_id(2)
@@ -39,32 +65,43 @@ def _grouped_gemm_kernel(x, w, offs, out, K, N, UP, stride_xm, stride_we, stride
     end = tl.load(offs + expert)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
-    kk = tl.arange(0, BLOCK_K)
     w_expert = w + expert.to(tl.int64) * stride_we
-    for m0 in range(start + split * BLOCK_M, end, BLOCK_M * SPLIT_M):
+    for m0 in range(start + split * BLOCK_M, end, BLOCK_M * split_m):
         rows = m0 + tl.arange(0, BLOCK_M)
-        rmask = rows < end
-        a_ptr = x + rows[:, None].to(tl.int64) * stride_xm + kk[None, :]
-        b_ptr = w_expert + n[None, :].to(tl.int64) * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kmask = k0 + kk < K
-            a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(b_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
-            if SWIGLU:
-                b_up = tl.load(b_ptr + UP * stride_wn, mask=kmask[:, None] & nmask[None, :], other=0.0)
-                acc_up = tl.dot(a, b_up, acc_up)
-            a_ptr += BLOCK_K
-            b_ptr += BLOCK_K
-        if SWIGLU:
-            acc = acc * tl.sigmoid(acc) * acc_up
-        tl.store(out + rows[:, None].to(tl.int64) * stride_om + n[None, :], acc.to(out.dtype.element_ty),
-                 mask=rmask[:, None] & nmask[None, :])
+        _gemm_tile(x, w_expert, out, rows, rows < end, n, nmask, K, UP, stride_xm, stride_wn, stride_om,
+                   SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_M) per GEMM ("gate_up", "down"), by rows per expert up to the key.
+@triton.jit
+def _grouped_gemm_row_tile_kernel(x, w, offs, out, K, N, UP, stride_xm, stride_we, stride_wn, stride_om,
+                                  E: tl.constexpr, EP: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Row-tile grid. Program (t, n block) takes row tile t of the list of every expert's tiles (each
+    group cut into tiles of BLOCK_M rows): a hot expert's tiles all run at once, side by side on the
+    same columns, so they read its weights together, mostly from L2, however skewed the routing (as
+    vLLM's fused MoE kernel does). The tile's expert is found from the group ends on the device;
+    programs past the last tile do nothing (the grid is sized for the worst case, from the shapes)."""
+    tile = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e_idx = tl.arange(0, EP)
+    ends = tl.load(offs + e_idx, mask=e_idx < E, other=0)
+    starts = tl.load(offs + e_idx - 1, mask=(e_idx > 0) & (e_idx < E), other=0)
+    tiles = tl.where(e_idx < E, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    after = tl.cumsum(tiles, 0)  # tiles up to and including each expert
+    expert = tl.sum((after <= tile).to(tl.int32), 0)
+    if expert < E:
+        here = e_idx == expert
+        start = tl.sum(tl.where(here, starts, 0), 0)
+        end = tl.sum(tl.where(here, ends, 0), 0)
+        first_tile = tl.sum(tl.where(here, after - tiles, 0), 0)
+        rows = start + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        _gemm_tile(x, w + expert.to(tl.int64) * stride_we, out, rows, rows < end, n, n < N, K, UP, stride_xm,
+                   stride_wn, stride_om, SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_M) per GEMM ("gate_up", "down"), by rows per expert up
+# to the key. SPLIT_M ≥ 1: the expert-major grid with that row split; 0: the row-tile grid.
 LaunchConfig = tuple[int, int, int, int, int, int]
 _CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
     "gate_up": ((40, (16, 64, 128, 4, 3, 4)), (1 << 30, (64, 64, 128, 8, 4, 2))),
@@ -100,10 +137,17 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu
         return out
     block_m, block_n, block_k, warps, stages, split_m = config or launch_config(
         "gate_up" if swiglu else "down", rows / experts)
-    grid = (triton.cdiv(width, block_n), experts, split_m)
-    _grouped_gemm_kernel[grid](x, w, offs, out, depth, width, width, x.stride(0), w.stride(0), w.stride(1),
-                               out.stride(0), SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                               SPLIT_M=split_m, num_warps=warps, num_stages=stages)
+    if split_m == 0:  # row tiles: at most one partial tile per group
+        grid = (triton.cdiv(rows, block_m) + experts, triton.cdiv(width, block_n))
+        _grouped_gemm_row_tile_kernel[grid](
+            x, w, offs, out, depth, width, width, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
+            E=experts, EP=triton.next_power_of_2(experts), SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    else:
+        grid = (triton.cdiv(width, block_n), experts, split_m)
+        _grouped_gemm_kernel[grid](x, w, offs, out, depth, width, width, x.stride(0), w.stride(0), w.stride(1),
+                                   out.stride(0), split_m, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n,
+                                   BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out
 
 
