@@ -15,7 +15,7 @@ prints why) otherwise. The node keeps ``--keep-history`` iterations of records (
 10,000 in a node) so that the run reaches the steady state a node running until SIGTERM lives in. ``--json PATH`` writes the samples and the verdict.
 
     python benchmarks/long_run.py                      # 10,000 iterations
-    python benchmarks/long_run.py --iterations 300     # what the test suite runs
+    python benchmarks/long_run.py --iterations 150 --k 5   # what the test suite runs
 """
 
 from __future__ import annotations

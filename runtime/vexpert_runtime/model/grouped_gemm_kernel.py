@@ -101,11 +101,16 @@ def _grouped_gemm_row_tile_kernel(x, w, offs, out, K, N, UP, stride_xm, stride_w
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_M) per GEMM ("gate_up", "down"), by rows per expert up
-# to the key. SPLIT_M ≥ 1: the expert-major grid with that row split; 0: the row-tile grid.
+# to the key. SPLIT_M ≥ 1: the expert-major grid with that row split; 0: the row-tile grid. From
+# benchmarks/grouped_gemm_tuning.py on an H200 (results/serve_engine/grouped_gemm_tuning_run15.json: the
+# least time over even + skewed splits per bucket) and the graphed decode step: at 16 sequences (≤ 24 rows
+# per expert in the EP layer's buffer) the expert-major grid took 0.440 ms in the step against the row
+# tiles' 0.479 ms (run 15), though the sweep alone favours the tiles there; past that the row tiles win
+# (64 sequences: 0.761 → 0.554 ms, 256: 0.904 → 0.692 ms of expert GEMMs per step).
 LaunchConfig = tuple[int, int, int, int, int, int]
 _CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
-    "gate_up": ((40, (16, 64, 128, 4, 3, 4)), (1 << 30, (64, 64, 128, 8, 4, 2))),
-    "down": ((40, (16, 64, 128, 4, 3, 4)), (1 << 30, (64, 128, 64, 8, 4, 2))),
+    "gate_up": ((24, (16, 64, 128, 4, 3, 4)), (40, (16, 64, 128, 4, 3, 0)), (1 << 30, (64, 64, 128, 4, 4, 0))),
+    "down": ((24, (16, 64, 128, 4, 3, 4)), (40, (16, 64, 128, 4, 3, 0)), (1 << 30, (64, 128, 64, 4, 4, 0))),
 }
 
 
