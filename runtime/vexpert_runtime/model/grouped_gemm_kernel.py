@@ -106,7 +106,7 @@ def _grouped_gemm_row_tile_kernel(x, w, offs, out, K, N, UP, stride_xm, stride_w
 # least time over even + skewed splits per bucket) and the graphed decode step: at 16 sequences (≤ 24 rows
 # per expert in the EP layer's buffer) the expert-major grid took 0.440 ms in the step against the row
 # tiles' 0.479 ms (run 15), though the sweep alone favours the tiles there; past that the row tiles win
-# (64 sequences: 0.761 → 0.554 ms, 256: 0.904 → 0.692 ms of expert GEMMs per step).
+# (expert GEMMs per graphed step, run 14's table → this one: 64 sequences 0.761 → 0.559 ms, 256: 0.904 → 0.697 ms).
 LaunchConfig = tuple[int, int, int, int, int, int]
 _CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
     "gate_up": ((24, (16, 64, 128, 4, 3, 4)), (40, (16, 64, 128, 4, 3, 0)), (1 << 30, (64, 64, 128, 4, 4, 0))),
