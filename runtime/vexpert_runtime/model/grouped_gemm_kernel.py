@@ -143,14 +143,14 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu
     block_m, block_n, block_k, warps, stages, split_m = config or launch_config(
         "gate_up" if swiglu else "down", rows / experts)
     if split_m == 0:  # row tiles: at most one partial tile per group
-        grid = (triton.cdiv(rows, block_m) + experts, triton.cdiv(width, block_n))
-        _grouped_gemm_row_tile_kernel[grid](
+        tiles = (triton.cdiv(rows, block_m) + experts, triton.cdiv(width, block_n))
+        _grouped_gemm_row_tile_kernel[tiles](
             x, w, offs, out, depth, width, width, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
             E=experts, EP=triton.next_power_of_2(experts), SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     else:
-        grid = (triton.cdiv(width, block_n), experts, split_m)
-        _grouped_gemm_kernel[grid](x, w, offs, out, depth, width, width, x.stride(0), w.stride(0), w.stride(1),
+        expert_major = (triton.cdiv(width, block_n), experts, split_m)
+        _grouped_gemm_kernel[expert_major](x, w, offs, out, depth, width, width, x.stride(0), w.stride(0), w.stride(1),
                                    out.stride(0), split_m, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n,
                                    BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out
