@@ -127,7 +127,8 @@ async def _single(url: str) -> tuple[int, str | None, str]:
 
 def test_a_killed_worker_fails_requests_with_a_clean_503_and_the_server_exits(tmp_path: Path) -> None:
     proc, url, log = _serve(tmp_path, "--max-running", "8")
-    spawned = [pid for pid in _children(proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    children = _children(proc.pid)
+    spawned = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(spawned) >= 3, spawned  # coordinator + 2 workers (any one of the workers is the victim)
 
     async def main() -> tuple[list[tuple[int, str]], float, list[int]]:
@@ -169,6 +170,10 @@ def test_a_killed_worker_fails_requests_with_a_clean_503_and_the_server_exits(tm
         assert not any(mark in line for line in errors for mark in INTERNAL), errors
     assert all(code in (0, 503) for code in later), later
     assert proc.wait(60) == 1, log.read_text()[-3000:]
+    time.sleep(0.5)  # nothing of the node is left: the other worker, the coordinator (reaped or gone)
+    alive = [pid for pid in children if Path(f"/proc/{pid}").exists()
+             and "Z" not in (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0])]
+    assert not alive, alive
     print(f"killed worker: requests failed after {waited:.1f} s, exit 1 after {time.monotonic() - started:.1f} s,"
           f" later requests {later}")
 
