@@ -128,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         f"{max(0, len(report.plan_switches) - 1)} plan switches, "  # the first entry is the starting plan
         f"degraded groups {report.degraded_groups}"
         + (f", max rel error {report.max_rel_error:.2e}" if report.max_rel_error is not None else "")
+        + (f" ({report.verify_near_ties} tokens at a routing tie left out)" if report.verify_near_ties else "")
     )
     if args.verify:
         tolerance = VERIFY_TOLERANCE[setup.dtype]

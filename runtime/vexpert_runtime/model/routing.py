@@ -88,6 +88,37 @@ def route(
     return softmax_topk(logits, spec.top_k, spec.norm_topk_prob)
 
 
+def routing_margin(x: torch.Tensor, router: RouterWeights, spec: MoESpec,
+                   logit_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """How far each token's expert choice is from flipping: x [B, H] → [B] fp32, the gap between the
+    k-th chosen and the best unchosen expert's selection score (DeepSeek: sigmoid + correction bias;
+    Qwen: softmax probability) and, with group-limited routing, between the last kept and the best
+    dropped group's score. A token within rounding noise of a tie may route differently under any
+    other summation order (another GEMM kernel, another device) — both choices are right."""
+    logits = router_logits(x, router.weight, logit_bias)
+    k = spec.top_k
+    if spec.scoring != "sigmoid":
+        top = logits.softmax(dim=-1).topk(min(k + 1, logits.shape[1]), dim=-1).values
+        return top[:, k - 1] - top[:, k] if top.shape[1] > k else torch.full_like(top[:, 0], float("inf"))
+    batch, experts = logits.shape
+    scores = logits.sigmoid()
+    bias = router.correction_bias
+    choice = scores if bias is None else scores + bias.to(torch.float32).unsqueeze(0)
+    margin = torch.full((batch,), float("inf"))
+    if spec.n_group > 1 and spec.topk_group < spec.n_group:
+        grouped = choice.view(batch, spec.n_group, experts // spec.n_group)
+        group_score = grouped.topk(min(2, experts // spec.n_group), dim=-1).values.sum(-1)  # [B, n_group]
+        ranked = group_score.topk(spec.topk_group + 1, dim=-1)
+        margin = ranked.values[:, spec.topk_group - 1] - ranked.values[:, spec.topk_group]
+        keep = ranked.indices[:, : spec.topk_group]
+        group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+        choice = grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(batch, experts)
+    top = choice.topk(min(k + 1, experts), dim=-1).values
+    if top.shape[1] > k:
+        margin = torch.minimum(margin, top[:, k - 1] - top[:, k])  # (-inf past the kept groups: no margin)
+    return margin
+
+
 def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Tokens routed to each expert: ids [B, K] → [E] int64."""
     return torch.bincount(ids.reshape(-1), minlength=num_experts)

@@ -32,6 +32,7 @@ class RunHistory:
         self.graphed_steps = 0
         self.degraded_total = 0
         self.max_error: float | None = None
+        self.near_tie_tokens = 0  # verified tokens left out at a routing tie (low precision)
         self.started_at: float | None = None
         self.last_iter_at: float | None = None
         self._rate_marks: collections.deque[tuple[float, int]] = collections.deque()  # (time, iterations)
@@ -71,8 +72,10 @@ class RunHistory:
             record.vexpert_balance = measured[i]
         return [self.records[i] for i in range(balance.start, balance.end) if i in self.records]
 
-    def on_error(self, iteration: int, error: float) -> None:
-        """A verified output of ``iteration`` was off the reference by ``error`` (relative)."""
+    def on_error(self, iteration: int, error: float, near_ties: int = 0) -> None:
+        """A verified output of ``iteration`` was off the reference by ``error`` (relative), over
+        its tokens but ``near_ties`` left out at a routing tie."""
+        self.near_tie_tokens += near_ties
         record = self.records[iteration]
         record.rel_error = max(record.rel_error or 0.0, error)
         self.max_error = max(self.max_error or 0.0, error)
@@ -153,4 +156,5 @@ def compose_report(history: RunHistory, balance: BalanceState, totals: RunTotals
         plan_pools=dict(balance.plan_pools),
         copy_s=totals.copy_s,
         dispatch=totals.dispatch,
+        verify_near_ties=history.near_tie_tokens,
     )

@@ -112,4 +112,5 @@ class NodeReport:
     copy_s: float = 0.0  # time the fill loop's copies were in flight (bytes_streamed / copy_s: fill bandwidth)
     graphed_steps: int = 0  # worker steps replayed from a captured CUDA graph (summed over workers)
     dispatch: str = "plan"  # replica dispatch the workers ran (plan | local | global)
+    verify_near_ties: int = 0  # low precision: tokens at a routing tie left out of --verify (verification.py)
 
