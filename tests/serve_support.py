@@ -211,7 +211,7 @@ class InProcessDispatcher:
                 self.step_failures += 1
                 log.exception("model step failed; its requests got an error, the rank goes on")
 
-    async def submit(self, request: GenerationRequest) -> AsyncIterator[Event]:
+    async def submit(self, request: GenerationRequest) -> AsyncIterator[list[Event]]:
         if self._stop.is_set():
             raise shutting_down()
         channel = EventChannel(asyncio.get_running_loop())

@@ -574,3 +574,28 @@ def test_top_p_keeps_the_smallest_sufficient_set() -> None:
 
     assert drawable(0.7) == {1, 2}
     assert drawable(0.01) == {1}
+
+
+def test_event_channel_hands_over_every_event_that_has_arrived_in_one_batch() -> None:
+    """The API writes one batch per socket write: what arrived together (one wake-up of the loop),
+    or while the stream's writer was busy, comes out together; nothing after the finishing event."""
+    import asyncio
+
+    from vexpert_runtime.serve.dispatcher import EventChannel
+
+    async def main() -> list[list[str]]:
+        channel = EventChannel(asyncio.get_running_loop())
+        batches = channel.__aiter__()
+        EventChannel.put_all([(channel, Event("r", text="a", new_tokens=1)), (channel, Event("r", text="b", new_tokens=1))])
+        got = [await batches.__anext__()]
+        channel.put(Event("r", text="c", new_tokens=1))
+        got.append(await batches.__anext__())  # one that comes alone is not held back for company
+        for event in (Event("r", text="d", new_tokens=1), Event("r", text="e", new_tokens=1, finish_reason="length"),
+                      Event("r", text="late")):
+            channel.put(event)
+        await asyncio.sleep(0)  # all three queued before the writer looks
+        got.append(await batches.__anext__())
+        rest = [batch async for batch in batches]
+        return [[event.text for event in batch] for batch in got + rest]
+
+    assert asyncio.run(main()) == [["a", "b"], ["c"], ["d", "e"]]

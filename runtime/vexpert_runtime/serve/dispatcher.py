@@ -1,8 +1,8 @@
 """How the API reaches the ranks: the :class:`Dispatcher` interface and its in-process implementation.
 
 The API only ever calls a dispatcher: ``await submit(request)`` (refusals raise before any event),
-iterate the returned async iterator of :class:`~.events.Event` until the one with a
-``finish_reason``, ``cancel(request_id)`` when the client goes away, ``ready()`` for ``/health``,
+iterate the returned async iterator of event batches — each a list of :class:`~.events.Event`, every
+event that had arrived when the API took the batch — until the one with a ``finish_reason``, ``cancel(request_id)`` when the client goes away, ``ready()`` for ``/health``,
 ``loads()`` for the gauges and ``await shutdown(drain_timeout_s)`` on stop.
 
 The node's dispatcher (:class:`~.multirank.MultiRankDispatcher`) sends the (picklable)
@@ -32,8 +32,8 @@ _ABORT_GRACE_S = 10.0  # how long shutdown waits for the step in progress (a hun
 class Dispatcher(Protocol):
     """The API's view of the ranks."""
 
-    async def submit(self, request: GenerationRequest) -> AsyncIterator[Event]:
-        """Queue a request; return its events (the last one has a ``finish_reason``).
+    async def submit(self, request: GenerationRequest) -> AsyncIterator[list[Event]]:
+        """Queue a request; return its events in batches (the last event has a ``finish_reason``).
 
         Raises :class:`~.events.ServeRefusal` (429 / 503) or
         :class:`~vexpert_runtime.errors.VExpertInputError` (400) before anything runs.
@@ -118,11 +118,17 @@ class EventChannel:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_put_each, items)
 
-    async def __aiter__(self) -> AsyncIterator[Event]:
+    async def __aiter__(self) -> AsyncIterator[list[Event]]:
+        """The events in batches: the next one (waiting for it), with every other that had arrived
+        by then — when the API falls behind the ranks (hundreds of streams), one batch is one
+        socket write instead of one per token. Ends after the finishing event."""
+        queue = self._queue
         while True:
-            event = await self._queue.get()
-            yield event
-            if event.finished:
+            batch = [await queue.get()]
+            while not batch[-1].finished and not queue.empty():
+                batch.append(queue.get_nowait())
+            yield batch
+            if batch[-1].finished:
                 return
 
 

@@ -199,7 +199,7 @@ class MultiRankDispatcher:
         if self._was_ready and self.node_ready() is not None:  # it served, and now a part is down
             raise node_down()
 
-    async def submit(self, request: GenerationRequest) -> AsyncIterator[Event]:
+    async def submit(self, request: GenerationRequest) -> AsyncIterator[list[Event]]:
         self._check_open()
         loop = asyncio.get_running_loop()
         channel = EventChannel(loop)
