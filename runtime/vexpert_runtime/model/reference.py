@@ -84,7 +84,7 @@ def reference_outputs(x: torch.Tensor, weights: ModelWeights, logit_bias: torch.
     logits), with each token's routing margin."""
     h = x
     counts = []
-    margins = torch.full((x.shape[0],), float("inf"))
+    margins = torch.full((x.shape[0],), float("inf"), device=x.device)
     for layer in range(weights.spec.num_layers):
         bias = None if logit_bias is None else logit_bias[layer]
         normed = rms_norm(h)

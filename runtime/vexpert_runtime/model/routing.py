@@ -104,7 +104,7 @@ def routing_margin(x: torch.Tensor, router: RouterWeights, spec: MoESpec,
     scores = logits.sigmoid()
     bias = router.correction_bias
     choice = scores if bias is None else scores + bias.to(torch.float32).unsqueeze(0)
-    margin = torch.full((batch,), float("inf"))
+    margin = torch.full((batch,), float("inf"), device=logits.device)
     if spec.n_group > 1 and spec.topk_group < spec.n_group:
         grouped = choice.view(batch, spec.n_group, experts // spec.n_group)
         group_score = grouped.topk(min(2, experts // spec.n_group), dim=-1).values.sum(-1)  # [B, n_group]
