@@ -42,20 +42,30 @@ def deepseek_v3_topk(
 
     Args: logits [B, E] fp32; correction_bias [E] or None. Returns ids [B, K] int64, weights [B, K] fp32.
     """
-    batch, experts = logits.shape
     scores = logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.to(torch.float32).unsqueeze(0)
     if n_group > 1 and topk_group < n_group:
-        grouped = choice.view(batch, n_group, experts // n_group)
-        group_score = grouped.topk(min(2, experts // n_group), dim=-1).values.sum(-1)  # [B, n_group]
-        keep = group_score.topk(topk_group, dim=-1).indices
-        group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
-        choice = grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(batch, experts)
+        grouped, group_score = _group_scores(choice, n_group)
+        choice = _keep_groups(grouped, group_score.topk(topk_group, dim=-1).indices)
     ids = choice.topk(top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return ids, weights * routed_scaling_factor
+
+
+def _group_scores(choice: torch.Tensor, n_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """choice [B, E] → (its view [B, n_group, E/n_group], each group's score [B, n_group]: the sum
+    of its two best selection scores)."""
+    batch, experts = choice.shape
+    grouped = choice.view(batch, n_group, experts // n_group)
+    return grouped, grouped.topk(min(2, experts // n_group), dim=-1).values.sum(-1)
+
+
+def _keep_groups(grouped: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """grouped [B, G, E/G] with the groups not in ``keep`` [B, k] set to -inf, as [B, E]."""
+    group_mask = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=grouped.device).scatter_(1, keep, True)
+    return grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).flatten(1)
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,13 +116,10 @@ def routing_margin(x: torch.Tensor, router: RouterWeights, spec: MoESpec,
     choice = scores if bias is None else scores + bias.to(torch.float32).unsqueeze(0)
     margin = torch.full((batch,), float("inf"), device=logits.device)
     if spec.n_group > 1 and spec.topk_group < spec.n_group:
-        grouped = choice.view(batch, spec.n_group, experts // spec.n_group)
-        group_score = grouped.topk(min(2, experts // spec.n_group), dim=-1).values.sum(-1)  # [B, n_group]
+        grouped, group_score = _group_scores(choice, spec.n_group)
         ranked = group_score.topk(spec.topk_group + 1, dim=-1)
         margin = ranked.values[:, spec.topk_group - 1] - ranked.values[:, spec.topk_group]
-        keep = ranked.indices[:, : spec.topk_group]
-        group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
-        choice = grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(batch, experts)
+        choice = _keep_groups(grouped, ranked.indices[:, : spec.topk_group])
     top = choice.topk(min(k + 1, experts), dim=-1).values
     if top.shape[1] > k:
         margin = torch.minimum(margin, top[:, k - 1] - top[:, k])  # (-inf past the kept groups: no margin)
