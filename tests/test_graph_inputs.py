@@ -53,7 +53,9 @@ def test_fill_writes_every_field_and_resets_the_pad_rows() -> None:
            SequenceWork(3, (7,), 13, (11, 12, 13, 14), SamplingSpec(1.0, 0.5, 5, 9))]
     small = [SequenceWork(4, (8,), 2, (15,), SamplingSpec(0.0, 1.0, 6, 1), fed=1),
              SequenceWork(5, (1, 2, 3), 0, (16,), SamplingSpec(0.0, 1.0, 7, 0))]
-    for work in (big, small):
+    decodes = [SequenceWork(6, (5,), 3, (2,), SamplingSpec(0.0, 1.0, 8, 3), fed=0),  # one token each: fill's fast path
+               SequenceWork(7, (4,), 9, (3, 8, 10), SamplingSpec(0.7, 0.95, 9, 5))]
+    for work in (big, small, decodes, []):
         sampled = inputs.fill(work, BLOCK)
         want = _expected(work, 24, 6)
         assert sampled == sum(item.sample is not None for item in work)

@@ -447,11 +447,13 @@ def test_kv_blocks_are_taken_on_growth_and_a_request_that_does_not_fit_waits() -
     load = scheduler.load()
     assert (load.running, load.waiting) == (1, 1)
     assert load.kv_tokens_reserved == 32 and load.kv_blocks_used == 2  # 6 prompt tokens hold 2 blocks, not 8
+    assert load.kv_tokens_used == 6
     first = model.steps[0][0]
     assert first.blocks == (1, 2) and first.sample is not None
     for _ in range(3):
         scheduler.run_iteration()
     assert scheduler.load().kv_blocks_used == 3  # grew into a third block at token 9
+    assert scheduler.load().kv_tokens_used == 9
     while any(w.seq_id == 0 for w in model.steps[-1]):
         scheduler.run_iteration()
     assert scheduler.load().waiting == 0
@@ -460,6 +462,7 @@ def test_kv_blocks_are_taken_on_growth_and_a_request_that_does_not_fit_waits() -
     assert {e.request_id: e.finish_reason for e in events if e.finished} == {"whole": "length", "next": "length"}
     assert not any(e.error for e in events)
     assert scheduler.pool.used_blocks == 0 and scheduler.pool.reserved_blocks == 0
+    assert scheduler.load().kv_tokens_used == 0
 
 
 def test_block_pool_reserves_grows_and_frees() -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -73,21 +74,28 @@ class GraphInputs:
 
     def fill(self, work: Sequence[SequenceWork], block_size: int) -> int:
         """Write an iteration into this (host, pinned) buffer: real rows first, pad rows after;
-        the number of sampling rows used. Per-field numpy writes, one Python pass over the work:
-        at 256 sequences this runs every few milliseconds on the serving loop's thread."""
+        the number of sampling rows used. Per-field numpy writes from one list per field: at 256
+        sequences this runs every few milliseconds on the serving loop's thread."""
         v = self._host_views()
         tables = v["tables"]
         items = len(work)
-        lengths = np.fromiter((len(item.tokens) for item in work), np.int64, items)
-        n = int(lengths.sum())
-        starts = np.fromiter((item.position for item in work), np.int64, items)
-        ends = np.cumsum(lengths) - 1  # each item's last token row
-        seqs = np.repeat(np.arange(items, dtype=np.int64), lengths)
-        positions = np.repeat(starts - (ends + 1 - lengths), lengths) + np.arange(n, dtype=np.int64)
-        v["tokens"][:n] = np.fromiter((t for item in work for t in item.tokens), np.int64, n)
+        counts = [len(item.tokens) for item in work]
+        n = sum(counts)
+        starts = np.array([item.position for item in work], np.int64).reshape(items)
+        if n == items:  # one token each (decodes): the steady state, no repeats needed
+            v["tokens"][:n] = [item.tokens[0] for item in work]
+            seqs = ends = np.arange(n, dtype=np.int64)
+            positions = starts
+        else:
+            lengths = np.array(counts, np.int64)
+            ends = np.cumsum(lengths) - 1  # each item's last token row
+            seqs = np.repeat(np.arange(items, dtype=np.int64), lengths)
+            positions = np.repeat(starts - (ends + 1 - lengths), lengths) + np.arange(n, dtype=np.int64)
+            v["tokens"][:n] = np.fromiter(chain.from_iterable([item.tokens for item in work]), np.int64, n)
         v["tokens"][n:] = 0
+        end_rows = ends.tolist()
         v["fed"][:] = -1
-        fed = [(row, item.fed) for row, item in zip(ends.tolist(), work, strict=True) if item.fed is not None]
+        fed = [(row, item.fed) for row, item in zip(end_rows, work, strict=True) if item.fed is not None]
         if fed:  # decodes whose one token the previous step sampled (on the device)
             fed_rows, fed_from = zip(*fed, strict=True)
             v["fed"][list(fed_rows)] = fed_from
@@ -101,19 +109,22 @@ class GraphInputs:
         v["valid"][n:] = 0
         # block tables: the used rows, one scatter of every block id (columns past a row's blocks
         # keep whatever they held: attention reads a row only up to its context length)
-        widths = np.fromiter((len(item.blocks) for item in work), np.int64, items)
-        flat = np.fromiter((b for item in work for b in item.blocks), np.int64, int(widths.sum()))
+        widths = np.array([len(item.blocks) for item in work], np.int64).reshape(items)
+        total = int(widths.sum())
+        flat = np.fromiter(chain.from_iterable([item.blocks for item in work]), np.int64, total)
         first = np.cumsum(widths) - widths
-        tables[np.repeat(np.arange(items), widths), np.arange(flat.size) - np.repeat(first, widths)] = flat
+        tables[np.repeat(np.arange(items), widths), np.arange(total) - np.repeat(first, widths)] = flat
         v["slots"][:n] = tables[seqs, positions // block_size] * block_size + positions % block_size
         v["slots"][n:] = SCRATCH_BLOCK * block_size
-        sampled = [(row, item.sample) for row, item in zip(ends.tolist(), work, strict=True) if item.sample is not None]
+        sampled = [(row, item.sample) for row, item in zip(end_rows, work, strict=True) if item.sample is not None]
         s = len(sampled)
-        v["rows"][:s] = [row for row, _ in sampled]
-        v["seeds"][:s] = [spec.seed for _, spec in sampled]
-        v["draws"][:s] = [spec.draw for _, spec in sampled]
-        v["temperature"][:s] = [spec.temperature for _, spec in sampled]
-        v["top_p"][:s] = [spec.top_p for _, spec in sampled]
+        if s:
+            rows, specs = zip(*sampled, strict=True)
+            v["rows"][:s] = rows
+            v["seeds"][:s] = [spec.seed for spec in specs]
+            v["draws"][:s] = [spec.draw for spec in specs]
+            v["temperature"][:s] = [spec.temperature for spec in specs]
+            v["top_p"][:s] = [spec.top_p for spec in specs]
         for name in _SAMPLE_FIELDS:
             v[name][s:] = 0
         return s

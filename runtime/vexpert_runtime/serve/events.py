@@ -8,6 +8,8 @@ back the same way; the in-process dispatcher passes the same objects through a t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import starmap
+from operator import attrgetter
 
 # finish reasons: "stop" (EOS or a stop string), "length" (max_tokens or the context), "abort" (shut down
 # or cancelled), "error" (the model or the sampler failed; ``Event.error`` says why).
@@ -138,6 +140,20 @@ class RankEvent:
 
     rank: int
     events: tuple[Event, ...]
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        # Pickled as plain tuples (one per Event, its fields in order), not as Event objects: a
+        # slotted dataclass pickles its state field by field, ~3.5 µs an event — 0.9 ms an
+        # iteration at 256 streams on the rank's thread (the queue's feeder shares its GIL).
+        return _rank_event_from_rows, (self.rank, tuple(map(_event_row, self.events)))
+
+
+_event_row = attrgetter(*Event.__dataclass_fields__)
+
+
+def _rank_event_from_rows(rank: int, rows: tuple[tuple[object, ...], ...]) -> RankEvent:
+    """Unpickle a :class:`RankEvent` (see ``RankEvent.__reduce__``)."""
+    return RankEvent(rank, tuple(starmap(Event, rows)))
 
 
 @dataclass(frozen=True)

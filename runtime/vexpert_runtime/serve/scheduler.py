@@ -116,6 +116,7 @@ class _Sequence:
     steps_in_flight: int = 0  # launched steps that hold this sequence (its blocks stay until they are done)
     holds_blocks: bool = False  # reserved in the pool (from admission until released)
     finished: bool = False
+    table: tuple[int, ...] = ()  # its block table as last sent (one tuple per growth, not per iteration)
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_ids)
@@ -139,21 +140,25 @@ class _Sequence:
         """Whether the token still being sampled is this sequence's last (length or context limit)."""
         if not self.pending:
             return False
-        generated = self.generated
+        generated = len(self.output) + self.pending
         return generated >= self.max_tokens or self.prompt_len + generated >= max_context
 
     def decode_work(self, pool: BlockPool) -> SequenceWork:
-        blocks = pool.grow(self.seq_id, self.computed + 1)
+        computed = self.computed
+        if computed >= len(self.table) * pool.block_size:  # the new token starts a block
+            self.table = tuple(pool.grow(self.seq_id, computed + 1))
+        params = self.request.params
+        spec = SamplingSpec(params.temperature, params.top_p, self.seed, len(self.output) + self.pending)
         if self.pending:  # its token is on the device, sampled by the step still running
-            return SequenceWork(self.seq_id, (0,), self.computed, tuple(blocks), self.sampling(), self.sample_row)
-        return SequenceWork(self.seq_id, (self.output[-1],), self.computed, tuple(blocks), self.sampling())
+            return SequenceWork(self.seq_id, (0,), computed, self.table, spec, self.sample_row)
+        return SequenceWork(self.seq_id, (self.output[-1],), computed, self.table, spec)
 
     def prefill_work(self, budget: int, pool: BlockPool) -> SequenceWork:
         """The next prompt chunk, at most ``budget`` tokens (sampling if it ends the prompt)."""
         end = min(self.prompt_len, self.computed + budget)
-        blocks = pool.grow(self.seq_id, end)
+        self.table = tuple(pool.grow(self.seq_id, end))
         return SequenceWork(self.seq_id, tuple(self.request.prompt_ids[self.computed : end]), self.computed,
-                            tuple(blocks), self.sampling() if end == self.prompt_len else None)
+                            self.table, self.sampling() if end == self.prompt_len else None)
 
 
 @dataclass(frozen=True)
@@ -186,6 +191,7 @@ class Scheduler:
         self._by_request: dict[str, _Sequence] = {}
         self._next_seq_id = 0
         self._in_flight: _LaunchedStep | None = None  # the step whose tokens are not read yet (overlapped)
+        self._kv_tokens_used = 0  # sum of computed over _running, kept as it changes (read twice an iteration)
         self._load = RankLoad(kv_tokens_budget=self.pool.capacity_tokens(), kv_blocks_total=self.pool.usable_blocks,
                               kv_cache_bytes=model.kv_cache_bytes)
 
@@ -276,13 +282,17 @@ class Scheduler:
 
     def _launched(self, batch: list[tuple[_Sequence, SequenceWork]]) -> None:
         """The batch is on its way: its sequences hold what it writes, and wait for what it samples."""
-        row = 0
+        row = tokens = 0
         for seq, item in batch:
-            seq.computed += len(item.tokens)
+            n = len(item.tokens)
+            seq.computed += n
+            tokens += n
             seq.steps_in_flight += 1
             if item.sample is not None:
-                seq.pending, seq.sample_row = seq.pending + 1, row
+                seq.pending += 1
+                seq.sample_row = row
                 row += 1
+        self._kv_tokens_used += tokens  # every sequence of a batch is running
 
     def _complete(self, flight: _LaunchedStep) -> None:
         """Read a launched step's tokens and advance its sequences."""
@@ -406,7 +416,10 @@ class Scheduler:
         if token in self.eos_ids and not params.ignore_eos:
             self._finish(seq, "stop", text=self._flush_text(seq))
             return
-        text, stopped = seq.stop.push(seq.detokenizer.push(token))
+        text = seq.detokenizer.push(token)
+        stopped = False
+        if seq.stop.stop:  # stop strings to look for (most requests have none)
+            text, stopped = seq.stop.push(text)
         if stopped:
             self._finish(seq, "stop", text=text)
         elif len(output) >= seq.max_tokens or seq.prompt_len + len(output) >= self.model.max_context:
@@ -427,7 +440,8 @@ class Scheduler:
         self._by_request.pop(seq.request.request_id, None)
         seq.finished = True
         if seq.admitted:
-            self._running.pop(seq.seq_id, None)
+            if self._running.pop(seq.seq_id, None) is not None:
+                self._kv_tokens_used -= seq.computed
             self._release_if_idle(seq)
         else:
             with contextlib.suppress(ValueError):  # already out of the queue
@@ -473,7 +487,7 @@ class Scheduler:
             waiting=len(self._waiting),
             kv_tokens_reserved=pool.reserved_blocks * pool.block_size,
             kv_tokens_budget=pool.capacity_tokens(),
-            kv_tokens_used=sum(s.computed for s in self._running.values()),
+            kv_tokens_used=self._kv_tokens_used,
             kv_blocks_total=pool.usable_blocks,
             kv_blocks_used=pool.used_blocks,
             kv_cache_bytes=self.model.kv_cache_bytes,
