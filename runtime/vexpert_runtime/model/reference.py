@@ -14,7 +14,7 @@ import torch
 from vexpert_runtime.model.checkpoint import CheckpointReader
 from vexpert_runtime.model.moe_math import combine, packed_ffn, rms_norm, shared_forward
 from vexpert_runtime.model.moe_spec import MoESpec
-from vexpert_runtime.model.routing import expert_counts, route, routing_margin
+from vexpert_runtime.model.routing import expert_counts, route_logits, router_logits, routing_margin_of_logits
 from vexpert_runtime.model.weights import RouterWeights, SharedExpertWeights
 
 # Largest relative error a --verify run accepts, per weight dtype (low precision accumulates
@@ -53,11 +53,15 @@ class ModelWeights:
 
 
 def reference_moe_layer(
-    x: torch.Tensor, weights: ModelWeights, layer: int, logit_bias: torch.Tensor | None = None
+    x: torch.Tensor, weights: ModelWeights, layer: int, logit_bias: torch.Tensor | None = None,
+    logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One MoE layer on all tokens: x [B, H] → (y [B, H], expert counts [E] int64)."""
+    """One MoE layer on all tokens: x [B, H] → (y [B, H], expert counts [E] int64). ``logits``: the
+    layer's router logits of x (:func:`~.routing.router_logits` with ``logit_bias``), if already made."""
     spec = weights.spec
-    ids, topk_weights = route(x, weights.routers[layer], spec, logit_bias)
+    if logits is None:
+        logits = router_logits(x, weights.routers[layer].weight, logit_bias)
+    ids, topk_weights = route_logits(logits, weights.routers[layer], spec)
     batch, top_k = ids.shape
     outputs = x.new_zeros(batch, top_k, spec.hidden_size)
     for expert in torch.unique(ids).tolist():
@@ -88,8 +92,9 @@ def reference_outputs(x: torch.Tensor, weights: ModelWeights, logit_bias: torch.
     for layer in range(weights.spec.num_layers):
         bias = None if logit_bias is None else logit_bias[layer]
         normed = rms_norm(h)
-        margins = torch.minimum(margins, routing_margin(normed, weights.routers[layer], weights.spec, bias))
-        y, c = reference_moe_layer(normed, weights, layer, bias)
+        logits = router_logits(normed, weights.routers[layer].weight, bias)
+        margins = torch.minimum(margins, routing_margin_of_logits(logits, weights.routers[layer], weights.spec))
+        y, c = reference_moe_layer(normed, weights, layer, logits=logits)
         h = h + y
         counts.append(c)
     return ReferenceOutput(h, torch.stack(counts), margins)

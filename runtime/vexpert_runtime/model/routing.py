@@ -84,7 +84,11 @@ def route(
     x: torch.Tensor, router: RouterWeights, spec: MoESpec, logit_bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Route tokens x [B, H] with ``spec``'s gate. Returns ids [B, K] int64, weights [B, K] fp32."""
-    logits = router_logits(x, router.weight, logit_bias)
+    return route_logits(router_logits(x, router.weight, logit_bias), router, spec)
+
+
+def route_logits(logits: torch.Tensor, router: RouterWeights, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`route` from the router's fp32 logits [B, E] (:func:`router_logits`)."""
     if spec.scoring == "sigmoid":
         return deepseek_v3_topk(
             logits,
@@ -105,7 +109,11 @@ def routing_margin(x: torch.Tensor, router: RouterWeights, spec: MoESpec,
     Qwen: softmax probability) and, with group-limited routing, between the last kept and the best
     dropped group's score. A token within rounding noise of a tie may route differently under any
     other summation order (another GEMM kernel, another device) — both choices are right."""
-    logits = router_logits(x, router.weight, logit_bias)
+    return routing_margin_of_logits(router_logits(x, router.weight, logit_bias), router, spec)
+
+
+def routing_margin_of_logits(logits: torch.Tensor, router: RouterWeights, spec: MoESpec) -> torch.Tensor:
+    """:func:`routing_margin` from the router's fp32 logits [B, E] (:func:`router_logits`)."""
     k = spec.top_k
     if spec.scoring != "sigmoid":
         top = logits.softmax(dim=-1).topk(min(k + 1, logits.shape[1]), dim=-1).values
