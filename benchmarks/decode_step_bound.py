@@ -8,7 +8,7 @@ token bucket — on ``serve_engine.py``'s checkpoint, and times ``--iters`` back
 decode step of B sequences at context ``--context`` (the same step relaunched: it rewrites the same KV
 slots) between two CUDA events, after warm-up (``launch_span_ms``: with the host's input fill between
 steps), then the bucket's graph alone, replayed back to back on the same inputs (``graph_ms``: the GPU's
-time for the step). The bound is ``serve_engine.hbm_bound``: non-embedding weights (every expert hit) + the batch's
+time for the step; ``replay_host_ms``: the host's time to launch it). The bound is ``serve_engine.hbm_bound``: non-embedding weights (every expert hit) + the batch's
 embedding rows + the KV cache at that context, ÷ 4.8 TB/s.
 
     python benchmarks/decode_step_bound.py --batches 16 64 256 --context 96 --out out/decode_step_bound.json
@@ -59,6 +59,9 @@ def step_flops(model: HFStepModel, batch: int, context: int) -> int:
         width = 2 * (getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
     attention = int(config.num_hidden_layers) * heads * context * width
     return 2 * batch * (per_token + experts + attention)
+
+
+_HOST_TIMED = 5  # replays whose host time gives ``replay_host_ms``
 
 
 def kernel_times(graph: torch.cuda.CUDAGraph, iters: int, top: int = 25) -> dict[str, object]:
@@ -162,7 +165,11 @@ def main() -> int:
             assert graphs is not None
             graph, _ = graphs.graphs[(next(b for b in graphs.buckets if b >= batch), False)]
             start.record(stream)
-            for _ in range(args.iters):
+            host = time.perf_counter()
+            for _ in range(_HOST_TIMED):  # the host's cost of one launch (too few to fill the launch queue)
+                graph.replay()
+            replay_host_ms = (time.perf_counter() - host) / _HOST_TIMED * 1e3
+            for _ in range(args.iters - _HOST_TIMED):
                 graph.replay()
             end.record(stream)
             end.synchronize()
@@ -171,6 +178,7 @@ def main() -> int:
             flops = step_flops(model, batch, args.context)
             row = {"batch": batch, "context": args.context, "graph_ms": round(graph_ms, 3),
                    "launch_span_ms": round(step_ms, 3), "host_launch_ms": round(host_ms, 3),
+                   "replay_host_ms": round(replay_host_ms, 3),
                    "bound_ms": bound["bound_ms"], "graph_over_bound": round(graph_ms / bound["bound_ms"], 2),
                    "bytes": bound["bytes"], "flops": flops,
                    "flop_ms": round(flops / (args.peak_tflops * 1e12) * 1e3, 3)}
