@@ -25,7 +25,7 @@ from vexpert_runtime.model.ep_moe import plan_from_slots, table_from_plan
 from vexpert_runtime.node import NodeOptions, NodeReport, NodeRuntime, resolve_setup, run_node
 from vexpert_runtime.node.expert_pool import ExpertPool
 from vexpert_runtime.node.gpu_sync import CpuFlagOps
-from vexpert_runtime.node.protocol import Assignment, SharedState, SlotFiller, WorkerSlots, decide
+from vexpert_runtime.node.protocol import AHEAD, HEADERS, Assignment, SharedState, SlotFiller, WorkerSlots, decide
 from vexpert_runtime.node.slots import row_checksum, sequence
 from vexpert_runtime.node.transport import CpuSharedMemoryTransport
 from vexpert_runtime.policy.placement import static_placement
@@ -157,15 +157,17 @@ def test_overlapping_adjacent_layers_wait_for_the_previous_layer(handshake: dict
     assert _checksums(worker) == [row_checksum(pool.row(1, 1)), row_checksum(pool.row(1, 3))]
 
 
-def test_coordinator_runs_at_most_one_iteration_ahead(handshake: dict[str, Any]) -> None:
+def test_coordinator_publishes_at_most_ahead_iterations_past_the_last_finished(handshake: dict[str, Any]) -> None:
     filler, worker, fill = handshake["filler"], handshake["worker"], handshake["fill"]
+    assert AHEAD < HEADERS  # a header is never overwritten before its worker read it
     plan = handshake["assignment"](1, [[0, -1], [-1, 3]])
     fill(0, plan)
-    assert filler.publish(1, 1, 4, False) == [True]  # one iteration ahead of the (idle) worker: fine
-    publisher = threading.Thread(target=filler.publish, args=(2, 1, 4, False))
+    for iteration in range(1, AHEAD):  # ahead of the (idle) worker, within AHEAD: fine
+        assert filler.publish(iteration, 1, 4, False) == [True]
+    publisher = threading.Thread(target=filler.publish, args=(AHEAD, 1, 4, False))
     publisher.start()
     publisher.join(timeout=0.3)
-    assert publisher.is_alive(), "iteration 2 is published only once iteration 0 is finished"
+    assert publisher.is_alive(), f"iteration {AHEAD} is published only once iteration 0 is finished"
     _run_iteration(worker, 0)
     publisher.join(timeout=3)
     assert not publisher.is_alive()

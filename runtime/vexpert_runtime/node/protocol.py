@@ -17,8 +17,12 @@ so the coordinator — which publishes under the same mutex and only if ``SKIPPE
 it, and sets its own FULL flags. All workers then agree with one tiny collective (:func:`agree`): the
 plan's slots are used only if every rank has ``t`` published under the same table; otherwise the
 iteration runs on the static placement (degraded), still consuming the flags its own coordinator sets.
-The coordinator publishes ``t`` only once ``FINISHED ≥ t − AHEAD`` (it runs at most one iteration
-ahead), which also keeps the header ring safe; a new coordinator publishes nothing before every
+The coordinator publishes ``t`` only once ``FINISHED ≥ t − AHEAD``, which also keeps the header ring
+safe (``AHEAD < HEADERS``). ``AHEAD`` is 3: a worker that overlaps iterations (CUDA graphs) reports
+``t − 2`` finished just before it starts ``t``, so with 2 every iteration would wait for the
+coordinator to wake up and publish (0.14–0.21 ms per iteration on an H200, benchmarks/README.md §10,
+run 16); with 3 the header is there a whole iteration earlier. How far the fills themselves run ahead
+is bounded by the per-layer flags below, not by ``AHEAD``; a new coordinator publishes nothing before every
 iteration its predecessors published is finished (the workers may be rescuing one, reading slots
 whose FREE flag was never claimed).
 
@@ -67,7 +71,7 @@ NUM_FIELDS = 3
 ITERATION, PLAN_ID, K_VALUE, STOP, GENERATION = range(5)
 HEADER_FIELDS = 5
 HEADERS = 4  # header ring: the coordinator publishes at most AHEAD iterations past the last finished
-AHEAD = 2
+AHEAD = 3
 LAYER, EXPERT = 0, 1
 
 
@@ -582,7 +586,8 @@ class SlotFiller:
 
 class FillLoop(threading.Thread):
     """The coordinator's fill pipeline: publishes each iteration (with the plan it takes at the
-    iteration boundary) and fills its layers, running at most one iteration ahead of the workers.
+    iteration boundary) and fills its layers, publishing at most ``AHEAD`` iterations past the last
+    one every worker finished.
 
     ``take_plan(iteration)`` returns the assignment for an iteration; ``control(iteration)`` returns
     (k, stop). Any exception ends the loop with :attr:`error` set: the coordinator then exits, and
