@@ -147,7 +147,7 @@ class _Sequence:
         computed = self.computed
         if computed >= len(self.table) * pool.block_size:  # the new token starts a block
             self.table = tuple(pool.grow(self.seq_id, computed + 1))
-        params = self.request.params
+        params = self.request.params  # sampling(), inlined: this runs per sequence per iteration
         spec = SamplingSpec(params.temperature, params.top_p, self.seed, len(self.output) + self.pending)
         if self.pending:  # its token is on the device, sampled by the step still running
             return SequenceWork(self.seq_id, (0,), computed, self.table, spec, self.sample_row)
