@@ -25,7 +25,15 @@ from vexpert_runtime.model.ep_moe import plan_from_slots, table_from_plan
 from vexpert_runtime.node import NodeOptions, NodeReport, NodeRuntime, resolve_setup, run_node
 from vexpert_runtime.node.expert_pool import ExpertPool
 from vexpert_runtime.node.gpu_sync import CpuFlagOps
-from vexpert_runtime.node.protocol import AHEAD, HEADERS, Assignment, SharedState, SlotFiller, WorkerSlots, decide
+from vexpert_runtime.node.protocol import (
+    AHEAD,
+    HEADERS,
+    Assignment,
+    SharedState,
+    SlotFiller,
+    WorkerSlots,
+    decide,
+)
 from vexpert_runtime.node.slots import row_checksum, sequence
 from vexpert_runtime.node.transport import CpuSharedMemoryTransport
 from vexpert_runtime.policy.placement import static_placement
