@@ -35,7 +35,7 @@ from vexpert_runtime.node.protocol import (
     decide,
 )
 from vexpert_runtime.node.slots import row_checksum, sequence
-from vexpert_runtime.node.transport import CpuSharedMemoryTransport
+from vexpert_runtime.node.transport import CpuSharedMemoryTransport, CudaIpcTransport
 from vexpert_runtime.policy.placement import static_placement
 from vexpert_runtime.ports import free_port
 from vexpert_runtime.simulation.workload import drifting_workload
@@ -167,15 +167,17 @@ def test_overlapping_adjacent_layers_wait_for_the_previous_layer(handshake: dict
 
 def test_coordinator_publishes_at_most_ahead_iterations_past_the_last_finished(handshake: dict[str, Any]) -> None:
     filler, worker, fill = handshake["filler"], handshake["worker"], handshake["fill"]
-    assert AHEAD < HEADERS  # a header is never overwritten before its worker read it
+    # a header is never overwritten before its worker read it; a GPU transport publishes further ahead
+    assert filler.ahead == CpuSharedMemoryTransport.publish_ahead <= AHEAD < HEADERS
+    assert CudaIpcTransport.publish_ahead == AHEAD
     plan = handshake["assignment"](1, [[0, -1], [-1, 3]])
     fill(0, plan)
-    for iteration in range(1, AHEAD):  # ahead of the (idle) worker, within AHEAD: fine
+    for iteration in range(1, filler.ahead):  # ahead of the (idle) worker, within its reach: fine
         assert filler.publish(iteration, 1, 4, False) == [True]
-    publisher = threading.Thread(target=filler.publish, args=(AHEAD, 1, 4, False))
+    publisher = threading.Thread(target=filler.publish, args=(filler.ahead, 1, 4, False))
     publisher.start()
     publisher.join(timeout=0.3)
-    assert publisher.is_alive(), f"iteration {AHEAD} is published only once iteration 0 is finished"
+    assert publisher.is_alive(), f"iteration {filler.ahead} is published only once iteration 0 is finished"
     _run_iteration(worker, 0)
     publisher.join(timeout=3)
     assert not publisher.is_alive()

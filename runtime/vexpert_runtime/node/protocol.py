@@ -17,12 +17,13 @@ so the coordinator — which publishes under the same mutex and only if ``SKIPPE
 it, and sets its own FULL flags. All workers then agree with one tiny collective (:func:`agree`): the
 plan's slots are used only if every rank has ``t`` published under the same table; otherwise the
 iteration runs on the static placement (degraded), still consuming the flags its own coordinator sets.
-The coordinator publishes ``t`` only once ``FINISHED ≥ t − AHEAD``, which also keeps the header ring
-safe (``AHEAD < HEADERS``). ``AHEAD`` is 3: a worker that overlaps iterations (CUDA graphs) reports
-``t − 2`` finished just before it starts ``t``, so with 2 every iteration would wait for the
-coordinator to wake up and publish (0.14–0.21 ms per iteration on an H200, benchmarks/README.md §10,
-run 16); with 3 the header is there a whole iteration earlier. How far the fills themselves run ahead
-is bounded by the per-layer flags below, not by ``AHEAD``; a new coordinator publishes nothing before every
+The coordinator publishes ``t`` only once ``FINISHED ≥ t − ahead``, ``ahead`` ≤ ``AHEAD`` < ``HEADERS``
+(which keeps the header ring safe), set by the transport (``SlotTransport.publish_ahead``): 3 on a
+GPU, where a worker that overlaps iterations (CUDA graphs) reports ``t − 2`` finished just before it
+starts ``t`` — with 2 every iteration waited for the coordinator to wake up and publish (0.14–0.21 ms
+per iteration on an H200, benchmarks/README.md §10, run 16); 2 on CPU, whose workers report each
+iteration before the next. How far the fills themselves run ahead is bounded by the per-layer flags
+below; a new coordinator publishes nothing before every
 iteration its predecessors published is finished (the workers may be rescuing one, reading slots
 whose FREE flag was never claimed).
 
@@ -71,7 +72,7 @@ NUM_FIELDS = 3
 ITERATION, PLAN_ID, K_VALUE, STOP, GENERATION = range(5)
 HEADER_FIELDS = 5
 HEADERS = 4  # header ring: the coordinator publishes at most AHEAD iterations past the last finished
-AHEAD = 3
+AHEAD = 3  # the most any transport's publish_ahead may be
 LAYER, EXPERT = 0, 1
 
 
@@ -468,6 +469,7 @@ class SlotFiller:
         self.resume_iteration = resume_iteration
         self.stats = stats if stats is not None else FillStats()  # running totals survive a restart
         self.ops = transport.flag_ops(abort.is_set)
+        self.ahead = min(transport.publish_ahead, AHEAD)  # iterations published past the last finished
         # Per worker and slot the layer whose fill wrote it last; None: unknown (a predecessor's),
         # so the first fill of each worker waits for every layer's FREE flag.
         self._last_layer: list[list[int] | None] = [None for _ in ranks]
@@ -494,7 +496,7 @@ class SlotFiller:
         layers must now be filled (None: aborted)."""
         filling = []
         for worker in range(len(self.ranks)):
-            if not self._wait_finished(worker, max(iteration - AHEAD, self.resume_iteration - 1)):
+            if not self._wait_finished(worker, max(iteration - self.ahead, self.resume_iteration - 1)):
                 return None
             with self.shared.locks.hold(worker):
                 state = self.shared.state[worker]
@@ -586,8 +588,8 @@ class SlotFiller:
 
 class FillLoop(threading.Thread):
     """The coordinator's fill pipeline: publishes each iteration (with the plan it takes at the
-    iteration boundary) and fills its layers, publishing at most ``AHEAD`` iterations past the last
-    one every worker finished.
+    iteration boundary) and fills its layers, publishing at most ``filler.ahead`` iterations past the
+    last one every worker finished.
 
     ``take_plan(iteration)`` returns the assignment for an iteration; ``control(iteration)`` returns
     (k, stop). Any exception ends the loop with :attr:`error` set: the coordinator then exits, and

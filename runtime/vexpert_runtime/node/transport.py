@@ -38,6 +38,13 @@ class SlotTransport(ABC):
     """Moves packed expert rows from the coordinator's L2 pool into workers' L1 slots."""
 
     kind: str = ""
+    # How many iterations past the last one every worker finished the coordinator may publish
+    # (protocol.AHEAD at most). Where the fills wait for slots on the device (CUDA) it is 3: a worker
+    # that overlaps iterations reports t − 2 finished just before it starts t, and a lower bound would
+    # make every iteration wait for the coordinator. Where the fills' waits poll host memory (CPU) it
+    # is 2: CPU workers report each iteration before the next, and a fill loop further ahead would
+    # only spend the workers' cores polling flags it cannot take yet (CPU node tests ran ~13 % slower).
+    publish_ahead: int = 2
 
     @abstractmethod
     def allocate(self, slots: int, numel: int, dtype: torch.dtype, layers: int) -> SlotBuffers:
@@ -108,6 +115,7 @@ class CudaIpcTransport(SlotTransport):
     worker's copies and flag operations go on one copy stream. Only constructed where CUDA exists."""
 
     kind = "cuda-ipc"
+    publish_ahead = 3
 
     def __init__(self, device_index: int = 0) -> None:
         if not torch.cuda.is_available():
