@@ -28,7 +28,9 @@ from vexpert_runtime.node.gpu_sync import CpuFlagOps
 from vexpert_runtime.node.protocol import (
     AHEAD,
     HEADERS,
+    PUBLISHED,
     Assignment,
+    FillLoop,
     SharedState,
     SlotFiller,
     WorkerSlots,
@@ -181,6 +183,39 @@ def test_coordinator_publishes_at_most_ahead_iterations_past_the_last_finished(h
     _run_iteration(worker, 0)
     publisher.join(timeout=3)
     assert not publisher.is_alive()
+
+
+@pytest.mark.parametrize("ahead", [2, 3])
+def test_an_overlapped_worker_finds_its_iteration_published_when_the_coordinator_publishes_3_ahead(
+        handshake: dict[str, Any], ahead: int) -> None:
+    """A worker that overlaps iterations (CUDA graphs) reports t − 1 finished only after it started t
+    and just before it starts t + 1. Publishing 3 ahead (the GPU transport), the coordinator has put
+    t + 1 out a whole iteration before the worker asks; publishing 2 ahead (CPU), never."""
+    filler, worker, shared = handshake["filler"], handshake["worker"], handshake["shared"]
+    filler.ahead = ahead
+    plan = handshake["assignment"](1, [[0, -1], [-1, 3]])
+    iterations = 6
+    loop = FillLoop(filler, take_plan=lambda _: plan, control=lambda i: (4, i >= iterations))
+    loop.start()
+    ready = []  # per iteration: published before the worker began it
+    for t in range(iterations):
+        ready.append(int(shared.state[0][PUBLISHED]) >= t)
+        header, _ = worker.begin(t)
+        assert header is not None and header.iteration == t
+        for layer in range(2):
+            worker.acquire(layer)
+            worker.release(layer)
+        time.sleep(0.05)  # the device runs t (and t − 1 ends meanwhile)
+        if t >= 1:
+            worker.finish(t - 1)  # reported only now, right before t + 1 begins
+    worker.finish(iterations - 1)
+    loop.join(timeout=5)
+    assert not loop.is_alive() and loop.error is None
+    steady = ready[2:]  # iterations 0 and 1 race the fill loop's start
+    if ahead == 3:
+        assert all(steady), ready
+    else:  # t − 2 finished a few statements before t begins: the coordinator cannot have published t yet
+        assert not all(steady), ready
 
 
 def test_a_late_iteration_is_claimed_and_never_filled(handshake: dict[str, Any]) -> None:
