@@ -43,7 +43,7 @@ class SlotTransport(ABC):
     # that overlaps iterations reports t − 2 finished just before it starts t, and a lower bound would
     # make every iteration wait for the coordinator. Where the fills' waits poll host memory (CPU) it
     # is 2: CPU workers report each iteration before the next, and a fill loop further ahead would
-    # only spend the workers' cores polling flags it cannot take yet (CPU node tests ran ~13 % slower).
+    # only spend the workers' cores polling flags it cannot take yet.
     publish_ahead: int = 2
 
     @abstractmethod
