@@ -26,7 +26,7 @@ from vexpert_runtime.model.reference import (
     ModelWeights,
     reference_outputs,
 )
-from vexpert_runtime.model.routing import route, routing_margin
+from vexpert_runtime.model.routing import route, router_logits, routing_margin
 from vexpert_runtime.model.weights import RouterWeights
 from vexpert_runtime.node.verification import OutputVerifier, VerifyJob
 from vexpert_runtime.simulation.workload import drifting_workload
@@ -39,7 +39,7 @@ def test_routing_margin_is_the_gap_at_the_top_k_boundary() -> None:
     spec = dataclasses.replace(TINY_DEEPSEEK_SPEC, num_experts=4, n_group=1, topk_group=1)
     router = RouterWeights(torch.eye(4, 4), torch.zeros(4))
     x = torch.tensor([[3.0, 1.0, 0.999, -2.0], [3.0, 1.0, 1.0, -2.0]])
-    margin = routing_margin(x, router, spec)
+    margin = routing_margin(router_logits(x, router.weight), router, spec)
     scores = torch.tensor([3.0, 1.0, 0.999, -2.0]).sigmoid()
     assert margin[0].item() == pytest.approx((scores[1] - scores[2]).item(), rel=1e-5)
     assert margin[1].item() == 0.0  # an exact tie
@@ -48,12 +48,12 @@ def test_routing_margin_is_the_gap_at_the_top_k_boundary() -> None:
     y = torch.tensor([[2.0, 0.0, 1.2, 1.0]])  # group 1 (experts 2, 3) kept; expert 2 chosen inside it
     s = torch.tensor([2.0, 0.0, 1.2, 1.0]).sigmoid()
     expected = min(((s[2] + s[3]) - (s[0] + s[1])).item(), (s[2] - s[3]).item())  # (expert 0 is out with its group)
-    assert routing_margin(y, router, grouped)[0].item() == pytest.approx(expected, rel=1e-5)
+    assert routing_margin(router_logits(y, router.weight), router, grouped)[0].item() == pytest.approx(expected, rel=1e-5)
     # softmax (Qwen): probability gap
     qwen = MoESpec(architecture=QWEN, hidden_size=4, intermediate_size=4, num_experts=4, top_k=1,
                    moe_layers=(0,), scoring="softmax")
     probs = x[:1].softmax(-1)[0]
-    got = routing_margin(x[:1], RouterWeights(torch.eye(4, 4), None), qwen)[0].item()
+    got = routing_margin(router_logits(x[:1], torch.eye(4, 4)), RouterWeights(torch.eye(4, 4), None), qwen)[0].item()
     assert got == pytest.approx((probs[0] - probs[1]).item(), rel=1e-5)
     # the margin belongs to route(): the chosen ids are those above the gap
     ids, _ = route(x[:1], router, spec)

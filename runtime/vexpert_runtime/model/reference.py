@@ -14,7 +14,7 @@ import torch
 from vexpert_runtime.model.checkpoint import CheckpointReader
 from vexpert_runtime.model.moe_math import combine, packed_ffn, rms_norm, shared_forward
 from vexpert_runtime.model.moe_spec import MoESpec
-from vexpert_runtime.model.routing import expert_counts, route_logits, router_logits, routing_margin_of_logits
+from vexpert_runtime.model.routing import expert_counts, route_logits, router_logits, routing_margin
 from vexpert_runtime.model.weights import RouterWeights, SharedExpertWeights
 
 # Largest relative error a --verify run accepts, per weight dtype (low precision accumulates
@@ -93,7 +93,7 @@ def reference_outputs(x: torch.Tensor, weights: ModelWeights, logit_bias: torch.
         bias = None if logit_bias is None else logit_bias[layer]
         normed = rms_norm(h)
         logits = router_logits(normed, weights.routers[layer].weight, bias)
-        margins = torch.minimum(margins, routing_margin_of_logits(logits, weights.routers[layer], weights.spec))
+        margins = torch.minimum(margins, routing_margin(logits, weights.routers[layer], weights.spec))
         y, c = reference_moe_layer(normed, weights, layer, logits=logits)
         h = h + y
         counts.append(c)

@@ -102,18 +102,13 @@ def route_logits(logits: torch.Tensor, router: RouterWeights, spec: MoESpec) -> 
     return softmax_topk(logits, spec.top_k, spec.norm_topk_prob)
 
 
-def routing_margin(x: torch.Tensor, router: RouterWeights, spec: MoESpec,
-                   logit_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """How far each token's expert choice is from flipping: x [B, H] → [B] fp32, the gap between the
-    k-th chosen and the best unchosen expert's selection score (DeepSeek: sigmoid + correction bias;
-    Qwen: softmax probability) and, with group-limited routing, between the last kept and the best
-    dropped group's score. A token within rounding noise of a tie may route differently under any
-    other summation order (another GEMM kernel, another device) — both choices are right."""
-    return routing_margin_of_logits(router_logits(x, router.weight, logit_bias), router, spec)
-
-
-def routing_margin_of_logits(logits: torch.Tensor, router: RouterWeights, spec: MoESpec) -> torch.Tensor:
-    """:func:`routing_margin` from the router's fp32 logits [B, E] (:func:`router_logits`)."""
+def routing_margin(logits: torch.Tensor, router: RouterWeights, spec: MoESpec) -> torch.Tensor:
+    """How far each token's expert choice is from flipping: the router's fp32 logits [B, E]
+    (:func:`router_logits`) → [B] fp32, the gap between the k-th chosen and the best unchosen expert's
+    selection score (DeepSeek: sigmoid + correction bias; Qwen: softmax probability) and, with
+    group-limited routing, between the last kept and the best dropped group's score. A token within
+    rounding noise of a tie may route differently under any other summation order (another GEMM
+    kernel, another device) — both choices are right."""
     k = spec.top_k
     if spec.scoring != "sigmoid":
         top = logits.softmax(dim=-1).topk(min(k + 1, logits.shape[1]), dim=-1).values

@@ -81,7 +81,7 @@ class GraphInputs:
         items = len(work)
         counts = [len(item.tokens) for item in work]
         n = sum(counts)
-        starts = np.array([item.position for item in work], np.int64).reshape(items)
+        starts = np.array([item.position for item in work], np.int64)
         if n == items:  # one token each (decodes): the steady state, no repeats needed
             v["tokens"][:n] = [item.tokens[0] for item in work]
             seqs = ends = np.arange(n, dtype=np.int64)
@@ -109,7 +109,7 @@ class GraphInputs:
         v["valid"][n:] = 0
         # block tables: the used rows, one scatter of every block id (columns past a row's blocks
         # keep whatever they held: attention reads a row only up to its context length)
-        widths = np.array([len(item.blocks) for item in work], np.int64).reshape(items)
+        widths = np.array([len(item.blocks) for item in work], np.int64)
         total = int(widths.sum())
         flat = np.fromiter(chain.from_iterable([item.blocks for item in work]), np.int64, total)
         first = np.cumsum(widths) - widths
