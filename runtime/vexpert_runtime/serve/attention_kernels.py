@@ -20,8 +20,6 @@ Shapes: ``B`` sequences (one query token each), ``nh`` heads, ``C`` latent, ``R`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from vexpert_runtime.serve.attention import AttentionMetadata
@@ -49,62 +47,41 @@ if triton is not None:
                            stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_cache, stride_tb,
                            stride_ob, stride_oh,
                            NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr,
-                           PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_C: tl.constexpr, SPLIT_C: tl.constexpr, WHOLE: tl.constexpr):
-        """Program (token b, head block, output part): the scores over the whole latent (in chunks of
-        BLOCK_C columns), the output's part-th of CP // SPLIT_C latent columns. SPLIT_C = 1 and
-        BLOCK_C = CP: q read once, each cached row loaded once for both scores and output; else the
-        accumulator and the query chunk held per program shrink (registers: a [64, 512] fp32
-        accumulator is 128 per thread at 8 warps), for scores recomputed SPLIT_C times (cheap: the
-        step's attention FLOPs are ~1 % of the GPU's) and cached rows re-read from L2. WHOLE: the
-        first case (SPLIT_C == 1 and BLOCK_C == CP)."""
+                           PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
         b = tl.program_id(0)
         table = tables + tl.load(token_seq + b) * stride_tb
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < NH
-        OUT_C: tl.constexpr = CP // SPLIT_C
-        offs_o = tl.program_id(2) * OUT_C + tl.arange(0, OUT_C)
-        omask = offs_o < C
+        offs_c = tl.arange(0, CP)
         offs_r = tl.arange(0, RP)
+        cmask = offs_c < C
         rmask = offs_r < R
-        q_lat_rows = q_lat + b * stride_qlb + heads[:, None] * stride_qlh
+        ql = tl.load(q_lat + b * stride_qlb + heads[:, None] * stride_qlh + offs_c[None, :],
+                     mask=hmask[:, None] & cmask[None, :], other=0.0)
         qr = tl.load(q_rope + b * stride_qrb + heads[:, None] * stride_qrh + offs_r[None, :],
                      mask=hmask[:, None] & rmask[None, :], other=0.0)
-        if WHOLE:  # the whole query latent once, outside the context loop
-            ql = tl.load(q_lat_rows + offs_o[None, :], mask=hmask[:, None] & omask[None, :], other=0.0)
         length = tl.load(lens + b)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, OUT_C], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, CP], dtype=tl.float32)
         for start in range(0, length, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             nmask = n < length
             block = tl.load(table + n // PAGE, mask=nmask, other=0).to(tl.int64)
             row = (block * PAGE + n % PAGE) * stride_cache
+            kc = tl.load(cache + row[:, None] + offs_c[None, :], mask=nmask[:, None] & cmask[None, :], other=0.0)
             kr = tl.load(cache + row[:, None] + C + offs_r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
-            s = tl.dot(qr, tl.trans(kr), input_precision="ieee")
-            if WHOLE:
-                v = tl.load(cache + row[:, None] + offs_o[None, :], mask=nmask[:, None] & omask[None, :], other=0.0)
-                s += tl.dot(ql, tl.trans(v), input_precision="ieee")
-            else:
-                for c0 in tl.static_range(0, CP, BLOCK_C):
-                    offs_c = c0 + tl.arange(0, BLOCK_C)
-                    cmask = offs_c < C
-                    qc = tl.load(q_lat_rows + offs_c[None, :], mask=hmask[:, None] & cmask[None, :], other=0.0)
-                    kc = tl.load(cache + row[:, None] + offs_c[None, :], mask=nmask[:, None] & cmask[None, :],
-                                 other=0.0)
-                    s += tl.dot(qc, tl.trans(kc), input_precision="ieee")
-                v = tl.load(cache + row[:, None] + offs_o[None, :], mask=nmask[:, None] & omask[None, :], other=0.0)
+            s = tl.dot(ql, tl.trans(kc), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
             s = tl.where(nmask[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc, input_precision="ieee")
             m_i = m_new
         result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out + b * stride_ob + heads[:, None] * stride_oh + offs_o[None, :],
-                 result.to(out.dtype.element_ty), mask=hmask[:, None] & omask[None, :])
+        tl.store(out + b * stride_ob + heads[:, None] * stride_oh + offs_c[None, :],
+                 result.to(out.dtype.element_ty), mask=hmask[:, None] & cmask[None, :])
 
     @triton.jit
     def _gqa_decode_kernel(q, cache, tables, token_seq, lens, out, scale,
@@ -146,53 +123,38 @@ if triton is not None:
                  result.to(out.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
 
 
-@dataclass(frozen=True)
-class MlaLaunch:
-    """Launch parameters of :func:`mla_decode`: heads per program, context rows per loop step,
-    warps, pipeline stages, latent columns per score chunk (0: the whole latent at once) and
-    programs the output's latent columns are split over."""
-
-    block_h: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    block_c: int = 0
-    split_c: int = 1
-
-
-def mla_launch_config(tokens: int) -> MlaLaunch:
-    """:func:`mla_decode`'s parameters for ``tokens`` queries: from a sweep on an H200 at DeepSeek-V3's
-    shapes, context 96 (``benchmarks/mla_decode_tuning.py``, ``results/serve_engine/mla_decode_tuning_run12.json``):
-    (32, 64, 8, 3) took 0.028 / 0.030 ms at 16 / 64 sequences against 0.043 / 0.045 for the first choice
-    (16, 32, 4, 2); at 256, (64, 64, 8, 3) took 0.084 ms against 0.135 (more heads per program: each
-    cached row read by fewer programs)."""
-    return MlaLaunch(64, 64, 8, 3) if tokens >= 128 else MlaLaunch(32, 64, 8, 3)
+def mla_launch_config(tokens: int) -> tuple[int, int, int, int]:
+    """(head block, context block, warps, stages) of :func:`mla_decode` for ``tokens`` queries: from a
+    sweep on an H200 at DeepSeek-V3's shapes, context 96 (``benchmarks/mla_decode_tuning.py``,
+    ``results/serve_engine/mla_decode_tuning_run12.json``): (32, 64, 8, 3) took 0.028 / 0.030 ms at 16 / 64
+    sequences against 0.043 / 0.045 for the first choice (16, 32, 4, 2); at 256, (64, 64, 8, 3) took
+    0.084 ms against 0.135 (more heads per program: each cached row read by fewer programs)."""
+    return (64, 64, 8, 3) if tokens >= 128 else (32, 64, 8, 3)
 
 
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, launch: MlaLaunch | None = None) -> torch.Tensor:
+               scale: float, block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+               num_stages: int | None = None) -> torch.Tensor:
     """q_latent [T, nh, C], q_rope [T, nh, R] (any tokens: decodes or prompt chunks, each with its
     own context, see :class:`~.attention.AttentionMetadata`) over a latent cache [slots, C + R]
-    → Σ p·c [T, nh, C]. ``launch`` None: :func:`mla_launch_config` (T is a graph bucket's size where
-    graphs run: a shape-only choice)."""
+    → Σ p·c [T, nh, C]. Launch parameters left None come from :func:`mla_launch_config` (T is a
+    graph bucket's size where graphs run: a shape-only choice)."""
     batch, heads, latent = q_latent.shape
-    launch = launch or mla_launch_config(batch)
-    latent_padded = _pow2(latent)
-    block_c = launch.block_c or latent_padded
-    if latent_padded % launch.split_c or latent_padded % block_c:
-        raise ValueError(f"MLA launch {launch}: block_c and split_c must divide the padded latent {latent_padded}")
+    tuned = mla_launch_config(batch)
+    block_h = tuned[0] if block_h is None else block_h
+    block_n = tuned[1] if block_n is None else block_n
+    num_warps = tuned[2] if num_warps is None else num_warps
+    num_stages = tuned[3] if num_stages is None else num_stages
     rope = q_rope.shape[2]
     out = torch.empty_like(q_latent)
     page = meta.block_size
-    grid = (batch, triton.cdiv(heads, launch.block_h), launch.split_c)
+    grid = (batch, triton.cdiv(heads, block_h))
     _mla_decode_kernel[grid](
         q_latent, q_rope, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
         meta.block_tables.stride(0), out.stride(0), out.stride(1),
-        NH=heads, C=latent, R=rope, CP=latent_padded, RP=_pow2(rope), PAGE=page, BLOCK_H=launch.block_h,
-        BLOCK_N=launch.block_n, BLOCK_C=block_c, SPLIT_C=launch.split_c,
-        WHOLE=launch.split_c == 1 and block_c == latent_padded,
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        NH=heads, C=latent, R=rope, CP=_pow2(latent), RP=_pow2(rope), PAGE=page, BLOCK_H=block_h,
+        BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
