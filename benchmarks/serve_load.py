@@ -160,11 +160,17 @@ def summarise_load(parts: list[dict[str, Any]]) -> dict[str, Any]:
             "requests_per_s": round(done / measured, 3), "tokens_per_s": round(sum(p["tokens"] for p in parts) / measured, 1),
             "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p90": pct(ttft, 0.9),
             "itl_ms_p50": pct(itl, 0.5), "itl_ms_p90": pct(itl, 0.9),
-            "itl_ms_mean": round(1000 * statistics.fmean(itl), 2) if itl else None, "client_processes": len(parts)}
+            "itl_ms_mean": round(1000 * statistics.fmean(itl), 2) if itl else None, "client_processes": len(parts),
+            # near 1: a client process was busy all the time, so the figures may be the load generator's limit
+            "client_cpu_share_max": max(part.get("cpu_share", 0.0) for part in parts)}
 
 
 def _load_in_process(args: tuple[str, str, int, float, float, int, int]) -> dict[str, Any]:
-    return asyncio.run(load_samples(*args))
+    """One client process's samples and the share of its wall time it spent on a CPU."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    samples = asyncio.run(load_samples(*args))
+    samples["cpu_share"] = round((time.process_time() - cpu) / (time.perf_counter() - wall), 2)
+    return samples
 
 
 def load_processes(url: str, prompt: str, concurrency: int, duration: float, warmup: float, max_tokens: int,
@@ -191,7 +197,10 @@ def scrape(url: str) -> dict[str, float]:
 
     wanted = ("vexpert_bytes_streamed_total", "vexpert_balance_ratio", "vexpert_static_balance_ratio",
               "vexpert_plan_id", "vexpert_iterations_total", "vexpert_step_seconds_sum", "vexpert_step_seconds_count",
-              "vexpert_slot_fill_wait_seconds_sum", "vexpert_slot_fill_wait_seconds_count")
+              "vexpert_slot_fill_wait_seconds_sum", "vexpert_slot_fill_wait_seconds_count",
+              # the server's own view of a request: arrival at the API → first token / last token sent
+              "vexpert_serve_time_to_first_token_seconds_sum", "vexpert_serve_time_to_first_token_seconds_count",
+              "vexpert_serve_request_duration_seconds_sum", "vexpert_serve_request_duration_seconds_count")
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     values: dict[str, list[float]] = {}
     for line in text.splitlines():

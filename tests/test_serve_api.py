@@ -257,6 +257,28 @@ def test_metrics(server: BackgroundServer, client: openai.OpenAI) -> None:
     assert samples["vexpert_serve_generated_tokens_total"] >= 4
 
 
+def test_latency_metrics_count_from_the_requests_arrival(server: BackgroundServer, client: openai.OpenAI,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """TTFT and duration include what happens before a rank accepts the request (here a slow
+    tokenizer), as a client sees it — the operator tunes on these series."""
+    def histogram_sum(name: str) -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        return sum(float(line.split(" ")[1]) for line in text.splitlines() if line.startswith(name + "_sum"))
+
+    encode, delay = server.api._encode_prompt, 0.3
+
+    def slow_encode(prompt: Any) -> list[int]:
+        time.sleep(delay)
+        return encode(prompt)
+
+    monkeypatch.setattr(server.api, "_encode_prompt", slow_encode)
+    ttft, duration = (histogram_sum("vexpert_serve_time_to_first_token_seconds"),
+                      histogram_sum("vexpert_serve_request_duration_seconds"))
+    client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, extra_body={"ignore_eos": True})
+    assert histogram_sum("vexpert_serve_time_to_first_token_seconds") - ttft >= delay
+    assert histogram_sum("vexpert_serve_request_duration_seconds") - duration >= delay
+
+
 # ---- overload and shutdown --------------------------------------------------------------------
 
 

@@ -22,7 +22,7 @@ its request's headers (aiohttp's keep-alive timer, which also runs from the conn
 Metrics (own registry, all prefixed ``vexpert_serve_``): ``requests_total{endpoint,status}``
 (HTTP status of the generation endpoints), ``request_finish_total{reason}``,
 ``time_to_first_token_seconds``, ``inter_token_latency_seconds``, ``request_duration_seconds``
-(as the API sees them: queueing included), ``prompt_tokens_total``, ``generated_tokens_total``,
+(from the request's arrival: reading, tokenizing and queueing included), ``prompt_tokens_total``, ``generated_tokens_total``,
 ``requests_running``, ``requests_waiting``, ``kv_cache_usage_ratio`` (KV tokens reserved by admitted
 requests / budget, summed over ranks — what admission waits on) and ``kv_cache_tokens`` (held).
 
@@ -282,12 +282,16 @@ class ServeMetrics:
         self.kv_bytes.set(sum(load.kv_cache_bytes for load in loads))
 
 
-class _RequestTimer:
-    """Observes one request's latencies and token counts as its events arrive."""
+_ARRIVED = "vexpert.arrived"  # request key: time.monotonic() when the middleware first saw the request
 
-    def __init__(self, metrics: ServeMetrics) -> None:
+
+class _RequestTimer:
+    """Observes one request's latencies and token counts as its events arrive; ``start``: the
+    request's arrival (before its body is read, parsed and tokenized and a rank accepts it)."""
+
+    def __init__(self, metrics: ServeMetrics, start: float) -> None:
         self.metrics = metrics
-        self.start = time.monotonic()
+        self.start = start
         self.last: float | None = None
 
     def observe(self, event: Event) -> None:
@@ -365,7 +369,9 @@ class ServeApi:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        """Turn every failure into an OpenAI error object and count the generation requests."""
+        """Turn every failure into an OpenAI error object and count the generation requests; stamp
+        the request's arrival (its latencies count from there, as vLLM's do)."""
+        request[_ARRIVED] = time.monotonic()
         try:
             if self.config.api_key and request.path.startswith("/v1/"):
                 self._authorize(request, self.config.api_key)
@@ -542,7 +548,7 @@ class ServeApi:
         except VExpertInputError as exc:
             raise ApiError(400, str(exc), param=exc.field) from None
         job = _Job(generation.request_id, oa.now(), req.model, chat, bool(req.stream), req.include_usage, events)
-        timer = _RequestTimer(self.metrics)
+        timer = _RequestTimer(self.metrics, request.get(_ARRIVED, time.monotonic()))
         job.events = self._observed(job, events, timer)
         try:
             return await (self._stream(request, job) if job.stream else self._collect(job))
