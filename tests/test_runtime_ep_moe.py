@@ -4,6 +4,7 @@ and Qwen routing; plus the replica-choice bookkeeping on one rank."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -119,14 +120,17 @@ def test_a_device_table_is_one_buffer_and_loads_every_field_through_it() -> None
     """A plan switch is one host→device copy: every tensor of an allocated table views one byte
     buffer, and loading through it writes each tensor's definition — the routing table padded to
     the fixed replica width, the replicated copies listed — for a plan with replicas, then back to
-    the static table (nothing of the plan left behind)."""
+    the static table (nothing of the plan left behind), to the same routing under a new plan id and
+    back to the plan."""
     counts = torch.rand(2, 16, generator=torch.Generator().manual_seed(0)) * 100 + SKEW.unsqueeze(0) * 300
     plan = table_from_plan(allocate(counts, static_placement(2, 16, WORLD), WORLD, AllocatorConfig(2, 1, 0.99)), 7)
     packed = DeviceRoutingTable.allocate(2, 16, WORLD, 2, "cpu")
     fields = ("gpu", "local", "cum_share", "copy_expert", "copy_gpu", "copy_col", "copy_step", "single_gpu")
     base = packed.storage.untyped_storage().data_ptr()
     assert all(getattr(packed, name).untyped_storage().data_ptr() == base for name in fields)
-    for table in (plan, static_table(2, 16, WORLD, 2)):
+    static = static_table(2, 16, WORLD, 2)
+    # a re-plan to the same routing only takes the new id; then a different one is loaded again
+    for table in (plan, static, dataclasses.replace(static, plan_id=8), dataclasses.replace(plan, plan_id=9)):
         packed.load(table)
         assert packed.plan_id == table.plan_id
         pad = ((0, 0), (0, 0), (0, packed.replicas - table.gpu.shape[2]))
