@@ -612,3 +612,23 @@ def test_a_bad_profile_request_is_one_clear_error(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("VEXPERT_PROFILE", "soon")
     with pytest.raises(VExpertInputError, match="VEXPERT_PROFILE"):
         run_node(resolve_setup(config, checkpoint), NodeOptions(iterations=2))
+
+
+def test_a_count_window_row_holds_the_counts_and_this_ranks_computed_rows() -> None:
+    """[L, E + E/N + S] statistics → [L, E + N]: the counts as they are, this rank's rows computed
+    (resident experts and slots summed) in its own column, zeros for the other ranks (the window's
+    all-reduce adds theirs)."""
+    import numpy as np
+
+    from vexpert_runtime.node.worker import window_row
+
+    layers, experts, world, slots, rank = 3, 8, 4, 2, 2
+    stats = np.arange(layers * (experts + experts // world + slots), dtype=np.int64).reshape(layers, -1)
+    row = window_row(stats, experts, world, rank)
+    assert row.shape == (layers, experts + world)
+    assert np.array_equal(row[:, :experts], stats[:, :experts])
+    assert np.array_equal(row[:, experts + rank], stats[:, experts:].sum(1))
+    others = [experts + r for r in range(world) if r != rank]
+    assert not row[:, others].any()
+    stats[0, 0] = -7  # the row is a copy: the host buffer is rewritten two iterations later
+    assert row[0, 0] == 0

@@ -92,6 +92,21 @@ def worker_main(args: WorkerArgs) -> None:
                 dist.destroy_process_group()
 
 
+def window_row(stats: np.ndarray, num_experts: int, world: int, rank: int) -> np.ndarray:
+    """One iteration's row of a count window from this rank's statistics.
+
+    Args: stats [L, E + E/N + S] int64 (:attr:`~.runners.IterationStats.all`: tokens routed to each
+    expert, then rows computed per local expert and slot); the world size N and this rank.
+    Returns [L, E + N] int64: the counts, then rows computed per rank — this rank's column only, the
+    window's all-reduce adds the others'. (numpy: per iteration, where the same in torch ops took
+    ~4x as long at DeepSeek-V3's size, ``benchmarks/worker_host_cost.py``.)
+    """
+    row = np.zeros((stats.shape[0], num_experts + world), dtype=np.int64)
+    row[:, :num_experts] = stats[:, :num_experts]
+    row[:, num_experts + rank] = stats[:, num_experts:].sum(1)
+    return row
+
+
 PROFILE_ENV = "VEXPERT_PROFILE"  # "<first>[-<last>]:<directory>": trace those iterations of every worker
 
 
@@ -331,15 +346,7 @@ class _Worker:
         args, spec = self.args, self.spec
         if done.end is not None:  # the host waits for the iteration's end: an event, not the device
             done.end.synchronize()
-        # the window's row [L, E + N]: this iteration's counts, then rows computed per rank (ours only;
-        # the all-reduce adds the others'). numpy on the host buffer: a few µs where the same in torch
-        # ops took ~0.1 ms per iteration at DeepSeek-V3's size (58 × 256)
-        stats = done.host_stats.all.numpy()
-        experts = spec.num_experts
-        row = np.zeros((spec.num_layers, experts + args.world), dtype=np.int64)
-        row[:, :experts] = stats[:, :experts]
-        row[:, experts + args.rank] = stats[:, experts:].sum(1)
-        self._window.append(row)
+        self._window.append(window_row(done.host_stats.all.numpy(), spec.num_experts, args.world, args.rank))
         details = self.probe.iteration_done(done.host_stats.computed.clone()) if self.probe is not None else None
         self.slots.finish(done.iteration)
         now = time.perf_counter()
