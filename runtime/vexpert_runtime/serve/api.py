@@ -282,7 +282,8 @@ class ServeMetrics:
         self.kv_bytes.set(sum(load.kv_cache_bytes for load in loads))
 
 
-_ARRIVED = "vexpert.arrived"  # request key: time.monotonic() when the middleware first saw the request
+# request key: time.monotonic() when the middleware first saw the request (typed keys from aiohttp 3.12)
+_ARRIVED: Any = web.RequestKey("vexpert_arrived", float) if hasattr(web, "RequestKey") else "vexpert_arrived"
 
 
 class _RequestTimer:
