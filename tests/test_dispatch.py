@@ -371,6 +371,45 @@ def test_replica_copies_list_the_replicated_rows() -> None:
         list_replica_copies(gpu, 4)
 
 
+def _replica_copies_by_definition(gpu: np.ndarray, capacity: int) -> tuple[np.ndarray, ...]:
+    """list_replica_copies spelled out expert by expert (the damping as level_shares has it)."""
+    from vexpert_runtime.model.levelling import DAMPING
+
+    layers, experts, _ = gpu.shape
+    expert = np.full((layers, capacity), -1, dtype=np.int32)
+    copy_gpu, col = expert.copy(), expert.copy()
+    step = np.zeros((layers, capacity), dtype=np.float32)
+    single = np.full((layers, experts), -1, dtype=np.int32)
+    for layer in range(layers):
+        listed = [(e, int(g), c) for e in range(experts) for c, g in enumerate(gpu[layer, e])
+                  if g >= 0 and (gpu[layer, e] >= 0).sum() > 1]
+        degree: dict[int, int] = {}
+        for _, g, _ in listed:
+            degree[g] = degree.get(g, 0) + 1
+        for i, (e, g, c) in enumerate(listed):
+            most = max(degree[int(h)] for h in gpu[layer, e] if h >= 0)
+            expert[layer, i], copy_gpu[layer, i], col[layer, i] = e, g, c
+            step[layer, i] = 1.0 / max(DAMPING * most, 1.0)
+        for e in range(experts):
+            if (gpu[layer, e] >= 0).sum() <= 1:
+                single[layer, e] = gpu[layer, e, 0]
+    return expert, copy_gpu, col, step, single
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_replica_copies_equal_their_definition_on_random_tables(width: int) -> None:
+    rng = np.random.default_rng(width)
+    for gaps in (False, True):  # valid copies first (every table the allocator makes), or not
+        gpu = np.where(rng.random((5, 12, width)) < 0.5, rng.integers(0, 4, (5, 12, width)), -1)
+        gpu[..., 0] = rng.integers(0, 4, (5, 12))  # the resident copy
+        if not gaps:
+            gpu = -np.sort(-gpu, axis=-1)  # the valid GPUs first
+        got = list_replica_copies(gpu, 64)
+        for name, a, b in zip(("expert", "gpu", "col", "step", "single"), got, _replica_copies_by_definition(gpu, 64),
+                              strict=True):
+            assert np.array_equal(a, b), (width, gaps, name)
+
+
 def test_fused_kernel_compiles_for_hopper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel compiles to sm_90 machine code at DeepSeek-V3 shape (Triton ships ptxas:
     no GPU needed), so a kernel the interpreter runs but the compiler rejects fails here, not on the

@@ -63,15 +63,24 @@ def list_replica_copies(gpu: np.ndarray, capacity: int
     Raises ValueError if a layer has more than C copies of replicated experts.
     """
     valid = gpu >= 0
-    replicated = valid & (valid.sum(-1, keepdims=True) > 1)
-    layers, experts = gpu.shape[:2]
+    layers, experts, width = gpu.shape
+    # an expert with two copies or more; with valid copies first that is "copy 1 is valid" — numpy's
+    # reductions over a last axis of 2 take ~0.4 ms each at DeepSeek-V3's size, elementwise ops ~20 µs
+    if width < 2:
+        multi = np.zeros((layers, experts), dtype=bool)
+    elif not (valid[..., 1:] & ~valid[..., :-1]).any():
+        multi = valid[..., 1]
+    else:  # not valid-first: count
+        multi = valid.sum(-1) > 1
+    replicated = valid & multi[..., None]
     per_layer = replicated.sum((1, 2))
     if per_layer.size and per_layer.max() > capacity:
         layer = int(per_layer.argmax())
         raise ValueError(f"layer {layer} has {int(per_layer[layer])} copies of replicated experts, room for {capacity}")
     # one pass over all layers (a plan switch runs this on the worker's host thread): row-major order
     # keeps each layer's copies together and an expert's copies adjacent, in column order
-    lyr, rows, cols = np.nonzero(replicated)
+    lyr, rest = np.divmod(np.flatnonzero(replicated), experts * width)  # np.nonzero, 4x faster here
+    rows, cols = np.divmod(rest, width)
     slot = np.arange(lyr.size) - np.repeat(np.cumsum(per_layer) - per_layer, per_layer)
     gpus = gpu[lyr, rows, cols]
     expert = np.full((layers, capacity), -1, dtype=np.int32)
@@ -84,5 +93,5 @@ def list_replica_copies(gpu: np.ndarray, capacity: int
     most = np.zeros((layers, experts), dtype=np.int64)
     np.maximum.at(most, (lyr, rows), degree[lyr, gpus])
     step[lyr, slot] = 1.0 / np.maximum(DAMPING * most[lyr, rows], 1.0)
-    single_gpu = np.where(replicated.any(-1), -1, gpu[..., 0]).astype(np.int32)
+    single_gpu = np.where(multi, -1, gpu[..., 0]).astype(np.int32)
     return expert, copy_gpu, col, step, single_gpu
