@@ -98,8 +98,8 @@ def window_row(stats: np.ndarray, num_experts: int, world: int, rank: int) -> np
     Args: stats [L, E + E/N + S] int64 (:attr:`~.runners.IterationStats.all`: tokens routed to each
     expert, then rows computed per local expert and slot); the world size N and this rank.
     Returns [L, E + N] int64: the counts, then rows computed per rank — this rank's column only, the
-    window's all-reduce adds the others'. (numpy: per iteration, where the same in torch ops took
-    ~4x as long at DeepSeek-V3's size, ``benchmarks/worker_host_cost.py``.)
+    window's all-reduce adds the others'. (numpy: it runs every iteration, and the same in torch ops
+    took 2.4x as long at DeepSeek-V3's size, ``benchmarks/worker_host_cost.py --baseline``.)
     """
     row = np.zeros((stats.shape[0], num_experts + world), dtype=np.int64)
     row[:, :num_experts] = stats[:, :num_experts]
