@@ -424,3 +424,16 @@ def test_timeout_runs_degraded_instead_of_hanging(tmp_path: Path) -> None:
     assert report.records[3].plan_ids == [1, 1]  # and the plan came back afterwards
     assert report.max_rel_error is not None and report.max_rel_error <= 1e-5
     assert "vexpert_degraded_groups_total" in report.metrics_text
+
+
+@pytest.mark.parametrize("shape", [(4, 2), (1, 5)])
+def test_a_flag_address_is_the_indexed_elements(shape: tuple[int, int]) -> None:
+    """The GPU flag operations compute an element's address instead of indexing the tensor: the same
+    address for every element, on a contiguous tensor and on strided views of a larger one."""
+    from vexpert_runtime.node.gpu_sync import flag_address
+
+    base = torch.zeros(3 * shape[0], 2 * shape[1] + 1, dtype=torch.int32)
+    for flags in (torch.zeros(shape, dtype=torch.int32), base[::3, 1::2], base[1:shape[0] + 1, :shape[1]]):
+        for buffer in range(flags.shape[0]):
+            for which in range(flags.shape[1]):
+                assert flag_address(flags, buffer, which) == flags[buffer, which].data_ptr()
