@@ -475,6 +475,9 @@ class SlotFiller:
         self._last_layer: list[list[int] | None] = [None for _ in ranks]
         self._events: list[tuple[Any, Any]] = []  # GPU: (start, end) CUDA events of fills in flight
         self._written: list[set[int]] = [set() for _ in ranks]  # slots whose tag this filler wrote (trusted)
+        # numpy views of each worker's tags (the shared memory itself): a tensor element costs ~4 µs
+        # to read or write, and every fill checks or writes two per slot
+        self._tags = [shared.tags[worker].numpy() for worker in range(len(ranks))]
         self._copy_start: Any = None
 
     def _wait_finished(self, worker: int, until: int) -> bool:
@@ -535,30 +538,40 @@ class SlotFiller:
             except FlagWaitInterrupted:
                 raise FillAborted from None
             copy_in = functools.partial(self._copy_layer, worker, layer, wanted, used, pool)
+            self._copy_start = None
             try:
                 produce(self.ops, stream, buffers.flags, layer, copy_in)
             except FlagWaitInterrupted:
                 raise FillAborted from None
-            self._done(stream, self._copy_start)
+            if self._copy_start is not None:  # something was copied: time it
+                self._done(stream, self._copy_start)
+            elif self._events:
+                self._harvest()
         self.stats.fills += 1
 
     def _copy_layer(self, worker: int, layer: int, wanted: list[int], used: list[int], pool: ExpertPool) -> None:
         """Copy ``layer``'s planned experts (``wanted`` per slot, ``used`` slots) into ``worker``'s
         slots, skipping a slot this filler already filled with the same expert."""
-        buffers, tags, last = self.buffers[worker], self.shared.tags[worker], self._last_layer[worker]
+        buffers, tags, last = self.buffers[worker], self._tags[worker], self._last_layer[worker]
         assert last is not None
-        self._copy_start = self._mark(self.transport.stream(buffers))  # copy time: from the claim on
+        # copy time from the first copy on (fill_layer reset it); a fill whose slots all hold their
+        # experts already (every layer of every iteration while the plan stands) makes no timing
+        # events (two per fill: at 58 layers × 8 workers ~900 an iteration)
         row_bytes = buffers.slots.element_size() * buffers.slots.shape[-1]
         for slot in used:
             expert = wanted[slot]
             last[slot] = layer
-            if slot in self._written[worker] and tags[slot].tolist() == [layer, expert]:
+            if slot in self._written[worker] and tags[slot, LAYER] == layer and tags[slot, EXPERT] == expert:
                 continue  # still holds it; a predecessor's tags are not trusted (its copy may not have landed)
+            if self._copy_start is None:
+                self._copy_start = self._mark(self.transport.stream(buffers))
             # the tag says "empty" while the copy is in flight: a fill that fails half way leaves a
             # slot no later fill will take for a complete copy
-            tags[slot, LAYER], tags[slot, EXPERT] = -1, -1
+            tags[slot, LAYER] = -1
+            tags[slot, EXPERT] = -1
             self.copy(buffers.slots[slot], pool.row(layer, expert))
-            tags[slot, LAYER], tags[slot, EXPERT] = layer, expert
+            tags[slot, LAYER] = layer
+            tags[slot, EXPERT] = expert
             self._written[worker].add(slot)
             self.stats.bytes_streamed += row_bytes
             self.stats.copies += 1
@@ -581,7 +594,11 @@ class SlotFiller:
         end = torch.cuda.Event(enable_timing=True)
         end.record(stream)
         self._events.append((start, end))
-        while self._events and self._events[0][1].query():  # harvest fills that have run
+        self._harvest()
+
+    def _harvest(self) -> None:
+        """Add the time of the GPU fills that have run to the copy time."""
+        while self._events and self._events[0][1].query():
             first, last = self._events.pop(0)
             self.stats.copy_s += first.elapsed_time(last) / 1000.0
 
