@@ -17,6 +17,13 @@ Also printed per batch: ``flop_ms``, the step's matmul FLOPs (2 × the weights a
 top-k experts, not all — plus MLA's latent attention over the context) ÷ the GPU's dense bf16 peak
 (``--peak-tflops``, 989 for an H200), the other floor a step of many tokens meets; and with ``--profile``
 the graph's kernels by name (torch.profiler over ``--iters`` replays: CUDA ms and launches per step, top 25, and the kernels' total).
+
+With ``--prefill-chunks P…`` each batch also runs as a served iteration mixes it: the B decodes plus P
+prompt chunks of ``--chunk`` tokens (new sequences, from position 0, each sampling its first token), the
+graph of that bucket replayed alone (``graph_ms``) — what a prompt token costs on top of a decode step,
+which is what ``--max-batch-tokens`` trades (larger: fewer iterations carry prompts, but those take longer).
+
+    python benchmarks/decode_step_bound.py --batches 64 256 --prefill-chunks 0 2 8 16 --max-batch-tokens 2048
 """
 
 from __future__ import annotations
@@ -102,6 +109,24 @@ def op_times(model: HFStepModel, work: list[SequenceWork], iters: int, top: int 
     return [(key, shapes, round(ms, 4)) for key, shapes, ms in rows[:top]]
 
 
+def replayed_ms(model: HFStepModel, work: list[SequenceWork], stream: torch.cuda.Stream, iters: int) -> float:
+    """GPU ms of ``work``'s bucket graph replayed back to back on the inputs its last launch copied."""
+    for _ in range(3):
+        model.step(work)
+    torch.cuda.synchronize()
+    graphs = model.graphs
+    assert graphs is not None
+    tokens = sum(len(item.tokens) for item in work)
+    graph, _ = graphs.graphs[(next(b for b in graphs.buckets if b >= tokens), False)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    for _ in range(iters):
+        graph.replay()
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=Path(".cache/bench-ds3"), help="written once, reused")
@@ -115,14 +140,17 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="kernel times of the graph replays (torch.profiler)")
     parser.add_argument("--profile-ops", action="store_true",
                         help="before the graphs: the eager step's ops with input shapes at the largest batch")
+    parser.add_argument("--prefill-chunks", type=int, nargs="*", default=[],
+                        help="per batch, also the decodes + this many prompt chunks in one iteration")
+    parser.add_argument("--chunk", type=int, default=62, help="tokens per prompt chunk")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not (args.model_dir / "config.json").exists():
         write_model(args.model_dir, ensure_demo_model(Path("/tmp/vexpert-demo-model")), args.layers, args.experts,
                     small=False, device="cuda")
-    max_seqs = max(args.batches)
+    max_seqs = max(args.batches) + max(args.prefill_chunks, default=0)
     model = HFStepModel(args.model_dir, device="cuda", dtype=torch.bfloat16,
-                        kv_cache_tokens=max_seqs * (args.context + 32))
+                        kv_cache_tokens=max_seqs * (max(args.context, args.chunk) + 32))
     model.executor = EPExperts.for_model(model, 0, 1, None, max_tokens=args.max_batch_tokens)
     model.drop_expert_weights()
     stream = torch.cuda.Stream()
@@ -145,6 +173,19 @@ def main() -> int:
             pool.reserve(seq, args.context + 1)
         blocks = [tuple(pool.grow(seq, args.context + 1)) for seq in range(max_seqs)]
         for batch in args.batches:
+            for chunks in args.prefill_chunks:
+                work = [SequenceWork(seq, (seq % 100 + 3,), args.context, blocks[seq], SamplingSpec(draw=1))
+                        for seq in range(batch)]
+                work += [SequenceWork(seq, tuple(range(3, 3 + args.chunk)), 0, blocks[seq], SamplingSpec(draw=1))
+                         for seq in range(batch, batch + chunks)]
+                tokens = batch + chunks * args.chunk
+                if tokens > args.max_batch_tokens:
+                    print(f"skipped: {batch} decodes + {chunks} chunks = {tokens} tokens > --max-batch-tokens")
+                    continue
+                row = {"batch": batch, "prefill_chunks": chunks, "tokens": tokens,
+                       "graph_ms": round(replayed_ms(model, work, stream, args.iters), 3)}
+                print(json.dumps(row), flush=True)
+                results.append(row)
             work = [SequenceWork(seq, (seq % 100 + 3,), args.context, blocks[seq], SamplingSpec(draw=1))
                     for seq in range(batch)]
             for _ in range(5):

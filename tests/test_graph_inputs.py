@@ -5,8 +5,9 @@ larger batch before it."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from vexpert_runtime.serve.cuda_graphs import GraphInputs
+from vexpert_runtime.serve.cuda_graphs import GraphInputs, token_buckets
 from vexpert_runtime.serve.kv_cache import SCRATCH_BLOCK
 from vexpert_runtime.serve.sampling import SamplingSpec
 from vexpert_runtime.serve.step import SequenceWork
@@ -63,3 +64,16 @@ def test_fill_writes_every_field_and_resets_the_pad_rows() -> None:
             assert np.array_equal(inputs.views[name].numpy(), np.array(values, dtype=inputs.views[name].numpy().dtype)), name
         for b, item in enumerate(work):
             assert inputs.tables[b, : len(item.blocks)].tolist() == list(item.blocks)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 7, 64, 256, 300, 512, 513, 2048, 8192])
+def test_every_token_count_has_a_bucket_padded_by_at_most_an_eighth_above_256(max_tokens: int) -> None:
+    buckets = token_buckets(max_tokens)
+    assert buckets == sorted(set(buckets)) and buckets[-1] == max_tokens
+    for tokens in range(1, max_tokens + 1):
+        bucket = next(b for b in buckets if b >= tokens)
+        if tokens > 16:
+            # fine steps where decodes run (every 16 rows up to 256, 32 up to 512), an eighth above
+            assert bucket - tokens < max(16 if tokens <= 256 else 32, tokens // 8 + 1)
+    # graphs are captured at start and held: their number grows with log(max_tokens)
+    assert len(token_buckets(8192)) <= len(token_buckets(1024)) + 24

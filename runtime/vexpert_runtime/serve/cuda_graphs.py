@@ -10,7 +10,7 @@ cache slots, per-token context lengths and sequence rows, block tables, sampled 
 parameters); the sampled ids come back in one device→host copy.
 
 An iteration of ``T`` tokens of ``B`` sequences replays the smallest captured bucket with at least
-``T`` token rows (its sampling rows are ``min(bucket, max_seqs)``). Pad rows write the scratch block,
+``T`` token rows (its sampling rows are ``min(bucket, max_seqs)``; :func:`token_buckets`). Pad rows write the scratch block,
 attend to nothing, are spread over the experts with weight 0 and are not counted
 (:attr:`~.hf_model.EPExperts.token_valid`) — so an empty iteration (a rank with no work stepping in
 lockstep with its EP group) is the 1-row bucket of pad rows only, not an eager pass. Every bucket is
@@ -41,10 +41,19 @@ _SAMPLE_FIELDS = ("rows", "seeds", "draws", "temperature", "top_p")
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """Token-row buckets: 1, 2, 4, 8, every 16 up to 256, every 32 above (pad ≤ 31 rows), and
-    ``max_tokens`` itself."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_tokens]
-    sizes += list(range(16, min(max_tokens, 257), 16)) + list(range(288, max_tokens, 32))
+    """Token-row buckets: 1, 2, 4, 8, every 16 up to 256, every 32 up to 512, then eight per doubling
+    (every 64 up to 1024, every 128 up to 2048, …) and ``max_tokens`` itself.
+
+    A replay pads to its bucket, so a bucket costs at most 1/8 of its rows in padding above 256
+    (at 256 decodes most iterations carry a prompt chunk or two: the fine steps matter there), while
+    the number of graphs — each captured at start and held — grows with log(max_tokens): 44 for a
+    budget of 2048, 60 for 8192 (every 32 rows all the way: 72 and 264).
+    """
+    sizes = [1, 2, 4, 8, *range(16, 257, 16), *range(288, 513, 32)]
+    step = 64
+    while sizes[-1] < max_tokens:
+        sizes += range(sizes[-1] + step, 2 * sizes[-1] + 1, step)
+        step *= 2
     return sorted({*(b for b in sizes if b < max_tokens), max_tokens})
 
 
