@@ -39,7 +39,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
-from serve_load import WindowSampler, load_processes, scrape, wait_healthy, write_model
+from serve_load import load_processes, scrape, wait_healthy, write_model
 
 from vexpert_runtime.ports import free_port
 from vexpert_runtime.serve.demo_model import ensure_demo_model
@@ -174,9 +174,7 @@ def serve(config: Path, model: Path, streams: int, prompt: str, args: argparse.N
         first_request(url, prompt)  # before the window (a rank captures its graphs before /health answers)
         first = time.perf_counter()
         sampler = host_sampler(proc.pid, args, log.with_suffix(".pyspy.txt"))
-        window = WindowSampler(url, args.warmup, args.duration).start()
         result = load_processes(url, prompt, streams, args.duration, args.warmup, args.max_tokens, args.client_processes)
-        result["window"] = window.summary()
         if sampler is not None:
             sampler.wait(60)
             result["host_profile"] = summarise_host_profile(log.with_suffix(".pyspy.txt"))

@@ -193,78 +193,21 @@ def load_processes(url: str, prompt: str, concurrency: int, duration: float, war
 
 
 def scrape(url: str) -> dict[str, float]:
+    import urllib.request
+
     wanted = ("vexpert_bytes_streamed_total", "vexpert_balance_ratio", "vexpert_static_balance_ratio",
               "vexpert_plan_id", "vexpert_iterations_total", "vexpert_step_seconds_sum", "vexpert_step_seconds_count",
               "vexpert_slot_fill_wait_seconds_sum", "vexpert_slot_fill_wait_seconds_count",
               # the server's own view of a request: arrival at the API → first token / last token sent
               "vexpert_serve_time_to_first_token_seconds_sum", "vexpert_serve_time_to_first_token_seconds_count",
               "vexpert_serve_request_duration_seconds_sum", "vexpert_serve_request_duration_seconds_count")
-    return {k: round(statistics.fmean(v), 4) for k, v in scrape_values(url, wanted).items()}
-
-
-class WindowSampler:
-    """Polls the server's /metrics through the measured window (a thread, ``period_s`` apart): where the
-    streams are — in the ranks' batches (``requests_running``), queued for admission (``requests_waiting``),
-    the rest between the API and the clients — and the iterations run, so a row shows its batch per
-    iteration, not only the clients' view. Iterations are the node's (``iterations_total``, summed over
-    ranks' reports once per iteration), tokens the API's counters."""
-
-    _GAUGES = ("vexpert_serve_requests_running", "vexpert_serve_requests_waiting")
-    _COUNTERS = ("vexpert_iterations_total", "vexpert_serve_generated_tokens_total", "vexpert_serve_prompt_tokens_total")
-
-    def __init__(self, url: str, warmup: float, duration: float, period_s: float = 0.2) -> None:
-        import threading
-
-        self.url, self.warmup, self.duration, self.period_s = url, warmup, duration, period_s
-        self.samples: list[tuple[float, dict[str, float]]] = []
-        self._thread = threading.Thread(target=self._run, name="window-sampler", daemon=True)
-
-    def start(self) -> WindowSampler:
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        start = time.perf_counter()
-        time.sleep(self.warmup)
-        while time.perf_counter() < start + self.duration:
-            try:
-                values = scrape_values(self.url, self._GAUGES + self._COUNTERS)
-            except OSError:
-                values = {}
-            self.samples.append((time.perf_counter(), {k: sum(v) for k, v in values.items()}))
-            time.sleep(self.period_s)
-
-    def summary(self) -> dict[str, float]:
-        self._thread.join(self.duration + 30)
-        rows = [(t, v) for t, v in self.samples if all(k in v for k in self._GAUGES + self._COUNTERS)]
-        if len(rows) < 2:
-            return {}
-        (t0, first), (t1, last) = rows[0], rows[-1]
-        iterations = last["vexpert_iterations_total"] - first["vexpert_iterations_total"]
-
-        def per_iteration(name: str) -> float:
-            return round((last[name] - first[name]) / iterations, 1) if iterations else 0.0
-
-        return {"running_mean": round(statistics.fmean(v["vexpert_serve_requests_running"] for _, v in rows), 1),
-                "waiting_mean": round(statistics.fmean(v["vexpert_serve_requests_waiting"] for _, v in rows), 1),
-                "iterations_per_s": round(iterations / (t1 - t0), 1),
-                "iteration_ms": round(1000 * (t1 - t0) / iterations, 3) if iterations else None,
-                "generated_per_iteration": per_iteration("vexpert_serve_generated_tokens_total"),
-                "prompt_tokens_per_iteration": per_iteration("vexpert_serve_prompt_tokens_total"),
-                "samples": len(rows)}
-
-
-def scrape_values(url: str, wanted: tuple[str, ...]) -> dict[str, list[float]]:
-    """The samples of the ``wanted`` series in ``url``/metrics (every label set)."""
-    import urllib.request
-
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     values: dict[str, list[float]] = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in wanted:
             values.setdefault(name, []).append(float(line.rsplit(" ", 1)[1]))
-    return values
+    return {k: round(statistics.fmean(v), 4) for k, v in values.items()}
 
 
 def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, started: float, timeout_s: float) -> None:
@@ -301,9 +244,7 @@ def serve_and_load(config: Path, model: Path, args: argparse.Namespace, log: Pat
         wait_healthy(proc, url, log, started, 600)
         ready_s = time.perf_counter() - started
         prompt = ("A mixture of experts model sends every token to a few of its many expert networks. " * 4)[:300]
-        window = WindowSampler(url, args.warmup, args.duration).start()
         result = load_processes(url, prompt, args.concurrency, args.duration, args.warmup, args.max_tokens, 1)
-        result["window"] = window.summary()
         result["startup_s"] = round(ready_s, 1)
         result["metrics"] = scrape(url)
         return result
