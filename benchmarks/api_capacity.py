@@ -33,7 +33,9 @@ import json
 import multiprocessing
 import os
 import pstats
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -154,12 +156,20 @@ def run(args: argparse.Namespace, streams: int, model_dir: Path, workdir: Path) 
     try:
         wait_ready(api, url, 120)
         cpu_before = cpu_seconds(api.pid)  # type: ignore[arg-type]
+        sampler = None
+        if args.pyspy:  # sampling, not tracing: the shares are those of the unprofiled process
+            sampler = subprocess.Popen(["bash", "-c", f"sleep {args.warmup}; exec {shutil.which('py-spy') or 'py-spy'} record "
+                                        f"--pid {api.pid} --nonblocking --function --threads --rate 200 --format raw "
+                                        f"--duration {int(args.pyspy)} -o {workdir / 'api.pyspy.txt'}"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         wall_before = time.perf_counter()
         result = load_processes(url, "A mixture of experts model sends every token to a few of its experts. " * 4,
                                 streams, args.duration, args.warmup, args.max_tokens, args.client_processes)
         api_cpu = cpu_seconds(api.pid) - cpu_before  # type: ignore[arg-type]
         wall = time.perf_counter() - wall_before
         served = scrape(url).get("vexpert_serve_request_duration_seconds_count", 0.0)
+        if sampler is not None:
+            sampler.wait(60)
     finally:
         os.kill(api.pid, signal.SIGTERM)  # type: ignore[arg-type]
         api.join(30)
@@ -169,6 +179,10 @@ def run(args: argparse.Namespace, streams: int, model_dir: Path, workdir: Path) 
     result.update({"streams": streams, "tick_ms": args.tick_ms, "offered_tokens_per_s": round(streams / args.tick_ms * 1e3),
                    "api_cpu_share": round(api_cpu / wall, 2), "api_cpu_ms_per_request": round(api_cpu / served * 1e3, 3),
                    "requests_served": int(served)})
+    if args.pyspy:
+        from serve_engine import summarise_host_profile
+
+        result["api_pyspy"] = summarise_host_profile(workdir / "api.pyspy.txt", top=25)
     if profile_out:
         result["api_top_functions_us_per_request"] = top_functions(profile_out, int(served))
     return result
@@ -183,6 +197,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--client-processes", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="cProfile the API process (slower)")
+    parser.add_argument("--pyspy", type=float, default=0.0, help="seconds of py-spy sampling of the API process")
     parser.add_argument("--out", type=Path, help="append the results as JSON lines")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="vexpert-api-capacity-") as tmp:

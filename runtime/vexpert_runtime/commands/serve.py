@@ -50,8 +50,12 @@ def register(subparsers: Any) -> None:
                              "(reachable from other machines: set --api-key), 127.0.0.1 keeps it on this machine")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--cpu-workers", type=int, default=None, help="N CPU worker processes (EP ranks) instead of GPUs")
-    parser.add_argument("--max-batch-tokens", type=int, default=256, help="tokens per rank per iteration (prompt chunks + decodes)")
-    parser.add_argument("--max-running", type=int, default=64, help="sequences per rank in one batch")
+    parser.add_argument("--max-batch-tokens", type=int, default=None,
+                        help="tokens per rank per iteration (prompt chunks + decodes); default on GPUs "
+                             f"max({GPU_BATCH_DEFAULTS[1]}, --max-running), on CPU max({CPU_BATCH_DEFAULTS[1]}, --max-running)")
+    parser.add_argument("--max-running", type=int, default=None,
+                        help=f"sequences per rank in one batch (default {GPU_BATCH_DEFAULTS[0]} on GPUs, "
+                             f"{CPU_BATCH_DEFAULTS[0]} on CPU)")
     parser.add_argument("--max-waiting", type=int, default=128, help="queued requests per rank before 429")
     parser.add_argument("--kv-cache-tokens", type=int, default=None,
                         help="KV-cache tokens per rank (default: on GPUs what --gpu-memory-utilization leaves, "
@@ -82,6 +86,23 @@ def register(subparsers: Any) -> None:
 
 
 _AUTO_ON_OFF: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+
+
+# (max_running, max_batch_tokens) per rank when not given. On one H200 (benchmarks/README.md §10, run 18)
+# 256 streams with 256 / 512 served 29-31 k tokens/s, 64 running at most would cap a rank at 64 streams
+# (25 k), and a budget of 2048 lost at 256 streams (22 k: an iteration of many prompt chunks stalls
+# every decode of the batch, each prompt token ~4.4 us of GPU time on top of the decode step).
+GPU_BATCH_DEFAULTS = (256, 512)
+CPU_BATCH_DEFAULTS = (64, 256)  # a CPU rank's step grows with its batch: fewer, shorter iterations
+
+
+def resolve_batch_limits(max_running: int | None, max_batch_tokens: int | None, device: str) -> tuple[int, int]:
+    """``(max_running, max_batch_tokens)``: the flags where given, else the device's defaults
+    (the token budget at least ``max_running``: every running sequence decodes a token each iteration)."""
+    running_default, tokens_default = GPU_BATCH_DEFAULTS if device == "cuda" else CPU_BATCH_DEFAULTS
+    running = running_default if max_running is None else max_running
+    tokens = max(tokens_default, running) if max_batch_tokens is None else max_batch_tokens
+    return running, tokens
 
 
 def resolve_gpu_memory_utilization(cli: float | None, configured: float | None) -> float:
@@ -184,8 +205,9 @@ def _resolve_served(args: argparse.Namespace, config: RuntimeConfig) -> _Served:
     kv_tokens = args.kv_cache_tokens
     if kv_tokens is None and setup.device != "cuda":
         kv_tokens = 8 * max_context
-    scheduler = SchedulerConfig(kv_budget_tokens=kv_tokens, max_batch_tokens=args.max_batch_tokens,
-                                max_running=args.max_running, max_waiting=args.max_waiting)
+    max_running, max_batch_tokens = resolve_batch_limits(args.max_running, args.max_batch_tokens, setup.device)
+    scheduler = SchedulerConfig(kv_budget_tokens=kv_tokens, max_batch_tokens=max_batch_tokens,
+                                max_running=max_running, max_waiting=args.max_waiting)
     scheduler.check(max_context)  # refuse impossible limits before any process starts
     return _Served(
         model_dir=model_dir, demo=demo, name=args.served_model_name or (DEMO_NAME if demo else model_dir.name),
@@ -271,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
     events = ctx.Queue()
     requests = [ctx.Queue() for _ in range(setup.local_workers)]
     options = NodeOptions(
-        workload=Workload(tokens_per_worker=args.max_running),  # sizes the allocator's decode batch
+        workload=Workload(tokens_per_worker=served.scheduler.max_running),  # sizes the allocator's decode batch
         serve=[ServeWorkerArgs(str(served.model_dir), served.scheduler, inbound, events,
                                served.gpu_memory_utilization, ranks_per_gpu=setup.workers_per_gpu,
                                overlap_steps=_AUTO_ON_OFF[args.overlap_steps], compile=_AUTO_ON_OFF[args.compile],
