@@ -267,9 +267,9 @@ def test_latency_metrics_count_from_the_requests_arrival(server: BackgroundServe
 
     encode, delay = server.api._encode_prompt, 0.3
 
-    def slow_encode(prompt: Any) -> list[int]:
+    def slow_encode(prompt: Any, tokenizer: Any = None) -> list[int]:
         time.sleep(delay)
-        return encode(prompt)
+        return encode(prompt, tokenizer)
 
     monkeypatch.setattr(server.api, "_encode_prompt", slow_encode)
     ttft, duration = (histogram_sum("vexpert_serve_time_to_first_token_seconds"),
@@ -624,3 +624,31 @@ def test_event_channel_hands_over_every_event_that_has_arrived_in_one_batch() ->
         return [[event.text for event in batch] for batch in got + rest]
 
     assert asyncio.run(main()) == [["a", "b"], ["c"], ["d", "e"]]
+
+
+def test_short_prompts_tokenized_on_the_loop_while_long_ones_go_to_the_thread(server: BackgroundServer,
+                                                                              tokenizer: Any) -> None:
+    """Short prompts are tokenized on the event loop, long ones on the tokenizer thread, at the same
+    time: each path has its own tokenizer (a fast tokenizer shared across threads can fail with
+    "Already borrowed"), and both give the tokenizer's own ids."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vexpert_runtime.serve.api import INLINE_TOKENIZE_CHARS
+
+    shorts = [f"{PROMPT} {i}" for i in range(16)]
+    long_prompt = ("the quick brown fox " * (INLINE_TOKENIZE_CHARS // 10))[: INLINE_TOKENIZE_CHARS + 50]
+    long_tokens = len(tokenizer.encode(long_prompt))
+
+    def send(prompt: str) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/completions", timeout=60,
+                          json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "ignore_eos": True})
+
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(send, [p for short in shorts for p in (short, long_prompt)]))
+    for prompt, response in zip([p for short in shorts for p in (short, long_prompt)], responses, strict=True):
+        if prompt is long_prompt:  # past the tiny model's context: refused, naming its token count
+            assert response.status_code == 400, response.text
+            assert f"{long_tokens} tokens" in response.json()["error"]["message"]
+        else:
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(prompt))

@@ -34,11 +34,13 @@ another one on its thread (a Hugging Face fast tokenizer is not safe to share ac
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import json
 import logging
 import re
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -345,7 +347,10 @@ class ServeApi:
         self, dispatcher: Dispatcher, tokenizer: Any, config: ApiConfig, registry: CollectorRegistry | None = None
     ) -> None:
         self.dispatcher = dispatcher
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # the tokenizer thread's (long prompts)
+        # the event loop's own copy (short prompts): a Hugging Face fast tokenizer is not safe to share
+        # across threads — its encode reconfigures the Rust tokenizer, which another thread may be running
+        self._loop_tokenizer = copy.deepcopy(tokenizer)
         self.config = config
         self.metrics = ServeMetrics(registry if registry is not None else CollectorRegistry())
         self.created = oa.now()
@@ -412,17 +417,26 @@ class ServeApi:
         req = self._parse(oa.CompletionRequest, await self._json(request))
         self._check_model(req.model)
         prompt = cast(str | list[int], req.prompt)  # unwrapped by its validator
-        prompt_ids = await self._off_loop(self._encode_prompt, prompt)
+        if not isinstance(prompt, str) or len(prompt) <= INLINE_TOKENIZE_CHARS:
+            prompt_ids = self._encode_prompt(prompt, self._loop_tokenizer)  # short: no hand-off to the thread
+        else:
+            prompt_ids = await self._off_loop(self._encode_prompt, prompt)
         return await self._generate(request, req, prompt_ids, chat=False)
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = self._parse(oa.ChatCompletionRequest, await self._json(request))
         self._check_model(req.model)
-        prompt_ids = await self._off_loop(self._encode_chat, req.messages)
+        chars = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content or ())
+                    for m in req.messages)
+        if chars <= INLINE_TOKENIZE_CHARS:
+            prompt_ids = self._encode_chat(req.messages, self._loop_tokenizer)  # short: rendered and tokenized here
+        else:
+            prompt_ids = await self._off_loop(self._encode_chat, req.messages)
         return await self._generate(request, req, prompt_ids, chat=True)
 
     async def _off_loop(self, encode: Callable[[Any], list[int]], prompt: Any) -> list[int]:
-        """Run ``encode(prompt)`` on the tokenizer thread (a long prompt must not stall the event loop)."""
+        """Run ``encode(prompt)`` on the tokenizer thread (a long prompt must not stall the event loop;
+        a short one is tokenized on the loop: see ``INLINE_TOKENIZE_CHARS``)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, encode, prompt)
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -477,17 +491,20 @@ class ServeApi:
                 code="model_not_found",
             )
 
-    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def _encode_prompt(self, prompt: str | list[int], tokenizer: Any = None) -> list[int]:
+        """Token ids of a completion prompt (``tokenizer``: the calling thread's, default the tokenizer thread's)."""
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
+            return list((tokenizer or self.tokenizer).encode(prompt))
         if any(t < 0 or t >= self.config.vocab_size for t in prompt):
             raise ApiError(400, f"prompt: token ids must be in [0, {self.config.vocab_size})", param="prompt")
         return prompt
 
-    def _encode_chat(self, messages: list[oa.ChatMessage]) -> list[int]:
-        """Render the chat template, then tokenize (the template already holds the special tokens)."""
+    def _encode_chat(self, messages: list[oa.ChatMessage], tokenizer: Any = None) -> list[int]:
+        """Render the chat template, then tokenize (the template already holds the special tokens);
+        ``tokenizer`` as for :meth:`_encode_prompt`."""
+        tokenizer = tokenizer or self.tokenizer
         try:
-            text = self.tokenizer.apply_chat_template(
+            text = tokenizer.apply_chat_template(
                 [m.as_template_input() for m in messages], add_generation_prompt=True, tokenize=False
             )
         except Exception as exc:  # templates raise for conversations they reject (e.g. roles out of order)
@@ -495,7 +512,7 @@ class ServeApi:
             raise ApiError(400, "messages: the model's chat template rejects this conversation (e.g. roles out of "
                            "the order it expects, or a role it does not know); reorder or merge the messages",
                            param="messages") from None
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(tokenizer.encode(text, add_special_tokens=False))
 
     def _sampling(self, req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt_len: int, chat: bool) -> SamplingParams:
         """Resolve defaults and check the lengths against the context."""
@@ -660,8 +677,25 @@ class ApiServer:
         self.api.close()
 
 
+# The API process's threads (the event loop, the tokenizer, the reader of the ranks' events and, in
+# `vexpert serve`, the node's supervisor) share one GIL. A thread that released it — for a pipe read,
+# or a tokenizer call that runs without it — waits for the switch interval (5 ms by default) before a
+# busy event loop hands it back — and a loop that itself releases the GIL often (a socket write per
+# token per stream) keeps restarting the waiter's interval, so it can starve for seconds: with the loop
+# busy, a message from another process reached it in 1.6 ms (p50) at 5 ms and 0.6 ms at 0.2 ms, a job
+# on the tokenizer thread > 5 s and 6.6 ms (benchmarks/gil_handoff.py, 2-core dev machine).
+API_SWITCH_INTERVAL_S = 0.0002
+# Prompts (or chat messages) up to this many characters are tokenized on the event loop (0.5 ms for
+# 330 characters with the demo tokenizer on the 2-core dev machine): on the tokenizer thread the same
+# prompt waited for the GIL behind a busy loop — 6.6 ms at API_SWITCH_INTERVAL_S, beyond 5 s at the
+# default interval (benchmarks/gil_handoff.py). Longer prompts still go to the thread, so one long
+# prompt cannot stall every stream.
+INLINE_TOKENIZE_CHARS = 2048
+
+
 def run_server(api: ServeApi, host: str, port: int) -> None:
     """Serve until SIGTERM / SIGINT, then shut down gracefully (the CLI's entry point)."""
+    sys.setswitchinterval(API_SWITCH_INTERVAL_S)
 
     async def main() -> None:
         server = ApiServer(api, host, port)
