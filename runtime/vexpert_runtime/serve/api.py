@@ -682,12 +682,12 @@ class ApiServer:
 # or a tokenizer call that runs without it — waits for the switch interval (5 ms by default) before a
 # busy event loop hands it back — and a loop that itself releases the GIL often (a socket write per
 # token per stream) keeps restarting the waiter's interval, so it can starve for seconds: with the loop
-# busy, a message from another process reached it in 1.6 ms (p50) at 5 ms and 0.6 ms at 0.2 ms, a job
-# on the tokenizer thread > 5 s and 6.6 ms (benchmarks/gil_handoff.py, 2-core dev machine).
+# busy, a message from another process reached it in 1.6-1.9 ms (p50) at 5 ms and 0.6-0.9 ms at 0.2 ms,
+# a job on the tokenizer thread in > 5 s and 5.5-6.6 ms (benchmarks/gil_handoff.py, 2-core dev machine).
 API_SWITCH_INTERVAL_S = 0.0002
 # Prompts (or chat messages) up to this many characters are tokenized on the event loop (0.5 ms for
 # 330 characters with the demo tokenizer on the 2-core dev machine): on the tokenizer thread the same
-# prompt waited for the GIL behind a busy loop — 6.6 ms at API_SWITCH_INTERVAL_S, beyond 5 s at the
+# prompt waited for the GIL behind a busy loop — 5.5-6.6 ms at API_SWITCH_INTERVAL_S, beyond 5 s at the
 # default interval (benchmarks/gil_handoff.py). Longer prompts still go to the thread, so one long
 # prompt cannot stall every stream.
 INLINE_TOKENIZE_CHARS = 2048
