@@ -82,8 +82,7 @@ def rank_process(requests: Any, events: Any, model_dir: str, tick_s: float, stre
             next_at = time.perf_counter()
             continue
         rank.scheduler.run_iteration()
-        rank.flush_events()
-        rank.report_load()
+        rank.flush_events(with_load=True)  # as ServingRank.run_iteration: one message an iteration
         next_at += tick_s
         time.sleep(max(0.0, next_at - time.perf_counter()))
 

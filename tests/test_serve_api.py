@@ -6,6 +6,7 @@ the StepModel is the full-recompute test double of ``serve_support``.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import threading
 import time
@@ -17,7 +18,15 @@ import openai
 import pytest
 import torch
 
-from serve_support import MAX_CONTEXT, MODEL_NAME, BackgroundServer, load_model, load_tokenizer, make_server
+from serve_support import (
+    MAX_CONTEXT,
+    MODEL_NAME,
+    BackgroundServer,
+    RecomputeStepModel,
+    load_model,
+    load_tokenizer,
+    make_server,
+)
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.serve.events import Event, GenerationRequest, SamplingParams, ServeRefusal
 from vexpert_runtime.serve.sampling import (
@@ -524,6 +533,65 @@ def test_what_crosses_process_boundaries_pickles() -> None:
         assert pickle.loads(pickle.dumps(item)) == item
     refusal = pickle.loads(pickle.dumps(overloaded(8)))
     assert (refusal.status, refusal.retry_after_s, str(refusal)) == (429, 1, str(overloaded(8)))
+    from vexpert_runtime.serve.events import RankEvent
+
+    for message in (RankEvent(0, (event,), ("a", "b"), RankLoad(1, 2, 3, 4, 5)), RankEvent(2, (), ("c",)),
+                    RankEvent(1, (event, event))):
+        assert pickle.loads(pickle.dumps(message)) == message
+
+
+def test_a_ranks_iteration_reaches_the_api_as_one_message(hf_model: Any, tokenizer: Any) -> None:
+    """Per iteration a rank sends one RankEvent with its events, the requests it queued and its
+    load (each message wakes the API's reader thread); the dispatcher answers ``submit`` from the
+    acceptances in it, then routes the events, then takes the load."""
+    import queue as queue_module
+
+    from vexpert_runtime.serve.events import RankEvent, RankLoad, RankLoadReport
+    from vexpert_runtime.serve.multirank import MultiRankDispatcher
+    from vexpert_runtime.serve.rank import ServingRank
+    from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
+
+    requests: queue_module.Queue[Any] = queue_module.Queue()
+    events: queue_module.Queue[Any] = queue_module.Queue()
+    rank = ServingRank.__new__(ServingRank)  # its constructor loads a model; the message methods need these
+    rank.args = type("Args", (), {"requests": requests, "events": events})()  # type: ignore[assignment]
+    rank.rank, rank.world, rank._outbox, rank._accepted, rank._reported, rank._reported_at = 0, 1, [], [], None, 0.0
+    rank.scheduler = Scheduler(RecomputeStepModel(hf_model, MAX_CONTEXT), tokenizer, SchedulerConfig(None, 64, 4, 4), [])
+    requests.put(_request("r1", 3, 2))
+    rank.take_requests()
+    accepted = events.get_nowait()  # queued: the API may answer now (no iteration has run)
+    assert isinstance(accepted, RankEvent) and accepted.accepted == ("r1",) and not accepted.events
+    requests.put(_request("r2", 3, 2))
+    rank._on_message(requests.get_nowait())  # queued by the loop, flushed with the iteration
+    rank.scheduler.run_iteration()
+    rank.flush_events(with_load=True)
+    message = events.get_nowait()
+    assert events.empty(), "one message for the iteration"
+    assert isinstance(message, RankEvent) and message.accepted == ("r2",)
+    assert isinstance(message.load, RankLoad) and message.load.running == 2
+    rank.flush_events(with_load=True)  # nothing new: no message
+    assert events.empty()
+    rank.report_load(force=True)  # an idle rank's report stays its own message
+    assert isinstance(events.get_nowait(), RankLoadReport)
+
+    async def dispatch() -> None:
+        outbound: queue_module.Queue[Any] = queue_module.Queue()
+        inbound: queue_module.Queue[Any] = queue_module.Queue()
+        dispatcher = MultiRankDispatcher([outbound], inbound, 4, lambda: None, lambda: None, max_running=4)
+        try:
+            submitted = asyncio.ensure_future(dispatcher.submit(_request("x", 3, 1)))
+            sent = await asyncio.to_thread(outbound.get, True, 5)
+            assert sent.request_id == "x"
+            done = Event("x", text="a", new_tokens=1, finish_reason="length", prompt_tokens=3, completion_tokens=1)
+            inbound.put(RankEvent(0, (done,), ("x",), RankLoad(1, 0, 0, 0, 0)))
+            stream = await asyncio.wait_for(submitted, 5)
+            batches = [batch async for batch in stream]
+            assert [e.text for batch in batches for e in batch] == ["a"]
+            assert dispatcher.loads()[0] == RankLoad(1, 0, 0, 0, 0)
+        finally:
+            await dispatcher.shutdown(0.1)
+
+    asyncio.run(dispatch())
 
 
 # ---- sampling pieces --------------------------------------------------------------------------

@@ -59,15 +59,6 @@ class Dispatcher(Protocol):
 
 
 @dataclass(frozen=True)
-class RankAccepted:
-    """Rank → API: these requests are in the rank's scheduler (the API answers only then, so a
-    refusal can still be an HTTP status and not an error inside a started stream)."""
-
-    rank: int
-    request_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True)
 class RankRefused:
     """Rank → API: the rank did not queue ``request_id``. ``status`` 429 / 503 (a
     :class:`~.events.ServeRefusal`: ``message``, ``retry_after_s``, ``code``) or 400 (a request no

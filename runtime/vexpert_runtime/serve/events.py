@@ -135,25 +135,31 @@ class AbortAll:
 
 @dataclass(frozen=True)
 class RankEvent:
-    """Rank → API: the events of its requests from one iteration (one message per iteration, not
-    one per token: at hundreds of streams the queue's per-message cost would dominate)."""
+    """Rank → API: what one iteration produced, in one message — the events of its requests (one
+    message per iteration, not one per token: at hundreds of streams the queue's per-message cost
+    would dominate), the requests it queued since the last message (``accepted``, handled before the
+    events) and its load when that changed (``load``, else None). One message, not three: each one
+    wakes the API process's reader thread, which then waits for the GIL behind a busy event loop."""
 
     rank: int
     events: tuple[Event, ...]
+    accepted: tuple[str, ...] = ()
+    load: RankLoad | None = None
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         # Pickled as plain tuples (one per Event, its fields in order), not as Event objects: a
         # slotted dataclass pickles its state field by field, ~3.5 µs an event — 0.9 ms an
         # iteration at 256 streams on the rank's thread (the queue's feeder shares its GIL).
-        return _rank_event_from_rows, (self.rank, tuple(map(_event_row, self.events)))
+        return _rank_event_from_rows, (self.rank, tuple(map(_event_row, self.events)), self.accepted, self.load)
 
 
 _event_row = attrgetter(*Event.__dataclass_fields__)
 
 
-def _rank_event_from_rows(rank: int, rows: tuple[tuple[object, ...], ...]) -> RankEvent:
+def _rank_event_from_rows(rank: int, rows: tuple[tuple[object, ...], ...], accepted: tuple[str, ...] = (),
+                          load: RankLoad | None = None) -> RankEvent:
     """Unpickle a :class:`RankEvent` (see ``RankEvent.__reduce__``)."""
-    return RankEvent(rank, tuple(starmap(Event, rows)))
+    return RankEvent(rank, tuple(starmap(Event, rows)), accepted, load)
 
 
 @dataclass(frozen=True)

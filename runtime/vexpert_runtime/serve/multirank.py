@@ -6,7 +6,7 @@ flight (its :class:`~.dispatcher.RankCapacity`) or when its latest report shows 
 every rank is full ``submit`` raises 429 (``Retry-After``), while draining or once the node failed
 503. Otherwise the request goes to the rank with the fewest in flight (then the lowest
 :attr:`~.events.RankLoad.score`), and ``submit`` returns once that rank queued it
-(:class:`~.dispatcher.RankAccepted`), so a rank's own refusal (:class:`~.dispatcher.RankRefused`)
+(its :class:`~.events.RankEvent` lists it as accepted), so a rank's own refusal (:class:`~.dispatcher.RankRefused`)
 is still an HTTP status — 429 / 503 / 400 — and never an error inside a started stream.
 
 One reader thread takes every rank's events, acceptances, refusals and load reports off the node's
@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from vexpert_runtime.errors import VExpertInputError
-from vexpert_runtime.serve.dispatcher import EventChannel, RankAccepted, RankCapacity, RankRefused
+from vexpert_runtime.serve.dispatcher import EventChannel, RankCapacity, RankRefused
 from vexpert_runtime.serve.events import (
     AbortAll,
     CancelRequest,
@@ -106,10 +106,13 @@ class MultiRankDispatcher:
                 with self._lock:
                     self._loads[msg.rank] = msg.load
             elif isinstance(msg, RankEvent):
-                EventChannel.put_all(self._route(msg.events))
-            elif isinstance(msg, RankAccepted):
-                for request_id in msg.request_ids:
+                for request_id in msg.accepted:  # before the events: a request's first ones may be here
                     self._resolve(request_id, None)
+                if msg.events:
+                    EventChannel.put_all(self._route(msg.events))
+                if msg.load is not None:
+                    with self._lock:
+                        self._loads[msg.rank] = msg.load
             elif isinstance(msg, RankRefused):
                 self._refused(msg)
             elif isinstance(msg, RankCapacity):

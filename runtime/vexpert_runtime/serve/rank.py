@@ -25,7 +25,7 @@ import torch
 
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.model.ep_moe import DeviceRoutingTable
-from vexpert_runtime.serve.dispatcher import RankAccepted, RankCapacity, RankRefused
+from vexpert_runtime.serve.dispatcher import RankCapacity, RankRefused
 from vexpert_runtime.serve.events import (
     AbortAll,
     CancelRequest,
@@ -201,14 +201,14 @@ class ServingRank:
     def _sink(self, event: Event) -> None:
         self._outbox.append(clean_failure(event, self.rank, self.world))
 
-    def flush_events(self) -> None:
-        """Send the acceptances and the events gathered since the last flush (one message each)."""
-        if self._accepted:
-            accepted, self._accepted = tuple(self._accepted), []
-            self.args.events.put(RankAccepted(self.rank, accepted))
-        if self._outbox:
+    def flush_events(self, with_load: bool = False) -> None:
+        """Send the acceptances and the events gathered since the last flush — and with ``with_load``
+        the load if it changed (:meth:`report_load`'s rule) — as one :class:`RankEvent`, if any."""
+        load = self._load_to_report() if with_load else None
+        if self._outbox or self._accepted or load is not None:
             events, self._outbox = tuple(self._outbox), []
-            self.args.events.put(RankEvent(self.rank, events))
+            accepted, self._accepted = tuple(self._accepted), []
+            self.args.events.put(RankEvent(self.rank, events, accepted, load))
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -224,15 +224,22 @@ class ServingRank:
         try:
             self.scheduler.run_iteration()
         finally:
-            self.flush_events()
-        self.report_load()
+            self.flush_events(with_load=True)  # events, acceptances and load: one message an iteration
         return graphs is not None and graphs.replays > before
 
     def report_load(self, force: bool = False) -> None:
+        """Send the load if it changed or was last sent over ``LOAD_REPORT_S`` ago (an idle rank)."""
+        load = self._load_to_report(force)
+        if load is not None:
+            self.args.events.put(RankLoadReport(self.rank, load))
+
+    def _load_to_report(self, force: bool = False) -> RankLoad | None:
+        """The load to send now (changed, stale or ``force``), marked as sent; else None."""
         load, now = self.scheduler.load(), time.monotonic()
         if force or load != self._reported or now - self._reported_at > LOAD_REPORT_S:
-            self.args.events.put(RankLoadReport(self.rank, load))
             self._reported, self._reported_at = load, now
+            return load
+        return None
 
 
 STEP_FAILED = "model step failed"
