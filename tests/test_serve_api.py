@@ -720,3 +720,25 @@ def test_short_prompts_tokenized_on_the_loop_while_long_ones_go_to_the_thread(se
         else:
             assert response.status_code == 200, response.text
             assert response.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(prompt))
+
+
+def test_a_tokenizer_that_cannot_be_copied_leaves_every_prompt_to_the_tokenizer_thread(tokenizer: Any) -> None:
+    from vexpert_runtime.serve.api import ApiConfig, ServeApi
+
+    class Uncopyable:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def __deepcopy__(self, memo: Any) -> Any:
+            raise TypeError("cannot copy")
+
+        def encode(self, text: str, **kwargs: Any) -> list[int]:
+            return list(self.inner.encode(text, **kwargs))
+
+    api = ServeApi(None, Uncopyable(tokenizer), ApiConfig(MODEL_NAME, MAX_CONTEXT, len(tokenizer)))  # type: ignore[arg-type]
+    try:
+        assert api._loop_tokenizer is None
+        ids = asyncio.run(api._off_loop(api._encode_prompt, PROMPT))
+        assert ids == list(tokenizer.encode(PROMPT))
+    finally:
+        api.close()

@@ -350,7 +350,11 @@ class ServeApi:
         self.tokenizer = tokenizer  # the tokenizer thread's (long prompts)
         # the event loop's own copy (short prompts): a Hugging Face fast tokenizer is not safe to share
         # across threads — its encode reconfigures the Rust tokenizer, which another thread may be running
-        self._loop_tokenizer = copy.deepcopy(tokenizer)
+        try:
+            self._loop_tokenizer: Any = copy.deepcopy(tokenizer)
+        except Exception as exc:  # a tokenizer that cannot be copied: every prompt goes to the thread
+            log.info("tokenizer not copyable (%r): every prompt is tokenized on the tokenizer thread", exc)
+            self._loop_tokenizer = None
         self.config = config
         self.metrics = ServeMetrics(registry if registry is not None else CollectorRegistry())
         self.created = oa.now()
@@ -417,7 +421,7 @@ class ServeApi:
         req = self._parse(oa.CompletionRequest, await self._json(request))
         self._check_model(req.model)
         prompt = cast(str | list[int], req.prompt)  # unwrapped by its validator
-        if not isinstance(prompt, str) or len(prompt) <= INLINE_TOKENIZE_CHARS:
+        if not isinstance(prompt, str) or (self._loop_tokenizer is not None and len(prompt) <= INLINE_TOKENIZE_CHARS):
             prompt_ids = self._encode_prompt(prompt, self._loop_tokenizer)  # short: no hand-off to the thread
         else:
             prompt_ids = await self._off_loop(self._encode_prompt, prompt)
@@ -428,7 +432,7 @@ class ServeApi:
         self._check_model(req.model)
         chars = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content or ())
                     for m in req.messages)
-        if chars <= INLINE_TOKENIZE_CHARS:
+        if self._loop_tokenizer is not None and chars <= INLINE_TOKENIZE_CHARS:
             prompt_ids = self._encode_chat(req.messages, self._loop_tokenizer)  # short: rendered and tokenized here
         else:
             prompt_ids = await self._off_loop(self._encode_chat, req.messages)
