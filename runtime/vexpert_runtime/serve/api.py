@@ -421,26 +421,28 @@ class ServeApi:
         req = self._parse(oa.CompletionRequest, await self._json(request))
         self._check_model(req.model)
         prompt = cast(str | list[int], req.prompt)  # unwrapped by its validator
-        if not isinstance(prompt, str) or (self._loop_tokenizer is not None and len(prompt) <= INLINE_TOKENIZE_CHARS):
-            prompt_ids = self._encode_prompt(prompt, self._loop_tokenizer)  # short: no hand-off to the thread
-        else:
-            prompt_ids = await self._off_loop(self._encode_prompt, prompt)
+        if isinstance(prompt, str):
+            prompt_ids = await self._tokenized(self._encode_prompt, prompt, len(prompt))
+        else:  # token ids: only checked
+            prompt_ids = self._encode_prompt(prompt)
         return await self._generate(request, req, prompt_ids, chat=False)
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = self._parse(oa.ChatCompletionRequest, await self._json(request))
         self._check_model(req.model)
-        chars = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content or ())
-                    for m in req.messages)
-        if self._loop_tokenizer is not None and chars <= INLINE_TOKENIZE_CHARS:
-            prompt_ids = self._encode_chat(req.messages, self._loop_tokenizer)  # short: rendered and tokenized here
-        else:
-            prompt_ids = await self._off_loop(self._encode_chat, req.messages)
+        chars = sum(len(m.text()) for m in req.messages)
+        prompt_ids = await self._tokenized(self._encode_chat, req.messages, chars)
         return await self._generate(request, req, prompt_ids, chat=True)
 
+    async def _tokenized(self, encode: Callable[..., list[int]], prompt: Any, chars: int) -> list[int]:
+        """``encode(prompt, tokenizer)``: up to ``INLINE_TOKENIZE_CHARS`` on the loop with its own
+        tokenizer (no hand-off), else on the tokenizer thread (see :meth:`_off_loop`)."""
+        if self._loop_tokenizer is not None and chars <= INLINE_TOKENIZE_CHARS:
+            return encode(prompt, self._loop_tokenizer)
+        return await self._off_loop(encode, prompt)
+
     async def _off_loop(self, encode: Callable[[Any], list[int]], prompt: Any) -> list[int]:
-        """Run ``encode(prompt)`` on the tokenizer thread (a long prompt must not stall the event loop;
-        a short one is tokenized on the loop: see ``INLINE_TOKENIZE_CHARS``)."""
+        """Run ``encode(prompt)`` on the tokenizer thread (a long prompt must not stall the event loop)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, encode, prompt)
 
     async def _models(self, request: web.Request) -> web.Response:

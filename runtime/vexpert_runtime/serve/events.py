@@ -138,7 +138,7 @@ class RankEvent:
     """Rank → API: what one iteration produced, in one message — the events of its requests (one
     message per iteration, not one per token: at hundreds of streams the queue's per-message cost
     would dominate), the requests it queued since the last message (``accepted``, handled before the
-    events) and its load when that changed (``load``, else None). One message, not three: each one
+    events) and its load when that changed (``load``, else None; an idle rank sends its load alone). One message, not three: each one
     wakes the API process's reader thread, which then waits for the GIL behind a busy event loop."""
 
     rank: int
@@ -161,10 +161,3 @@ def _rank_event_from_rows(rank: int, rows: tuple[tuple[object, ...], ...], accep
     """Unpickle a :class:`RankEvent` (see ``RankEvent.__reduce__``)."""
     return RankEvent(rank, tuple(starmap(Event, rows)), accepted, load)
 
-
-@dataclass(frozen=True)
-class RankLoadReport:
-    """Rank → API: its load (every iteration that changed it, and when it goes idle)."""
-
-    rank: int
-    load: RankLoad

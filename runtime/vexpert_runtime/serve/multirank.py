@@ -39,7 +39,6 @@ from vexpert_runtime.serve.events import (
     GenerationRequest,
     RankEvent,
     RankLoad,
-    RankLoadReport,
     ServeRefusal,
     StopAccepting,
     overloaded,
@@ -102,10 +101,7 @@ class MultiRankDispatcher:
                 continue
             except (EOFError, OSError, ValueError):  # the queue was closed under us
                 return
-            if isinstance(msg, RankLoadReport):
-                with self._lock:
-                    self._loads[msg.rank] = msg.load
-            elif isinstance(msg, RankEvent):
+            if isinstance(msg, RankEvent):
                 for request_id in msg.accepted:  # before the events: a request's first ones may be here
                     self._resolve(request_id, None)
                 if msg.events:

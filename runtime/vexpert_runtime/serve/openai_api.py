@@ -155,12 +155,16 @@ class ChatMessage(BaseModel):
             raise ValueError("only text content parts are supported")
         return content
 
-    def as_template_input(self) -> Json:
-        """The message as a chat template expects it: role and plain-text content."""
+    def text(self) -> str:
+        """The plain-text content (text parts joined; none: empty)."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(p.text or "" for p in content)
-        message: Json = {"role": self.role, "content": content or ""}
+            return "".join(p.text or "" for p in content)
+        return content or ""
+
+    def as_template_input(self) -> Json:
+        """The message as a chat template expects it: role and plain-text content."""
+        message: Json = {"role": self.role, "content": self.text()}
         if self.name:
             message["name"] = self.name
         return message

@@ -33,7 +33,6 @@ from vexpert_runtime.serve.events import (
     GenerationRequest,
     RankEvent,
     RankLoad,
-    RankLoadReport,
     ServeRefusal,
     StopAccepting,
 )
@@ -231,7 +230,7 @@ class ServingRank:
         """Send the load if it changed or was last sent over ``LOAD_REPORT_S`` ago (an idle rank)."""
         load = self._load_to_report(force)
         if load is not None:
-            self.args.events.put(RankLoadReport(self.rank, load))
+            self.args.events.put(RankEvent(self.rank, (), load=load))
 
     def _load_to_report(self, force: bool = False) -> RankLoad | None:
         """The load to send now (changed, stale or ``force``), marked as sent; else None."""
