@@ -16,7 +16,7 @@ embedding rows + the KV cache at that context, ÷ 4.8 TB/s.
 Also printed per batch: ``flop_ms``, the step's matmul FLOPs (2 × the weights a token multiplies — its
 top-k experts, not all — plus MLA's latent attention over the context) ÷ the GPU's dense bf16 peak
 (``--peak-tflops``, 989 for an H200), the other floor a step of many tokens meets; and with ``--profile``
-the graph's kernels by name (torch.profiler over ``--iters`` replays: CUDA ms and launches per step, top 25, and the kernels' total).
+the graph's kernels by name (torch.profiler over ``--iters`` replays: CUDA ms and launches per step, the ``--top`` largest, and the kernels' total).
 
 With ``--prefill-chunks P…`` each batch also runs as a served iteration mixes it: the B decodes plus P
 prompt chunks of ``--chunk`` tokens (new sequences, from position 0, each sampling its first token), the
@@ -138,6 +138,7 @@ def main() -> int:
     parser.add_argument("--max-batch-tokens", type=int, default=512)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H200 SXM: 989)")
     parser.add_argument("--profile", action="store_true", help="kernel times of the graph replays (torch.profiler)")
+    parser.add_argument("--top", type=int, default=25, help="kernels (and ops) listed by --profile / --profile-ops")
     parser.add_argument("--profile-ops", action="store_true",
                         help="before the graphs: the eager step's ops with input shapes at the largest batch")
     parser.add_argument("--prefill-chunks", type=int, nargs="*", default=[],
@@ -164,7 +165,7 @@ def main() -> int:
                 pool.reserve(seq, args.context + 1)
             work = [SequenceWork(seq, (seq % 100 + 3,), args.context, tuple(pool.grow(seq, args.context + 1)),
                                  SamplingSpec(draw=1)) for seq in range(max_seqs)]
-            ops = op_times(model, work, 5)
+            ops = op_times(model, work, 5, args.top)
             for op in ops:
                 print("op", json.dumps(op), flush=True)
         model.enable_cuda_graphs(args.max_batch_tokens, max_seqs, stream)
@@ -224,7 +225,7 @@ def main() -> int:
                    "bytes": bound["bytes"], "flops": flops,
                    "flop_ms": round(flops / (args.peak_tflops * 1e12) * 1e3, 3)}
             if args.profile:
-                row["kernels"] = kernel_times(graph, args.iters)
+                row["kernels"] = kernel_times(graph, args.iters, args.top)
             print(json.dumps(row), flush=True)
             results.append(row)
     if args.out:
