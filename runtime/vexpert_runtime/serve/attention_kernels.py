@@ -47,16 +47,10 @@ if triton is not None:
                            stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_cache, stride_tb,
                            stride_ob, stride_oh,
                            NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr,
-                           PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                           HEAD_MAJOR: tl.constexpr):
-        if HEAD_MAJOR:  # a sequence's head blocks are neighbours in launch order: they share its rows in L2
-            b = tl.program_id(1)
-            head_block = tl.program_id(0)
-        else:
-            b = tl.program_id(0)
-            head_block = tl.program_id(1)
+                           PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+        b = tl.program_id(0)
         table = tables + tl.load(token_seq + b) * stride_tb
-        heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < NH
         offs_c = tl.arange(0, CP)
         offs_r = tl.arange(0, RP)
@@ -140,12 +134,11 @@ def mla_launch_config(tokens: int) -> tuple[int, int, int, int]:
 
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, head_major: bool = False) -> torch.Tensor:
+               num_stages: int | None = None) -> torch.Tensor:
     """q_latent [T, nh, C], q_rope [T, nh, R] (any tokens: decodes or prompt chunks, each with its
     own context, see :class:`~.attention.AttentionMetadata`) over a latent cache [slots, C + R]
     → Σ p·c [T, nh, C]. Launch parameters left None come from :func:`mla_launch_config` (T is a
-    graph bucket's size where graphs run: a shape-only choice). ``head_major`` launches a sequence's head
-    blocks next to each other (its cached rows then come from L2 for all but the first)."""
+    graph bucket's size where graphs run: a shape-only choice)."""
     batch, heads, latent = q_latent.shape
     tuned = mla_launch_config(batch)
     block_h = tuned[0] if block_h is None else block_h
@@ -155,14 +148,13 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     rope = q_rope.shape[2]
     out = torch.empty_like(q_latent)
     page = meta.block_size
-    head_blocks = triton.cdiv(heads, block_h)
-    grid = (head_blocks, batch) if head_major else (batch, head_blocks)
+    grid = (batch, triton.cdiv(heads, block_h))
     _mla_decode_kernel[grid](
         q_latent, q_rope, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
         meta.block_tables.stride(0), out.stride(0), out.stride(1),
         NH=heads, C=latent, R=rope, CP=_pow2(latent), RP=_pow2(rope), PAGE=page, BLOCK_H=block_h,
-        BLOCK_N=block_n, HEAD_MAJOR=head_major, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
