@@ -14,8 +14,9 @@ Bad input is refused cheaply and before it can hold the event loop: the body is 
 context (:func:`body_limit`: a prompt cannot hold more than ``_BYTES_PER_TOKEN`` bytes per token of
 the context), checked from ``Content-Length`` before it is read; JSON nested deeper than
 ``MAX_JSON_DEPTH`` is refused by a scan before it is parsed (``json`` recurses); strings that are not
-Unicode text (lone surrogates) are refused naming their field; the tokenizer runs on its own thread,
-never on the loop. With :attr:`ApiConfig.api_key`, ``/v1/*`` needs ``Authorization: Bearer <key>``
+Unicode text (lone surrogates) are refused naming their field; a prompt longer than
+``INLINE_TOKENIZE_CHARS`` is tokenized on a thread (shorter ones on the loop, with its own tokenizer
+copy: a hand-off to a thread costs more than they do). With :attr:`ApiConfig.api_key`, ``/v1/*`` needs ``Authorization: Bearer <key>``
 (``/health`` and ``/metrics`` stay open); a connection has :attr:`ApiConfig.header_timeout_s` to send
 its request's headers (aiohttp's keep-alive timer, which also runs from the connection's start).
 
@@ -42,7 +43,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -55,7 +56,6 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
-    Histogram,
     generate_latest,
 )
 from pydantic import BaseModel, ValidationError
@@ -71,6 +71,7 @@ from vexpert_runtime.serve.events import (
     ServeRefusal,
     shutting_down,
 )
+from vexpert_runtime.serve.histogram import CountedHistogram
 
 log = logging.getLogger(__name__)
 
@@ -250,14 +251,14 @@ class ServeMetrics:
             "vexpert_serve_requests", "Generation requests by endpoint and HTTP status", ["endpoint", "status"], registry=reg
         )
         self.finished = Counter("vexpert_serve_request_finish", "Finished requests by finish reason", ["reason"], registry=reg)
-        self.ttft = Histogram(
-            "vexpert_serve_time_to_first_token_seconds", "Request arrival to first token", buckets=_LATENCY_BUCKETS, registry=reg
+        self.ttft = CountedHistogram(
+            "vexpert_serve_time_to_first_token_seconds", "Request arrival to first token", _LATENCY_BUCKETS, reg
         )
-        self.itl = Histogram(
-            "vexpert_serve_inter_token_latency_seconds", "Time between a request's tokens", buckets=_LATENCY_BUCKETS, registry=reg
+        self.itl = CountedHistogram(
+            "vexpert_serve_inter_token_latency_seconds", "Time between a request's tokens", _LATENCY_BUCKETS, reg
         )
-        self.duration = Histogram(
-            "vexpert_serve_request_duration_seconds", "Request arrival to last token", buckets=_DURATION_BUCKETS, registry=reg
+        self.duration = CountedHistogram(
+            "vexpert_serve_request_duration_seconds", "Request arrival to last token", _DURATION_BUCKETS, reg
         )
         self.prompt_tokens = Counter("vexpert_serve_prompt_tokens", "Prompt tokens of finished requests", registry=reg)
         self.generation_tokens = Counter("vexpert_serve_generated_tokens", "Tokens generated", registry=reg)
@@ -289,7 +290,7 @@ _ARRIVED: Any = web.RequestKey("vexpert_arrived", float) if hasattr(web, "Reques
 
 
 class _RequestTimer:
-    """Observes one request's latencies and token counts as its events arrive; ``start``: the
+    """Observes one request's latencies and token counts as its event batches arrive; ``start``: the
     request's arrival (before its body is read, parsed and tokenized and a rank accepts it)."""
 
     def __init__(self, metrics: ServeMetrics, start: float) -> None:
@@ -297,19 +298,25 @@ class _RequestTimer:
         self.start = start
         self.last: float | None = None
 
-    def observe(self, event: Event) -> None:
+    def observe(self, batch: Sequence[Event]) -> None:
+        """A batch's n tokens reached the API together: the first after the gap since the last
+        token (or the arrival: the TTFT), the other n - 1 with no gap."""
         now = time.monotonic()
-        if event.new_tokens:
+        tokens = sum(event.new_tokens for event in batch)
+        if tokens:
             if self.last is None:
                 self.metrics.ttft.observe(now - self.start)
+                self.metrics.itl.observe(0.0, tokens - 1)
             else:
                 self.metrics.itl.observe(now - self.last)
+                self.metrics.itl.observe(0.0, tokens - 1)
             self.last = now
-            self.metrics.generation_tokens.inc(event.new_tokens)
-        if event.finished:
+            self.metrics.generation_tokens.inc(tokens)
+        last = batch[-1]
+        if last.finished:
             self.metrics.duration.observe(now - self.start)
-            self.metrics.prompt_tokens.inc(event.prompt_tokens)
-            self.metrics.finished.labels(event.finish_reason).inc()
+            self.metrics.prompt_tokens.inc(last.prompt_tokens)
+            self.metrics.finished.labels(last.finish_reason).inc()
 
 
 def _failed(event: Event) -> ApiError | None:
@@ -585,10 +592,9 @@ class ServeApi:
                         ) -> AsyncIterator[list[Event]]:
         """The dispatcher's event batches, each event timed, marking the job done at its last one."""
         async for batch in events:
-            for event in batch:
-                timer.observe(event)
-                if event.finished:
-                    job.done = True
+            timer.observe(batch)
+            if batch[-1].finished:
+                job.done = True
             yield batch
 
     async def _collect(self, job: _Job) -> web.Response:
@@ -634,13 +640,16 @@ class ServeApi:
 
     async def _sse_writes(self, job: _Job) -> AsyncIterator[bytes]:
         """The SSE body of one request, one ``bytes`` per socket write: the role chunk, then per
-        batch of events its text deltas — and, in the last, the finish (or error) chunk, the usage
-        chunk and ``[DONE]`` — together (at hundreds of streams the API's event loop spent most of
-        its time in one send per chunk)."""
+        batch of events one chunk with their text — and, in the last, the finish (or error) chunk,
+        the usage chunk and ``[DONE]`` — together (at hundreds of streams the API's event loop spent
+        most of its time in one send per chunk, then in one JSON chunk per token). A batch is what
+        arrived while this request's writer waited: one token when the loop keeps up, several when
+        it falls behind (as vLLM's API server merges a request's outputs under backpressure)."""
         if job.chat:
             yield _sse(oa.chat_chunk(job.request_id, job.created, job.model, {"role": "assistant", "content": ""}))
         async for batch in job.events:
-            parts = [_sse(self._chunk(job, event.text)) for event in batch if event.text]
+            text = "".join([event.text for event in batch])
+            parts = [_sse(self._chunk(job, text))] if text else []
             last = batch[-1]
             if last.finished:
                 error = _failed(last)
