@@ -55,9 +55,14 @@ def step_flops(model: HFStepModel, batch: int, context: int) -> int:
     and the latent sum over C per head and context token; GQA: 2 × 2 · heads · d per context token)."""
     config = model.model.config
     per_token = 0
-    for name, param in model.model.named_parameters():
-        if param.dim() == 2 and "embed_tokens" not in name and "norm" not in name:
-            per_token += param.numel()
+    counted: set[int] = set()  # storages counted whole: a fused projection's originals are views into it
+    for name, param in sorted(model.model.named_parameters(), key=lambda item: -item[1].numel()):
+        storage = param.untyped_storage()
+        if param.dim() != 2 or "embed_tokens" in name or "norm" in name or storage.data_ptr() in counted:
+            continue
+        per_token += param.numel()
+        if param.numel() * param.element_size() == storage.nbytes():
+            counted.add(storage.data_ptr())
     experts = len(model.moe_layers) * int(config.num_experts_per_tok) * 3 * model.intermediate_size * int(config.hidden_size)
     heads = int(config.num_attention_heads)
     if getattr(config, "kv_lora_rank", None):

@@ -101,9 +101,14 @@ def gqa_inputs(attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     at rotary cos/sin [T, d]: the module's projections, Qwen3's per-head norms, the rotary embedding."""
     tokens, head_dim = x.shape[0], int(attn.head_dim)
     heads, kv_heads = int(attn.config.num_attention_heads), int(attn.config.num_key_value_heads)
-    q = attn.q_proj(x).view(tokens, heads, head_dim)
-    k = attn.k_proj(x).view(tokens, kv_heads, head_dim)
-    v = attn.v_proj(x).view(tokens, kv_heads, head_dim)
+    fused = getattr(attn, "fused_qkv_proj", None)  # :mod:`.fused_projections`: one GEMM for the three
+    if fused is not None:
+        q, k, v = fused(x).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    else:
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    q = q.view(tokens, heads, head_dim)
+    k = k.view(tokens, kv_heads, head_dim)
+    v = v.view(tokens, kv_heads, head_dim)
     if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head before the rotary embedding
         q, k = attn.q_norm(q), attn.k_norm(k)
     q = apply_rotary(q, cos, sin, interleave=False)
@@ -124,10 +129,15 @@ def mla_inputs(attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     its cache rows [T, C + R] (normed latent, rotary key) of x [T, H] at rotary cos/sin [T, R]."""
     tokens, heads = x.shape[0], int(attn.num_heads)
     dn, rope, latent = int(attn.qk_nope_head_dim), int(attn.qk_rope_head_dim), int(attn.kv_lora_rank)
-    q = attn.q_proj(x) if attn.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+    fused = getattr(attn, "fused_a_proj", None)  # :mod:`.fused_projections`: q_a and kv_a as one GEMM
+    if fused is not None:
+        q_a, compressed = fused(x).split([int(attn.q_lora_rank), latent + rope], dim=-1)
+        q = attn.q_b_proj(attn.q_a_layernorm(q_a))
+    else:
+        q = attn.q_proj(x) if attn.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+        compressed = attn.kv_a_proj_with_mqa(x)
     q = q.view(tokens, heads, dn + rope)
     q_nope, q_rope = q[..., :dn], q[..., dn:]
-    compressed = attn.kv_a_proj_with_mqa(x)
     c, k_rope = compressed[:, :latent], compressed[:, latent:]
     c = attn.kv_a_layernorm(c)
     interleave = bool(getattr(attn.config, "rope_interleave", False))

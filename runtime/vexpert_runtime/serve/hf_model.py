@@ -64,6 +64,7 @@ from vexpert_runtime.serve.attention_layers import (
     sliding_windows,
 )
 from vexpert_runtime.serve.cuda_graphs import GraphedSteps
+from vexpert_runtime.serve.fused_projections import fuse_model_projections
 from vexpert_runtime.serve.kv_cache import PagedKVCache, blocks_for
 from vexpert_runtime.serve.model_loading import load_without_experts
 from vexpert_runtime.serve.sampling import sample_tokens, sampling_tensors
@@ -412,6 +413,7 @@ class HFStepModel:
         self.dtype = dtype
         self.vocab_size = int(self.config.vocab_size)
         self.max_context = int(self.config.max_position_embeddings)
+        self.fused_projections = fuse_model_projections(model)  # before anything compiles or captures them
         self.moe_layers = sparse_layers(model)
         if not self.moe_layers:
             raise ValueError(f"{path}: no sparse MoE block (router gate + fused experts) in {type(model).__name__}")
