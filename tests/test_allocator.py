@@ -534,3 +534,27 @@ def test_slot_ranges_alternate_and_overlap_as_documented() -> None:
     assert bool(slots_overlap(t(0), t(2), t(1), t(1), 2))  # 2 + 1 > 2
     assert bool(slots_overlap(t(2), t(1), t(0), t(1), 2))  # same parity (L = 3 wrap), both stream
     assert not bool(slots_overlap(t(2), t(0), t(0), t(2), 2))
+
+
+# ---- a window the allocator would not change ----------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), skew=st.floats(0.0, 3.0), tau=st.floats(0.3, 0.99))
+def test_an_idle_allocation_is_one_the_allocator_would_not_make(seed: int, skew: float, tau: float) -> None:
+    """allocation_is_idle ⇒ ``allocate`` places no vExpert and no copy (the static placement again), on
+    random loads from flat to heavily skewed; and it is never idle while vExperts are placed."""
+    from vexpert_runtime.node.balance import allocation_is_idle
+
+    gen = torch.Generator().manual_seed(seed)
+    layers, experts, gpus = 6, 16, 4
+    counts = (torch.rand(layers, experts, generator=gen) ** (1 + 4 * skew) * 1000).round()
+    base = static_placement(layers, experts, gpus)
+    config = AllocatorConfig(group_size=2, vmax=2, balance_threshold=tau)
+    idle = allocation_is_idle(counts, base, gpus, tau, [0] * layers)
+    plan = allocate(counts, base, gpus, config)
+    if idle:
+        assert int(plan.vexperts.sum()) == 0 and bool((plan.slot_expert < 0).all())
+    assert not allocation_is_idle(counts, base, gpus, tau, [1] + [0] * (layers - 1))  # a return to static is a plan
+    flat = torch.full((layers, experts), 100.0)
+    assert allocation_is_idle(flat, base, gpus, tau, [0] * layers)

@@ -81,6 +81,19 @@ def window_balance(window: CountsWindow, base_gpu: torch.Tensor, world: int) -> 
     return WindowBalance(window.start, static, balance_ratio(loads), counts.sum(0))
 
 
+def allocation_is_idle(counts: torch.Tensor, base_gpu: torch.Tensor, world: int, threshold: float,
+                       vexperts: list[int]) -> bool:
+    """Whether vExpert's allocator (:func:`~vexpert_runtime.policy.allocator.allocate`) would return the
+    static placement for a window's counts [L, E] while the static placement is in effect (``vexperts``
+    all 0): every layer's balance on the base placement is above τ, so no layer gets a vExpert. The
+    allocator then need not run — at one EP rank (balance 1) or any balanced load, it used to cost the
+    serving process's interpreter a Python-heavy plan every window for a plan that changed nothing."""
+    if any(vexperts):
+        return False
+    balance = balance_ratio(base_gpu_loads(counts.to(torch.float32), base_gpu, world))  # [L]
+    return bool((balance > threshold).all())
+
+
 def allocator_inputs(setup: NodeSetup, tokens_per_worker: int) -> tuple[InferenceConstants, AllocatorConfig]:
     """What the allocator is called with besides the counts: the batch and model constants and the
     configured group size, vmax and balance threshold."""
@@ -148,6 +161,7 @@ class BalanceState:
         self.windows: list[WindowSpan] = []
         self.allocator_s: list[float] = []
         self.allocations = 0
+        self.idle_windows = 0  # windows whose allocation was skipped: every layer above τ, no vExpert placed
         self.vexperts = [0] * spec.num_layers
         self.decay = BalanceDecay()
         self.hits = PoolHits()
@@ -169,11 +183,16 @@ class BalanceState:
         return self.latest
 
     def next_plan(self, counts: torch.Tensor) -> PlanMade | None:
-        """Run the allocator on a window's counts [L, E] (the pool first follows the hotness)."""
+        """Run the allocator on a window's counts [L, E] (the pool first follows the hotness); None
+        when vExpert's allocator would only repeat the plan in effect (:func:`allocation_is_idle`)."""
+        setup = self.setup
+        if setup.placement_policy == "vexpert" and allocation_is_idle(
+                counts, self.base_gpu, setup.world, setup.balance_threshold, self.vexperts):
+            self.idle_windows += 1
+            return None
         pool_changed = self._refresh_pool()
         consts, config = allocator_inputs(self.setup, self.tokens_per_worker)
         mask = pooled_mask(self.pool_experts, self.setup.spec.num_experts)
-        setup = self.setup
         start = time.perf_counter()
         plan = self.allocator(counts, self.base_gpu, setup.world, config, setup.profile, consts, pooled=mask)
         elapsed = time.perf_counter() - start
