@@ -71,6 +71,9 @@ class NodeMetrics:
             "vexpert_slot_fill_wait_seconds", "Time a worker waited for its slots per iteration", buckets=_TIME_BUCKETS, registry=reg
         )
         self.allocator_time = Histogram("vexpert_allocator_seconds", "Allocator run time", buckets=_TIME_BUCKETS, registry=reg)
+        self.allocations_skipped = Counter(
+            "vexpert_allocations_skipped", "Windows not allocated: every layer above the balance threshold, no vExpert "
+            "placed (the plan would not change)", registry=reg)
         self.step_time = Histogram("vexpert_step_seconds", "Iteration time (slowest worker)", buckets=_TIME_BUCKETS, registry=reg)
         self.tokens_per_second = Gauge("vexpert_tokens_per_second", "Tokens per second over the last window", registry=reg)
         self.slot_bytes = Gauge("vexpert_slot_bytes_per_worker", "L1 slot memory of one worker (both ping-pong buffers)", registry=reg)

@@ -381,9 +381,11 @@ class NodeRuntime:
         rate = self.history.recent_rate(measured.end)
         m.tokens_per_second.set(rate)
         if allocate and self.options.allocate:
+            skipped = balance.idle_windows
             made = balance.next_plan(measured.counts)
             if made is not None:
                 self._publish_plan(made)
+            m.allocations_skipped.inc(balance.idle_windows - skipped)
         self._sync_bytes()
         self._prune()
         if self.options.progress is not None:
