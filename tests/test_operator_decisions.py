@@ -478,6 +478,21 @@ def test_parse_runtime_metrics_reads_the_runtimes_histograms() -> None:
     assert values["vexpert_balance_ratio"] == pytest.approx(0.7)
 
 
+def test_skipped_allocations_count_as_free_windows_of_the_allocator() -> None:
+    """The runtime skips an allocation that would not change the plan (vexpert_allocations_skipped_total):
+    the allocator's time per window then includes those windows, and a node that skipped every one
+    costs 0 — not "no data", which would leave the k tuner without its allocator share."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    reg = CollectorRegistry()
+    alloc = Histogram("vexpert_allocator_seconds", "allocator", registry=reg)
+    skipped = Counter("vexpert_allocations_skipped", "skipped", registry=reg)
+    skipped.inc(3)
+    assert parse_runtime_metrics(generate_latest(reg))["vexpert_allocator_seconds"] == 0.0
+    alloc.observe(0.04)
+    assert parse_runtime_metrics(generate_latest(reg))["vexpert_allocator_seconds"] == pytest.approx(0.01)
+
+
 def test_parse_runtime_metrics_is_bounded() -> None:
     with pytest.raises(MetricsError, match="bytes"):
         parse_runtime_metrics(b"x" * 2000, max_bytes=1000)

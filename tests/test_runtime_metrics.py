@@ -161,6 +161,28 @@ def test_balance_decay_follows_plan_intervals_whatever_the_arrival_order() -> No
     assert decay.value == pytest.approx(((0.9 - 0.72) / 0.9 + (1.0 - 0.9) / 1.0) / 2)
 
 
+def test_a_kept_plan_starts_an_interval_even_on_the_static_placement() -> None:
+    """A window the allocator skipped (it would have kept the plan) is an allocation interval too:
+    on plan 0 that no allocation chose nothing counts; from a kept boundary on, it does."""
+    decay = BalanceDecay(history=4)
+    balances = [0.9, 0.8, 0.95, 0.9, 0.85, 1.0, 0.9, 0.7]
+    for i, value in enumerate(balances):
+        decay.plan(i, 0)
+        decay.balance(i, value)
+    assert decay.intervals == 0  # the static placement, never chosen by an allocation
+    decay.kept(2)  # too late: iteration 2 is already folded; nothing changes
+    decay.kept(8)
+    decay.kept(11)
+    for i, value in enumerate([1.0, 0.9, 0.8, 0.8, 0.6, 0.5], start=8):
+        decay.plan(i, 0)
+        decay.balance(i, value)
+    # 8..10 kept (1.0 → 0.8) is complete; 11..13 (0.8 → 0.5) is in progress
+    assert decay.intervals == 1 and decay.value == pytest.approx(0.2)
+    decay.plan(14, 1)
+    decay.balance(14, 0.9)
+    assert decay.intervals == 2 and decay.value == pytest.approx((0.2 + (0.8 - 0.5) / 0.8) / 2)
+
+
 def test_balance_decay_skips_single_iterations_resets_and_stays_bounded() -> None:
     decay = BalanceDecay(history=2)
     for i, (plan, balance) in enumerate([(1, 0.8), (2, 0.8), (2, 0.4), (3, 0.5), (3, 0.5), (4, 0.9)]):

@@ -97,7 +97,7 @@ def test_tuner_decides_on_a_real_nodes_metrics(tmp_path: Path) -> None:
             except OSError:  # not listening yet
                 pass
             time.sleep(0.2)
-        assert wanted <= values.keys(), (sorted(values), proc.stderr.read() if proc.stderr else "")
+        assert wanted <= values.keys(), sorted(values)  # (stderr is read once the node stopped: it is still running)
     finally:
         stop_process(proc, 20)
     # readiness: 503 with a one-line reason until ready, then 200

@@ -98,6 +98,9 @@ SERVE_COUNTERS = (
     f"{INTER_TOKEN_LATENCY}_sum", f"{INTER_TOKEN_LATENCY}_count",
     f"{TIME_TO_FIRST_TOKEN}_sum", f"{TIME_TO_FIRST_TOKEN}_count",
 )
+# Windows the runtime did not allocate (the plan would not change): an allocation that cost nothing, so
+# vexpert_allocator_seconds is read as the allocator's time per window, these included.
+ALLOCATIONS_SKIPPED = "vexpert_allocations_skipped_total"
 SERVE_GAUGES = ("vexpert_serve_requests_running", "vexpert_serve_requests_waiting", "vexpert_serve_kv_cache_usage_ratio")
 
 # Schema of the values (the pods are untrusted): a value outside its range is dropped, as if absent.
@@ -131,7 +134,8 @@ class MetricsError(ValueError):
 
 def parse_runtime_metrics(text: str | bytes, max_bytes: int = MAX_METRICS_BYTES) -> dict[str, float]:
     """Prometheus text → {name: value}: the known gauges (mean over label sets), the serving
-    counters and histogram _sum/_count (summed over label sets, e.g. requests_total{status}).
+    counters and histogram _sum/_count (summed over label sets, e.g. requests_total{status}); the
+    allocator's mean time counts the windows it skipped (``ALLOCATIONS_SKIPPED``) as free.
 
     Bounded: bodies over ``max_bytes`` or with more than ``MAX_SAMPLES`` samples are refused.
     Non-finite values, and values outside ``GAUGE_RANGES`` (the schema), are dropped.
@@ -146,6 +150,7 @@ def parse_runtime_metrics(text: str | bytes, max_bytes: int = MAX_METRICS_BYTES)
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
     totals: dict[str, float] = {}
+    skipped = 0.0
     count = 0
     try:
         for family in text_string_to_metric_families(text):
@@ -159,6 +164,8 @@ def parse_runtime_metrics(text: str | bytes, max_bytes: int = MAX_METRICS_BYTES)
                     values.setdefault(sample.name, []).append(float(sample.value))
                 elif sample.name in SERVE_COUNTERS:
                     totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+                elif sample.name == ALLOCATIONS_SKIPPED:
+                    skipped += sample.value
                 elif sample.name.endswith("_sum") and sample.name[:-4] in KNOWN_GAUGES:
                     sums[sample.name[:-4]] = sums.get(sample.name[:-4], 0.0) + sample.value
                 elif sample.name.endswith("_count") and sample.name[:-6] in KNOWN_GAUGES:
@@ -169,8 +176,9 @@ def parse_runtime_metrics(text: str | bytes, max_bytes: int = MAX_METRICS_BYTES)
         raise MetricsError(f"unparsable metrics: {exc}") from None
     out = {name: sum(v) / len(v) for name, v in values.items()}
     for name, total in sums.items():  # histograms/summaries (the runtime's *_seconds): the mean
-        if name not in out and counts.get(name, 0) > 0:
-            out[name] = total / counts[name]
+        observed = counts.get(name, 0) + (max(0.0, skipped) if name == "vexpert_allocator_seconds" else 0)
+        if name not in out and observed > 0:
+            out[name] = total / observed
     out.update(totals)
     return {name: value for name, value in out.items() if _in_range(name, value)}
 

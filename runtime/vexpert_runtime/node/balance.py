@@ -189,6 +189,8 @@ class BalanceState:
         if setup.placement_policy == "vexpert" and allocation_is_idle(
                 counts, self.base_gpu, setup.world, setup.balance_threshold, self.vexperts):
             self.idle_windows += 1
+            if self.pool_experts.shape[1] < setup.spec.num_experts:
+                self.hits.add(0, 0)  # no vExpert wanted: none missed
             return None
         pool_changed = self._refresh_pool()
         consts, config = allocator_inputs(self.setup, self.tokens_per_worker)

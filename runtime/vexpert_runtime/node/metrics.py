@@ -208,8 +208,9 @@ class BalanceDecay:
     that arrive separately and in any order (the workers' reports vs the all-reduced windows).
 
     An interval is a maximal run of consecutive iterations on one plan; it is complete when the
-    next iteration shows another plan. Intervals on the static placement (plan 0), of a single
-    iteration, or in progress at a :meth:`reset` are skipped.
+    next iteration shows another plan, or starts where the allocator kept the plan in effect
+    (:meth:`kept`: a window it skipped). Intervals of a single iteration, in progress at a
+    :meth:`reset`, or on the static placement (plan 0) that no allocation chose are skipped.
     """
 
     MAX_PENDING = 4096  # iterations waiting for their other half (bounds memory if one never comes)
@@ -222,6 +223,8 @@ class BalanceDecay:
         self._valid = False  # the interval in progress started at its first iteration
         self._first = self._last = math.nan
         self._length = 0
+        self._chosen = False  # the interval in progress runs a plan an allocation chose (or kept)
+        self._kept: set[int] = set()  # iterations from which an allocation kept the plan in effect
         self._drops: deque[float] = deque(maxlen=history)
 
     def plan(self, iteration: int, plan_id: int) -> None:
@@ -232,6 +235,13 @@ class BalanceDecay:
     def balance(self, iteration: int, value: float) -> None:
         if iteration >= self._next:
             self._balances[iteration] = value
+            self._advance()
+
+    def kept(self, iteration: int) -> None:
+        """The allocator kept the plan in effect (it skipped a window) from ``iteration`` on: a new
+        interval starts there, counted even on the static placement."""
+        if iteration >= self._next:
+            self._kept.add(iteration)
             self._advance()
 
     def reset(self) -> None:
@@ -251,9 +261,12 @@ class BalanceDecay:
     def _advance(self) -> None:
         while self._next in self._plans and self._next in self._balances:
             plan, value = self._plans.pop(self._next), self._balances.pop(self._next)
-            if plan != self._plan:
+            kept = self._next in self._kept
+            if plan != self._plan or kept:
+                self._kept.discard(self._next)
                 self._close()
                 self._plan, self._first, self._length, self._valid = plan, value, 0, True
+                self._chosen = plan > 0 or kept
             self._last = value
             self._length += 1
             self._next += 1
@@ -261,10 +274,11 @@ class BalanceDecay:
             self._next = max(self._plans.keys() | self._balances.keys()) + 1
             self._plans.clear()
             self._balances.clear()
+            self._kept.clear()
             self._valid = False
 
     def _close(self) -> None:
-        if self._valid and self._plan > 0 and self._length >= 2 and self._first > 0:
+        if self._valid and self._chosen and self._length >= 2 and self._first > 0:
             self._drops.append((self._first - self._last) / self._first)
 
 

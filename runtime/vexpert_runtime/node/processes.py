@@ -7,7 +7,29 @@ import contextlib
 import queue
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
+
+
+@contextlib.contextmanager
+def terminal_interrupt_held() -> Iterator[None]:
+    """Start child processes with SIGINT blocked in the calling thread (children inherit the mask
+    across fork and exec). A terminal's Ctrl-C goes to the whole foreground process group: a child
+    that took it — even while still importing, before its entry point runs — died with a
+    KeyboardInterrupt traceback, and the node reported a failure instead of stopping. The node's
+    own process stops its children (join, SIGTERM, SIGKILL; ``PR_SET_PDEATHSIG`` if it dies);
+    each child's entry point calls :func:`ignore_terminal_interrupt`."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def ignore_terminal_interrupt() -> None:
+    """In a child process: ignore SIGINT (a pending one is dropped), then unblock it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def drain(results: Any, timeout: float) -> list[Any]:

@@ -70,7 +70,13 @@ from vexpert_runtime.node.messages import (
 )
 from vexpert_runtime.node.metrics import NodeMetrics, memory_pressure
 from vexpert_runtime.node.plans import ScheduledPlan
-from vexpert_runtime.node.processes import check_alive, drain, first_dead, stop_processes
+from vexpert_runtime.node.processes import (
+    check_alive,
+    drain,
+    first_dead,
+    stop_processes,
+    terminal_interrupt_held,
+)
 from vexpert_runtime.node.protocol import SharedState
 from vexpert_runtime.node.report import NodeOptions, NodeReport, Progress
 from vexpert_runtime.node.setup import NodeSetup, rendezvous_url, single_node_environment
@@ -211,7 +217,8 @@ class NodeRuntime:
         for local, rank in enumerate(self.setup.ranks):
             args = worker_args(self.setup, self.options, local, rendezvous, shared, results, self._controls[local])
             proc = ctx.Process(target=worker_main, args=(args,), name=f"vexpert-worker-{rank}", daemon=True)
-            proc.start()
+            with terminal_interrupt_held():
+                proc.start()
             procs.append(proc)
         return procs
 
@@ -385,7 +392,10 @@ class NodeRuntime:
             made = balance.next_plan(measured.counts)
             if made is not None:
                 self._publish_plan(made)
-            m.allocations_skipped.inc(balance.idle_windows - skipped)
+            if balance.idle_windows > skipped:  # the plan in effect was kept: a decay interval starts after the window
+                m.allocations_skipped.inc(balance.idle_windows - skipped)
+                balance.decay.kept(measured.end)
+                m.pool_hit_ratio.set(balance.pool_hit_ratio)
         self._sync_bytes()
         self._prune()
         if self.options.progress is not None:

@@ -720,7 +720,8 @@ def run_server(api: ServeApi, host: str, port: int) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        log.info("vexpert serve: stopping (draining for up to %.0f s)", api.config.drain_timeout_s)
+        print(f"vexpert serve: stopping: the requests in flight finish (up to {api.config.drain_timeout_s:.0f} s)",
+              file=sys.stderr, flush=True)
         await server.stop()
 
     asyncio.run(main())
