@@ -148,7 +148,9 @@ class NodeRuntime:
         workers = self.setup.local_workers
         if self._ready < workers:
             return f"{self._ready}/{workers} workers have loaded the model and joined the process group"
-        if self.history.completed == 0 and self.options.serve is None:  # a server iterates once requests come
+        # a server iterates once requests come; a count window (it may be handled before the reports
+        # of its iterations) also says iterations completed
+        if self.history.completed == 0 and not self.balance.windows and self.options.serve is None:
             return "waiting for the first iteration"
         return None
 
