@@ -80,6 +80,21 @@ def test_a_fused_mlp_and_its_originals_share_storage() -> None:
     assert mlp.gate_proj.weight[0, 0] == 42.0
 
 
+def test_a_linear_subclass_is_left_alone() -> None:
+    """e.g. transformers' FP8 linear: its weight is not the whole of what it multiplies by."""
+    class ScaledLinear(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2.0
+
+    model = _model("qwen3_moe")
+    attn = model.model.layers[0].self_attn
+    attn.k_proj = ScaledLinear(attn.k_proj.in_features, attn.k_proj.out_features, bias=False)
+    counts = fuse_model_projections(model)
+    assert counts["gqa_qkv"] == 2 and not hasattr(attn, "fused_qkv_proj")
+    with pytest.raises(ValueError, match=r"plain nn\.Linear"):
+        fuse_linears([attn.q_proj, attn.k_proj])
+
+
 def test_projections_of_different_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="input widths"):
         fuse_linears([torch.nn.Linear(4, 3), torch.nn.Linear(5, 3)])

@@ -12,7 +12,9 @@ concatenated weights and splits the output:
 * GQA (Qwen): ``q_proj``, ``k_proj``, ``v_proj`` (with their biases, Qwen2) → ``attn.fused_qkv_proj``;
 * SwiGLU MLPs (shared experts, dense layers): ``gate_proj`` and ``up_proj`` → :class:`GateUpMLP`.
 
-Each output column is the same dot product as before (only the GEMM's tiling may differ). The original
+Only plain ``nn.Linear`` modules are fused: a subclass (transformers' FP8 linear with its block scales,
+a quantized or LoRA layer) computes more than ``x @ Wᵀ + b`` and is left as it is. Each output column is
+the same dot product as before (only the GEMM's tiling may differ). The original
 ``Linear`` modules stay, their weights now views into the fused one (no second copy), so anything that
 calls them still works.
 """
@@ -31,6 +33,8 @@ from vexpert_runtime.serve.sparse_blocks import decoder_layers
 def fuse_linears(linears: Sequence[nn.Linear]) -> nn.Linear:
     """One ``Linear`` whose output is the concatenation of ``linears``' outputs (same input width;
     all with a bias or none); each original's weight and bias become views into it."""
+    if any(type(layer) is not nn.Linear for layer in linears):
+        raise ValueError(f"only plain nn.Linear fuses, got {sorted({type(layer).__name__ for layer in linears})}")
     widths = {layer.in_features for layer in linears}
     biased = {layer.bias is not None for layer in linears}
     if len(widths) != 1 or len(biased) != 1:
@@ -65,9 +69,12 @@ class GateUpMLP(nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
+def _plain_linears(module: Any, names: tuple[str, ...]) -> bool:
+    return all(type(getattr(module, name, None)) is nn.Linear for name in names)
+
+
 def _is_swiglu_mlp(module: Any) -> bool:
-    return all(isinstance(getattr(module, name, None), nn.Linear) for name in ("gate_proj", "up_proj", "down_proj")) \
-        and callable(getattr(module, "act_fn", None))
+    return _plain_linears(module, ("gate_proj", "up_proj", "down_proj")) and callable(getattr(module, "act_fn", None))
 
 
 def fuse_model_projections(model: Any) -> dict[str, int]:
@@ -76,10 +83,10 @@ def fuse_model_projections(model: Any) -> dict[str, int]:
     counts = {"mla_a": 0, "gqa_qkv": 0, "mlp_gate_up": 0}
     for layer in decoder_layers(model):
         attn = layer.self_attn
-        if getattr(attn, "q_a_proj", None) is not None and hasattr(attn, "kv_a_proj_with_mqa"):
+        if _plain_linears(attn, ("q_a_proj", "kv_a_proj_with_mqa")):
             attn.fused_a_proj = fuse_linears([attn.q_a_proj, attn.kv_a_proj_with_mqa])
             counts["mla_a"] += 1
-        elif all(isinstance(getattr(attn, name, None), nn.Linear) for name in ("q_proj", "k_proj", "v_proj")):
+        elif _plain_linears(attn, ("q_proj", "k_proj", "v_proj")):
             attn.fused_qkv_proj = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
             counts["gqa_qkv"] += 1
         mlp = layer.mlp
