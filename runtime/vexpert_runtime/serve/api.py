@@ -306,10 +306,9 @@ class _RequestTimer:
         if tokens:
             if self.last is None:
                 self.metrics.ttft.observe(now - self.start)
-                self.metrics.itl.observe(0.0, tokens - 1)
             else:
                 self.metrics.itl.observe(now - self.last)
-                self.metrics.itl.observe(0.0, tokens - 1)
+            self.metrics.itl.observe(0.0, tokens - 1)
             self.last = now
             self.metrics.generation_tokens.inc(tokens)
         last = batch[-1]
