@@ -128,6 +128,7 @@ class NodeRuntime:
         self._procs: list[Any] = []
         self._ready = self._done = 0
         self._bytes_reported = 0
+        self._last_degraded = False  # whether the last iteration every local worker finished ran degraded
         self._metrics_port: int | None = None
 
     # -- public -----------------------------------------------------------------------------
@@ -363,6 +364,7 @@ class NodeRuntime:
             m.step_time.observe(record.step_s)
             m.iterations.inc()
             m.plan_id.set(msg.plan_ids[0] if msg.plan_ids else 0)
+            self._last_degraded = record.degraded_groups > 0
             if record.degraded_groups:
                 m.degraded_groups.inc(record.degraded_groups)
                 # here too: a batch's window is handled before its iteration reports, so the
@@ -386,7 +388,10 @@ class NodeRuntime:
         m.balance_decay.set(balance.decay.value)
         m.set_layers(m.balance, measured.measured.mean(0).tolist())
         m.set_layers(m.static_balance, measured.static.mean(0).tolist())
-        m.degraded.set(1 if any(r.degraded_groups for r in recent) or self.coordinator.degraded else 0)
+        # the window often reaches the supervisor before its iterations' reports (``recent`` partial
+        # or empty): the last completed iteration speaks for the node until they arrive
+        degraded = self._last_degraded or any(r.degraded_groups for r in recent) or self.coordinator.degraded
+        m.degraded.set(1 if degraded else 0)
         rate = self.history.recent_rate(measured.end)
         m.tokens_per_second.set(rate)
         if allocate and self.options.allocate:
