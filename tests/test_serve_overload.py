@@ -127,9 +127,9 @@ async def _single(url: str) -> tuple[int, str | None, str]:
 
 def test_a_killed_worker_fails_requests_with_a_clean_503_and_the_server_exits(tmp_path: Path) -> None:
     proc, url, log = _serve(tmp_path, "--max-running", "8")
-    children = _children(proc.pid)
+    children = _descendants(proc.pid)
     spawned = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    assert len(spawned) >= 3, spawned  # coordinator + 2 workers (any one of the workers is the victim)
+    assert len(spawned) >= 4, spawned  # the node process, its coordinator and 2 workers (one is the victim)
 
     async def main() -> tuple[list[tuple[int, str]], float, list[int]]:
         timeout = aiohttp.ClientTimeout(total=90)
@@ -178,5 +178,20 @@ def test_a_killed_worker_fails_requests_with_a_clean_503_and_the_server_exits(tm
           f" later requests {later}")
 
 
-def _worker_pids(pid: int) -> list[int]:
+def _spawned(pid: int) -> list[int]:
+    """``pid``'s children that multiprocessing spawned (not the resource tracker), oldest first."""
     return [p for p in _children(pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def _descendants(pid: int) -> list[int]:
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in _children(parent)]
+        found += frontier
+    return found
+
+
+def _worker_pids(pid: int) -> list[int]:
+    """The server's node process spawns the workers, then the coordinator."""
+    (node,) = _spawned(pid)
+    return _spawned(node)

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,7 +21,8 @@ from vexpert_runtime.model.expert_layout import CPU_EXPERT_KERNELS
 
 if TYPE_CHECKING:  # imported where used: `vexpert --help` and the other commands stay free of torch
     from vexpert_runtime.config import RuntimeConfig
-    from vexpert_runtime.node import NodeRuntime, NodeSetup
+    from vexpert_runtime.node import NodeSetup
+    from vexpert_runtime.node.runtime_process import NodeProcess
     from vexpert_runtime.serve.api import ServeApi
     from vexpert_runtime.serve.multirank import MultiRankDispatcher
     from vexpert_runtime.serve.scheduler import SchedulerConfig
@@ -217,42 +217,6 @@ def _resolve_served(args: argparse.Namespace, config: RuntimeConfig) -> _Served:
     )
 
 
-class _NodeThread:
-    """The node runtime on a daemon thread beside the HTTP server (which owns the main thread).
-
-    When the node fails, the running requests fail with it and the process gets SIGTERM: the server
-    then stops the way it does for a pod deletion, and :func:`run` exits 1."""
-
-    def __init__(self, runtime: NodeRuntime) -> None:
-        self.runtime = runtime
-        self.failure: BaseException | None = None
-        self.dispatcher: MultiRankDispatcher | None = None  # set before start: failures reach the requests
-        self._thread = threading.Thread(target=self._run, name="vexpert-node", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            self.runtime.run()
-        except BaseException as exc:  # the node is down: fail what runs, stop serving (exit 1)
-            self.failure = exc
-            _log(f"node failed: {exc}")
-            if self.dispatcher is not None:
-                self.dispatcher.fail_all(f"the node failed: {exc}")
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    def readiness(self) -> str | None:
-        """Why the node cannot take requests now (None: it can)."""
-        if self.failure is not None:
-            return f"node failed: {self.failure}"
-        return self.runtime.readiness()
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self.runtime.request_stop()
-        self._thread.join(timeout=60.0)
-
-
 def _start_message(served: _Served, args: argparse.Namespace, api_key: str | None) -> str:
     setup = served.setup
     what = "the embedded demo model" if served.demo else served.model_dir
@@ -263,7 +227,7 @@ def _start_message(served: _Served, args: argparse.Namespace, api_key: str | Non
 
 
 def _build_api(served: _Served, args: argparse.Namespace, api_key: str | None, dispatcher: MultiRankDispatcher,
-               runtime: NodeRuntime) -> ServeApi:
+               node: NodeProcess) -> ServeApi:
     """The HTTP API over the dispatcher, with the checkpoint's tokenizer and the node's metrics."""
     from transformers import AutoTokenizer
 
@@ -273,13 +237,14 @@ def _build_api(served: _Served, args: argparse.Namespace, api_key: str | None, d
     vocab = int(served.model_config.get("vocab_size", len(tokenizer)))
     api_config = ApiConfig(served.name, served.max_context, vocab, args.drain_timeout, api_key=api_key,
                            header_timeout_s=args.header_timeout)
-    return ServeApi(dispatcher, tokenizer, api_config, registry=runtime.metrics.registry)
+    return ServeApi(dispatcher, tokenizer, api_config, node_metrics=node.metrics_text)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from vexpert_runtime.node import NodeOptions, NodeRuntime
+    from vexpert_runtime.node import NodeOptions
+    from vexpert_runtime.node.runtime_process import NodeProcess
     from vexpert_runtime.serve.api import run_server
     from vexpert_runtime.serve.multirank import MultiRankDispatcher
     from vexpert_runtime.serve.rank import ServeWorkerArgs
@@ -301,13 +266,22 @@ def run(args: argparse.Namespace) -> int:
                for inbound in requests],
         log=_log,
     )
-    node = _NodeThread(NodeRuntime(setup, options))
-    dispatcher = MultiRankDispatcher(requests, events, args.max_waiting, node.readiness, node.runtime.request_stop)
-    node.dispatcher = dispatcher
-    api = _build_api(served, args, api_key, dispatcher, node.runtime)
-    _log(_start_message(served, args, api_key))
-    node.start()
+    dispatcher: MultiRankDispatcher | None = None
+
+    def node_failed(message: str) -> None:  # on the node's reader thread: fail what runs, stop serving (exit 1)
+        _log(f"node failed: {message}")
+        if dispatcher is not None:
+            dispatcher.fail_all(f"the node failed: {message}")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    # the supervisor and the allocator in a process of their own: the API process's one GIL is the
+    # HTTP loop's, the tokenizer's and the ranks' events' (node/runtime_process.py says why)
+    node = NodeProcess(ctx, setup, options, on_failure=node_failed)
+    node.start()  # its workers load the model while this process loads the tokenizer
+    dispatcher = MultiRankDispatcher(requests, events, args.max_waiting, node.readiness, node.request_stop)
     try:
+        api = _build_api(served, args, api_key, dispatcher, node)
+        _log(_start_message(served, args, api_key))
         run_server(api, args.host, args.port)
     finally:
         node.stop()

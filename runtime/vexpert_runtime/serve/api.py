@@ -350,9 +350,14 @@ class ServeApi:
     """The request handlers over a :class:`Dispatcher`; :meth:`app` builds the aiohttp app."""
 
     def __init__(
-        self, dispatcher: Dispatcher, tokenizer: Any, config: ApiConfig, registry: CollectorRegistry | None = None
+        self, dispatcher: Dispatcher, tokenizer: Any, config: ApiConfig, registry: CollectorRegistry | None = None,
+        node_metrics: Callable[[], bytes] | None = None,
     ) -> None:
+        """``registry``: where the API's series go (a new one if None); ``node_metrics``: the node's
+        own exposition, appended on ``/metrics`` (it runs in another process: a blocking call, made
+        off the event loop)."""
         self.dispatcher = dispatcher
+        self.node_metrics = node_metrics
         self.tokenizer = tokenizer  # the tokenizer thread's (long prompts)
         # the event loop's own copy (short prompts): a Hugging Face fast tokenizer is not safe to share
         # across threads — its encode reconfigures the Rust tokenizer, which another thread may be running
@@ -462,7 +467,10 @@ class ServeApi:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         self.metrics.refresh(self.dispatcher.loads())
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        body = generate_latest(self.metrics.registry)
+        if self.node_metrics is not None:
+            body += await asyncio.get_running_loop().run_in_executor(None, self.node_metrics)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # ---- request parsing --------------------------------------------------------------------
 
