@@ -22,7 +22,9 @@ tokens streamed inside the measured window (the ``--duration`` s after the warm-
 weighted by ``usage.completion_tokens`` / chunks of its request, or 1 token per chunk without usage) → output
 tokens/s; per request sent inside the window: TTFT (send → first token chunk) and ITL (first → last token
 chunk over completion_tokens − 1, i.e. the mean time per output token after the first); also the mean gap
-between token chunks (``chunk_gap_ms_mean``).
+between token chunks (``chunk_gap_ms_mean``) and each server process's CPU time in the window per request sent
+in it (``process_cpu_ms_per_request``, by place in the process tree: ``0`` the server's own process, ``0.1`` its
+first child, ...).
 
 Set-up of vLLM's CPU build (its own venv, outside the repo; torch first or pip pulls the CUDA build)::
 
@@ -233,13 +235,48 @@ class Request:
     prompt_tokens: int | None = None
 
 
+def process_tree_cpu(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of ``root`` and its descendants (not multiprocessing's resource
+    tracker), named by place: ``0`` the root, ``0.1`` its first child (by start time), ``0.1.2`` that
+    child's second, ..."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"resource_tracker" in (entry / "cmdline").read_bytes():
+                    continue
+                stats[int(entry.name)] = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+    found: dict[str, float] = {}
+    frontier = [("0", root)]
+    while frontier:
+        place, pid = frontier.pop()
+        if pid not in stats:
+            continue
+        found[place] = (int(stats[pid][11]) + int(stats[pid][12])) / ticks  # fields 14, 15: utime, stime
+        children = sorted((p for p, f in stats.items() if int(f[1]) == pid), key=lambda p: int(stats[p][19]))
+        frontier += [(f"{place}.{i + 1}", child) for i, child in enumerate(children)]
+    return found
+
+
 async def load(url: str, prompts: list[str], concurrency: int, warmup: float, duration: float,
-               max_tokens: int) -> dict[str, Any]:
-    """Closed-loop streaming clients; the window ``[start + warmup, start + warmup + duration]`` is measured."""
+               max_tokens: int, server_pid: int | None = None) -> dict[str, Any]:
+    """Closed-loop streaming clients; the window ``[start + warmup, start + warmup + duration]`` is measured
+    (with ``server_pid``: also the CPU time each of the server's processes spent in it)."""
     import aiohttp
 
     start = time.perf_counter()
     window = (start + warmup, start + warmup + duration)
+    cpu_marks: list[dict[str, float]] = []
+
+    async def mark_cpu() -> None:
+        if server_pid is None:
+            return
+        for edge in window:
+            await asyncio.sleep(max(0.0, edge - time.perf_counter()))
+            cpu_marks.append(process_tree_cpu(server_pid))
     requests: list[Request] = []
     errors: list[str] = []
     counter = 0
@@ -277,7 +314,7 @@ async def load(url: str, prompts: list[str], concurrency: int, warmup: float, du
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     connector = aiohttp.TCPConnector(limit=concurrency + 4)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+        await asyncio.gather(mark_cpu(), *(client(session) for _ in range(concurrency)))
 
     tokens_in_window = 0.0
     with_usage = 0
@@ -310,8 +347,13 @@ async def load(url: str, prompts: list[str], concurrency: int, warmup: float, du
             return round(1000 * statistics.fmean(values), 2)
         return round(1000 * sorted(values)[int(q * (len(values) - 1))], 2)
 
+    cpu_ms_per_request: dict[str, float] = {}
+    if len(cpu_marks) == 2 and ttft:  # per process (by place in the tree): CPU ms per request sent in the window
+        cpu_ms_per_request = {place: round(1000 * (cpu_marks[1][place] - cpu_marks[0].get(place, 0.0)) / len(ttft), 3)
+                              for place in sorted(cpu_marks[1])}
     return {
         "output_tokens_per_s": round(tokens_in_window / duration, 2),
+        "process_cpu_ms_per_request": cpu_ms_per_request,
         "ttft_ms_mean": ms(ttft), "ttft_ms_p50": ms(ttft, 0.5), "ttft_ms_p90": ms(ttft, 0.9),
         "itl_ms_mean": ms(itl), "itl_ms_p50": ms(itl, 0.5), "itl_ms_p90": ms(itl, 0.9),
         "chunk_gap_ms_mean": ms(gaps),
@@ -343,7 +385,7 @@ def run_server(name: str, model: Path, prompts: list[str], args: argparse.Namesp
         result["startup_s"] = round(wait_healthy(proc, url, log, args.startup_timeout), 1)
         print(f"[{name}] healthy after {result['startup_s']} s; loading", flush=True)
         result.update(asyncio.run(load(url, prompts, args.concurrency, args.warmup, args.duration,
-                                       args.max_tokens)))
+                                       args.max_tokens, proc.pid)))
         result["ok"] = result["requests_in_window"] > 0
     except Exception as exc:  # a server that fails is reported; the others still run
         result["ok"] = False
