@@ -51,7 +51,7 @@ from vexpert_runtime.ports import free_port
 from vexpert_runtime.serve.demo_model import ensure_demo_model
 
 
-def rank_process(requests: Any, events: Any, model_dir: str, tick_s: float, streams: int) -> None:
+def rank_process(requests: Any, events: Any, model_dir: str, tick_s: float, streams: int, stream_interval: int = 1) -> None:
     """A rank: the product's message handling and scheduler, a model that computes nothing, one
     iteration per ``tick_s`` (an idle rank waits for requests as the serving loop does)."""
     from transformers import AutoTokenizer
@@ -64,7 +64,7 @@ def rank_process(requests: Any, events: Any, model_dir: str, tick_s: float, stre
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     config = SchedulerConfig(kv_budget_tokens=None, max_batch_tokens=max(512, 2 * streams), max_running=streams,
-                             max_waiting=2 * streams)
+                             max_waiting=2 * streams, stream_interval=stream_interval)
     model = HostOnlyStepModel(len(tokenizer), 2048, config.max_batch_tokens, streams, streams * 10 + 2)
     # ServingRank's constructor loads a checkpoint; its queue / event / load methods need only these fields
     rank = ServingRank.__new__(ServingRank)
@@ -146,8 +146,8 @@ def run(args: argparse.Namespace, streams: int, model_dir: Path, workdir: Path) 
     requests, events = context.Queue(), context.Queue()
     port = free_port()
     profile_out = str(workdir / f"api_{streams}.prof") if args.profile else None
-    rank = context.Process(target=rank_process, args=(requests, events, str(model_dir), args.tick_ms / 1e3, streams),
-                           daemon=True)
+    rank = context.Process(target=rank_process, daemon=True,
+                           args=(requests, events, str(model_dir), args.tick_ms / 1e3, streams, args.stream_interval))
     api = context.Process(target=api_process, args=(port, requests, events, str(model_dir), profile_out))
     rank.start()
     api.start()
@@ -175,7 +175,8 @@ def run(args: argparse.Namespace, streams: int, model_dir: Path, workdir: Path) 
         rank.terminate()
         rank.join(10)
     served = max(served, 1.0)
-    result.update({"streams": streams, "tick_ms": args.tick_ms, "offered_tokens_per_s": round(streams / args.tick_ms * 1e3),
+    result.update({"streams": streams, "stream_interval": args.stream_interval, "tick_ms": args.tick_ms,
+                   "offered_tokens_per_s": round(streams / args.tick_ms * 1e3),
                    "api_cpu_share": round(api_cpu / wall, 2), "api_cpu_ms_per_request": round(api_cpu / served * 1e3, 3),
                    "requests_served": int(served)})
     if args.pyspy:
@@ -195,6 +196,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--client-processes", type=int, default=1)
+    parser.add_argument("--stream-interval", type=int, default=1, help="vexpert serve --stream-interval")
     parser.add_argument("--profile", action="store_true", help="cProfile the API process (slower)")
     parser.add_argument("--pyspy", type=float, default=0.0, help="seconds of py-spy sampling of the API process")
     parser.add_argument("--out", type=Path, help="append the results as JSON lines")

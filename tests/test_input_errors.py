@@ -49,6 +49,8 @@ def test_cpu_workers_below_one_says_how_to_fix_it(argv: list[str], capsys: pytes
 def test_demo_and_simulate_bounds_say_how_to_fix_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cli(["demo", "--workers", "0"], capsys)["fix"].startswith("pass --workers 1 or more")
     assert run_cli(["serve", "--port", "70000"], capsys)["field"] == "--port"
+    interval = run_cli(["serve", "--stream-interval", "0"], capsys)
+    assert interval["field"] == "--stream-interval" and interval["fix"].startswith("pass --stream-interval 1 or more")
 
 
 INDENT_TYPO = "runtime:\n  device: cpu\n   metrics_port: 0\n"  # line 3 indented one space too far

@@ -743,3 +743,32 @@ def test_a_tokenizer_that_cannot_be_copied_leaves_every_prompt_to_the_tokenizer_
         assert ids == list(tokenizer.encode(PROMPT))
     finally:
         api.close()
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_stream_interval_sends_the_first_token_at_once_then_every_nth_and_the_rest_with_the_finish(
+        interval: int) -> None:
+    """``stream_interval`` 3: 10 tokens as events of 1 (the first: time to first token), 3, 3, then the
+    last 3 with the finish; 1: one event a token. The text and token counts add up to the same either
+    way, and a cancel hands the held text over with the abort."""
+    model = _RandomModel()
+    config = SchedulerConfig(kv_budget_tokens=None, max_batch_tokens=8, max_running=2, stream_interval=interval)
+    scheduler = Scheduler(model, _Tok(), config)
+    events: list[Event] = []
+    scheduler.submit(_request("a", 3, 10), events.append)
+    scheduler.submit(_request("b", 3, 50), events.append)
+    for _ in range(12):
+        scheduler.run_iteration()
+    a = [e for e in events if e.request_id == "a"]
+    expected = [1] * 10 if interval == 1 else [1, 3, 3, 3]
+    assert [e.new_tokens for e in a] == expected and a[-1].finish_reason == "length"
+    assert a[-1].completion_tokens == 10 and len("".join(e.text for e in a)) == 10
+    b_before = [e for e in events if e.request_id == "b"]
+    scheduler.cancel("b")
+    scheduler.run_iteration()
+    b = [e for e in events if e.request_id == "b"]
+    assert b[-1].finish_reason == "abort" and len(b) == len(b_before) + 1
+    produced = sum(e.new_tokens for e in b)
+    assert produced == b[-1].completion_tokens and len("".join(e.text for e in b)) == produced
+    with pytest.raises(VExpertInputError, match="stream_interval"):
+        SchedulerConfig(kv_budget_tokens=None, stream_interval=0).check(64)

@@ -70,6 +70,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--header-timeout", type=float, default=15.0,
                         help="seconds a connection gets to send a request's headers (and to stay idle between "
                              "requests) before it is closed: a slow client cannot hold connections open")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="send a stream's tokens every N tokens (its first at once, its last with the finish): "
+                             "fewer, larger SSE chunks cost the API process less at hundreds of streams; 1 sends "
+                             "every token (default; benchmarks/README.md has the measured trade-off)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
     parser.add_argument("--overlap-steps", choices=("auto", "on", "off"), default="auto",
                         help="form iteration i+1 while the device runs iteration i (auto: with CUDA graphs; on CPU "
@@ -150,6 +154,7 @@ def _checked_api_key(args: argparse.Namespace) -> str | None:
     from vexpert_runtime.errors import CPU_WORKERS_MEANING, VExpertInputError, require_at_least
 
     require_at_least("--cpu-workers", args.cpu_workers, 1, CPU_WORKERS_MEANING)
+    require_at_least("--stream-interval", args.stream_interval, 1, "tokens per streamed event (1: every token)")
     if not 0 <= args.port <= 65535:
         raise VExpertInputError("--port", f"{args.port} is not a TCP port", "pass 1–65535 (0: any free port)")
     if not args.header_timeout > 0:  # also NaN
@@ -207,7 +212,8 @@ def _resolve_served(args: argparse.Namespace, config: RuntimeConfig) -> _Served:
         kv_tokens = 8 * max_context
     max_running, max_batch_tokens = resolve_batch_limits(args.max_running, args.max_batch_tokens, setup.device)
     scheduler = SchedulerConfig(kv_budget_tokens=kv_tokens, max_batch_tokens=max_batch_tokens,
-                                max_running=max_running, max_waiting=args.max_waiting)
+                                max_running=max_running, max_waiting=args.max_waiting,
+                                stream_interval=args.stream_interval)
     scheduler.check(max_context)  # refuse impossible limits before any process starts
     return _Served(
         model_dir=model_dir, demo=demo, name=args.served_model_name or (DEMO_NAME if demo else model_dir.name),

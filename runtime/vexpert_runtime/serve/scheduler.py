@@ -58,13 +58,17 @@ class SchedulerConfig:
     ``kv_budget_tokens``: KV-cache tokens the rank may hold (all sequences; the model's cache may
     hold fewer, and then bounds it); ``max_batch_tokens``:
     tokens run per iteration (prompt chunks + decodes); ``max_running``: sequences in the batch;
-    ``max_waiting``: queued requests beyond which ``submit`` refuses with 429.
+    ``max_waiting``: queued requests beyond which ``submit`` refuses with 429; ``stream_interval``:
+    a request's tokens go out as one event every this many (its first at once, its last with the
+    finish): fewer, larger events and SSE chunks for the API process at hundreds of streams, for
+    chunkier streams (SGLang's ``--stream-interval``; 1 sends every token).
     """
 
     kv_budget_tokens: int | None  # None: every block of the model's cache
     max_batch_tokens: int = 512
     max_running: int = 64
     max_waiting: int = 256
+    stream_interval: int = 1
 
     def check(self, max_context: int, capacity_tokens: int | None = None) -> None:
         """Raise :class:`VExpertInputError` for limits that could never serve a valid request
@@ -79,6 +83,9 @@ class SchedulerConfig:
             )
         if self.max_running < 1 or self.max_waiting < 0:
             raise VExpertInputError("max_running", "must be ≥ 1 (and max_waiting ≥ 0)")
+        if self.stream_interval < 1:
+            raise VExpertInputError("stream_interval", f"{self.stream_interval} is not ≥ 1",
+                                    "tokens per streamed event: 1 sends every token, e.g. 4 sends every fourth")
         if self.max_batch_tokens < self.max_running:
             # every running sequence decodes one token per iteration; the budget must fit them all
             raise VExpertInputError(
@@ -117,6 +124,8 @@ class _Sequence:
     holds_blocks: bool = False  # reserved in the pool (from admission until released)
     finished: bool = False
     table: tuple[int, ...] = ()  # its block table as last sent (one tuple per growth, not per iteration)
+    unsent_text: str = ""  # produced, held for the next event (stream_interval > 1)
+    unsent_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_ids)
@@ -181,6 +190,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.config = config
         self.eos_ids = eos_ids
+        self._stream_interval = config.stream_interval  # read per token
         self._lock = threading.Lock()
         self._inbox: list[tuple[GenerationRequest, EventSink]] = []
         self._cancels: set[str] = set()
@@ -426,8 +436,16 @@ class Scheduler:
             tail, stopped = seq.stop.push(seq.detokenizer.flush())
             text += tail if stopped else tail + seq.stop.flush()
             self._finish(seq, "stop" if stopped else "length", text=text)
-        else:
+        elif self._stream_interval == 1:
             self._send(seq, Event(seq.request.request_id, text=text, new_tokens=1))
+        else:  # the first token at once (time to first token), then every stream_interval-th
+            held = seq.unsent_tokens + 1
+            if held >= self._stream_interval or len(output) == 1:
+                self._send(seq, Event(seq.request.request_id, text=seq.unsent_text + text, new_tokens=held))
+                seq.unsent_text, seq.unsent_tokens = "", 0
+            else:
+                seq.unsent_text += text
+                seq.unsent_tokens = held
 
     def _flush_text(self, seq: _Sequence) -> str:
         """Text held back (partial character, possible stop-string prefix) when a sequence ends."""
@@ -446,12 +464,13 @@ class Scheduler:
         else:
             with contextlib.suppress(ValueError):  # already out of the queue
                 self._waiting.remove(seq)
-        produced = 1 if reason in ("stop", "length") and seq.output else 0
+        # the finishing token (stop, length), after the tokens held for the next event
+        produced = seq.unsent_tokens + (1 if reason in ("stop", "length") and seq.output else 0)
         self._send(
             seq,
             Event(
                 seq.request.request_id,
-                text=text,
+                text=seq.unsent_text + text,
                 new_tokens=produced,
                 finish_reason=reason,
                 prompt_tokens=seq.prompt_len,
