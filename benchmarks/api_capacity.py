@@ -72,7 +72,7 @@ def rank_process(requests: Any, events: Any, model_dir: str, tick_s: float, stre
     rank.rank, rank.world = 0, 1
     rank.scheduler = Scheduler(model, tokenizer, replace(config, max_waiting=config.max_running + config.max_waiting),
                                eos_token_ids(tokenizer))
-    rank._outbox, rank._accepted, rank._reported, rank._reported_at = [], [], None, 0.0
+    rank._init_outboxes(events)
     events.put(RankCapacity(0, config.max_running, config.max_waiting))
     next_at = time.perf_counter()
     while True:

@@ -49,6 +49,9 @@ def test_cpu_workers_below_one_says_how_to_fix_it(argv: list[str], capsys: pytes
 def test_demo_and_simulate_bounds_say_how_to_fix_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cli(["demo", "--workers", "0"], capsys)["fix"].startswith("pass --workers 1 or more")
     assert run_cli(["serve", "--port", "70000"], capsys)["field"] == "--port"
+    shared = run_cli(["serve", "--api-servers", "2", "--port", "0"], capsys)
+    assert shared["field"] == "--port" and "--api-servers 1" in shared["fix"]
+    assert run_cli(["serve", "--api-servers", "0"], capsys)["field"] == "--api-servers"
     interval = run_cli(["serve", "--stream-interval", "0"], capsys)
     assert interval["field"] == "--stream-interval" and interval["fix"].startswith("pass --stream-interval 1 or more")
 

@@ -542,8 +542,8 @@ def test_what_crosses_process_boundaries_pickles() -> None:
 
 def test_a_ranks_iteration_reaches_the_api_as_one_message(hf_model: Any, tokenizer: Any) -> None:
     """Per iteration a rank sends one RankEvent with its events, the requests it queued and its
-    load (each message wakes the API's reader thread); the dispatcher answers ``submit`` from the
-    acceptances in it, then routes the events, then takes the load."""
+    load (each message wakes the API's reader thread); the dispatcher takes the load, answers
+    ``submit`` from the acceptances in it, then routes the events."""
     import queue as queue_module
 
     from vexpert_runtime.serve.events import RankEvent, RankLoad
@@ -555,7 +555,8 @@ def test_a_ranks_iteration_reaches_the_api_as_one_message(hf_model: Any, tokeniz
     events: queue_module.Queue[Any] = queue_module.Queue()
     rank = ServingRank.__new__(ServingRank)  # its constructor loads a model; the message methods need these
     rank.args = type("Args", (), {"requests": requests, "events": events})()  # type: ignore[assignment]
-    rank.rank, rank.world, rank._outbox, rank._accepted, rank._reported, rank._reported_at = 0, 1, [], [], None, 0.0
+    rank.rank, rank.world = 0, 1
+    rank._init_outboxes(events)
     rank.scheduler = Scheduler(RecomputeStepModel(hf_model, MAX_CONTEXT), tokenizer, SchedulerConfig(None, 64, 4, 4), [])
     requests.put(_request("r1", 3, 2))
     rank.take_requests()
@@ -593,6 +594,49 @@ def test_a_ranks_iteration_reaches_the_api_as_one_message(hf_model: Any, tokeniz
             await dispatcher.shutdown(0.1)
 
     asyncio.run(dispatch())
+
+
+def test_with_two_api_servers_a_rank_answers_each_request_to_the_server_that_sent_it(hf_model: Any,
+                                                                                   tokenizer: Any) -> None:
+    """Acceptances, events and refusals go to the sending server's queue; the load to every server."""
+    import dataclasses
+    import queue as queue_module
+
+    from vexpert_runtime.serve.dispatcher import RankRefused
+    from vexpert_runtime.serve.events import RankEvent
+    from vexpert_runtime.serve.rank import ServingRank
+    from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
+
+    requests: queue_module.Queue[Any] = queue_module.Queue()
+    servers: list[queue_module.Queue[Any]] = [queue_module.Queue(), queue_module.Queue()]
+    rank = ServingRank.__new__(ServingRank)  # its constructor loads a model; the message methods need these
+    rank.args = type("Args", (), {"requests": requests, "events": servers})()  # type: ignore[assignment]
+    rank.rank, rank.world = 0, 1
+    rank._init_outboxes(servers)
+    rank.scheduler = Scheduler(RecomputeStepModel(hf_model, MAX_CONTEXT), tokenizer, SchedulerConfig(None, 64, 4, 3), [])
+    for rid, server in (("a", 0), ("b", 1), ("c", 1), ("full", 1)):  # 3 may wait: the fourth is refused (429)
+        requests.put(dataclasses.replace(_request(rid, 3, 2), reply_to=server))
+    rank.take_requests()
+    got: list[list[Any]] = [[], []]
+    for server, box in enumerate(servers):
+        while not box.empty():
+            got[server].append(box.get_nowait())
+    assert [m.accepted for m in got[0] if isinstance(m, RankEvent)] == [("a",)]
+    assert [m.accepted for m in got[1] if isinstance(m, RankEvent)] == [("b", "c")]
+    assert [m.request_id for m in got[1] if isinstance(m, RankRefused)] == ["full"] and not any(
+        isinstance(m, RankRefused) for m in got[0])
+    finished: list[set[str]] = [set(), set()]
+    loads = [0, 0]
+    while rank.has_work():
+        rank.scheduler.run_iteration()
+        rank.flush_events(with_load=True)
+        for server, box in enumerate(servers):
+            while not box.empty():
+                message = box.get_nowait()
+                finished[server] |= {e.request_id for e in message.events if e.finished}
+                loads[server] += message.load is not None
+    assert finished == [{"a"}, {"b", "c"}] and loads[0] == loads[1] > 0
+    assert rank._reply_to == {}  # forgotten once finished (or refused)
 
 
 # ---- sampling pieces --------------------------------------------------------------------------

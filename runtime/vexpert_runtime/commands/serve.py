@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,8 +24,7 @@ from vexpert_runtime.model.expert_layout import CPU_EXPERT_KERNELS
 if TYPE_CHECKING:  # imported where used: `vexpert --help` and the other commands stay free of torch
     from vexpert_runtime.config import RuntimeConfig
     from vexpert_runtime.node import NodeSetup
-    from vexpert_runtime.node.runtime_process import NodeProcess
-    from vexpert_runtime.serve.api import ServeApi
+    from vexpert_runtime.serve.api import ApiConfig
     from vexpert_runtime.serve.multirank import MultiRankDispatcher
     from vexpert_runtime.serve.scheduler import SchedulerConfig
 
@@ -70,6 +71,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--header-timeout", type=float, default=15.0,
                         help="seconds a connection gets to send a request's headers (and to stay idle between "
                              "requests) before it is closed: a slow client cannot hold connections open")
+    parser.add_argument("--api-servers", type=int, default=1,
+                        help="API server processes sharing --port (SO_REUSEPORT; each tokenizes and streams its own "
+                             "connections' requests): one interpreter per server, for hundreds of streams "
+                             "(vLLM's --api-server-count)")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="send a stream's tokens every N tokens (its first at once, its last with the finish): "
                              "fewer, larger SSE chunks cost the API process less at hundreds of streams; 1 sends "
@@ -155,6 +160,10 @@ def _checked_api_key(args: argparse.Namespace) -> str | None:
 
     require_at_least("--cpu-workers", args.cpu_workers, 1, CPU_WORKERS_MEANING)
     require_at_least("--stream-interval", args.stream_interval, 1, "tokens per streamed event (1: every token)")
+    require_at_least("--api-servers", args.api_servers, 1, "API server processes sharing the port")
+    if args.api_servers > 1 and args.port == 0:
+        raise VExpertInputError("--port", "0 (any free port) cannot be shared by several API servers",
+                                "pass a port, or --api-servers 1")
     if not 0 <= args.port <= 65535:
         raise VExpertInputError("--port", f"{args.port} is not a TCP port", "pass 1–65535 (0: any free port)")
     if not args.header_timeout > 0:  # also NaN
@@ -232,26 +241,26 @@ def _start_message(served: _Served, args: argparse.Namespace, api_key: str | Non
             f"experts, G·Vmax = {setup.slots} slots per rank; {access}")
 
 
-def _build_api(served: _Served, args: argparse.Namespace, api_key: str | None, dispatcher: MultiRankDispatcher,
-               node: NodeProcess) -> ServeApi:
-    """The HTTP API over the dispatcher, with the checkpoint's tokenizer and the node's metrics."""
+def _api_config(served: _Served, args: argparse.Namespace, api_key: str | None) -> tuple[ApiConfig, Any]:
+    """What every API server needs to know of the model, and this process's tokenizer."""
     from transformers import AutoTokenizer
 
-    from vexpert_runtime.serve.api import ApiConfig, ServeApi
+    from vexpert_runtime.serve.api import ApiConfig
 
     tokenizer = AutoTokenizer.from_pretrained(str(served.model_dir), local_files_only=True)
     vocab = int(served.model_config.get("vocab_size", len(tokenizer)))
-    api_config = ApiConfig(served.name, served.max_context, vocab, args.drain_timeout, api_key=api_key,
-                           header_timeout_s=args.header_timeout)
-    return ServeApi(dispatcher, tokenizer, api_config, node_metrics=node.metrics_text)
+    return ApiConfig(served.name, served.max_context, vocab, args.drain_timeout, api_key=api_key,
+                     header_timeout_s=args.header_timeout), tokenizer
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from vexpert_runtime.node import NodeOptions
-    from vexpert_runtime.node.runtime_process import NodeProcess
-    from vexpert_runtime.serve.api import run_server
+    from vexpert_runtime.node.runtime_process import NodeProcess, SharedNodeStatus
+    from vexpert_runtime.serve.api import ServeApi, run_server
+    from vexpert_runtime.serve.api_servers import ApiServerArgs, ApiServers
+    from vexpert_runtime.serve.metrics_share import MetricsShare
     from vexpert_runtime.serve.multirank import MultiRankDispatcher
     from vexpert_runtime.serve.rank import ServeWorkerArgs
     from vexpert_runtime.workload import Workload
@@ -259,13 +268,14 @@ def run(args: argparse.Namespace) -> int:
     api_key = _checked_api_key(args)
     served = _resolve_served(args, _runtime_config(args))
     setup = served.setup
+    servers = args.api_servers
     # spawn: CUDA cannot be initialised again in a forked child
     ctx = torch.multiprocessing.get_context("spawn")
-    events = ctx.Queue()
+    events = [ctx.Queue() for _ in range(servers)]  # one per API server: the ranks answer each its own
     requests = [ctx.Queue() for _ in range(setup.local_workers)]
     options = NodeOptions(
         workload=Workload(tokens_per_worker=served.scheduler.max_running),  # sizes the allocator's decode batch
-        serve=[ServeWorkerArgs(str(served.model_dir), served.scheduler, inbound, events,
+        serve=[ServeWorkerArgs(str(served.model_dir), served.scheduler, inbound, events if servers > 1 else events[0],
                                served.gpu_memory_utilization, ranks_per_gpu=setup.workers_per_gpu,
                                overlap_steps=_AUTO_ON_OFF[args.overlap_steps], compile=_AUTO_ON_OFF[args.compile],
                                cpu_expert_kernel=args.cpu_expert_kernel)
@@ -273,29 +283,58 @@ def run(args: argparse.Namespace) -> int:
         log=_log,
     )
     dispatcher: MultiRankDispatcher | None = None
+    others: ApiServers | None = None
+    api_failure: list[str] = []
 
     def node_failed(message: str) -> None:  # on the node's reader thread: fail what runs, stop serving (exit 1)
         _log(f"node failed: {message}")
+        if others is not None:
+            others.expect_exit()  # they fail their own requests and exit (shared status)
         if dispatcher is not None:
             dispatcher.fail_all(f"the node failed: {message}")
         os.kill(os.getpid(), signal.SIGTERM)
 
+    def api_server_died(line: str) -> None:  # the pod restarts: better than a port that drops connections
+        _log(f"{line}: stopping every API server and the node")
+        api_failure.append(line)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     # the supervisor and the allocator in a process of their own: the API process's one GIL is the
     # HTTP loop's, the tokenizer's and the ranks' events' (node/runtime_process.py says why)
-    node = NodeProcess(ctx, setup, options, on_failure=node_failed)
+    shared = SharedNodeStatus(ctx) if servers > 1 else None
+    node = NodeProcess(ctx, setup, options, on_failure=node_failed, shared=shared)
     node.start()  # its workers load the model while this process loads the tokenizer
-    dispatcher = MultiRankDispatcher(requests, events, args.max_waiting, node.readiness, node.request_stop)
+    # one API server: the drain's end stops the node; several: the node stops once all have drained
+    dispatcher = MultiRankDispatcher(requests, events[0], args.max_waiting, node.readiness,
+                                     node.request_stop if servers == 1 else lambda: None)
+    metrics_dir = tempfile.mkdtemp(prefix="vexpert-api-metrics-") if servers > 1 else None
     try:
-        api = _build_api(served, args, api_key, dispatcher, node)
+        api_config, tokenizer = _api_config(served, args, api_key)
+        if servers > 1:
+            assert shared is not None and metrics_dir is not None
+            others = ApiServers(ctx, [ApiServerArgs(i, args.host, args.port, str(served.model_dir), api_config, requests,
+                                                    events[i], args.max_waiting, shared, metrics_dir, os.getpid())
+                                      for i in range(1, servers)], on_death=api_server_died)
+            others.start()
+        api = ServeApi(dispatcher, tokenizer, api_config, node_metrics=node.metrics_text,
+                       metrics_share=MetricsShare(metrics_dir, 0) if metrics_dir is not None else None)
         _log(_start_message(served, args, api_key))
-        run_server(api, args.host, args.port)
+        run_server(api, args.host, args.port, reuse_port=servers > 1,
+                   on_stop=others.stop if others is not None else None)
     finally:
+        if others is not None:
+            others.join(args.drain_timeout + 15.0)
         node.stop()
         dispatcher.close()
-        for q in (*requests, events):
+        for q in (*requests, *events):
             q.cancel_join_thread()
             q.close()
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     if node.failure is not None:
         print(f"error: node failed: {node.failure}", file=sys.stderr)
+        return 1
+    if api_failure:
+        print(f"error: {api_failure[0]}", file=sys.stderr)
         return 1
     return 0

@@ -140,14 +140,52 @@ def _serve_commands(runtime: Any, conn: Any, send: Callable[[Any], None], finish
 # -- the API process's side ---------------------------------------------------------------------
 
 
+class SharedNodeStatus:
+    """The node's readiness and failure where every API server reads them (``--api-servers``): the
+    first server's :class:`NodeProcess` writes them, the others read (shared memory, pickled at spawn)."""
+
+    SIZE = 2048  # bytes of the reason kept (UTF-8, cut at a character)
+
+    def __init__(self, ctx: Any) -> None:
+        self._text = ctx.Array("c", self.SIZE)
+        self._failed = ctx.Value("b", 0, lock=False)  # written under the text's lock
+        self.set(STARTING)
+
+    def set(self, readiness: str | None) -> None:
+        raw = (readiness or "").encode()[: self.SIZE - 1].decode(errors="ignore").encode()
+        with self._text.get_lock():
+            self._text.value = raw
+
+    def fail(self, message: str) -> None:
+        self.set(message)
+        with self._text.get_lock():
+            self._failed.value = 1
+
+    def readiness(self) -> str | None:
+        """Why the node cannot take requests now (None: it can)."""
+        with self._text.get_lock():
+            raw, failed = self._text.value, self._failed.value
+        text = raw.decode(errors="replace")
+        return f"node failed: {text}" if failed else (text or None)
+
+    def failure(self) -> str | None:
+        """The node's failure (None while it has not failed)."""
+        with self._text.get_lock():
+            raw, failed = self._text.value, self._failed.value
+        return raw.decode(errors="replace") if failed else None
+
+
 class NodeProcess:
     """The node process, seen from the API process: start it, read its readiness and metrics, stop it.
 
     ``on_failure(message)`` runs (on the reader thread) once when the node fails — it raised, or its
     process died — and not when it stops because it was asked to."""
 
-    def __init__(self, ctx: Any, setup: Any, options: Any, on_failure: Callable[[str], None]) -> None:
+    def __init__(self, ctx: Any, setup: Any, options: Any, on_failure: Callable[[str], None],
+                 shared: SharedNodeStatus | None = None) -> None:
+        """``shared``: also write the readiness and the failure there (for the other API servers)."""
         self.on_failure = on_failure
+        self.shared = shared
         self.failure: str | None = None
         self._readiness: str | None = STARTING
         self._conn, child = ctx.Pipe(duplex=True)
@@ -231,6 +269,8 @@ class NodeProcess:
                 break
             if isinstance(msg, NodeStatus):
                 self._readiness = msg.readiness
+                if self.shared is not None:
+                    self.shared.set(msg.readiness)
             elif isinstance(msg, NodeMetricsText):
                 self._metrics.put(msg)
             elif isinstance(msg, NodeFailed):
@@ -243,5 +283,7 @@ class NodeProcess:
             failure = "the node process exited"
         if failure is not None:
             self.failure = failure
+            if self.shared is not None:
+                self.shared.fail(failure)
             self.on_failure(failure)
 

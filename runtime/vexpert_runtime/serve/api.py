@@ -72,6 +72,7 @@ from vexpert_runtime.serve.events import (
     shutting_down,
 )
 from vexpert_runtime.serve.histogram import CountedHistogram
+from vexpert_runtime.serve.metrics_share import MetricsShare
 
 log = logging.getLogger(__name__)
 
@@ -351,13 +352,15 @@ class ServeApi:
 
     def __init__(
         self, dispatcher: Dispatcher, tokenizer: Any, config: ApiConfig, registry: CollectorRegistry | None = None,
-        node_metrics: Callable[[], bytes] | None = None,
+        node_metrics: Callable[[], bytes] | None = None, metrics_share: MetricsShare | None = None,
     ) -> None:
         """``registry``: where the API's series go (a new one if None); ``node_metrics``: the node's
         own exposition, appended on ``/metrics`` (it runs in another process: a blocking call, made
-        off the event loop)."""
+        off the event loop); ``metrics_share``: with several API servers, where they publish their
+        series so that ``/metrics`` on any of them counts all (:mod:`.metrics_share`)."""
         self.dispatcher = dispatcher
         self.node_metrics = node_metrics
+        self.metrics_share = metrics_share
         self.tokenizer = tokenizer  # the tokenizer thread's (long prompts)
         # the event loop's own copy (short prompts): a Hugging Face fast tokenizer is not safe to share
         # across threads — its encode reconfigures the Rust tokenizer, which another thread may be running
@@ -374,8 +377,10 @@ class ServeApi:
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="vexpert-tokenize")
 
     def close(self) -> None:
-        """Stop the tokenizer thread (after the server stopped)."""
+        """Stop the tokenizer thread (after the server stopped); publish the final counts."""
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        if self.metrics_share is not None:
+            self.metrics_share.stop(self.metrics.registry)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors], client_max_size=self.config.body_limit)
@@ -467,9 +472,14 @@ class ServeApi:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         self.metrics.refresh(self.dispatcher.loads())
-        body = generate_latest(self.metrics.registry)
+        if self.metrics_share is not None:
+            body = self.metrics_share.merged(self.metrics.registry)
+        else:
+            body = generate_latest(self.metrics.registry)
         if self.node_metrics is not None:
             body += await asyncio.get_running_loop().run_in_executor(None, self.node_metrics)
+        elif self.metrics_share is not None:  # another API server owns the node
+            body += self.metrics_share.node_text()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # ---- request parsing --------------------------------------------------------------------
@@ -673,10 +683,12 @@ class ServeApi:
 class ApiServer:
     """Runs a :class:`ServeApi` on ``host:port`` (port 0: a free one) and stops it gracefully."""
 
-    def __init__(self, api: ServeApi, host: str = "0.0.0.0", port: int = 8000) -> None:
+    def __init__(self, api: ServeApi, host: str = "0.0.0.0", port: int = 8000, reuse_port: bool = False) -> None:
+        """``reuse_port``: bind with ``SO_REUSEPORT`` (several API server processes on one port)."""
         self.api = api
         self.host = host
         self.port = port
+        self.reuse_port = reuse_port
         # handler_cancellation: a client that disconnects cancels its handler, which cancels the request;
         # keepalive_timeout runs from the connection's start too: the time to send a request's headers
         self._runner = _AppRunner(api.app(), handler_cancellation=True, access_log=None,
@@ -685,8 +697,10 @@ class ApiServer:
     async def start(self) -> int:
         """Bind and serve; returns the port."""
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        site = web.TCPSite(self._runner, self.host, self.port, reuse_port=self.reuse_port or None)
         await site.start()
+        if self.api.metrics_share is not None:
+            self.api.metrics_share.start(self.api.metrics.registry, self.api.node_metrics)
         self.port = int(self._runner.addresses[0][1])
         log.info("vexpert serve: listening on %s:%d (model %s)", self.host, self.port, self.api.config.model_name)
         return self.port
@@ -715,18 +729,22 @@ API_SWITCH_INTERVAL_S = 0.0002
 INLINE_TOKENIZE_CHARS = 2048
 
 
-def run_server(api: ServeApi, host: str, port: int) -> None:
-    """Serve until SIGTERM / SIGINT, then shut down gracefully (the CLI's entry point)."""
+def run_server(api: ServeApi, host: str, port: int, reuse_port: bool = False,
+               on_stop: Callable[[], None] | None = None) -> None:
+    """Serve until SIGTERM / SIGINT, then shut down gracefully (the CLI's entry point).
+    ``on_stop()`` runs as the drain begins (the first API server stops the others)."""
     sys.setswitchinterval(API_SWITCH_INTERVAL_S)
 
     async def main() -> None:
-        server = ApiServer(api, host, port)
+        server = ApiServer(api, host, port, reuse_port)
         await server.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        if on_stop is not None:
+            on_stop()
         print(f"vexpert serve: stopping: the requests in flight finish (up to {api.config.drain_timeout_s:.0f} s)",
               file=sys.stderr, flush=True)
         await server.stop()

@@ -34,11 +34,13 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One tokenized request as a rank's scheduler receives it."""
+    """One tokenized request as a rank's scheduler receives it. ``reply_to``: the API server that
+    sent it (its events go to that server's queue; ``vexpert serve --api-servers``)."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    reply_to: int = 0
 
 
 @dataclass(slots=True)  # one per sequence per iteration: a slotted dataclass (made 5× faster than a frozen one)

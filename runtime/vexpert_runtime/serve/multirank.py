@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -67,12 +68,15 @@ class MultiRankDispatcher:
         node_ready: the node's own readiness (None = serving, else why not), e.g.
             :meth:`~vexpert_runtime.node.NodeRuntime.readiness`.
         on_drained: called once the drain is over (stops the node).
+        reply_to: this API server's index (``vexpert serve --api-servers``): the ranks send the
+            events of the requests it submits to ``events``, its own queue.
     """
 
     def __init__(self, requests: list[Any], events: Any, max_waiting: int,
                  node_ready: Callable[[], str | None], on_drained: Callable[[], None],
-                 max_running: int | None = None) -> None:
+                 max_running: int | None = None, reply_to: int = 0) -> None:
         self.requests = requests
+        self.reply_to = reply_to
         self.events = events
         self.max_waiting = max_waiting
         self.max_running = max_running
@@ -102,13 +106,13 @@ class MultiRankDispatcher:
             except (EOFError, OSError, ValueError):  # the queue was closed under us
                 return
             if isinstance(msg, RankEvent):
+                if msg.load is not None:  # first: whoever sees this iteration's events sees its load
+                    with self._lock:
+                        self._loads[msg.rank] = msg.load
                 for request_id in msg.accepted:  # before the events: a request's first ones may be here
                     self._resolve(request_id, None)
                 if msg.events:
                     EventChannel.put_all(self._route(msg.events))
-                if msg.load is not None:
-                    with self._lock:
-                        self._loads[msg.rank] = msg.load
             elif isinstance(msg, RankRefused):
                 self._refused(msg)
             elif isinstance(msg, RankCapacity):
@@ -200,6 +204,8 @@ class MultiRankDispatcher:
 
     async def submit(self, request: GenerationRequest) -> AsyncIterator[list[Event]]:
         self._check_open()
+        if request.reply_to != self.reply_to:
+            request = dataclasses.replace(request, reply_to=self.reply_to)
         loop = asyncio.get_running_loop()
         channel = EventChannel(loop)
         accepted: asyncio.Future[None] = loop.create_future()

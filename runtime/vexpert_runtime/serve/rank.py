@@ -8,8 +8,9 @@ layers for this rank's own requests (data-parallel attention) and, for every spa
 vExpert EP layer (:class:`~.hf_model.EPExperts`) over the worker's process group, computing with
 the slots the coordinator filled (the hooks are the worker's flag waits and releases).
 
-Requests arrive on the rank's queue from the API process (:mod:`.multirank`); events and load
-reports go back on one queue shared by the node's ranks.
+Requests arrive on the rank's queue from the API servers (:mod:`.multirank`); a request's events
+go back on the queue of the API server that sent it (one queue per API server, shared by the node's
+ranks), load reports to every API server.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ GPU_HEADROOM_BYTES = 2 << 30
 @dataclass
 class ServeWorkerArgs:
     """What a node worker needs to serve (pickled at spawn). ``requests``: this rank's inbound
-    queue; ``events``: the node's outbound queue. ``gpu_memory_utilization``: the share of the GPU's
+    queue; ``events``: the API servers' event queues (one per server; a single queue: one server).
+    ``gpu_memory_utilization``: the share of the GPU's
     memory the rank may fill (vLLM's knob): the KV cache gets what weights, resident experts, slots
     and :data:`GPU_HEADROOM_BYTES` leave of it. On CPU the cache holds ``scheduler.kv_budget_tokens``."""
 
@@ -146,9 +148,16 @@ class ServingRank:
                                    replace(config, max_waiting=config.max_running + config.max_waiting),
                                    eos_token_ids(tokenizer))
         self.world = world
-        self._outbox: list[Event] = []  # events of this iteration, sent together by flush_events
-        self._accepted: list[str] = []  # requests queued since the last flush
-        args.events.put(RankCapacity(rank, config.max_running, config.max_waiting))
+        self._init_outboxes(args.events)
+        for events in self._queues:
+            events.put(RankCapacity(rank, config.max_running, config.max_waiting))
+
+    def _init_outboxes(self, events: Any) -> None:
+        """One outbox per API server (``events``: their queues, or the one queue of a single server)."""
+        self._queues: list[Any] = list(events) if isinstance(events, (list, tuple)) else [events]
+        self._outboxes: list[list[Event]] = [[] for _ in self._queues]  # this iteration's events, by server
+        self._accepted: list[list[str]] = [[] for _ in self._queues]  # queued since the last flush, by server
+        self._reply_to: dict[str, int] = {}  # request → its API server (several servers only)
         self._reported: RankLoad | None = None
         self._reported_at = 0.0
 
@@ -174,18 +183,20 @@ class ServingRank:
 
     def _on_message(self, msg: Any) -> None:
         if isinstance(msg, GenerationRequest):
+            if len(self._queues) > 1:
+                self._reply_to[msg.request_id] = msg.reply_to
             try:
                 self.scheduler.submit(msg, self._sink)
             except ServeRefusal as refusal:  # full or draining: a typed refusal (429 / 503), not an error
-                self._refuse(msg.request_id, refusal.status, refusal.message, refusal.retry_after_s, refusal.code)
+                self._refuse(msg, refusal.status, refusal.message, refusal.retry_after_s, refusal.code)
             except VExpertInputError as exc:  # a request no rank can run: 400 naming the field
-                self._refuse(msg.request_id, 400, str(exc), code="invalid_value", field=exc.field)
+                self._refuse(msg, 400, str(exc), code="invalid_value", field=exc.field)
             except Exception:
                 log.exception("rank %d: could not queue request %s", self.rank, msg.request_id)
                 self._sink(Event(msg.request_id, finish_reason="error",
                                  error="the rank could not queue the request (details in the server log)"))
             else:
-                self._accepted.append(msg.request_id)
+                self._accepted[msg.reply_to].append(msg.request_id)
         elif isinstance(msg, CancelRequest):
             self.scheduler.cancel(msg.request_id)
         elif isinstance(msg, StopAccepting):
@@ -193,21 +204,28 @@ class ServingRank:
         elif isinstance(msg, AbortAll):
             self.scheduler.abort_all(msg.message)
 
-    def _refuse(self, request_id: str, status: int, message: str, retry_after_s: int = 1,
+    def _refuse(self, request: GenerationRequest, status: int, message: str, retry_after_s: int = 1,
                 code: str = "overloaded", field: str | None = None) -> None:
-        self.args.events.put(RankRefused(self.rank, request_id, status, message, retry_after_s, code, field))
+        self._reply_to.pop(request.request_id, None)
+        self._queues[request.reply_to].put(
+            RankRefused(self.rank, request.request_id, status, message, retry_after_s, code, field))
 
     def _sink(self, event: Event) -> None:
-        self._outbox.append(clean_failure(event, self.rank, self.world))
+        server = 0
+        if len(self._queues) > 1:
+            server = (self._reply_to.pop if event.finished else self._reply_to.get)(event.request_id, 0)
+        self._outboxes[server].append(clean_failure(event, self.rank, self.world))
 
     def flush_events(self, with_load: bool = False) -> None:
-        """Send the acceptances and the events gathered since the last flush — and with ``with_load``
-        the load if it changed (:meth:`report_load`'s rule) — as one :class:`RankEvent`, if any."""
+        """Send each API server the acceptances and the events gathered for it since the last flush
+        — and with ``with_load`` the load if it changed (:meth:`report_load`'s rule; every server
+        gets it) — as one :class:`RankEvent`, if any."""
         load = self._load_to_report() if with_load else None
-        if self._outbox or self._accepted or load is not None:
-            events, self._outbox = tuple(self._outbox), []
-            accepted, self._accepted = tuple(self._accepted), []
-            self.args.events.put(RankEvent(self.rank, events, accepted, load))
+        for server, events in enumerate(self._queues):
+            outbox, accepted = self._outboxes[server], self._accepted[server]
+            if outbox or accepted or load is not None:
+                self._outboxes[server], self._accepted[server] = [], []
+                events.put(RankEvent(self.rank, tuple(outbox), tuple(accepted), load))
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -230,7 +248,8 @@ class ServingRank:
         """Send the load if it changed or was last sent over ``LOAD_REPORT_S`` ago (an idle rank)."""
         load = self._load_to_report(force)
         if load is not None:
-            self.args.events.put(RankEvent(self.rank, (), load=load))
+            for events in self._queues:
+                events.put(RankEvent(self.rank, (), load=load))
 
     def _load_to_report(self, force: bool = False) -> RankLoad | None:
         """The load to send now (changed, stale or ``force``), marked as sent; else None."""

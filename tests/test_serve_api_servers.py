@@ -1,0 +1,195 @@
+"""``vexpert serve --api-servers 2`` as a process (2 CPU EP ranks, the tiny Qwen3-MoE made here): two
+API server processes listen on one port, both serve requests, each request's tokens come back to the
+server that took it (greedy outputs equal across servers), ``/metrics`` on either counts both, SIGTERM
+drains both and leaves no process; a killed worker fails the requests on every server and the server
+exits 1. A shared port needs a fixed one: ``--port 0`` is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+aiohttp = pytest.importorskip("aiohttp")
+
+from serve_support import build_tiny_checkpoint  # noqa: E402
+from vexpert_runtime.ports import free_port  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+REQUESTS = 48
+TOKENS = 12
+
+
+def _serve(tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    checkpoint = tmp / "ckpt"
+    build_tiny_checkpoint(checkpoint, "qwen3_moe")
+    config = tmp / "runtime.yaml"
+    config.write_text(json.dumps({
+        "model": {"checkpoint_path": str(checkpoint), "dtype": "float32"},
+        "parallelism": {"expert_parallel_size": 2, "gpus_per_node": 2},
+        "runtime": {"device": "cpu", "cpu_workers": 2, "metrics_port": 0, "slot_fill_timeout_s": 30.0},
+    }))
+    port = free_port()
+    log = tmp / "serve.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "runtime"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vexpert_runtime", "serve", "--config", str(config), "--host", "127.0.0.1",
+         "--port", str(port), "--served-model-name", "tiny", "--api-servers", "2", *extra],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=tmp, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    healthy = 0
+    while healthy < 8:  # several connections in a row: each server is up (the kernel spreads them)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "not healthy within 180 s:\n" + log.read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                healthy = healthy + 1 if resp.status == 200 else 0
+        except OSError:
+            healthy = 0
+            time.sleep(0.5)
+    return proc, url, log
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _descendants(pid: int) -> list[int]:
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in _children(parent)]
+        found += frontier
+    return found
+
+
+def _listeners(port: int) -> set[int]:
+    """Pids of the processes listening on ``port``."""
+    lines = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True).stdout
+    return {int(pid) for pid in re.findall(r"pid=(\d+)", lines)}
+
+
+def _both_listening(proc: subprocess.Popen[bytes], url: str, log: Path) -> set[int]:
+    """The two servers' pids, once both listen (the second may bind after the first is healthy)."""
+    port = int(url.rsplit(":", 1)[1])
+    deadline = time.monotonic() + 60
+    while len(listeners := _listeners(port)) < 2:
+        assert time.monotonic() < deadline, (listeners, log.read_text()[-3000:])
+        time.sleep(0.3)
+    assert len(listeners) == 2 and proc.pid in listeners, (listeners, proc.pid)
+    return listeners
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _alive(pids: list[int]) -> list[int]:
+    return [pid for pid in pids if Path(f"/proc/{pid}").exists()
+            and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]]
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, prompt: str) -> tuple[int, str, str | None]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": TOKENS, "stream": True, "ignore_eos": True,
+            "temperature": 0}
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        text, reason = "", None
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                reason = choice["finish_reason"] or reason
+        return resp.status, text, reason
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+
+
+def test_two_api_servers_share_the_port_serve_both_count_both_and_stop_together(tmp_path: Path) -> None:
+    proc, url, log = _serve(tmp_path)
+    try:
+        listeners = _both_listening(proc, url, log)
+        (other,) = listeners - {proc.pid}
+        before = {pid: _cpu_s(pid) for pid in listeners}
+
+        async def load() -> list[tuple[int, str, str | None]]:
+            # a connection per request: the kernel spreads connections, not requests, over the servers
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+                prompts = [f"the quick brown fox {i % 4}" for i in range(REQUESTS)]
+                return list(await asyncio.gather(*(_stream(session, url, p) for p in prompts)))
+
+        results = asyncio.run(load())
+        used = {pid: _cpu_s(pid) - before[pid] for pid in listeners}
+        assert all(status == 200 and reason == "length" for status, _, reason in results), results[:3]
+        by_prompt: dict[int, set[str]] = {}
+        for i, (_, text, _) in enumerate(results):
+            by_prompt.setdefault(i % 4, set()).add(text)
+        assert all(len(texts) == 1 for texts in by_prompt.values()), by_prompt  # greedy: the same on either server
+        assert min(used.values()) > 0.15 * sum(used.values()), used  # both servers took requests
+        # whichever server a scrape reaches counts both (the other's counts at most a second old); each
+        # server's own, summed once: not twice
+        for name, expected in (("vexpert_serve_request_finish_total", REQUESTS),
+                               ("vexpert_serve_generated_tokens_total", REQUESTS * TOKENS)):
+            deadline = time.monotonic() + 10
+            while (counted := _metric(url, name)) != expected:
+                assert counted < expected and time.monotonic() < deadline, (name, counted)
+                time.sleep(0.3)
+        for _ in range(6):  # on either server: the node's series too
+            assert _metric(url, "vexpert_iterations_total") > 0
+        processes = _descendants(proc.pid)
+        assert other in processes
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    assert proc.wait(90) == 0, log.read_text()[-3000:]
+    time.sleep(0.5)
+    assert not _alive(processes), _alive(processes)
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
+def test_a_killed_worker_fails_the_requests_of_every_api_server_and_the_server_exits_1(tmp_path: Path) -> None:
+    proc, url, log = _serve(tmp_path, "--max-running", "8")
+    try:
+        listeners = _both_listening(proc, url, log)
+        (node,) = [pid for pid in _children(proc.pid)
+                   if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes() and pid not in listeners]
+        worker = _children(node)[0]  # the node process spawns the workers first
+
+        async def main() -> list[tuple[int, str]]:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                             timeout=aiohttp.ClientTimeout(total=90)) as session:
+                body = {"model": "tiny", "prompt": "go", "max_tokens": 240, "ignore_eos": True, "stream": True}
+                streams = [await session.post(url + "/v1/completions", json=body) for _ in range(8)]
+                firsts = [await stream.content.readline() for stream in streams]  # all 8 run (both servers)
+                os.kill(worker, signal.SIGKILL)
+                return [(stream.status, first.decode() + (await stream.content.read()).decode())
+                        for stream, first in zip(streams, firsts, strict=True)]
+
+        started = time.monotonic()
+        outcomes = asyncio.run(main())
+        waited = time.monotonic() - started
+        assert waited < 40, waited  # no request waits for the drain timeout
+        # each stream ends with the abort error object naming the node's failure, on either server
+        assert all(status == 200 and '"code": "aborted"' in text and "node failed" in text
+                   for status, text in outcomes), [text[-300:] for _, text in outcomes]
+        assert proc.wait(60) == 1, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
