@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -161,7 +162,8 @@ def serve(config: Path, model: Path, streams: int, prompt: str, args: argparse.N
     cmd = [sys.executable, "-m", "vexpert_runtime", "serve", "--config", str(config), "--model", str(model),
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench",
            "--max-batch-tokens", str(args.max_batch_tokens), "--max-running", str(max(streams, 16)),
-           "--max-waiting", str(2 * streams), "--drain-timeout", "5", "--compile", args.compile]
+           "--max-waiting", str(2 * streams), "--drain-timeout", "5", "--compile", args.compile,
+           *shlex.split(args.serve_args)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "runtime"),
                                                         os.environ.get("PYTHONPATH", "")])}
     if trace_dir is not None:
@@ -345,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pyspy", type=float, default=0.0, help="seconds of py-spy host sampling per serve run")
     parser.add_argument("--pyspy-idle", action="store_true", help="py-spy samples idle threads too (--idle)")
     parser.add_argument("--client-processes", type=int, default=1, help="load generator processes (streams split)")
+    parser.add_argument("--serve-args", default="",
+                        help="more vexpert serve arguments, one shell string, e.g. '--api-servers 4' (results go "
+                             "under '<mode>_<--tag>')")
+    parser.add_argument("--tag", default="", help="suffix of the results' key for this configuration")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="vexpert serve --compile (results of 'off' go under '<mode>_compile-off')")
     args = parser.parse_args(argv)
@@ -373,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                       len(prompt_ids) + args.max_tokens / 2)
         modes = [m for m in ("vexpert", "static") if m in args.modes or (m == "static" and streams in args.onoff_streams)]
         for mode in modes:
-            tag = "" if args.compile == "auto" else f"_compile-{args.compile}"
+            tag = ("" if args.compile == "auto" else f"_compile-{args.compile}") + (f"_{args.tag}" if args.tag else "")
             trace_dir = args.out / f"trace_{mode}{tag}_{streams}" if streams in args.profile_streams else None
             config = write_config(args.out / f"{mode}.yaml", args.model_dir, 0.95 if mode == "vexpert" else 0.0,
                                   profile, args.k, args.ranks)
@@ -384,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
                 result["trace"] = [summarise_trace(p) for p in sorted(trace_dir.glob("*.json"))]
             key = (mode if args.ranks == 1 else f"{mode}_r{args.ranks}") + ("" if args.compile == "auto" else
                                                                              f"_compile-{args.compile}")
+            if args.tag:
+                key += f"_{args.tag}"
+            result["serve_args"] = args.serve_args
             results.setdefault(key, {})[str(streams)] = result
             print(mode, streams, json.dumps(result), flush=True)
             save()
