@@ -125,9 +125,10 @@ def test_node_runtime_accepts_the_rendered_config_and_its_metrics_parse(tmp_path
 
 
 def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) -> None:
-    """The node pod's own command (`vexpert serve --config … --port …`, CPU workers, the embedded demo
-    model) on the operator's RuntimeConfig: /health turns 200, a completion is served, and /metrics
-    carries the serving series the tuning loop reads next to the node's."""
+    """The node pod's own command (`vexpert serve --config … --port … --api-servers 2 --stream-interval 2`,
+    CPU workers, the embedded demo model) on the operator's RuntimeConfig: /health turns 200, a
+    completion is served, and /metrics (on either API server) carries the serving series the tuning
+    loop reads next to the node's."""
     import json
     import os
     import time
@@ -139,7 +140,7 @@ def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) 
     from vexpert_runtime.ports import free_port
 
     s = spec(model={"name": "demo", "architecture": "deepseek_v3", "checkpoint": {"hostPath": "/models"}},
-             parallelism={"expertParallelSize": 2, "gpusPerNode": 2})
+             parallelism={"expertParallelSize": 2, "gpusPerNode": 2}, runtime__apiServers=2, runtime__streamInterval=2)
     group = plan_group(PlanInputs(name="d", namespace="ns", spec=s))
     config = group.runtime_config
     config.model.checkpoint_path = ""
@@ -152,8 +153,10 @@ def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) 
     path.write_text(config.to_yaml())
     container = build_pod_template("d", s, group.sizing, "h", None)["spec"]["containers"][0]
     assert container["command"] == ["vexpert", "serve"]
+    assert container["args"][4:] == ["--api-servers", "2", "--stream-interval", "2"]
     port = free_port()
-    args = [a if a != "/etc/vexpert/runtime.yaml" else str(path) for a in container["args"][:-1]] + [str(port)]
+    args = [str(path) if a == "/etc/vexpert/runtime.yaml" else a for a in container["args"]]
+    args[args.index("--port") + 1] = str(port)
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     proc = subprocess.Popen([sys.executable, "-m", "vexpert_runtime", "serve", *args, "--cpu-workers", "2"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
@@ -173,9 +176,13 @@ def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) 
         request = urllib.request.Request(base + "/v1/completions", data=body, headers={"content-type": "application/json"})
         answer = json.loads(urllib.request.urlopen(request, timeout=60).read())
         assert answer["usage"]["completion_tokens"] >= 1
-        values = parse_runtime_metrics(urllib.request.urlopen(base + "/metrics", timeout=5).read())
-        assert values.get("vexpert_serve_generated_tokens_total", 0) >= 1, values
-        assert "vexpert_step_seconds" in values
+        deadline = time.monotonic() + 10  # either server answers; the other's series are ≤ 1 s old there
+        while True:
+            values = parse_runtime_metrics(urllib.request.urlopen(base + "/metrics", timeout=5).read())
+            if values.get("vexpert_serve_generated_tokens_total", 0) >= 1 and "vexpert_step_seconds" in values:
+                break
+            assert time.monotonic() < deadline, values
+            time.sleep(0.3)
     finally:
         stop_process(proc, 30)
 

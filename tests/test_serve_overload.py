@@ -127,55 +127,59 @@ async def _single(url: str) -> tuple[int, str | None, str]:
 
 def test_a_killed_worker_fails_requests_with_a_clean_503_and_the_server_exits(tmp_path: Path) -> None:
     proc, url, log = _serve(tmp_path, "--max-running", "8")
-    children = _descendants(proc.pid)
-    spawned = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    assert len(spawned) >= 4, spawned  # the node process, its coordinator and 2 workers (one is the victim)
+    try:
+        children = _descendants(proc.pid)
+        spawned = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(spawned) >= 4, spawned  # the node process, its coordinator and 2 workers (one is the victim)
 
-    async def main() -> tuple[list[tuple[int, str]], float, list[int]]:
-        timeout = aiohttp.ClientTimeout(total=90)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            body = {"model": "tiny", "prompt": "go", "max_tokens": 240, "ignore_eos": True}
-            tasks = [asyncio.create_task(session.post(url + "/v1/completions", json={**body, "stream": False}))
-                     for _ in range(3)]
-            streamed = await session.post(url + "/v1/completions", json={**body, "stream": True})
-            first = await streamed.content.readline()  # a stream runs: the node dies mid-request
-            victim = _worker_pids(proc.pid)[0]  # the workers start before the coordinator
-            os.kill(victim, signal.SIGKILL)
-            killed = time.monotonic()
-            rest = (await streamed.content.read()).decode()
-            outcomes = [(streamed.status, first.decode() + rest)]
-            for task in tasks:
-                resp = await task
-                outcomes.append((resp.status, await resp.text()))
-            waited = time.monotonic() - killed
-            later = []
-            for _ in range(3):  # new requests while the node is down: 503, or the server is gone already
-                try:
-                    async with session.post(url + "/v1/completions", json=body) as resp:
-                        later.append(resp.status)
-                        assert resp.status != 503 or resp.headers.get("Retry-After"), resp.headers
-                except aiohttp.ClientError:
-                    later.append(0)
-            return outcomes, waited, later
+        async def main() -> tuple[list[tuple[int, str]], float, list[int]]:
+            timeout = aiohttp.ClientTimeout(total=90)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                body = {"model": "tiny", "prompt": "go", "max_tokens": 240, "ignore_eos": True}
+                tasks = [asyncio.create_task(session.post(url + "/v1/completions", json={**body, "stream": False}))
+                         for _ in range(3)]
+                streamed = await session.post(url + "/v1/completions", json={**body, "stream": True})
+                first = await streamed.content.readline()  # a stream runs: the node dies mid-request
+                victim = _worker_pids(proc.pid)[0]  # the workers start before the coordinator
+                os.kill(victim, signal.SIGKILL)
+                killed = time.monotonic()
+                rest = (await streamed.content.read()).decode()
+                outcomes = [(streamed.status, first.decode() + rest)]
+                for task in tasks:
+                    resp = await task
+                    outcomes.append((resp.status, await resp.text()))
+                waited = time.monotonic() - killed
+                later = []
+                for _ in range(3):  # new requests while the node is down: 503, or the server is gone already
+                    try:
+                        async with session.post(url + "/v1/completions", json=body) as resp:
+                            later.append(resp.status)
+                            assert resp.status != 503 or resp.headers.get("Retry-After"), resp.headers
+                    except aiohttp.ClientError:
+                        later.append(0)
+                return outcomes, waited, later
 
-    started = time.monotonic()
-    outcomes, waited, later = asyncio.run(main())
-    assert waited < 30, waited  # no hang
-    stream_status, stream_text = outcomes[0]  # killed mid-stream: the 200 stream ends with a 503 error object
-    assert stream_status == 200 and '"code": "aborted"' in stream_text and "node failed" in stream_text, stream_text
-    for status, text in outcomes:
-        # non-streaming: 503 (or done before the kill: 200 with its whole result)
-        assert status == 503 or (status == 200 and ("node failed" in text or '"finish_reason": "length"' in text)), text
-        errors = [line for line in text.splitlines() if '"error"' in line]  # (generated text is random bytes)
-        assert not any(mark in line for line in errors for mark in INTERNAL), errors
-    assert all(code in (0, 503) for code in later), later
-    assert proc.wait(60) == 1, log.read_text()[-3000:]
-    time.sleep(0.5)  # nothing of the node is left: the other worker, the coordinator (reaped or gone)
-    alive = [pid for pid in children if Path(f"/proc/{pid}").exists()
-             and "Z" not in (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0])]
-    assert not alive, alive
-    print(f"killed worker: requests failed after {waited:.1f} s, exit 1 after {time.monotonic() - started:.1f} s,"
-          f" later requests {later}")
+        started = time.monotonic()
+        outcomes, waited, later = asyncio.run(main())
+        assert waited < 30, waited  # no hang
+        stream_status, stream_text = outcomes[0]  # killed mid-stream: the 200 stream ends with a 503 error object
+        assert stream_status == 200 and '"code": "aborted"' in stream_text and "node failed" in stream_text, stream_text
+        for status, text in outcomes:
+            # non-streaming: 503 (or done before the kill: 200 with its whole result)
+            assert status == 503 or (status == 200 and ("node failed" in text or '"finish_reason": "length"' in text)), text
+            errors = [line for line in text.splitlines() if '"error"' in line]  # (generated text is random bytes)
+            assert not any(mark in line for line in errors for mark in INTERNAL), errors
+        assert all(code in (0, 503) for code in later), later
+        assert proc.wait(60) == 1, log.read_text()[-3000:]
+        time.sleep(0.5)  # nothing of the node is left: the other worker, the coordinator (reaped or gone)
+        alive = [pid for pid in children if Path(f"/proc/{pid}").exists()
+                 and "Z" not in (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0])]
+        assert not alive, alive
+        print(f"killed worker: requests failed after {waited:.1f} s, exit 1 after {time.monotonic() - started:.1f} s,"
+              f" later requests {later}")
+    finally:  # a failed check must not leave the server running (its children die with it)
+        if proc.poll() is None:
+            proc.kill()
 
 
 def _spawned(pid: int) -> list[int]:

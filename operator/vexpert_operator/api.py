@@ -322,6 +322,17 @@ class RuntimeSpec(CamelModel):
         description=GPU_MEMORY_UTILIZATION_HELP + " (runtime.yaml's runtime.gpu_memory_utilization). Experts and "
         "slots must fit under it",
     )
+    api_servers: int = Field(
+        1, ge=1, le=64,
+        description="API server processes of `vexpert serve` sharing httpPort (--api-servers; SO_REUSEPORT): each "
+        "parses, tokenizes and streams its own connections' requests in its own interpreter. One is what a few "
+        "dozen streams need; hundreds of streams per pod are bounded by one API process's CPU",
+    )
+    stream_interval: int = Field(
+        1, ge=1, le=1024,
+        description="A stream's tokens go out every N-th token (--stream-interval; the first at once, the rest "
+        "with the finish): fewer, larger SSE chunks cost the API servers less CPU, streams get chunkier",
+    )
     api_key_secret: SecretKeyRef | None = Field(
         None,
         description="Secret holding the API key of `vexpert serve` ({name, key: api-key by default}): passed "

@@ -252,6 +252,16 @@ def _readiness_probe() -> dict[str, Any]:
     }
 
 
+def _serve_args(spec: VExpertDeploymentSpec) -> list[str]:
+    """``vexpert serve``'s arguments: the rendered config, the port, and the API knobs set off their defaults."""
+    args = ["--config", f"{CONFIG_DIR}/{CONFIG_FILE}", "--port", str(spec.runtime.http_port)]
+    if spec.runtime.api_servers != 1:
+        args += ["--api-servers", str(spec.runtime.api_servers)]
+    if spec.runtime.stream_interval != 1:
+        args += ["--stream-interval", str(spec.runtime.stream_interval)]
+    return args
+
+
 def _node_container(spec: VExpertDeploymentSpec, sizing: Sizing) -> dict[str, Any]:
     """The one container: ``vexpert serve`` on the rendered config, rendezvous and API ports."""
     resources = _resources(spec, sizing)
@@ -260,7 +270,7 @@ def _node_container(spec: VExpertDeploymentSpec, sizing: Sizing) -> dict[str, An
         "image": spec.runtime.image,
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": ["vexpert", "serve"],
-        "args": ["--config", f"{CONFIG_DIR}/{CONFIG_FILE}", "--port", str(spec.runtime.http_port)],
+        "args": _serve_args(spec),
         "env": _env(spec),
         "ports": [
             {"name": "rendezvous", "containerPort": spec.parallelism.master_port, "protocol": "TCP"},
