@@ -236,7 +236,8 @@ def _start_message(served: _Served, args: argparse.Namespace, api_key: str | Non
     setup = served.setup
     what = "the embedded demo model" if served.demo else served.model_dir
     access = "an API key is required on /v1/*" if api_key else "no API key (anyone who reaches the port can use it)"
-    return (f"serving {what} as {served.name!r} on {args.host}:{args.port}: "
+    servers = f" ({args.api_servers} API servers)" if args.api_servers > 1 else ""
+    return (f"serving {what} as {served.name!r} on {args.host}:{args.port}{servers}: "
             f"{setup.local_workers} {setup.device} ranks, {setup.spec.num_layers} MoE layers × {setup.spec.num_experts} "
             f"experts, G·Vmax = {setup.slots} slots per rank; {access}")
 
