@@ -133,18 +133,20 @@ def build_checkpoint(directory: Path) -> Path:
     return directory
 
 
-def make_prompts(model_dir: Path, count: int, tokens: int, seed: int = 0) -> list[str]:
-    """``count`` different prompts of about ``tokens`` tokens (random words, cut at ``tokens`` ids)."""
+def make_prompts(model_dir: Path, count: int, tokens: int, seed: int = 0, shared_prefix: int = 0) -> list[str]:
+    """``count`` different prompts of about ``tokens`` tokens (random words, cut at ``tokens`` ids), the
+    first ``shared_prefix`` of them the same in every prompt (a system prompt: what prefix caching reuses)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     rng = random.Random(seed)
-    prompts = []
-    for _ in range(count):
-        words = " ".join(rng.choice(CORPUS) for _ in range(tokens * 2))
-        ids = tokenizer(words, add_special_tokens=False)["input_ids"][:tokens]
-        prompts.append(tokenizer.decode(ids))
-    return prompts
+
+    def words(n: int) -> list[int]:
+        text = " ".join(rng.choice(CORPUS) for _ in range(n * 2))
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"][:n])
+
+    prefix = words(shared_prefix) if shared_prefix else []
+    return [tokenizer.decode(prefix + words(tokens - len(prefix))) for _ in range(count)]
 
 
 # ------------------------------------------------------------------------------------------------ servers
@@ -372,7 +374,7 @@ def run_server(name: str, model: Path, prompts: list[str], args: argparse.Namesp
     log = args.out / f"{name}.log"
     result: dict[str, Any] = {"server": name, "command": shlex.join(cmd), "concurrency": args.concurrency,
                               "warmup_s": args.warmup, "duration_s": args.duration, "max_tokens": args.max_tokens,
-                              "prompt_tokens_target": args.prompt_tokens}
+                              "prompt_tokens_target": args.prompt_tokens, "shared_prefix_tokens": args.shared_prefix_tokens}
     if name == "vllm":
         result["env"] = {"VLLM_CPU_KVCACHE_SPACE": env["VLLM_CPU_KVCACHE_SPACE"]}
     elif args.vexpert_src is not None:
@@ -451,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=10.0)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--shared-prefix-tokens", type=int, default=0,
+                        help="the first N prompt tokens the same in every request (a system prompt)")
     parser.add_argument("--vllm-python", type=Path, default=Path("/work/vllm-venv/bin/python"))
     parser.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--vllm-args", default="", help="extra vLLM server arguments (one shell string)")
@@ -467,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     model = build_checkpoint(args.work / "model")
-    prompts = make_prompts(model, 4096, args.prompt_tokens)
+    prompts = make_prompts(model, 4096, args.prompt_tokens, shared_prefix=args.shared_prefix_tokens)
     summary: dict[str, Any] = {"model": {**MODEL_SHAPE, "dtype": "float32", "path": str(model),
                                          "vocab_size": json.loads((model / "config.json").read_text())["vocab_size"]},
                                "checkpoint_s": round(time.perf_counter() - started, 1),

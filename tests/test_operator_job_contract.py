@@ -125,10 +125,10 @@ def test_node_runtime_accepts_the_rendered_config_and_its_metrics_parse(tmp_path
 
 
 def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) -> None:
-    """The node pod's own command (`vexpert serve --config … --port … --api-servers 2 --stream-interval 2`,
-    CPU workers, the embedded demo model) on the operator's RuntimeConfig: /health turns 200, a
-    completion is served, and /metrics (on either API server) carries the serving series the tuning
-    loop reads next to the node's."""
+    """The node pod's own command (`vexpert serve --config … --port … --api-servers 2 --stream-interval 2
+    --prefix-caching`, CPU workers, the embedded demo model) on the operator's RuntimeConfig: /health
+    turns 200, a completion is served, and /metrics (on either API server) carries the serving series
+    the tuning loop reads next to the node's."""
     import json
     import os
     import time
@@ -140,7 +140,8 @@ def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) 
     from vexpert_runtime.ports import free_port
 
     s = spec(model={"name": "demo", "architecture": "deepseek_v3", "checkpoint": {"hostPath": "/models"}},
-             parallelism={"expertParallelSize": 2, "gpusPerNode": 2}, runtime__apiServers=2, runtime__streamInterval=2)
+             parallelism={"expertParallelSize": 2, "gpusPerNode": 2}, runtime__apiServers=2, runtime__streamInterval=2,
+             runtime__prefixCaching=True)
     group = plan_group(PlanInputs(name="d", namespace="ns", spec=s))
     config = group.runtime_config
     config.model.checkpoint_path = ""
@@ -153,7 +154,7 @@ def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) 
     path.write_text(config.to_yaml())
     container = build_pod_template("d", s, group.sizing, "h", None)["spec"]["containers"][0]
     assert container["command"] == ["vexpert", "serve"]
-    assert container["args"][4:] == ["--api-servers", "2", "--stream-interval", "2"]
+    assert container["args"][4:] == ["--api-servers", "2", "--stream-interval", "2", "--prefix-caching"]
     port = free_port()
     args = [str(path) if a == "/etc/vexpert/runtime.yaml" else a for a in container["args"]]
     args[args.index("--port") + 1] = str(port)

@@ -333,6 +333,11 @@ class RuntimeSpec(CamelModel):
         description="A stream's tokens go out every N-th token (--stream-interval; the first at once, the rest "
         "with the finish): fewer, larger SSE chunks cost the API servers less CPU, streams get chunkier",
     )
+    prefix_caching: bool = Field(
+        False,
+        description="Reuse the KV cache of prompt prefixes computed before (--prefix-caching): requests that start "
+        "with the same whole 16-token blocks (a shared system prompt) skip their prefill",
+    )
     api_key_secret: SecretKeyRef | None = Field(
         None,
         description="Secret holding the API key of `vexpert serve` ({name, key: api-key by default}): passed "

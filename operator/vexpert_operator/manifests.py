@@ -259,6 +259,8 @@ def _serve_args(spec: VExpertDeploymentSpec) -> list[str]:
         args += ["--api-servers", str(spec.runtime.api_servers)]
     if spec.runtime.stream_interval != 1:
         args += ["--stream-interval", str(spec.runtime.stream_interval)]
+    if spec.runtime.prefix_caching:
+        args.append("--prefix-caching")
     return args
 
 

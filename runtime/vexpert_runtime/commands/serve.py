@@ -75,6 +75,9 @@ def register(subparsers: Any) -> None:
                         help="API server processes sharing --port (SO_REUSEPORT; each tokenizes and streams its own "
                              "connections' requests): one interpreter per server, for hundreds of streams "
                              "(vLLM's --api-server-count)")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="reuse the KV cache of prompt prefixes computed before (whole 16-token blocks of the same "
+                             "tokens from the prompt's start, e.g. a shared system prompt): their prefill is skipped")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="send a stream's tokens every N tokens (its first at once, its last with the finish): "
                              "fewer, larger SSE chunks cost the API process less at hundreds of streams; 1 sends "
@@ -222,7 +225,7 @@ def _resolve_served(args: argparse.Namespace, config: RuntimeConfig) -> _Served:
     max_running, max_batch_tokens = resolve_batch_limits(args.max_running, args.max_batch_tokens, setup.device)
     scheduler = SchedulerConfig(kv_budget_tokens=kv_tokens, max_batch_tokens=max_batch_tokens,
                                 max_running=max_running, max_waiting=args.max_waiting,
-                                stream_interval=args.stream_interval)
+                                stream_interval=args.stream_interval, prefix_caching=args.prefix_caching)
     scheduler.check(max_context)  # refuse impossible limits before any process starts
     return _Served(
         model_dir=model_dir, demo=demo, name=args.served_model_name or (DEMO_NAME if demo else model_dir.name),

@@ -25,7 +25,8 @@ Metrics (own registry, all prefixed ``vexpert_serve_``): ``requests_total{endpoi
 ``time_to_first_token_seconds``, ``inter_token_latency_seconds``, ``request_duration_seconds``
 (from the request's arrival: reading, tokenizing and queueing included), ``prompt_tokens_total``, ``generated_tokens_total``,
 ``requests_running``, ``requests_waiting``, ``kv_cache_usage_ratio`` (KV tokens reserved by admitted
-requests / budget, summed over ranks — what admission waits on) and ``kv_cache_tokens`` (held).
+requests / budget, summed over ranks — what admission waits on), ``kv_cache_tokens`` (held) and, with
+``--prefix-caching``, ``prefix_cache_queried_tokens`` / ``prefix_cache_hit_tokens`` (the ranks' totals).
 
 The API tokenizes (prompt, chat template) and checks lengths itself, so a multi-rank dispatcher
 sends ranks token ids only. Give it its own tokenizer instance: the rank's scheduler decodes with
@@ -273,6 +274,12 @@ class ServeMetrics:
         self.kv_blocks_used = Gauge("vexpert_serve_kv_cache_blocks_used", "KV-cache blocks held by running sequences",
                                     registry=reg)
         self.kv_bytes = Gauge("vexpert_serve_kv_cache_bytes", "Device memory of the ranks' KV caches", registry=reg)
+        # the ranks' own running totals (every API server reads the same: gauges, not summed across servers)
+        self.prefix_query_tokens = Gauge("vexpert_serve_prefix_cache_queried_tokens",
+                                         "Prompt tokens looked up in the prefix cache since the ranks started "
+                                         "(--prefix-caching)", registry=reg)
+        self.prefix_hit_tokens = Gauge("vexpert_serve_prefix_cache_hit_tokens",
+                                       "Prompt tokens served from cached KV blocks since the ranks started", registry=reg)
 
     def refresh(self, loads: list[RankLoad]) -> None:
         """Set the gauges from the ranks' loads (at scrape time)."""
@@ -284,6 +291,8 @@ class ServeMetrics:
         self.kv_blocks.set(sum(load.kv_blocks_total for load in loads))
         self.kv_blocks_used.set(sum(load.kv_blocks_used for load in loads))
         self.kv_bytes.set(sum(load.kv_cache_bytes for load in loads))
+        self.prefix_query_tokens.set(sum(load.prefix_query_tokens for load in loads))
+        self.prefix_hit_tokens.set(sum(load.prefix_hit_tokens for load in loads))
 
 
 # request key: time.monotonic() when the middleware first saw the request (typed keys from aiohttp 3.12)

@@ -78,6 +78,8 @@ class RankLoad:
     kv_blocks_total: int = 0  # usable blocks of the rank's paged KV cache
     kv_blocks_used: int = 0  # blocks held by running sequences
     kv_cache_bytes: int = 0  # device memory of the rank's KV cache
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache (over the rank's life)
+    prefix_hit_tokens: int = 0  # of them, served from cached blocks
 
     @property
     def score(self) -> tuple[int, int]:

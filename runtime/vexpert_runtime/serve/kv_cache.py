@@ -6,6 +6,13 @@ still take (its *reservation*). The scheduler reserves a request's worst case (p
 in blocks) when it admits it, so an admitted sequence never finds the pool empty and nothing is ever
 preempted; the blocks themselves are taken as the sequence grows and all return at its finish.
 
+With ``prefix_caching``, a full block of a prompt is published under a digest of its tokens and of
+every token before it (:func:`prompt_block_digests`); a later prompt that starts the same way attaches
+those blocks instead of computing them (shared: a block counts the sequences holding it). A published
+block no sequence holds stays cached until the pool needs it (least recently freed first). A full
+prompt block is never written again, so sharing needs no copy. Reservations still count every block
+of a sequence's worst case, shared or not: an admitted sequence never finds the pool empty.
+
 :class:`PagedKVCache` owns the device tensors: per attention layer, one tensor of ``num_blocks ·
 block_size`` token *slots* (slot ``b·block_size + i`` is token ``i`` of block ``b``), whose row is what
 a token leaves behind for later queries — keys and values (GQA: ``[slots, 2, kv_heads, head_dim]``)
@@ -15,6 +22,10 @@ Block 0 is never handed out: padded tokens of a CUDA-graph batch write there.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +42,19 @@ class KVCacheFull(RuntimeError):
 def blocks_for(tokens: int, block_size: int) -> int:
     """Blocks that hold ``tokens`` tokens."""
     return -(-tokens // block_size)
+
+
+def prompt_block_digests(prompt_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """One digest per full block of ``prompt_ids``: BLAKE2b-128 of the previous block's digest and this
+    block's token ids, so equal digests mean equal prefixes (no Python ``hash``: a collision would
+    silently serve another prompt's cache)."""
+    digests: list[bytes] = []
+    parent = b""
+    for start in range(0, len(prompt_ids) - block_size + 1, block_size):
+        parent = hashlib.blake2b(parent + array("q", prompt_ids[start:start + block_size]).tobytes(),
+                                 digest_size=16).digest()
+        digests.append(parent)
+    return digests
 
 
 class BlockPool:
@@ -53,6 +77,14 @@ class BlockPool:
         self._tables: dict[int, list[int]] = {}
         self._reserved: dict[int, int] = {}  # blocks each sequence may hold at most
         self._reserved_total = 0
+        # prefix caching (see the module docstring): sequences holding each block, published blocks
+        # by digest and back, and the published blocks no sequence holds (least recently freed first)
+        self._holders: dict[int, int] = {}
+        self._by_digest: dict[bytes, int] = {}
+        self._digest_of: dict[int, bytes] = {}
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self.hit_tokens = 0  # prompt tokens attached from the cache (over the pool's life)
+        self.query_tokens = 0  # prompt tokens looked up
 
     @property
     def usable_blocks(self) -> int:
@@ -60,12 +92,18 @@ class BlockPool:
 
     @property
     def free_blocks(self) -> int:
-        """Blocks not held by any sequence (some may be promised to admitted sequences)."""
-        return len(self._free)
+        """Blocks not held by any sequence (some may be promised to admitted sequences; cached ones
+        are reused once the others are gone)."""
+        return len(self._free) + len(self._cached)
 
     @property
     def used_blocks(self) -> int:
-        return self.usable_blocks - len(self._free)
+        return self.usable_blocks - self.free_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        """Published blocks no sequence holds: a later prompt may still attach them."""
+        return len(self._cached)
 
     @property
     def reserved_blocks(self) -> int:
@@ -99,8 +137,53 @@ class BlockPool:
             raise KVCacheFull(f"sequence {seq_id}: {tokens} tokens exceed its reservation of "
                               f"{self._reserved[seq_id]} blocks")
         while len(table) < need:
-            table.append(self._free.pop())  # cannot fail: reservations never exceed the pool
+            block = self._take()  # cannot fail: reservations never exceed the pool
+            self._holders[block] = 1
+            table.append(block)
         return table
+
+    def _take(self) -> int:
+        """A block no sequence holds: a never-published one first, else the least recently freed cached one."""
+        if self._free:
+            return self._free.pop()
+        block, _ = self._cached.popitem(last=False)
+        del self._by_digest[self._digest_of.pop(block)]
+        return block
+
+    def attach_prefix(self, seq_id: int, digests: Sequence[bytes]) -> int:
+        """Start ``seq_id``'s (empty) table with the published blocks of the longest prefix of
+        ``digests``; how many blocks it attached."""
+        table = self._tables[seq_id]
+        if table:
+            raise ValueError(f"sequence {seq_id} already holds blocks")
+        for digest in digests[: self._reserved[seq_id]]:
+            block = self._by_digest.get(digest)
+            if block is None:
+                break
+            held = self._holders.get(block, 0)
+            if held == 0:
+                del self._cached[block]
+            self._holders[block] = held + 1
+            table.append(block)
+        self.query_tokens += len(digests) * self.block_size
+        self.hit_tokens += len(table) * self.block_size
+        return len(table)
+
+    def publish(self, seq_id: int, digests: Sequence[bytes]) -> None:
+        """Publish ``seq_id``'s first ``len(digests)`` blocks (full, their tokens computed or being
+        computed by a launched step) under those digests; a digest already published keeps its block."""
+        table = self._tables[seq_id]
+        for block, digest in zip(table, digests, strict=False):
+            if block not in self._digest_of and digest not in self._by_digest:
+                self._digest_of[block] = digest
+                self._by_digest[digest] = block
+
+    def forget_published(self) -> None:
+        """Unpublish every block (a failed step may have left some half written)."""
+        self._by_digest.clear()
+        self._digest_of.clear()
+        self._free.extend(self._cached)
+        self._cached.clear()
 
     def table(self, seq_id: int) -> list[int]:
         return self._tables[seq_id]
@@ -113,7 +196,14 @@ class BlockPool:
         table = self._tables.pop(seq_id, None)
         if table is None:
             return
-        self._free.extend(reversed(table))
+        for block in reversed(table):
+            held = self._holders.pop(block) - 1
+            if held:  # another sequence shares it
+                self._holders[block] = held
+            elif block in self._digest_of:
+                self._cached[block] = None  # kept for a later prompt
+            else:
+                self._free.append(block)
         self._reserved_total -= self._reserved.pop(seq_id)
 
     def slots(self, seq_id: int, start: int, count: int) -> list[int]:

@@ -25,7 +25,9 @@ blocks are taken as it grows and all return when it finishes. So admitted sequen
 of cache and no preemption is needed; a request that does not fit yet **waits** in the queue (FIFO)
 until finished sequences free enough blocks — a 429 comes only when the queue itself is full. The
 pool must hold at least one full-context sequence (checked at construction), so every valid request
-fits eventually.
+fits eventually. With ``prefix_caching`` an admitted prompt attaches the cached blocks of its longest
+already-computed prefix (whole blocks, never its last token: that one's logits are needed) and starts
+its prefill after them; its own full prompt blocks are published as the steps that compute them launch.
 
 Only ``submit``, ``cancel``, ``abort_all``, ``stop_accepting``, ``load`` and ``has_work`` may be
 called from other threads; ``run_iteration`` runs on the rank's loop thread.
@@ -34,6 +36,7 @@ called from other threads; ``run_iteration`` runs on the rank's loop thread.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections import deque
@@ -42,7 +45,7 @@ from dataclasses import dataclass, field
 
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.serve.events import Event, GenerationRequest, RankLoad, overloaded, shutting_down
-from vexpert_runtime.serve.kv_cache import BlockPool, blocks_for
+from vexpert_runtime.serve.kv_cache import BlockPool, blocks_for, prompt_block_digests
 from vexpert_runtime.serve.sampling import IncrementalDetokenizer, StopChecker, request_seed
 from vexpert_runtime.serve.step import PendingStep, SamplingSpec, SequenceWork, StepModel
 
@@ -58,7 +61,8 @@ class SchedulerConfig:
     ``kv_budget_tokens``: KV-cache tokens the rank may hold (all sequences; the model's cache may
     hold fewer, and then bounds it); ``max_batch_tokens``:
     tokens run per iteration (prompt chunks + decodes); ``max_running``: sequences in the batch;
-    ``max_waiting``: queued requests beyond which ``submit`` refuses with 429; ``stream_interval``:
+    ``max_waiting``: queued requests beyond which ``submit`` refuses with 429; ``prefix_caching``:
+    reuse the KV blocks of prompt prefixes computed before (module docstring); ``stream_interval``:
     a request's tokens go out as one event every this many (its first at once, its last with the
     finish): fewer, larger events and SSE chunks for the API process at hundreds of streams, for
     chunkier streams (SGLang's ``--stream-interval``; 1 sends every token).
@@ -69,6 +73,7 @@ class SchedulerConfig:
     max_running: int = 64
     max_waiting: int = 256
     stream_interval: int = 1
+    prefix_caching: bool = False
 
     def check(self, max_context: int, capacity_tokens: int | None = None) -> None:
         """Raise :class:`VExpertInputError` for limits that could never serve a valid request
@@ -124,6 +129,8 @@ class _Sequence:
     holds_blocks: bool = False  # reserved in the pool (from admission until released)
     finished: bool = False
     table: tuple[int, ...] = ()  # its block table as last sent (one tuple per growth, not per iteration)
+    digests: list[bytes] = field(default_factory=list)  # its full prompt blocks' (prefix caching)
+    published: int = 0  # of them, published so far
     unsent_text: str = ""  # produced, held for the next event (stream_interval > 1)
     unsent_tokens: int = 0
 
@@ -244,16 +251,7 @@ class Scheduler:
         with self._lock:
             queued = len(self._inbox)
         snapshot = self._load
-        return RankLoad(
-            snapshot.running,
-            snapshot.waiting + queued,
-            snapshot.kv_tokens_reserved,
-            snapshot.kv_tokens_budget,
-            snapshot.kv_tokens_used,
-            snapshot.kv_blocks_total,
-            snapshot.kv_blocks_used,
-            snapshot.kv_cache_bytes,
-        )
+        return dataclasses.replace(snapshot, waiting=snapshot.waiting + queued) if queued else snapshot
 
     # ---- the rank's loop thread -------------------------------------------------------------
 
@@ -302,6 +300,11 @@ class Scheduler:
                 seq.pending += 1
                 seq.sample_row = row
                 row += 1
+            if seq.published < len(seq.digests):  # prefix caching: full prompt blocks this step writes
+                full = min(seq.computed // self.pool.block_size, len(seq.digests))
+                if full > seq.published:
+                    self.pool.publish(seq.seq_id, seq.digests[:full])
+                    seq.published = full
         self._kv_tokens_used += tokens  # every sequence of a batch is running
 
     def _complete(self, flight: _LaunchedStep) -> None:
@@ -321,7 +324,9 @@ class Scheduler:
                 self._advance(seq, token)
 
     def _fail(self, batch: list[tuple[_Sequence, SequenceWork]], exc: Exception) -> None:
-        """A step failed: its sequences and those of the step still in flight end with an error."""
+        """A step failed: its sequences and those of the step still in flight end with an error (and
+        no cached prefix is trusted any more: the step may have left blocks half written)."""
+        self.pool.forget_published()
         flight, self._in_flight = self._in_flight, None
         for seq, _ in batch + (flight.batch if flight is not None else []):
             seq.steps_in_flight = 0
@@ -413,6 +418,14 @@ class Scheduler:
         seq.admitted = seq.holds_blocks = True
         self.pool.reserve(seq.seq_id, seq.reservation)
         self._running[seq.seq_id] = seq
+        if self.config.prefix_caching:
+            size = self.pool.block_size
+            seq.digests = prompt_block_digests(seq.request.prompt_ids, size)
+            # whole blocks, and never the prompt's last token: its logits give the first new token
+            attached = self.pool.attach_prefix(seq.seq_id, seq.digests[: (seq.prompt_len - 1) // size])
+            seq.computed = attached * size
+            seq.published = attached
+            self._kv_tokens_used += seq.computed
 
     def _advance(self, seq: _Sequence, token: int) -> None:
         """Take the token sampled for ``seq`` and send what it produced; finish it when it is done."""
@@ -510,4 +523,6 @@ class Scheduler:
             kv_blocks_total=pool.usable_blocks,
             kv_blocks_used=pool.used_blocks,
             kv_cache_bytes=self.model.kv_cache_bytes,
+            prefix_query_tokens=pool.query_tokens,
+            prefix_hit_tokens=pool.hit_tokens,
         )

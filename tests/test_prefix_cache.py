@@ -1,0 +1,114 @@
+"""Prefix caching (``vexpert serve --prefix-caching``; serve/kv_cache.py, serve/scheduler.py): a prompt that
+starts with whole blocks another prompt computed attaches them instead of computing them again.
+
+The pool: digests name a block by its tokens and every token before it; attached blocks are shared
+(counted per holder), a published block nobody holds stays cached until the pool needs the room (least
+recently freed first), reservations still hold so nothing runs out, and a failed step unpublishes all.
+The batched model on CPU: greedy tokens of prompts that attach cached blocks (part of the prompt, or
+all but its last token) equal transformers' ``generate``, and the ranks count the tokens they skipped."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from serve_support import build_tiny_checkpoint, load_model
+from vexpert_runtime.serve.events import GenerationRequest, SamplingParams
+from vexpert_runtime.serve.hf_model import HFStepModel
+from vexpert_runtime.serve.kv_cache import BlockPool, KVCacheFull, prompt_block_digests
+from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
+
+
+def test_digests_name_a_block_by_its_tokens_and_everything_before_it() -> None:
+    a = prompt_block_digests(list(range(10)), 4)
+    assert len(a) == 2  # two full blocks; the last two tokens are not a block
+    b = prompt_block_digests([0, 1, 2, 3, 4, 5, 6, 99, 8, 9, 10, 11], 4)
+    assert b[0] == a[0] and b[1] != a[1] and len(b) == 3
+    c = prompt_block_digests([9, 1, 2, 3, 4, 5, 6, 7], 4)
+    assert c[1] != a[1]  # the same tokens after a different first block: another prefix
+
+
+def test_blocks_are_shared_cached_evicted_and_never_run_out() -> None:
+    pool = BlockPool(num_blocks=9, block_size=4)  # 8 usable
+    digests = prompt_block_digests(list(range(12)), 4)
+    pool.reserve(1, 16)
+    owner = list(pool.grow(1, 12))
+    pool.publish(1, digests)
+    pool.free(1)
+    assert pool.cached_blocks == 3 and pool.free_blocks == 8 and pool.used_blocks == 0
+    pool.reserve(2, 16)
+    assert pool.attach_prefix(2, digests[:2]) == 2 and pool.table(2) == owner[:2]
+    pool.reserve(3, 16)
+    assert pool.attach_prefix(3, digests) == 3 and pool.table(3) == owner  # shares the first two with 2
+    assert pool.cached_blocks == 0 and pool.used_blocks == 3
+    pool.free(2)  # its two blocks are still held by 3: neither cached nor free
+    assert pool.cached_blocks == 0 and pool.used_blocks == 3
+    pool.free(3)
+    assert pool.cached_blocks == 3 and (pool.hit_tokens, pool.query_tokens) == (20, 20)
+    # the pool needs every block: the cached ones are taken, least recently freed first, and forgotten
+    pool.reserve(4, 32)
+    taken = pool.grow(4, 32)
+    assert sorted(taken) == list(range(1, 9)) and pool.cached_blocks == 0
+    with pytest.raises(KVCacheFull):
+        pool.grow(4, 33)
+    pool.free(4)
+    pool.reserve(5, 16)
+    assert pool.attach_prefix(5, digests) == 0  # evicted: nothing to attach
+    pool.grow(5, 8)
+    pool.publish(5, digests[:2])
+    pool.free(5)
+    pool.forget_published()  # a failed step: nothing cached is trusted
+    pool.reserve(6, 16)
+    assert pool.attach_prefix(6, digests) == 0 and pool.free_blocks == 8
+
+
+class _IdText:
+    """Token ids as text: ``<id>`` each (the outputs compare as ids)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_prompts_that_attach_cached_blocks_decode_what_generate_decodes(tmp_path: Path, family: str) -> None:
+    build_tiny_checkpoint(tmp_path, family)
+    reference = load_model(tmp_path)
+    model = HFStepModel(tmp_path, dtype=torch.float32, kv_cache_tokens=512, block_size=4)
+    model.overlaps_steps = True
+    prompt_len = {0: 17, 1: 15, 2: 17}  # by sequence id: in the order submitted below
+    computed: list[int] = []  # prompt tokens each launch computed
+    launch = model.launch
+    model.launch = lambda work: (computed.append(sum(  # type: ignore[method-assign]
+        sum(1 for i in range(len(w.tokens)) if w.position + i < prompt_len[w.seq_id]) for w in work)), launch(work))[1]
+    config = SchedulerConfig(kv_budget_tokens=None, max_batch_tokens=8, max_running=4, prefix_caching=True)
+    scheduler = Scheduler(model, _IdText(), config)
+    shared = list(range(5, 18))  # 13 tokens: 3 whole blocks of 4
+    prompts = {"first": [*shared, 40, 41, 42, 43], "other_suffix": [*shared, 50, 51], "same": [*shared, 40, 41, 42, 43]}
+    new_tokens = {"first": 6, "other_suffix": 5, "same": 6}
+    texts: dict[str, list[str]] = {name: [] for name in prompts}
+
+    def submit(name: str) -> None:
+        scheduler.submit(GenerationRequest(name, tuple(prompts[name]), SamplingParams(
+            max_tokens=new_tokens[name], temperature=0, ignore_eos=True)), lambda e: texts[name].append(e.text))
+
+    submit("first")
+    while scheduler.has_work():
+        scheduler.run_iteration()
+    computed_first = sum(computed)
+    submit("other_suffix")  # attaches 3 blocks (12 tokens), computes 3
+    submit("same")  # attaches all 4 whole blocks, computes only its last prompt token
+    while scheduler.has_work():
+        scheduler.run_iteration()
+    for name, prompt in prompts.items():
+        x = torch.tensor([prompt])
+        expected = reference.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                      max_new_tokens=new_tokens[name], eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+        got = [int(t) for t in re.findall(r"<(\d+)>", "".join(texts[name]))]
+        assert got == expected.tolist(), name
+    load = scheduler.load()
+    assert (load.prefix_hit_tokens, load.prefix_query_tokens) == (12 + 16, 16 + 12 + 16)
+    assert scheduler.pool.used_blocks == 0 and scheduler.pool.cached_blocks > 0
+    assert computed_first == 17 and sum(computed) - computed_first == 3 + 1  # 32 without the cache
