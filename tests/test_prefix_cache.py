@@ -4,8 +4,9 @@ starts with whole blocks another prompt computed attaches them instead of comput
 The pool: digests name a block by its tokens and every token before it; attached blocks are shared
 (counted per holder), a published block nobody holds stays cached until the pool needs the room (least
 recently freed first), reservations still hold so nothing runs out, and a failed step unpublishes all.
-The batched model on CPU: greedy tokens of prompts that attach cached blocks (part of the prompt, or
-all but its last token) equal transformers' ``generate``, and the ranks count the tokens they skipped."""
+The batched model on CPU: greedy tokens of prompts that attach cached blocks (part of the prompt, all
+but its last token, or another request's prompt and output: a chat's next turn) equal transformers'
+``generate``, and the ranks count the tokens they skipped."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def test_prompts_that_attach_cached_blocks_decode_what_generate_decodes(tmp_path
     reference = load_model(tmp_path)
     model = HFStepModel(tmp_path, dtype=torch.float32, kv_cache_tokens=512, block_size=4)
     model.overlaps_steps = True
-    prompt_len = {0: 17, 1: 15, 2: 17}  # by sequence id: in the order submitted below
+    prompt_len = {0: 17, 1: 15, 2: 17, 3: 25}  # by sequence id: in the order submitted below
     computed: list[int] = []  # prompt tokens each launch computed
     launch = model.launch
     model.launch = lambda work: (computed.append(sum(  # type: ignore[method-assign]
@@ -98,8 +99,14 @@ def test_prompts_that_attach_cached_blocks_decode_what_generate_decodes(tmp_path
     while scheduler.has_work():
         scheduler.run_iteration()
     computed_first = sum(computed)
+    # a chat's next turn: the first prompt, its output, two more tokens; its KV was written for the prompt
+    # and the first 5 output tokens (the 6th ended it): 22 tokens, 5 whole blocks to attach
+    first_output = [int(t) for t in re.findall(r"<(\d+)>", "".join(texts["first"]))]
+    prompts["continues"] = [*prompts["first"], *first_output, 70, 71]
+    new_tokens["continues"], texts["continues"] = 4, []
     submit("other_suffix")  # attaches 3 blocks (12 tokens), computes 3
     submit("same")  # attaches all 4 whole blocks, computes only its last prompt token
+    submit("continues")  # attaches 5 blocks (20 tokens), computes 5
     while scheduler.has_work():
         scheduler.run_iteration()
     for name, prompt in prompts.items():
@@ -109,6 +116,6 @@ def test_prompts_that_attach_cached_blocks_decode_what_generate_decodes(tmp_path
         got = [int(t) for t in re.findall(r"<(\d+)>", "".join(texts[name]))]
         assert got == expected.tolist(), name
     load = scheduler.load()
-    assert (load.prefix_hit_tokens, load.prefix_query_tokens) == (12 + 16, 16 + 12 + 16)
+    assert (load.prefix_hit_tokens, load.prefix_query_tokens) == (12 + 16 + 20, 16 + 12 + 16 + 24)
     assert scheduler.pool.used_blocks == 0 and scheduler.pool.cached_blocks > 0
-    assert computed_first == 17 and sum(computed) - computed_first == 3 + 1  # 32 without the cache
+    assert computed_first == 17 and sum(computed) - computed_first == 3 + 1 + 5  # 57 without the cache

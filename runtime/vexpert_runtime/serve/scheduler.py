@@ -27,7 +27,8 @@ until finished sequences free enough blocks — a 429 comes only when the queue 
 pool must hold at least one full-context sequence (checked at construction), so every valid request
 fits eventually. With ``prefix_caching`` an admitted prompt attaches the cached blocks of its longest
 already-computed prefix (whole blocks, never its last token: that one's logits are needed) and starts
-its prefill after them; its own full prompt blocks are published as the steps that compute them launch.
+its prefill after them; its own full prompt blocks are published as the steps that compute them launch,
+and its output's full blocks when it finishes (a chat's next turn continues from them).
 
 Only ``submit``, ``cancel``, ``abort_all``, ``stop_accepting``, ``load`` and ``has_work`` may be
 called from other threads; ``run_iteration`` runs on the rank's loop thread.
@@ -470,6 +471,8 @@ class Scheduler:
         writes it any more)."""
         self._by_request.pop(seq.request.request_id, None)
         seq.finished = True
+        if self.config.prefix_caching and seq.holds_blocks and reason != "error":
+            self._publish_output(seq)
         if seq.admitted:
             if self._running.pop(seq.seq_id, None) is not None:
                 self._kv_tokens_used -= seq.computed
@@ -491,6 +494,15 @@ class Scheduler:
                 error=error,
             ),
         )
+
+    def _publish_output(self, seq: _Sequence) -> None:
+        """Publish a finishing sequence's full blocks of prompt and output: a later prompt that
+        continues it (a chat's next turn) attaches them. Only tokens whose KV a launched step writes
+        and whose ids are read (an overlapped step may still hold the last one)."""
+        known = min(seq.computed, seq.prompt_len + len(seq.output))
+        if known // self.pool.block_size > seq.published:
+            tokens = [*seq.request.prompt_ids, *seq.output][:known]
+            self.pool.publish(seq.seq_id, prompt_block_digests(tokens, self.pool.block_size))
 
     def _release_if_idle(self, seq: _Sequence) -> None:
         """Return a finished sequence's blocks, unless a launched step still writes them."""
