@@ -1,6 +1,7 @@
 """``vexpert serve --api-servers 2`` as a process (2 CPU EP ranks, the tiny Qwen3-MoE made here): two
 API server processes listen on one port, both serve requests, each request's tokens come back to the
-server that took it (greedy outputs equal across servers), ``/metrics`` on either counts both, SIGTERM
+server that took it (greedy outputs equal across servers and ranks, with ``--prefix-caching`` reusing the
+prompts' shared blocks), ``/metrics`` on either counts both, SIGTERM
 drains both and leaves no process; a killed worker fails the requests on every server and the server
 exits 1. A shared port needs a fixed one: ``--port 0`` is refused."""
 
@@ -123,7 +124,7 @@ def _metric(url: str, name: str) -> float:
 
 
 def test_two_api_servers_share_the_port_serve_both_count_both_and_stop_together(tmp_path: Path) -> None:
-    proc, url, log = _serve(tmp_path)
+    proc, url, log = _serve(tmp_path, "--prefix-caching")  # and the prompts share whole blocks
     try:
         listeners = _both_listening(proc, url, log)
         (other,) = listeners - {proc.pid}
@@ -132,7 +133,7 @@ def test_two_api_servers_share_the_port_serve_both_count_both_and_stop_together(
         async def load() -> list[tuple[int, str, str | None]]:
             # a connection per request: the kernel spreads connections, not requests, over the servers
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
-                prompts = [f"the quick brown fox {i % 4}" for i in range(REQUESTS)]
+                prompts = ["the quick brown fox jumps over the lazy dog " * 5 + f"{i % 4}" for i in range(REQUESTS)]
                 return list(await asyncio.gather(*(_stream(session, url, p) for p in prompts)))
 
         results = asyncio.run(load())
@@ -141,7 +142,8 @@ def test_two_api_servers_share_the_port_serve_both_count_both_and_stop_together(
         by_prompt: dict[int, set[str]] = {}
         for i, (_, text, _) in enumerate(results):
             by_prompt.setdefault(i % 4, set()).add(text)
-        assert all(len(texts) == 1 for texts in by_prompt.values()), by_prompt  # greedy: the same on either server
+        # greedy: the same on either server and rank, whether the prompt's blocks were cached there or not
+        assert all(len(texts) == 1 for texts in by_prompt.values()), by_prompt
         assert min(used.values()) > 0.15 * sum(used.values()), used  # both servers took requests
         # whichever server a scrape reaches counts both (the other's counts at most a second old); each
         # server's own, summed once: not twice
@@ -153,6 +155,10 @@ def test_two_api_servers_share_the_port_serve_both_count_both_and_stop_together(
                 time.sleep(0.3)
         for _ in range(6):  # on either server: the node's series too
             assert _metric(url, "vexpert_iterations_total") > 0
+        # 4 prompts over 2 ranks: after each rank's first of each, the prompts' whole blocks come from the
+        # cache (2944 of 3072 tokens here; prompts admitted in one iteration may still both compute)
+        queried = _metric(url, "vexpert_serve_prefix_cache_queried_tokens")
+        assert _metric(url, "vexpert_serve_prefix_cache_hit_tokens") >= queried / 2 > 0
         processes = _descendants(proc.pid)
         assert other in processes
     finally:
