@@ -132,3 +132,43 @@ def test_overlapped_graphed_scheduler_equals_the_eager_one(tmp_path: Path) -> No
         results.append({r: [int(t) for t in re.findall(r"<(\d+)>", "".join(t))] for r, t in texts.items()})
     assert results[0] == results[1]
     assert all(len(tokens) == 5 + i for i, tokens in enumerate(results[1].values()))
+
+
+def test_prefix_caching_on_graphed_overlapped_steps_serves_the_same_tokens(tmp_path: Path) -> None:
+    """--prefix-caching on the GPU path (CUDA graphs, overlapped steps): requests sharing a 40-token prefix
+    (two whole 16-token blocks) with the first already served attach its blocks; every request's greedy
+    tokens equal those without the cache, and the cache served the shared blocks."""
+    import re
+
+    from vexpert_runtime.serve.events import GenerationRequest, SamplingParams
+    from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
+
+    class IdText:
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return "".join(f"<{i}>" for i in ids)
+
+    path = _write("deepseek_v3", tmp_path / "ds3")
+    shared = tuple(range(3, 43))
+    results, hits = [], []
+    for caching in (False, True):
+        model = HFStepModel(path, device="cuda", dtype=torch.bfloat16, kv_cache_tokens=2048)
+        model.executor = EPExperts.for_model(model, 0, 1, None, max_tokens=64)
+        model.drop_expert_weights()
+        stream = torch.cuda.Stream()
+        texts: dict[str, list[str]] = {}
+        with torch.cuda.stream(stream):
+            model.enable_cuda_graphs(64, 16, stream)
+            scheduler = Scheduler(model, IdText(), SchedulerConfig(kv_budget_tokens=None, max_batch_tokens=64,
+                                                                   max_running=16, prefix_caching=caching))
+            for wave in (range(1), range(1, 10)):  # the first alone: its blocks are published before the rest
+                for i in wave:
+                    rid = f"r{i}"
+                    texts[rid] = []
+                    scheduler.submit(GenerationRequest(rid, (*shared, 50 + i, 60 + i), SamplingParams(
+                        max_tokens=6, temperature=0, ignore_eos=True)), lambda e, out=texts[rid]: out.append(e.text))
+                while scheduler.has_work():
+                    scheduler.run_iteration()
+        results.append({r: [int(t) for t in re.findall(r"<(\d+)>", "".join(t))] for r, t in texts.items()})
+        hits.append(scheduler.load().prefix_hit_tokens)
+    assert results[0] == results[1]
+    assert hits == [0, 9 * 32]  # the nine later requests attached both whole blocks
