@@ -62,6 +62,20 @@ def prompt_text(model_dir: Path) -> tuple[str, list[int]]:
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
+def distinct_prompts(model_dir: Path, prompt_ids: list[int], count: int, shared: int) -> list[str]:
+    """``count`` prompts as long as ``prompt_ids``, the first ``shared`` ids theirs, the rest different in
+    each (random word ids, seeded): a system prompt followed by each user's text, for prefix caching."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    rng = random.Random(0)
+    words = tokenizer.encode(TEXT, add_special_tokens=False)
+    return [str(tokenizer.decode(prompt_ids[:shared] + [rng.choice(words) for _ in range(len(prompt_ids) - shared)]))
+            for _ in range(count)]
+
+
 def hf_generate(model_dir: Path, streams: list[int], prompt_ids: list[int], new_tokens: int,
                 variants: list[str]) -> dict[str, Any]:
     """transformers ``generate`` per variant ``attention:cache`` (e.g. ``sdpa:dynamic``, ``eager:dynamic``,
@@ -155,7 +169,7 @@ def write_config(path: Path, checkpoint: Path, tau: float, profile: dict[str, An
     return path
 
 
-def serve(config: Path, model: Path, streams: int, prompt: str, args: argparse.Namespace, log: Path,
+def serve(config: Path, model: Path, streams: int, prompt: str | list[str], args: argparse.Namespace, log: Path,
           trace_dir: Path | None) -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -173,7 +187,8 @@ def serve(config: Path, model: Path, streams: int, prompt: str, args: argparse.N
     try:
         wait_healthy(proc, url, log, started, 300)
         healthy = time.perf_counter()
-        first_request(url, prompt)  # before the window (a rank captures its graphs before /health answers)
+        # before the window (a rank captures its graphs before /health answers)
+        first_request(url, prompt if isinstance(prompt, str) else prompt[0])
         first = time.perf_counter()
         sampler = host_sampler(proc.pid, args, log.with_suffix(".pyspy.txt"))
         result = load_processes(url, prompt, streams, args.duration, args.warmup, args.max_tokens, args.client_processes)
@@ -351,6 +366,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="more vexpert serve arguments, one shell string, e.g. '--api-servers 4' (results go "
                              "under '<mode>_<--tag>')")
     parser.add_argument("--tag", default="", help="suffix of the results' key for this configuration")
+    parser.add_argument("--distinct-prompts", type=int, default=0,
+                        help="N different prompts (the requests take them in turn) instead of one for all: with "
+                             "--prefix-caching, one prompt for all is its best case")
+    parser.add_argument("--shared-prefix-tokens", type=int, default=0,
+                        help="with --distinct-prompts: the first N prompt ids the same in all (a system prompt)")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="vexpert serve --compile (results of 'off' go under '<mode>_compile-off')")
     args = parser.parse_args(argv)
@@ -366,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
         results["model_write_s"] = round(time.perf_counter() - started, 1)
     prompt, prompt_ids = prompt_text(args.model_dir)
     results["prompt_ids"] = len(prompt_ids)
+    served_prompts: str | list[str] = prompt
+    if args.distinct_prompts:
+        served_prompts = distinct_prompts(args.model_dir, prompt_ids, args.distinct_prompts, args.shared_prefix_tokens)
 
     def save() -> None:
         summary_path.write_text(json.dumps(results, indent=2))
@@ -383,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             trace_dir = args.out / f"trace_{mode}{tag}_{streams}" if streams in args.profile_streams else None
             config = write_config(args.out / f"{mode}.yaml", args.model_dir, 0.95 if mode == "vexpert" else 0.0,
                                   profile, args.k, args.ranks)
-            result = serve(config, args.model_dir, streams, prompt, args,
+            result = serve(config, args.model_dir, streams, served_prompts, args,
                            args.out / f"server_{mode}{tag}_{streams}_r{args.ranks}.log", trace_dir)
             result["ranks"] = args.ranks
             if trace_dir is not None and trace_dir.exists():
@@ -393,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.tag:
                 key += f"_{args.tag}"
             result["serve_args"] = args.serve_args
+            result["prompts"] = {"distinct": args.distinct_prompts or 1, "shared_prefix_tokens":
+                                 args.shared_prefix_tokens if args.distinct_prompts else len(prompt_ids)}
             results.setdefault(key, {})[str(streams)] = result
             print(mode, streams, json.dumps(result), flush=True)
             save()

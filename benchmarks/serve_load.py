@@ -97,12 +97,16 @@ def write_config(path: Path, checkpoint: Path, device: str, tau: float, profile:
     return path
 
 
-async def load_samples(url: str, prompt: str, concurrency: int, duration: float, warmup: float,
+async def load_samples(url: str, prompt: str | list[str], concurrency: int, duration: float, warmup: float,
                        max_tokens: int, pool_limit: int = 0) -> dict[str, Any]:
     """Closed-loop streaming clients; per request TTFT and the gaps between chunks that carry text
 (a token that ends inside a UTF-8 character carries none), tokens from ``usage`` (after warm-up):
-the raw samples (:func:`summarise_load` makes the figures)."""
+the raw samples (:func:`summarise_load` makes the figures). ``prompt``: one for every request, or a
+list the requests take in turn."""
     import aiohttp
+
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    sent_count = 0
 
     start = time.perf_counter()
     stop_at, count_from = start + duration, start + warmup
@@ -111,10 +115,12 @@ the raw samples (:func:`summarise_load` makes the figures)."""
     done = tokens = errors = 0
 
     async def client(session: aiohttp.ClientSession) -> None:
-        nonlocal done, tokens, errors
-        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+        nonlocal done, tokens, errors, sent_count
+        body = {"model": "bench", "prompt": prompts[0], "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True}}
         while time.perf_counter() < stop_at:
+            body["prompt"] = prompts[sent_count % len(prompts)]
+            sent_count += 1
             sent = time.perf_counter()
             stamps: list[float] = []
             generated = 0
@@ -165,7 +171,7 @@ def summarise_load(parts: list[dict[str, Any]]) -> dict[str, Any]:
             "client_cpu_share_max": max(part.get("cpu_share", 0.0) for part in parts)}
 
 
-def _load_in_process(args: tuple[str, str, int, float, float, int, int]) -> dict[str, Any]:
+def _load_in_process(args: tuple[str, str | list[str], int, float, float, int, int]) -> dict[str, Any]:
     """One client process's samples and the share of its wall time it spent on a CPU."""
     cpu, wall = time.process_time(), time.perf_counter()
     samples = asyncio.run(load_samples(*args))
@@ -173,7 +179,7 @@ def _load_in_process(args: tuple[str, str, int, float, float, int, int]) -> dict
     return samples
 
 
-def load_processes(url: str, prompt: str, concurrency: int, duration: float, warmup: float, max_tokens: int,
+def load_processes(url: str, prompt: str | list[str], concurrency: int, duration: float, warmup: float, max_tokens: int,
                    processes: int, pool_limit: int = 0) -> dict[str, Any]:
     """The same closed-loop load from ``processes`` client processes (the streams split evenly), so
     that one Python client — parsing every streamed chunk — is not what limits a fast server: on a
