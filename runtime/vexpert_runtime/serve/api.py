@@ -739,9 +739,10 @@ INLINE_TOKENIZE_CHARS = 2048
 
 
 def run_server(api: ServeApi, host: str, port: int, reuse_port: bool = False,
-               on_stop: Callable[[], None] | None = None) -> None:
+               on_stop: Callable[[], None] | None = None, announce: bool = True) -> None:
     """Serve until SIGTERM / SIGINT, then shut down gracefully (the CLI's entry point).
-    ``on_stop()`` runs as the drain begins (the first API server stops the others)."""
+    ``on_stop()`` runs as the drain begins (the first API server stops the others); ``announce``:
+    say so on stderr (the first API server speaks for all)."""
     sys.setswitchinterval(API_SWITCH_INTERVAL_S)
 
     async def main() -> None:
@@ -754,8 +755,9 @@ def run_server(api: ServeApi, host: str, port: int, reuse_port: bool = False,
         await stop.wait()
         if on_stop is not None:
             on_stop()
-        print(f"vexpert serve: stopping: the requests in flight finish (up to {api.config.drain_timeout_s:.0f} s)",
-              file=sys.stderr, flush=True)
+        if announce:
+            print(f"vexpert serve: stopping: the requests in flight finish (up to {api.config.drain_timeout_s:.0f} s)",
+                  file=sys.stderr, flush=True)
         await server.stop()
 
     asyncio.run(main())

@@ -74,7 +74,7 @@ def api_server_main(args: ApiServerArgs) -> None:
                      daemon=True).start()
     api = ServeApi(dispatcher, tokenizer, args.api_config, metrics_share=MetricsShare(args.metrics_dir, args.index))
     try:
-        run_server(api, args.host, args.port, reuse_port=True)
+        run_server(api, args.host, args.port, reuse_port=True, announce=False)
     finally:
         dispatcher.close()
     if args.node_status.failure() is not None:
