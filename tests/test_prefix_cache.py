@@ -19,22 +19,23 @@ import torch
 from serve_support import build_tiny_checkpoint, load_model
 from vexpert_runtime.serve.events import GenerationRequest, SamplingParams
 from vexpert_runtime.serve.hf_model import HFStepModel
-from vexpert_runtime.serve.kv_cache import BlockPool, KVCacheFull, prompt_block_digests
+from vexpert_runtime.serve.kv_cache import BlockPool, KVCacheFull, token_block_digests
 from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
 
 
 def test_digests_name_a_block_by_its_tokens_and_everything_before_it() -> None:
-    a = prompt_block_digests(list(range(10)), 4)
+    a = token_block_digests(list(range(10)), 4)
     assert len(a) == 2  # two full blocks; the last two tokens are not a block
-    b = prompt_block_digests([0, 1, 2, 3, 4, 5, 6, 99, 8, 9, 10, 11], 4)
+    b = token_block_digests([0, 1, 2, 3, 4, 5, 6, 99, 8, 9, 10, 11], 4)
     assert b[0] == a[0] and b[1] != a[1] and len(b) == 3
-    c = prompt_block_digests([9, 1, 2, 3, 4, 5, 6, 7], 4)
+    c = token_block_digests([9, 1, 2, 3, 4, 5, 6, 7], 4)
     assert c[1] != a[1]  # the same tokens after a different first block: another prefix
+    assert token_block_digests(list(range(4, 12)), 4, parent=a[0]) == token_block_digests(list(range(12)), 4)[1:]
 
 
 def test_blocks_are_shared_cached_evicted_and_never_run_out() -> None:
     pool = BlockPool(num_blocks=9, block_size=4)  # 8 usable
-    digests = prompt_block_digests(list(range(12)), 4)
+    digests = token_block_digests(list(range(12)), 4)
     pool.reserve(1, 16)
     owner = list(pool.grow(1, 12))
     pool.publish(1, digests)

@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from vexpert_runtime.node import NodeOptions
-    from vexpert_runtime.node.runtime_process import NodeProcess, SharedNodeStatus
+    from vexpert_runtime.node.runtime_process import NodeProcess
     from vexpert_runtime.serve.api import ServeApi, run_server
     from vexpert_runtime.serve.api_servers import ApiServerArgs, ApiServers
     from vexpert_runtime.serve.metrics_share import MetricsShare
@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     requests = [ctx.Queue() for _ in range(setup.local_workers)]
     options = NodeOptions(
         workload=Workload(tokens_per_worker=served.scheduler.max_running),  # sizes the allocator's decode batch
-        serve=[ServeWorkerArgs(str(served.model_dir), served.scheduler, inbound, events if servers > 1 else events[0],
+        serve=[ServeWorkerArgs(str(served.model_dir), served.scheduler, inbound, events,
                                served.gpu_memory_utilization, ranks_per_gpu=setup.workers_per_gpu,
                                overlap_steps=_AUTO_ON_OFF[args.overlap_steps], compile=_AUTO_ON_OFF[args.compile],
                                cpu_expert_kernel=args.cpu_expert_kernel)
@@ -305,8 +305,7 @@ def run(args: argparse.Namespace) -> int:
 
     # the supervisor and the allocator in a process of their own: the API process's one GIL is the
     # HTTP loop's, the tokenizer's and the ranks' events' (node/runtime_process.py says why)
-    shared = SharedNodeStatus(ctx) if servers > 1 else None
-    node = NodeProcess(ctx, setup, options, on_failure=node_failed, shared=shared)
+    node = NodeProcess(ctx, setup, options, on_failure=node_failed)
     node.start()  # its workers load the model while this process loads the tokenizer
     # one API server: the drain's end stops the node; several: the node stops once all have drained
     dispatcher = MultiRankDispatcher(requests, events[0], args.max_waiting, node.readiness,
@@ -315,9 +314,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         api_config, tokenizer = _api_config(served, args, api_key)
         if servers > 1:
-            assert shared is not None and metrics_dir is not None
+            assert metrics_dir is not None
             others = ApiServers(ctx, [ApiServerArgs(i, args.host, args.port, str(served.model_dir), api_config, requests,
-                                                    events[i], args.max_waiting, shared, metrics_dir, os.getpid())
+                                                    events[i], args.max_waiting, node.status, metrics_dir, os.getpid())
                                       for i in range(1, servers)], on_death=api_server_died)
             others.start()
         api = ServeApi(dispatcher, tokenizer, api_config, node_metrics=node.metrics_text,

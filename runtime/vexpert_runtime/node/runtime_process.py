@@ -141,8 +141,8 @@ def _serve_commands(runtime: Any, conn: Any, send: Callable[[Any], None], finish
 
 
 class SharedNodeStatus:
-    """The node's readiness and failure where every API server reads them (``--api-servers``): the
-    first server's :class:`NodeProcess` writes them, the others read (shared memory, pickled at spawn)."""
+    """The node's readiness and failure, in shared memory: the first API server's :class:`NodeProcess`
+    writes them, every API server reads them (``--api-servers``: pickled at spawn)."""
 
     SIZE = 2048  # bytes of the reason kept (UTF-8, cut at a character)
 
@@ -151,15 +151,14 @@ class SharedNodeStatus:
         self._failed = ctx.Value("b", 0, lock=False)  # written under the text's lock
         self.set(STARTING)
 
-    def set(self, readiness: str | None) -> None:
+    def set(self, readiness: str | None, failed: bool = False) -> None:
+        """The node's readiness now (None: it serves); with ``failed``, ``readiness`` is its failure
+        (kept from then on)."""
         raw = (readiness or "").encode()[: self.SIZE - 1].decode(errors="ignore").encode()
         with self._text.get_lock():
-            self._text.value = raw
-
-    def fail(self, message: str) -> None:
-        self.set(message)
-        with self._text.get_lock():
-            self._failed.value = 1
+            if not self._failed.value:
+                self._text.value = raw
+                self._failed.value = int(failed)
 
     def readiness(self) -> str | None:
         """Why the node cannot take requests now (None: it can)."""
@@ -181,13 +180,9 @@ class NodeProcess:
     ``on_failure(message)`` runs (on the reader thread) once when the node fails — it raised, or its
     process died — and not when it stops because it was asked to."""
 
-    def __init__(self, ctx: Any, setup: Any, options: Any, on_failure: Callable[[str], None],
-                 shared: SharedNodeStatus | None = None) -> None:
-        """``shared``: also write the readiness and the failure there (for the other API servers)."""
+    def __init__(self, ctx: Any, setup: Any, options: Any, on_failure: Callable[[str], None]) -> None:
         self.on_failure = on_failure
-        self.shared = shared
-        self.failure: str | None = None
-        self._readiness: str | None = STARTING
+        self.status = SharedNodeStatus(ctx)  # readiness and failure, where the other API servers read them too
         self._conn, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(target=node_process_main, args=(setup, options, child, os.getpid()),
                                  name="vexpert-node")
@@ -211,9 +206,12 @@ class NodeProcess:
 
     def readiness(self) -> str | None:
         """Why the node cannot take requests now (None: it can)."""
-        if self.failure is not None:
-            return f"node failed: {self.failure}"
-        return self._readiness
+        return self.status.readiness()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the node failed (None: it has not)."""
+        return self.status.failure()
 
     def metrics_text(self) -> bytes:
         """The node's Prometheus exposition; empty when the node is not running or does not answer
@@ -268,9 +266,7 @@ class NodeProcess:
             except (EOFError, OSError):
                 break
             if isinstance(msg, NodeStatus):
-                self._readiness = msg.readiness
-                if self.shared is not None:
-                    self.shared.set(msg.readiness)
+                self.status.set(msg.readiness)
             elif isinstance(msg, NodeMetricsText):
                 self._metrics.put(msg)
             elif isinstance(msg, NodeFailed):
@@ -282,8 +278,6 @@ class NodeProcess:
         elif failure is None and code == 0 and not self._stopping:
             failure = "the node process exited"
         if failure is not None:
-            self.failure = failure
-            if self.shared is not None:
-                self.shared.fail(failure)
+            self.status.set(failure, failed=True)
             self.on_failure(failure)
 

@@ -7,7 +7,7 @@ in blocks) when it admits it, so an admitted sequence never finds the pool empty
 preempted; the blocks themselves are taken as the sequence grows and all return at its finish.
 
 With ``prefix_caching``, a full block of a prompt is published under a digest of its tokens and of
-every token before it (:func:`prompt_block_digests`); a later prompt that starts the same way attaches
+every token before it (:func:`token_block_digests`); a later prompt that starts the same way attaches
 those blocks instead of computing them (shared: a block counts the sequences holding it). A published
 block no sequence holds stays cached until the pool needs it (least recently freed first). A full
 prompt block is never written again, so sharing needs no copy. Reservations still count every block
@@ -44,14 +44,13 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def prompt_block_digests(prompt_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """One digest per full block of ``prompt_ids``: BLAKE2b-128 of the previous block's digest and this
-    block's token ids, so equal digests mean equal prefixes (no Python ``hash``: a collision would
-    silently serve another prompt's cache)."""
+def token_block_digests(token_ids: Sequence[int], block_size: int, parent: bytes = b"") -> list[bytes]:
+    """One digest per full block of ``token_ids``: BLAKE2b-128 of the previous block's digest (``parent``
+    for the first: the blocks before ``token_ids``, if any) and this block's token ids, so equal digests
+    mean equal prefixes (no Python ``hash``: a collision would silently serve another prompt's cache)."""
     digests: list[bytes] = []
-    parent = b""
-    for start in range(0, len(prompt_ids) - block_size + 1, block_size):
-        parent = hashlib.blake2b(parent + array("q", prompt_ids[start:start + block_size]).tobytes(),
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hashlib.blake2b(parent + array("q", token_ids[start:start + block_size]).tobytes(),
                                  digest_size=16).digest()
         digests.append(parent)
     return digests

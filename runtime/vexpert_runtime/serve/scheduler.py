@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.serve.events import Event, GenerationRequest, RankLoad, overloaded, shutting_down
-from vexpert_runtime.serve.kv_cache import BlockPool, blocks_for, prompt_block_digests
+from vexpert_runtime.serve.kv_cache import BlockPool, blocks_for, token_block_digests
 from vexpert_runtime.serve.sampling import IncrementalDetokenizer, StopChecker, request_seed
 from vexpert_runtime.serve.step import PendingStep, SamplingSpec, SequenceWork, StepModel
 
@@ -421,7 +421,7 @@ class Scheduler:
         self._running[seq.seq_id] = seq
         if self.config.prefix_caching:
             size = self.pool.block_size
-            seq.digests = prompt_block_digests(seq.request.prompt_ids, size)
+            seq.digests = token_block_digests(seq.request.prompt_ids, size)
             # whole blocks, and never the prompt's last token: its logits give the first new token
             attached = self.pool.attach_prefix(seq.seq_id, seq.digests[: (seq.prompt_len - 1) // size])
             seq.computed = attached * size
@@ -499,10 +499,13 @@ class Scheduler:
         """Publish a finishing sequence's full blocks of prompt and output: a later prompt that
         continues it (a chat's next turn) attaches them. Only tokens whose KV a launched step writes
         and whose ids are read (an overlapped step may still hold the last one)."""
+        size = self.pool.block_size
         known = min(seq.computed, seq.prompt_len + len(seq.output))
-        if known // self.pool.block_size > seq.published:
-            tokens = [*seq.request.prompt_ids, *seq.output][:known]
-            self.pool.publish(seq.seq_id, prompt_block_digests(tokens, self.pool.block_size))
+        if known // size > seq.published:  # the digests go on from the prompt's whole blocks (seq.digests)
+            start = len(seq.digests) * size
+            tail = [*seq.request.prompt_ids[start:], *seq.output][: known - start]
+            more = token_block_digests(tail, size, seq.digests[-1] if seq.digests else b"")
+            self.pool.publish(seq.seq_id, seq.digests + more)
 
     def _release_if_idle(self, seq: _Sequence) -> None:
         """Return a finished sequence's blocks, unless a launched step still writes them."""
