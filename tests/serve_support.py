@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -39,6 +40,18 @@ log = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05  # an idle single-rank loop sleeps until a submit wakes it (or this long)
 _DRAIN_POLL_S = 0.02
 _ABORT_GRACE_S = 10.0  # how long shutdown waits for the step in progress
+
+
+class IdText:
+    """A tokenizer whose text is the token ids, ``<5><17>``: a test reads the tokens back from the events."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+def id_text_tokens(text: str) -> list[int]:
+    """The token ids of :class:`IdText`'s text."""
+    return [int(t) for t in re.findall(r"<(\d+)>", text)]
 
 
 def build_tiny_checkpoint(directory: Path, family: str = "qwen3_moe") -> None:

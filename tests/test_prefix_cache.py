@@ -10,13 +10,12 @@ but its last token, or another request's prompt and output: a chat's next turn) 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from serve_support import build_tiny_checkpoint, load_model
+from serve_support import IdText, build_tiny_checkpoint, id_text_tokens, load_model
 from vexpert_runtime.serve.events import GenerationRequest, SamplingParams
 from vexpert_runtime.serve.hf_model import HFStepModel
 from vexpert_runtime.serve.kv_cache import BlockPool, KVCacheFull, token_block_digests
@@ -67,13 +66,6 @@ def test_blocks_are_shared_cached_evicted_and_never_run_out() -> None:
     assert pool.attach_prefix(6, digests) == 0 and pool.free_blocks == 8
 
 
-class _IdText:
-    """Token ids as text: ``<id>`` each (the outputs compare as ids)."""
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(f"<{i}>" for i in ids)
-
-
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
 def test_prompts_that_attach_cached_blocks_decode_what_generate_decodes(tmp_path: Path, family: str) -> None:
     build_tiny_checkpoint(tmp_path, family)
@@ -86,7 +78,7 @@ def test_prompts_that_attach_cached_blocks_decode_what_generate_decodes(tmp_path
     model.launch = lambda work: (computed.append(sum(  # type: ignore[method-assign]
         sum(1 for i in range(len(w.tokens)) if w.position + i < prompt_len[w.seq_id]) for w in work)), launch(work))[1]
     config = SchedulerConfig(kv_budget_tokens=None, max_batch_tokens=8, max_running=4, prefix_caching=True)
-    scheduler = Scheduler(model, _IdText(), config)
+    scheduler = Scheduler(model, IdText(), config)
     shared = list(range(5, 18))  # 13 tokens: 3 whole blocks of 4
     prompts = {"first": [*shared, 40, 41, 42, 43], "other_suffix": [*shared, 50, 51], "same": [*shared, 40, 41, 42, 43]}
     new_tokens = {"first": 6, "other_suffix": 5, "same": 6}
@@ -102,7 +94,7 @@ def test_prompts_that_attach_cached_blocks_decode_what_generate_decodes(tmp_path
     computed_first = sum(computed)
     # a chat's next turn: the first prompt, its output, two more tokens; its KV was written for the prompt
     # and the first 5 output tokens (the 6th ended it): 22 tokens, 5 whole blocks to attach
-    first_output = [int(t) for t in re.findall(r"<(\d+)>", "".join(texts["first"]))]
+    first_output = id_text_tokens("".join(texts["first"]))
     prompts["continues"] = [*prompts["first"], *first_output, 70, 71]
     new_tokens["continues"], texts["continues"] = 4, []
     submit("other_suffix")  # attaches 3 blocks (12 tokens), computes 3
@@ -114,7 +106,7 @@ def test_prompts_that_attach_cached_blocks_decode_what_generate_decodes(tmp_path
         x = torch.tensor([prompt])
         expected = reference.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
                                       max_new_tokens=new_tokens[name], eos_token_id=None, pad_token_id=0)[0, len(prompt):]
-        got = [int(t) for t in re.findall(r"<(\d+)>", "".join(texts[name]))]
+        got = id_text_tokens("".join(texts[name]))
         assert got == expected.tolist(), name
     load = scheduler.load()
     assert (load.prefix_hit_tokens, load.prefix_query_tokens) == (12 + 16 + 20, 16 + 12 + 16 + 24)

@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -23,57 +22,15 @@ import pytest
 pytest.importorskip("transformers")
 aiohttp = pytest.importorskip("aiohttp")
 
-from serve_support import build_tiny_checkpoint  # noqa: E402
-from vexpert_runtime.ports import free_port  # noqa: E402
+from serve_process import child_pids, descendant_pids, start_cpu_serve  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 REQUESTS = 48
 TOKENS = 12
 
 
 def _serve(tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str, Path]:
-    checkpoint = tmp / "ckpt"
-    build_tiny_checkpoint(checkpoint, "qwen3_moe")
-    config = tmp / "runtime.yaml"
-    config.write_text(json.dumps({
-        "model": {"checkpoint_path": str(checkpoint), "dtype": "float32"},
-        "parallelism": {"expert_parallel_size": 2, "gpus_per_node": 2},
-        "runtime": {"device": "cpu", "cpu_workers": 2, "metrics_port": 0, "slot_fill_timeout_s": 30.0},
-    }))
-    port = free_port()
-    log = tmp / "serve.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "runtime"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vexpert_runtime", "serve", "--config", str(config), "--host", "127.0.0.1",
-         "--port", str(port), "--served-model-name", "tiny", "--api-servers", "2", *extra],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=tmp, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    healthy = 0
-    while healthy < 8:  # several connections in a row: each server is up (the kernel spreads them)
-        assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "not healthy within 180 s:\n" + log.read_text()[-3000:]
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                healthy = healthy + 1 if resp.status == 200 else 0
-        except OSError:
-            healthy = 0
-            time.sleep(0.5)
-    return proc, url, log
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-def _descendants(pid: int) -> list[int]:
-    found, frontier = [], [pid]
-    while frontier:
-        frontier = [child for parent in frontier for child in _children(parent)]
-        found += frontier
-    return found
+    # several /health answers in a row: each server is up (the kernel spreads the connections)
+    return start_cpu_serve(tmp, "--api-servers", "2", *extra, healthy_in_a_row=8)
 
 
 def _listeners(port: int) -> set[int]:
@@ -159,7 +116,7 @@ def test_two_api_servers_share_the_port_serve_both_count_both_and_stop_together(
         # cache (2944 of 3072 tokens here; prompts admitted in one iteration may still both compute)
         queried = _metric(url, "vexpert_serve_prefix_cache_queried_tokens")
         assert _metric(url, "vexpert_serve_prefix_cache_hit_tokens") >= queried / 2 > 0
-        processes = _descendants(proc.pid)
+        processes = descendant_pids(proc.pid)
         assert other in processes
     finally:
         if proc.poll() is None:
@@ -174,9 +131,9 @@ def test_a_killed_worker_fails_the_requests_of_every_api_server_and_the_server_e
     proc, url, log = _serve(tmp_path, "--max-running", "8")
     try:
         listeners = _both_listening(proc, url, log)
-        (node,) = [pid for pid in _children(proc.pid)
+        (node,) = [pid for pid in child_pids(proc.pid)
                    if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes() and pid not in listeners]
-        worker = _children(node)[0]  # the node process spawns the workers first
+        worker = child_pids(node)[0]  # the node process spawns the workers first
 
         async def main() -> list[tuple[int, str]]:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),

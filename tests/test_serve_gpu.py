@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("triton")
 
+from serve_support import IdText, id_text_tokens  # noqa: E402
 from test_serve_model import CHUNK, JOINS, NEW_TOKENS, PROMPTS, _write, drive  # noqa: E402
 from vexpert_runtime.serve.attention import build_metadata, gqa_attention, mla_attention  # noqa: E402
 from vexpert_runtime.serve.attention_kernels import gqa_decode, mla_decode  # noqa: E402
@@ -89,24 +90,24 @@ def test_graphed_decode_equals_the_eager_step(family: str, fused: bool, tmp_path
     assert outputs[0] == outputs[1]
 
 
+def _one_rank_model(path: Path) -> HFStepModel:
+    """The batched model on the GPU with its experts in one rank's EP layer (64-token dispatch capacity)."""
+    model = HFStepModel(path, device="cuda", dtype=torch.bfloat16, kv_cache_tokens=2048)
+    model.executor = EPExperts.for_model(model, 0, 1, None, max_tokens=64)
+    model.drop_expert_weights()
+    return model
+
+
 def test_overlapped_graphed_scheduler_equals_the_eager_one(tmp_path: Path) -> None:
     """The scheduler over graphed steps launches step i+1 before reading step i (decodes fed from
     the device): every request's greedy tokens equal those of the eager, sequential scheduler."""
-    import re
-
     from vexpert_runtime.serve.events import GenerationRequest, SamplingParams
     from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
-
-    class IdText:
-        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-            return "".join(f"<{i}>" for i in ids)
 
     path = _write("deepseek_v3", tmp_path / "ds3")
     results = []
     for graphs in (False, True):
-        model = HFStepModel(path, device="cuda", dtype=torch.bfloat16, kv_cache_tokens=2048)
-        model.executor = EPExperts.for_model(model, 0, 1, None, max_tokens=64)
-        model.drop_expert_weights()
+        model = _one_rank_model(path)
         stream = torch.cuda.Stream()
         texts: dict[str, list[str]] = {}
         with torch.cuda.stream(stream):
@@ -129,7 +130,7 @@ def test_overlapped_graphed_scheduler_equals_the_eager_one(tmp_path: Path) -> No
                 before = model.graphs.replays
                 scheduler.run_iteration()
                 assert model.graphs.replays == before + 1
-        results.append({r: [int(t) for t in re.findall(r"<(\d+)>", "".join(t))] for r, t in texts.items()})
+        results.append({r: id_text_tokens("".join(t)) for r, t in texts.items()})
     assert results[0] == results[1]
     assert all(len(tokens) == 5 + i for i, tokens in enumerate(results[1].values()))
 
@@ -138,22 +139,14 @@ def test_prefix_caching_on_graphed_overlapped_steps_serves_the_same_tokens(tmp_p
     """--prefix-caching on the GPU path (CUDA graphs, overlapped steps): requests sharing a 40-token prefix
     (two whole 16-token blocks) with the first already served attach its blocks; every request's greedy
     tokens equal those without the cache, and the cache served the shared blocks."""
-    import re
-
     from vexpert_runtime.serve.events import GenerationRequest, SamplingParams
     from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
-
-    class IdText:
-        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-            return "".join(f"<{i}>" for i in ids)
 
     path = _write("deepseek_v3", tmp_path / "ds3")
     shared = tuple(range(3, 43))
     results, hits = [], []
     for caching in (False, True):
-        model = HFStepModel(path, device="cuda", dtype=torch.bfloat16, kv_cache_tokens=2048)
-        model.executor = EPExperts.for_model(model, 0, 1, None, max_tokens=64)
-        model.drop_expert_weights()
+        model = _one_rank_model(path)
         stream = torch.cuda.Stream()
         texts: dict[str, list[str]] = {}
         with torch.cuda.stream(stream):
@@ -168,7 +161,7 @@ def test_prefix_caching_on_graphed_overlapped_steps_serves_the_same_tokens(tmp_p
                         max_tokens=6, temperature=0, ignore_eos=True)), lambda e, out=texts[rid]: out.append(e.text))
                 while scheduler.has_work():
                     scheduler.run_iteration()
-        results.append({r: [int(t) for t in re.findall(r"<(\d+)>", "".join(t))] for r, t in texts.items()})
+        results.append({r: id_text_tokens("".join(t)) for r, t in texts.items()})
         hits.append(scheduler.load().prefix_hit_tokens)
     assert results[0] == results[1]
     assert hits == [0, 9 * 32]  # the nine later requests attached both whole blocks

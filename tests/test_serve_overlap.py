@@ -10,14 +10,20 @@ equal to transformers' ``generate``.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from serve_support import RecomputeStepModel, build_tiny_checkpoint, load_model, load_tokenizer
+from serve_support import (
+    IdText,
+    RecomputeStepModel,
+    build_tiny_checkpoint,
+    id_text_tokens,
+    load_model,
+    load_tokenizer,
+)
 from vexpert_runtime.serve.events import Event, GenerationRequest, SamplingParams
 from vexpert_runtime.serve.hf_model import HFStepModel
 from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
@@ -123,13 +129,6 @@ def test_a_stopped_sequence_keeps_its_blocks_until_the_step_holding_it_is_done(h
     assert scheduler.pool.used_blocks == 0 and sorted(model.released) == list(range(5))
 
 
-class _IdText:
-    """A tokenizer whose text is the ids: ``<5><17>`` (so the test reads tokens back from events)."""
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(f"<{i}>" for i in ids)
-
-
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
 def test_overlapped_batched_model_matches_generate(tmp_path: Path, family: str) -> None:
     """The batched model (paged cache, batched attention) with overlapped steps: greedy tokens of
@@ -138,7 +137,7 @@ def test_overlapped_batched_model_matches_generate(tmp_path: Path, family: str) 
     reference = load_model(tmp_path)
     model = HFStepModel(tmp_path, dtype=torch.float32, kv_cache_tokens=512, block_size=4)
     model.overlaps_steps = True
-    scheduler = Scheduler(model, _IdText(), SchedulerConfig(kv_budget_tokens=None, max_batch_tokens=7, max_running=4))
+    scheduler = Scheduler(model, IdText(), SchedulerConfig(kv_budget_tokens=None, max_batch_tokens=7, max_running=4))
     prompts = [list(range(5, 12)), list(range(30, 33)), list(range(40, 53))]
     new_tokens = [6, 9, 4]
     texts: dict[str, list[str]] = {f"r{i}": [] for i in range(len(prompts))}
@@ -155,7 +154,7 @@ def test_overlapped_batched_model_matches_generate(tmp_path: Path, family: str) 
         x = torch.tensor([prompt])
         expected = reference.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
                                       max_new_tokens=new_tokens[i], eos_token_id=None, pad_token_id=0)[0, len(prompt):]
-        got = [int(t) for t in re.findall(r"<(\d+)>", "".join(texts[f"r{i}"]))]
+        got = id_text_tokens("".join(texts[f"r{i}"]))
         assert got == expected.tolist(), f"request {i}"
     assert scheduler.pool.used_blocks == 0
 

@@ -10,9 +10,7 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -20,43 +18,13 @@ import pytest
 pytest.importorskip("transformers")
 aiohttp = pytest.importorskip("aiohttp")
 
-from serve_support import build_tiny_checkpoint  # noqa: E402
-from vexpert_runtime.ports import free_port  # noqa: E402
+from serve_process import child_pids, descendant_pids, start_cpu_serve  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 INTERNAL = ("/__w/", ".cc:", ".py", "Traceback", "gloo", "pytorch")
 
 
 def _serve(tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str, Path]:
-    checkpoint = tmp / "ckpt"
-    build_tiny_checkpoint(checkpoint, "qwen3_moe")
-    config = tmp / "runtime.yaml"
-    config.write_text(json.dumps({  # JSON is YAML; no master_port: the node picks a free loopback one
-        "model": {"checkpoint_path": str(checkpoint), "dtype": "float32"},
-        "parallelism": {"expert_parallel_size": 2, "gpus_per_node": 2},
-        "runtime": {"device": "cpu", "cpu_workers": 2, "metrics_port": 0, "slot_fill_timeout_s": 30.0},
-    }))
-    port = free_port()
-    log = tmp / "serve.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "runtime"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vexpert_runtime", "serve", "--config", str(config), "--host", "127.0.0.1",
-         "--port", str(port), "--served-model-name", "tiny", "--max-batch-tokens", "64", *extra],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=tmp,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return proc, url, log
-        except OSError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise AssertionError("server not healthy within 180 s:\n" + log.read_text()[-3000:])
+    return start_cpu_serve(tmp, "--max-batch-tokens", "64", *extra)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -66,11 +34,6 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
 
 
 async def _one(session: aiohttp.ClientSession, url: str, stream: bool, i: int) -> tuple[int, str | None, str]:
@@ -85,7 +48,7 @@ def test_overload_is_429_with_retry_after_before_any_stream_and_the_rendezvous_i
     try:
         # the rendezvous store and gloo pairs of this single-node group: nothing beyond loopback but the API
         listening = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout.splitlines()
-        ours = {str(proc.pid), *map(str, _children(proc.pid))}
+        ours = {str(proc.pid), *map(str, descendant_pids(proc.pid))}  # the workers are the node process's children
         wide = [line for line in listening if any(f"pid={p}," in line for p in ours)
                 and not line.split()[3].startswith(("127.0.0.1:", "[::1]:", "[::ffff:127.0.0.1]:"))]
         if wide:  # torch's TCPStore binds the wildcard address: reported, not hidden
@@ -128,7 +91,7 @@ async def _single(url: str) -> tuple[int, str | None, str]:
 def test_a_killed_worker_fails_requests_with_a_clean_503_and_the_server_exits(tmp_path: Path) -> None:
     proc, url, log = _serve(tmp_path, "--max-running", "8")
     try:
-        children = _descendants(proc.pid)
+        children = descendant_pids(proc.pid)
         spawned = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert len(spawned) >= 4, spawned  # the node process, its coordinator and 2 workers (one is the victim)
 
@@ -184,15 +147,7 @@ def test_a_killed_worker_fails_requests_with_a_clean_503_and_the_server_exits(tm
 
 def _spawned(pid: int) -> list[int]:
     """``pid``'s children that multiprocessing spawned (not the resource tracker), oldest first."""
-    return [p for p in _children(pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
-
-
-def _descendants(pid: int) -> list[int]:
-    found, frontier = [], [pid]
-    while frontier:
-        frontier = [child for parent in frontier for child in _children(parent)]
-        found += frontier
-    return found
+    return [p for p in child_pids(pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
 def _worker_pids(pid: int) -> list[int]:
