@@ -2,7 +2,8 @@
 when the rule at its edge is broken, where a test with room to spare would still pass.
 
 * slot agreement: a rank that is not ready vetoes the plan even when every digest matches;
-* KV admission: a request whose reservation is exactly the budget is admitted, one token more waits;
+* KV admission: a prompt whose prefill and first token take exactly the free blocks is admitted, one
+  token more waits;
 * top-p: a token whose higher-ranked mass equals ``top_p`` exactly is outside the nucleus;
 * the model calibration Job's attempt bound (the hardware Job has its own test);
 * the EPLB stall's time cost (not only how many stalls);
@@ -68,20 +69,21 @@ def test_a_rank_not_ready_vetoes_the_plan_even_when_every_digest_matches() -> No
 # ------------------------------------------------------------------------------------------------
 
 
-def test_a_reservation_of_exactly_the_free_blocks_fits_and_one_token_more_does_not() -> None:
+def test_a_growth_to_exactly_the_free_blocks_fits_and_one_token_more_takes_nothing() -> None:
     pool = BlockPool(num_blocks=9, block_size=4)  # 8 usable blocks, 32 tokens
-    assert pool.can_reserve(32) and not pool.can_reserve(33)
-    pool.reserve(0, 12)  # 3 blocks
-    assert pool.can_reserve(20) and not pool.can_reserve(21)  # exactly the 5 blocks left
-    pool.reserve(1, 20)
-    assert pool.reserved_blocks == pool.usable_blocks == 8
-    assert len(pool.grow(1, 20)) == 5  # the whole reservation can be taken
-    assert not pool.can_reserve(1)
+    pool.add(0)
+    pool.grow(0, 12)  # 3 blocks
+    pool.add(1)
     with pytest.raises(KVCacheFull):
-        pool.reserve(2, 1)
+        pool.grow(1, 21)  # 6 blocks, 5 free
+    assert pool.table(1) == [] and pool.free_blocks == 5  # refused whole
+    assert len(pool.grow(1, 20)) == 5  # exactly the 5 blocks left
+    assert pool.used_blocks == pool.usable_blocks == 8
+    pool.add(2)
+    with pytest.raises(KVCacheFull):
+        pool.grow(2, 1)
     pool.free(0)
-    pool.reserve(2, 12)  # exactly what was freed
-    assert pool.reserved_blocks == 8
+    assert len(pool.grow(2, 12)) == 3  # exactly what was freed
 
 
 class _Model(SynchronousSteps):
@@ -116,31 +118,40 @@ class _Tok:
 
 
 @pytest.mark.parametrize("block_size", [1, 4])
-def test_a_request_reserving_exactly_the_kv_budget_is_admitted_at_once(block_size: int) -> None:
-    """kv_budget_tokens = 32 with a model cache far larger: a request of prompt + max_tokens = 32 is
-    admitted in the first iteration and runs to its length; a second one waits for it."""
+@pytest.mark.parametrize("second_prompt", [3, 4])
+def test_a_prompt_is_admitted_when_its_prefill_fits_exactly_and_waits_one_token_more(
+    block_size: int, second_prompt: int
+) -> None:
+    """kv_budget_tokens = 32 (one full context) with a model cache far larger. A 27-token prompt
+    wants the blocks of 28 tokens (its prefill and first token); a second prompt of 3 tokens wants
+    the 4 left — exactly the rest — and is admitted in the same iteration; one of 4 waits. Both finish:
+    when the first grows past what the second leaves, the second (the newest) is preempted, and
+    re-admitted once the first is done it prefills its prompt and produced tokens and goes on."""
     budget = 32
     model = _Model(max_context=budget, kv_block_size=block_size, kv_num_blocks=1000)
-    config = SchedulerConfig(kv_budget_tokens=budget, max_batch_tokens=16, max_running=4)
+    config = SchedulerConfig(kv_budget_tokens=budget, max_batch_tokens=32, max_running=4)
     config.check(budget, budget)  # a budget of exactly one full context is a valid configuration
     scheduler = Scheduler(model, _Tok(), config)
     assert scheduler.pool.capacity_tokens() == budget
     events: list[Event] = []
-    params = SamplingParams(max_tokens=budget - 5, temperature=0)
-    scheduler.submit(GenerationRequest("exact", (1, 2, 3, 4, 5), params), events.append)
-    scheduler.submit(GenerationRequest("next", (1, 2), SamplingParams(max_tokens=1, temperature=0)), events.append)
+    long = GenerationRequest("long", (2,) * 27, SamplingParams(max_tokens=budget - 27, temperature=0))
+    scheduler.submit(long, events.append)
+    second = GenerationRequest("second", (1,) * second_prompt, SamplingParams(max_tokens=8, temperature=0))
+    scheduler.submit(second, events.append)
     scheduler.run_iteration()
     load = scheduler.load()
-    assert (load.running, load.waiting) == (1, 1)  # "exact" admitted, "next" waits beside it
-    assert load.kv_tokens_reserved == budget
+    fits = second_prompt == 3
+    assert (load.running, load.waiting) == ((2, 0) if fits else (1, 1))
     for _ in range(200):
         if not scheduler.has_work():
             break
         scheduler.run_iteration()
     finished = {e.request_id: e for e in events if e.finished}
-    assert finished["exact"].finish_reason == "length" and finished["exact"].completion_tokens == budget - 5
-    assert finished["next"].finish_reason == "length"
-    assert sorted(model.released) == [0, 1]
+    assert finished["long"].finish_reason == "length" and finished["long"].completion_tokens == budget - 27
+    assert finished["second"].finish_reason == "length" and finished["second"].completion_tokens == 8
+    assert sum(e.new_tokens for e in events if e.request_id == "second") == 8  # each token sent once
+    assert scheduler.load().preemptions == (1 if fits else 0)
+    assert scheduler.pool.used_blocks == 0 and sorted(set(model.released)) == [0, 1]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ starts with whole blocks another prompt computed attaches them instead of comput
 
 The pool: digests name a block by its tokens and every token before it; attached blocks are shared
 (counted per holder), a published block nobody holds stays cached until the pool needs the room (least
-recently freed first), reservations still hold so nothing runs out, and a failed step unpublishes all.
+recently freed first), and a failed step unpublishes all.
 The batched model on CPU: greedy tokens of prompts that attach cached blocks (part of the prompt, all
 but its last token, or another request's prompt and output: a chat's next turn) equal transformers'
 ``generate``, and the ranks count the tokens they skipped."""
@@ -32,17 +32,17 @@ def test_digests_name_a_block_by_its_tokens_and_everything_before_it() -> None:
     assert token_block_digests(list(range(4, 12)), 4, parent=a[0]) == token_block_digests(list(range(12)), 4)[1:]
 
 
-def test_blocks_are_shared_cached_evicted_and_never_run_out() -> None:
+def test_blocks_are_shared_cached_and_evicted() -> None:
     pool = BlockPool(num_blocks=9, block_size=4)  # 8 usable
     digests = token_block_digests(list(range(12)), 4)
-    pool.reserve(1, 16)
+    pool.add(1)
     owner = list(pool.grow(1, 12))
     pool.publish(1, digests)
     pool.free(1)
     assert pool.cached_blocks == 3 and pool.free_blocks == 8 and pool.used_blocks == 0
-    pool.reserve(2, 16)
+    pool.add(2)
     assert pool.attach_prefix(2, digests[:2]) == 2 and pool.table(2) == owner[:2]
-    pool.reserve(3, 16)
+    pool.add(3)
     assert pool.attach_prefix(3, digests) == 3 and pool.table(3) == owner  # shares the first two with 2
     assert pool.cached_blocks == 0 and pool.used_blocks == 3
     pool.free(2)  # its two blocks are still held by 3: neither cached nor free
@@ -50,19 +50,19 @@ def test_blocks_are_shared_cached_evicted_and_never_run_out() -> None:
     pool.free(3)
     assert pool.cached_blocks == 3 and (pool.hit_tokens, pool.query_tokens) == (20, 20)
     # the pool needs every block: the cached ones are taken, least recently freed first, and forgotten
-    pool.reserve(4, 32)
+    pool.add(4)
     taken = pool.grow(4, 32)
     assert sorted(taken) == list(range(1, 9)) and pool.cached_blocks == 0
     with pytest.raises(KVCacheFull):
         pool.grow(4, 33)
     pool.free(4)
-    pool.reserve(5, 16)
+    pool.add(5)
     assert pool.attach_prefix(5, digests) == 0  # evicted: nothing to attach
     pool.grow(5, 8)
     pool.publish(5, digests[:2])
     pool.free(5)
     pool.forget_published()  # a failed step: nothing cached is trusted
-    pool.reserve(6, 16)
+    pool.add(6)
     assert pool.attach_prefix(6, digests) == 0 and pool.free_blocks == 8
 
 

@@ -426,7 +426,8 @@ def test_scheduler_idle_step_chunked_prefill_and_kv_budget() -> None:
     scheduler.submit(_request("short", 3, 30), events.append)
     scheduler.run_iteration()  # prefill of "short"
     scheduler.submit(_request("long", 20, 10), events.append)
-    scheduler.submit(_request("blocked", 30, 10), events.append)  # 30 + 10 does not fit beside 33 + 30
+    # a 40-token prompt (+ its first token) does not fit in what "short" and "long" leave of 64 blocks
+    scheduler.submit(_request("blocked", 40, 10), events.append)
     for _ in range(4):
         scheduler.run_iteration()
     long_chunks = [w for step in model.steps[2:] for w in step if w.seq_id == 1]
@@ -438,8 +439,11 @@ def test_scheduler_idle_step_chunked_prefill_and_kv_budget() -> None:
         scheduler.run_iteration()
     finished = {e.request_id: e for e in events if e.finished}
     assert {r: e.finish_reason for r, e in finished.items()} == {"short": "length", "long": "length", "blocked": "length"}
-    assert finished["short"].completion_tokens == 30 and sorted(model.released) == [0, 1, 2]
+    assert finished["short"].completion_tokens == 30 and sorted(set(model.released)) == [0, 1, 2]
     assert sum(e.new_tokens for e in events if e.request_id == "long") == 10
+    # "blocked" got in once "long" left, then outgrew what "short" leaves: preempted, re-admitted, finished
+    assert scheduler.load().preemptions == 1 and model.released.count(2) == 2
+    assert sum(e.new_tokens for e in events if e.request_id == "blocked") == 10
 
 
 def test_scheduler_refusals_and_cancel() -> None:
@@ -464,61 +468,55 @@ def test_scheduler_refusals_and_cancel() -> None:
         SchedulerConfig(kv_budget_tokens=32).check(64)
 
 
-def test_kv_blocks_are_taken_on_growth_and_a_request_that_does_not_fit_waits() -> None:
-    """Block size 4, 8 usable blocks (32 tokens). A request reserving exactly the whole pool is
-    admitted; the next waits (not refused) until the first finishes, then runs in the freed blocks."""
+def test_kv_blocks_are_taken_on_growth_not_for_the_worst_case() -> None:
+    """Block size 4, 8 usable blocks (32 tokens). A request whose prompt + max_tokens is the whole
+    pool takes only the blocks its tokens fill, so a second one runs beside it at once."""
     model = _RandomModel(kv_block_size=4, kv_num_blocks=9)
     model.max_context = 32
-    scheduler = Scheduler(model, _Tok(), SchedulerConfig(kv_budget_tokens=1000, max_batch_tokens=8, max_running=4))
+    scheduler = Scheduler(model, _Tok(), SchedulerConfig(kv_budget_tokens=1000, max_batch_tokens=12, max_running=4))
     assert scheduler.pool.usable_blocks == 8 and scheduler.load().kv_tokens_budget == 32
     events: list[Event] = []
-    scheduler.submit(_request("whole", 6, 26), events.append)  # 32 tokens = every block
+    scheduler.submit(_request("whole", 6, 26), events.append)  # may grow to 32 tokens = every block
     scheduler.submit(_request("next", 3, 2), events.append)
     scheduler.run_iteration()
     load = scheduler.load()
-    assert (load.running, load.waiting) == (1, 1)
-    assert load.kv_tokens_reserved == 32 and load.kv_blocks_used == 2  # 6 prompt tokens hold 2 blocks, not 8
-    assert load.kv_tokens_used == 6
+    assert (load.running, load.waiting) == (2, 0)
+    assert load.kv_blocks_used == 3 and load.kv_tokens_used == 9  # 6 prompt tokens hold 2 blocks, 3 hold 1
     first = model.steps[0][0]
     assert first.blocks == (1, 2) and first.sample is not None
     for _ in range(3):
         scheduler.run_iteration()
-    assert scheduler.load().kv_blocks_used == 3  # grew into a third block at token 9
+    assert scheduler.load().kv_blocks_used == 3  # "next" finished (1 block back); "whole" grew a third at token 9
     assert scheduler.load().kv_tokens_used == 9
-    while any(w.seq_id == 0 for w in model.steps[-1]):
-        scheduler.run_iteration()
-    assert scheduler.load().waiting == 0
     while scheduler.has_work():
         scheduler.run_iteration()
     assert {e.request_id: e.finish_reason for e in events if e.finished} == {"whole": "length", "next": "length"}
-    assert not any(e.error for e in events)
-    assert scheduler.pool.used_blocks == 0 and scheduler.pool.reserved_blocks == 0
-    assert scheduler.load().kv_tokens_used == 0
+    assert not any(e.error for e in events) and scheduler.load().preemptions == 0
+    assert scheduler.pool.used_blocks == 0 and scheduler.load().kv_tokens_used == 0
 
 
-def test_block_pool_reserves_grows_and_frees() -> None:
+def test_block_pool_grows_on_demand_and_frees() -> None:
     from vexpert_runtime.serve.kv_cache import SCRATCH_BLOCK, BlockPool, KVCacheFull
 
     pool = BlockPool(num_blocks=5, block_size=4)  # 4 usable
-    assert pool.can_reserve(16) and not pool.can_reserve(17)
-    pool.reserve(1, 10)  # 3 blocks promised
+    pool.add(1)
     assert pool.grow(1, 1) == [1] and pool.grow(1, 4) == [1] and pool.grow(1, 5) == [1, 2]
     assert pool.slots(1, 3, 3) == [1 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1]
-    with pytest.raises(KVCacheFull):
-        pool.grow(1, 13)  # beyond its reservation
-    assert not pool.can_reserve(5)  # 3 + 2 > 4
-    with pytest.raises(KVCacheFull):
-        pool.reserve(2, 5)
-    pool.reserve(2, 4)
+    with pytest.raises(ValueError):
+        pool.add(1)
+    pool.add(2)
     assert pool.grow(2, 4) == [3]
+    with pytest.raises(KVCacheFull):
+        pool.grow(2, 9)  # 2 more blocks, 1 free: refused whole
+    assert pool.table(2) == [3] and pool.free_blocks == 1
     pool.free(1)
-    assert pool.free_blocks == 3 and pool.reserved_blocks == 1 and SCRATCH_BLOCK not in pool.table(2)
-    pool.reserve(3, 12)
+    assert pool.free_blocks == 3 and SCRATCH_BLOCK not in pool.table(2)
+    pool.add(3)
     assert sorted(pool.grow(3, 12)) == [1, 2, 4]  # freed blocks are reused; the scratch block never
     pool.free(2)
     pool.free(3)
     pool.free(99)  # unknown: ignored
-    assert pool.free_blocks == 4 and pool.reserved_blocks == 0
+    assert pool.free_blocks == 4 and pool.used_blocks == 0
 
 
 def test_what_crosses_process_boundaries_pickles() -> None:

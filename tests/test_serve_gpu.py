@@ -90,9 +90,9 @@ def test_graphed_decode_equals_the_eager_step(family: str, fused: bool, tmp_path
     assert outputs[0] == outputs[1]
 
 
-def _one_rank_model(path: Path) -> HFStepModel:
+def _one_rank_model(path: Path, kv_cache_tokens: int = 2048) -> HFStepModel:
     """The batched model on the GPU with its experts in one rank's EP layer (64-token dispatch capacity)."""
-    model = HFStepModel(path, device="cuda", dtype=torch.bfloat16, kv_cache_tokens=2048)
+    model = HFStepModel(path, device="cuda", dtype=torch.bfloat16, kv_cache_tokens=kv_cache_tokens)
     model.executor = EPExperts.for_model(model, 0, 1, None, max_tokens=64)
     model.drop_expert_weights()
     return model
@@ -165,3 +165,35 @@ def test_prefix_caching_on_graphed_overlapped_steps_serves_the_same_tokens(tmp_p
         hits.append(scheduler.load().prefix_hit_tokens)
     assert results[0] == results[1]
     assert hits == [0, 9 * 32]  # the nine later requests attached both whole blocks
+
+
+def test_preemption_on_graphed_overlapped_steps_serves_the_same_tokens(tmp_path: Path) -> None:
+    """A KV cache of one context (256 tokens) on the GPU path (CUDA graphs, overlapped steps): six
+    requests of 40 + 40 tokens outgrow it, the newest are preempted (the step in flight read first)
+    and re-admitted; every request's greedy tokens equal those on a cache with room for all."""
+    from vexpert_runtime.serve.events import GenerationRequest, SamplingParams
+    from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
+
+    path = _write("deepseek_v3", tmp_path / "ds3")
+    results, preemptions = [], []
+    for kv_tokens in (2048, 256):
+        model = _one_rank_model(path, kv_tokens)
+        stream = torch.cuda.Stream()
+        texts: dict[str, list[str]] = {}
+        with torch.cuda.stream(stream):
+            model.enable_cuda_graphs(64, 16, stream)
+            scheduler = Scheduler(model, IdText(), SchedulerConfig(kv_budget_tokens=None, max_batch_tokens=64,
+                                                                   max_running=16))
+            for i in range(6):
+                rid = f"r{i}"
+                texts[rid] = []
+                scheduler.submit(GenerationRequest(rid, tuple(range(3 + 5 * i, 43 + 5 * i)), SamplingParams(
+                    max_tokens=40, temperature=0, ignore_eos=True)), lambda e, out=texts[rid]: out.append(e.text))
+            while scheduler.has_work():
+                scheduler.run_iteration()
+        results.append({r: id_text_tokens("".join(t)) for r, t in texts.items()})
+        preemptions.append(scheduler.load().preemptions)
+        assert scheduler.pool.used_blocks == 0
+    assert preemptions[0] == 0 and preemptions[1] >= 1
+    assert all(len(tokens) == 40 for tokens in results[1].values())
+    assert results[0] == results[1]

@@ -112,7 +112,7 @@ def drive(model: HFStepModel, prompts: Sequence[Sequence[int]], new_tokens: Sequ
             if joins[i] > step or len(out[i]) == new_tokens[i]:
                 continue
             if not pool.holds(seq_base + i):
-                pool.reserve(seq_base + i, len(prompt) + new_tokens[i])
+                pool.add(seq_base + i)
             tokens = prompt[fed[i]:fed[i] + chunk] if fed[i] < len(prompt) else [out[i][-1]]
             blocks = pool.grow(seq_base + i, fed[i] + len(tokens))
             sample = SamplingSpec(draw=len(out[i])) if fed[i] + len(tokens) >= len(prompt) else None

@@ -24,9 +24,10 @@ Metrics (own registry, all prefixed ``vexpert_serve_``): ``requests_total{endpoi
 (HTTP status of the generation endpoints), ``request_finish_total{reason}``,
 ``time_to_first_token_seconds``, ``inter_token_latency_seconds``, ``request_duration_seconds``
 (from the request's arrival: reading, tokenizing and queueing included), ``prompt_tokens_total``, ``generated_tokens_total``,
-``requests_running``, ``requests_waiting``, ``kv_cache_usage_ratio`` (KV tokens reserved by admitted
-requests / budget, summed over ranks — what admission waits on), ``kv_cache_tokens`` (held) and, with
-``--prefix-caching``, ``prefix_cache_queried_tokens`` / ``prefix_cache_hit_tokens`` (the ranks' totals).
+``requests_running``, ``requests_waiting``, ``kv_cache_usage_ratio`` (KV blocks held / blocks, summed
+over ranks — what admission waits on), ``kv_cache_tokens`` (held), ``preemptions`` (sequences preempted
+for KV blocks, the ranks' total) and, with ``--prefix-caching``, ``prefix_cache_queried_tokens`` /
+``prefix_cache_hit_tokens`` (the ranks' totals).
 
 The API tokenizes (prompt, chat template) and checks lengths itself, so a multi-rank dispatcher
 sends ranks token ids only. Give it its own tokenizer instance: the rank's scheduler decodes with
@@ -267,7 +268,7 @@ class ServeMetrics:
         self.running = Gauge("vexpert_serve_requests_running", "Requests in the ranks' batches", registry=reg)
         self.waiting = Gauge("vexpert_serve_requests_waiting", "Requests queued for admission", registry=reg)
         self.kv_usage = Gauge(
-            "vexpert_serve_kv_cache_usage_ratio", "KV-cache tokens reserved by admitted requests / budget", registry=reg
+            "vexpert_serve_kv_cache_usage_ratio", "Paged KV-cache blocks held by sequences / blocks", registry=reg
         )
         self.kv_tokens = Gauge("vexpert_serve_kv_cache_tokens", "KV-cache tokens held by running sequences", registry=reg)
         self.kv_blocks = Gauge("vexpert_serve_kv_cache_blocks", "Paged KV-cache blocks of all ranks", registry=reg)
@@ -280,16 +281,20 @@ class ServeMetrics:
                                          "(--prefix-caching)", registry=reg)
         self.prefix_hit_tokens = Gauge("vexpert_serve_prefix_cache_hit_tokens",
                                        "Prompt tokens served from cached KV blocks since the ranks started", registry=reg)
+        self.preemptions = Gauge("vexpert_serve_preemptions", "Sequences preempted since the ranks started (KV cache "
+                                 "full: blocks freed, recomputed when re-admitted)", registry=reg)
 
     def refresh(self, loads: list[RankLoad]) -> None:
         """Set the gauges from the ranks' loads (at scrape time)."""
         self.running.set(sum(load.running for load in loads))
         self.waiting.set(sum(load.waiting for load in loads))
-        budget = sum(load.kv_tokens_budget for load in loads)
-        self.kv_usage.set(sum(load.kv_tokens_reserved for load in loads) / budget if budget else 0.0)
+        blocks = sum(load.kv_blocks_total for load in loads)
+        used = sum(load.kv_blocks_used for load in loads)
+        self.kv_usage.set(used / blocks if blocks else 0.0)
         self.kv_tokens.set(sum(load.kv_tokens_used for load in loads))
-        self.kv_blocks.set(sum(load.kv_blocks_total for load in loads))
-        self.kv_blocks_used.set(sum(load.kv_blocks_used for load in loads))
+        self.kv_blocks.set(blocks)
+        self.kv_blocks_used.set(used)
+        self.preemptions.set(sum(load.preemptions for load in loads))
         self.kv_bytes.set(sum(load.kv_cache_bytes for load in loads))
         self.prefix_query_tokens.set(sum(load.prefix_query_tokens for load in loads))
         self.prefix_hit_tokens.set(sum(load.prefix_hit_tokens for load in loads))

@@ -72,7 +72,6 @@ class RankLoad:
 
     running: int = 0
     waiting: int = 0
-    kv_tokens_reserved: int = 0
     kv_tokens_budget: int = 0
     kv_tokens_used: int = 0
     kv_blocks_total: int = 0  # usable blocks of the rank's paged KV cache
@@ -80,11 +79,12 @@ class RankLoad:
     kv_cache_bytes: int = 0  # device memory of the rank's KV cache
     prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache (over the rank's life)
     prefix_hit_tokens: int = 0  # of them, served from cached blocks
+    preemptions: int = 0  # sequences preempted for KV blocks (over the rank's life)
 
     @property
     def score(self) -> tuple[int, int]:
-        """Sort key of a least-loaded choice: queued requests first, then reserved KV tokens."""
-        return (self.running + self.waiting, self.kv_tokens_reserved)
+        """Sort key of a least-loaded choice: queued requests first, then KV blocks held."""
+        return (self.running + self.waiting, self.kv_blocks_used)
 
 
 class ServeRefusal(Exception):

@@ -1,17 +1,15 @@
 """A rank's paged KV cache: fixed-size blocks in one pool, a block table per sequence.
 
-:class:`BlockPool` is the host-side bookkeeping (pure Python, no tensors): which blocks are free,
-which a sequence holds (its *block table*, in token order) and how many each admitted sequence may
-still take (its *reservation*). The scheduler reserves a request's worst case (prompt + max_tokens,
-in blocks) when it admits it, so an admitted sequence never finds the pool empty and nothing is ever
-preempted; the blocks themselves are taken as the sequence grows and all return at its finish.
+:class:`BlockPool` is the host-side bookkeeping (pure Python, no tensors): which blocks are free and
+which a sequence holds (its *block table*, in token order). Blocks are taken as a sequence grows —
+never more than it holds tokens for — and all return at its finish; when the pool runs dry the
+scheduler preempts a sequence (:mod:`.scheduler`), so a grow that does not fit is refused whole.
 
 With ``prefix_caching``, a full block of a prompt is published under a digest of its tokens and of
 every token before it (:func:`token_block_digests`); a later prompt that starts the same way attaches
 those blocks instead of computing them (shared: a block counts the sequences holding it). A published
 block no sequence holds stays cached until the pool needs it (least recently freed first). A full
-prompt block is never written again, so sharing needs no copy. Reservations still count every block
-of a sequence's worst case, shared or not: an admitted sequence never finds the pool empty.
+prompt block is never written again, so sharing needs no copy.
 
 :class:`PagedKVCache` owns the device tensors: per attention layer, one tensor of ``num_blocks ·
 block_size`` token *slots* (slot ``b·block_size + i`` is token ``i`` of block ``b``), whose row is what
@@ -36,7 +34,7 @@ SCRATCH_BLOCK = 0  # written by padded tokens, never read by a sequence
 
 
 class KVCacheFull(RuntimeError):
-    """A sequence asked for more blocks than its reservation or the pool holds (a scheduler bug)."""
+    """A sequence asked for more blocks than the pool has free (the scheduler preempts before: a bug)."""
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -57,7 +55,7 @@ def token_block_digests(token_ids: Sequence[int], block_size: int, parent: bytes
 
 
 class BlockPool:
-    """Free list, block tables and reservations of one rank's KV cache (host side).
+    """Free list and block tables of one rank's KV cache (host side).
 
     Args:
         num_blocks: blocks in the pool, the scratch block included (so ``num_blocks - 1`` usable).
@@ -74,8 +72,6 @@ class BlockPool:
         self.block_size = block_size
         self._free: list[int] = list(range(num_blocks - 1, SCRATCH_BLOCK, -1))  # pop() takes the lowest
         self._tables: dict[int, list[int]] = {}
-        self._reserved: dict[int, int] = {}  # blocks each sequence may hold at most
-        self._reserved_total = 0
         # prefix caching (see the module docstring): sequences holding each block, published blocks
         # by digest and back, and the published blocks no sequence holds (least recently freed first)
         self._holders: dict[int, int] = {}
@@ -104,39 +100,24 @@ class BlockPool:
         """Published blocks no sequence holds: a later prompt may still attach them."""
         return len(self._cached)
 
-    @property
-    def reserved_blocks(self) -> int:
-        """Blocks promised to admitted sequences (held or still to take)."""
-        return self._reserved_total
-
     def capacity_tokens(self) -> int:
         return self.usable_blocks * self.block_size
 
-    def can_reserve(self, tokens: int) -> bool:
-        """Whether a new sequence of up to ``tokens`` tokens fits beside every reservation."""
-        return self._reserved_total + blocks_for(tokens, self.block_size) <= self.usable_blocks
-
-    def reserve(self, seq_id: int, tokens: int) -> None:
-        """Promise ``seq_id`` room for ``tokens`` tokens (its worst case); no block is taken yet."""
-        if seq_id in self._reserved:
+    def add(self, seq_id: int) -> None:
+        """Start an empty block table for ``seq_id`` (admitted: its blocks come with :meth:`grow`)."""
+        if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id} is already admitted")
-        need = blocks_for(tokens, self.block_size)
-        if self._reserved_total + need > self.usable_blocks:
-            raise KVCacheFull(f"sequence {seq_id}: {need} blocks do not fit ({self._reserved_total} of "
-                              f"{self.usable_blocks} reserved)")
-        self._reserved[seq_id] = need
-        self._reserved_total += need
         self._tables[seq_id] = []
 
     def grow(self, seq_id: int, tokens: int) -> list[int]:
-        """Make ``seq_id``'s table cover ``tokens`` tokens (taking blocks as needed); its table."""
+        """Make ``seq_id``'s table cover ``tokens`` tokens (taking blocks as needed); its table.
+        Raises :class:`KVCacheFull`, taking nothing, when the pool has too few free blocks."""
         table = self._tables[seq_id]
-        need = blocks_for(tokens, self.block_size)
-        if need > self._reserved[seq_id]:
-            raise KVCacheFull(f"sequence {seq_id}: {tokens} tokens exceed its reservation of "
-                              f"{self._reserved[seq_id]} blocks")
-        while len(table) < need:
-            block = self._take()  # cannot fail: reservations never exceed the pool
+        missing = blocks_for(tokens, self.block_size) - len(table)
+        if missing > len(self._free) + len(self._cached):
+            raise KVCacheFull(f"sequence {seq_id}: {missing} more blocks, {self.free_blocks} free")
+        for _ in range(missing):
+            block = self._take()
             self._holders[block] = 1
             table.append(block)
         return table
@@ -155,7 +136,7 @@ class BlockPool:
         table = self._tables[seq_id]
         if table:
             raise ValueError(f"sequence {seq_id} already holds blocks")
-        for digest in digests[: self._reserved[seq_id]]:
+        for digest in digests:
             block = self._by_digest.get(digest)
             if block is None:
                 break
@@ -191,7 +172,7 @@ class BlockPool:
         return seq_id in self._tables
 
     def free(self, seq_id: int) -> None:
-        """Return a sequence's blocks and reservation (unknown ids are ignored)."""
+        """Return a sequence's blocks (unknown ids are ignored)."""
         table = self._tables.pop(seq_id, None)
         if table is None:
             return
@@ -203,7 +184,6 @@ class BlockPool:
                 self._cached[block] = None  # kept for a later prompt
             else:
                 self._free.append(block)
-        self._reserved_total -= self._reserved.pop(seq_id)
 
     def slots(self, seq_id: int, start: int, count: int) -> list[int]:
         """Cache slots of tokens ``start .. start+count-1`` of ``seq_id`` (the table must cover them)."""

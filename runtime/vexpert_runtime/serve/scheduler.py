@@ -7,7 +7,7 @@ iterations. Every :meth:`Scheduler.run_iteration`:
 2. builds the batch under a per-iteration token budget (``max_batch_tokens``): first one token for
    every decoding sequence (so running decodes never stall behind a long prompt), then prompt
    chunks in admission order — a prompt longer than what is left is split over iterations
-   (chunked prefill); waiting requests are admitted while the KV budget holds their worst case;
+   (chunked prefill); waiting requests are admitted while the KV cache has room for their prompt;
 3. launches the model's step (``model.launch``) — always, with an empty batch when idle, because on
    a multi-rank server every rank steps in lockstep (the MoE layers are collectives);
 4. reads each sampled token, detokenizes incrementally, checks EOS, stop strings and length, and
@@ -20,12 +20,19 @@ stops on EOS or a stop string (or is cancelled) while a step holds it keeps its 
 is done (:mod:`.step`).
 
 KV cache: the scheduler owns the rank's :class:`~.kv_cache.BlockPool` (the model owns the tensors).
-A request reserves the blocks of ``prompt + max_tokens`` tokens when admitted (the most it can hold);
-blocks are taken as it grows and all return when it finishes. So admitted sequences never run out
-of cache and no preemption is needed; a request that does not fit yet **waits** in the queue (FIFO)
-until finished sequences free enough blocks — a 429 comes only when the queue itself is full. The
-pool must hold at least one full-context sequence (checked at construction), so every valid request
-fits eventually. With ``prefix_caching`` an admitted prompt attaches the cached blocks of its longest
+Blocks are taken as a sequence grows, not for its worst case (``max_tokens`` defaults to the whole
+context, and most requests stop long before), and all return when it finishes. A waiting request is
+admitted (FIFO: the head waits and blocks the rest) when the free blocks, less what the prompts
+already admitted still need and a 1 % watermark, hold its prompt and first token; so a prefill never
+stalls. When the decodes of an iteration need more blocks than are free, the scheduler first reads
+the step in flight (its finished sequences free theirs), then **preempts** the newest-admitted
+sequence, as vLLM does: its blocks go back (published first with prefix caching, so it may attach
+them again), it returns to the head of the queue and, re-admitted, prefills its prompt and the tokens
+it had produced, then goes on sampling from where it was (same seeds per position: the same tokens);
+its client sees only a pause. A request that does not fit yet **waits**; a 429 comes only when the
+queue itself is full. The pool must hold at least one full-context sequence (checked at
+construction), so a sequence running alone is never preempted and every valid request finishes.
+With ``prefix_caching`` an admitted prompt attaches the cached blocks of its longest
 already-computed prefix (whole blocks, never its last token: that one's logits are needed) and starts
 its prefill after them; its own full prompt blocks are published as the steps that compute them launch,
 and its output's full blocks when it finishes (a chat's next turn continues from them).
@@ -121,28 +128,31 @@ class _Sequence:
     seed: int
     prompt_len: int = field(init=False)  # len(request.prompt_ids), kept: read every iteration
     max_tokens: int = field(init=False)  # request.params.max_tokens, likewise
+    prefill_len: int = field(init=False)  # tokens to compute before decoding: the prompt (+ output after a preemption)
     computed: int = 0  # tokens the model holds in its KV cache (or will, once the launched steps are done)
     admitted: bool = False
     output: list[int] = field(default_factory=list)
     pending: int = 0  # tokens launched steps sample that the host has not read yet (at most 2, briefly)
     sample_row: int = -1  # the last launched one's sampling row in its step
     steps_in_flight: int = 0  # launched steps that hold this sequence (its blocks stay until they are done)
-    holds_blocks: bool = False  # reserved in the pool (from admission until released)
+    holds_blocks: bool = False  # has a block table in the pool (from admission until released or preempted)
     finished: bool = False
     table: tuple[int, ...] = ()  # its block table as last sent (one tuple per growth, not per iteration)
-    digests: list[bytes] = field(default_factory=list)  # its full prompt blocks' (prefix caching)
+    digests: list[bytes] = field(default_factory=list)  # its full prefill blocks' (prefix caching)
     published: int = 0  # of them, published so far
     unsent_text: str = ""  # produced, held for the next event (stream_interval > 1)
     unsent_tokens: int = 0
 
     def __post_init__(self) -> None:
-        self.prompt_len = len(self.request.prompt_ids)
+        self.prompt_len = self.prefill_len = len(self.request.prompt_ids)
         self.max_tokens = self.request.params.max_tokens
 
-    @property
-    def reservation(self) -> int:
-        """KV tokens this sequence may come to hold."""
-        return self.prompt_len + self.max_tokens
+    def known_tokens(self, start: int, end: int) -> tuple[int, ...]:
+        """Tokens ``start .. end-1`` of prompt + output (read ones)."""
+        prompt = self.request.prompt_ids
+        if end <= self.prompt_len:
+            return tuple(prompt[start:end])
+        return (*prompt[start:], *self.output[max(0, start - self.prompt_len): end - self.prompt_len])
 
     @property
     def generated(self) -> int:
@@ -171,11 +181,11 @@ class _Sequence:
         return SequenceWork(self.seq_id, (self.output[-1],), computed, self.table, spec)
 
     def prefill_work(self, budget: int, pool: BlockPool) -> SequenceWork:
-        """The next prompt chunk, at most ``budget`` tokens (sampling if it ends the prompt)."""
-        end = min(self.prompt_len, self.computed + budget)
+        """The next prefill chunk, at most ``budget`` tokens (sampling if it ends the prefill)."""
+        end = min(self.prefill_len, self.computed + budget)
         self.table = tuple(pool.grow(self.seq_id, end))
-        return SequenceWork(self.seq_id, tuple(self.request.prompt_ids[self.computed : end]), self.computed,
-                            self.table, self.sampling() if end == self.prompt_len else None)
+        return SequenceWork(self.seq_id, self.known_tokens(self.computed, end), self.computed,
+                            self.table, self.sampling() if end == self.prefill_len else None)
 
 
 @dataclass(frozen=True)
@@ -210,6 +220,8 @@ class Scheduler:
         self._next_seq_id = 0
         self._in_flight: _LaunchedStep | None = None  # the step whose tokens are not read yet (overlapped)
         self._kv_tokens_used = 0  # sum of computed over _running, kept as it changes (read twice an iteration)
+        self._watermark = self.pool.usable_blocks // 100  # free blocks admission leaves for the decodes' growth
+        self._preemptions = 0
         self._load = RankLoad(kv_tokens_budget=self.pool.capacity_tokens(), kv_blocks_total=self.pool.usable_blocks,
                               kv_cache_bytes=model.kv_cache_bytes)
 
@@ -387,46 +399,83 @@ class Scheduler:
 
     def _schedule(self) -> list[tuple[_Sequence, SequenceWork]]:
         """This iteration's batch: decodes first, then prompt chunks, then admissions."""
-        budget = self.config.max_batch_tokens
-        batch: list[tuple[_Sequence, SequenceWork]] = []
-        prefilling: list[_Sequence] = []
-        pool, max_context = self.pool, self.model.max_context
-        for seq in self._running.values():
-            if seq.computed < seq.prompt_len:
-                prefilling.append(seq)
-            elif not seq.last_pending(max_context):
-                batch.append((seq, seq.decode_work(pool)))
-        budget -= len(batch)
+        pool, size = self.pool, self.pool.block_size
+        decoding, prefilling, need, committed = self._split_running()
+        while need + committed > pool.free_blocks:  # the decodes outgrow the cache
+            if self._in_flight is not None:  # its finished sequences free blocks (and victims must be idle)
+                self._complete(self._take_in_flight())
+            else:
+                self._preempt(next(reversed(self._running.values())))
+            decoding, prefilling, need, committed = self._split_running()
+        spare = pool.free_blocks - need - committed  # what admissions may take (chunks take from committed)
+        batch = [(seq, seq.decode_work(pool)) for seq in decoding]
+        budget = self.config.max_batch_tokens - len(batch)
         for seq in prefilling:
             if budget <= 0:
                 break
             item = seq.prefill_work(budget, pool)
             batch.append((seq, item))
             budget -= len(item.tokens)
-        while budget > 0 and self._waiting and self._can_admit(self._waiting[0]):
-            seq = self._waiting.popleft()
-            self._admit(seq)
-            item = seq.prefill_work(budget, pool)
-            batch.append((seq, item))
+        while budget > 0 and self._waiting and len(self._running) < self.config.max_running:
+            head = self._waiting[0]
+            wanted = blocks_for(head.prefill_len + 1, size)  # its prefill and its first token
+            if wanted + (self._watermark if self._running else 0) > spare:
+                break  # FIFO: the head waits for room, and the rest behind it
+            self._waiting.popleft()
+            self._admit(head)
+            spare -= wanted
+            item = head.prefill_work(budget, pool)
+            batch.append((head, item))
             budget -= len(item.tokens)
         return batch
 
-    def _can_admit(self, seq: _Sequence) -> bool:
-        """FIFO admission: the head waits (and blocks the rest) until its worst case fits."""
-        return self.pool.can_reserve(seq.reservation) and len(self._running) < self.config.max_running
+    def _split_running(self) -> tuple[list[_Sequence], list[_Sequence], int, int]:
+        """The running sequences that decode this iteration and those still prefilling; the blocks
+        the decodes take now and those the prefills will take until their first token."""
+        decoding: list[_Sequence] = []
+        prefilling: list[_Sequence] = []
+        need = committed = 0
+        size, max_context = self.pool.block_size, self.model.max_context
+        for seq in self._running.values():
+            if seq.computed < seq.prefill_len:
+                prefilling.append(seq)
+                committed += blocks_for(seq.prefill_len + 1, size) - len(seq.table)
+            elif not seq.last_pending(max_context):
+                decoding.append(seq)
+                if seq.computed >= len(seq.table) * size:  # its token starts a block
+                    need += 1
+        return decoding, prefilling, need, committed
 
     def _admit(self, seq: _Sequence) -> None:
         seq.admitted = seq.holds_blocks = True
-        self.pool.reserve(seq.seq_id, seq.reservation)
+        self.pool.add(seq.seq_id)
         self._running[seq.seq_id] = seq
         if self.config.prefix_caching:
             size = self.pool.block_size
-            seq.digests = token_block_digests(seq.request.prompt_ids, size)
-            # whole blocks, and never the prompt's last token: its logits give the first new token
-            attached = self.pool.attach_prefix(seq.seq_id, seq.digests[: (seq.prompt_len - 1) // size])
+            seq.digests = token_block_digests(seq.known_tokens(0, seq.prefill_len), size)
+            # whole blocks, and never the prefill's last token: its logits give the next token
+            attached = self.pool.attach_prefix(seq.seq_id, seq.digests[: (seq.prefill_len - 1) // size])
             seq.computed = attached * size
             seq.published = attached
             self._kv_tokens_used += seq.computed
+
+    def _preempt(self, seq: _Sequence) -> None:
+        """Give a running sequence's blocks back and queue it first: re-admitted, it prefills its
+        prompt and output so far and goes on (no launched step may hold it)."""
+        assert seq.steps_in_flight == 0 and not seq.pending
+        del self._running[seq.seq_id]
+        self._kv_tokens_used -= seq.computed
+        if self.config.prefix_caching:
+            self._publish_known(seq)  # re-admitted while they stay cached, it attaches them
+        self.pool.free(seq.seq_id)
+        self._release_model(seq)
+        seq.admitted = seq.holds_blocks = False
+        seq.computed = seq.published = 0
+        seq.table, seq.digests = (), []
+        seq.prefill_len = seq.prompt_len + len(seq.output)
+        self._waiting.appendleft(seq)
+        self._preemptions += 1
+        log.debug("preempted %s after %d tokens (KV cache full)", seq.request.request_id, len(seq.output))
 
     def _advance(self, seq: _Sequence, token: int) -> None:
         """Take the token sampled for ``seq`` and send what it produced; finish it when it is done."""
@@ -467,12 +516,12 @@ class Scheduler:
         return text if stopped else text + seq.stop.flush()
 
     def _finish(self, seq: _Sequence, reason: str, text: str = "", error: str | None = None) -> None:
-        """Send the last event, free the sequence's cache and reservation (once no launched step
+        """Send the last event, free the sequence's cache (once no launched step
         writes it any more)."""
         self._by_request.pop(seq.request.request_id, None)
         seq.finished = True
         if self.config.prefix_caching and seq.holds_blocks and reason != "error":
-            self._publish_output(seq)
+            self._publish_known(seq)
         if seq.admitted:
             if self._running.pop(seq.seq_id, None) is not None:
                 self._kv_tokens_used -= seq.computed
@@ -495,16 +544,15 @@ class Scheduler:
             ),
         )
 
-    def _publish_output(self, seq: _Sequence) -> None:
-        """Publish a finishing sequence's full blocks of prompt and output: a later prompt that
-        continues it (a chat's next turn) attaches them. Only tokens whose KV a launched step writes
-        and whose ids are read (an overlapped step may still hold the last one)."""
+    def _publish_known(self, seq: _Sequence) -> None:
+        """Publish a finishing or preempted sequence's full blocks of prompt and output: a later prompt
+        that continues it (a chat's next turn, or itself re-admitted) attaches them. Only tokens whose
+        KV a launched step writes and whose ids are read (an overlapped step may still hold the last one)."""
         size = self.pool.block_size
         known = min(seq.computed, seq.prompt_len + len(seq.output))
-        if known // size > seq.published:  # the digests go on from the prompt's whole blocks (seq.digests)
+        if known // size > seq.published:  # the digests go on from the prefill's whole blocks (seq.digests)
             start = len(seq.digests) * size
-            tail = [*seq.request.prompt_ids[start:], *seq.output][: known - start]
-            more = token_block_digests(tail, size, seq.digests[-1] if seq.digests else b"")
+            more = token_block_digests(seq.known_tokens(start, known), size, seq.digests[-1] if seq.digests else b"")
             self.pool.publish(seq.seq_id, seq.digests + more)
 
     def _release_if_idle(self, seq: _Sequence) -> None:
@@ -513,6 +561,9 @@ class Scheduler:
             return
         seq.holds_blocks = False
         self.pool.free(seq.seq_id)
+        self._release_model(seq)
+
+    def _release_model(self, seq: _Sequence) -> None:
         try:
             self.model.release(seq.seq_id)
         except Exception:  # a failed release must not take the other requests down
@@ -532,7 +583,6 @@ class Scheduler:
         self._load = RankLoad(
             running=len(self._running),
             waiting=len(self._waiting),
-            kv_tokens_reserved=pool.reserved_blocks * pool.block_size,
             kv_tokens_budget=pool.capacity_tokens(),
             kv_tokens_used=self._kv_tokens_used,
             kv_blocks_total=pool.usable_blocks,
@@ -540,4 +590,5 @@ class Scheduler:
             kv_cache_bytes=self.model.kv_cache_bytes,
             prefix_query_tokens=pool.query_tokens,
             prefix_hit_tokens=pool.hit_tokens,
+            preemptions=self._preemptions,
         )

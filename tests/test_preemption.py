@@ -1,0 +1,91 @@
+"""KV blocks on demand and preemption (serve/scheduler.py): a rank whose decodes outgrow its KV cache
+preempts its newest sequence, which later prefills its prompt and produced tokens again and goes on.
+
+What it must show, with the batched model on CPU (paged cache, sequential and overlapped steps):
+greedy tokens of sequences that were preempted equal transformers' ``generate``; seeded sampling
+draws the same tokens as on a cache large enough for no preemption; each token reaches the client
+once; with prefix caching a re-admitted sequence attaches the blocks it had published; every block
+comes back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from serve_support import IdText, build_tiny_checkpoint, id_text_tokens, load_model
+from vexpert_runtime.serve.events import Event, GenerationRequest, SamplingParams
+from vexpert_runtime.serve.hf_model import HFStepModel
+from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
+
+CONTEXT = 256  # the tiny checkpoints' max_position_embeddings: the smallest KV cache a rank accepts
+PROMPTS = [list(range(5 + 7 * i, 45 + 7 * i)) for i in range(4)]  # 40 tokens each
+NEW_TOKENS = 40  # 4 × 80 tokens = 320 > 256: the decodes outgrow the cache
+
+
+def _run(directory: Path, kv_tokens: int, overlapped: bool, params: SamplingParams,
+         prefix_caching: bool = False) -> tuple[Scheduler, dict[str, list[Event]]]:
+    model = HFStepModel(directory, dtype=torch.float32, kv_cache_tokens=kv_tokens, block_size=4)
+    model.overlaps_steps = overlapped
+    config = SchedulerConfig(kv_budget_tokens=None, max_batch_tokens=64, max_running=4, prefix_caching=prefix_caching)
+    scheduler = Scheduler(model, IdText(), config)
+    events: dict[str, list[Event]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+    for i, prompt in enumerate(PROMPTS):
+        scheduler.submit(GenerationRequest(f"r{i}", tuple(prompt), params), events[f"r{i}"].append)
+    for _ in range(2000):
+        if not scheduler.has_work():
+            break
+        scheduler.run_iteration()
+    assert not scheduler.has_work()
+    return scheduler, events
+
+
+def _tokens(events: list[Event]) -> list[int]:
+    assert events[-1].finish_reason == "length" and not any(e.error for e in events)
+    assert sum(e.new_tokens for e in events) == events[-1].completion_tokens == NEW_TOKENS  # each token once
+    return id_text_tokens("".join(e.text for e in events))
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "qwen3_moe"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    directory = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    build_tiny_checkpoint(directory, request.param)
+    return directory, load_model(directory)
+
+
+@pytest.mark.parametrize("overlapped", [False, True], ids=["sequential", "overlapped"])
+def test_preempted_sequences_decode_what_generate_decodes(checkpoint: tuple[Path, Any], overlapped: bool) -> None:
+    directory, reference = checkpoint
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    scheduler, events = _run(directory, CONTEXT, overlapped, greedy)
+    assert scheduler.load().preemptions >= 1
+    assert scheduler.pool.used_blocks == 0 and scheduler.load().kv_tokens_used == 0
+    for i, prompt in enumerate(PROMPTS):
+        x = torch.tensor([prompt])
+        expected = reference.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                      max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+        assert _tokens(events[f"r{i}"]) == expected.tolist(), f"request {i}"
+
+
+def test_preemption_draws_the_same_sampled_tokens_and_reattaches_its_published_blocks(
+    checkpoint: tuple[Path, Any],
+) -> None:
+    """Seeded sampling: a token's draw depends on the request's seed and the token's position, not on
+    the batch, so a preempted sequence samples what it would have on a cache with room for all. With
+    prefix caching, a preempted sequence publishes its full blocks and, re-admitted, attaches them."""
+    directory, _ = checkpoint
+    sampled = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
+    roomy, expected = _run(directory, 4 * CONTEXT, True, sampled)
+    assert roomy.load().preemptions == 0
+    tight, got = _run(directory, CONTEXT, True, sampled, prefix_caching=True)
+    load = tight.load()
+    assert load.preemptions >= 1
+    assert {r: _tokens(e) for r, e in got.items()} == {r: _tokens(e) for r, e in expected.items()}
+    # The prompts share no block, so every hit is a re-admitted sequence attaching its own blocks. The
+    # others grow into what it freed until it is re-admitted — its last blocks first (freed last-first,
+    # evicted least recently freed first) — so the start of its prompt is what survives.
+    assert load.prefix_hit_tokens >= 4
+    assert tight.pool.used_blocks == 0
