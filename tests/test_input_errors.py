@@ -56,6 +56,18 @@ def test_demo_and_simulate_bounds_say_how_to_fix_them(tmp_path: Path, capsys: py
     assert interval["field"] == "--stream-interval" and interval["fix"].startswith("pass --stream-interval 1 or more")
 
 
+def test_a_max_model_len_beyond_the_checkpoint_says_its_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from vexpert_runtime.serve.demo_model import ensure_demo_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the embedded demo model: 4096 positions
+    ensure_demo_model(tmp_path / "vexpert" / "demo-model")  # written now: its progress bar is not the CLI's
+    capsys.readouterr()
+    match = run_cli(["serve", "--cpu-workers", "1", "--max-model-len", "5000"], capsys)
+    assert match["field"] == "--max-model-len" and "[2, 4096]" in match["problem"]
+    assert match["fix"].startswith("pass at most 4096")
+
+
 INDENT_TYPO = "runtime:\n  device: cpu\n   metrics_port: 0\n"  # line 3 indented one space too far
 
 

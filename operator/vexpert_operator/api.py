@@ -333,6 +333,12 @@ class RuntimeSpec(CamelModel):
         description="A stream's tokens go out every N-th token (--stream-interval; the first at once, the rest "
         "with the finish): fewer, larger SSE chunks cost the API servers less CPU, streams get chunkier",
     )
+    max_model_len: int | None = Field(
+        None, ge=2,
+        description="The longest sequence (prompt + output) `vexpert serve` accepts (--max-model-len), at most the "
+        "checkpoint's max_position_embeddings (checked at start). Unset: that. A request's max_tokens defaults to "
+        "what it leaves; every rank's KV cache must hold one such sequence",
+    )
     prefix_caching: bool = Field(
         False,
         description="Reuse the KV cache of prompt prefixes computed before (--prefix-caching): requests that start "

@@ -261,6 +261,8 @@ def _serve_args(spec: VExpertDeploymentSpec) -> list[str]:
         args += ["--stream-interval", str(spec.runtime.stream_interval)]
     if spec.runtime.prefix_caching:
         args.append("--prefix-caching")
+    if spec.runtime.max_model_len is not None:
+        args += ["--max-model-len", str(spec.runtime.max_model_len)]
     return args
 
 

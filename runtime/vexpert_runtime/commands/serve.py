@@ -58,9 +58,13 @@ def register(subparsers: Any) -> None:
                         help=f"sequences per rank in one batch (default {GPU_BATCH_DEFAULTS[0]} on GPUs, "
                              f"{CPU_BATCH_DEFAULTS[0]} on CPU)")
     parser.add_argument("--max-waiting", type=int, default=128, help="queued requests per rank before 429")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="the longest sequence (prompt + output) served, at most the checkpoint's "
+                             "max_position_embeddings (default: that); a request's max_tokens defaults to what it "
+                             "leaves, and a rank's KV cache must hold one such sequence (vLLM's --max-model-len)")
     parser.add_argument("--kv-cache-tokens", type=int, default=None,
                         help="KV-cache tokens per rank (default: on GPUs what --gpu-memory-utilization leaves, "
-                             "on CPU 8 full contexts)")
+                             "on CPU 8 full contexts of --max-model-len)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="share of each GPU's memory a rank may fill; the paged KV cache gets what the weights, "
                              "experts, slots and a 2 GiB headroom leave of it (default: the config's "
@@ -211,11 +215,12 @@ class _Served:
 
 def _resolve_served(args: argparse.Namespace, config: RuntimeConfig) -> _Served:
     from vexpert_runtime.node import resolve_setup
+    from vexpert_runtime.serve.hf_model import checked_max_context
     from vexpert_runtime.serve.scheduler import SchedulerConfig
 
     model_dir, demo = _model_dir(args, config.model.checkpoint_path)
     model_config = _model_config(model_dir)
-    max_context = int(model_config.get("max_position_embeddings", 4096))
+    max_context = checked_max_context(args.max_model_len, int(model_config.get("max_position_embeddings", 4096)))
     gpu_memory_utilization = resolve_gpu_memory_utilization(args.gpu_memory_utilization,
                                                             config.runtime.gpu_memory_utilization)
     setup = resolve_setup(config, str(model_dir), cpu_workers=args.cpu_workers)
@@ -282,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
         serve=[ServeWorkerArgs(str(served.model_dir), served.scheduler, inbound, events,
                                served.gpu_memory_utilization, ranks_per_gpu=setup.workers_per_gpu,
                                overlap_steps=_AUTO_ON_OFF[args.overlap_steps], compile=_AUTO_ON_OFF[args.compile],
-                               cpu_expert_kernel=args.cpu_expert_kernel)
+                               cpu_expert_kernel=args.cpu_expert_kernel, max_context=served.max_context)
                for inbound in requests],
         log=_log,
     )

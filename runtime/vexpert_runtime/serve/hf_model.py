@@ -377,6 +377,17 @@ class EPExperts:
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV-cache block (vLLM's default)
 
 
+def checked_max_context(requested: int | None, positions: int) -> int:
+    """The context served: ``requested`` (``--max-model-len``) if given, else the checkpoint's
+    ``positions`` (``max_position_embeddings``); refused beyond it (no RoPE scaling is applied here)."""
+    if requested is None:
+        return positions
+    if not 2 <= requested <= positions:
+        raise VExpertInputError("--max-model-len", f"{requested} is not in [2, {positions}] (the checkpoint's "
+                                "max_position_embeddings)", f"pass at most {positions}, or leave it unset")
+    return requested
+
+
 class HFStepModel:
     """A transformers causal LM (DeepSeek-V3, Qwen3-MoE, Qwen2-MoE, …) as a :class:`StepModel`.
 
@@ -395,11 +406,14 @@ class HFStepModel:
         kv_cache_tokens: size the KV cache for this many tokens now (else call
             :meth:`allocate_kv_cache` once the rank knows what memory is left).
         block_size: tokens per KV-cache block.
+        max_context: the longest sequence (prompt + output) served, at most the checkpoint's
+            ``max_position_embeddings`` (default: that; vLLM's ``--max-model-len``).
     """
 
     def __init__(self, path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
                  executor: MoEExecutor | None = None, kv_cache_tokens: int | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE, load_experts: bool = True) -> None:
+                 block_size: int = DEFAULT_BLOCK_SIZE, load_experts: bool = True,
+                 max_context: int | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         if load_experts:
@@ -412,7 +426,7 @@ class HFStepModel:
         self.device = torch.device(device)
         self.dtype = dtype
         self.vocab_size = int(self.config.vocab_size)
-        self.max_context = int(self.config.max_position_embeddings)
+        self.max_context = checked_max_context(max_context, int(self.config.max_position_embeddings))
         self.fused_projections = fuse_model_projections(model)  # before anything compiles or captures them
         self.moe_layers = sparse_layers(model)
         if not self.moe_layers:

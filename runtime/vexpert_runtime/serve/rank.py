@@ -75,6 +75,7 @@ class ServeWorkerArgs:
     overlap_steps: bool | None = None  # launch step i+1 before reading step i; None: where CUDA graphs run
     compile: bool | None = None  # fuse the step's small pieces with torch.compile; None: where CUDA graphs run
     cpu_expert_kernel: str = "auto"  # a CPU rank's resident expert kernel (expert_layout.CPU_EXPERT_KERNELS)
+    max_context: int | None = None  # the longest sequence served (--max-model-len); None: the checkpoint's
 
 
 def kv_cache_blocks(args: ServeWorkerArgs, model: HFStepModel, device: torch.device) -> int:
@@ -130,7 +131,7 @@ class ServingRank:
                                                  cpu_expert_kernel=args.cpu_expert_kernel)
         del reader
         self.model = HFStepModel(args.model_dir, device=device, dtype=dtype, block_size=args.kv_block_size,
-                                 load_experts=False, executor=self.experts)
+                                 load_experts=False, executor=self.experts, max_context=args.max_context)
         self.model.allocate_kv_cache(kv_cache_blocks(args, self.model, device))
         if args.compile or (args.compile is None and graph_stream is not None):
             self.model.compile_pieces()  # compiled at the first calls: the graphs' warm-up passes
