@@ -16,7 +16,9 @@ after its run with SIGTERM to its whole process group (SIGKILL after ``--stop-ti
 * ``vexpert-2``: the same with ``--cpu-workers 2`` (two EP ranks: the expert-parallel path).
 
 The load: ``--concurrency`` clients, each sending streaming ``/v1/completions`` back to back (a different
-prompt of ~``--prompt-tokens`` tokens each time, ``max_tokens`` ``--max-tokens``, ``ignore_eos``,
+prompt of ~``--prompt-tokens`` tokens each time, ``max_tokens`` ``--max-tokens`` (0: not sent, so the server's
+default, the rest of the context), ``ignore_eos``, with ``--read-tokens N`` the client closing the stream after N
+tokens (a request that ends early, standing in for the EOS a random-weight model hardly ever samples),
 ``temperature`` 0, ``stream_options.include_usage``) for ``--warmup`` + ``--duration`` s. Counted: the output
 tokens streamed inside the measured window (the ``--duration`` s after the warm-up; each streamed chunk
 weighted by ``usage.completion_tokens`` / chunks of its request, or 1 token per chunk without usage) → output
@@ -264,7 +266,7 @@ def process_tree_cpu(root: int) -> dict[str, float]:
 
 
 async def load(url: str, prompts: list[str], concurrency: int, warmup: float, duration: float,
-               max_tokens: int, server_pid: int | None = None) -> dict[str, Any]:
+               max_tokens: int, server_pid: int | None = None, read_tokens: int = 0) -> dict[str, Any]:
     """Closed-loop streaming clients; the window ``[start + warmup, start + warmup + duration]`` is measured
     (with ``server_pid``: also the CPU time each of the server's processes spent in it)."""
     import aiohttp
@@ -288,8 +290,10 @@ async def load(url: str, prompts: list[str], concurrency: int, warmup: float, du
         while time.perf_counter() < window[1]:
             prompt = prompts[counter % len(prompts)]
             counter += 1
-            body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            body = {"model": MODEL_NAME, "prompt": prompt, "stream": True,
                     "ignore_eos": True, "temperature": 0.0, "stream_options": {"include_usage": True}}
+            if max_tokens:
+                body["max_tokens"] = max_tokens
             req = Request(sent=time.perf_counter())
             try:
                 async with session.post(url + "/v1/completions", json=body) as resp:
@@ -304,6 +308,8 @@ async def load(url: str, prompts: list[str], concurrency: int, warmup: float, du
                         chunk = json.loads(line[6:])
                         if chunk.get("choices"):
                             req.chunk_times.append(time.perf_counter())
+                            if read_tokens and len(req.chunk_times) >= read_tokens:
+                                break  # leaving the block closes the connection: the server cancels
                         if chunk.get("usage"):
                             req.completion_tokens = chunk["usage"].get("completion_tokens")
                             req.prompt_tokens = chunk["usage"].get("prompt_tokens")
@@ -374,6 +380,7 @@ def run_server(name: str, model: Path, prompts: list[str], args: argparse.Namesp
     log = args.out / f"{name}.log"
     result: dict[str, Any] = {"server": name, "command": shlex.join(cmd), "concurrency": args.concurrency,
                               "warmup_s": args.warmup, "duration_s": args.duration, "max_tokens": args.max_tokens,
+                              "read_tokens": args.read_tokens,
                               "prompt_tokens_target": args.prompt_tokens, "shared_prefix_tokens": args.shared_prefix_tokens}
     if name == "vllm":
         result["env"] = {"VLLM_CPU_KVCACHE_SPACE": env["VLLM_CPU_KVCACHE_SPACE"]}
@@ -387,7 +394,7 @@ def run_server(name: str, model: Path, prompts: list[str], args: argparse.Namesp
         result["startup_s"] = round(wait_healthy(proc, url, log, args.startup_timeout), 1)
         print(f"[{name}] healthy after {result['startup_s']} s; loading", flush=True)
         result.update(asyncio.run(load(url, prompts, args.concurrency, args.warmup, args.duration,
-                                       args.max_tokens, proc.pid)))
+                                       args.max_tokens, proc.pid, args.read_tokens)))
         result["ok"] = result["requests_in_window"] > 0
     except Exception as exc:  # a server that fails is reported; the others still run
         result["ok"] = False
@@ -451,7 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--duration", type=float, default=40.0)
     parser.add_argument("--warmup", type=float, default=10.0)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=32, help="0: not sent (the server's default)")
+    parser.add_argument("--read-tokens", type=int, default=0,
+                        help="close each stream after this many tokens (0: read to the end)")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--shared-prefix-tokens", type=int, default=0,
                         help="the first N prompt tokens the same in every request (a system prompt)")
