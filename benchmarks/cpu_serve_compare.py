@@ -373,6 +373,17 @@ async def load(url: str, prompts: list[str], concurrency: int, warmup: float, du
     }
 
 
+def preemptions(url: str) -> float | None:
+    """Sequences the server preempted since it started (its /metrics: vexpert's gauge, vLLM's counter)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(("vexpert_serve_preemptions ", "vllm:num_preemptions_total")):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
 def run_server(name: str, model: Path, prompts: list[str], args: argparse.Namespace) -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -395,6 +406,7 @@ def run_server(name: str, model: Path, prompts: list[str], args: argparse.Namesp
         print(f"[{name}] healthy after {result['startup_s']} s; loading", flush=True)
         result.update(asyncio.run(load(url, prompts, args.concurrency, args.warmup, args.duration,
                                        args.max_tokens, proc.pid, args.read_tokens)))
+        result["preemptions"] = preemptions(url)
         result["ok"] = result["requests_in_window"] > 0
     except Exception as exc:  # a server that fails is reported; the others still run
         result["ok"] = False

@@ -25,8 +25,9 @@ context, and most requests stop long before), and all return when it finishes. A
 admitted (FIFO: the head waits and blocks the rest) when the free blocks, less what the prompts
 already admitted still need and a 1 % watermark, hold its prompt and first token; so a prefill never
 stalls. When the decodes of an iteration need more blocks than are free, the scheduler first reads
-the step in flight (its finished sequences free theirs), then **preempts** the newest-admitted
-sequence, as vLLM does: its blocks go back (published first with prefix caching, so it may attach
+the step in flight (its finished sequences free theirs), then **preempts** the running sequence
+that arrived last (vLLM's FCFS policy; a re-admitted one keeps its place, so the same sequence is not
+recomputed over and over): its blocks go back (published first with prefix caching, so it may attach
 them again), it returns to the head of the queue and, re-admitted, prefills its prompt and the tokens
 it had produced, then goes on sampling from where it was (same seeds per position: the same tokens);
 its client sees only a pause. A request that does not fit yet **waits**; a 429 comes only when the
@@ -186,6 +187,10 @@ class _Sequence:
         self.table = tuple(pool.grow(self.seq_id, end))
         return SequenceWork(self.seq_id, self.known_tokens(self.computed, end), self.computed,
                             self.table, self.sampling() if end == self.prefill_len else None)
+
+
+def _arrival(seq: _Sequence) -> int:
+    return seq.seq_id  # numbered as requests arrive
 
 
 @dataclass(frozen=True)
@@ -404,8 +409,8 @@ class Scheduler:
         while need + committed > pool.free_blocks:  # the decodes outgrow the cache
             if self._in_flight is not None:  # its finished sequences free blocks (and victims must be idle)
                 self._complete(self._take_in_flight())
-            else:
-                self._preempt(next(reversed(self._running.values())))
+            else:  # the latest arrival: the least served (a re-admitted victim keeps its place)
+                self._preempt(max(self._running.values(), key=_arrival))
             decoding, prefilling, need, committed = self._split_running()
         spare = pool.free_blocks - need - committed  # what admissions may take (chunks take from committed)
         batch = [(seq, seq.decode_work(pool)) for seq in decoding]
