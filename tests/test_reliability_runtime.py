@@ -237,14 +237,16 @@ def test_killed_coordinator_process_workers_serve_degraded_then_a_restarted_one_
     workload = drifting_workload(phases, SPEC.num_layers, SPEC.num_experts, tokens_per_worker=16, seed=4)
     lines: list[str] = []
     box: list[NodeRuntime] = []
-    samples: list[tuple[int, bool, int | None, float]] = []  # (iteration, degraded, coordinator pid, bytes streamed)
+    # (iteration, degraded, coordinator pid, bytes streamed, when)
+    samples: list[tuple[int, bool, int | None, float, float]] = []
     events: dict[str, Any] = {}
 
     def progress(p: Progress) -> None:
         runtime = box[0]
         text, pid = runtime.metrics.render(), runtime.coordinator_pid
         up = _metric(text, "vexpert_coordinator_up") == 1.0
-        samples.append((p.iteration, _metric(text, "vexpert_degraded") == 1.0, pid, _metric(text, "vexpert_bytes_streamed_total")))
+        samples.append((p.iteration, _metric(text, "vexpert_degraded") == 1.0, pid,
+                        _metric(text, "vexpert_bytes_streamed_total"), time.monotonic()))
         if "killed" not in events and p.iteration >= 8 and up and pid is not None:
             events["pids"] = _live_children()  # the node's processes: whose /dev/shm objects count
             events["killed"] = (p.iteration, pid, time.monotonic(), samples[-1][3])
@@ -285,10 +287,13 @@ def test_killed_coordinator_process_workers_serve_degraded_then_a_restarted_one_
     down = [r for r in report.records if killed_at < r.iteration < attached_at]
     degraded_iterations = [r.iteration for r in down if set(r.plan_ids) == {0}]
     assert degraded_iterations, "iterations ran while no coordinator was attached"
-    # (the first window after the kill may still run on slots the dead one filled ahead)
-    flagged = [i for i, flag, _, _ in samples if killed_at < i < attached_at and flag]
-    assert flagged and flagged[0] <= min(degraded_iterations) + 2
-    assert all(flag for i, flag, _, _ in samples if flagged[0] <= i < attached_at)
+    # The node says so once the supervisor has seen the death: at its next poll, after the batch of reports
+    # it is handling. A loaded host's supervisor lags the workers, so the windows it handles right after the
+    # kill (same batch) may be of iterations run before it; half a second later every window is flagged.
+    late = [(i, flag) for i, flag, _, _, t in samples if t >= killed_t + 0.5 and i < attached_at]
+    assert late and all(flag for _, flag in late), ([x for x in late if not x[1]], killed_at, attached_at)
+    flagged = [i for i, flag, _, _, _ in samples if killed_at < i < attached_at and flag]
+    assert all(flag for i, flag, _, _, _ in samples if flagged[0] <= i < attached_at)
     assert any(line.startswith("vexpert-coordinator exited with code -9 (killed by SIGKILL)") for line in lines), lines
     assert any(f"coordinator {new_pid} attached" in line for line in lines), lines
     assert "vexpert_coordinator_restarts_total 1.0" in report.metrics_text
