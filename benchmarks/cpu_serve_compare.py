@@ -266,7 +266,7 @@ def process_tree_cpu(root: int) -> dict[str, float]:
 
 
 async def load(url: str, prompts: list[str], concurrency: int, warmup: float, duration: float,
-               max_tokens: int, server_pid: int | None = None, read_tokens: int = 0) -> dict[str, Any]:
+               max_tokens: int, server_pid: int | None = None, read_tokens: int = 0, turns: int = 1) -> dict[str, Any]:
     """Closed-loop streaming clients; the window ``[start + warmup, start + warmup + duration]`` is measured
     (with ``server_pid``: also the CPU time each of the server's processes spent in it)."""
     import aiohttp
@@ -287,9 +287,14 @@ async def load(url: str, prompts: list[str], concurrency: int, warmup: float, du
 
     async def client(session: aiohttp.ClientSession) -> None:
         nonlocal counter
+        history, turn = "", 0
         while time.perf_counter() < window[1]:
-            prompt = prompts[counter % len(prompts)]
+            fresh = prompts[counter % len(prompts)]
             counter += 1
+            # a new conversation, or its next turn: everything so far, then a short new message
+            prompt = fresh if turn % turns == 0 else history + " " + " ".join(fresh.split()[:12])
+            turn += 1
+            text = ""
             body = {"model": MODEL_NAME, "prompt": prompt, "stream": True,
                     "ignore_eos": True, "temperature": 0.0, "stream_options": {"include_usage": True}}
             if max_tokens:
@@ -308,6 +313,7 @@ async def load(url: str, prompts: list[str], concurrency: int, warmup: float, du
                         chunk = json.loads(line[6:])
                         if chunk.get("choices"):
                             req.chunk_times.append(time.perf_counter())
+                            text += chunk["choices"][0].get("text") or ""
                             if read_tokens and len(req.chunk_times) >= read_tokens:
                                 break  # leaving the block closes the connection: the server cancels
                         if chunk.get("usage"):
@@ -318,6 +324,7 @@ async def load(url: str, prompts: list[str], concurrency: int, warmup: float, du
                 await asyncio.sleep(0.2)
                 continue
             requests.append(req)
+            history = prompt + text
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     connector = aiohttp.TCPConnector(limit=concurrency + 4)
@@ -373,15 +380,25 @@ async def load(url: str, prompts: list[str], concurrency: int, warmup: float, du
     }
 
 
-def preemptions(url: str) -> float | None:
-    """Sequences the server preempted since it started (its /metrics: vexpert's gauge, vLLM's counter)."""
+SERVER_COUNTS = {  # what a run reads off the server's /metrics at its end (totals since it started)
+    "preemptions": ("vexpert_serve_preemptions", "vllm:num_preemptions_total"),
+    "prefix_hit_tokens": ("vexpert_serve_prefix_cache_hit_tokens", "vllm:prefix_cache_hits_total"),
+    "prefix_queried_tokens": ("vexpert_serve_prefix_cache_queried_tokens", "vllm:prefix_cache_queries_total"),
+}
+
+
+def server_counts(url: str) -> dict[str, float]:
+    """Preemptions and prefix-cache tokens the server counted since it started (its /metrics)."""
     import urllib.request
 
     with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(("vexpert_serve_preemptions ", "vllm:num_preemptions_total")):
-                return float(line.rsplit(" ", 1)[1])
-    return None
+        lines = response.read().decode().splitlines()
+    counts: dict[str, float] = {}
+    for key, names in SERVER_COUNTS.items():
+        for line in lines:
+            if line.split("{")[0].split(" ")[0] in names:
+                counts[key] = counts.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
 
 
 def run_server(name: str, model: Path, prompts: list[str], args: argparse.Namespace) -> dict[str, Any]:
@@ -391,7 +408,7 @@ def run_server(name: str, model: Path, prompts: list[str], args: argparse.Namesp
     log = args.out / f"{name}.log"
     result: dict[str, Any] = {"server": name, "command": shlex.join(cmd), "concurrency": args.concurrency,
                               "warmup_s": args.warmup, "duration_s": args.duration, "max_tokens": args.max_tokens,
-                              "read_tokens": args.read_tokens,
+                              "read_tokens": args.read_tokens, "turns": args.turns,
                               "prompt_tokens_target": args.prompt_tokens, "shared_prefix_tokens": args.shared_prefix_tokens}
     if name == "vllm":
         result["env"] = {"VLLM_CPU_KVCACHE_SPACE": env["VLLM_CPU_KVCACHE_SPACE"]}
@@ -405,8 +422,8 @@ def run_server(name: str, model: Path, prompts: list[str], args: argparse.Namesp
         result["startup_s"] = round(wait_healthy(proc, url, log, args.startup_timeout), 1)
         print(f"[{name}] healthy after {result['startup_s']} s; loading", flush=True)
         result.update(asyncio.run(load(url, prompts, args.concurrency, args.warmup, args.duration,
-                                       args.max_tokens, proc.pid, args.read_tokens)))
-        result["preemptions"] = preemptions(url)
+                                       args.max_tokens, proc.pid, args.read_tokens, args.turns)))
+        result.update(server_counts(url))
         result["ok"] = result["requests_in_window"] > 0
     except Exception as exc:  # a server that fails is reported; the others still run
         result["ok"] = False
@@ -471,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=40.0)
     parser.add_argument("--warmup", type=float, default=10.0)
     parser.add_argument("--max-tokens", type=int, default=32, help="0: not sent (the server's default)")
+    parser.add_argument("--turns", type=int, default=1,
+                        help="turns per conversation: each next prompt is the previous prompt + its completion + "
+                             "a short new message (a chat), so its start is a prefix a server may have cached")
     parser.add_argument("--read-tokens", type=int, default=0,
                         help="close each stream after this many tokens (0: read to the end)")
     parser.add_argument("--prompt-tokens", type=int, default=64)

@@ -269,8 +269,10 @@ def run(args: argparse.Namespace) -> int:
     from vexpert_runtime.node.runtime_process import NodeProcess
     from vexpert_runtime.serve.api import ServeApi, run_server
     from vexpert_runtime.serve.api_servers import ApiServerArgs, ApiServers
+    from vexpert_runtime.serve.hf_model import DEFAULT_BLOCK_SIZE
     from vexpert_runtime.serve.metrics_share import MetricsShare
     from vexpert_runtime.serve.multirank import MultiRankDispatcher
+    from vexpert_runtime.serve.prefix_routing import PrefixAffinity
     from vexpert_runtime.serve.rank import ServeWorkerArgs
     from vexpert_runtime.workload import Workload
 
@@ -313,15 +315,19 @@ def run(args: argparse.Namespace) -> int:
     node = NodeProcess(ctx, setup, options, on_failure=node_failed)
     node.start()  # its workers load the model while this process loads the tokenizer
     # one API server: the drain's end stops the node; several: the node stops once all have drained
+    # with prefix caching on several ranks, a prompt goes where its prefix was computed (prefix_routing.py)
+    prefix_block_size = DEFAULT_BLOCK_SIZE if args.prefix_caching and setup.local_workers > 1 else None
     dispatcher = MultiRankDispatcher(requests, events[0], args.max_waiting, node.readiness,
-                                     node.request_stop if servers == 1 else lambda: None)
+                                     node.request_stop if servers == 1 else lambda: None,
+                                     prefixes=PrefixAffinity(prefix_block_size) if prefix_block_size else None)
     metrics_dir = tempfile.mkdtemp(prefix="vexpert-api-metrics-") if servers > 1 else None
     try:
         api_config, tokenizer = _api_config(served, args, api_key)
         if servers > 1:
             assert metrics_dir is not None
             others = ApiServers(ctx, [ApiServerArgs(i, args.host, args.port, str(served.model_dir), api_config, requests,
-                                                    events[i], args.max_waiting, node.status, metrics_dir, os.getpid())
+                                                    events[i], args.max_waiting, node.status, metrics_dir, os.getpid(),
+                                                    prefix_block_size)
                                       for i in range(1, servers)], on_death=api_server_died)
             others.start()
         api = ServeApi(dispatcher, tokenizer, api_config, node_metrics=node.metrics_text,

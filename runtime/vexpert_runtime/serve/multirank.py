@@ -5,7 +5,8 @@ each rank and has not seen finish (in flight); a rank is full at ``max_running +
 flight (its :class:`~.dispatcher.RankCapacity`) or when its latest report shows a full queue; when
 every rank is full ``submit`` raises 429 (``Retry-After``), while draining or once the node failed
 503. Otherwise the request goes to the rank with the fewest in flight (then the lowest
-:attr:`~.events.RankLoad.score`), and ``submit`` returns once that rank queued it
+:attr:`~.events.RankLoad.score`) — with prefix caching, to the rank that was sent the longest prefix of
+its prompt unless that one carries too many more (:mod:`.prefix_routing`) — and ``submit`` returns once that rank queued it
 (its :class:`~.events.RankEvent` lists it as accepted), so a rank's own refusal (:class:`~.dispatcher.RankRefused`)
 is still an HTTP status — 429 / 503 / 400 — and never an error inside a started stream.
 
@@ -45,6 +46,7 @@ from vexpert_runtime.serve.events import (
     overloaded,
     shutting_down,
 )
+from vexpert_runtime.serve.prefix_routing import PrefixAffinity
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +72,14 @@ class MultiRankDispatcher:
         on_drained: called once the drain is over (stops the node).
         reply_to: this API server's index (``vexpert serve --api-servers``): the ranks send the
             events of the requests it submits to ``events``, its own queue.
+        prefixes: cache-aware routing (the ranks cache prompt prefixes); None: least-loaded only.
     """
 
     def __init__(self, requests: list[Any], events: Any, max_waiting: int,
                  node_ready: Callable[[], str | None], on_drained: Callable[[], None],
-                 max_running: int | None = None, reply_to: int = 0) -> None:
+                 max_running: int | None = None, reply_to: int = 0, prefixes: PrefixAffinity | None = None) -> None:
         self.requests = requests
+        self.prefixes = prefixes
         self.reply_to = reply_to
         self.events = events
         self.max_waiting = max_waiting
@@ -177,9 +181,10 @@ class MultiRankDispatcher:
             return self.max_running + self.max_waiting
         return self._capacity.get(rank, self.max_waiting)
 
-    def _choose(self) -> int:
+    def _choose(self, digests: list[bytes] | None = None) -> int:
         """The rank with the fewest requests in flight (then the lowest reported load) that is not
-        full; 429 when every rank is (caller holds the lock)."""
+        full — or, given the prompt's block ``digests``, its prefix's rank within the affinity's slack;
+        429 when every rank is full (caller holds the lock)."""
         open_ranks = []
         for rank in range(len(self.requests)):
             load = self._loads.get(rank, RankLoad())
@@ -191,7 +196,12 @@ class MultiRankDispatcher:
             open_ranks.append((in_flight, load.score, rank))
         if not open_ranks:
             raise overloaded(self.max_waiting)
-        return min(open_ranks)[2]
+        least_loaded = min(open_ranks)[2]
+        if self.prefixes is None or not digests:
+            return least_loaded
+        rank = self.prefixes.choose(digests, self._in_flight, [r for _, _, r in open_ranks], least_loaded)
+        self.prefixes.record(digests, rank)
+        return rank
 
     def _check_open(self) -> None:
         """503 while draining or once the node failed."""
@@ -209,8 +219,9 @@ class MultiRankDispatcher:
         loop = asyncio.get_running_loop()
         channel = EventChannel(loop)
         accepted: asyncio.Future[None] = loop.create_future()
+        digests = self.prefixes.digests(request.prompt_ids) if self.prefixes is not None else None
         with self._lock:
-            rank = self._choose()
+            rank = self._choose(digests)
             self._channels[request.request_id] = (rank, channel)
             self._in_flight[rank] += 1
             self._acks[request.request_id] = accepted
