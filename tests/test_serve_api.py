@@ -464,7 +464,7 @@ def test_scheduler_refusals_and_cancel() -> None:
     with pytest.raises(ServeRefusal) as refused:
         scheduler.submit(_request("c", 4, 5), events.append)
     assert refused.value.status == 503
-    with pytest.raises(VExpertInputError):
+    with pytest.raises(VExpertInputError, match="--max-model-len"):  # the fix names the knobs
         SchedulerConfig(kv_budget_tokens=32).check(64)
 
 

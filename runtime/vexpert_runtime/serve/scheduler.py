@@ -93,7 +93,8 @@ class SchedulerConfig:
             raise VExpertInputError(
                 "kv_budget_tokens",
                 f"{budget} KV tokens cannot hold one full-context sequence ({max_context} tokens)",
-                "give the KV cache more memory (kv_cache_tokens / gpu_memory_utilization) or lower max_context",
+                "give the KV cache more memory (--kv-cache-tokens / --gpu-memory-utilization) or a shorter "
+                "context (--max-model-len)",
             )
         if self.max_running < 1 or self.max_waiting < 0:
             raise VExpertInputError("max_running", "must be ≥ 1 (and max_waiting ≥ 0)")
