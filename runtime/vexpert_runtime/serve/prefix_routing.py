@@ -13,7 +13,8 @@ same hit rate as 32 (``benchmarks/results/prefix_routing_cpu.txt``).
 
 What it remembers is an approximation of the ranks' caches (a rank may have evicted the blocks);
 a wrong guess costs a prefill, never a wrong token. Memory is bounded: the least recently routed
-digests are forgotten first.
+digests are forgotten first. With ``--api-servers N`` each API server remembers what it sent (a chat
+whose turns arrive on different connections may reach different servers, and then different ranks).
 """
 
 from __future__ import annotations
