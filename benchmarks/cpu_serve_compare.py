@@ -19,6 +19,7 @@ The load: ``--concurrency`` clients, each sending streaming ``/v1/completions`` 
 prompt of ~``--prompt-tokens`` tokens each time, ``max_tokens`` ``--max-tokens`` (0: not sent, so the server's
 default, the rest of the context), ``ignore_eos``, with ``--read-tokens N`` the client closing the stream after N
 tokens (a request that ends early, standing in for the EOS a random-weight model hardly ever samples),
+with ``--turns N`` chats of N turns (each next prompt: the previous prompt, its completion and ~12 new words),
 ``temperature`` 0, ``stream_options.include_usage``) for ``--warmup`` + ``--duration`` s. Counted: the output
 tokens streamed inside the measured window (the ``--duration`` s after the warm-up; each streamed chunk
 weighted by ``usage.completion_tokens`` / chunks of its request, or 1 token per chunk without usage) → output
@@ -26,7 +27,8 @@ tokens/s; per request sent inside the window: TTFT (send → first token chunk) 
 chunk over completion_tokens − 1, i.e. the mean time per output token after the first); also the mean gap
 between token chunks (``chunk_gap_ms_mean``) and each server process's CPU time in the window per request sent
 in it (``process_cpu_ms_per_request``, by place in the process tree: ``0`` the server's own process, ``0.1`` its
-first child, ...).
+first child, ...); at the end, the server's own counts since it started (preemptions, prefix-cache hit and queried
+tokens) from its ``/metrics``.
 
 Set-up of vLLM's CPU build (its own venv, outside the repo; torch first or pip pulls the CUDA build)::
 
