@@ -2,8 +2,8 @@
 
 CI has no GPU: the kernels run on CPU tensors with ``TRITON_INTERPRET=1`` (set before Triton is
 imported, so in a subprocess). Decodes and a prompt chunk (each token its own causal context),
-sequences of different lengths, block tables that are not contiguous and a block size that does not
-divide the lengths; a zero-length row (a CUDA-graph pad row) yields zeros.
+sequences of different lengths, block tables that are not contiguous (and stored column by column, as
+a graph's inputs hold them) and a block size that does not divide the lengths; a zero-length row (a CUDA-graph pad row) yields zeros.
 """
 
 from __future__ import annotations
@@ -31,18 +31,23 @@ def check_kernels_on_cpu() -> None:
     meta = build_metadata(work, size, [None], "cpu")
     tokens = meta.slot_mapping.shape[0]
     blocks = 32
+    # the same tables stored column by column, as a graph's inputs hold them (strides (1, B))
+    by_column = meta.__class__(**{**meta.__dict__, "block_tables": meta.block_tables.t().contiguous().t()})
+    assert by_column.block_tables.stride() == (1, meta.block_tables.shape[0])
     for latent, rope, heads in ((32, 16, 20), (24, 8, 3)):  # powers of two, and widths the kernel pads
         cache = torch.randn(blocks * size, latent + rope)
         q_latent, q_rope = torch.randn(tokens, heads, latent), torch.randn(tokens, heads, rope)
         want = mla_attention(q_latent, q_rope, cache, meta, 0.3)
         got = mla_decode(q_latent, q_rope, cache, meta, 0.3, block_n=16)
         assert (got - want).abs().max() < 1e-5, (latent, rope)
+        assert torch.equal(mla_decode(q_latent, q_rope, cache, by_column, 0.3, block_n=16), got)
     for kv_heads, group, dim in ((2, 3, 16), (1, 4, 12)):
         cache = torch.randn(blocks * size, 2, kv_heads, dim)
         q = torch.randn(tokens, kv_heads * group, dim)
         want = gqa_attention(q, cache, meta, 0.25, None)
         got = gqa_decode(q, cache, meta, 0.25, block_n=16)
         assert (got - want).abs().max() < 1e-5, (kv_heads, group, dim)
+        assert torch.equal(gqa_decode(q, cache, by_column, 0.25, block_n=16), got)
     # A pad row of a graphed batch: no context, output zeros (not NaN).
     lens = meta.context_lens.clone()
     lens[1] = 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from vexpert_runtime.serve.cuda_graphs import GraphInputs, token_buckets
 from vexpert_runtime.serve.kv_cache import SCRATCH_BLOCK
@@ -64,6 +65,16 @@ def test_fill_writes_every_field_and_resets_the_pad_rows() -> None:
             assert np.array_equal(inputs.views[name].numpy(), np.array(values, dtype=inputs.views[name].numpy().dtype)), name
         for b, item in enumerate(work):
             assert inputs.tables[b, : len(item.blocks)].tolist() == list(item.blocks)
+        # what a launch copies to the device: the fields and the tables' columns up to the longest
+        device = GraphInputs.allocate(tokens=24, seqs=6, width=8, device="cpu")
+        device.buffer.fill_(-7)  # stale: what earlier iterations left
+        used = inputs.used(work)
+        device.buffer[:used].copy_(inputs.buffer[:used])
+        assert used == 24 * 7 + 6 * 5 + 6 * max([len(item.blocks) for item in work] + [1]) < inputs.buffer.numel()
+        for name, view in inputs.views.items():
+            assert torch.equal(device.views[name], view), name
+        for b, item in enumerate(work):
+            assert device.tables[b, : len(item.blocks)].tolist() == list(item.blocks)
 
 
 @pytest.mark.parametrize("max_tokens", [1, 7, 64, 256, 300, 512, 513, 2048, 8192])

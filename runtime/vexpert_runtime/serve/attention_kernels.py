@@ -44,7 +44,7 @@ if triton is not None:
 
     @triton.jit
     def _mla_decode_kernel(q_lat, q_rope, cache, tables, token_seq, lens, out, scale,
-                           stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_cache, stride_tb,
+                           stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_cache, stride_tb, stride_tn,
                            stride_ob, stride_oh,
                            NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr,
                            PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -67,7 +67,7 @@ if triton is not None:
         for start in range(0, length, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             nmask = n < length
-            block = tl.load(table + n // PAGE, mask=nmask, other=0).to(tl.int64)
+            block = tl.load(table + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
             row = (block * PAGE + n % PAGE) * stride_cache
             kc = tl.load(cache + row[:, None] + offs_c[None, :], mask=nmask[:, None] & cmask[None, :], other=0.0)
             kr = tl.load(cache + row[:, None] + C + offs_r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
@@ -85,7 +85,8 @@ if triton is not None:
 
     @triton.jit
     def _gqa_decode_kernel(q, cache, tables, token_seq, lens, out, scale,
-                           stride_qb, stride_qh, stride_cache, stride_kv, stride_head, stride_tb, stride_ob, stride_oh,
+                           stride_qb, stride_qh, stride_cache, stride_kv, stride_head, stride_tb, stride_tn,
+                           stride_ob, stride_oh,
                            GROUP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
                            BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
         b = tl.program_id(0)
@@ -105,7 +106,7 @@ if triton is not None:
         for start in range(0, length, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             nmask = n < length
-            block = tl.load(table + n // PAGE, mask=nmask, other=0).to(tl.int64)
+            block = tl.load(table + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
             row = (block * PAGE + n % PAGE) * stride_cache + kv_head * stride_head
             mask2 = nmask[:, None] & dmask[None, :]
             k = tl.load(cache + row[:, None] + offs_d[None, :], mask=mask2, other=0.0)
@@ -152,7 +153,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     _mla_decode_kernel[grid](
         q_latent, q_rope, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
-        meta.block_tables.stride(0), out.stride(0), out.stride(1),
+        meta.block_tables.stride(0), meta.block_tables.stride(1), out.stride(0), out.stride(1),
         NH=heads, C=latent, R=rope, CP=_pow2(latent), RP=_pow2(rope), PAGE=page, BLOCK_H=block_h,
         BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
     )
@@ -171,6 +172,7 @@ def gqa_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, sc
     _gqa_decode_kernel[(batch, kv_heads)](
         q, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), meta.block_tables.stride(0),
+        meta.block_tables.stride(1),
         out.stride(0), out.stride(1),
         GROUP=group, D=dim, DP=_pow2(dim), PAGE=page, BLOCK_G=_pow2(group), BLOCK_N=block_n,
         num_warps=4, num_stages=2,

@@ -60,11 +60,14 @@ def token_buckets(max_tokens: int) -> list[int]:
 @dataclass
 class GraphInputs:
     """Views into one static int64 buffer: the token fields [T] each, the sampling fields [S] each
-    (floats stored as float64 bits), the block tables [S, W]."""
+    (floats stored as float64 bits), then the block tables [S, W] stored column by column (block j of
+    every row together), so an iteration whose longest table has w blocks copies only the buffer's
+    first :meth:`used` elements: a long context's W (10,240 columns for DeepSeek-V3's 163,840 tokens)
+    costs nothing until a sequence is that long."""
 
     buffer: torch.Tensor
     views: dict[str, torch.Tensor]
-    tables: torch.Tensor
+    tables: torch.Tensor  # [S, W], strides (1, S)
     _numpy: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -79,7 +82,15 @@ class GraphInputs:
                 at += n
         views["temperature"] = views["temperature"].view(torch.float64)
         views["top_p"] = views["top_p"].view(torch.float64)
-        return cls(buffer, views, buffer[at:].view(seqs, width))
+        return cls(buffer, views, buffer[at:].view(width, seqs).t())
+
+    def used(self, work: Sequence[SequenceWork]) -> int:
+        """Elements of :attr:`buffer` an iteration of ``work`` reads: everything before the tables, and
+        their columns up to the longest block table (the device keeps stale columns beyond: a row is
+        read only up to its context)."""
+        seqs = self.tables.shape[0]
+        width = max((len(item.blocks) for item in work), default=0)
+        return self.buffer.numel() - self.tables.numel() + max(width, 1) * seqs
 
     def fill(self, work: Sequence[SequenceWork], block_size: int) -> int:
         """Write an iteration into this (host, pinned) buffer: real rows first, pad rows after;
@@ -232,7 +243,8 @@ class GraphedSteps:
         if staging.copied is not None:  # its inputs of two steps ago are on the device (long since, as a rule)
             staging.copied.synchronize()
         staging.inputs.fill(work, self.block_size)
-        self.device_inputs.buffer.copy_(staging.inputs.buffer, non_blocking=True)
+        used = staging.inputs.used(work)
+        self.device_inputs.buffer[:used].copy_(staging.inputs.buffer[:used], non_blocking=True)
         staging.copied = torch.cuda.Event()
         staging.copied.record()
         if not self.graphs:  # the first iteration: every plain bucket now, not one by one while serving
