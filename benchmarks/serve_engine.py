@@ -346,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", type=Path, default=Path(".cache/bench-ds3"), help="written once, reused")
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--max-position-embeddings", type=int, default=4096,
+                        help="the checkpoint's context when it is written (the release's: 163840; a new --model-dir)")
     parser.add_argument("--streams", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--duration", type=float, default=25.0)
     parser.add_argument("--warmup", type=float, default=8.0)
@@ -382,8 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.model_dir / "config.json").exists():
         started = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="vexpert-tok-") as tmp:
-            write_model(args.model_dir, ensure_demo_model(Path(tmp) / "demo"), args.layers, args.experts, False, "cuda")
+            write_model(args.model_dir, ensure_demo_model(Path(tmp) / "demo"), args.layers, args.experts, False, "cuda",
+                        args.max_position_embeddings)
         results["model_write_s"] = round(time.perf_counter() - started, 1)
+    results["max_position_embeddings"] = json.loads((args.model_dir / "config.json").read_text())["max_position_embeddings"]
     prompt, prompt_ids = prompt_text(args.model_dir)
     results["prompt_ids"] = len(prompt_ids)
     served_prompts: str | list[str] = prompt

@@ -47,8 +47,10 @@ from vexpert_runtime.serve.demo_model import ensure_demo_model, real_load_bias
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def write_model(directory: Path, tokenizer_dir: Path, layers: int, experts: int, small: bool, device: str) -> Path:
-    """Random-weight DeepSeek-V3 (DeepSeek-V3-sized experts unless ``small``) + the demo tokenizer."""
+def write_model(directory: Path, tokenizer_dir: Path, layers: int, experts: int, small: bool, device: str,
+                positions: int = 4096) -> Path:
+    """Random-weight DeepSeek-V3 (DeepSeek-V3-sized experts unless ``small``) + the demo tokenizer;
+    ``positions``: its max_position_embeddings (the release's is 163,840)."""
     from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -66,7 +68,7 @@ def write_model(directory: Path, tokenizer_dir: Path, layers: int, experts: int,
     config = DeepseekV3Config(
         **shape, vocab_size=len(tokenizer), num_hidden_layers=layers, first_k_dense_replace=0,
         num_key_value_heads=shape["num_attention_heads"], n_routed_experts=experts, num_experts_per_tok=2,
-        n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5, max_position_embeddings=4096,
+        n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5, max_position_embeddings=positions,
         initializer_range=0.02, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
