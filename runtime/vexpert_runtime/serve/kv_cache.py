@@ -87,8 +87,8 @@ class BlockPool:
 
     @property
     def free_blocks(self) -> int:
-        """Blocks not held by any sequence (some may be promised to admitted sequences; cached ones
-        are reused once the others are gone)."""
+        """Blocks not held by any sequence (cached ones included: reused once the never-published ones
+        are gone)."""
         return len(self._free) + len(self._cached)
 
     @property
@@ -114,7 +114,7 @@ class BlockPool:
         Raises :class:`KVCacheFull`, taking nothing, when the pool has too few free blocks."""
         table = self._tables[seq_id]
         missing = blocks_for(tokens, self.block_size) - len(table)
-        if missing > len(self._free) + len(self._cached):
+        if missing > self.free_blocks:
             raise KVCacheFull(f"sequence {seq_id}: {missing} more blocks, {self.free_blocks} free")
         for _ in range(missing):
             block = self._take()

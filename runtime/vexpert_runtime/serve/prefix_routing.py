@@ -46,7 +46,6 @@ class PrefixAffinity:
         self.slack = slack
         self.capacity = capacity
         self._rank_of: OrderedDict[bytes, int] = OrderedDict()
-        self.routed_by_prefix = 0  # requests sent to their prefix's rank (over the dispatcher's life)
 
     def digests(self, prompt_ids: Sequence[int]) -> list[bytes]:
         """The digests of the prompt's whole blocks (no lock needed: pure)."""
@@ -70,10 +69,7 @@ class PrefixAffinity:
         base = in_flight[least_loaded]
         if (preferred is not None and preferred != least_loaded and preferred in open_ranks
                 and in_flight[preferred] <= base + max(self.slack, int(base * RELATIVE_SLACK))):
-            self.routed_by_prefix += 1
             return preferred
-        if preferred == least_loaded:
-            self.routed_by_prefix += 1
         return least_loaded
 
     def record(self, digests: Sequence[bytes], rank: int) -> None:
