@@ -8,15 +8,19 @@ step model that does no compute but the host half of a graph launch
 (:meth:`~vexpert_runtime.serve.cuda_graphs.GraphInputs.fill` into a host buffer), and
 ``ServingRank``'s event path (the events of an iteration pickled as one ``RankEvent``), at N
 closed-loop streams (a finished request is replaced at once), and reports microseconds per
-iteration and where they go (cProfile, by function).
+iteration and where they go (cProfile, by function). As a serving worker does, the process freezes its
+heap after the first iteration (:func:`~vexpert_runtime.gc_heap.freeze_heap`; ``--no-gc-freeze``: not) and
+reports the seconds per iteration it then spent in Python's cyclic collector, by generation.
 
     python benchmarks/serve_host_cost.py --streams 256 --iterations 400          # µs per iteration
     python benchmarks/serve_host_cost.py --streams 256 --iterations 400 --profile # + top functions
+    python benchmarks/serve_host_cost.py --streams 256 --iterations 400 --no-gc-freeze   # the collector's cost
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import cProfile
 import json
 import pickle
@@ -30,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vexpert_runtime.gc_heap import GcClock, freeze_heap
 from vexpert_runtime.serve.cuda_graphs import GraphInputs
 from vexpert_runtime.serve.demo_model import ensure_demo_model
 from vexpert_runtime.serve.events import Event, GenerationRequest, RankEvent, SamplingParams
@@ -68,7 +73,8 @@ class HostOnlyStepModel:
         pass
 
 
-def run(streams: int, iterations: int, prompt_tokens: int, max_tokens: int, profile: bool) -> dict[str, object]:
+def run(streams: int, iterations: int, prompt_tokens: int, max_tokens: int, profile: bool,
+        gc_freeze: bool = True) -> dict[str, object]:
     from transformers import AutoTokenizer
 
     model_dir = ensure_demo_model(Path(tempfile.gettempdir()) / "vexpert-demo-model")
@@ -104,8 +110,12 @@ def run(streams: int, iterations: int, prompt_tokens: int, max_tokens: int, prof
             if event.finished:
                 submit()
 
-    for _ in range(max_tokens * 2):  # warm-up: past the first wave of prefills
+    iteration()
+    if gc_freeze:  # where a serving worker freezes its heap: after iteration 0
+        freeze_heap()
+    for _ in range(max_tokens * 2 - 1):  # warm-up: past the first wave of prefills
         iteration()
+    clock = GcClock().install()
     profiler = cProfile.Profile() if profile else None
     start = time.perf_counter()
     if profiler is not None:
@@ -115,9 +125,15 @@ def run(streams: int, iterations: int, prompt_tokens: int, max_tokens: int, prof
     if profiler is not None:
         profiler.disable()
     elapsed = time.perf_counter() - start
+    clock.uninstall()
+    tracked = len(gc.get_objects())  # what a full collection traverses
+    gc.unfreeze()  # the next run starts from the same state
     result: dict[str, object] = {"streams": streams, "iterations": iterations, "us_per_iteration":
                                  round(elapsed / iterations * 1e6, 1), "profiled": profile,
-                                 "event_bytes_per_iteration": pickled // (iterations + max_tokens * 2)}
+                                 "event_bytes_per_iteration": pickled // (iterations + max_tokens * 2),
+                                 "gc_freeze": gc_freeze, "tracked_objects": tracked,
+                                 "gc_us_per_iteration": [round(s / iterations * 1e6, 1) for s in clock.totals()],
+                                 "gc_collections": clock.collections}
     if profiler is not None:
         stats = pstats.Stats(profiler)
         rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:30]  # type: ignore[attr-defined]
@@ -134,10 +150,12 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=62)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--profile", action="store_true", help="cProfile the measured iterations (slower)")
+    parser.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                        help="leave the heap in the collector's generations (what the workers did before)")
     parser.add_argument("--out", type=Path, help="append the results as JSON lines")
     args = parser.parse_args()
     for streams in args.streams:
-        result = run(streams, args.iterations, args.prompt_tokens, args.max_tokens, args.profile)
+        result = run(streams, args.iterations, args.prompt_tokens, args.max_tokens, args.profile, args.gc_freeze)
         line = json.dumps(result)
         print(line)
         if args.out:

@@ -205,6 +205,21 @@ def test_sixteen_concurrent_streams_complete(server: Server) -> None:
     assert len(results) == 16 and all(reason == "length" for _, reason in results)
 
 
+def test_every_serving_process_froze_its_startup_heap_and_reports_its_gc_time(server: Server) -> None:
+    """The API process once it listens and each worker after iteration 0 moved their startup heaps
+    (tokenizer, model, torch's own objects: hundreds of thousands) out of the collector's reach
+    (gc_heap), and /metrics reports the time they spend collecting what remains."""
+    _, text = server.get("/metrics")
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line and not line.startswith("#")}
+    assert samples["vexpert_serve_api_gc_frozen_objects"] > 50_000
+    for rank in (0, 1):
+        assert samples[f'vexpert_worker_gc_frozen_objects{{rank="{rank}"}}'] > 50_000
+    for generation in (0, 1, 2):
+        assert samples[f'vexpert_serve_api_gc_seconds_total{{generation="{generation}"}}'] >= 0.0
+    assert samples['vexpert_worker_gc_seconds_total{generation="2"}'] > 0.0  # the freeze's own full collection, at least
+
+
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server: Server) -> None:
     status, body = server.post("/v1/completions", b"{not json")
     assert status == 400 and body["error"]["type"] == "invalid_request_error"

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from vexpert_runtime.gc_heap import freeze_heap
 from vexpert_runtime.model.checkpoint import CheckpointReader, MoESpec
 from vexpert_runtime.node.expert_pool import ExpertPool
 from vexpert_runtime.node.messages import (
@@ -195,6 +196,7 @@ class Coordinator:
                                      self._load, self._alloc, self._read_into)
         for scheduled in args.plans:
             self._schedule(scheduled)
+        freeze_heap()  # the pool is built; before the fill loop runs (gc_heap)
         iteration = self._start_loop()
         args.conn.send(Attached(os.getpid(), iteration))
         sent = (-1, -1.0)

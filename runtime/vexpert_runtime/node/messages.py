@@ -71,6 +71,8 @@ class IterationDone:
     details: Any = None
     rescued_layers: int = 0  # layers this worker filled itself (their coordinator died)
     graphed: bool = False  # the step was a replay of the worker's captured CUDA graph
+    gc_s: tuple[float, float, float] = (0.0, 0.0, 0.0)  # seconds in the cyclic GC by generation since the last report
+    gc_frozen: int = 0  # objects of the worker's startup heap frozen out of the GC's reach (gc_heap)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ the same tokens), ``vexperts{layer}``, ``bytes_streamed_total``, ``slot_fill_wai
 ``slot_bytes_per_worker``, ``pool_bytes``,
 ``allocation_interval`` (k), ``degraded`` (1 while groups run without their vExperts),
 ``plan_id``, ``dispatch_mode{mode}`` (1 for the replica dispatch the workers run), ``iterations_total``, ``degraded_groups_total``, ``config_reloads_total``,
-``config_reload_errors_total``, ``slot_fill_errors_total``, ``fill_loop_restarts_total``, and the
+``config_reload_errors_total``, ``slot_fill_errors_total``, ``fill_loop_restarts_total``,
+``worker_gc_seconds_total{generation}`` (the workers' time in Python's cyclic collector) and
+``worker_gc_frozen_objects{rank}`` (their startup heaps, frozen after iteration 0: :mod:`vexpert_runtime.gc_heap`), and the
 operator's tuning inputs:
 
 ``balance_decay``
@@ -101,6 +103,14 @@ class NodeMetrics:
             "vexpert_rescued_layers_total",
             "Layers a worker filled from the checkpoint itself because the coordinator that announced them died",
             registry=reg,
+        )
+        self.worker_gc_seconds = Counter(
+            "vexpert_worker_gc_seconds", "Seconds the workers spent in Python's cyclic garbage collector (summed over "
+            "workers; one worker's pause stalls its EP group)", ["generation"], registry=reg,
+        )
+        self.worker_gc_frozen = Gauge(
+            "vexpert_worker_gc_frozen_objects", "Objects of a worker's startup heap frozen out of the collector's reach "
+            "(0 until its first iteration)", ["rank"], registry=reg,
         )
         self.fill_loop_restarts = Counter(
             "vexpert_fill_loop_restarts_total", "Times the coordinator's slot fill loop died and was restarted", registry=reg

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from vexpert_runtime.gc_heap import collector_paused
+
 GRAPHS_ENV = "VEXPERT_CUDA_GRAPHS"  # "0": run GPU steps eagerly (debugging)
 
 
@@ -43,8 +45,9 @@ class StepGraph:
         if bias is not None and self.bias is not None:
             self.bias.copy_(bias)
         self.graph = torch.cuda.CUDAGraph()
-        # thread_local: the worker's watchdog thread may touch its own side stream meanwhile
-        with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
+        # thread_local: the worker's watchdog thread may touch its own side stream meanwhile;
+        # no garbage collection inside the capture (gc_heap.collector_paused says why)
+        with collector_paused(), torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
             self.outputs = run(self.inputs, self.bias)
 
     def fits(self, inputs: torch.Tensor, bias: torch.Tensor | None) -> bool:

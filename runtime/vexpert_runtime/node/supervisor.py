@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.gc_heap import freeze_heap
 from vexpert_runtime.model.checkpoint import CheckpointReader
 from vexpert_runtime.model.dispatch import DISPATCH_MODES
 from vexpert_runtime.model.reference import ModelWeights
@@ -333,6 +334,7 @@ class NodeRuntime:
             self._ready += 1
             if self._ready == self.setup.local_workers:
                 self.history.workers_ready()
+                freeze_heap()  # this process's heap is built: allocator, pool plans, metrics (gc_heap)
         elif isinstance(msg, IterationDone):
             self._on_iteration(msg)
         elif isinstance(msg, WorkerDone):
@@ -360,6 +362,11 @@ class NodeRuntime:
             m.rescued_layers.inc(msg.rescued_layers)
         if msg.graphed:
             m.graphed_steps.inc()
+        for generation, seconds in enumerate(msg.gc_s):
+            if seconds:
+                m.worker_gc_seconds.labels(str(generation)).inc(seconds)
+        if msg.gc_frozen:
+            m.worker_gc_frozen.labels(str(msg.rank)).set(msg.gc_frozen)
         if record.reports == self.setup.local_workers:
             m.step_time.observe(record.step_s)
             m.iterations.inc()

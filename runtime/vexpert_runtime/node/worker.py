@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.gc_heap import GcClock, freeze_heap
 from vexpert_runtime.model.checkpoint import (
     CheckpointReader,
 )
@@ -182,6 +183,9 @@ class _Worker:
         self.graphable = (self.device.type == "cuda" and grouped_gemm_runs(self.device, self.dtype)
                           and not args.shared_gpu and args.probe is None and graphs_enabled())
         self.probe: SlotProbe | None = args.probe() if args.probe is not None else None
+        self.gc_clock = GcClock().install()
+        self._gc_reported = (0.0, 0.0, 0.0)  # the clock's totals at the last report
+        self._gc_frozen = 0  # objects frozen after iteration 0 (gc_heap.freeze_heap)
 
     def _publisher_gone(self) -> bool:
         """CPU waits for a FULL flag give up (and rescue) once the coordinator that publishes this
@@ -319,6 +323,8 @@ class _Worker:
             if self.device.type == "cuda":
                 self.inflight.append(self.current)
             output = runner.run(iteration, table, use_plan)
+            if iteration == 0:  # the heap is built: model, compiled pieces, CUDA graphs (gc_heap)
+                self._gc_frozen = freeze_heap()
             host = self.host_stats[iteration % 2]  # the other one may still wait for iteration − 1's report
             host.all.copy_(self.device_stats.all, non_blocking=True)
             if self.device.type == "cuda":
@@ -353,6 +359,9 @@ class _Worker:
         self.slots.finish(done.iteration)
         now = time.perf_counter()
         step, self._last_report = now - max(done.start, self._last_report), now  # its share of the wall time
+        totals, before = self.gc_clock.totals(), self._gc_reported
+        gc_s = (totals[0] - before[0], totals[1] - before[1], totals[2] - before[2])
+        self._gc_reported = totals
         output = done.output
         args.results.put(
             IterationDone(
@@ -367,6 +376,8 @@ class _Worker:
                 details=details,
                 rescued_layers=self.rescued - done.rescued,
                 graphed=output.graphed,
+                gc_s=gc_s,
+                gc_frozen=self._gc_frozen,
             )
         )
         if len(self._window) >= k:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.gc_heap import collector_paused
 from vexpert_runtime.policy.perf_model import InferenceConstants, h2d_time, predicted_layer_time
 from vexpert_runtime.policy.placement import balance_ratio, base_gpu_loads, validate_base_placement
 from vexpert_runtime.policy.profile import PerformanceProfile
@@ -984,7 +985,7 @@ class GraphedAllocator:
                     self._fn(self.counts, self.base_gpu, self.pooled)
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            with collector_paused(), torch.cuda.graph(self.graph):  # no GC inside a capture (gc_heap)
                 self._out = self._fn(self.counts, self.base_gpu, self.pooled)
             self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in self._out)
         self.graph.replay()

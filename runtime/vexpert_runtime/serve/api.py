@@ -26,8 +26,10 @@ Metrics (own registry, all prefixed ``vexpert_serve_``): ``requests_total{endpoi
 (from the request's arrival: reading, tokenizing and queueing included), ``prompt_tokens_total``, ``generated_tokens_total``,
 ``requests_running``, ``requests_waiting``, ``kv_cache_usage_ratio`` (KV blocks held / blocks, summed
 over ranks — what admission waits on), ``kv_cache_tokens`` (held), ``preemptions`` (sequences preempted
-for KV blocks, the ranks' total) and, with ``--prefix-caching``, ``prefix_cache_queried_tokens`` /
-``prefix_cache_hit_tokens`` (the ranks' totals).
+for KV blocks, the ranks' total), with ``--prefix-caching``, ``prefix_cache_queried_tokens`` /
+``prefix_cache_hit_tokens`` (the ranks' totals), and the API process's own ``api_gc_seconds_total{generation}``
+(time in Python's cyclic collector) and ``api_gc_frozen_objects`` (its startup heap, frozen once it
+listens: :mod:`vexpert_runtime.gc_heap`).
 
 The API tokenizes (prompt, chat template) and checks lengths itself, so a multi-rank dispatcher
 sends ranks token ids only. Give it its own tokenizer instance: the rank's scheduler decodes with
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gc
 import hmac
 import json
 import logging
@@ -60,9 +63,12 @@ from prometheus_client import (
     Gauge,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 from pydantic import BaseModel, ValidationError
 
 from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.gc_heap import GcClock, freeze_heap
 from vexpert_runtime.serve import openai_api as oa
 from vexpert_runtime.serve.dispatcher import Dispatcher
 from vexpert_runtime.serve.events import (
@@ -244,12 +250,30 @@ class _AppRunner(web.AppRunner):
         return server
 
 
+class _GcSeries(Collector):
+    """The API process's time in Python's cyclic collector and its frozen startup heap, read at collection."""
+
+    def __init__(self, clock: GcClock) -> None:
+        self.clock = clock
+
+    def collect(self) -> Any:
+        seconds = CounterMetricFamily("vexpert_serve_api_gc_seconds", "Seconds the API process spent in Python's "
+                                      "cyclic garbage collector", labels=["generation"])
+        for generation, total in enumerate(self.clock.totals()):
+            seconds.add_metric([str(generation)], total)
+        yield seconds
+        yield GaugeMetricFamily("vexpert_serve_api_gc_frozen_objects", "Objects of the API process's startup heap "
+                                "frozen out of the collector's reach", value=gc.get_freeze_count())
+
+
 class ServeMetrics:
     """The server's Prometheus series (see the module docstring) in ``registry``."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, gc_clock: GcClock | None = None) -> None:
         self.registry = registry
         reg = registry
+        if gc_clock is not None:
+            reg.register(_GcSeries(gc_clock))
         self.requests = Counter(
             "vexpert_serve_requests", "Generation requests by endpoint and HTTP status", ["endpoint", "status"], registry=reg
         )
@@ -384,7 +408,8 @@ class ServeApi:
             log.info("tokenizer not copyable (%r): every prompt is tokenized on the tokenizer thread", exc)
             self._loop_tokenizer = None
         self.config = config
-        self.metrics = ServeMetrics(registry if registry is not None else CollectorRegistry())
+        self.gc_clock = GcClock().install()
+        self.metrics = ServeMetrics(registry if registry is not None else CollectorRegistry(), self.gc_clock)
         self.created = oa.now()
         self.shutting_down = False
         # one thread: a Hugging Face fast tokenizer is not safe to share across threads
@@ -393,6 +418,7 @@ class ServeApi:
     def close(self) -> None:
         """Stop the tokenizer thread (after the server stopped); publish the final counts."""
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.gc_clock.uninstall()
         if self.metrics_share is not None:
             self.metrics_share.stop(self.metrics.registry)
 
@@ -753,6 +779,7 @@ def run_server(api: ServeApi, host: str, port: int, reuse_port: bool = False,
     async def main() -> None:
         server = ApiServer(api, host, port, reuse_port)
         await server.start()
+        freeze_heap()  # the tokenizers, the app and the node's handles are built (gc_heap)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vexpert_runtime.gc_heap import collector_paused
 from vexpert_runtime.serve.attention import AttentionMetadata
 from vexpert_runtime.serve.kv_cache import SCRATCH_BLOCK
 from vexpert_runtime.serve.step import SequenceWork
@@ -274,8 +275,10 @@ class GraphedSteps:
         """Warm up eagerly on pad rows, then capture the bucket."""
         self._call(self.warmup_inputs, tokens, use_top_p, warmup=True)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the worker's watchdog thread may touch its own side stream meanwhile
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+        # thread_local: the worker's watchdog thread may touch its own side stream meanwhile;
+        # no garbage collection inside the capture (gc_heap.collector_paused says why)
+        with collector_paused(), torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
+                                                  capture_error_mode="thread_local"):
             out = self._call(self.device_inputs, tokens, use_top_p)
         if self.pool is None:
             self.pool = graph.pool()
