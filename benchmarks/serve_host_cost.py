@@ -20,8 +20,8 @@ reports the seconds per iteration it then spent in Python's cyclic collector, by
 from __future__ import annotations
 
 import argparse
-import gc
 import cProfile
+import gc
 import json
 import pickle
 import pstats
