@@ -25,10 +25,11 @@ tokens streamed inside the measured window (the ``--duration`` s after the warm-
 weighted by ``usage.completion_tokens`` / chunks of its request, or 1 token per chunk without usage) → output
 tokens/s; per request sent inside the window: TTFT (send → first token chunk) and ITL (first → last token
 chunk over completion_tokens − 1, i.e. the mean time per output token after the first); also the mean gap
-between token chunks (``chunk_gap_ms_mean``) and each server process's CPU time in the window per request sent
-in it (``process_cpu_ms_per_request``, by place in the process tree: ``0`` the server's own process, ``0.1`` its
-first child, ...); at the end, the server's own counts since it started (preemptions, prefix-cache hit and queried
-tokens) from its ``/metrics``.
+between token chunks (``chunk_gap_ms_mean``, ``_p99``, ``_max``: a stall shows there) and each server process's CPU
+time in the window per request sent in it (``process_cpu_ms_per_request``, by place in the process tree: ``0`` the
+server's own process, ``0.1`` its first child, ...); and what the server's own ``/metrics`` counted during the load
+(warm-up included): preemptions, prefix-cache hit and queried tokens, seconds in Python's cyclic collector (vexpert:
+workers summed, and the API process).
 
 Set-up of vLLM's CPU build (its own venv, outside the repo; torch first or pip pulls the CUDA build)::
 
@@ -373,7 +374,7 @@ async def load(url: str, prompts: list[str], concurrency: int, warmup: float, du
         "process_cpu_ms_per_request": cpu_ms_per_request,
         "ttft_ms_mean": ms(ttft), "ttft_ms_p50": ms(ttft, 0.5), "ttft_ms_p90": ms(ttft, 0.9),
         "itl_ms_mean": ms(itl), "itl_ms_p50": ms(itl, 0.5), "itl_ms_p90": ms(itl, 0.9),
-        "chunk_gap_ms_mean": ms(gaps),
+        "chunk_gap_ms_mean": ms(gaps), "chunk_gap_ms_p99": ms(gaps, 0.99), "chunk_gap_ms_max": ms(gaps, 1.0),
         "requests_in_window": len(ttft), "requests_total": len(requests),
         "requests_with_usage": with_usage, "errors": len(errors), "error_samples": errors[:5],
         "prompt_tokens_mean": round(statistics.fmean(prompt_tokens), 1) if prompt_tokens else None,
@@ -382,15 +383,18 @@ async def load(url: str, prompts: list[str], concurrency: int, warmup: float, du
     }
 
 
-SERVER_COUNTS = {  # what a run reads off the server's /metrics at its end (totals since it started)
+SERVER_COUNTS = {  # what a run reads off the server's /metrics before and after its load (the difference)
     "preemptions": ("vexpert_serve_preemptions", "vllm:num_preemptions_total"),
     "prefix_hit_tokens": ("vexpert_serve_prefix_cache_hit_tokens", "vllm:prefix_cache_hits_total"),
     "prefix_queried_tokens": ("vexpert_serve_prefix_cache_queried_tokens", "vllm:prefix_cache_queries_total"),
+    # seconds in Python's cyclic collector: the workers' (summed) and the API process's, all generations
+    "worker_gc_s": ("vexpert_worker_gc_seconds_total",),
+    "api_gc_s": ("vexpert_serve_api_gc_seconds_total",),
 }
 
 
 def server_counts(url: str) -> dict[str, float]:
-    """Preemptions and prefix-cache tokens the server counted since it started (its /metrics)."""
+    """Preemptions, prefix-cache tokens and GC seconds the server counted since it started (its /metrics)."""
     import urllib.request
 
     with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
@@ -423,9 +427,10 @@ def run_server(name: str, model: Path, prompts: list[str], args: argparse.Namesp
     try:
         result["startup_s"] = round(wait_healthy(proc, url, log, args.startup_timeout), 1)
         print(f"[{name}] healthy after {result['startup_s']} s; loading", flush=True)
+        before = server_counts(url)  # start-up's share (the GC's heap freeze) is not the load's
         result.update(asyncio.run(load(url, prompts, args.concurrency, args.warmup, args.duration,
                                        args.max_tokens, proc.pid, args.read_tokens, args.turns)))
-        result.update(server_counts(url))
+        result.update({key: round(value - before.get(key, 0.0), 4) for key, value in server_counts(url).items()})
         result["ok"] = result["requests_in_window"] > 0
     except Exception as exc:  # a server that fails is reported; the others still run
         result["ok"] = False

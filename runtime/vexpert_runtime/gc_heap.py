@@ -10,8 +10,12 @@ to be promoted, so full collections recur while serving. Every rank of an EP gro
 lockstep, so one rank's pause stalls the whole group's tokens.
 
 So each process freezes its startup heap once it is built (:func:`freeze_heap`, as vLLM's
-``freeze_gc_heap`` after its engine's start-up): frozen objects sit in the permanent generation,
-which no collection traverses, while the objects made afterwards are collected as before. CUDA
+``freeze_gc_heap`` after its engine's start-up) — a worker after iteration 0 (model, compiled
+pieces, CUDA graphs), the API process once it listens, ``vexpert serve``'s node process before its
+runtime runs, a coordinator before its fill loop; only at the entry points of processes of their
+own, never inside a class a caller may run in its own process: frozen objects sit in the permanent
+generation, which no collection traverses (a cycle among them that is dropped later stays), while
+the objects made afterwards are collected as before. CUDA
 graph capture runs with the collector off (:func:`collector_paused`): a collection during capture
 can free an object whose finaliser touches CUDA (a kernel module's unload, a tensor's free) inside
 the capture, which invalidates the graph (vLLM's ``freeze_gc_for_cudagraph_capture``).

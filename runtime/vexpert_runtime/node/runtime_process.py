@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vexpert_runtime.gc_heap import freeze_heap
 from vexpert_runtime.node.processes import exit_line, ignore_terminal_interrupt, terminal_interrupt_held
 
 READINESS_POLL_S = 0.05  # how often the node process looks whether its readiness changed
@@ -93,6 +94,7 @@ def node_process_main(setup: Any, options: Any, conn: Any, parent_pid: int) -> N
     ignore_terminal_interrupt()  # Ctrl-C is the API process's: it drains, then stops this one
     die_with_parent(parent_pid)
     runtime = NodeRuntime(setup, options)
+    freeze_heap()  # torch, the allocator, the checkpoint's index: out of the collector's reach (gc_heap)
     send_lock = threading.Lock()
 
     def send(msg: Any) -> None:

@@ -48,7 +48,6 @@ from typing import Any
 import torch
 
 from vexpert_runtime.errors import VExpertInputError
-from vexpert_runtime.gc_heap import freeze_heap
 from vexpert_runtime.model.checkpoint import CheckpointReader
 from vexpert_runtime.model.dispatch import DISPATCH_MODES
 from vexpert_runtime.model.reference import ModelWeights
@@ -334,7 +333,6 @@ class NodeRuntime:
             self._ready += 1
             if self._ready == self.setup.local_workers:
                 self.history.workers_ready()
-                freeze_heap()  # this process's heap is built: allocator, pool plans, metrics (gc_heap)
         elif isinstance(msg, IterationDone):
             self._on_iteration(msg)
         elif isinstance(msg, WorkerDone):
