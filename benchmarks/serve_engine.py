@@ -190,6 +190,7 @@ def serve(config: Path, model: Path, streams: int, prompt: str | list[str], args
         # before the window (a rank captures its graphs before /health answers)
         first_request(url, prompt if isinstance(prompt, str) else prompt[0])
         first = time.perf_counter()
+        before = scrape(url)
         sampler = host_sampler(proc.pid, args, log.with_suffix(".pyspy.txt"))
         result = load_processes(url, prompt, streams, args.duration, args.warmup, args.max_tokens, args.client_processes)
         if sampler is not None:
@@ -199,6 +200,9 @@ def serve(config: Path, model: Path, streams: int, prompt: str | list[str], args
         result["first_request_s"] = round(first - healthy, 2)  # one 4-token completion sent at /health
         result["startup_s"] = round(time.perf_counter() - started, 1)  # the whole run: start, load, profile
         result["metrics"] = scrape(url)
+        # seconds in Python's cyclic collector during the load (the start-up's freeze excluded), by generation
+        result["gc_s_during_load"] = {k: round(v - before.get(k, 0.0), 4) for k, v in result["metrics"].items()
+                                      if "_gc_seconds_total" in k}
         return result
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

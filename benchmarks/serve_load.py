@@ -209,12 +209,15 @@ def scrape(url: str) -> dict[str, float]:
               # the server's own view of a request: arrival at the API → first token / last token sent
               "vexpert_serve_time_to_first_token_seconds_sum", "vexpert_serve_time_to_first_token_seconds_count",
               "vexpert_serve_request_duration_seconds_sum", "vexpert_serve_request_duration_seconds_count")
+    by_series = ("vexpert_worker_gc_seconds_total", "vexpert_serve_api_gc_seconds_total")  # one value per generation
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     values: dict[str, list[float]] = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in wanted:
             values.setdefault(name, []).append(float(line.rsplit(" ", 1)[1]))
+        elif name in by_series:
+            values.setdefault(line.rsplit(" ", 1)[0], []).append(float(line.rsplit(" ", 1)[1]))
     return {k: round(statistics.fmean(v), 4) for k, v in values.items()}
 
 

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# What the next H200 session must measure for issue #21, in device calls that each end inside 10 minutes
+# (benchmarks/README.md §10, "Next on the H200"). Every stage writes under $OUT.
+#
+#   STAGE=tests  the full GPU test list (~5 min): kernels, graphed == eager, prefix caching and preemption on
+#                graphed overlapped steps, the node's GPU path
+#   STAGE=ab     the last H200-measured tree (run 19: a2c4df7, in ab_old/) beside HEAD, 256 and 64 streams (~6 min):
+#                everything since — allocation skip, node process, KV on demand, routing, block-table copy, GC freeze
+#   STAGE=knobs  HEAD at 256 streams with --api-servers 2 / 4 and --stream-interval 4 (~5 min)
+#   STAGE=long   the block-table copy at DeepSeek-V3's 163,840 positions: ab_old vs HEAD at 256 streams (~4 min)
+#
+# Before the device call, here:  mkdir -p ab_old && git archive a2c4df7 runtime benchmarks | tar -x -C ab_old
+# and carry ab_old and .whl (pydantic wheels, py-spy): run(command="STAGE=ab OUT=$OUT ./benchmarks/gpu_pending.sh",
+# carry=[".whl", "ab_old"]).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="$(realpath -m "${OUT:-out/gpu_pending}")"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+SITE=/tmp/site
+HEAD_PATH="$SITE:$PWD/runtime:$PWD/tests"
+LOAD=(--duration 12 --warmup 4 --client-processes 4)
+bench() {  # bench TREE NAME ARGS...: serve_engine.py from TREE (. or ab_old) on the shared checkpoint
+  local tree=$1 name=$2; shift 2
+  (cd "$tree" && PYTHONPATH="$SITE:$PWD/runtime:$OLDPWD/tests" timeout 290 python3 benchmarks/serve_engine.py \
+     --out "$OUT/$name" --modes vexpert "$@" 2>&1 | grep -v "Loading weights" | tail -8)
+}
+case "${STAGE:-tests}" in
+  tests)
+    PYTHONPATH=$HEAD_PATH timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/test_runtime_gpu.py tests/test_gpu_path.py tests/test_serve_gpu.py tests/test_expert_format_gpu.py \
+      tests/test_runtime_ep_moe.py tests/test_dispatch.py tests/test_attention_kernels.py \
+      tests/test_grouped_gemm_kernel.py tests/test_fusion.py 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -25 ;;
+  ab)
+    for round in 1 2; do
+      bench ab_old "old$round" --model-dir /tmp/bench-ds3 --streams 256 64 "${LOAD[@]}"
+      bench . "head$round" --model-dir /tmp/bench-ds3 --streams 256 64 "${LOAD[@]}"
+      [ "$round" = 1 ] && [ "$SECONDS" -gt 300 ] && break  # one round when the checkpoint's writing took long
+    done ;;
+  knobs)
+    bench . api2 --model-dir /tmp/bench-ds3 --streams 256 "${LOAD[@]}" --serve-args "--api-servers 2"
+    bench . api4 --model-dir /tmp/bench-ds3 --streams 256 "${LOAD[@]}" --serve-args "--api-servers 4"
+    bench . si4 --model-dir /tmp/bench-ds3 --streams 256 "${LOAD[@]}" --serve-args "--stream-interval 4" ;;
+  long)
+    bench . long-head --model-dir /tmp/bench-ds3-long --max-position-embeddings 163840 --streams 256 "${LOAD[@]}"
+    bench ab_old long-old --model-dir /tmp/bench-ds3-long --streams 256 "${LOAD[@]}" ;;
+  *) echo "STAGE: tests | ab | knobs | long" >&2; exit 2 ;;
+esac
