@@ -6,7 +6,7 @@ rank's :class:`~vexpert_runtime.serve.hf_model.EPExperts`, its paged KV cache), 
 the product's :class:`~vexpert_runtime.serve.scheduler.Scheduler`, eagerly and then with the step's pieces
 compiled by inductor (what a GPU rank runs: ``--compile auto`` compiles wherever CUDA graphs run), and reports
 the objects a full collection traverses and how long one takes — before and after the freeze a worker does
-after its iteration 0.
+after its iteration 0 (a GPU worker; a CPU worker freezes before it reports ready).
 
     python benchmarks/gc_heap_cost.py                      # the tiny DeepSeek-V3 of the tests, float32
     python benchmarks/gc_heap_cost.py --model-dir DIR      # any checkpoint the server serves

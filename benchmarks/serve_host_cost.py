@@ -8,8 +8,8 @@ step model that does no compute but the host half of a graph launch
 (:meth:`~vexpert_runtime.serve.cuda_graphs.GraphInputs.fill` into a host buffer), and
 ``ServingRank``'s event path (the events of an iteration pickled as one ``RankEvent``), at N
 closed-loop streams (a finished request is replaced at once), and reports microseconds per
-iteration and where they go (cProfile, by function). As a serving worker does, the process freezes its
-heap after the first iteration (:func:`~vexpert_runtime.gc_heap.freeze_heap`; ``--no-gc-freeze``: not) and
+iteration and where they go (cProfile, by function). The process freezes its
+heap after the first iteration as a GPU worker does (:func:`~vexpert_runtime.gc_heap.freeze_heap`; ``--no-gc-freeze``: not) and
 reports the seconds per iteration it then spent in Python's cyclic collector, by generation.
 
     python benchmarks/serve_host_cost.py --streams 256 --iterations 400          # µs per iteration
@@ -111,7 +111,7 @@ def run(streams: int, iterations: int, prompt_tokens: int, max_tokens: int, prof
                 submit()
 
     iteration()
-    if gc_freeze:  # where a serving worker freezes its heap: after iteration 0
+    if gc_freeze:  # where a GPU worker freezes its heap (again): after iteration 0
         freeze_heap()
     for _ in range(max_tokens * 2 - 1):  # warm-up: past the first wave of prefills
         iteration()

@@ -10,8 +10,10 @@ to be promoted, so full collections recur while serving. Every rank of an EP gro
 lockstep, so one rank's pause stalls the whole group's tokens.
 
 So each process freezes its startup heap once it is built (:func:`freeze_heap`, as vLLM's
-``freeze_gc_heap`` after its engine's start-up) — a worker after iteration 0 (model, compiled
-pieces, CUDA graphs), the API process once it listens, ``vexpert serve``'s node process before its
+``freeze_gc_heap`` after its engine's start-up) — a worker before it reports ready (model,
+tokenizer, torch) and on a GPU once more after iteration 0 (its compiled pieces and CUDA graphs;
+on CPU iteration 0 builds nothing worth the pause, which would shift the slot protocol's timing at
+the first iteration for nothing), the API process once it listens, ``vexpert serve``'s node process before its
 runtime runs, a coordinator before its fill loop; only at the entry points of processes of their
 own, never inside a class a caller may run in its own process: frozen objects sit in the permanent
 generation, which no collection traverses (a cycle among them that is dropped later stays), while

@@ -13,7 +13,7 @@ the same tokens), ``vexperts{layer}``, ``bytes_streamed_total``, ``slot_fill_wai
 ``plan_id``, ``dispatch_mode{mode}`` (1 for the replica dispatch the workers run), ``iterations_total``, ``degraded_groups_total``, ``config_reloads_total``,
 ``config_reload_errors_total``, ``slot_fill_errors_total``, ``fill_loop_restarts_total``,
 ``worker_gc_seconds_total{generation}`` (the workers' time in Python's cyclic collector) and
-``worker_gc_frozen_objects{rank}`` (their startup heaps, frozen after iteration 0: :mod:`vexpert_runtime.gc_heap`), and the
+``worker_gc_frozen_objects{rank}`` (their startup heaps, frozen before they report ready and on a GPU after iteration 0: :mod:`vexpert_runtime.gc_heap`), and the
 operator's tuning inputs:
 
 ``balance_decay``
@@ -110,7 +110,7 @@ class NodeMetrics:
         )
         self.worker_gc_frozen = Gauge(
             "vexpert_worker_gc_frozen_objects", "Objects of a worker's startup heap frozen out of the collector's reach "
-            "(0 until its first iteration)", ["rank"], registry=reg,
+            "(0 until its first iteration reports)", ["rank"], registry=reg,
         )
         self.fill_loop_restarts = Counter(
             "vexpert_fill_loop_restarts_total", "Times the coordinator's slot fill loop died and was restarted", registry=reg

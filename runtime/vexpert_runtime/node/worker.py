@@ -185,7 +185,7 @@ class _Worker:
         self.probe: SlotProbe | None = args.probe() if args.probe is not None else None
         self.gc_clock = GcClock().install()
         self._gc_reported = (0.0, 0.0, 0.0)  # the clock's totals at the last report
-        self._gc_frozen = 0  # objects frozen after iteration 0 (gc_heap.freeze_heap)
+        self._gc_frozen = 0  # objects frozen out of the collector's reach (gc_heap.freeze_heap)
 
     def _publisher_gone(self) -> bool:
         """CPU waits for a FULL flag give up (and rescue) once the coordinator that publishes this
@@ -250,6 +250,7 @@ class _Worker:
             stop_requested=lambda iteration: self.slots.stop_requested(iteration) or self.stopping.is_set(),
             heartbeat=lambda: args.results.put(Heartbeat(args.rank)),
         ))
+        self._gc_frozen = freeze_heap()  # model, tokenizer, checkpoint index, torch itself (gc_heap)
         args.results.put(WorkerReady(args.rank))
         self.slots.wait_for_coordinator(STARTUP_TIMEOUT_S)  # then degraded until one attaches
         watchdog = None
@@ -323,8 +324,8 @@ class _Worker:
             if self.device.type == "cuda":
                 self.inflight.append(self.current)
             output = runner.run(iteration, table, use_plan)
-            if iteration == 0:  # the heap is built: model, compiled pieces, CUDA graphs (gc_heap)
-                self._gc_frozen = freeze_heap()
+            if iteration == 0 and self.device.type == "cuda":  # its compiled pieces and CUDA graphs too (a GPU
+                self._gc_frozen = freeze_heap()  # iteration 0 captures them; elsewhere it adds nothing worth a pause)
             host = self.host_stats[iteration % 2]  # the other one may still wait for iteration − 1's report
             host.all.copy_(self.device_stats.all, non_blocking=True)
             if self.device.type == "cuda":
