@@ -230,6 +230,78 @@ def test_a_late_iteration_is_claimed_and_never_filled(handshake: dict[str, Any])
     assert filler.publish(1, 1, 4, False) == [True]
 
 
+def test_the_iteration_after_a_claimed_one_is_published_once_the_claimed_one_is_finished(
+        handshake: dict[str, Any]) -> None:
+    """A worker that claims iteration t sets t's FULL flags itself and leaves its FREE flags free: a
+    fill of t + 1 put out ahead (publish reach 2) would set FULL flags that are already set — t
+    consumes them, t + 1 waits for them forever (the 120 s hang a slow worker met in
+    test_timeout_runs_degraded_instead_of_hanging) — and would copy into slots t may still read."""
+    filler, worker, fill = handshake["filler"], handshake["worker"], handshake["fill"]
+    plan = handshake["assignment"](1, [[0, -1], [-1, 3]])
+    fill(0, plan)
+    _run_iteration(worker, 0)
+    worker.timeout_s = 0.2
+    header, _ = worker.begin(1)
+    assert header is None  # claimed: its FULL flags are its own
+    assert filler.publish(1, 1, 4, False) == [False]
+    ahead = threading.Thread(target=fill, args=(2, plan))  # publish iteration 2 and fill its layers
+    ahead.start()
+    ahead.join(timeout=0.3)
+    assert ahead.is_alive(), "iteration 2 must wait until the claimed iteration 1 is finished"
+    for layer in range(2):
+        worker.acquire(layer)
+        worker.release(layer)
+    worker.finish(1)
+    ahead.join(timeout=3)
+    assert not ahead.is_alive()
+    _run_iteration(worker, 2)  # its FULL flags are there (a lost one: FlagTimeout after 5 s)
+
+
+def test_an_overlapped_worker_reporting_a_claimed_iteration_at_once_gets_the_next_ones_published(
+        handshake: dict[str, Any]) -> None:
+    """The worker's side of the rule above (node/worker.py: a degraded iteration is reported before
+    the next one starts). An overlapped worker (CUDA graphs) reports t − 1 only just before t + 1;
+    after it claimed t, the coordinator waits for t to be finished before it publishes t + 1, so a
+    claimed t reported late would make t + 1 late too, and so on. Reported at once, t + 1 is published
+    in time and the plan is back from the next iteration on, at publish reach 3 (a GPU's)."""
+    filler, worker = handshake["filler"], handshake["worker"]
+    filler.ahead = 3
+    plan = handshake["assignment"](1, [[0, -1], [-1, 3]])
+    late = {2}
+
+    def take_plan(iteration: int) -> Assignment:
+        if iteration in late:  # iteration 2 is published too late: the worker claims it
+            late.discard(iteration)
+            time.sleep(0.6)
+        return plan
+
+    iterations = 6
+    loop = FillLoop(filler, take_plan=take_plan, control=lambda i: (4, i >= iterations))
+    loop.start()
+    worker.timeout_s = 0.3
+    claimed: list[int] = []
+    unreported: list[int] = []  # launched, not reported yet (the overlap)
+    for t in range(iterations):
+        header, _ = worker.begin(t)
+        if header is None:
+            claimed.append(t)
+        for layer in range(2):
+            worker.acquire(layer)
+            worker.release(layer)
+        for done in unreported:  # t − 1: reported once t is under way
+            worker.finish(done)
+        unreported = []
+        if header is None:
+            worker.finish(t)  # a claimed iteration: at once
+        else:
+            unreported.append(t)
+    for done in unreported:
+        worker.finish(done)
+    loop.join(timeout=10)
+    assert not loop.is_alive() and loop.error is None
+    assert claimed == [2], claimed
+
+
 def test_a_dead_publisher_is_rescued_by_the_worker(handshake: dict[str, Any]) -> None:
     filler, worker, pool, shared = handshake["filler"], handshake["worker"], handshake["pool"], handshake["shared"]
     plan = handshake["assignment"](1, [[0, -1], [-1, 3]])

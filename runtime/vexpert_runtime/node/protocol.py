@@ -23,7 +23,9 @@ GPU, where a worker that overlaps iterations (CUDA graphs) reports ``t − 2`` f
 starts ``t`` — with 2 every iteration waited for the coordinator to wake up and publish (0.14–0.21 ms
 per iteration on an H200, benchmarks/README.md §10, run 16); 2 on CPU, whose workers report each
 iteration before the next. How far the fills themselves run ahead is bounded by the per-layer flags
-below; a new coordinator publishes nothing before every
+below — except after a claimed iteration, whose FULL flags the worker set itself without taking its FREE
+flags: the coordinator publishes ``t + 1`` only once a claimed ``t`` is finished (else a fill of ``t + 1``
+would set FULL flags already set, which ``t`` consumes: the worker then waits for them forever); a new coordinator publishes nothing before every
 iteration its predecessors published is finished (the workers may be rescuing one, reading slots
 whose FREE flag was never claimed).
 
@@ -499,7 +501,17 @@ class SlotFiller:
         layers must now be filled (None: aborted)."""
         filling = []
         for worker in range(len(self.ranks)):
-            if not self._wait_finished(worker, max(iteration - self.ahead, self.resume_iteration - 1)):
+            until = max(iteration - self.ahead, self.resume_iteration - 1)
+            with self.shared.locks.hold(worker):
+                claimed_previous = int(self.shared.state[worker][SKIPPED]) >= iteration - 1
+            if claimed_previous:
+                # The worker claimed iteration − 1 and set its FULL flags itself, while its FREE flags
+                # still say free: a fill of this iteration now would set FULL flags already set —
+                # consumed by iteration − 1, lost to this one (the worker would wait for them forever)
+                # — and copy into slots iteration − 1 may still read. (Its claim is final: the
+                # previous publish found it.) So this one waits until the worker finished that one.
+                until = max(until, iteration - 1)
+            if not self._wait_finished(worker, until):
                 return None
             with self.shared.locks.hold(worker):
                 state = self.shared.state[worker]
