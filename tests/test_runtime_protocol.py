@@ -369,11 +369,13 @@ def test_unchanged_slots_are_not_copied_again(handshake: dict[str, Any]) -> None
 
 def test_agreement_rules() -> None:
     ok = decide(torch.tensor([[1, 3, 77, 4, 0], [1, 3, 77, 4, 0]]))
-    assert ok.use_plan and ok.plan_id == 3 and ok.k == 4 and not ok.stop
+    assert ok.use_plan and ok.all_published and ok.plan_id == 3 and ok.k == 4 and not ok.stop
     late = decide(torch.tensor([[1, 3, 77, 4, 0], [0, -1, -1, 0, 0]]))
     assert not late.use_plan and late.k == 4  # one rank timed out without a header: all run degraded
+    assert not late.all_published  # ... and report it before the next iteration (node/worker.py)
     mixed = decide(torch.tensor([[1, 3, 77, 4, 0], [1, 3, 78, 4, 0]]))
     assert not mixed.use_plan  # two coordinators hold different tables under one plan id
+    assert mixed.all_published  # degraded, but nothing was claimed: overlapped reports go on
     assert decide(torch.tensor([[1, 3, 77, 4, 1], [1, 3, 77, 4, 0]])).stop
 
 

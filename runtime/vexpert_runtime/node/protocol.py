@@ -374,6 +374,7 @@ class Agreement:
     plan_id: int
     k: int
     stop: bool
+    all_published: bool = True  # every rank had the iteration published (none claimed it)
 
 
 def agree(
@@ -408,6 +409,7 @@ def decide(everyone: torch.Tensor | list[list[int]]) -> Agreement:
     ready_all = min(row[0] for row in rows) == 1
     same = min(digests) == max(digests) and min(digests) >= 0
     return Agreement(
+        all_published=ready_all,
         use_plan=ready_all and same,
         plan_id=int(max(row[1] for row in rows)),
         k=int(max(row[3] for row in rows)),

@@ -282,7 +282,7 @@ class _Worker:
         """Iterations until the node stops. A runner that ``overlaps_iterations`` (serving with CUDA
         graphs) has iteration i+1 enqueued before the worker reports iteration i — its statistics,
         its end for the coordinator, its ``IterationDone`` — so the host's work of both overlaps the
-        device's (except after a degraded iteration, see below); other runners report each iteration
+        device's (except after a claimed iteration, see below); other runners report each iteration
         before the next starts."""
         args = self.args
         k = args.k
@@ -338,12 +338,12 @@ class _Worker:
             if launched is not None:
                 self._report(launched, k)
             launched = this
-            # A degraded iteration (some rank claimed it, or no coordinator: the same decision on every
-            # rank, so their reports' collectives stay in step) is reported before the next one starts:
-            # the coordinator publishes the iteration after a claimed one only once that is finished
+            # An iteration some rank claimed (the agreement says so on every rank, so their reports'
+            # collectives stay in step) is reported before the next one starts: the coordinator
+            # publishes the iteration after a claimed one only once that is finished
             # (protocol.SlotFiller.publish), and an overlapped report would come one iteration late —
             # every later iteration would miss its publish and be claimed too.
-            if not runner.overlaps_iterations or not use_plan:
+            if not runner.overlaps_iterations or not agreement.all_published:
                 self._report(this, k)
                 launched = None
             if profiler is not None and iteration == profile_at.stop - 1:
