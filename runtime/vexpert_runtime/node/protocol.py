@@ -483,6 +483,7 @@ class SlotFiller:
         # to read or write, and every fill checks or writes two per slot
         self._tags = [shared.tags[worker].numpy() for worker in range(len(ranks))]
         self._copy_start: Any = None
+        self._claimed = [-1 for _ in ranks]  # per worker, the last iteration its publish found claimed
 
     def _wait_finished(self, worker: int, until: int) -> bool:
         state, bell = self.shared.state[worker], self.shared.to_coordinator[worker]
@@ -504,21 +505,22 @@ class SlotFiller:
         filling = []
         for worker in range(len(self.ranks)):
             until = max(iteration - self.ahead, self.resume_iteration - 1)
-            with self.shared.locks.hold(worker):
-                claimed_previous = int(self.shared.state[worker][SKIPPED]) >= iteration - 1
-            if claimed_previous:
+            if self._claimed[worker] == iteration - 1:
                 # The worker claimed iteration − 1 and set its FULL flags itself, while its FREE flags
                 # still say free: a fill of this iteration now would set FULL flags already set —
                 # consumed by iteration − 1, lost to this one (the worker would wait for them forever)
-                # — and copy into slots iteration − 1 may still read. (Its claim is final: the
-                # previous publish found it.) So this one waits until the worker finished that one.
+                # — and copy into slots iteration − 1 may still read. So this one waits until the
+                # worker finished that one. (A new coordinator's first publish waits for
+                # resume_iteration − 1 already.)
                 until = max(until, iteration - 1)
             if not self._wait_finished(worker, until):
                 return None
             with self.shared.locks.hold(worker):
                 state = self.shared.state[worker]
                 claimed = int(state[SKIPPED]) >= iteration
-                if not claimed:
+                if claimed:
+                    self._claimed[worker] = iteration
+                else:
                     header = self.shared.headers[worker, iteration % HEADERS]
                     header[ITERATION], header[PLAN_ID], header[K_VALUE] = iteration, plan_id, k
                     header[STOP], header[GENERATION] = int(stop), self.generation
