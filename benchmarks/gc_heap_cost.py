@@ -31,7 +31,7 @@ import torch
 
 from vexpert_runtime.gc_heap import freeze_heap
 from vexpert_runtime.serve.events import GenerationRequest, SamplingParams
-from vexpert_runtime.serve.hf_model import EPExperts, HFStepModel
+from vexpert_runtime.serve.hf_model import EPExperts, HFStepModel, checkpoint_reader
 from vexpert_runtime.serve.sampling import eos_token_ids
 from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
 
@@ -68,9 +68,11 @@ def measure(model_dir: Path) -> list[dict[str, Any]]:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     rows = []
     for compiled in (False, True):
-        model = HFStepModel(model_dir, dtype=torch.float32, kv_cache_tokens=2048)
-        model.executor = EPExperts.for_model(model, 0, 1, None)
-        model.drop_expert_weights()
+        # rank-local, as ServingRank loads: this rank's expert rows from the shards, the rest without experts
+        reader = checkpoint_reader(model_dir)
+        experts = EPExperts.from_checkpoint(reader, reader.spec.num_layers, torch.float32, 0, 1, None, "cpu")
+        model = HFStepModel(model_dir, dtype=torch.float32, kv_cache_tokens=2048, load_experts=False, executor=experts)
+        del reader
         if compiled:
             model.compile_pieces()
         model.step([])  # a rank's iteration 0

@@ -4,8 +4,8 @@ A serving process builds a large heap once — a rank's model modules, tokenizer
 and CUDA graphs; the API process's tokenizer and web app — and then allocates short-lived objects
 every iteration (batch items, events, messages). CPython's collector promotes what survives two
 young collections to the oldest generation, and a full collection then traverses *every* tracked
-object, the startup heap included: on a CPU rank of the tiny benchmark checkpoint (372,615 objects)
-one full collection took 162 ms, and at hundreds of streams a request's objects live long enough
+object, the startup heap included: on a CPU rank of the tests' tiny DeepSeek-V3 (391,015 objects;
+539,750 with its step compiled) one full collection took 160–178 ms (246–257 ms; benchmarks/gc_heap_cost.py), and at hundreds of streams a request's objects live long enough
 to be promoted, so full collections recur while serving. Every rank of an EP group steps in
 lockstep, so one rank's pause stalls the whole group's tokens.
 
