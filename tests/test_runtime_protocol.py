@@ -270,15 +270,15 @@ def test_an_overlapped_worker_reporting_a_claimed_iteration_at_once_gets_the_nex
     late = {2}
 
     def take_plan(iteration: int) -> Assignment:
-        if iteration in late:  # iteration 2 is published too late: the worker claims it
-            late.discard(iteration)
-            time.sleep(0.6)
+        if iteration in late:  # iteration 2 is published 1.5 s late: the worker claims it after 1 s, and
+            late.discard(iteration)  # 3 comes out mid-way through the worker's 1 s wait for it
+            time.sleep(1.5)
         return plan
 
     iterations = 6
     loop = FillLoop(filler, take_plan=take_plan, control=lambda i: (4, i >= iterations))
     loop.start()
-    worker.timeout_s = 0.3
+    worker.timeout_s = 1.0
     claimed: list[int] = []
     unreported: list[int] = []  # launched, not reported yet (the overlap)
     for t in range(iterations):
