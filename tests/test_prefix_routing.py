@@ -71,9 +71,8 @@ def test_the_dispatcher_sends_a_chats_next_turn_to_the_rank_of_its_first(caching
     async def run() -> list[int]:
         inbound: list[queue.Queue[Any]] = [queue.Queue(), queue.Queue()]
         events: queue.Queue[Any] = queue.Queue()
-        prefixes = PrefixAffinity(BLOCK) if caching else None
         dispatcher = MultiRankDispatcher(inbound, events, 8, lambda: None, lambda: None, max_running=8,
-                                         prefixes=prefixes)
+                                         prefix_block_size=BLOCK if caching else None)
         ranks = []
         try:
             for rid, prompt in (("a1", _prompt(1, 2, 3)), ("b1", _prompt(4, 5)), ("x", _prompt(6)),

@@ -272,7 +272,6 @@ def run(args: argparse.Namespace) -> int:
     from vexpert_runtime.serve.hf_model import DEFAULT_BLOCK_SIZE
     from vexpert_runtime.serve.metrics_share import MetricsShare
     from vexpert_runtime.serve.multirank import MultiRankDispatcher
-    from vexpert_runtime.serve.prefix_routing import PrefixAffinity
     from vexpert_runtime.serve.rank import ServeWorkerArgs
     from vexpert_runtime.workload import Workload
 
@@ -319,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
     prefix_block_size = DEFAULT_BLOCK_SIZE if args.prefix_caching and setup.local_workers > 1 else None
     dispatcher = MultiRankDispatcher(requests, events[0], args.max_waiting, node.readiness,
                                      node.request_stop if servers == 1 else lambda: None,
-                                     prefixes=PrefixAffinity(prefix_block_size) if prefix_block_size else None)
+                                     prefix_block_size=prefix_block_size)
     metrics_dir = tempfile.mkdtemp(prefix="vexpert-api-metrics-") if servers > 1 else None
     try:
         api_config, tokenizer = _api_config(served, args, api_key)

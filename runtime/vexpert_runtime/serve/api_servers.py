@@ -64,7 +64,6 @@ def api_server_main(args: ApiServerArgs) -> None:
     from vexpert_runtime.serve.api import ServeApi, run_server
     from vexpert_runtime.serve.metrics_share import MetricsShare
     from vexpert_runtime.serve.multirank import MultiRankDispatcher
-    from vexpert_runtime.serve.prefix_routing import PrefixAffinity
 
     ignore_terminal_interrupt()  # until run_server handles it: a Ctrl-C while importing is no traceback
     die_with_parent(args.parent_pid)
@@ -72,8 +71,7 @@ def api_server_main(args: ApiServerArgs) -> None:
     # server 0 stops the node once every server drained: nothing to do here when this one has
     dispatcher = MultiRankDispatcher(args.requests, args.events, args.max_waiting, args.node_status.readiness,
                                      on_drained=lambda: None, reply_to=args.index,
-                                     prefixes=PrefixAffinity(args.prefix_block_size)
-                                     if args.prefix_block_size is not None else None)
+                                     prefix_block_size=args.prefix_block_size)
     threading.Thread(target=_watch_node, args=(args.node_status, dispatcher.fail_all), name="vexpert-node-watch",
                      daemon=True).start()
     api = ServeApi(dispatcher, tokenizer, args.api_config, metrics_share=MetricsShare(args.metrics_dir, args.index))

@@ -72,14 +72,15 @@ class MultiRankDispatcher:
         on_drained: called once the drain is over (stops the node).
         reply_to: this API server's index (``vexpert serve --api-servers``): the ranks send the
             events of the requests it submits to ``events``, its own queue.
-        prefixes: cache-aware routing (the ranks cache prompt prefixes); None: least-loaded only.
+        prefix_block_size: the ranks' KV block size when they cache prompt prefixes: a prompt then goes
+            to the rank of its longest remembered prefix (:class:`PrefixAffinity`); None: least-loaded only.
     """
 
     def __init__(self, requests: list[Any], events: Any, max_waiting: int,
                  node_ready: Callable[[], str | None], on_drained: Callable[[], None],
-                 max_running: int | None = None, reply_to: int = 0, prefixes: PrefixAffinity | None = None) -> None:
+                 max_running: int | None = None, reply_to: int = 0, prefix_block_size: int | None = None) -> None:
         self.requests = requests
-        self.prefixes = prefixes
+        self.prefixes = PrefixAffinity(prefix_block_size) if prefix_block_size is not None else None
         self.reply_to = reply_to
         self.events = events
         self.max_waiting = max_waiting
