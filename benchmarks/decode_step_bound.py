@@ -122,7 +122,7 @@ def replayed_ms(model: HFStepModel, work: list[SequenceWork], stream: torch.cuda
     graphs = model.graphs
     assert graphs is not None
     tokens = sum(len(item.tokens) for item in work)
-    graph, _ = graphs.graphs[(next(b for b in graphs.buckets if b >= tokens), False)]
+    graph, _ = graphs.graphs[(next(b for b in graphs.buckets if b >= tokens), False, 1)]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record(stream)
     for _ in range(iters):
@@ -210,7 +210,7 @@ def main() -> int:
             # between them), i.e. the GPU's time for the step.
             graphs = model.graphs
             assert graphs is not None
-            graph, _ = graphs.graphs[(next(b for b in graphs.buckets if b >= batch), False)]
+            graph, _ = graphs.graphs[(next(b for b in graphs.buckets if b >= batch), False, 1)]
             start.record(stream)
             host = time.perf_counter()
             for _ in range(_HOST_TIMED):  # the host's cost of one launch (too few to fill the launch queue)

@@ -21,7 +21,12 @@ pytest.importorskip("triton")
 from serve_support import IdText, id_text_tokens  # noqa: E402
 from test_serve_model import CHUNK, JOINS, NEW_TOKENS, PROMPTS, _write, drive  # noqa: E402
 from vexpert_runtime.serve.attention import build_metadata, gqa_attention, mla_attention  # noqa: E402
-from vexpert_runtime.serve.attention_kernels import gqa_decode, mla_decode  # noqa: E402
+from vexpert_runtime.serve.attention_kernels import (  # noqa: E402
+    gqa_decode,
+    kv_splits,
+    mla_decode,
+    mla_programs_per_row,
+)
 from vexpert_runtime.serve.hf_model import EPExperts, HFStepModel  # noqa: E402
 from vexpert_runtime.serve.step import SequenceWork  # noqa: E402
 
@@ -63,6 +68,60 @@ def test_gqa_decode_kernel_matches_the_torch_twin() -> None:
     want = gqa_attention(q.float(), cache.float(), meta, 0.088, None)
     got = gqa_decode(q, cache, meta, 0.088).float()
     assert (got - want).abs().max() < 3e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_split_decode_kernels_match_the_torch_twins_at_long_contexts(batch: int) -> None:
+    """Split-KV at DeepSeek-V3's MLA and Qwen3-30B-A3B's GQA shapes: a few long contexts (and one short,
+    which stays one pass inside a split launch) against the torch twins, with the splits the product's
+    policy picks for this GPU."""
+    import dataclasses
+
+    torch.manual_seed(batch)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    lengths = [*torch.randint(3000, 9000, (batch - 1,)).tolist(), 37] if batch > 1 else [8191]
+    work = _decode_batch(lengths, 16)
+    meta = build_metadata(work, 16, [None], "cuda")
+    slots = (max(max(w.blocks) for w in work) + 1) * 16
+    splits = kv_splits(batch, mla_programs_per_row(batch, 128), max(lengths), sms)
+    assert splits > 1
+    cache = torch.randn(slots, 512 + 64, device="cuda", dtype=torch.bfloat16)
+    q_latent = torch.randn(batch, 128, 512, device="cuda", dtype=torch.bfloat16)
+    q_rope = torch.randn(batch, 128, 64, device="cuda", dtype=torch.bfloat16)
+    want = mla_attention(q_latent.float(), q_rope.float(), cache.float(), meta, 0.1)
+    got = mla_decode(q_latent, q_rope, cache, dataclasses.replace(meta, kv_splits=splits), 0.1).float()
+    assert (got - want).abs().max() < 3e-2 * want.abs().max()
+    gqa_splits = kv_splits(batch, 4, max(lengths), sms)
+    assert gqa_splits > 1
+    g_cache = torch.randn(slots, 2, 4, 128, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
+    want = gqa_attention(q.float(), g_cache.float(), meta, 0.088, None)
+    got = gqa_decode(q, g_cache, dataclasses.replace(meta, kv_splits=gqa_splits), 0.088).float()
+    assert (got - want).abs().max() < 3e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_graphed_long_contexts_split_and_equal_the_eager_step(family: str, tmp_path: Path) -> None:
+    """Two sequences with 700-token prompts (a 2,048-token context): their decodes replay graphs
+    captured with split contexts, and the tokens equal the eager step's (which splits the same way)."""
+    import json
+
+    path = _write(family, tmp_path / family)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    prompts = [[(7 * i + 3) % 120 + 1 for i in range(700)], [(11 * i + 5) % 120 + 1 for i in range(690)]]
+    outputs = []
+    for graphs in (False, True):
+        model = _one_rank_model(path, kv_cache_tokens=2048)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            if graphs:
+                model.enable_cuda_graphs(64, 8, stream)
+            outputs.append(drive(model, prompts, (8, 6), (0, 2), 64))
+        if graphs:
+            assert model.graphs is not None
+            assert any(splits > 1 for _, _, splits in model.graphs.graphs), sorted(model.graphs.graphs)
+    assert outputs[0] == outputs[1]
 
 
 @pytest.mark.parametrize(("family", "fused"), [("deepseek_v3", False), ("qwen3_moe", False), ("qwen2_moe", False),

@@ -75,6 +75,9 @@ class AttentionMetadata:
     token_seq: torch.Tensor  # [T]: the row of block_tables each query reads
     groups: tuple[PaddedGroup, ...]
     block_size: int  # tokens per cache block
+    # the most splits a decode kernel may cut a query's context into (split-KV for long contexts,
+    # :func:`~.attention_kernels.kv_splits`); 1: one pass. A host choice a CUDA graph is captured with.
+    kv_splits: int = 1
 
 
 def build_metadata(work: Sequence[SequenceWork], block_size: int, windows: Iterable[int | None],

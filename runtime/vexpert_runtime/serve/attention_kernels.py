@@ -43,30 +43,22 @@ def _pow2(n: int, least: int = 16) -> int:
 if triton is not None:
 
     @triton.jit
-    def _mla_decode_kernel(q_lat, q_rope, cache, tables, token_seq, lens, out, scale,
-                           stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_cache, stride_tb, stride_tn,
-                           stride_ob, stride_oh,
-                           NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr,
-                           PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-        b = tl.program_id(0)
-        table = tables + tl.load(token_seq + b) * stride_tb
-        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        hmask = heads < NH
+    def _mla_rows(ql, qr, cache, table, start, end, scale, stride_cache, stride_tn,
+                  C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, PAGE: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Online softmax of a head block's queries over the sequence's cached rows [start, end):
+        (running max [BLOCK_H], denominator [BLOCK_H], Σ p·c [BLOCK_H, CP]) — one definition for the
+        one-pass and the split kernels."""
         offs_c = tl.arange(0, CP)
         offs_r = tl.arange(0, RP)
         cmask = offs_c < C
         rmask = offs_r < R
-        ql = tl.load(q_lat + b * stride_qlb + heads[:, None] * stride_qlh + offs_c[None, :],
-                     mask=hmask[:, None] & cmask[None, :], other=0.0)
-        qr = tl.load(q_rope + b * stride_qrb + heads[:, None] * stride_qrh + offs_r[None, :],
-                     mask=hmask[:, None] & rmask[None, :], other=0.0)
-        length = tl.load(lens + b)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, CP], dtype=tl.float32)
-        for start in range(0, length, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            nmask = n < length
+        for first in range(start, end, BLOCK_N):
+            n = first + tl.arange(0, BLOCK_N)
+            nmask = n < end
             block = tl.load(table + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
             row = (block * PAGE + n % PAGE) * stride_cache
             kc = tl.load(cache + row[:, None] + offs_c[None, :], mask=nmask[:, None] & cmask[None, :], other=0.0)
@@ -79,9 +71,142 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc, input_precision="ieee")
             m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _mla_queries(q_lat, q_rope, b, heads, stride_qlb, stride_qlh, stride_qrb, stride_qrh,
+                     NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr):
+        """Token ``b``'s latent and rotary queries of ``heads`` (zeros past NH / C / R)."""
+        hmask = heads < NH
+        offs_c = tl.arange(0, CP)
+        offs_r = tl.arange(0, RP)
+        ql = tl.load(q_lat + b * stride_qlb + heads[:, None] * stride_qlh + offs_c[None, :],
+                     mask=hmask[:, None] & (offs_c < C)[None, :], other=0.0)
+        qr = tl.load(q_rope + b * stride_qrb + heads[:, None] * stride_qrh + offs_r[None, :],
+                     mask=hmask[:, None] & (offs_r < R)[None, :], other=0.0)
+        return ql, qr
+
+    @triton.jit
+    def _mla_decode_kernel(q_lat, q_rope, cache, tables, token_seq, lens, out, scale,
+                           stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_cache, stride_tb, stride_tn,
+                           stride_ob, stride_oh,
+                           NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr,
+                           PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+        b = tl.program_id(0)
+        table = tables + tl.load(token_seq + b) * stride_tb
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        ql, qr = _mla_queries(q_lat, q_rope, b, heads, stride_qlb, stride_qlh, stride_qrb, stride_qrh, NH, C, R, CP, RP)
+        length = tl.load(lens + b)
+        _, l_i, acc = _mla_rows(ql, qr, cache, table, 0, length, scale, stride_cache, stride_tn, C, R, CP, RP, PAGE,
+                                BLOCK_H, BLOCK_N)
         result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        offs_c = tl.arange(0, CP)
         tl.store(out + b * stride_ob + heads[:, None] * stride_oh + offs_c[None, :],
-                 result.to(out.dtype.element_ty), mask=hmask[:, None] & cmask[None, :])
+                 result.to(out.dtype.element_ty), mask=(heads < NH)[:, None] & (offs_c < C)[None, :])
+
+    @triton.jit
+    def _split_range(length, split, SPLITS: tl.constexpr, SPLIT_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """(splits this query's context takes, its rows [start, end) in split ``split``): one split per
+        SPLIT_ROWS rows, at most SPLITS, each a whole number of BLOCK_N-row tiles (the last splits may
+        be empty: their end ≤ start)."""
+        splits = tl.minimum(tl.maximum((length + SPLIT_ROWS - 1) // SPLIT_ROWS, 1), SPLITS)
+        chunk = ((length + splits - 1) // splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        start = split * chunk
+        return splits, start, tl.minimum(length, start + chunk)
+
+    @triton.jit
+    def _mla_decode_split_kernel(q_lat, q_rope, cache, tables, token_seq, lens, out, part, part_lse, scale,
+                                 stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_cache, stride_tb, stride_tn,
+                                 stride_ob, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
+                                 NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr,
+                                 RP: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 SPLITS: tl.constexpr, SPLIT_ROWS: tl.constexpr):
+        """Split ``program_id(2)`` of a query's context (split-KV, as FlashDecoding and SGLang's
+        ``decode_attention`` stage 1): a query whose context takes one split writes its output here;
+        the others write their normalised partial output and log-sum-exp for :func:`_merge_splits_kernel`."""
+        b = tl.program_id(0)
+        split = tl.program_id(2)
+        length = tl.load(lens + b)
+        splits, start, end = _split_range(length, split, SPLITS, SPLIT_ROWS, BLOCK_N)
+        if split < splits:
+            table = tables + tl.load(token_seq + b) * stride_tb
+            heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+            ql, qr = _mla_queries(q_lat, q_rope, b, heads, stride_qlb, stride_qlh, stride_qrb, stride_qrh,
+                                  NH, C, R, CP, RP)
+            m_i, l_i, acc = _mla_rows(ql, qr, cache, table, start, end, scale, stride_cache, stride_tn, C, R, CP, RP,
+                                      PAGE, BLOCK_H, BLOCK_N)
+            result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            offs_c = tl.arange(0, CP)
+            mask = (heads < NH)[:, None] & (offs_c < C)[None, :]
+            if splits == 1:
+                tl.store(out + b * stride_ob + heads[:, None] * stride_oh + offs_c[None, :],
+                         result.to(out.dtype.element_ty), mask=mask)
+            else:
+                tl.store(part + b * stride_pb + split * stride_ps + heads[:, None] * stride_ph + offs_c[None, :],
+                         result, mask=mask)
+                lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+                tl.store(part_lse + b * stride_lb + split * stride_ls + heads, lse, mask=heads < NH)
+
+    @triton.jit
+    def _merge_splits_kernel(part, part_lse, lens, out,
+                             stride_pb, stride_ps, stride_ph, stride_lb, stride_ls, stride_ob, stride_oh,
+                             NH: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr,
+                             BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLIT_ROWS: tl.constexpr):
+        """out[b, heads] = Σ_s e^(lse_s − M)·o_s / Σ_s e^(lse_s − M) over query ``b``'s splits (a query of
+        one split was written by the split kernel itself); empty splits carry lse −∞ and weigh 0."""
+        b = tl.program_id(0)
+        length = tl.load(lens + b)
+        splits, _, _ = _split_range(length, 0, SPLITS, SPLIT_ROWS, BLOCK_N)
+        if splits > 1:
+            heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+            hmask = heads < NH
+            offs_d = tl.arange(0, DP)
+            mask = hmask[:, None] & (offs_d < D)[None, :]
+            m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+            den = tl.zeros([BLOCK_H], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_H, DP], dtype=tl.float32)
+            for split in range(0, splits):
+                lse = tl.load(part_lse + b * stride_lb + split * stride_ls + heads, mask=hmask, other=float("-inf"))
+                m_new = tl.maximum(m_i, lse)
+                m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # no −∞ − (−∞) for an empty split
+                alpha = tl.exp(m_i - m_safe)
+                weight = tl.exp(lse - m_safe)
+                o = tl.load(part + b * stride_pb + split * stride_ps + heads[:, None] * stride_ph + offs_d[None, :],
+                            mask=mask, other=0.0)
+                acc = acc * alpha[:, None] + weight[:, None] * o
+                den = den * alpha + weight
+                m_i = m_new
+            result = acc / tl.where(den > 0, den, 1.0)[:, None]
+            tl.store(out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                     result.to(out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gqa_rows(qq, cache, table, kv_head, start, end, scale, stride_cache, stride_kv, stride_head, stride_tn,
+                  D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+        """:func:`_mla_rows` for one KV head's query group over rows [start, end)."""
+        offs_d = tl.arange(0, DP)
+        dmask = offs_d < D
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, DP], dtype=tl.float32)
+        for first in range(start, end, BLOCK_N):
+            n = first + tl.arange(0, BLOCK_N)
+            nmask = n < end
+            block = tl.load(table + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
+            row = (block * PAGE + n % PAGE) * stride_cache + kv_head * stride_head
+            mask2 = nmask[:, None] & dmask[None, :]
+            k = tl.load(cache + row[:, None] + offs_d[None, :], mask=mask2, other=0.0)
+            v = tl.load(cache + row[:, None] + stride_kv + offs_d[None, :], mask=mask2, other=0.0)
+            s = tl.dot(qq, tl.trans(k), input_precision="ieee")
+            s = tl.where(nmask[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            m_i = m_new
+        return m_i, l_i, acc
 
     @triton.jit
     def _gqa_decode_kernel(q, cache, tables, token_seq, lens, out, scale,
@@ -100,28 +225,44 @@ if triton is not None:
         qq = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                      mask=gmask[:, None] & dmask[None, :], other=0.0)
         length = tl.load(lens + b)
-        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_G, DP], dtype=tl.float32)
-        for start in range(0, length, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            nmask = n < length
-            block = tl.load(table + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
-            row = (block * PAGE + n % PAGE) * stride_cache + kv_head * stride_head
-            mask2 = nmask[:, None] & dmask[None, :]
-            k = tl.load(cache + row[:, None] + offs_d[None, :], mask=mask2, other=0.0)
-            v = tl.load(cache + row[:, None] + stride_kv + offs_d[None, :], mask=mask2, other=0.0)
-            s = tl.dot(qq, tl.trans(k), input_precision="ieee")
-            s = tl.where(nmask[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            m_i = m_new
+        _, l_i, acc = _gqa_rows(qq, cache, table, kv_head, 0, length, scale, stride_cache, stride_kv, stride_head,
+                                stride_tn, D, DP, PAGE, BLOCK_G, BLOCK_N)
         result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  result.to(out.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+
+    @triton.jit
+    def _gqa_decode_split_kernel(q, cache, tables, token_seq, lens, out, part, part_lse, scale,
+                                 stride_qb, stride_qh, stride_cache, stride_kv, stride_head, stride_tb, stride_tn,
+                                 stride_ob, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
+                                 GROUP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
+                                 BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                                 SPLIT_ROWS: tl.constexpr):
+        """:func:`_mla_decode_split_kernel` for GQA: split ``program_id(2)`` of one KV head's group."""
+        b = tl.program_id(0)
+        split = tl.program_id(2)
+        length = tl.load(lens + b)
+        splits, start, end = _split_range(length, split, SPLITS, SPLIT_ROWS, BLOCK_N)
+        if split < splits:
+            table = tables + tl.load(token_seq + b) * stride_tb
+            kv_head = tl.program_id(1)
+            g = tl.arange(0, BLOCK_G)
+            gmask = g < GROUP
+            heads = kv_head * GROUP + g
+            offs_d = tl.arange(0, DP)
+            mask = gmask[:, None] & (offs_d < D)[None, :]
+            qq = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask, other=0.0)
+            m_i, l_i, acc = _gqa_rows(qq, cache, table, kv_head, start, end, scale, stride_cache, stride_kv,
+                                      stride_head, stride_tn, D, DP, PAGE, BLOCK_G, BLOCK_N)
+            result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            if splits == 1:
+                tl.store(out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                         result.to(out.dtype.element_ty), mask=mask)
+            else:
+                tl.store(part + b * stride_pb + split * stride_ps + heads[:, None] * stride_ph + offs_d[None, :],
+                         result, mask=mask)
+                lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+                tl.store(part_lse + b * stride_lb + split * stride_ls + heads, lse, mask=gmask)
 
 
 def mla_launch_config(tokens: int) -> tuple[int, int, int, int]:
@@ -133,13 +274,43 @@ def mla_launch_config(tokens: int) -> tuple[int, int, int, int]:
     return (64, 64, 8, 3) if tokens >= 128 else (32, 64, 8, 3)
 
 
+# Split-KV (FlashDecoding): a one-pass launch runs one program per (query, head block); a few queries
+# over long contexts leave most SMs idle while each program walks its whole context (a 32k-token
+# DeepSeek-V3 context at one sequence: 4 programs on an H200's 132 SMs). Then the context is cut into
+# splits of at least SPLIT_ROWS rows, each a program, merged by their log-sum-exp.
+SPLIT_ROWS = 256  # a split's least rows: its partial output and log-sum-exp must be worth writing
+MAX_KV_SPLITS = 64
+
+
+def kv_splits(rows: int, programs_per_row: int, longest: int, sm_count: int) -> int:
+    """The most splits a decode launch of ``rows`` queries may cut a context into (a power of two;
+    1: the one-pass kernel). Split only where the one-pass grid (``rows · programs_per_row``
+    programs) leaves SMs idle and the longest context (``longest`` tokens) takes at least two
+    splits; enough splits for about two programs per SM. A query's own context decides how many
+    of them it uses (:func:`_split_range`): short ones stay one pass in any launch.
+
+    A host-side, shape-level choice — rows is a graph bucket's size, ``longest`` comes from the
+    block tables' width — so a graph per (bucket, splits) holds it (:mod:`.cuda_graphs`)."""
+    programs = rows * programs_per_row
+    if programs >= sm_count or longest < 2 * SPLIT_ROWS:
+        return 1
+    want = min(-(-2 * sm_count // programs), -(-longest // SPLIT_ROWS), MAX_KV_SPLITS)
+    return 1 << (want.bit_length() - 1)
+
+
+def mla_programs_per_row(rows: int, heads: int) -> int:
+    """Head blocks :func:`mla_decode` launches per query at ``rows`` queries."""
+    return -(-heads // mla_launch_config(rows)[0])
+
+
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None) -> torch.Tensor:
+               num_stages: int | None = None, split_rows: int = SPLIT_ROWS) -> torch.Tensor:
     """q_latent [T, nh, C], q_rope [T, nh, R] (any tokens: decodes or prompt chunks, each with its
     own context, see :class:`~.attention.AttentionMetadata`) over a latent cache [slots, C + R]
     → Σ p·c [T, nh, C]. Launch parameters left None come from :func:`mla_launch_config` (T is a
-    graph bucket's size where graphs run: a shape-only choice)."""
+    graph bucket's size where graphs run: a shape-only choice); ``meta.kv_splits`` > 1 cuts long
+    contexts into splits of at least ``split_rows`` rows (:func:`kv_splits`)."""
     batch, heads, latent = q_latent.shape
     tuned = mla_launch_config(batch)
     block_h = tuned[0] if block_h is None else block_h
@@ -149,32 +320,73 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     rope = q_rope.shape[2]
     out = torch.empty_like(q_latent)
     page = meta.block_size
-    grid = (batch, triton.cdiv(heads, block_h))
-    _mla_decode_kernel[grid](
-        q_latent, q_rope, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale,
-        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
-        meta.block_tables.stride(0), meta.block_tables.stride(1), out.stride(0), out.stride(1),
-        NH=heads, C=latent, R=rope, CP=_pow2(latent), RP=_pow2(rope), PAGE=page, BLOCK_H=block_h,
-        BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+    head_blocks = triton.cdiv(heads, block_h)
+    shapes = dict(NH=heads, C=latent, R=rope, CP=_pow2(latent), RP=_pow2(rope), PAGE=page, BLOCK_H=block_h,
+                  BLOCK_N=block_n)
+    strides = (q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
+               meta.block_tables.stride(0), meta.block_tables.stride(1), out.stride(0), out.stride(1))
+    splits = meta.kv_splits
+    if splits == 1:
+        _mla_decode_kernel[(batch, head_blocks)](
+            q_latent, q_rope, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale, *strides,
+            **shapes, num_warps=num_warps, num_stages=num_stages,
+        )
+        return out
+    part, part_lse = _split_buffers(batch, splits, heads, latent, q_latent.device)
+    _mla_decode_split_kernel[(batch, head_blocks, splits)](
+        q_latent, q_rope, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, part, part_lse, scale,
+        *strides, *part.stride()[:3], *part_lse.stride()[:2], **shapes, SPLITS=splits, SPLIT_ROWS=split_rows,
+        num_warps=num_warps, num_stages=num_stages,
     )
+    _merge_splits(part, part_lse, meta.context_lens, out, block_n, split_rows)
     return out
 
 
 def gqa_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               block_n: int = 32) -> torch.Tensor:
+               block_n: int = 32, split_rows: int = SPLIT_ROWS) -> torch.Tensor:
     """q [T, nh, d] (per-token contexts as in :func:`mla_decode`) over a GQA cache [slots, 2, nkv, d]
-    → [T, nh, d]."""
+    → [T, nh, d]; ``meta.kv_splits`` as in :func:`mla_decode`."""
     batch, heads, dim = q.shape
     kv_heads = cache.shape[2]
     group = heads // kv_heads
     out = torch.empty_like(q)
     page = meta.block_size
-    _gqa_decode_kernel[(batch, kv_heads)](
-        q, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale,
-        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2), meta.block_tables.stride(0),
-        meta.block_tables.stride(1),
-        out.stride(0), out.stride(1),
-        GROUP=group, D=dim, DP=_pow2(dim), PAGE=page, BLOCK_G=_pow2(group), BLOCK_N=block_n,
+    shapes = dict(GROUP=group, D=dim, DP=_pow2(dim), PAGE=page, BLOCK_G=_pow2(group), BLOCK_N=block_n)
+    strides = (q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2),
+               meta.block_tables.stride(0), meta.block_tables.stride(1), out.stride(0), out.stride(1))
+    splits = meta.kv_splits
+    if splits == 1:
+        _gqa_decode_kernel[(batch, kv_heads)](
+            q, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale, *strides, **shapes,
+            num_warps=4, num_stages=2,
+        )
+        return out
+    part, part_lse = _split_buffers(batch, splits, heads, dim, q.device)
+    _gqa_decode_split_kernel[(batch, kv_heads, splits)](
+        q, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, part, part_lse, scale, *strides,
+        *part.stride()[:3], *part_lse.stride()[:2], **shapes, SPLITS=splits, SPLIT_ROWS=split_rows,
         num_warps=4, num_stages=2,
     )
+    _merge_splits(part, part_lse, meta.context_lens, out, block_n, split_rows)
     return out
+
+
+def _split_buffers(batch: int, splits: int, heads: int, dim: int, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial outputs [T, splits, nh, d] and their log-sum-exps [T, splits, nh], fp32 (inside a CUDA
+    graph: from its memory pool, like every other intermediate)."""
+    part = torch.empty((batch, splits, heads, dim), dtype=torch.float32, device=device)
+    return part, torch.empty((batch, splits, heads), dtype=torch.float32, device=device)
+
+
+_MERGE_BLOCK_H = 16
+
+
+def _merge_splits(part: torch.Tensor, part_lse: torch.Tensor, lens: torch.Tensor, out: torch.Tensor,
+                  block_n: int, split_rows: int) -> None:
+    batch, splits, heads, dim = part.shape
+    _merge_splits_kernel[(batch, triton.cdiv(heads, _MERGE_BLOCK_H))](
+        part, part_lse, lens, out, *part.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
+        NH=heads, D=dim, DP=_pow2(dim), BLOCK_H=_MERGE_BLOCK_H, BLOCK_N=block_n, SPLITS=splits,
+        SPLIT_ROWS=split_rows, num_warps=4, num_stages=1,
+    )

@@ -16,7 +16,8 @@ attend to nothing, are spread over the experts with weight 0 and are not counted
 lockstep with its EP group) is the 1-row bucket of pad rows only, not an eager pass. Every bucket is
 captured at the first iteration, largest first (so the smaller ones reuse the memory of the larger),
 each after one eager warm-up pass over pad rows only (kernels compiled, workspaces made, no lasting
-effect), all in one memory pool; the top-p variants, on first use. A plan switch only rewrites the
+effect), all in one memory pool; the top-p variants and those that split long contexts (split-KV,
+:func:`~.attention_kernels.kv_splits`: small buckets once a context is long), on first use. A plan switch only rewrites the
 device routing table in place: graphs stay valid.
 
 Shapes: ``T`` token rows, ``S`` sampling rows, ``W`` the widest block table (a full context).
@@ -85,12 +86,12 @@ class GraphInputs:
         views["top_p"] = views["top_p"].view(torch.float64)
         return cls(buffer, views, buffer[at:].view(width, seqs).t())
 
-    def used(self, work: Sequence[SequenceWork]) -> int:
+    def used(self, work: Sequence[SequenceWork], width: int | None = None) -> int:
         """Elements of :attr:`buffer` an iteration of ``work`` reads: everything before the tables, and
-        their columns up to the longest block table (the device keeps stale columns beyond: a row is
-        read only up to its context)."""
+        their columns up to the longest block table (``width``, :func:`table_width` when None; the device
+        keeps stale columns beyond: a row is read only up to its context)."""
         seqs = self.tables.shape[0]
-        width = max((len(item.blocks) for item in work), default=0)
+        width = table_width(work) if width is None else width
         return self.buffer.numel() - self.tables.numel() + max(width, 1) * seqs
 
     def fill(self, work: Sequence[SequenceWork], block_size: int) -> int:
@@ -157,12 +158,17 @@ class GraphInputs:
             self._numpy["tables"] = self.tables.numpy()
         return self._numpy
 
-    def metadata(self, tokens: int, seqs: int, block_size: int) -> AttentionMetadata:
+    def metadata(self, tokens: int, seqs: int, block_size: int, kv_splits: int = 1) -> AttentionMetadata:
         """Attention metadata over the first ``tokens`` / ``seqs`` rows (views: a graph reads them in place)."""
         v = self.views
         return AttentionMetadata(slot_mapping=v["slots"][:tokens], positions=v["positions"][:tokens],
                                  block_tables=self.tables[:seqs], context_lens=v["lengths"][:tokens],
-                                 token_seq=v["seqs"][:tokens], groups=(), block_size=block_size)
+                                 token_seq=v["seqs"][:tokens], groups=(), block_size=block_size, kv_splits=kv_splits)
+
+
+def table_width(work: Sequence[SequenceWork]) -> int:
+    """The longest block table of an iteration, in blocks."""
+    return max((len(item.blocks) for item in work), default=0)
 
 
 # forward(tokens [T], fed [T] (−1, or the previous step's sampling row a token comes from), metadata,
@@ -207,11 +213,15 @@ class GraphedSteps:
         max_tokens: the most tokens in an iteration (the scheduler's max_batch_tokens).
         max_seqs: the most sequences in an iteration (max_running). width: W.
         block_size: tokens per cache block. stream: the stream the rank computes on.
+        kv_splits: (bucket rows, longest context in tokens) → the decode kernels' context splits
+            (:func:`~.attention_kernels.kv_splits`); a bucket gets a graph per value it meets, on
+            first use, as for top-p. None: always one pass.
     """
 
     def __init__(self, forward: GraphForward, max_tokens: int, max_seqs: int, width: int, block_size: int,
-                 device: torch.device, stream: Any) -> None:
+                 device: torch.device, stream: Any, kv_splits: Callable[[int, int], int] | None = None) -> None:
         self.forward = forward
+        self.kv_splits = kv_splits
         self.buckets = token_buckets(max_tokens)
         self.max_seqs = max_seqs
         self.width = width
@@ -221,7 +231,8 @@ class GraphedSteps:
                                  torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True)) for _ in range(2)]
         self.device_inputs = GraphInputs.allocate(max_tokens, max_seqs, width, device)
         self.warmup_inputs = GraphInputs.allocate(max_tokens, max_seqs, width, device)  # pad rows only
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (bucket, top-p, context splits) → the graph and its sampled ids
+        self.graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: Any = None
         self.replays = 0
 
@@ -244,16 +255,18 @@ class GraphedSteps:
         if staging.copied is not None:  # its inputs of two steps ago are on the device (long since, as a rule)
             staging.copied.synchronize()
         staging.inputs.fill(work, self.block_size)
-        used = staging.inputs.used(work)
+        width = table_width(work)
+        used = staging.inputs.used(work, width)
         self.device_inputs.buffer[:used].copy_(staging.inputs.buffer[:used], non_blocking=True)
         staging.copied = torch.cuda.Event()
         staging.copied.record()
         if not self.graphs:  # the first iteration: every plain bucket now, not one by one while serving
             for size in reversed(self.buckets):
-                self._capture(size, False)
-        key = (bucket, use_top_p)
+                self._capture(size, False, 1)
+        splits = 1 if self.kv_splits is None else self.kv_splits(bucket, width * self.block_size)
+        key = (bucket, use_top_p, splits)
         if key not in self.graphs:
-            self._capture(bucket, use_top_p)
+            self._capture(*key)
         graph, out = self.graphs[key]
         graph.replay()
         self.replays += 1
@@ -263,23 +276,25 @@ class GraphedSteps:
         done.record()
         return GraphStep(done, host, [b for b, item in enumerate(work) if item.sample is not None], len(work))
 
-    def _call(self, inputs: GraphInputs, tokens: int, use_top_p: bool, warmup: bool = False) -> torch.Tensor:
+    def _call(self, inputs: GraphInputs, tokens: int, use_top_p: bool, splits: int, warmup: bool = False
+              ) -> torch.Tensor:
         seqs = min(tokens, self.max_seqs)
         v = inputs.views
         sampling = (v["temperature"][:seqs].float(), v["top_p"][:seqs].float(), v["seeds"][:seqs], v["draws"][:seqs],
                     use_top_p)
-        return self.forward(v["tokens"][:tokens], v["fed"][:tokens], inputs.metadata(tokens, seqs, self.block_size),
-                            v["rows"][:seqs], sampling, v["valid"][:tokens].bool(), warmup)
+        meta = inputs.metadata(tokens, seqs, self.block_size, splits)
+        return self.forward(v["tokens"][:tokens], v["fed"][:tokens], meta, v["rows"][:seqs], sampling,
+                            v["valid"][:tokens].bool(), warmup)
 
-    def _capture(self, tokens: int, use_top_p: bool) -> None:
+    def _capture(self, tokens: int, use_top_p: bool, splits: int) -> None:
         """Warm up eagerly on pad rows, then capture the bucket."""
-        self._call(self.warmup_inputs, tokens, use_top_p, warmup=True)
+        self._call(self.warmup_inputs, tokens, use_top_p, splits, warmup=True)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the worker's watchdog thread may touch its own side stream meanwhile;
         # no garbage collection inside the capture (gc_heap.collector_paused says why)
         with collector_paused(), torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
                                                   capture_error_mode="thread_local"):
-            out = self._call(self.device_inputs, tokens, use_top_p)
+            out = self._call(self.device_inputs, tokens, use_top_p, splits)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[(tokens, use_top_p)] = (graph, out)
+        self.graphs[(tokens, use_top_p, splits)] = (graph, out)

@@ -25,6 +25,7 @@ Shapes: ``T`` tokens of an iteration (all sequences), ``H`` hidden, ``K`` top-k,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -462,6 +463,8 @@ class HFStepModel:
         self._attention_kernel: AttentionKernel | None = None
         if self.device.type == "cuda" and attention_kernels.available() and not any(self.windows):
             self._attention_kernel = attention_kernels.mla_decode if self.layout.mla else attention_kernels.gqa_decode
+        self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count \
+            if self.device.type == "cuda" else 0
         if kv_cache_tokens is not None:
             self.allocate_kv_cache(blocks_for(kv_cache_tokens, block_size) + 1)
 
@@ -556,7 +559,7 @@ class HFStepModel:
             raise RuntimeError("CUDA graphs need the Triton attention kernels (a CUDA device, Triton, no sliding window)")
         width = blocks_for(self.max_context, self.kv_block_size)
         self.graphs = GraphedSteps(self._graph_forward, max_tokens, max_seqs, width, self.kv_block_size,
-                                   self.device, stream)
+                                   self.device, stream, kv_splits=self.kv_splits)
         self.overlaps_steps = True  # the host forms step i+1 while the device runs step i
 
     @torch.inference_mode()
@@ -580,6 +583,9 @@ class HFStepModel:
                                dtype=torch.int64).to(self.device)
         meta = build_metadata(work, self.kv_block_size, self.windows, self.device,
                               padded_groups=self._attention_kernel is None, dtype=self.dtype)
+        if self._attention_kernel is not None:
+            longest = max(item.position + len(item.tokens) for item in work)
+            meta = dataclasses.replace(meta, kv_splits=self.kv_splits(len(tokens), longest))
         sampled = [row for row, item in enumerate(work) if item.sample is not None]
         specs = [spec for spec in (item.sample for item in work) if spec is not None]
         ends = torch.cumsum(torch.tensor([len(item.tokens) for item in work], dtype=torch.int64), 0) - 1
@@ -589,6 +595,15 @@ class HFStepModel:
         if ids is not None:
             out[sampled] = ids.cpu()
         return FinishedStep(out)
+
+    def kv_splits(self, rows: int, longest: int) -> int:
+        """Context splits of the attention kernel for ``rows`` queries whose longest context is
+        ``longest`` tokens (:func:`~.attention_kernels.kv_splits`; 1 without the kernels)."""
+        if self._attention_kernel is None:
+            return 1
+        per_row = attention_kernels.mla_programs_per_row(rows, int(self.config.num_attention_heads)) \
+            if self.layout.mla else self.layout.kv_heads
+        return attention_kernels.kv_splits(rows, per_row, longest, self._sm_count)
 
     def _forward(self, tokens: torch.Tensor, fed: torch.Tensor | None, meta: AttentionMetadata,
                  sample_rows: torch.Tensor, sampling: tuple[Any, ...] | None, valid: torch.Tensor | None,
