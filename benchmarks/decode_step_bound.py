@@ -24,6 +24,13 @@ graph of that bucket replayed alone (``graph_ms``) — what a prompt token costs
 which is what ``--max-batch-tokens`` trades (larger: fewer iterations carry prompts, but those take longer).
 
     python benchmarks/decode_step_bound.py --batches 64 256 --prefill-chunks 0 2 8 16 --max-batch-tokens 2048
+
+Long contexts (split-KV, ``attention_kernels.kv_splits``): a checkpoint with a longer context, the same
+batches at several contexts with the splits ``vexpert serve`` picks (``--kv-splits auto``, the row's
+``kv_splits``) and with every launch one pass (``off``):
+
+    python benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3-long --max-position-embeddings 163840 \
+        --batches 1 4 16 --context 32768 --kv-splits auto|off
 """
 
 from __future__ import annotations
@@ -121,8 +128,7 @@ def replayed_ms(model: HFStepModel, work: list[SequenceWork], stream: torch.cuda
     torch.cuda.synchronize()
     graphs = model.graphs
     assert graphs is not None
-    tokens = sum(len(item.tokens) for item in work)
-    graph, _ = graphs.graphs[(next(b for b in graphs.buckets if b >= tokens), False, 1)]
+    graph, _ = graphs.graphs[graphs.key_for(work)]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record(stream)
     for _ in range(iters):
@@ -149,11 +155,15 @@ def main() -> int:
     parser.add_argument("--prefill-chunks", type=int, nargs="*", default=[],
                         help="per batch, also the decodes + this many prompt chunks in one iteration")
     parser.add_argument("--chunk", type=int, default=62, help="tokens per prompt chunk")
+    parser.add_argument("--max-position-embeddings", type=int, default=4096,
+                        help="the written checkpoint's context (a --context beyond 4096 needs a longer one)")
+    parser.add_argument("--kv-splits", choices=("auto", "off"), default="auto",
+                        help="split-KV for long contexts as served (auto), or every launch one pass (off)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not (args.model_dir / "config.json").exists():
         write_model(args.model_dir, ensure_demo_model(Path("/tmp/vexpert-demo-model")), args.layers, args.experts,
-                    small=False, device="cuda")
+                    small=False, device="cuda", positions=args.max_position_embeddings)
     max_seqs = max(args.batches) + max(args.prefill_chunks, default=0)
     model = HFStepModel(args.model_dir, device="cuda", dtype=torch.bfloat16,
                         kv_cache_tokens=max_seqs * (max(args.context, args.chunk) + 32))
@@ -174,6 +184,9 @@ def main() -> int:
             for op in ops:
                 print("op", json.dumps(op), flush=True)
         model.enable_cuda_graphs(args.max_batch_tokens, max_seqs, stream)
+        assert model.graphs is not None
+        if args.kv_splits == "off":
+            model.graphs.kv_splits = None
         pool = BlockPool(model.kv_num_blocks, model.kv_block_size)
         for seq in range(max_seqs):
             pool.reserve(seq, args.context + 1)
@@ -210,7 +223,7 @@ def main() -> int:
             # between them), i.e. the GPU's time for the step.
             graphs = model.graphs
             assert graphs is not None
-            graph, _ = graphs.graphs[(next(b for b in graphs.buckets if b >= batch), False, 1)]
+            graph, _ = graphs.graphs[graphs.key_for(work)]
             start.record(stream)
             host = time.perf_counter()
             for _ in range(_HOST_TIMED):  # the host's cost of one launch (too few to fill the launch queue)
@@ -223,7 +236,8 @@ def main() -> int:
             graph_ms = start.elapsed_time(end) / args.iters
             bound = hbm_bound(args.model_dir, batch, args.context)
             flops = step_flops(model, batch, args.context)
-            row = {"batch": batch, "context": args.context, "graph_ms": round(graph_ms, 3),
+            row = {"batch": batch, "context": args.context, "kv_splits": graphs.key_for(work)[2],
+                   "graph_ms": round(graph_ms, 3),
                    "launch_span_ms": round(step_ms, 3), "host_launch_ms": round(host_ms, 3),
                    "replay_host_ms": round(replay_host_ms, 3),
                    "bound_ms": bound["bound_ms"], "graph_over_bound": round(graph_ms / bound["bound_ms"], 2),

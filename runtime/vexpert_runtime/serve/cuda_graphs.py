@@ -245,12 +245,18 @@ class GraphedSteps:
         """One iteration: [len(work)] int64 on the CPU, the sampled ids (−1 where nothing is sampled)."""
         return self.launch(work).result()
 
-    def launch(self, work: Sequence[SequenceWork]) -> GraphStep:
-        """Enqueue one iteration (one input copy, one replay, one output copy) without waiting for it."""
+    def key_for(self, work: Sequence[SequenceWork], width: int | None = None) -> tuple[int, bool, int]:
+        """The graph an iteration of ``work`` replays: (token bucket, top-p, context splits)."""
         tokens = sum(len(item.tokens) for item in work)
         bucket = next(b for b in self.buckets if b >= tokens)
         use_top_p = any(item.sample is not None and item.sample.top_p < 1.0 and item.sample.temperature > 0
                         for item in work)
+        width = table_width(work) if width is None else width
+        splits = 1 if self.kv_splits is None else self.kv_splits(bucket, width * self.block_size)
+        return bucket, use_top_p, splits
+
+    def launch(self, work: Sequence[SequenceWork]) -> GraphStep:
+        """Enqueue one iteration (one input copy, one replay, one output copy) without waiting for it."""
         staging = self.staging[self.replays % 2]
         if staging.copied is not None:  # its inputs of two steps ago are on the device (long since, as a rule)
             staging.copied.synchronize()
@@ -263,8 +269,7 @@ class GraphedSteps:
         if not self.graphs:  # the first iteration: every plain bucket now, not one by one while serving
             for size in reversed(self.buckets):
                 self._capture(size, False, 1)
-        splits = 1 if self.kv_splits is None else self.kv_splits(bucket, width * self.block_size)
-        key = (bucket, use_top_p, splits)
+        key = self.key_for(work, width)
         if key not in self.graphs:
             self._capture(*key)
         graph, out = self.graphs[key]
