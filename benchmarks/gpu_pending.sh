@@ -7,7 +7,9 @@
 #   STAGE=ab     the last H200-measured tree (run 19: a2c4df7, in ab_old/) beside HEAD, 256 and 64 streams (~6 min):
 #                everything since — allocation skip, node process, KV on demand, routing, block-table copy, GC freeze
 #   STAGE=knobs  HEAD at 256 streams with --api-servers 2 / 4 and --stream-interval 4 (~5 min)
-#   STAGE=long   the block-table copy at DeepSeek-V3's 163,840 positions: ab_old vs HEAD at 256 streams (~4 min)
+#   STAGE=long   the block-table copy at DeepSeek-V3's 163,840 positions: ab_old vs HEAD at 256 streams, then
+#                split-KV: the graphed decode step at a 32,768-token context, 1 / 4 / 16 sequences, one pass
+#                (--kv-splits off) vs the served splits (~7 min)
 #
 # Before the device call, here:  mkdir -p ab_old && git archive a2c4df7 runtime benchmarks | tar -x -C ab_old
 # and carry ab_old and .whl (pydantic wheels, py-spy): run(command="STAGE=ab OUT=$OUT ./benchmarks/gpu_pending.sh",
@@ -44,6 +46,11 @@ case "${STAGE:-tests}" in
     bench . si4 --model-dir /tmp/bench-ds3 --streams 256 "${LOAD[@]}" --serve-args "--stream-interval 4" ;;
   long)
     bench . long-head --model-dir /tmp/bench-ds3-long --max-position-embeddings 163840 --streams 256 "${LOAD[@]}"
-    bench ab_old long-old --model-dir /tmp/bench-ds3-long --streams 256 "${LOAD[@]}" ;;
+    bench ab_old long-old --model-dir /tmp/bench-ds3-long --streams 256 "${LOAD[@]}"
+    for splits in off auto; do
+      PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3-long \
+        --max-position-embeddings 163840 --batches 1 4 16 --context 32768 --kv-splits $splits \
+        --out "$OUT/decode_step_long_$splits.json" 2>&1 | grep -v "Loading weights" | tail -4
+    done ;;
   *) echo "STAGE: tests | ab | knobs | long" >&2; exit 2 ;;
 esac
