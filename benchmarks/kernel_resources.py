@@ -69,7 +69,7 @@ def kernel_specs() -> list[dict[str, Any]]:
     for rows in (256, 16):
         block_h, block_n, warps, stages = ak.mla_launch_config(rows)
         shapes = {**mla, "BLOCK_H": block_h, "BLOCK_N": block_n}
-        specs.append(dict(name=f"mla_decode rows>={rows}" if rows >= 128 else "mla_decode rows<128",
+        specs.append(dict(name="mla_decode rows>=128" if rows >= 128 else "mla_decode rows<128",
                           fn=ak._mla_decode_kernel, constexprs=shapes, warps=warps, stages=stages,
                           signature=_signature(_MLA_POINTERS, _MLA_STRIDES, shapes)))
     block_h, block_n, warps, stages = ak.mla_launch_config(16)  # splits run where few rows leave SMs idle
