@@ -226,6 +226,11 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
         ({"max_tokens": 0}, "max_tokens"),
         ({"prompt": [1, 10**6]}, "prompt"),
         ({"model": None}, "model"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),  # sampled without penalties: refused, not ignored
+        ({"frequency_penalty": -1}, "frequency_penalty"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"logit_bias": {"50256": -100}}, "logit_bias"),
+        ({"presence_penalty": "0"}, "presence_penalty"),
     ]
     for bad, param in cases:
         error = _error(httpx.post(url, json={**base, **bad}, timeout=10), 400)
@@ -243,8 +248,13 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
     assert _error(httpx.get(url, timeout=10), 405)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt=PROMPT)
-    # still serving
+    # still serving; the neutral values OpenAI clients send by default are accepted
     assert client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2).usage is not None
+    assert client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, presence_penalty=0,
+                                     frequency_penalty=0.0, logit_bias={},
+                                     extra_body={"repetition_penalty": 1.0}).usage is not None
+    assert client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          presence_penalty=0.0).usage is not None
 
 
 def test_metrics(server: BackgroundServer, client: openai.OpenAI) -> None:

@@ -1,9 +1,11 @@
 """OpenAI API request bodies (pydantic v2) and response / stream-chunk / error builders.
 
 Requests ignore fields they do not know (OpenAI clients send many optional ones — ``user``,
-``presence_penalty``, ``logit_bias`` …) and accept ``null`` for optional ones; what this server
-cannot honour and would otherwise silently get wrong (``n`` > 1, several prompts, ``echo``,
-``logprobs``, ``best_of`` > 1, non-text message parts) is a 400 naming the field.
+``metadata``, ``parallel_tool_calls`` …) and accept ``null`` for optional ones, and neutral values of what
+they cannot honour (``presence_penalty: 0``, ``logit_bias: {}``, as clients send by default); what this
+server cannot honour and would otherwise silently get wrong (``n`` > 1, several prompts, ``echo``,
+``logprobs``, ``best_of`` > 1, non-zero penalties, a non-empty ``logit_bias``, non-text message parts)
+is a 400 naming the field.
 ``ignore_eos`` is the vLLM extension (benchmarks use it to force exact lengths).
 
 Types are strict, as OpenAI's own API checks them: a boolean is not an integer (``max_tokens: true``),
@@ -57,6 +59,32 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: StrictInt | None = 1
     ignore_eos: StrictBool = False
+    # sampled without them: only their neutral values are accepted (any other is a 400 naming the field)
+    presence_penalty: StrictFloat | StrictInt | None = None
+    frequency_penalty: StrictFloat | StrictInt | None = None
+    repetition_penalty: StrictFloat | StrictInt | None = None  # vLLM's extension
+    logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = None
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, penalty: float | None) -> float | None:
+        if penalty not in (None, 0):
+            raise ValueError("penalties are not supported (tokens are sampled without them); send 0 or leave it out")
+        return penalty
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _no_repetition_penalty(cls, penalty: float | None) -> float | None:
+        if penalty not in (None, 1):
+            raise ValueError("repetition_penalty is not supported (tokens are sampled without it); send 1 or leave it out")
+        return penalty
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias:
+            raise ValueError("logit_bias is not supported; leave it out or send {}")
+        return bias
 
     @field_validator("n")
     @classmethod
