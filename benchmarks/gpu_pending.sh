@@ -10,6 +10,9 @@
 #   STAGE=long   the block-table copy at DeepSeek-V3's 163,840 positions: ab_old vs HEAD at 256 streams, then
 #                split-KV: the graphed decode step at a 32,768-token context, 1 / 4 / 16 sequences, one pass
 #                (--kv-splits off) vs the served splits (~7 min)
+#   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
+#                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
+#                profile, with the EP layer's share of a traced iteration (~6 min)
 #
 # Before the device call, here:  mkdir -p ab_old && git archive a2c4df7 runtime benchmarks | tar -x -C ab_old
 # and carry ab_old and .whl (pydantic wheels, py-spy): run(command="STAGE=ab OUT=$OUT ./benchmarks/gpu_pending.sh",
@@ -52,5 +55,10 @@ case "${STAGE:-tests}" in
         --max-position-embeddings 163840 --batches 1 4 16 --context 32768 --kv-splits $splits \
         --out "$OUT/decode_step_long_$splits.json" 2>&1 | grep -v "Loading weights" | tail -4
     done ;;
-  *) echo "STAGE: tests | ab | knobs | long" >&2; exit 2 ;;
+  onoff)
+    [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
+    bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \
+      --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json --profile-streams 64 256 \
+      --profile-iters 600-619 ;;
+  *) echo "STAGE: tests | ab | knobs | long | onoff" >&2; exit 2 ;;
 esac
