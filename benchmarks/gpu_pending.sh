@@ -28,7 +28,7 @@ HEAD_PATH="$SITE:$PWD/runtime:$PWD/tests"
 LOAD=(--duration 12 --warmup 4 --client-processes 4)
 bench() {  # bench TREE NAME ARGS...: serve_engine.py from TREE (. or ab_old) on the shared checkpoint
   local tree=$1 name=$2; shift 2
-  (cd "$tree" && PYTHONPATH="$SITE:$PWD/runtime:$OLDPWD/tests" timeout 290 python3 benchmarks/serve_engine.py \
+  (cd "$tree" && PYTHONPATH="$SITE:$PWD/runtime:$OLDPWD/tests" timeout "${BENCH_TIMEOUT:-290}" python3 benchmarks/serve_engine.py \
      --out "$OUT/$name" --modes vexpert "$@" 2>&1 | grep -v "Loading weights" | tail -8)
 }
 case "${STAGE:-tests}" in
@@ -57,7 +57,7 @@ case "${STAGE:-tests}" in
     done ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
-    bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \
+    BENCH_TIMEOUT=560 bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \
       --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json --profile-streams 64 256 \
       --profile-iters 600-619 ;;
   *) echo "STAGE: tests | ab | knobs | long | onoff" >&2; exit 2 ;;
