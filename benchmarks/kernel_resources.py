@@ -77,15 +77,18 @@ def kernel_specs() -> list[dict[str, Any]]:
     specs.append(dict(name="mla_decode_split rows<128", fn=ak._mla_decode_split_kernel, constexprs=split,
                       warps=warps, stages=stages,
                       signature=_signature(_MLA_POINTERS + _PART, _MLA_STRIDES + _PART_STRIDES, split)))
-    gqa = dict(GROUP=8, D=128, DP=128, PAGE=16, BLOCK_G=ak._pow2(8), BLOCK_N=32)  # as gqa_decode launches it
+    gqa = dict(GROUP=8, D=128, DP=128, PAGE=16, BLOCK_G=ak._pow2(8), BLOCK_N=32, WINDOW=0)  # as gqa_decode launches it
     specs.append(dict(name="gqa_decode", fn=ak._gqa_decode_kernel, constexprs=gqa, warps=4, stages=2,
                       signature=_signature(_GQA_POINTERS, _GQA_STRIDES, gqa)))
     gsplit = {**gqa, "SPLITS": 8, "SPLIT_ROWS": ak.SPLIT_ROWS}
     specs.append(dict(name="gqa_decode_split", fn=ak._gqa_decode_split_kernel, constexprs=gsplit, warps=4, stages=2,
                       signature=_signature(_GQA_POINTERS + _PART, _GQA_STRIDES + _PART_STRIDES, gsplit)))
+    windowed = {**gqa, "WINDOW": 4096}  # Mixtral-style sliding-window layers
+    specs.append(dict(name="gqa_decode window", fn=ak._gqa_decode_kernel, constexprs=windowed, warps=4, stages=2,
+                      signature=_signature(_GQA_POINTERS, _GQA_STRIDES, windowed)))
     for dim, label in ((512, "mla"), (128, "gqa")):
         merge = dict(NH=128 if label == "mla" else 32, D=dim, DP=dim, BLOCK_H=ak._MERGE_BLOCK_H, BLOCK_N=64,
-                     SPLITS=8, SPLIT_ROWS=ak.SPLIT_ROWS)
+                     SPLITS=8, SPLIT_ROWS=ak.SPLIT_ROWS, WINDOW=0)
         specs.append(dict(name=f"merge_splits {label}", fn=ak._merge_splits_kernel, constexprs=merge, warps=4,
                           stages=1, signature=_signature(
                               [("part", "*fp32"), ("part_lse", "*fp32"), ("lens", "*i64"), ("out", "*bf16")],

@@ -49,6 +49,17 @@ def check_kernels_on_cpu() -> None:
         assert (got - want).abs().max() < 1e-5, (kv_heads, group, dim)
         assert torch.equal(gqa_decode(q, cache, by_column, 0.25, block_n=16), got)
     check_split_kernels_on_cpu()
+    # Sliding windows (GQA): each query sees its last `window` tokens, in one pass and in splits.
+    for window in (3, 6, 64):
+        windowed = build_metadata(work, size, [None, window], "cpu")
+        cache = torch.randn(blocks * size, 2, 2, 16)
+        q = torch.randn(tokens, 6, 16)
+        want = gqa_attention(q, cache, windowed, 0.25, window)
+        got = gqa_decode(q, cache, windowed, 0.25, block_n=16, window=window)
+        assert (got - want).abs().max() < 1e-5, window
+        assert (got - gqa_attention(q, cache, windowed, 0.25, None)).abs().max() > 1e-3 or window == 64
+        split = windowed.__class__(**{**windowed.__dict__, "kv_splits": 4})
+        assert (gqa_decode(q, cache, split, 0.25, block_n=2, split_rows=2, window=window) - want).abs().max() < 1e-5
     # A pad row of a graphed batch: no context, output zeros (not NaN).
     lens = meta.context_lens.clone()
     lens[1] = 0

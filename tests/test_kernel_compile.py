@@ -29,7 +29,7 @@ def test_attention_kernels_compile_for_sm90_and_fit_an_sm(tmp_path: Path) -> Non
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {row["kernel"]: row for row in map(json.loads, out.read_text().splitlines())}
     assert set(rows) == {"mla_decode rows>=128", "mla_decode rows<128", "mla_decode_split rows<128", "gqa_decode",
-                         "gqa_decode_split", "merge_splits mla", "merge_splits gqa"}
+                         "gqa_decode_split", "gqa_decode window", "merge_splits mla", "merge_splits gqa"}
     for name, row in rows.items():
         assert row["sass_instructions"] > 100, name
         assert row["programs_per_sm_by_registers"] >= 1 and row["programs_per_sm_by_shared"] >= 1, row

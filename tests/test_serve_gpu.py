@@ -68,6 +68,10 @@ def test_gqa_decode_kernel_matches_the_torch_twin() -> None:
     want = gqa_attention(q.float(), cache.float(), meta, 0.088, None)
     got = gqa_decode(q, cache, meta, 0.088).float()
     assert (got - want).abs().max() < 3e-2 * want.abs().max()
+    windowed = build_metadata(work, 16, [None, 64], "cuda")  # a sliding window of 64 tokens
+    want = gqa_attention(q.float(), cache.float(), windowed, 0.088, 64)
+    got = gqa_decode(q, cache, windowed, 0.088, window=64).float()
+    assert (got - want).abs().max() < 3e-2 * want.abs().max()
 
 
 @pytest.mark.parametrize("batch", [1, 4, 16])
@@ -121,6 +125,28 @@ def test_graphed_long_contexts_split_and_equal_the_eager_step(family: str, tmp_p
         if graphs:
             assert model.graphs is not None
             assert any(splits > 1 for _, _, splits in model.graphs.graphs), sorted(model.graphs.graphs)
+    assert outputs[0] == outputs[1]
+
+
+def test_graphed_sliding_window_model_equals_the_eager_step(tmp_path: Path) -> None:
+    """A Qwen2-MoE with 4-token sliding windows on two of its three layers now takes the kernels and
+    CUDA graphs (it could not capture them before): graphed tokens equal the eager step's."""
+    import json
+
+    path = _write("qwen2_moe", tmp_path / "qwen2_moe")
+    config = json.loads((path / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=4,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    (path / "config.json").write_text(json.dumps(config))
+    outputs = []
+    for graphs in (False, True):
+        model = _one_rank_model(path, kv_cache_tokens=512)
+        assert model.windows == [4, None, 4]
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            if graphs:
+                model.enable_cuda_graphs(64, 8, stream)
+            outputs.append(drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK))
     assert outputs[0] == outputs[1]
 
 

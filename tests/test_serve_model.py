@@ -162,6 +162,31 @@ def test_rank_local_model_matches_generate(checkpoints: dict[str, Path], family:
     assert drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK) == expected
 
 
+@pytest.mark.parametrize(("family", "windows"), [
+    ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 4,
+                   "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 4}),  # no layer_types: every layer
+])
+def test_sliding_window_layers_match_generate(tmp_path: Path, family: str, windows: dict[str, Any]) -> None:
+    """Sliding-window layers (a 4-token window, prompts of 3–14 tokens in chunks of 4): the batched
+    path's tokens equal generate's, and differ from the same weights' tokens without the window (so
+    the window is what was compared)."""
+    torch.manual_seed(3)
+    config = _config(family)
+    plain = transformers.AutoModelForCausalLM.from_config(config)
+    plain.save_pretrained(tmp_path / "plain")
+    for key, value in windows.items():
+        setattr(config, key, value)
+    windowed = transformers.AutoModelForCausalLM.from_config(config)
+    windowed.load_state_dict(plain.state_dict())
+    windowed.save_pretrained(tmp_path / "windowed")
+    expected, _ = _reference(tmp_path / "windowed")
+    assert expected != _reference(tmp_path / "plain")[0]
+    model = HFStepModel(tmp_path / "windowed", dtype=torch.float32, kv_cache_tokens=KV_TOKENS)
+    assert model.windows == [4 if t == "sliding_attention" else None for t in windows.get("layer_types", ["sliding_attention"] * 3)]
+    assert drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK) == expected
+
+
 def test_ep_statistics_are_the_last_iterations(checkpoints: dict[str, Path]) -> None:
     """Every MoE layer overwrites its rows of the expert counts and computed rows each iteration (the
     worker zeroes nothing between iterations): after a 10-token step, a 1-token step and an empty

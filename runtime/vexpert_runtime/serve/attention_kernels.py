@@ -11,7 +11,8 @@ over the sequence's blocks, one program per (sequence, head block):
 
 * :func:`mla_decode` — DeepSeek-V3 MLA in latent space: a block of query heads against the one
   latent "head" (scores = q_c·c + q_pe·k_pe, output Σ p·c), reading each cached row once per head block;
-* :func:`gqa_decode` — Qwen GQA: one program per (sequence, KV head) with that head's query group.
+* :func:`gqa_decode` — Qwen GQA: one program per (sequence, KV head) with that head's query group,
+  optionally over a sliding window (the query's last ``window`` tokens).
 
 Both equal :func:`~.attention.mla_attention` / :func:`~.attention.gqa_attention` (the torch twins,
 CPU and prefill path) up to summation order; the CPU tests run them in Triton's interpreter.
@@ -151,11 +152,14 @@ if triton is not None:
     def _merge_splits_kernel(part, part_lse, lens, out,
                              stride_pb, stride_ps, stride_ph, stride_lb, stride_ls, stride_ob, stride_oh,
                              NH: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr,
-                             BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLIT_ROWS: tl.constexpr):
+                             BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLIT_ROWS: tl.constexpr,
+                             WINDOW: tl.constexpr = 0):
         """out[b, heads] = Σ_s e^(lse_s − M)·o_s / Σ_s e^(lse_s − M) over query ``b``'s splits (a query of
         one split was written by the split kernel itself); empty splits carry lse −∞ and weigh 0."""
         b = tl.program_id(0)
         length = tl.load(lens + b)
+        if WINDOW > 0:
+            length = tl.minimum(length, WINDOW)
         splits, _, _ = _split_range(length, 0, SPLITS, SPLIT_ROWS, BLOCK_N)
         if splits > 1:
             heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -213,7 +217,7 @@ if triton is not None:
                            stride_qb, stride_qh, stride_cache, stride_kv, stride_head, stride_tb, stride_tn,
                            stride_ob, stride_oh,
                            GROUP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
-                           BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+                           BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = 0):
         b = tl.program_id(0)
         table = tables + tl.load(token_seq + b) * stride_tb
         kv_head = tl.program_id(1)
@@ -225,7 +229,10 @@ if triton is not None:
         qq = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                      mask=gmask[:, None] & dmask[None, :], other=0.0)
         length = tl.load(lens + b)
-        _, l_i, acc = _gqa_rows(qq, cache, table, kv_head, 0, length, scale, stride_cache, stride_kv, stride_head,
+        first = 0
+        if WINDOW > 0:  # a sliding window: the query at position p sees keys p − WINDOW + 1 .. p
+            first = tl.maximum(length - WINDOW, 0)
+        _, l_i, acc = _gqa_rows(qq, cache, table, kv_head, first, length, scale, stride_cache, stride_kv, stride_head,
                                 stride_tn, D, DP, PAGE, BLOCK_G, BLOCK_N)
         result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -237,12 +244,18 @@ if triton is not None:
                                  stride_ob, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
                                  GROUP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
                                  BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                                 SPLIT_ROWS: tl.constexpr):
-        """:func:`_mla_decode_split_kernel` for GQA: split ``program_id(2)`` of one KV head's group."""
+                                 SPLIT_ROWS: tl.constexpr, WINDOW: tl.constexpr = 0):
+        """:func:`_mla_decode_split_kernel` for GQA: split ``program_id(2)`` of one KV head's group
+        (of the window's rows, with a sliding window)."""
         b = tl.program_id(0)
         split = tl.program_id(2)
         length = tl.load(lens + b)
-        splits, start, end = _split_range(length, split, SPLITS, SPLIT_ROWS, BLOCK_N)
+        first = 0
+        if WINDOW > 0:
+            first = tl.maximum(length - WINDOW, 0)
+        splits, start, end = _split_range(length - first, split, SPLITS, SPLIT_ROWS, BLOCK_N)
+        start += first
+        end += first
         if split < splits:
             table = tables + tl.load(token_seq + b) * stride_tb
             kv_head = tl.program_id(1)
@@ -343,15 +356,20 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
 
 
 def gqa_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               block_n: int = 32, split_rows: int = SPLIT_ROWS) -> torch.Tensor:
+               block_n: int = 32, split_rows: int = SPLIT_ROWS, window: int | None = None) -> torch.Tensor:
     """q [T, nh, d] (per-token contexts as in :func:`mla_decode`) over a GQA cache [slots, 2, nkv, d]
-    → [T, nh, d]; ``meta.kv_splits`` as in :func:`mla_decode`."""
+    → [T, nh, d]; ``meta.kv_splits`` as in :func:`mla_decode`; ``window``: a sliding window (each query
+    attends its last ``window`` tokens; None: its whole context)."""
     batch, heads, dim = q.shape
     kv_heads = cache.shape[2]
     group = heads // kv_heads
     out = torch.empty_like(q)
     page = meta.block_size
     shapes = dict(GROUP=group, D=dim, DP=_pow2(dim), PAGE=page, BLOCK_G=_pow2(group), BLOCK_N=block_n)
+    if window is not None:  # a constexpr: no window compiles the kernel as it was
+        if window < 1:
+            raise ValueError(f"window must be ≥ 1, got {window}")
+        shapes["WINDOW"] = window
     strides = (q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2),
                meta.block_tables.stride(0), meta.block_tables.stride(1), out.stride(0), out.stride(1))
     splits = meta.kv_splits
@@ -367,7 +385,7 @@ def gqa_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, sc
         *part.stride()[:3], *part_lse.stride()[:2], **shapes, SPLITS=splits, SPLIT_ROWS=split_rows,
         num_warps=4, num_stages=2,
     )
-    _merge_splits(part, part_lse, meta.context_lens, out, block_n, split_rows)
+    _merge_splits(part, part_lse, meta.context_lens, out, block_n, split_rows, window)
     return out
 
 
@@ -383,10 +401,11 @@ _MERGE_BLOCK_H = 16
 
 
 def _merge_splits(part: torch.Tensor, part_lse: torch.Tensor, lens: torch.Tensor, out: torch.Tensor,
-                  block_n: int, split_rows: int) -> None:
+                  block_n: int, split_rows: int, window: int | None = None) -> None:
     batch, splits, heads, dim = part.shape
+    extra = {} if window is None else {"WINDOW": window}
     _merge_splits_kernel[(batch, triton.cdiv(heads, _MERGE_BLOCK_H))](
         part, part_lse, lens, out, *part.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
         NH=heads, D=dim, DP=_pow2(dim), BLOCK_H=_MERGE_BLOCK_H, BLOCK_N=block_n, SPLITS=splits,
-        SPLIT_ROWS=split_rows, num_warps=4, num_stages=1,
+        SPLIT_ROWS=split_rows, num_warps=4, num_stages=1, **extra,
     )

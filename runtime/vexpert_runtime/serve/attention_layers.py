@@ -89,8 +89,8 @@ def _gqa_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: Attentio
                  window: int | None) -> torch.Tensor:
     q, row = fusion.maybe_compiled(gqa_inputs, step.compiled)(attn, x, step.cos, step.sin)
     cache.index_copy_(0, step.meta.slot_mapping, row.to(cache.dtype))
-    if step.kernel is not None and window is None:
-        out = step.kernel(q, cache, step.meta, float(attn.scaling))
+    if step.kernel is not None:
+        out = step.kernel(q, cache, step.meta, float(attn.scaling), window=window)
     else:
         out = gqa_attention(q, cache, step.meta, float(attn.scaling), window)
     return attn.o_proj(out.flatten(1))

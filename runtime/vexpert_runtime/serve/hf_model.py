@@ -458,10 +458,10 @@ class HFStepModel:
         # Whether the step's small pieces run compiled (:meth:`compile_pieces`).
         self.compiled = False
         self.last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
-        # On a GPU every iteration attends with the Triton kernels (the torch twin on CPU, and where a
-        # layer has a sliding window, which the kernels do not take).
+        # On a GPU every iteration attends with the Triton kernels (sliding-window layers too: GQA's
+        # kernel takes the window); the torch twin on CPU.
         self._attention_kernel: AttentionKernel | None = None
-        if self.device.type == "cuda" and attention_kernels.available() and not any(self.windows):
+        if self.device.type == "cuda" and attention_kernels.available() and not (self.layout.mla and any(self.windows)):
             self._attention_kernel = attention_kernels.mla_decode if self.layout.mla else attention_kernels.gqa_decode
         self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count \
             if self.device.type == "cuda" else 0
@@ -556,7 +556,7 @@ class HFStepModel:
         if self.kv_cache is None:
             raise RuntimeError("allocate the KV cache before capturing CUDA graphs")
         if self._attention_kernel is None:
-            raise RuntimeError("CUDA graphs need the Triton attention kernels (a CUDA device, Triton, no sliding window)")
+            raise RuntimeError("CUDA graphs need the Triton attention kernels (a CUDA device and Triton)")
         width = blocks_for(self.max_context, self.kv_block_size)
         self.graphs = GraphedSteps(self._graph_forward, max_tokens, max_seqs, width, self.kv_block_size,
                                    self.device, stream, kv_splits=self.kv_splits)
