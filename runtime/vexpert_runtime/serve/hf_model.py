@@ -584,7 +584,7 @@ class HFStepModel:
         meta = build_metadata(work, self.kv_block_size, self.windows, self.device,
                               padded_groups=self._attention_kernel is None, dtype=self.dtype)
         if self._attention_kernel is not None:
-            longest = max(item.position + len(item.tokens) for item in work)
+            longest = max((item.position + len(item.tokens) for item in work), default=0)
             meta = dataclasses.replace(meta, kv_splits=self.kv_splits(len(tokens), longest))
         sampled = [row for row, item in enumerate(work) if item.sample is not None]
         specs = [spec for spec in (item.sample for item in work) if spec is not None]
