@@ -110,6 +110,49 @@ def check_split_kernels_on_cpu() -> None:
     assert (g_one_pass[valid] - want[valid]).abs().max() < 1e-5
 
 
+def check_model_with_kernels_on_cpu() -> None:
+    """The GPU path's eager step on CPU: ``HFStepModel`` attending with the Triton kernels (in the
+    interpreter, as a GPU rank would with them) and the split policy of a 132-SM GPU — with splits of
+    16 rows instead of 256, so that 110-token prompts split as long contexts do — beside a short
+    prompt: DeepSeek-V3 (MLA) and Qwen3-MoE with a 40-token sliding window give generate's greedy
+    tokens, and some launches split their contexts."""
+    import tempfile
+
+    import transformers
+
+    import test_serve_model as serve_model
+    from vexpert_runtime.serve import attention_kernels
+    from vexpert_runtime.serve.hf_model import HFStepModel
+
+    attention_kernels.SPLIT_ROWS = 16  # read by the policy and the kernels' launches at call time
+    prompts = [[(7 * i + 3) % 120 + 1 for i in range(110)], [(5 * i + 2) % 120 + 1 for i in range(30)]]
+    new_tokens, joins = (4, 3), (0, 2)
+    for family, extra in (("deepseek_v3", {}), ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 40})):
+        with tempfile.TemporaryDirectory() as tmp:
+            torch.manual_seed(5)
+            config = serve_model._config(family)
+            for key, value in extra.items():
+                setattr(config, key, value)
+            path = Path(tmp) / family
+            transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+            expected, _ = serve_model._reference(path, prompts, new_tokens)
+            model = HFStepModel(path, dtype=torch.float32, kv_cache_tokens=512)
+            kernel = attention_kernels.mla_decode if model.layout.mla else attention_kernels.gqa_decode
+            splits: list[int] = []
+            meta_at = 3 if model.layout.mla else 2  # (q_latent, q_rope, cache, meta) / (q, cache, meta)
+
+            def recording(*args: object, _kernel: object = kernel, _at: int = meta_at, _seen: list[int] = splits,
+                          **kwargs: object) -> torch.Tensor:
+                _seen.append(args[_at].kv_splits)  # type: ignore[attr-defined]
+                return _kernel(*args, **kwargs)  # type: ignore[operator]
+
+            # what the constructor picks on a CUDA device with Triton (test_serve_gpu.py runs it there)
+            model._attention_kernel = recording
+            model._sm_count = 132
+            assert serve_model.drive(model, prompts, new_tokens, joins, 16) == expected, family
+            assert max(splits) > 1 and min(splits) == 1, (family, sorted(set(splits)))
+
+
 def test_decode_kernels_equal_their_torch_twins_in_the_interpreter() -> None:
     pytest.importorskip("triton")
     run_in_triton_interpreter("test_attention_kernels", "check_kernels_on_cpu")
@@ -142,3 +185,8 @@ def test_kv_splits_only_where_few_programs_meet_a_long_context() -> None:
             splits = kv_splits(rows, 4, longest, sms)
             assert splits & (splits - 1) == 0 and 1 <= splits <= MAX_KV_SPLITS
             assert splits == 1 or splits * SPLIT_ROWS <= 2 * longest
+
+
+def test_the_eager_gpu_step_with_its_kernels_matches_generate_in_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    run_in_triton_interpreter("test_attention_kernels", "check_model_with_kernels_on_cpu")

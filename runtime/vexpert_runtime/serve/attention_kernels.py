@@ -318,12 +318,12 @@ def mla_programs_per_row(rows: int, heads: int) -> int:
 
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, split_rows: int = SPLIT_ROWS) -> torch.Tensor:
+               num_stages: int | None = None, split_rows: int | None = None) -> torch.Tensor:
     """q_latent [T, nh, C], q_rope [T, nh, R] (any tokens: decodes or prompt chunks, each with its
     own context, see :class:`~.attention.AttentionMetadata`) over a latent cache [slots, C + R]
     → Σ p·c [T, nh, C]. Launch parameters left None come from :func:`mla_launch_config` (T is a
     graph bucket's size where graphs run: a shape-only choice); ``meta.kv_splits`` > 1 cuts long
-    contexts into splits of at least ``split_rows`` rows (:func:`kv_splits`)."""
+    contexts into splits of at least ``split_rows`` rows (None: :data:`SPLIT_ROWS`, as :func:`kv_splits`)."""
     batch, heads, latent = q_latent.shape
     tuned = mla_launch_config(batch)
     block_h = tuned[0] if block_h is None else block_h
@@ -345,6 +345,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
             **shapes, num_warps=num_warps, num_stages=num_stages,
         )
         return out
+    split_rows = SPLIT_ROWS if split_rows is None else split_rows
     part, part_lse = _split_buffers(batch, splits, heads, latent, q_latent.device)
     _mla_decode_split_kernel[(batch, head_blocks, splits)](
         q_latent, q_rope, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, part, part_lse, scale,
@@ -356,7 +357,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
 
 
 def gqa_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               block_n: int = 32, split_rows: int = SPLIT_ROWS, window: int | None = None) -> torch.Tensor:
+               block_n: int = 32, split_rows: int | None = None, window: int | None = None) -> torch.Tensor:
     """q [T, nh, d] (per-token contexts as in :func:`mla_decode`) over a GQA cache [slots, 2, nkv, d]
     → [T, nh, d]; ``meta.kv_splits`` as in :func:`mla_decode`; ``window``: a sliding window (each query
     attends its last ``window`` tokens; None: its whole context)."""
@@ -379,6 +380,7 @@ def gqa_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, sc
             num_warps=4, num_stages=2,
         )
         return out
+    split_rows = SPLIT_ROWS if split_rows is None else split_rows
     part, part_lse = _split_buffers(batch, splits, heads, dim, q.device)
     _gqa_decode_split_kernel[(batch, kv_heads, splits)](
         q, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, part, part_lse, scale, *strides,
