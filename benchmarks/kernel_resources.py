@@ -50,6 +50,7 @@ _GQA_STRIDES = ["stride_qb", "stride_qh", "stride_cache", "stride_kv", "stride_h
                 "stride_ob", "stride_oh"]
 _PART = [("part", "*fp32"), ("part_lse", "*fp32")]
 _PART_STRIDES = ["stride_pb", "stride_ps", "stride_ph", "stride_lb", "stride_ls"]
+_SPLIT_ARGS = [*_PART_STRIDES, "max_splits"]
 
 
 def _signature(pointers: list[tuple[str, str]], scalars: list[str], constexprs: dict[str, int],
@@ -73,26 +74,26 @@ def kernel_specs() -> list[dict[str, Any]]:
                           fn=ak._mla_decode_kernel, constexprs=shapes, warps=warps, stages=stages,
                           signature=_signature(_MLA_POINTERS, _MLA_STRIDES, shapes)))
     block_h, block_n, warps, stages = ak.mla_launch_config(16)  # splits run where few rows leave SMs idle
-    split = {**mla, "BLOCK_H": block_h, "BLOCK_N": block_n, "SPLITS": 8, "SPLIT_ROWS": ak.SPLIT_ROWS}
+    split = {**mla, "BLOCK_H": block_h, "BLOCK_N": block_n, "SPLIT_ROWS": ak.SPLIT_ROWS}
     specs.append(dict(name="mla_decode_split rows<128", fn=ak._mla_decode_split_kernel, constexprs=split,
                       warps=warps, stages=stages,
-                      signature=_signature(_MLA_POINTERS + _PART, _MLA_STRIDES + _PART_STRIDES, split)))
+                      signature=_signature(_MLA_POINTERS + _PART, _MLA_STRIDES + _SPLIT_ARGS, split)))
     gqa = dict(GROUP=8, D=128, DP=128, PAGE=16, BLOCK_G=ak._pow2(8), BLOCK_N=32, WINDOW=0)  # as gqa_decode launches it
     specs.append(dict(name="gqa_decode", fn=ak._gqa_decode_kernel, constexprs=gqa, warps=4, stages=2,
                       signature=_signature(_GQA_POINTERS, _GQA_STRIDES, gqa)))
-    gsplit = {**gqa, "SPLITS": 8, "SPLIT_ROWS": ak.SPLIT_ROWS}
+    gsplit = {**gqa, "SPLIT_ROWS": ak.SPLIT_ROWS}
     specs.append(dict(name="gqa_decode_split", fn=ak._gqa_decode_split_kernel, constexprs=gsplit, warps=4, stages=2,
-                      signature=_signature(_GQA_POINTERS + _PART, _GQA_STRIDES + _PART_STRIDES, gsplit)))
+                      signature=_signature(_GQA_POINTERS + _PART, _GQA_STRIDES + _SPLIT_ARGS, gsplit)))
     windowed = {**gqa, "WINDOW": 4096}  # Mixtral-style sliding-window layers
     specs.append(dict(name="gqa_decode window", fn=ak._gqa_decode_kernel, constexprs=windowed, warps=4, stages=2,
                       signature=_signature(_GQA_POINTERS, _GQA_STRIDES, windowed)))
     for dim, label in ((512, "mla"), (128, "gqa")):
         merge = dict(NH=128 if label == "mla" else 32, D=dim, DP=dim, BLOCK_H=ak._MERGE_BLOCK_H, BLOCK_N=64,
-                     SPLITS=8, SPLIT_ROWS=ak.SPLIT_ROWS, WINDOW=0)
+                     SPLIT_ROWS=ak.SPLIT_ROWS, WINDOW=0)
         specs.append(dict(name=f"merge_splits {label}", fn=ak._merge_splits_kernel, constexprs=merge, warps=4,
                           stages=1, signature=_signature(
                               [("part", "*fp32"), ("part_lse", "*fp32"), ("lens", "*i64"), ("out", "*bf16")],
-                              [*_PART_STRIDES, "stride_ob", "stride_oh"], merge, scale=False)))
+                              [*_PART_STRIDES, "stride_ob", "stride_oh", "max_splits"], merge, scale=False)))
     return specs
 
 

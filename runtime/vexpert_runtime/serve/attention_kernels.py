@@ -106,29 +106,31 @@ if triton is not None:
                  result.to(out.dtype.element_ty), mask=(heads < NH)[:, None] & (offs_c < C)[None, :])
 
     @triton.jit
-    def _split_range(length, split, SPLITS: tl.constexpr, SPLIT_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _split_range(length, split, max_splits, SPLIT_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
         """(splits this query's context takes, its rows [start, end) in split ``split``): one split per
-        SPLIT_ROWS rows, at most SPLITS, each a whole number of BLOCK_N-row tiles (the last splits may
-        be empty: their end ≤ start)."""
-        splits = tl.minimum(tl.maximum((length + SPLIT_ROWS - 1) // SPLIT_ROWS, 1), SPLITS)
+        SPLIT_ROWS rows, at most ``max_splits``, each a whole number of BLOCK_N-row tiles (the last
+        splits may be empty: their end ≤ start)."""
+        splits = tl.minimum(tl.maximum((length + SPLIT_ROWS - 1) // SPLIT_ROWS, 1), max_splits)
         chunk = ((length + splits - 1) // splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         start = split * chunk
         return splits, start, tl.minimum(length, start + chunk)
 
-    @triton.jit
+    # max_splits is a runtime argument, not specialised: one compile serves every split count (a
+    # graph per count is captured on first use while serving; a compile then would stall the rank)
+    @triton.jit(do_not_specialize=["max_splits"])
     def _mla_decode_split_kernel(q_lat, q_rope, cache, tables, token_seq, lens, out, part, part_lse, scale,
                                  stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_cache, stride_tb, stride_tn,
-                                 stride_ob, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
+                                 stride_ob, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls, max_splits,
                                  NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr,
                                  RP: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 SPLITS: tl.constexpr, SPLIT_ROWS: tl.constexpr):
+                                 SPLIT_ROWS: tl.constexpr):
         """Split ``program_id(2)`` of a query's context (split-KV, as FlashDecoding and SGLang's
         ``decode_attention`` stage 1): a query whose context takes one split writes its output here;
         the others write their normalised partial output and log-sum-exp for :func:`_merge_splits_kernel`."""
         b = tl.program_id(0)
         split = tl.program_id(2)
         length = tl.load(lens + b)
-        splits, start, end = _split_range(length, split, SPLITS, SPLIT_ROWS, BLOCK_N)
+        splits, start, end = _split_range(length, split, max_splits, SPLIT_ROWS, BLOCK_N)
         if split < splits:
             table = tables + tl.load(token_seq + b) * stride_tb
             heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -148,19 +150,18 @@ if triton is not None:
                 lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
                 tl.store(part_lse + b * stride_lb + split * stride_ls + heads, lse, mask=heads < NH)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["max_splits"])
     def _merge_splits_kernel(part, part_lse, lens, out,
-                             stride_pb, stride_ps, stride_ph, stride_lb, stride_ls, stride_ob, stride_oh,
+                             stride_pb, stride_ps, stride_ph, stride_lb, stride_ls, stride_ob, stride_oh, max_splits,
                              NH: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr,
-                             BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLIT_ROWS: tl.constexpr,
-                             WINDOW: tl.constexpr = 0):
+                             BLOCK_N: tl.constexpr, SPLIT_ROWS: tl.constexpr, WINDOW: tl.constexpr = 0):
         """out[b, heads] = Σ_s e^(lse_s − M)·o_s / Σ_s e^(lse_s − M) over query ``b``'s splits (a query of
         one split was written by the split kernel itself); empty splits carry lse −∞ and weigh 0."""
         b = tl.program_id(0)
         length = tl.load(lens + b)
         if WINDOW > 0:
             length = tl.minimum(length, WINDOW)
-        splits, _, _ = _split_range(length, 0, SPLITS, SPLIT_ROWS, BLOCK_N)
+        splits, _, _ = _split_range(length, 0, max_splits, SPLIT_ROWS, BLOCK_N)
         if splits > 1:
             heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
             hmask = heads < NH
@@ -238,13 +239,13 @@ if triton is not None:
         tl.store(out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  result.to(out.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["max_splits"])
     def _gqa_decode_split_kernel(q, cache, tables, token_seq, lens, out, part, part_lse, scale,
                                  stride_qb, stride_qh, stride_cache, stride_kv, stride_head, stride_tb, stride_tn,
-                                 stride_ob, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
+                                 stride_ob, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls, max_splits,
                                  GROUP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
-                                 BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                                 SPLIT_ROWS: tl.constexpr, WINDOW: tl.constexpr = 0):
+                                 BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_ROWS: tl.constexpr,
+                                 WINDOW: tl.constexpr = 0):
         """:func:`_mla_decode_split_kernel` for GQA: split ``program_id(2)`` of one KV head's group
         (of the window's rows, with a sliding window)."""
         b = tl.program_id(0)
@@ -253,7 +254,7 @@ if triton is not None:
         first = 0
         if WINDOW > 0:
             first = tl.maximum(length - WINDOW, 0)
-        splits, start, end = _split_range(length - first, split, SPLITS, SPLIT_ROWS, BLOCK_N)
+        splits, start, end = _split_range(length - first, split, max_splits, SPLIT_ROWS, BLOCK_N)
         start += first
         end += first
         if split < splits:
@@ -349,7 +350,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     part, part_lse = _split_buffers(batch, splits, heads, latent, q_latent.device)
     _mla_decode_split_kernel[(batch, head_blocks, splits)](
         q_latent, q_rope, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, part, part_lse, scale,
-        *strides, *part.stride()[:3], *part_lse.stride()[:2], **shapes, SPLITS=splits, SPLIT_ROWS=split_rows,
+        *strides, *part.stride()[:3], *part_lse.stride()[:2], splits, **shapes, SPLIT_ROWS=split_rows,
         num_warps=num_warps, num_stages=num_stages,
     )
     _merge_splits(part, part_lse, meta.context_lens, out, block_n, split_rows)
@@ -384,7 +385,7 @@ def gqa_decode(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, sc
     part, part_lse = _split_buffers(batch, splits, heads, dim, q.device)
     _gqa_decode_split_kernel[(batch, kv_heads, splits)](
         q, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, part, part_lse, scale, *strides,
-        *part.stride()[:3], *part_lse.stride()[:2], **shapes, SPLITS=splits, SPLIT_ROWS=split_rows,
+        *part.stride()[:3], *part_lse.stride()[:2], splits, **shapes, SPLIT_ROWS=split_rows,
         num_warps=4, num_stages=2,
     )
     _merge_splits(part, part_lse, meta.context_lens, out, block_n, split_rows, window)
@@ -407,7 +408,7 @@ def _merge_splits(part: torch.Tensor, part_lse: torch.Tensor, lens: torch.Tensor
     batch, splits, heads, dim = part.shape
     extra = {} if window is None else {"WINDOW": window}
     _merge_splits_kernel[(batch, triton.cdiv(heads, _MERGE_BLOCK_H))](
-        part, part_lse, lens, out, *part.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
-        NH=heads, D=dim, DP=_pow2(dim), BLOCK_H=_MERGE_BLOCK_H, BLOCK_N=block_n, SPLITS=splits,
-        SPLIT_ROWS=split_rows, num_warps=4, num_stages=1, **extra,
+        part, part_lse, lens, out, *part.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1), splits,
+        NH=heads, D=dim, DP=_pow2(dim), BLOCK_H=_MERGE_BLOCK_H, BLOCK_N=block_n, SPLIT_ROWS=split_rows,
+        num_warps=4, num_stages=1, **extra,
     )

@@ -17,7 +17,8 @@ lockstep with its EP group) is the 1-row bucket of pad rows only, not an eager p
 captured at the first iteration, largest first (so the smaller ones reuse the memory of the larger),
 each after one eager warm-up pass over pad rows only (kernels compiled, workspaces made, no lasting
 effect), all in one memory pool; the top-p variants and those that split long contexts (split-KV,
-:func:`~.attention_kernels.kv_splits`: small buckets once a context is long), on first use. A plan switch only rewrites the
+:func:`~.attention_kernels.kv_splits`: small buckets once a context is long), on first use — the split
+kernels themselves compile at the first iteration where the model's context can split. A plan switch only rewrites the
 device routing table in place: graphs stay valid.
 
 Shapes: ``T`` token rows, ``S`` sampling rows, ``W`` the widest block table (a full context).
@@ -269,6 +270,10 @@ class GraphedSteps:
         if not self.graphs:  # the first iteration: every plain bucket now, not one by one while serving
             for size in reversed(self.buckets):
                 self._capture(size, False, 1)
+            longest = self.width * self.block_size  # the model's context: does any launch ever split?
+            splits = 1 if self.kv_splits is None else self.kv_splits(1, longest)
+            if splits > 1:  # compile the split kernels now, not when the first long context arrives
+                self._call(self.warmup_inputs, 1, False, splits, warmup=True)
         key = self.key_for(work, width)
         if key not in self.graphs:
             self._capture(*key)
