@@ -6,11 +6,18 @@ over ``--iters`` launches between CUDA events (median of 5 repeats). Prints one 
 configuration and the best per batch.
 
     PYTHONPATH=runtime python3 benchmarks/mla_decode_tuning.py --batches 16 64 256 --context 96
+
+``--warps`` widens the sweep (16 warps: 128 registers a thread, see ``kernel_resources.py``); ``--kv-splits``
+sweeps split-KV at long contexts (each configuration also at these split counts; 1: one pass):
+
+    PYTHONPATH=runtime python3 benchmarks/mla_decode_tuning.py --batches 1 4 16 --context 32768 \
+        --block-h 32 --block-n 64 --warps 8 --stages 3 --kv-splits 1 4 16 64
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import statistics
@@ -36,6 +43,11 @@ def main() -> int:
     parser.add_argument("--rope", type=int, default=64)
     parser.add_argument("--page", type=int, default=16)
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--block-h", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--kv-splits", type=int, nargs="+", default=[1])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -55,14 +67,16 @@ def main() -> int:
         scale = (args.latent + args.rope) ** -0.5
         want = mla_attention(q_latent, q_rope, cache, meta, scale).float()
         best = None
-        for block_h, block_n, warps, stages in itertools.product((16, 32, 64), (16, 32, 64), (4, 8), (1, 2, 3)):
+        for block_h, block_n, warps, stages, splits in itertools.product(args.block_h, args.block_n, args.warps,
+                                                                         args.stages, args.kv_splits):
+            split_meta = dataclasses.replace(kernel_meta, kv_splits=splits)
             try:
-                got = attention_kernels.mla_decode(q_latent, q_rope, cache, kernel_meta, scale, block_h=block_h,
+                got = attention_kernels.mla_decode(q_latent, q_rope, cache, split_meta, scale, block_h=block_h,
                                                    block_n=block_n, num_warps=warps, num_stages=stages)
                 torch.cuda.synchronize()
             except Exception as exc:  # a configuration Triton cannot build (shared memory)
                 rows.append({"batch": batch, "block_h": block_h, "block_n": block_n, "warps": warps,
-                             "stages": stages, "error": str(exc)[:120]})
+                             "stages": stages, "kv_splits": splits, "error": str(exc)[:120]})
                 continue
             error = (got.float() - want).abs().max().item()
             times = []
@@ -70,13 +84,13 @@ def main() -> int:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(args.iters):
-                    attention_kernels.mla_decode(q_latent, q_rope, cache, kernel_meta, scale, block_h=block_h,
+                    attention_kernels.mla_decode(q_latent, q_rope, cache, split_meta, scale, block_h=block_h,
                                                  block_n=block_n, num_warps=warps, num_stages=stages)
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end) / args.iters)
             row = {"batch": batch, "context": args.context, "block_h": block_h, "block_n": block_n, "warps": warps,
-                   "stages": stages, "ms": round(statistics.median(times), 4), "max_abs_error": round(error, 4)}
+                   "stages": stages, "kv_splits": splits, "ms": round(statistics.median(times), 4), "max_abs_error": round(error, 4)}
             rows.append(row)
             print(json.dumps(row), flush=True)
             if error < 0.05 and (best is None or row["ms"] < best["ms"]):
