@@ -167,6 +167,20 @@ class GraphInputs:
                                  token_seq=v["seqs"][:tokens], groups=(), block_size=block_size, kv_splits=kv_splits)
 
 
+def graph_key(work: Sequence[SequenceWork], buckets: Sequence[int], block_size: int,
+              kv_splits: Callable[[int, int], int] | None, width: int) -> tuple[int, bool, int]:
+    """(token bucket, top-p, context splits) of an iteration: the smallest bucket with a row for every
+    token; whether any sampled row draws with top-p (a graph of its own: the sort over the vocabulary
+    costs the others nothing); the decode kernels' splits for that bucket at the longest context the
+    tables reach (``width`` blocks)."""
+    tokens = sum(len(item.tokens) for item in work)
+    bucket = next(b for b in buckets if b >= tokens)
+    use_top_p = any(item.sample is not None and item.sample.top_p < 1.0 and item.sample.temperature > 0
+                    for item in work)
+    splits = 1 if kv_splits is None else kv_splits(bucket, width * block_size)
+    return bucket, use_top_p, splits
+
+
 def table_width(work: Sequence[SequenceWork]) -> int:
     """The longest block table of an iteration, in blocks."""
     return max((len(item.blocks) for item in work), default=0)
@@ -247,14 +261,9 @@ class GraphedSteps:
         return self.launch(work).result()
 
     def key_for(self, work: Sequence[SequenceWork], width: int | None = None) -> tuple[int, bool, int]:
-        """The graph an iteration of ``work`` replays: (token bucket, top-p, context splits)."""
-        tokens = sum(len(item.tokens) for item in work)
-        bucket = next(b for b in self.buckets if b >= tokens)
-        use_top_p = any(item.sample is not None and item.sample.top_p < 1.0 and item.sample.temperature > 0
-                        for item in work)
-        width = table_width(work) if width is None else width
-        splits = 1 if self.kv_splits is None else self.kv_splits(bucket, width * self.block_size)
-        return bucket, use_top_p, splits
+        """The graph an iteration of ``work`` replays (:func:`graph_key`)."""
+        return graph_key(work, self.buckets, self.block_size, self.kv_splits,
+                         table_width(work) if width is None else width)
 
     def launch(self, work: Sequence[SequenceWork]) -> GraphStep:
         """Enqueue one iteration (one input copy, one replay, one output copy) without waiting for it."""
