@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 
 import vexpert_runtime.model.ep_moe as ep_moe
-from vexpert_runtime.serve.hf_model import EPExperts, HFStepModel
+from vexpert_runtime.serve.hf_model import HFStepModel
 from vexpert_runtime.serve.kv_cache import BlockPool
+from vexpert_runtime.serve.moe_executors import EPExperts
 from vexpert_runtime.serve.sampling import IncrementalDetokenizer, SamplingSpec
 from vexpert_runtime.serve.step import SequenceWork
 

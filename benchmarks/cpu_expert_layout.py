@@ -35,8 +35,9 @@ import torch
 
 from vexpert_runtime.model.ep_moe import base_experts
 from vexpert_runtime.model.grouped_moe import PrepackedExperts, grouped_swiglu, packed_views
-from vexpert_runtime.serve.hf_model import EPExperts, HFStepModel
+from vexpert_runtime.serve.hf_model import HFStepModel
 from vexpert_runtime.serve.kv_cache import BlockPool
+from vexpert_runtime.serve.moe_executors import EPExperts
 from vexpert_runtime.serve.step import SamplingSpec, SequenceWork
 
 

@@ -3,7 +3,7 @@
 Served iterations mix decodes with the prompt chunks of requests that replace finished ones, so a traced
 serving iteration (``serve_engine.py --profile-streams``) is not the decode step the HBM bound describes.
 This builds what a serving rank runs — :class:`~vexpert_runtime.serve.hf_model.HFStepModel` with the EP
-layer on one rank (:class:`~vexpert_runtime.serve.hf_model.EPExperts`), its pieces compiled, CUDA graphs per
+layer on one rank (:class:`~vexpert_runtime.serve.moe_executors.EPExperts`), its pieces compiled, CUDA graphs per
 token bucket — on ``serve_engine.py``'s checkpoint, and times ``--iters`` back-to-back launches of one
 decode step of B sequences at context ``--context`` (the same step relaunched: it rewrites the same KV
 slots) between two CUDA events, after warm-up (``launch_span_ms``: with the host's input fill between
@@ -50,8 +50,9 @@ from serve_engine import hbm_bound
 from serve_load import write_model
 
 from vexpert_runtime.serve.demo_model import ensure_demo_model
-from vexpert_runtime.serve.hf_model import EPExperts, HFStepModel
+from vexpert_runtime.serve.hf_model import HFStepModel
 from vexpert_runtime.serve.kv_cache import BlockPool
+from vexpert_runtime.serve.moe_executors import EPExperts
 from vexpert_runtime.serve.step import SamplingSpec, SequenceWork
 
 

@@ -2,7 +2,7 @@
 leaves of it (CPU; the rank's own classes).
 
 Builds a rank's model as ``ServingRank`` does (:class:`~vexpert_runtime.serve.hf_model.HFStepModel`, one EP
-rank's :class:`~vexpert_runtime.serve.hf_model.EPExperts`, its paged KV cache), serves a few requests through
+rank's :class:`~vexpert_runtime.serve.moe_executors.EPExperts`, its paged KV cache), serves a few requests through
 the product's :class:`~vexpert_runtime.serve.scheduler.Scheduler`, eagerly and then with the step's pieces
 compiled by inductor (what a GPU rank runs: ``--compile auto`` compiles wherever CUDA graphs run), and reports
 the objects a full collection traverses and how long one takes — before and after the freeze a worker does
@@ -31,7 +31,8 @@ import torch
 
 from vexpert_runtime.gc_heap import freeze_heap
 from vexpert_runtime.serve.events import GenerationRequest, SamplingParams
-from vexpert_runtime.serve.hf_model import EPExperts, HFStepModel, checkpoint_reader
+from vexpert_runtime.serve.hf_model import HFStepModel
+from vexpert_runtime.serve.moe_executors import EPExperts, checkpoint_reader
 from vexpert_runtime.serve.sampling import eos_token_ids
 from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
 

@@ -44,7 +44,7 @@ from serve_load import load_processes, scrape, wait_healthy, write_model
 
 from vexpert_runtime.ports import free_port
 from vexpert_runtime.serve.demo_model import ensure_demo_model
-from vexpert_runtime.serve.hf_model import EP_LAYER_RANGE
+from vexpert_runtime.serve.moe_executors import EP_LAYER_RANGE
 
 HBM_BYTES_PER_S = 4.8e12  # H200
 PROMPT_TOKENS = 62

@@ -29,7 +29,8 @@ from vexpert_runtime.model.ep_moe import (  # noqa: E402
     static_table,
 )
 from vexpert_runtime.model.fusion import compiled  # noqa: E402
-from vexpert_runtime.serve.hf_model import EPExperts, HFStepModel  # noqa: E402
+from vexpert_runtime.serve.hf_model import HFStepModel  # noqa: E402
+from vexpert_runtime.serve.moe_executors import EPExperts  # noqa: E402
 
 
 def test_the_ep_layers_pieces_compiled_equal_the_eager_ones_at_every_batch_size() -> None:

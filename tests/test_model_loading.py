@@ -198,7 +198,8 @@ def test_an_ep_rank_reads_its_resident_experts_and_the_rest_only(checkpoints: di
 
     from vexpert_runtime.model import checkpoint
     from vexpert_runtime.model.ep_moe import base_experts
-    from vexpert_runtime.serve.hf_model import EPExperts, HFStepModel, checkpoint_reader
+    from vexpert_runtime.serve.hf_model import HFStepModel
+    from vexpert_runtime.serve.moe_executors import EPExperts, checkpoint_reader
 
     path = checkpoints[family]
     sizes = _header_bytes(path)

@@ -394,7 +394,7 @@ def test_prepacked_cpu_experts_compute_the_packed_rows_experts() -> None:
     assert not torch.equal(got[:11], torch.zeros_like(got[:11]))
     assert not prepacking_runs(torch.device("cpu"), torch.bfloat16)
     assert not prepacking_runs(torch.device("cuda"), torch.float32)
-    from vexpert_runtime.serve.hf_model import EPExperts
+    from vexpert_runtime.serve.moe_executors import EPExperts
 
     executor = EPExperts([rows, rows.clone()], inter, experts, 0, 1, None, cpu_expert_kernel="prepacked")
     assert all(isinstance(layer, PrepackedExperts) and len(layer) == experts for layer in executor.resident)
@@ -434,7 +434,7 @@ def test_cpu_rank_picks_its_expert_kernel() -> None:
     layer; an unknown kernel is refused naming the option."""
     from vexpert_runtime.errors import VExpertInputError
     from vexpert_runtime.model.grouped_moe import PrepackedExperts, prepacking_runs
-    from vexpert_runtime.serve.hf_model import EPExperts
+    from vexpert_runtime.serve.moe_executors import EPExperts
 
     if not prepacking_runs(torch.device("cpu"), torch.float32):
         pytest.skip("this torch has no oneDNN")

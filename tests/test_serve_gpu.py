@@ -27,7 +27,8 @@ from vexpert_runtime.serve.attention_kernels import (  # noqa: E402
     mla_decode,
     mla_programs_per_row,
 )
-from vexpert_runtime.serve.hf_model import EPExperts, HFStepModel  # noqa: E402
+from vexpert_runtime.serve.hf_model import HFStepModel  # noqa: E402
+from vexpert_runtime.serve.moe_executors import EPExperts  # noqa: E402
 from vexpert_runtime.serve.step import SequenceWork  # noqa: E402
 
 

@@ -22,8 +22,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from vexpert_runtime.model.checkpoint import read_model_spec  # noqa: E402
-from vexpert_runtime.serve.hf_model import HFStepModel, LocalExperts, checkpoint_reader  # noqa: E402
+from vexpert_runtime.serve.hf_model import HFStepModel  # noqa: E402
 from vexpert_runtime.serve.kv_cache import BlockPool  # noqa: E402
+from vexpert_runtime.serve.moe_executors import LocalExperts, checkpoint_reader  # noqa: E402
 from vexpert_runtime.serve.step import SamplingSpec, SequenceWork  # noqa: E402
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "qwen2_moe")
@@ -151,7 +152,7 @@ def test_local_experts_match_generate(checkpoints: dict[str, Path], family: str)
 def test_rank_local_model_matches_generate(checkpoints: dict[str, Path], family: str) -> None:
     """Loaded without its routed experts (they stay on meta), the rank's experts read from the
     shards: the same greedy tokens as transformers' generate."""
-    from vexpert_runtime.serve.hf_model import EPExperts
+    from vexpert_runtime.serve.moe_executors import EPExperts
 
     expected, _ = _reference(checkpoints[family])
     reader = checkpoint_reader(checkpoints[family])
@@ -191,7 +192,7 @@ def test_ep_statistics_are_the_last_iterations(checkpoints: dict[str, Path]) -> 
     """Every MoE layer overwrites its rows of the expert counts and computed rows each iteration (the
     worker zeroes nothing between iterations): after a 10-token step, a 1-token step and an empty
     step, the counts are each step's own."""
-    from vexpert_runtime.serve.hf_model import EPExperts
+    from vexpert_runtime.serve.moe_executors import EPExperts
 
     reader = checkpoint_reader(checkpoints["qwen3_moe"])
     executor = EPExperts.from_checkpoint(reader, reader.spec.num_layers, torch.float32, 0, 1, None, "cpu")
@@ -281,7 +282,7 @@ def _ep_rank(rank: int, path: str, port: int, slot_expert: torch.Tensor, slot_mo
 
     from vexpert_runtime.model.ep_moe import DeviceRoutingTable, plan_from_slots, table_from_plan
     from vexpert_runtime.policy.placement import static_placement
-    from vexpert_runtime.serve.hf_model import EPExperts, SlotHooks
+    from vexpert_runtime.serve.moe_executors import EPExperts, SlotHooks
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
@@ -411,7 +412,7 @@ def test_bf16_step_model_runs(tmp_path: Path) -> None:
 
 def test_quantised_expert_weights_are_refused() -> None:
     """FP8 fused weights carry their scales elsewhere: rows must come from the checkpoint reader."""
-    from vexpert_runtime.serve.hf_model import packed_rows
+    from vexpert_runtime.serve.moe_executors import packed_rows
 
     experts = torch.nn.Module()
     experts.gate_up_proj = torch.nn.Parameter(torch.zeros(2, 8, 4).to(torch.float8_e4m3fn), requires_grad=False)

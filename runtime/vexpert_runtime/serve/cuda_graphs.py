@@ -12,7 +12,7 @@ parameters); the sampled ids come back in one device→host copy.
 An iteration of ``T`` tokens of ``B`` sequences replays the smallest captured bucket with at least
 ``T`` token rows (its sampling rows are ``min(bucket, max_seqs)``; :func:`token_buckets`). Pad rows write the scratch block,
 attend to nothing, are spread over the experts with weight 0 and are not counted
-(:attr:`~.hf_model.EPExperts.token_valid`) — so an empty iteration (a rank with no work stepping in
+(:attr:`~.moe_executors.EPExperts.token_valid`) — so an empty iteration (a rank with no work stepping in
 lockstep with its EP group) is the 1-row bucket of pad rows only, not an eager pass. Every bucket is
 captured at the first iteration, largest first (so the smaller ones reuse the memory of the larger),
 each after one eager warm-up pass over pad rows only (kernels compiled, workspaces made, no lasting

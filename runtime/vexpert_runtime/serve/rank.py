@@ -5,7 +5,7 @@ protocol with the coordinator, the plan agreement, the expert-count windows for 
 hands each iteration's model work to a :class:`ServingRank` (through its
 :class:`~vexpert_runtime.node.runners.ServingRunner`): the Hugging Face model's non-expert
 layers for this rank's own requests (data-parallel attention) and, for every sparse MoE block, the
-vExpert EP layer (:class:`~.hf_model.EPExperts`) over the worker's process group, computing with
+vExpert EP layer (:class:`~.moe_executors.EPExperts`) over the worker's process group, computing with
 the slots the coordinator filled (the hooks are the worker's flag waits and releases).
 
 Requests arrive on the rank's queue from the API servers (:mod:`.multirank`); a request's events
@@ -37,14 +37,9 @@ from vexpert_runtime.serve.events import (
     ServeRefusal,
     StopAccepting,
 )
-from vexpert_runtime.serve.hf_model import (
-    DEFAULT_BLOCK_SIZE,
-    EPExperts,
-    HFStepModel,
-    SlotHooks,
-    checkpoint_reader,
-)
+from vexpert_runtime.serve.hf_model import DEFAULT_BLOCK_SIZE, HFStepModel
 from vexpert_runtime.serve.kv_cache import blocks_for, num_blocks_for_memory
+from vexpert_runtime.serve.moe_executors import EPExperts, SlotHooks, checkpoint_reader
 from vexpert_runtime.serve.sampling import eos_token_ids
 from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
 
