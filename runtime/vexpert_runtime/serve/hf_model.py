@@ -39,7 +39,13 @@ from vexpert_runtime.serve.cuda_graphs import GraphedSteps
 from vexpert_runtime.serve.fused_projections import fuse_model_projections
 from vexpert_runtime.serve.kv_cache import PagedKVCache, blocks_for
 from vexpert_runtime.serve.model_loading import load_without_experts
-from vexpert_runtime.serve.moe_executors import EPExperts, LocalExperts, MoEExecutor, packed_rows
+from vexpert_runtime.serve.moe_executors import (
+    EPExperts,
+    ExpertSource,
+    LocalExperts,
+    MoEExecutor,
+    packed_rows,
+)
 from vexpert_runtime.serve.sampling import sample_tokens, sampling_tensors
 from vexpert_runtime.serve.sparse_blocks import (
     ExecutorExperts,
@@ -362,6 +368,9 @@ class HFStepModel:
 if TYPE_CHECKING:  # mypy checks the classes against the protocols they implement
 
     def _step_model(model: HFStepModel) -> StepModel:
+        return model
+
+    def _expert_source(model: HFStepModel) -> ExpertSource:  # what EPExperts.for_model reads
         return model
 
     def _executors(local: LocalExperts, ep: EPExperts) -> tuple[MoEExecutor, MoEExecutor]:

@@ -20,7 +20,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,10 +47,21 @@ from vexpert_runtime.model.grouped_moe import (
 )
 from vexpert_runtime.model.moe_math import combine
 
-if TYPE_CHECKING:
-    from vexpert_runtime.serve.hf_model import HFStepModel
-
 EP_LAYER_RANGE = "vexpert.ep_layer"  # the profiler range around each EP MoE layer (eager steps)
+
+class ExpertSource(Protocol):
+    """A loaded model whose routed experts an :class:`EPExperts` can take its rows from
+    (:class:`~.hf_model.HFStepModel`)."""
+
+    moe_layers: list[int]
+    num_experts: int
+    device: torch.device
+
+    @property
+    def intermediate_size(self) -> int: ...
+
+    def expert_rows(self, moe_layer: int, ids: Sequence[int]) -> torch.Tensor: ...
+
 
 class MoEExecutor(Protocol):
     """Computes the routed experts of one MoE layer for one iteration's tokens.
@@ -332,9 +343,9 @@ class EPExperts:
                              spec.num_experts, rank, world, group, device, **kwargs)
 
     @classmethod
-    def for_model(cls, model: HFStepModel, rank: int, world: int, group: dist.ProcessGroup | None,
+    def for_model(cls, model: ExpertSource, rank: int, world: int, group: dist.ProcessGroup | None,
                   **kwargs: Any) -> EPExperts:
-        """This rank's executor for a loaded :class:`HFStepModel`, resident rows from its weights
+        """This rank's executor for a loaded :class:`~.hf_model.HFStepModel`, resident rows from its weights
         (then ``model.executor = ep; model.drop_expert_weights()``); ``kwargs`` as in the constructor."""
         return cls.from_rows(model.expert_rows, len(model.moe_layers), model.intermediate_size, model.num_experts,
                              rank, world, group, model.device, **kwargs)
