@@ -6,7 +6,9 @@ memory (H200: 64 K registers, 228 KB shared per SM) and a hash of the SASS witho
 trees can be compared instruction for instruction (``--compare OTHER.jsonl``).
 
 Shapes: DeepSeek-V3's MLA (128 heads, latent 512, rope 64) and Qwen3-30B-A3B's GQA (32 query heads,
-4 KV heads, head dim 128), 16-token pages, bf16 cache, int64 tables.
+4 KV heads, head dim 128), 16-token pages, bf16 cache, int64 tables stored column by column (a graph's);
+DeepSeek-V3's expert GEMMs (H 7168, I 2048, 8 experts). Arguments are specialised as Triton's JIT does
+for those launches (16-byte-aligned pointers, integers divisible by 16, integers equal to 1).
 
     python benchmarks/kernel_resources.py --out benchmarks/results/kernel_resources_sm90.jsonl
 """
@@ -40,66 +42,108 @@ REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 228 * 1024
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
-_MLA_POINTERS = [("q_lat", "*bf16"), ("q_rope", "*bf16"), ("cache", "*bf16"), ("tables", "*i64"),
-                 ("token_seq", "*i64"), ("lens", "*i64"), ("out", "*bf16")]
-_MLA_STRIDES = ["stride_qlb", "stride_qlh", "stride_qrb", "stride_qrh", "stride_cache", "stride_tb", "stride_tn",
-                "stride_ob", "stride_oh"]
-_GQA_POINTERS = [("q", "*bf16"), ("cache", "*bf16"), ("tables", "*i64"), ("token_seq", "*i64"), ("lens", "*i64"),
-                 ("out", "*bf16")]
-_GQA_STRIDES = ["stride_qb", "stride_qh", "stride_cache", "stride_kv", "stride_head", "stride_tb", "stride_tn",
-                "stride_ob", "stride_oh"]
-_PART = [("part", "*fp32"), ("part_lse", "*fp32")]
-_PART_STRIDES = ["stride_pb", "stride_ps", "stride_ph", "stride_lb", "stride_ls"]
-_SPLIT_ARGS = [*_PART_STRIDES, "max_splits"]
-
-
-def _signature(pointers: list[tuple[str, str]], scalars: list[str], constexprs: dict[str, int],
-               scale: bool = True) -> dict[str, str]:
-    sig = dict(pointers)
-    if scale:
-        sig["scale"] = "fp32"
-    sig.update({name: "i32" for name in scalars})
-    sig.update({name: "constexpr" for name in constexprs})
-    return sig
+def _spec(name: str, fn: Any, pointers: dict[str, str], scalars: dict[str, int | float], constexprs: dict[str, int],
+          warps: int, stages: int, unspecialised: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One launch as Triton's JIT specialises it: pointers 16-byte aligned (torch's allocations, and the
+    views the product passes), an integer argument divisible by 16 marked so, one equal to 1 folded into
+    a constant — except the kernel's ``do_not_specialize`` arguments (``unspecialised``). ``scalars`` are
+    the values of a served launch (DeepSeek-V3 / Qwen3-30B-A3B shapes, a graph's column-major tables)."""
+    signature: dict[str, str] = {}
+    constants = dict(constexprs)
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    for arg in fn.arg_names:
+        index = (fn.arg_names.index(arg),)
+        if arg in pointers:
+            signature[arg] = pointers[arg]
+            attrs[index] = [["tt.divisibility", 16]]
+        elif arg in constexprs:
+            signature[arg] = "constexpr"
+        elif isinstance(scalars.get(arg), float):
+            signature[arg] = "fp32"
+        elif arg in scalars:
+            value = int(scalars[arg])
+            if value == 1 and arg not in unspecialised:
+                signature[arg] = "constexpr"
+                constants[arg] = 1
+            else:
+                signature[arg] = "i32"
+                if value % 16 == 0 and arg not in unspecialised:
+                    attrs[index] = [["tt.divisibility", 16]]
+        else:
+            raise KeyError(f"{name}: no value for argument {arg!r}")
+    return dict(name=name, fn=fn, signature=signature, constexprs=constants, attrs=attrs, warps=warps, stages=stages,
+                shown={k: v for k, v in constexprs.items()})
 
 
 def kernel_specs() -> list[dict[str, Any]]:
-    """(name, kernel, signature, constexprs, warps, stages) of every launch configuration served."""
+    """Every launch configuration served, as :func:`_spec` describes it."""
+    import vexpert_runtime.model.grouped_gemm_kernel as gg
+
+    rows, seqs, heads, latent, rope, splits = 256, 256, 128, 512, 64, 8
+    bf16 = "*bf16"
+    mla_pointers = {"q_lat": bf16, "q_rope": bf16, "cache": bf16, "tables": "*i64", "token_seq": "*i64",
+                    "lens": "*i64", "out": bf16, "part": "*fp32", "part_lse": "*fp32"}
+    mla_scalars: dict[str, int | float] = {
+        "scale": 0.1, "stride_qlb": heads * latent, "stride_qlh": latent, "stride_qrb": heads * rope, "stride_qrh": rope,
+        "stride_cache": latent + rope, "stride_tb": 1, "stride_tn": seqs, "stride_ob": heads * latent,
+        "stride_oh": latent, "stride_pb": splits * heads * latent, "stride_ps": heads * latent, "stride_ph": latent,
+        "stride_lb": splits * heads, "stride_ls": heads, "max_splits": splits}
     specs = []
-    mla = dict(NH=128, C=512, R=64, CP=512, RP=64, PAGE=16)
-    for rows in (256, 16):
-        block_h, block_n, warps, stages = ak.mla_launch_config(rows)
+    mla = dict(NH=heads, C=latent, R=rope, CP=latent, RP=rope, PAGE=16)
+    for tokens in (rows, 16):
+        block_h, block_n, warps, stages = ak.mla_launch_config(tokens)
         shapes = {**mla, "BLOCK_H": block_h, "BLOCK_N": block_n}
-        specs.append(dict(name="mla_decode rows>=128" if rows >= 128 else "mla_decode rows<128",
-                          fn=ak._mla_decode_kernel, constexprs=shapes, warps=warps, stages=stages,
-                          signature=_signature(_MLA_POINTERS, _MLA_STRIDES, shapes)))
+        specs.append(_spec("mla_decode rows>=128" if tokens >= 128 else "mla_decode rows<128", ak._mla_decode_kernel,
+                           mla_pointers, mla_scalars, shapes, warps, stages))
     block_h, block_n, warps, stages = ak.mla_launch_config(16)  # splits run where few rows leave SMs idle
-    split = {**mla, "BLOCK_H": block_h, "BLOCK_N": block_n, "SPLIT_ROWS": ak.SPLIT_ROWS}
-    specs.append(dict(name="mla_decode_split rows<128", fn=ak._mla_decode_split_kernel, constexprs=split,
-                      warps=warps, stages=stages,
-                      signature=_signature(_MLA_POINTERS + _PART, _MLA_STRIDES + _SPLIT_ARGS, split)))
-    gqa = dict(GROUP=8, D=128, DP=128, PAGE=16, BLOCK_G=ak._pow2(8), BLOCK_N=32, WINDOW=0)  # as gqa_decode launches it
-    specs.append(dict(name="gqa_decode", fn=ak._gqa_decode_kernel, constexprs=gqa, warps=4, stages=2,
-                      signature=_signature(_GQA_POINTERS, _GQA_STRIDES, gqa)))
-    gsplit = {**gqa, "SPLIT_ROWS": ak.SPLIT_ROWS}
-    specs.append(dict(name="gqa_decode_split", fn=ak._gqa_decode_split_kernel, constexprs=gsplit, warps=4, stages=2,
-                      signature=_signature(_GQA_POINTERS + _PART, _GQA_STRIDES + _SPLIT_ARGS, gsplit)))
-    windowed = {**gqa, "WINDOW": 4096}  # Mixtral-style sliding-window layers
-    specs.append(dict(name="gqa_decode window", fn=ak._gqa_decode_kernel, constexprs=windowed, warps=4, stages=2,
-                      signature=_signature(_GQA_POINTERS, _GQA_STRIDES, windowed)))
-    for dim, label in ((512, "mla"), (128, "gqa")):
-        merge = dict(NH=128 if label == "mla" else 32, D=dim, DP=dim, BLOCK_H=ak._MERGE_BLOCK_H, BLOCK_N=64,
-                     SPLIT_ROWS=ak.SPLIT_ROWS, WINDOW=0)
-        specs.append(dict(name=f"merge_splits {label}", fn=ak._merge_splits_kernel, constexprs=merge, warps=4,
-                          stages=1, signature=_signature(
-                              [("part", "*fp32"), ("part_lse", "*fp32"), ("lens", "*i64"), ("out", "*bf16")],
-                              [*_PART_STRIDES, "stride_ob", "stride_oh", "max_splits"], merge, scale=False)))
+    specs.append(_spec("mla_decode_split rows<128", ak._mla_decode_split_kernel, mla_pointers, mla_scalars,
+                       {**mla, "BLOCK_H": block_h, "BLOCK_N": block_n, "SPLIT_ROWS": ak.SPLIT_ROWS}, warps, stages,
+                       unspecialised=("max_splits",)))
+    q_heads, kv_heads, dim = 32, 4, 128  # Qwen3-30B-A3B
+    gqa_pointers = {**{k: v for k, v in mla_pointers.items() if k not in ("q_lat", "q_rope")}, "q": bf16}
+    gqa_scalars: dict[str, int | float] = {
+        **mla_scalars, "stride_qb": q_heads * dim, "stride_qh": dim, "stride_cache": 2 * kv_heads * dim,
+        "stride_kv": kv_heads * dim, "stride_head": dim, "stride_ob": q_heads * dim, "stride_oh": dim,
+        "stride_pb": splits * q_heads * dim, "stride_ps": q_heads * dim, "stride_ph": dim,
+        "stride_lb": splits * q_heads, "stride_ls": q_heads}
+    gqa = dict(GROUP=q_heads // kv_heads, D=dim, DP=dim, PAGE=16, BLOCK_G=ak._pow2(q_heads // kv_heads), BLOCK_N=32,
+               WINDOW=0)  # as gqa_decode launches it
+    specs.append(_spec("gqa_decode", ak._gqa_decode_kernel, gqa_pointers, gqa_scalars, gqa, 4, 2))
+    specs.append(_spec("gqa_decode_split", ak._gqa_decode_split_kernel, gqa_pointers, gqa_scalars,
+                       {**gqa, "SPLIT_ROWS": ak.SPLIT_ROWS}, 4, 2, unspecialised=("max_splits",)))
+    specs.append(_spec("gqa_decode window", ak._gqa_decode_kernel, gqa_pointers, gqa_scalars,
+                       {**gqa, "WINDOW": 4096}, 4, 2))  # Mixtral-style sliding-window layers
+    for label, nh, width, scalars in (("mla", heads, latent, mla_scalars), ("gqa", q_heads, dim, gqa_scalars)):
+        merge = dict(NH=nh, D=width, DP=width, BLOCK_H=ak._MERGE_BLOCK_H, BLOCK_N=64, SPLIT_ROWS=ak.SPLIT_ROWS,
+                     WINDOW=0)
+        specs.append(_spec(f"merge_splits {label}", ak._merge_splits_kernel, mla_pointers, scalars, merge, 4, 1,
+                           unspecialised=("max_splits",)))
+    # The expert SwiGLU's grouped GEMMs at DeepSeek-V3's H 7168 / I 2048 (packed rows: D = 3·I·H), 8 experts,
+    # with the launch table's choice at ≤ 24 rows per expert (16 streams) and at 64 (256 streams).
+    hidden, inter, experts = 7168, 2048, 8
+    packed = 3 * inter * hidden
+    gemm_pointers = {"x": bf16, "w": bf16, "offs": "*i32", "out": bf16}
+    for gemm, (depth, width, x_stride, w_row) in (("gate_up", (hidden, inter, hidden, hidden)),
+                                                  ("down", (inter, hidden, inter, inter))):
+        for rows_per_expert in (16, 64):
+            block_m, block_n, block_k, warps, stages, split_m = gg.launch_config(gemm, rows_per_expert)
+            scalars: dict[str, int | float] = {"K": depth, "N": width, "UP": width, "stride_xm": x_stride,
+                                               "stride_we": packed, "stride_wn": w_row, "stride_om": width,
+                                               "split_m": split_m}
+            shapes = {"SWIGLU": gemm == "gate_up", "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
+            if split_m == 0:
+                fn, shapes = gg._grouped_gemm_row_tile_kernel, {**shapes, "E": experts, "EP": experts}
+            else:
+                fn = gg._grouped_gemm_kernel
+            specs.append(_spec(f"grouped_gemm {gemm} {rows_per_expert} rows/expert", fn, gemm_pointers, scalars,
+                               shapes, warps, stages))
     return specs
 
 
 def resources(spec: dict[str, Any]) -> dict[str, Any]:
     """Compile one spec for sm_90 and read its resources from the cubin."""
-    compiled = triton.compile(ASTSource(fn=spec["fn"], signature=spec["signature"], constexprs=spec["constexprs"]),
+    compiled = triton.compile(ASTSource(fn=spec["fn"], signature=spec["signature"], constexprs=spec["constexprs"],
+                                        attrs=spec["attrs"]),
                               target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=spec["warps"], num_stages=spec["stages"]))
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,7 +161,7 @@ def resources(spec: dict[str, Any]) -> dict[str, Any]:
     shared = int(compiled.metadata.shared)
     threads = 32 * spec["warps"]
     return {"kernel": spec["name"], "warps": spec["warps"], "stages": spec["stages"],
-            "constexprs": spec["constexprs"], "registers": registers, "spill_bytes": stack, "shared_bytes": shared,
+            "constexprs": spec["shown"], "registers": registers, "spill_bytes": stack, "shared_bytes": shared,
             "programs_per_sm_by_registers": REGISTERS_PER_SM // (registers * threads),
             "programs_per_sm_by_shared": SHARED_PER_SM // max(shared, 1),
             "sass_instructions": len(instructions),
