@@ -10,6 +10,9 @@
 #   STAGE=long   the block-table copy at DeepSeek-V3's 163,840 positions: ab_old vs HEAD at 256 streams, then
 #                split-KV: the graphed decode step at a 32,768-token context, 1 / 4 / 16 sequences, one pass
 #                (--kv-splits off) vs the served splits (~7 min)
+#   STAGE=kernels  launch points not swept before, in the 256-stream step: the gate/up grouped GEMM with 2 stages
+#                or 64-wide K tiles (two or three programs per SM; kernel_resources.py), the MLA decode kernel with
+#                16 warps; then split-KV at a 32,768-token context (~5 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
 #                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
 #                profile, with the EP layer's share of a traced iteration (~6 min)
@@ -55,10 +58,17 @@ case "${STAGE:-tests}" in
         --max-position-embeddings 163840 --batches 1 4 16 --context 32768 --kv-splits $splits \
         --out "$OUT/decode_step_long_$splits.json" 2>&1 | grep -v "Loading weights" | tail -4
     done ;;
+  kernels)
+    PYTHONPATH=$HEAD_PATH timeout 280 python3 benchmarks/grouped_gemm_tuning.py --tokens 256 64 --stages 2 3 4 \
+      --gate-up-block-k 64 128 --out "$OUT/grouped_gemm_tuning_stages.json" 2>&1 | grep -E "best|bucket" | tail -12
+    PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/mla_decode_tuning.py --batches 256 --context 96 \
+      --block-h 32 64 --block-n 32 64 --warps 8 16 --stages 2 3 --out "$OUT/mla_decode_tuning_warps.json" 2>&1 | grep best
+    PYTHONPATH=$HEAD_PATH timeout 120 python3 benchmarks/mla_decode_tuning.py --batches 1 4 16 --context 32768 \
+      --block-h 32 --block-n 64 --warps 8 --stages 3 --kv-splits 1 4 16 64 --out "$OUT/mla_decode_splits.json" 2>&1 | grep best ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
     BENCH_TIMEOUT=560 bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \
       --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json --profile-streams 64 256 \
       --profile-iters 600-619 ;;
-  *) echo "STAGE: tests | ab | knobs | long | onoff" >&2; exit 2 ;;
+  *) echo "STAGE: tests | ab | knobs | long | kernels | onoff" >&2; exit 2 ;;
 esac

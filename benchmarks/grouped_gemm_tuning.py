@@ -11,6 +11,12 @@ with the least time over that bucket's cases. ``--out`` writes the JSON; ``--app
 ``grouped_gemm_kernel.py``.
 
     PYTHONPATH=runtime python3 benchmarks/grouped_gemm_tuning.py --tokens 16 64 256 --out results.json
+
+``--stages`` and ``--gate-up-block-k`` widen the grid: run 15 swept 3 and 4 stages and 128-wide K tiles for the
+gate/up GEMM, where the 256-token winner holds one 4-warp program per SM (192 KB of shared memory,
+``kernel_resources.py``); 2 stages or 64-wide K tiles fit two or three:
+
+    PYTHONPATH=runtime python3 benchmarks/grouped_gemm_tuning.py --tokens 256 --stages 2 3 4 --gate-up-block-k 64 128
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ def main() -> int:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--stages", type=int, nargs="+", default=[3, 4])
+    parser.add_argument("--gate-up-block-k", type=int, nargs="+", default=[128])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--apply", action="store_true", help="write the best configuration per bucket into "
                         "grouped_gemm_kernel.py's launch table")
@@ -103,10 +111,11 @@ def main() -> int:
         # tiles may be smaller, so more of a hot expert's rows run at once)
         small = tokens * args.top_k / experts <= 16
         grids = [((16,) if small else (64,), (1, 2, 4)), ((16,) if small else (16, 32, 64), (0,))]
-        for gemm, weight, source, ks in (("gate_up", w13, x, (128,)), ("down", w2, want_act, (64, 128))):
+        for gemm, weight, source, ks in (("gate_up", w13, x, tuple(args.gate_up_block_k)),
+                                         ("down", w2, want_act, (64, 128))):
             reference = want_act if gemm == "gate_up" else want
             for block_m, block_n, block_k, warps, stages, split in itertools.chain.from_iterable(
-                    itertools.product(block_ms, (64, 128), ks, (4, 8), (3, 4), splits) for block_ms, splits in grids):
+                    itertools.product(block_ms, (64, 128), ks, (4, 8), args.stages, splits) for block_ms, splits in grids):
                 config = (block_m, block_n, block_k, warps, stages, split)
                 try:
                     got = grouped_gemm(source, weight, offs, swiglu=gemm == "gate_up", config=config)
