@@ -115,6 +115,18 @@ if triton is not None:
         start = split * chunk
         return splits, start, tl.minimum(length, start + chunk)
 
+    @triton.jit
+    def _store_split(m_i, l_i, acc, splits, out_ptrs, part_ptrs, lse_ptrs, mask, head_mask):
+        """A split's end, as both split kernels write it: the output itself where the query's context
+        took one split, else the normalised partial output and its log-sum-exp (−∞ for an empty split)."""
+        result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if splits == 1:
+            tl.store(out_ptrs, result.to(out_ptrs.dtype.element_ty), mask=mask)
+        else:
+            tl.store(part_ptrs, result, mask=mask)
+            lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            tl.store(lse_ptrs, lse, mask=head_mask)
+
     # max_splits is a runtime argument, not specialised: one compile serves every split count (a
     # graph per count is captured on first use while serving; a compile then would stall the rank)
     @triton.jit(do_not_specialize=["max_splits"])
@@ -138,17 +150,11 @@ if triton is not None:
                                   NH, C, R, CP, RP)
             m_i, l_i, acc = _mla_rows(ql, qr, cache, table, start, end, scale, stride_cache, stride_tn, C, R, CP, RP,
                                       PAGE, BLOCK_H, BLOCK_N)
-            result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             offs_c = tl.arange(0, CP)
-            mask = (heads < NH)[:, None] & (offs_c < C)[None, :]
-            if splits == 1:
-                tl.store(out + b * stride_ob + heads[:, None] * stride_oh + offs_c[None, :],
-                         result.to(out.dtype.element_ty), mask=mask)
-            else:
-                tl.store(part + b * stride_pb + split * stride_ps + heads[:, None] * stride_ph + offs_c[None, :],
-                         result, mask=mask)
-                lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-                tl.store(part_lse + b * stride_lb + split * stride_ls + heads, lse, mask=heads < NH)
+            _store_split(m_i, l_i, acc, splits, out + b * stride_ob + heads[:, None] * stride_oh + offs_c[None, :],
+                         part + b * stride_pb + split * stride_ps + heads[:, None] * stride_ph + offs_c[None, :],
+                         part_lse + b * stride_lb + split * stride_ls + heads,
+                         (heads < NH)[:, None] & (offs_c < C)[None, :], heads < NH)
 
     @triton.jit(do_not_specialize=["max_splits"])
     def _merge_splits_kernel(part, part_lse, lens, out,
@@ -268,15 +274,9 @@ if triton is not None:
             qq = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask, other=0.0)
             m_i, l_i, acc = _gqa_rows(qq, cache, table, kv_head, start, end, scale, stride_cache, stride_kv,
                                       stride_head, stride_tn, D, DP, PAGE, BLOCK_G, BLOCK_N)
-            result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            if splits == 1:
-                tl.store(out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                         result.to(out.dtype.element_ty), mask=mask)
-            else:
-                tl.store(part + b * stride_pb + split * stride_ps + heads[:, None] * stride_ph + offs_d[None, :],
-                         result, mask=mask)
-                lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-                tl.store(part_lse + b * stride_lb + split * stride_ls + heads, lse, mask=gmask)
+            _store_split(m_i, l_i, acc, splits, out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                         part + b * stride_pb + split * stride_ps + heads[:, None] * stride_ph + offs_d[None, :],
+                         part_lse + b * stride_lb + split * stride_ls + heads, mask, gmask)
 
 
 def mla_launch_config(tokens: int) -> tuple[int, int, int, int]:
