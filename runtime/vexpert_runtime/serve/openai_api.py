@@ -28,6 +28,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
 )
 
@@ -42,6 +43,10 @@ class StreamOptions(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool | None = False
+
+
+# the penalties a request may name, at the value that leaves sampling as it is (repetition_penalty: vLLM's)
+_NEUTRAL_PENALTIES = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
 
 
 class _GenerationRequest(BaseModel):
@@ -65,18 +70,13 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: StrictFloat | StrictInt | None = None  # vLLM's extension
     logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = None
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator(*_NEUTRAL_PENALTIES)
     @classmethod
-    def _no_penalty(cls, penalty: float | None) -> float | None:
-        if penalty not in (None, 0):
-            raise ValueError("penalties are not supported (tokens are sampled without them); send 0 or leave it out")
-        return penalty
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _no_repetition_penalty(cls, penalty: float | None) -> float | None:
-        if penalty not in (None, 1):
-            raise ValueError("repetition_penalty is not supported (tokens are sampled without it); send 1 or leave it out")
+    def _no_penalty(cls, penalty: float | None, info: ValidationInfo) -> float | None:
+        neutral = _NEUTRAL_PENALTIES[str(info.field_name)]
+        if penalty not in (None, neutral):
+            raise ValueError(f"penalties are not supported (tokens are sampled without them); send {neutral} or leave "
+                             "it out")
         return penalty
 
     @field_validator("logit_bias")
