@@ -58,7 +58,7 @@ def pairwise(model_dir: str, rounds: int) -> dict[str, Any]:
     model.drop_expert_weights()
     pool, rng, sequences, context = BlockPool(model.kv_num_blocks, model.kv_block_size), random.Random(0), 16, 64
     for seq in range(sequences):
-        pool.reserve(seq, context + 6 * rounds + 8)
+        pool.add(seq)
     model.step([SequenceWork(seq, tuple(rng.randrange(model.vocab_size) for _ in range(context)), 0,
                              tuple(pool.grow(seq, context)), SamplingSpec(draw=0)) for seq in range(sequences)])
     position = context

@@ -61,7 +61,7 @@ def steps(model_dir: str, rounds: int, profile: bool) -> dict[str, Any]:
         return tuple(rng.randrange(model.vocab_size) for _ in range(context))
 
     for seq in range(sequences):
-        pool.reserve(seq, context + 8 * rounds + 64)
+        pool.add(seq)
     model.step([SequenceWork(seq, prompt(), 0, tuple(pool.grow(seq, context)), SamplingSpec()) for seq in range(sequences)])
     position = context
 
@@ -76,7 +76,7 @@ def steps(model_dir: str, rounds: int, profile: bool) -> dict[str, Any]:
         seqs = list(range(next_seq, next_seq + 4))
         next_seq += 4
         for seq in seqs:
-            pool.reserve(seq, context + 1)
+            pool.add(seq)
         model.step([SequenceWork(seq, prompt(), 0, tuple(pool.grow(seq, context)), SamplingSpec()) for seq in seqs])
         for seq in seqs:
             pool.free(seq)

@@ -178,7 +178,7 @@ def main() -> int:
         if args.profile_ops:
             pool = BlockPool(model.kv_num_blocks, model.kv_block_size)
             for seq in range(max_seqs):
-                pool.reserve(seq, args.context + 1)
+                pool.add(seq)
             work = [SequenceWork(seq, (seq % 100 + 3,), args.context, tuple(pool.grow(seq, args.context + 1)),
                                  SamplingSpec(draw=1)) for seq in range(max_seqs)]
             ops = op_times(model, work, 5, args.top)
@@ -190,7 +190,7 @@ def main() -> int:
             model.graphs.kv_splits = None
         pool = BlockPool(model.kv_num_blocks, model.kv_block_size)
         for seq in range(max_seqs):
-            pool.reserve(seq, args.context + 1)
+            pool.add(seq)
         blocks = [tuple(pool.grow(seq, args.context + 1)) for seq in range(max_seqs)]
         for batch in args.batches:
             for chunks in args.prefill_chunks:

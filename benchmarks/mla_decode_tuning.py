@@ -57,7 +57,7 @@ def main() -> int:
         pool = BlockPool(batch * (args.context // args.page + 2) + 2, args.page)
         work = []
         for seq in range(batch):
-            pool.reserve(seq, args.context + 1)
+            pool.add(seq)
             work.append(SequenceWork(seq, (1,), args.context, tuple(pool.grow(seq, args.context + 1)), SamplingSpec()))
         meta = build_metadata(work, args.page, [None], device, dtype=dtype)
         kernel_meta = build_metadata(work, args.page, [None], device, padded_groups=False)
