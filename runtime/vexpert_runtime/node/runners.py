@@ -214,8 +214,8 @@ class SyntheticDecodeRunner:
     """Every MoE layer of the checkpoint over the workload's hidden states, EP over the group,
     computing with the slots the coordinator filled.
 
-    Plan iterations on a GPU replay the captured step (captured at the first one after two warm-up
-    iterations, where ``graph_stream`` is set); degraded ones (static table) run eagerly."""
+    Iterations of the agreed plan on a GPU replay the captured step (captured at the first one after
+    two warm-up iterations, where ``graph_stream`` is set); degraded ones (static table) run eagerly."""
 
     def __init__(self, context: RunnerContext, weights: DecodeWeights, workload: Workload) -> None:
         self.context = context
@@ -253,12 +253,13 @@ class SyntheticDecodeRunner:
         assert inputs is not None, "prepare() before run()"
         self._inputs = None
         h, bias = inputs.hidden, inputs.bias
-        # the static table for degraded iterations, the plan one (loaded in place) otherwise: a
-        # captured step reads the new plan without re-capture
+        # the static table for degraded iterations, the plan's (loaded in place) for every agreed plan —
+        # the opening static plan too, which a node keeps while its allocations are skipped (one rank, a
+        # balanced load): a captured step reads the next plan without re-capture
         tables = self.context.tables
-        device_table = _loaded(tables.static if table.plan_id == 0 else tables.plan, table)
+        device_table = _loaded(tables.plan if use_plan else tables.static, table)
         graph = self.step_graph
-        if self.graph_stream is not None and table.plan_id != 0 and iteration >= 2 and (graph is None or graph.fits(h, bias)):
+        if self.graph_stream is not None and use_plan and iteration >= 2 and (graph is None or graph.fits(h, bias)):
             if graph is None:
                 try:
                     graph = self.step_graph = StepGraph(
