@@ -131,7 +131,7 @@ def build_checkpoint(directory: Path) -> Path:
     config = Qwen3MoeConfig(
         vocab_size=len(fast), **MODEL_SHAPE, decoder_sparse_step=1, norm_topk_prob=True,
         eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id, bos_token_id=None,
-        tie_word_embeddings=False, initializer_range=0.02, torch_dtype="float32",
+        tie_word_embeddings=False, initializer_range=0.02, dtype="float32",
     )
     Qwen3MoeForCausalLM(config).to(torch.float32).eval().save_pretrained(directory)
     marker.write_text(json.dumps(MODEL_SHAPE))

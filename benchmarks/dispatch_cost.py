@@ -242,11 +242,11 @@ def main() -> None:
             rows.append(row)
     if args.compile and dev.type == "cuda":
         # The same arithmetic fused by Inductor: how far a fused kernel could take the cost.
-        fused = torch.compile(level_shares, fullgraph=True, dynamic=False)
+        inductor_shares = torch.compile(level_shares, fullgraph=True, dynamic=False)
 
         def compiled() -> torch.Tensor:
             counts = all_reduce_counts(layer_counts(ids, args.experts), group)
-            return cumulative_shares(fused(counts, gpu, args.gpus, args.sweeps, plan_shares(cum)), gpu)
+            return cumulative_shares(inductor_shares(counts, gpu, args.gpus, args.sweeps, plan_shares(cum)), gpu)
 
         row = shares_row("global-compiled", compiled, reps, dev)
         if rank == 0:

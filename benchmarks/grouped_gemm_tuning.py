@@ -158,9 +158,9 @@ def main() -> int:
                       f"the table's {default} {complete.get(default, float('nan')):.4f} ms", flush=True)
         table[gemm] = rows_table
     if args.apply:
-        source = Path(grouped_gemm_kernel.__file__)
-        source.write_text(with_launch_table(source.read_text(), table))
-        print(f"wrote the table into {source}", flush=True)
+        kernel_file = Path(grouped_gemm_kernel.__file__)
+        kernel_file.write_text(with_launch_table(kernel_file.read_text(), table))
+        print(f"wrote the table into {kernel_file}", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
