@@ -2,7 +2,7 @@
 # What the next H200 session must measure for issue #21, in device calls that each end inside 10 minutes
 # (benchmarks/README.md §10, "Next on the H200"). Every stage writes under $OUT.
 #
-#   STAGE=tests  the full GPU test list (~5 min): kernels, graphed == eager, prefix caching and preemption on
+#   STAGE=tests  the full GPU test list (~7 min; run 20: 373 s before the two-rank CLI test joined it): kernels, graphed == eager, prefix caching and preemption on
 #                graphed overlapped steps, the node's GPU path
 #   STAGE=ab     the last H200-measured tree (run 19: a2c4df7, in ab_old/) beside HEAD, 256 and 64 streams (~6 min):
 #                everything since — allocation skip, node process, KV on demand, routing, block-table copy, GC freeze
@@ -36,7 +36,7 @@ bench() {  # bench TREE NAME ARGS...: serve_engine.py from TREE (. or ab_old) on
 }
 case "${STAGE:-tests}" in
   tests)
-    PYTHONPATH=$HEAD_PATH timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    PYTHONPATH=$HEAD_PATH timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/test_runtime_gpu.py tests/test_gpu_path.py tests/test_serve_gpu.py tests/test_expert_format_gpu.py \
       tests/test_runtime_ep_moe.py tests/test_dispatch.py tests/test_attention_kernels.py \
       tests/test_grouped_gemm_kernel.py tests/test_fusion.py 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -25 ;;
@@ -64,7 +64,7 @@ case "${STAGE:-tests}" in
     PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/mla_decode_tuning.py --batches 256 --context 96 \
       --block-h 32 64 --block-n 32 64 --warps 8 16 --stages 2 3 --out "$OUT/mla_decode_tuning_warps.json" 2>&1 | grep best
     PYTHONPATH=$HEAD_PATH timeout 120 python3 benchmarks/mla_decode_tuning.py --batches 1 4 16 --context 32768 \
-      --block-h 32 --block-n 64 --warps 8 --stages 3 --kv-splits 1 4 16 64 --out "$OUT/mla_decode_splits.json" 2>&1 | grep best ;;
+      --block-h 32 64 --block-n 64 --warps 8 --stages 2 3 --kv-splits 1 4 16 64 --out "$OUT/mla_decode_splits.json" 2>&1 | grep best ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
     BENCH_TIMEOUT=560 bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \

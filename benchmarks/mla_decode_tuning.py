@@ -65,7 +65,12 @@ def main() -> int:
         q_latent = torch.randn(batch, args.heads, args.latent, device=device, dtype=dtype)
         q_rope = torch.randn(batch, args.heads, args.rope, device=device, dtype=dtype)
         scale = (args.latent + args.rope) ** -0.5
-        want = mla_attention(q_latent, q_rope, cache, meta, scale).float()
+        if batch * args.context <= 1 << 16:
+            want = mla_attention(q_latent, q_rope, cache, meta, scale).float()
+        else:  # the twin pads every query to the longest context: at 16 × 32,768 tokens that is 144 GiB at once
+            want = torch.cat([mla_attention(q_latent[row:row + 1], q_rope[row:row + 1], cache,
+                                            build_metadata(work[row:row + 1], args.page, [None], device, dtype=dtype),
+                                            scale).float() for row in range(batch)])
         best = None
         for block_h, block_n, warps, stages, splits in itertools.product(args.block_h, args.block_n, args.warps,
                                                                          args.stages, args.kv_splits):
