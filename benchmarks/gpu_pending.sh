@@ -13,6 +13,8 @@
 #   STAGE=kernels  launch points not swept before, in the 256-stream step: the gate/up grouped GEMM with 2 stages
 #                or 64-wide K tiles (two or three programs per SM; kernel_resources.py), the MLA decode kernel with
 #                16 warps; then split-KV at a 32,768-token context (~5 min)
+#   STAGE=longkernels  the split MLA kernel at a 32,768-token context, 1 / 4 / 16 sequences, over head and context
+#                blocks, warps and stages (run 20: 16 sequences were latency-bound at one program per SM) (~6 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
 #                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
 #                profile, with the EP layer's share of a traced iteration (~6 min)
@@ -65,10 +67,15 @@ case "${STAGE:-tests}" in
       --block-h 32 64 --block-n 32 64 --warps 8 16 --stages 2 3 --out "$OUT/mla_decode_tuning_warps.json" 2>&1 | grep best
     PYTHONPATH=$HEAD_PATH timeout 120 python3 benchmarks/mla_decode_tuning.py --batches 1 4 16 --context 32768 \
       --block-h 32 64 --block-n 64 --warps 8 --stages 2 3 --kv-splits 1 4 16 64 --out "$OUT/mla_decode_splits.json" 2>&1 | grep best ;;
+  longkernels)  # the split MLA kernel's launch points at a 32,768-token context, those holding 2-4 programs per SM
+    # among them (kernel_resources.py --sweep --only mla_decode_split: 16x16 w4 s3, 16x32 w8, 32x16 w8 s2, ...)
+    PYTHONPATH=$HEAD_PATH timeout 480 python3 benchmarks/mla_decode_tuning.py --batches 16 4 1 --context 32768 \
+      --block-h 16 32 64 --block-n 16 32 64 --warps 4 8 --stages 2 3 --kv-splits 4 16 64 \
+      --out "$OUT/mla_decode_split_sweep.json" 2>&1 | grep best ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
     BENCH_TIMEOUT=560 bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \
       --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json --profile-streams 64 256 \
       --profile-iters 600-619 ;;
-  *) echo "STAGE: tests | ab | knobs | long | kernels | onoff" >&2; exit 2 ;;
+  *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | onoff" >&2; exit 2 ;;
 esac

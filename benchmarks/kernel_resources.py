@@ -11,12 +11,19 @@ DeepSeek-V3's expert GEMMs (H 7168, I 2048, 8 experts). Arguments are specialise
 for those launches (16-byte-aligned pointers, integers divisible by 16, integers equal to 1).
 
     python benchmarks/kernel_resources.py --out benchmarks/results/kernel_resources_sm90.jsonl
+
+``--sweep --only NAME`` compiles one kernel at every ``--block-h`` × ``--block-n`` × ``--warps`` × ``--stages``
+point, to pick the points a GPU sweep should time (those that hold more programs per SM):
+
+    python benchmarks/kernel_resources.py --sweep --only mla_decode_split \
+        --out benchmarks/results/kernel_resources_sm90_mla_split_sweep.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -169,13 +176,36 @@ def resources(spec: dict[str, Any]) -> dict[str, Any]:
             "triton": triton.__version__}
 
 
+def launch_points(spec: dict[str, Any], block_h: list[int], block_n: list[int], warps: list[int],
+                  stages: list[int]) -> list[dict[str, Any]]:
+    """``spec`` at every (BLOCK_H, BLOCK_N, warps, stages) given: the points a GPU sweep
+    (``mla_decode_tuning.py``) would time, to see beforehand which can hold more programs per SM."""
+    if "BLOCK_H" not in spec["constexprs"]:
+        raise SystemExit(f"--sweep: {spec['name']} has no BLOCK_H (the sweep is for the attention kernels; use --only)")
+    return [dict(spec, name=f"{spec['name']} {h}x{n} w{w} s{st}",
+                 constexprs={**spec["constexprs"], "BLOCK_H": h, "BLOCK_N": n}, warps=w, stages=st,
+                 shown={**spec["shown"], "BLOCK_H": h, "BLOCK_N": n})
+            for h, n, w, st in itertools.product(block_h, block_n, warps, stages)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="append the rows as JSON lines")
     parser.add_argument("--compare", type=Path, help="rows of another tree: say which kernels' SASS differ")
     parser.add_argument("--only", help="kernels whose name contains this")
+    parser.add_argument("--sweep", action="store_true",
+                        help="each kernel (with --only: those named) at every --block-h × --block-n × --warps × "
+                             "--stages point instead of its served launch (attention kernels)")
+    parser.add_argument("--block-h", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     args = parser.parse_args()
-    rows = [resources(spec) for spec in kernel_specs() if args.only is None or args.only in spec["name"]]
+    specs = [spec for spec in kernel_specs() if args.only is None or args.only in spec["name"]]
+    if args.sweep:
+        specs = [point for spec in specs for point in launch_points(spec, args.block_h, args.block_n, args.warps,
+                                                                     args.stages)]
+    rows = [resources(spec) for spec in specs]
     for row in rows:
         print(json.dumps(row), flush=True)
     if args.out is not None:
