@@ -125,3 +125,55 @@ def test_a_single_node_group_meets_in_a_file_store_and_a_multi_node_one_over_tcp
     assert rendezvous_url(single(4, 2, "10.0.0.7", 29500)) == "tcp://10.0.0.7:29500"
     assert rendezvous_address("0.0.0.0", None, 1)[0] == LOOPBACK
     assert rendezvous_address("10.0.0.7", None, 2) == ("10.0.0.7", 29500)
+
+
+class _EagerGraph:
+    """:class:`~vexpert_runtime.node.step_graph.StepGraph` on CPU: "capture" keeps the closure the runner
+    hands over (its iteration, table and device tables frozen, as a CUDA graph's are) and a replay
+    calls it again."""
+
+    captures = 0
+
+    def __init__(self, run: Any, stream: Any, inputs: torch.Tensor, bias: torch.Tensor | None) -> None:
+        type(self).captures += 1
+        self.run, self.inputs, self.bias = run, inputs, bias
+
+    def fits(self, inputs: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        return inputs.shape == self.inputs.shape and (bias is None) == (self.bias is None)
+
+    def replay(self, inputs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.run(inputs, bias)
+
+
+def test_the_opening_static_plan_replays_the_captured_step_and_degraded_iterations_do_not(
+        rank: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node whose allocations are all skipped (one rank, a balanced load) stays on its opening plan,
+    the static table: those iterations replay the step captured at iteration 2 (until 2026-12-05 only
+    plans other than the first did, so a one-GPU node never replayed a graph); a degraded iteration
+    (no agreed plan) runs eagerly. Outputs equal the reference either way."""
+    import dataclasses
+
+    import vexpert_runtime.node.runners as runners
+
+    monkeypatch.setattr(runners, "StepGraph", _EagerGraph)
+    args = _args(rank["checkpoint"], rank["shared"])
+    reader = CheckpointReader(args.checkpoint, SPEC)
+    runner = choose_runner(args, reader, CPU, torch.float32)(
+        dataclasses.replace(rank["context"](), graph_stream="capture stream"))
+    reference = ModelWeights.load(reader)
+    slots: WorkerSlots = rank["slots"]
+    opening = static_table(SPEC.num_layers, SPEC.num_experts, 1, SLOTS)  # plan id 0
+    graphed = []
+    for iteration in range(6):
+        runner.prepare(iteration)
+        slots.begin(iteration)
+        agreed = iteration != 4  # iteration 4: degraded
+        output = runner.run(iteration, opening, use_plan=agreed)
+        slots.finish(iteration)
+        graphed.append(output.graphed)
+        x = args.workload.inputs(iteration, 0, SPEC.hidden_size)
+        expected, _ = reference_forward(x, reference, args.workload.logit_bias(iteration))
+        assert output.hidden is not None
+        torch.testing.assert_close(output.hidden, expected, rtol=1e-5, atol=1e-5)
+    assert graphed == [False, False, True, True, False, True]
+    assert _EagerGraph.captures == 1
