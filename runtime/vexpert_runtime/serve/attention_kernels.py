@@ -220,6 +220,19 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
+    def _gqa_queries(q, b, kv_head, stride_qb, stride_qh, GROUP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                     BLOCK_G: tl.constexpr):
+        """Token ``b``'s queries of KV head ``kv_head``'s group [BLOCK_G, DP] (zeros past GROUP / D), their
+        heads, columns, mask and row mask."""
+        g = tl.arange(0, BLOCK_G)
+        gmask = g < GROUP
+        heads = kv_head * GROUP + g
+        offs_d = tl.arange(0, DP)
+        mask = gmask[:, None] & (offs_d < D)[None, :]
+        qq = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask, other=0.0)
+        return qq, heads, offs_d, mask, gmask
+
+    @triton.jit
     def _gqa_decode_kernel(q, cache, tables, token_seq, lens, out, scale,
                            stride_qb, stride_qh, stride_cache, stride_kv, stride_head, stride_tb, stride_tn,
                            stride_ob, stride_oh,
@@ -228,13 +241,7 @@ if triton is not None:
         b = tl.program_id(0)
         table = tables + tl.load(token_seq + b) * stride_tb
         kv_head = tl.program_id(1)
-        g = tl.arange(0, BLOCK_G)
-        gmask = g < GROUP
-        heads = kv_head * GROUP + g
-        offs_d = tl.arange(0, DP)
-        dmask = offs_d < D
-        qq = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                     mask=gmask[:, None] & dmask[None, :], other=0.0)
+        qq, heads, offs_d, mask, _ = _gqa_queries(q, b, kv_head, stride_qb, stride_qh, GROUP, D, DP, BLOCK_G)
         length = tl.load(lens + b)
         first = 0
         if WINDOW > 0:  # a sliding window: the query at position p sees keys p − WINDOW + 1 .. p
@@ -243,7 +250,7 @@ if triton is not None:
                                 stride_tn, D, DP, PAGE, BLOCK_G, BLOCK_N)
         result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 result.to(out.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+                 result.to(out.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["max_splits"])
     def _gqa_decode_split_kernel(q, cache, tables, token_seq, lens, out, part, part_lse, scale,
@@ -266,12 +273,7 @@ if triton is not None:
         if split < splits:
             table = tables + tl.load(token_seq + b) * stride_tb
             kv_head = tl.program_id(1)
-            g = tl.arange(0, BLOCK_G)
-            gmask = g < GROUP
-            heads = kv_head * GROUP + g
-            offs_d = tl.arange(0, DP)
-            mask = gmask[:, None] & (offs_d < D)[None, :]
-            qq = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask, other=0.0)
+            qq, heads, offs_d, mask, gmask = _gqa_queries(q, b, kv_head, stride_qb, stride_qh, GROUP, D, DP, BLOCK_G)
             m_i, l_i, acc = _gqa_rows(qq, cache, table, kv_head, start, end, scale, stride_cache, stride_kv,
                                       stride_head, stride_tn, D, DP, PAGE, BLOCK_G, BLOCK_N)
             _store_split(m_i, l_i, acc, splits, out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
