@@ -93,3 +93,11 @@ def planned_balance(report: Any, k: int) -> tuple[float, float]:
         raise ValueError("no iteration ran under a plan")
     return (sum(r.static_balance or 0.0 for r in records) / len(records),
             sum(r.vexpert_balance for r in records) / len(records))
+
+
+def metric_value(text: str | bytes, name: str) -> float:
+    """The value of the unlabelled sample ``name`` in Prometheus exposition ``text``."""
+    for line in (text.decode() if isinstance(text, bytes) else text).splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in the metrics")

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from runtime_support import TINY_DEEPSEEK_SPEC
+from runtime_support import TINY_DEEPSEEK_SPEC, metric_value
 from vexpert_runtime.config import RuntimeConfig
 from vexpert_runtime.model.checkpoint import write_tiny_checkpoint
 from vexpert_runtime.node import NodeOptions, resolve_setup
@@ -47,13 +47,6 @@ def _wait_ready(node: NodeProcess, timeout_s: float = 120.0) -> list[str | None]
     return seen
 
 
-def _metric(text: bytes, name: str) -> float:
-    for line in text.decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in the node's metrics")
-
-
 def test_the_node_process_pushes_readiness_renders_its_metrics_and_stops_without_a_failure(tmp_path: Path) -> None:
     ctx, setup, options = _node(tmp_path)
     failures: list[str] = []
@@ -64,10 +57,10 @@ def test_the_node_process_pushes_readiness_renders_its_metrics_and_stops_without
         seen = _wait_ready(node)
         assert seen[0] == STARTING and any(r and r != STARTING for r in seen), seen  # the node said why not yet
         first = node.metrics_text()
-        assert _metric(first, "vexpert_coordinator_up") == 1.0
+        assert metric_value(first, "vexpert_coordinator_up") == 1.0
         time.sleep(0.5)
         later = node.metrics_text()  # rendered now, in the node process: iterations went on
-        assert _metric(later, "vexpert_iterations_total") > _metric(first, "vexpert_iterations_total")
+        assert metric_value(later, "vexpert_iterations_total") > metric_value(first, "vexpert_iterations_total")
         pid = node.pid
     finally:
         node.stop()

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from node_faults import faulty_filler
-from runtime_support import TINY_DEEPSEEK_SPEC
+from runtime_support import TINY_DEEPSEEK_SPEC, metric_value
 from scripted_plans import scripted_plans
 from slot_audit import SlotAudit, slot_checksums
 from vexpert_runtime.config import RuntimeConfig
@@ -102,12 +102,6 @@ def _setup(checkpoint: Path, gpus: int, dtype: str = "float32", k: int = 4, vmax
     return resolve_setup(config, checkpoint)
 
 
-def _skipped_windows(metrics_text: str) -> float:
-    found = re.search(r"^vexpert_allocations_skipped_total ([0-9.e+]+)$", metrics_text, re.M)
-    assert found is not None, "vexpert_allocations_skipped_total missing from the metrics"
-    return float(found.group(1))
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_node_on_one_gpu_verifies_and_skips_every_allocation(tmp_path: Path, dtype: str) -> None:
     """One rank holds every expert: no placement is better than the static one, so every window's
@@ -121,7 +115,7 @@ def test_node_on_one_gpu_verifies_and_skips_every_allocation(tmp_path: Path, dty
     report = run_node(setup, NodeOptions(workload=workload, iterations=24, verify=True))
     assert report.iterations == 24
     assert [tuple(switch) for switch in report.plan_switches] == [(0, 0)]
-    assert report.allocations == 0 and _skipped_windows(report.metrics_text) >= 4  # k=4: 6 windows, the last may not close
+    assert report.allocations == 0 and metric_value(report.metrics_text, "vexpert_allocations_skipped_total") >= 4  # k=4: 6 windows, the last may not close
     assert report.static_balance == report.vexpert_balance == 1.0
     assert report.max_rel_error is not None and report.max_rel_error <= TOLERANCE[dtype]
     assert report.degraded_groups == 0
