@@ -102,7 +102,7 @@ def kernel_specs() -> list[dict[str, Any]]:
         shapes = {**mla, "BLOCK_H": block_h, "BLOCK_N": block_n}
         specs.append(_spec("mla_decode rows>=128" if tokens >= 128 else "mla_decode rows<128", ak._mla_decode_kernel,
                            mla_pointers, mla_scalars, shapes, warps, stages))
-    block_h, block_n, warps, stages = ak.mla_launch_config(16)  # splits run where few rows leave SMs idle
+    block_h, block_n, warps, stages = ak.mla_split_launch_config(16)  # splits run where few rows leave SMs idle
     specs.append(_spec("mla_decode_split rows<128", ak._mla_decode_split_kernel, mla_pointers, mla_scalars,
                        {**mla, "BLOCK_H": block_h, "BLOCK_N": block_n, "SPLIT_ROWS": ak.SPLIT_ROWS}, warps, stages,
                        unspecialised=("max_splits",)))

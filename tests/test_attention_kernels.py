@@ -187,6 +187,33 @@ def test_kv_splits_only_where_few_programs_meet_a_long_context() -> None:
             assert splits == 1 or splits * SPLIT_ROWS <= 2 * longest
 
 
+def test_mla_splits_aim_at_one_program_per_sm_of_the_split_kernel() -> None:
+    """MLA's policy: whether to split is the one-pass grid's question (32-head blocks below 128 rows,
+    64 from 128); how many splits, the split kernel's — 64-head blocks, one program per SM (what an
+    H200 ran fastest at 1 / 4 / 16 sequences of 32,768 tokens: 64 / 16 / 4 splits)."""
+    from vexpert_runtime.serve.attention_kernels import (
+        MAX_KV_SPLITS,
+        SPLIT_ROWS,
+        kv_splits,
+        mla_kv_splits,
+        mla_launch_config,
+        mla_split_launch_config,
+    )
+
+    sms = 132
+    assert [mla_kv_splits(rows, 128, 32_768, sms) for rows in (1, 4, 16)] == [MAX_KV_SPLITS, 16, 4]
+    assert mla_kv_splits(2, 128, 32_768, sms) == 32  # 4 split programs → 33 wanted
+    assert mla_kv_splits(32, 128, 32_768, sms) == 2  # one pass: 128 programs < 132; split: 64 per split
+    assert mla_kv_splits(33, 128, 32_768, sms) == 1  # one pass: 132 programs fill the SMs
+    assert mla_kv_splits(256, 128, 163_840, sms) == 1
+    assert mla_kv_splits(16, 128, 2 * SPLIT_ROWS - 1, sms) == 1
+    # the split kernel's programs per SM, not the one pass's, decide the count: at 2 per SM with the
+    # one-pass grid's 32-head blocks, 16 rows would take as many splits — but 8 at 2 per SM of 64-head blocks
+    assert kv_splits(16, 4, 32_768, sms, split_programs_per_row=2) == 8
+    assert mla_split_launch_config(16)[0] == 64 and mla_launch_config(16)[0] == 32
+    assert mla_split_launch_config(1)[3] == 2 and mla_split_launch_config(4)[3] == 3
+
+
 def test_the_eager_gpu_step_with_its_kernels_matches_generate_in_the_interpreter() -> None:
     pytest.importorskip("triton")
     run_in_triton_interpreter("test_attention_kernels", "check_model_with_kernels_on_cpu")

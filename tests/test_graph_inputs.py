@@ -94,10 +94,10 @@ def test_graph_key_picks_the_bucket_top_p_and_the_splits_of_the_longest_table() 
     """The graph an iteration replays: its bucket, a top-p variant only when a sampled row draws with
     top-p (greedy rows ignore it), and the split count the model's policy gives for that bucket at the
     longest context the block tables reach — from an H200's policy for DeepSeek-V3's 128 MLA heads."""
-    from vexpert_runtime.serve.attention_kernels import kv_splits, mla_programs_per_row
+    from vexpert_runtime.serve.attention_kernels import mla_kv_splits
 
     def policy(rows: int, longest: int) -> int:
-        return kv_splits(rows, mla_programs_per_row(rows, 128), longest, 132)
+        return mla_kv_splits(rows, 128, longest, 132)
 
     buckets = token_buckets(512)
     short = [SequenceWork(0, (5,), 90, tuple(range(6)), SamplingSpec()), SequenceWork(1, (6,), 10, (7,), SamplingSpec())]
@@ -105,7 +105,7 @@ def test_graph_key_picks_the_bucket_top_p_and_the_splits_of_the_longest_table() 
     assert graph_key(short, buckets, 16, policy, table_width(short)) == (2, False, 1)  # 96 tokens: one pass
     long_table = tuple(range(10, 10 + 2048))  # a 32,768-token context
     long = [SequenceWork(0, (5,), 32_000, long_table, SamplingSpec(temperature=0.7, top_p=0.9)), *short[1:]]
-    assert graph_key(long, buckets, 16, policy, table_width(long)) == (2, True, 32)  # 8 programs → 32 splits
+    assert graph_key(long, buckets, 16, policy, table_width(long)) == (2, True, 32)  # 4 split programs → 32 splits
     assert graph_key(long, buckets, 16, None, table_width(long)) == (2, True, 1)  # no policy: one pass
     greedy_top_p = [SequenceWork(0, (5,), 9, (1,), SamplingSpec(temperature=0.0, top_p=0.5))]
     assert graph_key(greedy_top_p, buckets, 16, policy, 1)[1] is False

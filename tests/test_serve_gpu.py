@@ -25,7 +25,7 @@ from vexpert_runtime.serve.attention_kernels import (  # noqa: E402
     gqa_decode,
     kv_splits,
     mla_decode,
-    mla_programs_per_row,
+    mla_kv_splits,
 )
 from vexpert_runtime.serve.hf_model import HFStepModel  # noqa: E402
 from vexpert_runtime.serve.moe_executors import EPExperts  # noqa: E402
@@ -88,7 +88,7 @@ def test_split_decode_kernels_match_the_torch_twins_at_long_contexts(batch: int)
     work = _decode_batch(lengths, 16)
     meta = build_metadata(work, 16, [None], "cuda")
     slots = (max(max(w.blocks) for w in work) + 1) * 16
-    splits = kv_splits(batch, mla_programs_per_row(batch, 128), max(lengths), sms)
+    splits = mla_kv_splits(batch, 128, max(lengths), sms)
     assert splits > 1
     cache = torch.randn(slots, 512 + 64, device="cuda", dtype=torch.bfloat16)
     q_latent = torch.randn(batch, 128, 512, device="cuda", dtype=torch.bfloat16)

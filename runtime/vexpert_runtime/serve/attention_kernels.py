@@ -282,12 +282,21 @@ if triton is not None:
 
 
 def mla_launch_config(tokens: int) -> tuple[int, int, int, int]:
-    """(head block, context block, warps, stages) of :func:`mla_decode` for ``tokens`` queries: from a
-    sweep on an H200 at DeepSeek-V3's shapes, context 96 (``benchmarks/mla_decode_tuning.py``,
+    """(head block, context block, warps, stages) of :func:`mla_decode`'s one-pass kernel for ``tokens``
+    queries: from a sweep on an H200 at DeepSeek-V3's shapes, context 96 (``benchmarks/mla_decode_tuning.py``,
     ``results/serve_engine/mla_decode_tuning_run12.json``): (32, 64, 8, 3) took 0.028 / 0.030 ms at 16 / 64
     sequences against 0.043 / 0.045 for the first choice (16, 32, 4, 2); at 256, (64, 64, 8, 3) took
     0.084 ms against 0.135 (more heads per program: each cached row read by fewer programs)."""
     return (64, 64, 8, 3) if tokens >= 128 else (32, 64, 8, 3)
+
+
+def mla_split_launch_config(tokens: int) -> tuple[int, int, int, int]:
+    """:func:`mla_launch_config` of the split-KV kernel (long contexts, few queries): 64-head blocks, so
+    half as many programs read each cached row as with 32. An H200 at a 32,768-token context
+    (``results/serve_engine/mla_decode_tuning_run21_splits.json``, at the splits :func:`mla_kv_splits`
+    picks): 1 / 4 / 16 sequences 0.116 / 0.215 / 0.734 ms per layer against 0.149 / 0.348 / 1.260 with
+    the one-pass kernel's (32, 64, 8, 3); 2 stages at 1 sequence (0.116 vs 0.132), 3 from 4 (0.215 vs 0.222)."""
+    return (64, 64, 8, 2 if tokens < 4 else 3)
 
 
 # Split-KV (FlashDecoding): a one-pass launch runs one program per (query, head block); a few queries
@@ -298,25 +307,37 @@ SPLIT_ROWS = 256  # a split's least rows: its partial output and log-sum-exp mus
 MAX_KV_SPLITS = 64
 
 
-def kv_splits(rows: int, programs_per_row: int, longest: int, sm_count: int) -> int:
+def kv_splits(rows: int, programs_per_row: int, longest: int, sm_count: int, *,
+              split_programs_per_row: int | None = None, programs_per_sm: int = 2) -> int:
     """The most splits a decode launch of ``rows`` queries may cut a context into (a power of two;
     1: the one-pass kernel). Split only where the one-pass grid (``rows · programs_per_row``
     programs) leaves SMs idle and the longest context (``longest`` tokens) takes at least two
-    splits; enough splits for about two programs per SM. A query's own context decides how many
-    of them it uses (:func:`_split_range`): short ones stay one pass in any launch.
+    splits; then enough splits for about ``programs_per_sm`` programs of the split kernel (``rows ·
+    split_programs_per_row`` per split; default: as the one pass) per SM. A query's own context decides
+    how many of them it uses (:func:`_split_range`): short ones stay one pass in any launch.
 
     A host-side, shape-level choice — rows is a graph bucket's size, ``longest`` comes from the
     block tables' width — so a graph per (bucket, splits) holds it (:mod:`.cuda_graphs`)."""
     programs = rows * programs_per_row
     if programs >= sm_count or longest < 2 * SPLIT_ROWS:
         return 1
-    want = min(-(-2 * sm_count // programs), -(-longest // SPLIT_ROWS), MAX_KV_SPLITS)
+    per_split = rows * (programs_per_row if split_programs_per_row is None else split_programs_per_row)
+    want = min(-(-programs_per_sm * sm_count // per_split), -(-longest // SPLIT_ROWS), MAX_KV_SPLITS)
     return 1 << (want.bit_length() - 1)
 
 
 def mla_programs_per_row(rows: int, heads: int) -> int:
-    """Head blocks :func:`mla_decode` launches per query at ``rows`` queries."""
+    """Head blocks :func:`mla_decode`'s one-pass kernel launches per query at ``rows`` queries."""
     return -(-heads // mla_launch_config(rows)[0])
+
+
+def mla_kv_splits(rows: int, heads: int, longest: int, sm_count: int) -> int:
+    """:func:`kv_splits` of :func:`mla_decode`: split where the one-pass grid leaves SMs idle, into about
+    one split-kernel program per SM — its 64-head blocks hold one program per SM (216 KB of shared
+    memory, ``kernel_resources.py``), and one per SM was the fastest measured: at 1 / 4 / 16 sequences
+    of 32,768 tokens, 64 / 16 / 4 splits (``mla_decode_tuning_run21_splits.json``)."""
+    return kv_splits(rows, mla_programs_per_row(rows, heads), longest, sm_count,
+                     split_programs_per_row=-(-heads // mla_split_launch_config(rows)[0]), programs_per_sm=1)
 
 
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
@@ -326,9 +347,11 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     own context, see :class:`~.attention.AttentionMetadata`) over a latent cache [slots, C + R]
     → Σ p·c [T, nh, C]. Launch parameters left None come from :func:`mla_launch_config` (T is a
     graph bucket's size where graphs run: a shape-only choice); ``meta.kv_splits`` > 1 cuts long
-    contexts into splits of at least ``split_rows`` rows (None: :data:`SPLIT_ROWS`, as :func:`kv_splits`)."""
+    contexts into splits of at least ``split_rows`` rows (None: :data:`SPLIT_ROWS`, as :func:`kv_splits`),
+    launched as :func:`mla_split_launch_config` says."""
     batch, heads, latent = q_latent.shape
-    tuned = mla_launch_config(batch)
+    splits = meta.kv_splits
+    tuned = mla_launch_config(batch) if splits == 1 else mla_split_launch_config(batch)
     block_h = tuned[0] if block_h is None else block_h
     block_n = tuned[1] if block_n is None else block_n
     num_warps = tuned[2] if num_warps is None else num_warps
@@ -341,7 +364,6 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
                   BLOCK_N=block_n)
     strides = (q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
                meta.block_tables.stride(0), meta.block_tables.stride(1), out.stride(0), out.stride(1))
-    splits = meta.kv_splits
     if splits == 1:
         _mla_decode_kernel[(batch, head_blocks)](
             q_latent, q_rope, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale, *strides,

@@ -286,12 +286,13 @@ class HFStepModel:
 
     def kv_splits(self, rows: int, longest: int) -> int:
         """Context splits of the attention kernel for ``rows`` queries whose longest context is
-        ``longest`` tokens (:func:`~.attention_kernels.kv_splits`; 1 without the kernels)."""
+        ``longest`` tokens (:func:`~.attention_kernels.mla_kv_splits` / :func:`~.attention_kernels.kv_splits`;
+        1 without the kernels)."""
         if self._attention_kernel is None:
             return 1
-        per_row = attention_kernels.mla_programs_per_row(rows, int(self.config.num_attention_heads)) \
-            if self.layout.mla else self.layout.kv_heads
-        return attention_kernels.kv_splits(rows, per_row, longest, self._sm_count)
+        if self.layout.mla:
+            return attention_kernels.mla_kv_splits(rows, int(self.config.num_attention_heads), longest, self._sm_count)
+        return attention_kernels.kv_splits(rows, self.layout.kv_heads, longest, self._sm_count)
 
     def _forward(self, tokens: torch.Tensor, fed: torch.Tensor | None, meta: AttentionMetadata,
                  sample_rows: torch.Tensor, sampling: tuple[Any, ...] | None, valid: torch.Tensor | None,
