@@ -15,6 +15,9 @@
 #                16 warps; then split-KV at a 32,768-token context (~5 min)
 #   STAGE=longkernels  the split MLA kernel at a 32,768-token context, 1 / 4 / 16 sequences, over head and context
 #                blocks, warps and stages (run 20: 16 sequences were latency-bound at one program per SM) (~6 min)
+#   STAGE=router DeepSeek-V3's fused router (tensor-core logits + one selection kernel) against transformers'
+#                router, eager and compiled, per layer (router_kernel.py), then the graphed decode step with it at
+#                16 / 64 / 256 sequences beside run 21's (2.033 ms at 256) (~3 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
 #                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
 #                profile, with the EP layer's share of a traced iteration (~6 min)
@@ -72,10 +75,14 @@ case "${STAGE:-tests}" in
     PYTHONPATH=$HEAD_PATH timeout 480 python3 benchmarks/mla_decode_tuning.py --batches 16 4 1 --context 32768 \
       --block-h 16 32 64 --block-n 16 32 64 --warps 4 8 --stages 2 3 --kv-splits 4 16 64 \
       --out "$OUT/mla_decode_split_sweep.json" 2>&1 | grep best ;;
+  router)
+    PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/router_kernel.py --out "$OUT/router_kernel.json" 2>&1 | grep routing
+    PYTHONPATH=$HEAD_PATH timeout 200 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 16 64 256 \
+      --context 96 --profile --top 40 --out "$OUT/decode_step_bound_router.json" 2>&1 | grep -v "Loading weights" | tail -3 ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
     BENCH_TIMEOUT=560 bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \
       --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json --profile-streams 64 256 \
       --profile-iters 600-619 ;;
-  *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | onoff" >&2; exit 2 ;;
+  *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | router | onoff" >&2; exit 2 ;;
 esac

@@ -283,3 +283,38 @@ def test_preemption_on_graphed_overlapped_steps_serves_the_same_tokens(tmp_path:
     assert preemptions[0] == 0 and preemptions[1] >= 1
     assert all(len(tokens) == 40 for tokens in results[1].values())
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize(("experts", "groups", "kept", "top_k"), [(256, 8, 4, 8), (8, 4, 2, 2)])
+def test_fused_router_equals_transformers_router_on_the_gpu(experts: int, groups: int, kept: int, top_k: int) -> None:
+    """bf16 at DeepSeek-V3's hidden size, 256 tokens: the tensor-core logits (fp32 accumulation and output)
+    equal transformers' fp32 GEMM up to summation order, and the selection kernel picks the same experts
+    with the same weights wherever the top-k is not a near tie."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from vexpert_runtime.serve.fused_router import FusedDeepseekV3Router
+
+    torch.manual_seed(experts)
+    config = transformers.DeepseekV3Config(n_routed_experts=experts, n_group=groups, topk_group=kept,
+                                           num_experts_per_tok=top_k, hidden_size=7168, routed_scaling_factor=2.5)
+    router = DeepseekV3TopkRouter(config).to("cuda", torch.bfloat16)
+    torch.nn.init.normal_(router.weight, std=0.02)
+    router.e_score_correction_bias.normal_(0, 0.01)
+    fused = FusedDeepseekV3Router(router)
+    assert fused.tensor_cores  # torch.mm(..., out_dtype=torch.float32) runs here
+    x = torch.randn(256, 7168, device="cuda", dtype=torch.bfloat16)
+    want_logits, want_weights, want_ids = router(x)
+    logits, weights, ids = fused(x)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+    same = (ids.sort(1).values == want_ids.sort(1).values).all(1)
+    assert same.float().mean() >= 0.98
+    order, want_order = ids[same].argsort(1), want_ids[same].argsort(1)
+    torch.testing.assert_close(weights[same].gather(1, order), want_weights[same].gather(1, want_order),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_a_deepseek_model_on_the_gpu_routes_with_the_fused_router(tmp_path: Path) -> None:
+    path = _write("deepseek_v3", tmp_path / "deepseek_v3")
+    model = HFStepModel(path, device="cuda", dtype=torch.bfloat16, kv_cache_tokens=512)
+    assert model.fused_routers == len(model.moe_layers) == 2
