@@ -15,7 +15,7 @@ import transformers
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from runtime_support import run_in_triton_interpreter
-from vexpert_runtime.model.routing_kernel import supports
+from vexpert_runtime.model.routing_kernel import deepseek_v3_select, supports
 
 # (experts, groups, groups kept, top-k, normalise): the release's routing, the benchmark checkpoint's,
 # Kimi K2's (384 experts, one group), one without normalisation, every group kept
@@ -75,6 +75,8 @@ def test_supports_what_the_kernel_can_select() -> None:
     assert not supports(8, 3, 1, 2)  # 8 experts do not split into 3 groups
     assert not supports(8, 1, 1, 9)
     assert supports(6, 1, 1, 2)  # no groups: any count
+    with pytest.raises(ValueError, match="384 experts in 8 groups"):
+        deepseek_v3_select(torch.zeros(2, 384), None, 8, 8, 4, 1.0, True)
 
 
 def test_fuse_model_routers_keeps_the_parameters_and_skips_what_it_cannot_select() -> None:
