@@ -144,19 +144,22 @@ def kernel_specs() -> list[dict[str, Any]]:
                 fn = gg._grouped_gemm_kernel
             specs.append(_spec(f"grouped_gemm {gemm} {rows_per_expert} rows/expert", fn, gemm_pointers, scalars,
                                shapes, warps, stages))
-    # DeepSeek-V3's expert selection as the fused router launches it: the release's 256 experts in 8
-    # groups (4 kept, top-8), and the benchmark checkpoint's 8 experts in 4 groups (2 kept, top-2).
+    # The routers' expert selection as the fused routers launch it: DeepSeek-V3's release (256 experts in 8
+    # groups, 4 kept, top-8) and the benchmark checkpoint's (8 in 4 groups, 2 kept, top-2); Qwen3-30B-A3B's
+    # softmax top-8 of 128 (bf16 weights out).
     import vexpert_runtime.model.routing_kernel as rk
 
     select_pointers = {"logits": "*fp32", "bias": "*fp32", "ids_out": "*i64", "weights_out": "*fp32"}
-    for label, (n_experts, groups, kept, top_k) in (("256 experts", (256, 8, 4, 8)), ("8 experts", (8, 4, 2, 2))):
+    for label, (n_experts, groups, kept, top_k, softmax) in (("deepseek_v3_select 256 experts", (256, 8, 4, 8, False)),
+                                                             ("deepseek_v3_select 8 experts", (8, 4, 2, 2, False)),
+                                                             ("softmax_topk_select 128 experts", (128, 1, 1, 8, True))):
         select_scalars: dict[str, int | float] = {"tokens": rows, "stride_l": n_experts, "stride_o": top_k,
-                                                  "scaling": 2.5}
+                                                  "scaling": 1.0 if softmax else 2.5}
         select = dict(E=n_experts, EP=n_experts, G=groups, TOPK_GROUP=kept, K=top_k,
-                      KP=max(2, triton.next_power_of_2(top_k)), HAS_BIAS=True, GROUPED=True, NORMALISE=True,
-                      BLOCK_T=rk.block_tokens(n_experts))
-        specs.append(_spec(f"deepseek_v3_select {label}", rk._deepseek_v3_select_kernel, select_pointers,
-                           select_scalars, select, 4, 1))
+                      KP=max(2, triton.next_power_of_2(top_k)), SOFTMAX=softmax, HAS_BIAS=not softmax,
+                      GROUPED=groups > 1 and kept < groups, NORMALISE=True, BLOCK_T=rk.block_tokens(n_experts))
+        pointers = {**select_pointers, "logits": bf16, "weights_out": bf16} if softmax else select_pointers
+        specs.append(_spec(label, rk._select_experts_kernel, pointers, select_scalars, select, 4, 1))
     return specs
 
 

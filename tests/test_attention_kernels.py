@@ -114,7 +114,7 @@ def check_model_with_kernels_on_cpu() -> None:
     """The GPU path's eager step on CPU: ``HFStepModel`` attending with the Triton kernels (in the
     interpreter, as a GPU rank would with them) and the split policy of a 132-SM GPU — with splits of
     16 rows instead of 256, so that 110-token prompts split as long contexts do — beside a short
-    prompt: DeepSeek-V3 (MLA, its routers fused) and Qwen3-MoE with a 40-token sliding window give
+    prompt: DeepSeek-V3 (MLA) and Qwen3-MoE with a 40-token sliding window, their routers fused, give
     generate's greedy tokens, and some launches split their contexts."""
     import tempfile
 
@@ -138,8 +138,8 @@ def check_model_with_kernels_on_cpu() -> None:
             transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
             expected, _ = serve_model._reference(path, prompts, new_tokens)
             model = HFStepModel(path, dtype=torch.float32, kv_cache_tokens=512)
-            if model.layout.mla:  # DeepSeek-V3's routers fused, as the constructor does on a CUDA device
-                assert fuse_model_routers(model.model) == len(model.moe_layers)
+            # the routers fused, as the constructor does on a CUDA device
+            assert fuse_model_routers(model.model) == len(model.moe_layers)
             kernel = attention_kernels.mla_decode if model.layout.mla else attention_kernels.gqa_decode
             splits: list[int] = []
             meta_at = 3 if model.layout.mla else 2  # (q_latent, q_rope, cache, meta) / (q, cache, meta)

@@ -1,5 +1,5 @@
-"""DeepSeek-V3's fused router (``serve/fused_router.py`` + ``model/routing_kernel.py``) against transformers'
-``DeepseekV3TopkRouter``, the reference it stands in for on a GPU.
+"""The fused routers (``serve/fused_router.py`` + ``model/routing_kernel.py``) against transformers'
+``DeepseekV3TopkRouter`` and Qwen's ``TopKRouter``, the references they stand in for on a GPU.
 
 CI has no GPU: the selection kernel runs on CPU tensors in Triton's interpreter; that it compiles for an
 H200 is ``test_kernel_compile.py``'s, and the serving model with fused routers giving ``generate``'s
@@ -63,9 +63,50 @@ def check_selection_on_cpu() -> None:
         torch.testing.assert_close(weights, torch.full_like(weights, expected))
 
 
+def check_softmax_selection_on_cpu() -> None:
+    """In the interpreter: Qwen3-MoE's and Qwen2-MoE's routers (softmax top-k, renormalised or not) in
+    fp32 and bf16 — the same logits (the same ``linear``), per token the same experts, the same weights in
+    the logits' dtype."""
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    from vexpert_runtime.serve.fused_router import FusedSoftmaxRouter, stand_in_for
+
+    torch.manual_seed(2)
+    for cls, config_cls, experts, top_k, normalise in (
+            (Qwen3MoeTopKRouter, transformers.Qwen3MoeConfig, 128, 8, True),
+            (Qwen2MoeTopKRouter, transformers.Qwen2MoeConfig, 60, 4, False),
+            (Qwen3MoeTopKRouter, transformers.Qwen3MoeConfig, 8, 2, False)):
+        config = config_cls(num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=normalise, hidden_size=48)
+        for dtype in (torch.float32, torch.bfloat16):
+            router = cls(config).to(dtype)
+            torch.nn.init.normal_(router.weight, std=0.5)
+            stand_in = stand_in_for(router)
+            assert isinstance(stand_in, FusedSoftmaxRouter)
+            x = torch.randn(37, 48).to(dtype)
+            want_logits, want_weights, want_ids = router(x)
+            logits, weights, ids = stand_in(x)
+            assert torch.equal(logits, want_logits) and weights.dtype == want_weights.dtype == dtype
+            tolerance = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
+            torch.testing.assert_close(weights.sort(1).values, want_weights.sort(1).values, **tolerance)
+            # bf16 logits tie often (8-bit mantissas): where the k-th and (k+1)-th probabilities are equal either
+            # expert is a top-k (torch.topk picks either; the kernel the lower index) — elsewhere the same experts
+            probs = logits.float().softmax(-1).sort(1, descending=True).values
+            decided = probs[:, top_k - 1] > probs[:, top_k]
+            assert decided.float().mean() > 0.5, (cls, dtype)
+            assert torch.equal(ids[decided].sort(1).values, want_ids[decided].sort(1).values), (cls, dtype)
+            chosen = logits.float().softmax(-1).gather(1, ids).sort(1, descending=True).values
+            assert torch.equal(chosen, probs[:, :top_k]), (cls, dtype)  # every row: a top-k set
+
+
 def test_selection_kernel_equals_transformers_router_in_the_interpreter() -> None:
     pytest.importorskip("triton")
     run_in_triton_interpreter("test_fused_router", "check_selection_on_cpu")
+
+
+def test_softmax_selection_equals_qwen_routers_in_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    run_in_triton_interpreter("test_fused_router", "check_softmax_selection_on_cpu")
 
 
 def test_supports_what_the_kernel_can_select() -> None:
@@ -80,8 +121,9 @@ def test_supports_what_the_kernel_can_select() -> None:
 
 
 def test_fuse_model_routers_keeps_the_parameters_and_skips_what_it_cannot_select() -> None:
-    """Every MoE layer's router swapped, the state dict unchanged (same names, same tensors); a model whose
-    routing the kernel cannot take (6 experts in 2 groups) keeps transformers' routers."""
+    """Every MoE layer's router swapped (DeepSeek-V3's, Qwen3-MoE's), the state dict unchanged (same names,
+    same tensors); a model whose routing the kernel cannot take (6 experts in 2 groups) keeps transformers'
+    routers."""
     pytest.importorskip("triton")
     from test_serve_model import _config
     from vexpert_runtime.serve.fused_router import FusedDeepseekV3Router, fuse_model_routers
@@ -94,6 +136,9 @@ def test_fuse_model_routers_keeps_the_parameters_and_skips_what_it_cannot_select
     assert list(after) == list(before)
     assert all(after[name].data_ptr() == before[name].data_ptr() for name in before)
     assert all(isinstance(layer.mlp.gate, FusedDeepseekV3Router) for layer in model.model.layers[1:])
+    qwen = transformers.AutoModelForCausalLM.from_config(_config("qwen3_moe"))
+    assert fuse_model_routers(qwen) == 3
+    assert all(type(layer.mlp.gate).__name__ == "FusedSoftmaxRouter" for layer in qwen.model.layers)
     config = _config("deepseek_v3")
     config.n_routed_experts = 6
     odd = transformers.AutoModelForCausalLM.from_config(config)

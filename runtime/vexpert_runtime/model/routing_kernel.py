@@ -1,4 +1,5 @@
-"""DeepSeek-V3's expert selection (``noaux_tc``) as one Triton kernel: :func:`deepseek_v3_select`.
+"""A router's expert selection as one Triton kernel: DeepSeek-V3's ``noaux_tc`` (:func:`deepseek_v3_select`)
+and Qwen-MoE's softmax top-k (:func:`softmax_topk_select`).
 
 transformers' ``DeepseekV3TopkRouter`` selects experts in ~12 kernels per layer after its logits GEMM —
 sigmoid, the bias, a top-2 per group, a top-k over groups, a scatter into a group mask, the masked fill,
@@ -12,9 +13,11 @@ and vLLM's ``grouped_topk`` CUDA kernels do the same).
 Selection is :func:`~vexpert_runtime.model.routing.deepseek_v3_topk`'s: scores = sigmoid(logits); choice =
 scores + bias; a group's score is the sum of its two best choices; the ``topk_group`` best groups stay;
 the ``top_k`` best choices among their experts are the ids; the weights are their scores, normalised to
-sum 1 if asked, times the routed scaling factor. Ties go to the lower index (``torch.topk`` leaves that
-unspecified); ids come best first. The CPU tests run it in Triton's interpreter against transformers'
-router.
+sum 1 if asked, times the routed scaling factor. Qwen's (``Qwen3MoeTopKRouter``, ``Qwen2MoeTopKRouter``):
+the top-k of softmax(logits) in fp32, renormalised if asked, in the logits' dtype — after a GEMM that is
+already bf16, three kernels (softmax, ``torch.topk``, the renormalisation) become one. Ties go to the lower
+index (``torch.topk`` leaves that unspecified); ids come best first. The CPU tests run it in Triton's
+interpreter against transformers' routers.
 
 Shapes: ``T`` tokens, ``E`` experts (a power of two when groups are used: a group is a contiguous run of
 ``E / n_group`` experts), ``K`` = top-k.
@@ -51,17 +54,25 @@ def supports(num_experts: int, n_group: int, topk_group: int, top_k: int) -> boo
 if triton is not None:
 
     @triton.jit
-    def _deepseek_v3_select_kernel(logits, bias, ids_out, weights_out, tokens, stride_l, stride_o, scaling,
-                                   E: tl.constexpr, EP: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                                   K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                   GROUPED: tl.constexpr, NORMALISE: tl.constexpr, BLOCK_T: tl.constexpr):
+    def _select_experts_kernel(logits, bias, ids_out, weights_out, tokens, stride_l, stride_o, scaling,
+                               E: tl.constexpr, EP: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                               K: tl.constexpr, KP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+                               GROUPED: tl.constexpr, NORMALISE: tl.constexpr, BLOCK_T: tl.constexpr):
+        """Scores (sigmoid, or with SOFTMAX the softmax over the experts), the selection (choice = scores
+        [+ bias], [the kept groups' experts]), the top-K ids best first and their weights (the scores,
+        normalised if NORMALISE, times ``scaling``) written in ``weights_out``'s dtype."""
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         tmask = t < tokens
         e = tl.arange(0, EP)
         emask = e < E
         rows = t[:, None].to(tl.int64) * stride_l + e[None, :]
         mask = tmask[:, None] & emask[None, :]
-        scores = tl.sigmoid(tl.load(logits + rows, mask=mask, other=0.0).to(tl.float32))
+        raw = tl.where(emask[None, :], tl.load(logits + rows, mask=mask, other=0.0).to(tl.float32), float("-inf"))
+        if SOFTMAX:  # as torch.softmax: exp(x − max) / Σ (padding experts weigh exp(−inf) = 0)
+            p = tl.exp(raw - tl.max(raw, 1)[:, None])
+            scores = p / tl.sum(p, 1)[:, None]
+        else:
+            scores = tl.sigmoid(raw)
         choice = scores
         if HAS_BIAS:
             choice = choice + tl.load(bias + e, mask=emask, other=0.0).to(tl.float32)[None, :]
@@ -114,22 +125,37 @@ def deepseek_v3_select(logits: torch.Tensor, correction_bias: torch.Tensor | Non
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] fp32, correction_bias [E] or None → (ids [T, K] int64 best first, weights [T, K] fp32);
     the arguments as :func:`~vexpert_runtime.model.routing.deepseek_v3_topk`'s (see :func:`supports`)."""
-    tokens, experts = logits.shape
+    experts = logits.shape[1]
     if not supports(experts, n_group, topk_group, top_k):
         raise ValueError(f"deepseek_v3_select does not take {experts} experts in {n_group} groups, "
                          f"topk_group {topk_group}, top_k {top_k} (see supports())")
+    return _select(logits, correction_bias, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob,
+                   softmax=False, weight_dtype=torch.float32)
+
+
+def softmax_topk_select(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, weight_dtype: torch.dtype
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen-MoE's selection: logits [T, E] (any float dtype) → (ids [T, K] int64 best first, weights [T, K]
+    ``weight_dtype``): the top-k of softmax(logits) in fp32, renormalised to sum 1 if ``norm_topk_prob``."""
+    if not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"softmax_topk_select: top_k {top_k} of {logits.shape[1]} experts")
+    return _select(logits, None, top_k, 1, 1, 1.0, norm_topk_prob, softmax=True, weight_dtype=weight_dtype)
+
+
+def _select(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int, topk_group: int,
+            scaling: float, normalise: bool, *, softmax: bool, weight_dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, experts = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
-    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
+    weights = torch.empty((tokens, top_k), dtype=weight_dtype, device=logits.device)
     if tokens == 0:
         return ids, weights
-    grouped = n_group > 1 and topk_group < n_group
     block = block_tokens(experts)
-    _deepseek_v3_select_kernel[(triton.cdiv(tokens, block),)](
-        logits, logits if correction_bias is None else correction_bias, ids, weights, tokens, logits.stride(0),
-        top_k, float(routed_scaling_factor),
+    _select_experts_kernel[(triton.cdiv(tokens, block),)](
+        logits, logits if bias is None else bias, ids, weights, tokens, logits.stride(0), top_k, float(scaling),
         E=experts, EP=triton.next_power_of_2(experts), G=n_group, TOPK_GROUP=topk_group, K=top_k,
-        KP=max(2, triton.next_power_of_2(top_k)), HAS_BIAS=correction_bias is not None, GROUPED=grouped,
-        NORMALISE=bool(norm_topk_prob), BLOCK_T=block, num_warps=4)
+        KP=max(2, triton.next_power_of_2(top_k)), SOFTMAX=softmax, HAS_BIAS=bias is not None,
+        GROUPED=n_group > 1 and topk_group < n_group, NORMALISE=bool(normalise), BLOCK_T=block, num_warps=4)
     return ids, weights

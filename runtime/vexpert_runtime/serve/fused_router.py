@@ -1,4 +1,4 @@
-"""DeepSeek-V3's router on a GPU in two kernels: a tensor-core logits GEMM and one selection kernel.
+"""MoE routers on a GPU in two kernels: the logits GEMM and one selection kernel.
 
 transformers' ``DeepseekV3TopkRouter`` casts the bf16 hidden state and gate weight to fp32 and multiplies
 them on CUDA cores (an H200 at 256 tokens: ``cutlass_80_simt_sgemm``, 15 µs per layer for 8 experts —
@@ -8,9 +8,12 @@ exact in fp32, so a tensor-core GEMM with fp32 accumulation and output computes 
 summation order (SGLang's ``dsv3_router_gemm`` does this); :func:`deepseek_v3_select` then does the
 selection in one launch.
 
-:func:`fuse_model_routers` swaps each such router for a :class:`FusedDeepseekV3Router` holding the same
-parameter and buffer under the same names (the state dict is unchanged); the serving model does it on
-a CUDA device with Triton. Its output is transformers' tuple ``(logits, weights, ids)``, ids best first.
+Qwen-MoE's routers already multiply in the model's dtype; their softmax, ``torch.topk`` and renormalisation
+become one kernel (:class:`FusedSoftmaxRouter`).
+
+:func:`fuse_model_routers` swaps each such router for its stand-in holding the same parameters and buffers
+under the same names (the state dict is unchanged); the serving model does it on a CUDA device with
+Triton. The output is transformers' tuple ``(logits, weights, ids)``, ids best first.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from torch import nn
 from vexpert_runtime.model import routing_kernel
 from vexpert_runtime.serve.sparse_blocks import decoder_layers, is_sparse_block
 
-# transformers' routers whose forward is DeepSeek-V3's noaux_tc selection as :mod:`.routing_kernel` computes it
+# transformers' routers whose forward is DeepSeek-V3's noaux_tc selection / Qwen's softmax top-k as
+# :mod:`~vexpert_runtime.model.routing_kernel` computes them
 _DEEPSEEK_V3_ROUTERS = frozenset({"DeepseekV3TopkRouter"})
+_SOFTMAX_ROUTERS = frozenset({"Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter"})
 
 
 @functools.cache
@@ -82,22 +87,47 @@ class FusedDeepseekV3Router(nn.Module):
         return logits, weights, ids
 
 
-def fusable(router: Any) -> bool:
-    """Whether ``router`` is a DeepSeek-V3 router :func:`deepseek_v3_select` takes."""
-    if type(router).__name__ not in _DEEPSEEK_V3_ROUTERS:
-        return False
-    return routing_kernel.supports(int(router.weight.shape[0]), int(router.num_group), int(router.topk_group),
-                                   int(router.top_k))
+class FusedSoftmaxRouter(nn.Module):
+    """A Qwen-MoE router (``Qwen3MoeTopKRouter``, ``Qwen2MoeTopKRouter``) whose selection after its logits
+    GEMM (already in the model's dtype, as transformers') is :func:`softmax_topk_select`; the router's
+    own ``weight`` parameter."""
+
+    def __init__(self, router: Any) -> None:
+        super().__init__()
+        self.weight = router.weight
+        self.hidden_dim = int(router.hidden_dim)
+        self.top_k = int(router.top_k)
+        self.norm_topk_prob = bool(router.norm_topk_prob)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        ids, weights = routing_kernel.softmax_topk_select(logits, self.top_k, self.norm_topk_prob, logits.dtype)
+        return logits, weights, ids
+
+
+FusedRouter = FusedDeepseekV3Router | FusedSoftmaxRouter
+
+
+def stand_in_for(router: Any) -> FusedRouter | None:
+    """The fused stand-in for ``router``, or None where the kernel does not take it (another router class,
+    or a DeepSeek-V3 routing :func:`~vexpert_runtime.model.routing_kernel.supports` refuses)."""
+    name = type(router).__name__
+    if name in _SOFTMAX_ROUTERS:
+        return FusedSoftmaxRouter(router)
+    if name in _DEEPSEEK_V3_ROUTERS and routing_kernel.supports(
+            int(router.weight.shape[0]), int(router.num_group), int(router.topk_group), int(router.top_k)):
+        return FusedDeepseekV3Router(router)
+    return None
 
 
 def fuse_model_routers(model: Any) -> int:
-    """Swap every sparse block's DeepSeek-V3 router for a :class:`FusedDeepseekV3Router` in place;
-    returns how many (0 where Triton is absent)."""
+    """Swap every sparse block's router for its fused stand-in (:func:`stand_in_for`) in place; returns how many
+    (0 where Triton is absent)."""
     if not routing_kernel.available():
         return 0
     count = 0
     for layer in decoder_layers(model):
-        if is_sparse_block(layer.mlp) and fusable(layer.mlp.gate):
-            layer.mlp.gate = FusedDeepseekV3Router(layer.mlp.gate)
+        if is_sparse_block(layer.mlp) and (stand_in := stand_in_for(layer.mlp.gate)) is not None:
+            layer.mlp.gate = stand_in
             count += 1
     return count

@@ -37,7 +37,7 @@ from vexpert_runtime.serve.attention_layers import (
 )
 from vexpert_runtime.serve.cuda_graphs import GraphedSteps
 from vexpert_runtime.serve.fused_projections import fuse_model_projections
-from vexpert_runtime.serve.fused_router import FusedDeepseekV3Router, fuse_model_routers
+from vexpert_runtime.serve.fused_router import FusedRouter, fuse_model_routers
 from vexpert_runtime.serve.kv_cache import PagedKVCache, blocks_for
 from vexpert_runtime.serve.model_loading import load_without_experts
 from vexpert_runtime.serve.moe_executors import (
@@ -154,8 +154,8 @@ class HFStepModel:
             self._attention_kernel = attention_kernels.mla_decode if self.layout.mla else attention_kernels.gqa_decode
         self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count \
             if self.device.type == "cuda" else 0
-        # On a GPU DeepSeek-V3's routers take a tensor-core logits GEMM and one selection kernel
-        # (:mod:`.fused_router`); transformers' router on CPU, the reference the kernel is tested against.
+        # On a GPU the routers select their experts in one kernel after the logits GEMM (DeepSeek-V3's GEMM
+        # on tensor cores; :mod:`.fused_router`); transformers' routers on CPU, the kernel's reference.
         self.fused_routers = fuse_model_routers(model) if self.device.type == "cuda" else 0
         if kv_cache_tokens is not None:
             self.allocate_kv_cache(blocks_for(kv_cache_tokens, block_size) + 1)
@@ -234,7 +234,7 @@ class HFStepModel:
             modules += [layer.input_layernorm, layer.post_attention_layernorm]
             if is_sparse_block(layer.mlp):
                 gate = layer.mlp.gate  # a fused router is its own kernels already
-                modules += [None if isinstance(gate, FusedDeepseekV3Router) else gate,
+                modules += [None if isinstance(gate, FusedRouter) else gate,
                             getattr(layer.mlp, "shared_experts", None),
                             getattr(layer.mlp, "shared_expert", None), getattr(layer.mlp, "shared_expert_gate", None)]
             else:
