@@ -145,7 +145,7 @@ def kernel_specs() -> list[dict[str, Any]]:
             specs.append(_spec(f"grouped_gemm {gemm} {rows_per_expert} rows/expert", fn, gemm_pointers, scalars,
                                shapes, warps, stages))
     # The routers' expert selection as the fused routers launch it: DeepSeek-V3's release (256 experts in 8
-    # groups, 4 kept, top-8) and the benchmark checkpoint's (8 in 4 groups, 2 kept, top-2); Qwen3-30B-A3B's
+    # groups, 4 kept, top-8) and a grouped 8-expert one (8 in 4 groups, 2 kept, top-2); Qwen3-30B-A3B's
     # softmax top-8 of 128 (bf16 weights out).
     import vexpert_runtime.model.routing_kernel as rk
 

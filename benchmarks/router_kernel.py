@@ -3,8 +3,9 @@
 a tensor-core GEMM with fp32 output, then one selection kernel; Qwen's softmax top-k in one kernel after
 its bf16 GEMM), each in a CUDA graph of 20 calls (as the decode step replays it), bf16 hidden states.
 
-Shapes: DeepSeek-V3's release routing (H 7168, 256 experts in 8 groups, 4 kept, top-8), the benchmark
-checkpoint's (8 experts in 4 groups, 2 kept, top-2), Qwen3-30B-A3B's (H 2048, softmax top-8 of 128), at
+Shapes: DeepSeek-V3's release routing (H 7168, 256 experts in 8 groups, 4 kept, top-8), 8 experts in 4 groups
+(2 kept, top-2), the benchmark checkpoint's (8 experts top-2, no groups), Qwen3-30B-A3B's (H 2048, softmax
+top-8 of 128), at
 16 / 64 / 256 tokens. Also printed: how many tokens' expert sets differ from transformers' (near ties under
 a different summation order; bf16 logits that tie exactly, where either expert is a top-k).
 
@@ -29,6 +30,7 @@ CALLS = 20
 # label: (family, hidden, experts, groups, groups kept, top-k)
 ROUTINGS = {"deepseek_v3 256 experts": ("deepseek_v3", 7168, 256, 8, 4, 8),
             "deepseek_v3 8 experts": ("deepseek_v3", 7168, 8, 4, 2, 2),
+            "deepseek_v3 8 experts, no groups": ("deepseek_v3", 7168, 8, 1, 1, 2),
             "qwen3_moe 128 experts": ("qwen3_moe", 2048, 128, 1, 1, 8)}
 
 

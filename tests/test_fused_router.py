@@ -17,7 +17,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 from runtime_support import run_in_triton_interpreter
 from vexpert_runtime.model.routing_kernel import deepseek_v3_select, supports
 
-# (experts, groups, groups kept, top-k, normalise): the release's routing, the benchmark checkpoint's,
+# (experts, groups, groups kept, top-k, normalise): the release's routing, 8 experts in groups,
 # Kimi K2's (384 experts, one group), one without normalisation, every group kept
 CASES = ((256, 8, 4, 8, True), (8, 4, 2, 2, True), (384, 1, 1, 8, True), (16, 2, 1, 3, False), (64, 8, 8, 6, True))
 
