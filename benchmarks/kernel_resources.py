@@ -155,9 +155,8 @@ def kernel_specs() -> list[dict[str, Any]]:
                                                              ("softmax_topk_select 128 experts", (128, 1, 1, 8, True))):
         select_scalars: dict[str, int | float] = {"tokens": rows, "stride_l": n_experts, "stride_o": top_k,
                                                   "scaling": 1.0 if softmax else 2.5}
-        select = dict(E=n_experts, EP=n_experts, G=groups, TOPK_GROUP=kept, K=top_k,
-                      KP=max(2, triton.next_power_of_2(top_k)), SOFTMAX=softmax, HAS_BIAS=not softmax,
-                      GROUPED=groups > 1 and kept < groups, NORMALISE=True, BLOCK_T=rk.block_tokens(n_experts))
+        select = rk.launch_constexprs(n_experts, groups, kept, top_k, softmax=softmax, has_bias=not softmax,
+                                      normalise=True)
         pointers = {**select_pointers, "logits": bf16, "weights_out": bf16} if softmax else select_pointers
         specs.append(_spec(label, rk._select_experts_kernel, pointers, select_scalars, select, 4, 1))
     return specs

@@ -152,10 +152,18 @@ def _select(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group
     weights = torch.empty((tokens, top_k), dtype=weight_dtype, device=logits.device)
     if tokens == 0:
         return ids, weights
-    block = block_tokens(experts)
-    _select_experts_kernel[(triton.cdiv(tokens, block),)](
+    shapes = launch_constexprs(experts, n_group, topk_group, top_k, softmax=softmax, has_bias=bias is not None,
+                               normalise=normalise)
+    _select_experts_kernel[(triton.cdiv(tokens, shapes["BLOCK_T"]),)](
         logits, logits if bias is None else bias, ids, weights, tokens, logits.stride(0), top_k, float(scaling),
-        E=experts, EP=triton.next_power_of_2(experts), G=n_group, TOPK_GROUP=topk_group, K=top_k,
-        KP=max(2, triton.next_power_of_2(top_k)), SOFTMAX=softmax, HAS_BIAS=bias is not None,
-        GROUPED=n_group > 1 and topk_group < n_group, NORMALISE=bool(normalise), BLOCK_T=block, num_warps=4)
+        **shapes, num_warps=4)
     return ids, weights
+
+
+def launch_constexprs(experts: int, n_group: int, topk_group: int, top_k: int, *, softmax: bool, has_bias: bool,
+                      normalise: bool) -> dict[str, int | bool]:
+    """The selection kernel's compile-time arguments for a routing (what a launch specialises on)."""
+    return dict(E=experts, EP=triton.next_power_of_2(experts), G=n_group, TOPK_GROUP=topk_group, K=top_k,
+                KP=max(2, triton.next_power_of_2(top_k)), SOFTMAX=softmax, HAS_BIAS=has_bias,
+                GROUPED=n_group > 1 and topk_group < n_group, NORMALISE=bool(normalise),
+                BLOCK_T=block_tokens(experts))

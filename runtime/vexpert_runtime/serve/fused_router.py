@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vexpert_runtime.model import routing_kernel
+from vexpert_runtime.model.routing import router_logits
 from vexpert_runtime.serve.sparse_blocks import decoder_layers, is_sparse_block
 
 # transformers' routers whose forward is DeepSeek-V3's noaux_tc selection / Qwen's softmax top-k as
@@ -51,7 +52,7 @@ def fp32_logits(x: torch.Tensor, weight: torch.Tensor, tensor_cores: bool) -> to
     exact), else transformers' fp32 ``linear``."""
     if tensor_cores:
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
-    return F.linear(x.to(torch.float32), weight.to(torch.float32))
+    return router_logits(x, weight)
 
 
 def tensor_core_logits_run(weight: torch.Tensor) -> bool:
