@@ -15,7 +15,7 @@
 #                16 warps; then split-KV at a 32,768-token context (~5 min)
 #   STAGE=longkernels  the split MLA kernel at a 32,768-token context, 1 / 4 / 16 sequences, over head and context
 #                blocks, warps and stages (run 20: 16 sequences were latency-bound at one program per SM) (~6 min)
-#   STAGE=router the fused routers' GPU tests, then DeepSeek-V3's (tensor-core logits + one selection kernel) and
+#   STAGE=router the fused routers' and truncated sampling's (top-k / min-p, graphed == eager) GPU tests, then DeepSeek-V3's (tensor-core logits + one selection kernel) and
 #                Qwen3-MoE's (softmax top-k in one kernel) against transformers' routers, eager and compiled, per
 #                layer (router_kernel.py), then the graphed decode step at 16 / 64 / 256 sequences (~4 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
@@ -77,7 +77,7 @@ case "${STAGE:-tests}" in
       --out "$OUT/mla_decode_split_sweep.json" 2>&1 | grep best ;;
   router)
     PYTHONPATH=$HEAD_PATH timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_serve_gpu.py \
-      -k "router" 2>&1 | tail -2
+      -k "router or truncated_sampling" 2>&1 | tail -2
     PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/router_kernel.py --out "$OUT/router_kernel.json" 2>&1 | grep routing
     PYTHONPATH=$HEAD_PATH timeout 200 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 16 64 256 \
       --context 96 --profile --top 40 --out "$OUT/decode_step_bound_router.json" 2>&1 | grep -v "Loading weights" | tail -3 ;;

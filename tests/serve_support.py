@@ -24,9 +24,11 @@ from vexpert_runtime.serve.step import SequenceWork, StepModel, SynchronousSteps
 
 MODEL_NAME = "tiny-qwen3-moe"
 MAX_CONTEXT = 96
-CHAT_TEMPLATE = (
+CHAT_TEMPLATE = (  # Qwen3's shape: tools in a turn of their own, enable_thinking=false as an empty think block
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 _CORPUS = [
     "the quick brown fox jumps over the lazy dog",

@@ -19,7 +19,7 @@ BLOCK = 4
 def _expected(work: list[SequenceWork], tokens: int, seqs: int) -> dict[str, list[float]]:
     """Every field, written out row by row (the definition ``fill`` must match)."""
     out: dict[str, list[float]] = {name: [] for name in ("tokens", "positions", "slots", "lengths", "seqs", "valid", "fed")}
-    rows, seeds, draws, temperature, top_p = [], [], [], [], []
+    rows, seeds, draws, temperature, top_p, top_k, min_p = [], [], [], [], [], [], []
     for b, item in enumerate(work):
         for i, token in enumerate(item.tokens):
             position = item.position + i
@@ -37,26 +37,29 @@ def _expected(work: list[SequenceWork], tokens: int, seqs: int) -> dict[str, lis
                 draws.append(item.sample.draw)
                 temperature.append(item.sample.temperature)
                 top_p.append(item.sample.top_p)
+                top_k.append(item.sample.top_k)
+                min_p.append(item.sample.min_p)
     pad = tokens - len(out["tokens"])
     for name, value in (("tokens", 0), ("positions", 0), ("lengths", 0), ("seqs", 0), ("valid", 0), ("fed", -1),
                         ("slots", SCRATCH_BLOCK * BLOCK)):
         out[name] += [value] * pad
     free = seqs - len(rows)
     out |= {"rows": rows + [0] * free, "seeds": seeds + [0] * free, "draws": draws + [0] * free,
-            "temperature": temperature + [0.0] * free, "top_p": top_p + [0.0] * free}
+            "temperature": temperature + [0.0] * free, "top_p": top_p + [0.0] * free, "top_k": top_k + [0] * free,
+            "min_p": min_p + [0.0] * free}
     return out
 
 
 def test_fill_writes_every_field_and_resets_the_pad_rows() -> None:
     inputs = GraphInputs.allocate(tokens=24, seqs=6, width=8, device="cpu")
     big = [SequenceWork(0, tuple(range(10, 22)), 0, (5, 6, 7), SamplingSpec(0.0, 1.0, 3, 0)),
-           SequenceWork(1, (9,), 6, (2, 3), SamplingSpec(0.8, 0.9, 4, 2), fed=0),
+           SequenceWork(1, (9,), 6, (2, 3), SamplingSpec(0.8, 0.9, 4, 2, top_k=20, min_p=0.05), fed=0),
            SequenceWork(2, tuple(range(30, 38)), 4, (1, 4, 9), None),  # a middle prompt chunk: no sample
            SequenceWork(3, (7,), 13, (11, 12, 13, 14), SamplingSpec(1.0, 0.5, 5, 9))]
     small = [SequenceWork(4, (8,), 2, (15,), SamplingSpec(0.0, 1.0, 6, 1), fed=1),
              SequenceWork(5, (1, 2, 3), 0, (16,), SamplingSpec(0.0, 1.0, 7, 0))]
     decodes = [SequenceWork(6, (5,), 3, (2,), SamplingSpec(0.0, 1.0, 8, 3), fed=0),  # one token each: fill's fast path
-               SequenceWork(7, (4,), 9, (3, 8, 10), SamplingSpec(0.7, 0.95, 9, 5))]
+               SequenceWork(7, (4,), 9, (3, 8, 10), SamplingSpec(0.7, 0.95, 9, 5, top_k=3))]
     for work in (big, small, decodes, []):
         sampled = inputs.fill(work, BLOCK)
         want = _expected(work, 24, 6)
@@ -70,7 +73,7 @@ def test_fill_writes_every_field_and_resets_the_pad_rows() -> None:
         device.buffer.fill_(-7)  # stale: what earlier iterations left
         used = inputs.used(work)
         device.buffer[:used].copy_(inputs.buffer[:used])
-        assert used == 24 * 7 + 6 * 5 + 6 * max([len(item.blocks) for item in work] + [1]) < inputs.buffer.numel()
+        assert used == 24 * 7 + 6 * 7 + 6 * max([len(item.blocks) for item in work] + [1]) < inputs.buffer.numel()
         for name, view in inputs.views.items():
             assert torch.equal(device.views[name], view), name
         for b, item in enumerate(work):
@@ -91,8 +94,8 @@ def test_every_token_count_has_a_bucket_padded_by_at_most_an_eighth_above_256(ma
 
 
 def test_graph_key_picks_the_bucket_top_p_and_the_splits_of_the_longest_table() -> None:
-    """The graph an iteration replays: its bucket, a top-p variant only when a sampled row draws with
-    top-p (greedy rows ignore it), and the split count the model's policy gives for that bucket at the
+    """The graph an iteration replays: its bucket, a truncated-sampling variant only when a sampled row
+    draws with min-p, top-k or top-p (greedy rows ignore them), and the split count the model's policy gives for that bucket at the
     longest context the block tables reach — from an H200's policy for DeepSeek-V3's 128 MLA heads."""
     from vexpert_runtime.serve.attention_kernels import mla_kv_splits
 
@@ -107,7 +110,10 @@ def test_graph_key_picks_the_bucket_top_p_and_the_splits_of_the_longest_table() 
     long = [SequenceWork(0, (5,), 32_000, long_table, SamplingSpec(temperature=0.7, top_p=0.9)), *short[1:]]
     assert graph_key(long, buckets, 16, policy, table_width(long)) == (2, True, 32)  # 4 split programs → 32 splits
     assert graph_key(long, buckets, 16, None, table_width(long)) == (2, True, 1)  # no policy: one pass
-    greedy_top_p = [SequenceWork(0, (5,), 9, (1,), SamplingSpec(temperature=0.0, top_p=0.5))]
+    greedy_top_p = [SequenceWork(0, (5,), 9, (1,), SamplingSpec(temperature=0.0, top_p=0.5, top_k=4, min_p=0.2))]
     assert graph_key(greedy_top_p, buckets, 16, policy, 1)[1] is False
+    for truncated in (SamplingSpec(temperature=0.7, top_k=20), SamplingSpec(temperature=0.7, min_p=0.1)):
+        assert graph_key([SequenceWork(0, (5,), 9, (1,), truncated)], buckets, 16, policy, 1)[1] is True
+    assert graph_key([SequenceWork(0, (5,), 9, (1,), SamplingSpec(temperature=0.7))], buckets, 16, policy, 1)[1] is False
     chunk = [SequenceWork(0, tuple(range(300)), 0, tuple(range(19))), *long]  # 302 tokens: the SMs are full
     assert graph_key(chunk, buckets, 16, policy, table_width(chunk)) == (320, True, 1)

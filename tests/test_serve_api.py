@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import json
 import threading
 import time
 from pathlib import Path
@@ -29,6 +31,7 @@ from serve_support import (
 )
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.serve.events import Event, GenerationRequest, SamplingParams, ServeRefusal
+from vexpert_runtime.serve.openai_api import SamplingDefaults
 from vexpert_runtime.serve.sampling import (
     IncrementalDetokenizer,
     StopChecker,
@@ -175,6 +178,92 @@ def test_stop_strings_are_trimmed(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
 
 
+def test_top_k_min_p_and_stop_token_ids_are_honoured(client: openai.OpenAI, hf_model: Any, tokenizer: Any) -> None:
+    """vLLM's sampling extensions: top_k 1 or min_p 1 draw only the most likely token (the greedy text
+    at any temperature); a stop token id ends the output where it first appears, left out of the text,
+    also with ignore_eos."""
+    kwargs: dict[str, Any] = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 10}
+    greedy = client.completions.create(temperature=0, extra_body={"ignore_eos": True}, **kwargs).choices[0].text
+    for extra in ({"top_k": 1}, {"min_p": 1.0}, {"top_k": 1, "min_p": 0.5}):
+        sampled = client.completions.create(temperature=1.5, seed=3, extra_body={"ignore_eos": True, **extra}, **kwargs)
+        assert sampled.choices[0].text == greedy, extra
+    # top_k −1 / 0 mean "off", as in vLLM: the same draws as without it
+    plain = client.completions.create(temperature=1.0, seed=9, extra_body={"ignore_eos": True}, **kwargs).choices[0].text
+    for off in (-1, 0):
+        again = client.completions.create(temperature=1.0, seed=9, extra_body={"ignore_eos": True, "top_k": off}, **kwargs)
+        assert again.choices[0].text == plain
+    generated = generate_greedy(hf_model, list(tokenizer.encode(PROMPT)), 10)
+    at = next(i for i in range(2, len(generated)) if generated[i] not in generated[:i])
+    result = client.completions.create(temperature=0, extra_body={"ignore_eos": True, "stop_token_ids": [generated[at]]},
+                                       **kwargs)
+    assert result.choices[0].finish_reason == "stop"
+    assert result.usage is not None and result.usage.completion_tokens == at + 1
+    assert result.choices[0].text == tokenizer.decode(generated[:at], skip_special_tokens=True)
+
+
+def test_chat_template_arguments_reach_the_template(client: openai.OpenAI, hf_model: Any, tokenizer: Any) -> None:
+    """chat_template_kwargs (Qwen3's enable_thinking), tools with tool_choice "none", and
+    continue_final_message render the prompt the model's template makes of them: the reply is
+    generate's greedy continuation of exactly that prompt."""
+    messages: list[Any] = [{"role": "user", "content": "hello world"}]
+    tool = {"type": "function", "function": {"name": "f"}}  # the tiny model's context is 96 tokens
+    cases: list[tuple[dict[str, Any], list[Any], dict[str, Any]]] = [
+        ({"chat_template_kwargs": {"enable_thinking": False}}, messages,
+         {"add_generation_prompt": True, "enable_thinking": False}),
+        ({"tools": [tool], "tool_choice": "none"}, messages, {"add_generation_prompt": True, "tools": [tool]}),
+        ({"continue_final_message": True, "add_generation_prompt": False},
+         [*messages, {"role": "assistant", "content": "the quick"}], {"continue_final_message": True}),
+    ]
+    plain = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    for body, conversation, template in cases:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, **template)
+        assert text != plain
+        prompt_ids = list(tokenizer.encode(text, add_special_tokens=False))
+        reply = client.chat.completions.create(model=MODEL_NAME, messages=conversation, max_tokens=6, temperature=0,
+                                               extra_body={"ignore_eos": True, **body})
+        assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt_ids), body
+        want = tokenizer.decode(generate_greedy(hf_model, prompt_ids, 6), skip_special_tokens=True)
+        assert reply.choices[0].message.content == want, body
+
+
+def test_a_requests_missing_sampling_fields_take_the_generation_configs_defaults(
+        server: BackgroundServer, client: openai.OpenAI) -> None:
+    """With the model's generation config as defaults (``--generation-config auto``), a request that
+    leaves temperature / top_k / max_tokens out samples with the config's; a field it sends wins."""
+    kwargs: dict[str, Any] = {"model": MODEL_NAME, "prompt": PROMPT, "extra_body": {"ignore_eos": True}}
+    greedy = client.completions.create(temperature=0, max_tokens=3, **kwargs).choices[0].text
+    hot = client.completions.create(temperature=1.5, seed=9, max_tokens=4, **kwargs).choices[0].text
+    before = server.api.config
+    try:
+        server.api.config = dataclasses.replace(before, sampling_defaults=SamplingDefaults(1.5, 1.0, 1, 0.0, 3))
+        result = client.completions.create(seed=9, **kwargs)  # top_k 1 by default: the greedy tokens, 3 of them
+        assert (result.choices[0].text, result.choices[0].finish_reason) == (greedy, "length")
+        assert client.completions.create(seed=9, max_tokens=4, **{**kwargs, "extra_body": {
+            "ignore_eos": True, "top_k": -1}}).choices[0].text == hot  # sent fields win
+    finally:
+        server.api.config = before
+
+
+def test_generation_config_defaults_are_read_as_vllm_reads_them(tmp_path: Path) -> None:
+    from vexpert_runtime.commands.serve import sampling_defaults
+
+    qwen3 = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05,
+             "eos_token_id": [151645, 151643]}
+    defaults, notes = SamplingDefaults.from_generation_config(qwen3)
+    assert defaults == SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.0, max_tokens=None)
+    assert any("repetition_penalty=1.05" in note and "does not apply" in note for note in notes)
+    assert SamplingDefaults.from_generation_config({"top_k": -1, "temperature": True, "max_new_tokens": 0}) == (
+        SamplingDefaults(), [])  # −1: off; a boolean is not a temperature; 0 tokens: no limit given
+    (tmp_path / "generation_config.json").write_text(json.dumps(qwen3))
+    assert sampling_defaults(tmp_path, "auto")[0].top_k == 20
+    assert sampling_defaults(tmp_path, "vexpert") == (SamplingDefaults(), [])
+    assert sampling_defaults(tmp_path / "missing", "auto") == (SamplingDefaults(), [])
+    (tmp_path / "generation_config.json").write_text("[1, 2")
+    with pytest.raises(VExpertInputError) as error:
+        sampling_defaults(tmp_path, "auto")
+    assert error.value.field == "--generation-config" and "vexpert" in str(error.value)
+
+
 def test_max_tokens_gives_length(client: openai.OpenAI) -> None:
     result = client.completions.create(
         model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0.7, seed=1, extra_body={"ignore_eos": True}
@@ -231,6 +320,17 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
         ({"repetition_penalty": 1.2}, "repetition_penalty"),
         ({"logit_bias": {"50256": -100}}, "logit_bias"),
         ({"presence_penalty": "0"}, "presence_penalty"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        # what would be silently wrong if ignored (structured output, banned tokens, …): refused by name
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"min_tokens": 4}, "min_tokens"),
+        ({"suffix": " end"}, "suffix"),
+        ({"bad_words": ["fox"]}, "bad_words"),
+        ({"skip_special_tokens": False}, "skip_special_tokens"),
+        ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ]
     for bad, param in cases:
         error = _error(httpx.post(url, json={**base, **bad}, timeout=10), 400)
@@ -244,6 +344,22 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
     assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
     chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
     assert _error(httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=10), 400)["param"] == "messages.0.content"
+    tool = {"type": "function", "function": {"name": "lookup"}}
+    hello = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
+    for bad, param in (
+        ({"tools": [tool]}, "tool_choice"),  # tool_choice defaults to "auto": a tool call would never be parsed
+        ({"tools": [tool], "tool_choice": "auto"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "lookup"}}}, "tool_choice"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"chat_template": "{{ messages }}"}, "chat_template"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+        ({"continue_final_message": True}, "continue_final_message"),  # with the default add_generation_prompt
+        ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),  # user last
+    ):
+        error = _error(httpx.post(f"{server.url}/v1/chat/completions", json={**hello, **bad}, timeout=10), 400)
+        assert error["param"] == param, (bad, error)
     assert _error(httpx.get(f"{server.url}/v1/nothing", timeout=10), 404)["code"] == "not_found"
     assert _error(httpx.get(url, timeout=10), 405)
     with pytest.raises(openai.NotFoundError):
@@ -254,7 +370,9 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
                                      frequency_penalty=0.0, logit_bias={},
                                      extra_body={"repetition_penalty": 1.0}).usage is not None
     assert client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                          presence_penalty=0.0).usage is not None
+                                          presence_penalty=0.0, response_format={"type": "text"}, tool_choice="none",
+                                          extra_body={"min_tokens": 0, "skip_special_tokens": True,
+                                                      "include_stop_str_in_output": False}).usage is not None
 
 
 def test_metrics(server: BackgroundServer, client: openai.OpenAI) -> None:
@@ -720,6 +838,42 @@ def test_top_p_keeps_the_smallest_sufficient_set() -> None:
 
     assert drawable(0.7) == {1, 2}
     assert drawable(0.01) == {1}
+
+
+def _drawn(probs: list[float], spec: SamplingSpec, draws: int = 2000) -> torch.Tensor:
+    """How often each token is drawn under ``spec`` (its seed and temperature; draws 0 … draws−1)."""
+    logits = torch.tensor([probs]).log()
+    specs = [SamplingSpec(spec.temperature, spec.top_p, spec.seed, d, spec.top_k, spec.min_p) for d in range(draws)]
+    picks = sample_tokens(logits.repeat(draws, 1), *sampling_tensors(specs, "cpu"))
+    return torch.bincount(picks, minlength=len(probs)).float() / draws
+
+
+def test_min_p_then_top_k_then_top_p_over_what_is_left_as_vllm_samples() -> None:
+    """vLLM's order: min-p (p ≥ min_p · max p), top-k, then top-p over the renormalised rest; the kept
+    tokens are drawn in proportion to their probabilities."""
+    probs = [0.4, 0.3, 0.2, 0.1]
+    for spec, kept in (
+        (SamplingSpec(1.0, top_k=2), {0: 0.4 / 0.7, 1: 0.3 / 0.7}),
+        (SamplingSpec(1.0, top_k=1), {0: 1.0}),
+        (SamplingSpec(1.0, top_k=10), dict(enumerate(probs))),  # k past the vocabulary: everything
+        (SamplingSpec(1.0, min_p=0.6), {0: 0.4 / 0.7, 1: 0.3 / 0.7}),  # threshold 0.24
+        (SamplingSpec(1.0, min_p=0.45), {0: 0.4 / 0.9, 1: 0.3 / 0.9, 2: 0.2 / 0.9}),  # 0.18
+        # top-p over the top 2 renormalised (0.57, 0.43): the second has 0.57 ≥ 0.5 above it. Over the
+        # whole distribution it would have 0.4 < 0.5 above it and stay.
+        (SamplingSpec(1.0, 0.5, top_k=2), {0: 1.0}),
+        (SamplingSpec(1.0, 0.5, min_p=0.6), {0: 1.0}),
+        (SamplingSpec(1.0, 0.5), {0: 0.4 / 0.7, 1: 0.3 / 0.7}),
+        (SamplingSpec(1.0, 0.8, top_k=3), {0: 0.4 / 0.9, 1: 0.3 / 0.9, 2: 0.2 / 0.9}),  # 0.78 above the third
+    ):
+        freq = _drawn(probs, dataclasses.replace(spec, seed=5))
+        want = torch.tensor([kept.get(t, 0.0) for t in range(len(probs))])
+        assert set(torch.nonzero(freq).flatten().tolist()) == set(kept), spec
+        assert torch.allclose(freq, want, atol=0.04), (spec, freq)
+    # a greedy row ignores them all; min_p 1 and top_k 1 leave the argmax only
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    for spec in (SamplingSpec(0.0, 0.3, 1, 0, 5, 0.5), SamplingSpec(1.0, 1.0, 2, 7, top_k=1),
+                 SamplingSpec(0.9, 1.0, 4, 1, min_p=1.0)):
+        assert sample_tokens(logits, *sampling_tensors([spec] * 3, "cpu")).tolist() == logits.argmax(1).tolist()
 
 
 def test_event_channel_hands_over_every_event_that_has_arrived_in_one_batch() -> None:

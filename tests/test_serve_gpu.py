@@ -29,7 +29,7 @@ from vexpert_runtime.serve.attention_kernels import (  # noqa: E402
 )
 from vexpert_runtime.serve.hf_model import HFStepModel  # noqa: E402
 from vexpert_runtime.serve.moe_executors import EPExperts  # noqa: E402
-from vexpert_runtime.serve.step import SequenceWork  # noqa: E402
+from vexpert_runtime.serve.step import SamplingSpec, SequenceWork  # noqa: E402
 
 
 def _decode_batch(lengths: list[int], block_size: int) -> list[SequenceWork]:
@@ -174,6 +174,25 @@ def test_graphed_decode_equals_the_eager_step(family: str, fused: bool, tmp_path
         if graphs:
             assert model.graphs is not None and model.graphs.replays >= 10  # prompt chunks and decodes
     assert outputs[0] == outputs[1]
+
+
+def test_graphed_truncated_sampling_equals_the_eager_step(tmp_path: Path) -> None:
+    """Seeded sampling with min-p, top-k and top-p (the truncated-sampling graphs, whose top_k and
+    min_p come from the graph's input buffer) draws the same tokens graphed as eager."""
+    path = _write("qwen3_moe", tmp_path / "qwen3_moe")
+    spec = SamplingSpec(temperature=0.9, top_p=0.9, seed=17, top_k=6, min_p=0.02)
+    outputs = []
+    for graphs in (False, True):
+        model = _one_rank_model(path, kv_cache_tokens=512)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            if graphs:
+                model.enable_cuda_graphs(64, 8, stream)
+            outputs.append(drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK, sampling=spec))
+        if graphs:
+            assert model.graphs is not None and any(truncated for _, truncated, _ in model.graphs.graphs)
+    assert outputs[0] == outputs[1]
+    assert len({token for out in outputs[0] for token in out}) > 3  # sampled, not one repeated token
 
 
 def _one_rank_model(path: Path, kv_cache_tokens: int = 2048) -> HFStepModel:

@@ -9,6 +9,7 @@ hot experts into slots on the other rank.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -98,11 +99,12 @@ def _reference(path: Path, prompts: Sequence[Sequence[int]] = PROMPTS,
 
 
 def drive(model: HFStepModel, prompts: Sequence[Sequence[int]], new_tokens: Sequence[int], joins: Sequence[int],
-          chunk: int, more: Callable[[bool], bool] = lambda local: local, seq_base: int = 0) -> list[list[int]]:
+          chunk: int, more: Callable[[bool], bool] = lambda local: local, seq_base: int = 0,
+          sampling: SamplingSpec | None = None) -> list[list[int]]:
     """A tiny continuous-batching driver: prompt i joins at step joins[i], is fed ``chunk`` tokens a
-    step, then decodes greedily until it has new_tokens[i] tokens and leaves (its blocks freed, so
-    later sequences reuse them). ``more(local_has_work)`` decides whether to run another step (the EP
-    ranks' lockstep)."""
+    step, then decodes (greedily, or with ``sampling``, seeded seed + i) until it has new_tokens[i]
+    tokens and leaves (its blocks freed, so later sequences reuse them). ``more(local_has_work)``
+    decides whether to run another step (the EP ranks' lockstep)."""
     pool = BlockPool(model.kv_num_blocks, model.kv_block_size)
     fed = [0] * len(prompts)
     out: list[list[int]] = [[] for _ in prompts]
@@ -116,7 +118,8 @@ def drive(model: HFStepModel, prompts: Sequence[Sequence[int]], new_tokens: Sequ
                 pool.add(seq_base + i)
             tokens = prompt[fed[i]:fed[i] + chunk] if fed[i] < len(prompt) else [out[i][-1]]
             blocks = pool.grow(seq_base + i, fed[i] + len(tokens))
-            sample = SamplingSpec(draw=len(out[i])) if fed[i] + len(tokens) >= len(prompt) else None
+            spec = SamplingSpec() if sampling is None else dataclasses.replace(sampling, seed=sampling.seed + i)
+            sample = dataclasses.replace(spec, draw=len(out[i])) if fed[i] + len(tokens) >= len(prompt) else None
             work.append(SequenceWork(seq_base + i, tuple(tokens), fed[i], tuple(blocks), sample))
             fed[i] += len(tokens)
         sampled = model.step(work)

@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # imported where used: `vexpert --help` and the other command
     from vexpert_runtime.node import NodeSetup
     from vexpert_runtime.serve.api import ApiConfig
     from vexpert_runtime.serve.multirank import MultiRankDispatcher
+    from vexpert_runtime.serve.openai_api import SamplingDefaults
     from vexpert_runtime.serve.scheduler import SchedulerConfig
 
 DEFAULT_PORT = 8000
@@ -94,6 +95,11 @@ def register(subparsers: Any) -> None:
                         help="fuse the step's small pieces (norms, routers, rotary, the EP layer's dispatch "
                              "bookkeeping, sampling) with torch.compile (auto: with CUDA graphs, where a step is "
                              "captured once and replayed; compiles take about a minute at start, cached on disk)")
+    parser.add_argument("--generation-config", choices=("auto", "vexpert"), default="auto",
+                        help="defaults of the sampling fields a request leaves out: 'auto' takes temperature, "
+                             "top_p, top_k, min_p and max_new_tokens from the checkpoint's generation_config.json "
+                             "where it sets them (as vLLM does; logged at start), 'vexpert' the OpenAI API's "
+                             "(temperature 1, no truncation)")
     parser.add_argument("--cpu-expert-kernel", choices=CPU_EXPERT_KERNELS, default="auto",
                         help="how a CPU rank multiplies its resident experts (fp32): grouped (torch._grouped_mm "
                              "over the packed rows), prepacked (oneDNN, weights reordered at load), or auto: the "
@@ -211,6 +217,8 @@ class _Served:
     gpu_memory_utilization: float
     setup: NodeSetup
     scheduler: SchedulerConfig
+    sampling_defaults: SamplingDefaults  # for the fields a request leaves out (--generation-config)
+    notes: tuple[str, ...] = ()  # to log at start
 
 
 def _resolve_served(args: argparse.Namespace, config: RuntimeConfig) -> _Served:
@@ -232,11 +240,12 @@ def _resolve_served(args: argparse.Namespace, config: RuntimeConfig) -> _Served:
                                 max_running=max_running, max_waiting=args.max_waiting,
                                 stream_interval=args.stream_interval, prefix_caching=args.prefix_caching)
     scheduler.check(max_context)  # refuse impossible limits before any process starts
+    defaults, notes = sampling_defaults(model_dir, args.generation_config)
     return _Served(
         model_dir=model_dir, demo=demo, name=args.served_model_name or (DEMO_NAME if demo else model_dir.name),
         model_config=model_config, max_context=max_context,
         gpu_memory_utilization=gpu_memory_utilization,
-        setup=setup, scheduler=scheduler,
+        setup=setup, scheduler=scheduler, sampling_defaults=defaults, notes=tuple(notes),
     )
 
 
@@ -259,7 +268,28 @@ def _api_config(served: _Served, args: argparse.Namespace, api_key: str | None) 
     tokenizer = AutoTokenizer.from_pretrained(str(served.model_dir), local_files_only=True)
     vocab = int(served.model_config.get("vocab_size", len(tokenizer)))
     return ApiConfig(served.name, served.max_context, vocab, args.drain_timeout, api_key=api_key,
-                     header_timeout_s=args.header_timeout), tokenizer
+                     header_timeout_s=args.header_timeout, sampling_defaults=served.sampling_defaults), tokenizer
+
+
+def sampling_defaults(model_dir: Path, mode: str) -> tuple[SamplingDefaults, list[str]]:
+    from vexpert_runtime.errors import VExpertInputError
+    from vexpert_runtime.serve.openai_api import SamplingDefaults
+
+    """The sampling defaults ``--generation-config mode`` gives (``auto``: the checkpoint's
+    generation_config.json where it has one, as vLLM does; ``vexpert``: the OpenAI API's), and the
+    lines to log about them. A generation config that is not a JSON object is an input error."""
+    path = model_dir / "generation_config.json"
+    if mode == "vexpert" or not path.is_file():
+        return SamplingDefaults(), []
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise VExpertInputError("--generation-config", f"{path} is not readable JSON ({exc})",
+                                "fix the file, or pass --generation-config vexpert to ignore it") from None
+    if not isinstance(config, dict):
+        raise VExpertInputError("--generation-config", f"{path} is not a JSON object",
+                                "fix the file, or pass --generation-config vexpert to ignore it")
+    return SamplingDefaults.from_generation_config(config)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -277,6 +307,8 @@ def run(args: argparse.Namespace) -> int:
 
     api_key = _checked_api_key(args)
     served = _resolve_served(args, _runtime_config(args))
+    for note in served.notes:
+        _log(note)
     setup = served.setup
     servers = args.api_servers
     # spawn: CUDA cannot be initialised again in a forked child

@@ -50,7 +50,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from aiohttp import web
@@ -108,6 +108,7 @@ class ApiConfig:
     api_key: str | None = None  # ``/v1/*`` needs ``Authorization: Bearer <api_key>``
     header_timeout_s: float = 15.0  # to send a request's headers, and a keep-alive connection's idle time
     max_body_bytes: int | None = None  # None: :func:`body_limit` of the context
+    sampling_defaults: oa.SamplingDefaults = field(default_factory=oa.SamplingDefaults)  # for fields a request leaves out
 
     @property
     def body_limit(self) -> int:
@@ -487,7 +488,7 @@ class ServeApi:
         req = self._parse(oa.ChatCompletionRequest, await self._json(request))
         self._check_model(req.model)
         chars = sum(len(m.text()) for m in req.messages)
-        prompt_ids = await self._tokenized(self._encode_chat, req.messages, chars)
+        prompt_ids = await self._tokenized(self._encode_chat, req, chars)
         return await self._generate(request, req, prompt_ids, chat=True)
 
     async def _tokenized(self, encode: Callable[..., list[int]], prompt: Any, chars: int) -> list[int]:
@@ -569,13 +570,13 @@ class ServeApi:
             raise ApiError(400, f"prompt: token ids must be in [0, {self.config.vocab_size})", param="prompt")
         return prompt
 
-    def _encode_chat(self, messages: list[oa.ChatMessage], tokenizer: Any = None) -> list[int]:
-        """Render the chat template, then tokenize (the template already holds the special tokens);
-        ``tokenizer`` as for :meth:`_encode_prompt`."""
+    def _encode_chat(self, req: oa.ChatCompletionRequest, tokenizer: Any = None) -> list[int]:
+        """Render the chat template (with the request's tools, documents and template variables), then
+        tokenize (the template already holds the special tokens); ``tokenizer`` as for :meth:`_encode_prompt`."""
         tokenizer = tokenizer or self.tokenizer
         try:
             text = tokenizer.apply_chat_template(
-                [m.as_template_input() for m in messages], add_generation_prompt=True, tokenize=False
+                [m.as_template_input() for m in req.messages], tokenize=False, **req.template_arguments()
             )
         except Exception as exc:  # templates raise for conversations they reject (e.g. roles out of order)
             log.info("chat template rejected a conversation: %r", exc)
@@ -598,6 +599,7 @@ class ServeApi:
                 code="context_length_exceeded",
             )
         requested = req.requested_max_tokens()
+        default = self.config.sampling_defaults
         if requested is not None and prompt_len + requested > limit:
             param = "max_completion_tokens" if chat and req.max_tokens is None else "max_tokens"
             raise ApiError(
@@ -607,12 +609,15 @@ class ServeApi:
                 code="context_length_exceeded",
             )
         return SamplingParams(
-            max_tokens=requested if requested is not None else limit - prompt_len,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
+            max_tokens=requested if requested is not None else min(limit - prompt_len, default.max_tokens or limit),
+            temperature=default.temperature if req.temperature is None else req.temperature,
+            top_p=default.top_p if req.top_p is None else req.top_p,
             seed=req.seed,
             stop=req.stop_strings,
             ignore_eos=req.ignore_eos,
+            top_k=default.top_k if req.top_k is None else max(req.top_k, 0),
+            min_p=default.min_p if req.min_p is None else float(req.min_p),
+            stop_token_ids=frozenset(req.stop_token_ids or ()),
         )
 
     # ---- generation -------------------------------------------------------------------------

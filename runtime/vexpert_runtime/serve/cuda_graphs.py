@@ -37,10 +37,11 @@ import torch
 from vexpert_runtime.gc_heap import collector_paused
 from vexpert_runtime.serve.attention import AttentionMetadata
 from vexpert_runtime.serve.kv_cache import SCRATCH_BLOCK
+from vexpert_runtime.serve.sampling import truncates
 from vexpert_runtime.serve.step import SequenceWork
 
 _TOKEN_FIELDS = ("tokens", "positions", "slots", "lengths", "seqs", "valid", "fed")
-_SAMPLE_FIELDS = ("rows", "seeds", "draws", "temperature", "top_p")
+_SAMPLE_FIELDS = ("rows", "seeds", "draws", "temperature", "top_p", "top_k", "min_p")
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -85,6 +86,7 @@ class GraphInputs:
                 at += n
         views["temperature"] = views["temperature"].view(torch.float64)
         views["top_p"] = views["top_p"].view(torch.float64)
+        views["min_p"] = views["min_p"].view(torch.float64)
         return cls(buffer, views, buffer[at:].view(width, seqs).t())
 
     def used(self, work: Sequence[SequenceWork], width: int | None = None) -> int:
@@ -148,6 +150,8 @@ class GraphInputs:
             v["draws"][:s] = [spec.draw for spec in specs]
             v["temperature"][:s] = [spec.temperature for spec in specs]
             v["top_p"][:s] = [spec.top_p for spec in specs]
+            v["top_k"][:s] = [spec.top_k for spec in specs]
+            v["min_p"][:s] = [spec.min_p for spec in specs]
         for name in _SAMPLE_FIELDS:
             v[name][s:] = 0
         return s
@@ -169,16 +173,15 @@ class GraphInputs:
 
 def graph_key(work: Sequence[SequenceWork], buckets: Sequence[int], block_size: int,
               kv_splits: Callable[[int, int], int] | None, width: int) -> tuple[int, bool, int]:
-    """(token bucket, top-p, context splits) of an iteration: the smallest bucket with a row for every
-    token; whether any sampled row draws with top-p (a graph of its own: the sort over the vocabulary
-    costs the others nothing); the decode kernels' splits for that bucket at the longest context the
-    tables reach (``width`` blocks)."""
+    """(token bucket, truncated sampling, context splits) of an iteration: the smallest bucket with a row
+    for every token; whether any sampled row draws from fewer than all tokens (:func:`~.sampling.truncates`:
+    a graph of its own, as the sort over the vocabulary costs the others nothing); the decode kernels'
+    splits for that bucket at the longest context the tables reach (``width`` blocks)."""
     tokens = sum(len(item.tokens) for item in work)
     bucket = next(b for b in buckets if b >= tokens)
-    use_top_p = any(item.sample is not None and item.sample.top_p < 1.0 and item.sample.temperature > 0
-                    for item in work)
+    truncate = any(item.sample is not None and truncates(item.sample) for item in work)
     splits = 1 if kv_splits is None else kv_splits(bucket, width * block_size)
-    return bucket, use_top_p, splits
+    return bucket, truncate, splits
 
 
 def table_width(work: Sequence[SequenceWork]) -> int:
@@ -187,7 +190,7 @@ def table_width(work: Sequence[SequenceWork]) -> int:
 
 
 # forward(tokens [T], fed [T] (−1, or the previous step's sampling row a token comes from), metadata,
-#         sample_rows [S], sampling (temperature, top_p, seed, draw, use_top_p), valid [T] bool, warmup)
+#         sample_rows [S], sampling (temperature, top_p, top_k, min_p, seed, draw, truncate), valid [T] bool, warmup)
 # -> ids [S]; a warm-up pass must leave nothing behind but compiled kernels.
 GraphForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, tuple[Any, ...], torch.Tensor,
                          bool], torch.Tensor]
@@ -230,7 +233,7 @@ class GraphedSteps:
         block_size: tokens per cache block. stream: the stream the rank computes on.
         kv_splits: (bucket rows, longest context in tokens) → the decode kernels' context splits
             (:func:`~.attention_kernels.kv_splits`); a bucket gets a graph per value it meets, on
-            first use, as for top-p. None: always one pass.
+            first use, as for truncated sampling (min-p, top-k, top-p). None: always one pass.
     """
 
     def __init__(self, forward: GraphForward, max_tokens: int, max_seqs: int, width: int, block_size: int,
@@ -246,7 +249,7 @@ class GraphedSteps:
                                  torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True)) for _ in range(2)]
         self.device_inputs = GraphInputs.allocate(max_tokens, max_seqs, width, device)
         self.warmup_inputs = GraphInputs.allocate(max_tokens, max_seqs, width, device)  # pad rows only
-        # (bucket, top-p, context splits) → the graph and its sampled ids
+        # (bucket, truncated sampling, context splits) → the graph and its sampled ids
         self.graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: Any = None
         self.replays = 0
@@ -295,25 +298,25 @@ class GraphedSteps:
         done.record()
         return GraphStep(done, host, [b for b, item in enumerate(work) if item.sample is not None], len(work))
 
-    def _call(self, inputs: GraphInputs, tokens: int, use_top_p: bool, splits: int, warmup: bool = False
+    def _call(self, inputs: GraphInputs, tokens: int, truncate: bool, splits: int, warmup: bool = False
               ) -> torch.Tensor:
         seqs = min(tokens, self.max_seqs)
         v = inputs.views
-        sampling = (v["temperature"][:seqs].float(), v["top_p"][:seqs].float(), v["seeds"][:seqs], v["draws"][:seqs],
-                    use_top_p)
+        sampling = (v["temperature"][:seqs].float(), v["top_p"][:seqs].float(), v["top_k"][:seqs],
+                    v["min_p"][:seqs].float(), v["seeds"][:seqs], v["draws"][:seqs], truncate)
         meta = inputs.metadata(tokens, seqs, self.block_size, splits)
         return self.forward(v["tokens"][:tokens], v["fed"][:tokens], meta, v["rows"][:seqs], sampling,
                             v["valid"][:tokens].bool(), warmup)
 
-    def _capture(self, tokens: int, use_top_p: bool, splits: int) -> None:
+    def _capture(self, tokens: int, truncate: bool, splits: int) -> None:
         """Warm up eagerly on pad rows, then capture the bucket."""
-        self._call(self.warmup_inputs, tokens, use_top_p, splits, warmup=True)
+        self._call(self.warmup_inputs, tokens, truncate, splits, warmup=True)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the worker's watchdog thread may touch its own side stream meanwhile;
         # no garbage collection inside the capture (gc_heap.collector_paused says why)
         with collector_paused(), torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
                                                   capture_error_mode="thread_local"):
-            out = self._call(self.device_inputs, tokens, use_top_p, splits)
+            out = self._call(self.device_inputs, tokens, truncate, splits)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[(tokens, use_top_p, splits)] = (graph, out)
+        self.graphs[(tokens, truncate, splits)] = (graph, out)

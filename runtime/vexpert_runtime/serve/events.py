@@ -20,8 +20,9 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 class SamplingParams:
     """How one request samples and when it stops.
 
-    ``temperature`` 0 is greedy; ``seed`` None draws a fresh seed (not reproducible);
-    ``max_tokens`` is already resolved by the API (never more than the context leaves).
+    ``temperature`` 0 is greedy; ``top_k`` 0 and ``min_p`` 0 keep every token; ``seed`` None draws a
+    fresh seed (not reproducible); ``max_tokens`` is already resolved by the API (never more than the
+    context leaves); ``stop_token_ids`` end the sequence as EOS does, also with ``ignore_eos``.
     """
 
     max_tokens: int
@@ -30,6 +31,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    top_k: int = 0
+    min_p: float = 0.0
+    stop_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,17 @@
 """OpenAI API request bodies (pydantic v2) and response / stream-chunk / error builders.
 
-Requests ignore fields they do not know (OpenAI clients send many optional ones — ``user``,
-``metadata``, ``parallel_tool_calls`` …) and accept ``null`` for optional ones, and neutral values of what
-they cannot honour (``presence_penalty: 0``, ``logit_bias: {}``, as clients send by default); what this
-server cannot honour and would otherwise silently get wrong (``n`` > 1, several prompts, ``echo``,
-``logprobs``, ``best_of`` > 1, non-zero penalties, a non-empty ``logit_bias``, non-text message parts)
-is a 400 naming the field.
-``ignore_eos`` is the vLLM extension (benchmarks use it to force exact lengths).
+Requests ignore fields they do not know and that change nothing in the tokens (OpenAI clients send many
+optional ones — ``user``, ``metadata``, ``parallel_tool_calls`` …) and accept ``null`` for optional ones, and
+neutral values of what they cannot honour (``presence_penalty: 0``, ``logit_bias: {}``, ``response_format:
+{"type": "text"}``, as clients send by default); what this server cannot honour and would otherwise silently
+get wrong (``n`` > 1, several prompts, ``echo``, ``logprobs``, ``best_of`` > 1, non-zero penalties, a
+non-empty ``logit_bias``, non-text message parts, structured output, tool calls, and the vLLM extensions
+of :data:`_REFUSED_COMPLETION` / :data:`_REFUSED_CHAT`) is a 400 naming the field and what to send instead.
+
+Honoured as vLLM does: ``top_k`` and ``min_p`` (sampling), ``stop_token_ids``, ``ignore_eos`` (benchmarks use it
+to force exact lengths); for chat, ``chat_template_kwargs`` (e.g. Qwen3's ``{"enable_thinking": false}``),
+``add_generation_prompt``, ``continue_final_message``, ``documents``, and ``tools`` with ``tool_choice: "none"``
+(the model's template shows them; its reply is text).
 
 Types are strict, as OpenAI's own API checks them: a boolean is not an integer (``max_tokens: true``),
 a string is not a boolean (``stream: "yes"``), a number is not a string; ``role`` is one of
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import (
@@ -30,6 +36,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 Json = dict[str, Any]
@@ -48,6 +55,57 @@ class StreamOptions(BaseModel):
 # the penalties a request may name, at the value that leaves sampling as it is (repetition_penalty: vLLM's)
 _NEUTRAL_PENALTIES = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
 
+# Fields this server cannot honour, by endpoint: the values that ask for nothing (accepted), and what to do
+# instead. Any other value is a 400 naming the field: ignoring it would silently give the client something
+# else than it asked for (JSON it never checks, a token it banned, a tool call it waits for).
+_GUIDED = "guided decoding (structured output) is not supported; leave it out"
+_REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
+    "min_tokens": ((0,), "not supported (end-of-sequence is not suppressed); leave it out or send 0"),
+    "guided_json": ((), _GUIDED), "guided_regex": ((), _GUIDED), "guided_choice": ((), _GUIDED),
+    "guided_grammar": ((), _GUIDED), "structured_outputs": ((), _GUIDED),
+    "bad_words": (([],), "not supported; leave it out"),
+    "allowed_token_ids": ((), "not supported; leave it out"),
+    "prompt_logprobs": ((0,), "logprobs are not supported; leave it out"),
+    "include_stop_str_in_output": ((False,), "not supported: the stop string is left out of the text; send false"),
+    "skip_special_tokens": ((True,), "not supported: special tokens are always left out of the text; send true"),
+    "use_beam_search": ((False,), "beam search is not supported; send false"),
+    "truncate_prompt_tokens": ((), "not supported: a prompt is never truncated; shorten it instead"),
+    "return_tokens_as_token_ids": ((False,), "not supported; send false"),
+    "logits_processors": ((), "not supported; leave it out"),
+}
+_REFUSED_COMPLETION = {
+    **_REFUSED_BOTH,
+    "suffix": (("",), "not supported (no fill-in-the-middle); leave it out"),
+    "response_format": (({"type": "text"},), "structured output is not supported; leave it out or send "
+                        '{"type": "text"}'),
+}
+_REFUSED_CHAT = {
+    **_REFUSED_BOTH,
+    "top_logprobs": ((0,), "logprobs are not supported; leave it out"),
+    "response_format": (({"type": "text"},), "structured output (json_object, json_schema) is not supported; "
+                        'leave it out or send {"type": "text"}'),
+    "chat_template": ((), "a request's own chat template is not supported: the model's is used; leave it out"),
+}
+
+
+def _refuse_unsupported(body: Any, refused: dict[str, tuple[tuple[Any, ...], str]]) -> Any:
+    """Raise for the first field of ``refused`` in ``body`` whose value asks for something (null and the
+    listed neutral values ask for nothing)."""
+    if isinstance(body, dict):
+        for name, (neutral, why) in refused.items():
+            value = body.get(name)
+            if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
+                raise _FieldRefused(name, why)
+    return body
+
+
+class _FieldRefused(ValueError):
+    """A field this server cannot honour (:func:`_refuse_unsupported`); ``field`` names it."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"{field}: {why}")
+        self.field = field
+
 
 class _GenerationRequest(BaseModel):
     """Fields both endpoints share."""
@@ -64,6 +122,9 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: StrictInt | None = 1
     ignore_eos: StrictBool = False
+    top_k: StrictInt | None = Field(default=None, ge=-1)  # vLLM's: −1 / 0 / null keep every token
+    min_p: StrictFloat | StrictInt | None = Field(default=None, ge=0, le=1)  # vLLM's
+    stop_token_ids: list[StrictInt] | None = None  # vLLM's: ids that end the sequence like EOS (not in the text)
     # sampled without them: only their neutral values are accepted (any other is a 400 naming the field)
     presence_penalty: StrictFloat | StrictInt | None = None
     frequency_penalty: StrictFloat | StrictInt | None = None
@@ -100,6 +161,13 @@ class _GenerationRequest(BaseModel):
             raise ValueError("at most 4 stop sequences")
         return stop
 
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids and any(i < 0 for i in ids):
+            raise ValueError("token ids must be ≥ 0")
+        return ids
+
     @property
     def stop_strings(self) -> tuple[str, ...]:
         """``stop`` as a tuple of non-empty strings."""
@@ -122,6 +190,11 @@ class CompletionRequest(_GenerationRequest):
     echo: StrictBool | None = False
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, body: Any) -> Any:
+        return _refuse_unsupported(body, _REFUSED_COMPLETION)
 
     @field_validator("prompt")
     @classmethod
@@ -169,12 +242,15 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """A chat message; ``content`` as a string or a list of text parts."""
+    """A chat message; ``content`` as a string or a list of text parts. An assistant turn's earlier
+    ``tool_calls`` and a tool turn's ``tool_call_id`` go to the chat template as sent."""
 
     model_config = ConfigDict(extra="ignore")
     role: Role
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: StrictStr | None = None
 
     @field_validator("content")
     @classmethod
@@ -195,7 +271,37 @@ class ChatMessage(BaseModel):
         message: Json = {"role": self.role, "content": self.text()}
         if self.name:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+class FunctionDefinition(BaseModel):
+    """A tool's function, as the chat template sees it."""
+
+    model_config = ConfigDict(extra="allow")
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDefinition(BaseModel):
+    """One entry of ``tools``."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+# apply_chat_template's own arguments: chat_template_kwargs may not set them (each has its own field or
+# is the server's to choose)
+_TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -204,6 +310,45 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = False
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None  # vLLM's: for templates that cite documents
+    chat_template_kwargs: dict[StrictStr, Any] | None = None  # vLLM's: extra variables of the template
+    add_generation_prompt: StrictBool = True  # vLLM's
+    continue_final_message: StrictBool = False  # vLLM's
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, body: Any) -> Any:
+        return _refuse_unsupported(body, _REFUSED_CHAT)
+
+    @model_validator(mode="after")
+    def _template_inputs(self) -> ChatCompletionRequest:
+        if self.tool_choice not in (None, "none", "auto") or (self.tools and self.tool_choice != "none"):
+            raise _FieldRefused("tool_choice", 'tool calls are not supported (no tool-call parser): send "none" '
+                                "(the model's template shows the tools, its reply is text) or leave tools out")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise _FieldRefused("continue_final_message", "continuing the final message leaves no room for a new "
+                                "turn: send add_generation_prompt false with it")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise _FieldRefused("continue_final_message", "the last message must be the assistant's to continue it")
+        reserved = sorted(_TEMPLATE_ARGUMENTS.intersection(self.chat_template_kwargs or ()))
+        if reserved:
+            raise _FieldRefused("chat_template_kwargs", f"{', '.join(reserved)} cannot be set here"
+                                " (tools, documents and the prompt flags have fields of their own)")
+        return self
+
+    def template_arguments(self) -> Json:
+        """apply_chat_template's keyword arguments for this request (besides the conversation)."""
+        arguments: Json = dict(self.chat_template_kwargs or {})
+        arguments["add_generation_prompt"] = self.add_generation_prompt
+        if self.continue_final_message:
+            arguments["continue_final_message"] = True
+        if self.tools:
+            arguments["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        if self.documents:
+            arguments["documents"] = self.documents
+        return arguments
 
     @field_validator("logprobs")
     @classmethod
@@ -217,6 +362,49 @@ class ChatCompletionRequest(_GenerationRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+# ---- defaults -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves a sampling field out gets: the model's generation config where it
+    names one (``vexpert serve --generation-config auto``, vLLM's default), else the OpenAI API's
+    (temperature 1, no truncation). ``max_tokens`` None: whatever the context leaves."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int | None = None
+
+    @classmethod
+    def from_generation_config(cls, config: Json) -> tuple[SamplingDefaults, list[str]]:
+        """The defaults a ``generation_config.json`` (as a dict) sets — its ``temperature``, ``top_p``,
+        ``top_k``, ``min_p`` and ``max_new_tokens``, as vLLM reads them — and the notes to log: what it
+        sets, and what it asks for that this server does not apply (penalties)."""
+        defaults, notes = cls(), []
+        fields: Json = {}
+        for key, name, kind in (("temperature", "temperature", float), ("top_p", "top_p", float),
+                                ("top_k", "top_k", int), ("min_p", "min_p", float),
+                                ("max_new_tokens", "max_tokens", int)):
+            value = config.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                fields[name] = kind(value)
+        for name in ("top_k", "max_tokens"):  # top_k −1 / 0: off, as in a request; max_new_tokens 0: no limit
+            if fields.get(name, 1) < 1:
+                del fields[name]
+        if fields:
+            defaults = cls(**fields)
+            notes.append("sampling defaults from the model's generation config: "
+                         + ", ".join(f"{k}={v}" for k, v in fields.items()))
+        for penalty in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = config.get(penalty)
+            if isinstance(value, int | float) and value != _NEUTRAL_PENALTIES[penalty]:
+                notes.append(f"the model's generation config asks for {penalty}={value}, which this server does not "
+                             "apply (it samples without penalties)")
+        return defaults, notes
+
+
 # ---- errors -------------------------------------------------------------------------------------
 
 
@@ -228,6 +416,9 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
     """(message, param) of a pydantic error: the first problem, naming its field as OpenAI does."""
     first = exc.errors()[0]
+    refused = (first.get("ctx") or {}).get("error")
+    if isinstance(refused, _FieldRefused):  # a model validator's: its location is the body, not the field
+        return str(refused), refused.field
     loc = [str(part) for part in first.get("loc", ())]
     # union members show up in the location ("str", "list[int]"): keep only the request's own path
     path = [p for p in loc if not any(ch in p for ch in "[]") and p not in ("str", "int", "float", "bool")]

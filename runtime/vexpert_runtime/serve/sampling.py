@@ -1,7 +1,7 @@
 """Sampling, incremental detokenization and stop handling: small pure pieces the scheduler composes.
 
 :func:`sample_tokens` picks a whole batch's next tokens on the model's device (greedy, temperature,
-top-p) without a host sync, so it runs inside the decode step's CUDA graph. Its randomness is a hash
+min-p, top-k, top-p) without a host sync, so it runs inside the decode step's CUDA graph. Its randomness is a hash
 of (request seed, draw index, token id), not a generator's stream: a seeded request samples the same
 tokens whatever else shares its batch, and nothing carries state from one iteration to the next.
 """
@@ -46,25 +46,38 @@ def uniform_noise(seed: torch.Tensor, draw: torch.Tensor, token: torch.Tensor) -
     return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)
 
 
-def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
-                  draw: torch.Tensor, use_top_p: bool = True) -> torch.Tensor:
+def truncates(spec: SamplingSpec) -> bool:
+    """Whether ``spec`` draws from fewer tokens than the whole vocabulary (min-p, top-k or top-p on a
+    sampled row): such a batch sorts the vocabulary (a CUDA graph of its own; the others skip it)."""
+    return spec.temperature >= GREEDY_BELOW and (spec.top_p < 1.0 or spec.top_k > 0 or spec.min_p > 0.0)
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                  min_p: torch.Tensor, seed: torch.Tensor, draw: torch.Tensor, truncate: bool = True) -> torch.Tensor:
     """Next tokens [B] int64 from logits [B, V]: rows with temperature < :data:`GREEDY_BELOW` take the
     argmax (ties: the lowest id, as ``torch.argmax`` and HF ``generate``); the others sample from
-    softmax(logits / temperature) restricted to the top-p set — the smallest most-likely set whose mass reaches ``top_p``
-    (a token stays while the mass ranked above it is < top_p; the most likely always stays) — by an
-    exponential race over :func:`uniform_noise` (argmax of p / −log u is a draw from p).
+    p = softmax(logits / temperature) restricted as vLLM's sampler does, in its order: min-p (tokens with
+    p ≥ min_p · max p), then top-k (the k most likely), then top-p over what is left, renormalised (the
+    smallest most-likely set whose mass reaches ``top_p``: a token stays while the mass ranked above it
+    is < top_p; the most likely always stays) — by an exponential race over :func:`uniform_noise`
+    (argmax of p / −log u is a draw from p).
 
-    temperature, top_p: [B] float32; seed, draw: [B] int64 (see :class:`~.step.SamplingSpec`).
-    ``use_top_p=False`` (every row has top_p ≥ 1) skips the sort. No host sync: graph-capturable.
+    temperature, top_p, min_p: [B] float32; top_k: [B] int64 (0: off); seed, draw: [B] int64 (see
+    :class:`~.step.SamplingSpec`). ``truncate=False`` (no row restricted: :func:`truncates`) skips the
+    sort. No host sync: graph-capturable.
     """
     greedy_rows = temperature < GREEDY_BELOW
     best = torch.argmax(logits, dim=-1)
     scaled = logits.float() / torch.where(greedy_rows, torch.ones_like(temperature), temperature).unsqueeze(1)
     probs = torch.softmax(scaled, dim=-1)
-    if use_top_p:
+    if truncate:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        keep = (before < top_p.unsqueeze(1)) | (top_p.unsqueeze(1) >= 1.0)
+        rank = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0)
+        keep = (sorted_probs >= min_p.unsqueeze(1) * sorted_probs[:, :1]) & (
+            (rank < top_k.unsqueeze(1)) | (top_k.unsqueeze(1) <= 0))
+        kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+        before = (torch.cumsum(kept, dim=-1) - kept) / kept.sum(dim=-1, keepdim=True)
+        keep &= (before < top_p.unsqueeze(1)) | (top_p.unsqueeze(1) >= 1.0)
         keep[:, 0] = True
         sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
         race = sorted_probs / -torch.log(uniform_noise(seed, draw, order))
@@ -76,14 +89,16 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
 
 
 def sampling_tensors(specs: Sequence[SamplingSpec], device: torch.device | str
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """:func:`sample_tokens`' arguments after the logits, for ``specs`` (one per row)."""
     temperature = torch.tensor([s.temperature for s in specs], dtype=torch.float32)
     top_p = torch.tensor([s.top_p for s in specs], dtype=torch.float32)
+    top_k = torch.tensor([s.top_k for s in specs], dtype=torch.int64)
+    min_p = torch.tensor([s.min_p for s in specs], dtype=torch.float32)
     seed = torch.tensor([s.seed for s in specs], dtype=torch.int64)
     draw = torch.tensor([s.draw for s in specs], dtype=torch.int64)
-    use_top_p = any(s.top_p < 1.0 and s.temperature >= GREEDY_BELOW for s in specs)
-    return temperature.to(device), top_p.to(device), seed.to(device), draw.to(device), use_top_p
+    return (temperature.to(device), top_p.to(device), top_k.to(device), min_p.to(device), seed.to(device),
+            draw.to(device), any(truncates(s) for s in specs))
 
 
 def eos_token_ids(tokenizer: Any, extra: Iterable[int] = ()) -> frozenset[int]:

@@ -163,7 +163,7 @@ class _Sequence:
 
     def sampling(self) -> SamplingSpec:
         params = self.request.params
-        return SamplingSpec(params.temperature, params.top_p, self.seed, self.generated)
+        return SamplingSpec(params.temperature, params.top_p, self.seed, self.generated, params.top_k, params.min_p)
 
     def last_pending(self, max_context: int) -> bool:
         """Whether the token still being sampled is this sequence's last (length or context limit)."""
@@ -177,7 +177,8 @@ class _Sequence:
         if computed >= len(self.table) * pool.block_size:  # the new token starts a block
             self.table = tuple(pool.grow(self.seq_id, computed + 1))
         params = self.request.params  # sampling(), inlined: this runs per sequence per iteration
-        spec = SamplingSpec(params.temperature, params.top_p, self.seed, len(self.output) + self.pending)
+        spec = SamplingSpec(params.temperature, params.top_p, self.seed, len(self.output) + self.pending, params.top_k,
+                            params.min_p)
         if self.pending:  # its token is on the device, sampled by the step still running
             return SequenceWork(self.seq_id, (0,), computed, self.table, spec, self.sample_row)
         return SequenceWork(self.seq_id, (self.output[-1],), computed, self.table, spec)
@@ -492,7 +493,7 @@ class Scheduler:
             return
         output = seq.output
         output.append(token)
-        if token in self.eos_ids and not params.ignore_eos:
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             self._finish(seq, "stop", text=self._flush_text(seq))
             return
         text = seq.detokenizer.push(token)

@@ -32,13 +32,16 @@ import torch
 @dataclass(slots=True)
 class SamplingSpec:
     """How to pick a sequence's next token: greedy below a tiny temperature, else temperature +
-    top-p. ``seed`` and ``draw`` (how many tokens the sequence sampled before) make the draw a pure
-    function of the request, whatever shares its batch (:func:`~.sampling.sample_tokens`)."""
+    min-p, top-k and top-p (0, 0 and 1: off). ``seed`` and ``draw`` (how many tokens the sequence
+    sampled before) make the draw a pure function of the request, whatever shares its batch
+    (:func:`~.sampling.sample_tokens`)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
     draw: int = 0
+    top_k: int = 0
+    min_p: float = 0.0
 
 
 @dataclass(slots=True)
