@@ -25,6 +25,10 @@ which is what ``--max-batch-tokens`` trades (larger: fewer iterations carry prom
 
     python benchmarks/decode_step_bound.py --batches 64 256 --prefill-chunks 0 2 8 16 --max-batch-tokens 2048
 
+``--sampling top-p|top-k`` samples every sequence as a request that leaves its sampling fields to DeepSeek-V3's
+(temperature 0.6, top-p 0.95) or Qwen3's (and top-k 20) generation config does under ``--generation-config auto``:
+the graph then sorts the vocabulary per sequence (greedy, the default, skips it) — what that sort costs the step.
+
 Long contexts (split-KV, ``attention_kernels.kv_splits``): a checkpoint with a longer context, the same
 batches at several contexts with the splits ``vexpert serve`` picks (``--kv-splits auto``, the row's
 ``kv_splits``) and with every launch one pass (``off``):
@@ -82,6 +86,9 @@ def step_flops(model: HFStepModel, batch: int, context: int) -> int:
 
 
 _HOST_TIMED = 5  # replays whose host time gives ``replay_host_ms``
+# --sampling: what each sequence samples with (draw 1); the latter two are the generation configs' defaults
+SAMPLING = {"greedy": SamplingSpec(draw=1), "top-p": SamplingSpec(0.6, 0.95, draw=1),
+            "top-k": SamplingSpec(0.6, 0.95, draw=1, top_k=20)}
 
 
 def kernel_times(graph: torch.cuda.CUDAGraph, iters: int, top: int = 25) -> dict[str, object]:
@@ -160,8 +167,12 @@ def main() -> int:
                         help="the written checkpoint's context (a --context beyond 4096 needs a longer one)")
     parser.add_argument("--kv-splits", choices=("auto", "off"), default="auto",
                         help="split-KV for long contexts as served (auto), or every launch one pass (off)")
+    parser.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy",
+                        help="how every sequence samples: greedy, or the generation-config defaults of DeepSeek-V3 "
+                             "(top-p 0.95) / Qwen3 (top-k 20, top-p 0.95), whose graphs sort the vocabulary")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    sample = SAMPLING[args.sampling]
     if not (args.model_dir / "config.json").exists():
         write_model(args.model_dir, ensure_demo_model(Path("/tmp/vexpert-demo-model")), args.layers, args.experts,
                     small=False, device="cuda", positions=args.max_position_embeddings)
@@ -180,7 +191,7 @@ def main() -> int:
             for seq in range(max_seqs):
                 pool.add(seq)
             work = [SequenceWork(seq, (seq % 100 + 3,), args.context, tuple(pool.grow(seq, args.context + 1)),
-                                 SamplingSpec(draw=1)) for seq in range(max_seqs)]
+                                 sample) for seq in range(max_seqs)]
             ops = op_times(model, work, 5, args.top)
             for op in ops:
                 print("op", json.dumps(op), flush=True)
@@ -194,9 +205,9 @@ def main() -> int:
         blocks = [tuple(pool.grow(seq, args.context + 1)) for seq in range(max_seqs)]
         for batch in args.batches:
             for chunks in args.prefill_chunks:
-                work = [SequenceWork(seq, (seq % 100 + 3,), args.context, blocks[seq], SamplingSpec(draw=1))
+                work = [SequenceWork(seq, (seq % 100 + 3,), args.context, blocks[seq], sample)
                         for seq in range(batch)]
-                work += [SequenceWork(seq, tuple(range(3, 3 + args.chunk)), 0, blocks[seq], SamplingSpec(draw=1))
+                work += [SequenceWork(seq, tuple(range(3, 3 + args.chunk)), 0, blocks[seq], sample)
                          for seq in range(batch, batch + chunks)]
                 tokens = batch + chunks * args.chunk
                 if tokens > args.max_batch_tokens:
@@ -206,7 +217,7 @@ def main() -> int:
                        "graph_ms": round(replayed_ms(model, work, stream, args.iters), 3)}
                 print(json.dumps(row), flush=True)
                 results.append(row)
-            work = [SequenceWork(seq, (seq % 100 + 3,), args.context, blocks[seq], SamplingSpec(draw=1))
+            work = [SequenceWork(seq, (seq % 100 + 3,), args.context, blocks[seq], sample)
                     for seq in range(batch)]
             for _ in range(5):
                 model.step(work)
@@ -237,7 +248,8 @@ def main() -> int:
             graph_ms = start.elapsed_time(end) / args.iters
             bound = hbm_bound(args.model_dir, batch, args.context)
             flops = step_flops(model, batch, args.context)
-            row = {"batch": batch, "context": args.context, "kv_splits": graphs.key_for(work)[2],
+            row = {"batch": batch, "context": args.context, "sampling": args.sampling,
+                   "kv_splits": graphs.key_for(work)[2],
                    "graph_ms": round(graph_ms, 3),
                    "launch_span_ms": round(step_ms, 3), "host_launch_ms": round(host_ms, 3),
                    "replay_host_ms": round(replay_host_ms, 3),

@@ -17,7 +17,8 @@
 #                blocks, warps and stages (run 20: 16 sequences were latency-bound at one program per SM) (~6 min)
 #   STAGE=router the fused routers' and truncated sampling's (top-k / min-p, graphed == eager) GPU tests, then DeepSeek-V3's (tensor-core logits + one selection kernel) and
 #                Qwen3-MoE's (softmax top-k in one kernel) against transformers' routers, eager and compiled, per
-#                layer (router_kernel.py), then the graphed decode step at 16 / 64 / 256 sequences (~4 min)
+#                layer (router_kernel.py), then the graphed decode step at 16 / 64 / 256 sequences, and at 64 / 256 with
+#                every sequence sampling top-p 0.95 (DeepSeek-V3's generation config: a sort over the vocabulary) (~6 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
 #                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
 #                profile, with the EP layer's share of a traced iteration (~6 min)
@@ -80,7 +81,10 @@ case "${STAGE:-tests}" in
       -k "router or truncated_sampling" 2>&1 | tail -2
     PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/router_kernel.py --out "$OUT/router_kernel.json" 2>&1 | grep routing
     PYTHONPATH=$HEAD_PATH timeout 200 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 16 64 256 \
-      --context 96 --profile --top 40 --out "$OUT/decode_step_bound_router.json" 2>&1 | grep -v "Loading weights" | tail -3 ;;
+      --context 96 --profile --top 40 --out "$OUT/decode_step_bound_router.json" 2>&1 | grep -v "Loading weights" | tail -3
+    # what the sort over the vocabulary of truncated sampling (the generation configs' top-p defaults) costs the step
+    PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 64 256 \
+      --context 96 --sampling top-p --profile --top 12 --out "$OUT/decode_step_bound_top_p.json" 2>&1 | grep -v "Loading weights" | tail -2 ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
     BENCH_TIMEOUT=560 bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \
