@@ -272,12 +272,12 @@ def _api_config(served: _Served, args: argparse.Namespace, api_key: str | None) 
 
 
 def sampling_defaults(model_dir: Path, mode: str) -> tuple[SamplingDefaults, list[str]]:
-    from vexpert_runtime.errors import VExpertInputError
-    from vexpert_runtime.serve.openai_api import SamplingDefaults
-
     """The sampling defaults ``--generation-config mode`` gives (``auto``: the checkpoint's
     generation_config.json where it has one, as vLLM does; ``vexpert``: the OpenAI API's), and the
     lines to log about them. A generation config that is not a JSON object is an input error."""
+    from vexpert_runtime.errors import VExpertInputError
+    from vexpert_runtime.serve.openai_api import SamplingDefaults
+
     path = model_dir / "generation_config.json"
     if mode == "vexpert" or not path.is_file():
         return SamplingDefaults(), []

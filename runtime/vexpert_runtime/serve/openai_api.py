@@ -34,7 +34,6 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -55,11 +54,16 @@ class StreamOptions(BaseModel):
 # the penalties a request may name, at the value that leaves sampling as it is (repetition_penalty: vLLM's)
 _NEUTRAL_PENALTIES = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
 
-# Fields this server cannot honour, by endpoint: the values that ask for nothing (accepted), and what to do
-# instead. Any other value is a 400 naming the field: ignoring it would silently give the client something
-# else than it asked for (JSON it never checks, a token it banned, a tool call it waits for).
+# Fields this server cannot honour, by endpoint: the values that ask for nothing (accepted; of that type
+# exactly: a boolean is not 0, 1.0 is not n=1), and what to do instead. Any other value is a 400 naming the
+# field: ignoring it would silently give the client something else than it asked for (JSON it never checks,
+# a token it banned, a tool call it waits for).
 _GUIDED = "guided decoding (structured output) is not supported; leave it out"
+_NO_PENALTIES = "penalties are not supported (tokens are sampled without them); send {} or leave it out"
 _REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((1,), "only n=1 is supported; send n requests instead"),
+    **{name: ((neutral, float(neutral)), _NO_PENALTIES.format(neutral)) for name, neutral in _NEUTRAL_PENALTIES.items()},
+    "logit_bias": (({},), "not supported; leave it out or send {}"),
     "min_tokens": ((0,), "not supported (end-of-sequence is not suppressed); leave it out or send 0"),
     "guided_json": ((), _GUIDED), "guided_regex": ((), _GUIDED), "guided_choice": ((), _GUIDED),
     "guided_grammar": ((), _GUIDED), "structured_outputs": ((), _GUIDED),
@@ -75,12 +79,16 @@ _REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 _REFUSED_COMPLETION = {
     **_REFUSED_BOTH,
+    "echo": ((False,), "not supported; send false"),
+    "logprobs": ((0,), "logprobs are not supported; leave it out"),
+    "best_of": ((1,), "only best_of=1 is supported"),
     "suffix": (("",), "not supported (no fill-in-the-middle); leave it out"),
     "response_format": (({"type": "text"},), "structured output is not supported; leave it out or send "
                         '{"type": "text"}'),
 }
 _REFUSED_CHAT = {
     **_REFUSED_BOTH,
+    "logprobs": ((False,), "logprobs are not supported; leave it out"),
     "top_logprobs": ((0,), "logprobs are not supported; leave it out"),
     "response_format": (({"type": "text"},), "structured output (json_object, json_schema) is not supported; "
                         'leave it out or send {"type": "text"}'),
@@ -120,39 +128,10 @@ class _GenerationRequest(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: StrictInt | None = 1
     ignore_eos: StrictBool = False
     top_k: StrictInt | None = Field(default=None, ge=-1)  # vLLM's: −1 / 0 / null keep every token
     min_p: StrictFloat | StrictInt | None = Field(default=None, ge=0, le=1)  # vLLM's
     stop_token_ids: list[StrictInt] | None = None  # vLLM's: ids that end the sequence like EOS (not in the text)
-    # sampled without them: only their neutral values are accepted (any other is a 400 naming the field)
-    presence_penalty: StrictFloat | StrictInt | None = None
-    frequency_penalty: StrictFloat | StrictInt | None = None
-    repetition_penalty: StrictFloat | StrictInt | None = None  # vLLM's extension
-    logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = None
-
-    @field_validator(*_NEUTRAL_PENALTIES)
-    @classmethod
-    def _no_penalty(cls, penalty: float | None, info: ValidationInfo) -> float | None:
-        neutral = _NEUTRAL_PENALTIES[str(info.field_name)]
-        if penalty not in (None, neutral):
-            raise ValueError(f"penalties are not supported (tokens are sampled without them); send {neutral} or leave "
-                             "it out")
-        return penalty
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        if bias:
-            raise ValueError("logit_bias is not supported; leave it out or send {}")
-        return bias
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int | None) -> int | None:
-        if n not in (None, 1):
-            raise ValueError("only n=1 is supported; send n requests instead")
-        return n
 
     @field_validator("stop")
     @classmethod
@@ -187,9 +166,6 @@ class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
-    echo: StrictBool | None = False
-    logprobs: StrictInt | None = None
-    best_of: StrictInt | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -210,27 +186,6 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("a list of several prompts is not supported; send one request per prompt")
         only = prompt[0]
         return only if isinstance(only, str) else list(only)  # type: ignore[arg-type]
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool | None) -> bool | None:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: int | None) -> int | None:
-        if logprobs:
-            raise ValueError("logprobs are not supported")
-        return logprobs
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, best_of: int | None) -> int | None:
-        if best_of not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
-        return best_of
 
 
 class ContentPart(BaseModel):
@@ -309,7 +264,6 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-    logprobs: StrictBool | None = False
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None  # vLLM's: for templates that cite documents
@@ -349,13 +303,6 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.documents:
             arguments["documents"] = self.documents
         return arguments
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: bool | None) -> bool | None:
-        if logprobs:
-            raise ValueError("logprobs are not supported")
-        return logprobs
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` (the current name) wins over the deprecated ``max_tokens``."""
