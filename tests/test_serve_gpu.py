@@ -7,7 +7,9 @@ test_attention_kernels.py (the Triton kernels in Triton's interpreter).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -30,6 +32,8 @@ from vexpert_runtime.serve.attention_kernels import (  # noqa: E402
 from vexpert_runtime.serve.hf_model import HFStepModel  # noqa: E402
 from vexpert_runtime.serve.moe_executors import EPExperts  # noqa: E402
 from vexpert_runtime.serve.step import SamplingSpec, SequenceWork  # noqa: E402
+
+T = TypeVar("T")
 
 
 def _decode_batch(lengths: list[int], block_size: int) -> list[SequenceWork]:
@@ -115,18 +119,11 @@ def test_graphed_long_contexts_split_and_equal_the_eager_step(family: str, tmp_p
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
     prompts = [[(7 * i + 3) % 120 + 1 for i in range(700)], [(11 * i + 5) % 120 + 1 for i in range(690)]]
-    outputs = []
-    for graphs in (False, True):
-        model = _one_rank_model(path, kv_cache_tokens=2048)
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            if graphs:
-                model.enable_cuda_graphs(64, 8, stream)
-            outputs.append(drive(model, prompts, (8, 6), (0, 2), 32))  # ≤ 64 tokens a step: the EP layer's capacity
-        if graphs:
-            assert model.graphs is not None
-            assert any(splits > 1 for _, _, splits in model.graphs.graphs), sorted(model.graphs.graphs)
-    assert outputs[0] == outputs[1]
+    # ≤ 64 tokens a step: the EP layer's capacity
+    eager, graphed, model = _eager_and_graphed(path, lambda m: drive(m, prompts, (8, 6), (0, 2), 32), 2048)
+    assert model.graphs is not None
+    assert any(splits > 1 for _, _, splits in model.graphs.graphs), sorted(model.graphs.graphs)
+    assert eager == graphed
 
 
 def test_graphed_sliding_window_model_equals_the_eager_step(tmp_path: Path) -> None:
@@ -139,16 +136,9 @@ def test_graphed_sliding_window_model_equals_the_eager_step(tmp_path: Path) -> N
     config.update(use_sliding_window=True, sliding_window=4,
                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])
     (path / "config.json").write_text(json.dumps(config))
-    outputs = []
-    for graphs in (False, True):
-        model = _one_rank_model(path, kv_cache_tokens=512)
-        assert model.windows == [4, None, 4]
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            if graphs:
-                model.enable_cuda_graphs(64, 8, stream)
-            outputs.append(drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK))
-    assert outputs[0] == outputs[1]
+    eager, graphed, _ = _eager_and_graphed(path, lambda m: (m.windows, drive(m, PROMPTS, NEW_TOKENS, JOINS, CHUNK)))
+    assert eager[0] == graphed[0] == [4, None, 4]
+    assert eager == graphed
 
 
 @pytest.mark.parametrize(("family", "fused"), [("deepseek_v3", False), ("qwen3_moe", False), ("qwen2_moe", False),
@@ -159,21 +149,9 @@ def test_graphed_decode_equals_the_eager_step(family: str, fused: bool, tmp_path
     with the step's small pieces compiled by inductor into the graphs (``fused``) — and every
     iteration replayed a graph."""
     path = _write(family, tmp_path / family)
-    outputs = []
-    for graphs in (False, True):
-        model = HFStepModel(path, device="cuda", dtype=torch.bfloat16, kv_cache_tokens=512)
-        model.executor = EPExperts.for_model(model, 0, 1, None, max_tokens=64)
-        model.drop_expert_weights()
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            if graphs:
-                if fused:
-                    assert model.compile_pieces() > 0
-                model.enable_cuda_graphs(64, 8, stream)
-            outputs.append(drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK))
-        if graphs:
-            assert model.graphs is not None and model.graphs.replays >= 10  # prompt chunks and decodes
-    assert outputs[0] == outputs[1]
+    eager, graphed, model = _eager_and_graphed(path, lambda m: drive(m, PROMPTS, NEW_TOKENS, JOINS, CHUNK), fused=fused)
+    assert model.graphs is not None and model.graphs.replays >= 10  # prompt chunks and decodes
+    assert eager == graphed
 
 
 def test_graphed_truncated_sampling_equals_the_eager_step(tmp_path: Path) -> None:
@@ -181,18 +159,27 @@ def test_graphed_truncated_sampling_equals_the_eager_step(tmp_path: Path) -> Non
     min_p come from the graph's input buffer) draws the same tokens graphed as eager."""
     path = _write("qwen3_moe", tmp_path / "qwen3_moe")
     spec = SamplingSpec(temperature=0.9, top_p=0.9, seed=17, top_k=6, min_p=0.02)
-    outputs = []
+    eager, graphed, model = _eager_and_graphed(path, lambda m: drive(m, PROMPTS, NEW_TOKENS, JOINS, CHUNK, sampling=spec))
+    assert model.graphs is not None and any(truncated for _, truncated, _ in model.graphs.graphs)
+    assert eager == graphed
+    assert len({token for out in eager for token in out}) > 3  # sampled, not one repeated token
+
+
+def _eager_and_graphed(path: Path, run: Callable[[HFStepModel], T], kv_cache_tokens: int = 512, fused: bool = False
+                       ) -> tuple[T, T, HFStepModel]:
+    """``run`` on a fresh one-rank model stepping eagerly, then on another replaying CUDA graphs (its
+    small pieces compiled by inductor first when ``fused``): both results and the graphed model."""
+    results = []
     for graphs in (False, True):
-        model = _one_rank_model(path, kv_cache_tokens=512)
+        model = _one_rank_model(path, kv_cache_tokens)
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
             if graphs:
+                if fused:
+                    assert model.compile_pieces() > 0
                 model.enable_cuda_graphs(64, 8, stream)
-            outputs.append(drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK, sampling=spec))
-        if graphs:
-            assert model.graphs is not None and any(truncated for _, truncated, _ in model.graphs.graphs)
-    assert outputs[0] == outputs[1]
-    assert len({token for out in outputs[0] for token in out}) > 3  # sampled, not one repeated token
+            results.append(run(model))
+    return results[0], results[1], model
 
 
 def _one_rank_model(path: Path, kv_cache_tokens: int = 2048) -> HFStepModel:
