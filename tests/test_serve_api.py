@@ -264,6 +264,97 @@ def test_generation_config_defaults_are_read_as_vllm_reads_them(tmp_path: Path) 
     assert error.value.field == "--generation-config" and "vexpert" in str(error.value)
 
 
+def test_n_choices_are_the_requests_of_seeds_seed_plus_i(client: openai.OpenAI) -> None:
+    """n choices, each what a request with seed + i gives (vLLM's child requests); usage: the prompt
+    once, the completions summed; greedy choices are all the greedy answer."""
+    base: dict[str, Any] = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0}
+    result = client.completions.create(**base, n=3, seed=11)
+    singles = [client.completions.create(**base, seed=11 + i) for i in range(3)]
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert [c.text for c in result.choices] == [s.choices[0].text for s in singles]
+    assert len({c.text for c in result.choices}) > 1  # seeds 11, 12, 13 draw differently
+    assert result.usage is not None and singles[0].usage is not None
+    assert result.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert result.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles if s.usage)
+    greedy = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=6, temperature=0, n=2)
+    one = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=6, temperature=0)
+    assert [c.message.content for c in greedy.choices] == [one.choices[0].message.content] * 2
+    assert [c.index for c in greedy.choices] == [0, 1]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_n_choices_stream_each_under_its_index(client: openai.OpenAI, chat: bool) -> None:
+    """Streamed choices: every chunk names its choice, each choice's chunks add up to what the
+    non-streamed request gives, one finish per choice, then one usage chunk over all of them."""
+    common: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 10, "temperature": 1.0, "seed": 5, "n": 3}
+    if chat:
+        create: Any = client.chat.completions.create
+        common["messages"] = [{"role": "user", "content": PROMPT}]
+    else:
+        create = client.completions.create
+        common["prompt"] = PROMPT
+    whole = create(**common)
+    texts, finishes, roles, usages = ["", "", ""], [None, None, None], [0, 0, 0], []
+    for chunk in create(**common, stream=True, stream_options={"include_usage": True}):
+        if not chunk.choices:
+            usages.append(chunk.usage)
+            continue
+        (choice,) = chunk.choices
+        assert finishes[choice.index] is None  # nothing of a choice after its finish
+        if chat:
+            roles[choice.index] += choice.delta.role == "assistant"
+            texts[choice.index] += choice.delta.content or ""
+        else:
+            texts[choice.index] += choice.text
+        finishes[choice.index] = choice.finish_reason
+    expected = [c.message.content if chat else c.text for c in whole.choices]
+    assert texts == expected
+    assert finishes == [c.finish_reason for c in whole.choices]
+    assert roles == ([1, 1, 1] if chat else [0, 0, 0])
+    assert [(u.prompt_tokens, u.completion_tokens) for u in usages] == [
+        (whole.usage.prompt_tokens, whole.usage.completion_tokens)]
+
+
+def test_n_choices_are_admitted_all_or_none(checkpoint: Path, hf_model: Any) -> None:
+    """A request whose n choices do not all fit the waiting queue (they are queued together) is a 429,
+    and the choices queued before the refusal never run; one that fits runs every choice."""
+    srv = make_server(checkpoint, hf_model, max_running=1, max_batch_tokens=16, max_waiting=2)
+    srv.model.gate = threading.Event()  # steps block: the first request holds the batch
+    url = f"{srv.url}/v1/completions"
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(httpx.post, url, json=body, timeout=30)
+            _wait_for(lambda: srv.dispatcher.loads()[0].running == 1)
+            refused = httpx.post(url, json={**body, "n": 3}, timeout=30)  # 2 queue, the third does not fit
+            assert _error(refused, 429)["code"] == "overloaded"
+            srv.model.gate.set()
+            assert first.result().status_code == 200
+        _wait_for(lambda: not srv.dispatcher.scheduler.has_work())
+        assert len({item.seq_id for step in srv.model.steps for item in step}) == 1  # the first request's only
+        answered = httpx.post(url, json={**body, "n": 2}, timeout=30).json()
+        assert [c["index"] for c in answered["choices"]] == [0, 1]
+        assert len({c["text"] for c in answered["choices"]}) == 1  # greedy: the same answer twice
+    finally:
+        srv.model.gate.set()
+        srv.close()
+
+
+def test_a_client_gone_cancels_every_choice(checkpoint: Path, hf_model: Any) -> None:
+    srv = make_server(checkpoint, hf_model)
+    srv.model.delay_s = 0.02
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 80, "ignore_eos": True, "stream": True, "n": 3}
+    try:
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=30) as response:
+            next(response.iter_lines())
+        _wait_for(lambda: sorted(srv.model.released) == [0, 1, 2])
+        assert not srv.dispatcher.scheduler.has_work()
+    finally:
+        srv.close()
+
+
 def test_max_tokens_gives_length(client: openai.OpenAI) -> None:
     result = client.completions.create(
         model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0.7, seed=1, extra_body={"ignore_eos": True}
@@ -310,7 +401,9 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
     base: dict[str, Any] = {"model": MODEL_NAME, "prompt": PROMPT}
     cases: list[tuple[dict[str, Any], str]] = [
         ({"temperature": 5}, "temperature"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),  # OpenAI's limit is 128
+        ({"n": 2.0}, "n"),
         ({"prompt": ["one", "two"]}, "prompt"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"prompt": [1, 10**6]}, "prompt"),

@@ -11,7 +11,9 @@ import os
 import signal
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -78,9 +80,23 @@ def test_overload_is_429_with_retry_after_before_any_stream_and_the_rendezvous_i
         # after the burst the server serves again
         status, _, _ = asyncio.run(_single(url))
         assert status == 200
+        # n choices through the EP ranks: more than one rank holds (2 running + 1 waiting), each choice
+        # what a request with seed + i gives
+        body = {"model": "tiny", "prompt": "request n", "max_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+        choices = _post(url, {**body, "n": 4, "seed": 3})["choices"]
+        assert [c["index"] for c in choices] == [0, 1, 2, 3]
+        assert [c["text"] for c in choices] == [_post(url, {**body, "seed": 3 + i})["choices"][0]["text"]
+                                                for i in range(4)]
     finally:
         _stop(proc)
     assert proc.returncode == 0, log.read_text()[-3000:]
+
+
+def _post(url: str, body: dict[str, Any]) -> Any:
+    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
 
 
 async def _single(url: str) -> tuple[int, str | None, str]:

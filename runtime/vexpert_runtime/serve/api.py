@@ -23,7 +23,8 @@ its request's headers (aiohttp's keep-alive timer, which also runs from the conn
 Metrics (own registry, all prefixed ``vexpert_serve_``): ``requests_total{endpoint,status}``
 (HTTP status of the generation endpoints), ``request_finish_total{reason}``,
 ``time_to_first_token_seconds``, ``inter_token_latency_seconds``, ``request_duration_seconds``
-(from the request's arrival: reading, tokenizing and queueing included), ``prompt_tokens_total``, ``generated_tokens_total``,
+(from the request's arrival: reading, tokenizing and queueing included; these four per choice: a request
+of ``n`` choices is n sequences), ``prompt_tokens_total`` (a request's prompt once), ``generated_tokens_total``,
 ``requests_running``, ``requests_waiting``, ``kv_cache_usage_ratio`` (KV blocks held / blocks, summed
 over ranks — what admission waits on), ``kv_cache_tokens`` (held), ``preemptions`` (sequences preempted
 for KV blocks, the ranks' total), with ``--prefix-caching``, ``prefix_cache_queried_tokens`` /
@@ -50,7 +51,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
 
 from aiohttp import web
@@ -330,12 +331,14 @@ _ARRIVED: Any = web.RequestKey("vexpert_arrived", float) if hasattr(web, "Reques
 
 
 class _RequestTimer:
-    """Observes one request's latencies and token counts as its event batches arrive; ``start``: the
-    request's arrival (before its body is read, parsed and tokenized and a rank accepts it)."""
+    """Observes one choice's latencies and token counts as its event batches arrive (a request of
+    ``n`` choices: n sequences, n timers; its prompt counted once, by ``counts_prompt``'s); ``start``:
+    the request's arrival (before its body is read, parsed and tokenized and a rank accepts it)."""
 
-    def __init__(self, metrics: ServeMetrics, start: float) -> None:
+    def __init__(self, metrics: ServeMetrics, start: float, counts_prompt: bool = True) -> None:
         self.metrics = metrics
         self.start = start
+        self.counts_prompt = counts_prompt
         self.last: float | None = None
 
     def observe(self, batch: Sequence[Event]) -> None:
@@ -354,7 +357,8 @@ class _RequestTimer:
         last = batch[-1]
         if last.finished:
             self.metrics.duration.observe(now - self.start)
-            self.metrics.prompt_tokens.inc(last.prompt_tokens)
+            if self.counts_prompt:
+                self.metrics.prompt_tokens.inc(last.prompt_tokens)
             self.metrics.finished.labels(last.finish_reason).inc()
 
 
@@ -374,16 +378,65 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 @dataclass
 class _Job:
-    """One accepted generation request, as the response writers need it."""
+    """One accepted generation request — its ``n`` choices, each a sequence of its own on the ranks — as
+    the response writers need it."""
 
-    request_id: str
+    request_id: str  # the response's id
+    choice_ids: list[str]  # the ranks' request id of each choice (:func:`choice_requests`)
     created: int
     model: str
     chat: bool
     stream: bool
     include_usage: bool
-    events: AsyncIterator[list[Event]]  # in batches (see Dispatcher.submit)
-    done: bool = False
+    events: AsyncIterator[tuple[int, list[Event]]]  # (choice, one of its batches; see Dispatcher.submit)
+    finished: set[int] = field(default_factory=set)  # the choices whose last event arrived
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.choice_ids)
+
+
+def choice_requests(request_id: str, prompt_ids: tuple[int, ...], params: SamplingParams, n: int
+                    ) -> list[GenerationRequest]:
+    """The ranks' requests for ``n`` choices of one prompt: the response's own id when n is 1; else
+    ``{i}_{id}``, and with a seed, choice i samples with seed + i (vLLM's child requests): the choices
+    differ, and the same request gives the same choices again."""
+    if n == 1:
+        return [GenerationRequest(request_id, prompt_ids, params)]
+    return [GenerationRequest(f"{i}_{request_id}", prompt_ids,
+                              params if params.seed is None else replace(params, seed=params.seed + i))
+            for i in range(n)]
+
+
+class _ChoiceStreams:
+    """A request's choices' event batches, each tagged with its choice's index, in arrival order
+    (one choice: its own iterator, no task in between). :meth:`close` stops the pumps of choices
+    still running (their requests are cancelled by the caller)."""
+
+    def __init__(self, streams: list[AsyncIterator[list[Event]]]) -> None:
+        self._streams = streams
+        self._queue: asyncio.Queue[tuple[int, list[Event]]] = asyncio.Queue()
+        self._pumps: list[asyncio.Future[None]] = []
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, list[Event]]]:
+        if len(self._streams) == 1:
+            async for batch in self._streams[0]:
+                yield 0, batch
+            return
+        self._pumps = [asyncio.ensure_future(self._pump(i, stream)) for i, stream in enumerate(self._streams)]
+        running = len(self._streams)
+        while running:
+            index, batch = await self._queue.get()
+            running -= batch[-1].finished
+            yield index, batch
+
+    async def _pump(self, index: int, stream: AsyncIterator[list[Event]]) -> None:
+        async for batch in stream:
+            self._queue.put_nowait((index, batch))
+
+    def close(self) -> None:
+        for pump in self._pumps:
+            pump.cancel()
 
 
 class ServeApi:
@@ -629,63 +682,74 @@ class ServeApi:
         prompt_ids: list[int],
         chat: bool,
     ) -> web.StreamResponse:
-        """Submit to the dispatcher and answer as one JSON body or an SSE stream."""
+        """Submit the request's choices to the dispatcher — all of them or none (a refusal of one
+        cancels those queued before it) — and answer as one JSON body or an SSE stream."""
         params = self._sampling(req, len(prompt_ids), chat)
-        generation = GenerationRequest(oa.new_request_id("chatcmpl" if chat else "cmpl"), tuple(prompt_ids), params)
+        request_id = oa.new_request_id("chatcmpl" if chat else "cmpl")
+        requests = choice_requests(request_id, tuple(prompt_ids), params, req.choices)
         if self.shutting_down:
             raise refusal_error(shutting_down())
+        streams: list[AsyncIterator[list[Event]]] = []
         try:
-            events = await self.dispatcher.submit(generation)
-        except ServeRefusal as refusal:
-            raise refusal_error(refusal) from None
-        except VExpertInputError as exc:
-            raise ApiError(400, str(exc), param=exc.field) from None
-        job = _Job(generation.request_id, oa.now(), req.model, chat, bool(req.stream), req.include_usage, events)
-        timer = _RequestTimer(self.metrics, request.get(_ARRIVED, time.monotonic()))
-        job.events = self._observed(job, events, timer)
+            for choice in requests:
+                streams.append(await self.dispatcher.submit(choice))
+        except BaseException as exc:
+            for queued in requests[: len(streams)]:
+                self.dispatcher.cancel(queued.request_id)
+            if isinstance(exc, ServeRefusal):
+                raise refusal_error(exc) from None
+            if isinstance(exc, VExpertInputError):
+                raise ApiError(400, str(exc), param=exc.field) from None
+            raise
+        choices = _ChoiceStreams(streams)
+        arrived = request.get(_ARRIVED, time.monotonic())
+        timers = [_RequestTimer(self.metrics, arrived, counts_prompt=i == 0) for i in range(len(requests))]
+        job = _Job(request_id, [r.request_id for r in requests], oa.now(), req.model, chat, bool(req.stream),
+                   req.include_usage, choices.__aiter__())
+        job.events = self._observed(job, job.events, timers)
         try:
             return await (self._stream(request, job) if job.stream else self._collect(job))
         finally:
-            if not job.done:  # client gone (handler cancelled, write failed) or an error: free the sequence
-                self.dispatcher.cancel(job.request_id)
+            choices.close()
+            for index, choice_id in enumerate(job.choice_ids):  # client gone (handler cancelled, write
+                if index not in job.finished:  # failed) or an error: free the sequences still running
+                    self.dispatcher.cancel(choice_id)
 
     @staticmethod
-    async def _observed(job: _Job, events: AsyncIterator[list[Event]], timer: _RequestTimer
-                        ) -> AsyncIterator[list[Event]]:
-        """The dispatcher's event batches, each event timed, marking the job done at its last one."""
-        async for batch in events:
-            timer.observe(batch)
+    async def _observed(job: _Job, events: AsyncIterator[tuple[int, list[Event]]], timers: list[_RequestTimer]
+                        ) -> AsyncIterator[tuple[int, list[Event]]]:
+        """The choices' event batches, each event timed, marking a choice finished at its last one."""
+        async for index, batch in events:
+            timers[index].observe(batch)
             if batch[-1].finished:
-                job.done = True
-            yield batch
+                job.finished.add(index)
+            yield index, batch
 
     async def _collect(self, job: _Job) -> web.Response:
-        parts: list[str] = []
-        async for batch in job.events:
-            parts.extend(event.text for event in batch)
+        texts: list[list[str]] = [[] for _ in job.choice_ids]
+        finish: dict[int, str] = {}
+        completion_tokens = 0
+        async for index, batch in job.events:
+            texts[index].extend(event.text for event in batch)
             last = batch[-1]
             if last.finished:
                 error = _failed(last)
                 if error is not None:
                     raise error
-                build = oa.chat_response if job.chat else oa.completion_response
-                body = build(
-                    job.request_id,
-                    job.created,
-                    job.model,
-                    "".join(parts),
-                    last.finish_reason or "stop",
-                    last.prompt_tokens,
-                    last.completion_tokens,
-                )
-                return web.json_response(body)
+                finish[index] = last.finish_reason or "stop"
+                completion_tokens += last.completion_tokens
+                if job.done:
+                    choices = [oa.Choice(i, "".join(parts), finish[i]) for i, parts in enumerate(texts)]
+                    build = oa.chat_response if job.chat else oa.completion_response
+                    return web.json_response(build(job.request_id, job.created, job.model, choices,
+                                                   last.prompt_tokens, completion_tokens))
         raise ApiError(500, "the request ended without a result", "server_error", code="internal_error")
 
-    def _chunk(self, job: _Job, text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
+    def _chunk(self, job: _Job, index: int, text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
         if job.chat:
             delta = {"content": text} if text is not None else {}
-            return oa.chat_chunk(job.request_id, job.created, job.model, delta, finish_reason)
-        return oa.completion_chunk(job.request_id, job.created, job.model, text or "", finish_reason)
+            return oa.chat_chunk(job.request_id, job.created, job.model, delta, finish_reason, index)
+        return oa.completion_chunk(job.request_id, job.created, job.model, text or "", finish_reason, index)
 
     async def _stream(self, request: web.Request, job: _Job) -> web.StreamResponse:
         response = web.StreamResponse(
@@ -701,26 +765,34 @@ class ServeApi:
         return response
 
     async def _sse_writes(self, job: _Job) -> AsyncIterator[bytes]:
-        """The SSE body of one request, one ``bytes`` per socket write: the role chunk, then per
-        batch of events one chunk with their text — and, in the last, the finish (or error) chunk,
-        the usage chunk and ``[DONE]`` — together (at hundreds of streams the API's event loop spent
-        most of its time in one send per chunk, then in one JSON chunk per token). A batch is what
-        arrived while this request's writer waited: one token when the loop keeps up, several when
-        it falls behind (as vLLM's API server merges a request's outputs under backpressure)."""
+        """The SSE body of one request, one ``bytes`` per socket write: the role chunk of each choice,
+        then per batch of a choice's events one chunk with their text — and, in its last, the choice's
+        finish chunk; after the last choice's, the usage chunk and ``[DONE]`` (an error ends the whole
+        response) — together (at hundreds of streams the API's event loop spent most of its time in
+        one send per chunk, then in one JSON chunk per token). A batch is what arrived while this
+        request's writer waited: one token when the loop keeps up, several when it falls behind (as
+        vLLM's API server merges a request's outputs under backpressure)."""
         if job.chat:
-            yield _sse(oa.chat_chunk(job.request_id, job.created, job.model, {"role": "assistant", "content": ""}))
-        async for batch in job.events:
+            yield b"".join(_sse(oa.chat_chunk(job.request_id, job.created, job.model,
+                                              {"role": "assistant", "content": ""}, index=index))
+                           for index in range(len(job.choice_ids)))
+        completion_tokens = 0
+        async for index, batch in job.events:
             text = "".join([event.text for event in batch])
-            parts = [_sse(self._chunk(job, text))] if text else []
+            parts = [_sse(self._chunk(job, index, text))] if text else []
             last = batch[-1]
             if last.finished:
                 error = _failed(last)
-                parts.append(_sse(error.body if error is not None else self._chunk(job, None, last.finish_reason)))
-                if job.include_usage:
-                    obj = "chat.completion.chunk" if job.chat else "text_completion"
-                    parts.append(_sse(oa.usage_chunk(obj, job.request_id, job.created, job.model, last.prompt_tokens,
-                                                     last.completion_tokens)))
-                parts.append(b"data: [DONE]\n\n")
+                parts.append(_sse(error.body if error is not None else self._chunk(job, index, None, last.finish_reason)))
+                completion_tokens += last.completion_tokens
+                if job.done or error is not None:
+                    if job.include_usage:
+                        obj = "chat.completion.chunk" if job.chat else "text_completion"
+                        parts.append(_sse(oa.usage_chunk(obj, job.request_id, job.created, job.model,
+                                                         last.prompt_tokens, completion_tokens)))
+                    parts.append(b"data: [DONE]\n\n")
+                    yield b"".join(parts)
+                    return
             if parts:
                 yield b"".join(parts)
 

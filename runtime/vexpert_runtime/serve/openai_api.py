@@ -4,11 +4,12 @@ Requests ignore fields they do not know and that change nothing in the tokens (O
 optional ones — ``user``, ``metadata``, ``parallel_tool_calls`` …) and accept ``null`` for optional ones, and
 neutral values of what they cannot honour (``presence_penalty: 0``, ``logit_bias: {}``, ``response_format:
 {"type": "text"}``, as clients send by default); what this server cannot honour and would otherwise silently
-get wrong (``n`` > 1, several prompts, ``echo``, ``logprobs``, ``best_of`` > 1, non-zero penalties, a
+get wrong (several prompts, ``echo``, ``logprobs``, ``best_of`` > 1, non-zero penalties, a
 non-empty ``logit_bias``, non-text message parts, structured output, tool calls, and the vLLM extensions
 of :data:`_REFUSED_COMPLETION` / :data:`_REFUSED_CHAT`) is a 400 naming the field and what to send instead.
 
-Honoured as vLLM does: ``top_k`` and ``min_p`` (sampling), ``stop_token_ids``, ``ignore_eos`` (benchmarks use it
+Honoured as vLLM does: ``n`` (that many choices, each its own sequence of the same prompt; with a ``seed``,
+choice i samples with seed + i), ``top_k`` and ``min_p`` (sampling), ``stop_token_ids``, ``ignore_eos`` (benchmarks use it
 to force exact lengths); for chat, ``chat_template_kwargs`` (e.g. Qwen3's ``{"enable_thinking": false}``),
 ``add_generation_prompt``, ``continue_final_message``, ``documents``, and ``tools`` with ``tool_choice: "none"``
 (the model's template shows them; its reply is text).
@@ -40,6 +41,7 @@ from pydantic import (
 
 Json = dict[str, Any]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+MAX_CHOICES = 128  # the most choices (``n``) one request may ask for: OpenAI's limit
 ROLES = ("system", "developer", "user", "assistant", "tool")
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -55,13 +57,12 @@ class StreamOptions(BaseModel):
 _NEUTRAL_PENALTIES = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
 
 # Fields this server cannot honour, by endpoint: the values that ask for nothing (accepted; of that type
-# exactly: a boolean is not 0, 1.0 is not n=1), and what to do instead. Any other value is a 400 naming the
+# exactly: a boolean is not 0, 1.0 is not best_of=1), and what to do instead. Any other value is a 400 naming the
 # field: ignoring it would silently give the client something else than it asked for (JSON it never checks,
 # a token it banned, a tool call it waits for).
 _GUIDED = "guided decoding (structured output) is not supported; leave it out"
 _NO_PENALTIES = "penalties are not supported (tokens are sampled without them); send {} or leave it out"
 _REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1,), "only n=1 is supported; send n requests instead"),
     **{name: ((neutral, float(neutral)), _NO_PENALTIES.format(neutral)) for name, neutral in _NEUTRAL_PENALTIES.items()},
     "logit_bias": (({},), "not supported; leave it out or send {}"),
     "min_tokens": ((0,), "not supported (end-of-sequence is not suppressed); leave it out or send 0"),
@@ -121,6 +122,7 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr
+    n: StrictInt | None = Field(default=None, ge=1, le=MAX_CHOICES)
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
@@ -152,6 +154,11 @@ class _GenerationRequest(BaseModel):
         """``stop`` as a tuple of non-empty strings."""
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return tuple(s for s in stops if s)
+
+    @property
+    def choices(self) -> int:
+        """How many choices to generate (``n``, default 1)."""
+        return self.n or 1
 
     @property
     def include_usage(self) -> bool:
@@ -395,24 +402,32 @@ def usage(prompt_tokens: int, completion_tokens: int) -> Json:
     }
 
 
-def completion_response(
-    rid: str, created: int, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
-) -> Json:
-    """A non-streaming ``text_completion``."""
+@dataclass(frozen=True)
+class Choice:
+    """One finished choice of a non-streaming response."""
+
+    index: int
+    text: str
+    finish_reason: str
+
+
+def completion_response(rid: str, created: int, model: str, choices: list[Choice], prompt_tokens: int,
+                        completion_tokens: int) -> Json:
+    """A non-streaming ``text_completion``; ``completion_tokens`` over all choices, the prompt once."""
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                    for c in choices],
         "usage": usage(prompt_tokens, completion_tokens),
     }
 
 
-def chat_response(
-    rid: str, created: int, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
-) -> Json:
-    """A non-streaming ``chat.completion``."""
+def chat_response(rid: str, created: int, model: str, choices: list[Choice], prompt_tokens: int,
+                  completion_tokens: int) -> Json:
+    """A non-streaming ``chat.completion``; usage as :func:`completion_response`'s."""
     return {
         "id": rid,
         "object": "chat.completion",
@@ -420,35 +435,39 @@ def chat_response(
         "model": model,
         "choices": [
             {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
                 "logprobs": None,
-                "finish_reason": finish_reason,
+                "finish_reason": c.finish_reason,
             }
+            for c in choices
         ],
         "usage": usage(prompt_tokens, completion_tokens),
     }
 
 
-def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None = None) -> Json:
-    """One streamed ``text_completion`` chunk."""
+def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None = None,
+                     index: int = 0) -> Json:
+    """One streamed ``text_completion`` chunk of choice ``index``."""
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}],
     }
 
 
-def chat_chunk(rid: str, created: int, model: str, delta: Json, finish_reason: str | None = None) -> Json:
-    """One streamed ``chat.completion.chunk``; ``delta`` is ``{"role": …}`` / ``{"content": …}`` / ``{}``."""
+def chat_chunk(rid: str, created: int, model: str, delta: Json, finish_reason: str | None = None,
+               index: int = 0) -> Json:
+    """One streamed ``chat.completion.chunk`` of choice ``index``; ``delta`` is ``{"role": …}`` /
+    ``{"content": …}`` / ``{}``."""
     return {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
     }
 
 
