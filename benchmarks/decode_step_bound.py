@@ -28,6 +28,8 @@ which is what ``--max-batch-tokens`` trades (larger: fewer iterations carry prom
 ``--sampling top-p|top-k`` samples every sequence as a request that leaves its sampling fields to DeepSeek-V3's
 (temperature 0.6, top-p 0.95) or Qwen3's (and top-k 20) generation config does under ``--generation-config auto``:
 the graph then sorts the vocabulary per sequence (greedy, the default, skips it) — what that sort costs the step.
+``--sampling logprobs``: greedy, every sequence asking for log-probabilities (``logprobs``: a log-softmax and a
+top-20 over the vocabulary in the graph, three more device→host copies) — what they cost the step.
 
 Long contexts (split-KV, ``attention_kernels.kv_splits``): a checkpoint with a longer context, the same
 batches at several contexts with the splits ``vexpert serve`` picks (``--kv-splits auto``, the row's
@@ -86,9 +88,10 @@ def step_flops(model: HFStepModel, batch: int, context: int) -> int:
 
 
 _HOST_TIMED = 5  # replays whose host time gives ``replay_host_ms``
-# --sampling: what each sequence samples with (draw 1); the latter two are the generation configs' defaults
+# --sampling: what each sequence samples with (draw 1); top-p and top-k are the generation configs' defaults,
+# logprobs a greedy request that asks for its tokens' log-probabilities (the graphs with log-softmax and top-20)
 SAMPLING = {"greedy": SamplingSpec(draw=1), "top-p": SamplingSpec(0.6, 0.95, draw=1),
-            "top-k": SamplingSpec(0.6, 0.95, draw=1, top_k=20)}
+            "top-k": SamplingSpec(0.6, 0.95, draw=1, top_k=20), "logprobs": SamplingSpec(draw=1, logprobs=True)}
 
 
 def kernel_times(graph: torch.cuda.CUDAGraph, iters: int, top: int = 25) -> dict[str, object]:
@@ -169,7 +172,8 @@ def main() -> int:
                         help="split-KV for long contexts as served (auto), or every launch one pass (off)")
     parser.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy",
                         help="how every sequence samples: greedy, or the generation-config defaults of DeepSeek-V3 "
-                             "(top-p 0.95) / Qwen3 (top-k 20, top-p 0.95), whose graphs sort the vocabulary")
+                             "(top-p 0.95) / Qwen3 (top-k 20, top-p 0.95), whose graphs sort the vocabulary, or "
+                             "greedy with log-probabilities (logprobs)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     sample = SAMPLING[args.sampling]

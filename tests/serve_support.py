@@ -18,9 +18,16 @@ from prometheus_client import CollectorRegistry
 from vexpert_runtime.serve.api import ApiConfig, ApiServer, ServeApi
 from vexpert_runtime.serve.dispatcher import EventChannel
 from vexpert_runtime.serve.events import Event, GenerationRequest, RankLoad, shutting_down
-from vexpert_runtime.serve.sampling import eos_token_ids, sample_tokens, sampling_tensors
+from vexpert_runtime.serve.sampling import eos_token_ids, sample_tokens, sampling_tensors, token_logprobs
 from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
-from vexpert_runtime.serve.step import SequenceWork, StepModel, SynchronousSteps
+from vexpert_runtime.serve.step import (
+    FinishedStep,
+    PendingStep,
+    SequenceWork,
+    StepLogprobs,
+    StepModel,
+    SynchronousSteps,
+)
 
 MODEL_NAME = "tiny-qwen3-moe"
 MAX_CONTEXT = 96
@@ -159,7 +166,18 @@ class RecomputeStepModel(SynchronousSteps):
         cfg = self.hf_model.config
         return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
 
+    def launch(self, work: Sequence[SequenceWork]) -> PendingStep:
+        """The step, with the sampled tokens' log-probabilities where a row asks (as the product's model)."""
+        self._logprobs: list[tuple[int, tuple[torch.Tensor, ...]]] = []
+        tokens = self.step(work)
+        if not self._logprobs:
+            return FinishedStep(tokens)
+        rows, outputs = zip(*self._logprobs, strict=True)
+        return FinishedStep(tokens, StepLogprobs.at_rows(len(work), rows, *(torch.cat(t) for t in zip(*outputs,
+                                                                                                        strict=True))))
+
     def step(self, work: Sequence[SequenceWork]) -> torch.Tensor:
+        self._logprobs = []
         self.steps.append(list(work))
         if self.gate is not None:
             self.gate.wait(30)
@@ -179,6 +197,8 @@ class RecomputeStepModel(SynchronousSteps):
                 with torch.no_grad():
                     logits = self.hf_model(torch.tensor([held])).logits[0, -1:].float()
                 out[row] = sample_tokens(logits, *sampling_tensors([item.sample], "cpu"))[0]
+                if item.sample.logprobs:
+                    self._logprobs.append((row, token_logprobs(logits, out[row : row + 1], min(20, self.vocab_size))))
         self.last_sampled = [int(t) for t, item in zip(out, work, strict=True) if item.sample is not None]
         return out
 

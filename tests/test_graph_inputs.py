@@ -95,7 +95,8 @@ def test_every_token_count_has_a_bucket_padded_by_at_most_an_eighth_above_256(ma
 
 def test_graph_key_picks_the_bucket_top_p_and_the_splits_of_the_longest_table() -> None:
     """The graph an iteration replays: its bucket, a truncated-sampling variant only when a sampled row
-    draws with min-p, top-k or top-p (greedy rows ignore them), and the split count the model's policy gives for that bucket at the
+    draws with min-p, top-k or top-p (greedy rows ignore them), a log-probabilities variant when a row
+    asks for them, and the split count the model's policy gives for that bucket at the
     longest context the block tables reach — from an H200's policy for DeepSeek-V3's 128 MLA heads."""
     from vexpert_runtime.serve.attention_kernels import mla_kv_splits
 
@@ -105,15 +106,18 @@ def test_graph_key_picks_the_bucket_top_p_and_the_splits_of_the_longest_table() 
     buckets = token_buckets(512)
     short = [SequenceWork(0, (5,), 90, tuple(range(6)), SamplingSpec()), SequenceWork(1, (6,), 10, (7,), SamplingSpec())]
     assert table_width(short) == 6
-    assert graph_key(short, buckets, 16, policy, table_width(short)) == (2, False, 1)  # 96 tokens: one pass
+    assert graph_key(short, buckets, 16, policy, table_width(short)) == (2, False, 1, False)  # 96 tokens: one pass
     long_table = tuple(range(10, 10 + 2048))  # a 32,768-token context
     long = [SequenceWork(0, (5,), 32_000, long_table, SamplingSpec(temperature=0.7, top_p=0.9)), *short[1:]]
-    assert graph_key(long, buckets, 16, policy, table_width(long)) == (2, True, 32)  # 4 split programs → 32 splits
-    assert graph_key(long, buckets, 16, None, table_width(long)) == (2, True, 1)  # no policy: one pass
+    assert graph_key(long, buckets, 16, policy, table_width(long)) == (2, True, 32, False)  # 4 split programs → 32 splits
+    assert graph_key(long, buckets, 16, None, table_width(long)) == (2, True, 1, False)  # no policy: one pass
     greedy_top_p = [SequenceWork(0, (5,), 9, (1,), SamplingSpec(temperature=0.0, top_p=0.5, top_k=4, min_p=0.2))]
     assert graph_key(greedy_top_p, buckets, 16, policy, 1)[1] is False
     for truncated in (SamplingSpec(temperature=0.7, top_k=20), SamplingSpec(temperature=0.7, min_p=0.1)):
         assert graph_key([SequenceWork(0, (5,), 9, (1,), truncated)], buckets, 16, policy, 1)[1] is True
     assert graph_key([SequenceWork(0, (5,), 9, (1,), SamplingSpec(temperature=0.7))], buckets, 16, policy, 1)[1] is False
     chunk = [SequenceWork(0, tuple(range(300)), 0, tuple(range(19))), *long]  # 302 tokens: the SMs are full
-    assert graph_key(chunk, buckets, 16, policy, table_width(chunk)) == (320, True, 1)
+    assert graph_key(chunk, buckets, 16, policy, table_width(chunk)) == (320, True, 1, False)
+    # a row asking for log-probabilities: a graph variant of its own (greedy or not)
+    asks = [*short, SequenceWork(2, (7,), 3, (8,), SamplingSpec(logprobs=True))]
+    assert graph_key(asks, buckets, 16, policy, table_width(asks)) == (4, False, 1, True)

@@ -30,7 +30,7 @@ from serve_support import (
     make_server,
 )
 from vexpert_runtime.errors import VExpertInputError
-from vexpert_runtime.serve.events import Event, GenerationRequest, SamplingParams, ServeRefusal
+from vexpert_runtime.serve.events import Event, GenerationRequest, SamplingParams, ServeRefusal, TokenLogprobs
 from vexpert_runtime.serve.openai_api import SamplingDefaults
 from vexpert_runtime.serve.sampling import (
     IncrementalDetokenizer,
@@ -355,6 +355,72 @@ def test_a_client_gone_cancels_every_choice(checkpoint: Path, hf_model: Any) -> 
         srv.close()
 
 
+def _log_softmax_after(hf_model: Any, prompt_ids: list[int], generated: list[int]) -> torch.Tensor:
+    """[len(generated), V]: transformers' log-softmax at each generated token's position."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt_ids + generated])).logits[0].float()
+    return torch.log_softmax(logits[len(prompt_ids) - 1: -1], dim=-1)
+
+
+def test_completion_logprobs_are_the_models_log_softmax(client: openai.OpenAI, hf_model: Any, tokenizer: Any) -> None:
+    """logprobs k: per output token its text, its log-probability under transformers' logits, the k most
+    likely tokens' with the sampled one (up to k + 1 entries, as OpenAI) and its text offset; the stream
+    carries the same, chunk by chunk; at temperature 1.5 the values are still the model's (vLLM's raw)."""
+    prompt_ids = tokenizer.encode(PROMPT)
+    generated = generate_greedy(hf_model, prompt_ids, 6)
+    expected = _log_softmax_after(hf_model, prompt_ids, generated)
+    result = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    logprobs = result.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None
+    assert logprobs.tokens == [tokenizer.decode([t]) for t in generated]
+    assert logprobs.token_logprobs == pytest.approx([float(expected[i, t]) for i, t in enumerate(generated)], abs=1e-4)
+    assert logprobs.top_logprobs is not None and logprobs.text_offset is not None
+    for position, (top, token) in enumerate(zip(logprobs.top_logprobs, generated, strict=True)):
+        values, ids = expected[position].topk(3)
+        pairs = [*zip(ids.tolist(), values.tolist(), strict=True), (token, float(expected[position, token]))]
+        want = {tokenizer.decode([i]): v for i, v in pairs}  # texts may repeat (byte pieces): the later one stays
+        assert list(top) == list(want) and list(top.values()) == pytest.approx(list(want.values()), abs=1e-4)
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(generated))]
+    streamed: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+                                           stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            for key, values in streamed.items():
+                values.extend(getattr(chunk.choices[0].logprobs, key))
+    assert streamed == {key: getattr(logprobs, key) for key in streamed}
+    sampled = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, temperature=1.5, seed=9,
+                                        logprobs=0).choices[0].logprobs
+    assert sampled is not None and sampled.tokens and sampled.token_logprobs
+    first = expected[0]  # the distribution after the prompt: the same whatever was sampled
+    assert any(tokenizer.decode([i]) == sampled.tokens[0] and abs(float(first[i]) - sampled.token_logprobs[0]) < 1e-4
+               for i in range(first.shape[0]))
+
+
+def test_chat_logprobs_and_top_logprobs(client: openai.OpenAI, hf_model: Any, tokenizer: Any) -> None:
+    """Chat's logprobs: per output token its text, UTF-8 bytes, log-probability and the top_logprobs most
+    likely tokens, most likely first; streamed chunks add up to the same content."""
+    messages = [{"role": "user", "content": "hello world"}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)
+    generated = generate_greedy(hf_model, prompt_ids, 5)
+    expected = _log_softmax_after(hf_model, prompt_ids, generated)
+    common: dict[str, Any] = {"model": MODEL_NAME, "messages": messages, "max_tokens": 5, "temperature": 0,
+                              "logprobs": True, "top_logprobs": 2}
+    content = client.chat.completions.create(**common).choices[0].logprobs.content
+    assert [entry.token for entry in content] == [tokenizer.decode([t]) for t in generated]
+    for position, (entry, token) in enumerate(zip(content, generated, strict=True)):
+        assert entry.logprob == pytest.approx(float(expected[position, token]), abs=1e-4)
+        assert entry.bytes == list(entry.token.encode())
+        values, ids = expected[position].topk(2)
+        assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([i]) for i in ids.tolist()]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
+    streamed = [entry for chunk in client.chat.completions.create(**common, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    assert streamed == content
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
 def test_max_tokens_gives_length(client: openai.OpenAI) -> None:
     result = client.completions.create(
         model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0.7, seed=1, extra_body={"ignore_eos": True}
@@ -404,6 +470,9 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
         ({"n": 0}, "n"),
         ({"n": 129}, "n"),  # OpenAI's limit is 128
         ({"n": 2.0}, "n"),
+        ({"logprobs": 21}, "logprobs"),  # at most 20 most likely tokens, as vLLM
+        ({"logprobs": True}, "logprobs"),  # completions take a count
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"prompt": ["one", "two"]}, "prompt"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"prompt": [1, 10**6]}, "prompt"),
@@ -445,7 +514,8 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "lookup"}}}, "tool_choice"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
-        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"chat_template": "{{ messages }}"}, "chat_template"),
         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
         ({"continue_final_message": True}, "continue_final_message"),  # with the default add_generation_prompt
@@ -747,8 +817,10 @@ def test_what_crosses_process_boundaries_pickles() -> None:
     from vexpert_runtime.serve.events import RankLoad, overloaded
 
     request = _request("r", 3, 4)
-    event = Event("r", text="hi", new_tokens=1, finish_reason="length", prompt_tokens=3, completion_tokens=4)
-    for item in (request, event, RankLoad(1, 2, 3, 4, 5)):
+    event = Event("r", text="hi", new_tokens=1, finish_reason="length", prompt_tokens=3, completion_tokens=4,
+                  logprobs=(TokenLogprobs(7, -0.5, ((7, -0.5), (2, -1.5))),))
+    asks = dataclasses.replace(request, params=dataclasses.replace(request.params, logprobs=2))
+    for item in (request, asks, event, RankLoad(1, 2, 3, 4, 5)):
         assert pickle.loads(pickle.dumps(item)) == item
     refusal = pickle.loads(pickle.dumps(overloaded(8)))
     assert (refusal.status, refusal.retry_after_s, str(refusal)) == (429, 1, str(overloaded(8)))

@@ -122,7 +122,7 @@ def test_graphed_long_contexts_split_and_equal_the_eager_step(family: str, tmp_p
     # ≤ 64 tokens a step: the EP layer's capacity
     eager, graphed, model = _eager_and_graphed(path, lambda m: drive(m, prompts, (8, 6), (0, 2), 32), 2048)
     assert model.graphs is not None
-    assert any(splits > 1 for _, _, splits in model.graphs.graphs), sorted(model.graphs.graphs)
+    assert any(splits > 1 for _, _, splits, _ in model.graphs.graphs), sorted(model.graphs.graphs)
     assert eager == graphed
 
 
@@ -160,9 +160,30 @@ def test_graphed_truncated_sampling_equals_the_eager_step(tmp_path: Path) -> Non
     path = _write("qwen3_moe", tmp_path / "qwen3_moe")
     spec = SamplingSpec(temperature=0.9, top_p=0.9, seed=17, top_k=6, min_p=0.02)
     eager, graphed, model = _eager_and_graphed(path, lambda m: drive(m, PROMPTS, NEW_TOKENS, JOINS, CHUNK, sampling=spec))
-    assert model.graphs is not None and any(truncated for _, truncated, _ in model.graphs.graphs)
+    assert model.graphs is not None and any(truncated for _, truncated, _, _ in model.graphs.graphs)
     assert eager == graphed
     assert len({token for out in eager for token in out}) > 3  # sampled, not one repeated token
+
+
+def test_graphed_logprobs_equal_the_eager_step(tmp_path: Path) -> None:
+    """Seeded sampling that asks for log-probabilities (the graphs that report them: log-softmax and
+    top-20 over the vocabulary, three more device→host copies) gives the same tokens and, within bf16's
+    reach, the same log-probabilities and most likely tokens graphed as eager."""
+    path = _write("deepseek_v3", tmp_path / "ds3")
+    spec = SamplingSpec(temperature=0.9, seed=5, logprobs=True)
+
+    def run(model: HFStepModel) -> tuple[list[list[int]], list[list[tuple[float, list[float], list[int]]]]]:
+        collected: list[list[tuple[float, list[float], list[int]]]] = [[] for _ in PROMPTS]
+        return drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK, sampling=spec, logprobs=collected), collected
+
+    (eager, eager_lp), (graphed, graphed_lp), model = _eager_and_graphed(path, run)
+    assert model.graphs is not None and any(logprobs for *_, logprobs in model.graphs.graphs)
+    assert eager == graphed
+    for eager_seq, graphed_seq in zip(eager_lp, graphed_lp, strict=True):
+        assert len(eager_seq) == len(graphed_seq) > 0
+        for (sampled, top, ids), (g_sampled, g_top, g_ids) in zip(eager_seq, graphed_seq, strict=True):
+            assert g_sampled == pytest.approx(sampled, abs=2e-2) and sampled <= 0.0
+            assert g_top == pytest.approx(top, abs=2e-2) and g_ids[0] == ids[0]
 
 
 def _eager_and_graphed(path: Path, run: Callable[[HFStepModel], T], kv_cache_tokens: int = 512, fused: bool = False

@@ -100,11 +100,13 @@ def _reference(path: Path, prompts: Sequence[Sequence[int]] = PROMPTS,
 
 def drive(model: HFStepModel, prompts: Sequence[Sequence[int]], new_tokens: Sequence[int], joins: Sequence[int],
           chunk: int, more: Callable[[bool], bool] = lambda local: local, seq_base: int = 0,
-          sampling: SamplingSpec | None = None) -> list[list[int]]:
+          sampling: SamplingSpec | None = None, logprobs: list[list[tuple[float, list[float], list[int]]]] | None = None
+          ) -> list[list[int]]:
     """A tiny continuous-batching driver: prompt i joins at step joins[i], is fed ``chunk`` tokens a
     step, then decodes (greedily, or with ``sampling``, seeded seed + i) until it has new_tokens[i]
     tokens and leaves (its blocks freed, so later sequences reuse them). ``more(local_has_work)``
-    decides whether to run another step (the EP ranks' lockstep)."""
+    decides whether to run another step (the EP ranks' lockstep). ``logprobs`` (with a ``sampling``
+    that asks for them): per prompt, each sampled token's (log-probability, top log-probabilities, top ids)."""
     pool = BlockPool(model.kv_num_blocks, model.kv_block_size)
     fed = [0] * len(prompts)
     out: list[list[int]] = [[] for _ in prompts]
@@ -122,14 +124,20 @@ def drive(model: HFStepModel, prompts: Sequence[Sequence[int]], new_tokens: Sequ
             sample = dataclasses.replace(spec, draw=len(out[i])) if fed[i] + len(tokens) >= len(prompt) else None
             work.append(SequenceWork(seq_base + i, tuple(tokens), fed[i], tuple(blocks), sample))
             fed[i] += len(tokens)
-        sampled = model.step(work)
+        pending = model.launch(work)
+        sampled = pending.result()
+        step_logprobs = pending.logprobs()
         assert sampled.shape == (len(work),) and sampled.dtype == torch.int64
-        for token, item in zip(sampled.tolist(), work, strict=True):
+        for row, (token, item) in enumerate(zip(sampled.tolist(), work, strict=True)):
             i = item.seq_id - seq_base
             if item.sample is None:
                 assert token == -1
                 continue
             out[i].append(token)
+            if logprobs is not None:
+                assert step_logprobs is not None
+                logprobs[i].append((float(step_logprobs.sampled[row]), step_logprobs.top_logprobs[row].tolist(),
+                                    step_logprobs.top_ids[row].tolist()))
             if len(out[i]) == new_tokens[i]:
                 model.release(item.seq_id)
                 pool.free(item.seq_id)
@@ -189,6 +197,35 @@ def test_sliding_window_layers_match_generate(tmp_path: Path, family: str, windo
     model = HFStepModel(tmp_path / "windowed", dtype=torch.float32, kv_cache_tokens=KV_TOKENS)
     assert model.windows == [4 if t == "sliding_attention" else None for t in windows.get("layer_types", ["sliding_attention"] * 3)]
     assert drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK) == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logprobs_are_the_log_softmax_of_transformers_logits(checkpoints: dict[str, Path], family: str) -> None:
+    """Sampled at temperature 1.3 through the batched step (joins, chunked prompts), each token's
+    log-probability and the 20 most likely tokens' equal the log-softmax of transformers' own logits at
+    that position over the sequence so far — the model's distribution, not the tempered one, as vLLM's
+    default; a step where no row asks reports none."""
+    model = HFStepModel(checkpoints[family], dtype=torch.float32, kv_cache_tokens=KV_TOKENS)
+    collected: list[list[tuple[float, list[float], list[int]]]] = [[] for _ in PROMPTS]
+    spec = SamplingSpec(temperature=1.3, seed=7, logprobs=True)
+    tokens = drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK, sampling=spec, logprobs=collected)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoints[family]), local_files_only=True,
+                                                                  dtype=torch.float32)
+    for prompt, out, entries in zip(PROMPTS, tokens, collected, strict=True):
+        with torch.no_grad():
+            logits = reference(torch.tensor([[*prompt, *out]])).logits[0].float()
+        expected = torch.log_softmax(logits[len(prompt) - 1: -1], dim=-1)  # [new tokens, V]
+        assert len(entries) == len(out)
+        for position, (token, (sampled, top, top_ids)) in enumerate(zip(out, entries, strict=True)):
+            assert sampled == pytest.approx(float(expected[position, token]), abs=1e-4)
+            want, want_ids = expected[position].topk(20)
+            assert top == pytest.approx(want.tolist(), abs=1e-4)
+            assert top_ids == want_ids.tolist()
+    assert len({t for seq in tokens for t in seq}) > 3  # sampled tokens vary
+    pool = BlockPool(model.kv_num_blocks, model.kv_block_size)
+    pool.add(0)
+    plain = model.launch([SequenceWork(0, (3, 4), 0, tuple(pool.grow(0, 2)), SamplingSpec(temperature=1.3))])
+    assert plain.result().shape == (1,) and plain.logprobs() is None
 
 
 def test_ep_statistics_are_the_last_iterations(checkpoints: dict[str, Path]) -> None:

@@ -87,9 +87,28 @@ def test_overload_is_429_with_retry_after_before_any_stream_and_the_rendezvous_i
         assert [c["index"] for c in choices] == [0, 1, 2, 3]
         assert [c["text"] for c in choices] == [_post(url, {**body, "seed": 3 + i})["choices"][0]["text"]
                                                 for i in range(4)]
+        # log-probabilities through the EP ranks: the log-softmax of transformers' logits at each greedy token
+        logprobs = _post(url, {**body, "temperature": 0, "logprobs": 2})["choices"][0]["logprobs"]
+        assert logprobs["token_logprobs"] == pytest.approx(_greedy_logprobs(tmp_path / "ckpt", "request n", 6), abs=1e-3)
+        assert all(max(top.values()) == pytest.approx(lp, abs=1e-6)  # greedy: the most likely token
+                   for top, lp in zip(logprobs["top_logprobs"], logprobs["token_logprobs"], strict=True))
     finally:
         _stop(proc)
     assert proc.returncode == 0, log.read_text()[-3000:]
+
+
+def _greedy_logprobs(checkpoint: Path, prompt: str, tokens: int) -> list[float]:
+    """transformers' greedy continuation of ``prompt``: each token's log-probability."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    ids = AutoTokenizer.from_pretrained(str(checkpoint)).encode(prompt)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens,
+                             output_logits=True, return_dict_in_generate=True)
+    return [float(torch.log_softmax(step[0].float(), -1)[token]) for step, token in
+            zip(out.logits, out.sequences[0, len(ids):].tolist(), strict=True)]
 
 
 def _post(url: str, body: dict[str, Any]) -> Any:

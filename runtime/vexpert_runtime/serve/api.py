@@ -78,6 +78,7 @@ from vexpert_runtime.serve.events import (
     RankLoad,
     SamplingParams,
     ServeRefusal,
+    TokenLogprobs,
     shutting_down,
 )
 from vexpert_runtime.serve.histogram import CountedHistogram
@@ -389,6 +390,7 @@ class _Job:
     stream: bool
     include_usage: bool
     events: AsyncIterator[tuple[int, list[Event]]]  # (choice, one of its batches; see Dispatcher.submit)
+    logprobs: bool = False  # the request asked for its tokens' log-probabilities
     finished: set[int] = field(default_factory=set)  # the choices whose last event arrived
 
     @property
@@ -466,6 +468,7 @@ class ServeApi:
         self.metrics = ServeMetrics(registry if registry is not None else CollectorRegistry(), self.gc_clock)
         self.created = oa.now()
         self.shutting_down = False
+        self._token_texts: dict[int, str] = {}  # token id → its text, for log-probabilities (:meth:`_decoded`)
         # one thread: a Hugging Face fast tokenizer is not safe to share across threads
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="vexpert-tokenize")
 
@@ -671,6 +674,7 @@ class ServeApi:
             top_k=default.top_k if req.top_k is None else max(req.top_k, 0),
             min_p=default.min_p if req.min_p is None else float(req.min_p),
             stop_token_ids=frozenset(req.stop_token_ids or ()),
+            logprobs=req.requested_logprobs(),
         )
 
     # ---- generation -------------------------------------------------------------------------
@@ -705,7 +709,7 @@ class ServeApi:
         arrived = request.get(_ARRIVED, time.monotonic())
         timers = [_RequestTimer(self.metrics, arrived, counts_prompt=i == 0) for i in range(len(requests))]
         job = _Job(request_id, [r.request_id for r in requests], oa.now(), req.model, chat, bool(req.stream),
-                   req.include_usage, choices.__aiter__())
+                   req.include_usage, choices.__aiter__(), params.logprobs is not None)
         job.events = self._observed(job, job.events, timers)
         try:
             return await (self._stream(request, job) if job.stream else self._collect(job))
@@ -727,10 +731,13 @@ class ServeApi:
 
     async def _collect(self, job: _Job) -> web.Response:
         texts: list[list[str]] = [[] for _ in job.choice_ids]
+        logprobs: list[list[TokenLogprobs]] = [[] for _ in job.choice_ids]
         finish: dict[int, str] = {}
         completion_tokens = 0
         async for index, batch in job.events:
             texts[index].extend(event.text for event in batch)
+            for event in batch:
+                logprobs[index].extend(event.logprobs)
             last = batch[-1]
             if last.finished:
                 error = _failed(last)
@@ -739,17 +746,43 @@ class ServeApi:
                 finish[index] = last.finish_reason or "stop"
                 completion_tokens += last.completion_tokens
                 if job.done:
-                    choices = [oa.Choice(i, "".join(parts), finish[i]) for i, parts in enumerate(texts)]
+                    choices = [oa.Choice(i, "".join(parts), finish[i],
+                                         await self._logprobs_object(job, logprobs[i]) if job.logprobs else None)
+                               for i, parts in enumerate(texts)]
                     build = oa.chat_response if job.chat else oa.completion_response
                     return web.json_response(build(job.request_id, job.created, job.model, choices,
                                                    last.prompt_tokens, completion_tokens))
         raise ApiError(500, "the request ended without a result", "server_error", code="internal_error")
 
-    def _chunk(self, job: _Job, index: int, text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
+    async def _logprobs_object(self, job: _Job, tokens: Sequence[TokenLogprobs], text_offset: int = 0) -> dict[str, Any]:
+        """A choice's (or a chunk's) ``logprobs`` object for ``tokens``, their ids decoded to text."""
+        decoded = await self._decoded(tokens)
+        return oa.chat_logprobs(decoded) if job.chat else oa.completion_logprobs(decoded, text_offset)
+
+    async def _decoded(self, tokens: Sequence[TokenLogprobs]) -> list[oa.DecodedLogprob]:
+        """``tokens`` with each id as its text (the event loop's tokenizer, or the tokenizer thread's)."""
+        if self._loop_tokenizer is not None:
+            return self._decode_logprobs(tokens, self._loop_tokenizer)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self._decode_logprobs, tokens,
+                                                                self.tokenizer)
+
+    def _decode_logprobs(self, tokens: Sequence[TokenLogprobs], tokenizer: Any) -> list[oa.DecodedLogprob]:
+        known = self._token_texts  # token id → its text (bounded by the vocabulary)
+
+        def text(token: int) -> str:
+            found = known.get(token)
+            if found is None:
+                found = known[token] = str(tokenizer.decode([token]))
+            return found
+
+        return [oa.DecodedLogprob(text(t.token), t.logprob, tuple((text(i), lp) for i, lp in t.top)) for t in tokens]
+
+    def _chunk(self, job: _Job, index: int, text: str | None, finish_reason: str | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if job.chat:
             delta = {"content": text} if text is not None else {}
-            return oa.chat_chunk(job.request_id, job.created, job.model, delta, finish_reason, index)
-        return oa.completion_chunk(job.request_id, job.created, job.model, text or "", finish_reason, index)
+            return oa.chat_chunk(job.request_id, job.created, job.model, delta, finish_reason, index, logprobs)
+        return oa.completion_chunk(job.request_id, job.created, job.model, text or "", finish_reason, index, logprobs)
 
     async def _stream(self, request: web.Request, job: _Job) -> web.StreamResponse:
         response = web.StreamResponse(
@@ -777,9 +810,16 @@ class ServeApi:
                                               {"role": "assistant", "content": ""}, index=index))
                            for index in range(len(job.choice_ids)))
         completion_tokens = 0
+        offsets = [0] * len(job.choice_ids)  # each choice's text offset so far (completions' logprobs)
         async for index, batch in job.events:
             text = "".join([event.text for event in batch])
-            parts = [_sse(self._chunk(job, index, text))] if text else []
+            logprobs = None
+            if job.logprobs:
+                tokens = [entry for event in batch for entry in event.logprobs]
+                if tokens:
+                    logprobs = await self._logprobs_object(job, tokens, offsets[index])
+                    offsets[index] += sum(len(token) for token in logprobs.get("tokens", ()))
+            parts = [_sse(self._chunk(job, index, text, logprobs=logprobs))] if text or logprobs else []
             last = batch[-1]
             if last.finished:
                 error = _failed(last)

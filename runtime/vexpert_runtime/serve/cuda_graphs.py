@@ -16,7 +16,7 @@ attend to nothing, are spread over the experts with weight 0 and are not counted
 lockstep with its EP group) is the 1-row bucket of pad rows only, not an eager pass. Every bucket is
 captured at the first iteration, largest first (so the smaller ones reuse the memory of the larger),
 each after one eager warm-up pass over pad rows only (kernels compiled, workspaces made, no lasting
-effect), all in one memory pool; the top-p variants and those that split long contexts (split-KV,
+effect), all in one memory pool; the top-p variants, those that report log-probabilities and those that split long contexts (split-KV,
 :func:`~.attention_kernels.kv_splits`: small buckets once a context is long), on first use — the split
 kernels themselves compile at the first iteration where the model's context can split. A plan switch only rewrites the
 device routing table in place: graphs stay valid.
@@ -38,7 +38,7 @@ from vexpert_runtime.gc_heap import collector_paused
 from vexpert_runtime.serve.attention import AttentionMetadata
 from vexpert_runtime.serve.kv_cache import SCRATCH_BLOCK
 from vexpert_runtime.serve.sampling import truncates
-from vexpert_runtime.serve.step import SequenceWork
+from vexpert_runtime.serve.step import SequenceWork, StepLogprobs
 
 _TOKEN_FIELDS = ("tokens", "positions", "slots", "lengths", "seqs", "valid", "fed")
 _SAMPLE_FIELDS = ("rows", "seeds", "draws", "temperature", "top_p", "top_k", "min_p")
@@ -171,17 +171,26 @@ class GraphInputs:
                                  token_seq=v["seqs"][:tokens], groups=(), block_size=block_size, kv_splits=kv_splits)
 
 
+GraphKey = tuple[int, bool, int, bool]
+
+
 def graph_key(work: Sequence[SequenceWork], buckets: Sequence[int], block_size: int,
-              kv_splits: Callable[[int, int], int] | None, width: int) -> tuple[int, bool, int]:
-    """(token bucket, truncated sampling, context splits) of an iteration: the smallest bucket with a row
-    for every token; whether any sampled row draws from fewer than all tokens (:func:`~.sampling.truncates`:
-    a graph of its own, as the sort over the vocabulary costs the others nothing); the decode kernels'
-    splits for that bucket at the longest context the tables reach (``width`` blocks)."""
+              kv_splits: Callable[[int, int], int] | None, width: int) -> GraphKey:
+    """(token bucket, truncated sampling, context splits, log-probabilities) of an iteration: the smallest
+    bucket with a row for every token; whether any sampled row draws from fewer than all tokens
+    (:func:`~.sampling.truncates`: a graph of its own, as the sort over the vocabulary costs the others
+    nothing); the decode kernels' splits for that bucket at the longest context the tables reach (``width``
+    blocks); whether any sampled row asks for log-probabilities (likewise: a log-softmax and top-k over
+    the vocabulary that the others skip)."""
     tokens = sum(len(item.tokens) for item in work)
     bucket = next(b for b in buckets if b >= tokens)
-    truncate = any(item.sample is not None and truncates(item.sample) for item in work)
+    truncate = logprobs = False
+    for item in work:
+        if item.sample is not None:
+            truncate = truncate or truncates(item.sample)
+            logprobs = logprobs or item.sample.logprobs
     splits = 1 if kv_splits is None else kv_splits(bucket, width * block_size)
-    return bucket, truncate, splits
+    return bucket, truncate, splits, logprobs
 
 
 def table_width(work: Sequence[SequenceWork]) -> int:
@@ -190,37 +199,53 @@ def table_width(work: Sequence[SequenceWork]) -> int:
 
 
 # forward(tokens [T], fed [T] (−1, or the previous step's sampling row a token comes from), metadata,
-#         sample_rows [S], sampling (temperature, top_p, top_k, min_p, seed, draw, truncate), valid [T] bool, warmup)
-# -> ids [S]; a warm-up pass must leave nothing behind but compiled kernels.
+#         sample_rows [S], sampling (temperature, top_p, top_k, min_p, seed, draw, truncate), valid [T] bool, warmup,
+#         logprobs) -> (ids [S],) or, with logprobs, (ids [S], sampled [S], top ids [S, K], top logprobs [S, K]);
+# a warm-up pass must leave nothing behind but compiled kernels.
 GraphForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, tuple[Any, ...], torch.Tensor,
-                         bool], torch.Tensor]
+                         bool, bool], tuple[torch.Tensor, ...]]
 
 
 @dataclass
 class _Staging:
     """One of two pinned host sides of the graph inputs and outputs: while the device runs step i
-    from one, the host fills step i+1 into the other. ``copied``: the event after its inputs' copy
-    to the device (the host may refill it once that has run)."""
+    from one, the host fills step i+1 into the other. ``outs``: the sampled ids [S] and, for a
+    graph with log-probabilities, their three tensors (allocated at its first use). ``copied``: the
+    event after its inputs' copy to the device (the host may refill it once that has run)."""
 
     inputs: GraphInputs
-    out: torch.Tensor
+    outs: list[torch.Tensor]
     copied: Any = None
+
+    def host_outputs(self, device_outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Pinned host views as large as ``device_outs`` (its rows at most :attr:`outs`' first's)."""
+        while len(self.outs) < len(device_outs):
+            like = device_outs[len(self.outs)]
+            self.outs.append(torch.zeros((self.outs[0].shape[0], *like.shape[1:]), dtype=like.dtype, pin_memory=True))
+        return [host[: out.shape[0]] for host, out in zip(self.outs, device_outs, strict=False)]
 
 
 @dataclass
 class GraphStep:
     """A replayed iteration in flight (:class:`~.step.PendingStep`)."""
 
-    done: Any  # CUDA event after the sampled ids' copy to the host
-    out: torch.Tensor  # [S] pinned host ids, valid once ``done``
+    done: Any  # CUDA event after the outputs' copy to the host
+    outs: list[torch.Tensor]  # pinned host ids [S] (and log-probabilities: GraphForward), valid once ``done``
     rows: list[int]  # the work items that sample, in sampling-row order
     items: int
 
     def result(self) -> torch.Tensor:
         self.done.synchronize()
         result = torch.full((self.items,), -1, dtype=torch.int64)
-        result[self.rows] = self.out[: len(self.rows)]
+        result[self.rows] = self.outs[0][: len(self.rows)]
         return result
+
+    def logprobs(self) -> StepLogprobs | None:
+        if len(self.outs) == 1:
+            return None
+        self.done.synchronize()
+        sampled, top_ids, top_logprobs = self.outs[1:]
+        return StepLogprobs.at_rows(self.items, self.rows, sampled, top_ids, top_logprobs)
 
 
 class GraphedSteps:
@@ -246,11 +271,11 @@ class GraphedSteps:
         self.block_size = block_size
         self.stream = stream
         self.staging = [_Staging(GraphInputs.allocate(max_tokens, max_seqs, width, "cpu", pin=True),
-                                 torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True)) for _ in range(2)]
+                                 [torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True)]) for _ in range(2)]
         self.device_inputs = GraphInputs.allocate(max_tokens, max_seqs, width, device)
         self.warmup_inputs = GraphInputs.allocate(max_tokens, max_seqs, width, device)  # pad rows only
-        # (bucket, truncated sampling, context splits) → the graph and its sampled ids
-        self.graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (bucket, truncated sampling, context splits, log-probabilities) → the graph and its outputs
+        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.pool: Any = None
         self.replays = 0
 
@@ -263,7 +288,7 @@ class GraphedSteps:
         """One iteration: [len(work)] int64 on the CPU, the sampled ids (−1 where nothing is sampled)."""
         return self.launch(work).result()
 
-    def key_for(self, work: Sequence[SequenceWork], width: int | None = None) -> tuple[int, bool, int]:
+    def key_for(self, work: Sequence[SequenceWork], width: int | None = None) -> GraphKey:
         """The graph an iteration of ``work`` replays (:func:`graph_key`)."""
         return graph_key(work, self.buckets, self.block_size, self.kv_splits,
                          table_width(work) if width is None else width)
@@ -281,42 +306,43 @@ class GraphedSteps:
         staging.copied.record()
         if not self.graphs:  # the first iteration: every plain bucket now, not one by one while serving
             for size in reversed(self.buckets):
-                self._capture(size, False, 1)
+                self._capture(size, False, 1, False)
             longest = self.width * self.block_size  # the model's context: does any launch ever split?
             splits = 1 if self.kv_splits is None else self.kv_splits(1, longest)
             if splits > 1:  # compile the split kernels now, not when the first long context arrives
-                self._call(self.warmup_inputs, 1, False, splits, warmup=True)
+                self._call(self.warmup_inputs, 1, False, splits, False, warmup=True)
         key = self.key_for(work, width)
         if key not in self.graphs:
             self._capture(*key)
-        graph, out = self.graphs[key]
+        graph, outs = self.graphs[key]
         graph.replay()
         self.replays += 1
-        host = staging.out[: out.shape[0]]
-        host.copy_(out, non_blocking=True)
+        hosts = staging.host_outputs(outs)
+        for host, out in zip(hosts, outs, strict=True):
+            host.copy_(out, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return GraphStep(done, host, [b for b, item in enumerate(work) if item.sample is not None], len(work))
+        return GraphStep(done, hosts, [b for b, item in enumerate(work) if item.sample is not None], len(work))
 
-    def _call(self, inputs: GraphInputs, tokens: int, truncate: bool, splits: int, warmup: bool = False
-              ) -> torch.Tensor:
+    def _call(self, inputs: GraphInputs, tokens: int, truncate: bool, splits: int, logprobs: bool,
+              warmup: bool = False) -> tuple[torch.Tensor, ...]:
         seqs = min(tokens, self.max_seqs)
         v = inputs.views
         sampling = (v["temperature"][:seqs].float(), v["top_p"][:seqs].float(), v["top_k"][:seqs],
                     v["min_p"][:seqs].float(), v["seeds"][:seqs], v["draws"][:seqs], truncate)
         meta = inputs.metadata(tokens, seqs, self.block_size, splits)
         return self.forward(v["tokens"][:tokens], v["fed"][:tokens], meta, v["rows"][:seqs], sampling,
-                            v["valid"][:tokens].bool(), warmup)
+                            v["valid"][:tokens].bool(), warmup, logprobs)
 
-    def _capture(self, tokens: int, truncate: bool, splits: int) -> None:
+    def _capture(self, tokens: int, truncate: bool, splits: int, logprobs: bool) -> None:
         """Warm up eagerly on pad rows, then capture the bucket."""
-        self._call(self.warmup_inputs, tokens, truncate, splits, warmup=True)
+        self._call(self.warmup_inputs, tokens, truncate, splits, logprobs, warmup=True)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the worker's watchdog thread may touch its own side stream meanwhile;
         # no garbage collection inside the capture (gc_heap.collector_paused says why)
         with collector_paused(), torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
                                                   capture_error_mode="thread_local"):
-            out = self._call(self.device_inputs, tokens, truncate, splits)
+            outs = self._call(self.device_inputs, tokens, truncate, splits, logprobs)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[(tokens, truncate, splits)] = (graph, out)
+        self.graphs[(tokens, truncate, splits, logprobs)] = (graph, outs)

@@ -14,6 +14,7 @@ from operator import attrgetter
 # finish reasons: "stop" (EOS or a stop string), "length" (max_tokens or the context), "abort" (shut down
 # or cancelled), "error" (the model or the sampler failed; ``Event.error`` says why).
 FINISH_REASONS = ("stop", "length", "abort", "error")
+MAX_LOGPROBS = 20  # the most likely tokens a step reports with a sampled token's log-probability (vLLM's default cap)
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,9 @@ class SamplingParams:
 
     ``temperature`` 0 is greedy; ``top_k`` 0 and ``min_p`` 0 keep every token; ``seed`` None draws a
     fresh seed (not reproducible); ``max_tokens`` is already resolved by the API (never more than the
-    context leaves); ``stop_token_ids`` end the sequence as EOS does, also with ``ignore_eos``.
+    context leaves); ``stop_token_ids`` end the sequence as EOS does, also with ``ignore_eos``;
+    ``logprobs`` k (≤ :data:`~.step.MAX_LOGPROBS`): each sampled token's log-probability and the k most
+    likely tokens' (:class:`TokenLogprobs`), None: none.
     """
 
     max_tokens: int
@@ -34,6 +37,17 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     stop_token_ids: frozenset[int] = frozenset()
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One sampled token with its log-probability under the model's distribution (before temperature
+    and truncation) and the k most likely tokens' (``top``: (token id, log-probability), most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -52,7 +66,8 @@ class Event:
     """What a request produced in one iteration.
 
     ``text`` is the newly decoded text (may be empty: held back as a possible stop-string prefix or
-    an incomplete UTF-8 character); ``new_tokens`` how many tokens this event accounts for.
+    an incomplete UTF-8 character); ``new_tokens`` how many tokens this event accounts for, and
+    ``logprobs`` theirs when the request asked (one per token, in order).
     ``finish_reason`` is set on the request's last event only, together with the final usage.
     """
 
@@ -63,6 +78,7 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
     @property
     def finished(self) -> bool:

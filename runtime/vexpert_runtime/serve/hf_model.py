@@ -36,6 +36,7 @@ from vexpert_runtime.serve.attention_layers import (
     sliding_windows,
 )
 from vexpert_runtime.serve.cuda_graphs import GraphedSteps
+from vexpert_runtime.serve.events import MAX_LOGPROBS
 from vexpert_runtime.serve.fused_projections import fuse_model_projections
 from vexpert_runtime.serve.fused_router import FusedRouter, fuse_model_routers
 from vexpert_runtime.serve.kv_cache import PagedKVCache, blocks_for
@@ -47,14 +48,20 @@ from vexpert_runtime.serve.moe_executors import (
     MoEExecutor,
     packed_rows,
 )
-from vexpert_runtime.serve.sampling import sample_tokens, sampling_tensors
+from vexpert_runtime.serve.sampling import sample_tokens, sampling_tensors, token_logprobs
 from vexpert_runtime.serve.sparse_blocks import (
     ExecutorExperts,
     decoder_layers,
     is_sparse_block,
     sparse_layers,
 )
-from vexpert_runtime.serve.step import FinishedStep, PendingStep, SequenceWork, StepModel
+from vexpert_runtime.serve.step import (
+    FinishedStep,
+    PendingStep,
+    SequenceWork,
+    StepLogprobs,
+    StepModel,
+)
 
 # Expert activations the EP layer implements (its grouped GEMMs are SwiGLU).
 _SWIGLU_ACTIVATIONS = ("silu", "swish")
@@ -283,12 +290,16 @@ class HFStepModel:
         sampled = [row for row, item in enumerate(work) if item.sample is not None]
         specs = [spec for spec in (item.sample for item in work) if spec is not None]
         ends = torch.cumsum(torch.tensor([len(item.tokens) for item in work], dtype=torch.int64), 0) - 1
-        ids = self._forward(tokens, fed, meta, ends[sampled].to(self.device),
-                            sampling_tensors(specs, self.device) if specs else None, None)
+        logprobs = any(spec.logprobs for spec in specs)
+        outputs = self._forward(tokens, fed, meta, ends[sampled].to(self.device),
+                                sampling_tensors(specs, self.device) if specs else None, None, logprobs=logprobs)
         out = torch.full((len(work),), -1, dtype=torch.int64)
-        if ids is not None:
-            out[sampled] = ids.cpu()
-        return FinishedStep(out)
+        if outputs is None:
+            return FinishedStep(out)
+        out[sampled] = outputs[0].cpu()
+        if not logprobs:
+            return FinishedStep(out)
+        return FinishedStep(out, StepLogprobs.at_rows(len(work), sampled, *(t.cpu() for t in outputs[1:])))
 
     def kv_splits(self, rows: int, longest: int) -> int:
         """Context splits of the attention kernel for ``rows`` queries whose longest context is
@@ -302,11 +313,12 @@ class HFStepModel:
 
     def _forward(self, tokens: torch.Tensor, fed: torch.Tensor | None, meta: AttentionMetadata,
                  sample_rows: torch.Tensor, sampling: tuple[Any, ...] | None, valid: torch.Tensor | None,
-                 publish: bool = True) -> torch.Tensor | None:
-        """The model over tokens [T] (device work only, no host sync): the ids sampled at the rows
-        ``sample_rows`` [S], or None without ``sampling``. ``fed`` [T]: where ≥ 0, the token is the
-        previous step's sampled id at that row (:attr:`last_sampled`); ``publish``: keep this step's
-        ids there for the next step."""
+                 publish: bool = True, logprobs: bool = False) -> tuple[torch.Tensor, ...] | None:
+        """The model over tokens [T] (device work only, no host sync): (the ids sampled at the rows
+        ``sample_rows`` [S],) — with ``logprobs`` also their :func:`~.sampling.token_logprobs` (sampled
+        [S], top ids [S, K], top log-probabilities [S, K]) — or None without ``sampling``. ``fed`` [T]:
+        where ≥ 0, the token is the previous step's sampled id at that row (:attr:`last_sampled`);
+        ``publish``: keep this step's ids there for the next step."""
         cache = self.kv_cache
         assert cache is not None
         if fed is not None:
@@ -329,17 +341,19 @@ class HFStepModel:
         ids = fusion.maybe_compiled(sample_tokens, self.compiled)(logits, *sampling)
         if publish:
             self.last_sampled[: ids.shape[0]].copy_(ids)
-        return ids
+        if not logprobs:
+            return (ids,)
+        return (ids, *token_logprobs(logits, ids, min(MAX_LOGPROBS, logits.shape[-1])))
 
     def _graph_forward(self, tokens: torch.Tensor, fed: torch.Tensor, meta: AttentionMetadata,
                        sample_rows: torch.Tensor, sampling: tuple[Any, ...], valid: torch.Tensor,
-                       warmup: bool) -> torch.Tensor:
+                       warmup: bool, logprobs: bool) -> tuple[torch.Tensor, ...]:
         """A bucket's forward for :class:`GraphedSteps` (``warmup``: an eager pass over pad rows
         whose only lasting effect is compiled kernels — no slot handshake, statistics kept, the
         previous step's sampled ids untouched)."""
         quiet = getattr(self.executor, "quiet", contextlib.nullcontext) if warmup else contextlib.nullcontext
         with quiet():
-            out = self._forward(tokens, fed, meta, sample_rows, sampling, valid, publish=not warmup)
+            out = self._forward(tokens, fed, meta, sample_rows, sampling, valid, publish=not warmup, logprobs=logprobs)
         assert out is not None
         return out
 

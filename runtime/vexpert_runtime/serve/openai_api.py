@@ -4,11 +4,13 @@ Requests ignore fields they do not know and that change nothing in the tokens (O
 optional ones — ``user``, ``metadata``, ``parallel_tool_calls`` …) and accept ``null`` for optional ones, and
 neutral values of what they cannot honour (``presence_penalty: 0``, ``logit_bias: {}``, ``response_format:
 {"type": "text"}``, as clients send by default); what this server cannot honour and would otherwise silently
-get wrong (several prompts, ``echo``, ``logprobs``, ``best_of`` > 1, non-zero penalties, a
+get wrong (several prompts, ``echo``, ``prompt_logprobs``, ``best_of`` > 1, non-zero penalties, a
 non-empty ``logit_bias``, non-text message parts, structured output, tool calls, and the vLLM extensions
 of :data:`_REFUSED_COMPLETION` / :data:`_REFUSED_CHAT`) is a 400 naming the field and what to send instead.
 
-Honoured as vLLM does: ``n`` (that many choices, each its own sequence of the same prompt; with a ``seed``,
+Honoured as vLLM does: ``logprobs`` (completions: k; chat: ``logprobs`` + ``top_logprobs``: the output tokens'
+log-probabilities under the model's distribution, before temperature and truncation, and the k most likely
+tokens'; at most :data:`~.events.MAX_LOGPROBS`), ``n`` (that many choices, each its own sequence of the same prompt; with a ``seed``,
 choice i samples with seed + i), ``top_k`` and ``min_p`` (sampling), ``stop_token_ids``, ``ignore_eos`` (benchmarks use it
 to force exact lengths); for chat, ``chat_template_kwargs`` (e.g. Qwen3's ``{"enable_thinking": false}``),
 ``add_generation_prompt``, ``continue_final_message``, ``documents``, and ``tools`` with ``tool_choice: "none"``
@@ -38,6 +40,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from vexpert_runtime.serve.events import MAX_LOGPROBS
 
 Json = dict[str, Any]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -70,7 +74,8 @@ _REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_grammar": ((), _GUIDED), "structured_outputs": ((), _GUIDED),
     "bad_words": (([],), "not supported; leave it out"),
     "allowed_token_ids": ((), "not supported; leave it out"),
-    "prompt_logprobs": ((0,), "logprobs are not supported; leave it out"),
+    "prompt_logprobs": ((0,), "the prompt's log-probabilities are not supported (the output's are: logprobs); "
+                        "leave it out"),
     "include_stop_str_in_output": ((False,), "not supported: the stop string is left out of the text; send false"),
     "skip_special_tokens": ((True,), "not supported: special tokens are always left out of the text; send true"),
     "use_beam_search": ((False,), "beam search is not supported; send false"),
@@ -80,8 +85,7 @@ _REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 _REFUSED_COMPLETION = {
     **_REFUSED_BOTH,
-    "echo": ((False,), "not supported; send false"),
-    "logprobs": ((0,), "logprobs are not supported; leave it out"),
+    "echo": ((False,), "not supported (the prompt is not returned, nor its log-probabilities); send false"),
     "best_of": ((1,), "only best_of=1 is supported"),
     "suffix": (("",), "not supported (no fill-in-the-middle); leave it out"),
     "response_format": (({"type": "text"},), "structured output is not supported; leave it out or send "
@@ -89,8 +93,6 @@ _REFUSED_COMPLETION = {
 }
 _REFUSED_CHAT = {
     **_REFUSED_BOTH,
-    "logprobs": ((False,), "logprobs are not supported; leave it out"),
-    "top_logprobs": ((0,), "logprobs are not supported; leave it out"),
     "response_format": (({"type": "text"},), "structured output (json_object, json_schema) is not supported; "
                         'leave it out or send {"type": "text"}'),
     "chat_template": ((), "a request's own chat template is not supported: the model's is used; leave it out"),
@@ -170,9 +172,15 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    """``POST /v1/completions``: one prompt, as text or token ids."""
+    """``POST /v1/completions``: one prompt, as text or token ids. ``logprobs`` k: each output token's
+    log-probability and the k most likely tokens' (the sampled one too: up to k + 1, as OpenAI)."""
 
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def requested_logprobs(self) -> int | None:
+        """How many most likely tokens to report with each output token's log-probability (None: no log-probabilities)."""
+        return self.logprobs
 
     @model_validator(mode="before")
     @classmethod
@@ -277,6 +285,8 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: dict[StrictStr, Any] | None = None  # vLLM's: extra variables of the template
     add_generation_prompt: StrictBool = True  # vLLM's
     continue_final_message: StrictBool = False  # vLLM's
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="before")
     @classmethod
@@ -288,6 +298,8 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.tool_choice not in (None, "none", "auto") or (self.tools and self.tool_choice != "none"):
             raise _FieldRefused("tool_choice", 'tool calls are not supported (no tool-call parser): send "none" '
                                 "(the model's template shows the tools, its reply is text) or leave tools out")
+        if self.top_logprobs and not self.logprobs:
+            raise _FieldRefused("top_logprobs", "needs logprobs: true (send both, or leave top_logprobs out)")
         if self.add_generation_prompt and self.continue_final_message:
             raise _FieldRefused("continue_final_message", "continuing the final message leaves no room for a new "
                                 "turn: send add_generation_prompt false with it")
@@ -310,6 +322,10 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.documents:
             arguments["documents"] = self.documents
         return arguments
+
+    def requested_logprobs(self) -> int | None:
+        """``top_logprobs`` when ``logprobs`` is true (None: no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` (the current name) wins over the deprecated ``max_tokens``."""
@@ -403,12 +419,57 @@ def usage(prompt_tokens: int, completion_tokens: int) -> Json:
 
 
 @dataclass(frozen=True)
+class DecodedLogprob:
+    """An output token's log-probability, with the most likely tokens', as text (see
+    :class:`~.events.TokenLogprobs`)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...]
+
+
+_LEAST_LOGPROB = -9999.0  # what OpenAI sends for −inf (JSON has no infinity)
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, _LEAST_LOGPROB)
+
+
+def completion_logprobs(tokens: list[DecodedLogprob], text_offset: int = 0) -> Json:
+    """``choices[i].logprobs`` of a text completion: ``tokens``, ``token_logprobs``, ``top_logprobs``
+    (the k most likely and the sampled token, up to k + 1 entries, as OpenAI's) and ``text_offset``
+    (each token's position in the output text, counting from ``text_offset``)."""
+    offsets = []
+    for item in tokens:
+        offsets.append(text_offset)
+        text_offset += len(item.token)
+    return {
+        "tokens": [item.token for item in tokens],
+        "token_logprobs": [_finite(item.logprob) for item in tokens],
+        "top_logprobs": [{text: _finite(lp) for text, lp in (*item.top, (item.token, item.logprob))} for item in tokens],
+        "text_offset": offsets,
+    }
+
+
+def _token_entry(token: str, logprob: float) -> Json:
+    return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8", errors="replace"))}
+
+
+def chat_logprobs(tokens: list[DecodedLogprob]) -> Json:
+    """``choices[i].logprobs`` of a chat completion: per output token its text, log-probability, UTF-8
+    bytes and ``top_logprobs`` (the k most likely tokens, each likewise)."""
+    return {"content": [{**_token_entry(item.token, item.logprob),
+                         "top_logprobs": [_token_entry(text, lp) for text, lp in item.top]} for item in tokens]}
+
+
+@dataclass(frozen=True)
 class Choice:
-    """One finished choice of a non-streaming response."""
+    """One finished choice of a non-streaming response (``logprobs``: its log-probabilities object, or None)."""
 
     index: int
     text: str
     finish_reason: str
+    logprobs: Json | None = None
 
 
 def completion_response(rid: str, created: int, model: str, choices: list[Choice], prompt_tokens: int,
@@ -419,7 +480,7 @@ def completion_response(rid: str, created: int, model: str, choices: list[Choice
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+        "choices": [{"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
                     for c in choices],
         "usage": usage(prompt_tokens, completion_tokens),
     }
@@ -437,7 +498,7 @@ def chat_response(rid: str, created: int, model: str, choices: list[Choice], pro
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": None,
+                "logprobs": c.logprobs,
                 "finish_reason": c.finish_reason,
             }
             for c in choices
@@ -447,27 +508,27 @@ def chat_response(rid: str, created: int, model: str, choices: list[Choice], pro
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None = None,
-                     index: int = 0) -> Json:
-    """One streamed ``text_completion`` chunk of choice ``index``."""
+                     index: int = 0, logprobs: Json | None = None) -> Json:
+    """One streamed ``text_completion`` chunk of choice ``index`` (``logprobs``: its tokens')."""
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: Json, finish_reason: str | None = None,
-               index: int = 0) -> Json:
+               index: int = 0, logprobs: Json | None = None) -> Json:
     """One streamed ``chat.completion.chunk`` of choice ``index``; ``delta`` is ``{"role": …}`` /
-    ``{"content": …}`` / ``{}``."""
+    ``{"content": …}`` / ``{}``; ``logprobs``: its tokens'."""
     return {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
 
 

@@ -88,6 +88,16 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     return torch.where(greedy_rows, best, sampled)
 
 
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities under the model's distribution — the log-softmax of the raw logits [S, V], before
+    temperature and truncation (vLLM's default ``raw_logprobs``) — of the sampled ``ids`` [S] → [S]
+    float32, and the ``k`` most likely tokens → ids [S, k] int64 and log-probabilities [S, k] float32,
+    most likely first (see :class:`~.step.StepLogprobs`). No host sync: graph-capturable."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top_logprobs, top_ids = torch.topk(logp, k, dim=-1)
+    return logp.gather(1, ids.unsqueeze(1)).squeeze(1), top_ids, top_logprobs
+
+
 def sampling_tensors(specs: Sequence[SamplingSpec], device: torch.device | str
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """:func:`sample_tokens`' arguments after the logits, for ``specs`` (one per row)."""

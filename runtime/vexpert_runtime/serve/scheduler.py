@@ -53,10 +53,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vexpert_runtime.errors import VExpertInputError
-from vexpert_runtime.serve.events import Event, GenerationRequest, RankLoad, overloaded, shutting_down
+from vexpert_runtime.serve.events import (
+    MAX_LOGPROBS,
+    Event,
+    GenerationRequest,
+    RankLoad,
+    TokenLogprobs,
+    overloaded,
+    shutting_down,
+)
 from vexpert_runtime.serve.kv_cache import BlockPool, blocks_for, token_block_digests
 from vexpert_runtime.serve.sampling import IncrementalDetokenizer, StopChecker, request_seed
-from vexpert_runtime.serve.step import PendingStep, SamplingSpec, SequenceWork, StepModel
+from vexpert_runtime.serve.step import (
+    PendingStep,
+    SamplingSpec,
+    SequenceWork,
+    StepLogprobs,
+    StepModel,
+)
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +158,7 @@ class _Sequence:
     published: int = 0  # of them, published so far
     unsent_text: str = ""  # produced, held for the next event (stream_interval > 1)
     unsent_tokens: int = 0
+    unsent_logprobs: list[TokenLogprobs] = field(default_factory=list)  # theirs (and a finishing token's)
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prefill_len = len(self.request.prompt_ids)
@@ -163,7 +178,15 @@ class _Sequence:
 
     def sampling(self) -> SamplingSpec:
         params = self.request.params
-        return SamplingSpec(params.temperature, params.top_p, self.seed, self.generated, params.top_k, params.min_p)
+        return SamplingSpec(params.temperature, params.top_p, self.seed, self.generated, params.top_k, params.min_p,
+                            params.logprobs is not None)
+
+    def take_logprobs(self) -> tuple[TokenLogprobs, ...]:
+        """The log-probabilities of the tokens an event about to be sent accounts for."""
+        if not self.unsent_logprobs:
+            return ()
+        taken, self.unsent_logprobs = tuple(self.unsent_logprobs), []
+        return taken
 
     def last_pending(self, max_context: int) -> bool:
         """Whether the token still being sampled is this sequence's last (length or context limit)."""
@@ -178,7 +201,7 @@ class _Sequence:
             self.table = tuple(pool.grow(self.seq_id, computed + 1))
         params = self.request.params  # sampling(), inlined: this runs per sequence per iteration
         spec = SamplingSpec(params.temperature, params.top_p, self.seed, len(self.output) + self.pending, params.top_k,
-                            params.min_p)
+                            params.min_p, params.logprobs is not None)
         if self.pending:  # its token is on the device, sampled by the step still running
             return SequenceWork(self.seq_id, (0,), computed, self.table, spec, self.sample_row)
         return SequenceWork(self.seq_id, (self.output[-1],), computed, self.table, spec)
@@ -189,6 +212,31 @@ class _Sequence:
         self.table = tuple(pool.grow(self.seq_id, end))
         return SequenceWork(self.seq_id, self.known_tokens(self.computed, end), self.computed,
                             self.table, self.sampling() if end == self.prefill_len else None)
+
+
+def check_request(request: GenerationRequest, max_context: int, vocab_size: int) -> None:
+    """Reject what the API should have caught already, so one bad request never reaches a batch."""
+    n = len(request.prompt_ids)
+    params = request.params
+    if n == 0:
+        raise VExpertInputError("prompt", "is empty")
+    if params.max_tokens < 1:
+        raise VExpertInputError("max_tokens", "must be ≥ 1")
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
+        raise VExpertInputError("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+    if n + params.max_tokens > max_context:
+        raise VExpertInputError("max_tokens", f"prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the context "
+                                f"({max_context})")
+    if params.seed is not None and not -(2**63) <= params.seed < 2**64:
+        raise VExpertInputError("seed", "must fit in 64 bits")
+    if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab_size:
+        raise VExpertInputError("prompt", f"token ids must be in [0, {vocab_size})")
+
+
+def _token_logprobs(step: StepLogprobs, row: int, token: int, k: int) -> TokenLogprobs:
+    """Work item ``row``'s sampled ``token`` with its log-probability and the ``k`` most likely tokens'."""
+    top = zip(step.top_ids[row, :k].tolist(), step.top_logprobs[row, :k].tolist(), strict=True)
+    return TokenLogprobs(token, float(step.sampled[row]), tuple(top))
 
 
 def _arrival(seq: _Sequence) -> int:
@@ -237,7 +285,7 @@ class Scheduler:
     def submit(self, request: GenerationRequest, sink: EventSink) -> None:
         """Queue a request; its events go to ``sink``. Raises :class:`~.events.ServeRefusal`
         (queue full or shutting down) or :class:`VExpertInputError` (a request no rank can run)."""
-        self._validate(request)
+        check_request(request, self.model.max_context, self.model.vocab_size)
         with self._lock:
             if not self._accepting:
                 raise shutting_down()
@@ -331,17 +379,23 @@ class Scheduler:
         """Read a launched step's tokens and advance its sequences."""
         try:
             tokens = flight.step.result().tolist()
+            logprobs = flight.step.logprobs()
         except Exception as exc:
             self._fail(flight.batch, exc)
             raise
-        for token, (seq, item) in zip(tokens, flight.batch, strict=True):
+        for row, (token, (seq, item)) in enumerate(zip(tokens, flight.batch, strict=True)):
             seq.steps_in_flight -= 1
             if seq.finished:  # stopped or cancelled while this step ran: its row was wasted
                 self._release_if_idle(seq)
                 continue
             if item.sample is not None:  # the chunk completed the prompt, or a decode: a new token
                 seq.pending -= 1
-                self._advance(seq, token)
+                if not item.sample.logprobs:
+                    self._advance(seq, token)
+                elif logprobs is None:
+                    self._finish(seq, "error", error="this model does not report log-probabilities")
+                else:
+                    self._advance(seq, token, _token_logprobs(logprobs, row, token, seq.request.params.logprobs or 0))
 
     def _fail(self, batch: list[tuple[_Sequence, SequenceWork]], exc: Exception) -> None:
         """A step failed: its sequences and those of the step still in flight end with an error (and
@@ -355,24 +409,6 @@ class Scheduler:
             else:
                 self._release_if_idle(seq)
         self._update_load()
-
-    def _validate(self, request: GenerationRequest) -> None:
-        """Reject what the API should have caught already, so one bad request never reaches a batch."""
-        n = len(request.prompt_ids)
-        if n == 0:
-            raise VExpertInputError("prompt", "is empty")
-        if request.params.max_tokens < 1:
-            raise VExpertInputError("max_tokens", "must be ≥ 1")
-        if n + request.params.max_tokens > self.model.max_context:
-            raise VExpertInputError(
-                "max_tokens",
-                f"prompt ({n}) + max_tokens ({request.params.max_tokens}) exceeds the context ({self.model.max_context})",
-            )
-        seed = request.params.seed
-        if seed is not None and not -(2**63) <= seed < 2**64:
-            raise VExpertInputError("seed", "must fit in 64 bits")
-        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.model.vocab_size:
-            raise VExpertInputError("prompt", f"token ids must be in [0, {self.model.vocab_size})")
 
     def _take_inbox(self) -> None:
         """Apply what other threads sent: new requests, cancellations, a global abort."""
@@ -484,8 +520,9 @@ class Scheduler:
         self._preemptions += 1
         log.debug("preempted %s after %d tokens (KV cache full)", seq.request.request_id, len(seq.output))
 
-    def _advance(self, seq: _Sequence, token: int) -> None:
-        """Take the token sampled for ``seq`` and send what it produced; finish it when it is done."""
+    def _advance(self, seq: _Sequence, token: int, logprobs: TokenLogprobs | None = None) -> None:
+        """Take the token sampled for ``seq`` (and its log-probabilities, when asked) and send what it
+        produced; finish it when it is done."""
         params = seq.request.params
         if not 0 <= token < self.model.vocab_size:  # e.g. NaN logits: this request fails, the others go on
             log.error("sampling failed for %s: token %d", seq.request.request_id, token)
@@ -493,6 +530,8 @@ class Scheduler:
             return
         output = seq.output
         output.append(token)
+        if logprobs is not None:
+            seq.unsent_logprobs.append(logprobs)
         if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             self._finish(seq, "stop", text=self._flush_text(seq))
             return
@@ -507,11 +546,12 @@ class Scheduler:
             text += tail if stopped else tail + seq.stop.flush()
             self._finish(seq, "stop" if stopped else "length", text=text)
         elif self._stream_interval == 1:
-            self._send(seq, Event(seq.request.request_id, text=text, new_tokens=1))
+            self._send(seq, Event(seq.request.request_id, text=text, new_tokens=1, logprobs=seq.take_logprobs()))
         else:  # the first token at once (time to first token), then every stream_interval-th
             held = seq.unsent_tokens + 1
             if held >= self._stream_interval or len(output) == 1:
-                self._send(seq, Event(seq.request.request_id, text=seq.unsent_text + text, new_tokens=held))
+                self._send(seq, Event(seq.request.request_id, text=seq.unsent_text + text, new_tokens=held,
+                                      logprobs=seq.take_logprobs()))
                 seq.unsent_text, seq.unsent_tokens = "", 0
             else:
                 seq.unsent_text += text
@@ -548,6 +588,7 @@ class Scheduler:
                 prompt_tokens=seq.prompt_len,
                 completion_tokens=len(seq.output),
                 error=error,
+                logprobs=seq.take_logprobs(),
             ),
         )
 

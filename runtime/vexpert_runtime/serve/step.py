@@ -34,7 +34,8 @@ class SamplingSpec:
     """How to pick a sequence's next token: greedy below a tiny temperature, else temperature +
     min-p, top-k and top-p (0, 0 and 1: off). ``seed`` and ``draw`` (how many tokens the sequence
     sampled before) make the draw a pure function of the request, whatever shares its batch
-    (:func:`~.sampling.sample_tokens`)."""
+    (:func:`~.sampling.sample_tokens`). ``logprobs``: also report the sampled token's log-probability
+    and the :data:`~.events.MAX_LOGPROBS` most likely tokens' (:class:`StepLogprobs`)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -42,6 +43,33 @@ class SamplingSpec:
     draw: int = 0
     top_k: int = 0
     min_p: float = 0.0
+    logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class StepLogprobs:
+    """Log-probabilities of an iteration's sampled tokens under the model's distribution (the
+    log-softmax of its logits, before temperature, min-p, top-k and top-p: vLLM's default
+    ``raw_logprobs``), one row per work item (rows that sampled nothing, or did not ask, hold
+    anything). CPU tensors: ``sampled`` [len(work)] float32, the sampled token's; ``top_ids`` [len(work), K]
+    int64 and ``top_logprobs`` [len(work), K] float32, the K = min(:data:`~.events.MAX_LOGPROBS`, vocabulary)
+    most likely tokens, most likely first."""
+
+    sampled: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+    @classmethod
+    def at_rows(cls, items: int, rows: Sequence[int], sampled: torch.Tensor, top_ids: torch.Tensor,
+                top_logprobs: torch.Tensor) -> StepLogprobs:
+        """Per work item, from the sampling rows' [S, …] (CPU; row s is item ``rows[s]``)."""
+        k = top_ids.shape[1]
+        out = cls(torch.full((items,), float("nan")), torch.zeros(items, k, dtype=torch.int64),
+                  torch.full((items, k), float("nan")))
+        out.sampled[list(rows)] = sampled[: len(rows)].float()
+        out.top_ids[list(rows)] = top_ids[: len(rows)]
+        out.top_logprobs[list(rows)] = top_logprobs[: len(rows)].float()
+        return out
 
 
 @dataclass(slots=True)
@@ -73,15 +101,24 @@ class PendingStep(Protocol):
         """Wait for the iteration: [len(work)] int64 on the CPU, as :meth:`StepModel.step` returns."""
         ...
 
+    def logprobs(self) -> StepLogprobs | None:
+        """After :meth:`result`: the sampled tokens' log-probabilities when an item's spec asked for
+        them (None: none asked, or a model that does not compute them)."""
+        ...
+
 
 @dataclass(frozen=True)
 class FinishedStep:
     """A :class:`PendingStep` already done (a model that computes while it launches)."""
 
     tokens: torch.Tensor
+    sampled_logprobs: StepLogprobs | None = None
 
     def result(self) -> torch.Tensor:
         return self.tokens
+
+    def logprobs(self) -> StepLogprobs | None:
+        return self.sampled_logprobs
 
 
 class StepModel(Protocol):
