@@ -317,6 +317,28 @@ def test_n_choices_stream_each_under_its_index(client: openai.OpenAI, chat: bool
         (whole.usage.prompt_tokens, whole.usage.completion_tokens)]
 
 
+def test_a_batch_of_prompts_is_answered_prompt_by_prompt(client: openai.OpenAI, hf_model: Any, tokenizer: Any) -> None:
+    """A list of prompts (text or token ids): each prompt's n choices in order (index = prompt · n + i), each
+    what the prompt alone gives; usage counts every prompt once."""
+    prompts = [PROMPT, "hello world", "tiny experts route"]
+    result = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in result.choices] == list(range(6))
+    completion = 0
+    for p, prompt in enumerate(prompts):
+        generated = generate_greedy(hf_model, tokenizer.encode(prompt), 6)
+        text, finish = expected_text(tokenizer, generated)
+        assert [(c.text, c.finish_reason) for c in result.choices[2 * p: 2 * p + 2]] == [(text, finish)] * 2
+        completion += 2 * len(generated)
+    assert result.usage is not None
+    assert result.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+    assert result.usage.completion_tokens == completion
+    ids = [tokenizer.encode(p) for p in prompts[:2]]
+    sampled = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=5, temperature=1.0, seed=3)
+    assert [c.text for c in sampled.choices] == [
+        client.completions.create(model=MODEL_NAME, prompt=one, max_tokens=5, temperature=1.0, seed=3).choices[0].text
+        for one in ids]
+
+
 def test_n_choices_are_admitted_all_or_none(checkpoint: Path, hf_model: Any) -> None:
     """A request whose n choices do not all fit the waiting queue (they are queued together) is a 429,
     and the choices queued before the refusal never run; one that fits runs every choice."""
@@ -473,7 +495,10 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
         ({"logprobs": 21}, "logprobs"),  # at most 20 most likely tokens, as vLLM
         ({"logprobs": True}, "logprobs"),  # completions take a count
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
-        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [[3, 4]] * 129}, "prompt"),  # at most 128 sequences per request
+        ({"prompt": ["one", "two"], "n": 65}, "prompt"),
+        ({"prompt": ["one", [3, 4]]}, "prompt"),  # one kind of prompt per batch
         ({"max_tokens": 0}, "max_tokens"),
         ({"prompt": [1, 10**6]}, "prompt"),
         ({"model": None}, "model"),

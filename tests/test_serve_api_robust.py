@@ -240,7 +240,7 @@ def _fuzz_cases() -> list[tuple[str, str, bytes, dict[str, str], str | None]]:
         ("prompt bools", comp, with_(ok_prompt, prompt=[True, False]), JSON, "prompt"),
         ("prompt empty list", comp, with_(ok_prompt, prompt=[]), JSON, "prompt"),
         ("prompt negative id", comp, with_(ok_prompt, prompt=[-1]), JSON, "prompt"),
-        ("prompt ragged", comp, with_(ok_prompt, prompt=[[1, 2], [3]]), JSON, "prompt"),
+        ("prompt mixed batch", comp, with_(ok_prompt, prompt=[[1, 2], "three"]), JSON, "prompt"),
         ("prompt empty", comp, with_(ok_prompt, prompt=""), JSON, "prompt"),
         ("model number", comp, with_(ok_prompt, model=3), JSON, "model"),
         ("no prompt", comp, json.dumps({"model": MODEL_NAME}).encode(), JSON, "prompt"),

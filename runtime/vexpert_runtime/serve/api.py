@@ -52,7 +52,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
@@ -390,6 +390,7 @@ class _Job:
     stream: bool
     include_usage: bool
     events: AsyncIterator[tuple[int, list[Event]]]  # (choice, one of its batches; see Dispatcher.submit)
+    prompt_tokens: int  # the usage's: each prompt once, however many choices it has
     logprobs: bool = False  # the request asked for its tokens' log-probabilities
     finished: set[int] = field(default_factory=set)  # the choices whose last event arrived
 
@@ -398,16 +399,17 @@ class _Job:
         return len(self.finished) == len(self.choice_ids)
 
 
-def choice_requests(request_id: str, prompt_ids: tuple[int, ...], params: SamplingParams, n: int
+def choice_requests(request_id: str, prompts: Sequence[tuple[tuple[int, ...], SamplingParams]], n: int
                     ) -> list[GenerationRequest]:
-    """The ranks' requests for ``n`` choices of one prompt: the response's own id when n is 1; else
-    ``{i}_{id}``, and with a seed, choice i samples with seed + i (vLLM's child requests): the choices
-    differ, and the same request gives the same choices again."""
-    if n == 1:
-        return [GenerationRequest(request_id, prompt_ids, params)]
-    return [GenerationRequest(f"{i}_{request_id}", prompt_ids,
+    """The ranks' requests for ``n`` choices of each of ``prompts`` ((token ids, sampling), in order):
+    one choice in all takes the response's own id; else choice c = prompt index · n + i is ``{c}_{id}``,
+    and with a seed, samples with seed + i (vLLM's child requests): a prompt's choices differ, and the same
+    request gives the same choices again."""
+    if len(prompts) == 1 and n == 1:
+        return [GenerationRequest(request_id, *prompts[0])]
+    return [GenerationRequest(f"{p * n + i}_{request_id}", prompt_ids,
                               params if params.seed is None else replace(params, seed=params.seed + i))
-            for i in range(n)]
+            for p, (prompt_ids, params) in enumerate(prompts) for i in range(n)]
 
 
 class _ChoiceStreams:
@@ -533,19 +535,20 @@ class ServeApi:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         req = self._parse(oa.CompletionRequest, await self._json(request))
         self._check_model(req.model)
-        prompt = cast(str | list[int], req.prompt)  # unwrapped by its validator
-        if isinstance(prompt, str):
-            prompt_ids = await self._tokenized(self._encode_prompt, prompt, len(prompt))
-        else:  # token ids: only checked
-            prompt_ids = self._encode_prompt(prompt)
-        return await self._generate(request, req, prompt_ids, chat=False)
+        prompts = []
+        for prompt in req.prompts():
+            if isinstance(prompt, str):
+                prompts.append(await self._tokenized(self._encode_prompt, prompt, len(prompt)))
+            else:  # token ids: only checked
+                prompts.append(self._encode_prompt(prompt))
+        return await self._generate(request, req, prompts, chat=False)
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = self._parse(oa.ChatCompletionRequest, await self._json(request))
         self._check_model(req.model)
         chars = sum(len(m.text()) for m in req.messages)
         prompt_ids = await self._tokenized(self._encode_chat, req, chars)
-        return await self._generate(request, req, prompt_ids, chat=True)
+        return await self._generate(request, req, [prompt_ids], chat=True)
 
     async def _tokenized(self, encode: Callable[..., list[int]], prompt: Any, chars: int) -> list[int]:
         """``encode(prompt, tokenizer)``: up to ``INLINE_TOKENIZE_CHARS`` on the loop with its own
@@ -589,8 +592,8 @@ class ServeApi:
                            "JSON", code="unsupported_media_type")
         limit = self.config.body_limit
         too_large = ApiError(413, f"the request body is over {limit} bytes, more than a prompt of the model's "
-                             f"{self.config.max_context}-token context needs; shorten the prompt (or messages)",
-                             code="request_too_large")
+                             f"{self.config.max_context}-token context needs; shorten the prompt (or messages), or "
+                             "split a batch of prompts over several requests", code="request_too_large")
         if request.content_length is not None and request.content_length > limit:
             raise too_large  # before reading a byte of it
         try:
@@ -683,14 +686,15 @@ class ServeApi:
         self,
         request: web.Request,
         req: oa.CompletionRequest | oa.ChatCompletionRequest,
-        prompt_ids: list[int],
+        prompts: list[list[int]],
         chat: bool,
     ) -> web.StreamResponse:
-        """Submit the request's choices to the dispatcher — all of them or none (a refusal of one
-        cancels those queued before it) — and answer as one JSON body or an SSE stream."""
-        params = self._sampling(req, len(prompt_ids), chat)
+        """Submit the request's choices (``n`` per prompt) to the dispatcher — all of them or none (a
+        refusal of one cancels those queued before it) — and answer as one JSON body or an SSE stream."""
+        params = [self._sampling(req, len(prompt_ids), chat) for prompt_ids in prompts]
         request_id = oa.new_request_id("chatcmpl" if chat else "cmpl")
-        requests = choice_requests(request_id, tuple(prompt_ids), params, req.choices)
+        requests = choice_requests(request_id, [(tuple(ids), p) for ids, p in zip(prompts, params, strict=True)],
+                                   req.choices)
         if self.shutting_down:
             raise refusal_error(shutting_down())
         streams: list[AsyncIterator[list[Event]]] = []
@@ -707,9 +711,9 @@ class ServeApi:
             raise
         choices = _ChoiceStreams(streams)
         arrived = request.get(_ARRIVED, time.monotonic())
-        timers = [_RequestTimer(self.metrics, arrived, counts_prompt=i == 0) for i in range(len(requests))]
+        timers = [_RequestTimer(self.metrics, arrived, counts_prompt=i % req.choices == 0) for i in range(len(requests))]
         job = _Job(request_id, [r.request_id for r in requests], oa.now(), req.model, chat, bool(req.stream),
-                   req.include_usage, choices.__aiter__(), params.logprobs is not None)
+                   req.include_usage, choices.__aiter__(), sum(map(len, prompts)), params[0].logprobs is not None)
         job.events = self._observed(job, job.events, timers)
         try:
             return await (self._stream(request, job) if job.stream else self._collect(job))
@@ -751,7 +755,7 @@ class ServeApi:
                                for i, parts in enumerate(texts)]
                     build = oa.chat_response if job.chat else oa.completion_response
                     return web.json_response(build(job.request_id, job.created, job.model, choices,
-                                                   last.prompt_tokens, completion_tokens))
+                                                   job.prompt_tokens, completion_tokens))
         raise ApiError(500, "the request ended without a result", "server_error", code="internal_error")
 
     async def _logprobs_object(self, job: _Job, tokens: Sequence[TokenLogprobs], text_offset: int = 0) -> dict[str, Any]:
@@ -829,7 +833,7 @@ class ServeApi:
                     if job.include_usage:
                         obj = "chat.completion.chunk" if job.chat else "text_completion"
                         parts.append(_sse(oa.usage_chunk(obj, job.request_id, job.created, job.model,
-                                                         last.prompt_tokens, completion_tokens)))
+                                                         job.prompt_tokens, completion_tokens)))
                     parts.append(b"data: [DONE]\n\n")
                     yield b"".join(parts)
                     return

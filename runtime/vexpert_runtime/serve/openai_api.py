@@ -4,7 +4,7 @@ Requests ignore fields they do not know and that change nothing in the tokens (O
 optional ones — ``user``, ``metadata``, ``parallel_tool_calls`` …) and accept ``null`` for optional ones, and
 neutral values of what they cannot honour (``presence_penalty: 0``, ``logit_bias: {}``, ``response_format:
 {"type": "text"}``, as clients send by default); what this server cannot honour and would otherwise silently
-get wrong (several prompts, ``echo``, ``prompt_logprobs``, ``best_of`` > 1, non-zero penalties, a
+get wrong (``echo``, ``prompt_logprobs``, ``best_of`` > 1, non-zero penalties, a
 non-empty ``logit_bias``, non-text message parts, structured output, tool calls, and the vLLM extensions
 of :data:`_REFUSED_COMPLETION` / :data:`_REFUSED_CHAT`) is a 400 naming the field and what to send instead.
 
@@ -172,8 +172,9 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    """``POST /v1/completions``: one prompt, as text or token ids. ``logprobs`` k: each output token's
-    log-probability and the k most likely tokens' (the sampled one too: up to k + 1, as OpenAI)."""
+    """``POST /v1/completions``: one prompt or a batch of them, as text or token ids (each prompt's ``n``
+    choices in order: choice index = prompt index · n + i, as OpenAI's). ``logprobs`` k: each output
+    token's log-probability and the k most likely tokens' (the sampled one too: up to k + 1, as OpenAI)."""
 
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -189,18 +190,24 @@ class CompletionRequest(_GenerationRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
-        """Unwrap a batch of one; a batch of several is refused (one request per prompt)."""
-        if isinstance(prompt, str):
-            return prompt
-        if not prompt:
+    def _not_empty(cls, prompt: str | list[int] | list[str] | list[list[int]]) -> Any:
+        if isinstance(prompt, list) and not prompt:
             raise ValueError("must not be empty")
-        if all(isinstance(p, int) for p in prompt):
-            return [int(p) for p in prompt]  # type: ignore[arg-type]
-        if len(prompt) > 1:
-            raise ValueError("a list of several prompts is not supported; send one request per prompt")
-        only = prompt[0]
-        return only if isinstance(only, str) else list(only)  # type: ignore[arg-type]
+        return prompt
+
+    @model_validator(mode="after")
+    def _sequences(self) -> CompletionRequest:
+        if len(self.prompts()) * self.choices > MAX_CHOICES:
+            raise _FieldRefused("prompt", f"a request runs at most {MAX_CHOICES} sequences (prompts × n): got "
+                                f"{len(self.prompts())} × {self.choices}; send the batch in several requests")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts (one, or a batch), each text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
 
 
 class ContentPart(BaseModel):
