@@ -28,7 +28,8 @@ which is what ``--max-batch-tokens`` trades (larger: fewer iterations carry prom
 ``--sampling top-p|top-k`` samples every sequence as a request that leaves its sampling fields to DeepSeek-V3's
 (temperature 0.6, top-p 0.95) or Qwen3's (and top-k 20) generation config does under ``--generation-config auto``:
 the graph then sorts the vocabulary per sequence (greedy, the default, skips it) — what that sort costs the step.
-``--sampling logprobs``: greedy, every sequence asking for log-probabilities (``logprobs``: a log-softmax and a
+``--sampling penalties``: greedy with a repetition penalty of 1.05 (the penalty tables written and read in the
+graph). ``--sampling logprobs``: greedy, every sequence asking for log-probabilities (``logprobs``: a log-softmax and a
 top-20 over the vocabulary in the graph, three more device→host copies) — what they cost the step.
 
 Long contexts (split-KV, ``attention_kernels.kv_splits``): a checkpoint with a longer context, the same
@@ -89,9 +90,11 @@ def step_flops(model: HFStepModel, batch: int, context: int) -> int:
 
 _HOST_TIMED = 5  # replays whose host time gives ``replay_host_ms``
 # --sampling: what each sequence samples with (draw 1); top-p and top-k are the generation configs' defaults,
-# logprobs a greedy request that asks for its tokens' log-probabilities (the graphs with log-softmax and top-20)
+# logprobs a greedy request that asks for its tokens' log-probabilities (the graphs with log-softmax and top-20),
+# penalties a greedy one with Qwen-MoE generation configs' repetition penalty (the graphs with the token tables)
 SAMPLING = {"greedy": SamplingSpec(draw=1), "top-p": SamplingSpec(0.6, 0.95, draw=1),
-            "top-k": SamplingSpec(0.6, 0.95, draw=1, top_k=20), "logprobs": SamplingSpec(draw=1, logprobs=True)}
+            "top-k": SamplingSpec(0.6, 0.95, draw=1, top_k=20), "logprobs": SamplingSpec(draw=1, logprobs=True),
+            "penalties": SamplingSpec(draw=1, repetition=1.05)}
 
 
 def kernel_times(graph: torch.cuda.CUDAGraph, iters: int, top: int = 25) -> dict[str, object]:
@@ -173,10 +176,12 @@ def main() -> int:
     parser.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy",
                         help="how every sequence samples: greedy, or the generation-config defaults of DeepSeek-V3 "
                              "(top-p 0.95) / Qwen3 (top-k 20, top-p 0.95), whose graphs sort the vocabulary, or "
-                             "greedy with log-probabilities (logprobs)")
+                             "greedy with log-probabilities (logprobs) or a repetition penalty (penalties)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     sample = SAMPLING[args.sampling]
+    # a penalized sequence's work names its prompt length (the model tracks its tokens): the decodes' context
+    tracked = args.context if args.sampling == "penalties" else -1
     if not (args.model_dir / "config.json").exists():
         write_model(args.model_dir, ensure_demo_model(Path("/tmp/vexpert-demo-model")), args.layers, args.experts,
                     small=False, device="cuda", positions=args.max_position_embeddings)
@@ -195,7 +200,7 @@ def main() -> int:
             for seq in range(max_seqs):
                 pool.add(seq)
             work = [SequenceWork(seq, (seq % 100 + 3,), args.context, tuple(pool.grow(seq, args.context + 1)),
-                                 sample) for seq in range(max_seqs)]
+                                 sample, penalty_prompt_len=tracked) for seq in range(max_seqs)]
             ops = op_times(model, work, 5, args.top)
             for op in ops:
                 print("op", json.dumps(op), flush=True)
@@ -209,9 +214,10 @@ def main() -> int:
         blocks = [tuple(pool.grow(seq, args.context + 1)) for seq in range(max_seqs)]
         for batch in args.batches:
             for chunks in args.prefill_chunks:
-                work = [SequenceWork(seq, (seq % 100 + 3,), args.context, blocks[seq], sample)
+                work = [SequenceWork(seq, (seq % 100 + 3,), args.context, blocks[seq], sample, penalty_prompt_len=tracked)
                         for seq in range(batch)]
-                work += [SequenceWork(seq, tuple(range(3, 3 + args.chunk)), 0, blocks[seq], sample)
+                work += [SequenceWork(seq, tuple(range(3, 3 + args.chunk)), 0, blocks[seq], sample,
+                                      penalty_prompt_len=tracked)
                          for seq in range(batch, batch + chunks)]
                 tokens = batch + chunks * args.chunk
                 if tokens > args.max_batch_tokens:
@@ -221,7 +227,7 @@ def main() -> int:
                        "graph_ms": round(replayed_ms(model, work, stream, args.iters), 3)}
                 print(json.dumps(row), flush=True)
                 results.append(row)
-            work = [SequenceWork(seq, (seq % 100 + 3,), args.context, blocks[seq], sample)
+            work = [SequenceWork(seq, (seq % 100 + 3,), args.context, blocks[seq], sample, penalty_prompt_len=tracked)
                     for seq in range(batch)]
             for _ in range(5):
                 model.step(work)

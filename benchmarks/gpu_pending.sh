@@ -78,7 +78,7 @@ case "${STAGE:-tests}" in
       --out "$OUT/mla_decode_split_sweep.json" 2>&1 | grep best ;;
   router)
     PYTHONPATH=$HEAD_PATH timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_serve_gpu.py \
-      -k "router or truncated_sampling or logprobs" 2>&1 | tail -2
+      -k "router or truncated_sampling or logprobs or penalties" 2>&1 | tail -2
     PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/router_kernel.py --out "$OUT/router_kernel.json" 2>&1 | grep routing
     PYTHONPATH=$HEAD_PATH timeout 200 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 16 64 256 \
       --context 96 --profile --top 40 --out "$OUT/decode_step_bound_router.json" 2>&1 | grep -v "Loading weights" | tail -3
@@ -87,7 +87,10 @@ case "${STAGE:-tests}" in
       --context 96 --sampling top-p --profile --top 12 --out "$OUT/decode_step_bound_top_p.json" 2>&1 | grep -v "Loading weights" | tail -2
     # and log-probabilities (a log-softmax and top-20 over the vocabulary, three more copies to the host)
     PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 64 256 \
-      --context 96 --sampling logprobs --profile --top 12 --out "$OUT/decode_step_bound_logprobs.json" 2>&1 | grep -v "Loading weights" | tail -2 ;;
+      --context 96 --sampling logprobs --profile --top 12 --out "$OUT/decode_step_bound_logprobs.json" 2>&1 | grep -v "Loading weights" | tail -2
+    # and penalties (the token tables written, a repetition penalty applied: Qwen-MoE generation configs' 1.05-1.1)
+    PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 64 256 \
+      --context 96 --sampling penalties --profile --top 12 --out "$OUT/decode_step_bound_penalties.json" 2>&1 | grep -v "Loading weights" | tail -2 ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
     BENCH_TIMEOUT=560 bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from vexpert_runtime.serve.api import ApiConfig, ApiServer, ServeApi
 from vexpert_runtime.serve.dispatcher import EventChannel
 from vexpert_runtime.serve.events import Event, GenerationRequest, RankLoad, shutting_down
+from vexpert_runtime.serve.penalties import PenaltyInputs, penalized_logits
 from vexpert_runtime.serve.sampling import eos_token_ids, sample_tokens, sampling_tensors, token_logprobs
 from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
 from vexpert_runtime.serve.step import (
@@ -136,6 +137,18 @@ def load_model(directory: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True).eval()
 
 
+def _penalized(logits: torch.Tensor, held: list[int], prompt_len: int, spec: Any) -> torch.Tensor:
+    """``logits`` [1, V] with the penalties of ``spec`` over a sequence's tokens ``held`` (prompt first)."""
+    vocab = logits.shape[1]
+    seen = torch.zeros(1, vocab, dtype=torch.bool)
+    seen[0, held] = True
+    counts = torch.bincount(torch.tensor(held[prompt_len:], dtype=torch.int64), minlength=vocab).to(torch.int32)
+    one = torch.ones(1)
+    inputs = PenaltyInputs(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool), torch.zeros(1, dtype=torch.int64),
+                           one * spec.repetition, one * spec.presence, one * spec.frequency)
+    return penalized_logits(logits, seen, counts.unsqueeze(0), inputs)
+
+
 class RecomputeStepModel(SynchronousSteps):
     """A :class:`~vexpert_runtime.serve.step.StepModel` that recomputes each sequence from scratch.
 
@@ -196,7 +209,10 @@ class RecomputeStepModel(SynchronousSteps):
             if item.sample is not None:
                 with torch.no_grad():
                     logits = self.hf_model(torch.tensor([held])).logits[0, -1:].float()
-                out[row] = sample_tokens(logits, *sampling_tensors([item.sample], "cpu"))[0]
+                sampled_from = logits
+                if item.penalty_prompt_len >= 0:  # vLLM's penalties over what this sequence holds
+                    sampled_from = _penalized(logits, held, item.penalty_prompt_len, item.sample)
+                out[row] = sample_tokens(sampled_from, *sampling_tensors([item.sample], "cpu"))[0]
                 if item.sample.logprobs:
                     self._logprobs.append((row, token_logprobs(logits, out[row : row + 1], min(20, self.vocab_size))))
         self.last_sampled = [int(t) for t, item in zip(out, work, strict=True) if item.sample is not None]

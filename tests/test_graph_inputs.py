@@ -10,6 +10,7 @@ import torch
 
 from vexpert_runtime.serve.cuda_graphs import GraphInputs, graph_key, table_width, token_buckets
 from vexpert_runtime.serve.kv_cache import SCRATCH_BLOCK
+from vexpert_runtime.serve.penalties import PenaltyRows
 from vexpert_runtime.serve.sampling import SamplingSpec
 from vexpert_runtime.serve.step import SequenceWork
 
@@ -73,11 +74,32 @@ def test_fill_writes_every_field_and_resets_the_pad_rows() -> None:
         device.buffer.fill_(-7)  # stale: what earlier iterations left
         used = inputs.used(work)
         device.buffer[:used].copy_(inputs.buffer[:used])
-        assert used == 24 * 7 + 6 * 7 + 6 * max([len(item.blocks) for item in work] + [1]) < inputs.buffer.numel()
+        assert used == 24 * 9 + 6 * 11 + 6 * max([len(item.blocks) for item in work] + [1]) < inputs.buffer.numel()
         for name, view in inputs.views.items():
             assert torch.equal(device.views[name], view), name
         for b, item in enumerate(work):
             assert device.tables[b, : len(item.blocks)].tolist() == list(item.blocks)
+
+
+def test_fill_writes_the_penalty_fields_when_a_sequence_is_penalized() -> None:
+    """With penalty rows, each token row names its sequence's row and whether it is output (at or past
+    the prompt's length), each sampling row its row and penalties; pad rows the scratch row, neutral."""
+    inputs = GraphInputs.allocate(tokens=16, seqs=4, width=8, device="cpu")
+    penalized = SamplingSpec(0.0, 1.0, 3, 0, repetition=1.3, presence=0.5, frequency=-0.25)
+    work = [SequenceWork(0, (10, 11, 12, 13), 4, (5, 6), penalized, penalty_prompt_len=6),  # a chunk past the prompt
+            SequenceWork(1, (9,), 6, (2, 3), SamplingSpec(0.8, 0.9, 4, 2)),  # not penalized
+            SequenceWork(2, (20, 21), 0, (7,), None, penalty_prompt_len=5)]  # a prompt chunk, no sample
+    scratch = 9
+    sampled = inputs.fill(work, BLOCK, PenaltyRows([3, scratch, 0], scratch))
+    v = {name: view.tolist() for name, view in inputs.views.items()}
+    assert sampled == 2
+    assert v["penalty_rows"] == [3, 3, 3, 3, scratch, 0, 0] + [scratch] * 9
+    assert v["outputs"] == [0, 0, 1, 1, 0, 0, 0] + [0] * 9  # positions 6, 7 of sequence 0 are output
+    assert v["penalty_sample_rows"] == [3, scratch, scratch, scratch]
+    assert v["repetition"] == [1.3, 1.0, 1.0, 1.0]
+    assert v["presence"] == [0.5, 0.0, 0.0, 0.0] and v["frequency"] == [-0.25, 0.0, 0.0, 0.0]
+    assert graph_key(work, token_buckets(16), BLOCK, None, 2).penalties
+    assert not graph_key(work[1:2], token_buckets(16), BLOCK, None, 2).penalties
 
 
 @pytest.mark.parametrize("max_tokens", [1, 7, 64, 256, 300, 512, 513, 2048, 8192])
@@ -106,18 +128,18 @@ def test_graph_key_picks_the_bucket_top_p_and_the_splits_of_the_longest_table() 
     buckets = token_buckets(512)
     short = [SequenceWork(0, (5,), 90, tuple(range(6)), SamplingSpec()), SequenceWork(1, (6,), 10, (7,), SamplingSpec())]
     assert table_width(short) == 6
-    assert graph_key(short, buckets, 16, policy, table_width(short)) == (2, False, 1, False)  # 96 tokens: one pass
+    assert graph_key(short, buckets, 16, policy, table_width(short)) == (2, False, 1, False, False)  # 96 tokens: one pass
     long_table = tuple(range(10, 10 + 2048))  # a 32,768-token context
     long = [SequenceWork(0, (5,), 32_000, long_table, SamplingSpec(temperature=0.7, top_p=0.9)), *short[1:]]
-    assert graph_key(long, buckets, 16, policy, table_width(long)) == (2, True, 32, False)  # 4 split programs → 32 splits
-    assert graph_key(long, buckets, 16, None, table_width(long)) == (2, True, 1, False)  # no policy: one pass
+    assert graph_key(long, buckets, 16, policy, table_width(long)) == (2, True, 32, False, False)  # 4 split programs → 32 splits
+    assert graph_key(long, buckets, 16, None, table_width(long)) == (2, True, 1, False, False)  # no policy: one pass
     greedy_top_p = [SequenceWork(0, (5,), 9, (1,), SamplingSpec(temperature=0.0, top_p=0.5, top_k=4, min_p=0.2))]
     assert graph_key(greedy_top_p, buckets, 16, policy, 1)[1] is False
     for truncated in (SamplingSpec(temperature=0.7, top_k=20), SamplingSpec(temperature=0.7, min_p=0.1)):
         assert graph_key([SequenceWork(0, (5,), 9, (1,), truncated)], buckets, 16, policy, 1)[1] is True
     assert graph_key([SequenceWork(0, (5,), 9, (1,), SamplingSpec(temperature=0.7))], buckets, 16, policy, 1)[1] is False
     chunk = [SequenceWork(0, tuple(range(300)), 0, tuple(range(19))), *long]  # 302 tokens: the SMs are full
-    assert graph_key(chunk, buckets, 16, policy, table_width(chunk)) == (320, True, 1, False)
+    assert graph_key(chunk, buckets, 16, policy, table_width(chunk)) == (320, True, 1, False, False)
     # a row asking for log-probabilities: a graph variant of its own (greedy or not)
     asks = [*short, SequenceWork(2, (7,), 3, (8,), SamplingSpec(logprobs=True))]
-    assert graph_key(asks, buckets, 16, policy, table_width(asks)) == (4, False, 1, True)
+    assert graph_key(asks, buckets, 16, policy, table_width(asks)) == (4, False, 1, True, False)

@@ -89,3 +89,33 @@ def test_preemption_draws_the_same_sampled_tokens_and_reattaches_its_published_b
     # evicted least recently freed first) — so the start of its prompt is what survives.
     assert load.prefix_hit_tokens >= 4
     assert tight.pool.used_blocks == 0
+
+
+@pytest.mark.parametrize("overlapped", [False, True], ids=["sequential", "overlapped"])
+def test_penalized_sequences_rebuild_their_penalties_after_preemption(checkpoint: tuple[Path, Any],
+                                                                      overlapped: bool) -> None:
+    """A preempted sequence, prefilled again, rebuilds its penalty row from the tokens it computes (the
+    output counted past its prompt): greedy with a repetition penalty decodes what transformers'
+    ``generate(repetition_penalty=…)`` does; sampled with presence and frequency penalties it draws what
+    it draws on a cache where nothing is preempted. With prefix caching on, a penalized sequence attaches
+    no cached block (its tokens must pass through the model to be counted)."""
+    directory, reference = checkpoint
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, repetition_penalty=1.4)
+    scheduler, events = _run(directory, CONTEXT, overlapped, greedy)
+    assert scheduler.load().preemptions >= 1
+    plain = []
+    for i, prompt in enumerate(PROMPTS):
+        x = torch.tensor([prompt])
+        expected = reference.generate(x, attention_mask=torch.ones_like(x), do_sample=False, repetition_penalty=1.4,
+                                      max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+        assert _tokens(events[f"r{i}"]) == expected.tolist(), f"request {i}"
+        plain.append(reference.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                        max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)[0, len(prompt):])
+    assert any(_tokens(events[f"r{i}"]) != p.tolist() for i, p in enumerate(plain))  # the penalty changed tokens
+    sampled = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.9, seed=5, ignore_eos=True, presence_penalty=0.8,
+                             frequency_penalty=0.4)
+    roomy, expected_events = _run(directory, 4 * CONTEXT, overlapped, sampled)
+    tight, got = _run(directory, CONTEXT, overlapped, sampled, prefix_caching=True)
+    assert roomy.load().preemptions == 0 and tight.load().preemptions >= 1
+    assert {r: _tokens(e) for r, e in got.items()} == {r: _tokens(e) for r, e in expected_events.items()}
+    assert tight.load().prefix_hit_tokens == 0 and tight.pool.used_blocks == 0

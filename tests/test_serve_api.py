@@ -244,16 +244,41 @@ def test_a_requests_missing_sampling_fields_take_the_generation_configs_defaults
         server.api.config = before
 
 
+def test_penalties_reach_the_sampler_and_the_generation_configs_repetition_penalty_is_the_default(
+        server: BackgroundServer, client: openai.OpenAI, hf_model: Any, tokenizer: Any) -> None:
+    """repetition_penalty as transformers' ``generate`` applies it (greedy: the same tokens); presence and
+    frequency penalties change what is decoded; a request that leaves repetition_penalty out takes the
+    generation config's (vLLM's ``--generation-config auto``), one that sends 1 turns it off."""
+    prompt_ids = tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=12, repetition_penalty=1.5)
+    want = tokenizer.decode(out[0, len(prompt_ids):], skip_special_tokens=True)
+    kwargs: dict[str, Any] = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    assert client.completions.create(**kwargs, extra_body={"repetition_penalty": 1.5}).choices[0].text == want
+    plain = client.completions.create(**kwargs).choices[0].text
+    assert want != plain
+    assert client.completions.create(**kwargs, presence_penalty=1.5, frequency_penalty=1.0).choices[0].text != plain
+    before = server.api.config
+    try:
+        server.api.config = dataclasses.replace(before, sampling_defaults=SamplingDefaults(repetition_penalty=1.5))
+        assert client.completions.create(**kwargs).choices[0].text == want
+        assert client.completions.create(**kwargs, extra_body={"repetition_penalty": 1}).choices[0].text == plain
+    finally:
+        server.api.config = before
+
+
 def test_generation_config_defaults_are_read_as_vllm_reads_them(tmp_path: Path) -> None:
     from vexpert_runtime.commands.serve import sampling_defaults
 
     qwen3 = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05,
              "eos_token_id": [151645, 151643]}
     defaults, notes = SamplingDefaults.from_generation_config(qwen3)
-    assert defaults == SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.0, max_tokens=None)
-    assert any("repetition_penalty=1.05" in note and "does not apply" in note for note in notes)
-    assert SamplingDefaults.from_generation_config({"top_k": -1, "temperature": True, "max_new_tokens": 0}) == (
-        SamplingDefaults(), [])  # −1: off; a boolean is not a temperature; 0 tokens: no limit given
+    assert defaults == SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.0, max_tokens=None,
+                                        repetition_penalty=1.05)
+    assert any("repetition_penalty=1.05" in note for note in notes)
+    assert SamplingDefaults.from_generation_config({"top_k": -1, "temperature": True, "max_new_tokens": 0,
+                                                    "repetition_penalty": 0}) == (
+        SamplingDefaults(), [])  # −1: off; a boolean is not a temperature; 0 tokens: no limit given; 0: no penalty
     (tmp_path / "generation_config.json").write_text(json.dumps(qwen3))
     assert sampling_defaults(tmp_path, "auto")[0].top_k == 20
     assert sampling_defaults(tmp_path, "vexpert") == (SamplingDefaults(), [])
@@ -502,9 +527,9 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
         ({"max_tokens": 0}, "max_tokens"),
         ({"prompt": [1, 10**6]}, "prompt"),
         ({"model": None}, "model"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),  # sampled without penalties: refused, not ignored
-        ({"frequency_penalty": -1}, "frequency_penalty"),
-        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),  # OpenAI's range: [-2, 2]
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),  # > 0
         ({"logit_bias": {"50256": -100}}, "logit_bias"),
         ({"presence_penalty": "0"}, "presence_penalty"),
         ({"top_k": -2}, "top_k"),

@@ -186,6 +186,22 @@ def test_graphed_logprobs_equal_the_eager_step(tmp_path: Path) -> None:
             assert g_top == pytest.approx(top, abs=2e-2) and g_ids[0] == ids[0]
 
 
+def test_graphed_penalties_equal_the_eager_step(tmp_path: Path) -> None:
+    """Sampled with repetition, presence and frequency penalties beside an unpenalized sequence (the
+    graphs that track tokens in the penalty tables and apply them), then a second batch taking the rows
+    the first freed: the same tokens graphed as eager."""
+    path = _write("qwen3_moe", tmp_path / "qwen3_moe")
+    spec = SamplingSpec(temperature=0.8, seed=2, repetition=1.3, presence=0.5, frequency=0.4)
+
+    def run(model: HFStepModel) -> tuple[list[list[int]], list[list[int]]]:
+        return (drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK, sampling=[spec, None, spec]),
+                drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK, seq_base=10, sampling=spec))
+
+    eager, graphed, model = _eager_and_graphed(path, run)
+    assert model.graphs is not None and any(key.penalties for key in model.graphs.graphs)
+    assert eager == graphed
+
+
 def _eager_and_graphed(path: Path, run: Callable[[HFStepModel], T], kv_cache_tokens: int = 512, fused: bool = False
                        ) -> tuple[T, T, HFStepModel]:
     """``run`` on a fresh one-rank model stepping eagerly, then on another replaying CUDA graphs (its

@@ -100,12 +100,13 @@ def _reference(path: Path, prompts: Sequence[Sequence[int]] = PROMPTS,
 
 def drive(model: HFStepModel, prompts: Sequence[Sequence[int]], new_tokens: Sequence[int], joins: Sequence[int],
           chunk: int, more: Callable[[bool], bool] = lambda local: local, seq_base: int = 0,
-          sampling: SamplingSpec | None = None, logprobs: list[list[tuple[float, list[float], list[int]]]] | None = None
-          ) -> list[list[int]]:
+          sampling: SamplingSpec | Sequence[SamplingSpec | None] | None = None,
+          logprobs: list[list[tuple[float, list[float], list[int]]]] | None = None) -> list[list[int]]:
     """A tiny continuous-batching driver: prompt i joins at step joins[i], is fed ``chunk`` tokens a
     step, then decodes (greedily, or with ``sampling``, seeded seed + i) until it has new_tokens[i]
     tokens and leaves (its blocks freed, so later sequences reuse them). ``more(local_has_work)``
-    decides whether to run another step (the EP ranks' lockstep). ``logprobs`` (with a ``sampling``
+    decides whether to run another step (the EP ranks' lockstep); ``sampling`` may be one per prompt.
+    ``logprobs`` (with a ``sampling``
     that asks for them): per prompt, each sampled token's (log-probability, top log-probabilities, top ids)."""
     pool = BlockPool(model.kv_num_blocks, model.kv_block_size)
     fed = [0] * len(prompts)
@@ -120,9 +121,12 @@ def drive(model: HFStepModel, prompts: Sequence[Sequence[int]], new_tokens: Sequ
                 pool.add(seq_base + i)
             tokens = prompt[fed[i]:fed[i] + chunk] if fed[i] < len(prompt) else [out[i][-1]]
             blocks = pool.grow(seq_base + i, fed[i] + len(tokens))
-            spec = SamplingSpec() if sampling is None else dataclasses.replace(sampling, seed=sampling.seed + i)
+            chosen = sampling[i] if isinstance(sampling, list | tuple) else sampling
+            spec = SamplingSpec() if chosen is None else dataclasses.replace(chosen, seed=chosen.seed + i)
             sample = dataclasses.replace(spec, draw=len(out[i])) if fed[i] + len(tokens) >= len(prompt) else None
-            work.append(SequenceWork(seq_base + i, tuple(tokens), fed[i], tuple(blocks), sample))
+            penalized = (spec.repetition, spec.presence, spec.frequency) != (1.0, 0.0, 0.0)
+            work.append(SequenceWork(seq_base + i, tuple(tokens), fed[i], tuple(blocks), sample,
+                                     penalty_prompt_len=len(prompt) if penalized else -1))
             fed[i] += len(tokens)
         pending = model.launch(work)
         sampled = pending.result()
@@ -226,6 +230,44 @@ def test_logprobs_are_the_log_softmax_of_transformers_logits(checkpoints: dict[s
     pool.add(0)
     plain = model.launch([SequenceWork(0, (3, 4), 0, tuple(pool.grow(0, 2)), SamplingSpec(temperature=1.3))])
     assert plain.result().shape == (1,) and plain.logprobs() is None
+
+
+def _penalized_greedy(path: Path, prompt: Sequence[int], new: int, repetition: float, presence: float,
+                      frequency: float) -> list[int]:
+    """Greedy decoding with vLLM's penalties, written out token by token over transformers' logits: a
+    token of prompt or output has its logit divided by ``repetition`` where positive, multiplied where not;
+    then each output token's logit loses frequency × its count + presence."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+    sequence, out = list(prompt), []
+    for _ in range(new):
+        with torch.no_grad():
+            logits = model(torch.tensor([sequence])).logits[0, -1].float()
+        for token in set(sequence):
+            logits[token] = logits[token] / repetition if logits[token] > 0 else logits[token] * repetition
+        for token in set(out):
+            logits[token] -= frequency * out.count(token) + presence
+        out.append(int(logits.argmax()))
+        sequence.append(out[-1])
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_penalties_equal_vllms_formula_with_joins_chunks_and_reused_rows(checkpoints: dict[str, Path],
+                                                                         family: str) -> None:
+    """Greedy with repetition, presence and frequency penalties through the batched step (sequences joining
+    and leaving, prompts in chunks; then a second batch on the same model, whose sequences take the rows
+    the first freed): the tokens of the penalties' definition, decoded one by one over transformers'
+    logits; an unpenalized sequence in the same batches decodes as without penalties."""
+    model = HFStepModel(checkpoints[family], dtype=torch.float32, kv_cache_tokens=KV_TOKENS)
+    plain = _reference(checkpoints[family])[0]
+    for base, (repetition, presence, frequency) in ((0, (1.6, 0.0, 0.0)), (20, (1.0, 0.7, 0.9))):
+        spec = SamplingSpec(repetition=repetition, presence=presence, frequency=frequency)
+        expected = [_penalized_greedy(checkpoints[family], p, n, repetition, presence, frequency)
+                    for p, n in zip(PROMPTS, NEW_TOKENS, strict=True)]
+        assert expected != plain  # these penalties change tokens
+        assert drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK, seq_base=base, sampling=spec) == expected
+        mixed = drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK, seq_base=base + 10, sampling=[spec, None, spec])
+        assert mixed == [expected[0], plain[1], expected[2]]  # the rows the last batch freed, taken again
 
 
 def test_ep_statistics_are_the_last_iterations(checkpoints: dict[str, Path]) -> None:

@@ -92,6 +92,9 @@ def test_overload_is_429_with_retry_after_before_any_stream_and_the_rendezvous_i
         assert logprobs["token_logprobs"] == pytest.approx(_greedy_logprobs(tmp_path / "ckpt", "request n", 6), abs=1e-3)
         assert all(max(top.values()) == pytest.approx(lp, abs=1e-6)  # greedy: the most likely token
                    for top, lp in zip(logprobs["top_logprobs"], logprobs["token_logprobs"], strict=True))
+        # penalties in the EP ranks' graphs-free CPU step: transformers' greedy with its repetition_penalty
+        penalized = _post(url, {**body, "temperature": 0, "repetition_penalty": 1.5, "max_tokens": 10})
+        assert penalized["choices"][0]["text"] == _greedy_text(tmp_path / "ckpt", "request n", 10, 1.5)
     finally:
         _stop(proc)
     assert proc.returncode == 0, log.read_text()[-3000:]
@@ -109,6 +112,20 @@ def _greedy_logprobs(checkpoint: Path, prompt: str, tokens: int) -> list[float]:
                              output_logits=True, return_dict_in_generate=True)
     return [float(torch.log_softmax(step[0].float(), -1)[token]) for step, token in
             zip(out.logits, out.sequences[0, len(ids):].tolist(), strict=True)]
+
+
+def _greedy_text(checkpoint: Path, prompt: str, tokens: int, repetition_penalty: float) -> str:
+    """transformers' greedy continuation of ``prompt`` with ``repetition_penalty``, as text."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens,
+                             repetition_penalty=repetition_penalty)
+    return str(tokenizer.decode(out[0, len(ids):], skip_special_tokens=True))
 
 
 def _post(url: str, body: dict[str, Any]) -> Any:

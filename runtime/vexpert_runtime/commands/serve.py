@@ -97,8 +97,8 @@ def register(subparsers: Any) -> None:
                              "captured once and replayed; compiles take about a minute at start, cached on disk)")
     parser.add_argument("--generation-config", choices=("auto", "vexpert"), default="auto",
                         help="defaults of the sampling fields a request leaves out: 'auto' takes temperature, "
-                             "top_p, top_k, min_p and max_new_tokens from the checkpoint's generation_config.json "
-                             "where it sets them (as vLLM does; logged at start), 'vexpert' the OpenAI API's "
+                             "top_p, top_k, min_p, repetition_penalty and max_new_tokens from the checkpoint's "
+                             "generation_config.json where it sets them (as vLLM does; logged at start), 'vexpert' the OpenAI API's "
                              "(temperature 1, no truncation)")
     parser.add_argument("--cpu-expert-kernel", choices=CPU_EXPERT_KERNELS, default="auto",
                         help="how a CPU rank multiplies its resident experts (fp32): grouped (torch._grouped_mm "

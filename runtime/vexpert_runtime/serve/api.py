@@ -678,6 +678,9 @@ class ServeApi:
             min_p=default.min_p if req.min_p is None else float(req.min_p),
             stop_token_ids=frozenset(req.stop_token_ids or ()),
             logprobs=req.requested_logprobs(),
+            repetition_penalty=default.repetition_penalty if req.repetition_penalty is None else float(req.repetition_penalty),
+            presence_penalty=float(req.presence_penalty or 0),
+            frequency_penalty=float(req.frequency_penalty or 0),
         )
 
     # ---- generation -------------------------------------------------------------------------

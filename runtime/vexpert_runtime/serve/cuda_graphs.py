@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -37,11 +37,14 @@ import torch
 from vexpert_runtime.gc_heap import collector_paused
 from vexpert_runtime.serve.attention import AttentionMetadata
 from vexpert_runtime.serve.kv_cache import SCRATCH_BLOCK
+from vexpert_runtime.serve.penalties import PenaltyInputs, PenaltyRows
 from vexpert_runtime.serve.sampling import truncates
 from vexpert_runtime.serve.step import SequenceWork, StepLogprobs
 
-_TOKEN_FIELDS = ("tokens", "positions", "slots", "lengths", "seqs", "valid", "fed")
-_SAMPLE_FIELDS = ("rows", "seeds", "draws", "temperature", "top_p", "top_k", "min_p")
+_TOKEN_FIELDS = ("tokens", "positions", "slots", "lengths", "seqs", "valid", "fed", "penalty_rows", "outputs")
+_SAMPLE_FIELDS = ("rows", "seeds", "draws", "temperature", "top_p", "top_k", "min_p", "penalty_sample_rows",
+                  "repetition", "presence", "frequency")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition", "presence", "frequency")  # stored as float64 bits
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -84,9 +87,8 @@ class GraphInputs:
             for name in names:
                 views[name] = buffer[at:at + n]
                 at += n
-        views["temperature"] = views["temperature"].view(torch.float64)
-        views["top_p"] = views["top_p"].view(torch.float64)
-        views["min_p"] = views["min_p"].view(torch.float64)
+        for name in _FLOAT_FIELDS:
+            views[name] = views[name].view(torch.float64)
         return cls(buffer, views, buffer[at:].view(width, seqs).t())
 
     def used(self, work: Sequence[SequenceWork], width: int | None = None) -> int:
@@ -97,10 +99,12 @@ class GraphInputs:
         width = table_width(work) if width is None else width
         return self.buffer.numel() - self.tables.numel() + max(width, 1) * seqs
 
-    def fill(self, work: Sequence[SequenceWork], block_size: int) -> int:
+    def fill(self, work: Sequence[SequenceWork], block_size: int, penalty_rows: PenaltyRows | None = None) -> int:
         """Write an iteration into this (host, pinned) buffer: real rows first, pad rows after;
         the number of sampling rows used. Per-field numpy writes from one list per field: at 256
-        sequences this runs every few milliseconds on the serving loop's thread."""
+        sequences this runs every few milliseconds on the serving loop's thread. ``penalty_rows``:
+        each item's row of the penalty tables (:mod:`.penalties`; None: no item is penalized, and the
+        penalty fields are left as they are — only a graph with penalties reads them)."""
         v = self._host_views()
         tables = v["tables"]
         items = len(work)
@@ -154,7 +158,29 @@ class GraphInputs:
             v["min_p"][:s] = [spec.min_p for spec in specs]
         for name in _SAMPLE_FIELDS:
             v[name][s:] = 0
+        if penalty_rows is not None:
+            self._fill_penalties(work, penalty_rows, seqs, positions, n, s, v)
         return s
+
+    @staticmethod
+    def _fill_penalties(work: Sequence[SequenceWork], penalty_rows: PenaltyRows, seqs: np.ndarray,
+                        positions: np.ndarray, n: int, s: int, v: dict[str, np.ndarray]) -> None:
+        """The penalty fields (:class:`~.penalties.PenaltyInputs`); pad rows write the scratch row."""
+        scratch = penalty_rows.scratch
+        rows = np.array(penalty_rows.rows, np.int64)
+        prompt_lens = np.array([item.penalty_prompt_len for item in work], np.int64)
+        v["penalty_rows"][:n] = rows[seqs]
+        v["penalty_rows"][n:] = scratch
+        v["outputs"][:n] = (positions >= prompt_lens[seqs]) & (prompt_lens[seqs] >= 0)
+        v["outputs"][n:] = 0
+        sampled = [(row, item.sample) for row, item in zip(penalty_rows.rows, work, strict=True)
+                   if item.sample is not None]
+        v["penalty_sample_rows"][:s] = [row for row, _ in sampled]
+        v["penalty_sample_rows"][s:] = scratch
+        v["repetition"][:s] = [spec.repetition for _, spec in sampled]
+        v["repetition"][s:] = 1.0
+        v["presence"][:s] = [spec.presence for _, spec in sampled]
+        v["frequency"][:s] = [spec.frequency for _, spec in sampled]
 
     def _host_views(self) -> dict[str, np.ndarray]:
         """numpy views of :attr:`views` and :attr:`tables` (made once: a view costs µs per call)."""
@@ -171,26 +197,34 @@ class GraphInputs:
                                  token_seq=v["seqs"][:tokens], groups=(), block_size=block_size, kv_splits=kv_splits)
 
 
-GraphKey = tuple[int, bool, int, bool]
+class GraphKey(NamedTuple):
+    """Which captured graph an iteration replays (:func:`graph_key`)."""
+
+    tokens: int  # the token bucket
+    truncate: bool  # truncated sampling (min-p, top-k, top-p)
+    splits: int  # the decode kernels' context splits
+    logprobs: bool  # log-probabilities reported
+    penalties: bool  # penalties tracked and applied
 
 
 def graph_key(work: Sequence[SequenceWork], buckets: Sequence[int], block_size: int,
               kv_splits: Callable[[int, int], int] | None, width: int) -> GraphKey:
-    """(token bucket, truncated sampling, context splits, log-probabilities) of an iteration: the smallest
-    bucket with a row for every token; whether any sampled row draws from fewer than all tokens
-    (:func:`~.sampling.truncates`: a graph of its own, as the sort over the vocabulary costs the others
-    nothing); the decode kernels' splits for that bucket at the longest context the tables reach (``width``
-    blocks); whether any sampled row asks for log-probabilities (likewise: a log-softmax and top-k over
-    the vocabulary that the others skip)."""
+    """The graph of an iteration: the smallest bucket with a row for every token; whether any sampled row
+    draws from fewer than all tokens (:func:`~.sampling.truncates`: a graph of its own, as the sort over
+    the vocabulary costs the others nothing); the decode kernels' splits for that bucket at the longest
+    context the tables reach (``width`` blocks); whether any sampled row asks for log-probabilities, and
+    whether any item is of a sequence sampled with penalties (likewise: work over the vocabulary that
+    the others skip)."""
     tokens = sum(len(item.tokens) for item in work)
     bucket = next(b for b in buckets if b >= tokens)
-    truncate = logprobs = False
+    truncate = logprobs = penalties = False
     for item in work:
         if item.sample is not None:
             truncate = truncate or truncates(item.sample)
             logprobs = logprobs or item.sample.logprobs
+        penalties = penalties or item.penalty_prompt_len >= 0
     splits = 1 if kv_splits is None else kv_splits(bucket, width * block_size)
-    return bucket, truncate, splits, logprobs
+    return GraphKey(bucket, truncate, splits, logprobs, penalties)
 
 
 def table_width(work: Sequence[SequenceWork]) -> int:
@@ -200,10 +234,10 @@ def table_width(work: Sequence[SequenceWork]) -> int:
 
 # forward(tokens [T], fed [T] (−1, or the previous step's sampling row a token comes from), metadata,
 #         sample_rows [S], sampling (temperature, top_p, top_k, min_p, seed, draw, truncate), valid [T] bool, warmup,
-#         logprobs) -> (ids [S],) or, with logprobs, (ids [S], sampled [S], top ids [S, K], top logprobs [S, K]);
-# a warm-up pass must leave nothing behind but compiled kernels.
+#         logprobs, penalties (PenaltyInputs or None)) -> (ids [S],) or, with logprobs, (ids [S], sampled [S],
+# top ids [S, K], top logprobs [S, K]); a warm-up pass must leave nothing behind but compiled kernels.
 GraphForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, tuple[Any, ...], torch.Tensor,
-                         bool, bool], tuple[torch.Tensor, ...]]
+                         bool, bool, PenaltyInputs | None], tuple[torch.Tensor, ...]]
 
 
 @dataclass
@@ -274,7 +308,7 @@ class GraphedSteps:
                                  [torch.zeros(max_seqs, dtype=torch.int64, pin_memory=True)]) for _ in range(2)]
         self.device_inputs = GraphInputs.allocate(max_tokens, max_seqs, width, device)
         self.warmup_inputs = GraphInputs.allocate(max_tokens, max_seqs, width, device)  # pad rows only
-        # (bucket, truncated sampling, context splits, log-probabilities) → the graph and its outputs
+        # GraphKey → the graph and its outputs
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.pool: Any = None
         self.replays = 0
@@ -293,12 +327,13 @@ class GraphedSteps:
         return graph_key(work, self.buckets, self.block_size, self.kv_splits,
                          table_width(work) if width is None else width)
 
-    def launch(self, work: Sequence[SequenceWork]) -> GraphStep:
-        """Enqueue one iteration (one input copy, one replay, one output copy) without waiting for it."""
+    def launch(self, work: Sequence[SequenceWork], penalty_rows: PenaltyRows | None = None) -> GraphStep:
+        """Enqueue one iteration (one input copy, one replay, one output copy) without waiting for it;
+        ``penalty_rows``: the items' rows of the penalty tables when any is penalized."""
         staging = self.staging[self.replays % 2]
         if staging.copied is not None:  # its inputs of two steps ago are on the device (long since, as a rule)
             staging.copied.synchronize()
-        staging.inputs.fill(work, self.block_size)
+        staging.inputs.fill(work, self.block_size, penalty_rows)
         width = table_width(work)
         used = staging.inputs.used(work, width)
         self.device_inputs.buffer[:used].copy_(staging.inputs.buffer[:used], non_blocking=True)
@@ -306,14 +341,14 @@ class GraphedSteps:
         staging.copied.record()
         if not self.graphs:  # the first iteration: every plain bucket now, not one by one while serving
             for size in reversed(self.buckets):
-                self._capture(size, False, 1, False)
+                self._capture(GraphKey(size, False, 1, False, False))
             longest = self.width * self.block_size  # the model's context: does any launch ever split?
             splits = 1 if self.kv_splits is None else self.kv_splits(1, longest)
             if splits > 1:  # compile the split kernels now, not when the first long context arrives
-                self._call(self.warmup_inputs, 1, False, splits, False, warmup=True)
+                self._call(self.warmup_inputs, GraphKey(1, False, splits, False, False), warmup=True)
         key = self.key_for(work, width)
         if key not in self.graphs:
-            self._capture(*key)
+            self._capture(key)
         graph, outs = self.graphs[key]
         graph.replay()
         self.replays += 1
@@ -324,25 +359,30 @@ class GraphedSteps:
         done.record()
         return GraphStep(done, hosts, [b for b, item in enumerate(work) if item.sample is not None], len(work))
 
-    def _call(self, inputs: GraphInputs, tokens: int, truncate: bool, splits: int, logprobs: bool,
-              warmup: bool = False) -> tuple[torch.Tensor, ...]:
+    def _call(self, inputs: GraphInputs, key: GraphKey, warmup: bool = False) -> tuple[torch.Tensor, ...]:
+        tokens = key.tokens
         seqs = min(tokens, self.max_seqs)
         v = inputs.views
         sampling = (v["temperature"][:seqs].float(), v["top_p"][:seqs].float(), v["top_k"][:seqs],
-                    v["min_p"][:seqs].float(), v["seeds"][:seqs], v["draws"][:seqs], truncate)
-        meta = inputs.metadata(tokens, seqs, self.block_size, splits)
+                    v["min_p"][:seqs].float(), v["seeds"][:seqs], v["draws"][:seqs], key.truncate)
+        penalties = None
+        if key.penalties:
+            penalties = PenaltyInputs(v["penalty_rows"][:tokens], v["outputs"][:tokens].bool(),
+                                      v["penalty_sample_rows"][:seqs], v["repetition"][:seqs].float(),
+                                      v["presence"][:seqs].float(), v["frequency"][:seqs].float())
+        meta = inputs.metadata(tokens, seqs, self.block_size, key.splits)
         return self.forward(v["tokens"][:tokens], v["fed"][:tokens], meta, v["rows"][:seqs], sampling,
-                            v["valid"][:tokens].bool(), warmup, logprobs)
+                            v["valid"][:tokens].bool(), warmup, key.logprobs, penalties)
 
-    def _capture(self, tokens: int, truncate: bool, splits: int, logprobs: bool) -> None:
+    def _capture(self, key: GraphKey) -> None:
         """Warm up eagerly on pad rows, then capture the bucket."""
-        self._call(self.warmup_inputs, tokens, truncate, splits, logprobs, warmup=True)
+        self._call(self.warmup_inputs, key, warmup=True)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the worker's watchdog thread may touch its own side stream meanwhile;
         # no garbage collection inside the capture (gc_heap.collector_paused says why)
         with collector_paused(), torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
                                                   capture_error_mode="thread_local"):
-            outs = self._call(self.device_inputs, tokens, truncate, splits, logprobs)
+            outs = self._call(self.device_inputs, key)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[(tokens, truncate, splits, logprobs)] = (graph, outs)
+        self.graphs[key] = (graph, outs)

@@ -24,8 +24,8 @@ class SamplingParams:
     ``temperature`` 0 is greedy; ``top_k`` 0 and ``min_p`` 0 keep every token; ``seed`` None draws a
     fresh seed (not reproducible); ``max_tokens`` is already resolved by the API (never more than the
     context leaves); ``stop_token_ids`` end the sequence as EOS does, also with ``ignore_eos``;
-    ``logprobs`` k (≤ :data:`~.step.MAX_LOGPROBS`): each sampled token's log-probability and the k most
-    likely tokens' (:class:`TokenLogprobs`), None: none.
+    ``logprobs`` k (≤ :data:`MAX_LOGPROBS`): each sampled token's log-probability and the k most
+    likely tokens' (:class:`TokenLogprobs`), None: none; the penalties are vLLM's (1, 0, 0: off).
     """
 
     max_tokens: int
@@ -38,6 +38,13 @@ class SamplingParams:
     min_p: float = 0.0
     stop_token_ids: frozenset[int] = frozenset()
     logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,6 +48,7 @@ from vexpert_runtime.serve.moe_executors import (
     MoEExecutor,
     packed_rows,
 )
+from vexpert_runtime.serve.penalties import PenaltyInputs, PenaltyState, penalized_logits, record_tokens
 from vexpert_runtime.serve.sampling import sample_tokens, sampling_tensors, token_logprobs
 from vexpert_runtime.serve.sparse_blocks import (
     ExecutorExperts,
@@ -148,6 +149,7 @@ class HFStepModel:
         self.kv_block_size = block_size
         self.kv_cache: PagedKVCache | None = None
         self.graphs: GraphedSteps | None = None
+        self.penalties = PenaltyState(self.vocab_size, self.device)  # tables made at the first penalized step
         # Whether the scheduler launches step i+1 before reading step i (see serve/step.py): on with
         # CUDA graphs, where the launch returns at once; on CPU the step is done when launched.
         self.overlaps_steps = False
@@ -227,7 +229,8 @@ class HFStepModel:
     # -- one iteration -----------------------------------------------------------------------
 
     def release(self, seq_id: int) -> None:
-        """Nothing to do: the scheduler's pool took the sequence's blocks back."""
+        """The scheduler's pool took the sequence's blocks back; its penalty row (if any) is free."""
+        self.penalties.release(seq_id)
 
     def compile_pieces(self) -> int:
         """Run the step's small pieces compiled by inductor (:mod:`~vexpert_runtime.model.fusion`), the
@@ -275,8 +278,13 @@ class HFStepModel:
         if self.kv_cache is None:
             raise RuntimeError("no KV cache: call allocate_kv_cache first")
         self._check(work)
-        if self.graphs is not None and self.graphs.fits(work):
-            return self.graphs.launch(work)
+        graphed = self.graphs is not None and self.graphs.fits(work)
+        if graphed and self.graphs is not None and not self.penalties.fixed and any(
+                item.penalty_prompt_len >= 0 for item in work):  # the tables, before a graph captures them
+            self.penalties.reserve(2 * self.graphs.max_seqs)  # running, and the finished ones of the step in flight
+        penalty_rows = self.penalties.rows_for(work)
+        if graphed and self.graphs is not None:
+            return self.graphs.launch(work, penalty_rows)
         tokens = torch.tensor([t for item in work for t in item.tokens], dtype=torch.int64).to(self.device)
         fed = None
         if any(item.fed is not None for item in work):
@@ -291,8 +299,10 @@ class HFStepModel:
         specs = [spec for spec in (item.sample for item in work) if spec is not None]
         ends = torch.cumsum(torch.tensor([len(item.tokens) for item in work], dtype=torch.int64), 0) - 1
         logprobs = any(spec.logprobs for spec in specs)
+        penalties = None if penalty_rows is None else self.penalties.inputs(work, penalty_rows)
         outputs = self._forward(tokens, fed, meta, ends[sampled].to(self.device),
-                                sampling_tensors(specs, self.device) if specs else None, None, logprobs=logprobs)
+                                sampling_tensors(specs, self.device) if specs else None, None, logprobs=logprobs,
+                                penalties=penalties)
         out = torch.full((len(work),), -1, dtype=torch.int64)
         if outputs is None:
             return FinishedStep(out)
@@ -313,16 +323,22 @@ class HFStepModel:
 
     def _forward(self, tokens: torch.Tensor, fed: torch.Tensor | None, meta: AttentionMetadata,
                  sample_rows: torch.Tensor, sampling: tuple[Any, ...] | None, valid: torch.Tensor | None,
-                 publish: bool = True, logprobs: bool = False) -> tuple[torch.Tensor, ...] | None:
+                 publish: bool = True, logprobs: bool = False, penalties: PenaltyInputs | None = None
+                 ) -> tuple[torch.Tensor, ...] | None:
         """The model over tokens [T] (device work only, no host sync): (the ids sampled at the rows
         ``sample_rows`` [S],) — with ``logprobs`` also their :func:`~.sampling.token_logprobs` (sampled
         [S], top ids [S, K], top log-probabilities [S, K]) — or None without ``sampling``. ``fed`` [T]:
         where ≥ 0, the token is the previous step's sampled id at that row (:attr:`last_sampled`);
-        ``publish``: keep this step's ids there for the next step."""
+        ``publish``: keep this step's ids there for the next step. ``penalties``: track the penalized
+        sequences' tokens and sample with their penalties (:mod:`.penalties`; log-probabilities stay the
+        model's)."""
         cache = self.kv_cache
         assert cache is not None
         if fed is not None:
             tokens = torch.where(fed >= 0, self.last_sampled[fed.clamp(min=0)], tokens)
+        if penalties is not None:
+            assert self.penalties.seen is not None and self.penalties.counts is not None
+            record_tokens(self.penalties.seen, self.penalties.counts, tokens, meta.positions, penalties)
         hidden = self.model.model.embed_tokens(tokens)  # [T, H]
         cos, sin = self.model.model.rotary_emb(hidden, meta.positions.unsqueeze(0))
         attention = AttentionStep(cos[0], sin[0], meta, None if meta.groups else self._attention_kernel, self.compiled)
@@ -338,7 +354,11 @@ class HFStepModel:
         if sampling is None:
             return None
         logits = self.model.lm_head(self.model.model.norm(hidden[sample_rows]))
-        ids = fusion.maybe_compiled(sample_tokens, self.compiled)(logits, *sampling)
+        sampled_from = logits
+        if penalties is not None:
+            assert self.penalties.seen is not None and self.penalties.counts is not None
+            sampled_from = penalized_logits(logits.float(), self.penalties.seen, self.penalties.counts, penalties)
+        ids = fusion.maybe_compiled(sample_tokens, self.compiled)(sampled_from, *sampling)
         if publish:
             self.last_sampled[: ids.shape[0]].copy_(ids)
         if not logprobs:
@@ -347,13 +367,18 @@ class HFStepModel:
 
     def _graph_forward(self, tokens: torch.Tensor, fed: torch.Tensor, meta: AttentionMetadata,
                        sample_rows: torch.Tensor, sampling: tuple[Any, ...], valid: torch.Tensor,
-                       warmup: bool, logprobs: bool) -> tuple[torch.Tensor, ...]:
+                       warmup: bool, logprobs: bool, penalties: PenaltyInputs | None) -> tuple[torch.Tensor, ...]:
         """A bucket's forward for :class:`GraphedSteps` (``warmup``: an eager pass over pad rows
         whose only lasting effect is compiled kernels — no slot handshake, statistics kept, the
-        previous step's sampled ids untouched)."""
+        previous step's sampled ids untouched, only the penalty tables' scratch row written)."""
         quiet = getattr(self.executor, "quiet", contextlib.nullcontext) if warmup else contextlib.nullcontext
+        if warmup and penalties is not None:
+            scratch = self.penalties.scratch
+            penalties = penalties._replace(token_rows=torch.full_like(penalties.token_rows, scratch),
+                                           sample_rows=torch.full_like(penalties.sample_rows, scratch))
         with quiet():
-            out = self._forward(tokens, fed, meta, sample_rows, sampling, valid, publish=not warmup, logprobs=logprobs)
+            out = self._forward(tokens, fed, meta, sample_rows, sampling, valid, publish=not warmup, logprobs=logprobs,
+                                penalties=penalties)
         assert out is not None
         return out
 

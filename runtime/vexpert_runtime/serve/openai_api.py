@@ -2,19 +2,21 @@
 
 Requests ignore fields they do not know and that change nothing in the tokens (OpenAI clients send many
 optional ones — ``user``, ``metadata``, ``parallel_tool_calls`` …) and accept ``null`` for optional ones, and
-neutral values of what they cannot honour (``presence_penalty: 0``, ``logit_bias: {}``, ``response_format:
-{"type": "text"}``, as clients send by default); what this server cannot honour and would otherwise silently
-get wrong (``echo``, ``prompt_logprobs``, ``best_of`` > 1, non-zero penalties, a
-non-empty ``logit_bias``, non-text message parts, structured output, tool calls, and the vLLM extensions
-of :data:`_REFUSED_COMPLETION` / :data:`_REFUSED_CHAT`) is a 400 naming the field and what to send instead.
+neutral values of what they cannot honour (``logit_bias: {}``, ``response_format: {"type": "text"}``, as clients
+send by default); what this server cannot honour and would otherwise silently get wrong (``echo``,
+``prompt_logprobs``, ``best_of`` > 1, a non-empty ``logit_bias``, non-text message parts, structured output, tool
+calls, and the vLLM extensions of :data:`_REFUSED_COMPLETION` / :data:`_REFUSED_CHAT`) is a 400 naming the field
+and what to send instead.
 
-Honoured as vLLM does: ``logprobs`` (completions: k; chat: ``logprobs`` + ``top_logprobs``: the output tokens'
-log-probabilities under the model's distribution, before temperature and truncation, and the k most likely
-tokens'; at most :data:`~.events.MAX_LOGPROBS`), ``n`` (that many choices, each its own sequence of the same prompt; with a ``seed``,
-choice i samples with seed + i), ``top_k`` and ``min_p`` (sampling), ``stop_token_ids``, ``ignore_eos`` (benchmarks use it
-to force exact lengths); for chat, ``chat_template_kwargs`` (e.g. Qwen3's ``{"enable_thinking": false}``),
-``add_generation_prompt``, ``continue_final_message``, ``documents``, and ``tools`` with ``tool_choice: "none"``
-(the model's template shows them; its reply is text).
+Honoured as vLLM does: a batch of prompts (completions); ``n`` (that many choices, each its own sequence of the
+same prompt; with a ``seed``, choice i samples with seed + i); ``presence_penalty``, ``frequency_penalty`` and
+``repetition_penalty`` (:mod:`.penalties`); ``logprobs`` (completions: k; chat: ``logprobs`` + ``top_logprobs``:
+the output tokens' log-probabilities under the model's distribution, before temperature, penalties and
+truncation, and the k most likely tokens'; at most :data:`~.events.MAX_LOGPROBS`); ``top_k`` and ``min_p``
+(sampling), ``stop_token_ids``, ``ignore_eos`` (benchmarks use it to force exact lengths); for chat,
+``chat_template_kwargs`` (e.g. Qwen3's ``{"enable_thinking": false}``), ``add_generation_prompt``,
+``continue_final_message``, ``documents``, and ``tools`` with ``tool_choice: "none"`` (the model's template
+shows them; its reply is text).
 
 Types are strict, as OpenAI's own API checks them: a boolean is not an integer (``max_tokens: true``),
 a string is not a boolean (``stream: "yes"``), a number is not a string; ``role`` is one of
@@ -57,17 +59,12 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool | None = False
 
 
-# the penalties a request may name, at the value that leaves sampling as it is (repetition_penalty: vLLM's)
-_NEUTRAL_PENALTIES = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
-
 # Fields this server cannot honour, by endpoint: the values that ask for nothing (accepted; of that type
 # exactly: a boolean is not 0, 1.0 is not best_of=1), and what to do instead. Any other value is a 400 naming the
 # field: ignoring it would silently give the client something else than it asked for (JSON it never checks,
 # a token it banned, a tool call it waits for).
 _GUIDED = "guided decoding (structured output) is not supported; leave it out"
-_NO_PENALTIES = "penalties are not supported (tokens are sampled without them); send {} or leave it out"
 _REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
-    **{name: ((neutral, float(neutral)), _NO_PENALTIES.format(neutral)) for name, neutral in _NEUTRAL_PENALTIES.items()},
     "logit_bias": (({},), "not supported; leave it out or send {}"),
     "min_tokens": ((0,), "not supported (end-of-sequence is not suppressed); leave it out or send 0"),
     "guided_json": ((), _GUIDED), "guided_regex": ((), _GUIDED), "guided_choice": ((), _GUIDED),
@@ -136,6 +133,9 @@ class _GenerationRequest(BaseModel):
     top_k: StrictInt | None = Field(default=None, ge=-1)  # vLLM's: −1 / 0 / null keep every token
     min_p: StrictFloat | StrictInt | None = Field(default=None, ge=0, le=1)  # vLLM's
     stop_token_ids: list[StrictInt] | None = None  # vLLM's: ids that end the sequence like EOS (not in the text)
+    presence_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: StrictFloat | StrictInt | None = Field(default=None, gt=0)  # vLLM's (transformers')
 
     @field_validator("stop")
     @classmethod
@@ -353,16 +353,18 @@ class SamplingDefaults:
     top_k: int = 0
     min_p: float = 0.0
     max_tokens: int | None = None
+    repetition_penalty: float = 1.0
 
     @classmethod
     def from_generation_config(cls, config: Json) -> tuple[SamplingDefaults, list[str]]:
         """The defaults a ``generation_config.json`` (as a dict) sets — its ``temperature``, ``top_p``,
-        ``top_k``, ``min_p`` and ``max_new_tokens``, as vLLM reads them — and the notes to log: what it
-        sets, and what it asks for that this server does not apply (penalties)."""
+        ``top_k``, ``min_p``, ``repetition_penalty`` and ``max_new_tokens``, as vLLM reads them — and the
+        note to log: what it sets."""
         defaults, notes = cls(), []
         fields: Json = {}
         for key, name, kind in (("temperature", "temperature", float), ("top_p", "top_p", float),
                                 ("top_k", "top_k", int), ("min_p", "min_p", float),
+                                ("repetition_penalty", "repetition_penalty", float),
                                 ("max_new_tokens", "max_tokens", int)):
             value = config.get(key)
             if isinstance(value, int | float) and not isinstance(value, bool):
@@ -370,15 +372,12 @@ class SamplingDefaults:
         for name in ("top_k", "max_tokens"):  # top_k −1 / 0: off, as in a request; max_new_tokens 0: no limit
             if fields.get(name, 1) < 1:
                 del fields[name]
+        if fields.get("repetition_penalty", 1.0) <= 0:  # not a penalty a request could ask for
+            del fields["repetition_penalty"]
         if fields:
             defaults = cls(**fields)
             notes.append("sampling defaults from the model's generation config: "
                          + ", ".join(f"{k}={v}" for k, v in fields.items()))
-        for penalty in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
-            value = config.get(penalty)
-            if isinstance(value, int | float) and value != _NEUTRAL_PENALTIES[penalty]:
-                notes.append(f"the model's generation config asks for {penalty}={value}, which this server does not "
-                             "apply (it samples without penalties)")
         return defaults, notes
 
 

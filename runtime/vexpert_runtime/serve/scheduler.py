@@ -144,6 +144,7 @@ class _Sequence:
     seed: int
     prompt_len: int = field(init=False)  # len(request.prompt_ids), kept: read every iteration
     max_tokens: int = field(init=False)  # request.params.max_tokens, likewise
+    penalty_prompt_len: int = field(init=False)  # SequenceWork's: prompt_len when sampled with penalties, else −1
     prefill_len: int = field(init=False)  # tokens to compute before decoding: the prompt (+ output after a preemption)
     computed: int = 0  # tokens the model holds in its KV cache (or will, once the launched steps are done)
     admitted: bool = False
@@ -163,6 +164,7 @@ class _Sequence:
     def __post_init__(self) -> None:
         self.prompt_len = self.prefill_len = len(self.request.prompt_ids)
         self.max_tokens = self.request.params.max_tokens
+        self.penalty_prompt_len = self.prompt_len if self.request.params.penalized else -1
 
     def known_tokens(self, start: int, end: int) -> tuple[int, ...]:
         """Tokens ``start .. end-1`` of prompt + output (read ones)."""
@@ -179,7 +181,8 @@ class _Sequence:
     def sampling(self) -> SamplingSpec:
         params = self.request.params
         return SamplingSpec(params.temperature, params.top_p, self.seed, self.generated, params.top_k, params.min_p,
-                            params.logprobs is not None)
+                            params.logprobs is not None, params.repetition_penalty, params.presence_penalty,
+                            params.frequency_penalty)
 
     def take_logprobs(self) -> tuple[TokenLogprobs, ...]:
         """The log-probabilities of the tokens an event about to be sent accounts for."""
@@ -201,17 +204,19 @@ class _Sequence:
             self.table = tuple(pool.grow(self.seq_id, computed + 1))
         params = self.request.params  # sampling(), inlined: this runs per sequence per iteration
         spec = SamplingSpec(params.temperature, params.top_p, self.seed, len(self.output) + self.pending, params.top_k,
-                            params.min_p, params.logprobs is not None)
+                            params.min_p, params.logprobs is not None, params.repetition_penalty,
+                            params.presence_penalty, params.frequency_penalty)
         if self.pending:  # its token is on the device, sampled by the step still running
-            return SequenceWork(self.seq_id, (0,), computed, self.table, spec, self.sample_row)
-        return SequenceWork(self.seq_id, (self.output[-1],), computed, self.table, spec)
+            return SequenceWork(self.seq_id, (0,), computed, self.table, spec, self.sample_row, self.penalty_prompt_len)
+        return SequenceWork(self.seq_id, (self.output[-1],), computed, self.table, spec, None, self.penalty_prompt_len)
 
     def prefill_work(self, budget: int, pool: BlockPool) -> SequenceWork:
         """The next prefill chunk, at most ``budget`` tokens (sampling if it ends the prefill)."""
         end = min(self.prefill_len, self.computed + budget)
         self.table = tuple(pool.grow(self.seq_id, end))
         return SequenceWork(self.seq_id, self.known_tokens(self.computed, end), self.computed,
-                            self.table, self.sampling() if end == self.prefill_len else None)
+                            self.table, self.sampling() if end == self.prefill_len else None, None,
+                            self.penalty_prompt_len)
 
 
 def check_request(request: GenerationRequest, max_context: int, vocab_size: int) -> None:
@@ -227,6 +232,8 @@ def check_request(request: GenerationRequest, max_context: int, vocab_size: int)
     if n + params.max_tokens > max_context:
         raise VExpertInputError("max_tokens", f"prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the context "
                                 f"({max_context})")
+    if not params.repetition_penalty > 0 or not -2 <= params.presence_penalty <= 2 or not -2 <= params.frequency_penalty <= 2:
+        raise VExpertInputError("repetition_penalty", "must be > 0 (presence_penalty and frequency_penalty in [-2, 2])")
     if params.seed is not None and not -(2**63) <= params.seed < 2**64:
         raise VExpertInputError("seed", "must fit in 64 bits")
     if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab_size:
@@ -496,8 +503,10 @@ class Scheduler:
         if self.config.prefix_caching:
             size = self.pool.block_size
             seq.digests = token_block_digests(seq.known_tokens(0, seq.prefill_len), size)
-            # whole blocks, and never the prefill's last token: its logits give the next token
-            attached = self.pool.attach_prefix(seq.seq_id, seq.digests[: (seq.prefill_len - 1) // size])
+            # whole blocks, and never the prefill's last token: its logits give the next token; none for a
+            # penalized sequence (the model learns its tokens from the ones it computes: penalties.py)
+            reusable = 0 if seq.request.params.penalized else (seq.prefill_len - 1) // size
+            attached = self.pool.attach_prefix(seq.seq_id, seq.digests[:reusable])
             seq.computed = attached * size
             seq.published = attached
             self._kv_tokens_used += seq.computed

@@ -35,7 +35,8 @@ class SamplingSpec:
     min-p, top-k and top-p (0, 0 and 1: off). ``seed`` and ``draw`` (how many tokens the sequence
     sampled before) make the draw a pure function of the request, whatever shares its batch
     (:func:`~.sampling.sample_tokens`). ``logprobs``: also report the sampled token's log-probability
-    and the :data:`~.events.MAX_LOGPROBS` most likely tokens' (:class:`StepLogprobs`)."""
+    and the :data:`~.events.MAX_LOGPROBS` most likely tokens' (:class:`StepLogprobs`). ``repetition``,
+    ``presence``, ``frequency``: vLLM's penalties (1, 0, 0: off; :mod:`.penalties`)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -44,6 +45,9 @@ class SamplingSpec:
     top_k: int = 0
     min_p: float = 0.0
     logprobs: bool = False
+    repetition: float = 1.0
+    presence: float = 0.0
+    frequency: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,9 @@ class SequenceWork:
     ``fed``: a decode whose token the previous step sampled at its sampling row ``fed`` (the host has
     not read it yet, see the module docstring): the model takes it from the device, ``tokens`` holds
     a placeholder.
+    ``penalty_prompt_len``: for a sequence sampled with penalties, its prompt's length (tokens at positions
+    ≥ it are its output) — the model tracks such a sequence's tokens (:mod:`.penalties`) from every item,
+    sampling or not; −1 for the others.
     """
 
     seq_id: int
@@ -92,6 +99,7 @@ class SequenceWork:
     blocks: tuple[int, ...] = ()
     sample: SamplingSpec | None = None
     fed: int | None = None
+    penalty_prompt_len: int = -1
 
 
 class PendingStep(Protocol):
