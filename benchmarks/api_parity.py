@@ -1,0 +1,183 @@
+"""The OpenAI API fields vLLM honours, asked of ``vexpert serve`` and of vLLM's CPU build on one checkpoint.
+
+Not a speed benchmark: the same requests go to both servers, one after the other, on the tiny random Qwen3-MoE
+of ``cpu_serve_compare.py`` (float32), and their answers are compared field by field — greedy text, with
+``repetition_penalty`` and with ``presence_penalty`` + ``frequency_penalty``; completions' ``logprobs`` (tokens,
+token log-probabilities, the top-k sets); chat's ``logprobs`` + ``top_logprobs``; ``n`` > 1; a batch of prompts.
+Sampled answers are compared only in form (choices, their order, usage): the two servers draw from their own
+random streams — the ``n`` cases sample (vLLM refuses ``n`` > 1 with greedy sampling; vexpert returns n equal choices).
+
+    .venv/bin/python benchmarks/api_parity.py --work /tmp/cpu-compare --out benchmarks/results/api_parity
+
+It writes ``<out>/answers.json`` (every answer of both servers), ``<out>/summary.json`` and ``<out>/table.md``
+(also printed): per case, whether the answers agree, and for log-probabilities the largest difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_serve_compare import (
+    MODEL_NAME,
+    build_checkpoint,
+    free_port,
+    make_prompts,
+    server_command,
+    stop_server,
+    wait_healthy,
+)
+
+NEW_TOKENS = 24
+
+
+def cases(prompts: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """name → (endpoint, body): every body greedy, ``ignore_eos``, ``NEW_TOKENS`` tokens."""
+    base = {"model": MODEL_NAME, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    completion = {**base, "prompt": prompts[0]}
+    chat = {**base, "messages": [{"role": "user", "content": prompts[1]}]}
+    return {
+        "greedy": ("completions", completion),
+        "repetition_penalty 1.3": ("completions", {**completion, "repetition_penalty": 1.3}),
+        "presence 1.0 + frequency 0.5": ("completions", {**completion, "presence_penalty": 1.0,
+                                                         "frequency_penalty": 0.5}),
+        "logprobs 5": ("completions", {**completion, "logprobs": 5}),
+        "chat logprobs, top_logprobs 3": ("chat/completions", {**chat, "logprobs": True, "top_logprobs": 3}),
+        "n 3 (sampled)": ("completions", {**completion, "n": 3, "temperature": 1.0, "seed": 7}),
+        "2 prompts, n 2 (sampled)": ("completions", {**completion, "prompt": prompts[:2], "n": 2, "temperature": 1.0,
+                                                     "seed": 7}),
+    }
+
+
+def post(url: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(f"{url}/v1/{endpoint}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return dict(json.loads(response.read()))
+
+
+def ask(name: str, model: Path, requests: dict[str, tuple[str, dict[str, Any]]], args: argparse.Namespace
+        ) -> dict[str, Any]:
+    """Start server ``name``, send every case once, stop it: case → the answer (or the error text)."""
+    port = free_port()
+    command, env = server_command(name, model, port, args)
+    log = args.out / f"{name}.log"
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    answers: dict[str, Any] = {}
+    try:
+        wait_healthy(proc, url, log, args.startup_timeout)
+        for case, (endpoint, body) in requests.items():
+            try:
+                answers[case] = post(url, endpoint, body)
+            except urllib.error.HTTPError as exc:
+                answers[case] = {"error": exc.code, "body": exc.read().decode(errors="replace")[:500]}
+    finally:
+        stop_server(proc, 30.0)
+    return answers
+
+
+def _texts(answer: dict[str, Any]) -> list[str]:
+    return [c.get("text", (c.get("message") or {}).get("content")) for c in answer.get("choices", [])]
+
+
+def _usage(answer: dict[str, Any]) -> tuple[Any, ...]:
+    usage = answer.get("usage") or {}
+    return usage.get("prompt_tokens"), usage.get("completion_tokens"), usage.get("total_tokens")
+
+
+def _fragment(token: str) -> str:
+    """A token that is part of a UTF-8 character: vexpert writes U+FFFD, vLLM an empty string."""
+    return "" if token == "\ufffd" else token
+
+
+def compare(case: str, ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """Whether two answers agree: the choices' texts (greedy cases) or only their number and order
+    (sampled), the usage, and for log-probabilities the tokens, the largest |difference| of their
+    log-probabilities and the share of positions whose top-k token sets are the same (exactly, and once
+    a token that is part of a character is written alike)."""
+    if "error" in ours or "error" in theirs:
+        return {"agree": False, "vexpert": ours.get("error"), "vllm": theirs.get("error")}
+    sampled = "sampled" in case
+    row: dict[str, Any] = {"texts_equal": "sampled" if sampled else _texts(ours) == _texts(theirs),
+                           "choices": [len(ours["choices"]), len(theirs["choices"])],
+                           "indices_equal": [c["index"] for c in ours["choices"]] == [c["index"] for c in theirs["choices"]],
+                           "usage_equal": _usage(ours) == _usage(theirs)}
+    mine, peer = ours["choices"][0].get("logprobs"), theirs["choices"][0].get("logprobs")
+    if mine is not None and peer is not None:
+        if "content" in mine:  # chat
+            a, b = mine["content"], peer["content"]
+            row["tokens_equal"] = [x["token"] for x in a] == [x["token"] for x in b]
+            row["max_logprob_diff"] = max(abs(x["logprob"] - y["logprob"]) for x, y in zip(a, b, strict=False))
+            sets = [({t["token"] for t in x["top_logprobs"]}, {t["token"] for t in y["top_logprobs"]})
+                    for x, y in zip(a, b, strict=False)]
+            row["top_sets_equal"] = sum(p == q for p, q in sets) / max(len(a), 1)
+            row["top_sets_equal_fragments_alike"] = sum({_fragment(t) for t in p} == {_fragment(t) for t in q}
+                                                        for p, q in sets) / max(len(a), 1)
+        else:
+            row["tokens_equal"] = mine["tokens"] == peer["tokens"]
+            row["max_logprob_diff"] = max(abs(x - y) for x, y in zip(mine["token_logprobs"], peer["token_logprobs"],
+                                                                      strict=False))
+            pairs = list(zip(mine["top_logprobs"], peer["top_logprobs"], strict=False))
+            row["top_sets_equal"] = sum(set(x) == set(y) for x, y in pairs) / max(len(mine["tokens"]), 1)
+            row["top_sets_equal_fragments_alike"] = sum({_fragment(t) for t in x} == {_fragment(t) for t in y}
+                                                        for x, y in pairs) / max(len(mine["tokens"]), 1)
+            row["text_offset_equal"] = mine["text_offset"] == peer["text_offset"]
+    row["agree"] = bool(row["texts_equal"]) and row["indices_equal"] and row["usage_equal"] and row.get(
+        "tokens_equal", True)
+    return row
+
+
+def table(rows: dict[str, dict[str, Any]]) -> str:
+    lines = ["| case | texts equal | choices (vexpert, vLLM), same order | usage equal | logprob tokens equal | "
+             "max logprob diff | top-k sets equal (fragments alike) |", "|---|---|---|---|---|---|---|"]
+    for case, row in rows.items():
+        diff = row.get("max_logprob_diff")
+        sets = "–" if "top_sets_equal" not in row else (
+            f"{row['top_sets_equal']:.2f} ({row['top_sets_equal_fragments_alike']:.2f})")
+        lines.append(f"| {case} | {row.get('texts_equal')} | {row.get('choices')}, {row.get('indices_equal')} | "
+                     f"{row.get('usage_equal')} | {row.get('tokens_equal', '–')} | "
+                     f"{'–' if diff is None else f'{diff:.2e}'} | {sets} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--work", type=Path, required=True, help="where the checkpoint is built (once)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--workers", type=int, default=1, help="vexpert serve --cpu-workers")
+    parser.add_argument("--vllm-python", type=Path, default=Path("/work/vllm-venv/bin/python"))
+    parser.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--vllm-args", default="", help="extra vLLM server arguments (one shell string)")
+    parser.add_argument("--vexpert", type=Path, default=Path(sys.executable).parent / "vexpert")
+    parser.add_argument("--vexpert-args", default="", help="extra vexpert serve arguments (one shell string)")
+    parser.add_argument("--startup-timeout", type=float, default=900.0)
+    args = parser.parse_args(argv)
+    args.vexpert_src = args.max_running = args.max_batch_tokens = None  # server_command's other knobs: unused
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = build_checkpoint(args.work / "model")
+    requests = cases(make_prompts(model, 2, 32))
+    started = time.perf_counter()
+    ours = ask(f"vexpert-{args.workers}", model, requests, args)
+    theirs = ask("vllm", model, requests, args)
+    rows = {case: compare(case, ours[case], theirs[case]) for case in requests}
+    (args.out / "answers.json").write_text(json.dumps({"requests": requests, "vexpert": ours, "vllm": theirs},
+                                                      indent=2) + "\n")
+    summary = {"argv": sys.argv, "seconds": round(time.perf_counter() - started, 1), "cases": rows}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    markdown = table(rows)
+    (args.out / "table.md").write_text(markdown + "\n")
+    print(markdown)
+    return 0 if all(row["agree"] for row in rows.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
