@@ -3,7 +3,8 @@
 Not a speed benchmark: the same requests go to both servers, one after the other, on the tiny random Qwen3-MoE
 of ``cpu_serve_compare.py`` (float32), and their answers are compared field by field — greedy text, with
 ``repetition_penalty`` and with ``presence_penalty`` + ``frequency_penalty``; completions' ``logprobs`` (tokens,
-token log-probabilities, the top-k sets); chat's ``logprobs`` + ``top_logprobs``; ``n`` > 1; a batch of prompts.
+token log-probabilities, the top-k sets), also with ``echo`` (the prompt's); chat's ``logprobs`` + ``top_logprobs``;
+``n`` > 1; a batch of prompts.
 Sampled answers are compared only in form (choices, their order, usage): the two servers draw from their own
 random streams — the ``n`` cases sample (vLLM refuses ``n`` > 1 with greedy sampling; vexpert returns n equal choices).
 
@@ -49,6 +50,7 @@ def cases(prompts: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
         "presence 1.0 + frequency 0.5": ("completions", {**completion, "presence_penalty": 1.0,
                                                          "frequency_penalty": 0.5}),
         "logprobs 5": ("completions", {**completion, "logprobs": 5}),
+        "echo + logprobs 2": ("completions", {**completion, "echo": True, "logprobs": 2}),
         "chat logprobs, top_logprobs 3": ("chat/completions", {**chat, "logprobs": True, "top_logprobs": 3}),
         "n 3 (sampled)": ("completions", {**completion, "n": 3, "temperature": 1.0, "seed": 7}),
         "2 prompts, n 2 (sampled)": ("completions", {**completion, "prompt": prompts[:2], "n": 2, "temperature": 1.0,
@@ -125,8 +127,9 @@ def compare(case: str, ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str
         else:
             row["tokens_equal"] = mine["tokens"] == peer["tokens"]
             row["max_logprob_diff"] = max(abs(x - y) for x, y in zip(mine["token_logprobs"], peer["token_logprobs"],
-                                                                      strict=False))
-            pairs = list(zip(mine["top_logprobs"], peer["top_logprobs"], strict=False))
+                                                                      strict=False) if x is not None and y is not None)
+            row["nulls_equal"] = [x is None for x in mine["token_logprobs"]] == [y is None for y in peer["token_logprobs"]]
+            pairs = [(x or {}, y or {}) for x, y in zip(mine["top_logprobs"], peer["top_logprobs"], strict=False)]
             row["top_sets_equal"] = sum(set(x) == set(y) for x, y in pairs) / max(len(mine["tokens"]), 1)
             row["top_sets_equal_fragments_alike"] = sum({_fragment(t) for t in x} == {_fragment(t) for t in y}
                                                         for x, y in pairs) / max(len(mine["tokens"]), 1)

@@ -78,7 +78,7 @@ case "${STAGE:-tests}" in
       --out "$OUT/mla_decode_split_sweep.json" 2>&1 | grep best ;;
   router)
     PYTHONPATH=$HEAD_PATH timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_serve_gpu.py \
-      -k "router or truncated_sampling or logprobs or penalties" 2>&1 | tail -2
+      -k "router or truncated_sampling or logprobs or penalties" 2>&1 | tail -2  # logprobs: the prompt's too
     PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/router_kernel.py --out "$OUT/router_kernel.json" 2>&1 | grep routing
     PYTHONPATH=$HEAD_PATH timeout 200 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 16 64 256 \
       --context 96 --profile --top 40 --out "$OUT/decode_step_bound_router.json" 2>&1 | grep -v "Loading weights" | tail -3

@@ -24,6 +24,7 @@ from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
 from vexpert_runtime.serve.step import (
     FinishedStep,
     PendingStep,
+    PromptLogprobs,
     SequenceWork,
     StepLogprobs,
     StepModel,
@@ -181,16 +182,18 @@ class RecomputeStepModel(SynchronousSteps):
 
     def launch(self, work: Sequence[SequenceWork]) -> PendingStep:
         """The step, with the sampled tokens' log-probabilities where a row asks (as the product's model)."""
-        self._logprobs: list[tuple[int, tuple[torch.Tensor, ...]]] = []
         tokens = self.step(work)
+        prompt = PromptLogprobs(self._prompt) if self._prompt else None
         if not self._logprobs:
-            return FinishedStep(tokens)
+            return FinishedStep(tokens, None, prompt)
         rows, outputs = zip(*self._logprobs, strict=True)
         return FinishedStep(tokens, StepLogprobs.at_rows(len(work), rows, *(torch.cat(t) for t in zip(*outputs,
-                                                                                                        strict=True))))
+                                                                                                        strict=True))),
+                            prompt)
 
     def step(self, work: Sequence[SequenceWork]) -> torch.Tensor:
-        self._logprobs = []
+        self._logprobs: list[tuple[int, tuple[torch.Tensor, ...]]] = []
+        self._prompt: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.steps.append(list(work))
         if self.gate is not None:
             self.gate.wait(30)
@@ -206,6 +209,12 @@ class RecomputeStepModel(SynchronousSteps):
                 held.append(self.last_sampled[item.fed])
             else:
                 held.extend(item.tokens)
+            wanted = [(item.position + i, t) for i, t in enumerate(item.prompt_targets) if t >= 0]
+            if wanted:  # the prompt's log-probabilities at these positions
+                with torch.no_grad():
+                    every = self.hf_model(torch.tensor([held])).logits[0].float()
+                positions, targets = zip(*wanted, strict=True)
+                self._prompt[row] = token_logprobs(every[list(positions)], torch.tensor(targets), min(20, self.vocab_size))
             if item.sample is not None:
                 with torch.no_grad():
                     logits = self.hf_model(torch.tensor([held])).logits[0, -1:].float()

@@ -119,3 +119,27 @@ def test_penalized_sequences_rebuild_their_penalties_after_preemption(checkpoint
     assert roomy.load().preemptions == 0 and tight.load().preemptions >= 1
     assert {r: _tokens(e) for r, e in got.items()} == {r: _tokens(e) for r, e in expected_events.items()}
     assert tight.load().prefix_hit_tokens == 0 and tight.pool.used_blocks == 0
+
+
+def test_prompt_log_probabilities_are_reported_once_through_chunks_and_preemption(checkpoint: tuple[Path, Any]) -> None:
+    """A request asking for its prompt's log-probabilities (``echo`` with ``logprobs``) gets one per prompt token
+    after the first, in order, in its first event with a token — the prompt's chunks computed in several
+    steps, and a preempted sequence prefilling again reporting none twice — each transformers' log-softmax
+    given the tokens before it, with the k most likely tokens'; prefix caching attaches no block for it."""
+    directory, reference = checkpoint
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, prompt_logprobs=3)
+    scheduler, events = _run(directory, CONTEXT, True, params, prefix_caching=True)
+    assert scheduler.load().preemptions >= 1 and scheduler.load().prefix_hit_tokens == 0
+    for i, prompt in enumerate(PROMPTS):
+        got = [entry for event in events[f"r{i}"] for entry in event.prompt_logprobs]
+        first = next(event for event in events[f"r{i}"] if event.new_tokens)
+        assert tuple(got) == first.prompt_logprobs  # all in the first event with a token
+        with torch.no_grad():
+            expected = torch.log_softmax(reference(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+        assert [entry.token for entry in got] == prompt[1:]
+        assert [entry.logprob for entry in got] == pytest.approx(
+            [float(expected[p, t]) for p, t in enumerate(prompt[1:])], abs=1e-4)
+        for p, entry in enumerate(got):
+            values, ids = expected[p].topk(3)
+            assert [token for token, _ in entry.top] == ids.tolist()
+            assert [lp for _, lp in entry.top] == pytest.approx(values.tolist(), abs=1e-4)

@@ -443,6 +443,42 @@ def test_completion_logprobs_are_the_models_log_softmax(client: openai.OpenAI, h
                for i in range(first.shape[0]))
 
 
+def test_echo_leads_with_the_prompt_and_its_log_probabilities(client: openai.OpenAI, hf_model: Any,
+                                                                tokenizer: Any) -> None:
+    """``echo``: the text is prompt + completion; with ``logprobs`` the prompt's tokens lead the log-probabilities
+    (its first token with none, the others as transformers' log-softmax given the tokens before them), as an
+    evaluation harness scoring a continuation reads them; streamed, the first chunk carries the prompt."""
+    prompt_ids = tokenizer.encode(PROMPT)
+    generated = generate_greedy(hf_model, prompt_ids, 4)
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt_ids + generated])).logits[0].float()
+    expected = torch.log_softmax(logits[:-1], dim=-1)  # row p: the distribution of token p + 1
+    every = prompt_ids + generated
+    kwargs: dict[str, Any] = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    result = client.completions.create(**kwargs, echo=True, logprobs=2)
+    choice = result.choices[0]
+    assert choice.text == PROMPT + tokenizer.decode(generated, skip_special_tokens=True)
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    assert logprobs.tokens == [tokenizer.decode([t]) for t in every]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:] == pytest.approx([float(expected[p - 1, t]) for p, t in enumerate(every)
+                                                         if p > 0], abs=1e-4)
+    assert all(len(top) <= 3 for top in logprobs.top_logprobs[1:])
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(every))]
+    assert result.usage is not None and result.usage.completion_tokens == len(generated)
+    plain = client.completions.create(**kwargs, echo=True).choices[0]
+    assert plain.text == choice.text and plain.logprobs is None
+    text, streamed_tokens, streamed_lps = "", [], []
+    for chunk in client.completions.create(**kwargs, echo=True, logprobs=2, stream=True):
+        if chunk.choices:
+            text += chunk.choices[0].text
+            if chunk.choices[0].logprobs is not None:
+                streamed_tokens += chunk.choices[0].logprobs.tokens
+                streamed_lps += chunk.choices[0].logprobs.token_logprobs
+    assert (text, streamed_tokens, streamed_lps) == (choice.text, logprobs.tokens, logprobs.token_logprobs)
+
+
 def test_chat_logprobs_and_top_logprobs(client: openai.OpenAI, hf_model: Any, tokenizer: Any) -> None:
     """Chat's logprobs: per output token its text, UTF-8 bytes, log-probability and the top_logprobs most
     likely tokens, most likely first; streamed chunks add up to the same content."""

@@ -202,6 +202,31 @@ def test_graphed_penalties_equal_the_eager_step(tmp_path: Path) -> None:
     assert eager == graphed
 
 
+def test_prompt_logprobs_on_a_graphed_model_equal_the_eager_models(tmp_path: Path) -> None:
+    """A step that reports prompt log-probabilities (``echo`` with ``logprobs``) runs eagerly on a model that
+    replays graphs otherwise, and gives what the eager model gives."""
+    from vexpert_runtime.serve.kv_cache import BlockPool
+
+    path = _write("deepseek_v3", tmp_path / "ds3")
+    prompt = PROMPTS[1]
+
+    def run(model: HFStepModel) -> tuple[list[float], list[int]]:
+        pool = BlockPool(model.kv_num_blocks, model.kv_block_size)
+        pool.add(0)
+        work = [SequenceWork(0, tuple(prompt), 0, tuple(pool.grow(0, len(prompt))), SamplingSpec(),
+                             prompt_targets=(*prompt[1:], -1))]
+        pending = model.launch(work)
+        pending.result()
+        reported = pending.prompt_logprobs()
+        assert reported is not None
+        target_lp, top_ids, _ = reported.items[0]
+        return target_lp.tolist(), top_ids[:, 0].tolist()
+
+    eager, graphed, model = _eager_and_graphed(path, run)
+    assert model.graphs is not None and len(eager[0]) == len(prompt) - 1
+    assert graphed[0] == pytest.approx(eager[0], abs=2e-2) and graphed[1] == eager[1]
+
+
 def _eager_and_graphed(path: Path, run: Callable[[HFStepModel], T], kv_cache_tokens: int = 512, fused: bool = False
                        ) -> tuple[T, T, HFStepModel]:
     """``run`` on a fresh one-rank model stepping eagerly, then on another replaying CUDA graphs (its

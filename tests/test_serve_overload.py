@@ -92,6 +92,11 @@ def test_overload_is_429_with_retry_after_before_any_stream_and_the_rendezvous_i
         assert logprobs["token_logprobs"] == pytest.approx(_greedy_logprobs(tmp_path / "ckpt", "request n", 6), abs=1e-3)
         assert all(max(top.values()) == pytest.approx(lp, abs=1e-6)  # greedy: the most likely token
                    for top, lp in zip(logprobs["top_logprobs"], logprobs["token_logprobs"], strict=True))
+        # the prompt's log-probabilities (echo) through the EP ranks: transformers' log-softmax at each prompt token
+        echoed = _post(url, {**body, "temperature": 0, "echo": True, "logprobs": 1, "max_tokens": 2})["choices"][0]
+        assert echoed["text"].startswith("request n") and echoed["logprobs"]["token_logprobs"][0] is None
+        prompt_lps = echoed["logprobs"]["token_logprobs"][1:-2]
+        assert prompt_lps == pytest.approx(_prompt_logprobs(tmp_path / "ckpt", "request n"), abs=1e-3)
         # penalties in the EP ranks' graphs-free CPU step: transformers' greedy with its repetition_penalty
         penalized = _post(url, {**body, "temperature": 0, "repetition_penalty": 1.5, "max_tokens": 10})
         assert penalized["choices"][0]["text"] == _greedy_text(tmp_path / "ckpt", "request n", 10, 1.5)
@@ -126,6 +131,18 @@ def _greedy_text(checkpoint: Path, prompt: str, tokens: int, repetition_penalty:
         out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens,
                              repetition_penalty=repetition_penalty)
     return str(tokenizer.decode(out[0, len(ids):], skip_special_tokens=True))
+
+
+def _prompt_logprobs(checkpoint: Path, prompt: str) -> list[float]:
+    """transformers' log-probability of each prompt token after the first, given the tokens before it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    ids = AutoTokenizer.from_pretrained(str(checkpoint)).encode(prompt)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    return [float(logp[p, t]) for p, t in enumerate(ids[1:])]
 
 
 def _post(url: str, body: dict[str, Any]) -> Any:

@@ -377,6 +377,75 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
+def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt_len: int, chat: bool,
+                    config: ApiConfig) -> SamplingParams:
+    """A request's sampling for one of its prompts: the defaults resolved (``config.sampling_defaults``),
+    the lengths checked against the context (a 400 naming the field)."""
+    limit = config.max_context
+    prompt_param = "messages" if chat else "prompt"
+    if prompt_len == 0:
+        raise ApiError(400, f"{prompt_param}: is empty", param=prompt_param)
+    if prompt_len >= limit:
+        raise ApiError(400, f"{prompt_param}: {prompt_len} tokens leave no room to generate: the context is {limit} "
+                       "tokens", param=prompt_param, code="context_length_exceeded")
+    requested = req.requested_max_tokens()
+    default = config.sampling_defaults
+    if requested is not None and prompt_len + requested > limit:
+        param = "max_completion_tokens" if chat and req.max_tokens is None else "max_tokens"
+        raise ApiError(400, f"{param}: {requested} + the prompt's {prompt_len} tokens exceed the context of {limit} "
+                       "tokens", param=param, code="context_length_exceeded")
+    return SamplingParams(
+        max_tokens=requested if requested is not None else min(limit - prompt_len, default.max_tokens or limit),
+        temperature=default.temperature if req.temperature is None else req.temperature,
+        top_p=default.top_p if req.top_p is None else req.top_p,
+        seed=req.seed,
+        stop=req.stop_strings,
+        ignore_eos=req.ignore_eos,
+        top_k=default.top_k if req.top_k is None else max(req.top_k, 0),
+        min_p=default.min_p if req.min_p is None else float(req.min_p),
+        stop_token_ids=frozenset(req.stop_token_ids or ()),
+        logprobs=req.requested_logprobs(),
+        prompt_logprobs=req.requested_prompt_logprobs(),
+        repetition_penalty=default.repetition_penalty if req.repetition_penalty is None else float(req.repetition_penalty),
+        presence_penalty=float(req.presence_penalty or 0),
+        frequency_penalty=float(req.frequency_penalty or 0),
+    )
+
+
+class _TokenTexts:
+    """Token ids as text, for log-probabilities: each id decoded once (the cache is bounded by the
+    vocabulary), on the event loop with its own tokenizer copy, else on the tokenizer thread."""
+
+    def __init__(self, loop_tokenizer: Any, tokenizer: Any, pool: ThreadPoolExecutor) -> None:
+        self._loop_tokenizer = loop_tokenizer
+        self._tokenizer = tokenizer
+        self._pool = pool
+        self._known: dict[int, str] = {}
+
+    async def decoded(self, tokens: Sequence[TokenLogprobs]) -> list[oa.DecodedLogprob]:
+        return await self._run(self._decode, tokens)
+
+    async def text(self, token: int) -> str:
+        return (await self._run(self._decode, [TokenLogprobs(token, 0.0)]))[0].token
+
+    async def _run(self, decode: Callable[[Sequence[TokenLogprobs], Any], list[oa.DecodedLogprob]],
+                   tokens: Sequence[TokenLogprobs]) -> list[oa.DecodedLogprob]:
+        if self._loop_tokenizer is not None:
+            return decode(tokens, self._loop_tokenizer)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, decode, tokens, self._tokenizer)
+
+    def _decode(self, tokens: Sequence[TokenLogprobs], tokenizer: Any) -> list[oa.DecodedLogprob]:
+        known = self._known
+
+        def text(token: int) -> str:
+            found = known.get(token)
+            if found is None:
+                found = known[token] = str(tokenizer.decode([token]))
+            return found
+
+        return [oa.DecodedLogprob(text(t.token), t.logprob, tuple((text(i), lp) for i, lp in t.top)) for t in tokens]
+
+
 @dataclass
 class _Job:
     """One accepted generation request — its ``n`` choices, each a sequence of its own on the ranks — as
@@ -392,6 +461,7 @@ class _Job:
     events: AsyncIterator[tuple[int, list[Event]]]  # (choice, one of its batches; see Dispatcher.submit)
     prompt_tokens: int  # the usage's: each prompt once, however many choices it has
     logprobs: bool = False  # the request asked for its tokens' log-probabilities
+    echo: list[tuple[str, int]] | None = None  # per choice: the prompt's text and first token, to lead with
     finished: set[int] = field(default_factory=set)  # the choices whose last event arrived
 
     @property
@@ -470,9 +540,9 @@ class ServeApi:
         self.metrics = ServeMetrics(registry if registry is not None else CollectorRegistry(), self.gc_clock)
         self.created = oa.now()
         self.shutting_down = False
-        self._token_texts: dict[int, str] = {}  # token id → its text, for log-probabilities (:meth:`_decoded`)
         # one thread: a Hugging Face fast tokenizer is not safe to share across threads
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="vexpert-tokenize")
+        self._token_texts = _TokenTexts(self._loop_tokenizer, tokenizer, self._tokenize_pool)
 
     def close(self) -> None:
         """Stop the tokenizer thread (after the server stopped); publish the final counts."""
@@ -535,13 +605,23 @@ class ServeApi:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         req = self._parse(oa.CompletionRequest, await self._json(request))
         self._check_model(req.model)
-        prompts = []
+        prompts, texts = [], []
         for prompt in req.prompts():
             if isinstance(prompt, str):
                 prompts.append(await self._tokenized(self._encode_prompt, prompt, len(prompt)))
+                texts.append(prompt)
             else:  # token ids: only checked
                 prompts.append(self._encode_prompt(prompt))
-        return await self._generate(request, req, prompts, chat=False)
+                texts.append(await self._prompt_text(prompt) if req.echo else "")
+        # (an empty prompt is refused by _generate, before any of this is read)
+        echo = [(text, ids[0] if ids else 0) for text, ids in zip(texts, prompts, strict=True) for _ in range(req.choices)]
+        return await self._generate(request, req, prompts, chat=False, echo=echo if req.echo else None)
+
+    async def _prompt_text(self, prompt: list[int]) -> str:
+        """A token-id prompt as text (to echo it)."""
+        if self._loop_tokenizer is not None:
+            return str(self._loop_tokenizer.decode(prompt))
+        return str(await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self.tokenizer.decode, prompt))
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = self._parse(oa.ChatCompletionRequest, await self._json(request))
@@ -644,45 +724,6 @@ class ServeApi:
                            param="messages") from None
         return list(tokenizer.encode(text, add_special_tokens=False))
 
-    def _sampling(self, req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt_len: int, chat: bool) -> SamplingParams:
-        """Resolve defaults and check the lengths against the context."""
-        limit = self.config.max_context
-        prompt_param = "messages" if chat else "prompt"
-        if prompt_len == 0:
-            raise ApiError(400, f"{prompt_param}: is empty", param=prompt_param)
-        if prompt_len >= limit:
-            raise ApiError(
-                400,
-                f"{prompt_param}: {prompt_len} tokens leave no room to generate: the context is {limit} tokens",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        requested = req.requested_max_tokens()
-        default = self.config.sampling_defaults
-        if requested is not None and prompt_len + requested > limit:
-            param = "max_completion_tokens" if chat and req.max_tokens is None else "max_tokens"
-            raise ApiError(
-                400,
-                f"{param}: {requested} + the prompt's {prompt_len} tokens exceed the context of {limit} tokens",
-                param=param,
-                code="context_length_exceeded",
-            )
-        return SamplingParams(
-            max_tokens=requested if requested is not None else min(limit - prompt_len, default.max_tokens or limit),
-            temperature=default.temperature if req.temperature is None else req.temperature,
-            top_p=default.top_p if req.top_p is None else req.top_p,
-            seed=req.seed,
-            stop=req.stop_strings,
-            ignore_eos=req.ignore_eos,
-            top_k=default.top_k if req.top_k is None else max(req.top_k, 0),
-            min_p=default.min_p if req.min_p is None else float(req.min_p),
-            stop_token_ids=frozenset(req.stop_token_ids or ()),
-            logprobs=req.requested_logprobs(),
-            repetition_penalty=default.repetition_penalty if req.repetition_penalty is None else float(req.repetition_penalty),
-            presence_penalty=float(req.presence_penalty or 0),
-            frequency_penalty=float(req.frequency_penalty or 0),
-        )
-
     # ---- generation -------------------------------------------------------------------------
 
     async def _generate(
@@ -691,10 +732,12 @@ class ServeApi:
         req: oa.CompletionRequest | oa.ChatCompletionRequest,
         prompts: list[list[int]],
         chat: bool,
+        echo: list[tuple[str, int]] | None = None,
     ) -> web.StreamResponse:
         """Submit the request's choices (``n`` per prompt) to the dispatcher — all of them or none (a
-        refusal of one cancels those queued before it) — and answer as one JSON body or an SSE stream."""
-        params = [self._sampling(req, len(prompt_ids), chat) for prompt_ids in prompts]
+        refusal of one cancels those queued before it) — and answer as one JSON body or an SSE stream
+        (``echo``: each choice's prompt text and first token, to lead its text and log-probabilities)."""
+        params = [sampling_params(req, len(prompt_ids), chat, self.config) for prompt_ids in prompts]
         request_id = oa.new_request_id("chatcmpl" if chat else "cmpl")
         requests = choice_requests(request_id, [(tuple(ids), p) for ids, p in zip(prompts, params, strict=True)],
                                    req.choices)
@@ -716,7 +759,7 @@ class ServeApi:
         arrived = request.get(_ARRIVED, time.monotonic())
         timers = [_RequestTimer(self.metrics, arrived, counts_prompt=i % req.choices == 0) for i in range(len(requests))]
         job = _Job(request_id, [r.request_id for r in requests], oa.now(), req.model, chat, bool(req.stream),
-                   req.include_usage, choices.__aiter__(), sum(map(len, prompts)), params[0].logprobs is not None)
+                   req.include_usage, choices.__aiter__(), sum(map(len, prompts)), params[0].logprobs is not None, echo)
         job.events = self._observed(job, job.events, timers)
         try:
             return await (self._stream(request, job) if job.stream else self._collect(job))
@@ -744,6 +787,7 @@ class ServeApi:
         async for index, batch in job.events:
             texts[index].extend(event.text for event in batch)
             for event in batch:
+                logprobs[index].extend(event.prompt_logprobs)
                 logprobs[index].extend(event.logprobs)
             last = batch[-1]
             if last.finished:
@@ -753,36 +797,26 @@ class ServeApi:
                 finish[index] = last.finish_reason or "stop"
                 completion_tokens += last.completion_tokens
                 if job.done:
-                    choices = [oa.Choice(i, "".join(parts), finish[i],
-                                         await self._logprobs_object(job, logprobs[i]) if job.logprobs else None)
+                    none: list[tuple[str, int | None]] = [("", None)] * len(texts)
+                    echo: list[tuple[str, int | None]] = list(job.echo) if job.echo else none
+                    choices = [oa.Choice(i, echo[i][0] + "".join(parts), finish[i],
+                                         await self._logprobs_object(job, logprobs[i], 0, echo[i][1])
+                                         if job.logprobs else None)
                                for i, parts in enumerate(texts)]
                     build = oa.chat_response if job.chat else oa.completion_response
                     return web.json_response(build(job.request_id, job.created, job.model, choices,
                                                    job.prompt_tokens, completion_tokens))
         raise ApiError(500, "the request ended without a result", "server_error", code="internal_error")
 
-    async def _logprobs_object(self, job: _Job, tokens: Sequence[TokenLogprobs], text_offset: int = 0) -> dict[str, Any]:
-        """A choice's (or a chunk's) ``logprobs`` object for ``tokens``, their ids decoded to text."""
-        decoded = await self._decoded(tokens)
-        return oa.chat_logprobs(decoded) if job.chat else oa.completion_logprobs(decoded, text_offset)
-
-    async def _decoded(self, tokens: Sequence[TokenLogprobs]) -> list[oa.DecodedLogprob]:
-        """``tokens`` with each id as its text (the event loop's tokenizer, or the tokenizer thread's)."""
-        if self._loop_tokenizer is not None:
-            return self._decode_logprobs(tokens, self._loop_tokenizer)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self._decode_logprobs, tokens,
-                                                                self.tokenizer)
-
-    def _decode_logprobs(self, tokens: Sequence[TokenLogprobs], tokenizer: Any) -> list[oa.DecodedLogprob]:
-        known = self._token_texts  # token id → its text (bounded by the vocabulary)
-
-        def text(token: int) -> str:
-            found = known.get(token)
-            if found is None:
-                found = known[token] = str(tokenizer.decode([token]))
-            return found
-
-        return [oa.DecodedLogprob(text(t.token), t.logprob, tuple((text(i), lp) for i, lp in t.top)) for t in tokens]
+    async def _logprobs_object(self, job: _Job, tokens: Sequence[TokenLogprobs], text_offset: int = 0,
+                               first: int | None = None) -> dict[str, Any]:
+        """A choice's (or a chunk's) ``logprobs`` object for ``tokens``, their ids decoded to text (``first``:
+        an echoed prompt's first token, which has no log-probability)."""
+        texts = self._token_texts
+        decoded = await texts.decoded(tokens)
+        if job.chat:
+            return oa.chat_logprobs(decoded)
+        return oa.completion_logprobs(decoded, text_offset, None if first is None else await texts.text(first))
 
     def _chunk(self, job: _Job, index: int, text: str | None, finish_reason: str | None = None,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -818,13 +852,18 @@ class ServeApi:
                            for index in range(len(job.choice_ids)))
         completion_tokens = 0
         offsets = [0] * len(job.choice_ids)  # each choice's text offset so far (completions' logprobs)
+        echoing = set(range(len(job.choice_ids))) if job.echo else set()  # choices whose prompt is still to send
         async for index, batch in job.events:
             text = "".join([event.text for event in batch])
+            first = None
+            if index in echoing and job.echo is not None:  # the first chunk leads with the prompt
+                echoing.discard(index)
+                text, first = job.echo[index][0] + text, job.echo[index][1]
             logprobs = None
             if job.logprobs:
-                tokens = [entry for event in batch for entry in event.logprobs]
-                if tokens:
-                    logprobs = await self._logprobs_object(job, tokens, offsets[index])
+                tokens = [entry for event in batch for entry in (*event.prompt_logprobs, *event.logprobs)]
+                if tokens or first is not None:
+                    logprobs = await self._logprobs_object(job, tokens, offsets[index], first)
                     offsets[index] += sum(len(token) for token in logprobs.get("tokens", ()))
             parts = [_sse(self._chunk(job, index, text, logprobs=logprobs))] if text or logprobs else []
             last = batch[-1]

@@ -274,6 +274,10 @@ class GraphStep:
         result[self.rows] = self.outs[0][: len(self.rows)]
         return result
 
+    def prompt_logprobs(self) -> None:
+        """Never: an iteration that reports prompt log-probabilities runs eagerly."""
+        return None
+
     def logprobs(self) -> StepLogprobs | None:
         if len(self.outs) == 1:
             return None
@@ -314,9 +318,9 @@ class GraphedSteps:
         self.replays = 0
 
     def fits(self, work: Sequence[SequenceWork]) -> bool:
-        """Whether a captured bucket can run ``work``."""
+        """Whether a captured bucket can run ``work`` (prompt log-probabilities: never, they run eagerly)."""
         return (len(work) <= self.max_seqs and sum(len(item.tokens) for item in work) <= self.buckets[-1]
-                and all(len(item.blocks) <= self.width for item in work))
+                and all(len(item.blocks) <= self.width and not item.prompt_targets for item in work))
 
     def run(self, work: Sequence[SequenceWork]) -> torch.Tensor:
         """One iteration: [len(work)] int64 on the CPU, the sampled ids (−1 where nothing is sampled)."""

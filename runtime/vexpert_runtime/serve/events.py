@@ -25,7 +25,8 @@ class SamplingParams:
     fresh seed (not reproducible); ``max_tokens`` is already resolved by the API (never more than the
     context leaves); ``stop_token_ids`` end the sequence as EOS does, also with ``ignore_eos``;
     ``logprobs`` k (≤ :data:`MAX_LOGPROBS`): each sampled token's log-probability and the k most
-    likely tokens' (:class:`TokenLogprobs`), None: none; the penalties are vLLM's (1, 0, 0: off).
+    likely tokens' (:class:`TokenLogprobs`), None: none; ``prompt_logprobs`` k: the same for every prompt
+    token after the first (given the tokens before it); the penalties are vLLM's (1, 0, 0: off).
     """
 
     max_tokens: int
@@ -38,6 +39,7 @@ class SamplingParams:
     min_p: float = 0.0
     stop_token_ids: frozenset[int] = frozenset()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -74,7 +76,8 @@ class Event:
 
     ``text`` is the newly decoded text (may be empty: held back as a possible stop-string prefix or
     an incomplete UTF-8 character); ``new_tokens`` how many tokens this event accounts for, and
-    ``logprobs`` theirs when the request asked (one per token, in order).
+    ``logprobs`` theirs when the request asked (one per token, in order); ``prompt_logprobs`` (in the
+    request's first event with a token, when it asked) its prompt tokens' after the first.
     ``finish_reason`` is set on the request's last event only, together with the final usage.
     """
 
@@ -86,6 +89,7 @@ class Event:
     completion_tokens: int = 0
     error: str | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -59,10 +59,13 @@ from vexpert_runtime.serve.sparse_blocks import (
 from vexpert_runtime.serve.step import (
     FinishedStep,
     PendingStep,
+    PromptLogprobs,
     SequenceWork,
     StepLogprobs,
     StepModel,
 )
+
+_PROMPT_LOGITS_ROWS = 512  # prompt rows per LM-head slice when prompt log-probabilities are asked
 
 # Expert activations the EP layer implements (its grouped GEMMs are SwiGLU).
 _SWIGLU_ACTIVATIONS = ("silu", "swish")
@@ -300,16 +303,42 @@ class HFStepModel:
         ends = torch.cumsum(torch.tensor([len(item.tokens) for item in work], dtype=torch.int64), 0) - 1
         logprobs = any(spec.logprobs for spec in specs)
         penalties = None if penalty_rows is None else self.penalties.inputs(work, penalty_rows)
-        outputs = self._forward(tokens, fed, meta, ends[sampled].to(self.device),
-                                sampling_tensors(specs, self.device) if specs else None, None, logprobs=logprobs,
-                                penalties=penalties)
+        hidden = self._hidden(tokens, fed, meta, None, penalties)
+        prompt = self._prompt_logprobs(work, hidden) if any(item.prompt_targets for item in work) else None
         out = torch.full((len(work),), -1, dtype=torch.int64)
-        if outputs is None:
-            return FinishedStep(out)
+        if not specs:
+            return FinishedStep(out, None, prompt)
+        outputs = self._sampled(hidden, ends[sampled].to(self.device), sampling_tensors(specs, self.device), True,
+                                logprobs, penalties)
         out[sampled] = outputs[0].cpu()
         if not logprobs:
-            return FinishedStep(out)
-        return FinishedStep(out, StepLogprobs.at_rows(len(work), sampled, *(t.cpu() for t in outputs[1:])))
+            return FinishedStep(out, None, prompt)
+        return FinishedStep(out, StepLogprobs.at_rows(len(work), sampled, *(t.cpu() for t in outputs[1:])), prompt)
+
+    def _prompt_logprobs(self, work: Sequence[SequenceWork], hidden: torch.Tensor) -> PromptLogprobs:
+        """The LM head at the token rows whose ``prompt_targets`` are ≥ 0 (in slices of
+        :data:`_PROMPT_LOGITS_ROWS` rows: a long prompt chunk's logits over the vocabulary are large)."""
+        rows, targets, owners = [], [], []
+        at = 0
+        for index, item in enumerate(work):
+            for offset, target in enumerate(item.prompt_targets):
+                if target >= 0:
+                    rows.append(at + offset)
+                    targets.append(target)
+                    owners.append(index)
+            at += len(item.tokens)
+        if not rows:
+            return PromptLogprobs({})
+        parts = []
+        for start in range(0, len(rows), _PROMPT_LOGITS_ROWS):
+            chunk = torch.tensor(rows[start:start + _PROMPT_LOGITS_ROWS], dtype=torch.int64, device=self.device)
+            logits = self.model.lm_head(self.model.model.norm(hidden[chunk]))
+            wanted = torch.tensor(targets[start:start + _PROMPT_LOGITS_ROWS], dtype=torch.int64, device=self.device)
+            parts.append([t.cpu() for t in token_logprobs(logits, wanted, min(MAX_LOGPROBS, logits.shape[-1]))])
+        target_lp, top_ids, top_lp = (torch.cat(column) for column in zip(*parts, strict=True))
+        owner = torch.tensor(owners)
+        return PromptLogprobs({index: (target_lp[owner == index], top_ids[owner == index], top_lp[owner == index])
+                               for index in dict.fromkeys(owners)})
 
     def kv_splits(self, rows: int, longest: int) -> int:
         """Context splits of the attention kernel for ``rows`` queries whose longest context is
@@ -332,6 +361,14 @@ class HFStepModel:
         ``publish``: keep this step's ids there for the next step. ``penalties``: track the penalized
         sequences' tokens and sample with their penalties (:mod:`.penalties`; log-probabilities stay the
         model's)."""
+        hidden = self._hidden(tokens, fed, meta, valid, penalties)
+        if sampling is None:
+            return None
+        return self._sampled(hidden, sample_rows, sampling, publish, logprobs, penalties)
+
+    def _hidden(self, tokens: torch.Tensor, fed: torch.Tensor | None, meta: AttentionMetadata,
+                valid: torch.Tensor | None, penalties: PenaltyInputs | None) -> torch.Tensor:
+        """The decoder layers over tokens [T] (see :meth:`_forward`): the last hidden states [T, H]."""
         cache = self.kv_cache
         assert cache is not None
         if fed is not None:
@@ -351,8 +388,11 @@ class HFStepModel:
                 hidden = hidden + self._mlp(layer, index, layer.post_attention_layernorm(hidden))
         finally:
             self.executor.token_valid = None
-        if sampling is None:
-            return None
+        return hidden
+
+    def _sampled(self, hidden: torch.Tensor, sample_rows: torch.Tensor, sampling: tuple[Any, ...], publish: bool,
+                 logprobs: bool, penalties: PenaltyInputs | None) -> tuple[torch.Tensor, ...]:
+        """The LM head at ``sample_rows`` and the sampled ids (see :meth:`_forward`)."""
         logits = self.model.lm_head(self.model.model.norm(hidden[sample_rows]))
         sampled_from = logits
         if penalties is not None:

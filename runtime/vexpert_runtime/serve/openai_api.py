@@ -3,12 +3,12 @@
 Requests ignore fields they do not know and that change nothing in the tokens (OpenAI clients send many
 optional ones — ``user``, ``metadata``, ``parallel_tool_calls`` …) and accept ``null`` for optional ones, and
 neutral values of what they cannot honour (``logit_bias: {}``, ``response_format: {"type": "text"}``, as clients
-send by default); what this server cannot honour and would otherwise silently get wrong (``echo``,
+send by default); what this server cannot honour and would otherwise silently get wrong (vLLM's
 ``prompt_logprobs``, ``best_of`` > 1, a non-empty ``logit_bias``, non-text message parts, structured output, tool
 calls, and the vLLM extensions of :data:`_REFUSED_COMPLETION` / :data:`_REFUSED_CHAT`) is a 400 naming the field
 and what to send instead.
 
-Honoured as vLLM does: a batch of prompts (completions); ``n`` (that many choices, each its own sequence of the
+Honoured as vLLM does: a batch of prompts and ``echo`` (completions); ``n`` (that many choices, each its own sequence of the
 same prompt; with a ``seed``, choice i samples with seed + i); ``presence_penalty``, ``frequency_penalty`` and
 ``repetition_penalty`` (:mod:`.penalties`); ``logprobs`` (completions: k; chat: ``logprobs`` + ``top_logprobs``:
 the output tokens' log-probabilities under the model's distribution, before temperature, penalties and
@@ -71,8 +71,8 @@ _REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_grammar": ((), _GUIDED), "structured_outputs": ((), _GUIDED),
     "bad_words": (([],), "not supported; leave it out"),
     "allowed_token_ids": ((), "not supported; leave it out"),
-    "prompt_logprobs": ((0,), "the prompt's log-probabilities are not supported (the output's are: logprobs); "
-                        "leave it out"),
+    "prompt_logprobs": ((0,), "not supported as a field: send echo: true with logprobs (completions) to get the "
+                        "prompt's log-probabilities"),
     "include_stop_str_in_output": ((False,), "not supported: the stop string is left out of the text; send false"),
     "skip_special_tokens": ((True,), "not supported: special tokens are always left out of the text; send true"),
     "use_beam_search": ((False,), "beam search is not supported; send false"),
@@ -82,7 +82,6 @@ _REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 _REFUSED_COMPLETION = {
     **_REFUSED_BOTH,
-    "echo": ((False,), "not supported (the prompt is not returned, nor its log-probabilities); send false"),
     "best_of": ((1,), "only best_of=1 is supported"),
     "suffix": (("",), "not supported (no fill-in-the-middle); leave it out"),
     "response_format": (({"type": "text"},), "structured output is not supported; leave it out or send "
@@ -174,14 +173,21 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``: one prompt or a batch of them, as text or token ids (each prompt's ``n``
     choices in order: choice index = prompt index · n + i, as OpenAI's). ``logprobs`` k: each output
-    token's log-probability and the k most likely tokens' (the sampled one too: up to k + 1, as OpenAI)."""
+    token's log-probability and the k most likely tokens' (the sampled one too: up to k + 1, as OpenAI).
+    ``echo``: the text starts with the prompt — and with ``logprobs``, so do the log-probabilities (the
+    prompt's first token has none), as evaluation harnesses score a continuation."""
 
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool | None = False
 
     def requested_logprobs(self) -> int | None:
         """How many most likely tokens to report with each output token's log-probability (None: no log-probabilities)."""
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """The same for the prompt's tokens: with ``echo`` and ``logprobs``."""
+        return self.logprobs if self.echo else None
 
     @model_validator(mode="before")
     @classmethod
@@ -334,6 +340,10 @@ class ChatCompletionRequest(_GenerationRequest):
         """``top_logprobs`` when ``logprobs`` is true (None: no log-probabilities)."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def requested_prompt_logprobs(self) -> None:
+        """Never: a chat request has no ``echo``."""
+        return None
+
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` (the current name) wins over the deprecated ``max_tokens``."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -441,18 +451,21 @@ def _finite(logprob: float) -> float:
     return max(logprob, _LEAST_LOGPROB)
 
 
-def completion_logprobs(tokens: list[DecodedLogprob], text_offset: int = 0) -> Json:
+def completion_logprobs(tokens: list[DecodedLogprob], text_offset: int = 0, first: str | None = None) -> Json:
     """``choices[i].logprobs`` of a text completion: ``tokens``, ``token_logprobs``, ``top_logprobs``
     (the k most likely and the sampled token, up to k + 1 entries, as OpenAI's) and ``text_offset``
-    (each token's position in the output text, counting from ``text_offset``)."""
+    (each token's position in the text, counting from ``text_offset``). ``first``: an echoed prompt's first
+    token, which leads with no log-probability (``null``, as OpenAI's)."""
     offsets = []
-    for item in tokens:
+    for text in ([] if first is None else [first]) + [item.token for item in tokens]:
         offsets.append(text_offset)
-        text_offset += len(item.token)
+        text_offset += len(text)
+    lead: list[Any] = [] if first is None else [None]
     return {
-        "tokens": [item.token for item in tokens],
-        "token_logprobs": [_finite(item.logprob) for item in tokens],
-        "top_logprobs": [{text: _finite(lp) for text, lp in (*item.top, (item.token, item.logprob))} for item in tokens],
+        "tokens": ([] if first is None else [first]) + [item.token for item in tokens],
+        "token_logprobs": lead + [_finite(item.logprob) for item in tokens],
+        "top_logprobs": lead + [{text: _finite(lp) for text, lp in (*item.top, (item.token, item.logprob))}
+                                for item in tokens],
         "text_offset": offsets,
     }
 

@@ -66,6 +66,7 @@ from vexpert_runtime.serve.kv_cache import BlockPool, blocks_for, token_block_di
 from vexpert_runtime.serve.sampling import IncrementalDetokenizer, StopChecker, request_seed
 from vexpert_runtime.serve.step import (
     PendingStep,
+    PromptLogprobs,
     SamplingSpec,
     SequenceWork,
     StepLogprobs,
@@ -160,6 +161,8 @@ class _Sequence:
     unsent_text: str = ""  # produced, held for the next event (stream_interval > 1)
     unsent_tokens: int = 0
     unsent_logprobs: list[TokenLogprobs] = field(default_factory=list)  # theirs (and a finishing token's)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # the prompt's, until the first event
+    prompt_reported: int = 1  # prompt tokens [1, this) have their log-probability (a recomputed prefill skips them)
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prefill_len = len(self.request.prompt_ids)
@@ -183,6 +186,22 @@ class _Sequence:
         return SamplingSpec(params.temperature, params.top_p, self.seed, self.generated, params.top_k, params.min_p,
                             params.logprobs is not None, params.repetition_penalty, params.presence_penalty,
                             params.frequency_penalty)
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprobs, ...]:
+        """The prompt's log-probabilities, with the first event that carries a token."""
+        if not self.prompt_logprobs:
+            return ()
+        taken, self.prompt_logprobs = tuple(self.prompt_logprobs), []
+        return taken
+
+    def prompt_targets(self, start: int, end: int) -> tuple[int, ...]:
+        """A prefill chunk's :attr:`~.step.SequenceWork.prompt_targets` (positions ``start .. end-1``): the
+        prompt token after each position, where its log-probability is still to report; () when the
+        request asks for none."""
+        if self.request.params.prompt_logprobs is None:
+            return ()
+        prompt, first = self.request.prompt_ids, self.prompt_reported
+        return tuple(prompt[p + 1] if first <= p + 1 < self.prompt_len else -1 for p in range(start, end))
 
     def take_logprobs(self) -> tuple[TokenLogprobs, ...]:
         """The log-probabilities of the tokens an event about to be sent accounts for."""
@@ -216,7 +235,7 @@ class _Sequence:
         self.table = tuple(pool.grow(self.seq_id, end))
         return SequenceWork(self.seq_id, self.known_tokens(self.computed, end), self.computed,
                             self.table, self.sampling() if end == self.prefill_len else None, None,
-                            self.penalty_prompt_len)
+                            self.penalty_prompt_len, self.prompt_targets(self.computed, end))
 
 
 def check_request(request: GenerationRequest, max_context: int, vocab_size: int) -> None:
@@ -227,8 +246,9 @@ def check_request(request: GenerationRequest, max_context: int, vocab_size: int)
         raise VExpertInputError("prompt", "is empty")
     if params.max_tokens < 1:
         raise VExpertInputError("max_tokens", "must be ≥ 1")
-    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
-        raise VExpertInputError("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+    for name, count in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+        if count is not None and not 0 <= count <= MAX_LOGPROBS:
+            raise VExpertInputError(name, f"must be in [0, {MAX_LOGPROBS}]")
     if n + params.max_tokens > max_context:
         raise VExpertInputError("max_tokens", f"prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the context "
                                 f"({max_context})")
@@ -244,6 +264,24 @@ def _token_logprobs(step: StepLogprobs, row: int, token: int, k: int) -> TokenLo
     """Work item ``row``'s sampled ``token`` with its log-probability and the ``k`` most likely tokens'."""
     top = zip(step.top_ids[row, :k].tolist(), step.top_logprobs[row, :k].tolist(), strict=True)
     return TokenLogprobs(token, float(step.sampled[row]), tuple(top))
+
+
+def _keep_prompt_logprobs(seq: _Sequence, item: SequenceWork, prompt: PromptLogprobs | None, row: int) -> bool:
+    """Keep work item ``row``'s prompt log-probabilities (its targets ≥ 0, in order) on ``seq``; False when
+    the step did not compute them."""
+    wanted = [target for target in item.prompt_targets if target >= 0]
+    if not wanted:
+        return True
+    if prompt is None or row not in prompt.items:
+        return False
+    target_lp, top_ids, top_lp = prompt.items[row]
+    k = seq.request.params.prompt_logprobs or 0
+    for i, target in enumerate(wanted):
+        seq.prompt_logprobs.append(TokenLogprobs(target, float(target_lp[i]), tuple(
+            zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist(), strict=True))))
+    last = max(p for p, target in enumerate(item.prompt_targets) if target >= 0)
+    seq.prompt_reported = item.position + last + 2  # the target of position p is token p + 1
+    return True
 
 
 def _arrival(seq: _Sequence) -> int:
@@ -387,6 +425,7 @@ class Scheduler:
         try:
             tokens = flight.step.result().tolist()
             logprobs = flight.step.logprobs()
+            prompt = flight.step.prompt_logprobs()
         except Exception as exc:
             self._fail(flight.batch, exc)
             raise
@@ -394,6 +433,9 @@ class Scheduler:
             seq.steps_in_flight -= 1
             if seq.finished:  # stopped or cancelled while this step ran: its row was wasted
                 self._release_if_idle(seq)
+                continue
+            if item.prompt_targets and not _keep_prompt_logprobs(seq, item, prompt, row):
+                self._finish(seq, "error", error="this model does not report prompt log-probabilities")
                 continue
             if item.sample is not None:  # the chunk completed the prompt, or a decode: a new token
                 seq.pending -= 1
@@ -504,8 +546,10 @@ class Scheduler:
             size = self.pool.block_size
             seq.digests = token_block_digests(seq.known_tokens(0, seq.prefill_len), size)
             # whole blocks, and never the prefill's last token: its logits give the next token; none for a
-            # penalized sequence (the model learns its tokens from the ones it computes: penalties.py)
-            reusable = 0 if seq.request.params.penalized else (seq.prefill_len - 1) // size
+            # penalized sequence (the model learns its tokens from the ones it computes: penalties.py) nor for
+            # one that asks for its prompt's log-probabilities (they come from computing it)
+            params = seq.request.params
+            reusable = 0 if params.penalized or params.prompt_logprobs is not None else (seq.prefill_len - 1) // size
             attached = self.pool.attach_prefix(seq.seq_id, seq.digests[:reusable])
             seq.computed = attached * size
             seq.published = attached
@@ -555,12 +599,13 @@ class Scheduler:
             text += tail if stopped else tail + seq.stop.flush()
             self._finish(seq, "stop" if stopped else "length", text=text)
         elif self._stream_interval == 1:
-            self._send(seq, Event(seq.request.request_id, text=text, new_tokens=1, logprobs=seq.take_logprobs()))
+            self._send(seq, Event(seq.request.request_id, text=text, new_tokens=1, logprobs=seq.take_logprobs(),
+                                  prompt_logprobs=seq.take_prompt_logprobs()))
         else:  # the first token at once (time to first token), then every stream_interval-th
             held = seq.unsent_tokens + 1
             if held >= self._stream_interval or len(output) == 1:
                 self._send(seq, Event(seq.request.request_id, text=seq.unsent_text + text, new_tokens=held,
-                                      logprobs=seq.take_logprobs()))
+                                      logprobs=seq.take_logprobs(), prompt_logprobs=seq.take_prompt_logprobs()))
                 seq.unsent_text, seq.unsent_tokens = "", 0
             else:
                 seq.unsent_text += text
@@ -598,6 +643,7 @@ class Scheduler:
                 completion_tokens=len(seq.output),
                 error=error,
                 logprobs=seq.take_logprobs(),
+                prompt_logprobs=seq.take_prompt_logprobs(),
             ),
         )
 

@@ -91,6 +91,9 @@ class SequenceWork:
     ``penalty_prompt_len``: for a sequence sampled with penalties, its prompt's length (tokens at positions
     ≥ it are its output) — the model tracks such a sequence's tokens (:mod:`.penalties`) from every item,
     sampling or not; −1 for the others.
+    ``prompt_targets``: report prompt log-probabilities — for each of ``tokens``, the prompt token that
+    follows it (its log-probability given the tokens up to this one), −1 where none is wanted; empty: none
+    (:class:`PromptLogprobs`; such a step runs eagerly).
     """
 
     seq_id: int
@@ -100,6 +103,17 @@ class SequenceWork:
     sample: SamplingSpec | None = None
     fed: int | None = None
     penalty_prompt_len: int = -1
+    prompt_targets: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Log-probabilities of prompt tokens an iteration computed: per work item index that gave
+    ``prompt_targets``, for its targets ≥ 0 in order, (the target's log-probability [n] float32, the K most
+    likely tokens' ids [n, K] int64 and log-probabilities [n, K] float32), on the CPU, under the model's
+    distribution as :class:`StepLogprobs`."""
+
+    items: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class PendingStep(Protocol):
@@ -114,6 +128,10 @@ class PendingStep(Protocol):
         them (None: none asked, or a model that does not compute them)."""
         ...
 
+    def prompt_logprobs(self) -> PromptLogprobs | None:
+        """After :meth:`result`: the prompt log-probabilities items asked for (``prompt_targets``)."""
+        ...
+
 
 @dataclass(frozen=True)
 class FinishedStep:
@@ -121,12 +139,16 @@ class FinishedStep:
 
     tokens: torch.Tensor
     sampled_logprobs: StepLogprobs | None = None
+    prompt: PromptLogprobs | None = None
 
     def result(self) -> torch.Tensor:
         return self.tokens
 
     def logprobs(self) -> StepLogprobs | None:
         return self.sampled_logprobs
+
+    def prompt_logprobs(self) -> PromptLogprobs | None:
+        return self.prompt
 
 
 class StepModel(Protocol):
