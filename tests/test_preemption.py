@@ -131,9 +131,9 @@ def test_prompt_log_probabilities_are_reported_once_through_chunks_and_preemptio
     scheduler, events = _run(directory, CONTEXT, True, params, prefix_caching=True)
     assert scheduler.load().preemptions >= 1 and scheduler.load().prefix_hit_tokens == 0
     for i, prompt in enumerate(PROMPTS):
-        got = [entry for event in events[f"r{i}"] for entry in event.prompt_logprobs]
+        got = [entry for event in events[f"r{i}"] if event.logprobs for entry in event.logprobs.prompt]
         first = next(event for event in events[f"r{i}"] if event.new_tokens)
-        assert tuple(got) == first.prompt_logprobs  # all in the first event with a token
+        assert first.logprobs is not None and tuple(got) == first.logprobs.prompt  # all in the first event with a token
         with torch.no_grad():
             expected = torch.log_softmax(reference(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
         assert [entry.token for entry in got] == prompt[1:]

@@ -30,7 +30,14 @@ from serve_support import (
     make_server,
 )
 from vexpert_runtime.errors import VExpertInputError
-from vexpert_runtime.serve.events import Event, GenerationRequest, SamplingParams, ServeRefusal, TokenLogprobs
+from vexpert_runtime.serve.events import (
+    Event,
+    EventLogprobs,
+    GenerationRequest,
+    SamplingParams,
+    ServeRefusal,
+    TokenLogprobs,
+)
 from vexpert_runtime.serve.openai_api import SamplingDefaults
 from vexpert_runtime.serve.sampling import (
     IncrementalDetokenizer,
@@ -904,7 +911,7 @@ def test_what_crosses_process_boundaries_pickles() -> None:
 
     request = _request("r", 3, 4)
     event = Event("r", text="hi", new_tokens=1, finish_reason="length", prompt_tokens=3, completion_tokens=4,
-                  logprobs=(TokenLogprobs(7, -0.5, ((7, -0.5), (2, -1.5))),))
+                  logprobs=EventLogprobs((TokenLogprobs(7, -0.5, ((7, -0.5), (2, -1.5))),)))
     asks = dataclasses.replace(request, params=dataclasses.replace(request.params, logprobs=2))
     for item in (request, asks, event, RankLoad(1, 2, 3, 4, 5)):
         assert pickle.loads(pickle.dumps(item)) == item

@@ -787,8 +787,8 @@ class ServeApi:
         async for index, batch in job.events:
             texts[index].extend(event.text for event in batch)
             for event in batch:
-                logprobs[index].extend(event.prompt_logprobs)
-                logprobs[index].extend(event.logprobs)
+                if event.logprobs is not None:
+                    logprobs[index] += (*event.logprobs.prompt, *event.logprobs.output)
             last = batch[-1]
             if last.finished:
                 error = _failed(last)
@@ -861,7 +861,8 @@ class ServeApi:
                 text, first = job.echo[index][0] + text, job.echo[index][1]
             logprobs = None
             if job.logprobs:
-                tokens = [entry for event in batch for entry in (*event.prompt_logprobs, *event.logprobs)]
+                tokens = [entry for event in batch if event.logprobs is not None
+                          for entry in (*event.logprobs.prompt, *event.logprobs.output)]
                 if tokens or first is not None:
                     logprobs = await self._logprobs_object(job, tokens, offsets[index], first)
                     offsets[index] += sum(len(token) for token in logprobs.get("tokens", ()))

@@ -56,6 +56,7 @@ from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.serve.events import (
     MAX_LOGPROBS,
     Event,
+    EventLogprobs,
     GenerationRequest,
     RankLoad,
     TokenLogprobs,
@@ -160,8 +161,9 @@ class _Sequence:
     published: int = 0  # of them, published so far
     unsent_text: str = ""  # produced, held for the next event (stream_interval > 1)
     unsent_tokens: int = 0
-    unsent_logprobs: list[TokenLogprobs] = field(default_factory=list)  # theirs (and a finishing token's)
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # the prompt's, until the first event
+    # log-probabilities, when the request asks (None until then: no list per sequence in the steady state):
+    unsent_logprobs: list[TokenLogprobs] | None = None  # the unsent tokens' (and a finishing token's)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # the prompt's, until the first event with a token
     prompt_reported: int = 1  # prompt tokens [1, this) have their log-probability (a recomputed prefill skips them)
 
     def __post_init__(self) -> None:
@@ -187,13 +189,6 @@ class _Sequence:
                             params.logprobs is not None, params.repetition_penalty, params.presence_penalty,
                             params.frequency_penalty)
 
-    def take_prompt_logprobs(self) -> tuple[TokenLogprobs, ...]:
-        """The prompt's log-probabilities, with the first event that carries a token."""
-        if not self.prompt_logprobs:
-            return ()
-        taken, self.prompt_logprobs = tuple(self.prompt_logprobs), []
-        return taken
-
     def prompt_targets(self, start: int, end: int) -> tuple[int, ...]:
         """A prefill chunk's :attr:`~.step.SequenceWork.prompt_targets` (positions ``start .. end-1``): the
         prompt token after each position, where its log-probability is still to report; () when the
@@ -203,11 +198,13 @@ class _Sequence:
         prompt, first = self.request.prompt_ids, self.prompt_reported
         return tuple(prompt[p + 1] if first <= p + 1 < self.prompt_len else -1 for p in range(start, end))
 
-    def take_logprobs(self) -> tuple[TokenLogprobs, ...]:
-        """The log-probabilities of the tokens an event about to be sent accounts for."""
-        if not self.unsent_logprobs:
-            return ()
-        taken, self.unsent_logprobs = tuple(self.unsent_logprobs), []
+    def take_logprobs(self) -> EventLogprobs | None:
+        """The log-probabilities of the tokens an event about to be sent accounts for (and the prompt's,
+        with the first); None when there are none."""
+        if not self.unsent_logprobs and not self.prompt_logprobs:
+            return None
+        taken = EventLogprobs(tuple(self.unsent_logprobs or ()), tuple(self.prompt_logprobs or ()))
+        self.unsent_logprobs = self.prompt_logprobs = None
         return taken
 
     def last_pending(self, max_context: int) -> bool:
@@ -277,6 +274,7 @@ def _keep_prompt_logprobs(seq: _Sequence, item: SequenceWork, prompt: PromptLogp
     target_lp, top_ids, top_lp = prompt.items[row]
     k = seq.request.params.prompt_logprobs or 0
     for i, target in enumerate(wanted):
+        seq.prompt_logprobs = seq.prompt_logprobs or []
         seq.prompt_logprobs.append(TokenLogprobs(target, float(target_lp[i]), tuple(
             zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist(), strict=True))))
     last = max(p for p, target in enumerate(item.prompt_targets) if target >= 0)
@@ -584,6 +582,7 @@ class Scheduler:
         output = seq.output
         output.append(token)
         if logprobs is not None:
+            seq.unsent_logprobs = seq.unsent_logprobs or []
             seq.unsent_logprobs.append(logprobs)
         if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             self._finish(seq, "stop", text=self._flush_text(seq))
@@ -599,13 +598,13 @@ class Scheduler:
             text += tail if stopped else tail + seq.stop.flush()
             self._finish(seq, "stop" if stopped else "length", text=text)
         elif self._stream_interval == 1:
-            self._send(seq, Event(seq.request.request_id, text=text, new_tokens=1, logprobs=seq.take_logprobs(),
-                                  prompt_logprobs=seq.take_prompt_logprobs()))
+            self._send(seq, Event(seq.request.request_id, text=text, new_tokens=1,
+                                  logprobs=seq.take_logprobs() if seq.unsent_logprobs or seq.prompt_logprobs else None))
         else:  # the first token at once (time to first token), then every stream_interval-th
             held = seq.unsent_tokens + 1
             if held >= self._stream_interval or len(output) == 1:
                 self._send(seq, Event(seq.request.request_id, text=seq.unsent_text + text, new_tokens=held,
-                                      logprobs=seq.take_logprobs(), prompt_logprobs=seq.take_prompt_logprobs()))
+                                      logprobs=seq.take_logprobs()))
                 seq.unsent_text, seq.unsent_tokens = "", 0
             else:
                 seq.unsent_text += text
@@ -643,7 +642,6 @@ class Scheduler:
                 completion_tokens=len(seq.output),
                 error=error,
                 logprobs=seq.take_logprobs(),
-                prompt_logprobs=seq.take_prompt_logprobs(),
             ),
         )
 
