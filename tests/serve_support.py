@@ -363,18 +363,40 @@ class BackgroundServer:
         self.thread.join(10)
 
 
+class ScriptedStepModel(RecomputeStepModel):
+    """Samples ``script`` token by token, then ``end`` (EOS), whatever the logits: the reply a test needs the
+    model to give (a tool call, say). The cache bookkeeping and checks are :class:`RecomputeStepModel`'s."""
+
+    def __init__(self, hf_model: Any, script: Sequence[int], end: int) -> None:
+        super().__init__(hf_model, max_context=256)  # it never runs the model: room for a chat template with tools
+        self.script, self.end = list(script), end
+
+    def step(self, work: Sequence[SequenceWork]) -> torch.Tensor:
+        self._logprobs, self._prompt = [], {}
+        self.steps.append(list(work))
+        out = torch.full((len(work),), -1, dtype=torch.int64)
+        for row, item in enumerate(work):
+            self.held.setdefault(item.seq_id, []).extend(item.tokens)
+            if item.sample is not None:
+                draw = item.sample.draw
+                out[row] = self.script[draw] if draw < len(self.script) else self.end
+        return out
+
+
 def make_server(
     checkpoint: Path,
     hf_model: Any,
     *,
+    model: StepModel | None = None,
     kv_budget_tokens: int = 4 * MAX_CONTEXT,
     max_batch_tokens: int = 64,
     max_running: int = 32,
     max_waiting: int = 64,
     drain_timeout_s: float = 10.0,
 ) -> BackgroundServer:
-    """A started single-rank server over the tiny model (the API and the rank each get a tokenizer)."""
-    model = RecomputeStepModel(hf_model)
+    """A started single-rank server over the tiny model (the API and the rank each get a tokenizer);
+    ``model``: another step model than the tiny model recomputed."""
+    model = model or RecomputeStepModel(hf_model)
     rank_tokenizer = load_tokenizer(checkpoint)
     config = SchedulerConfig(kv_budget_tokens, max_batch_tokens, max_running, max_waiting)
     api = single_rank_api(

@@ -371,6 +371,47 @@ def test_a_batch_of_prompts_is_answered_prompt_by_prompt(client: openai.OpenAI, 
         for one in ids]
 
 
+def test_tool_calls_are_read_out_of_the_reply_with_the_hermes_parser(checkpoint: Path, hf_model: Any,
+                                                                      tokenizer: Any) -> None:
+    """With ``--tool-call-parser hermes``, a reply that calls tools (here scripted: the model writes the
+    call) comes back as OpenAI's ``tool_calls`` with finish reason "tool_calls" and the text before it as
+    content — streamed too, the content first and the calls in one delta; without a parser a request whose
+    tools may be called is a 400 naming tool_choice; with tool_choice "none" the reply stays text."""
+    from serve_support import ScriptedStepModel
+
+    reply = 'ok\n<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    script = tokenizer.encode(reply, add_special_tokens=False)
+    assert tokenizer.decode(script) == reply
+    srv = make_server(checkpoint, hf_model, model=ScriptedStepModel(hf_model, script, tokenizer.eos_token_id))
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    kwargs: dict[str, Any] = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x?"}], "tools": tools,
+                              "max_tokens": 120}
+    try:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(**kwargs)
+        assert refused.value.body["param"] == "tool_choice"  # type: ignore[index]
+        srv.api.config = dataclasses.replace(srv.api.config, tool_call_parser="hermes")
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert (choice.finish_reason, choice.message.content) == ("tool_calls", "ok\n")
+        assert choice.message.tool_calls is not None
+        assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+            ("function", "f", {"x": 1})]
+        content, deltas, finish = "", [], None
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            deltas += delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+        assert (content, finish) == ("ok\n", "tool_calls")
+        assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
+            (0, "f", {"x": 1})]
+        text = client.chat.completions.create(**kwargs, tool_choice="none").choices[0]
+        assert (text.message.content, text.message.tool_calls, text.finish_reason) == (reply, None, "stop")
+    finally:
+        srv.close()
+
+
 def test_n_choices_are_admitted_all_or_none(checkpoint: Path, hf_model: Any) -> None:
     """A request whose n choices do not all fit the waiting queue (they are queued together) is a 429,
     and the choices queued before the refusal never run; one that fits runs every choice."""

@@ -344,6 +344,11 @@ class RuntimeSpec(CamelModel):
         description="Reuse the KV cache of prompt prefixes computed before (--prefix-caching): requests that start "
         "with the same whole 16-token blocks (a shared system prompt) skip their prefill",
     )
+    tool_call_parser: Literal["hermes"] | None = Field(
+        None,
+        description="Read tool calls out of chat replies (--tool-call-parser; vLLM's parser of that name): 'hermes' "
+        "for Qwen2.5 / Qwen3(-MoE) / Hermes models. Unset: requests with tools must send tool_choice 'none'",
+    )
     api_key_secret: SecretKeyRef | None = Field(
         None,
         description="Secret holding the API key of `vexpert serve` ({name, key: api-key by default}): passed "

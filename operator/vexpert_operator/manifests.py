@@ -263,6 +263,8 @@ def _serve_args(spec: VExpertDeploymentSpec) -> list[str]:
         args.append("--prefix-caching")
     if spec.runtime.max_model_len is not None:
         args += ["--max-model-len", str(spec.runtime.max_model_len)]
+    if spec.runtime.tool_call_parser is not None:
+        args += ["--tool-call-parser", spec.runtime.tool_call_parser]
     return args
 
 

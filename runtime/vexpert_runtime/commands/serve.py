@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vexpert_runtime.model.expert_layout import CPU_EXPERT_KERNELS
+from vexpert_runtime.serve.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:  # imported where used: `vexpert --help` and the other commands stay free of torch
     from vexpert_runtime.config import RuntimeConfig
@@ -95,6 +96,10 @@ def register(subparsers: Any) -> None:
                         help="fuse the step's small pieces (norms, routers, rotary, the EP layer's dispatch "
                              "bookkeeping, sampling) with torch.compile (auto: with CUDA graphs, where a step is "
                              "captured once and replayed; compiles take about a minute at start, cached on disk)")
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                        help="read tool calls out of chat replies (requests with tools and tool_choice 'auto'), as "
+                             "vLLM's parser of that name: 'hermes' for Qwen2.5 / Qwen3(-MoE) / Hermes models; "
+                             "default: none (such requests must send tool_choice 'none')")
     parser.add_argument("--generation-config", choices=("auto", "vexpert"), default="auto",
                         help="defaults of the sampling fields a request leaves out: 'auto' takes temperature, "
                              "top_p, top_k, min_p, repetition_penalty and max_new_tokens from the checkpoint's "
@@ -268,7 +273,8 @@ def _api_config(served: _Served, args: argparse.Namespace, api_key: str | None) 
     tokenizer = AutoTokenizer.from_pretrained(str(served.model_dir), local_files_only=True)
     vocab = int(served.model_config.get("vocab_size", len(tokenizer)))
     return ApiConfig(served.name, served.max_context, vocab, args.drain_timeout, api_key=api_key,
-                     header_timeout_s=args.header_timeout, sampling_defaults=served.sampling_defaults), tokenizer
+                     header_timeout_s=args.header_timeout, sampling_defaults=served.sampling_defaults,
+                     tool_call_parser=args.tool_call_parser), tokenizer
 
 
 def sampling_defaults(model_dir: Path, mode: str) -> tuple[SamplingDefaults, list[str]]:

@@ -83,6 +83,7 @@ from vexpert_runtime.serve.events import (
 )
 from vexpert_runtime.serve.histogram import CountedHistogram
 from vexpert_runtime.serve.metrics_share import MetricsShare
+from vexpert_runtime.serve.tool_calls import ToolCall, ToolCallStream, parse_hermes
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ class ApiConfig:
     header_timeout_s: float = 15.0  # to send a request's headers, and a keep-alive connection's idle time
     max_body_bytes: int | None = None  # None: :func:`body_limit` of the context
     sampling_defaults: oa.SamplingDefaults = field(default_factory=oa.SamplingDefaults)  # for fields a request leaves out
+    tool_call_parser: str | None = None  # how chat replies' tool calls are read (tool_calls.PARSERS); None: not
 
     @property
     def body_limit(self) -> int:
@@ -412,6 +414,18 @@ def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt
     )
 
 
+def _with_tool_calls(job: _Job, choice: oa.Choice) -> oa.Choice:
+    """A finished chat choice with its reply's tool calls read out (finish reason "tool_calls" when the
+    reply ended by itself), for a request whose tools may be called."""
+    if not job.tools or choice.text is None:
+        return choice
+    content, calls = parse_hermes(choice.text)
+    if not calls:
+        return choice
+    reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
+    return replace(choice, text=content, finish_reason=reason, tool_calls=[call.as_json() for call in calls])
+
+
 class _TokenTexts:
     """Token ids as text, for log-probabilities: each id decoded once (the cache is bounded by the
     vocabulary), on the event loop with its own tokenizer copy, else on the tokenizer thread."""
@@ -462,6 +476,7 @@ class _Job:
     prompt_tokens: int  # the usage's: each prompt once, however many choices it has
     logprobs: bool = False  # the request asked for its tokens' log-probabilities
     echo: list[tuple[str, int]] | None = None  # per choice: the prompt's text and first token, to lead with
+    tools: bool = False  # read the replies' tool calls (tool_calls.py)
     finished: set[int] = field(default_factory=set)  # the choices whose last event arrived
 
     @property
@@ -626,6 +641,10 @@ class ServeApi:
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = self._parse(oa.ChatCompletionRequest, await self._json(request))
         self._check_model(req.model)
+        if req.calls_tools and self.config.tool_call_parser is None:
+            raise ApiError(400, 'tool_choice: this server reads no tool calls (start it with --tool-call-parser '
+                           'hermes for Qwen / Hermes models): send "none" (the template shows the tools, the reply '
+                           "is text) or leave tools out", param="tool_choice")
         chars = sum(len(m.text()) for m in req.messages)
         prompt_ids = await self._tokenized(self._encode_chat, req, chars)
         return await self._generate(request, req, [prompt_ids], chat=True)
@@ -759,7 +778,8 @@ class ServeApi:
         arrived = request.get(_ARRIVED, time.monotonic())
         timers = [_RequestTimer(self.metrics, arrived, counts_prompt=i % req.choices == 0) for i in range(len(requests))]
         job = _Job(request_id, [r.request_id for r in requests], oa.now(), req.model, chat, bool(req.stream),
-                   req.include_usage, choices.__aiter__(), sum(map(len, prompts)), params[0].logprobs is not None, echo)
+                   req.include_usage, choices.__aiter__(), sum(map(len, prompts)), params[0].logprobs is not None, echo,
+                   isinstance(req, oa.ChatCompletionRequest) and req.calls_tools)
         job.events = self._observed(job, job.events, timers)
         try:
             return await (self._stream(request, job) if job.stream else self._collect(job))
@@ -799,10 +819,10 @@ class ServeApi:
                 if job.done:
                     none: list[tuple[str, int | None]] = [("", None)] * len(texts)
                     echo: list[tuple[str, int | None]] = list(job.echo) if job.echo else none
-                    choices = [oa.Choice(i, echo[i][0] + "".join(parts), finish[i],
-                                         await self._logprobs_object(job, logprobs[i], 0, echo[i][1])
-                                         if job.logprobs else None)
-                               for i, parts in enumerate(texts)]
+                    choices = [_with_tool_calls(job, oa.Choice(
+                        i, echo[i][0] + "".join(parts), finish[i],
+                        await self._logprobs_object(job, logprobs[i], 0, echo[i][1]) if job.logprobs else None))
+                        for i, parts in enumerate(texts)]
                     build = oa.chat_response if job.chat else oa.completion_response
                     return web.json_response(build(job.request_id, job.created, job.model, choices,
                                                    job.prompt_tokens, completion_tokens))
@@ -852,6 +872,7 @@ class ServeApi:
                            for index in range(len(job.choice_ids)))
         completion_tokens = 0
         offsets = [0] * len(job.choice_ids)  # each choice's text offset so far (completions' logprobs)
+        tool_streams = [ToolCallStream() for _ in job.choice_ids] if job.tools else None
         echoing = set(range(len(job.choice_ids))) if job.echo else set()  # choices whose prompt is still to send
         async for index, batch in job.events:
             text = "".join([event.text for event in batch])
@@ -866,11 +887,21 @@ class ServeApi:
                 if tokens or first is not None:
                     logprobs = await self._logprobs_object(job, tokens, offsets[index], first)
                     offsets[index] += sum(len(token) for token in logprobs.get("tokens", ()))
+            calls: list[ToolCall] = []
+            if tool_streams is not None:  # content until a call starts; the calls at the end
+                text = tool_streams[index].push(text)
+                if batch[-1].finished:
+                    tail, calls = tool_streams[index].finish()
+                    text += tail
             parts = [_sse(self._chunk(job, index, text, logprobs=logprobs))] if text or logprobs else []
+            if calls:
+                parts.append(_sse(oa.chat_chunk(job.request_id, job.created, job.model, {"tool_calls": [
+                    call.as_json(i) for i, call in enumerate(calls)]}, index=index)))
             last = batch[-1]
             if last.finished:
                 error = _failed(last)
-                parts.append(_sse(error.body if error is not None else self._chunk(job, index, None, last.finish_reason)))
+                reason = "tool_calls" if calls and last.finish_reason == "stop" else last.finish_reason
+                parts.append(_sse(error.body if error is not None else self._chunk(job, index, None, reason)))
                 completion_tokens += last.completion_tokens
                 if job.done or error is not None:
                     if job.include_usage:

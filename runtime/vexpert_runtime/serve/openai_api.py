@@ -15,8 +15,9 @@ the output tokens' log-probabilities under the model's distribution, before temp
 truncation, and the k most likely tokens'; at most :data:`~.events.MAX_LOGPROBS`); ``top_k`` and ``min_p``
 (sampling), ``stop_token_ids``, ``ignore_eos`` (benchmarks use it to force exact lengths); for chat,
 ``chat_template_kwargs`` (e.g. Qwen3's ``{"enable_thinking": false}``), ``add_generation_prompt``,
-``continue_final_message``, ``documents``, and ``tools`` with ``tool_choice: "none"`` (the model's template
-shows them; its reply is text).
+``continue_final_message``, ``documents``, and ``tools``: the model's template shows them; with ``tool_choice``
+"auto" (OpenAI's default) the reply's calls are parsed when the server has a ``--tool-call-parser``
+(:mod:`.tool_calls`), else only "none" is accepted.
 
 Types are strict, as OpenAI's own API checks them: a boolean is not an integer (``max_tokens: true``),
 a string is not a boolean (``stream: "yes"``), a number is not a string; ``role`` is one of
@@ -308,9 +309,9 @@ class ChatCompletionRequest(_GenerationRequest):
 
     @model_validator(mode="after")
     def _template_inputs(self) -> ChatCompletionRequest:
-        if self.tool_choice not in (None, "none", "auto") or (self.tools and self.tool_choice != "none"):
-            raise _FieldRefused("tool_choice", 'tool calls are not supported (no tool-call parser): send "none" '
-                                "(the model's template shows the tools, its reply is text) or leave tools out")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise _FieldRefused("tool_choice", '"required" and a named function need guided decoding, which this '
+                                'server does not do: send "auto" (with --tool-call-parser) or "none"')
         if self.top_logprobs and not self.logprobs:
             raise _FieldRefused("top_logprobs", "needs logprobs: true (send both, or leave top_logprobs out)")
         if self.add_generation_prompt and self.continue_final_message:
@@ -323,6 +324,11 @@ class ChatCompletionRequest(_GenerationRequest):
             raise _FieldRefused("chat_template_kwargs", f"{', '.join(reserved)} cannot be set here"
                                 " (tools, documents and the prompt flags have fields of their own)")
         return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the reply may call the request's tools (``tool_choice`` "auto", OpenAI's default with tools)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def template_arguments(self) -> Json:
         """apply_chat_template's keyword arguments for this request (besides the conversation)."""
@@ -483,12 +489,14 @@ def chat_logprobs(tokens: list[DecodedLogprob]) -> Json:
 
 @dataclass(frozen=True)
 class Choice:
-    """One finished choice of a non-streaming response (``logprobs``: its log-probabilities object, or None)."""
+    """One finished choice of a non-streaming response (``logprobs``: its log-probabilities object, or None;
+    ``tool_calls``: a chat reply's calls — its ``text`` then None when it has no other content)."""
 
     index: int
-    text: str
+    text: str | None
     finish_reason: str
     logprobs: Json | None = None
+    tool_calls: list[Json] | None = None
 
 
 def completion_response(rid: str, created: int, model: str, choices: list[Choice], prompt_tokens: int,
@@ -516,7 +524,7 @@ def chat_response(rid: str, created: int, model: str, choices: list[Choice], pro
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": {"role": "assistant", "content": c.text, **({"tool_calls": c.tool_calls} if c.tool_calls else {})},
                 "logprobs": c.logprobs,
                 "finish_reason": c.finish_reason,
             }

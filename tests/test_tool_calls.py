@@ -1,0 +1,56 @@
+"""Tool calls read out of chat replies (``serve/tool_calls.py``, vLLM's ``hermes`` parser's format): the
+parser on its own, streamed in pieces of every size, and the operator's field naming the same parsers."""
+
+from __future__ import annotations
+
+import json
+import typing
+
+import pytest
+
+from vexpert_runtime.serve.tool_calls import PARSERS, ToolCallStream, parse_hermes
+
+TWO_CALLS = ('Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET", "format": "24h"}}\n</tool_call>')
+
+
+def test_calls_are_read_with_the_content_before_them() -> None:
+    content, calls = parse_hermes(TWO_CALLS)
+    assert content == "Let me check both.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET", "format": "24h"})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("chatcmpl-tool-") for c in calls)
+    assert calls[0].as_json(0) == {"index": 0, "id": calls[0].id, "type": "function",
+                                   "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    only = parse_hermes('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
+    assert only[0] is None and only[1][0].arguments == '{"x": 1}'  # arguments given as a string stay as sent
+    unclosed = parse_hermes('<tool_call>{"name": "f", "arguments": {}}')  # the reply ran out before </tool_call>
+    assert [c.name for c in unclosed[1]] == ["f"]
+
+
+@pytest.mark.parametrize("text", ["plain text, no call", "see <tool_call> this is not JSON </tool_call>",
+                                  '<tool_call>{"arguments": {}}</tool_call>', "<tool_call>[1, 2]</tool_call>"])
+def test_a_reply_without_a_valid_call_is_all_content(text: str) -> None:
+    assert parse_hermes(text) == (text, [])
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 7, 11, 1000])
+@pytest.mark.parametrize("text", [TWO_CALLS, "no call here, though it ends in <tool_c", "a <tool_call> that is not one"])
+def test_a_streamed_reply_gives_the_content_then_the_calls(text: str, piece: int) -> None:
+    """Streamed in pieces of any size: the content goes out before the first call (a possible start of one
+    held back, then released when it is not one), the calls at the end, as the whole reply parses."""
+    stream = ToolCallStream()
+    sent = "".join(stream.push(text[i:i + piece]) for i in range(0, len(text), piece))
+    assert "<tool_call" not in sent or not parse_hermes(text)[1]
+    tail, calls = stream.finish()
+    content, expected = parse_hermes(text)
+    assert sent + tail == (content or "") if expected else sent + tail == text
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in expected]
+
+
+def test_the_operator_offers_the_runtimes_parsers() -> None:
+    pytest.importorskip("kopf")
+    from vexpert_operator.api import RuntimeSpec
+
+    field = RuntimeSpec.model_fields["tool_call_parser"].annotation
+    assert set(typing.get_args(field)) - {type(None)} == {typing.Literal[p] for p in PARSERS}
