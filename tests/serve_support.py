@@ -139,15 +139,19 @@ def load_model(directory: Path) -> Any:
 
 
 def _penalized(logits: torch.Tensor, held: list[int], prompt_len: int, spec: Any) -> torch.Tensor:
-    """``logits`` [1, V] with the penalties of ``spec`` over a sequence's tokens ``held`` (prompt first)."""
+    """``logits`` [1, V] with the logit bias and penalties of ``spec`` over a sequence's tokens ``held``
+    (prompt first)."""
     vocab = logits.shape[1]
+    bias = torch.zeros(1, vocab)
+    for token, value in spec.logit_bias:
+        bias[0, token] = value
     seen = torch.zeros(1, vocab, dtype=torch.bool)
     seen[0, held] = True
     counts = torch.bincount(torch.tensor(held[prompt_len:], dtype=torch.int64), minlength=vocab).to(torch.int32)
     one = torch.ones(1)
     inputs = PenaltyInputs(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool), torch.zeros(1, dtype=torch.int64),
                            one * spec.repetition, one * spec.presence, one * spec.frequency)
-    return penalized_logits(logits, seen, counts.unsqueeze(0), inputs)
+    return penalized_logits(logits, seen, counts.unsqueeze(0), inputs, bias)
 
 
 class RecomputeStepModel(SynchronousSteps):

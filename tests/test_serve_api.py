@@ -274,6 +274,21 @@ def test_penalties_reach_the_sampler_and_the_generation_configs_repetition_penal
         server.api.config = before
 
 
+def test_logit_bias_is_added_to_the_logits(client: openai.OpenAI, hf_model: Any, tokenizer: Any) -> None:
+    """logit_bias as OpenAI defines it (token id strings → [-100, 100]), as transformers' ``sequence_bias`` of
+    single tokens adds it: banning the greedy tokens and favouring others changes the reply to generate's."""
+    prompt_ids = tokenizer.encode(PROMPT)
+    greedy = generate_greedy(hf_model, prompt_ids, 8)
+    bias = {greedy[0]: -100.0, greedy[1]: -100.0, 40: 3.0}
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=8,
+                                sequence_bias={(token,): value for token, value in bias.items()})
+    want = tokenizer.decode(out[0, len(prompt_ids):], skip_special_tokens=True)
+    result = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0,
+                                       logit_bias={str(token): value for token, value in bias.items()})
+    assert result.choices[0].text == want != tokenizer.decode(greedy, skip_special_tokens=True)
+
+
 def test_generation_config_defaults_are_read_as_vllm_reads_them(tmp_path: Path) -> None:
     from vexpert_runtime.commands.serve import sampling_defaults
 
@@ -614,8 +629,10 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
         ({"presence_penalty": 2.5}, "presence_penalty"),  # OpenAI's range: [-2, 2]
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),  # > 0
-        ({"logit_bias": {"50256": -100}}, "logit_bias"),
         ({"presence_penalty": "0"}, "presence_penalty"),
+        ({"logit_bias": {"50256": -101}}, "logit_bias"),  # OpenAI's range: [-100, 100]
+        ({"logit_bias": {"fox": 5}}, "logit_bias"),  # keys are token ids
+        ({"logit_bias": {str(10**6): 5}}, "logit_bias"),  # outside the vocabulary (the rank checks)
         ({"top_k": -2}, "top_k"),
         ({"min_p": 1.5}, "min_p"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),

@@ -99,7 +99,12 @@ def test_overload_is_429_with_retry_after_before_any_stream_and_the_rendezvous_i
         assert prompt_lps == pytest.approx(_prompt_logprobs(tmp_path / "ckpt", "request n"), abs=1e-3)
         # penalties in the EP ranks' graphs-free CPU step: transformers' greedy with its repetition_penalty
         penalized = _post(url, {**body, "temperature": 0, "repetition_penalty": 1.5, "max_tokens": 10})
-        assert penalized["choices"][0]["text"] == _greedy_text(tmp_path / "ckpt", "request n", 10, 1.5)
+        assert penalized["choices"][0]["text"] == _greedy_text(tmp_path / "ckpt", "request n", 10, repetition_penalty=1.5)
+        # and a logit bias (transformers' sequence_bias of single tokens): ban two tokens, favour one
+        bias = {5: -100.0, 6: -100.0, 40: 4.0}
+        biased = _post(url, {**body, "temperature": 0, "max_tokens": 10, "logit_bias": {str(t): v for t, v in bias.items()}})
+        assert biased["choices"][0]["text"] == _greedy_text(tmp_path / "ckpt", "request n", 10,
+                                                            sequence_bias={(t,): v for t, v in bias.items()})
     finally:
         _stop(proc)
     assert proc.returncode == 0, log.read_text()[-3000:]
@@ -119,8 +124,8 @@ def _greedy_logprobs(checkpoint: Path, prompt: str, tokens: int) -> list[float]:
             zip(out.logits, out.sequences[0, len(ids):].tolist(), strict=True)]
 
 
-def _greedy_text(checkpoint: Path, prompt: str, tokens: int, repetition_penalty: float) -> str:
-    """transformers' greedy continuation of ``prompt`` with ``repetition_penalty``, as text."""
+def _greedy_text(checkpoint: Path, prompt: str, tokens: int, **processors: Any) -> str:
+    """transformers' greedy continuation of ``prompt`` with ``processors`` (its generate arguments), as text."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -129,7 +134,7 @@ def _greedy_text(checkpoint: Path, prompt: str, tokens: int, repetition_penalty:
     ids = tokenizer.encode(prompt)
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens,
-                             repetition_penalty=repetition_penalty)
+                             **processors)
     return str(tokenizer.decode(out[0, len(ids):], skip_special_tokens=True))
 
 

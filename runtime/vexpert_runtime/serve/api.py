@@ -411,6 +411,7 @@ def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt
         repetition_penalty=default.repetition_penalty if req.repetition_penalty is None else float(req.repetition_penalty),
         presence_penalty=float(req.presence_penalty or 0),
         frequency_penalty=float(req.frequency_penalty or 0),
+        logit_bias=req.bias_pairs(),
     )
 
 

@@ -26,7 +26,8 @@ class SamplingParams:
     context leaves); ``stop_token_ids`` end the sequence as EOS does, also with ``ignore_eos``;
     ``logprobs`` k (≤ :data:`MAX_LOGPROBS`): each sampled token's log-probability and the k most
     likely tokens' (:class:`TokenLogprobs`), None: none; ``prompt_logprobs`` k: the same for every prompt
-    token after the first (given the tokens before it); the penalties are vLLM's (1, 0, 0: off).
+    token after the first (given the tokens before it); the penalties are vLLM's (1, 0, 0: off);
+    ``logit_bias``: (token id, bias) added to those tokens' logits (OpenAI's), sorted by id.
     """
 
     max_tokens: int
@@ -43,10 +44,16 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def holds_row(self) -> bool:
+        """Whether the model keeps a row of per-sequence tables for it (penalties, a logit bias)."""
+        return self.penalized or bool(self.logit_bias)
 
 
 @dataclass(frozen=True, slots=True)

@@ -397,7 +397,8 @@ class HFStepModel:
         sampled_from = logits
         if penalties is not None:
             assert self.penalties.seen is not None and self.penalties.counts is not None
-            sampled_from = penalized_logits(logits.float(), self.penalties.seen, self.penalties.counts, penalties)
+            sampled_from = penalized_logits(logits.float(), self.penalties.seen, self.penalties.counts, penalties,
+                                            self.penalties.bias)
         ids = fusion.maybe_compiled(sample_tokens, self.compiled)(sampled_from, *sampling)
         if publish:
             self.last_sampled[: ids.shape[0]].copy_(ids)

@@ -2,15 +2,15 @@
 
 Requests ignore fields they do not know and that change nothing in the tokens (OpenAI clients send many
 optional ones — ``user``, ``metadata``, ``parallel_tool_calls`` …) and accept ``null`` for optional ones, and
-neutral values of what they cannot honour (``logit_bias: {}``, ``response_format: {"type": "text"}``, as clients
-send by default); what this server cannot honour and would otherwise silently get wrong (vLLM's
-``prompt_logprobs``, ``best_of`` > 1, a non-empty ``logit_bias``, non-text message parts, structured output, tool
+neutral values of what they cannot honour (``response_format: {"type": "text"}``, as clients send by default);
+what this server cannot honour and would otherwise silently get wrong (vLLM's ``prompt_logprobs``, ``best_of`` > 1,
+non-text message parts, structured output, tool
 calls, and the vLLM extensions of :data:`_REFUSED_COMPLETION` / :data:`_REFUSED_CHAT`) is a 400 naming the field
 and what to send instead.
 
 Honoured as vLLM does: a batch of prompts and ``echo`` (completions); ``n`` (that many choices, each its own sequence of the
 same prompt; with a ``seed``, choice i samples with seed + i); ``presence_penalty``, ``frequency_penalty`` and
-``repetition_penalty`` (:mod:`.penalties`); ``logprobs`` (completions: k; chat: ``logprobs`` + ``top_logprobs``:
+``repetition_penalty`` and ``logit_bias`` (:mod:`.penalties`); ``logprobs`` (completions: k; chat: ``logprobs`` + ``top_logprobs``:
 the output tokens' log-probabilities under the model's distribution, before temperature, penalties and
 truncation, and the k most likely tokens'; at most :data:`~.events.MAX_LOGPROBS`); ``top_k`` and ``min_p``
 (sampling), ``stop_token_ids``, ``ignore_eos`` (benchmarks use it to force exact lengths); for chat,
@@ -49,6 +49,7 @@ from vexpert_runtime.serve.events import MAX_LOGPROBS
 Json = dict[str, Any]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_CHOICES = 128  # the most choices (``n``) one request may ask for: OpenAI's limit
+MAX_LOGIT_BIAS = 300  # the most tokens one request's logit_bias may name: OpenAI's limit
 ROLES = ("system", "developer", "user", "assistant", "tool")
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -66,7 +67,6 @@ class StreamOptions(BaseModel):
 # a token it banned, a tool call it waits for).
 _GUIDED = "guided decoding (structured output) is not supported; leave it out"
 _REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
-    "logit_bias": (({},), "not supported; leave it out or send {}"),
     "min_tokens": ((0,), "not supported (end-of-sequence is not suppressed); leave it out or send 0"),
     "guided_json": ((), _GUIDED), "guided_regex": ((), _GUIDED), "guided_choice": ((), _GUIDED),
     "guided_grammar": ((), _GUIDED), "structured_outputs": ((), _GUIDED),
@@ -136,6 +136,7 @@ class _GenerationRequest(BaseModel):
     presence_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: StrictFloat | StrictInt | None = Field(default=None, gt=0)  # vLLM's (transformers')
+    logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = None  # token id (as a string) → bias in [-100, 100]
 
     @field_validator("stop")
     @classmethod
@@ -150,6 +151,22 @@ class _GenerationRequest(BaseModel):
         if ids and any(i < 0 for i in ids):
             raise ValueError("token ids must be ≥ 0")
         return ids
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias and len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens")
+        for token, value in (bias or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"keys must be token ids (as strings), got {token[:20]!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {value} for token {token}")
+        return bias
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs, by id."""
+        return tuple(sorted((int(token), float(value)) for token, value in (self.logit_bias or {}).items()))
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

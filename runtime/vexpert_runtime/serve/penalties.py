@@ -1,8 +1,11 @@
-"""Repetition, presence and frequency penalties on the model's device, as vLLM applies them; graph-capturable.
+"""Repetition, presence and frequency penalties and a logit bias on the model's device, as vLLM applies them;
+graph-capturable.
 
-A penalized sequence holds a row of two [R + 1, V] tables from its first step until the model releases
-it: ``seen`` (the tokens of its prompt and output: the repetition penalty's set) and ``counts`` (how often
-each token occurs in its output: the frequency and presence penalties'). The tables are written from each
+A sequence sampled with either holds a row of three [R + 1, V] tables from its first step until the model
+releases it: ``seen`` (the tokens of its prompt and output: the repetition penalty's set), ``counts`` (how often
+each token occurs in its output: the frequency and presence penalties') and ``bias`` (its logit bias, written
+from the host when its first sampling item comes — an eager write ahead of the step, in stream order; zeroed
+when the row is taken). The tables are written from each
 step's own input tokens — a sequence's prompt chunks, its decodes (the token it sampled last), everything
 again after a preemption — so nothing is copied from the host: a row is cleared by its sequence's
 position-0 token (a new sequence, or one prefilled again after a preemption), and a token at a position
@@ -58,12 +61,15 @@ def record_tokens(seen: torch.Tensor, counts: torch.Tensor, tokens: torch.Tensor
     counts.view(-1).scatter_add_(0, counted, torch.ones_like(counted, dtype=counts.dtype))
 
 
-def penalized_logits(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, inputs: PenaltyInputs
-                     ) -> torch.Tensor:
-    """Logits [S, V] (float32) with vLLM's penalties: a token the sequence holds (prompt or output) has its
-    logit divided by the repetition penalty where positive, multiplied where not (as transformers'
-    ``repetition_penalty``); then minus frequency × its output count and presence × (count > 0)."""
+def penalized_logits(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, inputs: PenaltyInputs,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [S, V] (float32) with the logit bias [R + 1, V] added (when given), then vLLM's penalties: a token
+    the sequence holds (prompt or output) has its logit divided by the repetition penalty where positive,
+    multiplied where not (as transformers' ``repetition_penalty``); then minus frequency × its output count and
+    presence × (count > 0) — vLLM's order (logits processors, then penalties)."""
     rows = inputs.sample_rows
+    if bias is not None:
+        logits = logits + bias[rows]
     occurred = counts[rows].to(logits.dtype)
     repetition = inputs.repetition.unsqueeze(1)
     logits = torch.where(seen[rows], torch.where(logits > 0, logits / repetition, logits * repetition), logits)
@@ -80,8 +86,10 @@ class PenaltyState:
         self.device = device
         self.seen: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
         self.fixed = False
         self._rows: dict[int, int] = {}  # seq_id → row
+        self._biased: set[int] = set()  # sequences whose bias row is written
         self._free: list[int] = []
 
     @property
@@ -106,13 +114,19 @@ class PenaltyState:
                     if self.fixed:
                         raise RuntimeError(f"all {self.scratch} penalty rows are held (reserve more)")
                     self._grow(max(8, 2 * self.scratch))
-                self._rows[item.seq_id] = self._free.pop()
+                self._rows[item.seq_id] = row = self._free.pop()
+                assert self.bias is not None
+                self.bias[row].zero_()  # what an earlier holder left
+            if item.sample is not None and item.sample.logit_bias and item.seq_id not in self._biased:
+                self._write_bias(self._rows[item.seq_id], item.sample.logit_bias)
+                self._biased.add(item.seq_id)
         scratch = self.scratch
         return PenaltyRows([self._rows.get(item.seq_id, scratch) for item in work], scratch)
 
     def release(self, seq_id: int) -> None:
         """The sequence is gone (finished, or preempted: prefilled again, it takes a row afresh)."""
         row = self._rows.pop(seq_id, None)
+        self._biased.discard(seq_id)
         if row is not None:
             self._free.append(row)
 
@@ -134,12 +148,21 @@ class PenaltyState:
             torch.tensor([s.presence for s in specs], dtype=torch.float32).to(device),
             torch.tensor([s.frequency for s in specs], dtype=torch.float32).to(device))
 
+    def _write_bias(self, row: int, pairs: Sequence[tuple[int, float]]) -> None:
+        """A sequence's logit bias into its row (an eager write, ahead of the step that samples with it)."""
+        assert self.bias is not None
+        ids, values = zip(*pairs, strict=True)
+        self.bias[row, torch.tensor(ids, dtype=torch.int64, device=self.device)] = torch.tensor(
+            values, dtype=self.bias.dtype, device=self.device)
+
     def _grow(self, rows: int) -> None:
         seen = torch.zeros(rows + 1, self.vocab_size, dtype=torch.bool, device=self.device)
         counts = torch.zeros(rows + 1, self.vocab_size, dtype=torch.int32, device=self.device)
+        bias = torch.zeros(rows + 1, self.vocab_size, dtype=torch.float32, device=self.device)
         old = 0 if self.seen is None or self.counts is None else self.seen.shape[0] - 1
-        if self.seen is not None and self.counts is not None:
+        if self.seen is not None and self.counts is not None and self.bias is not None:
             seen[:old] = self.seen[:old]
             counts[:old] = self.counts[:old]
-        self.seen, self.counts = seen, counts
+            bias[:old] = self.bias[:old]
+        self.seen, self.counts, self.bias = seen, counts, bias
         self._free = [*range(rows - 1, old - 1, -1), *self._free]

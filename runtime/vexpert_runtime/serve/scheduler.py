@@ -146,7 +146,7 @@ class _Sequence:
     seed: int
     prompt_len: int = field(init=False)  # len(request.prompt_ids), kept: read every iteration
     max_tokens: int = field(init=False)  # request.params.max_tokens, likewise
-    penalty_prompt_len: int = field(init=False)  # SequenceWork's: prompt_len when sampled with penalties, else −1
+    penalty_prompt_len: int = field(init=False)  # SequenceWork's: prompt_len with penalties or a logit bias, else −1
     prefill_len: int = field(init=False)  # tokens to compute before decoding: the prompt (+ output after a preemption)
     computed: int = 0  # tokens the model holds in its KV cache (or will, once the launched steps are done)
     admitted: bool = False
@@ -169,7 +169,7 @@ class _Sequence:
     def __post_init__(self) -> None:
         self.prompt_len = self.prefill_len = len(self.request.prompt_ids)
         self.max_tokens = self.request.params.max_tokens
-        self.penalty_prompt_len = self.prompt_len if self.request.params.penalized else -1
+        self.penalty_prompt_len = self.prompt_len if self.request.params.holds_row else -1
 
     def known_tokens(self, start: int, end: int) -> tuple[int, ...]:
         """Tokens ``start .. end-1`` of prompt + output (read ones)."""
@@ -187,7 +187,7 @@ class _Sequence:
         params = self.request.params
         return SamplingSpec(params.temperature, params.top_p, self.seed, self.generated, params.top_k, params.min_p,
                             params.logprobs is not None, params.repetition_penalty, params.presence_penalty,
-                            params.frequency_penalty)
+                            params.frequency_penalty, params.logit_bias)
 
     def prompt_targets(self, start: int, end: int) -> tuple[int, ...]:
         """A prefill chunk's :attr:`~.step.SequenceWork.prompt_targets` (positions ``start .. end-1``): the
@@ -221,7 +221,7 @@ class _Sequence:
         params = self.request.params  # sampling(), inlined: this runs per sequence per iteration
         spec = SamplingSpec(params.temperature, params.top_p, self.seed, len(self.output) + self.pending, params.top_k,
                             params.min_p, params.logprobs is not None, params.repetition_penalty,
-                            params.presence_penalty, params.frequency_penalty)
+                            params.presence_penalty, params.frequency_penalty, params.logit_bias)
         if self.pending:  # its token is on the device, sampled by the step still running
             return SequenceWork(self.seq_id, (0,), computed, self.table, spec, self.sample_row, self.penalty_prompt_len)
         return SequenceWork(self.seq_id, (self.output[-1],), computed, self.table, spec, None, self.penalty_prompt_len)
@@ -251,6 +251,8 @@ def check_request(request: GenerationRequest, max_context: int, vocab_size: int)
                                 f"({max_context})")
     if not params.repetition_penalty > 0 or not -2 <= params.presence_penalty <= 2 or not -2 <= params.frequency_penalty <= 2:
         raise VExpertInputError("repetition_penalty", "must be > 0 (presence_penalty and frequency_penalty in [-2, 2])")
+    if any(not 0 <= token < vocab_size or not -100 <= bias <= 100 for token, bias in params.logit_bias):
+        raise VExpertInputError("logit_bias", f"token ids must be in [0, {vocab_size}) and biases in [-100, 100]")
     if params.seed is not None and not -(2**63) <= params.seed < 2**64:
         raise VExpertInputError("seed", "must fit in 64 bits")
     if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab_size:

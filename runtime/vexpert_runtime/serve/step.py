@@ -36,7 +36,8 @@ class SamplingSpec:
     sampled before) make the draw a pure function of the request, whatever shares its batch
     (:func:`~.sampling.sample_tokens`). ``logprobs``: also report the sampled token's log-probability
     and the :data:`~.events.MAX_LOGPROBS` most likely tokens' (:class:`StepLogprobs`). ``repetition``,
-    ``presence``, ``frequency``: vLLM's penalties (1, 0, 0: off; :mod:`.penalties`)."""
+    ``presence``, ``frequency``: vLLM's penalties (1, 0, 0: off), ``logit_bias`` (token id, bias) pairs
+    (:mod:`.penalties`; either needs the item's ``penalty_prompt_len``)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -48,6 +49,7 @@ class SamplingSpec:
     repetition: float = 1.0
     presence: float = 0.0
     frequency: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,9 +90,9 @@ class SequenceWork:
     ``fed``: a decode whose token the previous step sampled at its sampling row ``fed`` (the host has
     not read it yet, see the module docstring): the model takes it from the device, ``tokens`` holds
     a placeholder.
-    ``penalty_prompt_len``: for a sequence sampled with penalties, its prompt's length (tokens at positions
-    ≥ it are its output) — the model tracks such a sequence's tokens (:mod:`.penalties`) from every item,
-    sampling or not; −1 for the others.
+    ``penalty_prompt_len``: for a sequence sampled with penalties or a logit bias, its prompt's length
+    (tokens at positions ≥ it are its output) — the model keeps such a sequence's row (:mod:`.penalties`)
+    from every item, sampling or not; −1 for the others.
     ``prompt_targets``: report prompt log-probabilities — for each of ``tokens``, the prompt token that
     follows it (its log-probability given the tokens up to this one), −1 where none is wanted; empty: none
     (:class:`PromptLogprobs`; such a step runs eagerly).
