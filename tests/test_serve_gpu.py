@@ -187,11 +187,12 @@ def test_graphed_logprobs_equal_the_eager_step(tmp_path: Path) -> None:
 
 
 def test_graphed_penalties_equal_the_eager_step(tmp_path: Path) -> None:
-    """Sampled with repetition, presence and frequency penalties beside an unpenalized sequence (the
-    graphs that track tokens in the penalty tables and apply them), then a second batch taking the rows
-    the first freed: the same tokens graphed as eager."""
+    """Sampled with a logit bias and repetition, presence and frequency penalties beside an unpenalized sequence
+    (the graphs that track tokens in the penalty tables and apply them; the bias rows written eagerly ahead of
+    a replay), then a second batch taking the rows the first freed: the same tokens graphed as eager."""
     path = _write("qwen3_moe", tmp_path / "qwen3_moe")
-    spec = SamplingSpec(temperature=0.8, seed=2, repetition=1.3, presence=0.5, frequency=0.4)
+    spec = SamplingSpec(temperature=0.8, seed=2, repetition=1.3, presence=0.5, frequency=0.4,
+                        logit_bias=((7, 2.0), (11, -3.0)))
 
     def run(model: HFStepModel) -> tuple[list[list[int]], list[list[int]]]:
         return (drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK, sampling=[spec, None, spec]),
