@@ -50,6 +50,8 @@ def cases(prompts: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
         "presence 1.0 + frequency 0.5": ("completions", {**completion, "presence_penalty": 1.0,
                                                          "frequency_penalty": 0.5}),
         "logit_bias": ("completions", {**completion, "logit_bias": {"5": -100, "6": -100, "40": 4}}),
+        "min_tokens 5, EOS favoured": ("completions", {**completion, "ignore_eos": False, "min_tokens": 5,
+                                                      "logit_bias": {"2": 100}}),
         "logprobs 5": ("completions", {**completion, "logprobs": 5}),
         "echo + logprobs 2": ("completions", {**completion, "echo": True, "logprobs": 2}),
         "chat logprobs, top_logprobs 3": ("chat/completions", {**chat, "logprobs": True, "top_logprobs": 3}),

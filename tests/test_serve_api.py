@@ -289,6 +289,24 @@ def test_logit_bias_is_added_to_the_logits(client: openai.OpenAI, hf_model: Any,
     assert result.choices[0].text == want != tokenizer.decode(greedy, skip_special_tokens=True)
 
 
+def test_min_tokens_holds_back_eos_and_stop_ids(client: openai.OpenAI, tokenizer: Any) -> None:
+    """min_tokens (vLLM's): with EOS favoured by a logit bias the reply ends at once; with min_tokens 5 neither
+    EOS nor a stop token id is sampled before 5 tokens, then EOS ends it; a stop string is not looked for before."""
+    eos = tokenizer.eos_token_id
+    kwargs: dict[str, Any] = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+                              "logit_bias": {str(eos): 100}}
+    at_once = client.completions.create(**kwargs)
+    assert (at_once.choices[0].finish_reason, at_once.usage.completion_tokens) == ("stop", 1)  # type: ignore[union-attr]
+    held = client.completions.create(**kwargs, extra_body={"min_tokens": 5, "stop_token_ids": [7]})
+    assert (held.choices[0].finish_reason, held.usage.completion_tokens) == ("stop", 6)  # type: ignore[union-attr]
+    plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0).choices[0].text
+    stop = plain[:2]  # a stop string the greedy reply starts with: found at once, unless min_tokens waits
+    assert client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0,
+                                      stop=[stop]).choices[0].text == ""
+    assert client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, stop=[stop],
+                                      extra_body={"min_tokens": 6, "ignore_eos": True}).choices[0].text == plain
+
+
 def test_generation_config_defaults_are_read_as_vllm_reads_them(tmp_path: Path) -> None:
     from vexpert_runtime.commands.serve import sampling_defaults
 
@@ -639,7 +657,7 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
         # what would be silently wrong if ignored (structured output, banned tokens, …): refused by name
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
-        ({"min_tokens": 4}, "min_tokens"),
+        ({"min_tokens": 6, "max_tokens": 5}, "min_tokens"),  # more than it may generate
         ({"suffix": " end"}, "suffix"),
         ({"bad_words": ["fox"]}, "bad_words"),
         ({"skip_special_tokens": False}, "skip_special_tokens"),

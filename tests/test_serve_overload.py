@@ -105,6 +105,14 @@ def test_overload_is_429_with_retry_after_before_any_stream_and_the_rendezvous_i
         biased = _post(url, {**body, "temperature": 0, "max_tokens": 10, "logit_bias": {str(t): v for t, v in bias.items()}})
         assert biased["choices"][0]["text"] == _greedy_text(tmp_path / "ckpt", "request n", 10,
                                                             sequence_bias={(t,): v for t, v in bias.items()})
+        # min_tokens: EOS, favoured by a logit bias, only after 4 tokens (the bias row rewritten then)
+        from transformers import AutoTokenizer
+
+        eos = AutoTokenizer.from_pretrained(str(tmp_path / "ckpt")).eos_token_id
+        forced = {**body, "temperature": 0, "max_tokens": 10, "ignore_eos": False, "logit_bias": {str(eos): 100}}
+        assert _post(url, forced)["usage"]["completion_tokens"] == 1
+        held = _post(url, {**forced, "min_tokens": 4})
+        assert (held["choices"][0]["finish_reason"], held["usage"]["completion_tokens"]) == ("stop", 5)
     finally:
         _stop(proc)
     assert proc.returncode == 0, log.read_text()[-3000:]

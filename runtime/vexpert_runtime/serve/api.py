@@ -396,8 +396,12 @@ def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt
         param = "max_completion_tokens" if chat and req.max_tokens is None else "max_tokens"
         raise ApiError(400, f"{param}: {requested} + the prompt's {prompt_len} tokens exceed the context of {limit} "
                        "tokens", param=param, code="context_length_exceeded")
+    max_tokens = requested if requested is not None else min(limit - prompt_len, default.max_tokens or limit)
+    if (req.min_tokens or 0) > max_tokens:
+        raise ApiError(400, f"min_tokens: {req.min_tokens} is more than the {max_tokens} tokens this request may "
+                       "generate (max_tokens, or what the context leaves)", param="min_tokens")
     return SamplingParams(
-        max_tokens=requested if requested is not None else min(limit - prompt_len, default.max_tokens or limit),
+        max_tokens=max_tokens,
         temperature=default.temperature if req.temperature is None else req.temperature,
         top_p=default.top_p if req.top_p is None else req.top_p,
         seed=req.seed,
@@ -412,6 +416,7 @@ def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt
         presence_penalty=float(req.presence_penalty or 0),
         frequency_penalty=float(req.frequency_penalty or 0),
         logit_bias=req.bias_pairs(),
+        min_tokens=req.min_tokens or 0,
     )
 
 

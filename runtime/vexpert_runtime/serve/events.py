@@ -27,7 +27,8 @@ class SamplingParams:
     ``logprobs`` k (≤ :data:`MAX_LOGPROBS`): each sampled token's log-probability and the k most
     likely tokens' (:class:`TokenLogprobs`), None: none; ``prompt_logprobs`` k: the same for every prompt
     token after the first (given the tokens before it); the penalties are vLLM's (1, 0, 0: off);
-    ``logit_bias``: (token id, bias) added to those tokens' logits (OpenAI's), sorted by id.
+    ``logit_bias``: (token id, bias) added to those tokens' logits (OpenAI's), sorted by id; ``min_tokens``:
+    neither EOS nor a stop token id is sampled, nor a stop string looked for, before that many tokens (vLLM's).
     """
 
     max_tokens: int
@@ -45,6 +46,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     @property
     def penalized(self) -> bool:
@@ -52,8 +54,8 @@ class SamplingParams:
 
     @property
     def holds_row(self) -> bool:
-        """Whether the model keeps a row of per-sequence tables for it (penalties, a logit bias)."""
-        return self.penalized or bool(self.logit_bias)
+        """Whether the model keeps a row of per-sequence tables for it (penalties, a logit bias, min_tokens)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,7 +67,6 @@ class StreamOptions(BaseModel):
 # a token it banned, a tool call it waits for).
 _GUIDED = "guided decoding (structured output) is not supported; leave it out"
 _REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
-    "min_tokens": ((0,), "not supported (end-of-sequence is not suppressed); leave it out or send 0"),
     "guided_json": ((), _GUIDED), "guided_regex": ((), _GUIDED), "guided_choice": ((), _GUIDED),
     "guided_grammar": ((), _GUIDED), "structured_outputs": ((), _GUIDED),
     "bad_words": (([],), "not supported; leave it out"),
@@ -137,6 +136,7 @@ class _GenerationRequest(BaseModel):
     frequency_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: StrictFloat | StrictInt | None = Field(default=None, gt=0)  # vLLM's (transformers')
     logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = None  # token id (as a string) → bias in [-100, 100]
+    min_tokens: StrictInt | None = Field(default=None, ge=0)  # vLLM's: no EOS / stop before that many tokens
 
     @field_validator("stop")
     @classmethod

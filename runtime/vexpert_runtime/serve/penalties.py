@@ -4,8 +4,8 @@ graph-capturable.
 A sequence sampled with either holds a row of three [R + 1, V] tables from its first step until the model
 releases it: ``seen`` (the tokens of its prompt and output: the repetition penalty's set), ``counts`` (how often
 each token occurs in its output: the frequency and presence penalties') and ``bias`` (its logit bias, written
-from the host when its first sampling item comes — an eager write ahead of the step, in stream order; zeroed
-when the row is taken). The tables are written from each
+from the host when its first sampling item comes, and again when it changes — ``min_tokens``' stop ids at −inf
+until then — an eager write ahead of the step, in stream order; zeroed when the row is taken). The tables are written from each
 step's own input tokens — a sequence's prompt chunks, its decodes (the token it sampled last), everything
 again after a preemption — so nothing is copied from the host: a row is cleared by its sequence's
 position-0 token (a new sequence, or one prefilled again after a preemption), and a token at a position
@@ -89,7 +89,7 @@ class PenaltyState:
         self.bias: torch.Tensor | None = None
         self.fixed = False
         self._rows: dict[int, int] = {}  # seq_id → row
-        self._biased: set[int] = set()  # sequences whose bias row is written
+        self._written: dict[int, tuple[tuple[int, float], ...]] = {}  # seq_id → the bias its row holds
         self._free: list[int] = []
 
     @property
@@ -117,16 +117,21 @@ class PenaltyState:
                 self._rows[item.seq_id] = row = self._free.pop()
                 assert self.bias is not None
                 self.bias[row].zero_()  # what an earlier holder left
-            if item.sample is not None and item.sample.logit_bias and item.seq_id not in self._biased:
-                self._write_bias(self._rows[item.seq_id], item.sample.logit_bias)
-                self._biased.add(item.seq_id)
+            spec = item.sample
+            if spec is not None and item.seq_id in self._rows and spec.logit_bias != self._written.get(item.seq_id, ()):
+                row = self._rows[item.seq_id]  # a new bias (the first, or min_tokens reached): rewrite the row
+                assert self.bias is not None
+                self.bias[row].zero_()
+                if spec.logit_bias:
+                    self._write_bias(row, spec.logit_bias)
+                self._written[item.seq_id] = spec.logit_bias
         scratch = self.scratch
         return PenaltyRows([self._rows.get(item.seq_id, scratch) for item in work], scratch)
 
     def release(self, seq_id: int) -> None:
         """The sequence is gone (finished, or preempted: prefilled again, it takes a row afresh)."""
         row = self._rows.pop(seq_id, None)
-        self._biased.discard(seq_id)
+        self._written.pop(seq_id, None)
         if row is not None:
             self._free.append(row)
 

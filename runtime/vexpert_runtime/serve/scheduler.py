@@ -59,6 +59,7 @@ from vexpert_runtime.serve.events import (
     EventLogprobs,
     GenerationRequest,
     RankLoad,
+    SamplingParams,
     TokenLogprobs,
     overloaded,
     shutting_down,
@@ -147,6 +148,7 @@ class _Sequence:
     prompt_len: int = field(init=False)  # len(request.prompt_ids), kept: read every iteration
     max_tokens: int = field(init=False)  # request.params.max_tokens, likewise
     penalty_prompt_len: int = field(init=False)  # SequenceWork's: prompt_len with penalties or a logit bias, else −1
+    early_bias: tuple[tuple[int, float], ...] = ()  # the logit bias before min_tokens: the stop ids at −inf
     prefill_len: int = field(init=False)  # tokens to compute before decoding: the prompt (+ output after a preemption)
     computed: int = 0  # tokens the model holds in its KV cache (or will, once the launched steps are done)
     admitted: bool = False
@@ -185,9 +187,10 @@ class _Sequence:
 
     def sampling(self) -> SamplingSpec:
         params = self.request.params
-        return SamplingSpec(params.temperature, params.top_p, self.seed, self.generated, params.top_k, params.min_p,
+        draw = self.generated
+        return SamplingSpec(params.temperature, params.top_p, self.seed, draw, params.top_k, params.min_p,
                             params.logprobs is not None, params.repetition_penalty, params.presence_penalty,
-                            params.frequency_penalty, params.logit_bias)
+                            params.frequency_penalty, self.early_bias if draw < params.min_tokens else params.logit_bias)
 
     def prompt_targets(self, start: int, end: int) -> tuple[int, ...]:
         """A prefill chunk's :attr:`~.step.SequenceWork.prompt_targets` (positions ``start .. end-1``): the
@@ -219,9 +222,11 @@ class _Sequence:
         if computed >= len(self.table) * pool.block_size:  # the new token starts a block
             self.table = tuple(pool.grow(self.seq_id, computed + 1))
         params = self.request.params  # sampling(), inlined: this runs per sequence per iteration
-        spec = SamplingSpec(params.temperature, params.top_p, self.seed, len(self.output) + self.pending, params.top_k,
+        draw = len(self.output) + self.pending
+        spec = SamplingSpec(params.temperature, params.top_p, self.seed, draw, params.top_k,
                             params.min_p, params.logprobs is not None, params.repetition_penalty,
-                            params.presence_penalty, params.frequency_penalty, params.logit_bias)
+                            params.presence_penalty, params.frequency_penalty,
+                            self.early_bias if draw < params.min_tokens else params.logit_bias)
         if self.pending:  # its token is on the device, sampled by the step still running
             return SequenceWork(self.seq_id, (0,), computed, self.table, spec, self.sample_row, self.penalty_prompt_len)
         return SequenceWork(self.seq_id, (self.output[-1],), computed, self.table, spec, None, self.penalty_prompt_len)
@@ -251,12 +256,24 @@ def check_request(request: GenerationRequest, max_context: int, vocab_size: int)
                                 f"({max_context})")
     if not params.repetition_penalty > 0 or not -2 <= params.presence_penalty <= 2 or not -2 <= params.frequency_penalty <= 2:
         raise VExpertInputError("repetition_penalty", "must be > 0 (presence_penalty and frequency_penalty in [-2, 2])")
+    if not 0 <= params.min_tokens <= params.max_tokens:
+        raise VExpertInputError("min_tokens", f"must be in [0, max_tokens = {params.max_tokens}]")
     if any(not 0 <= token < vocab_size or not -100 <= bias <= 100 for token, bias in params.logit_bias):
         raise VExpertInputError("logit_bias", f"token ids must be in [0, {vocab_size}) and biases in [-100, 100]")
     if params.seed is not None and not -(2**63) <= params.seed < 2**64:
         raise VExpertInputError("seed", "must fit in 64 bits")
     if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab_size:
         raise VExpertInputError("prompt", f"token ids must be in [0, {vocab_size})")
+
+
+def early_bias(params: SamplingParams, eos_ids: frozenset[int]) -> tuple[tuple[int, float], ...]:
+    """A request's logit bias until ``min_tokens`` tokens are out: its own, with −inf on the ids that would end it
+    (its stop token ids, and EOS unless it ignores EOS), as vLLM's min-tokens processor masks them; () without
+    ``min_tokens``."""
+    if params.min_tokens <= 0:
+        return ()
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+    return tuple(sorted({**dict(params.logit_bias), **dict.fromkeys(stops, float("-inf"))}.items()))
 
 
 def _token_logprobs(step: StepLogprobs, row: int, token: int, k: int) -> TokenLogprobs:
@@ -480,14 +497,11 @@ class Scheduler:
     def _new_sequence(self, request: GenerationRequest, sink: EventSink) -> _Sequence:
         seq_id = self._next_seq_id
         self._next_seq_id += 1
-        return _Sequence(
-            seq_id=seq_id,
-            request=request,
-            sink=sink,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_ids),
-            stop=StopChecker(request.params.stop),
-            seed=request_seed(request.params.seed),
-        )
+        seq = _Sequence(seq_id=seq_id, request=request, sink=sink, stop=StopChecker(request.params.stop),
+                        detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_ids),
+                        seed=request_seed(request.params.seed))
+        seq.early_bias = early_bias(request.params, self.eos_ids)
+        return seq
 
     def _schedule(self) -> list[tuple[_Sequence, SequenceWork]]:
         """This iteration's batch: decodes first, then prompt chunks, then admissions."""
@@ -591,7 +605,7 @@ class Scheduler:
             return
         text = seq.detokenizer.push(token)
         stopped = False
-        if seq.stop.stop:  # stop strings to look for (most requests have none)
+        if seq.stop.stop and len(output) >= params.min_tokens:  # stop strings to look for (most requests have none)
             text, stopped = seq.stop.push(text)
         if stopped:
             self._finish(seq, "stop", text=text)
