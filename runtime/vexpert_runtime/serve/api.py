@@ -97,6 +97,7 @@ MAX_JSON_DEPTH = 64
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _Body = TypeVar("_Body", bound=BaseModel)
+_Result = TypeVar("_Result")
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -642,7 +643,7 @@ class ServeApi:
         """A token-id prompt as text (to echo it)."""
         if self._loop_tokenizer is not None:
             return str(self._loop_tokenizer.decode(prompt))
-        return str(await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, self.tokenizer.decode, prompt))
+        return str(await self._off_loop(self.tokenizer.decode, prompt))
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = self._parse(oa.ChatCompletionRequest, await self._json(request))
@@ -662,7 +663,7 @@ class ServeApi:
             return encode(prompt, self._loop_tokenizer)
         return await self._off_loop(encode, prompt)
 
-    async def _off_loop(self, encode: Callable[[Any], list[int]], prompt: Any) -> list[int]:
+    async def _off_loop(self, encode: Callable[[Any], _Result], prompt: Any) -> _Result:
         """Run ``encode(prompt)`` on the tokenizer thread (a long prompt must not stall the event loop)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, encode, prompt)
 

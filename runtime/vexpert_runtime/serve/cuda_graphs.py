@@ -42,8 +42,8 @@ from vexpert_runtime.serve.sampling import truncates
 from vexpert_runtime.serve.step import SequenceWork, StepLogprobs
 
 _TOKEN_FIELDS = ("tokens", "positions", "slots", "lengths", "seqs", "valid", "fed", "penalty_rows", "outputs")
-_SAMPLE_FIELDS = ("rows", "seeds", "draws", "temperature", "top_p", "top_k", "min_p", "penalty_sample_rows",
-                  "repetition", "presence", "frequency")
+_PENALTY_SAMPLE_FIELDS = ("penalty_sample_rows", "repetition", "presence", "frequency")  # written only with penalties
+_SAMPLE_FIELDS = ("rows", "seeds", "draws", "temperature", "top_p", "top_k", "min_p", *_PENALTY_SAMPLE_FIELDS)
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition", "presence", "frequency")  # stored as float64 bits
 
 
@@ -156,7 +156,7 @@ class GraphInputs:
             v["top_p"][:s] = [spec.top_p for spec in specs]
             v["top_k"][:s] = [spec.top_k for spec in specs]
             v["min_p"][:s] = [spec.min_p for spec in specs]
-        for name in _SAMPLE_FIELDS:
+        for name in _SAMPLE_FIELDS[: -len(_PENALTY_SAMPLE_FIELDS)]:
             v[name][s:] = 0
         if penalty_rows is not None:
             self._fill_penalties(work, penalty_rows, seqs, positions, n, s, v)
@@ -180,7 +180,9 @@ class GraphInputs:
         v["repetition"][:s] = [spec.repetition for _, spec in sampled]
         v["repetition"][s:] = 1.0
         v["presence"][:s] = [spec.presence for _, spec in sampled]
+        v["presence"][s:] = 0.0
         v["frequency"][:s] = [spec.frequency for _, spec in sampled]
+        v["frequency"][s:] = 0.0
 
     def _host_views(self) -> dict[str, np.ndarray]:
         """numpy views of :attr:`views` and :attr:`tables` (made once: a view costs µs per call)."""

@@ -281,13 +281,12 @@ class HFStepModel:
         if self.kv_cache is None:
             raise RuntimeError("no KV cache: call allocate_kv_cache first")
         self._check(work)
-        graphed = self.graphs is not None and self.graphs.fits(work)
-        if graphed and self.graphs is not None and not self.penalties.fixed and any(
-                item.penalty_prompt_len >= 0 for item in work):  # the tables, before a graph captures them
-            self.penalties.reserve(2 * self.graphs.max_seqs)  # running, and the finished ones of the step in flight
-        penalty_rows = self.penalties.rows_for(work)
-        if graphed and self.graphs is not None:
-            return self.graphs.launch(work, penalty_rows)
+        graphs = self.graphs if self.graphs is not None and self.graphs.fits(work) else None
+        # a graphed step fixes the tables before a graph captures them: rows for the running sequences and the
+        # finished ones of the step in flight
+        penalty_rows = self.penalties.rows_for(work, None if graphs is None else 2 * graphs.max_seqs)
+        if graphs is not None:
+            return graphs.launch(work, penalty_rows)
         tokens = torch.tensor([t for item in work for t in item.tokens], dtype=torch.int64).to(self.device)
         fed = None
         if any(item.fed is not None for item in work):

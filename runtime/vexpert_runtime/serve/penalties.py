@@ -103,11 +103,14 @@ class PenaltyState:
             self._grow(rows)
         self.fixed = True
 
-    def rows_for(self, work: Sequence[SequenceWork]) -> PenaltyRows | None:
+    def rows_for(self, work: Sequence[SequenceWork], reserve: int | None = None) -> PenaltyRows | None:
         """Each item's row (the scratch row for an unpenalized one), a row taken for a penalized
-        sequence (``penalty_prompt_len`` ≥ 0) the first time it comes; None when no item is penalized."""
+        sequence (``penalty_prompt_len`` ≥ 0) the first time it comes; None when no item is penalized.
+        ``reserve``: a step a CUDA graph will run — the tables are fixed at that many rows first (:meth:`reserve`)."""
         if not any(item.penalty_prompt_len >= 0 for item in work):
             return None
+        if reserve is not None and not self.fixed:
+            self.reserve(reserve)
         for item in work:
             if item.seq_id not in self._rows and item.penalty_prompt_len >= 0:
                 if not self._free:
