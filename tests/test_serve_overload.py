@@ -6,6 +6,7 @@ and the single-node rendezvous listens on loopback only."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -106,9 +107,7 @@ def test_overload_is_429_with_retry_after_before_any_stream_and_the_rendezvous_i
         assert biased["choices"][0]["text"] == _greedy_text(tmp_path / "ckpt", "request n", 10,
                                                             sequence_bias={(t,): v for t, v in bias.items()})
         # min_tokens: EOS, favoured by a logit bias, only after 4 tokens (the bias row rewritten then)
-        from transformers import AutoTokenizer
-
-        eos = AutoTokenizer.from_pretrained(str(tmp_path / "ckpt")).eos_token_id
+        eos = _reference(tmp_path / "ckpt")[1].eos_token_id
         forced = {**body, "temperature": 0, "max_tokens": 10, "ignore_eos": False, "logit_bias": {str(eos): 100}}
         assert _post(url, forced)["usage"]["completion_tokens"] == 1
         held = _post(url, {**forced, "min_tokens": 4})
@@ -118,13 +117,22 @@ def test_overload_is_429_with_retry_after_before_any_stream_and_the_rendezvous_i
     assert proc.returncode == 0, log.read_text()[-3000:]
 
 
-def _greedy_logprobs(checkpoint: Path, prompt: str, tokens: int) -> list[float]:
-    """transformers' greedy continuation of ``prompt``: each token's log-probability."""
+@functools.cache
+def _reference(checkpoint: Path) -> tuple[Any, Any]:
+    """transformers' model (float32) and tokenizer of the served checkpoint, loaded once."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
-    ids = AutoTokenizer.from_pretrained(str(checkpoint)).encode(prompt)
+    return (AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32),
+            AutoTokenizer.from_pretrained(str(checkpoint)))
+
+
+def _greedy_logprobs(checkpoint: Path, prompt: str, tokens: int) -> list[float]:
+    """transformers' greedy continuation of ``prompt``: each token's log-probability."""
+    import torch
+
+    model, tokenizer = _reference(checkpoint)
+    ids = tokenizer.encode(prompt)
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens,
                              output_logits=True, return_dict_in_generate=True)
@@ -135,10 +143,8 @@ def _greedy_logprobs(checkpoint: Path, prompt: str, tokens: int) -> list[float]:
 def _greedy_text(checkpoint: Path, prompt: str, tokens: int, **processors: Any) -> str:
     """transformers' greedy continuation of ``prompt`` with ``processors`` (its generate arguments), as text."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    model, tokenizer = _reference(checkpoint)
     ids = tokenizer.encode(prompt)
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens,
@@ -149,10 +155,9 @@ def _greedy_text(checkpoint: Path, prompt: str, tokens: int, **processors: Any) 
 def _prompt_logprobs(checkpoint: Path, prompt: str) -> list[float]:
     """transformers' log-probability of each prompt token after the first, given the tokens before it."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
-    ids = AutoTokenizer.from_pretrained(str(checkpoint)).encode(prompt)
+    model, tokenizer = _reference(checkpoint)
+    ids = tokenizer.encode(prompt)
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
     return [float(logp[p, t]) for p, t in enumerate(ids[1:])]
