@@ -43,6 +43,7 @@ batches at several contexts with the splits ``vexpert serve`` picks (``--kv-spli
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -86,6 +87,11 @@ def step_flops(model: HFStepModel, batch: int, context: int) -> int:
         width = 2 * (getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
     attention = int(config.num_hidden_layers) * heads * context * width
     return 2 * batch * (per_token + experts + attention)
+
+
+def _tracked(sampling: str, context: int) -> int:
+    """A penalized sequence's work names its prompt length (the model tracks its tokens): the decodes' context."""
+    return context if sampling == "penalties" else -1
 
 
 _HOST_TIMED = 5  # replays whose host time gives ``replay_host_ms``
@@ -173,15 +179,12 @@ def main() -> int:
                         help="the written checkpoint's context (a --context beyond 4096 needs a longer one)")
     parser.add_argument("--kv-splits", choices=("auto", "off"), default="auto",
                         help="split-KV for long contexts as served (auto), or every launch one pass (off)")
-    parser.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy",
-                        help="how every sequence samples: greedy, or the generation-config defaults of DeepSeek-V3 "
+    parser.add_argument("--sampling", choices=sorted(SAMPLING), nargs="+", default=["greedy"],
+                        help="how every sequence samples (each in turn, one model load): greedy, or the generation-config defaults of DeepSeek-V3 "
                              "(top-p 0.95) / Qwen3 (top-k 20, top-p 0.95), whose graphs sort the vocabulary, or "
                              "greedy with log-probabilities (logprobs) or a repetition penalty (penalties)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    sample = SAMPLING[args.sampling]
-    # a penalized sequence's work names its prompt length (the model tracks its tokens): the decodes' context
-    tracked = args.context if args.sampling == "penalties" else -1
     if not (args.model_dir / "config.json").exists():
         write_model(args.model_dir, ensure_demo_model(Path("/tmp/vexpert-demo-model")), args.layers, args.experts,
                     small=False, device="cuda", positions=args.max_position_embeddings)
@@ -200,7 +203,8 @@ def main() -> int:
             for seq in range(max_seqs):
                 pool.add(seq)
             work = [SequenceWork(seq, (seq % 100 + 3,), args.context, tuple(pool.grow(seq, args.context + 1)),
-                                 sample, penalty_prompt_len=tracked) for seq in range(max_seqs)]
+                                 SAMPLING[args.sampling[0]], penalty_prompt_len=_tracked(args.sampling[0], args.context))
+                    for seq in range(max_seqs)]
             ops = op_times(model, work, 5, args.top)
             for op in ops:
                 print("op", json.dumps(op), flush=True)
@@ -212,7 +216,8 @@ def main() -> int:
         for seq in range(max_seqs):
             pool.add(seq)
         blocks = [tuple(pool.grow(seq, args.context + 1)) for seq in range(max_seqs)]
-        for batch in args.batches:
+        for sampling, batch in itertools.product(args.sampling, args.batches):
+            sample, tracked = SAMPLING[sampling], _tracked(sampling, args.context)
             for chunks in args.prefill_chunks:
                 work = [SequenceWork(seq, (seq % 100 + 3,), args.context, blocks[seq], sample, penalty_prompt_len=tracked)
                         for seq in range(batch)]
@@ -258,7 +263,7 @@ def main() -> int:
             graph_ms = start.elapsed_time(end) / args.iters
             bound = hbm_bound(args.model_dir, batch, args.context)
             flops = step_flops(model, batch, args.context)
-            row = {"batch": batch, "context": args.context, "sampling": args.sampling,
+            row = {"batch": batch, "context": args.context, "sampling": sampling,
                    "kv_splits": graphs.key_for(work)[2],
                    "graph_ms": round(graph_ms, 3),
                    "launch_span_ms": round(step_ms, 3), "host_launch_ms": round(host_ms, 3),

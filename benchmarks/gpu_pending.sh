@@ -4,7 +4,7 @@
 #
 #   STAGE=tests  the full GPU test list (~7 min; run 20: 373 s before the two-rank CLI test joined it): kernels, graphed == eager, prefix caching and preemption on
 #                graphed overlapped steps, the node's GPU path
-#   STAGE=ab     the last H200-measured tree (run 19: a2c4df7, in ab_old/) beside HEAD, 256 and 64 streams (~6 min):
+#   STAGE=ab     an earlier H200-measured tree (in ab_old/: run 19 a2c4df7, run 21 c40564e) beside HEAD, 256 and 64 streams (~6 min):
 #                everything since — allocation skip, node process, KV on demand, routing, block-table copy, GC freeze
 #   STAGE=knobs  HEAD at 256 streams with --api-servers 2 / 4 and --stream-interval 4 (~5 min)
 #   STAGE=long   the block-table copy at DeepSeek-V3's 163,840 positions: ab_old vs HEAD at 256 streams, then
@@ -15,10 +15,10 @@
 #                16 warps; then split-KV at a 32,768-token context (~5 min)
 #   STAGE=longkernels  the split MLA kernel at a 32,768-token context, 1 / 4 / 16 sequences, over head and context
 #                blocks, warps and stages (run 20: 16 sequences were latency-bound at one program per SM) (~6 min)
-#   STAGE=router the fused routers' and truncated sampling's (top-k / min-p, graphed == eager) GPU tests, then DeepSeek-V3's (tensor-core logits + one selection kernel) and
-#                Qwen3-MoE's (softmax top-k in one kernel) against transformers' routers, eager and compiled, per
-#                layer (router_kernel.py), then the graphed decode step at 16 / 64 / 256 sequences, and at 64 / 256 with
-#                every sequence sampling top-p 0.95 (DeepSeek-V3's generation config: a sort over the vocabulary) (~6 min)
+#   STAGE=router the fused routers', truncated sampling's, log-probabilities' and penalties' GPU tests (graphed ==
+#                eager), then the graphed decode step at 16 / 64 / 256 sequences greedy, top-p 0.95, with
+#                log-probabilities and with a repetition penalty (one process), then DeepSeek-V3's and Qwen3-MoE's
+#                fused routers against transformers', eager and compiled, per layer (router_kernel.py) (~8 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
 #                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
 #                profile, with the EP layer's share of a traced iteration (~6 min)
@@ -77,20 +77,18 @@ case "${STAGE:-tests}" in
       --block-h 16 32 64 --block-n 16 32 64 --warps 4 8 --stages 2 3 --kv-splits 4 16 64 \
       --out "$OUT/mla_decode_split_sweep.json" 2>&1 | grep best ;;
   router)
-    PYTHONPATH=$HEAD_PATH timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_serve_gpu.py \
+    PYTHONPATH=$HEAD_PATH timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_serve_gpu.py \
       -k "router or truncated_sampling or logprobs or penalties" 2>&1 | tail -2  # logprobs: the prompt's too
-    PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/router_kernel.py --out "$OUT/router_kernel.json" 2>&1 | grep routing
-    PYTHONPATH=$HEAD_PATH timeout 200 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 16 64 256 \
-      --context 96 --profile --top 40 --out "$OUT/decode_step_bound_router.json" 2>&1 | grep -v "Loading weights" | tail -3
-    # what the sort over the vocabulary of truncated sampling (the generation configs' top-p defaults) costs the step
-    PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 64 256 \
-      --context 96 --sampling top-p --profile --top 12 --out "$OUT/decode_step_bound_top_p.json" 2>&1 | grep -v "Loading weights" | tail -2
-    # and log-probabilities (a log-softmax and top-20 over the vocabulary, three more copies to the host)
-    PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 64 256 \
-      --context 96 --sampling logprobs --profile --top 12 --out "$OUT/decode_step_bound_logprobs.json" 2>&1 | grep -v "Loading weights" | tail -2
-    # and penalties (the token tables written, a repetition penalty applied: Qwen-MoE generation configs' 1.05-1.1)
-    PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 64 256 \
-      --context 96 --sampling penalties --profile --top 12 --out "$OUT/decode_step_bound_penalties.json" 2>&1 | grep -v "Loading weights" | tail -2 ;;
+    # the graphed decode step at 16 / 64 / 256 sequences, greedy and the variants whose graphs differ, in one process:
+    # top-p 0.95 (DeepSeek-V3's generation config: a sort over the vocabulary), log-probabilities (a log-softmax and
+    # top-20 over the vocabulary, three more copies to the host), a repetition penalty of 1.05 (Qwen-MoE generation
+    # configs: the token tables written and read)
+    PYTHONPATH=$HEAD_PATH timeout 300 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 16 64 256 \
+      --context 96 --sampling greedy top-p logprobs penalties --profile --top 24 \
+      --out "$OUT/decode_step_bound_variants.json" 2>&1 | grep -v "Loading weights" | cut -c1-200 | tail -13
+    # the fused routers against transformers' (DeepSeek-V3's and Qwen3-MoE's), eager and compiled, per layer
+    [ "$SECONDS" -lt 420 ] && PYTHONPATH=$HEAD_PATH timeout $((560 - SECONDS)) python3 benchmarks/router_kernel.py \
+      --out "$OUT/router_kernel.json" 2>&1 | grep routing ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
     BENCH_TIMEOUT=560 bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \
