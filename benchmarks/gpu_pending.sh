@@ -77,8 +77,8 @@ case "${STAGE:-tests}" in
       --block-h 16 32 64 --block-n 16 32 64 --warps 4 8 --stages 2 3 --kv-splits 4 16 64 \
       --out "$OUT/mla_decode_split_sweep.json" 2>&1 | grep best ;;
   router)
-    PYTHONPATH=$HEAD_PATH timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_serve_gpu.py \
-      -k "router or truncated_sampling or logprobs or penalties" 2>&1 | tail -2  # logprobs: the prompt's too
+    PYTHONPATH=$HEAD_PATH timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_serve_gpu.py \
+      2>&1 | tail -3  # all of it: the graphed step's fill changed (logprobs, penalties), the routers are new
     # the graphed decode step at 16 / 64 / 256 sequences, greedy and the variants whose graphs differ, in one process:
     # top-p 0.95 (DeepSeek-V3's generation config: a sort over the vocabulary), log-probabilities (a log-softmax and
     # top-20 over the vocabulary, three more copies to the host), a repetition penalty of 1.05 (Qwen-MoE generation
