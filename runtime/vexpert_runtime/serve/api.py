@@ -514,7 +514,7 @@ class _ChoiceStreams:
     def __init__(self, streams: list[AsyncIterator[list[Event]]], observe: Callable[[int, list[Event]], None]) -> None:
         self._streams = streams
         self._observe = observe
-        self._queue: asyncio.Queue[tuple[int, list[Event]]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, list[Event]]] | None = None  # several choices: where their pumps put
         self._pumps: list[asyncio.Future[None]] = []
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, list[Event]]]:
@@ -524,15 +524,17 @@ class _ChoiceStreams:
                 observe(0, batch)
                 yield 0, batch
             return
+        queue = self._queue = asyncio.Queue()
         self._pumps = [asyncio.ensure_future(self._pump(i, stream)) for i, stream in enumerate(self._streams)]
         running = len(self._streams)
         while running:
-            index, batch = await self._queue.get()
+            index, batch = await queue.get()
             running -= batch[-1].finished
             observe(index, batch)
             yield index, batch
 
     async def _pump(self, index: int, stream: AsyncIterator[list[Event]]) -> None:
+        assert self._queue is not None
         async for batch in stream:
             self._queue.put_nowait((index, batch))
 
@@ -825,17 +827,19 @@ class ServeApi:
                     raise error
                 finish[index] = last.finish_reason or "stop"
                 completion_tokens += last.completion_tokens
-                if job.done:
-                    none: list[tuple[str, int | None]] = [("", None)] * len(texts)
-                    echo: list[tuple[str, int | None]] = list(job.echo) if job.echo else none
-                    choices = [_with_tool_calls(job, oa.Choice(
-                        i, echo[i][0] + "".join(parts), finish[i],
-                        await self._logprobs_object(job, logprobs[i], 0, echo[i][1]) if job.logprobs else None))
-                        for i, parts in enumerate(texts)]
-                    build = oa.chat_response if job.chat else oa.completion_response
-                    return web.json_response(build(job.request_id, job.created, job.model, choices,
-                                                   job.prompt_tokens, completion_tokens))
-        raise ApiError(500, "the request ended without a result", "server_error", code="internal_error")
+        # (read to their end, not left after the last event: an async generator left suspended is closed
+        # by the event loop's finalizer — a task per request)
+        if not job.done:
+            raise ApiError(500, "the request ended without a result", "server_error", code="internal_error")
+        none: list[tuple[str, int | None]] = [("", None)] * len(texts)
+        echo: list[tuple[str, int | None]] = list(job.echo) if job.echo else none
+        choices = [_with_tool_calls(job, oa.Choice(
+            i, echo[i][0] + "".join(parts), finish[i],
+            await self._logprobs_object(job, logprobs[i], 0, echo[i][1]) if job.logprobs else None))
+            for i, parts in enumerate(texts)]
+        build = oa.chat_response if job.chat else oa.completion_response
+        return web.json_response(build(job.request_id, job.created, job.model, choices,
+                                       job.prompt_tokens, completion_tokens))
 
     async def _logprobs_object(self, job: _Job, tokens: Sequence[TokenLogprobs], text_offset: int = 0,
                                first: int | None = None) -> dict[str, Any]:
@@ -919,7 +923,9 @@ class ServeApi:
                                                          job.prompt_tokens, completion_tokens)))
                     parts.append(b"data: [DONE]\n\n")
                     yield b"".join(parts)
-                    return
+                    if error is not None:
+                        return
+                    continue  # the choices' events end here: read to their end (see _collect)
             if parts:
                 yield b"".join(parts)
 
