@@ -1345,3 +1345,25 @@ def test_stream_interval_sends_the_first_token_at_once_then_every_nth_and_the_re
     assert produced == b[-1].completion_tokens and len("".join(e.text for e in b)) == produced
     with pytest.raises(VExpertInputError, match="stream_interval"):
         SchedulerConfig(kv_budget_tokens=None, stream_interval=0).check(64)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_text_chunk_framed_once_per_stream_is_the_chunk_encoded_whole(chat: bool) -> None:
+    """The SSE writer JSON-encodes a stream's chunk once with a mark for its text, then each text-only
+    chunk is the bytes around the mark + the text's JSON: byte for byte what encoding it whole gives."""
+    import json as json_module
+
+    from vexpert_runtime.serve import openai_api as oa
+    from vexpert_runtime.serve.api import _TEXT_MARK, _sse, _text_frame
+
+    def chunk(text: str, model: str = "m\u00e9-1", index: int = 2) -> dict[str, Any]:
+        if chat:
+            return oa.chat_chunk("chatcmpl-1", 17, model, {"content": text}, None, index)
+        return oa.completion_chunk("cmpl-1", 17, model, text, None, index)
+
+    frame = _text_frame(chunk(_TEXT_MARK))
+    assert frame is not None
+    for text in (" fox", 'a "quoted"\n\ttab \\ back', "\u00fc\u4e2d\U0001f600", "\ufffd", "", "\uf8ff"):
+        framed = frame[0] + json_module.dumps(text, ensure_ascii=False).encode() + frame[1]
+        assert framed == _sse(chunk(text))
+    assert _text_frame(chunk(_TEXT_MARK, model=_TEXT_MARK)) is None  # the mark twice: no frame, encoded whole

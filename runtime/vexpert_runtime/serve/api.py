@@ -380,6 +380,19 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
+_TEXT_MARK = "\uf8ffvexpert-text\uf8ff"  # stands for a chunk's text in :func:`_text_frame`
+_TEXT_MARK_JSON = json.dumps(_TEXT_MARK, ensure_ascii=False)
+
+
+def _text_frame(payload: dict[str, Any]) -> tuple[bytes, bytes] | None:
+    """The bytes of ``payload``'s server-sent event before and after its text, which it holds as
+    :data:`_TEXT_MARK` — then ``before + json.dumps(text) + after`` is the event of the same chunk with
+    that text, as :func:`_sse` would write it (a stream's chunks differ only in their text: JSON-encoding
+    the whole chunk each time was ~3 µs of the ~4 a chunk took). None if the mark shows up elsewhere."""
+    parts = _sse(payload).split(_TEXT_MARK_JSON.encode())
+    return (parts[0], parts[1]) if len(parts) == 2 else None
+
+
 def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt_len: int, chat: bool,
                     config: ApiConfig) -> SamplingParams:
     """A request's sampling for one of its prompts: the defaults resolved (``config.sampling_defaults``),
@@ -887,6 +900,7 @@ class ServeApi:
         offsets = [0] * len(job.choice_ids)  # each choice's text offset so far (completions' logprobs)
         tool_streams = [ToolCallStream() for _ in job.choice_ids] if job.tools else None
         echoing = set(range(len(job.choice_ids))) if job.echo else set()  # choices whose prompt is still to send
+        frames = [_text_frame(self._chunk(job, index, _TEXT_MARK)) for index in range(len(job.choice_ids))]
         async for index, batch in job.events:
             text = "".join([event.text for event in batch])
             first = None
@@ -906,7 +920,11 @@ class ServeApi:
                 if batch[-1].finished:
                     tail, calls = tool_streams[index].finish()
                     text += tail
-            parts = [_sse(self._chunk(job, index, text, logprobs=logprobs))] if text or logprobs else []
+            frame = frames[index]
+            if logprobs is None and frame is not None:  # the usual chunk: text only
+                parts = [b"".join((frame[0], json.dumps(text, ensure_ascii=False).encode(), frame[1]))] if text else []
+            else:
+                parts = [_sse(self._chunk(job, index, text, logprobs=logprobs))] if text or logprobs else []
             if calls:
                 parts.append(_sse(oa.chat_chunk(job.request_id, job.created, job.model, {"tool_calls": [
                     call.as_json(i) for i, call in enumerate(calls)]}, index=index)))
