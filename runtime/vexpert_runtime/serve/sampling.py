@@ -147,6 +147,8 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self._stream = _decode_stream(self.ids) if self._fast is not None else None
+        # (a transformers property: looked up once, not per token)
+        self._backend = tokenizer.backend_tokenizer if self._stream is not None else None
 
     def _decode(self, ids: Sequence[int]) -> str:
         if self._fast is not None:
@@ -158,7 +160,7 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         if self._stream is not None:
             try:
-                text = self._stream.step(self.tokenizer.backend_tokenizer, token_id)
+                text = self._stream.step(self._backend, token_id)
             except Exception:  # the stream's own consistency check failed: decode windows from here on
                 self._stream = None
             else:
