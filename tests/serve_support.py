@@ -65,9 +65,10 @@ def id_text_tokens(text: str) -> list[int]:
     return [int(t) for t in re.findall(r"<(\d+)>", text)]
 
 
-def build_tiny_checkpoint(directory: Path, family: str = "qwen3_moe") -> None:
-    """A byte-level BPE tokenizer (chat template, EOS) and a random float32 Qwen3-MoE (or DeepSeek-V3:
-    ``family="deepseek_v3"``, MLA, a dense first layer, grouped routing), saved to ``directory``."""
+def build_tiny_checkpoint(directory: Path, family: str = "qwen3_moe", special_tokens: Sequence[str] = ()) -> None:
+    """A byte-level BPE tokenizer (chat template, EOS; ``special_tokens`` more special tokens) and a random
+    float32 Qwen3-MoE (or DeepSeek-V3: ``family="deepseek_v3"``, MLA, a dense first layer, grouped routing),
+    saved to ``directory``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
         DeepseekV3Config,
@@ -82,7 +83,7 @@ def build_tiny_checkpoint(directory: Path, family: str = "qwen3_moe") -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=400,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(_CORPUS * 20, trainer)

@@ -478,6 +478,57 @@ def test_tool_calls_are_read_out_of_the_reply_with_the_hermes_parser(checkpoint:
         srv.close()
 
 
+DEEPSEEK_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                    "<｜tool▁sep｜>")
+
+
+def test_deepseek_v3_tool_calls_are_read_though_their_markers_are_special_tokens(tmp_path: Path) -> None:
+    """With ``--tool-call-parser deepseek_v3`` a reply that calls tools in DeepSeek-V3's format — whose markers
+    are special tokens here, which the text leaves out by default — comes back as ``tool_calls`` (its request
+    is detokenized with its special tokens), streamed too; with tool_choice "none" the markers stay out of the
+    text; ``skip_special_tokens: false`` keeps them in any request's text (vLLM's field)."""
+    from transformers import AutoModelForCausalLM
+
+    from serve_support import ScriptedStepModel, build_tiny_checkpoint, load_tokenizer
+
+    build_tiny_checkpoint(tmp_path, special_tokens=DEEPSEEK_MARKERS)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    tokenizer = load_tokenizer(tmp_path)
+    begin, end, call, call_end, sep = DEEPSEEK_MARKERS
+    reply = f'ok {begin}{call}function{sep}f\n```json\n{{"x": 1}}\n```{call_end}{end}'
+    script = tokenizer.encode(reply, add_special_tokens=False)
+    assert tokenizer.decode(script, skip_special_tokens=False) == reply
+    without_markers = tokenizer.decode(script, skip_special_tokens=True)
+    assert begin not in without_markers  # the markers are special: left out of the text by default
+    srv = make_server(tmp_path, hf, model=ScriptedStepModel(hf, script, tokenizer.eos_token_id))
+    srv.api.config = dataclasses.replace(srv.api.config, tool_call_parser="deepseek_v3")
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    kwargs: dict[str, Any] = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x?"}], "tools": tools,
+                              "max_tokens": 120}
+    try:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert (choice.finish_reason, choice.message.content) == ("tool_calls", "ok ")
+        assert choice.message.tool_calls is not None
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [("f", '{"x": 1}')]
+        content, deltas, finish = "", [], None
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            content += chunk.choices[0].delta.content or ""
+            deltas += chunk.choices[0].delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+        assert (content, finish) == ("ok ", "tool_calls")
+        assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [(0, "f", '{"x": 1}')]
+        text = client.chat.completions.create(**kwargs, tool_choice="none").choices[0]
+        assert (text.message.content, text.message.tool_calls) == (without_markers, None)
+        completion = client.completions.create(model=MODEL_NAME, prompt="x?", max_tokens=120,
+                                               extra_body={"skip_special_tokens": False})
+        assert completion.choices[0].text == reply
+        assert client.completions.create(model=MODEL_NAME, prompt="x?", max_tokens=120).choices[0].text == \
+            without_markers
+    finally:
+        srv.close()
+
+
 def test_n_choices_are_admitted_all_or_none(checkpoint: Path, hf_model: Any) -> None:
     """A request whose n choices do not all fit the waiting queue (they are queued together) is a 429,
     and the choices queued before the refusal never run; one that fits runs every choice."""

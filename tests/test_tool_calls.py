@@ -1,5 +1,6 @@
-"""Tool calls read out of chat replies (``serve/tool_calls.py``, vLLM's ``hermes`` parser's format): the
-parser on its own, streamed in pieces of every size, and the operator's field naming the same parsers."""
+"""Tool calls read out of chat replies (``serve/tool_calls.py``, vLLM's ``hermes`` and ``deepseek_v3`` parsers'
+formats): the parsers on their own, streamed in pieces of every size, and the operator's field naming the same
+parsers."""
 
 from __future__ import annotations
 
@@ -8,42 +9,73 @@ import typing
 
 import pytest
 
-from vexpert_runtime.serve.tool_calls import PARSERS, ToolCallStream, parse_hermes
+from vexpert_runtime.serve.tool_calls import PARSERS, ToolCallStream, parse_tool_calls
 
 TWO_CALLS = ('Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
              '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET", "format": "24h"}}\n</tool_call>')
 
 
 def test_calls_are_read_with_the_content_before_them() -> None:
-    content, calls = parse_hermes(TWO_CALLS)
+    content, calls = parse_tool_calls("hermes", TWO_CALLS)
     assert content == "Let me check both.\n"
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET", "format": "24h"})]
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("chatcmpl-tool-") for c in calls)
     assert calls[0].as_json(0) == {"index": 0, "id": calls[0].id, "type": "function",
                                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    only = parse_hermes('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
+    only = parse_tool_calls("hermes", '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
     assert only[0] is None and only[1][0].arguments == '{"x": 1}'  # arguments given as a string stay as sent
-    unclosed = parse_hermes('<tool_call>{"name": "f", "arguments": {}}')  # the reply ran out before </tool_call>
+    unclosed = parse_tool_calls("hermes", '<tool_call>{"name": "f", "arguments": {}}')  # the reply ran out before </tool_call>
     assert [c.name for c in unclosed[1]] == ["f"]
 
 
 @pytest.mark.parametrize("text", ["plain text, no call", "see <tool_call> this is not JSON </tool_call>",
                                   '<tool_call>{"arguments": {}}</tool_call>', "<tool_call>[1, 2]</tool_call>"])
 def test_a_reply_without_a_valid_call_is_all_content(text: str) -> None:
-    assert parse_hermes(text) == (text, [])
+    assert parse_tool_calls("hermes", text) == (text, [])
+
+
+BEGIN, END, CALL, CALL_END, SEP = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                                   "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
+DEEPSEEK_TWO_CALLS = (f"Let me check both.{BEGIN}{CALL}function{SEP}get_weather\n```json\n{{\"city\": \"Paris\"}}\n```"
+                      f"{CALL_END}\n{CALL}function{SEP}get_time\n```json\n{{\"zone\": \"CET\",\n \"format\": \"24h\"}}\n```"
+                      f"{CALL_END}{END}")
+
+
+def test_deepseek_v3_calls_are_read_with_the_content_before_them() -> None:
+    """DeepSeek-V3's format (vLLM's ``deepseek_v3`` parser): the arguments string passed on as written."""
+    content, calls = parse_tool_calls("deepseek_v3", DEEPSEEK_TWO_CALLS)
+    assert content == "Let me check both."
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "CET",\n "format": "24h"}')]
+    only = parse_tool_calls("deepseek_v3", f"{BEGIN}{CALL}function{SEP}f\n```json\n{{}}\n```{CALL_END}{END}")
+    assert only[0] is None and [(c.name, c.arguments) for c in only[1]] == [("f", "{}")]
+
+
+@pytest.mark.parametrize("text", [
+    "plain text, no call",
+    f"{BEGIN}{CALL}function{SEP}f\n```json\nnot JSON\n```{CALL_END}{END}",  # arguments that are not JSON
+    f"{BEGIN}{CALL}function{SEP}\n```json\n{{}}\n```{CALL_END}{END}",  # no name
+    f"{BEGIN}{CALL}function{SEP}f\n```json\n{{}}\n```{CALL_END}{CALL}function{SEP}g\n```json",  # ran out mid-call
+    f"{BEGIN} nothing {END}",
+])
+def test_a_deepseek_v3_reply_without_valid_calls_is_all_content(text: str) -> None:
+    assert parse_tool_calls("deepseek_v3", text) == (text, [])
 
 
 @pytest.mark.parametrize("piece", [1, 2, 3, 7, 11, 1000])
-@pytest.mark.parametrize("text", [TWO_CALLS, "no call here, though it ends in <tool_c", "a <tool_call> that is not one"])
-def test_a_streamed_reply_gives_the_content_then_the_calls(text: str, piece: int) -> None:
+@pytest.mark.parametrize(("parser", "text"), [
+    ("hermes", TWO_CALLS), ("hermes", "no call here, though it ends in <tool_c"),
+    ("hermes", "a <tool_call> that is not one"), ("deepseek_v3", DEEPSEEK_TWO_CALLS),
+    ("deepseek_v3", f"no call here, though it ends in {BEGIN[:4]}"), ("deepseek_v3", f"a {BEGIN} that is not one")])
+def test_a_streamed_reply_gives_the_content_then_the_calls(parser: str, text: str, piece: int) -> None:
     """Streamed in pieces of any size: the content goes out before the first call (a possible start of one
     held back, then released when it is not one), the calls at the end, as the whole reply parses."""
-    stream = ToolCallStream()
+    stream = ToolCallStream(parser)
     sent = "".join(stream.push(text[i:i + piece]) for i in range(0, len(text), piece))
-    assert "<tool_call" not in sent or not parse_hermes(text)[1]
+    assert stream.start_marker not in sent or not parse_tool_calls(parser, text)[1]
     tail, calls = stream.finish()
-    content, expected = parse_hermes(text)
+    content, expected = parse_tool_calls(parser, text)
     assert sent + tail == (content or "") if expected else sent + tail == text
     assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in expected]
 
@@ -53,4 +85,5 @@ def test_the_operator_offers_the_runtimes_parsers() -> None:
     from vexpert_operator.api import RuntimeSpec
 
     field = RuntimeSpec.model_fields["tool_call_parser"].annotation
-    assert set(typing.get_args(field)) - {type(None)} == {typing.Literal[p] for p in PARSERS}
+    literals = [arg for arg in typing.get_args(field) if arg is not type(None)]
+    assert {value for literal in literals for value in typing.get_args(literal)} == set(PARSERS)

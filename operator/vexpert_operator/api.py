@@ -344,10 +344,11 @@ class RuntimeSpec(CamelModel):
         description="Reuse the KV cache of prompt prefixes computed before (--prefix-caching): requests that start "
         "with the same whole 16-token blocks (a shared system prompt) skip their prefill",
     )
-    tool_call_parser: Literal["hermes"] | None = Field(
+    tool_call_parser: Literal["hermes", "deepseek_v3"] | None = Field(
         None,
         description="Read tool calls out of chat replies (--tool-call-parser; vLLM's parser of that name): 'hermes' "
-        "for Qwen2.5 / Qwen3(-MoE) / Hermes models. Unset: requests with tools must send tool_choice 'none'",
+        "for Qwen2.5 / Qwen3(-MoE) / Hermes models, 'deepseek_v3' for DeepSeek-V3. Unset: requests with tools must "
+        "send tool_choice 'none'",
     )
     api_key_secret: SecretKeyRef | None = Field(
         None,

@@ -98,7 +98,8 @@ def register(subparsers: Any) -> None:
                              "captured once and replayed; compiles take about a minute at start, cached on disk)")
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="read tool calls out of chat replies (requests with tools and tool_choice 'auto'), as "
-                             "vLLM's parser of that name: 'hermes' for Qwen2.5 / Qwen3(-MoE) / Hermes models; "
+                             "vLLM's parser of that name: 'hermes' for Qwen2.5 / Qwen3(-MoE) / Hermes models, "
+                             "'deepseek_v3' for DeepSeek-V3; "
                              "default: none (such requests must send tool_choice 'none')")
     parser.add_argument("--generation-config", choices=("auto", "vexpert"), default="auto",
                         help="defaults of the sampling fields a request leaves out: 'auto' takes temperature, "

@@ -83,7 +83,7 @@ from vexpert_runtime.serve.events import (
 )
 from vexpert_runtime.serve.histogram import CountedHistogram
 from vexpert_runtime.serve.metrics_share import MetricsShare
-from vexpert_runtime.serve.tool_calls import ToolCall, ToolCallStream, parse_hermes
+from vexpert_runtime.serve.tool_calls import KEEPS_SPECIAL_TOKENS, ToolCall, ToolCallStream, parse_tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -431,15 +431,19 @@ def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt
         frequency_penalty=float(req.frequency_penalty or 0),
         logit_bias=req.bias_pairs(),
         min_tokens=req.min_tokens or 0,
+        # a tool-call format whose markers may be special tokens needs them in the text (as vLLM's parsers ask)
+        skip_special_tokens=req.skip_special_tokens and not (
+            chat and isinstance(req, oa.ChatCompletionRequest) and req.calls_tools
+            and config.tool_call_parser in KEEPS_SPECIAL_TOKENS),
     )
 
 
 def _with_tool_calls(job: _Job, choice: oa.Choice) -> oa.Choice:
     """A finished chat choice with its reply's tool calls read out (finish reason "tool_calls" when the
     reply ended by itself), for a request whose tools may be called."""
-    if not job.tools or choice.text is None:
+    if job.tools is None or choice.text is None:
         return choice
-    content, calls = parse_hermes(choice.text)
+    content, calls = parse_tool_calls(job.tools, choice.text)
     if not calls:
         return choice
     reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
@@ -496,7 +500,7 @@ class _Job:
     prompt_tokens: int  # the usage's: each prompt once, however many choices it has
     logprobs: bool = False  # the request asked for its tokens' log-probabilities
     echo: list[tuple[str, int]] | None = None  # per choice: the prompt's text and first token, to lead with
-    tools: bool = False  # read the replies' tool calls (tool_calls.py)
+    tools: str | None = None  # the format to read the replies' tool calls in (tool_calls.PARSERS); None: don't
     finished: set[int] = field(default_factory=set)  # the choices whose last event arrived
 
     @property
@@ -671,8 +675,8 @@ class ServeApi:
         self._check_model(req.model)
         if req.calls_tools and self.config.tool_call_parser is None:
             raise ApiError(400, 'tool_choice: this server reads no tool calls (start it with --tool-call-parser '
-                           'hermes for Qwen / Hermes models): send "none" (the template shows the tools, the reply '
-                           "is text) or leave tools out", param="tool_choice")
+                           'hermes for Qwen / Hermes models, deepseek_v3 for DeepSeek-V3): send "none" (the template '
+                           "shows the tools, the reply is text) or leave tools out", param="tool_choice")
         chars = sum(len(m.text()) for m in req.messages)
         prompt_ids = await self._tokenized(self._encode_chat, req, chars)
         return await self._generate(request, req, [prompt_ids], chat=True)
@@ -738,6 +742,11 @@ class ServeApi:
         except ValidationError as exc:
             message, param = oa.describe_validation_error(exc)
             raise ApiError(400, message, param=param, code="invalid_value") from None
+
+    def _tool_format(self, req: oa.CompletionRequest | oa.ChatCompletionRequest) -> str | None:
+        """The format to read the reply's tool calls in; None when the request's tools may not be called."""
+        calls = isinstance(req, oa.ChatCompletionRequest) and req.calls_tools
+        return self.config.tool_call_parser if calls else None
 
     def _check_model(self, model: str) -> None:
         if model != self.config.model_name:
@@ -814,7 +823,7 @@ class ServeApi:
         choices = _ChoiceStreams(streams, observe)
         job = _Job(request_id, [r.request_id for r in requests], oa.now(), req.model, chat, bool(req.stream),
                    req.include_usage, choices.__aiter__(), sum(map(len, prompts)), params[0].logprobs is not None, echo,
-                   isinstance(req, oa.ChatCompletionRequest) and req.calls_tools, finished)
+                   self._tool_format(req), finished)
         try:
             return await (self._stream(request, job) if job.stream else self._collect(job))
         finally:
@@ -898,7 +907,7 @@ class ServeApi:
                            for index in range(len(job.choice_ids)))
         completion_tokens = 0
         offsets = [0] * len(job.choice_ids)  # each choice's text offset so far (completions' logprobs)
-        tool_streams = [ToolCallStream() for _ in job.choice_ids] if job.tools else None
+        tool_streams = [ToolCallStream(job.tools) for _ in job.choice_ids] if job.tools is not None else None
         echoing = set(range(len(job.choice_ids))) if job.echo else set()  # choices whose prompt is still to send
         frames = [_text_frame(self._chunk(job, index, _TEXT_MARK)) for index in range(len(job.choice_ids))]
         async for index, batch in job.events:

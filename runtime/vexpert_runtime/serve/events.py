@@ -28,7 +28,8 @@ class SamplingParams:
     likely tokens' (:class:`TokenLogprobs`), None: none; ``prompt_logprobs`` k: the same for every prompt
     token after the first (given the tokens before it); the penalties are vLLM's (1, 0, 0: off);
     ``logit_bias``: (token id, bias) added to those tokens' logits (OpenAI's), sorted by id; ``min_tokens``:
-    neither EOS nor a stop token id is sampled, nor a stop string looked for, before that many tokens (vLLM's).
+    neither EOS nor a stop token id is sampled, nor a stop string looked for, before that many tokens (vLLM's);
+    ``skip_special_tokens`` False: the text keeps the special tokens the model writes (not EOS / stop ids, which end it).
     """
 
     max_tokens: int
@@ -47,6 +48,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    skip_special_tokens: bool = True
 
     @property
     def penalized(self) -> bool:

@@ -140,20 +140,22 @@ class IncrementalDetokenizer:
     every sequence of every iteration; other tokenizers (or a stream that gives up) decode windows.
     """
 
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+        """``skip_special_tokens`` False: special tokens are text too (a tool-call format's markers)."""
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self._fast = fast_decoder(tokenizer)
         self.ids: list[int] = list(prompt_ids[-_DETOKENIZE_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self._stream = _decode_stream(self.ids) if self._fast is not None else None
+        self._stream = _decode_stream(self.ids, skip_special_tokens) if self._fast is not None else None
         # (a transformers property: looked up once, not per token)
         self._backend = tokenizer.backend_tokenizer if self._stream is not None else None
 
     def _decode(self, ids: Sequence[int]) -> str:
         if self._fast is not None:
-            return str(self._fast(list(ids), skip_special_tokens=True))
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+            return str(self._fast(list(ids), skip_special_tokens=self.skip_special_tokens))
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens))
 
     def push(self, token_id: int) -> str:
         """Add one generated token; return the text it completes (possibly empty)."""
@@ -182,7 +184,7 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text) :]
 
 
-def _decode_stream(context: list[int]) -> Any:
+def _decode_stream(context: list[int], skip_special_tokens: bool = True) -> Any:
     """A ``tokenizers`` ``DecodeStream`` primed with ``context`` (the prompt's last tokens), or None
     where this ``tokenizers`` has none."""
     try:
@@ -190,7 +192,7 @@ def _decode_stream(context: list[int]) -> Any:
     except ImportError:
         return None
     try:
-        return DecodeStream(context, skip_special_tokens=True)
+        return DecodeStream(context, skip_special_tokens=skip_special_tokens)
     except TypeError:  # a tokenizers without the ids argument: no priming, so no stream
         return None
 

@@ -498,7 +498,8 @@ class Scheduler:
         seq_id = self._next_seq_id
         self._next_seq_id += 1
         seq = _Sequence(seq_id=seq_id, request=request, sink=sink, stop=StopChecker(request.params.stop),
-                        detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_ids),
+                        detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_ids,
+                                                           request.params.skip_special_tokens),
                         seed=request_seed(request.params.seed))
         seq.early_bias = early_bias(request.params, self.eos_ids)
         return seq

@@ -1,12 +1,19 @@
-"""Tool calls out of a chat reply's text, as vLLM's ``--tool-call-parser hermes`` reads them.
+"""Tool calls out of a chat reply's text, as vLLM's ``--tool-call-parser hermes`` / ``deepseek_v3`` read them.
 
-Qwen2.5 / Qwen3(-MoE) and Hermes models call tools by writing ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``
-blocks (their chat templates say so when a request gives ``tools``); ``<tool_call>`` is an ordinary added token
-there, so it stays in the decoded text. :func:`parse_hermes` splits a finished reply into its content (the text
-before the first block) and its calls; :class:`ToolCallStream` does it for a streamed reply: content goes out as
-it comes until a block starts (a tail that could be the start of ``<tool_call>`` is held back), the rest waits
-for the end, where the calls go out in one delta. A block that is not valid JSON with a string ``name`` leaves
-the reply as plain content — nothing the model wrote is dropped.
+* ``hermes`` — Qwen2.5 / Qwen3(-MoE) and Hermes models call tools by writing
+  ``<tool_call>{"name": …, "arguments": {…}}</tool_call>`` blocks (their chat templates say so when a request gives
+  ``tools``); ``<tool_call>`` is an ordinary added token there, so it stays in the decoded text.
+* ``deepseek_v3`` — DeepSeek-V3 (and R1-0528) write ``<｜tool▁calls▁begin｜>`` then per call
+  ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME``, a newline, the arguments in a fenced ``json`` block and
+  ``<｜tool▁call▁end｜>``, then ``<｜tool▁calls▁end｜>``. Those markers may be special tokens, which the text leaves out by default, so a request
+  whose tools may be called is detokenized with its special tokens (:data:`KEEPS_SPECIAL_TOKENS`, as vLLM's
+  parser asks for ``skip_special_tokens=False``).
+
+:func:`parse_tool_calls` splits a finished reply into its content (the text before the first call) and its calls;
+:class:`ToolCallStream` does it for a streamed reply: content goes out as it comes until the calls start (a tail
+that could be the start of the marker is held back), the rest waits for the end, where the calls go out in one
+delta. A call that does not parse (arguments that are not JSON, a missing name) leaves the reply as plain
+content — nothing the model wrote is dropped.
 """
 
 from __future__ import annotations
@@ -14,12 +21,18 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-PARSERS = ("hermes",)  # ``vexpert serve --tool-call-parser``
-_START, _END = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+PARSERS = ("hermes", "deepseek_v3")  # ``vexpert serve --tool-call-parser``
+KEEPS_SPECIAL_TOKENS = frozenset({"deepseek_v3"})  # formats whose markers may be special tokens
+_HERMES_START = "<tool_call>"
+_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_DEEPSEEK_START = "<｜tool▁calls▁begin｜>"
+_DEEPSEEK_CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<type>[^<]*?)<｜tool▁sep｜>(?P<name>[^\n]*)\n```json\n"
+                            r"(?P<arguments>.*?)\n```\s*<｜tool▁call▁end｜>", re.DOTALL)
+_DEEPSEEK_CALL_START = "<｜tool▁call▁begin｜>"
 
 
 @dataclass(frozen=True)
@@ -37,34 +50,74 @@ class ToolCall:
         return entry if index is None else {"index": index, **entry}
 
 
-def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a finished reply: the text before the first ``<tool_call>`` (None when that is
-    only whitespace and there are calls) and every block's call; ``(text, [])`` when there is no block or
-    any block is not a call."""
-    start = text.find(_START)
-    if start < 0:
-        return text, []
+def _new_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def _hermes_calls(text: str) -> list[ToolCall] | None:
+    """The calls of the blocks in ``text`` (which starts at the first block); None if any is not a call."""
     calls = []
-    for block in _BLOCK.findall(text[start:]):
+    for block in _HERMES_BLOCK.findall(text):
         try:
             call = json.loads(block)
         except json.JSONDecodeError:
-            return text, []
+            return None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return text, []
+            return None
         arguments = call.get("arguments", call.get("parameters", {}))
         calls.append(ToolCall(call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments,
                                                                                                   ensure_ascii=False),
-                              f"chatcmpl-tool-{uuid.uuid4().hex}"))
+                              _new_id()))
+    return calls
+
+
+def _deepseek_calls(text: str) -> list[ToolCall] | None:
+    """The calls in ``text`` (from ``<｜tool▁calls▁begin｜>`` on); None if a call does not parse or its
+    arguments are not JSON (the arguments string is passed on as written, as vLLM's parser does)."""
+    found = list(_DEEPSEEK_CALL.finditer(text))
+    if len(found) != text.count(_DEEPSEEK_CALL_START) or not found:
+        return None
+    calls = []
+    for match in found:
+        name, arguments = match["name"].strip(), match["arguments"]
+        try:
+            json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+        if not name:
+            return None
+        calls.append(ToolCall(name, arguments, _new_id()))
+    return calls
+
+
+_FORMATS: dict[str, tuple[str, Callable[[str], list[ToolCall] | None]]] = {
+    "hermes": (_HERMES_START, _hermes_calls),
+    "deepseek_v3": (_DEEPSEEK_START, _deepseek_calls),
+}
+
+
+def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a finished reply in ``parser``'s format (:data:`PARSERS`): the text before the
+    calls start (None when that is only whitespace and there are calls) and the calls; ``(text, [])`` when
+    the reply calls nothing or any call does not parse."""
+    start_marker, read_calls = _FORMATS[parser]
+    start = text.find(start_marker)
+    if start < 0:
+        return text, []
+    calls = read_calls(text[start:])
+    if not calls:
+        return text, []
     content = text[:start]
     return (content if content.strip() else None), calls
 
 
 class ToolCallStream:
-    """A streamed reply's content, held back from the first ``<tool_call>`` on (see the module docstring)."""
+    """A streamed reply's content, held back from the start of the calls on (see the module docstring)."""
 
-    def __init__(self) -> None:
-        self.held = ""  # a possible start of a block, or (``in_calls``) the blocks
+    def __init__(self, parser: str) -> None:
+        self.parser = parser
+        self.start_marker = _FORMATS[parser][0]
+        self.held = ""  # a possible start of the calls, or (``in_calls``) the calls
         self.in_calls = False
 
     def push(self, text: str) -> str:
@@ -72,17 +125,18 @@ class ToolCallStream:
         if self.in_calls:
             self.held += text
             return ""
+        marker = self.start_marker
         buffer = self.held + text
-        at = buffer.find(_START)
+        at = buffer.find(marker)
         if at >= 0:
             self.in_calls = True
             out, self.held = buffer[:at], buffer[at:]
             return out
-        keep = next((n for n in range(min(len(_START) - 1, len(buffer)), 0, -1) if _START.startswith(buffer[-n:])), 0)
+        keep = next((n for n in range(min(len(marker) - 1, len(buffer)), 0, -1) if marker.startswith(buffer[-n:])), 0)
         out, self.held = buffer[: len(buffer) - keep], buffer[len(buffer) - keep:]
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """At the reply's end: (content still to send, the calls). Held text that is not calls is content."""
-        _, calls = parse_hermes(self.held)
+        _, calls = parse_tool_calls(self.parser, self.held)
         return ("", calls) if calls else (self.held, [])
