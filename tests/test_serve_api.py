@@ -744,7 +744,7 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
         ({"min_tokens": 6, "max_tokens": 5}, "min_tokens"),  # more than it may generate
         ({"suffix": " end"}, "suffix"),
         ({"bad_words": ["fox"]}, "bad_words"),
-        ({"skip_special_tokens": False}, "skip_special_tokens"),
+        ({"skip_special_tokens": 0}, "skip_special_tokens"),  # a boolean (false keeps special tokens: served)
         ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ]
     for bad, param in cases:

@@ -25,6 +25,8 @@ PACKAGES = (("runtime", "vexpert_runtime"), ("operator", "vexpert_operator"))
 MAX_CLASS_LINES = 400
 MAX_FUNCTION_LINES = 100
 FAMILY_NAME = "deepseek_v3"  # one family's name: where it sits in a ``Literal``, the family names are defined
+# (a Literal that also holds names that are not families — "hermes", a tool-call format — is another list)
+FAMILY_LITERAL_VALUES = {"deepseek_v3", "qwen2_moe", "auto"}
 
 
 @dataclass(frozen=True)
@@ -203,7 +205,7 @@ def family_literals() -> list[str]:
         for node in ast.walk(tree(module)):
             if isinstance(node, ast.Subscript) and is_literal(node.value):
                 values = {c.value for c in ast.walk(node.slice) if isinstance(c, ast.Constant)}
-                if FAMILY_NAME in values:
+                if FAMILY_NAME in values and values <= FAMILY_LITERAL_VALUES:
                     found.append(f"{module.where}:{node.lineno}")
     return found
 

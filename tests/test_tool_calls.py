@@ -86,4 +86,5 @@ def test_the_operator_offers_the_runtimes_parsers() -> None:
 
     field = RuntimeSpec.model_fields["tool_call_parser"].annotation
     literals = [arg for arg in typing.get_args(field) if arg is not type(None)]
-    assert {value for literal in literals for value in typing.get_args(literal)} == set(PARSERS)
+    assert {value for literal in literals for value in typing.get_args(literal)} == set(PARSERS) == {
+        "hermes", "deepseek_v3"}

@@ -28,6 +28,7 @@ from vexpert_runtime.config import (
 )
 from vexpert_runtime.model.families import Architecture
 from vexpert_runtime.policy.profile import NodeTypeKey, PerformanceProfile
+from vexpert_runtime.serve.tool_calls import ToolCallParser
 
 GROUP = "vexpert.io"
 VERSION = "v1alpha1"
@@ -344,7 +345,7 @@ class RuntimeSpec(CamelModel):
         description="Reuse the KV cache of prompt prefixes computed before (--prefix-caching): requests that start "
         "with the same whole 16-token blocks (a shared system prompt) skip their prefill",
     )
-    tool_call_parser: Literal["hermes", "deepseek_v3"] | None = Field(
+    tool_call_parser: ToolCallParser | None = Field(
         None,
         description="Read tool calls out of chat replies (--tool-call-parser; vLLM's parser of that name): 'hermes' "
         "for Qwen2.5 / Qwen3(-MoE) / Hermes models, 'deepseek_v3' for DeepSeek-V3. Unset: requests with tools must "

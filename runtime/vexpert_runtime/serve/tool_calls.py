@@ -23,9 +23,10 @@ import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
-PARSERS = ("hermes", "deepseek_v3")  # ``vexpert serve --tool-call-parser``
+ToolCallParser = Literal["hermes", "deepseek_v3"]  # ``vexpert serve --tool-call-parser``, ``spec.runtime.toolCallParser``
+PARSERS: tuple[str, ...] = get_args(ToolCallParser)
 KEEPS_SPECIAL_TOKENS = frozenset({"deepseek_v3"})  # formats whose markers may be special tokens
 _HERMES_START = "<tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
