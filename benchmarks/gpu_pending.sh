@@ -76,19 +76,20 @@ case "${STAGE:-tests}" in
     PYTHONPATH=$HEAD_PATH timeout 480 python3 benchmarks/mla_decode_tuning.py --batches 16 4 1 --context 32768 \
       --block-h 16 32 64 --block-n 16 32 64 --warps 4 8 --stages 2 3 --kv-splits 4 16 64 \
       --out "$OUT/mla_decode_split_sweep.json" 2>&1 | grep best ;;
-  router)
-    PYTHONPATH=$HEAD_PATH timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_serve_gpu.py \
-      2>&1 | tail -3  # all of it: the graphed step's fill changed (logprobs, penalties), the routers are new
+  router)  # LIMIT: the seconds this call may take (less device time left: a shorter call, the same order)
+    LIMIT=${LIMIT:-560}
+    PYTHONPATH=$HEAD_PATH timeout $((LIMIT * 2 / 5)) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_serve_gpu.py \
+      -k "${TESTS:-router or truncated_sampling or logprobs or penalties or graphed_decode}" 2>&1 | tail -3
     # the graphed decode step at 16 / 64 / 256 sequences, greedy and the variants whose graphs differ, in one process:
     # top-p 0.95 (DeepSeek-V3's generation config: a sort over the vocabulary), log-probabilities (a log-softmax and
     # top-20 over the vocabulary, three more copies to the host), a repetition penalty of 1.05 (Qwen-MoE generation
     # configs: the token tables written and read)
-    PYTHONPATH=$HEAD_PATH timeout 300 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 16 64 256 \
-      --context 96 --sampling greedy top-p logprobs penalties --profile --top 24 \
+    PYTHONPATH=$HEAD_PATH timeout $((LIMIT - SECONDS - 10)) python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 \
+      --batches ${BATCHES:-16 64 256} --context 96 --sampling greedy top-p logprobs penalties --profile --top 24 \
       --out "$OUT/decode_step_bound_variants.json" 2>&1 | grep -v "Loading weights" | cut -c1-200 | tail -13
     # the fused routers against transformers' (DeepSeek-V3's and Qwen3-MoE's), eager and compiled, per layer
-    [ "$SECONDS" -lt 420 ] && PYTHONPATH=$HEAD_PATH timeout $((560 - SECONDS)) python3 benchmarks/router_kernel.py \
-      --out "$OUT/router_kernel.json" 2>&1 | grep routing ;;
+    [ "$SECONDS" -lt $((LIMIT - 140)) ] && PYTHONPATH=$HEAD_PATH timeout $((LIMIT - SECONDS)) python3 \
+      benchmarks/router_kernel.py --out "$OUT/router_kernel.json" 2>&1 | grep routing ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
     BENCH_TIMEOUT=560 bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \
