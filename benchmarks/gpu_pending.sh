@@ -86,7 +86,7 @@ case "${STAGE:-tests}" in
     # configs: the token tables written and read)
     PYTHONPATH=$HEAD_PATH timeout $((LIMIT - SECONDS - 10)) python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 \
       --batches ${BATCHES:-16 64 256} --context 96 --sampling greedy top-p logprobs penalties --profile --top 24 \
-      --out "$OUT/decode_step_bound_variants.json" 2>&1 | grep -v "Loading weights" | cut -c1-200 | tail -13
+      --out "$OUT/decode_step_bound_variants.json" 2>&1 | tee "$OUT/decode_step_bound_variants.log" | grep -v "Loading weights" | cut -c1-200 | tail -13
     # the fused routers against transformers' (DeepSeek-V3's and Qwen3-MoE's), eager and compiled, per layer
     [ "$SECONDS" -lt $((LIMIT - 140)) ] && PYTHONPATH=$HEAD_PATH timeout $((LIMIT - SECONDS)) python3 \
       benchmarks/router_kernel.py --out "$OUT/router_kernel.json" 2>&1 | grep routing ;;
