@@ -3,7 +3,8 @@
 Not a speed benchmark: the same requests go to both servers, one after the other, on the tiny random Qwen3-MoE
 of ``cpu_serve_compare.py`` (float32), and their answers are compared field by field — greedy text, with
 ``repetition_penalty`` and with ``presence_penalty`` + ``frequency_penalty``; a special token (``<|im_start|>``, id 1)
-favoured by a logit bias, left out of the text and kept (``skip_special_tokens: false``); completions' ``logprobs`` (tokens,
+favoured by a logit bias, left out of the text and kept (``skip_special_tokens: false``); stop strings, left out
+and kept (``include_stop_str_in_output``); completions' ``logprobs`` (tokens,
 token log-probabilities, the top-k sets), also with ``echo`` (the prompt's); chat's ``logprobs`` + ``top_logprobs``;
 ``n`` > 1; a batch of prompts.
 Sampled answers are compared only in form (choices, their order, usage): the two servers draw from their own
@@ -56,6 +57,9 @@ def cases(prompts: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
         "special token favoured (skipped)": ("completions", {**completion, "logit_bias": {"1": 3}}),
         "special token favoured, skip_special_tokens false": ("completions", {**completion, "logit_bias": {"1": 3},
                                                                               "skip_special_tokens": False}),
+        "stop 'ber'": ("completions", {**completion, "stop": ["ber", "[[["]}),
+        "stop 'ber', include_stop_str_in_output": ("completions", {**completion, "stop": ["ber", "[[["],
+                                                                   "include_stop_str_in_output": True}),
         "logprobs 5": ("completions", {**completion, "logprobs": 5}),
         "echo + logprobs 2": ("completions", {**completion, "echo": True, "logprobs": 2}),
         "chat logprobs, top_logprobs 3": ("chat/completions", {**chat, "logprobs": True, "top_logprobs": 3}),

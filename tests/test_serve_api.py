@@ -216,6 +216,12 @@ def test_stop_strings_are_trimmed(client: openai.OpenAI) -> None:
     assert (result.choices[0].text, result.choices[0].finish_reason) == (expected, "stop")
     chunks = client.completions.create(stop=stop, stream=True, extra_body={"ignore_eos": True}, **kwargs)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    # vLLM's include_stop_str_in_output: the stop string ends the text
+    body = {"ignore_eos": True, "include_stop_str_in_output": True}
+    included = client.completions.create(stop=[stop, "never appears"], extra_body=body, **kwargs).choices[0]
+    assert (included.text, included.finish_reason) == (expected + stop, "stop")
+    chunks = client.completions.create(stop=stop, stream=True, extra_body=body, **kwargs)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected + stop
 
 
 def test_top_k_min_p_and_stop_token_ids_are_honoured(client: openai.OpenAI, hf_model: Any, tokenizer: Any) -> None:
@@ -745,7 +751,7 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
         ({"suffix": " end"}, "suffix"),
         ({"bad_words": ["fox"]}, "bad_words"),
         ({"skip_special_tokens": 0}, "skip_special_tokens"),  # a boolean (false keeps special tokens: served)
-        ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),  # a boolean
     ]
     for bad, param in cases:
         error = _error(httpx.post(url, json={**base, **bad}, timeout=10), 400)
@@ -1195,6 +1201,13 @@ def test_stop_checker_holds_back_possible_prefixes() -> None:
     assert checker.push("D and more") == ("", True)
     other = StopChecker(["xyz"])
     assert other.push("ax") == ("a", False) and other.flush() == "x"
+    # include_stop_str_in_output: the text ends with the stop string that starts first (first listed on a tie)
+    included = StopChecker(["yz", "xy"], include=True)
+    assert included.push("ab x") == ("ab ", False)  # "x" held: it may start "xy"
+    assert included.push("yz tail") == ("xy", True)  # "xy" starts before "yz"
+    assert StopChecker(["b", "ab"], include=True).push("zab") == ("zab", True)
+    assert StopChecker(["ab", "a"], include=True).push("zab") == ("zab", True)
+    assert StopChecker(["a", "ab"], include=True).push("zab") == ("za", True)
 
 
 def test_incremental_detokenizer_matches_full_decode(tokenizer: Any) -> None:

@@ -432,6 +432,7 @@ def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt
         logit_bias=req.bias_pairs(),
         min_tokens=req.min_tokens or 0,
         # a tool-call format whose markers may be special tokens needs them in the text (as vLLM's parsers ask)
+        include_stop_str=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens and not (
             chat and isinstance(req, oa.ChatCompletionRequest) and req.calls_tools
             and config.tool_call_parser in KEEPS_SPECIAL_TOKENS),

@@ -29,7 +29,8 @@ class SamplingParams:
     token after the first (given the tokens before it); the penalties are vLLM's (1, 0, 0: off);
     ``logit_bias``: (token id, bias) added to those tokens' logits (OpenAI's), sorted by id; ``min_tokens``:
     neither EOS nor a stop token id is sampled, nor a stop string looked for, before that many tokens (vLLM's);
-    ``skip_special_tokens`` False: the text keeps the special tokens the model writes (not EOS / stop ids, which end it).
+    ``skip_special_tokens`` False: the text keeps the special tokens the model writes (not EOS / stop ids, which end it);
+    ``include_stop_str``: the stop string that ended the text is part of it (vLLM's ``include_stop_str_in_output``).
     """
 
     max_tokens: int
@@ -49,6 +50,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    include_stop_str: bool = False
 
     @property
     def penalized(self) -> bool:

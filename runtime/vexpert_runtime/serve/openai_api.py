@@ -73,7 +73,6 @@ _REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
     "allowed_token_ids": ((), "not supported; leave it out"),
     "prompt_logprobs": ((0,), "not supported as a field: send echo: true with logprobs (completions) to get the "
                         "prompt's log-probabilities"),
-    "include_stop_str_in_output": ((False,), "not supported: the stop string is left out of the text; send false"),
     "use_beam_search": ((False,), "beam search is not supported; send false"),
     "truncate_prompt_tokens": ((), "not supported: a prompt is never truncated; shorten it instead"),
     "return_tokens_as_token_ids": ((False,), "not supported; send false"),
@@ -137,6 +136,7 @@ class _GenerationRequest(BaseModel):
     logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = None  # token id (as a string) → bias in [-100, 100]
     min_tokens: StrictInt | None = Field(default=None, ge=0)  # vLLM's: no EOS / stop before that many tokens
     skip_special_tokens: StrictBool = True  # vLLM's: false keeps special tokens (other than EOS / stop ids) in the text
+    include_stop_str_in_output: StrictBool = False  # vLLM's: the stop string that ended the text is part of it
 
     @field_validator("stop")
     @classmethod

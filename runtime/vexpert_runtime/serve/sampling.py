@@ -202,11 +202,14 @@ class StopChecker:
 
     :meth:`push` returns the text that is safe to send: it holds back a tail that could still grow
     into a stop string, and when a stop string appears it returns only the text before it (the
-    stop string itself is never sent, as in the OpenAI API).
+    stop string itself is not sent, as in the OpenAI API; ``include`` — vLLM's
+    ``include_stop_str_in_output`` — sends it too). Of stop strings found together, the one that starts
+    first ends the text (the first listed, where two start at the same place).
     """
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include: bool = False) -> None:
         self.stop = tuple(s for s in stop if s)
+        self.include = include
         self.pending = ""
 
     def _held_tail(self, text: str) -> int:
@@ -223,10 +226,11 @@ class StopChecker:
         if not self.stop:
             return text, False
         buffer = self.pending + text
-        hits = [i for i in (buffer.find(s) for s in self.stop) if i >= 0]
+        hits = [(i, n) for n, i in enumerate(buffer.find(s) for s in self.stop) if i >= 0]
         if hits:
             self.pending = ""
-            return buffer[: min(hits)], True
+            at, which = min(hits)
+            return buffer[: at + (len(self.stop[which]) if self.include else 0)], True
         held = self._held_tail(buffer)
         self.pending = buffer[len(buffer) - held :] if held else ""
         return buffer[: len(buffer) - held], False

@@ -497,7 +497,8 @@ class Scheduler:
     def _new_sequence(self, request: GenerationRequest, sink: EventSink) -> _Sequence:
         seq_id = self._next_seq_id
         self._next_seq_id += 1
-        seq = _Sequence(seq_id=seq_id, request=request, sink=sink, stop=StopChecker(request.params.stop),
+        seq = _Sequence(seq_id=seq_id, request=request, sink=sink, stop=StopChecker(request.params.stop,
+                                                                                     request.params.include_stop_str),
                         detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_ids,
                                                            request.params.skip_special_tokens),
                         seed=request_seed(request.params.seed))
