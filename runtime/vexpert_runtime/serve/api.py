@@ -431,12 +431,17 @@ def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt
         frequency_penalty=float(req.frequency_penalty or 0),
         logit_bias=req.bias_pairs(),
         min_tokens=req.min_tokens or 0,
-        # a tool-call format whose markers may be special tokens needs them in the text (as vLLM's parsers ask)
         include_stop_str=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens and not (
-            chat and isinstance(req, oa.ChatCompletionRequest) and req.calls_tools
-            and config.tool_call_parser in KEEPS_SPECIAL_TOKENS),
+        # a tool-call format whose markers may be special tokens needs them in the text (as vLLM's parsers ask)
+        skip_special_tokens=req.skip_special_tokens and tool_format(req, config) not in KEEPS_SPECIAL_TOKENS,
     )
+
+
+def tool_format(req: oa.CompletionRequest | oa.ChatCompletionRequest, config: ApiConfig) -> str | None:
+    """The format to read the reply's tool calls in (``config.tool_call_parser``); None when the request's
+    tools may not be called."""
+    calls = isinstance(req, oa.ChatCompletionRequest) and req.calls_tools
+    return config.tool_call_parser if calls else None
 
 
 def _with_tool_calls(job: _Job, choice: oa.Choice) -> oa.Choice:
@@ -744,11 +749,6 @@ class ServeApi:
             message, param = oa.describe_validation_error(exc)
             raise ApiError(400, message, param=param, code="invalid_value") from None
 
-    def _tool_format(self, req: oa.CompletionRequest | oa.ChatCompletionRequest) -> str | None:
-        """The format to read the reply's tool calls in; None when the request's tools may not be called."""
-        calls = isinstance(req, oa.ChatCompletionRequest) and req.calls_tools
-        return self.config.tool_call_parser if calls else None
-
     def _check_model(self, model: str) -> None:
         if model != self.config.model_name:
             raise ApiError(
@@ -824,7 +824,7 @@ class ServeApi:
         choices = _ChoiceStreams(streams, observe)
         job = _Job(request_id, [r.request_id for r in requests], oa.now(), req.model, chat, bool(req.stream),
                    req.include_usage, choices.__aiter__(), sum(map(len, prompts)), params[0].logprobs is not None, echo,
-                   self._tool_format(req), finished)
+                   tool_format(req, self.config), finished)
         try:
             return await (self._stream(request, job) if job.stream else self._collect(job))
         finally:
