@@ -30,6 +30,7 @@ from vexpert_runtime.serve.step import (
     StepModel,
     SynchronousSteps,
 )
+from vexpert_runtime.serve.structured_output import unpack_allowed
 
 MODEL_NAME = "tiny-qwen3-moe"
 MAX_CONTEXT = 96
@@ -146,6 +147,8 @@ def _penalized(logits: torch.Tensor, held: list[int], prompt_len: int, spec: Any
     bias = torch.zeros(1, vocab)
     for token, value in spec.logit_bias:
         bias[0, token] = value
+    if spec.allowed is not None:  # a grammar's next tokens
+        bias = bias.masked_fill(~unpack_allowed(spec.allowed.unsqueeze(0), vocab), float("-inf"))
     seen = torch.zeros(1, vocab, dtype=torch.bool)
     seen[0, held] = True
     counts = torch.bincount(torch.tensor(held[prompt_len:], dtype=torch.int64), minlength=vocab).to(torch.int32)

@@ -744,8 +744,8 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
         ({"top_k": -2}, "top_k"),
         ({"min_p": 1.5}, "min_p"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
-        # what would be silently wrong if ignored (structured output, banned tokens, …): refused by name
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        # what would be silently wrong if ignored (banned tokens, vLLM's removed guided_* fields, …): refused by name
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
         ({"min_tokens": 6, "max_tokens": 5}, "min_tokens"),  # more than it may generate
         ({"suffix": " end"}, "suffix"),
@@ -772,7 +772,8 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
         ({"tools": [tool], "tool_choice": "auto"}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "lookup"}}}, "tool_choice"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+         "response_format.json_schema.schema"),
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"chat_template": "{{ messages }}"}, "chat_template"),

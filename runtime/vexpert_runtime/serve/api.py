@@ -432,6 +432,7 @@ def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt
         logit_bias=req.bias_pairs(),
         min_tokens=req.min_tokens or 0,
         include_stop_str=req.include_stop_str_in_output,
+        grammar=req.grammar,
         # a tool-call format whose markers may be special tokens needs them in the text (as vLLM's parsers ask)
         skip_special_tokens=req.skip_special_tokens and tool_format(req, config) not in KEEPS_SPECIAL_TOKENS,
     )

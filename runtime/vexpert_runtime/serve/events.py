@@ -30,7 +30,8 @@ class SamplingParams:
     ``logit_bias``: (token id, bias) added to those tokens' logits (OpenAI's), sorted by id; ``min_tokens``:
     neither EOS nor a stop token id is sampled, nor a stop string looked for, before that many tokens (vLLM's);
     ``skip_special_tokens`` False: the text keeps the special tokens the model writes (not EOS / stop ids, which end it);
-    ``include_stop_str``: the stop string that ended the text is part of it (vLLM's ``include_stop_str_in_output``).
+    ``include_stop_str``: the stop string that ended the text is part of it (vLLM's ``include_stop_str_in_output``);
+    ``grammar``: the output follows this llguidance grammar (:mod:`.structured_output`, compiled by the API).
     """
 
     max_tokens: int
@@ -51,6 +52,7 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str: bool = False
+    grammar: str | None = None
 
     @property
     def penalized(self) -> bool:
@@ -58,8 +60,9 @@ class SamplingParams:
 
     @property
     def holds_row(self) -> bool:
-        """Whether the model keeps a row of per-sequence tables for it (penalties, a logit bias, min_tokens)."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+        """Whether the model keeps a row of per-sequence tables for it (penalties, a logit bias, min_tokens, a
+        grammar: its bias row masks the tokens the grammar does not allow)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.grammar is not None
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,8 @@ Requests ignore fields they do not know and that change nothing in the tokens (O
 optional ones — ``user``, ``metadata``, ``parallel_tool_calls`` …) and accept ``null`` for optional ones, and
 neutral values of what they cannot honour (``response_format: {"type": "text"}``, as clients send by default);
 what this server cannot honour and would otherwise silently get wrong (vLLM's ``prompt_logprobs``, ``best_of`` > 1,
-non-text message parts, structured output, tool
-calls, and the vLLM extensions of :data:`_REFUSED_COMPLETION` / :data:`_REFUSED_CHAT`) is a 400 naming the field
+non-text message parts, tool
+calls without a parser, and the vLLM extensions of :data:`_REFUSED_COMPLETION` / :data:`_REFUSED_CHAT`) is a 400 naming the field
 and what to send instead.
 
 Honoured as vLLM does: a batch of prompts and ``echo`` (completions); ``n`` (that many choices, each its own sequence of the
@@ -17,7 +17,9 @@ truncation, and the k most likely tokens'; at most :data:`~.events.MAX_LOGPROBS`
 ``chat_template_kwargs`` (e.g. Qwen3's ``{"enable_thinking": false}``), ``add_generation_prompt``,
 ``continue_final_message``, ``documents``, and ``tools``: the model's template shows them; with ``tool_choice``
 "auto" (OpenAI's default) the reply's calls are parsed when the server has a ``--tool-call-parser``
-(:mod:`.tool_calls`), else only "none" is accepted.
+(:mod:`.tool_calls`), else only "none" is accepted; structured output — ``response_format`` (``json_object``,
+``json_schema``) and vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) —
+is compiled here (:mod:`.structured_output`: a schema or pattern it cannot compile is a 400 naming the field).
 
 Types are strict, as OpenAI's own API checks them: a boolean is not an integer (``max_tokens: true``),
 a string is not a boolean (``stream: "yes"``), a number is not a string; ``role`` is one of
@@ -35,6 +37,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictFloat,
     StrictInt,
@@ -44,7 +47,9 @@ from pydantic import (
     model_validator,
 )
 
+from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.serve.events import MAX_LOGPROBS
+from vexpert_runtime.serve.structured_output import GrammarRequest, compile_grammar
 
 Json = dict[str, Any]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -65,10 +70,12 @@ class StreamOptions(BaseModel):
 # exactly: a boolean is not 0, 1.0 is not best_of=1), and what to do instead. Any other value is a 400 naming the
 # field: ignoring it would silently give the client something else than it asked for (JSON it never checks,
 # a token it banned, a tool call it waits for).
-_GUIDED = "guided decoding (structured output) is not supported; leave it out"
+_GUIDED = ("vLLM's guided_* fields are gone (vLLM ignores them since 0.12); send structured_outputs "
+           '{"json" | "regex" | "choice" | "grammar": …} or response_format instead')
 _REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_json": ((), _GUIDED), "guided_regex": ((), _GUIDED), "guided_choice": ((), _GUIDED),
-    "guided_grammar": ((), _GUIDED), "structured_outputs": ((), _GUIDED),
+    "guided_grammar": ((), _GUIDED), "guided_decoding_backend": ((), _GUIDED),
+    "guided_whitespace_pattern": ((), _GUIDED),
     "bad_words": (([],), "not supported; leave it out"),
     "allowed_token_ids": ((), "not supported; leave it out"),
     "prompt_logprobs": ((0,), "not supported as a field: send echo: true with logprobs (completions) to get the "
@@ -82,13 +89,9 @@ _REFUSED_COMPLETION = {
     **_REFUSED_BOTH,
     "best_of": ((1,), "only best_of=1 is supported"),
     "suffix": (("",), "not supported (no fill-in-the-middle); leave it out"),
-    "response_format": (({"type": "text"},), "structured output is not supported; leave it out or send "
-                        '{"type": "text"}'),
 }
 _REFUSED_CHAT = {
     **_REFUSED_BOTH,
-    "response_format": (({"type": "text"},), "structured output (json_object, json_schema) is not supported; "
-                        'leave it out or send {"type": "text"}'),
     "chat_template": ((), "a request's own chat template is not supported: the model's is used; leave it out"),
 }
 
@@ -110,6 +113,47 @@ class _FieldRefused(ValueError):
     def __init__(self, field: str, why: str) -> None:
         super().__init__(f"{field}: {why}")
         self.field = field
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema`` (OpenAI's): the schema is under ``schema``; ``strict`` changes nothing
+    (the output always follows the schema)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format`` (OpenAI's): ``text`` (no constraint), ``json_object`` (any JSON object) or
+    ``json_schema`` (an object following ``json_schema.schema``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a JSON schema, as an object or its text),
+    ``regex``, ``choice`` (one of these strings), ``grammar`` (Lark / EBNF), ``json_object: true``; and
+    vLLM's two options of JSON."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool = False  # no whitespace between JSON tokens
+    disable_additional_properties: StrictBool = False  # objects with properties take no others
+
+    def constraints(self) -> dict[str, Any]:
+        """The constraints it gives (by field name)."""
+        given = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                 "json_object": self.json_object or None}
+        return {name: value for name, value in given.items() if value is not None}
 
 
 class _GenerationRequest(BaseModel):
@@ -137,6 +181,46 @@ class _GenerationRequest(BaseModel):
     min_tokens: StrictInt | None = Field(default=None, ge=0)  # vLLM's: no EOS / stop before that many tokens
     skip_special_tokens: StrictBool = True  # vLLM's: false keeps special tokens (other than EOS / stop ids) in the text
     include_stop_str_in_output: StrictBool = False  # vLLM's: the stop string that ended the text is part of it
+    response_format: ResponseFormat | None = None  # OpenAI's structured output (:mod:`.structured_output`)
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+    _grammar: str | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _compile_grammar(self) -> Any:
+        request = self.grammar_request()
+        if request is not None:
+            try:
+                self._grammar = compile_grammar(request)
+            except VExpertInputError as exc:
+                raise _FieldRefused(exc.field, exc.problem) from None
+        return self
+
+    def grammar_request(self) -> GrammarRequest | None:
+        """What the output must follow (``response_format`` or ``structured_outputs``), None: free text."""
+        fmt, outputs = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text":
+            if outputs is not None:
+                raise _FieldRefused("response_format", "send either response_format or structured_outputs, not both")
+            if fmt.type == "json_object":
+                return GrammarRequest("json_object", None, "response_format")
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise _FieldRefused("response_format.json_schema.schema", 'type "json_schema" needs the schema: '
+                                    '{"type": "json_schema", "json_schema": {"name": …, "schema": {…}}}')
+            return GrammarRequest("json", fmt.json_schema.schema_, "response_format.json_schema.schema")
+        if outputs is None:
+            return None
+        given = outputs.constraints()
+        if len(given) != 1:
+            raise _FieldRefused("structured_outputs", "give exactly one of json, regex, choice, grammar, json_object: "
+                                f"got {', '.join(given) or 'none'}")
+        (kind, spec), = given.items()
+        return GrammarRequest(kind, spec, f"structured_outputs.{kind}", not outputs.disable_any_whitespace,
+                              outputs.disable_additional_properties)
+
+    @property
+    def grammar(self) -> str | None:
+        """The compiled grammar the output follows (llguidance's), None: free text."""
+        return self._grammar
 
     @field_validator("stop")
     @classmethod

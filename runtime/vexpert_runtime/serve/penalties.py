@@ -5,7 +5,8 @@ A sequence sampled with either holds a row of three [R + 1, V] tables from its f
 releases it: ``seen`` (the tokens of its prompt and output: the repetition penalty's set), ``counts`` (how often
 each token occurs in its output: the frequency and presence penalties') and ``bias`` (its logit bias, written
 from the host when its first sampling item comes, and again when it changes — ``min_tokens``' stop ids at −inf
-until then — an eager write ahead of the step, in stream order; zeroed when the row is taken). The tables are written from each
+until then — an eager write ahead of the step, in stream order; zeroed when the row is taken; a constrained
+sequence's is written every step: −inf on the tokens its grammar does not allow, :mod:`.structured_output`). The tables are written from each
 step's own input tokens — a sequence's prompt chunks, its decodes (the token it sampled last), everything
 again after a preemption — so nothing is copied from the host: a row is cleared by its sequence's
 position-0 token (a new sequence, or one prefilled again after a preemption), and a token at a position
@@ -24,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from vexpert_runtime.serve.step import SequenceWork
+from vexpert_runtime.serve.structured_output import unpack_allowed
 
 
 class PenaltyInputs(NamedTuple):
@@ -89,7 +91,8 @@ class PenaltyState:
         self.bias: torch.Tensor | None = None
         self.fixed = False
         self._rows: dict[int, int] = {}  # seq_id → row
-        self._written: dict[int, tuple[tuple[int, float], ...]] = {}  # seq_id → the bias its row holds
+        # seq_id → the bias its row holds (None: also a grammar's mask, rewritten every step)
+        self._written: dict[int, tuple[tuple[int, float], ...] | None] = {}
         self._free: list[int] = []
 
     @property
@@ -111,6 +114,7 @@ class PenaltyState:
             return None
         if reserve is not None and not self.fixed:
             self.reserve(reserve)
+        masked: list[tuple[int, torch.Tensor]] = []  # (row, its grammar's allowed tokens)
         for item in work:
             if item.seq_id not in self._rows and item.penalty_prompt_len >= 0:
                 if not self._free:
@@ -121,13 +125,18 @@ class PenaltyState:
                 assert self.bias is not None
                 self.bias[row].zero_()  # what an earlier holder left
             spec = item.sample
-            if spec is not None and item.seq_id in self._rows and spec.logit_bias != self._written.get(item.seq_id, ()):
-                row = self._rows[item.seq_id]  # a new bias (the first, or min_tokens reached): rewrite the row
+            if spec is not None and item.seq_id in self._rows and (
+                    spec.allowed is not None or spec.logit_bias != self._written.get(item.seq_id, ())):
+                row = self._rows[item.seq_id]  # a new bias (the first, min_tokens reached, a grammar's step): rewrite
                 assert self.bias is not None
                 self.bias[row].zero_()
                 if spec.logit_bias:
                     self._write_bias(row, spec.logit_bias)
-                self._written[item.seq_id] = spec.logit_bias
+                self._written[item.seq_id] = spec.logit_bias if spec.allowed is None else None
+                if spec.allowed is not None:
+                    masked.append((row, spec.allowed))
+        if masked:
+            self._mask(masked)
         scratch = self.scratch
         return PenaltyRows([self._rows.get(item.seq_id, scratch) for item in work], scratch)
 
@@ -162,6 +171,14 @@ class PenaltyState:
         ids, values = zip(*pairs, strict=True)
         self.bias[row, torch.tensor(ids, dtype=torch.int64, device=self.device)] = torch.tensor(
             values, dtype=self.bias.dtype, device=self.device)
+
+    def _mask(self, masked: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """−inf in the rows' bias where their grammar allows no token (each a bitmask [W] int32 on the CPU;
+        one upload for all of them, eager, ahead of the step)."""
+        assert self.bias is not None
+        rows = torch.tensor([row for row, _ in masked], dtype=torch.int64, device=self.device)
+        allowed = unpack_allowed(torch.stack([words for _, words in masked]).to(self.device), self.vocab_size)
+        self.bias[rows] = self.bias[rows].masked_fill(~allowed, float("-inf"))
 
     def _grow(self, rows: int) -> None:
         seen = torch.zeros(rows + 1, self.vocab_size, dtype=torch.bool, device=self.device)

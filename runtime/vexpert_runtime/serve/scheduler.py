@@ -49,8 +49,11 @@ import dataclasses
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+import numpy as np
+import torch
 
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.serve.events import (
@@ -74,6 +77,7 @@ from vexpert_runtime.serve.step import (
     StepLogprobs,
     StepModel,
 )
+from vexpert_runtime.serve.structured_output import GrammarMatcher, GrammarTokens
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +153,7 @@ class _Sequence:
     max_tokens: int = field(init=False)  # request.params.max_tokens, likewise
     penalty_prompt_len: int = field(init=False)  # SequenceWork's: prompt_len with penalties or a logit bias, else −1
     early_bias: tuple[tuple[int, float], ...] = ()  # the logit bias before min_tokens: the stop ids at −inf
+    grammar: GrammarMatcher | None = None  # structured output: where the output is in its grammar
     prefill_len: int = field(init=False)  # tokens to compute before decoding: the prompt (+ output after a preemption)
     computed: int = 0  # tokens the model holds in its KV cache (or will, once the launched steps are done)
     admitted: bool = False
@@ -188,9 +193,19 @@ class _Sequence:
     def sampling(self) -> SamplingSpec:
         params = self.request.params
         draw = self.generated
-        return SamplingSpec(params.temperature, params.top_p, self.seed, draw, params.top_k, params.min_p,
+        spec = SamplingSpec(params.temperature, params.top_p, self.seed, draw, params.top_k, params.min_p,
                             params.logprobs is not None, params.repetition_penalty, params.presence_penalty,
                             params.frequency_penalty, self.early_bias if draw < params.min_tokens else params.logit_bias)
+        return spec if self.grammar is None else self.constrained(spec)
+
+    def constrained(self, spec: SamplingSpec) -> SamplingSpec:
+        """``spec`` drawing only what the grammar allows next (the host has read every token before it). A
+        grammar that allows nothing but the ids ``min_tokens`` holds back (it is complete) ends the output."""
+        assert self.grammar is not None
+        spec.allowed = allowed = self.grammar.allowed()
+        if spec.logit_bias is self.early_bias and only_among(allowed, (t for t, b in self.early_bias if b < 0)):
+            spec.logit_bias = self.request.params.logit_bias
+        return spec
 
     def prompt_targets(self, start: int, end: int) -> tuple[int, ...]:
         """A prefill chunk's :attr:`~.step.SequenceWork.prompt_targets` (positions ``start .. end-1``): the
@@ -227,6 +242,8 @@ class _Sequence:
                             params.min_p, params.logprobs is not None, params.repetition_penalty,
                             params.presence_penalty, params.frequency_penalty,
                             self.early_bias if draw < params.min_tokens else params.logit_bias)
+        if self.grammar is not None:
+            spec = self.constrained(spec)
         if self.pending:  # its token is on the device, sampled by the step still running
             return SequenceWork(self.seq_id, (0,), computed, self.table, spec, self.sample_row, self.penalty_prompt_len)
         return SequenceWork(self.seq_id, (self.output[-1],), computed, self.table, spec, None, self.penalty_prompt_len)
@@ -274,6 +291,15 @@ def early_bias(params: SamplingParams, eos_ids: frozenset[int]) -> tuple[tuple[i
         return ()
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
     return tuple(sorted({**dict(params.logit_bias), **dict.fromkeys(stops, float("-inf"))}.items()))
+
+
+def only_among(allowed: torch.Tensor, ids: Iterable[int]) -> bool:
+    """Whether bitmask ``allowed`` [W] int32 allows no token but (some of) ``ids``."""
+    words = allowed.numpy().view(np.uint32).copy()
+    for token in ids:
+        if token // 32 < len(words):
+            words[token // 32] &= ~np.uint32(1 << (token % 32))
+    return not words.any()
 
 
 def _token_logprobs(step: StepLogprobs, row: int, token: int, k: int) -> TokenLogprobs:
@@ -325,6 +351,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.config = config
         self.eos_ids = eos_ids
+        self._grammars = GrammarTokens(tokenizer, model.vocab_size, eos_ids)  # llguidance's view, made when first used
         self._stream_interval = config.stream_interval  # read per token
         self._lock = threading.Lock()
         self._inbox: list[tuple[GenerationRequest, EventSink]] = []
@@ -486,6 +513,8 @@ class Scheduler:
             seq = self._new_sequence(request, sink)
             self._waiting.append(seq)
             self._by_request[request.request_id] = seq
+            if request.params.grammar is not None:
+                self._start_grammar(seq, request.params.grammar)
         for request_id in cancels:
             cancelled = self._by_request.get(request_id)
             if cancelled is not None:
@@ -504,6 +533,13 @@ class Scheduler:
                         seed=request_seed(request.params.seed))
         seq.early_bias = early_bias(request.params, self.eos_ids)
         return seq
+
+    def _start_grammar(self, seq: _Sequence, grammar: str) -> None:
+        try:
+            seq.grammar = self._grammars.matcher(grammar)
+        except Exception as exc:  # the API compiled it: a tokenizer llguidance cannot read, or a bug
+            log.exception("grammar of %s", seq.request.request_id)
+            self._finish(seq, "error", error=f"structured output failed: {exc}")
 
     def _schedule(self) -> list[tuple[_Sequence, SequenceWork]]:
         """This iteration's batch: decodes first, then prompt chunks, then admissions."""
@@ -548,7 +584,8 @@ class Scheduler:
             if seq.computed < seq.prefill_len:
                 prefilling.append(seq)
                 committed += blocks_for(seq.prefill_len + 1, size) - len(seq.table)
-            elif not seq.last_pending(max_context):
+            elif not seq.last_pending(max_context) and not (seq.pending and seq.grammar is not None):
+                # (a constrained sequence's next draw depends on the token still being sampled: it sits out a step)
                 decoding.append(seq)
                 if seq.computed >= len(seq.table) * size:  # its token starts a block
                     need += 1
@@ -597,12 +634,17 @@ class Scheduler:
             log.error("sampling failed for %s: token %d", seq.request.request_id, token)
             self._finish(seq, "error", error="sampling failed")
             return
+        grammar = seq.grammar
+        if grammar is not None and not grammar.accept(token):
+            self._finish(seq, "error", error=f"structured output: token {token} is not in the grammar {grammar.error}")
+            return
         output = seq.output
         output.append(token)
         if logprobs is not None:
             seq.unsent_logprobs = seq.unsent_logprobs or []
             seq.unsent_logprobs.append(logprobs)
-        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        if ((token in self.eos_ids and (not params.ignore_eos or (grammar is not None and grammar.complete)))
+                or token in params.stop_token_ids):  # (a complete grammar ends at EOS, also ignoring EOS)
             self._finish(seq, "stop", text=self._flush_text(seq))
             return
         text = seq.detokenizer.push(token)

@@ -37,7 +37,8 @@ class SamplingSpec:
     (:func:`~.sampling.sample_tokens`). ``logprobs``: also report the sampled token's log-probability
     and the :data:`~.events.MAX_LOGPROBS` most likely tokens' (:class:`StepLogprobs`). ``repetition``,
     ``presence``, ``frequency``: vLLM's penalties (1, 0, 0: off), ``logit_bias`` (token id, bias) pairs
-    (:mod:`.penalties`; either needs the item's ``penalty_prompt_len``)."""
+    (:mod:`.penalties`; either needs the item's ``penalty_prompt_len``); ``allowed``: a constrained sequence's
+    tokens this draw may take, a bitmask [⌈V/32⌉] int32 on the CPU (:mod:`.structured_output`; likewise), None: all."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -50,6 +51,7 @@ class SamplingSpec:
     presence: float = 0.0
     frequency: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

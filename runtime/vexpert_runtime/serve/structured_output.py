@@ -1,0 +1,156 @@
+"""Structured output: the tokens a constrained sequence may sample next, from a grammar (llguidance).
+
+A request that asks for JSON (a schema, or any object), a regex, one of several strings or a Lark grammar
+(vLLM's ``structured_outputs``, OpenAI's ``response_format``) is compiled once, in the API process, into
+an llguidance grammar (:func:`compile_grammar`: a bad schema or pattern is a 400 naming the field); the rank
+that runs it keeps a :class:`GrammarMatcher` per sequence, which gives each sampling step the allowed tokens
+as a bitmask (:meth:`GrammarMatcher.allowed`) and advances over the sampled token. The model adds −inf to
+the logits of every other token (:func:`unpack_allowed`, through the sequence's logit-bias row,
+:mod:`.penalties`), so every sampling mode — greedy, temperature, min-p, top-k, top-p — draws only tokens
+the grammar accepts; once the grammar is complete only EOS is allowed.
+
+llguidance (Microsoft's, Rust, no dependencies, ~3 MB) is one of vLLM's and SGLang's structured-output
+backends: the masks are the ones vLLM's ``guidance`` backend computes, with its defaults
+(``whitespace_flexible`` unless ``disable_any_whitespace``). xgrammar, vLLM's default, pulls Triton and a
+TVM runtime into every install (hundreds of MB on a CPU host).
+
+Shapes: ``V`` the model's vocabulary (logits' width), ``W`` = ⌈V' / 32⌉ int32 words of a bitmask over
+llguidance's vocabulary V' ≥ V (bit t % 32 of word t // 32: token t is allowed).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from vexpert_runtime.errors import VExpertInputError
+
+GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class GrammarRequest:
+    """What a request constrains its output to: ``kind`` with its ``spec`` (a JSON schema as a dict or JSON
+    text; a regex; the strings to choose from; a Lark / EBNF grammar; nothing for ``json_object``).
+    ``field``: the request field that asked (named in errors)."""
+
+    kind: GrammarKind
+    spec: Any
+    field: str
+    whitespace_flexible: bool = True  # vLLM's default: not disable_any_whitespace
+    closed_objects: bool = False  # vLLM's disable_additional_properties
+
+
+def compile_grammar(request: GrammarRequest) -> str:
+    """The llguidance grammar (serialized) for ``request``, checked: raises :class:`VExpertInputError`
+    naming ``request.field`` for a schema, pattern or grammar llguidance cannot compile."""
+    import llguidance
+
+    defaults = {"whitespace_flexible": request.whitespace_flexible}
+    try:
+        if request.kind == "json_object":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=defaults)
+        elif request.kind == "json":
+            schema = json.loads(request.spec) if isinstance(request.spec, str) else request.spec
+            if not isinstance(schema, dict):
+                raise ValueError("a JSON schema is an object")
+            if request.closed_objects:
+                schema = _closed_objects(copy.deepcopy(schema))
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
+        elif request.kind == "choice":
+            if not request.spec or not all(isinstance(s, str) for s in request.spec):
+                raise ValueError("choice is a non-empty list of strings")
+            grammar = llguidance.grammar_from("choice", json.dumps(list(request.spec)))
+        else:
+            grammar = llguidance.grammar_from("regex" if request.kind == "regex" else "grammar", request.spec)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise VExpertInputError(request.field, f"not a valid {request.kind.replace('_', ' ')}: {exc}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar, None)
+    if error:
+        raise VExpertInputError(request.field, f"not a valid {request.kind.replace('_', ' ')}: {error.strip()}")
+    return str(grammar)
+
+
+def _closed_objects(schema: Any) -> Any:
+    """vLLM's ``disable_additional_properties``: every object schema with properties and no
+    ``additionalProperties`` gets ``false`` (in place; returns it)."""
+    if isinstance(schema, dict):
+        for value in schema.values():
+            _closed_objects(value)
+        if "additionalProperties" not in schema and isinstance(schema.get("properties"), dict):
+            schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        for item in schema:
+            _closed_objects(item)
+    return schema
+
+
+class GrammarTokens:
+    """A rank's tokenizer as llguidance sees it (made at the first constrained request: ~ms per 100k
+    tokens), and the matchers of its sequences. ``vocab_size``: the model's logits' width; ``eos_ids``:
+    the tokens that end a sequence (what a complete grammar allows)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_ids)
+        self._ll_tokenizer: Any = None
+
+    def matcher(self, grammar: str) -> GrammarMatcher:
+        """A fresh matcher for a sequence's grammar (``ValueError`` when llguidance reports one)."""
+        import llguidance
+        import llguidance.hf
+
+        if self._ll_tokenizer is None:
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                self._tokenizer, max(self.vocab_size, len(self._tokenizer)), self._eos or None)
+        matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar)
+        error = matcher.get_error()
+        if error:
+            raise ValueError(error)
+        return GrammarMatcher(matcher, self._ll_tokenizer.vocab_size)
+
+
+class GrammarMatcher:
+    """One sequence's place in its grammar."""
+
+    def __init__(self, matcher: Any, ll_vocab: int) -> None:
+        self._matcher = matcher
+        self._words = (ll_vocab + 31) // 32
+
+    def allowed(self) -> torch.Tensor:
+        """The tokens the next draw may take: a bitmask [W] int32 (CPU; only EOS once the grammar is complete
+        or failed)."""
+        import llguidance.torch
+
+        mask = torch.empty(1, self._words, dtype=torch.int32)
+        llguidance.torch.fill_next_token_bitmask(self._matcher, mask, 0)
+        return mask[0]
+
+    def accept(self, token: int) -> bool:
+        """Advance over a sampled token; False when the grammar does not allow it."""
+        if self._matcher.is_stopped():
+            return True  # EOS after completion (a request that ignores EOS): nothing left to match
+        return bool(self._matcher.consume_token(token))
+
+    @property
+    def complete(self) -> bool:
+        """Whether the grammar ended (it allows nothing but EOS, and nothing after it)."""
+        return bool(self._matcher.is_stopped())
+
+    @property
+    def error(self) -> str:
+        return str(self._matcher.get_error() or "")
+
+
+def unpack_allowed(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Bitmasks [C, W] int32 → allowed [C, vocab] bool (token t: bit t % 32 of word t // 32); runs where
+    ``words`` is (graph-capturable)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab].bool()

@@ -1,0 +1,264 @@
+"""Structured output (serve/structured_output.py): ``response_format`` and vLLM's ``structured_outputs``.
+
+What it must show, with the product's batched model on CPU (a tiny random Qwen3-MoE and DeepSeek-V3, float32):
+greedy constrained output equals a reference decode that applies llguidance's own mask to transformers'
+logits, token for token, sequential and overlapped; sampled output (temperature 1, several choices) always
+parses and follows its schema / regex / choices; unconstrained sequences in the same batch are untouched; a
+constrained sequence's next draw never comes from the device (``fed``): it sits out the step that samples its
+token; the bitmask unpacks as llguidance lays it out; bad schemas and patterns are 400s naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import openai
+import pytest
+import torch
+
+from serve_support import MODEL_NAME, build_tiny_checkpoint, load_model, load_tokenizer, make_server
+from vexpert_runtime.errors import VExpertInputError
+from vexpert_runtime.serve.events import Event, GenerationRequest, SamplingParams
+from vexpert_runtime.serve.hf_model import HFStepModel
+from vexpert_runtime.serve.sampling import eos_token_ids
+from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig, only_among
+from vexpert_runtime.serve.step import SequenceWork
+from vexpert_runtime.serve.structured_output import GrammarRequest, compile_grammar, unpack_allowed
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "ok"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-c]{3}-[0-9]{2}"
+CHOICES = ["yes", "no", "maybe so"]
+LARK = 'start: "x=" NUM ("," NUM)*\nNUM: /[0-9]{1,3}/'
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
+    directory = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    build_tiny_checkpoint(directory, request.param)
+    return directory, load_model(directory), load_tokenizer(directory)
+
+
+def _grammar(kind: str, spec: Any, flexible: bool = True) -> str:
+    return compile_grammar(GrammarRequest(kind, spec, "test", whitespace_flexible=flexible))  # type: ignore[arg-type]
+
+
+def _reference(model: Any, tokenizer: Any, prompt: Sequence[int], grammar: str, max_tokens: int) -> list[int]:
+    """Greedy decoding under the grammar, written out: transformers' logits over the whole sequence, llguidance's
+    own mask applied by llguidance (``apply_token_bitmask_inplace``), the argmax; EOS ends it (not included)."""
+    eos = sorted(eos_token_ids(tokenizer))
+    ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, max(model.config.vocab_size, len(tokenizer)), eos)
+    matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
+    mask = llguidance.torch.allocate_token_bitmask(1, ll_tokenizer.vocab_size)
+    ids, out = list(prompt), []
+    for _ in range(max_tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[:, -1].float()
+        llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
+        llguidance.torch.apply_token_bitmask_inplace(logits, mask)
+        token = int(logits.argmax())
+        if token in eos:
+            break
+        assert matcher.consume_token(token)
+        ids.append(token)
+        out.append(token)
+    return out
+
+
+def _serve(directory: Path, tokenizer: Any, requests: list[GenerationRequest], overlapped: bool,
+           seen: list[list[SequenceWork]] | None = None) -> dict[str, list[Event]]:
+    """The requests through the product's scheduler and batched model; ``seen``: every step's work."""
+    model = HFStepModel(directory, dtype=torch.float32, kv_cache_tokens=1024, block_size=4)
+    model.overlaps_steps = overlapped
+    if seen is not None:
+        launch = model.launch
+
+        def recording(work: Sequence[SequenceWork]) -> Any:
+            seen.append(list(work))
+            return launch(work)
+
+        model.launch = recording  # type: ignore[method-assign]
+    scheduler = Scheduler(model, tokenizer, SchedulerConfig(None, max_batch_tokens=64, max_running=8),
+                          eos_token_ids(tokenizer))
+    events: dict[str, list[Event]] = {r.request_id: [] for r in requests}
+    for request in requests:
+        scheduler.submit(request, events[request.request_id].append)
+    for _ in range(3000):
+        if not scheduler.has_work():
+            break
+        scheduler.run_iteration()
+    assert not scheduler.has_work() and scheduler.pool.used_blocks == 0
+    return events
+
+
+def _text(events: list[Event]) -> str:
+    assert not any(e.error for e in events), [e.error for e in events]
+    return "".join(e.text for e in events)
+
+
+@pytest.mark.parametrize("overlapped", [False, True], ids=["sequential", "overlapped"])
+def test_greedy_constrained_output_is_the_reference_decode_and_leaves_the_others_alone(
+    checkpoint: tuple[Path, Any, Any], overlapped: bool,
+) -> None:
+    directory, model, tokenizer = checkpoint
+    prompt = tuple(tokenizer.encode("Give me a person as JSON:"))
+    grammars = {"json": _grammar("json", PERSON, flexible=False), "regex": _grammar("regex", REGEX),
+                "choice": _grammar("choice", CHOICES), "lark": _grammar("grammar", LARK)}
+    requests = [GenerationRequest(name, prompt, SamplingParams(max_tokens=128, temperature=0, grammar=g))
+                for name, g in grammars.items()]
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    requests.append(GenerationRequest("free", prompt, free))
+    seen: list[list[SequenceWork]] = []
+    events = _serve(directory, tokenizer, requests, overlapped, seen)
+    for name, grammar in grammars.items():
+        expected = tokenizer.decode(_reference(model, tokenizer, prompt, grammar, 128))
+        assert _text(events[name]) == expected, name
+    assert json.loads(_text(events["json"])) is not None
+    assert re.fullmatch(REGEX, _text(events["regex"])) and _text(events["choice"]) in CHOICES
+    alone = _serve(directory, tokenizer, [GenerationRequest("free", prompt, free)], overlapped)
+    assert _text(events["free"]) == _text(alone["free"])
+    constrained = {item.seq_id for work in seen for item in work if item.sample is not None
+                   and item.sample.allowed is not None}
+    assert len(constrained) == len(grammars)
+    assert not [item for work in seen for item in work if item.seq_id in constrained and item.fed is not None]
+    if overlapped:  # the others still take their tokens from the device
+        assert any(item.fed is not None for work in seen for item in work)
+
+
+def test_sampled_choices_always_follow_their_schema_regex_and_choices(checkpoint: tuple[Path, Any, Any]) -> None:
+    directory, _, tokenizer = checkpoint
+    prompt = tuple(tokenizer.encode("the quick brown fox"))
+    kinds = {"json": ("json", PERSON), "regex": ("regex", REGEX), "choice": ("choice", CHOICES)}
+    requests = [GenerationRequest(f"{name}{i}", prompt, SamplingParams(
+        max_tokens=64, temperature=1.0, top_p=0.95, seed=i, grammar=_grammar(kind, spec, flexible=False)))
+        for name, (kind, spec) in kinds.items() for i in range(6)]
+    events = _serve(directory, tokenizer, requests, overlapped=True)
+    texts = {name: _text(batch) for name, batch in events.items()}
+    for name, batch in events.items():
+        assert batch[-1].finish_reason == "stop", (name, texts[name])
+    for i in range(6):
+        jsonschema.validate(json.loads(texts[f"json{i}"]), PERSON)
+        assert re.fullmatch(REGEX, texts[f"regex{i}"]), texts[f"regex{i}"]
+        assert texts[f"choice{i}"] in CHOICES
+    assert len({texts[f"json{i}"] for i in range(6)}) > 1  # sampled, not one forced answer
+
+
+def test_a_complete_grammar_ends_the_output_before_min_tokens_and_ignoring_eos(
+    checkpoint: tuple[Path, Any, Any],
+) -> None:
+    """min_tokens holds EOS back and ignore_eos does not stop at it; a grammar with nothing left but EOS
+    ends the output all the same (nothing else could be sampled)."""
+    directory, _, tokenizer = checkpoint
+    prompt = tuple(tokenizer.encode("pick"))
+    grammar = _grammar("choice", ["yes"])
+    requests = [GenerationRequest("min", prompt, SamplingParams(max_tokens=20, temperature=0, min_tokens=10,
+                                                                grammar=grammar)),
+                GenerationRequest("ignore", prompt, SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True,
+                                                                   grammar=grammar))]
+    events = _serve(directory, tokenizer, requests, overlapped=False)
+    for name in ("min", "ignore"):
+        assert _text(events[name]) == "yes" and events[name][-1].finish_reason == "stop", name
+
+
+def test_the_bitmask_unpacks_as_llguidance_lays_it_out() -> None:
+    torch.manual_seed(0)
+    words = torch.randint(-(2**31), 2**31 - 1, (3, 5), dtype=torch.int32)
+    allowed = unpack_allowed(words, 150)
+    for row in range(3):
+        for token in range(150):
+            assert bool(allowed[row, token]) == bool((int(words[row, token // 32]) >> (token % 32)) & 1)
+    logits = torch.zeros(3, 150)
+    llguidance.torch.apply_token_bitmask_inplace(logits, words)  # the library's own reading of the same words
+    assert torch.equal(allowed, logits > float("-inf"))
+    one = torch.zeros(5, dtype=torch.int32)
+    one[2] = 1 << 3  # token 67
+    assert only_among(one, [67, 2]) and not only_among(one, [2]) and only_among(torch.zeros(5, dtype=torch.int32), [])
+
+
+@pytest.mark.parametrize(("kind", "spec", "problem"), [
+    ("regex", "[a-c", "regex"),
+    ("json", '{"type": "object", "properties": 3}', "json"),
+    ("json", "[1, 2]", "a JSON schema is an object"),
+    ("choice", [], "non-empty"),
+    ("grammar", "start: undefined_rule", "grammar"),
+])
+def test_a_grammar_llguidance_cannot_compile_names_the_field(kind: str, spec: Any, problem: str) -> None:
+    with pytest.raises(VExpertInputError) as raised:
+        compile_grammar(GrammarRequest(kind, spec, "structured_outputs." + kind))  # type: ignore[arg-type]
+    assert raised.value.field == "structured_outputs." + kind and problem in str(raised.value)
+
+
+# ---- through the OpenAI API ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    # one checkpoint: the API's part is the same for every model (and a random model sampling JSON with flexible
+    # whitespace may write spaces for a long time: this one closes its objects within the token limits below)
+    directory = tmp_path_factory.mktemp("tiny-qwen3-moe-api")
+    build_tiny_checkpoint(directory)
+    model = load_model(directory)
+    srv = make_server(directory, model, model=HFStepModel(directory, dtype=torch.float32, kv_cache_tokens=1024))
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(server: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def test_response_format_and_structured_outputs_through_the_api(client: openai.OpenAI) -> None:
+    schema = {"name": "person", "schema": PERSON, "strict": True}
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "a person"}], max_tokens=200, temperature=0.8, seed=3,
+        n=3, response_format={"type": "json_schema", "json_schema": schema})
+    for choice in chat.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content or ""), PERSON)
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "any object"}], max_tokens=200, temperature=0,
+        response_format={"type": "json_object"}, stream=True, extra_body={"chat_template_kwargs": {}})
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert isinstance(json.loads(streamed), dict)
+    completion = client.completions.create(model=MODEL_NAME, prompt="code:", max_tokens=20, temperature=1.0,
+                                           extra_body={"structured_outputs": {"regex": REGEX}})
+    assert re.fullmatch(REGEX, completion.choices[0].text)
+    choice = client.completions.create(model=MODEL_NAME, prompt="answer:", max_tokens=20, temperature=1.0,
+                                       extra_body={"structured_outputs": {"choice": CHOICES}})
+    assert choice.choices[0].text in CHOICES
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"json": {"type": "object", "properties": 3}}}, "structured_outputs.json"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+])
+def test_bad_structured_output_is_a_400_naming_the_field(client: openai.OpenAI, body: dict[str, Any],
+                                                          param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=4, extra_body=body)
+    assert raised.value.body["param"] == param, raised.value.body  # type: ignore[index]
