@@ -290,6 +290,58 @@ def test_overlapped_graphed_scheduler_equals_the_eager_one(tmp_path: Path) -> No
     assert all(len(tokens) == 5 + i for i, tokens in enumerate(results[1].values()))
 
 
+def test_structured_output_on_graphed_overlapped_steps_equals_the_eager_one(tmp_path: Path) -> None:
+    """Grammar-constrained sequences (a JSON schema, a regex, choices; greedy and seeded sampling) beside free
+    ones on the GPU path (CUDA graphs, overlapped steps: the grammar's mask written into the bias rows ahead
+    of each replay, a constrained sequence sitting out the step that samples its token): the same text as the
+    eager sequential scheduler, and every constrained text follows its grammar."""
+    import json
+    import re
+
+    from serve_support import build_tiny_checkpoint, load_tokenizer
+    from vexpert_runtime.serve.events import GenerationRequest, SamplingParams
+    from vexpert_runtime.serve.sampling import eos_token_ids
+    from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
+    from vexpert_runtime.serve.structured_output import GrammarRequest, compile_grammar
+
+    path = tmp_path / "ds3"
+    build_tiny_checkpoint(path, "deepseek_v3")
+    tokenizer = load_tokenizer(path)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 999}, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    grammars = {"json": compile_grammar(GrammarRequest("json", schema, "t", whitespace_flexible=False)),
+                "regex": compile_grammar(GrammarRequest("regex", r"[a-c]{3}-[0-9]{2}", "t")),
+                "choice": compile_grammar(GrammarRequest("choice", ["yes", "no", "maybe so"], "t"))}
+    prompt = tuple(tokenizer.encode("the quick brown fox"))
+    requests = [GenerationRequest(f"{name}-{temperature}", prompt, SamplingParams(
+        max_tokens=40, temperature=temperature, seed=3, grammar=grammar))
+        for name, grammar in grammars.items() for temperature in (0.0, 1.0)]
+    requests += [GenerationRequest(f"free{i}", prompt[i:], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+                 for i in range(4)]
+    results = []
+    for graphs in (False, True):
+        model = _one_rank_model(path)
+        stream = torch.cuda.Stream()
+        texts: dict[str, list[str]] = {r.request_id: [] for r in requests}
+        with torch.cuda.stream(stream):
+            if graphs:
+                model.enable_cuda_graphs(64, 16, stream)
+            scheduler = Scheduler(model, tokenizer, SchedulerConfig(kv_budget_tokens=None, max_batch_tokens=64,
+                                                                    max_running=16), eos_token_ids(tokenizer))
+            for request in requests:
+                scheduler.submit(request, lambda e, out=texts[request.request_id]: out.append(e.error or e.text))
+            while scheduler.has_work():
+                scheduler.run_iteration()
+            if graphs:
+                assert model.graphs is not None and any(key.penalties for key in model.graphs.graphs)
+        results.append({r: "".join(t) for r, t in texts.items()})
+    assert results[0] == results[1]
+    for temperature in (0.0, 1.0):
+        assert set(json.loads(results[1][f"json-{temperature}"])) == {"n", "ok"}
+        assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", results[1][f"regex-{temperature}"])
+        assert results[1][f"choice-{temperature}"] in ("yes", "no", "maybe so")
+
+
 def test_prefix_caching_on_graphed_overlapped_steps_serves_the_same_tokens(tmp_path: Path) -> None:
     """--prefix-caching on the GPU path (CUDA graphs, overlapped steps): requests sharing a 40-token prefix
     (two whole 16-token blocks) with the first already served attach its blocks; every request's greedy
