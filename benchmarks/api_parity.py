@@ -6,7 +6,9 @@ of ``cpu_serve_compare.py`` (float32), and their answers are compared field by f
 favoured by a logit bias, left out of the text and kept (``skip_special_tokens: false``); stop strings, left out
 and kept (``include_stop_str_in_output``); completions' ``logprobs`` (tokens,
 token log-probabilities, the top-k sets), also with ``echo`` (the prompt's); chat's ``logprobs`` + ``top_logprobs``;
-``n`` > 1; a batch of prompts.
+``n`` > 1; a batch of prompts; structured output (``structured_outputs``: a JSON schema, a regex, choices, a Lark
+grammar; ``response_format``: ``json_schema``, ``json_object``), vLLM on its llguidance backend by default
+(``--vllm-args ""``: its default backend, xgrammar).
 Sampled answers are compared only in form (choices, their order, usage): the two servers draw from their own
 random streams — the ``n`` cases sample (vLLM refuses ``n`` > 1 with greedy sampling; vexpert returns n equal choices).
 
@@ -63,9 +65,38 @@ def cases(prompts: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
         "logprobs 5": ("completions", {**completion, "logprobs": 5}),
         "echo + logprobs 2": ("completions", {**completion, "echo": True, "logprobs": 2}),
         "chat logprobs, top_logprobs 3": ("chat/completions", {**chat, "logprobs": True, "top_logprobs": 3}),
+        **structured_cases(completion, chat),
         "n 3 (sampled)": ("completions", {**completion, "n": 3, "temperature": 1.0, "seed": 7}),
         "2 prompts, n 2 (sampled)": ("completions", {**completion, "prompt": prompts[:2], "n": 2, "temperature": 1.0,
                                                      "seed": 7}),
+    }
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                          "role": {"enum": ["admin", "user"]}},
+          "required": ["name", "age", "role"], "additionalProperties": False}
+
+
+def structured_cases(completion: dict[str, Any], chat: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Structured output, greedy, ending at the grammar's EOS (64 tokens at most): vLLM's ``structured_outputs``
+    (a JSON schema without whitespace, a regex, choices, a Lark grammar) and OpenAI's ``response_format``
+    (``json_schema`` and ``json_object``, whitespace as the model likes)."""
+    ends = {"ignore_eos": False, "max_tokens": 64}
+    return {
+        "structured json schema": ("completions", {**completion, **ends, "structured_outputs": {"json": SCHEMA}}),
+        "structured json schema, no whitespace": ("completions", {**completion, **ends, "structured_outputs": {
+            "json": SCHEMA, "disable_any_whitespace": True}}),
+        "structured regex": ("completions", {**completion, **ends, "structured_outputs": {
+            "regex": "[a-c]{3}-[0-9]{2,4}"}}),
+        "structured choice": ("completions", {**completion, **ends, "structured_outputs": {
+            "choice": ["yes", "no", "maybe so"]}}),
+        "structured grammar (Lark)": ("completions", {**completion, **ends, "structured_outputs": {
+            "grammar": 'start: "x=" NUM ("," NUM)*\nNUM: /[0-9]{1,3}/'}}),
+        "chat response_format json_schema": ("chat/completions", {**chat, **ends, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}}),
+        "chat response_format json_object": ("chat/completions", {**chat, **ends, "response_format": {
+            "type": "json_object"}}),
     }
 
 
@@ -170,7 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="vexpert serve --cpu-workers")
     parser.add_argument("--vllm-python", type=Path, default=Path("/work/vllm-venv/bin/python"))
     parser.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
-    parser.add_argument("--vllm-args", default="", help="extra vLLM server arguments (one shell string)")
+    # vLLM's structured output through llguidance, as vexpert's (its default, xgrammar, masks otherwise: e.g. the
+    # whitespace a JSON schema allows); "" compares with vLLM's default
+    parser.add_argument("--vllm-args", default="--structured-outputs-config '{\"backend\": \"guidance\"}'",
+                        help="extra vLLM server arguments (one shell string)")
     parser.add_argument("--vexpert", type=Path, default=Path(sys.executable).parent / "vexpert")
     parser.add_argument("--vexpert-args", default="", help="extra vexpert serve arguments (one shell string)")
     parser.add_argument("--startup-timeout", type=float, default=900.0)

@@ -160,7 +160,7 @@ def test_graphed_truncated_sampling_equals_the_eager_step(tmp_path: Path) -> Non
     path = _write("qwen3_moe", tmp_path / "qwen3_moe")
     spec = SamplingSpec(temperature=0.9, top_p=0.9, seed=17, top_k=6, min_p=0.02)
     eager, graphed, model = _eager_and_graphed(path, lambda m: drive(m, PROMPTS, NEW_TOKENS, JOINS, CHUNK, sampling=spec))
-    assert model.graphs is not None and any(truncated for _, truncated, _, _ in model.graphs.graphs)
+    assert model.graphs is not None and any(key.truncate for key in model.graphs.graphs)
     assert eager == graphed
     assert len({token for out in eager for token in out}) > 3  # sampled, not one repeated token
 
@@ -177,7 +177,7 @@ def test_graphed_logprobs_equal_the_eager_step(tmp_path: Path) -> None:
         return drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK, sampling=spec, logprobs=collected), collected
 
     (eager, eager_lp), (graphed, graphed_lp), model = _eager_and_graphed(path, run)
-    assert model.graphs is not None and any(logprobs for *_, logprobs in model.graphs.graphs)
+    assert model.graphs is not None and any(key.logprobs for key in model.graphs.graphs)
     assert eager == graphed
     for eager_seq, graphed_seq in zip(eager_lp, graphed_lp, strict=True):
         assert len(eager_seq) == len(graphed_seq) > 0
