@@ -49,7 +49,7 @@ from pydantic import (
 
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.serve.events import MAX_LOGPROBS
-from vexpert_runtime.serve.structured_output import GrammarRequest, compile_grammar
+from vexpert_runtime.serve.structured_output import GrammarKind, GrammarRequest, compile_grammar
 
 Json = dict[str, Any]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -149,9 +149,9 @@ class StructuredOutputs(BaseModel):
     disable_any_whitespace: StrictBool = False  # no whitespace between JSON tokens
     disable_additional_properties: StrictBool = False  # objects with properties take no others
 
-    def constraints(self) -> dict[str, Any]:
+    def constraints(self) -> dict[GrammarKind, Any]:
         """The constraints it gives (by field name)."""
-        given = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+        given: dict[GrammarKind, Any] = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
                  "json_object": self.json_object or None}
         return {name: value for name, value in given.items() if value is not None}
 

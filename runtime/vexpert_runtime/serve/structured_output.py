@@ -24,11 +24,14 @@ import copy
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from vexpert_runtime.errors import VExpertInputError
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 
@@ -51,7 +54,7 @@ def compile_grammar(request: GrammarRequest) -> str:
     naming ``request.field`` for a schema, pattern or grammar llguidance cannot compile."""
     import llguidance
 
-    defaults = {"whitespace_flexible": request.whitespace_flexible}
+    defaults: JsonCompileOptions = {"whitespace_flexible": request.whitespace_flexible}
     try:
         if request.kind == "json_object":
             grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=defaults)
