@@ -66,7 +66,8 @@ def id_text_tokens(text: str) -> list[int]:
     return [int(t) for t in re.findall(r"<(\d+)>", text)]
 
 
-def build_tiny_checkpoint(directory: Path, family: str = "qwen3_moe", special_tokens: Sequence[str] = ()) -> None:
+def build_tiny_checkpoint(directory: Path, family: str = "qwen3_moe", special_tokens: Sequence[str] = (),
+                          max_position_embeddings: int = 256) -> None:
     """A byte-level BPE tokenizer (chat template, EOS; ``special_tokens`` more special tokens) and a random
     float32 Qwen3-MoE (or DeepSeek-V3: ``family="deepseek_v3"``, MLA, a dense first layer, grouped routing),
     saved to ``directory``."""
@@ -98,7 +99,7 @@ def build_tiny_checkpoint(directory: Path, family: str = "qwen3_moe", special_to
             vocab_size=len(fast), hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
             num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
-            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=256,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=max_position_embeddings,
             eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id, bos_token_id=None,
             tie_word_embeddings=False, initializer_range=0.2,
         )
@@ -118,7 +119,7 @@ def build_tiny_checkpoint(directory: Path, family: str = "qwen3_moe", special_to
         head_dim=16,  # type: ignore[call-arg]  # a Qwen3 config kwarg its stub does not list
         num_experts=8,
         num_experts_per_tok=2,
-        max_position_embeddings=256,
+        max_position_embeddings=max_position_embeddings,
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,
         bos_token_id=None,

@@ -213,9 +213,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     # one checkpoint: the API's part is the same for every model (and a random model sampling JSON with flexible
     # whitespace may write spaces for a long time: this one closes its objects within the token limits below)
     directory = tmp_path_factory.mktemp("tiny-qwen3-moe-api")
-    build_tiny_checkpoint(directory)
+    build_tiny_checkpoint(directory, max_position_embeddings=1024)  # room for the tools the template shows
     model = load_model(directory)
-    srv = make_server(directory, model, model=HFStepModel(directory, dtype=torch.float32, kv_cache_tokens=1024))
+    srv = make_server(directory, model, model=HFStepModel(directory, dtype=torch.float32, kv_cache_tokens=2048),
+                      kv_budget_tokens=2048)
     yield srv
     srv.close()
 
@@ -262,3 +263,79 @@ def test_bad_structured_output_is_a_400_naming_the_field(client: openai.OpenAI, 
     with pytest.raises(openai.BadRequestError) as raised:
         client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=4, extra_body=body)
     assert raised.value.body["param"] == param, raised.value.body  # type: ignore[index]
+
+
+# ---- tool_choice "required" and a named function ------------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+    "required": ["zone"], "additionalProperties": False}}}
+TOOLS = {"get_weather": WEATHER, "get_time": CLOCK}
+
+
+def test_a_named_tool_choice_is_that_functions_arguments_with_no_parser(client: openai.OpenAI) -> None:
+    """The server has no --tool-call-parser: the forced call is read from the constrained JSON."""
+    reply = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "weather?"}], max_tokens=500, temperature=0,
+        tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}})  # type: ignore[list-item]
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.content  # OpenAI's: a named call stops
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_time" and call.id.startswith("chatcmpl-tool-")  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(call.function.arguments), CLOCK["function"]["parameters"])  # type: ignore[union-attr,index]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_required_tool_choice_calls_the_request_tools(client: openai.OpenAI, stream: bool) -> None:
+    body: dict[str, Any] = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "call something"}],
+                            "max_tokens": 500, "temperature": 0.7, "seed": 4, "tools": [WEATHER, CLOCK],
+                            "tool_choice": "required", "parallel_tool_calls": False}
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **body))
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)  # the calls are no content
+        calls = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
+        reason = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+    else:
+        choice = client.chat.completions.create(**body).choices[0]
+        calls, reason = list(choice.message.tool_calls or []), choice.finish_reason
+    assert reason == "tool_calls" and len(calls) == 1  # parallel_tool_calls false: exactly one
+    tool = TOOLS[calls[0].function.name]  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(calls[0].function.arguments), tool["function"]["parameters"])  # type: ignore[union-attr,index]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+      "tool_choice": "required"}, "tools"),
+])
+def test_a_forced_tool_choice_it_cannot_serve_is_a_400_naming_the_field(client: openai.OpenAI, body: dict[str, Any],
+                                                                          param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       extra_body=body)
+    assert raised.value.body["param"] == param, raised.value.body  # type: ignore[index]
+
+
+def test_the_required_schema_is_vllms() -> None:
+    from vexpert_runtime.serve.tool_calls import ForcedToolChoice
+
+    with_defs = {"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "integer"}}}}}
+    schema = ForcedToolChoice(None, parallel=False).schema([WEATHER, with_defs, {"type": "function",
+                                                                                 "function": {"name": "bare"}}])
+    assert schema["maxItems"] == 1 and schema["minItems"] == 1 and schema["$defs"] == {"P": {"type": "integer"}}
+    names = [option["properties"]["name"]["enum"] for option in schema["items"]["anyOf"]]
+    assert names == [["get_weather"], ["g"], ["bare"]]
+    assert schema["items"]["anyOf"][2]["properties"]["parameters"] == {"type": "object", "properties": {}}
+    assert "$defs" not in schema["items"]["anyOf"][1]["properties"]["parameters"]
+    assert "$defs" in with_defs["function"]["parameters"]  # the request's own tools are left as they were
+    calls = ForcedToolChoice(None).calls('[{"name": "g", "parameters": {"p": 1}}, {"name": "bare", "parameters": {}}]')
+    assert [(c.name, c.arguments) for c in calls or []] == [("g", '{"p": 1}'), ("bare", "{}")]
+    assert ForcedToolChoice(None).calls('[{"name": "g"') is None  # cut short: content, not calls

@@ -83,7 +83,14 @@ from vexpert_runtime.serve.events import (
 )
 from vexpert_runtime.serve.histogram import CountedHistogram
 from vexpert_runtime.serve.metrics_share import MetricsShare
-from vexpert_runtime.serve.tool_calls import KEEPS_SPECIAL_TOKENS, ToolCall, ToolCallStream, parse_tool_calls
+from vexpert_runtime.serve.tool_calls import (
+    KEEPS_SPECIAL_TOKENS,
+    ToolCall,
+    ToolCallStream,
+    ToolFormat,
+    calls_finish_reason,
+    parse_tool_calls,
+)
 
 log = logging.getLogger(__name__)
 
@@ -438,11 +445,12 @@ def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt
     )
 
 
-def tool_format(req: oa.CompletionRequest | oa.ChatCompletionRequest, config: ApiConfig) -> str | None:
-    """The format to read the reply's tool calls in (``config.tool_call_parser``); None when the request's
-    tools may not be called."""
-    calls = isinstance(req, oa.ChatCompletionRequest) and req.calls_tools
-    return config.tool_call_parser if calls else None
+def tool_format(req: oa.CompletionRequest | oa.ChatCompletionRequest, config: ApiConfig) -> ToolFormat | None:
+    """The format to read the reply's tool calls in: a forced choice's JSON, else ``config.tool_call_parser``; None
+    when the request's tools may not be called."""
+    if not isinstance(req, oa.ChatCompletionRequest) or not req.calls_tools:
+        return None
+    return req.forced_tool_choice or config.tool_call_parser
 
 
 def _with_tool_calls(job: _Job, choice: oa.Choice) -> oa.Choice:
@@ -453,7 +461,7 @@ def _with_tool_calls(job: _Job, choice: oa.Choice) -> oa.Choice:
     content, calls = parse_tool_calls(job.tools, choice.text)
     if not calls:
         return choice
-    reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
+    reason = calls_finish_reason(job.tools, choice.finish_reason or "stop")
     return replace(choice, text=content, finish_reason=reason, tool_calls=[call.as_json() for call in calls])
 
 
@@ -507,7 +515,7 @@ class _Job:
     prompt_tokens: int  # the usage's: each prompt once, however many choices it has
     logprobs: bool = False  # the request asked for its tokens' log-probabilities
     echo: list[tuple[str, int]] | None = None  # per choice: the prompt's text and first token, to lead with
-    tools: str | None = None  # the format to read the replies' tool calls in (tool_calls.PARSERS); None: don't
+    tools: ToolFormat | None = None  # how to read the replies' tool calls (a parser, a forced choice); None: don't
     finished: set[int] = field(default_factory=set)  # the choices whose last event arrived
 
     @property
@@ -680,7 +688,7 @@ class ServeApi:
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = self._parse(oa.ChatCompletionRequest, await self._json(request))
         self._check_model(req.model)
-        if req.calls_tools and self.config.tool_call_parser is None:
+        if req.calls_tools and req.forced_tool_choice is None and self.config.tool_call_parser is None:
             raise ApiError(400, 'tool_choice: this server reads no tool calls (start it with --tool-call-parser '
                            'hermes for Qwen / Hermes models, deepseek_v3 for DeepSeek-V3): send "none" (the template '
                            "shows the tools, the reply is text) or leave tools out", param="tool_choice")
@@ -942,7 +950,7 @@ class ServeApi:
             last = batch[-1]
             if last.finished:
                 error = _failed(last)
-                reason = "tool_calls" if calls and last.finish_reason == "stop" else last.finish_reason
+                reason = calls_finish_reason(job.tools, last.finish_reason or "stop") if calls and job.tools else last.finish_reason
                 parts.append(_sse(error.body if error is not None else self._chunk(job, index, None, reason)))
                 completion_tokens += last.completion_tokens
                 if job.done or error is not None:

@@ -17,7 +17,8 @@ truncation, and the k most likely tokens'; at most :data:`~.events.MAX_LOGPROBS`
 ``chat_template_kwargs`` (e.g. Qwen3's ``{"enable_thinking": false}``), ``add_generation_prompt``,
 ``continue_final_message``, ``documents``, and ``tools``: the model's template shows them; with ``tool_choice``
 "auto" (OpenAI's default) the reply's calls are parsed when the server has a ``--tool-call-parser``
-(:mod:`.tool_calls`), else only "none" is accepted; structured output — ``response_format`` (``json_object``,
+(:mod:`.tool_calls`), else only "none" is accepted; "required" and a named function constrain the reply to the calls'
+JSON (:class:`~.tool_calls.ForcedToolChoice`, no parser needed); structured output — ``response_format`` (``json_object``,
 ``json_schema``) and vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) —
 is compiled here (:mod:`.structured_output`: a schema or pattern it cannot compile is a 400 naming the field).
 
@@ -50,6 +51,7 @@ from pydantic import (
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.serve.events import MAX_LOGPROBS
 from vexpert_runtime.serve.structured_output import GrammarKind, GrammarRequest, compile_grammar
+from vexpert_runtime.serve.tool_calls import ForcedToolChoice
 
 Json = dict[str, Any]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -402,17 +404,47 @@ class ChatCompletionRequest(_GenerationRequest):
     continue_final_message: StrictBool = False  # vLLM's
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    parallel_tool_calls: StrictBool | None = None  # False: tool_choice "required" makes exactly one call
 
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, body: Any) -> Any:
         return _refuse_unsupported(body, _REFUSED_CHAT)
 
+    @property
+    def forced_tool_choice(self) -> ForcedToolChoice | None:
+        """``tool_choice`` "required" or a named function (checked against ``tools``); None: the reply may call
+        tools ("auto", by the server's parser) or not."""
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return None
+        if not self.tools:
+            raise _FieldRefused("tool_choice", "a forced tool call needs tools: send tools, or leave tool_choice out")
+        if choice == "required":
+            return ForcedToolChoice(None, self.parallel_tool_calls is not False)
+        assert isinstance(choice, dict)
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise _FieldRefused("tool_choice", 'a named tool choice is {"type": "function", "function": {"name": …}}')
+        if name not in {tool.function.name for tool in self.tools}:
+            raise _FieldRefused("tool_choice.function.name", f"{name!r} is not one of the request's tools")
+        return ForcedToolChoice(name)
+
+    def grammar_request(self) -> GrammarRequest | None:
+        """A forced tool call's JSON (:class:`~.tool_calls.ForcedToolChoice`), else the base class's."""
+        forced = self.forced_tool_choice
+        if forced is None:
+            return super().grammar_request()
+        if (self.response_format is not None and self.response_format.type != "text") or self.structured_outputs:
+            raise _FieldRefused("tool_choice", "a forced tool call constrains the reply itself: leave response_format "
+                                "and structured_outputs out, or send tool_choice \"auto\"")
+        assert self.tools is not None
+        return GrammarRequest("json", forced.schema([tool.model_dump(exclude_none=True) for tool in self.tools]),
+                              "tools")
+
     @model_validator(mode="after")
     def _template_inputs(self) -> ChatCompletionRequest:
-        if self.tool_choice not in (None, "none", "auto"):
-            raise _FieldRefused("tool_choice", '"required" and a named function need guided decoding, which this '
-                                'server does not do: send "auto" (with --tool-call-parser) or "none"')
         if self.top_logprobs and not self.logprobs:
             raise _FieldRefused("top_logprobs", "needs logprobs: true (send both, or leave top_logprobs out)")
         if self.add_generation_prompt and self.continue_final_message:

@@ -14,6 +14,11 @@
 that could be the start of the marker is held back), the rest waits for the end, where the calls go out in one
 delta. A call that does not parse (arguments that are not JSON, a missing name) leaves the reply as plain
 content — nothing the model wrote is dropped.
+
+:class:`ForcedToolChoice` is ``tool_choice`` ``"required"`` or a named function, as vLLM serves them: the reply is
+constrained to JSON (:meth:`ForcedToolChoice.schema`, through structured output) — the named function's arguments,
+or a list of ``{"name", "parameters"}`` calls of the request's tools — and read back as the calls whatever the model's
+own format; it needs no ``--tool-call-parser``.
 """
 
 from __future__ import annotations
@@ -97,10 +102,75 @@ _FORMATS: dict[str, tuple[str, Callable[[str], list[ToolCall] | None]]] = {
 }
 
 
-def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a finished reply in ``parser``'s format (:data:`PARSERS`): the text before the
-    calls start (None when that is only whitespace and there are calls) and the calls; ``(text, [])`` when
-    the reply calls nothing or any call does not parse."""
+@dataclass(frozen=True)
+class ForcedToolChoice:
+    """``tool_choice`` that forces a call: ``function`` named, or None for ``"required"`` (one call or more of any
+    of the tools; ``parallel`` False: exactly one)."""
+
+    function: str | None
+    parallel: bool = True
+
+    def schema(self, tools: list[dict[str, Any]]) -> dict[str, Any]:
+        """The JSON schema the reply follows, from the request's ``tools`` (OpenAI's ``{"type": "function",
+        "function": {"name", "parameters"}}``), as vLLM builds it: the named function's parameters, or an array of
+        ``{"name": that tool's name, "parameters": its parameters}`` objects, and no other key (``$defs`` of the tools
+        merged)."""
+        functions = {tool["function"]["name"]: tool["function"].get("parameters") or {"type": "object", "properties": {}}
+                     for tool in tools}
+        if self.function is not None:
+            return functions[self.function]
+        defs: dict[str, Any] = {}
+        calls = []
+        for name, parameters in functions.items():
+            if "$defs" in parameters:
+                parameters = dict(parameters)
+                defs.update(parameters.pop("$defs"))
+            # (closed: vLLM's leaves the call object open, and a model may then write keys of its own after the two)
+            calls.append({"properties": {"name": {"type": "string", "enum": [name]}, "parameters": parameters},
+                          "required": ["name", "parameters"], "additionalProperties": False})
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
+        return schema
+
+    def calls(self, text: str) -> list[ToolCall] | None:
+        """The calls a reply wrote (None: it is not what the schema asks, e.g. cut short by max_tokens)."""
+        if self.function is not None:
+            return [ToolCall(self.function, text, _new_id())] if text.strip() else None
+        try:
+            written = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(written, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
+                                                     for c in written):
+            return None
+        return [ToolCall(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False), _new_id())
+                for c in written] or None
+
+    def finish_reason(self, reason: str) -> str:
+        """OpenAI's: a named function's reply finishes with "stop", a required call with "tool_calls"."""
+        return reason if self.function is not None else "tool_calls" if reason == "stop" else reason
+
+
+ToolFormat = str | ForcedToolChoice  # how a reply's calls are read: a parser of :data:`PARSERS`, or a forced choice
+
+
+def calls_finish_reason(tools: ToolFormat, reason: str) -> str:
+    """The finish reason of a reply that called tools (finished for ``reason``)."""
+    if isinstance(tools, ForcedToolChoice):
+        return tools.finish_reason(reason)
+    return "tool_calls" if reason == "stop" else reason
+
+
+def parse_tool_calls(parser: ToolFormat, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a finished reply in ``parser``'s format (:data:`PARSERS`, or a forced choice: the whole
+    reply is its calls): the text before the calls start (None when that is only whitespace and there are calls)
+    and the calls; ``(text, [])`` when the reply calls nothing or any call does not parse."""
+    if isinstance(parser, ForcedToolChoice):
+        forced = parser.calls(text)
+        return (None, forced) if forced else (text, [])
     start_marker, read_calls = _FORMATS[parser]
     start = text.find(start_marker)
     if start < 0:
@@ -115,11 +185,12 @@ def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ToolCall]
 class ToolCallStream:
     """A streamed reply's content, held back from the start of the calls on (see the module docstring)."""
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: ToolFormat) -> None:
         self.parser = parser
-        self.start_marker = _FORMATS[parser][0]
+        forced = isinstance(parser, ForcedToolChoice)  # the whole reply is its calls
+        self.start_marker = "" if isinstance(parser, ForcedToolChoice) else _FORMATS[parser][0]
         self.held = ""  # a possible start of the calls, or (``in_calls``) the calls
-        self.in_calls = False
+        self.in_calls = forced
 
     def push(self, text: str) -> str:
         """The content of ``text`` safe to send now."""
