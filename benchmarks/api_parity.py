@@ -7,8 +7,9 @@ favoured by a logit bias, left out of the text and kept (``skip_special_tokens: 
 and kept (``include_stop_str_in_output``); completions' ``logprobs`` (tokens,
 token log-probabilities, the top-k sets), also with ``echo`` (the prompt's); chat's ``logprobs`` + ``top_logprobs``;
 ``n`` > 1; a batch of prompts; structured output (``structured_outputs``: a JSON schema, a regex, choices, a Lark
-grammar; ``response_format``: ``json_schema``, ``json_object``), vLLM on its llguidance backend by default
-(``--vllm-args ""``: its default backend, xgrammar).
+grammar; ``response_format``: ``json_schema``, ``json_object``) and ``tool_choice`` ``"required"`` / a named function
+(vLLM with ``--enable-auto-tool-choice --tool-call-parser hermes`` and its default backend, xgrammar; see
+``--vllm-args`` for its llguidance backend).
 Sampled answers are compared only in form (choices, their order, usage): the two servers draw from their own
 random streams — the ``n`` cases sample (vLLM refuses ``n`` > 1 with greedy sampling; vexpert returns n equal choices).
 
@@ -78,6 +79,14 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age", "role"], "additionalProperties": False}
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+              "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
+              "required": ["city", "unit"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+             "required": ["zone"], "additionalProperties": False}}}]
+
+
 def structured_cases(completion: dict[str, Any], chat: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
     """Structured output, greedy, ending at the grammar's EOS (64 tokens at most): vLLM's ``structured_outputs``
     (a JSON schema without whitespace, a regex, choices, a Lark grammar) and OpenAI's ``response_format``
@@ -97,6 +106,11 @@ def structured_cases(completion: dict[str, Any], chat: dict[str, Any]) -> dict[s
             "type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}}),
         "chat response_format json_object": ("chat/completions", {**chat, **ends, "response_format": {
             "type": "json_object"}}),
+        "chat tool_choice named": ("chat/completions", {**chat, **ends, "max_tokens": 400, "tools": TOOLS,
+                                                        "tool_choice": {"type": "function",
+                                                                        "function": {"name": "get_time"}}}),
+        "chat tool_choice required, parallel_tool_calls false": ("chat/completions", {
+            **chat, **ends, "max_tokens": 400, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}),
     }
 
 
@@ -133,6 +147,12 @@ def _texts(answer: dict[str, Any]) -> list[str]:
     return [c.get("text", (c.get("message") or {}).get("content")) for c in answer.get("choices", [])]
 
 
+def _calls(answer: dict[str, Any]) -> list[Any]:
+    """Each choice's tool calls (name, arguments) and finish reason."""
+    return [([(c["function"]["name"], c["function"]["arguments"]) for c in (ch.get("message") or {}).get("tool_calls")
+              or []], ch.get("finish_reason")) for ch in answer.get("choices", [])]
+
+
 def _usage(answer: dict[str, Any]) -> tuple[Any, ...]:
     usage = answer.get("usage") or {}
     return usage.get("prompt_tokens"), usage.get("completion_tokens"), usage.get("total_tokens")
@@ -155,6 +175,8 @@ def compare(case: str, ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str
                            "choices": [len(ours["choices"]), len(theirs["choices"])],
                            "indices_equal": [c["index"] for c in ours["choices"]] == [c["index"] for c in theirs["choices"]],
                            "usage_equal": _usage(ours) == _usage(theirs)}
+    if "tool_choice" in case:
+        row["calls_equal"] = _calls(ours) == _calls(theirs)
     mine, peer = ours["choices"][0].get("logprobs"), theirs["choices"][0].get("logprobs")
     if mine is not None and peer is not None:
         if "content" in mine:  # chat
@@ -177,7 +199,7 @@ def compare(case: str, ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str
                                                         for x, y in pairs) / max(len(mine["tokens"]), 1)
             row["text_offset_equal"] = mine["text_offset"] == peer["text_offset"]
     row["agree"] = bool(row["texts_equal"]) and row["indices_equal"] and row["usage_equal"] and row.get(
-        "tokens_equal", True)
+        "tokens_equal", True) and row.get("calls_equal", True)
     return row
 
 
@@ -188,7 +210,8 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
         diff = row.get("max_logprob_diff")
         sets = "–" if "top_sets_equal" not in row else (
             f"{row['top_sets_equal']:.2f} ({row['top_sets_equal_fragments_alike']:.2f})")
-        lines.append(f"| {case} | {row.get('texts_equal')} | {row.get('choices')}, {row.get('indices_equal')} | "
+        texts = f"{row.get('texts_equal')}" + (f", calls {row['calls_equal']}" if "calls_equal" in row else "")
+        lines.append(f"| {case} | {texts} | {row.get('choices')}, {row.get('indices_equal')} | "
                      f"{row.get('usage_equal')} | {row.get('tokens_equal', '–')} | "
                      f"{'–' if diff is None else f'{diff:.2e}'} | {sets} |")
     return "\n".join(lines)
@@ -201,9 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="vexpert serve --cpu-workers")
     parser.add_argument("--vllm-python", type=Path, default=Path("/work/vllm-venv/bin/python"))
     parser.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
-    # vLLM's structured output through llguidance, as vexpert's (its default, xgrammar, masks otherwise: e.g. the
-    # whitespace a JSON schema allows); "" compares with vLLM's default
-    parser.add_argument("--vllm-args", default="--structured-outputs-config '{\"backend\": \"guidance\"}'",
+    # vLLM with its hermes tool parser (without one it leaves a forced tool call's JSON as content) and its default
+    # structured-output backend, xgrammar; --structured-outputs-config '{"backend": "guidance"}' gives it llguidance,
+    # vexpert's library (then, with the hermes parser, 0.32 refuses tool_choice: "Invalid grammar specification:
+    # 'triggers'" — the parser's structural tag)
+    parser.add_argument("--vllm-args", default="--enable-auto-tool-choice --tool-call-parser hermes",
                         help="extra vLLM server arguments (one shell string)")
     parser.add_argument("--vexpert", type=Path, default=Path(sys.executable).parent / "vexpert")
     parser.add_argument("--vexpert-args", default="", help="extra vexpert serve arguments (one shell string)")

@@ -193,19 +193,9 @@ class _Sequence:
     def sampling(self) -> SamplingSpec:
         params = self.request.params
         draw = self.generated
-        spec = SamplingSpec(params.temperature, params.top_p, self.seed, draw, params.top_k, params.min_p,
+        return SamplingSpec(params.temperature, params.top_p, self.seed, draw, params.top_k, params.min_p,
                             params.logprobs is not None, params.repetition_penalty, params.presence_penalty,
                             params.frequency_penalty, self.early_bias if draw < params.min_tokens else params.logit_bias)
-        return spec if self.grammar is None else self.constrained(spec)
-
-    def constrained(self, spec: SamplingSpec) -> SamplingSpec:
-        """``spec`` drawing only what the grammar allows next (the host has read every token before it). A
-        grammar that allows nothing but the ids ``min_tokens`` holds back (it is complete) ends the output."""
-        assert self.grammar is not None
-        spec.allowed = allowed = self.grammar.allowed()
-        if spec.logit_bias is self.early_bias and only_among(allowed, (t for t, b in self.early_bias if b < 0)):
-            spec.logit_bias = self.request.params.logit_bias
-        return spec
 
     def prompt_targets(self, start: int, end: int) -> tuple[int, ...]:
         """A prefill chunk's :attr:`~.step.SequenceWork.prompt_targets` (positions ``start .. end-1``): the
@@ -242,8 +232,6 @@ class _Sequence:
                             params.min_p, params.logprobs is not None, params.repetition_penalty,
                             params.presence_penalty, params.frequency_penalty,
                             self.early_bias if draw < params.min_tokens else params.logit_bias)
-        if self.grammar is not None:
-            spec = self.constrained(spec)
         if self.pending:  # its token is on the device, sampled by the step still running
             return SequenceWork(self.seq_id, (0,), computed, self.table, spec, self.sample_row, self.penalty_prompt_len)
         return SequenceWork(self.seq_id, (self.output[-1],), computed, self.table, spec, None, self.penalty_prompt_len)
@@ -425,6 +413,7 @@ class Scheduler:
             self._complete(self._take_in_flight())
             batch = self._schedule()
         self._update_load()  # admissions show while the step runs (a step can take a while)
+        self._constrain(batch)
         work = [w for _, w in batch]
         try:
             step = self.model.launch(work)
@@ -533,6 +522,22 @@ class Scheduler:
                         seed=request_seed(request.params.seed))
         seq.early_bias = early_bias(request.params, self.eos_ids)
         return seq
+
+    def _constrain(self, batch: list[tuple[_Sequence, SequenceWork]]) -> None:
+        """Each constrained draw of the batch takes only what its grammar allows next (the host has read every
+        token before it: :meth:`_split_running`); all masks in one call. A grammar that allows nothing but the ids
+        ``min_tokens`` holds back (it is complete) ends the output all the same."""
+        constrained = [(seq, seq.grammar, item.sample) for seq, item in batch
+                       if seq.grammar is not None and item.sample is not None]
+        if not constrained:
+            return
+        masks = self._grammars.allowed([grammar for _, grammar, _ in constrained if grammar is not None])
+        for (seq, _, spec), allowed in zip(constrained, masks, strict=True):
+            assert spec is not None
+            spec.allowed = allowed
+            if seq.early_bias and spec.logit_bias is seq.early_bias and only_among(
+                    allowed, (token for token, bias in seq.early_bias if bias < 0)):
+                spec.logit_bias = seq.request.params.logit_bias
 
     def _start_grammar(self, seq: _Sequence, grammar: str) -> None:
         try:

@@ -3,8 +3,9 @@
 A request that asks for JSON (a schema, or any object), a regex, one of several strings or a Lark grammar
 (vLLM's ``structured_outputs``, OpenAI's ``response_format``) is compiled once, in the API process, into
 an llguidance grammar (:func:`compile_grammar`: a bad schema or pattern is a 400 naming the field); the rank
-that runs it keeps a :class:`GrammarMatcher` per sequence, which gives each sampling step the allowed tokens
-as a bitmask (:meth:`GrammarMatcher.allowed`) and advances over the sampled token. The model adds −inf to
+that runs it keeps a :class:`GrammarMatcher` per sequence, which advances over each sampled token; each step the
+constrained rows get the tokens they may take as bitmasks, in one call llguidance runs on its threads
+(:meth:`GrammarTokens.allowed`). The model adds −inf to
 the logits of every other token (:func:`unpack_allowed`, through the sequence's logit-bias row,
 :mod:`.penalties`), so every sampling mode — greedy, temperature, min-p, top-k, top-p — draws only tokens
 the grammar accepts; once the grammar is complete only EOS is allowed.
@@ -22,7 +23,8 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -94,61 +96,79 @@ def _closed_objects(schema: Any) -> Any:
 
 
 class GrammarTokens:
-    """A rank's tokenizer as llguidance sees it (made at the first constrained request: ~ms per 100k
-    tokens), and the matchers of its sequences. ``vocab_size``: the model's logits' width; ``eos_ids``:
-    the tokens that end a sequence (what a complete grammar allows)."""
+    """A rank's tokenizer as llguidance sees it and the matchers of its sequences. llguidance reads the tokenizer
+    once (~2.6 s for a 128k-token vocabulary on one core of the 2-core machine: ``benchmarks/grammar_mask_cost.py``)
+    on a thread of its own from the rank's start, so a first constrained request does not stall the loop (and an
+    EP group in lockstep) for that long. ``vocab_size``: the model's logits' width; ``eos_ids``: the tokens that end a
+    sequence (what a complete grammar allows)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int]) -> None:
-        self._tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self._eos = sorted(eos_ids)
         self._ll_tokenizer: Any = None
+        self._executor: Any = None
+        self._failure: Exception | None = None
+        self._words = 0
+        self._reader = threading.Thread(target=self._read, args=(tokenizer, sorted(eos_ids)), daemon=True,
+                                        name="vexpert-grammar-tokens")
+        self._reader.start()
+
+    def _read(self, tokenizer: Any, eos: list[int]) -> None:
+        try:
+            import llguidance
+            import llguidance.hf
+
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                tokenizer, max(self.vocab_size, len(tokenizer)), eos or None)
+            self._words = (self._ll_tokenizer.vocab_size + 31) // 32
+            self._executor = llguidance.LLExecutor()
+        except Exception as exc:  # e.g. not a fast tokenizer: only a constrained request fails, and says why
+            self._failure = exc
 
     def matcher(self, grammar: str) -> GrammarMatcher:
-        """A fresh matcher for a sequence's grammar (``ValueError`` when llguidance reports one)."""
+        """A fresh matcher for a sequence's grammar (``ValueError`` when llguidance reports one, or could not
+        read the tokenizer)."""
         import llguidance
-        import llguidance.hf
 
-        if self._ll_tokenizer is None:
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                self._tokenizer, max(self.vocab_size, len(self._tokenizer)), self._eos or None)
+        self._reader.join()
+        if self._failure is not None:
+            raise ValueError(f"llguidance cannot read this tokenizer: {self._failure}")
         matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar)
         error = matcher.get_error()
         if error:
             raise ValueError(error)
-        return GrammarMatcher(matcher, self._ll_tokenizer.vocab_size)
+        return GrammarMatcher(matcher)
+
+    def allowed(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
+        """The tokens each matcher's next draw may take: bitmasks [len(matchers), W] int32 on the CPU (only EOS
+        once a grammar is complete), computed in parallel by llguidance's threads."""
+        import llguidance.torch
+
+        mask = torch.empty(len(matchers), self._words, dtype=torch.int32)
+        llguidance.torch.fill_next_token_bitmask_par(
+            self._executor, [(m.ll_matcher, row) for row, m in enumerate(matchers)], mask)
+        return mask
 
 
 class GrammarMatcher:
     """One sequence's place in its grammar."""
 
-    def __init__(self, matcher: Any, ll_vocab: int) -> None:
-        self._matcher = matcher
-        self._words = (ll_vocab + 31) // 32
-
-    def allowed(self) -> torch.Tensor:
-        """The tokens the next draw may take: a bitmask [W] int32 (CPU; only EOS once the grammar is complete
-        or failed)."""
-        import llguidance.torch
-
-        mask = torch.empty(1, self._words, dtype=torch.int32)
-        llguidance.torch.fill_next_token_bitmask(self._matcher, mask, 0)
-        return mask[0]
+    def __init__(self, ll_matcher: Any) -> None:
+        self.ll_matcher = ll_matcher
 
     def accept(self, token: int) -> bool:
         """Advance over a sampled token; False when the grammar does not allow it."""
-        if self._matcher.is_stopped():
+        if self.ll_matcher.is_stopped():
             return True  # EOS after completion (a request that ignores EOS): nothing left to match
-        return bool(self._matcher.consume_token(token))
+        return bool(self.ll_matcher.consume_token(token))
 
     @property
     def complete(self) -> bool:
         """Whether the grammar ended (it allows nothing but EOS, and nothing after it)."""
-        return bool(self._matcher.is_stopped())
+        return bool(self.ll_matcher.is_stopped())
 
     @property
     def error(self) -> str:
-        return str(self._matcher.get_error() or "")
+        return str(self.ll_matcher.get_error() or "")
 
 
 def unpack_allowed(words: torch.Tensor, vocab: int) -> torch.Tensor:
