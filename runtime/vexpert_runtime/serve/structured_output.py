@@ -120,7 +120,6 @@ class GrammarTokens:
             self._ll_tokenizer = llguidance.hf.from_tokenizer(
                 tokenizer, max(self.vocab_size, len(tokenizer)), eos or None)
             self._words = (self._ll_tokenizer.vocab_size + 31) // 32
-            self._executor = llguidance.LLExecutor()
         except Exception as exc:  # e.g. not a fast tokenizer: only a constrained request fails, and says why
             self._failure = exc
 
@@ -141,8 +140,11 @@ class GrammarTokens:
     def allowed(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
         """The tokens each matcher's next draw may take: bitmasks [len(matchers), W] int32 on the CPU (only EOS
         once a grammar is complete), computed in parallel by llguidance's threads."""
+        import llguidance
         import llguidance.torch
 
+        if self._executor is None:  # its threads only on a rank that serves structured output
+            self._executor = llguidance.LLExecutor()
         mask = torch.empty(len(matchers), self._words, dtype=torch.int32)
         llguidance.torch.fill_next_token_bitmask_par(
             self._executor, [(m.ll_matcher, row) for row, m in enumerate(matchers)], mask)
