@@ -31,6 +31,9 @@ the graph then sorts the vocabulary per sequence (greedy, the default, skips it)
 ``--sampling penalties``: greedy with a repetition penalty of 1.05 (the penalty tables written and read in the
 graph). ``--sampling logprobs``: greedy, every sequence asking for log-probabilities (``logprobs``: a log-softmax and a
 top-20 over the vocabulary in the graph, three more device→host copies) — what they cost the step.
+``--sampling grammar``: greedy, every sequence constrained by structured output (a grammar mask allowing every
+other token, written into its bias row ahead of each launch, then the penalty graph) — its ``launch_span_ms``
+holds the mask's upload and unpack, ``graph_ms`` only the graph.
 
 Long contexts (split-KV, ``attention_kernels.kv_splits``): a checkpoint with a longer context, the same
 batches at several contexts with the splits ``vexpert serve`` picks (``--kv-splits auto``, the row's
@@ -91,7 +94,7 @@ def step_flops(model: HFStepModel, batch: int, context: int) -> int:
 
 def _tracked(sampling: str, context: int) -> int:
     """A penalized sequence's work names its prompt length (the model tracks its tokens): the decodes' context."""
-    return context if sampling == "penalties" else -1
+    return context if sampling in ("penalties", "grammar") else -1
 
 
 _HOST_TIMED = 5  # replays whose host time gives ``replay_host_ms``
@@ -100,7 +103,8 @@ _HOST_TIMED = 5  # replays whose host time gives ``replay_host_ms``
 # penalties a greedy one with Qwen-MoE generation configs' repetition penalty (the graphs with the token tables)
 SAMPLING = {"greedy": SamplingSpec(draw=1), "top-p": SamplingSpec(0.6, 0.95, draw=1),
             "top-k": SamplingSpec(0.6, 0.95, draw=1, top_k=20), "logprobs": SamplingSpec(draw=1, logprobs=True),
-            "penalties": SamplingSpec(draw=1, repetition=1.05)}
+            "penalties": SamplingSpec(draw=1, repetition=1.05),
+            "grammar": SamplingSpec(draw=1)}  # its allowed tokens are set once the vocabulary is known (main)
 
 
 def kernel_times(graph: torch.cuda.CUDAGraph, iters: int, top: int = 25) -> dict[str, object]:
@@ -192,6 +196,9 @@ def main() -> int:
     model = HFStepModel(args.model_dir, device="cuda", dtype=torch.bfloat16,
                         kv_cache_tokens=max_seqs * (max(args.context, args.chunk) + 32))
     model.executor = EPExperts.for_model(model, 0, 1, None, max_tokens=args.max_batch_tokens)
+    # structured output: every other token allowed (bits 0x55555555), a new mask written into every row's bias
+    # ahead of each launch, as a constrained sequence's is (launch_span_ms holds that; graph_ms does not)
+    SAMPLING["grammar"].allowed = torch.full(((model.vocab_size + 31) // 32,), 0x55555555, dtype=torch.int32)
     model.drop_expert_weights()
     stream = torch.cuda.Stream()
     results = []
