@@ -315,6 +315,42 @@ def _keep_prompt_logprobs(seq: _Sequence, item: SequenceWork, prompt: PromptLogp
     return True
 
 
+def constrain_draws(batch: list[tuple[_Sequence, SequenceWork]], grammars: GrammarTokens) -> None:
+    """Each constrained draw of the batch takes only what its grammar allows next (the host has read every
+    token before it: :func:`split_running`); all masks in one call. A grammar that allows nothing but the ids
+    ``min_tokens`` holds back (it is complete) ends the output all the same."""
+    constrained = [(seq, seq.grammar, item.sample) for seq, item in batch
+                   if seq.grammar is not None and item.sample is not None]
+    if not constrained:
+        return
+    masks = grammars.allowed([grammar for _, grammar, _ in constrained if grammar is not None])
+    for (seq, _, spec), allowed in zip(constrained, masks, strict=True):
+        assert spec is not None
+        spec.allowed = allowed
+        if seq.early_bias and spec.logit_bias is seq.early_bias and only_among(
+                allowed, (token for token, bias in seq.early_bias if bias < 0)):
+            spec.logit_bias = seq.request.params.logit_bias
+
+
+def split_running(running: Iterable[_Sequence], block_size: int, max_context: int
+                  ) -> tuple[list[_Sequence], list[_Sequence], int, int]:
+    """The running sequences that decode this iteration and those still prefilling; the blocks
+    the decodes take now and those the prefills will take until their first token."""
+    decoding: list[_Sequence] = []
+    prefilling: list[_Sequence] = []
+    need = committed = 0
+    for seq in running:
+        if seq.computed < seq.prefill_len:
+            prefilling.append(seq)
+            committed += blocks_for(seq.prefill_len + 1, block_size) - len(seq.table)
+        elif not seq.last_pending(max_context) and not (seq.pending and seq.grammar is not None):
+            # (a constrained sequence's next draw depends on the token still being sampled: it sits out a step)
+            decoding.append(seq)
+            if seq.computed >= len(seq.table) * block_size:  # its token starts a block
+                need += 1
+    return decoding, prefilling, need, committed
+
+
 def _arrival(seq: _Sequence) -> int:
     return seq.seq_id  # numbered as requests arrive
 
@@ -413,7 +449,7 @@ class Scheduler:
             self._complete(self._take_in_flight())
             batch = self._schedule()
         self._update_load()  # admissions show while the step runs (a step can take a while)
-        self._constrain(batch)
+        constrain_draws(batch, self._grammars)
         work = [w for _, w in batch]
         try:
             step = self.model.launch(work)
@@ -523,22 +559,6 @@ class Scheduler:
         seq.early_bias = early_bias(request.params, self.eos_ids)
         return seq
 
-    def _constrain(self, batch: list[tuple[_Sequence, SequenceWork]]) -> None:
-        """Each constrained draw of the batch takes only what its grammar allows next (the host has read every
-        token before it: :meth:`_split_running`); all masks in one call. A grammar that allows nothing but the ids
-        ``min_tokens`` holds back (it is complete) ends the output all the same."""
-        constrained = [(seq, seq.grammar, item.sample) for seq, item in batch
-                       if seq.grammar is not None and item.sample is not None]
-        if not constrained:
-            return
-        masks = self._grammars.allowed([grammar for _, grammar, _ in constrained if grammar is not None])
-        for (seq, _, spec), allowed in zip(constrained, masks, strict=True):
-            assert spec is not None
-            spec.allowed = allowed
-            if seq.early_bias and spec.logit_bias is seq.early_bias and only_among(
-                    allowed, (token for token, bias in seq.early_bias if bias < 0)):
-                spec.logit_bias = seq.request.params.logit_bias
-
     def _start_grammar(self, seq: _Sequence, grammar: str) -> None:
         try:
             seq.grammar = self._grammars.matcher(grammar)
@@ -549,13 +569,13 @@ class Scheduler:
     def _schedule(self) -> list[tuple[_Sequence, SequenceWork]]:
         """This iteration's batch: decodes first, then prompt chunks, then admissions."""
         pool, size = self.pool, self.pool.block_size
-        decoding, prefilling, need, committed = self._split_running()
+        decoding, prefilling, need, committed = split_running(self._running.values(), self.pool.block_size, self.model.max_context)
         while need + committed > pool.free_blocks:  # the decodes outgrow the cache
             if self._in_flight is not None:  # its finished sequences free blocks (and victims must be idle)
                 self._complete(self._take_in_flight())
             else:  # the latest arrival: the least served (a re-admitted victim keeps its place)
                 self._preempt(max(self._running.values(), key=_arrival))
-            decoding, prefilling, need, committed = self._split_running()
+            decoding, prefilling, need, committed = split_running(self._running.values(), self.pool.block_size, self.model.max_context)
         spare = pool.free_blocks - need - committed  # what admissions may take (chunks take from committed)
         batch = [(seq, seq.decode_work(pool)) for seq in decoding]
         budget = self.config.max_batch_tokens - len(batch)
@@ -577,24 +597,6 @@ class Scheduler:
             batch.append((head, item))
             budget -= len(item.tokens)
         return batch
-
-    def _split_running(self) -> tuple[list[_Sequence], list[_Sequence], int, int]:
-        """The running sequences that decode this iteration and those still prefilling; the blocks
-        the decodes take now and those the prefills will take until their first token."""
-        decoding: list[_Sequence] = []
-        prefilling: list[_Sequence] = []
-        need = committed = 0
-        size, max_context = self.pool.block_size, self.model.max_context
-        for seq in self._running.values():
-            if seq.computed < seq.prefill_len:
-                prefilling.append(seq)
-                committed += blocks_for(seq.prefill_len + 1, size) - len(seq.table)
-            elif not seq.last_pending(max_context) and not (seq.pending and seq.grammar is not None):
-                # (a constrained sequence's next draw depends on the token still being sampled: it sits out a step)
-                decoding.append(seq)
-                if seq.computed >= len(seq.table) * size:  # its token starts a block
-                    need += 1
-        return decoding, prefilling, need, committed
 
     def _admit(self, seq: _Sequence) -> None:
         seq.admitted = seq.holds_blocks = True
