@@ -1,5 +1,5 @@
-"""Tool calls read out of chat replies (``serve/tool_calls.py``, vLLM's ``hermes`` and ``deepseek_v3`` parsers'
-formats): the parsers on their own, streamed in pieces of every size, and the operator's field naming the same
+"""Tool calls read out of chat replies (``serve/tool_calls.py``, vLLM's ``hermes``, ``deepseek_v3``, ``deepseek_v31``
+and ``kimi_k2`` parsers' formats): the parsers on their own, streamed in pieces of every size, and the operator's field naming the same
 parsers."""
 
 from __future__ import annotations
@@ -63,11 +63,50 @@ def test_a_deepseek_v3_reply_without_valid_calls_is_all_content(text: str) -> No
     assert parse_tool_calls("deepseek_v3", text) == (text, [])
 
 
+DEEPSEEK_V31_TWO_CALLS = (f"Let me check both.{BEGIN}{CALL}get_weather{SEP}{{\"city\": \"Paris\"}}{CALL_END}"
+                          f"{CALL}get_time{SEP}{{\"zone\": \"CET\",\n \"format\": \"24h\"}}{CALL_END}{END}")
+KIMI_BEGIN, KIMI_END, KIMI_CALL, KIMI_ARGS, KIMI_CALL_END = (
+    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>")
+KIMI_TWO_CALLS = (f"Let me check both.{KIMI_BEGIN}{KIMI_CALL}functions.get_weather:0{KIMI_ARGS}{{\"city\": \"Paris\"}}"
+                  f"{KIMI_CALL_END}{KIMI_CALL} functions.get_time:1\n{KIMI_ARGS}{{\"zone\": \"CET\",\n \"format\": \"24h\"}}"
+                  f"{KIMI_CALL_END}{KIMI_END}")
+
+
+@pytest.mark.parametrize(("parser", "text", "ids"), [
+    ("deepseek_v31", DEEPSEEK_V31_TWO_CALLS, None),
+    ("kimi_k2", KIMI_TWO_CALLS, ["functions.get_weather:0", "functions.get_time:1"]),  # Kimi's own ids, as vLLM's
+])
+def test_deepseek_v31_and_kimi_k2_calls_are_read_with_the_content_before_them(parser: str, text: str,
+                                                                              ids: list[str] | None) -> None:
+    content, calls = parse_tool_calls(parser, text)
+    assert content == "Let me check both."
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "CET",\n "format": "24h"}')]
+    assert [c.id for c in calls] == ids if ids else all(c.id.startswith("chatcmpl-tool-") for c in calls)
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    ("deepseek_v31", DEEPSEEK_TWO_CALLS),  # V3's format is not V3.1's (its name would be "function"): content
+    ("deepseek_v3", DEEPSEEK_V31_TWO_CALLS),
+    ("deepseek_v31", f"{BEGIN}{CALL}f{SEP}not JSON{CALL_END}{END}"),
+    ("deepseek_v31", f"{BEGIN}{CALL}{SEP}{{}}{CALL_END}{END}"),  # no name
+    ("deepseek_v31", f"{BEGIN}{CALL}f{SEP}{{}}{CALL_END}{CALL}g{SEP}{{"),  # ran out mid-call
+    ("kimi_k2", f"{KIMI_BEGIN}{KIMI_CALL}functions.f:0{KIMI_ARGS}not JSON{KIMI_CALL_END}{KIMI_END}"),
+    ("kimi_k2", f"{KIMI_BEGIN}{KIMI_CALL}functions.f{KIMI_ARGS}{{}}{KIMI_CALL_END}{KIMI_END}"),  # no index
+    ("kimi_k2", f"{KIMI_BEGIN}{KIMI_CALL}functions.f:0{KIMI_ARGS}{{}}{KIMI_CALL_END}{KIMI_CALL}functions.g:1"),
+])
+def test_a_reply_in_another_format_or_without_valid_calls_is_all_content(parser: str, text: str) -> None:
+    assert parse_tool_calls(parser, text) == (text, [])
+
+
 @pytest.mark.parametrize("piece", [1, 2, 3, 7, 11, 1000])
 @pytest.mark.parametrize(("parser", "text"), [
     ("hermes", TWO_CALLS), ("hermes", "no call here, though it ends in <tool_c"),
     ("hermes", "a <tool_call> that is not one"), ("deepseek_v3", DEEPSEEK_TWO_CALLS),
-    ("deepseek_v3", f"no call here, though it ends in {BEGIN[:4]}"), ("deepseek_v3", f"a {BEGIN} that is not one")])
+    ("deepseek_v3", f"no call here, though it ends in {BEGIN[:4]}"), ("deepseek_v3", f"a {BEGIN} that is not one"),
+    ("deepseek_v31", DEEPSEEK_V31_TWO_CALLS), ("kimi_k2", KIMI_TWO_CALLS),
+    ("kimi_k2", f"no call here, though it ends in {KIMI_BEGIN[:6]}")])
 def test_a_streamed_reply_gives_the_content_then_the_calls(parser: str, text: str, piece: int) -> None:
     """Streamed in pieces of any size: the content goes out before the first call (a possible start of one
     held back, then released when it is not one), the calls at the end, as the whole reply parses."""
@@ -87,4 +126,4 @@ def test_the_operator_offers_the_runtimes_parsers() -> None:
     field = RuntimeSpec.model_fields["tool_call_parser"].annotation
     literals = [arg for arg in typing.get_args(field) if arg is not type(None)]
     assert {value for literal in literals for value in typing.get_args(literal)} == set(PARSERS) == {
-        "hermes", "deepseek_v3"}
+        "hermes", "deepseek_v3", "deepseek_v31", "kimi_k2"}

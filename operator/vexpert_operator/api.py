@@ -348,8 +348,9 @@ class RuntimeSpec(CamelModel):
     tool_call_parser: ToolCallParser | None = Field(
         None,
         description="Read tool calls out of chat replies (--tool-call-parser; vLLM's parser of that name): 'hermes' "
-        "for Qwen2.5 / Qwen3(-MoE) / Hermes models, 'deepseek_v3' for DeepSeek-V3. Unset: requests with tools must "
-        "send tool_choice 'none'",
+        "for Qwen2.5 / Qwen3(-MoE) / Hermes models, 'deepseek_v3' for DeepSeek-V3 / R1, 'deepseek_v31' for "
+        "DeepSeek-V3.1, 'kimi_k2' for Kimi K2. Unset: requests with tools and tool_choice 'auto' are refused "
+        "('required' and a named function need no parser)",
     )
     api_key_secret: SecretKeyRef | None = Field(
         None,

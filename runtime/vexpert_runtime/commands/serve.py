@@ -99,8 +99,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="read tool calls out of chat replies (requests with tools and tool_choice 'auto'), as "
                              "vLLM's parser of that name: 'hermes' for Qwen2.5 / Qwen3(-MoE) / Hermes models, "
-                             "'deepseek_v3' for DeepSeek-V3; "
-                             "default: none (such requests must send tool_choice 'none')")
+                             "'deepseek_v3' for DeepSeek-V3 / R1, 'deepseek_v31' for DeepSeek-V3.1, 'kimi_k2' for "
+                             "Kimi K2; default: none (such requests must send tool_choice 'none'; 'required' and a "
+                             "named function need no parser)")
     parser.add_argument("--generation-config", choices=("auto", "vexpert"), default="auto",
                         help="defaults of the sampling fields a request leaves out: 'auto' takes temperature, "
                              "top_p, top_k, min_p, repetition_penalty and max_new_tokens from the checkpoint's "

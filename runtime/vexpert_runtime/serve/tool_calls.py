@@ -8,6 +8,11 @@
   ``<｜tool▁call▁end｜>``, then ``<｜tool▁calls▁end｜>``. Those markers may be special tokens, which the text leaves out by default, so a request
   whose tools may be called is detokenized with its special tokens (:data:`KEEPS_SPECIAL_TOKENS`, as vLLM's
   parser asks for ``skip_special_tokens=False``).
+* ``deepseek_v31`` — DeepSeek-V3.1 (and V3.2's chat format) drop the type and the fenced block:
+  ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>`` inside the same calls markers.
+* ``kimi_k2`` — Kimi K2 writes ``<|tool_calls_section_begin|>``, per call ``<|tool_call_begin|>functions.NAME:INDEX``
+  ``<|tool_call_argument_begin|>ARGUMENTS<|tool_call_end|>``, then ``<|tool_calls_section_end|>``; the header is the
+  call's id (as vLLM returns it). Both keep their special tokens in the text, as ``deepseek_v3``.
 
 :func:`parse_tool_calls` splits a finished reply into its content (the text before the first call) and its calls;
 :class:`ToolCallStream` does it for a streamed reply: content goes out as it comes until the calls start (a tail
@@ -30,15 +35,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-ToolCallParser = Literal["hermes", "deepseek_v3"]  # ``vexpert serve --tool-call-parser``, ``spec.runtime.toolCallParser``
+# ``vexpert serve --tool-call-parser``, ``spec.runtime.toolCallParser``
+ToolCallParser = Literal["hermes", "deepseek_v3", "deepseek_v31", "kimi_k2"]
 PARSERS: tuple[str, ...] = get_args(ToolCallParser)
-KEEPS_SPECIAL_TOKENS = frozenset({"deepseek_v3"})  # formats whose markers may be special tokens
+KEEPS_SPECIAL_TOKENS = frozenset({"deepseek_v3", "deepseek_v31", "kimi_k2"})  # formats whose markers may be special tokens
 _HERMES_START = "<tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _DEEPSEEK_START = "<｜tool▁calls▁begin｜>"
 _DEEPSEEK_CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<type>[^<]*?)<｜tool▁sep｜>(?P<name>[^\n]*)\n```json\n"
                             r"(?P<arguments>.*?)\n```\s*<｜tool▁call▁end｜>", re.DOTALL)
 _DEEPSEEK_CALL_START = "<｜tool▁call▁begin｜>"
+_DEEPSEEK_V31_CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<name>[^<]*?)<｜tool▁sep｜>(?P<arguments>.*?)<｜tool▁call▁end｜>",
+                                re.DOTALL)
+_KIMI_START = "<|tool_calls_section_begin|>"
+_KIMI_CALL_START = "<|tool_call_begin|>"
+_KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*(?P<id>[^<]+?:\d+)\s*<\|tool_call_argument_begin\|>(?P<arguments>.*?)"
+                        r"<\|tool_call_end\|>", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -96,9 +108,51 @@ def _deepseek_calls(text: str) -> list[ToolCall] | None:
     return calls
 
 
+def _deepseek_v31_calls(text: str) -> list[ToolCall] | None:
+    """DeepSeek-V3.1's calls: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>`` (no type, no
+    fenced block); None if one does not parse or its arguments are not JSON."""
+    found = list(_DEEPSEEK_V31_CALL.finditer(text))
+    if len(found) != text.count(_DEEPSEEK_CALL_START) or not found:
+        return None
+    calls = []
+    for match in found:
+        name, arguments = match["name"].strip(), match["arguments"]
+        if not name or not _is_json(arguments):
+            return None
+        calls.append(ToolCall(name, arguments, _new_id()))
+    return calls
+
+
+def _kimi_calls(text: str) -> list[ToolCall] | None:
+    """Kimi K2's calls: ``<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>ARGUMENTS
+    <|tool_call_end|>``; the header is the call's id (Kimi's own, as vLLM returns it), NAME its function; None if one
+    does not parse or its arguments are not JSON."""
+    found = list(_KIMI_CALL.finditer(text))
+    if len(found) != text.count(_KIMI_CALL_START) or not found:
+        return None
+    calls = []
+    for match in found:
+        call_id, arguments = match["id"].strip(), match["arguments"]
+        name = call_id.split(":")[0].removeprefix("functions.")
+        if not name or not _is_json(arguments):
+            return None
+        calls.append(ToolCall(name, arguments, call_id))
+    return calls
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
 _FORMATS: dict[str, tuple[str, Callable[[str], list[ToolCall] | None]]] = {
     "hermes": (_HERMES_START, _hermes_calls),
     "deepseek_v3": (_DEEPSEEK_START, _deepseek_calls),
+    "deepseek_v31": (_DEEPSEEK_START, _deepseek_v31_calls),
+    "kimi_k2": (_KIMI_START, _kimi_calls),
 }
 
 
