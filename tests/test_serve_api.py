@@ -488,26 +488,38 @@ DEEPSEEK_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
                     "<｜tool▁sep｜>")
 
 
-def test_deepseek_v3_tool_calls_are_read_though_their_markers_are_special_tokens(tmp_path: Path) -> None:
-    """With ``--tool-call-parser deepseek_v3`` a reply that calls tools in DeepSeek-V3's format — whose markers
-    are special tokens here, which the text leaves out by default — comes back as ``tool_calls`` (its request
-    is detokenized with its special tokens), streamed too; with tool_choice "none" the markers stay out of the
-    text; ``skip_special_tokens: false`` keeps them in any request's text (vLLM's field)."""
+KIMI_MARKERS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_end|>",
+                "<|tool_call_argument_begin|>")
+# parser → (its markers: calls begin, calls end, call begin, call end, separator; a reply calling f with {"x": 1})
+SPECIAL_TOKEN_FORMATS = {
+    "deepseek_v3": (DEEPSEEK_MARKERS, "ok {0}{2}function{4}f\n```json\n{{\"x\": 1}}\n```{3}{1}"),
+    "deepseek_v31": (DEEPSEEK_MARKERS, 'ok {0}{2}f{4}{{"x": 1}}{3}{1}'),
+    "kimi_k2": (KIMI_MARKERS, 'ok {0}{2}functions.f:0{4}{{"x": 1}}{3}{1}'),
+}
+
+
+@pytest.mark.parametrize("parser", sorted(SPECIAL_TOKEN_FORMATS))
+def test_tool_calls_are_read_though_their_markers_are_special_tokens(tmp_path: Path, parser: str) -> None:
+    """With ``--tool-call-parser deepseek_v3`` (``deepseek_v31``, ``kimi_k2``) a reply that calls tools in that
+    format — whose markers are special tokens here, which the text leaves out by default — comes back as
+    ``tool_calls`` (its request is detokenized with its special tokens), streamed too; with tool_choice "none" the
+    markers stay out of the text; ``skip_special_tokens: false`` keeps them in any request's text (vLLM's field)."""
     from transformers import AutoModelForCausalLM
 
     from serve_support import ScriptedStepModel, build_tiny_checkpoint, load_tokenizer
 
-    build_tiny_checkpoint(tmp_path, special_tokens=DEEPSEEK_MARKERS)
+    markers, template = SPECIAL_TOKEN_FORMATS[parser]
+    build_tiny_checkpoint(tmp_path, special_tokens=markers)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
     tokenizer = load_tokenizer(tmp_path)
-    begin, end, call, call_end, sep = DEEPSEEK_MARKERS
-    reply = f'ok {begin}{call}function{sep}f\n```json\n{{"x": 1}}\n```{call_end}{end}'
+    begin = markers[0]
+    reply = template.format(*markers)
     script = tokenizer.encode(reply, add_special_tokens=False)
     assert tokenizer.decode(script, skip_special_tokens=False) == reply
     without_markers = tokenizer.decode(script, skip_special_tokens=True)
     assert begin not in without_markers  # the markers are special: left out of the text by default
     srv = make_server(tmp_path, hf, model=ScriptedStepModel(hf, script, tokenizer.eos_token_id))
-    srv.api.config = dataclasses.replace(srv.api.config, tool_call_parser="deepseek_v3")
+    srv.api.config = dataclasses.replace(srv.api.config, tool_call_parser=parser)
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     kwargs: dict[str, Any] = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x?"}], "tools": tools,
