@@ -447,11 +447,13 @@ def test_tool_calls_are_read_out_of_the_reply_with_the_hermes_parser(checkpoint:
                                                                       tokenizer: Any) -> None:
     """With ``--tool-call-parser hermes``, a reply that calls tools (here scripted: the model writes the
     call) comes back as OpenAI's ``tool_calls`` with finish reason "tool_calls" and the text before it as
-    content — streamed too, the content first and the calls in one delta; without a parser a request whose
+    content — streamed too, the content first and the calls in one delta; ``parallel_tool_calls: false`` keeps the
+    first call (vLLM's filter); without a parser a request whose
     tools may be called is a 400 naming tool_choice; with tool_choice "none" the reply stays text."""
     from serve_support import ScriptedStepModel
 
-    reply = 'ok\n<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    reply = ('ok\n<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>\n'
+             '<tool_call>{"name": "f", "arguments": {"x": 2}}</tool_call>')
     script = tokenizer.encode(reply, add_special_tokens=False)
     assert tokenizer.decode(script) == reply
     srv = make_server(checkpoint, hf_model, model=ScriptedStepModel(hf_model, script, tokenizer.eos_token_id))
@@ -468,16 +470,18 @@ def test_tool_calls_are_read_out_of_the_reply_with_the_hermes_parser(checkpoint:
         assert (choice.finish_reason, choice.message.content) == ("tool_calls", "ok\n")
         assert choice.message.tool_calls is not None
         assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
-            ("function", "f", {"x": 1})]
-        content, deltas, finish = "", [], None
-        for chunk in client.chat.completions.create(**kwargs, stream=True):
-            delta = chunk.choices[0].delta
-            content += delta.content or ""
-            deltas += delta.tool_calls or []
-            finish = chunk.choices[0].finish_reason or finish
-        assert (content, finish) == ("ok\n", "tool_calls")
-        assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
-            (0, "f", {"x": 1})]
+            ("function", "f", {"x": 1}), ("function", "f", {"x": 2})]
+        one = client.chat.completions.create(**kwargs, parallel_tool_calls=False).choices[0].message.tool_calls
+        assert [json.loads(c.function.arguments) for c in one or []] == [{"x": 1}]
+        for parallel, expected in ((True, [(0, {"x": 1}), (1, {"x": 2})]), (False, [(0, {"x": 1})])):
+            content, deltas, finish = "", [], None
+            for chunk in client.chat.completions.create(**kwargs, stream=True, parallel_tool_calls=parallel):
+                delta = chunk.choices[0].delta
+                content += delta.content or ""
+                deltas += delta.tool_calls or []
+                finish = chunk.choices[0].finish_reason or finish
+            assert (content, finish) == ("ok\n", "tool_calls")
+            assert [(d.index, json.loads(d.function.arguments)) for d in deltas] == expected
         text = client.chat.completions.create(**kwargs, tool_choice="none").choices[0]
         assert (text.message.content, text.message.tool_calls, text.finish_reason) == (reply, None, "stop")
     finally:

@@ -459,6 +459,7 @@ def _with_tool_calls(job: _Job, choice: oa.Choice) -> oa.Choice:
     if job.tools is None or choice.text is None:
         return choice
     content, calls = parse_tool_calls(job.tools, choice.text)
+    calls = calls[:1] if job.one_call else calls
     if not calls:
         return choice
     reason = calls_finish_reason(job.tools, choice.finish_reason or "stop")
@@ -517,6 +518,7 @@ class _Job:
     echo: list[tuple[str, int]] | None = None  # per choice: the prompt's text and first token, to lead with
     tools: ToolFormat | None = None  # how to read the replies' tool calls (a parser, a forced choice); None: don't
     finished: set[int] = field(default_factory=set)  # the choices whose last event arrived
+    one_call: bool = False  # parallel_tool_calls false: a reply's first call only (as vLLM filters them)
 
     @property
     def done(self) -> bool:
@@ -833,7 +835,8 @@ class ServeApi:
         choices = _ChoiceStreams(streams, observe)
         job = _Job(request_id, [r.request_id for r in requests], oa.now(), req.model, chat, bool(req.stream),
                    req.include_usage, choices.__aiter__(), sum(map(len, prompts)), params[0].logprobs is not None, echo,
-                   tool_format(req, self.config), finished)
+                   tool_format(req, self.config), finished,
+                   isinstance(req, oa.ChatCompletionRequest) and req.parallel_tool_calls is False)
         try:
             return await (self._stream(request, job) if job.stream else self._collect(job))
         finally:
@@ -938,6 +941,7 @@ class ServeApi:
                 text = tool_streams[index].push(text)
                 if batch[-1].finished:
                     tail, calls = tool_streams[index].finish()
+                    calls = calls[:1] if job.one_call else calls
                     text += tail
             frame = frames[index]
             if logprobs is None and frame is not None:  # the usual chunk: text only
