@@ -203,6 +203,7 @@ def test_a_grammar_llguidance_cannot_compile_names_the_field(kind: str, spec: An
     with pytest.raises(VExpertInputError) as raised:
         compile_grammar(GrammarRequest(kind, spec, "structured_outputs." + kind))  # type: ignore[arg-type]
     assert raised.value.field == "structured_outputs." + kind and problem in str(raised.value)
+    assert "fix: send" in str(raised.value)  # and what to send instead
 
 
 # ---- through the OpenAI API ---------------------------------------------------------------------

@@ -194,7 +194,7 @@ class _GenerationRequest(BaseModel):
             try:
                 self._grammar = compile_grammar(request)
             except VExpertInputError as exc:
-                raise _FieldRefused(exc.field, exc.problem) from None
+                raise _FieldRefused(exc.field, f"{exc.problem} ({exc.fix})") from None
         return self
 
     def grammar_request(self) -> GrammarRequest | None:

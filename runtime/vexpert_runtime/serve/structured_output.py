@@ -51,6 +51,15 @@ class GrammarRequest:
     closed_objects: bool = False  # vLLM's disable_additional_properties
 
 
+_FIXES: dict[str, str] = {
+    "json": "send a JSON schema (an object; llguidance's subset of draft 2020-12), or leave the field out",
+    "json_object": "leave the field out",
+    "regex": "send a regex in Rust's syntax (no lookaround, no backreferences), or leave the field out",
+    "choice": "send a non-empty list of strings",
+    "grammar": "send a Lark grammar whose rule 'start' is the whole output (or GBNF / EBNF), or leave the field out",
+}
+
+
 def compile_grammar(request: GrammarRequest) -> str:
     """The llguidance grammar (serialized) for ``request``, checked: raises :class:`VExpertInputError`
     naming ``request.field`` for a schema, pattern or grammar llguidance cannot compile."""
@@ -74,10 +83,12 @@ def compile_grammar(request: GrammarRequest) -> str:
         else:
             grammar = llguidance.grammar_from("regex" if request.kind == "regex" else "grammar", request.spec)
     except (ValueError, TypeError, KeyError) as exc:
-        raise VExpertInputError(request.field, f"not a valid {request.kind.replace('_', ' ')}: {exc}") from None
+        raise VExpertInputError(request.field, f"not a valid {request.kind.replace('_', ' ')}: {exc}",
+                                _FIXES[request.kind]) from None
     error = llguidance.LLMatcher.validate_grammar(grammar, None)
     if error:
-        raise VExpertInputError(request.field, f"not a valid {request.kind.replace('_', ' ')}: {error.strip()}")
+        raise VExpertInputError(request.field, f"not a valid {request.kind.replace('_', ' ')}: {error.strip()}",
+                                _FIXES[request.kind])
     return str(grammar)
 
 
