@@ -332,10 +332,11 @@ def constrain_draws(batch: list[tuple[_Sequence, SequenceWork]], grammars: Gramm
             spec.logit_bias = seq.request.params.logit_bias
 
 
-def split_running(running: Iterable[_Sequence], block_size: int, max_context: int
+def split_running(running: Iterable[_Sequence], block_size: int, max_context: int, constrained: bool = False
                   ) -> tuple[list[_Sequence], list[_Sequence], int, int]:
     """The running sequences that decode this iteration and those still prefilling; the blocks
-    the decodes take now and those the prefills will take until their first token."""
+    the decodes take now and those the prefills will take until their first token. ``constrained``: some
+    sequence follows a grammar (False: none is looked for)."""
     decoding: list[_Sequence] = []
     prefilling: list[_Sequence] = []
     need = committed = 0
@@ -343,12 +344,24 @@ def split_running(running: Iterable[_Sequence], block_size: int, max_context: in
         if seq.computed < seq.prefill_len:
             prefilling.append(seq)
             committed += blocks_for(seq.prefill_len + 1, block_size) - len(seq.table)
-        elif not seq.last_pending(max_context) and not (seq.pending and seq.grammar is not None):
+        elif not seq.last_pending(max_context) and not (constrained and seq.pending and seq.grammar is not None):
             # (a constrained sequence's next draw depends on the token still being sampled: it sits out a step)
             decoding.append(seq)
             if seq.computed >= len(seq.table) * block_size:  # its token starts a block
                 need += 1
     return decoding, prefilling, need, committed
+
+
+def publish_known(pool: BlockPool, seq: _Sequence) -> None:
+    """Publish a finishing or preempted sequence's full blocks of prompt and output: a later prompt
+    that continues it (a chat's next turn, or itself re-admitted) attaches them. Only tokens whose
+    KV a launched step writes and whose ids are read (an overlapped step may still hold the last one)."""
+    size = pool.block_size
+    known = min(seq.computed, seq.prompt_len + len(seq.output))
+    if known // size > seq.published:  # the digests go on from the prefill's whole blocks (seq.digests)
+        start = len(seq.digests) * size
+        more = token_block_digests(seq.known_tokens(start, known), size, seq.digests[-1] if seq.digests else b"")
+        pool.publish(seq.seq_id, seq.digests + more)
 
 
 def _arrival(seq: _Sequence) -> int:
@@ -375,7 +388,8 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.config = config
         self.eos_ids = eos_ids
-        self._grammars = GrammarTokens(tokenizer, model.vocab_size, eos_ids)  # llguidance's view, made when first used
+        self._grammars = GrammarTokens(tokenizer, model.vocab_size, eos_ids)  # llguidance's view of the tokenizer
+        self._constrained = 0  # live sequences that follow a grammar (none: no grammar work per iteration)
         self._stream_interval = config.stream_interval  # read per token
         self._lock = threading.Lock()
         self._inbox: list[tuple[GenerationRequest, EventSink]] = []
@@ -449,7 +463,8 @@ class Scheduler:
             self._complete(self._take_in_flight())
             batch = self._schedule()
         self._update_load()  # admissions show while the step runs (a step can take a while)
-        constrain_draws(batch, self._grammars)
+        if self._constrained:
+            constrain_draws(batch, self._grammars)
         work = [w for _, w in batch]
         try:
             step = self.model.launch(work)
@@ -559,9 +574,13 @@ class Scheduler:
         seq.early_bias = early_bias(request.params, self.eos_ids)
         return seq
 
+    def _split(self) -> tuple[list[_Sequence], list[_Sequence], int, int]:
+        return split_running(self._running.values(), self.pool.block_size, self.model.max_context, self._constrained > 0)
+
     def _start_grammar(self, seq: _Sequence, grammar: str) -> None:
         try:
             seq.grammar = self._grammars.matcher(grammar)
+            self._constrained += 1
         except Exception as exc:  # the API compiled it: a tokenizer llguidance cannot read, or a bug
             log.exception("grammar of %s", seq.request.request_id)
             self._finish(seq, "error", error=f"structured output failed: {exc}")
@@ -569,13 +588,13 @@ class Scheduler:
     def _schedule(self) -> list[tuple[_Sequence, SequenceWork]]:
         """This iteration's batch: decodes first, then prompt chunks, then admissions."""
         pool, size = self.pool, self.pool.block_size
-        decoding, prefilling, need, committed = split_running(self._running.values(), self.pool.block_size, self.model.max_context)
+        decoding, prefilling, need, committed = self._split()
         while need + committed > pool.free_blocks:  # the decodes outgrow the cache
             if self._in_flight is not None:  # its finished sequences free blocks (and victims must be idle)
                 self._complete(self._take_in_flight())
             else:  # the latest arrival: the least served (a re-admitted victim keeps its place)
                 self._preempt(max(self._running.values(), key=_arrival))
-            decoding, prefilling, need, committed = split_running(self._running.values(), self.pool.block_size, self.model.max_context)
+            decoding, prefilling, need, committed = self._split()
         spare = pool.free_blocks - need - committed  # what admissions may take (chunks take from committed)
         batch = [(seq, seq.decode_work(pool)) for seq in decoding]
         budget = self.config.max_batch_tokens - len(batch)
@@ -622,7 +641,7 @@ class Scheduler:
         del self._running[seq.seq_id]
         self._kv_tokens_used -= seq.computed
         if self.config.prefix_caching:
-            self._publish_known(seq)  # re-admitted while they stay cached, it attaches them
+            publish_known(self.pool, seq)  # re-admitted while they stay cached, it attaches them
         self.pool.free(seq.seq_id)
         self._release_model(seq)
         seq.admitted = seq.holds_blocks = False
@@ -687,8 +706,11 @@ class Scheduler:
         writes it any more)."""
         self._by_request.pop(seq.request.request_id, None)
         seq.finished = True
+        if seq.grammar is not None:
+            seq.grammar = None
+            self._constrained -= 1
         if self.config.prefix_caching and seq.holds_blocks and reason != "error":
-            self._publish_known(seq)
+            publish_known(self.pool, seq)
         if seq.admitted:
             if self._running.pop(seq.seq_id, None) is not None:
                 self._kv_tokens_used -= seq.computed
@@ -711,17 +733,6 @@ class Scheduler:
                 logprobs=seq.take_logprobs(),
             ),
         )
-
-    def _publish_known(self, seq: _Sequence) -> None:
-        """Publish a finishing or preempted sequence's full blocks of prompt and output: a later prompt
-        that continues it (a chat's next turn, or itself re-admitted) attaches them. Only tokens whose
-        KV a launched step writes and whose ids are read (an overlapped step may still hold the last one)."""
-        size = self.pool.block_size
-        known = min(seq.computed, seq.prompt_len + len(seq.output))
-        if known // size > seq.published:  # the digests go on from the prefill's whole blocks (seq.digests)
-            start = len(seq.digests) * size
-            more = token_block_digests(seq.known_tokens(start, known), size, seq.digests[-1] if seq.digests else b"")
-            self.pool.publish(seq.seq_id, seq.digests + more)
 
     def _release_if_idle(self, seq: _Sequence) -> None:
         """Return a finished sequence's blocks, unless a launched step still writes them."""
