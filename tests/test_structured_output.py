@@ -142,6 +142,23 @@ def test_greedy_constrained_output_is_the_reference_decode_and_leaves_the_others
         assert any(item.fed is not None for work in seen for item in work)
 
 
+def test_a_batch_of_only_constrained_sequences_runs_them_every_step(checkpoint: tuple[Path, Any, Any]) -> None:
+    """Overlapped steps: beside free sequences a constrained one sits out the step that samples its token (the
+    test above); with nothing but constrained sequences the scheduler reads the step in flight first and runs them
+    all, every step (no step without them between their first and last token)."""
+    directory, _, tokenizer = checkpoint
+    prompt = tuple(tokenizer.encode("the quick brown fox"))
+    grammar = _grammar("regex", "[a-c]{12}")
+    requests = [GenerationRequest(f"r{i}", prompt, SamplingParams(max_tokens=40, temperature=1.0, seed=i,
+                                                                   grammar=grammar)) for i in range(3)]
+    seen: list[list[SequenceWork]] = []
+    events = _serve(directory, tokenizer, requests, overlapped=True, seen=seen)
+    assert all(re.fullmatch("[a-c]{12}", _text(events[f"r{i}"])) for i in range(3))
+    for seq in range(3):
+        steps = [n for n, work in enumerate(seen) if any(item.seq_id == seq for item in work)]
+        assert steps == list(range(steps[0], steps[-1] + 1)), steps
+
+
 def test_sampled_choices_always_follow_their_schema_regex_and_choices(checkpoint: tuple[Path, Any, Any]) -> None:
     directory, _, tokenizer = checkpoint
     prompt = tuple(tokenizer.encode("the quick brown fox"))
