@@ -1447,3 +1447,33 @@ def test_a_text_chunk_framed_once_per_stream_is_the_chunk_encoded_whole(chat: bo
         framed = frame[0] + json_module.dumps(text, ensure_ascii=False).encode() + frame[1]
         assert framed == _sse(chunk(text))
     assert _text_frame(chunk(_TEXT_MARK, model=_TEXT_MARK)) is None  # the mark twice: no frame, encoded whole
+
+
+def test_truncate_prompt_tokens_keeps_the_last_or_first_tokens_as_vllm(server: BackgroundServer,
+                                                                       client: openai.OpenAI) -> None:
+    """vLLM's ``truncate_prompt_tokens`` k: the prompt's last k tokens (``truncation_side: "right"``: its first k) are
+    what the model sees — the same answer and usage as sending those tokens — also for chat and ``echo``; −1 keeps
+    what the context holds less one; more than the context is a 400 naming the field."""
+    ids = list(range(5, 30))
+    body = {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0}
+
+    def complete(**fields: Any) -> Any:
+        return client.completions.create(**{**body, **fields})  # type: ignore[call-overload]
+
+    last, first = complete(prompt=ids[-8:]), complete(prompt=ids[:8])
+    assert last.choices[0].text != first.choices[0].text  # the two halves answer differently
+    cut = complete(prompt=ids, extra_body={"truncate_prompt_tokens": 8})
+    assert (cut.choices[0].text, cut.usage.prompt_tokens) == (last.choices[0].text, 8)  # type: ignore[union-attr]
+    right = complete(prompt=ids, extra_body={"truncate_prompt_tokens": 8, "truncation_side": "right"})
+    assert right.choices[0].text == first.choices[0].text
+    echoed = complete(prompt=ids, echo=True, extra_body={"truncate_prompt_tokens": 8})
+    kept_text = server.api.tokenizer.decode(ids[-8:])
+    assert echoed.choices[0].text == kept_text + last.choices[0].text
+    assert complete(prompt=ids, extra_body={"truncate_prompt_tokens": -1}).usage.prompt_tokens == len(ids)  # type: ignore[union-attr]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": PROMPT * 3}],
+                                          max_tokens=2, extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage is not None and chat.usage.prompt_tokens == 5
+    for bad in (MAX_CONTEXT + 1, -2):
+        error = _error(httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": ids,
+                                                                       "truncate_prompt_tokens": bad}, timeout=10), 400)
+        assert error["param"] == "truncate_prompt_tokens", error

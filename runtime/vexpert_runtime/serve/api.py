@@ -672,11 +672,15 @@ class ServeApi:
         prompts, texts = [], []
         for prompt in req.prompts():
             if isinstance(prompt, str):
-                prompts.append(await self._tokenized(self._encode_prompt, prompt, len(prompt)))
-                texts.append(prompt)
+                ids = await self._tokenized(self._encode_prompt, prompt, len(prompt))
             else:  # token ids: only checked
-                prompts.append(self._encode_prompt(prompt))
-                texts.append(await self._prompt_text(prompt) if req.echo else "")
+                ids = self._encode_prompt(prompt)
+            kept = self._truncated(req, ids)
+            prompts.append(kept)
+            if not req.echo:
+                texts.append("")
+            else:  # the prompt as the model sees it
+                texts.append(prompt if isinstance(prompt, str) and kept is ids else await self._prompt_text(kept))
         # (an empty prompt is refused by _generate, before any of this is read)
         echo = [(text, ids[0] if ids else 0) for text, ids in zip(texts, prompts, strict=True) for _ in range(req.choices)]
         return await self._generate(request, req, prompts, chat=False, echo=echo if req.echo else None)
@@ -696,7 +700,14 @@ class ServeApi:
                            "shows the tools, the reply is text) or leave tools out", param="tool_choice")
         chars = sum(len(m.text()) for m in req.messages)
         prompt_ids = await self._tokenized(self._encode_chat, req, chars)
-        return await self._generate(request, req, [prompt_ids], chat=True)
+        return await self._generate(request, req, [self._truncated(req, prompt_ids)], chat=True)
+
+    def _truncated(self, req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt_ids: list[int]) -> list[int]:
+        """``truncate_prompt_tokens`` applied (vLLM's; a 400 naming it when it asks for more than the context)."""
+        try:
+            return req.truncated(prompt_ids, self.config.max_context)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="truncate_prompt_tokens") from None
 
     async def _tokenized(self, encode: Callable[..., list[int]], prompt: Any, chars: int) -> list[int]:
         """``encode(prompt, tokenizer)``: up to ``INLINE_TOKENIZE_CHARS`` on the loop with its own

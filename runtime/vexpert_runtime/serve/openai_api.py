@@ -83,7 +83,6 @@ _REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
     "prompt_logprobs": ((0,), "not supported as a field: send echo: true with logprobs (completions) to get the "
                         "prompt's log-probabilities"),
     "use_beam_search": ((False,), "beam search is not supported; send false"),
-    "truncate_prompt_tokens": ((), "not supported: a prompt is never truncated; shorten it instead"),
     "return_tokens_as_token_ids": ((False,), "not supported; send false"),
     "logits_processors": ((), "not supported; leave it out"),
 }
@@ -183,6 +182,8 @@ class _GenerationRequest(BaseModel):
     min_tokens: StrictInt | None = Field(default=None, ge=0)  # vLLM's: no EOS / stop before that many tokens
     skip_special_tokens: StrictBool = True  # vLLM's: false keeps special tokens (other than EOS / stop ids) in the text
     include_stop_str_in_output: StrictBool = False  # vLLM's: the stop string that ended the text is part of it
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # vLLM's: keep that many prompt tokens
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: "left" (its default) keeps the last ones
     response_format: ResponseFormat | None = None  # OpenAI's structured output (:mod:`.structured_output`)
     structured_outputs: StructuredOutputs | None = None  # vLLM's
     _grammar: str | None = PrivateAttr(default=None)
@@ -196,6 +197,21 @@ class _GenerationRequest(BaseModel):
             except VExpertInputError as exc:
                 raise _FieldRefused(exc.field, f"{exc.problem} ({exc.fix})") from None
         return self
+
+    def truncated(self, prompt_ids: list[int], context: int) -> list[int]:
+        """The prompt's tokens as vLLM truncates them: ``truncate_prompt_tokens`` k keeps the last k (the first k with
+        ``truncation_side: "right"``); −1 keeps what the context holds less one token to generate; k above the context
+        is refused (a 400 naming the field)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        if keep > context:
+            raise _FieldRefused("truncate_prompt_tokens", f"{keep} is more than the context ({context} tokens): send "
+                                f"at most {context}, or -1 for the context less one token")
+        keep = context - 1 if keep < 0 else keep
+        if len(prompt_ids) <= keep:
+            return prompt_ids
+        return prompt_ids[:keep] if self.truncation_side == "right" else prompt_ids[len(prompt_ids) - keep:]
 
     def grammar_request(self) -> GrammarRequest | None:
         """What the output must follow (``response_format`` or ``structured_outputs``), None: free text."""
