@@ -66,6 +66,8 @@ def cases(prompts: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
         "logprobs 5": ("completions", {**completion, "logprobs": 5}),
         "echo + logprobs 2": ("completions", {**completion, "echo": True, "logprobs": 2}),
         "chat logprobs, top_logprobs 3": ("chat/completions", {**chat, "logprobs": True, "top_logprobs": 3}),
+        "prompt_logprobs 3": ("completions", {**completion, "prompt_logprobs": 3}),
+        "chat prompt_logprobs 2": ("chat/completions", {**chat, "prompt_logprobs": 2}),
         **structured_cases(completion, chat),
         "n 3 (sampled)": ("completions", {**completion, "n": 3, "temperature": 1.0, "seed": 7}),
         "2 prompts, n 2 (sampled)": ("completions", {**completion, "prompt": prompts[:2], "n": 2, "temperature": 1.0,
@@ -153,6 +155,11 @@ def _calls(answer: dict[str, Any]) -> list[Any]:
               or []], ch.get("finish_reason")) for ch in answer.get("choices", [])]
 
 
+def _prompt_logprobs(answer: dict[str, Any]) -> list[Any]:
+    """The answer's vLLM ``prompt_logprobs`` (a completion choice's, or a chat response's)."""
+    return answer.get("prompt_logprobs") or (answer.get("choices") or [{}])[0].get("prompt_logprobs") or []
+
+
 def _usage(answer: dict[str, Any]) -> tuple[Any, ...]:
     usage = answer.get("usage") or {}
     return usage.get("prompt_tokens"), usage.get("completion_tokens"), usage.get("total_tokens")
@@ -177,6 +184,14 @@ def compare(case: str, ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str
                            "usage_equal": _usage(ours) == _usage(theirs)}
     if "tool_choice" in case:
         row["calls_equal"] = _calls(ours) == _calls(theirs)
+    if "prompt_logprobs" in case:  # vLLM's list: per prompt token {id: {logprob, rank, decoded_token}}
+        mine, peer = _prompt_logprobs(ours), _prompt_logprobs(theirs)
+        row["tokens_equal"] = [None if e is None else sorted(e) for e in mine] == [
+            None if e is None else sorted(e) for e in peer]
+        pairs = [(e[k], f[k]) for e, f in zip(mine, peer, strict=False) if e and f for k in e if k in f]
+        row["max_logprob_diff"] = max((abs(a["logprob"] - b["logprob"]) for a, b in pairs), default=None)
+        row["ranks_equal"] = all(a["rank"] == b["rank"] for a, b in pairs)
+        row["decoded_equal"] = all(a["decoded_token"] == b["decoded_token"] for a, b in pairs)
     mine, peer = ours["choices"][0].get("logprobs"), theirs["choices"][0].get("logprobs")
     if mine is not None and peer is not None:
         if "content" in mine:  # chat
@@ -199,7 +214,7 @@ def compare(case: str, ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str
                                                         for x, y in pairs) / max(len(mine["tokens"]), 1)
             row["text_offset_equal"] = mine["text_offset"] == peer["text_offset"]
     row["agree"] = bool(row["texts_equal"]) and row["indices_equal"] and row["usage_equal"] and row.get(
-        "tokens_equal", True) and row.get("calls_equal", True)
+        "tokens_equal", True) and row.get("calls_equal", True) and row.get("ranks_equal", True)
     return row
 
 

@@ -19,7 +19,13 @@ from vexpert_runtime.serve.api import ApiConfig, ApiServer, ServeApi
 from vexpert_runtime.serve.dispatcher import EventChannel
 from vexpert_runtime.serve.events import Event, GenerationRequest, RankLoad, shutting_down
 from vexpert_runtime.serve.penalties import PenaltyInputs, penalized_logits
-from vexpert_runtime.serve.sampling import eos_token_ids, sample_tokens, sampling_tensors, token_logprobs
+from vexpert_runtime.serve.sampling import (
+    eos_token_ids,
+    sample_tokens,
+    sampling_tensors,
+    token_logprobs,
+    token_ranks,
+)
 from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
 from vexpert_runtime.serve.step import (
     FinishedStep,
@@ -192,7 +198,7 @@ class RecomputeStepModel(SynchronousSteps):
     def launch(self, work: Sequence[SequenceWork]) -> PendingStep:
         """The step, with the sampled tokens' log-probabilities where a row asks (as the product's model)."""
         tokens = self.step(work)
-        prompt = PromptLogprobs(self._prompt) if self._prompt else None
+        prompt = PromptLogprobs(self._prompt, self._prompt_ranks) if self._prompt else None
         if not self._logprobs:
             return FinishedStep(tokens, None, prompt)
         rows, outputs = zip(*self._logprobs, strict=True)
@@ -203,6 +209,7 @@ class RecomputeStepModel(SynchronousSteps):
     def step(self, work: Sequence[SequenceWork]) -> torch.Tensor:
         self._logprobs: list[tuple[int, tuple[torch.Tensor, ...]]] = []
         self._prompt: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._prompt_ranks: dict[int, torch.Tensor] = {}
         self.steps.append(list(work))
         if self.gate is not None:
             self.gate.wait(30)
@@ -224,6 +231,7 @@ class RecomputeStepModel(SynchronousSteps):
                     every = self.hf_model(torch.tensor([held])).logits[0].float()
                 positions, targets = zip(*wanted, strict=True)
                 self._prompt[row] = token_logprobs(every[list(positions)], torch.tensor(targets), min(20, self.vocab_size))
+                self._prompt_ranks[row] = token_ranks(every[list(positions)], torch.tensor(targets))
             if item.sample is not None:
                 with torch.no_grad():
                     logits = self.hf_model(torch.tensor([held])).logits[0, -1:].float()
@@ -381,7 +389,7 @@ class ScriptedStepModel(RecomputeStepModel):
         self.script, self.end = list(script), end
 
     def step(self, work: Sequence[SequenceWork]) -> torch.Tensor:
-        self._logprobs, self._prompt = [], {}
+        self._logprobs, self._prompt, self._prompt_ranks = [], {}, {}
         self.steps.append(list(work))
         out = torch.full((len(work),), -1, dtype=torch.int64)
         for row, item in enumerate(work):

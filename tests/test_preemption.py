@@ -125,7 +125,7 @@ def test_prompt_log_probabilities_are_reported_once_through_chunks_and_preemptio
     """A request asking for its prompt's log-probabilities (``echo`` with ``logprobs``) gets one per prompt token
     after the first, in order, in its first event with a token — the prompt's chunks computed in several
     steps, and a preempted sequence prefilling again reporting none twice — each transformers' log-softmax
-    given the tokens before it, with the k most likely tokens'; prefix caching attaches no block for it."""
+    given the tokens before it, with the k most likely tokens' and its rank; prefix caching attaches no block for it."""
     directory, reference = checkpoint
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, prompt_logprobs=3)
     scheduler, events = _run(directory, CONTEXT, True, params, prefix_caching=True)
@@ -143,3 +143,4 @@ def test_prompt_log_probabilities_are_reported_once_through_chunks_and_preemptio
             values, ids = expected[p].topk(3)
             assert [token for token, _ in entry.top] == ids.tolist()
             assert [lp for _, lp in entry.top] == pytest.approx(values.tolist(), abs=1e-4)
+            assert entry.rank == int((expected[p] >= expected[p, entry.token]).sum())  # vLLM's rank of the token

@@ -742,7 +742,8 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
         ({"n": 2.0}, "n"),
         ({"logprobs": 21}, "logprobs"),  # at most 20 most likely tokens, as vLLM
         ({"logprobs": True}, "logprobs"),  # completions take a count
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),  # at most 20 (vLLM's -1, the whole vocabulary, too)
+        ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),  # not streamed (as vLLM)
         ({"prompt": []}, "prompt"),
         ({"prompt": [[3, 4]] * 129}, "prompt"),  # at most 128 sequences per request
         ({"prompt": ["one", "two"], "n": 65}, "prompt"),
@@ -1477,3 +1478,34 @@ def test_truncate_prompt_tokens_keeps_the_last_or_first_tokens_as_vllm(server: B
         error = _error(httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": ids,
                                                                        "truncate_prompt_tokens": bad}, timeout=10), 400)
         assert error["param"] == "truncate_prompt_tokens", error
+
+
+def test_prompt_logprobs_are_vllms_with_each_prompt_tokens_rank(server: BackgroundServer, client: openai.OpenAI,
+                                                                  hf_model: Any) -> None:
+    """vLLM's ``prompt_logprobs`` k: per prompt token after the first, its log-probability given the tokens before
+    it and its rank in the model's distribution, then the k most likely (ranks 1…k) — transformers' numbers; the
+    first is null; ``logprobs`` then covers only the output; a chat response carries its prompt's once."""
+    ids = [5, 17, 3, 42, 8, 99, 23]
+    with torch.no_grad():
+        logp = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    answer = httpx.post(f"{server.url}/v1/completions", json={
+        "model": MODEL_NAME, "prompt": ids, "max_tokens": 3, "temperature": 0, "prompt_logprobs": 3, "logprobs": 1},
+        timeout=30).json()
+    choice = answer["choices"][0]
+    listed = choice["prompt_logprobs"]
+    assert len(listed) == len(ids) and listed[0] is None
+    for position, entry in enumerate(listed[1:], 1):
+        row, token = logp[position - 1], ids[position]
+        mine = entry[str(token)]
+        assert mine["logprob"] == pytest.approx(float(row[token]), abs=1e-4)
+        assert mine["rank"] == int((row >= row[token]).sum())
+        best = torch.topk(row, 3)
+        for rank, (value, top) in enumerate(zip(best.values.tolist(), best.indices.tolist(), strict=True), 1):
+            assert entry[str(top)]["logprob"] == pytest.approx(value, abs=1e-4)
+            assert entry[str(top)]["rank"] == (mine["rank"] if top == token else rank)
+    assert len(choice["logprobs"]["tokens"]) == answer["usage"]["completion_tokens"] == 3  # the output's only
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2, "n": 2,
+        "prompt_logprobs": 0}, timeout=30).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])  # k = 0: the prompt token alone

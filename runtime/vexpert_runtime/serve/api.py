@@ -482,6 +482,12 @@ class _TokenTexts:
     async def text(self, token: int) -> str:
         return (await self._run(self._decode, [TokenLogprobs(token, 0.0)]))[0].token
 
+    async def texts(self, tokens: Sequence[TokenLogprobs]) -> dict[int, str]:
+        """Each id of ``tokens`` (and of their most likely ones) as text."""
+        ids = list(dict.fromkeys([i for t in tokens for i in (t.token, *(top for top, _ in t.top))]))
+        decoded = await self._run(self._decode, [TokenLogprobs(i, 0.0) for i in ids])
+        return {i: d.token for i, d in zip(ids, decoded, strict=True)}
+
     async def _run(self, decode: Callable[[Sequence[TokenLogprobs], Any], list[oa.DecodedLogprob]],
                    tokens: Sequence[TokenLogprobs]) -> list[oa.DecodedLogprob]:
         if self._loop_tokenizer is not None:
@@ -519,6 +525,7 @@ class _Job:
     tools: ToolFormat | None = None  # how to read the replies' tool calls (a parser, a forced choice); None: don't
     finished: set[int] = field(default_factory=set)  # the choices whose last event arrived
     one_call: bool = False  # parallel_tool_calls false: a reply's first call only (as vLLM filters them)
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked (each choice's, or the chat response's)
 
     @property
     def done(self) -> bool:
@@ -847,7 +854,8 @@ class ServeApi:
         job = _Job(request_id, [r.request_id for r in requests], oa.now(), req.model, chat, bool(req.stream),
                    req.include_usage, choices.__aiter__(), sum(map(len, prompts)), params[0].logprobs is not None, echo,
                    tool_format(req, self.config), finished,
-                   isinstance(req, oa.ChatCompletionRequest) and req.parallel_tool_calls is False)
+                   isinstance(req, oa.ChatCompletionRequest) and req.parallel_tool_calls is False,
+                   req.prompt_logprobs is not None)
         try:
             return await (self._stream(request, job) if job.stream else self._collect(job))
         finally:
@@ -859,13 +867,15 @@ class ServeApi:
     async def _collect(self, job: _Job) -> web.Response:
         texts: list[list[str]] = [[] for _ in job.choice_ids]
         logprobs: list[list[TokenLogprobs]] = [[] for _ in job.choice_ids]
+        prompts: list[list[TokenLogprobs]] = [[] for _ in job.choice_ids]  # the prompt's (echo, prompt_logprobs)
         finish: dict[int, str] = {}
         completion_tokens = 0
         async for index, batch in job.events:
             texts[index].extend(event.text for event in batch)
             for event in batch:
                 if event.logprobs is not None:
-                    logprobs[index] += (*event.logprobs.prompt, *event.logprobs.output)
+                    prompts[index] += event.logprobs.prompt
+                    logprobs[index] += event.logprobs.output
             last = batch[-1]
             if last.finished:
                 error = _failed(last)
@@ -881,7 +891,10 @@ class ServeApi:
         echo: list[tuple[str, int | None]] = list(job.echo) if job.echo else none
         choices = [_with_tool_calls(job, oa.Choice(
             i, echo[i][0] + "".join(parts), finish[i],
-            await self._logprobs_object(job, logprobs[i], 0, echo[i][1]) if job.logprobs else None))
+            await self._logprobs_object(job, [*prompts[i], *logprobs[i]] if job.echo else logprobs[i], 0, echo[i][1])
+            if job.logprobs else None, None,
+            oa.vllm_prompt_logprobs(prompts[i], await self._token_texts.texts(prompts[i])) if job.prompt_logprobs
+            else None))
             for i, parts in enumerate(texts)]
         build = oa.chat_response if job.chat else oa.completion_response
         return web.json_response(build(job.request_id, job.created, job.model, choices,
@@ -942,8 +955,8 @@ class ServeApi:
                 text, first = job.echo[index][0] + text, job.echo[index][1]
             logprobs = None
             if job.logprobs:
-                tokens = [entry for event in batch if event.logprobs is not None
-                          for entry in (*event.logprobs.prompt, *event.logprobs.output)]
+                tokens = [entry for event in batch if event.logprobs is not None  # (the prompt's: only echoed)
+                          for entry in (*(event.logprobs.prompt if job.echo else ()), *event.logprobs.output)]
                 if tokens or first is not None:
                     logprobs = await self._logprobs_object(job, tokens, offsets[index], first)
                     offsets[index] += sum(len(token) for token in logprobs.get("tokens", ()))

@@ -73,6 +73,7 @@ class TokenLogprobs:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # a prompt token's rank (vLLM's ``prompt_logprobs``; 1: the most likely), when computed
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from vexpert_runtime.serve.moe_executors import (
     packed_rows,
 )
 from vexpert_runtime.serve.penalties import PenaltyInputs, PenaltyState, penalized_logits, record_tokens
-from vexpert_runtime.serve.sampling import sample_tokens, sampling_tensors, token_logprobs
+from vexpert_runtime.serve.sampling import sample_tokens, sampling_tensors, token_logprobs, token_ranks
 from vexpert_runtime.serve.sparse_blocks import (
     ExecutorExperts,
     decoder_layers,
@@ -333,11 +333,13 @@ class HFStepModel:
             chunk = torch.tensor(rows[start:start + _PROMPT_LOGITS_ROWS], dtype=torch.int64, device=self.device)
             logits = self.model.lm_head(self.model.model.norm(hidden[chunk]))
             wanted = torch.tensor(targets[start:start + _PROMPT_LOGITS_ROWS], dtype=torch.int64, device=self.device)
-            parts.append([t.cpu() for t in token_logprobs(logits, wanted, min(MAX_LOGPROBS, logits.shape[-1]))])
-        target_lp, top_ids, top_lp = (torch.cat(column) for column in zip(*parts, strict=True))
+            parts.append([t.cpu() for t in (*token_logprobs(logits, wanted, min(MAX_LOGPROBS, logits.shape[-1])),
+                                            token_ranks(logits, wanted))])
+        target_lp, top_ids, top_lp, ranks = (torch.cat(column) for column in zip(*parts, strict=True))
         owner = torch.tensor(owners)
         return PromptLogprobs({index: (target_lp[owner == index], top_ids[owner == index], top_lp[owner == index])
-                               for index in dict.fromkeys(owners)})
+                               for index in dict.fromkeys(owners)},
+                              {index: ranks[owner == index] for index in dict.fromkeys(owners)})
 
     def kv_splits(self, rows: int, longest: int) -> int:
         """Context splits of the attention kernel for ``rows`` queries whose longest context is

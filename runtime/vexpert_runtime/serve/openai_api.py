@@ -3,7 +3,7 @@
 Requests ignore fields they do not know and that change nothing in the tokens (OpenAI clients send many
 optional ones — ``user``, ``metadata``, ``parallel_tool_calls`` …) and accept ``null`` for optional ones, and
 neutral values of what they cannot honour (``response_format: {"type": "text"}``, as clients send by default);
-what this server cannot honour and would otherwise silently get wrong (vLLM's ``prompt_logprobs``, ``best_of`` > 1,
+what this server cannot honour and would otherwise silently get wrong (``best_of`` > 1,
 non-text message parts, tool
 calls without a parser, and the vLLM extensions of :data:`_REFUSED_COMPLETION` / :data:`_REFUSED_CHAT`) is a 400 naming the field
 and what to send instead.
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -49,7 +50,7 @@ from pydantic import (
 )
 
 from vexpert_runtime.errors import VExpertInputError
-from vexpert_runtime.serve.events import MAX_LOGPROBS
+from vexpert_runtime.serve.events import MAX_LOGPROBS, TokenLogprobs
 from vexpert_runtime.serve.structured_output import GrammarKind, GrammarRequest, compile_grammar
 from vexpert_runtime.serve.tool_calls import ForcedToolChoice
 
@@ -80,8 +81,6 @@ _REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_whitespace_pattern": ((), _GUIDED),
     "bad_words": (([],), "not supported; leave it out"),
     "allowed_token_ids": ((), "not supported; leave it out"),
-    "prompt_logprobs": ((0,), "not supported as a field: send echo: true with logprobs (completions) to get the "
-                        "prompt's log-probabilities"),
     "use_beam_search": ((False,), "beam search is not supported; send false"),
     "return_tokens_as_token_ids": ((False,), "not supported; send false"),
     "logits_processors": ((), "not supported; leave it out"),
@@ -182,6 +181,7 @@ class _GenerationRequest(BaseModel):
     min_tokens: StrictInt | None = Field(default=None, ge=0)  # vLLM's: no EOS / stop before that many tokens
     skip_special_tokens: StrictBool = True  # vLLM's: false keeps special tokens (other than EOS / stop ids) in the text
     include_stop_str_in_output: StrictBool = False  # vLLM's: the stop string that ended the text is part of it
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's (not streamed)
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # vLLM's: keep that many prompt tokens
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: "left" (its default) keeps the last ones
     response_format: ResponseFormat | None = None  # OpenAI's structured output (:mod:`.structured_output`)
@@ -190,6 +190,9 @@ class _GenerationRequest(BaseModel):
 
     @model_validator(mode="after")
     def _compile_grammar(self) -> Any:
+        if self.prompt_logprobs and self.stream:
+            raise _FieldRefused("prompt_logprobs", "not available when streaming (as vLLM): send stream false, or leave "
+                                "prompt_logprobs out")
         request = self.grammar_request()
         if request is not None:
             try:
@@ -306,7 +309,9 @@ class CompletionRequest(_GenerationRequest):
         return self.logprobs
 
     def requested_prompt_logprobs(self) -> int | None:
-        """The same for the prompt's tokens: with ``echo`` and ``logprobs``."""
+        """The same for the prompt's tokens: ``prompt_logprobs`` (vLLM's), else with ``echo`` and ``logprobs``."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
         return self.logprobs if self.echo else None
 
     @model_validator(mode="before")
@@ -495,9 +500,9 @@ class ChatCompletionRequest(_GenerationRequest):
         """``top_logprobs`` when ``logprobs`` is true (None: no log-probabilities)."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def requested_prompt_logprobs(self) -> None:
-        """Never: a chat request has no ``echo``."""
-        return None
+    def requested_prompt_logprobs(self) -> int | None:
+        """``prompt_logprobs`` (vLLM's; a chat request has no ``echo``)."""
+        return self.prompt_logprobs
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` (the current name) wins over the deprecated ``max_tokens``."""
@@ -646,6 +651,7 @@ class Choice:
     finish_reason: str
     logprobs: Json | None = None
     tool_calls: list[Json] | None = None
+    prompt_logprobs: list[Json | None] | None = None  # vLLM's (:func:`vllm_prompt_logprobs`), when asked
 
 
 def completion_response(rid: str, created: int, model: str, choices: list[Choice], prompt_tokens: int,
@@ -656,7 +662,8 @@ def completion_response(rid: str, created: int, model: str, choices: list[Choice
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+        "choices": [{"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+                     **({"prompt_logprobs": c.prompt_logprobs} if c.prompt_logprobs is not None else {})}
                     for c in choices],
         "usage": usage(prompt_tokens, completion_tokens),
     }
@@ -680,7 +687,24 @@ def chat_response(rid: str, created: int, model: str, choices: list[Choice], pro
             for c in choices
         ],
         "usage": usage(prompt_tokens, completion_tokens),
+        # vLLM's: the prompt's, once (every choice has the same prompt)
+        **({"prompt_logprobs": choices[0].prompt_logprobs} if choices and choices[0].prompt_logprobs is not None
+           else {}),
     }
+
+
+def vllm_prompt_logprobs(tokens: Sequence[TokenLogprobs], texts: dict[int, str]) -> list[Json | None]:
+    """vLLM's ``prompt_logprobs``: None for the prompt's first token, then per prompt token (``tokens``, after the
+    first) a dict by token id (as text) of ``{"logprob", "rank", "decoded_token"}`` — the prompt token first (its
+    rank in the model's distribution), then the k most likely (ranks 1…k); ``texts``: each id's text."""
+    out: list[Json | None] = [None]
+    for token in tokens:
+        entry: Json = {str(token.token): {"logprob": _finite(token.logprob), "rank": token.rank,
+                                          "decoded_token": texts[token.token]}}
+        for rank, (top, logprob) in enumerate(token.top, 1):
+            entry.setdefault(str(top), {"logprob": _finite(logprob), "rank": rank, "decoded_token": texts[top]})
+        out.append(entry)
+    return out
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None = None,

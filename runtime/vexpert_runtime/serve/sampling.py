@@ -98,6 +98,13 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[tor
     return logp.gather(1, ids.unsqueeze(1)).squeeze(1), top_ids, top_logprobs
 
 
+def token_ranks(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each row's token ``ids`` [S] rank in logits [S, V] → [S] int64: how many tokens are at least as likely
+    (vLLM's rank: 1 is the most likely, ties share the larger rank)."""
+    logits = logits.float()
+    return (logits >= logits.gather(1, ids.unsqueeze(1))).sum(dim=-1)
+
+
 def sampling_tensors(specs: Sequence[SamplingSpec], device: torch.device | str
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """:func:`sample_tokens`' arguments after the logits, for ``specs`` (one per row)."""

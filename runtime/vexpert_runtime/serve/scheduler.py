@@ -305,11 +305,12 @@ def _keep_prompt_logprobs(seq: _Sequence, item: SequenceWork, prompt: PromptLogp
     if prompt is None or row not in prompt.items:
         return False
     target_lp, top_ids, top_lp = prompt.items[row]
+    ranks = prompt.ranks.get(row)
     k = seq.request.params.prompt_logprobs or 0
     for i, target in enumerate(wanted):
         seq.prompt_logprobs = seq.prompt_logprobs or []
         seq.prompt_logprobs.append(TokenLogprobs(target, float(target_lp[i]), tuple(
-            zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist(), strict=True))))
+            zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist(), strict=True)), None if ranks is None else int(ranks[i])))
     last = max(p for p, target in enumerate(item.prompt_targets) if target >= 0)
     seq.prompt_reported = item.position + last + 2  # the target of position p is token p + 1
     return True

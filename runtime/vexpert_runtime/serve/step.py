@@ -19,7 +19,7 @@ a stop string, a cancel) has one wasted row in step i+1, and its blocks return o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -115,9 +115,11 @@ class PromptLogprobs:
     """Log-probabilities of prompt tokens an iteration computed: per work item index that gave
     ``prompt_targets``, for its targets ≥ 0 in order, (the target's log-probability [n] float32, the K most
     likely tokens' ids [n, K] int64 and log-probabilities [n, K] float32), on the CPU, under the model's
-    distribution as :class:`StepLogprobs`."""
+    distribution as :class:`StepLogprobs`; ``ranks``, where the model computes them, per item the targets' ranks
+    [n] int64 (vLLM's: how many tokens are at least as likely; 1 is the most likely)."""
 
     items: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    ranks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class PendingStep(Protocol):
