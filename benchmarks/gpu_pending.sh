@@ -79,7 +79,7 @@ case "${STAGE:-tests}" in
   router)  # LIMIT: the seconds this call may take (less device time left: a shorter call, the same order)
     LIMIT=${LIMIT:-560}
     PYTHONPATH=$HEAD_PATH timeout $((LIMIT * 2 / 5)) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_serve_gpu.py \
-      -k "${TESTS:-router or truncated_sampling or logprobs or penalties or structured_output or graphed_decode}" 2>&1 | tail -3
+      -k "${TESTS:-router or truncated_sampling or logprobs or penalties or structured_output or grammar_mask or graphed_decode}" 2>&1 | tail -3
     # the graphed decode step at 16 / 64 / 256 sequences, greedy and the variants whose graphs differ, in one process:
     # top-p 0.95 (DeepSeek-V3's generation config: a sort over the vocabulary), log-probabilities (a log-softmax and
     # top-20 over the vocabulary, three more copies to the host), a repetition penalty of 1.05 (Qwen-MoE generation

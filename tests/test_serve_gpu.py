@@ -342,6 +342,29 @@ def test_structured_output_on_graphed_overlapped_steps_equals_the_eager_one(tmp_
         assert results[1][f"choice-{temperature}"] in ("yes", "no", "maybe so")
 
 
+def test_a_grammar_mask_and_a_logit_bias_are_written_without_waiting_for_the_device() -> None:
+    """The bias rows' writes ahead of a step (a logit bias, a grammar's mask) upload from pinned memory: the host
+    does not wait for the step in flight (a pageable upload would, and the overlap be lost); the row holds −inf
+    exactly where the mask allows nothing."""
+    from vexpert_runtime.serve.penalties import PenaltyState
+
+    vocab = 1000
+    state = PenaltyState(vocab, "cuda")
+    state.reserve(4)
+    words = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
+    words[0] = 0b1011  # tokens 0, 1 and 3
+    spec = SamplingSpec(logit_bias=((1, 2.0),), allowed=words)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rows = state.rows_for([SequenceWork(0, (5,), 3, (1,), spec, penalty_prompt_len=3)])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert rows is not None and state.bias is not None
+    bias = state.bias[rows.rows[0]].cpu()
+    assert bias[[0, 1, 3]].tolist() == [0.0, 2.0, 0.0] and torch.isinf(bias).sum() == vocab - 3
+
+
 def test_prefix_caching_on_graphed_overlapped_steps_serves_the_same_tokens(tmp_path: Path) -> None:
     """--prefix-caching on the GPU path (CUDA graphs, overlapped steps): requests sharing a 40-token prefix
     (two whole 16-token blocks) with the first already served attach its blocks; every request's greedy

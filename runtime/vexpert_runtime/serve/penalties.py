@@ -169,16 +169,23 @@ class PenaltyState:
         """A sequence's logit bias into its row (an eager write, ahead of the step that samples with it)."""
         assert self.bias is not None
         ids, values = zip(*pairs, strict=True)
-        self.bias[row, torch.tensor(ids, dtype=torch.int64, device=self.device)] = torch.tensor(
-            values, dtype=self.bias.dtype, device=self.device)
+        self.bias[row, self._upload(torch.tensor(ids, dtype=torch.int64))] = self._upload(
+            torch.tensor(values, dtype=self.bias.dtype))
 
     def _mask(self, masked: Sequence[tuple[int, torch.Tensor]]) -> None:
         """−inf in the rows' bias where their grammar allows no token (each a bitmask [W] int32 on the CPU;
         one upload for all of them, eager, ahead of the step)."""
         assert self.bias is not None
-        rows = torch.tensor([row for row, _ in masked], dtype=torch.int64, device=self.device)
-        allowed = unpack_allowed(torch.stack([words for _, words in masked]).to(self.device), self.vocab_size)
+        rows = self._upload(torch.tensor([row for row, _ in masked], dtype=torch.int64))
+        allowed = unpack_allowed(self._upload(torch.stack([words for _, words in masked])), self.vocab_size)
         self.bias[rows] = self.bias[rows].masked_fill(~allowed, float("-inf"))
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` on the model's device without waiting for the device: a copy from pinned memory, in stream order
+        (a copy from pageable memory would wait for the step in flight, and the overlap be lost)."""
+        if torch.device(self.device).type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _grow(self, rows: int) -> None:
         seen = torch.zeros(rows + 1, self.vocab_size, dtype=torch.bool, device=self.device)
