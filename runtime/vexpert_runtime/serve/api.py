@@ -466,6 +466,22 @@ def _with_tool_calls(job: _Job, choice: oa.Choice) -> oa.Choice:
     return replace(choice, text=content, finish_reason=reason, tool_calls=[call.as_json() for call in calls])
 
 
+def _truncated(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt_ids: list[int], context: int) -> list[int]:
+    """``truncate_prompt_tokens`` applied (vLLM's; a 400 naming it when it asks for more than the context)."""
+    try:
+        return req.truncated(prompt_ids, context)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="truncate_prompt_tokens") from None
+
+
+def _chunk(job: _Job, index: int, text: str | None, finish_reason: str | None = None,
+           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    if job.chat:
+        delta = {"content": text} if text is not None else {}
+        return oa.chat_chunk(job.request_id, job.created, job.model, delta, finish_reason, index, logprobs)
+    return oa.completion_chunk(job.request_id, job.created, job.model, text or "", finish_reason, index, logprobs)
+
+
 class _TokenTexts:
     """Token ids as text, for log-probabilities: each id decoded once (the cache is bounded by the
     vocabulary), on the event loop with its own tokenizer copy, else on the tokenizer thread."""
@@ -682,7 +698,7 @@ class ServeApi:
                 ids = await self._tokenized(self._encode_prompt, prompt, len(prompt))
             else:  # token ids: only checked
                 ids = self._encode_prompt(prompt)
-            kept = self._truncated(req, ids)
+            kept = _truncated(req, ids, self.config.max_context)
             prompts.append(kept)
             if not req.echo:
                 texts.append("")
@@ -707,14 +723,8 @@ class ServeApi:
                            "shows the tools, the reply is text) or leave tools out", param="tool_choice")
         chars = sum(len(m.text()) for m in req.messages)
         prompt_ids = await self._tokenized(self._encode_chat, req, chars)
-        return await self._generate(request, req, [self._truncated(req, prompt_ids)], chat=True)
+        return await self._generate(request, req, [_truncated(req, prompt_ids, self.config.max_context)], chat=True)
 
-    def _truncated(self, req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt_ids: list[int]) -> list[int]:
-        """``truncate_prompt_tokens`` applied (vLLM's; a 400 naming it when it asks for more than the context)."""
-        try:
-            return req.truncated(prompt_ids, self.config.max_context)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="truncate_prompt_tokens") from None
 
     async def _tokenized(self, encode: Callable[..., list[int]], prompt: Any, chars: int) -> list[int]:
         """``encode(prompt, tokenizer)``: up to ``INLINE_TOKENIZE_CHARS`` on the loop with its own
@@ -910,12 +920,6 @@ class ServeApi:
             return oa.chat_logprobs(decoded)
         return oa.completion_logprobs(decoded, text_offset, None if first is None else await texts.text(first))
 
-    def _chunk(self, job: _Job, index: int, text: str | None, finish_reason: str | None = None,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        if job.chat:
-            delta = {"content": text} if text is not None else {}
-            return oa.chat_chunk(job.request_id, job.created, job.model, delta, finish_reason, index, logprobs)
-        return oa.completion_chunk(job.request_id, job.created, job.model, text or "", finish_reason, index, logprobs)
 
     async def _stream(self, request: web.Request, job: _Job) -> web.StreamResponse:
         response = web.StreamResponse(
@@ -946,7 +950,7 @@ class ServeApi:
         offsets = [0] * len(job.choice_ids)  # each choice's text offset so far (completions' logprobs)
         tool_streams = [ToolCallStream(job.tools) for _ in job.choice_ids] if job.tools is not None else None
         echoing = set(range(len(job.choice_ids))) if job.echo else set()  # choices whose prompt is still to send
-        frames = [_text_frame(self._chunk(job, index, _TEXT_MARK)) for index in range(len(job.choice_ids))]
+        frames = [_text_frame(_chunk(job, index, _TEXT_MARK)) for index in range(len(job.choice_ids))]
         async for index, batch in job.events:
             text = "".join([event.text for event in batch])
             first = None
@@ -971,7 +975,7 @@ class ServeApi:
             if logprobs is None and frame is not None:  # the usual chunk: text only
                 parts = [b"".join((frame[0], json.dumps(text, ensure_ascii=False).encode(), frame[1]))] if text else []
             else:
-                parts = [_sse(self._chunk(job, index, text, logprobs=logprobs))] if text or logprobs else []
+                parts = [_sse(_chunk(job, index, text, logprobs=logprobs))] if text or logprobs else []
             if calls:
                 parts.append(_sse(oa.chat_chunk(job.request_id, job.created, job.model, {"tool_calls": [
                     call.as_json(i) for i, call in enumerate(calls)]}, index=index)))
@@ -979,7 +983,7 @@ class ServeApi:
             if last.finished:
                 error = _failed(last)
                 reason = calls_finish_reason(job.tools, last.finish_reason or "stop") if calls and job.tools else last.finish_reason
-                parts.append(_sse(error.body if error is not None else self._chunk(job, index, None, reason)))
+                parts.append(_sse(error.body if error is not None else _chunk(job, index, None, reason)))
                 completion_tokens += last.completion_tokens
                 if job.done or error is not None:
                     if job.include_usage:
