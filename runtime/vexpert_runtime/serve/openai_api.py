@@ -1,7 +1,7 @@
 """OpenAI API request bodies (pydantic v2) and response / stream-chunk / error builders.
 
 Requests ignore fields they do not know and that change nothing in the tokens (OpenAI clients send many
-optional ones — ``user``, ``metadata``, ``parallel_tool_calls`` …) and accept ``null`` for optional ones, and
+optional ones — ``user``, ``metadata`` …) and accept ``null`` for optional ones, and
 neutral values of what they cannot honour (``response_format: {"type": "text"}``, as clients send by default);
 what this server cannot honour and would otherwise silently get wrong (``best_of`` > 1,
 non-text message parts, tool
@@ -13,12 +13,14 @@ same prompt; with a ``seed``, choice i samples with seed + i); ``presence_penalt
 ``repetition_penalty`` and ``logit_bias`` (:mod:`.penalties`); ``logprobs`` (completions: k; chat: ``logprobs`` + ``top_logprobs``:
 the output tokens' log-probabilities under the model's distribution, before temperature, penalties and
 truncation, and the k most likely tokens'; at most :data:`~.events.MAX_LOGPROBS`); ``top_k`` and ``min_p``
-(sampling), ``stop_token_ids``, ``ignore_eos`` (benchmarks use it to force exact lengths); for chat,
+(sampling), ``stop_token_ids``, ``ignore_eos`` (benchmarks use it to force exact lengths), ``prompt_logprobs`` (each
+prompt token's log-probability and rank, and the k most likely; not streamed), ``truncate_prompt_tokens`` and
+``truncation_side``; for chat,
 ``chat_template_kwargs`` (e.g. Qwen3's ``{"enable_thinking": false}``), ``add_generation_prompt``,
 ``continue_final_message``, ``documents``, and ``tools``: the model's template shows them; with ``tool_choice``
 "auto" (OpenAI's default) the reply's calls are parsed when the server has a ``--tool-call-parser``
 (:mod:`.tool_calls`), else only "none" is accepted; "required" and a named function constrain the reply to the calls'
-JSON (:class:`~.tool_calls.ForcedToolChoice`, no parser needed); structured output — ``response_format`` (``json_object``,
+JSON (:class:`~.tool_calls.ForcedToolChoice`, no parser needed), ``parallel_tool_calls: false`` keeps one call; structured output — ``response_format`` (``json_object``,
 ``json_schema``) and vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) —
 is compiled here (:mod:`.structured_output`: a schema or pattern it cannot compile is a 400 naming the field).
 
