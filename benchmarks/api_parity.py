@@ -67,6 +67,8 @@ def cases(prompts: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
         "echo + logprobs 2": ("completions", {**completion, "echo": True, "logprobs": 2}),
         "chat logprobs, top_logprobs 3": ("chat/completions", {**chat, "logprobs": True, "top_logprobs": 3}),
         "prompt_logprobs 3": ("completions", {**completion, "prompt_logprobs": 3}),
+        "return_token_ids": ("completions", {**completion, "return_token_ids": True}),
+        "chat return_token_ids": ("chat/completions", {**chat, "return_token_ids": True}),
         "chat prompt_logprobs 2": ("chat/completions", {**chat, "prompt_logprobs": 2}),
         **structured_cases(completion, chat),
         "n 3 (sampled)": ("completions", {**completion, "n": 3, "temperature": 1.0, "seed": 7}),
@@ -184,6 +186,10 @@ def compare(case: str, ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str
                            "usage_equal": _usage(ours) == _usage(theirs)}
     if "tool_choice" in case:
         row["calls_equal"] = _calls(ours) == _calls(theirs)
+    if "return_token_ids" in case:  # the prompt's ids (a choice's, or a chat response's) and each choice's output ids
+        ids = [(answer.get("prompt_token_ids") or answer["choices"][0].get("prompt_token_ids"),
+                [c.get("token_ids") for c in answer["choices"]]) for answer in (ours, theirs)]
+        row["tokens_equal"] = ids[0] == ids[1] and ids[0][0] is not None
     if "prompt_logprobs" in case:  # vLLM's list: per prompt token {id: {logprob, rank, decoded_token}}
         mine, peer = _prompt_logprobs(ours), _prompt_logprobs(theirs)
         row["tokens_equal"] = [None if e is None else sorted(e) for e in mine] == [

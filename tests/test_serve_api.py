@@ -1509,3 +1509,28 @@ def test_prompt_logprobs_are_vllms_with_each_prompt_tokens_rank(server: Backgrou
         "prompt_logprobs": 0}, timeout=30).json()
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
     assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])  # k = 0: the prompt token alone
+
+
+def test_return_token_ids_gives_the_prompt_and_output_ids_as_vllm(server: BackgroundServer, client: openai.OpenAI,
+                                                                    tokenizer: Any) -> None:
+    """vLLM's ``return_token_ids``: each completion choice's ``prompt_token_ids`` and ``token_ids`` (every output token,
+    the one that ended it too: as many as the usage counts; their text is the choice's), a chat response's prompt ids
+    once; with ``stream`` a 400 naming the field (not served yet)."""
+    answer = httpx.post(f"{server.url}/v1/completions", json={
+        "model": MODEL_NAME, "prompt": [PROMPT, "fox"], "n": 2, "max_tokens": 6, "temperature": 1.0, "seed": 3,
+        "return_token_ids": True}, timeout=30).json()
+    prompts = [tokenizer.encode(PROMPT), tokenizer.encode("fox")]
+    assert [c["prompt_token_ids"] for c in answer["choices"]] == [prompts[0]] * 2 + [prompts[1]] * 2
+    assert sum(len(c["token_ids"]) for c in answer["choices"]) == answer["usage"]["completion_tokens"]
+    for choice in answer["choices"]:
+        assert tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == choice["text"]
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "return_token_ids": True},
+        timeout=30).json()
+    assert len(chat["prompt_token_ids"]) == chat["usage"]["prompt_tokens"]
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+    plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
+    assert "token_ids" not in (plain.choices[0].model_extra or {})  # only when asked
+    error = _error(httpx.post(f"{server.url}/v1/completions", json={
+        "model": MODEL_NAME, "prompt": PROMPT, "stream": True, "return_token_ids": True}, timeout=10), 400)
+    assert error["param"] == "return_token_ids"

@@ -440,6 +440,7 @@ def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt
         min_tokens=req.min_tokens or 0,
         include_stop_str=req.include_stop_str_in_output,
         grammar=req.grammar,
+        return_token_ids=req.return_token_ids,
         # a tool-call format whose markers may be special tokens needs them in the text (as vLLM's parsers ask)
         skip_special_tokens=req.skip_special_tokens and tool_format(req, config) not in KEEPS_SPECIAL_TOKENS,
     )
@@ -542,6 +543,7 @@ class _Job:
     finished: set[int] = field(default_factory=set)  # the choices whose last event arrived
     one_call: bool = False  # parallel_tool_calls false: a reply's first call only (as vLLM filters them)
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked (each choice's, or the chat response's)
+    prompt_ids: list[list[int]] | None = None  # per choice its prompt's token ids (vLLM's return_token_ids)
 
     @property
     def done(self) -> bool:
@@ -865,7 +867,8 @@ class ServeApi:
                    req.include_usage, choices.__aiter__(), sum(map(len, prompts)), params[0].logprobs is not None, echo,
                    tool_format(req, self.config), finished,
                    isinstance(req, oa.ChatCompletionRequest) and req.parallel_tool_calls is False,
-                   req.prompt_logprobs is not None)
+                   req.prompt_logprobs is not None,
+                   [list(ids) for ids in prompts for _ in range(req.choices)] if req.return_token_ids else None)
         try:
             return await (self._stream(request, job) if job.stream else self._collect(job))
         finally:
@@ -878,6 +881,7 @@ class ServeApi:
         texts: list[list[str]] = [[] for _ in job.choice_ids]
         logprobs: list[list[TokenLogprobs]] = [[] for _ in job.choice_ids]
         prompts: list[list[TokenLogprobs]] = [[] for _ in job.choice_ids]  # the prompt's (echo, prompt_logprobs)
+        token_ids: list[list[int] | None] = [None for _ in job.choice_ids]  # return_token_ids
         finish: dict[int, str] = {}
         completion_tokens = 0
         async for index, batch in job.events:
@@ -892,6 +896,7 @@ class ServeApi:
                 if error is not None:
                     raise error
                 finish[index] = last.finish_reason or "stop"
+                token_ids[index] = None if last.token_ids is None else list(last.token_ids)
                 completion_tokens += last.completion_tokens
         # (read to their end, not left after the last event: an async generator left suspended is closed
         # by the event loop's finalizer — a task per request)
@@ -904,7 +909,7 @@ class ServeApi:
             await self._logprobs_object(job, [*prompts[i], *logprobs[i]] if job.echo else logprobs[i], 0, echo[i][1])
             if job.logprobs else None, None,
             oa.vllm_prompt_logprobs(prompts[i], await self._token_texts.texts(prompts[i])) if job.prompt_logprobs
-            else None))
+            else None, token_ids[i], job.prompt_ids[i] if job.prompt_ids is not None else None))
             for i, parts in enumerate(texts)]
         build = oa.chat_response if job.chat else oa.completion_response
         return web.json_response(build(job.request_id, job.created, job.model, choices,

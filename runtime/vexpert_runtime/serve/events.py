@@ -53,6 +53,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str: bool = False
     grammar: str | None = None
+    return_token_ids: bool = False  # vLLM's: the last event carries every output token id
 
     @property
     def penalized(self) -> bool:
@@ -115,6 +116,7 @@ class Event:
     completion_tokens: int = 0
     error: str | None = None
     logprobs: EventLogprobs | None = None
+    token_ids: tuple[int, ...] | None = None  # the last event's, when the request asks (``return_token_ids``): all output ids
 
     @property
     def finished(self) -> bool:

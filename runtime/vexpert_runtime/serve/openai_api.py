@@ -184,6 +184,7 @@ class _GenerationRequest(BaseModel):
     skip_special_tokens: StrictBool = True  # vLLM's: false keeps special tokens (other than EOS / stop ids) in the text
     include_stop_str_in_output: StrictBool = False  # vLLM's: the stop string that ended the text is part of it
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's (not streamed)
+    return_token_ids: StrictBool = False  # vLLM's: the prompt's and each choice's token ids in the answer
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # vLLM's: keep that many prompt tokens
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: "left" (its default) keeps the last ones
     response_format: ResponseFormat | None = None  # OpenAI's structured output (:mod:`.structured_output`)
@@ -192,6 +193,9 @@ class _GenerationRequest(BaseModel):
 
     @model_validator(mode="after")
     def _compile_grammar(self) -> Any:
+        if self.return_token_ids and self.stream:
+            raise _FieldRefused("return_token_ids", "not served with stream yet: send stream false, or leave "
+                                "return_token_ids out")
         if self.prompt_logprobs and self.stream:
             raise _FieldRefused("prompt_logprobs", "not available when streaming (as vLLM): send stream false, or leave "
                                 "prompt_logprobs out")
@@ -654,6 +658,8 @@ class Choice:
     logprobs: Json | None = None
     tool_calls: list[Json] | None = None
     prompt_logprobs: list[Json | None] | None = None  # vLLM's (:func:`vllm_prompt_logprobs`), when asked
+    token_ids: list[int] | None = None  # vLLM's ``return_token_ids``: the choice's output ids
+    prompt_token_ids: list[int] | None = None  # and its prompt's
 
 
 def completion_response(rid: str, created: int, model: str, choices: list[Choice], prompt_tokens: int,
@@ -665,7 +671,9 @@ def completion_response(rid: str, created: int, model: str, choices: list[Choice
         "created": created,
         "model": model,
         "choices": [{"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-                     **({"prompt_logprobs": c.prompt_logprobs} if c.prompt_logprobs is not None else {})}
+                     **({"prompt_logprobs": c.prompt_logprobs} if c.prompt_logprobs is not None else {}),
+                     **({"prompt_token_ids": c.prompt_token_ids, "token_ids": c.token_ids}
+                        if c.token_ids is not None else {})}
                     for c in choices],
         "usage": usage(prompt_tokens, completion_tokens),
     }
@@ -685,6 +693,7 @@ def chat_response(rid: str, created: int, model: str, choices: list[Choice], pro
                 "message": {"role": "assistant", "content": c.text, **({"tool_calls": c.tool_calls} if c.tool_calls else {})},
                 "logprobs": c.logprobs,
                 "finish_reason": c.finish_reason,
+                **({"token_ids": c.token_ids} if c.token_ids is not None else {}),
             }
             for c in choices
         ],
@@ -692,6 +701,7 @@ def chat_response(rid: str, created: int, model: str, choices: list[Choice], pro
         # vLLM's: the prompt's, once (every choice has the same prompt)
         **({"prompt_logprobs": choices[0].prompt_logprobs} if choices and choices[0].prompt_logprobs is not None
            else {}),
+        **({"prompt_token_ids": choices[0].prompt_token_ids} if choices and choices[0].token_ids is not None else {}),
     }
 
 

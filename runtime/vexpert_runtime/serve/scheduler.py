@@ -732,6 +732,7 @@ class Scheduler:
                 completion_tokens=len(seq.output),
                 error=error,
                 logprobs=seq.take_logprobs(),
+                token_ids=tuple(seq.output) if seq.request.params.return_token_ids else None,
             ),
         )
 
