@@ -74,6 +74,7 @@ from vexpert_runtime.serve import openai_api as oa
 from vexpert_runtime.serve.dispatcher import Dispatcher
 from vexpert_runtime.serve.events import (
     Event,
+    EventWithTokenIds,
     GenerationRequest,
     RankLoad,
     SamplingParams,
@@ -896,7 +897,7 @@ class ServeApi:
                 if error is not None:
                     raise error
                 finish[index] = last.finish_reason or "stop"
-                token_ids[index] = None if last.token_ids is None else list(last.token_ids)
+                token_ids[index] = list(last.token_ids) if isinstance(last, EventWithTokenIds) else None
                 completion_tokens += last.completion_tokens
         # (read to their end, not left after the last event: an async generator left suspended is closed
         # by the event loop's finalizer — a task per request)

@@ -116,12 +116,19 @@ class Event:
     completion_tokens: int = 0
     error: str | None = None
     logprobs: EventLogprobs | None = None
-    token_ids: tuple[int, ...] | None = None  # the last event's, when the request asks (``return_token_ids``): all output ids
 
     @property
     def finished(self) -> bool:
         """Whether this is the request's last event."""
         return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class EventWithTokenIds(Event):
+    """The last event of a request that asks for its token ids (vLLM's ``return_token_ids``): every output id, the
+    one that ended it too. (A class of its own: a field on every event would cost each one a slot to pickle.)"""
+
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

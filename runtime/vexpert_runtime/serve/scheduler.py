@@ -60,6 +60,7 @@ from vexpert_runtime.serve.events import (
     MAX_LOGPROBS,
     Event,
     EventLogprobs,
+    EventWithTokenIds,
     GenerationRequest,
     RankLoad,
     SamplingParams,
@@ -721,20 +722,10 @@ class Scheduler:
                 self._waiting.remove(seq)
         # the finishing token (stop, length), after the tokens held for the next event
         produced = seq.unsent_tokens + (1 if reason in ("stop", "length") and seq.output else 0)
-        self._send(
-            seq,
-            Event(
-                seq.request.request_id,
-                text=seq.unsent_text + text,
-                new_tokens=produced,
-                finish_reason=reason,
-                prompt_tokens=seq.prompt_len,
-                completion_tokens=len(seq.output),
-                error=error,
-                logprobs=seq.take_logprobs(),
-                token_ids=tuple(seq.output) if seq.request.params.return_token_ids else None,
-            ),
-        )
+        fields = (seq.request.request_id, seq.unsent_text + text, produced, reason, seq.prompt_len, len(seq.output),
+                  error, seq.take_logprobs())  # Event's, in order
+        ids = seq.request.params.return_token_ids
+        self._send(seq, EventWithTokenIds(*fields, tuple(seq.output)) if ids else Event(*fields))
 
     def _release_if_idle(self, seq: _Sequence) -> None:
         """Return a finished sequence's blocks, unless a launched step still writes them."""
