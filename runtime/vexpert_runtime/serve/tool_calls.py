@@ -89,55 +89,46 @@ def _hermes_calls(text: str) -> list[ToolCall] | None:
     return calls
 
 
-def _deepseek_calls(text: str) -> list[ToolCall] | None:
-    """The calls in ``text`` (from ``<｜tool▁calls▁begin｜>`` on); None if a call does not parse or its
-    arguments are not JSON (the arguments string is passed on as written, as vLLM's parser does)."""
-    found = list(_DEEPSEEK_CALL.finditer(text))
-    if len(found) != text.count(_DEEPSEEK_CALL_START) or not found:
+def _marked_calls(text: str, pattern: re.Pattern[str], call_start: str,
+                  read: Callable[[re.Match[str]], tuple[str, str, str | None]]) -> list[ToolCall] | None:
+    """The calls ``pattern`` matches in ``text``, one for each ``call_start`` marker; ``read(match)`` gives a call's
+    name, arguments (passed on as written, as vLLM's parsers do) and id (None: a new one). None if a call does not
+    parse, has no name or its arguments are not JSON."""
+    found = list(pattern.finditer(text))
+    if len(found) != text.count(call_start) or not found:
         return None
     calls = []
     for match in found:
-        name, arguments = match["name"].strip(), match["arguments"]
-        try:
-            json.loads(arguments)
-        except json.JSONDecodeError:
+        name, arguments, call_id = read(match)
+        if not name or not _is_json(arguments):
             return None
-        if not name:
-            return None
-        calls.append(ToolCall(name, arguments, _new_id()))
+        calls.append(ToolCall(name, arguments, call_id or _new_id()))
     return calls
+
+
+def _deepseek_calls(text: str) -> list[ToolCall] | None:
+    """DeepSeek-V3's calls (from ``<｜tool▁calls▁begin｜>`` on): ``function<｜tool▁sep｜>NAME`` and the arguments in a
+    fenced json block."""
+    return _marked_calls(text, _DEEPSEEK_CALL, _DEEPSEEK_CALL_START,
+                         lambda match: (match["name"].strip(), match["arguments"], None))
 
 
 def _deepseek_v31_calls(text: str) -> list[ToolCall] | None:
     """DeepSeek-V3.1's calls: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>`` (no type, no
-    fenced block); None if one does not parse or its arguments are not JSON."""
-    found = list(_DEEPSEEK_V31_CALL.finditer(text))
-    if len(found) != text.count(_DEEPSEEK_CALL_START) or not found:
-        return None
-    calls = []
-    for match in found:
-        name, arguments = match["name"].strip(), match["arguments"]
-        if not name or not _is_json(arguments):
-            return None
-        calls.append(ToolCall(name, arguments, _new_id()))
-    return calls
+    fenced block)."""
+    return _marked_calls(text, _DEEPSEEK_V31_CALL, _DEEPSEEK_CALL_START,
+                         lambda match: (match["name"].strip(), match["arguments"], None))
 
 
 def _kimi_calls(text: str) -> list[ToolCall] | None:
     """Kimi K2's calls: ``<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>ARGUMENTS
-    <|tool_call_end|>``; the header is the call's id (Kimi's own, as vLLM returns it), NAME its function; None if one
-    does not parse or its arguments are not JSON."""
-    found = list(_KIMI_CALL.finditer(text))
-    if len(found) != text.count(_KIMI_CALL_START) or not found:
-        return None
-    calls = []
-    for match in found:
-        call_id, arguments = match["id"].strip(), match["arguments"]
-        name = call_id.split(":")[0].removeprefix("functions.")
-        if not name or not _is_json(arguments):
-            return None
-        calls.append(ToolCall(name, arguments, call_id))
-    return calls
+    <|tool_call_end|>``; the header is the call's id (Kimi's own, as vLLM returns it), NAME its function."""
+
+    def read(match: re.Match[str]) -> tuple[str, str, str | None]:
+        call_id = match["id"].strip()
+        return call_id.split(":")[0].removeprefix("functions."), match["arguments"], call_id
+
+    return _marked_calls(text, _KIMI_CALL, _KIMI_CALL_START, read)
 
 
 def _is_json(text: str) -> bool:
