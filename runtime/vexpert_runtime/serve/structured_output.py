@@ -108,7 +108,7 @@ def _closed_objects(schema: Any) -> Any:
 
 class GrammarTokens:
     """A rank's tokenizer as llguidance sees it and the matchers of its sequences. llguidance reads the tokenizer
-    once (0.6 s for a synthetic 128k-token vocabulary on the 2-core machine, 2.6 s while other jobs ran:
+    once (0.62 s for a synthetic 128k-token vocabulary on the 2-core machine:
     ``benchmarks/grammar_mask_cost.py``)
     on a thread of its own from the rank's start, so a first constrained request does not stall the loop (and an
     EP group in lockstep) for that long. ``vocab_size``: the model's logits' width; ``eos_ids``: the tokens that end a
