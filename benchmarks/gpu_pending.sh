@@ -19,6 +19,9 @@
 #                eager), then the graphed decode step at 16 / 64 / 256 sequences greedy, top-p 0.95, with
 #                log-probabilities and with a repetition penalty (one process), then DeepSeek-V3's and Qwen3-MoE's
 #                fused routers against transformers', eager and compiled, per layer (router_kernel.py) (~8 min)
+#   STAGE=sidestream  the shared experts on a side stream: the GPU tests of the graphed paths, then the graphed decode
+#                step at 16 / 64 / 256 sequences with the shared experts on the step's stream (off) and on their own (on,
+#                the default; also constrained by a grammar), then structured output's masks on the host (~8 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
 #                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
 #                profile, with the EP layer's share of a traced iteration (~6 min)
@@ -85,15 +88,29 @@ case "${STAGE:-tests}" in
     # top-20 over the vocabulary, three more copies to the host), a repetition penalty of 1.05 (Qwen-MoE generation
     # configs: the token tables written and read)
     PYTHONPATH=$HEAD_PATH timeout $((LIMIT - SECONDS - 10)) python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 \
-      --batches ${BATCHES:-16 64 256} --context 96 --sampling greedy top-p logprobs penalties --profile --top 24 \
+      --batches ${BATCHES:-16 64 256} --context 96 --sampling ${SAMPLING:-greedy top-p logprobs penalties} --profile --top 24 \
       --out "$OUT/decode_step_bound_variants.json" 2>&1 | tee "$OUT/decode_step_bound_variants.log" | grep -v "Loading weights" | cut -c1-200 | tail -13
+    # structured output's masks on this host's CPUs (16 cores): llguidance over a 128,000-token vocabulary
+    [ -n "${MASKS:-}" ] && PYTHONPATH=$HEAD_PATH timeout 90 python3 benchmarks/grammar_mask_cost.py --vocab 128000 \
+      --sequences 1 16 64 256 --out "$OUT/grammar_mask_cost.json" 2>&1 | tail -6
     # the fused routers against transformers' (DeepSeek-V3's and Qwen3-MoE's), eager and compiled, per layer
-    [ "$SECONDS" -lt $((LIMIT - 140)) ] && PYTHONPATH=$HEAD_PATH timeout $((LIMIT - SECONDS)) python3 \
+    [ -z "${NO_ROUTER:-}" ] && [ "$SECONDS" -lt $((LIMIT - 140)) ] && PYTHONPATH=$HEAD_PATH timeout $((LIMIT - SECONDS)) python3 \
       benchmarks/router_kernel.py --out "$OUT/router_kernel.json" 2>&1 | grep routing ;;
+  sidestream)  # the shared experts on a side stream: GPU tests, then the graphed decode step without / with it
+    PYTHONPATH=$HEAD_PATH timeout 220 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_serve_gpu.py \
+      -k "${TESTS:-side_stream or grammar_mask or structured_output or graphed_decode}" 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -4
+    for stream in off on; do  # one process each (the option is the model's); the grammar variant with the product's default
+      sampling=greedy; [ "$stream" = on ] && sampling="greedy grammar"
+      PYTHONPATH=$HEAD_PATH timeout 170 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 \
+        --batches 16 64 256 --context 96 --sampling $sampling --shared-expert-stream $stream --profile --top 30 \
+        --out "$OUT/decode_step_bound_shared_$stream.json" 2>&1 | grep -v "Loading weights" | grep '^{' | cut -c1-260
+    done
+    PYTHONPATH=$HEAD_PATH timeout 60 python3 benchmarks/grammar_mask_cost.py --vocab 128000 --sequences 1 16 64 256 \
+      --out "$OUT/grammar_mask_cost.json" 2>&1 | tail -6 ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
     BENCH_TIMEOUT=560 bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \
       --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json --profile-streams 64 256 \
       --profile-iters 600-619 ;;
-  *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | router | onoff" >&2; exit 2 ;;
+  *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | router | sidestream | onoff" >&2; exit 2 ;;
 esac

@@ -72,6 +72,33 @@ def id_text_tokens(text: str) -> list[int]:
     return [int(t) for t in re.findall(r"<(\d+)>", text)]
 
 
+def tiny_random_model(family: str) -> Any:
+    """A tiny random transformers model (no checkpoint) of ``family``: DeepSeek-V3 (MLA, dense first layer,
+    shared expert), Qwen3-MoE (GQA) or Qwen2-MoE (GQA with biases, sigmoid-gated shared expert); its
+    one-dimensional parameters (biases, norms) drawn too, so that they matter."""
+    import transformers
+
+    common = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 80, "moe_intermediate_size": 32,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_experts_per_tok": 2,
+              "max_position_embeddings": 64, "initializer_range": 0.1, "tie_word_embeddings": False}
+    if family == "deepseek_v3":
+        config = transformers.DeepseekV3Config(
+            **common, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1,
+            n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=8)
+    elif family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=16, num_experts=8)
+    else:
+        config = transformers.Qwen2MoeConfig(**common, num_key_value_heads=2, num_experts=8,
+                                             shared_expert_intermediate_size=48)
+    torch.manual_seed(7)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    for param in model.parameters():  # biases are zero at init: make them matter
+        if param.dim() == 1:
+            param.data.normal_(0, 0.1)
+    return model
+
+
 def build_tiny_checkpoint(directory: Path, family: str = "qwen3_moe", special_tokens: Sequence[str] = (),
                           max_position_embeddings: int = 256) -> None:
     """A byte-level BPE tokenizer (chat template, EOS; ``special_tokens`` more special tokens) and a random

@@ -12,30 +12,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from serve_support import tiny_random_model  # noqa: E402
 from vexpert_runtime.serve.attention_layers import gqa_inputs, mla_inputs  # noqa: E402
 from vexpert_runtime.serve.fused_projections import GateUpMLP, fuse_linears, fuse_model_projections  # noqa: E402
-
-
-def _model(family: str) -> Any:
-    common = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 80, "moe_intermediate_size": 32,
-              "num_hidden_layers": 3, "num_attention_heads": 4, "num_experts_per_tok": 2,
-              "max_position_embeddings": 64, "initializer_range": 0.1, "tie_word_embeddings": False}
-    if family == "deepseek_v3":
-        config = transformers.DeepseekV3Config(
-            **common, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1,
-            n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-            v_head_dim=8)
-    elif family == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=16, num_experts=8)
-    else:
-        config = transformers.Qwen2MoeConfig(**common, num_key_value_heads=2, num_experts=8,
-                                             shared_expert_intermediate_size=48)
-    torch.manual_seed(7)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    for param in model.parameters():  # biases are zero at init: make them matter
-        if param.dim() == 1:
-            param.data.normal_(0, 0.1)
-    return model
 
 
 def _parameter_bytes(model: Any) -> int:
@@ -50,7 +29,7 @@ EXPECTED = {"deepseek_v3": {"mla_a": 3, "gqa_qkv": 0, "mlp_gate_up": 3},  # dens
 
 @pytest.mark.parametrize("family", list(EXPECTED))
 def test_fused_projections_compute_what_the_separate_ones_did(family: str) -> None:
-    original = _model(family)
+    original = tiny_random_model(family)
     fused = copy.deepcopy(original)
     before = _parameter_bytes(fused)
     assert fuse_model_projections(fused) == EXPECTED[family]
@@ -70,7 +49,7 @@ def test_fused_projections_compute_what_the_separate_ones_did(family: str) -> No
 
 
 def test_a_fused_mlp_and_its_originals_share_storage() -> None:
-    mlp = _model("deepseek_v3").model.layers[0].mlp
+    mlp = tiny_random_model("deepseek_v3").model.layers[0].mlp
     gate_before = mlp.gate_proj.weight.detach().clone()
     fused = GateUpMLP(mlp)
     assert mlp.gate_proj.weight.untyped_storage().data_ptr() == fused.gate_up_proj.weight.untyped_storage().data_ptr()
@@ -86,7 +65,7 @@ def test_a_linear_subclass_is_left_alone() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return super().forward(x) * 2.0
 
-    model = _model("qwen3_moe")
+    model = tiny_random_model("qwen3_moe")
     attn = model.model.layers[0].self_attn
     attn.k_proj = ScaledLinear(attn.k_proj.in_features, attn.k_proj.out_features, bias=False)
     counts = fuse_model_projections(model)

@@ -245,12 +245,52 @@ def _eager_and_graphed(path: Path, run: Callable[[HFStepModel], T], kv_cache_tok
     return results[0], results[1], model
 
 
-def _one_rank_model(path: Path, kv_cache_tokens: int = 2048) -> HFStepModel:
+def _one_rank_model(path: Path, kv_cache_tokens: int = 2048, overlap_shared_experts: bool = True) -> HFStepModel:
     """The batched model on the GPU with its experts in one rank's EP layer (64-token dispatch capacity)."""
-    model = HFStepModel(path, device="cuda", dtype=torch.bfloat16, kv_cache_tokens=kv_cache_tokens)
+    model = HFStepModel(path, device="cuda", dtype=torch.bfloat16, kv_cache_tokens=kv_cache_tokens,
+                        overlap_shared_experts=overlap_shared_experts)
     model.executor = EPExperts.for_model(model, 0, 1, None, max_tokens=64)
     model.drop_expert_weights()
     return model
+
+
+def _kernel_streams(model: HFStepModel, work: list[SequenceWork], tmp_path: Path) -> set[int]:
+    """The CUDA streams the kernels of one eager step ran on (a profiler trace)."""
+    import json
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        model.step(work)
+        torch.cuda.synchronize()
+    trace = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    return {int(e["args"]["stream"]) for e in events if e.get("cat") == "kernel" and "stream" in e.get("args", {})}
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen2_moe"])
+def test_shared_experts_on_a_side_stream_serve_the_tokens_of_one_stream(family: str, tmp_path: Path) -> None:
+    """The shared expert on its side stream — graphed and compiled, the fork and join inside each graph — gives the
+    tokens of the eager one-stream model (joins, chunked prompts, leaves); the eager step's kernels run on two
+    streams with the side stream, on one without."""
+    path = _write(family, tmp_path / family)
+    results, streams = [], []
+    for overlap in (False, True):
+        model = _one_rank_model(path, 512, overlap_shared_experts=overlap)
+        assert (model.shared_expert_stream is not None) == overlap
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            work = [SequenceWork(0, (3, 4, 5), 0, (0,), SamplingSpec()), SequenceWork(1, (6, 7), 0, (1,), SamplingSpec())]
+            streams.append(_kernel_streams(model, work, tmp_path))
+            model.release(0)
+            model.release(1)
+            if overlap:
+                assert model.compile_pieces() > 0
+                model.enable_cuda_graphs(64, 8, stream)
+            results.append(drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK))
+        if overlap:
+            assert model.graphs is not None and model.graphs.replays >= 10
+    assert len(streams[0]) == 1 and len(streams[1]) == 2
+    assert results[0] == results[1]
 
 
 def test_overlapped_graphed_scheduler_equals_the_eager_one(tmp_path: Path) -> None:

@@ -54,6 +54,7 @@ from vexpert_runtime.serve.sparse_blocks import (
     ExecutorExperts,
     decoder_layers,
     is_sparse_block,
+    sparse_block_output,
     sparse_layers,
 )
 from vexpert_runtime.serve.step import (
@@ -109,12 +110,14 @@ class HFStepModel:
         block_size: tokens per KV-cache block.
         max_context: the longest sequence (prompt + output) served, at most the checkpoint's
             ``max_position_embeddings`` (default: that; vLLM's ``--max-model-len``).
+        overlap_shared_experts: on a GPU, run each sparse block's shared expert on a side stream while
+            its router and routed experts run (off: one stream, for A/B measurements).
     """
 
     def __init__(self, path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
                  executor: MoEExecutor | None = None, kv_cache_tokens: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, load_experts: bool = True,
-                 max_context: int | None = None) -> None:
+                 max_context: int | None = None, overlap_shared_experts: bool = True) -> None:
         from transformers import AutoModelForCausalLM
 
         if load_experts:
@@ -169,6 +172,9 @@ class HFStepModel:
         # On a GPU the routers select their experts in one kernel after the logits GEMM (DeepSeek-V3's GEMM
         # on tensor cores; :mod:`.fused_router`); transformers' routers on CPU, the kernel's reference.
         self.fused_routers = fuse_model_routers(model) if self.device.type == "cuda" else 0
+        # On a GPU the shared experts run on a stream of their own beside the routed ones (:func:`sparse_block_output`).
+        self.shared_expert_stream = torch.cuda.Stream(self.device) \
+            if self.device.type == "cuda" and overlap_shared_experts else None
         if kv_cache_tokens is not None:
             self.allocate_kv_cache(blocks_for(kv_cache_tokens, block_size) + 1)
 
@@ -449,6 +455,8 @@ class HFStepModel:
                 ids = torch.zeros(0, self.top_k, dtype=torch.int64, device=self.device)
                 self.executor.forward(moe_layer, normed, ids, torch.zeros(0, self.top_k, device=self.device))
             return normed
+        if is_sparse_block(layer.mlp):
+            return sparse_block_output(layer.mlp, normed, self.shared_expert_stream)
         out: torch.Tensor = layer.mlp(normed.unsqueeze(0))
         return out.reshape(normed.shape)
 

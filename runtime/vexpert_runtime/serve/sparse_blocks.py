@@ -5,6 +5,10 @@ A sparse block is any decoder ``mlp`` with a ``gate`` (router) and an ``experts`
 DeepSeek-V3, Qwen3-MoE and Qwen2-MoE. Both the step model (:mod:`.hf_model`, which replaces each
 block's ``experts`` with an :class:`ExecutorExperts`) and the rank-local loader (:mod:`.model_loading`,
 which leaves the experts unread) ask this module which blocks those are.
+
+The step model runs a block through :func:`sparse_block_output` rather than the block's own ``forward``:
+the same sum in the same order, with the shared expert free to run on a side CUDA stream beside the
+router and the routed experts (SGLang's dual-stream MoE does this for DeepSeek's shared experts).
 """
 
 from __future__ import annotations
@@ -37,6 +41,52 @@ def is_sparse_block(mlp: Any) -> bool:
     experts = getattr(mlp, "experts", None)
     return (isinstance(getattr(mlp, "gate", None), nn.Module) and isinstance(experts, nn.Module)
             and (hasattr(experts, "gate_up_proj") or isinstance(experts, ExecutorExperts)))
+
+
+# Above this many tokens the routed experts' GEMMs fill the GPU on their own, and the shared expert gains
+# nothing from a stream of its own (SGLang's DUAL_STREAM_TOKEN_THRESHOLD for DeepSeek's MoE is the same).
+SIDE_STREAM_MAX_TOKENS = 1024
+
+
+def shared_expert(block: Any) -> tuple[Any, Any]:
+    """A sparse block's (shared expert, its sigmoid gate): DeepSeek-V3 (``shared_experts``, no gate),
+    Qwen2-MoE (``shared_expert`` and ``shared_expert_gate``), or (None, None) where there is none (Qwen3-MoE)."""
+    module = getattr(block, "shared_experts", None)
+    if module is None:
+        module = getattr(block, "shared_expert", None)
+    return module, getattr(block, "shared_expert_gate", None) if module is not None else None
+
+
+def shared_expert_output(block: Any, x: torch.Tensor) -> torch.Tensor | None:
+    """The block's shared expert over x [T, H] — Qwen2-MoE's scaled by its sigmoid gate — as transformers'
+    forward computes it; None for a block without one."""
+    module, gate = shared_expert(block)
+    if module is None:
+        return None
+    out: torch.Tensor = module(x)
+    return out if gate is None else torch.sigmoid(gate(x)) * out
+
+
+def sparse_block_output(block: Any, x: torch.Tensor, side_stream: Any = None) -> torch.Tensor:
+    """The block's output over x [T, H]: its routed experts' (router ``gate``, then ``experts``) plus its shared
+    expert's, summed in transformers' order. With ``side_stream`` (a CUDA stream; inside a graph capture too,
+    as a fork joined before the sum) and at most :data:`SIDE_STREAM_MAX_TOKENS` tokens, the shared expert's
+    GEMMs run there while the router and the EP layer's small kernels, which leave most SMs idle, run on the
+    current stream."""
+    overlap = (side_stream is not None and x.shape[0] <= SIDE_STREAM_MAX_TOKENS
+               and shared_expert(block)[0] is not None)
+    if overlap:
+        current = torch.cuda.current_stream(x.device)
+        side_stream.wait_stream(current)  # x is written on the current stream
+        with torch.cuda.stream(side_stream):
+            shared = shared_expert_output(block, x)
+    else:
+        shared = shared_expert_output(block, x)
+    _, weights, ids = block.gate(x)
+    routed: torch.Tensor = block.experts(x, ids, weights)
+    if overlap:
+        current.wait_stream(side_stream)  # the join: the sum reads the shared expert's output
+    return routed if shared is None else routed + shared
 
 
 def decoder_layers(model: Any) -> Any:
