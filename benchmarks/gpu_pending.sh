@@ -6,7 +6,7 @@
 #                graphed overlapped steps, the node's GPU path
 #   STAGE=ab     an earlier H200-measured tree (in ab_old/: run 19 a2c4df7, run 21 c40564e) beside HEAD, 256 and 64 streams (~6 min):
 #                everything since — allocation skip, node process, KV on demand, routing, block-table copy, GC freeze
-#   STAGE=knobs  HEAD at 256 streams with --api-servers 2 / 4 and --stream-interval 4 (~5 min)
+#   STAGE=knobs  HEAD at 256 streams with the defaults, --api-servers 2 / 4 and --stream-interval 4 (~6 min)
 #   STAGE=long   the block-table copy at DeepSeek-V3's 163,840 positions: ab_old vs HEAD at 256 streams, then
 #                split-KV: the graphed decode step at a 32,768-token context, 1 / 4 / 16 sequences, one pass
 #                (--kv-splits off) vs the served splits (~7 min)
@@ -55,7 +55,8 @@ case "${STAGE:-tests}" in
       bench ab_old "old$round" --model-dir /tmp/bench-ds3 --streams 256 64 "${LOAD[@]}"
       [ "$round" = 1 ] && [ "$SECONDS" -gt 300 ] && break  # one round when the checkpoint's writing took long
     done ;;
-  knobs)
+  knobs)  # the serving knobs beside the defaults, in one call on one host
+    bench . base --model-dir /tmp/bench-ds3 --streams 256 "${LOAD[@]}"
     bench . api2 --model-dir /tmp/bench-ds3 --streams 256 "${LOAD[@]}" --serve-args "--api-servers 2"
     bench . api4 --model-dir /tmp/bench-ds3 --streams 256 "${LOAD[@]}" --serve-args "--api-servers 4"
     bench . si4 --model-dir /tmp/bench-ds3 --streams 256 "${LOAD[@]}" --serve-args "--stream-interval 4" ;;

@@ -209,6 +209,45 @@ def test_the_bitmask_unpacks_as_llguidance_lays_it_out() -> None:
     assert only_among(one, [67, 2]) and not only_among(one, [2]) and only_among(torch.zeros(5, dtype=torch.int32), [])
 
 
+def test_bias_rows_hold_the_grammar_mask_and_the_logit_bias_and_are_cleared_for_their_next_holder() -> None:
+    """:meth:`PenaltyState.rows_for` writes a step's rows in one batch: a constrained row is −inf where its mask
+    allows nothing and its logit bias where it allows; a bias alone is the bias; a new mask replaces the last one
+    (nothing of it left); a row freed and taken again starts at zero."""
+    from vexpert_runtime.serve.penalties import PenaltyState
+    from vexpert_runtime.serve.step import SamplingSpec
+
+    vocab, width = 70, 3
+
+    def mask(*tokens: int) -> torch.Tensor:
+        words = torch.zeros(width, dtype=torch.int32)
+        for token in tokens:
+            words[token // 32] |= 1 << (token % 32)
+        return words
+
+    def step(seq: int, spec: SamplingSpec) -> SequenceWork:
+        return SequenceWork(seq, (5,), 3, (seq,), spec, penalty_prompt_len=3)
+
+    state = PenaltyState(vocab, "cpu")
+    state.reserve(3)
+    work = [step(0, SamplingSpec(logit_bias=((1, 2.0), (4, -1.0)), allowed=mask(0, 1, 40))),
+            step(1, SamplingSpec(allowed=mask(2, 69))), step(2, SamplingSpec(logit_bias=((7, 3.0),)))]
+    rows = state.rows_for(work)
+    assert rows is not None and state.bias is not None
+    first, second, third = (state.bias[row].clone() for row in rows.rows)
+    assert first[[0, 1, 40]].tolist() == [0.0, 2.0, 0.0] and torch.isinf(first).sum() == vocab - 3
+    assert second[[2, 69]].tolist() == [0.0, 0.0] and torch.isinf(second).sum() == vocab - 2
+    assert third[7] == 3.0 and third.abs().sum() == 3.0
+    # the next step: seq 1's grammar moved on, seq 0 left and seq 3 took its row with no bias
+    state.release(0)
+    again = state.rows_for([step(3, SamplingSpec()), step(1, SamplingSpec(allowed=mask(5))),
+                            step(2, SamplingSpec(logit_bias=((7, 3.0),)))])
+    assert again is not None and again.rows[0] == rows.rows[0] and again.rows[1:] == rows.rows[1:]
+    assert torch.equal(state.bias[again.rows[0]], torch.zeros(vocab))
+    moved = state.bias[again.rows[1]]
+    assert moved[5] == 0.0 and torch.isinf(moved).sum() == vocab - 1
+    assert torch.equal(state.bias[again.rows[2]], third)  # unchanged bias: not rewritten
+
+
 @pytest.mark.parametrize(("kind", "spec", "problem"), [
     ("regex", "[a-c", "regex"),
     ("json", '{"type": "object", "properties": 3}', "json"),

@@ -114,7 +114,9 @@ class PenaltyState:
             return None
         if reserve is not None and not self.fixed:
             self.reserve(reserve)
-        masked: list[tuple[int, torch.Tensor]] = []  # (row, its grammar's allowed tokens)
+        cleared: list[int] = []  # rows zeroed (one launch for all: a row each was a launch each, 256 a step)
+        biased: list[tuple[int, Sequence[tuple[int, float]]]] = []  # (row, its logit bias), written after
+        masked: list[tuple[int, torch.Tensor]] = []  # (row, its grammar's allowed tokens), masked last
         for item in work:
             if item.seq_id not in self._rows and item.penalty_prompt_len >= 0:
                 if not self._free:
@@ -122,19 +124,22 @@ class PenaltyState:
                         raise RuntimeError(f"all {self.scratch} penalty rows are held (reserve more)")
                     self._grow(max(8, 2 * self.scratch))
                 self._rows[item.seq_id] = row = self._free.pop()
-                assert self.bias is not None
-                self.bias[row].zero_()  # what an earlier holder left
+                cleared.append(row)  # what an earlier holder left
             spec = item.sample
             if spec is not None and item.seq_id in self._rows and (
                     spec.allowed is not None or spec.logit_bias != self._written.get(item.seq_id, ())):
                 row = self._rows[item.seq_id]  # a new bias (the first, min_tokens reached, a grammar's step): rewrite
-                assert self.bias is not None
-                self.bias[row].zero_()
+                cleared.append(row)
                 if spec.logit_bias:
-                    self._write_bias(row, spec.logit_bias)
+                    biased.append((row, spec.logit_bias))
                 self._written[item.seq_id] = spec.logit_bias if spec.allowed is None else None
                 if spec.allowed is not None:
                     masked.append((row, spec.allowed))
+        if cleared:
+            assert self.bias is not None
+            self.bias.index_fill_(0, self._upload(torch.tensor(cleared, dtype=torch.int64)), 0.0)
+        for row, pairs in biased:
+            self._write_bias(row, pairs)
         if masked:
             self._mask(masked)
         scratch = self.scratch
@@ -178,7 +183,7 @@ class PenaltyState:
         assert self.bias is not None
         rows = self._upload(torch.tensor([row for row, _ in masked], dtype=torch.int64))
         allowed = unpack_allowed(self._upload(torch.stack([words for _, words in masked])), self.vocab_size)
-        self.bias[rows] = self.bias[rows].masked_fill(~allowed, float("-inf"))
+        self.bias.index_copy_(0, rows, self.bias.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         """``host`` on the model's device without waiting for the device: a copy from pinned memory, in stream order
