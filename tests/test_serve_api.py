@@ -1515,7 +1515,8 @@ def test_return_token_ids_gives_the_prompt_and_output_ids_as_vllm(server: Backgr
                                                                     tokenizer: Any) -> None:
     """vLLM's ``return_token_ids``: each completion choice's ``prompt_token_ids`` and ``token_ids`` (every output token,
     the one that ended it too: as many as the usage counts; their text is the choice's), a chat response's prompt ids
-    once; with ``stream`` a 400 naming the field (not served yet)."""
+    once; streamed, each chunk's ids (a completion choice's first chunk with its prompt's, a chat's role chunk with
+    them), which join into the ids of the same request unstreamed."""
     answer = httpx.post(f"{server.url}/v1/completions", json={
         "model": MODEL_NAME, "prompt": [PROMPT, "fox"], "n": 2, "max_tokens": 6, "temperature": 1.0, "seed": 3,
         "return_token_ids": True}, timeout=30).json()
@@ -1531,6 +1532,38 @@ def test_return_token_ids_gives_the_prompt_and_output_ids_as_vllm(server: Backgr
     assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
     plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
     assert "token_ids" not in (plain.choices[0].model_extra or {})  # only when asked
-    error = _error(httpx.post(f"{server.url}/v1/completions", json={
-        "model": MODEL_NAME, "prompt": PROMPT, "stream": True, "return_token_ids": True}, timeout=10), 400)
-    assert error["param"] == "return_token_ids"
+
+    def streamed(path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+        with httpx.stream("POST", f"{server.url}{path}", json={**body, "stream": True}, timeout=30) as response:
+            lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        return [json.loads(line) for line in lines[:-1]]
+
+    body = {"model": MODEL_NAME, "prompt": [PROMPT, "fox"], "n": 2, "max_tokens": 6, "temperature": 1.0, "seed": 3,
+            "return_token_ids": True}
+    ids: dict[int, list[int]] = {}
+    text: dict[int, str] = {}
+    prompt_ids: dict[int, list[list[int]]] = {}
+    for chunk in streamed("/v1/completions", body):
+        for choice in chunk["choices"]:
+            index = choice["index"]
+            if index not in ids:  # the choice's first chunk leads with its prompt's ids
+                prompt_ids[index] = [choice["prompt_token_ids"]]
+            elif "prompt_token_ids" in choice:
+                prompt_ids[index].append(choice["prompt_token_ids"])
+            ids.setdefault(index, []).extend(choice["token_ids"])
+            text[index] = text.get(index, "") + choice["text"]
+    assert [prompt_ids[i] for i in range(4)] == [[prompts[0]]] * 2 + [[prompts[1]]] * 2
+    assert [ids[i] for i in range(4)] == [c["token_ids"] for c in answer["choices"]]
+    assert [text[i] for i in range(4)] == [c["text"] for c in answer["choices"]]
+    chat_body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                 "return_token_ids": True, "temperature": 1.0, "seed": 5}
+    unstreamed = httpx.post(f"{server.url}/v1/chat/completions", json=chat_body, timeout=30).json()
+    chunks = streamed("/v1/chat/completions", chat_body)
+    assert chunks[0]["prompt_token_ids"] == unstreamed["prompt_token_ids"]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("prompt_token_ids" not in chunk for chunk in chunks[1:])
+    joined = [token for chunk in chunks[1:] for choice in chunk["choices"] for token in choice["token_ids"]]
+    assert joined == unstreamed["choices"][0]["token_ids"] and len(joined) == unstreamed["usage"]["completion_tokens"]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[1:]) \
+        == unstreamed["choices"][0]["message"]["content"]

@@ -477,11 +477,35 @@ def _truncated(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt_ids:
 
 
 def _chunk(job: _Job, index: int, text: str | None, finish_reason: str | None = None,
-           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+           logprobs: dict[str, Any] | None = None, token_ids: list[int] | None = None,
+           prompt_token_ids: list[int] | None = None) -> dict[str, Any]:
+    """A streamed chunk of choice ``index``; ``token_ids`` (vLLM's ``return_token_ids``): the output ids it accounts
+    for, and in a completion's first chunk the prompt's (``prompt_token_ids``; a chat's come in its role chunk)."""
     if job.chat:
         delta = {"content": text} if text is not None else {}
-        return oa.chat_chunk(job.request_id, job.created, job.model, delta, finish_reason, index, logprobs)
-    return oa.completion_chunk(job.request_id, job.created, job.model, text or "", finish_reason, index, logprobs)
+        chunk = oa.chat_chunk(job.request_id, job.created, job.model, delta, finish_reason, index, logprobs)
+    else:
+        chunk = oa.completion_chunk(job.request_id, job.created, job.model, text or "", finish_reason, index, logprobs)
+    if token_ids is not None:
+        choice = chunk["choices"][0]
+        if prompt_token_ids is not None:
+            choice["prompt_token_ids"] = prompt_token_ids
+        choice["token_ids"] = token_ids
+    return chunk
+
+
+def _role_chunk(job: _Job, index: int) -> dict[str, Any]:
+    """A chat stream's first chunk of choice ``index``: the assistant's role — with the prompt's ids where the request
+    asks for them (vLLM's ``return_token_ids`` puts them on this chunk, beside its choices)."""
+    chunk = oa.chat_chunk(job.request_id, job.created, job.model, {"role": "assistant", "content": ""}, index=index)
+    if job.prompt_ids is not None:
+        chunk["prompt_token_ids"] = job.prompt_ids[index]
+    return chunk
+
+
+def _batch_token_ids(batch: Sequence[Event]) -> list[int]:
+    """The output ids a batch of a choice's events carries (each event its own: vLLM's ``return_token_ids``)."""
+    return [token for event in batch if isinstance(event, EventWithTokenIds) for token in event.token_ids]
 
 
 class _TokenTexts:
@@ -882,11 +906,13 @@ class ServeApi:
         texts: list[list[str]] = [[] for _ in job.choice_ids]
         logprobs: list[list[TokenLogprobs]] = [[] for _ in job.choice_ids]
         prompts: list[list[TokenLogprobs]] = [[] for _ in job.choice_ids]  # the prompt's (echo, prompt_logprobs)
-        token_ids: list[list[int] | None] = [None for _ in job.choice_ids]  # return_token_ids
+        token_ids: list[list[int]] = [[] for _ in job.choice_ids]  # return_token_ids
         finish: dict[int, str] = {}
         completion_tokens = 0
         async for index, batch in job.events:
             texts[index].extend(event.text for event in batch)
+            if job.prompt_ids is not None:
+                token_ids[index] += _batch_token_ids(batch)
             for event in batch:
                 if event.logprobs is not None:
                     prompts[index] += event.logprobs.prompt
@@ -897,7 +923,6 @@ class ServeApi:
                 if error is not None:
                     raise error
                 finish[index] = last.finish_reason or "stop"
-                token_ids[index] = list(last.token_ids) if isinstance(last, EventWithTokenIds) else None
                 completion_tokens += last.completion_tokens
         # (read to their end, not left after the last event: an async generator left suspended is closed
         # by the event loop's finalizer — a task per request)
@@ -910,7 +935,8 @@ class ServeApi:
             await self._logprobs_object(job, [*prompts[i], *logprobs[i]] if job.echo else logprobs[i], 0, echo[i][1])
             if job.logprobs else None, None,
             oa.vllm_prompt_logprobs(prompts[i], await self._token_texts.texts(prompts[i])) if job.prompt_logprobs
-            else None, token_ids[i], job.prompt_ids[i] if job.prompt_ids is not None else None))
+            else None, token_ids[i] if job.prompt_ids is not None else None,
+            job.prompt_ids[i] if job.prompt_ids is not None else None))
             for i, parts in enumerate(texts)]
         build = oa.chat_response if job.chat else oa.completion_response
         return web.json_response(build(job.request_id, job.created, job.model, choices,
@@ -949,14 +975,14 @@ class ServeApi:
         request's writer waited: one token when the loop keeps up, several when it falls behind (as
         vLLM's API server merges a request's outputs under backpressure)."""
         if job.chat:
-            yield b"".join(_sse(oa.chat_chunk(job.request_id, job.created, job.model,
-                                              {"role": "assistant", "content": ""}, index=index))
-                           for index in range(len(job.choice_ids)))
+            yield b"".join(_sse(_role_chunk(job, index)) for index in range(len(job.choice_ids)))
         completion_tokens = 0
         offsets = [0] * len(job.choice_ids)  # each choice's text offset so far (completions' logprobs)
         tool_streams = [ToolCallStream(job.tools) for _ in job.choice_ids] if job.tools is not None else None
         echoing = set(range(len(job.choice_ids))) if job.echo else set()  # choices whose prompt is still to send
-        frames = [_text_frame(_chunk(job, index, _TEXT_MARK)) for index in range(len(job.choice_ids))]
+        frames = [_text_frame(_chunk(job, index, _TEXT_MARK)) if job.prompt_ids is None else None
+                  for index in range(len(job.choice_ids))]
+        ids_pending = set(range(len(job.choice_ids))) if job.prompt_ids is not None and not job.chat else set()
         async for index, batch in job.events:
             text = "".join([event.text for event in batch])
             first = None
@@ -980,6 +1006,12 @@ class ServeApi:
             frame = frames[index]
             if logprobs is None and frame is not None:  # the usual chunk: text only
                 parts = [b"".join((frame[0], json.dumps(text, ensure_ascii=False).encode(), frame[1]))] if text else []
+            elif job.prompt_ids is not None:  # return_token_ids: every chunk with its ids, also one without text
+                ids = _batch_token_ids(batch)
+                prompt_ids = job.prompt_ids[index] if index in ids_pending else None
+                ids_pending.discard(index)
+                parts = [_sse(_chunk(job, index, text, logprobs=logprobs, token_ids=ids, prompt_token_ids=prompt_ids))
+                         ] if text or logprobs or ids or prompt_ids is not None else []
             else:
                 parts = [_sse(_chunk(job, index, text, logprobs=logprobs))] if text or logprobs else []
             if calls:
@@ -989,7 +1021,8 @@ class ServeApi:
             if last.finished:
                 error = _failed(last)
                 reason = calls_finish_reason(job.tools, last.finish_reason or "stop") if calls and job.tools else last.finish_reason
-                parts.append(_sse(error.body if error is not None else _chunk(job, index, None, reason)))
+                parts.append(_sse(error.body if error is not None else _chunk(
+                    job, index, None, reason, token_ids=[] if job.prompt_ids is not None else None)))
                 completion_tokens += last.completion_tokens
                 if job.done or error is not None:
                     if job.include_usage:

@@ -53,7 +53,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str: bool = False
     grammar: str | None = None
-    return_token_ids: bool = False  # vLLM's: the last event carries every output token id
+    return_token_ids: bool = False  # vLLM's: each event carries the output ids it accounts for
 
     @property
     def penalized(self) -> bool:
@@ -125,10 +125,17 @@ class Event:
 
 @dataclass(slots=True)
 class EventWithTokenIds(Event):
-    """The last event of a request that asks for its token ids (vLLM's ``return_token_ids``): every output id, the
-    one that ended it too. (A class of its own: a field on every event would cost each one a slot to pickle.)"""
+    """An event of a request that asks for its token ids (vLLM's ``return_token_ids``): the output ids produced
+    since its previous event — the one that ended it too, in the last. (A class of its own: a field on every event
+    would cost each one a slot to pickle.)"""
 
     token_ids: tuple[int, ...] = ()
+
+
+def with_token_ids(event: Event, token_ids: tuple[int, ...]) -> EventWithTokenIds:
+    """``event`` carrying ``token_ids``."""
+    return EventWithTokenIds(event.request_id, event.text, event.new_tokens, event.finish_reason, event.prompt_tokens,
+                             event.completion_tokens, event.error, event.logprobs, token_ids)
 
 
 @dataclass(frozen=True)

@@ -193,9 +193,6 @@ class _GenerationRequest(BaseModel):
 
     @model_validator(mode="after")
     def _compile_grammar(self) -> Any:
-        if self.return_token_ids and self.stream:
-            raise _FieldRefused("return_token_ids", "not served with stream yet: send stream false, or leave "
-                                "return_token_ids out")
         if self.prompt_logprobs and self.stream:
             raise _FieldRefused("prompt_logprobs", "not available when streaming (as vLLM): send stream false, or leave "
                                 "prompt_logprobs out")

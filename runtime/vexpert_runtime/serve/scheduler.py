@@ -60,13 +60,13 @@ from vexpert_runtime.serve.events import (
     MAX_LOGPROBS,
     Event,
     EventLogprobs,
-    EventWithTokenIds,
     GenerationRequest,
     RankLoad,
     SamplingParams,
     TokenLogprobs,
     overloaded,
     shutting_down,
+    with_token_ids,
 )
 from vexpert_runtime.serve.kv_cache import BlockPool, blocks_for, token_block_digests
 from vexpert_runtime.serve.sampling import IncrementalDetokenizer, StopChecker, request_seed
@@ -167,6 +167,7 @@ class _Sequence:
     table: tuple[int, ...] = ()  # its block table as last sent (one tuple per growth, not per iteration)
     digests: list[bytes] = field(default_factory=list)  # its full prefill blocks' (prefix caching)
     published: int = 0  # of them, published so far
+    ids_sent: int = 0  # output ids the events carried so far (a request asking for them: return_token_ids)
     unsent_text: str = ""  # produced, held for the next event (stream_interval > 1)
     unsent_tokens: int = 0
     # log-probabilities, when the request asks (None until then: no list per sequence in the steady state):
@@ -724,8 +725,7 @@ class Scheduler:
         produced = seq.unsent_tokens + (1 if reason in ("stop", "length") and seq.output else 0)
         fields = (seq.request.request_id, seq.unsent_text + text, produced, reason, seq.prompt_len, len(seq.output),
                   error, seq.take_logprobs())  # Event's, in order
-        ids = seq.request.params.return_token_ids
-        self._send(seq, EventWithTokenIds(*fields, tuple(seq.output)) if ids else Event(*fields))
+        self._send(seq, Event(*fields))
 
     def _release_if_idle(self, seq: _Sequence) -> None:
         """Return a finished sequence's blocks, unless a launched step still writes them."""
@@ -742,7 +742,12 @@ class Scheduler:
             log.exception("model.release(%d) failed", seq.seq_id)
 
     def _send(self, seq: _Sequence, event: Event) -> None:
-        """Hand an event to its sink; a broken sink (consumer gone) cancels the request."""
+        """Hand an event to its sink — with the output ids produced since the last one where the request asks for
+        them (vLLM's ``return_token_ids``: the one that ended it too) —; a broken sink (consumer gone) cancels
+        the request."""
+        if seq.request.params.return_token_ids:
+            event = with_token_ids(event, tuple(seq.output[seq.ids_sent:]))
+            seq.ids_sent = len(seq.output)
         try:
             seq.sink(event)
         except Exception:
