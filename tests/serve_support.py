@@ -99,6 +99,36 @@ def tiny_random_model(family: str) -> Any:
     return model
 
 
+def serve_with_scheduler(directory: Path, tokenizer: Any, requests: list[GenerationRequest], overlapped: bool,
+           seen: list[list[SequenceWork]] | None = None) -> dict[str, list[Event]]:
+    """The requests through the product's scheduler and a batched float32 model of the checkpoint at ``directory``
+    (steps overlapped or not); ``seen``: every step's work."""
+    from vexpert_runtime.serve.hf_model import HFStepModel
+    from vexpert_runtime.serve.sampling import eos_token_ids as eos_ids
+
+    model = HFStepModel(directory, dtype=torch.float32, kv_cache_tokens=1024, block_size=4)
+    model.overlaps_steps = overlapped
+    if seen is not None:
+        launch = model.launch
+
+        def recording(work: Sequence[SequenceWork]) -> Any:
+            seen.append(list(work))
+            return launch(work)
+
+        model.launch = recording  # type: ignore[method-assign]
+    scheduler = Scheduler(model, tokenizer, SchedulerConfig(None, max_batch_tokens=64, max_running=8),
+                          eos_ids(tokenizer))
+    events: dict[str, list[Event]] = {r.request_id: [] for r in requests}
+    for request in requests:
+        scheduler.submit(request, events[request.request_id].append)
+    for _ in range(3000):
+        if not scheduler.has_work():
+            break
+        scheduler.run_iteration()
+    assert not scheduler.has_work() and scheduler.pool.used_blocks == 0
+    return events
+
+
 def build_tiny_checkpoint(directory: Path, family: str = "qwen3_moe", special_tokens: Sequence[str] = (),
                           max_position_embeddings: int = 256) -> None:
     """A byte-level BPE tokenizer (chat template, EOS; ``special_tokens`` more special tokens) and a random

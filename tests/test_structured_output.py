@@ -24,12 +24,19 @@ import openai
 import pytest
 import torch
 
-from serve_support import MODEL_NAME, build_tiny_checkpoint, load_model, load_tokenizer, make_server
+from serve_support import (
+    MODEL_NAME,
+    build_tiny_checkpoint,
+    load_model,
+    load_tokenizer,
+    make_server,
+    serve_with_scheduler,
+)
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.serve.events import Event, GenerationRequest, SamplingParams
 from vexpert_runtime.serve.hf_model import HFStepModel
 from vexpert_runtime.serve.sampling import eos_token_ids
-from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig, only_among
+from vexpert_runtime.serve.scheduler import only_among
 from vexpert_runtime.serve.step import SequenceWork
 from vexpert_runtime.serve.structured_output import GrammarRequest, compile_grammar, unpack_allowed
 
@@ -82,32 +89,6 @@ def _reference(model: Any, tokenizer: Any, prompt: Sequence[int], grammar: str, 
     return out
 
 
-def _serve(directory: Path, tokenizer: Any, requests: list[GenerationRequest], overlapped: bool,
-           seen: list[list[SequenceWork]] | None = None) -> dict[str, list[Event]]:
-    """The requests through the product's scheduler and batched model; ``seen``: every step's work."""
-    model = HFStepModel(directory, dtype=torch.float32, kv_cache_tokens=1024, block_size=4)
-    model.overlaps_steps = overlapped
-    if seen is not None:
-        launch = model.launch
-
-        def recording(work: Sequence[SequenceWork]) -> Any:
-            seen.append(list(work))
-            return launch(work)
-
-        model.launch = recording  # type: ignore[method-assign]
-    scheduler = Scheduler(model, tokenizer, SchedulerConfig(None, max_batch_tokens=64, max_running=8),
-                          eos_token_ids(tokenizer))
-    events: dict[str, list[Event]] = {r.request_id: [] for r in requests}
-    for request in requests:
-        scheduler.submit(request, events[request.request_id].append)
-    for _ in range(3000):
-        if not scheduler.has_work():
-            break
-        scheduler.run_iteration()
-    assert not scheduler.has_work() and scheduler.pool.used_blocks == 0
-    return events
-
-
 def _text(events: list[Event]) -> str:
     assert not any(e.error for e in events), [e.error for e in events]
     return "".join(e.text for e in events)
@@ -126,13 +107,13 @@ def test_greedy_constrained_output_is_the_reference_decode_and_leaves_the_others
     free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     requests.append(GenerationRequest("free", prompt, free))
     seen: list[list[SequenceWork]] = []
-    events = _serve(directory, tokenizer, requests, overlapped, seen)
+    events = serve_with_scheduler(directory, tokenizer, requests, overlapped, seen)
     for name, grammar in grammars.items():
         expected = tokenizer.decode(_reference(model, tokenizer, prompt, grammar, 128))
         assert _text(events[name]) == expected, name
     assert json.loads(_text(events["json"])) is not None
     assert re.fullmatch(REGEX, _text(events["regex"])) and _text(events["choice"]) in CHOICES
-    alone = _serve(directory, tokenizer, [GenerationRequest("free", prompt, free)], overlapped)
+    alone = serve_with_scheduler(directory, tokenizer, [GenerationRequest("free", prompt, free)], overlapped)
     assert _text(events["free"]) == _text(alone["free"])
     constrained = {item.seq_id for work in seen for item in work if item.sample is not None
                    and item.sample.allowed is not None}
@@ -152,7 +133,7 @@ def test_a_batch_of_only_constrained_sequences_runs_them_every_step(checkpoint: 
     requests = [GenerationRequest(f"r{i}", prompt, SamplingParams(max_tokens=40, temperature=1.0, seed=i,
                                                                    grammar=grammar)) for i in range(3)]
     seen: list[list[SequenceWork]] = []
-    events = _serve(directory, tokenizer, requests, overlapped=True, seen=seen)
+    events = serve_with_scheduler(directory, tokenizer, requests, overlapped=True, seen=seen)
     assert all(re.fullmatch("[a-c]{12}", _text(events[f"r{i}"])) for i in range(3))
     for seq in range(3):
         steps = [n for n, work in enumerate(seen) if any(item.seq_id == seq for item in work)]
@@ -166,7 +147,7 @@ def test_sampled_choices_always_follow_their_schema_regex_and_choices(checkpoint
     requests = [GenerationRequest(f"{name}{i}", prompt, SamplingParams(
         max_tokens=64, temperature=1.0, top_p=0.95, seed=i, grammar=_grammar(kind, spec, flexible=False)))
         for name, (kind, spec) in kinds.items() for i in range(6)]
-    events = _serve(directory, tokenizer, requests, overlapped=True)
+    events = serve_with_scheduler(directory, tokenizer, requests, overlapped=True)
     texts = {name: _text(batch) for name, batch in events.items()}
     for name, batch in events.items():
         assert batch[-1].finish_reason == "stop", (name, texts[name])
@@ -189,7 +170,7 @@ def test_a_complete_grammar_ends_the_output_before_min_tokens_and_ignoring_eos(
                                                                 grammar=grammar)),
                 GenerationRequest("ignore", prompt, SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True,
                                                                    grammar=grammar))]
-    events = _serve(directory, tokenizer, requests, overlapped=False)
+    events = serve_with_scheduler(directory, tokenizer, requests, overlapped=False)
     for name in ("min", "ignore"):
         assert _text(events[name]) == "yes" and events[name][-1].finish_reason == "stop", name
 

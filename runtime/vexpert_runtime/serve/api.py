@@ -402,9 +402,10 @@ def _text_frame(payload: dict[str, Any]) -> tuple[bytes, bytes] | None:
 
 
 def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt_len: int, chat: bool,
-                    config: ApiConfig) -> SamplingParams:
+                    config: ApiConfig, bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
     """A request's sampling for one of its prompts: the defaults resolved (``config.sampling_defaults``),
-    the lengths checked against the context (a 400 naming the field)."""
+    the lengths checked against the context (a 400 naming the field); ``bad_words``: its bad words' ids
+    (:func:`bad_word_ids`)."""
     limit = config.max_context
     prompt_param = "messages" if chat else "prompt"
     if prompt_len == 0:
@@ -442,9 +443,24 @@ def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt
         include_stop_str=req.include_stop_str_in_output,
         grammar=req.grammar,
         return_token_ids=req.return_token_ids,
+        bad_words=bad_words,
         # a tool-call format whose markers may be special tokens needs them in the text (as vLLM's parsers ask)
         skip_special_tokens=req.skip_special_tokens and tool_format(req, config) not in KEEPS_SPECIAL_TOKENS,
     )
+
+
+def bad_word_ids(words: Sequence[str], tokenizer: Any) -> tuple[tuple[int, ...], ...]:
+    """The token sequences of a request's ``bad_words``, as vLLM forms them: each word (its leading whitespace
+    stripped) as it starts a text, and after a space where that tokenizes to as many tokens with a different first
+    one (the word in the middle of a text)."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        sequences.append(alone)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and len(spaced) == len(alone) and spaced[0] != alone[0]:
+            sequences.append(spaced)
+    return tuple(sequences)
 
 
 def tool_format(req: oa.CompletionRequest | oa.ChatCompletionRequest, config: ApiConfig) -> ToolFormat | None:
@@ -492,6 +508,37 @@ def _chunk(job: _Job, index: int, text: str | None, finish_reason: str | None = 
             choice["prompt_token_ids"] = prompt_token_ids
         choice["token_ids"] = token_ids
     return chunk
+
+
+def _text_parts(job: _Job, index: int, text: str, logprobs: dict[str, Any] | None, frame: tuple[bytes, bytes] | None,
+                batch: Sequence[Event], first: bool) -> list[bytes]:
+    """The SSE chunk of a batch's text, if it has something to say: from the choice's prebuilt ``frame`` where it is
+    text alone; with ``return_token_ids`` each with its ids (the prompt's in a completion choice's ``first``), also
+    one without text."""
+    if logprobs is None and frame is not None:  # the usual chunk: text only
+        return [b"".join((frame[0], json.dumps(text, ensure_ascii=False).encode(), frame[1]))] if text else []
+    if job.prompt_ids is not None:
+        ids = _batch_token_ids(batch)
+        prompt_ids = job.prompt_ids[index] if first else None
+        return [_sse(_chunk(job, index, text, logprobs=logprobs, token_ids=ids, prompt_token_ids=prompt_ids))
+                ] if text or logprobs or ids or prompt_ids is not None else []
+    return [_sse(_chunk(job, index, text, logprobs=logprobs))] if text or logprobs else []
+
+
+def _finish_parts(job: _Job, index: int, last: Event, error: ApiError | None, called: bool,
+                  completion_tokens: int) -> list[bytes]:
+    """A choice's finish chunk (or the error that ends the response) — the usage chunk and ``[DONE]`` after the
+    last choice's (``completion_tokens``: all choices' so far)."""
+    reason = calls_finish_reason(job.tools, last.finish_reason or "stop") if called and job.tools else last.finish_reason
+    parts = [_sse(error.body if error is not None else _chunk(
+        job, index, None, reason, token_ids=[] if job.prompt_ids is not None else None))]
+    if job.done or error is not None:
+        if job.include_usage:
+            obj = "chat.completion.chunk" if job.chat else "text_completion"
+            parts.append(_sse(oa.usage_chunk(obj, job.request_id, job.created, job.model, job.prompt_tokens,
+                                             completion_tokens)))
+        parts.append(b"data: [DONE]\n\n")
+    return parts
 
 
 def _role_chunk(job: _Job, index: int) -> dict[str, Any]:
@@ -753,7 +800,7 @@ class ServeApi:
         return await self._generate(request, req, [_truncated(req, prompt_ids, self.config.max_context)], chat=True)
 
 
-    async def _tokenized(self, encode: Callable[..., list[int]], prompt: Any, chars: int) -> list[int]:
+    async def _tokenized(self, encode: Callable[..., _Result], prompt: Any, chars: int) -> _Result:
         """``encode(prompt, tokenizer)``: up to ``INLINE_TOKENIZE_CHARS`` on the loop with its own
         tokenizer (no hand-off), else on the tokenizer thread (see :meth:`_off_loop`)."""
         if self._loop_tokenizer is not None and chars <= INLINE_TOKENIZE_CHARS:
@@ -832,6 +879,9 @@ class ServeApi:
             raise ApiError(400, f"prompt: token ids must be in [0, {self.config.vocab_size})", param="prompt")
         return prompt
 
+    def _encode_bad_words(self, words: list[str], tokenizer: Any = None) -> tuple[tuple[int, ...], ...]:
+        return bad_word_ids(words, tokenizer or self.tokenizer)
+
     def _encode_chat(self, req: oa.ChatCompletionRequest, tokenizer: Any = None) -> list[int]:
         """Render the chat template (with the request's tools, documents and template variables), then
         tokenize (the template already holds the special tokens); ``tokenizer`` as for :meth:`_encode_prompt`."""
@@ -860,7 +910,9 @@ class ServeApi:
         """Submit the request's choices (``n`` per prompt) to the dispatcher — all of them or none (a
         refusal of one cancels those queued before it) — and answer as one JSON body or an SSE stream
         (``echo``: each choice's prompt text and first token, to lead its text and log-probabilities)."""
-        params = [sampling_params(req, len(prompt_ids), chat, self.config) for prompt_ids in prompts]
+        bad = await self._tokenized(self._encode_bad_words, req.bad_words, sum(map(len, req.bad_words))) \
+            if req.bad_words else ()
+        params = [sampling_params(req, len(prompt_ids), chat, self.config, bad) for prompt_ids in prompts]
         request_id = oa.new_request_id("chatcmpl" if chat else "cmpl")
         requests = choice_requests(request_id, [(tuple(ids), p) for ids, p in zip(prompts, params, strict=True)],
                                    req.choices)
@@ -1003,33 +1055,17 @@ class ServeApi:
                     tail, calls = tool_streams[index].finish()
                     calls = calls[:1] if job.one_call else calls
                     text += tail
-            frame = frames[index]
-            if logprobs is None and frame is not None:  # the usual chunk: text only
-                parts = [b"".join((frame[0], json.dumps(text, ensure_ascii=False).encode(), frame[1]))] if text else []
-            elif job.prompt_ids is not None:  # return_token_ids: every chunk with its ids, also one without text
-                ids = _batch_token_ids(batch)
-                prompt_ids = job.prompt_ids[index] if index in ids_pending else None
-                ids_pending.discard(index)
-                parts = [_sse(_chunk(job, index, text, logprobs=logprobs, token_ids=ids, prompt_token_ids=prompt_ids))
-                         ] if text or logprobs or ids or prompt_ids is not None else []
-            else:
-                parts = [_sse(_chunk(job, index, text, logprobs=logprobs))] if text or logprobs else []
+            parts = _text_parts(job, index, text, logprobs, frames[index], batch, index in ids_pending)
+            ids_pending.discard(index)
             if calls:
                 parts.append(_sse(oa.chat_chunk(job.request_id, job.created, job.model, {"tool_calls": [
                     call.as_json(i) for i, call in enumerate(calls)]}, index=index)))
             last = batch[-1]
             if last.finished:
                 error = _failed(last)
-                reason = calls_finish_reason(job.tools, last.finish_reason or "stop") if calls and job.tools else last.finish_reason
-                parts.append(_sse(error.body if error is not None else _chunk(
-                    job, index, None, reason, token_ids=[] if job.prompt_ids is not None else None)))
                 completion_tokens += last.completion_tokens
+                parts += _finish_parts(job, index, last, error, bool(calls), completion_tokens)
                 if job.done or error is not None:
-                    if job.include_usage:
-                        obj = "chat.completion.chunk" if job.chat else "text_completion"
-                        parts.append(_sse(oa.usage_chunk(obj, job.request_id, job.created, job.model,
-                                                         job.prompt_tokens, completion_tokens)))
-                    parts.append(b"data: [DONE]\n\n")
                     yield b"".join(parts)
                     if error is not None:
                         return

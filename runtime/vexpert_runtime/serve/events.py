@@ -31,7 +31,9 @@ class SamplingParams:
     neither EOS nor a stop token id is sampled, nor a stop string looked for, before that many tokens (vLLM's);
     ``skip_special_tokens`` False: the text keeps the special tokens the model writes (not EOS / stop ids, which end it);
     ``include_stop_str``: the stop string that ended the text is part of it (vLLM's ``include_stop_str_in_output``);
-    ``grammar``: the output follows this llguidance grammar (:mod:`.structured_output`, compiled by the API).
+    ``grammar``: the output follows this llguidance grammar (:mod:`.structured_output`, compiled by the API);
+    ``bad_words``: token sequences the output never completes — a one-token word is never drawn, a longer one's last
+    token not where the output ends with the rest (vLLM's ``bad_words``, tokenized by the API).
     """
 
     max_tokens: int
@@ -54,6 +56,7 @@ class SamplingParams:
     include_stop_str: bool = False
     grammar: str | None = None
     return_token_ids: bool = False  # vLLM's: each event carries the output ids it accounts for
+    bad_words: tuple[tuple[int, ...], ...] = ()  # vLLM's, as token ids: a word's last token never completes it
 
     @property
     def penalized(self) -> bool:
@@ -62,8 +65,9 @@ class SamplingParams:
     @property
     def holds_row(self) -> bool:
         """Whether the model keeps a row of per-sequence tables for it (penalties, a logit bias, min_tokens, a
-        grammar: its bias row masks the tokens the grammar does not allow)."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.grammar is not None
+        grammar — its bias row masks the tokens the grammar does not allow —, bad words)."""
+        return (self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.grammar is not None
+                or bool(self.bad_words))
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,8 @@ Json = dict[str, Any]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_CHOICES = 128  # the most choices (``n``) one request may ask for: OpenAI's limit
 MAX_LOGIT_BIAS = 300  # the most tokens one request's logit_bias may name: OpenAI's limit
+MAX_BAD_WORDS = 300  # the most bad words one request may send (each is a check per draw): as many as logit_bias ids
+MAX_BAD_WORD_CHARS = 200  # a bad word is a word or a phrase, not a text
 ROLES = ("system", "developer", "user", "assistant", "tool")
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -81,7 +83,6 @@ _REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_json": ((), _GUIDED), "guided_regex": ((), _GUIDED), "guided_choice": ((), _GUIDED),
     "guided_grammar": ((), _GUIDED), "guided_decoding_backend": ((), _GUIDED),
     "guided_whitespace_pattern": ((), _GUIDED),
-    "bad_words": (([],), "not supported; leave it out"),
     "allowed_token_ids": ((), "not supported; leave it out"),
     "use_beam_search": ((False,), "beam search is not supported; send false"),
     "return_tokens_as_token_ids": ((False,), "not supported; send false"),
@@ -185,6 +186,7 @@ class _GenerationRequest(BaseModel):
     include_stop_str_in_output: StrictBool = False  # vLLM's: the stop string that ended the text is part of it
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's (not streamed)
     return_token_ids: StrictBool = False  # vLLM's: the prompt's and each choice's token ids in the answer
+    bad_words: list[StrictStr] | None = Field(default=None, max_length=MAX_BAD_WORDS)  # vLLM's: words never written
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # vLLM's: keep that many prompt tokens
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: "left" (its default) keeps the last ones
     response_format: ResponseFormat | None = None  # OpenAI's structured output (:mod:`.structured_output`)
@@ -259,6 +261,16 @@ class _GenerationRequest(BaseModel):
         if ids and any(i < 0 for i in ids):
             raise ValueError("token ids must be ≥ 0")
         return ids
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, words: list[str] | None) -> list[str] | None:
+        for word in words or ():
+            if not word.strip():
+                raise ValueError("each bad word needs a character that is not whitespace")
+            if len(word) > MAX_BAD_WORD_CHARS:
+                raise ValueError(f"each bad word at most {MAX_BAD_WORD_CHARS} characters")
+        return words
 
     @field_validator("logit_bias")
     @classmethod

@@ -49,7 +49,7 @@ import dataclasses
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -153,8 +153,11 @@ class _Sequence:
     prompt_len: int = field(init=False)  # len(request.prompt_ids), kept: read every iteration
     max_tokens: int = field(init=False)  # request.params.max_tokens, likewise
     penalty_prompt_len: int = field(init=False)  # SequenceWork's: prompt_len with penalties or a logit bias, else −1
+    bias: tuple[tuple[int, float], ...] = field(init=False)  # the logit bias: the request's, its 1-token bad words −inf
+    bad_words: tuple[tuple[int, ...], ...] = field(init=False)  # its bad words of several tokens, checked at each draw
     early_bias: tuple[tuple[int, float], ...] = ()  # the logit bias before min_tokens: the stop ids at −inf
     grammar: GrammarMatcher | None = None  # structured output: where the output is in its grammar
+    constrained: bool = False  # each draw reads the output before it (a grammar, bad words): no overlapped steps
     prefill_len: int = field(init=False)  # tokens to compute before decoding: the prompt (+ output after a preemption)
     computed: int = 0  # tokens the model holds in its KV cache (or will, once the launched steps are done)
     admitted: bool = False
@@ -179,6 +182,7 @@ class _Sequence:
         self.prompt_len = self.prefill_len = len(self.request.prompt_ids)
         self.max_tokens = self.request.params.max_tokens
         self.penalty_prompt_len = self.prompt_len if self.request.params.holds_row else -1
+        self.bias, self.bad_words = split_bad_words(self.request.params.logit_bias, self.request.params.bad_words)
 
     def known_tokens(self, start: int, end: int) -> tuple[int, ...]:
         """Tokens ``start .. end-1`` of prompt + output (read ones)."""
@@ -197,7 +201,7 @@ class _Sequence:
         draw = self.generated
         return SamplingSpec(params.temperature, params.top_p, self.seed, draw, params.top_k, params.min_p,
                             params.logprobs is not None, params.repetition_penalty, params.presence_penalty,
-                            params.frequency_penalty, self.early_bias if draw < params.min_tokens else params.logit_bias)
+                            params.frequency_penalty, self.early_bias if draw < params.min_tokens else self.bias)
 
     def prompt_targets(self, start: int, end: int) -> tuple[int, ...]:
         """A prefill chunk's :attr:`~.step.SequenceWork.prompt_targets` (positions ``start .. end-1``): the
@@ -233,7 +237,7 @@ class _Sequence:
         spec = SamplingSpec(params.temperature, params.top_p, self.seed, draw, params.top_k,
                             params.min_p, params.logprobs is not None, params.repetition_penalty,
                             params.presence_penalty, params.frequency_penalty,
-                            self.early_bias if draw < params.min_tokens else params.logit_bias)
+                            self.early_bias if draw < params.min_tokens else self.bias)
         if self.pending:  # its token is on the device, sampled by the step still running
             return SequenceWork(self.seq_id, (0,), computed, self.table, spec, self.sample_row, self.penalty_prompt_len)
         return SequenceWork(self.seq_id, (self.output[-1],), computed, self.table, spec, None, self.penalty_prompt_len)
@@ -267,20 +271,43 @@ def check_request(request: GenerationRequest, max_context: int, vocab_size: int)
         raise VExpertInputError("min_tokens", f"must be in [0, max_tokens = {params.max_tokens}]")
     if any(not 0 <= token < vocab_size or not -100 <= bias <= 100 for token, bias in params.logit_bias):
         raise VExpertInputError("logit_bias", f"token ids must be in [0, {vocab_size}) and biases in [-100, 100]")
+    if any(not word or min(word) < 0 or max(word) >= vocab_size for word in params.bad_words):
+        raise VExpertInputError("bad_words", f"each word's token ids must be in [0, {vocab_size}) (and at least one)")
     if params.seed is not None and not -(2**63) <= params.seed < 2**64:
         raise VExpertInputError("seed", "must fit in 64 bits")
     if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab_size:
         raise VExpertInputError("prompt", f"token ids must be in [0, {vocab_size})")
 
 
-def early_bias(params: SamplingParams, eos_ids: frozenset[int]) -> tuple[tuple[int, float], ...]:
-    """A request's logit bias until ``min_tokens`` tokens are out: its own, with −inf on the ids that would end it
-    (its stop token ids, and EOS unless it ignores EOS), as vLLM's min-tokens processor masks them; () without
-    ``min_tokens``."""
+def early_bias(params: SamplingParams, eos_ids: frozenset[int], bias: tuple[tuple[int, float], ...]
+               ) -> tuple[tuple[int, float], ...]:
+    """A sequence's logit bias until ``min_tokens`` tokens are out: its own (``bias``), with −inf on the ids that
+    would end it (its stop token ids, and EOS unless it ignores EOS), as vLLM's min-tokens processor masks them; ()
+    without ``min_tokens``."""
     if params.min_tokens <= 0:
         return ()
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
-    return tuple(sorted({**dict(params.logit_bias), **dict.fromkeys(stops, float("-inf"))}.items()))
+    return banning(bias, stops)
+
+
+def banning(bias: tuple[tuple[int, float], ...], tokens: Iterable[int]) -> tuple[tuple[int, float], ...]:
+    """Logit bias ``bias`` (sorted (id, bias) pairs) with −inf on ``tokens``, sorted."""
+    return tuple(sorted({**dict(bias), **dict.fromkeys(tokens, float("-inf"))}.items()))
+
+
+def split_bad_words(bias: tuple[tuple[int, float], ...], bad_words: tuple[tuple[int, ...], ...]
+                    ) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, ...], ...]]:
+    """(``bias`` with −inf on the one-token bad words — never drawn —, the bad words of several tokens — their
+    last token is banned where the output ends with the rest: :func:`banned_next`)."""
+    single = [word[0] for word in bad_words if len(word) == 1]
+    return (banning(bias, single) if single else bias), tuple(word for word in bad_words if len(word) > 1)
+
+
+def banned_next(output: Sequence[int], bad_words: tuple[tuple[int, ...], ...]) -> list[int]:
+    """The tokens the next draw may not take: the last of each bad word (of several tokens) whose other tokens the
+    output ends with — vLLM's ``apply_bad_words`` (only the output counts, not the prompt)."""
+    return [word[-1] for word in bad_words
+            if len(word) - 1 <= len(output) and tuple(output[len(output) - len(word) + 1:]) == word[:-1]]
 
 
 def only_among(allowed: torch.Tensor, ids: Iterable[int]) -> bool:
@@ -320,26 +347,31 @@ def _keep_prompt_logprobs(seq: _Sequence, item: SequenceWork, prompt: PromptLogp
 
 def constrain_draws(batch: list[tuple[_Sequence, SequenceWork]], grammars: GrammarTokens) -> None:
     """Each constrained draw of the batch takes only what its grammar allows next (the host has read every
-    token before it: :func:`split_running`); all masks in one call. A grammar that allows nothing but the ids
-    ``min_tokens`` holds back (it is complete) ends the output all the same."""
+    token before it: :func:`split_running`), all masks in one call, and none of the tokens that would complete one of
+    its bad words. A grammar that allows nothing but the ids ``min_tokens`` holds back (it is complete) ends the
+    output all the same."""
     constrained = [(seq, seq.grammar, item.sample) for seq, item in batch
                    if seq.grammar is not None and item.sample is not None]
-    if not constrained:
-        return
-    masks = grammars.allowed([grammar for _, grammar, _ in constrained if grammar is not None])
-    for (seq, _, spec), allowed in zip(constrained, masks, strict=True):
-        assert spec is not None
-        spec.allowed = allowed
-        if seq.early_bias and spec.logit_bias is seq.early_bias and only_among(
-                allowed, (token for token, bias in seq.early_bias if bias < 0)):
-            spec.logit_bias = seq.request.params.logit_bias
+    if constrained:
+        masks = grammars.allowed([grammar for _, grammar, _ in constrained if grammar is not None])
+        for (seq, _, spec), allowed in zip(constrained, masks, strict=True):
+            assert spec is not None
+            spec.allowed = allowed
+            if seq.early_bias and spec.logit_bias is seq.early_bias and only_among(
+                    allowed, (token for token, bias in seq.early_bias if bias < 0)):
+                spec.logit_bias = seq.bias
+    for seq, item in batch:
+        if seq.bad_words and item.sample is not None:
+            banned = banned_next(seq.output, seq.bad_words)
+            if banned:
+                item.sample.logit_bias = banning(item.sample.logit_bias, banned)
 
 
 def split_running(running: Iterable[_Sequence], block_size: int, max_context: int, constrained: bool = False
                   ) -> tuple[list[_Sequence], list[_Sequence], int, int]:
     """The running sequences that decode this iteration and those still prefilling; the blocks
     the decodes take now and those the prefills will take until their first token. ``constrained``: some
-    sequence follows a grammar (False: none is looked for)."""
+    sequence reads its output before each draw (a grammar, bad words; False: none is looked for)."""
     decoding: list[_Sequence] = []
     prefilling: list[_Sequence] = []
     need = committed = 0
@@ -347,7 +379,7 @@ def split_running(running: Iterable[_Sequence], block_size: int, max_context: in
         if seq.computed < seq.prefill_len:
             prefilling.append(seq)
             committed += blocks_for(seq.prefill_len + 1, block_size) - len(seq.table)
-        elif not seq.last_pending(max_context) and not (constrained and seq.pending and seq.grammar is not None):
+        elif not seq.last_pending(max_context) and not (constrained and seq.pending and seq.constrained):
             # (a constrained sequence's next draw depends on the token still being sampled: it sits out a step)
             decoding.append(seq)
             if seq.computed >= len(seq.table) * block_size:  # its token starts a block
@@ -392,7 +424,7 @@ class Scheduler:
         self.config = config
         self.eos_ids = eos_ids
         self._grammars = GrammarTokens(tokenizer, model.vocab_size, eos_ids)  # llguidance's view of the tokenizer
-        self._constrained = 0  # live sequences that follow a grammar (none: no grammar work per iteration)
+        self._constrained = 0  # live sequences with a grammar or bad words (none: no such work per iteration)
         self._stream_interval = config.stream_interval  # read per token
         self._lock = threading.Lock()
         self._inbox: list[tuple[GenerationRequest, EventSink]] = []
@@ -558,6 +590,9 @@ class Scheduler:
             self._by_request[request.request_id] = seq
             if request.params.grammar is not None:
                 self._start_grammar(seq, request.params.grammar)
+            if not seq.finished and (seq.grammar is not None or seq.bad_words):
+                seq.constrained = True
+                self._constrained += 1
         for request_id in cancels:
             cancelled = self._by_request.get(request_id)
             if cancelled is not None:
@@ -574,7 +609,7 @@ class Scheduler:
                         detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_ids,
                                                            request.params.skip_special_tokens),
                         seed=request_seed(request.params.seed))
-        seq.early_bias = early_bias(request.params, self.eos_ids)
+        seq.early_bias = early_bias(request.params, self.eos_ids, seq.bias)
         return seq
 
     def _split(self) -> tuple[list[_Sequence], list[_Sequence], int, int]:
@@ -583,7 +618,6 @@ class Scheduler:
     def _start_grammar(self, seq: _Sequence, grammar: str) -> None:
         try:
             seq.grammar = self._grammars.matcher(grammar)
-            self._constrained += 1
         except Exception as exc:  # the API compiled it: a tokenizer llguidance cannot read, or a bug
             log.exception("grammar of %s", seq.request.request_id)
             self._finish(seq, "error", error=f"structured output failed: {exc}")
@@ -709,8 +743,9 @@ class Scheduler:
         writes it any more)."""
         self._by_request.pop(seq.request.request_id, None)
         seq.finished = True
-        if seq.grammar is not None:
-            seq.grammar = None
+        seq.grammar = None
+        if seq.constrained:
+            seq.constrained = False
             self._constrained -= 1
         if self.config.prefix_caching and seq.holds_blocks and reason != "error":
             publish_known(self.pool, seq)
