@@ -9,7 +9,8 @@ token log-probabilities, the top-k sets), also with ``echo`` (the prompt's); cha
 ``n`` > 1; a batch of prompts; structured output (``structured_outputs``: a JSON schema, a regex, choices, a Lark
 grammar; ``response_format``: ``json_schema``, ``json_object``) and ``tool_choice`` ``"required"`` / a named function
 (vLLM with ``--enable-auto-tool-choice --tool-call-parser hermes`` and its default backend, xgrammar; see
-``--vllm-args`` for its llguidance backend).
+``--vllm-args`` for its llguidance backend); ``return_token_ids`` unstreamed and streamed (the chunks' ids joined);
+``bad_words`` — the first two words of the checkpoint's greedy completion (transformers ``generate``), banned.
 Sampled answers are compared only in form (choices, their order, usage): the two servers draw from their own
 random streams — the ``n`` cases sample (vLLM refuses ``n`` > 1 with greedy sampling; vexpert returns n equal choices).
 
@@ -44,8 +45,9 @@ from cpu_serve_compare import (
 NEW_TOKENS = 24
 
 
-def cases(prompts: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
-    """name → (endpoint, body): every body greedy, ``ignore_eos``, ``NEW_TOKENS`` tokens."""
+def cases(prompts: list[str], bad_words: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """name → (endpoint, body): every body greedy, ``ignore_eos``, ``NEW_TOKENS`` tokens; ``bad_words``: words the
+    greedy completion writes (:func:`written_words`)."""
     base = {"model": MODEL_NAME, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
     completion = {**base, "prompt": prompts[0]}
     chat = {**base, "messages": [{"role": "user", "content": prompts[1]}]}
@@ -69,6 +71,11 @@ def cases(prompts: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
         "prompt_logprobs 3": ("completions", {**completion, "prompt_logprobs": 3}),
         "return_token_ids": ("completions", {**completion, "return_token_ids": True}),
         "chat return_token_ids": ("chat/completions", {**chat, "return_token_ids": True}),
+        "return_token_ids, stream": ("completions", {**completion, "return_token_ids": True, **STREAM}),
+        "chat return_token_ids, stream": ("chat/completions", {**chat, "return_token_ids": True, **STREAM}),
+        "bad_words (written by the greedy completion)": ("completions", {**completion, "bad_words": bad_words}),
+        "bad_words, return_token_ids": ("completions", {**completion, "bad_words": bad_words,
+                                                        "return_token_ids": True}),
         "chat prompt_logprobs 2": ("chat/completions", {**chat, "prompt_logprobs": 2}),
         **structured_cases(completion, chat),
         "n 3 (sampled)": ("completions", {**completion, "n": 3, "temperature": 1.0, "seed": 7}),
@@ -118,11 +125,54 @@ def structured_cases(completion: dict[str, Any], chat: dict[str, Any]) -> dict[s
     }
 
 
+STREAM = {"stream": True, "stream_options": {"include_usage": True}}
+
+
+def written_words(model: Path, prompt: str, count: int = 2) -> list[str]:
+    """The first ``count`` words of the checkpoint's greedy completion of ``prompt`` (transformers ``generate``,
+    ``NEW_TOKENS`` tokens): words a ``bad_words`` case then bans."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS)
+    words = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split()
+    return words[:count]
+
+
+def fold_stream(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed answer as an unstreamed one: each choice's text (or message content), output ids and prompt ids
+    joined over its chunks, the prompt ids a chat stream sends beside its choices, the usage chunk's usage."""
+    choices: dict[int, dict[str, Any]] = {}
+    answer: dict[str, Any] = {}
+    for chunk in chunks:
+        if "prompt_token_ids" in chunk:
+            answer["prompt_token_ids"] = chunk["prompt_token_ids"]
+        if chunk.get("usage"):
+            answer["usage"] = chunk["usage"]
+        for part in chunk.get("choices") or []:
+            choice = choices.setdefault(part["index"], {"index": part["index"], "text": "", "token_ids": []})
+            choice["text"] += part.get("text") or (part.get("delta") or {}).get("content") or ""
+            choice["token_ids"] += part.get("token_ids") or []
+            if part.get("prompt_token_ids") is not None:
+                choice["prompt_token_ids"] = part["prompt_token_ids"]
+            choice["finish_reason"] = part.get("finish_reason") or choice.get("finish_reason")
+    answer["choices"] = [choices[i] for i in sorted(choices)]
+    return answer
+
+
 def post(url: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
     request = urllib.request.Request(f"{url}/v1/{endpoint}", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=300) as response:
-        return dict(json.loads(response.read()))
+        if not body.get("stream"):
+            return dict(json.loads(response.read()))
+        lines = [line.decode().strip() for line in response]
+    data = [line[6:] for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+    return fold_stream([json.loads(line) for line in data])
 
 
 def ask(name: str, model: Path, requests: dict[str, tuple[str, dict[str, Any]]], args: argparse.Namespace
@@ -149,6 +199,12 @@ def ask(name: str, model: Path, requests: dict[str, tuple[str, dict[str, Any]]],
 
 def _texts(answer: dict[str, Any]) -> list[str]:
     return [c.get("text", (c.get("message") or {}).get("content")) for c in answer.get("choices", [])]
+
+
+def _ids_in(answer: dict[str, Any]) -> tuple[Any, list[Any]]:
+    """(the prompt's ids — a choice's, or a chat response's —, each choice's output ids) of ``return_token_ids``."""
+    return (answer.get("prompt_token_ids") or answer["choices"][0].get("prompt_token_ids"),
+            [c.get("token_ids") for c in answer["choices"]])
 
 
 def _calls(answer: dict[str, Any]) -> list[Any]:
@@ -187,8 +243,7 @@ def compare(case: str, ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str
     if "tool_choice" in case:
         row["calls_equal"] = _calls(ours) == _calls(theirs)
     if "return_token_ids" in case:  # the prompt's ids (a choice's, or a chat response's) and each choice's output ids
-        ids = [(answer.get("prompt_token_ids") or answer["choices"][0].get("prompt_token_ids"),
-                [c.get("token_ids") for c in answer["choices"]]) for answer in (ours, theirs)]
+        ids = [_ids_in(answer) for answer in (ours, theirs)]
         row["tokens_equal"] = ids[0] == ids[1] and ids[0][0] is not None
     if "prompt_logprobs" in case:  # vLLM's list: per prompt token {id: {logprob, rank, decoded_token}}
         mine, peer = _prompt_logprobs(ours), _prompt_logprobs(theirs)
@@ -258,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     args.vexpert_src = args.max_running = args.max_batch_tokens = None  # server_command's other knobs: unused
     args.out.mkdir(parents=True, exist_ok=True)
     model = build_checkpoint(args.work / "model")
-    requests = cases(make_prompts(model, 2, 32))
+    prompts = make_prompts(model, 2, 32)
+    requests = cases(prompts, written_words(model, prompts[0]))
     started = time.perf_counter()
     ours = ask(f"vexpert-{args.workers}", model, requests, args)
     theirs = ask("vllm", model, requests, args)

@@ -1100,11 +1100,14 @@ def test_what_crosses_process_boundaries_pickles() -> None:
         assert pickle.loads(pickle.dumps(item)) == item
     refusal = pickle.loads(pickle.dumps(overloaded(8)))
     assert (refusal.status, refusal.retry_after_s, str(refusal)) == (429, 1, str(overloaded(8)))
-    from vexpert_runtime.serve.events import RankEvent
+    from vexpert_runtime.serve.events import EventWithTokenIds, RankEvent, with_token_ids
 
+    ids = with_token_ids(event, (5, 6, 7))  # return_token_ids: an event with its output ids, beside plain ones
     for message in (RankEvent(0, (event,), ("a", "b"), RankLoad(1, 2, 3, 4, 5)), RankEvent(2, (), ("c",)),
-                    RankEvent(1, (event, event))):
-        assert pickle.loads(pickle.dumps(message)) == message
+                    RankEvent(1, (event, event)), RankEvent(3, (event, ids, event, with_token_ids(event, ())))):
+        back = pickle.loads(pickle.dumps(message))
+        assert back == message and [type(e) for e in back.events] == [type(e) for e in message.events]
+    assert isinstance(ids, EventWithTokenIds) and pickle.loads(pickle.dumps(RankEvent(0, (ids,)))).events[0] == ids
 
 
 def test_a_ranks_iteration_reaches_the_api_as_one_message(hf_model: Any, tokenizer: Any) -> None:

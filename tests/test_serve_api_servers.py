@@ -112,6 +112,21 @@ def test_two_api_servers_share_the_port_serve_both_count_both_and_stop_together(
                 time.sleep(0.3)
         for _ in range(6):  # on either server: the node's series too
             assert _metric(url, "vexpert_iterations_total") > 0
+        # return_token_ids from worker processes (the ids cross the rank → API pipe beside the events' rows)
+        body = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": TOKENS, "ignore_eos": True,
+                "temperature": 0, "return_token_ids": True}
+        request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            answer = json.loads(resp.read())
+        choice = answer["choices"][0]
+        assert len(choice["token_ids"]) == TOKENS and len(choice["prompt_token_ids"]) == answer["usage"]["prompt_tokens"]
+        request = urllib.request.Request(url + "/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            chunks = [json.loads(line[6:]) for line in resp.read().decode().splitlines()
+                      if line.startswith("data: {")]
+        assert [t for chunk in chunks for c in chunk["choices"] for t in c["token_ids"]] == choice["token_ids"]
         # 4 prompts over 2 ranks: after each rank's first of each, the prompts' whole blocks come from the
         # cache (2944 of 3072 tokens here; prompts admitted in one iteration may still both compute)
         queried = _metric(url, "vexpert_serve_prefix_cache_queried_tokens")
