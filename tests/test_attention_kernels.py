@@ -49,6 +49,7 @@ def check_kernels_on_cpu() -> None:
         assert (got - want).abs().max() < 1e-5, (kv_heads, group, dim)
         assert torch.equal(gqa_decode(q, cache, by_column, 0.25, block_n=16), got)
     check_split_kernels_on_cpu()
+    check_fp8_caches_on_cpu(work, size, blocks, tokens)
     # Sliding windows (GQA): each query sees its last `window` tokens, in one pass and in splits.
     for window in (3, 6, 64):
         windowed = build_metadata(work, size, [None, window], "cpu")
@@ -67,6 +68,36 @@ def check_kernels_on_cpu() -> None:
     cache = torch.randn(blocks * size, 2, 2, 16)
     out = gqa_decode(torch.randn(tokens, 6, 16), cache, pad, 0.25)
     assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isfinite(out).all()
+
+
+def check_fp8_caches_on_cpu(work: list, size: int, blocks: int, tokens: int) -> None:
+    """An FP8 cache (``--kv-cache-dtype fp8`` / ``fp8_e5m2``), written by :func:`write_rows`: both kernels — one pass
+    and in splits — widen its rows as their torch twins do (the same result, to float32 rounding: the rows reach ±20), and that result is the one over the
+    cache's values widened beforehand (what FP8 costs is the rows' rounding, nothing else)."""
+    import dataclasses
+
+    from vexpert_runtime.serve.attention import build_metadata, gqa_attention, mla_attention
+    from vexpert_runtime.serve.attention_kernels import gqa_decode, mla_decode
+    from vexpert_runtime.serve.kv_cache import write_rows
+
+    meta = build_metadata(work, size, [None], "cpu")
+    split = dataclasses.replace(meta, kv_splits=4)
+    slots = torch.arange(blocks * size)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        cache = torch.empty(blocks * size, 48, dtype=dtype)
+        write_rows(cache, slots, torch.randn(blocks * size, 48) * 3)
+        q_latent, q_rope = torch.randn(tokens, 5, 32), torch.randn(tokens, 5, 16)
+        want = mla_attention(q_latent, q_rope, cache, meta, 0.3)
+        assert (want - mla_attention(q_latent, q_rope, cache.float(), meta, 0.3)).abs().max() < 1e-6
+        assert (mla_decode(q_latent, q_rope, cache, meta, 0.3, block_n=16) - want).abs().max() < 1e-4, dtype
+        assert (mla_decode(q_latent, q_rope, cache, split, 0.3, block_n=2, split_rows=2) - want).abs().max() < 1e-4
+        cache = torch.empty(blocks * size, 2, 2, 16, dtype=dtype)
+        write_rows(cache, slots, torch.randn(blocks * size, 2, 2, 16))
+        q = torch.randn(tokens, 6, 16)
+        want = gqa_attention(q, cache, meta, 0.25, None)
+        assert (want - gqa_attention(q, cache.float(), meta, 0.25, None)).abs().max() < 1e-6
+        assert (gqa_decode(q, cache, meta, 0.25, block_n=16) - want).abs().max() < 1e-4, dtype
+        assert (gqa_decode(q, cache, split, 0.25, block_n=2, split_rows=2) - want).abs().max() < 1e-4
 
 
 def check_split_kernels_on_cpu() -> None:

@@ -208,6 +208,17 @@ def test_service_pdb_and_configmap() -> None:
     assert config.runtime.metrics_port == 0  # no second endpoint: `vexpert serve` has /metrics on --port
 
 
+def test_kv_cache_dtype_reaches_the_node_pods_runtime_yaml() -> None:
+    default = parse_runtime_config(yaml.safe_load(_plan().config_map["data"]["runtime.yaml"]))
+    assert default.runtime.kv_cache_dtype == "auto"
+    plan = _plan(s=spec(runtime__kvCacheDtype="fp8"))
+    raw = yaml.safe_load(plan.config_map["data"]["runtime.yaml"])
+    assert raw["runtime"]["kv_cache_dtype"] == "fp8" and parse_runtime_config(raw).runtime.kv_cache_dtype == "fp8"
+    assert "--kv-cache-dtype" not in plan.statefulset["spec"]["template"]["spec"]["containers"][0]["args"]
+    hashes = [p.config_map["metadata"]["annotations"][nm.ANNOTATION_CONFIG_HASH] for p in (plan, _plan())]
+    assert hashes[0] != hashes[1]  # a new cache dtype needs new ranks
+
+
 def test_gpu_memory_utilization_reaches_the_node_pods_runtime_yaml() -> None:
     default = parse_runtime_config(yaml.safe_load(_plan().config_map["data"]["runtime.yaml"]))
     assert default.runtime.gpu_memory_utilization == 0.9

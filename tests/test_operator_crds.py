@@ -112,6 +112,15 @@ def test_examples_validate_against_the_crd_schema(name: str, doc: dict[str, Any]
     assert errors == []
 
 
+def test_crd_runtime_has_kv_cache_dtype_with_vllms_names() -> None:
+    validator, raw = crd_validator("VExpertDeployment")
+    field = raw["properties"]["spec"]["properties"]["runtime"]["properties"]["kvCacheDtype"]
+    assert field["default"] == "auto" and field["enum"] == ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+    doc = yaml.safe_load((EXAMPLES / "qwen-moe-small.yaml").read_text())
+    doc["spec"]["runtime"]["kvCacheDtype"] = "int8"
+    assert [e.path[-1] for e in validator.iter_errors(doc)] == ["kvCacheDtype"]
+
+
 def test_crd_runtime_has_gpu_memory_utilization_with_bounds_and_default() -> None:
     validator, raw = crd_validator("VExpertDeployment")
     field = raw["properties"]["spec"]["properties"]["runtime"]["properties"]["gpuMemoryUtilization"]

@@ -154,6 +154,38 @@ def test_graphed_decode_equals_the_eager_step(family: str, fused: bool, tmp_path
     assert eager == graphed
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_graphed_decode_over_an_fp8_kv_cache_equals_the_eager_step(family: str, tmp_path: Path) -> None:
+    """``--kv-cache-dtype fp8``: the Triton kernels (graphed, compiled) widen the FP8 rows as the eager step's torch
+    path does for its prompt chunks and the kernels for its decodes — the same tokens; the cache is FP8, half the
+    bf16 cache's bytes."""
+    path = _write(family, tmp_path / family)
+    eager, graphed, model = _eager_and_graphed(path, lambda m: drive(m, PROMPTS, NEW_TOKENS, JOINS, CHUNK), fused=True,
+                                               kv_cache_dtype="fp8")
+    assert model.kv_cache is not None and model.kv_cache.layers[0].dtype == torch.float8_e4m3fn
+    assert model.graphs is not None and model.graphs.replays >= 10
+    assert eager == graphed
+
+
+@pytest.mark.parametrize("batch", [16, 256])
+def test_mla_decode_kernel_over_an_fp8_cache_matches_the_torch_twin(batch: int) -> None:
+    """DeepSeek-V3's shapes (128 heads, 512 + 64 latent), bf16 queries over an FP8 (e4m3) cache written by
+    :func:`write_rows`: the kernel's widened rows give the twin's result."""
+    from vexpert_runtime.serve.kv_cache import write_rows
+
+    torch.manual_seed(batch)
+    work = _decode_batch([96 + i % 40 for i in range(batch)], 16)
+    meta = build_metadata(work, 16, [None], "cuda")
+    slots = (max(max(w.blocks) for w in work) + 1) * 16
+    cache = torch.empty(slots, 576, dtype=torch.float8_e4m3fn, device="cuda")
+    write_rows(cache, torch.arange(slots, device="cuda"), torch.randn(slots, 576, device="cuda"))
+    q_latent = torch.randn(batch, 128, 512, device="cuda", dtype=torch.bfloat16)
+    q_rope = torch.randn(batch, 128, 64, device="cuda", dtype=torch.bfloat16)
+    want = mla_attention(q_latent.float(), q_rope.float(), cache, meta, 0.07)
+    got = mla_decode(q_latent, q_rope, cache, meta, 0.07).float()
+    assert (got - want).abs().max() < 3e-2 * want.abs().max()
+
+
 def test_graphed_truncated_sampling_equals_the_eager_step(tmp_path: Path) -> None:
     """Seeded sampling with min-p, top-k and top-p (the truncated-sampling graphs, whose top_k and
     min_p come from the graph's input buffer) draws the same tokens graphed as eager."""
@@ -228,13 +260,13 @@ def test_prompt_logprobs_on_a_graphed_model_equal_the_eager_models(tmp_path: Pat
     assert graphed[0] == pytest.approx(eager[0], abs=2e-2) and graphed[1] == eager[1]
 
 
-def _eager_and_graphed(path: Path, run: Callable[[HFStepModel], T], kv_cache_tokens: int = 512, fused: bool = False
-                       ) -> tuple[T, T, HFStepModel]:
+def _eager_and_graphed(path: Path, run: Callable[[HFStepModel], T], kv_cache_tokens: int = 512, fused: bool = False,
+                       kv_cache_dtype: str = "auto") -> tuple[T, T, HFStepModel]:
     """``run`` on a fresh one-rank model stepping eagerly, then on another replaying CUDA graphs (its
     small pieces compiled by inductor first when ``fused``): both results and the graphed model."""
     results = []
     for graphs in (False, True):
-        model = _one_rank_model(path, kv_cache_tokens)
+        model = _one_rank_model(path, kv_cache_tokens, kv_cache_dtype=kv_cache_dtype)
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
             if graphs:
@@ -245,10 +277,11 @@ def _eager_and_graphed(path: Path, run: Callable[[HFStepModel], T], kv_cache_tok
     return results[0], results[1], model
 
 
-def _one_rank_model(path: Path, kv_cache_tokens: int = 2048, overlap_shared_experts: bool = True) -> HFStepModel:
+def _one_rank_model(path: Path, kv_cache_tokens: int = 2048, overlap_shared_experts: bool = True,
+                    kv_cache_dtype: str = "auto") -> HFStepModel:
     """The batched model on the GPU with its experts in one rank's EP layer (64-token dispatch capacity)."""
     model = HFStepModel(path, device="cuda", dtype=torch.bfloat16, kv_cache_tokens=kv_cache_tokens,
-                        overlap_shared_experts=overlap_shared_experts)
+                        overlap_shared_experts=overlap_shared_experts, kv_cache_dtype=kv_cache_dtype)
     model.executor = EPExperts.for_model(model, 0, 1, None, max_tokens=64)
     model.drop_expert_weights()
     return model

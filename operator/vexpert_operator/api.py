@@ -21,9 +21,11 @@ from pydantic.alias_generators import to_camel
 from vexpert_runtime.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     GPU_MEMORY_UTILIZATION_HELP,
+    KV_CACHE_DTYPE_HELP,
     ComputeDtype,
     ExpertFormatChoice,
     GroupKnobs,
+    KVCacheDtype,
     check_gpu_memory_utilization,
 )
 from vexpert_runtime.model.families import Architecture
@@ -322,6 +324,9 @@ class RuntimeSpec(CamelModel):
         DEFAULT_GPU_MEMORY_UTILIZATION, gt=0, le=1,
         description=GPU_MEMORY_UTILIZATION_HELP + " (runtime.yaml's runtime.gpu_memory_utilization). Experts and "
         "slots must fit under it",
+    )
+    kv_cache_dtype: KVCacheDtype = Field(
+        "auto", description=KV_CACHE_DTYPE_HELP + " (runtime.yaml's runtime.kv_cache_dtype; a change rolls the group)",
     )
     api_servers: int = Field(
         1, ge=1, le=64,

@@ -107,6 +107,7 @@ def build_runtime_config(spec: VExpertDeploymentSpec, name: str, namespace: str,
             metrics_port=0,  # no separate node endpoint: `vexpert serve` exports /metrics on the API port
             host_memory_limit_bytes=sizing.pinned_pool_bytes + sizing.overhead_bytes,
             gpu_memory_utilization=spec.runtime.gpu_memory_utilization,
+            kv_cache_dtype=spec.runtime.kv_cache_dtype,
         ),
         profile=profile,
     )

@@ -29,6 +29,12 @@ from vexpert_runtime.policy.profile import PerformanceProfile
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
 ExpertFormatChoice = Literal["auto", "dense", "fp8_block"]  # see expert_layout.py
 DispatchChoice = Literal["auto", "plan", "local", "global"]  # see model/dispatch.py
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]  # vLLM's --kv-cache-dtype names; see serve/kv_cache.py
+KV_CACHE_DTYPE_HELP = (
+    "The serving KV cache's dtype (vLLM's --kv-cache-dtype): auto (the model's compute dtype), fp8 / fp8_e4m3 or "
+    "fp8_e5m2 (half the bytes: twice the tokens in the same memory; rows stored unscaled, saturated to the format's "
+    "range, as vLLM's FP8 cache without calibrated scales)"
+)
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 GPU_MEMORY_UTILIZATION_HELP = (
@@ -183,6 +189,9 @@ class RuntimeSettings(BaseModel):
         DEFAULT_GPU_MEMORY_UTILIZATION, gt=0, le=1,
         description=GPU_MEMORY_UTILIZATION_HELP + " (`vexpert serve --gpu-memory-utilization` overrides it)",
     )
+
+    kv_cache_dtype: KVCacheDtype = Field(
+        "auto", description=KV_CACHE_DTYPE_HELP + " (`vexpert serve --kv-cache-dtype` overrides it)")
 
     _gpu_memory_utilization = field_validator("gpu_memory_utilization", mode="wrap")(check_gpu_memory_utilization)
 

@@ -17,8 +17,9 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
+from vexpert_runtime.config import KV_CACHE_DTYPE_HELP, KVCacheDtype
 from vexpert_runtime.model.expert_layout import CPU_EXPERT_KERNELS
 from vexpert_runtime.serve.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
@@ -71,6 +72,8 @@ def register(subparsers: Any) -> None:
                         help="share of each GPU's memory a rank may fill; the paged KV cache gets what the weights, "
                              "experts, slots and a 2 GiB headroom leave of it (default: the config's "
                              "runtime.gpu_memory_utilization, else 0.9)")
+    parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDtype), default=None,
+                        help=KV_CACHE_DTYPE_HELP + " (default: the config's runtime.kv_cache_dtype, else auto)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer <key>' on /v1/* (401 otherwise; /health and /metrics "
                              "stay open); default: the environment variable VEXPERT_API_KEY, else no key")
@@ -222,6 +225,7 @@ class _Served:
     model_config: dict[str, Any]
     max_context: int
     gpu_memory_utilization: float
+    kv_cache_dtype: str  # --kv-cache-dtype, else the config's
     setup: NodeSetup
     scheduler: SchedulerConfig
     sampling_defaults: SamplingDefaults  # for the fields a request leaves out (--generation-config)
@@ -252,6 +256,7 @@ def _resolve_served(args: argparse.Namespace, config: RuntimeConfig) -> _Served:
         model_dir=model_dir, demo=demo, name=args.served_model_name or (DEMO_NAME if demo else model_dir.name),
         model_config=model_config, max_context=max_context,
         gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_dtype=args.kv_cache_dtype or config.runtime.kv_cache_dtype,
         setup=setup, scheduler=scheduler, sampling_defaults=defaults, notes=tuple(notes),
     )
 
@@ -263,7 +268,8 @@ def _start_message(served: _Served, args: argparse.Namespace, api_key: str | Non
     servers = f" ({args.api_servers} API servers)" if args.api_servers > 1 else ""
     return (f"serving {what} as {served.name!r} on {args.host}:{args.port}{servers}: "
             f"{setup.local_workers} {setup.device} ranks, {setup.spec.num_layers} MoE layers × {setup.spec.num_experts} "
-            f"experts, G·Vmax = {setup.slots} slots per rank; {access}")
+            f"experts, G·Vmax = {setup.slots} slots per rank"
+            f"{'' if served.kv_cache_dtype == 'auto' else f', KV cache in {served.kv_cache_dtype}'}; {access}")
 
 
 def _api_config(served: _Served, args: argparse.Namespace, api_key: str | None) -> tuple[ApiConfig, Any]:
@@ -328,7 +334,8 @@ def run(args: argparse.Namespace) -> int:
         serve=[ServeWorkerArgs(str(served.model_dir), served.scheduler, inbound, events,
                                served.gpu_memory_utilization, ranks_per_gpu=setup.workers_per_gpu,
                                overlap_steps=_AUTO_ON_OFF[args.overlap_steps], compile=_AUTO_ON_OFF[args.compile],
-                               cpu_expert_kernel=args.cpu_expert_kernel, max_context=served.max_context)
+                               cpu_expert_kernel=args.cpu_expert_kernel, max_context=served.max_context,
+                               kv_cache_dtype=served.kv_cache_dtype)
                for inbound in requests],
         log=_log,
     )

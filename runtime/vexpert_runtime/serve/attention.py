@@ -176,7 +176,7 @@ def gqa_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
     out = q.new_zeros(q.shape)
     for group in meta.groups:
         query = q[group.query_index].transpose(1, 2)  # [B, nh, Q, d]
-        context = _gather_context(cache, group.context_blocks, meta.block_size)  # [B, K, 2, nkv, d]
+        context = _gather_context(cache, group.context_blocks, meta.block_size).to(q.dtype)  # [B, K, 2, nkv, d]
         key = context[:, :, 0].transpose(1, 2)  # [B, nkv, K, d]
         value = context[:, :, 1].transpose(1, 2)
         result = F.scaled_dot_product_attention(query, key, value, attn_mask=group.masks[window], scale=scale,
@@ -194,7 +194,7 @@ def mla_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Ten
     out = q_latent.new_zeros(q_latent.shape)
     for group in meta.groups:
         padded = query[group.query_index].transpose(1, 2)  # [B, nh, Q, C+R]
-        context = _gather_context(cache, group.context_blocks, meta.block_size).unsqueeze(1)  # [B, 1, K, C+R]
+        context = _gather_context(cache, group.context_blocks, meta.block_size).to(query.dtype).unsqueeze(1)  # [B, 1, K, C+R]
         result = F.scaled_dot_product_attention(padded, context, context[..., :latent],
                                                 attn_mask=group.masks[None], scale=scale, enable_gqa=True)
         out[group.token_rows] = result.transpose(1, 2)[group.query_valid]

@@ -62,8 +62,11 @@ if triton is not None:
             nmask = n < end
             block = tl.load(table + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
             row = (block * PAGE + n % PAGE) * stride_cache
-            kc = tl.load(cache + row[:, None] + offs_c[None, :], mask=nmask[:, None] & cmask[None, :], other=0.0)
-            kr = tl.load(cache + row[:, None] + C + offs_r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
+            # (an FP8 cache's rows widened to the queries' dtype: a no-op for a cache in that dtype)
+            kc = tl.load(cache + row[:, None] + offs_c[None, :], mask=nmask[:, None] & cmask[None, :],
+                         other=0.0).to(ql.dtype)
+            kr = tl.load(cache + row[:, None] + C + offs_r[None, :], mask=nmask[:, None] & rmask[None, :],
+                         other=0.0).to(qr.dtype)
             s = tl.dot(ql, tl.trans(kc), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
             s = tl.where(nmask[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -207,8 +210,8 @@ if triton is not None:
             block = tl.load(table + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
             row = (block * PAGE + n % PAGE) * stride_cache + kv_head * stride_head
             mask2 = nmask[:, None] & dmask[None, :]
-            k = tl.load(cache + row[:, None] + offs_d[None, :], mask=mask2, other=0.0)
-            v = tl.load(cache + row[:, None] + stride_kv + offs_d[None, :], mask=mask2, other=0.0)
+            k = tl.load(cache + row[:, None] + offs_d[None, :], mask=mask2, other=0.0).to(qq.dtype)  # (FP8: widened)
+            v = tl.load(cache + row[:, None] + stride_kv + offs_d[None, :], mask=mask2, other=0.0).to(qq.dtype)
             s = tl.dot(qq, tl.trans(k), input_precision="ieee")
             s = tl.where(nmask[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))

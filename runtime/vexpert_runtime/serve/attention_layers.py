@@ -21,7 +21,7 @@ import torch
 
 from vexpert_runtime.model import fusion
 from vexpert_runtime.serve.attention import AttentionMetadata, gqa_attention, mla_attention
-from vexpert_runtime.serve.kv_cache import KVLayout
+from vexpert_runtime.serve.kv_cache import KVLayout, write_rows
 
 # An attention kernel: (queries..., cache, metadata, scale) -> output; None: the torch path.
 AttentionKernel = Callable[..., torch.Tensor]
@@ -88,7 +88,7 @@ def attention_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: Att
 def _gqa_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: AttentionStep,
                  window: int | None) -> torch.Tensor:
     q, row = fusion.maybe_compiled(gqa_inputs, step.compiled)(attn, x, step.cos, step.sin)
-    cache.index_copy_(0, step.meta.slot_mapping, row.to(cache.dtype))
+    write_rows(cache, step.meta.slot_mapping, row)
     if step.kernel is not None:
         out = step.kernel(q, cache, step.meta, float(attn.scaling), window=window)
     else:
@@ -156,7 +156,7 @@ def mla_output(attn: Any, out_latent: torch.Tensor) -> torch.Tensor:
 
 def _mla_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: AttentionStep) -> torch.Tensor:
     q_latent, q_rope, row = fusion.maybe_compiled(mla_inputs, step.compiled)(attn, x, step.cos, step.sin)
-    cache.index_copy_(0, step.meta.slot_mapping, row.to(cache.dtype))
+    write_rows(cache, step.meta.slot_mapping, row)
     if step.kernel is not None:
         out_latent = step.kernel(q_latent, q_rope, cache, step.meta, float(attn.scaling))
     else:

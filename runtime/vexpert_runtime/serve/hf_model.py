@@ -40,6 +40,7 @@ from vexpert_runtime.serve.events import MAX_LOGPROBS
 from vexpert_runtime.serve.fused_projections import fuse_model_projections
 from vexpert_runtime.serve.fused_router import FusedRouter, fuse_model_routers
 from vexpert_runtime.serve.kv_cache import PagedKVCache, blocks_for
+from vexpert_runtime.serve.kv_cache import kv_cache_dtype as kv_cache_dtype_for
 from vexpert_runtime.serve.model_loading import load_without_experts
 from vexpert_runtime.serve.moe_executors import (
     EPExperts,
@@ -112,12 +113,15 @@ class HFStepModel:
             ``max_position_embeddings`` (default: that; vLLM's ``--max-model-len``).
         overlap_shared_experts: on a GPU, run each sparse block's shared expert on a side stream while
             its router and routed experts run (off: one stream, for A/B measurements).
+        kv_cache_dtype: the KV cache's dtype (vLLM's ``--kv-cache-dtype``): "auto" (``dtype``), "fp8" /
+            "fp8_e4m3" or "fp8_e5m2" (:mod:`.kv_cache`).
     """
 
     def __init__(self, path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
                  executor: MoEExecutor | None = None, kv_cache_tokens: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, load_experts: bool = True,
-                 max_context: int | None = None, overlap_shared_experts: bool = True) -> None:
+                 max_context: int | None = None, overlap_shared_experts: bool = True,
+                 kv_cache_dtype: str = "auto") -> None:
         from transformers import AutoModelForCausalLM
 
         if load_experts:
@@ -129,6 +133,7 @@ class HFStepModel:
         self.config = model.config
         self.device = torch.device(device)
         self.dtype = dtype
+        self.kv_dtype = kv_cache_dtype_for(kv_cache_dtype, dtype)
         self.vocab_size = int(self.config.vocab_size)
         self.max_context = checked_max_context(max_context, int(self.config.max_position_embeddings))
         self.fused_projections = fuse_model_projections(model)  # before anything compiles or captures them
@@ -214,15 +219,15 @@ class HFStepModel:
     # -- the KV cache ------------------------------------------------------------------------
 
     def kv_bytes_per_token(self) -> int:
-        """KV-cache bytes per token, all layers, in the compute dtype: MLA caches the compressed
+        """KV-cache bytes per token, all layers, in the cache's dtype: MLA caches the compressed
         latent and the rotary key (kv_lora_rank + qk_rope_head_dim per layer), GQA keys and values
         (2 · num_key_value_heads · head_dim per layer)."""
-        return self.layout.token_bytes(self.dtype)
+        return self.layout.token_bytes(self.kv_dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Make the paged KV cache: ``num_blocks`` blocks (one of them scratch)."""
         self.kv_cache = None  # free the old one first
-        self.kv_cache = PagedKVCache(self.layout, num_blocks, self.kv_block_size, self.device, self.dtype)
+        self.kv_cache = PagedKVCache(self.layout, num_blocks, self.kv_block_size, self.device, self.kv_dtype)
         # the last step's sampled ids, on the device (a step samples for at most one row per sequence,
         # and every sequence holds a block): what an overlapped step's ``fed`` decodes read
         self.last_sampled = torch.zeros(num_blocks, dtype=torch.int64, device=self.device)

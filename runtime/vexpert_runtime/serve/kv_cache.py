@@ -16,6 +16,11 @@ block_size`` token *slots* (slot ``b·block_size + i`` is token ``i`` of block `
 a token leaves behind for later queries — keys and values (GQA: ``[slots, 2, kv_heads, head_dim]``)
 or DeepSeek's compressed latent and rotary key (MLA: ``[slots, kv_lora_rank + qk_rope_head_dim]``).
 Block 0 is never handed out: padded tokens of a CUDA-graph batch write there.
+
+The cache holds its rows in the model's compute dtype, or in FP8 (``--kv-cache-dtype fp8``, vLLM's option of that
+name: e4m3, or e5m2): half the bytes, so twice the tokens in the same memory. As vLLM's FP8 cache without calibrated
+scales, rows are stored unscaled, saturated to the format's range (:func:`write_rows`); readers widen them to the
+queries' dtype (the attention kernels and their torch twins).
 """
 
 from __future__ import annotations
@@ -25,12 +30,40 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 
+from vexpert_runtime.config import KVCacheDtype
 from vexpert_runtime.errors import VExpertInputError
 
 SCRATCH_BLOCK = 0  # written by padded tokens, never read by a sequence
+
+# ``--kv-cache-dtype`` (vLLM's names, :data:`~vexpert_runtime.config.KVCacheDtype`) → the cache's dtype; "auto": the
+# model's compute dtype
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+assert tuple(KV_CACHE_DTYPES) == get_args(KVCacheDtype)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The cache dtype ``--kv-cache-dtype name`` asks for, for a model computing in ``compute_dtype``."""
+    if name not in KV_CACHE_DTYPES:
+        raise VExpertInputError("kv_cache_dtype", f"{name!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name] or compute_dtype
+
+
+def write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """This iteration's rows [T, ...] into the cache's ``slots`` [T] — into an FP8 cache saturated to the format's
+    largest finite value (a cast alone makes larger ones NaN in e4m3) and written as bytes (``index_copy_`` has no
+    FP8 kernel on CPU); graph-capturable."""
+    if cache.dtype in FP8_DTYPES:
+        largest = torch.finfo(cache.dtype).max
+        stored = rows.clamp(-largest, largest).to(cache.dtype)
+        cache.view(torch.uint8).index_copy_(0, slots, stored.view(torch.uint8))
+    else:
+        cache.index_copy_(0, slots, rows.to(cache.dtype))
 
 
 class KVCacheFull(RuntimeError):

@@ -71,6 +71,7 @@ class ServeWorkerArgs:
     compile: bool | None = None  # fuse the step's small pieces with torch.compile; None: where CUDA graphs run
     cpu_expert_kernel: str = "auto"  # a CPU rank's resident expert kernel (expert_layout.CPU_EXPERT_KERNELS)
     max_context: int | None = None  # the longest sequence served (--max-model-len); None: the checkpoint's
+    kv_cache_dtype: str = "auto"  # the KV cache's dtype (--kv-cache-dtype: auto, fp8, fp8_e4m3, fp8_e5m2)
 
 
 def kv_cache_blocks(args: ServeWorkerArgs, model: HFStepModel, device: torch.device) -> int:
@@ -87,7 +88,7 @@ def kv_cache_blocks(args: ServeWorkerArgs, model: HFStepModel, device: torch.dev
     if args.ranks_per_gpu > 1:  # ranks sharing the GPU start one after another: each takes its own part
         share = args.gpu_memory_utilization * total / args.ranks_per_gpu
         available = min(available, share - torch.cuda.memory_reserved(device) - GPU_HEADROOM_BYTES / args.ranks_per_gpu)
-    blocks = num_blocks_for_memory(int(available), model.layout, args.kv_block_size, model.dtype)
+    blocks = num_blocks_for_memory(int(available), model.layout, args.kv_block_size, model.kv_dtype)
     if blocks < 2:
         raise VExpertInputError("gpu_memory_utilization",
                                 f"{args.gpu_memory_utilization} leaves no memory for the KV cache "
@@ -126,7 +127,8 @@ class ServingRank:
                                                  cpu_expert_kernel=args.cpu_expert_kernel)
         del reader
         self.model = HFStepModel(args.model_dir, device=device, dtype=dtype, block_size=args.kv_block_size,
-                                 load_experts=False, executor=self.experts, max_context=args.max_context)
+                                 load_experts=False, executor=self.experts, max_context=args.max_context,
+                                 kv_cache_dtype=args.kv_cache_dtype)
         self.model.allocate_kv_cache(kv_cache_blocks(args, self.model, device))
         if args.compile or (args.compile is None and graph_stream is not None):
             self.model.compile_pieces()  # compiled at the first calls: the graphs' warm-up passes
