@@ -39,6 +39,9 @@ holds the mask's upload and unpack, ``graph_ms`` only the graph.
 the product's default (``on``: on a side stream beside the router and the routed experts, forked and joined inside
 each graph; :func:`~vexpert_runtime.serve.sparse_blocks.sparse_block_output`).
 
+``--kv-cache-dtype fp8``: the KV cache in FP8 (half its bytes; the bound counts them so), as ``vexpert serve
+--kv-cache-dtype fp8`` keeps it — what it saves where the KV read matters, at long contexts.
+
 Long contexts (split-KV, ``attention_kernels.kv_splits``): a checkpoint with a longer context, the same
 batches at several contexts with the splits ``vexpert serve`` picks (``--kv-splits auto``, the row's
 ``kv_splits``) and with every launch one pass (``off``):
@@ -191,6 +194,8 @@ def main() -> int:
                         help="how every sequence samples (each in turn, one model load): greedy, or the generation-config defaults of DeepSeek-V3 "
                              "(top-p 0.95) / Qwen3 (top-k 20, top-p 0.95), whose graphs sort the vocabulary, or "
                              "greedy with log-probabilities (logprobs) or a repetition penalty (penalties)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), default="auto",
+                        help="the KV cache's dtype, as vexpert serve --kv-cache-dtype (the bound's KV bytes follow it)")
     parser.add_argument("--shared-expert-stream", choices=("on", "off"), default="on",
                         help="the shared experts on a side stream beside the routed ones (the product's default), or not")
     parser.add_argument("--out", type=Path)
@@ -201,7 +206,7 @@ def main() -> int:
     max_seqs = max(args.batches) + max(args.prefill_chunks, default=0)
     model = HFStepModel(args.model_dir, device="cuda", dtype=torch.bfloat16,
                         kv_cache_tokens=max_seqs * (max(args.context, args.chunk) + 32),
-                        overlap_shared_experts=args.shared_expert_stream == "on")
+                        overlap_shared_experts=args.shared_expert_stream == "on", kv_cache_dtype=args.kv_cache_dtype)
     model.executor = EPExperts.for_model(model, 0, 1, None, max_tokens=args.max_batch_tokens)
     # structured output: every other token allowed (bits 0x55555555), a new mask written into every row's bias
     # ahead of each launch, as a constrained sequence's is (launch_span_ms holds that; graph_ms does not)
@@ -275,10 +280,10 @@ def main() -> int:
             end.record(stream)
             end.synchronize()
             graph_ms = start.elapsed_time(end) / args.iters
-            bound = hbm_bound(args.model_dir, batch, args.context)
+            bound = hbm_bound(args.model_dir, batch, args.context, model.kv_dtype)
             flops = step_flops(model, batch, args.context)
             row = {"batch": batch, "context": args.context, "sampling": sampling,
-                   "shared_expert_stream": args.shared_expert_stream,
+                   "shared_expert_stream": args.shared_expert_stream, "kv_cache_dtype": args.kv_cache_dtype,
                    "kv_splits": graphs.key_for(work)[2],
                    "graph_ms": round(graph_ms, 3),
                    "launch_span_ms": round(step_ms, 3), "host_launch_ms": round(host_ms, 3),

@@ -120,8 +120,10 @@ def hf_generate(model_dir: Path, streams: list[int], prompt_ids: list[int], new_
     return out
 
 
-def hbm_bound(model_dir: Path, batch: int, mean_context: float) -> dict[str, Any]:
-    """Bytes one decode step of ``batch`` sequences must read, and that ÷ HBM bandwidth."""
+def hbm_bound(model_dir: Path, batch: int, mean_context: float, kv_dtype: torch.dtype = torch.bfloat16
+              ) -> dict[str, Any]:
+    """Bytes one decode step of ``batch`` sequences must read, and that ÷ HBM bandwidth (the KV cache in
+    ``kv_dtype``: ``--kv-cache-dtype fp8`` halves its bytes)."""
     from safetensors import safe_open
 
     from vexpert_runtime.serve.attention_layers import kv_layout
@@ -145,7 +147,7 @@ def hbm_bound(model_dir: Path, batch: int, mean_context: float) -> dict[str, Any
     from transformers import AutoConfig
 
     layout = kv_layout(AutoConfig.from_pretrained(str(model_dir), local_files_only=True))
-    kv = int(batch * mean_context * layout.token_bytes(torch.bfloat16))
+    kv = int(batch * mean_context * layout.token_bytes(kv_dtype))
     total = weights + batch * hidden * 2 + kv
     return {"batch": batch, "weight_bytes": weights, "kv_bytes": kv, "embedding_rows_bytes": batch * hidden * 2,
             "bytes": total, "bound_ms": round(1000 * total / HBM_BYTES_PER_S, 3)}
