@@ -139,8 +139,8 @@ def written_words(model: Path, prompt: str, count: int = 2) -> list[str]:
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS)
-    words = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split()
-    return words[:count]
+    text: str = tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+    return text.split()[:count]
 
 
 def fold_stream(chunks: list[dict[str, Any]]) -> dict[str, Any]:
