@@ -766,7 +766,8 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
         ({"guided_json": {"type": "object"}}, "guided_json"),
         ({"min_tokens": 6, "max_tokens": 5}, "min_tokens"),  # more than it may generate
         ({"suffix": " end"}, "suffix"),
-        ({"bad_words": ["fox"]}, "bad_words"),
+        ({"bad_words": ["fox", " "]}, "bad_words"),  # a blank word (a word is served: tests/test_bad_words.py)
+        ({"bad_words": "fox"}, "bad_words"),  # a list of words
         ({"skip_special_tokens": 0}, "skip_special_tokens"),  # a boolean (false keeps special tokens: served)
         ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),  # a boolean
     ]
