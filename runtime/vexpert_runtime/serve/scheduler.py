@@ -170,7 +170,8 @@ class _Sequence:
     table: tuple[int, ...] = ()  # its block table as last sent (one tuple per growth, not per iteration)
     digests: list[bytes] = field(default_factory=list)  # its full prefill blocks' (prefix caching)
     published: int = 0  # of them, published so far
-    ids_sent: int = 0  # output ids the events carried so far (a request asking for them: return_token_ids)
+    returns_ids: bool = field(init=False)  # the request asks for its token ids (return_token_ids): read per event
+    ids_sent: int = 0  # output ids the events carried so far (a request asking for them)
     unsent_text: str = ""  # produced, held for the next event (stream_interval > 1)
     unsent_tokens: int = 0
     # log-probabilities, when the request asks (None until then: no list per sequence in the steady state):
@@ -183,6 +184,7 @@ class _Sequence:
         self.max_tokens = self.request.params.max_tokens
         self.penalty_prompt_len = self.prompt_len if self.request.params.holds_row else -1
         self.bias, self.bad_words = split_bad_words(self.request.params.logit_bias, self.request.params.bad_words)
+        self.returns_ids = self.request.params.return_token_ids
 
     def known_tokens(self, start: int, end: int) -> tuple[int, ...]:
         """Tokens ``start .. end-1`` of prompt + output (read ones)."""
@@ -780,7 +782,7 @@ class Scheduler:
         """Hand an event to its sink — with the output ids produced since the last one where the request asks for
         them (vLLM's ``return_token_ids``: the one that ended it too) —; a broken sink (consumer gone) cancels
         the request."""
-        if seq.request.params.return_token_ids:
+        if seq.returns_ids:
             event = with_token_ids(event, tuple(seq.output[seq.ids_sent:]))
             seq.ids_sent = len(seq.output)
         try:
