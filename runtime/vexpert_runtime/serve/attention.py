@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vexpert_runtime.serve.kv_cache import blocks_for
+from vexpert_runtime.serve.kv_cache import FP8_DTYPES, blocks_for
 from vexpert_runtime.serve.step import SequenceWork
 
 
@@ -159,7 +159,7 @@ def _group(work: Sequence[SequenceWork], rows: Sequence[range], members: list[in
 def _gather_context(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
     """The cache rows of each sequence's blocks: cache [slots, ...] → [B, W·block_size, ...] for
     block tables ``blocks`` [B, W] (whole blocks: one contiguous copy each)."""
-    stored = cache.view(torch.uint8) if cache.element_size() == 1 else cache  # FP8: moved as bytes (any device)
+    stored = cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache  # FP8: moved as bytes (any device)
     by_block = stored.view(-1, block_size, *cache.shape[1:])
     gathered = by_block.index_select(0, blocks.reshape(-1)).view(cache.dtype)
     return gathered.view(blocks.shape[0], blocks.shape[1] * block_size, *cache.shape[1:])
