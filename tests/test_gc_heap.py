@@ -40,7 +40,8 @@ def test_a_frozen_heap_is_not_traversed_and_later_cycles_are_still_collected(tha
     kept, _ = _cycle()
     strong = kept()  # alive at the freeze
     frozen = freeze_heap()
-    assert frozen >= 1000 and frozen == gc.get_freeze_count()
+    # frozen objects may still die by refcount (another thread's garbage), never come back
+    assert frozen >= 1000 and gc.get_freeze_count() <= frozen
     tracked = {id(o) for o in gc.get_objects()}  # what a full collection traverses now
     assert not any(id(node) in tracked for node in startup)
     assert id(strong) not in tracked
