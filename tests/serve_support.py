@@ -211,8 +211,9 @@ def _penalized(logits: torch.Tensor, held: list[int], prompt_len: int, spec: Any
     bias = torch.zeros(1, vocab)
     for token, value in spec.logit_bias:
         bias[0, token] = value
-    if spec.allowed is not None:  # a grammar's next tokens
-        bias = bias.masked_fill(~unpack_allowed(spec.allowed.unsqueeze(0), vocab), float("-inf"))
+    mask = spec.allowed if spec.allowed is not None else spec.only  # a grammar's next tokens, allowed_token_ids
+    if mask is not None:
+        bias = bias.masked_fill(~unpack_allowed(mask[: (vocab + 31) // 32].unsqueeze(0), vocab), float("-inf"))
     seen = torch.zeros(1, vocab, dtype=torch.bool)
     seen[0, held] = True
     counts = torch.bincount(torch.tensor(held[prompt_len:], dtype=torch.int64), minlength=vocab).to(torch.int32)

@@ -444,6 +444,7 @@ def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt
         grammar=req.grammar,
         return_token_ids=req.return_token_ids,
         bad_words=bad_words,
+        allowed_token_ids=tuple(sorted(set(req.allowed_token_ids or ()))),
         # a tool-call format whose markers may be special tokens needs them in the text (as vLLM's parsers ask)
         skip_special_tokens=req.skip_special_tokens and tool_format(req, config) not in KEEPS_SPECIAL_TOKENS,
     )

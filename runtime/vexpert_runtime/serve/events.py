@@ -33,7 +33,8 @@ class SamplingParams:
     ``include_stop_str``: the stop string that ended the text is part of it (vLLM's ``include_stop_str_in_output``);
     ``grammar``: the output follows this llguidance grammar (:mod:`.structured_output`, compiled by the API);
     ``bad_words``: token sequences the output never completes — a one-token word is never drawn, a longer one's last
-    token not where the output ends with the rest (vLLM's ``bad_words``, tokenized by the API).
+    token not where the output ends with the rest (vLLM's ``bad_words``, tokenized by the API);
+    ``allowed_token_ids``: the only tokens it may draw, sorted (vLLM's; (): all).
     """
 
     max_tokens: int
@@ -57,6 +58,7 @@ class SamplingParams:
     grammar: str | None = None
     return_token_ids: bool = False  # vLLM's: each event carries the output ids it accounts for
     bad_words: tuple[tuple[int, ...], ...] = ()  # vLLM's, as token ids: a word's last token never completes it
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: every other token's logit is −inf
 
     @property
     def penalized(self) -> bool:
@@ -65,9 +67,9 @@ class SamplingParams:
     @property
     def holds_row(self) -> bool:
         """Whether the model keeps a row of per-sequence tables for it (penalties, a logit bias, min_tokens, a
-        grammar — its bias row masks the tokens the grammar does not allow —, bad words)."""
+        grammar — its bias row masks the tokens the grammar does not allow —, bad words, allowed token ids)."""
         return (self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.grammar is not None
-                or bool(self.bad_words))
+                or bool(self.bad_words) or bool(self.allowed_token_ids))
 
 
 @dataclass(frozen=True, slots=True)

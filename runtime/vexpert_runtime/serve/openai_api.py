@@ -10,7 +10,7 @@ and what to send instead.
 
 Honoured as vLLM does: a batch of prompts and ``echo`` (completions); ``n`` (that many choices, each its own sequence of the
 same prompt; with a ``seed``, choice i samples with seed + i); ``presence_penalty``, ``frequency_penalty`` and
-``repetition_penalty`` and ``logit_bias`` (:mod:`.penalties`); ``logprobs`` (completions: k; chat: ``logprobs`` + ``top_logprobs``:
+``repetition_penalty``, ``logit_bias`` and ``allowed_token_ids`` (:mod:`.penalties`); ``logprobs`` (completions: k; chat: ``logprobs`` + ``top_logprobs``:
 the output tokens' log-probabilities under the model's distribution, before temperature, penalties and
 truncation, and the k most likely tokens'; at most :data:`~.events.MAX_LOGPROBS`); ``top_k`` and ``min_p``
 (sampling), ``stop_token_ids``, ``ignore_eos`` (benchmarks use it to force exact lengths), ``prompt_logprobs`` (each
@@ -83,7 +83,6 @@ _REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_json": ((), _GUIDED), "guided_regex": ((), _GUIDED), "guided_choice": ((), _GUIDED),
     "guided_grammar": ((), _GUIDED), "guided_decoding_backend": ((), _GUIDED),
     "guided_whitespace_pattern": ((), _GUIDED),
-    "allowed_token_ids": ((), "not supported; leave it out"),
     "use_beam_search": ((False,), "beam search is not supported; send false"),
     "return_tokens_as_token_ids": ((False,), "not supported; send false"),
     "logits_processors": ((), "not supported; leave it out"),
@@ -187,6 +186,7 @@ class _GenerationRequest(BaseModel):
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's (not streamed)
     return_token_ids: StrictBool = False  # vLLM's: the prompt's and each choice's token ids in the answer
     bad_words: list[StrictStr] | None = Field(default=None, max_length=MAX_BAD_WORDS)  # vLLM's: words never written
+    allowed_token_ids: list[StrictInt] | None = None  # vLLM's: the only tokens the output may take
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # vLLM's: keep that many prompt tokens
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: "left" (its default) keeps the last ones
     response_format: ResponseFormat | None = None  # OpenAI's structured output (:mod:`.structured_output`)
@@ -271,6 +271,15 @@ class _GenerationRequest(BaseModel):
             if len(word) > MAX_BAD_WORD_CHARS:
                 raise ValueError(f"each bad word at most {MAX_BAD_WORD_CHARS} characters")
         return words
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and not ids:
+            raise ValueError("an empty list allows no token: leave the field out to allow every token")
+        if ids and min(ids) < 0:
+            raise ValueError("token ids must be ≥ 0")
+        return ids
 
     @field_validator("logit_bias")
     @classmethod

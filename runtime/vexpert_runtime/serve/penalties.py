@@ -126,15 +126,18 @@ class PenaltyState:
                 self._rows[item.seq_id] = row = self._free.pop()
                 cleared.append(row)  # what an earlier holder left
             spec = item.sample
+            # (a sequence with allowed token ids has nothing written until its first draw: None ≠ every bias)
             if spec is not None and item.seq_id in self._rows and (
-                    spec.allowed is not None or spec.logit_bias != self._written.get(item.seq_id, ())):
+                    spec.allowed is not None
+                    or spec.logit_bias != self._written.get(item.seq_id, () if spec.only is None else None)):
                 row = self._rows[item.seq_id]  # a new bias (the first, min_tokens reached, a grammar's step): rewrite
                 cleared.append(row)
                 if spec.logit_bias:
                     biased.append((row, spec.logit_bias))
                 self._written[item.seq_id] = spec.logit_bias if spec.allowed is None else None
-                if spec.allowed is not None:
-                    masked.append((row, spec.allowed))
+                mask = spec.allowed if spec.allowed is not None else spec.only  # (a grammar's holds the other)
+                if mask is not None:
+                    masked.append((row, mask))
         if cleared:
             assert self.bias is not None
             self.bias.index_fill_(0, self._upload(torch.tensor(cleared, dtype=torch.int64)), 0.0)
@@ -178,11 +181,13 @@ class PenaltyState:
             torch.tensor(values, dtype=self.bias.dtype))
 
     def _mask(self, masked: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """−inf in the rows' bias where their grammar allows no token (each a bitmask [W] int32 on the CPU;
-        one upload for all of them, eager, ahead of the step)."""
+        """−inf in the rows' bias where their grammar (or allowed token ids) allows no token (each a bitmask [≥ W]
+        int32 on the CPU, W = ⌈V / 32⌉ — llguidance's vocabulary may be wider; one upload for all of them, eager,
+        ahead of the step)."""
         assert self.bias is not None
         rows = self._upload(torch.tensor([row for row, _ in masked], dtype=torch.int64))
-        allowed = unpack_allowed(self._upload(torch.stack([words for _, words in masked])), self.vocab_size)
+        width = (self.vocab_size + 31) // 32
+        allowed = unpack_allowed(self._upload(torch.stack([words[:width] for _, words in masked])), self.vocab_size)
         self.bias.index_copy_(0, rows, self.bias.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:

@@ -78,7 +78,7 @@ from vexpert_runtime.serve.step import (
     StepLogprobs,
     StepModel,
 )
-from vexpert_runtime.serve.structured_output import GrammarMatcher, GrammarTokens
+from vexpert_runtime.serve.structured_output import GrammarMatcher, GrammarTokens, pack_allowed
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,7 @@ class _Sequence:
     bad_words: tuple[tuple[int, ...], ...] = field(init=False)  # its bad words of several tokens, checked at each draw
     early_bias: tuple[tuple[int, float], ...] = ()  # the logit bias before min_tokens: the stop ids at −inf
     grammar: GrammarMatcher | None = None  # structured output: where the output is in its grammar
+    only: torch.Tensor | None = None  # allowed_token_ids as a bitmask (SamplingSpec.only); None: every token
     constrained: bool = False  # each draw reads the output before it (a grammar, bad words): no overlapped steps
     prefill_len: int = field(init=False)  # tokens to compute before decoding: the prompt (+ output after a preemption)
     computed: int = 0  # tokens the model holds in its KV cache (or will, once the launched steps are done)
@@ -203,7 +204,8 @@ class _Sequence:
         draw = self.generated
         return SamplingSpec(params.temperature, params.top_p, self.seed, draw, params.top_k, params.min_p,
                             params.logprobs is not None, params.repetition_penalty, params.presence_penalty,
-                            params.frequency_penalty, self.early_bias if draw < params.min_tokens else self.bias)
+                            params.frequency_penalty, self.early_bias if draw < params.min_tokens else self.bias,
+                            only=self.only)
 
     def prompt_targets(self, start: int, end: int) -> tuple[int, ...]:
         """A prefill chunk's :attr:`~.step.SequenceWork.prompt_targets` (positions ``start .. end-1``): the
@@ -239,7 +241,7 @@ class _Sequence:
         spec = SamplingSpec(params.temperature, params.top_p, self.seed, draw, params.top_k,
                             params.min_p, params.logprobs is not None, params.repetition_penalty,
                             params.presence_penalty, params.frequency_penalty,
-                            self.early_bias if draw < params.min_tokens else self.bias)
+                            self.early_bias if draw < params.min_tokens else self.bias, only=self.only)
         if self.pending:  # its token is on the device, sampled by the step still running
             return SequenceWork(self.seq_id, (0,), computed, self.table, spec, self.sample_row, self.penalty_prompt_len)
         return SequenceWork(self.seq_id, (self.output[-1],), computed, self.table, spec, None, self.penalty_prompt_len)
@@ -275,6 +277,8 @@ def check_request(request: GenerationRequest, max_context: int, vocab_size: int)
         raise VExpertInputError("logit_bias", f"token ids must be in [0, {vocab_size}) and biases in [-100, 100]")
     if any(not word or min(word) < 0 or max(word) >= vocab_size for word in params.bad_words):
         raise VExpertInputError("bad_words", f"each word's token ids must be in [0, {vocab_size}) (and at least one)")
+    if params.allowed_token_ids and not 0 <= min(params.allowed_token_ids) <= max(params.allowed_token_ids) < vocab_size:
+        raise VExpertInputError("allowed_token_ids", f"token ids must be in [0, {vocab_size})")
     if params.seed is not None and not -(2**63) <= params.seed < 2**64:
         raise VExpertInputError("seed", "must fit in 64 bits")
     if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab_size:
@@ -358,6 +362,10 @@ def constrain_draws(batch: list[tuple[_Sequence, SequenceWork]], grammars: Gramm
         masks = grammars.allowed([grammar for _, grammar, _ in constrained if grammar is not None])
         for (seq, _, spec), allowed in zip(constrained, masks, strict=True):
             assert spec is not None
+            if seq.only is not None:  # and only its allowed token ids
+                allowed = allowed.clone()
+                allowed[: len(seq.only)] &= seq.only
+                allowed[len(seq.only):] = 0
             spec.allowed = allowed
             if seq.early_bias and spec.logit_bias is seq.early_bias and only_among(
                     allowed, (token for token, bias in seq.early_bias if bias < 0)):
@@ -612,6 +620,10 @@ class Scheduler:
                                                            request.params.skip_special_tokens),
                         seed=request_seed(request.params.seed))
         seq.early_bias = early_bias(request.params, self.eos_ids, seq.bias)
+        if request.params.allowed_token_ids:
+            seq.only = pack_allowed(request.params.allowed_token_ids, self.model.vocab_size)
+            if seq.early_bias and only_among(seq.only, (token for token, bias in seq.early_bias if bias < 0)):
+                seq.early_bias = seq.bias  # min_tokens would leave no token to draw: it yields (as to a grammar)
         return seq
 
     def _split(self) -> tuple[list[_Sequence], list[_Sequence], int, int]:

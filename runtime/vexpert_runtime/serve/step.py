@@ -38,7 +38,9 @@ class SamplingSpec:
     and the :data:`~.events.MAX_LOGPROBS` most likely tokens' (:class:`StepLogprobs`). ``repetition``,
     ``presence``, ``frequency``: vLLM's penalties (1, 0, 0: off), ``logit_bias`` (token id, bias) pairs
     (:mod:`.penalties`; either needs the item's ``penalty_prompt_len``); ``allowed``: a constrained sequence's
-    tokens this draw may take, a bitmask [⌈V/32⌉] int32 on the CPU (:mod:`.structured_output`; likewise), None: all."""
+    tokens this draw may take, a bitmask [⌈V/32⌉] int32 on the CPU (:mod:`.structured_output`; likewise), None: all;
+    ``only``: the tokens any of its draws may take (a request's ``allowed_token_ids``), a bitmask likewise, the
+    same tensor at every draw (written with its logit bias; ``allowed`` already holds it), None: all."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -52,6 +54,7 @@ class SamplingSpec:
     frequency: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed: torch.Tensor | None = None
+    only: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

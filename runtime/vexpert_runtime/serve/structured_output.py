@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 
 from vexpert_runtime.errors import VExpertInputError
@@ -191,3 +192,12 @@ def unpack_allowed(words: torch.Tensor, vocab: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=words.device)
     bits = (words.unsqueeze(-1) >> shifts) & 1
     return bits.reshape(words.shape[0], -1)[:, :vocab].bool()
+
+
+def pack_allowed(tokens: Iterable[int], vocab: int) -> torch.Tensor:
+    """Token ids → a bitmask [⌈vocab / 32⌉] int32 on the CPU that allows exactly them (:func:`unpack_allowed`'s
+    layout; ids in [0, vocab))."""
+    ids = np.fromiter(tokens, dtype=np.int64)
+    words = np.zeros((vocab + 31) // 32, dtype=np.uint32)
+    np.bitwise_or.at(words, ids // 32, np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
+    return torch.from_numpy(words.view(np.int32))
