@@ -25,7 +25,12 @@ from serve_support import (
 )
 from vexpert_runtime.serve.events import Event, GenerationRequest, SamplingParams
 from vexpert_runtime.serve.hf_model import HFStepModel
-from vexpert_runtime.serve.structured_output import GrammarRequest, compile_grammar, pack_allowed, unpack_allowed
+from vexpert_runtime.serve.structured_output import (
+    GrammarRequest,
+    compile_grammar,
+    pack_allowed,
+    unpack_allowed,
+)
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
