@@ -93,7 +93,8 @@ def test_the_flag_and_the_config_field_take_vllms_names_and_refuse_others(capsys
 
 def test_vexpert_serve_with_an_fp8_cache_serves_from_half_the_bytes(tmp_path: Path) -> None:
     """``vexpert serve --kv-cache-dtype fp8`` on 2 CPU ranks (a float32 model: the cache's rows are a quarter of
-    their float32 bytes): the start line says so, ``/metrics`` counts the FP8 cache's bytes, and a request is served."""
+    their float32 bytes): the start line says so, ``/metrics`` counts the FP8 cache's bytes, and a request is served
+    (beside it, ``--return-tokens-as-token-ids``: the server's default for vLLM's request field)."""
     import json
     import re
     import signal
@@ -104,13 +105,18 @@ def test_vexpert_serve_with_an_fp8_cache_serves_from_half_the_bytes(tmp_path: Pa
     from serve_process import start_cpu_serve
     from vexpert_runtime.serve.attention_layers import kv_layout
 
-    proc, url, log = start_cpu_serve(tmp_path, "--kv-cache-dtype", "fp8")
+    proc, url, log = start_cpu_serve(tmp_path, "--kv-cache-dtype", "fp8", "--return-tokens-as-token-ids")
     try:
-        body = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
-        request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as resp:
-            assert json.loads(resp.read())["usage"]["completion_tokens"] == 8
+        body = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 8, "ignore_eos": True, "temperature": 0,
+                "logprobs": 1}
+        for as_ids in (None, False):
+            request = urllib.request.Request(url + "/v1/completions", json.dumps(
+                {**body, "return_tokens_as_token_ids": as_ids}).encode(), {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                answer = json.loads(resp.read())
+            assert answer["usage"]["completion_tokens"] == 8
+            named = [token.startswith("token_id:") for token in answer["choices"][0]["logprobs"]["tokens"]]
+            assert named == [as_ids is None] * 8
         with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
             metrics = resp.read().decode()
         blocks = float(re.search(r"^vexpert_serve_kv_cache_blocks (\S+)$", metrics, re.MULTILINE).group(1))  # type: ignore[union-attr]

@@ -691,6 +691,39 @@ def test_chat_logprobs_and_top_logprobs(client: openai.OpenAI, hf_model: Any, to
     assert plain.choices[0].logprobs is None
 
 
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_id(client: openai.OpenAI, tokenizer: Any) -> None:
+    """vLLM's ``return_tokens_as_token_ids``: the same log-probabilities, each token (and each of the most likely)
+    named ``token_id:{id}``; a chat entry's bytes stay its text's, completions' text offsets count the names (vLLM's
+    layout); streamed chunks the same; with echo the prompt's first token too."""
+    messages = [{"role": "user", "content": "hello world"}]
+    common: dict[str, Any] = {"model": MODEL_NAME, "messages": messages, "max_tokens": 5, "temperature": 0,
+                              "logprobs": True, "top_logprobs": 2}
+    texts = client.chat.completions.create(**common).choices[0].logprobs.content
+    named = client.chat.completions.create(**common, extra_body={"return_tokens_as_token_ids": True}
+                                           ).choices[0].logprobs.content
+    for text, name in zip(texts, named, strict=True):
+        token = int(name.token.removeprefix("token_id:"))
+        assert name.token == f"token_id:{token}" and tokenizer.decode([token]) == text.token
+        assert name.logprob == text.logprob and name.bytes == text.bytes
+        assert [t.logprob for t in name.top_logprobs] == [t.logprob for t in text.top_logprobs]
+        assert [tokenizer.decode([int(t.token.removeprefix("token_id:"))]) for t in name.top_logprobs] == [
+            t.token for t in text.top_logprobs]
+        assert all(t.bytes == list(t.token.encode()) for t in name.top_logprobs)
+    streamed = [entry for chunk in client.chat.completions.create(
+        **common, stream=True, extra_body={"return_tokens_as_token_ids": True})
+        if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    assert streamed == named
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}
+    plain = client.completions.create(**body).choices[0].logprobs
+    ids = client.completions.create(**body, extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    prompt_ids = tokenizer.encode(PROMPT)
+    assert ids.tokens[: len(prompt_ids)] == [f"token_id:{t}" for t in prompt_ids]
+    assert [tokenizer.decode([int(t.removeprefix("token_id:"))]) for t in ids.tokens] == plain.tokens
+    assert ids.token_logprobs == plain.token_logprobs
+    assert ids.text_offset == [sum(map(len, ids.tokens[:i])) for i in range(len(ids.tokens))]
+    assert all(all(key.startswith("token_id:") for key in top) for top in ids.top_logprobs[1:])
+
+
 def test_max_tokens_gives_length(client: openai.OpenAI) -> None:
     result = client.completions.create(
         model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0.7, seed=1, extra_body={"ignore_eos": True}

@@ -105,6 +105,10 @@ def register(subparsers: Any) -> None:
                              "'deepseek_v3' for DeepSeek-V3 / R1, 'deepseek_v31' for DeepSeek-V3.1, 'kimi_k2' for "
                              "Kimi K2; default: none (such requests must send tool_choice 'none'; 'required' and a "
                              "named function need no parser)")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="log-probabilities name each token 'token_id:{id}' instead of its text, unless a request "
+                             "says otherwise (vLLM's flag and request field: a token that is a byte of a longer "
+                             "character is still told apart)")
     parser.add_argument("--generation-config", choices=("auto", "vexpert"), default="auto",
                         help="defaults of the sampling fields a request leaves out: 'auto' takes temperature, "
                              "top_p, top_k, min_p, repetition_penalty and max_new_tokens from the checkpoint's "
@@ -282,7 +286,7 @@ def _api_config(served: _Served, args: argparse.Namespace, api_key: str | None) 
     vocab = int(served.model_config.get("vocab_size", len(tokenizer)))
     return ApiConfig(served.name, served.max_context, vocab, args.drain_timeout, api_key=api_key,
                      header_timeout_s=args.header_timeout, sampling_defaults=served.sampling_defaults,
-                     tool_call_parser=args.tool_call_parser), tokenizer
+                     tool_call_parser=args.tool_call_parser, tokens_as_ids=args.return_tokens_as_token_ids), tokenizer
 
 
 def sampling_defaults(model_dir: Path, mode: str) -> tuple[SamplingDefaults, list[str]]:

@@ -122,6 +122,7 @@ class ApiConfig:
     max_body_bytes: int | None = None  # None: :func:`body_limit` of the context
     sampling_defaults: oa.SamplingDefaults = field(default_factory=oa.SamplingDefaults)  # for fields a request leaves out
     tool_call_parser: str | None = None  # how chat replies' tool calls are read (tool_calls.PARSERS); None: not
+    tokens_as_ids: bool = False  # logprobs name tokens by id where a request does not say (vLLM's server flag)
 
     @property
     def body_limit(self) -> int:
@@ -617,6 +618,7 @@ class _Job:
     one_call: bool = False  # parallel_tool_calls false: a reply's first call only (as vLLM filters them)
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked (each choice's, or the chat response's)
     prompt_ids: list[list[int]] | None = None  # per choice its prompt's token ids (vLLM's return_token_ids)
+    tokens_as_ids: bool = False  # logprobs name each token "token_id:{id}" (vLLM's return_tokens_as_token_ids)
 
     @property
     def done(self) -> bool:
@@ -946,7 +948,8 @@ class ServeApi:
                    tool_format(req, self.config), finished,
                    isinstance(req, oa.ChatCompletionRequest) and req.parallel_tool_calls is False,
                    req.prompt_logprobs is not None,
-                   [list(ids) for ids in prompts for _ in range(req.choices)] if req.return_token_ids else None)
+                   [list(ids) for ids in prompts for _ in range(req.choices)] if req.return_token_ids else None,
+                   self.config.tokens_as_ids if req.return_tokens_as_token_ids is None else req.return_tokens_as_token_ids)
         try:
             return await (self._stream(request, job) if job.stream else self._collect(job))
         finally:
@@ -1001,9 +1004,14 @@ class ServeApi:
         an echoed prompt's first token, which has no log-probability)."""
         texts = self._token_texts
         decoded = await texts.decoded(tokens)
+        if job.tokens_as_ids:  # (a chat entry's bytes stay its text's; completions' text offsets count the names)
+            name = oa.token_id_name
+            decoded = [oa.DecodedLogprob(name(t.token), t.logprob, tuple((name(i), lp) for i, lp in t.top), d.token)
+                       for t, d in zip(tokens, decoded, strict=True)]
         if job.chat:
             return oa.chat_logprobs(decoded)
-        return oa.completion_logprobs(decoded, text_offset, None if first is None else await texts.text(first))
+        lead = None if first is None else oa.token_id_name(first) if job.tokens_as_ids else await texts.text(first)
+        return oa.completion_logprobs(decoded, text_offset, lead)
 
 
     async def _stream(self, request: web.Request, job: _Job) -> web.StreamResponse:

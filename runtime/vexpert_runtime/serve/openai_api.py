@@ -84,7 +84,6 @@ _REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_grammar": ((), _GUIDED), "guided_decoding_backend": ((), _GUIDED),
     "guided_whitespace_pattern": ((), _GUIDED),
     "use_beam_search": ((False,), "beam search is not supported; send false"),
-    "return_tokens_as_token_ids": ((False,), "not supported; send false"),
     "logits_processors": ((), "not supported; leave it out"),
 }
 _REFUSED_COMPLETION = {
@@ -187,6 +186,7 @@ class _GenerationRequest(BaseModel):
     return_token_ids: StrictBool = False  # vLLM's: the prompt's and each choice's token ids in the answer
     bad_words: list[StrictStr] | None = Field(default=None, max_length=MAX_BAD_WORDS)  # vLLM's: words never written
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's: the only tokens the output may take
+    return_tokens_as_token_ids: StrictBool | None = None  # vLLM's: logprobs name tokens "token_id:{id}" (null: the server's)
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # vLLM's: keep that many prompt tokens
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: "left" (its default) keeps the last ones
     response_format: ResponseFormat | None = None  # OpenAI's structured output (:mod:`.structured_output`)
@@ -621,11 +621,19 @@ def usage(prompt_tokens: int, completion_tokens: int) -> Json:
 @dataclass(frozen=True)
 class DecodedLogprob:
     """An output token's log-probability, with the most likely tokens', as text (see
-    :class:`~.events.TokenLogprobs`)."""
+    :class:`~.events.TokenLogprobs`); ``text``: the token's own text where ``token`` names it by id
+    (:func:`token_id_name`) — a chat entry's ``bytes`` are the text's, as vLLM's."""
 
     token: str
     logprob: float
     top: tuple[tuple[str, float], ...]
+    text: str | None = None
+
+
+def token_id_name(token: int) -> str:
+    """A token as vLLM's ``return_tokens_as_token_ids`` names it (a token that is no text of its own — a byte
+    of a longer character — is still told apart)."""
+    return f"token_id:{token}"
 
 
 _LEAST_LOGPROB = -9999.0  # what OpenAI sends for −inf (JSON has no infinity)
@@ -662,6 +670,7 @@ def chat_logprobs(tokens: list[DecodedLogprob]) -> Json:
     """``choices[i].logprobs`` of a chat completion: per output token its text, log-probability, UTF-8
     bytes and ``top_logprobs`` (the k most likely tokens, each likewise)."""
     return {"content": [{**_token_entry(item.token, item.logprob),
+                         **({} if item.text is None else {"bytes": list(item.text.encode("utf-8", errors="replace"))}),
                          "top_logprobs": [_token_entry(text, lp) for text, lp in item.top]} for item in tokens]}
 
 
