@@ -552,6 +552,12 @@ def _role_chunk(job: _Job, index: int) -> dict[str, Any]:
     return chunk
 
 
+def special_tokens(tokenizer: Any) -> frozenset[str]:
+    """The tokenizer's special tokens' texts, as llguidance tells them (added tokens marked special)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return frozenset(str(added.content) for added in decoder.values() if getattr(added, "special", False))
+
+
 def _batch_token_ids(batch: Sequence[Event]) -> list[int]:
     """The output ids a batch of a choice's events carries (each event its own: vLLM's ``return_token_ids``)."""
     return [token for event in batch if isinstance(event, EventWithTokenIds) for token in event.token_ids]
@@ -569,6 +575,21 @@ class _TokenTexts:
 
     async def decoded(self, tokens: Sequence[TokenLogprobs]) -> list[oa.DecodedLogprob]:
         return await self._run(self._decode, tokens)
+
+    async def logprobs_object(self, tokens: Sequence[TokenLogprobs], chat: bool, as_ids: bool, text_offset: int = 0,
+                              first: int | None = None) -> dict[str, Any]:
+        """A choice's (or a chunk's) ``logprobs`` object for ``tokens``, their ids decoded to text — or named by id
+        (``as_ids``: vLLM's ``return_tokens_as_token_ids``) — (``first``: an echoed prompt's first token, which has no
+        log-probability)."""
+        decoded = await self.decoded(tokens)
+        if as_ids:  # (a chat entry's bytes stay its text's; completions' text offsets count the names, as vLLM's)
+            name = oa.token_id_name
+            decoded = [oa.DecodedLogprob(name(t.token), t.logprob, tuple((name(i), lp) for i, lp in t.top), d.token)
+                       for t, d in zip(tokens, decoded, strict=True)]
+        if chat:
+            return oa.chat_logprobs(decoded)
+        lead = None if first is None else oa.token_id_name(first) if as_ids else await self.text(first)
+        return oa.completion_logprobs(decoded, text_offset, lead)
 
     async def text(self, token: int) -> str:
         return (await self._run(self._decode, [TokenLogprobs(token, 0.0)]))[0].token
@@ -692,6 +713,7 @@ class ServeApi:
         self.node_metrics = node_metrics
         self.metrics_share = metrics_share
         self.tokenizer = tokenizer  # the tokenizer thread's (long prompts)
+        self._validation_context = {"special_tokens": special_tokens(tokenizer)}  # (structural tags' triggers)
         # the event loop's own copy (short prompts): a Hugging Face fast tokenizer is not safe to share
         # across threads — its encode reconfigures the Rust tokenizer, which another thread may be running
         try:
@@ -857,10 +879,9 @@ class ServeApi:
             return parse_body(raw)
         return await asyncio.to_thread(parse_body, raw)
 
-    @staticmethod
-    def _parse(model: type[_Body], body: dict[str, Any]) -> _Body:
+    def _parse(self, model: type[_Body], body: dict[str, Any]) -> _Body:
         try:
-            return model.model_validate(body)
+            return model.model_validate(body, context=self._validation_context)
         except ValidationError as exc:
             message, param = oa.describe_validation_error(exc)
             raise ApiError(400, message, param=param, code="invalid_value") from None
@@ -1000,19 +1021,7 @@ class ServeApi:
 
     async def _logprobs_object(self, job: _Job, tokens: Sequence[TokenLogprobs], text_offset: int = 0,
                                first: int | None = None) -> dict[str, Any]:
-        """A choice's (or a chunk's) ``logprobs`` object for ``tokens``, their ids decoded to text (``first``:
-        an echoed prompt's first token, which has no log-probability)."""
-        texts = self._token_texts
-        decoded = await texts.decoded(tokens)
-        if job.tokens_as_ids:  # (a chat entry's bytes stay its text's; completions' text offsets count the names)
-            name = oa.token_id_name
-            decoded = [oa.DecodedLogprob(name(t.token), t.logprob, tuple((name(i), lp) for i, lp in t.top), d.token)
-                       for t, d in zip(tokens, decoded, strict=True)]
-        if job.chat:
-            return oa.chat_logprobs(decoded)
-        lead = None if first is None else oa.token_id_name(first) if job.tokens_as_ids else await texts.text(first)
-        return oa.completion_logprobs(decoded, text_offset, lead)
-
+        return await self._token_texts.logprobs_object(tokens, job.chat, job.tokens_as_ids, text_offset, first)
 
     async def _stream(self, request: web.Request, job: _Job) -> web.StreamResponse:
         response = web.StreamResponse(

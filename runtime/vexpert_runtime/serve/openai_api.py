@@ -21,7 +21,8 @@ prompt token's log-probability and rank, and the k most likely; not streamed), `
 "auto" (OpenAI's default) the reply's calls are parsed when the server has a ``--tool-call-parser``
 (:mod:`.tool_calls`), else only "none" is accepted; "required" and a named function constrain the reply to the calls'
 JSON (:class:`~.tool_calls.ForcedToolChoice`, no parser needed), ``parallel_tool_calls: false`` keeps one call; structured output — ``response_format`` (``json_object``,
-``json_schema``) and vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) —
+``json_schema``, vLLM's ``structural_tag``) and vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
+``json_object``, ``structural_tag``) —
 is compiled here (:mod:`.structured_output`: a schema or pattern it cannot compile is a 400 naming the field).
 
 Types are strict, as OpenAI's own API checks them: a boolean is not an integer (``max_tokens: true``),
@@ -34,7 +35,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import (
@@ -47,6 +48,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -129,11 +131,15 @@ class JsonSchemaFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     """``response_format`` (OpenAI's): ``text`` (no constraint), ``json_object`` (any JSON object) or
-    ``json_schema`` (an object following ``json_schema.schema``)."""
+    ``json_schema`` (an object following ``json_schema.schema``); vLLM's ``structural_tag`` (free text in which each
+    trigger starts a structure: its ``begin``, JSON following its ``schema``, its ``end``)."""
 
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    structures: list[dict[str, Any]] | None = None  # structural_tag: [{"begin", "schema", "end"}, …]
+    triggers: list[StrictStr] | None = None  # structural_tag: what starts a structure (each begin starts with one)
+    format: Any = None  # xgrammar's structural tag form: refused (named in the 400)
 
 
 class StructuredOutputs(BaseModel):
@@ -147,13 +153,14 @@ class StructuredOutputs(BaseModel):
     choice: list[StrictStr] | None = None
     grammar: StrictStr | None = None
     json_object: StrictBool | None = None
+    structural_tag: dict[str, Any] | StrictStr | None = None  # vLLM's: {"structures", "triggers"} (or its JSON text)
     disable_any_whitespace: StrictBool = False  # no whitespace between JSON tokens
     disable_additional_properties: StrictBool = False  # objects with properties take no others
 
     def constraints(self) -> dict[GrammarKind, Any]:
         """The constraints it gives (by field name)."""
         given: dict[GrammarKind, Any] = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
-                 "json_object": self.json_object or None}
+                 "json_object": self.json_object or None, "structural_tag": self.structural_tag}
         return {name: value for name, value in given.items() if value is not None}
 
 
@@ -194,11 +201,14 @@ class _GenerationRequest(BaseModel):
     _grammar: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
-    def _compile_grammar(self) -> Any:
+    def _compile_grammar(self, info: ValidationInfo) -> Any:
+        """The grammar compiled (the validation context's ``special_tokens``: the tokenizer's, for structural tags)."""
         if self.prompt_logprobs and self.stream:
             raise _FieldRefused("prompt_logprobs", "not available when streaming (as vLLM): send stream false, or leave "
                                 "prompt_logprobs out")
         request = self.grammar_request()
+        if request is not None and request.kind == "structural_tag" and isinstance(info.context, dict):
+            request = replace(request, special_tokens=frozenset(info.context.get("special_tokens", ())))
         if request is not None:
             try:
                 self._grammar = compile_grammar(request)
@@ -229,6 +239,10 @@ class _GenerationRequest(BaseModel):
                 raise _FieldRefused("response_format", "send either response_format or structured_outputs, not both")
             if fmt.type == "json_object":
                 return GrammarRequest("json_object", None, "response_format")
+            if fmt.type == "structural_tag":
+                tag = {"structures": fmt.structures, "triggers": fmt.triggers}
+                return GrammarRequest("structural_tag", tag if fmt.format is None else {**tag, "format": fmt.format},
+                                      "response_format")
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
                 raise _FieldRefused("response_format.json_schema.schema", 'type "json_schema" needs the schema: '
                                     '{"type": "json_schema", "json_schema": {"name": …, "schema": {…}}}')
@@ -237,7 +251,8 @@ class _GenerationRequest(BaseModel):
             return None
         given = outputs.constraints()
         if len(given) != 1:
-            raise _FieldRefused("structured_outputs", "give exactly one of json, regex, choice, grammar, json_object: "
+            raise _FieldRefused("structured_outputs", "give exactly one of json, regex, choice, grammar, json_object, "
+                                "structural_tag: "
                                 f"got {', '.join(given) or 'none'}")
         (kind, spec), = given.items()
         return GrammarRequest(kind, spec, f"structured_outputs.{kind}", not outputs.disable_any_whitespace,

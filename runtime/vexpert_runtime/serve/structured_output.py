@@ -36,20 +36,22 @@ from vexpert_runtime.errors import VExpertInputError
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
 
 
 @dataclass(frozen=True)
 class GrammarRequest:
     """What a request constrains its output to: ``kind`` with its ``spec`` (a JSON schema as a dict or JSON
     text; a regex; the strings to choose from; a Lark / EBNF grammar; nothing for ``json_object``).
-    ``field``: the request field that asked (named in errors)."""
+    ``field``: the request field that asked (named in errors). A structural tag's spec is vLLM's
+    ``{"structures": [{"begin", "schema", "end"}, …], "triggers": […]}`` (:func:`structural_tag_grammar`)."""
 
     kind: GrammarKind
     spec: Any
     field: str
     whitespace_flexible: bool = True  # vLLM's default: not disable_any_whitespace
     closed_objects: bool = False  # vLLM's disable_additional_properties
+    special_tokens: frozenset[str] = frozenset()  # the tokenizer's (a structural tag's trigger may be one)
 
 
 _FIXES: dict[str, str] = {
@@ -58,6 +60,8 @@ _FIXES: dict[str, str] = {
     "regex": "send a regex in Rust's syntax (no lookaround, no backreferences), or leave the field out",
     "choice": "send a non-empty list of strings",
     "grammar": "send a Lark grammar whose rule 'start' is the whole output (or GBNF / EBNF), or leave the field out",
+    "structural_tag": 'send {"structures": [{"begin": "<function=f>", "schema": {…}, "end": "</function>"}], '
+                      '"triggers": ["<function="]}: each begin starts with a trigger',
 }
 
 
@@ -77,6 +81,8 @@ def compile_grammar(request: GrammarRequest) -> str:
             if request.closed_objects:
                 schema = _closed_objects(copy.deepcopy(schema))
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
+        elif request.kind == "structural_tag":
+            grammar = structural_tag_grammar(request)
         elif request.kind == "choice":
             if not request.spec or not all(isinstance(s, str) for s in request.spec):
                 raise ValueError("choice is a non-empty list of strings")
@@ -91,6 +97,44 @@ def compile_grammar(request: GrammarRequest) -> str:
         raise VExpertInputError(request.field, f"not a valid {request.kind.replace('_', ' ')}: {error.strip()}",
                                 _FIXES[request.kind])
     return str(grammar)
+
+
+def structural_tag_grammar(request: GrammarRequest) -> str:
+    """vLLM's structural tag (its ``guidance`` backend's form: ``structures`` + ``triggers``) as an llguidance grammar:
+    free text until a trigger, then the rest of a structure's ``begin``, JSON following its ``schema`` and its ``end``,
+    then free text again (llguidance's :class:`~llguidance.StructTag`). A trigger written ``<…>`` that is one of the
+    tokenizer's special tokens is matched as that token (vLLM's default); one that is not — Qwen's ``<tool_call>`` is an
+    ordinary added token — as text, where vLLM's grammar fails. Each schema is passed as the schema itself, with the
+    JSON options (vLLM passes its compiled grammar, which llguidance then reads as a schema of unknown keywords:
+    any JSON)."""
+    import llguidance
+
+    spec = json.loads(request.spec) if isinstance(request.spec, str) else request.spec
+    if not isinstance(spec, dict) or "format" in spec:
+        raise ValueError("only the structures + triggers form is supported (xgrammar's 'format' form is not)")
+    triggers, structures = spec.get("triggers"), spec.get("structures")
+    if not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("triggers is a non-empty list of non-empty strings")
+    if not structures or not isinstance(structures, list):
+        raise ValueError("structures is a non-empty list")
+    special = {t for t in triggers if t in request.special_tokens and t.startswith("<") and t.endswith(">")}
+    if special and any(t not in special and t.startswith("<") and t.endswith(">") for t in triggers):
+        raise ValueError("triggers written <…> must all be special tokens of the tokenizer, or none of them")
+    tags = []
+    for i, structure in enumerate(structures):
+        if not isinstance(structure, dict) or not all(isinstance(structure.get(k), str) for k in ("begin", "end")):
+            raise ValueError(f"structures[{i}] needs strings begin and end")
+        schema = structure.get("schema", {})  # (vLLM's: none is any JSON)
+        if not isinstance(schema, dict):
+            raise ValueError(f"structures[{i}].schema is a JSON schema (an object)")
+        trigger = next((t for t in triggers if structure["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"structures[{i}].begin {structure['begin']!r} starts with none of the triggers")
+        schema = _closed_objects(copy.deepcopy(schema)) if request.closed_objects else schema
+        options = {"x-guidance": {"whitespace_flexible": request.whitespace_flexible}}
+        tags.append(llguidance.StructTag(trigger=trigger, begin=structure["begin"], grammar={**schema, **options},
+                                         end=structure["end"]))
+    return str(llguidance.StructTag.to_grammar(tags, assume_special=bool(special)))
 
 
 def _closed_objects(schema: Any) -> Any:
