@@ -10,7 +10,10 @@ token log-probabilities, the top-k sets), also with ``echo`` (the prompt's); cha
 grammar; ``response_format``: ``json_schema``, ``json_object``) and ``tool_choice`` ``"required"`` / a named function
 (vLLM with ``--enable-auto-tool-choice --tool-call-parser hermes`` and its default backend, xgrammar; see
 ``--vllm-args`` for its llguidance backend); ``return_token_ids`` unstreamed and streamed (the chunks' ids joined);
-``bad_words`` — the first two words of the checkpoint's greedy completion (transformers ``generate``), banned.
+``bad_words`` — the first two words of the checkpoint's greedy completion (transformers ``generate``), banned;
+``allowed_token_ids`` (with a logit bias on a token outside them); ``return_tokens_as_token_ids`` (completions with
+``echo``, chat — its entries' ``bytes`` too); structural tags (a special-token trigger favoured by a logit bias, in
+``structured_outputs`` and chat's ``response_format``; a text trigger the model never writes).
 Sampled answers are compared only in form (choices, their order, usage): the two servers draw from their own
 random streams — the ``n`` cases sample (vLLM refuses ``n`` > 1 with greedy sampling; vexpert returns n equal choices).
 
@@ -77,6 +80,14 @@ def cases(prompts: list[str], bad_words: list[str]) -> dict[str, tuple[str, dict
         "bad_words, return_token_ids": ("completions", {**completion, "bad_words": bad_words,
                                                         "return_token_ids": True}),
         "chat prompt_logprobs 2": ("chat/completions", {**chat, "prompt_logprobs": 2}),
+        "allowed_token_ids, return_token_ids": ("completions", {**completion, "allowed_token_ids": ALLOWED,
+                                                                "return_token_ids": True}),
+        "chat allowed_token_ids + logit_bias outside them, return_token_ids": ("chat/completions", {
+            **chat, "allowed_token_ids": ALLOWED, "logit_bias": {"40": 5, "300": 100}, "return_token_ids": True}),
+        "echo + logprobs 3, return_tokens_as_token_ids": ("completions", {
+            **completion, "echo": True, "logprobs": 3, "return_tokens_as_token_ids": True}),
+        "chat logprobs, top_logprobs 3, return_tokens_as_token_ids": ("chat/completions", {
+            **chat, "logprobs": True, "top_logprobs": 3, "return_tokens_as_token_ids": True}),
         **structured_cases(completion, chat),
         "n 3 (sampled)": ("completions", {**completion, "n": 3, "temperature": 1.0, "seed": 7}),
         "2 prompts, n 2 (sampled)": ("completions", {**completion, "prompt": prompts[:2], "n": 2, "temperature": 1.0,
@@ -117,6 +128,15 @@ def structured_cases(completion: dict[str, Any], chat: dict[str, Any]) -> dict[s
             "type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}}),
         "chat response_format json_object": ("chat/completions", {**chat, **ends, "response_format": {
             "type": "json_object"}}),
+        "structural_tag, special-token trigger favoured": ("completions", {
+            **completion, **ends, "logit_bias": {"1": 100}, "skip_special_tokens": False, "structured_outputs": {
+                "structural_tag": json.dumps(TAGS), "disable_any_whitespace": True}}),
+        "chat response_format structural_tag, special-token trigger favoured": ("chat/completions", {
+            **chat, **ends, "logit_bias": {"1": 100}, "skip_special_tokens": False,
+            "response_format": {"type": "structural_tag", **TAGS}}),
+        "structural_tag, text trigger never written": ("completions", {**completion, **ends, "structured_outputs": {
+            "structural_tag": json.dumps({"structures": [{"begin": "<f=x>", "schema": SCHEMA, "end": "</f>"}],
+                                          "triggers": ["<f="]})}}),
         "chat tool_choice named": ("chat/completions", {**chat, **ends, "max_tokens": 400, "tools": TOOLS,
                                                         "tool_choice": {"type": "function",
                                                                         "function": {"name": "get_time"}}}),
@@ -126,6 +146,10 @@ def structured_cases(completion: dict[str, Any], chat: dict[str, Any]) -> dict[s
 
 
 STREAM = {"stream": True, "stream_options": {"include_usage": True}}
+ALLOWED = [5, 6, 7, 40, 41, 42, 100, 101, 102, 200]  # the only tokens the allowed_token_ids cases may draw
+TAGS = {"structures": [{"begin": "<|im_start|>", "schema": {  # <|im_start|> (id 1) is one of the tokenizer's specials
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"],
+    "additionalProperties": False}, "end": "</t>"}], "triggers": ["<|im_start|>"]}
 
 
 def written_words(model: Path, prompt: str, count: int = 2) -> list[str]:
@@ -264,6 +288,10 @@ def compare(case: str, ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str
             row["top_sets_equal"] = sum(p == q for p, q in sets) / max(len(a), 1)
             row["top_sets_equal_fragments_alike"] = sum({_fragment(t) for t in p} == {_fragment(t) for t in q}
                                                         for p, q in sets) / max(len(a), 1)
+            if "as_token_ids" in case:  # each entry's bytes (the text's) and its top entries' (the names')
+                row["bytes_equal"] = [x["bytes"] for x in a] == [y["bytes"] for y in b] and [
+                    [t["bytes"] for t in x["top_logprobs"]] for x in a] == [[t["bytes"] for t in y["top_logprobs"]]
+                                                                              for y in b]
         else:
             row["tokens_equal"] = mine["tokens"] == peer["tokens"]
             row["max_logprob_diff"] = max(abs(x - y) for x, y in zip(mine["token_logprobs"], peer["token_logprobs"],
@@ -275,7 +303,8 @@ def compare(case: str, ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str
                                                         for x, y in pairs) / max(len(mine["tokens"]), 1)
             row["text_offset_equal"] = mine["text_offset"] == peer["text_offset"]
     row["agree"] = bool(row["texts_equal"]) and row["indices_equal"] and row["usage_equal"] and row.get(
-        "tokens_equal", True) and row.get("calls_equal", True) and row.get("ranks_equal", True)
+        "tokens_equal", True) and row.get("calls_equal", True) and row.get("ranks_equal", True) and row.get(
+        "bytes_equal", True)
     return row
 
 

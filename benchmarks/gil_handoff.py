@@ -60,10 +60,10 @@ async def measure(api: ServeApi, samples: int, slice_s: float, limit_s: float) -
         start = time.perf_counter()
         # a starved thread may take seconds: counted at the limit (the job itself cannot be cancelled)
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(api._off_loop(api._encode_prompt, PROMPT), limit_s)
+            await asyncio.wait_for(api.prompts.off_loop(api.prompts.prompt_ids, PROMPT), limit_s)
         off_loop.append(time.perf_counter() - start)
         start = time.perf_counter()
-        api._encode_prompt(PROMPT)
+        api.prompts.prompt_ids(PROMPT)
         inline.append(time.perf_counter() - start)
         await asyncio.sleep(0)
     # events: another process sends timestamps; a reader thread blocks on the queue and hands each to the loop

@@ -1,4 +1,4 @@
-"""vLLM's ``bad_words``: the API tokenizes each word as vLLM does (:func:`~vexpert_runtime.serve.api.bad_word_ids`),
+"""vLLM's ``bad_words``: the API tokenizes each word as vLLM does (:func:`~vexpert_runtime.serve.prompts.bad_word_ids`),
 the scheduler bans a one-token word outright and a longer word's last token where the output ends with the rest
 (:func:`~vexpert_runtime.serve.scheduler.banned_next`) — greedy tokens equal a reference decode that bans the same
 tokens by hand, with overlapped steps too, and the other sequences of the batch are left alone."""
@@ -23,9 +23,9 @@ from serve_support import (
     make_server,
     serve_with_scheduler,
 )
-from vexpert_runtime.serve.api import bad_word_ids
 from vexpert_runtime.serve.events import Event, GenerationRequest, SamplingParams
 from vexpert_runtime.serve.hf_model import HFStepModel
+from vexpert_runtime.serve.prompts import bad_word_ids
 from vexpert_runtime.serve.scheduler import banned_next, split_bad_words
 
 

@@ -875,13 +875,13 @@ def test_latency_metrics_count_from_the_requests_arrival(server: BackgroundServe
         text = httpx.get(f"{server.url}/metrics").text
         return sum(float(line.split(" ")[1]) for line in text.splitlines() if line.startswith(name + "_sum"))
 
-    encode, delay = server.api._encode_prompt, 0.3
+    encode, delay = server.api.prompts.prompt_ids, 0.3
 
     def slow_encode(prompt: Any, tokenizer: Any = None) -> list[int]:
         time.sleep(delay)
         return encode(prompt, tokenizer)
 
-    monkeypatch.setattr(server.api, "_encode_prompt", slow_encode)
+    monkeypatch.setattr(server.api.prompts, "prompt_ids", slow_encode)
     ttft, duration = (histogram_sum("vexpert_serve_time_to_first_token_seconds"),
                       histogram_sum("vexpert_serve_request_duration_seconds"))
     client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, extra_body={"ignore_eos": True})
@@ -1393,7 +1393,7 @@ def test_short_prompts_tokenized_on_the_loop_while_long_ones_go_to_the_thread(se
     "Already borrowed"), and both give the tokenizer's own ids."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from vexpert_runtime.serve.api import INLINE_TOKENIZE_CHARS
+    from vexpert_runtime.serve.prompts import INLINE_TOKENIZE_CHARS
 
     shorts = [f"{PROMPT} {i}" for i in range(16)]
     long_prompt = ("the quick brown fox " * (INLINE_TOKENIZE_CHARS // 10))[: INLINE_TOKENIZE_CHARS + 50]
@@ -1429,8 +1429,8 @@ def test_a_tokenizer_that_cannot_be_copied_leaves_every_prompt_to_the_tokenizer_
 
     api = ServeApi(None, Uncopyable(tokenizer), ApiConfig(MODEL_NAME, MAX_CONTEXT, len(tokenizer)))  # type: ignore[arg-type]
     try:
-        assert api._loop_tokenizer is None
-        ids = asyncio.run(api._off_loop(api._encode_prompt, PROMPT))
+        assert api.prompts.loop_tokenizer is None
+        ids = asyncio.run(api.prompts.run(api.prompts.prompt_ids, PROMPT, len(PROMPT)))
         assert ids == list(tokenizer.encode(PROMPT))
     finally:
         api.close()
@@ -1505,7 +1505,7 @@ def test_truncate_prompt_tokens_keeps_the_last_or_first_tokens_as_vllm(server: B
     right = complete(prompt=ids, extra_body={"truncate_prompt_tokens": 8, "truncation_side": "right"})
     assert right.choices[0].text == first.choices[0].text
     echoed = complete(prompt=ids, echo=True, extra_body={"truncate_prompt_tokens": 8})
-    kept_text = server.api.tokenizer.decode(ids[-8:])
+    kept_text = server.api.prompts.tokenizer.decode(ids[-8:])
     assert echoed.choices[0].text == kept_text + last.choices[0].text
     assert complete(prompt=ids, extra_body={"truncate_prompt_tokens": -1}).usage.prompt_tokens == len(ids)  # type: ignore[union-attr]
     chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": PROMPT * 3}],

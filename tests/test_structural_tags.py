@@ -30,9 +30,9 @@ from serve_support import (
     serve_with_scheduler,
 )
 from vexpert_runtime.errors import VExpertInputError
-from vexpert_runtime.serve.api import special_tokens
 from vexpert_runtime.serve.events import GenerationRequest, SamplingParams
 from vexpert_runtime.serve.hf_model import HFStepModel
+from vexpert_runtime.serve.prompts import special_tokens
 from vexpert_runtime.serve.sampling import eos_token_ids
 from vexpert_runtime.serve.structured_output import GrammarRequest, GrammarTokens, compile_grammar
 

@@ -16,7 +16,7 @@ the context), checked from ``Content-Length`` before it is read; JSON nested dee
 ``MAX_JSON_DEPTH`` is refused by a scan before it is parsed (``json`` recurses); strings that are not
 Unicode text (lone surrogates) are refused naming their field; a prompt longer than
 ``INLINE_TOKENIZE_CHARS`` is tokenized on a thread (shorter ones on the loop, with its own tokenizer
-copy: a hand-off to a thread costs more than they do). With :attr:`ApiConfig.api_key`, ``/v1/*`` needs ``Authorization: Bearer <key>``
+copy: a hand-off to a thread costs more than they do; :mod:`.prompts`). With :attr:`ApiConfig.api_key`, ``/v1/*`` needs ``Authorization: Bearer <key>``
 (``/health`` and ``/metrics`` stay open); a connection has :attr:`ApiConfig.header_timeout_s` to send
 its request's headers (aiohttp's keep-alive timer, which also runs from the connection's start).
 
@@ -40,7 +40,6 @@ another one on its thread (a Hugging Face fast tokenizer is not safe to share ac
 from __future__ import annotations
 
 import asyncio
-import copy
 import gc
 import hmac
 import json
@@ -71,6 +70,7 @@ from pydantic import BaseModel, ValidationError
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.gc_heap import GcClock, freeze_heap
 from vexpert_runtime.serve import openai_api as oa
+from vexpert_runtime.serve.api_errors import ApiError, refusal_error
 from vexpert_runtime.serve.dispatcher import Dispatcher
 from vexpert_runtime.serve.events import (
     Event,
@@ -84,6 +84,7 @@ from vexpert_runtime.serve.events import (
 )
 from vexpert_runtime.serve.histogram import CountedHistogram
 from vexpert_runtime.serve.metrics_share import MetricsShare
+from vexpert_runtime.serve.prompts import PromptEncoder, special_tokens
 from vexpert_runtime.serve.tool_calls import (
     KEEPS_SPECIAL_TOKENS,
     ToolCall,
@@ -196,34 +197,6 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise ApiError(400, f"{bad}: contains a lone surrogate (\\ud800–\\udfff without its pair), which is not "
                        "text; send valid Unicode", param=bad, code="invalid_value")
     return body
-
-
-class ApiError(Exception):
-    """An error the API answers with an OpenAI error object."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = oa.error_body(message, type_, param, code)
-        self.headers = headers or {}
-
-    def response(self) -> web.Response:
-        return web.json_response(self.body, status=self.status, headers=self.headers)
-
-
-def refusal_error(refusal: ServeRefusal) -> ApiError:
-    """429 / 503 with ``Retry-After`` for a request the ranks cannot take now."""
-    type_ = "rate_limit_error" if refusal.status == 429 else "server_error"
-    headers = {"Retry-After": str(refusal.retry_after_s)}
-    return ApiError(refusal.status, refusal.message, type_, None, refusal.code, headers)
 
 
 def _bad_http_response(status: int, exc: BaseException | None) -> web.Response:
@@ -451,20 +424,6 @@ def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt
     )
 
 
-def bad_word_ids(words: Sequence[str], tokenizer: Any) -> tuple[tuple[int, ...], ...]:
-    """The token sequences of a request's ``bad_words``, as vLLM forms them: each word (its leading whitespace
-    stripped) as it starts a text, and after a space where that tokenizes to as many tokens with a different first
-    one (the word in the middle of a text)."""
-    sequences: list[tuple[int, ...]] = []
-    for word in words:
-        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
-        sequences.append(alone)
-        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-        if spaced and len(spaced) == len(alone) and spaced[0] != alone[0]:
-            sequences.append(spaced)
-    return tuple(sequences)
-
-
 def tool_format(req: oa.CompletionRequest | oa.ChatCompletionRequest, config: ApiConfig) -> ToolFormat | None:
     """The format to read the reply's tool calls in: a forced choice's JSON, else ``config.tool_call_parser``; None
     when the request's tools may not be called."""
@@ -550,12 +509,6 @@ def _role_chunk(job: _Job, index: int) -> dict[str, Any]:
     if job.prompt_ids is not None:
         chunk["prompt_token_ids"] = job.prompt_ids[index]
     return chunk
-
-
-def special_tokens(tokenizer: Any) -> frozenset[str]:
-    """The tokenizer's special tokens' texts, as llguidance tells them (added tokens marked special)."""
-    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return frozenset(str(added.content) for added in decoder.values() if getattr(added, "special", False))
 
 
 def _batch_token_ids(batch: Sequence[Event]) -> list[int]:
@@ -712,27 +665,18 @@ class ServeApi:
         self.dispatcher = dispatcher
         self.node_metrics = node_metrics
         self.metrics_share = metrics_share
-        self.tokenizer = tokenizer  # the tokenizer thread's (long prompts)
+        self.prompts = PromptEncoder(tokenizer, config.vocab_size)
         self._validation_context = {"special_tokens": special_tokens(tokenizer)}  # (structural tags' triggers)
-        # the event loop's own copy (short prompts): a Hugging Face fast tokenizer is not safe to share
-        # across threads — its encode reconfigures the Rust tokenizer, which another thread may be running
-        try:
-            self._loop_tokenizer: Any = copy.deepcopy(tokenizer)
-        except Exception as exc:  # a tokenizer that cannot be copied: every prompt goes to the thread
-            log.info("tokenizer not copyable (%r): every prompt is tokenized on the tokenizer thread", exc)
-            self._loop_tokenizer = None
         self.config = config
         self.gc_clock = GcClock().install()
         self.metrics = ServeMetrics(registry if registry is not None else CollectorRegistry(), self.gc_clock)
         self.created = oa.now()
         self.shutting_down = False
-        # one thread: a Hugging Face fast tokenizer is not safe to share across threads
-        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="vexpert-tokenize")
-        self._token_texts = _TokenTexts(self._loop_tokenizer, tokenizer, self._tokenize_pool)
+        self._token_texts = _TokenTexts(self.prompts.loop_tokenizer, tokenizer, self.prompts.pool)
 
     def close(self) -> None:
         """Stop the tokenizer thread (after the server stopped); publish the final counts."""
-        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.prompts.close()
         self.gc_clock.uninstall()
         if self.metrics_share is not None:
             self.metrics_share.stop(self.metrics.registry)
@@ -794,24 +738,18 @@ class ServeApi:
         prompts, texts = [], []
         for prompt in req.prompts():
             if isinstance(prompt, str):
-                ids = await self._tokenized(self._encode_prompt, prompt, len(prompt))
+                ids = await self.prompts.run(self.prompts.prompt_ids, prompt, len(prompt))
             else:  # token ids: only checked
-                ids = self._encode_prompt(prompt)
+                ids = self.prompts.prompt_ids(prompt)
             kept = _truncated(req, ids, self.config.max_context)
             prompts.append(kept)
             if not req.echo:
                 texts.append("")
             else:  # the prompt as the model sees it
-                texts.append(prompt if isinstance(prompt, str) and kept is ids else await self._prompt_text(kept))
+                texts.append(prompt if isinstance(prompt, str) and kept is ids else await self.prompts.text(kept))
         # (an empty prompt is refused by _generate, before any of this is read)
         echo = [(text, ids[0] if ids else 0) for text, ids in zip(texts, prompts, strict=True) for _ in range(req.choices)]
         return await self._generate(request, req, prompts, chat=False, echo=echo if req.echo else None)
-
-    async def _prompt_text(self, prompt: list[int]) -> str:
-        """A token-id prompt as text (to echo it)."""
-        if self._loop_tokenizer is not None:
-            return str(self._loop_tokenizer.decode(prompt))
-        return str(await self._off_loop(self.tokenizer.decode, prompt))
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = self._parse(oa.ChatCompletionRequest, await self._json(request))
@@ -821,20 +759,9 @@ class ServeApi:
                            'hermes for Qwen / Hermes models, deepseek_v3 for DeepSeek-V3): send "none" (the template '
                            "shows the tools, the reply is text) or leave tools out", param="tool_choice")
         chars = sum(len(m.text()) for m in req.messages)
-        prompt_ids = await self._tokenized(self._encode_chat, req, chars)
+        prompt_ids = await self.prompts.run(self.prompts.chat_ids, req, chars)
         return await self._generate(request, req, [_truncated(req, prompt_ids, self.config.max_context)], chat=True)
 
-
-    async def _tokenized(self, encode: Callable[..., _Result], prompt: Any, chars: int) -> _Result:
-        """``encode(prompt, tokenizer)``: up to ``INLINE_TOKENIZE_CHARS`` on the loop with its own
-        tokenizer (no hand-off), else on the tokenizer thread (see :meth:`_off_loop`)."""
-        if self._loop_tokenizer is not None and chars <= INLINE_TOKENIZE_CHARS:
-            return encode(prompt, self._loop_tokenizer)
-        return await self._off_loop(encode, prompt)
-
-    async def _off_loop(self, encode: Callable[[Any], _Result], prompt: Any) -> _Result:
-        """Run ``encode(prompt)`` on the tokenizer thread (a long prompt must not stall the event loop)."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, encode, prompt)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(oa.models_response(self.config.model_name, self.created, self.config.max_context))
@@ -895,32 +822,6 @@ class ServeApi:
                 code="model_not_found",
             )
 
-    def _encode_prompt(self, prompt: str | list[int], tokenizer: Any = None) -> list[int]:
-        """Token ids of a completion prompt (``tokenizer``: the calling thread's, default the tokenizer thread's)."""
-        if isinstance(prompt, str):
-            return list((tokenizer or self.tokenizer).encode(prompt))
-        if any(t < 0 or t >= self.config.vocab_size for t in prompt):
-            raise ApiError(400, f"prompt: token ids must be in [0, {self.config.vocab_size})", param="prompt")
-        return prompt
-
-    def _encode_bad_words(self, words: list[str], tokenizer: Any = None) -> tuple[tuple[int, ...], ...]:
-        return bad_word_ids(words, tokenizer or self.tokenizer)
-
-    def _encode_chat(self, req: oa.ChatCompletionRequest, tokenizer: Any = None) -> list[int]:
-        """Render the chat template (with the request's tools, documents and template variables), then
-        tokenize (the template already holds the special tokens); ``tokenizer`` as for :meth:`_encode_prompt`."""
-        tokenizer = tokenizer or self.tokenizer
-        try:
-            text = tokenizer.apply_chat_template(
-                [m.as_template_input() for m in req.messages], tokenize=False, **req.template_arguments()
-            )
-        except Exception as exc:  # templates raise for conversations they reject (e.g. roles out of order)
-            log.info("chat template rejected a conversation: %r", exc)
-            raise ApiError(400, "messages: the model's chat template rejects this conversation (e.g. roles out of "
-                           "the order it expects, or a role it does not know); reorder or merge the messages",
-                           param="messages") from None
-        return list(tokenizer.encode(text, add_special_tokens=False))
-
     # ---- generation -------------------------------------------------------------------------
 
     async def _generate(
@@ -934,7 +835,7 @@ class ServeApi:
         """Submit the request's choices (``n`` per prompt) to the dispatcher — all of them or none (a
         refusal of one cancels those queued before it) — and answer as one JSON body or an SSE stream
         (``echo``: each choice's prompt text and first token, to lead its text and log-probabilities)."""
-        bad = await self._tokenized(self._encode_bad_words, req.bad_words, sum(map(len, req.bad_words))) \
+        bad = await self.prompts.run(self.prompts.bad_words, req.bad_words, sum(map(len, req.bad_words))) \
             if req.bad_words else ()
         params = [sampling_params(req, len(prompt_ids), chat, self.config, bad) for prompt_ids in prompts]
         request_id = oa.new_request_id("chatcmpl" if chat else "cmpl")
@@ -1133,12 +1034,6 @@ class ApiServer:
 # busy, a message from another process reached it in 1.6-1.9 ms (p50) at 5 ms and 0.6-0.9 ms at 0.2 ms,
 # a job on the tokenizer thread in > 5 s and 5.5-6.6 ms (benchmarks/gil_handoff.py, 2-core dev machine).
 API_SWITCH_INTERVAL_S = 0.0002
-# Prompts (or chat messages) up to this many characters are tokenized on the event loop (0.5 ms for
-# 330 characters with the demo tokenizer on the 2-core dev machine): on the tokenizer thread the same
-# prompt waited for the GIL behind a busy loop — 5.5-6.6 ms at API_SWITCH_INTERVAL_S, beyond 5 s at the
-# default interval (benchmarks/gil_handoff.py). Longer prompts still go to the thread, so one long
-# prompt cannot stall every stream.
-INLINE_TOKENIZE_CHARS = 2048
 
 
 def run_server(api: ServeApi, host: str, port: int, reuse_port: bool = False,

@@ -451,17 +451,50 @@ _TEMPLATE_ARGUMENTS = frozenset({
 })
 
 
-class ChatCompletionRequest(_GenerationRequest):
-    """``POST /v1/chat/completions``."""
+class ChatTemplateInputs(BaseModel):
+    """What the model's chat template renders a conversation from: the messages, the tools and documents it shows,
+    its extra variables and vLLM's two prompt flags (a chat completion's, and vLLM's ``/tokenize`` of a chat)."""
+
+    model_config = ConfigDict(extra="ignore")
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     tools: list[ToolDefinition] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None  # vLLM's: for templates that cite documents
     chat_template_kwargs: dict[StrictStr, Any] | None = None  # vLLM's: extra variables of the template
     add_generation_prompt: StrictBool = True  # vLLM's
     continue_final_message: StrictBool = False  # vLLM's
+
+    def template_arguments(self) -> Json:
+        """apply_chat_template's keyword arguments for this request (besides the conversation)."""
+        arguments: Json = dict(self.chat_template_kwargs or {})
+        arguments["add_generation_prompt"] = self.add_generation_prompt
+        if self.continue_final_message:
+            arguments["continue_final_message"] = True
+        if self.tools:
+            arguments["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        if self.documents:
+            arguments["documents"] = self.documents
+        return arguments
+
+    @model_validator(mode="after")
+    def _template_flags(self) -> Any:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise _FieldRefused("continue_final_message", "continuing the final message leaves no room for a new "
+                                "turn: send add_generation_prompt false with it")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise _FieldRefused("continue_final_message", "the last message must be the assistant's to continue it")
+        reserved = sorted(_TEMPLATE_ARGUMENTS.intersection(self.chat_template_kwargs or ()))
+        if reserved:
+            raise _FieldRefused("chat_template_kwargs", f"{', '.join(reserved)} cannot be set here"
+                                " (tools, documents and the prompt flags have fields of their own)")
+        return self
+
+
+class ChatCompletionRequest(_GenerationRequest, ChatTemplateInputs):
+    """``POST /v1/chat/completions``."""
+
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     parallel_tool_calls: StrictBool | None = None  # False: tool_choice "required" makes exactly one call
@@ -504,36 +537,15 @@ class ChatCompletionRequest(_GenerationRequest):
                               "tools")
 
     @model_validator(mode="after")
-    def _template_inputs(self) -> ChatCompletionRequest:
+    def _top_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise _FieldRefused("top_logprobs", "needs logprobs: true (send both, or leave top_logprobs out)")
-        if self.add_generation_prompt and self.continue_final_message:
-            raise _FieldRefused("continue_final_message", "continuing the final message leaves no room for a new "
-                                "turn: send add_generation_prompt false with it")
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise _FieldRefused("continue_final_message", "the last message must be the assistant's to continue it")
-        reserved = sorted(_TEMPLATE_ARGUMENTS.intersection(self.chat_template_kwargs or ()))
-        if reserved:
-            raise _FieldRefused("chat_template_kwargs", f"{', '.join(reserved)} cannot be set here"
-                                " (tools, documents and the prompt flags have fields of their own)")
         return self
 
     @property
     def calls_tools(self) -> bool:
         """Whether the reply may call the request's tools (``tool_choice`` "auto", OpenAI's default with tools)."""
         return bool(self.tools) and self.tool_choice != "none"
-
-    def template_arguments(self) -> Json:
-        """apply_chat_template's keyword arguments for this request (besides the conversation)."""
-        arguments: Json = dict(self.chat_template_kwargs or {})
-        arguments["add_generation_prompt"] = self.add_generation_prompt
-        if self.continue_final_message:
-            arguments["continue_final_message"] = True
-        if self.tools:
-            arguments["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
-        if self.documents:
-            arguments["documents"] = self.documents
-        return arguments
 
     def requested_logprobs(self) -> int | None:
         """``top_logprobs`` when ``logprobs`` is true (None: no log-probabilities)."""
