@@ -21,6 +21,7 @@ import openai
 import pytest
 import torch
 
+import vexpert_runtime
 from serve_support import (
     MAX_CONTEXT,
     MODEL_NAME,
@@ -722,6 +723,45 @@ def test_return_tokens_as_token_ids_names_every_logprob_token_by_id(client: open
     assert ids.token_logprobs == plain.token_logprobs
     assert ids.text_offset == [sum(map(len, ids.tokens[:i])) for i in range(len(ids.tokens))]
     assert all(all(key.startswith("token_id:") for key in top) for top in ids.top_logprobs[1:])
+
+
+def test_tokenize_gives_the_ids_the_generation_endpoints_run_and_detokenize_reverses_it(
+        server: BackgroundServer, client: openai.OpenAI, tokenizer: Any) -> None:
+    """vLLM's ``/tokenize``: a prompt's ids (with the tokenizer's special tokens unless asked not to), a conversation's
+    — the ones a chat completion with the same messages, tools and flags reports as its prompt (``return_token_ids``)
+    —, their count, the context and (asked) their strings; ``/detokenize`` the text of ids; ``/version``. A wrong model
+    is a 404, ids outside the vocabulary or a body with neither prompt nor messages a 400 naming the field."""
+    url = server.url
+    answer = httpx.post(f"{url}/tokenize", json={"prompt": PROMPT, "model": MODEL_NAME}).json()
+    assert answer == {"count": len(tokenizer.encode(PROMPT)), "max_model_len": MAX_CONTEXT,
+                      "tokens": tokenizer.encode(PROMPT), "token_strs": None}
+    strs = httpx.post(f"{url}/tokenize", json={"prompt": PROMPT, "return_token_strs": True,
+                                               "add_special_tokens": False}).json()
+    assert strs["tokens"] == tokenizer.encode(PROMPT, add_special_tokens=False)
+    assert strs["token_strs"] == tokenizer.convert_ids_to_tokens(strs["tokens"])
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+    for extra in ({}, {"add_generation_prompt": False}):
+        tokenized = httpx.post(f"{url}/tokenize", json={"messages": messages, **extra}).json()
+        chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1,  # type: ignore[arg-type]
+                                              extra_body={"return_token_ids": True, **extra})
+        assert tokenized["tokens"] == chat.model_dump()["prompt_token_ids"], extra
+        assert tokenized["count"] == chat.usage.prompt_tokens  # type: ignore[union-attr]
+    # the template shows tools (a prompt over this tiny model's context: /tokenize counts it all the same)
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+    tokenized = httpx.post(f"{url}/tokenize", json={"messages": messages, "tools": [tool]}).json()
+    rendered = tokenizer.apply_chat_template(messages, tools=[tool], add_generation_prompt=True, tokenize=False)
+    assert tokenized["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)
+    assert tokenized["count"] > MAX_CONTEXT == tokenized["max_model_len"]
+    text = httpx.post(f"{url}/detokenize", json={"tokens": answer["tokens"], "model": MODEL_NAME}).json()
+    assert text == {"prompt": tokenizer.decode(answer["tokens"])}
+    assert httpx.get(f"{url}/version").json()["version"] == vexpert_runtime.__version__
+    for path, body, status, param in (
+            ("/tokenize", {"prompt": PROMPT, "model": "other"}, 404, "model"),
+            ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+            ("/detokenize", {"tokens": [len(tokenizer) + 10**6]}, 400, "tokens"),
+            ("/tokenize", {"text": PROMPT}, 400, "prompt")):
+        error = httpx.post(f"{url}{path}", json=body)
+        assert error.status_code == status and error.json()["error"]["param"] == param, (body, error.text)
 
 
 def test_max_tokens_gives_length(client: openai.OpenAI) -> None:

@@ -315,18 +315,22 @@ def test_an_oversized_header_gets_a_json_error(server: BackgroundServer) -> None
 # ---- point 6: authentication and the header timeout ---------------------------------------------
 
 
-def test_api_key_guards_v1_only(keyed: BackgroundServer) -> None:
+def test_api_key_guards_v1_and_the_tokenizer_endpoints_only(keyed: BackgroundServer) -> None:
     url = keyed.url
     body = {"model": MODEL_NAME, "prompt": "fox", "max_tokens": 1}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
                     {"Authorization": f"Basic {API_KEY}"}, {"Authorization": "Bearer " + API_KEY[:-1]}):
         for response in (httpx.get(f"{url}/v1/models", headers=headers), httpx.post(f"{url}/v1/completions",
-                                                                                     json=body, headers=headers)):
+                                                                                     json=body, headers=headers),
+                         httpx.post(f"{url}/tokenize", json={"prompt": "fox"}, headers=headers),
+                         httpx.post(f"{url}/detokenize", json={"tokens": [1]}, headers=headers)):
             error = _error(response, 401)
             assert error["code"] == "invalid_api_key" and API_KEY not in error["message"]
     assert httpx.get(f"{url}/health").status_code == 200
     assert httpx.get(f"{url}/metrics").status_code == 200
+    assert httpx.get(f"{url}/version").status_code == 200
     auth = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.post(f"{url}/tokenize", json={"prompt": "fox"}, headers=auth).json()["count"] > 0
     assert httpx.get(f"{url}/v1/models", headers=auth).status_code == 200
     assert httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=30).status_code == 200
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=30)

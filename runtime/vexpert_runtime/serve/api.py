@@ -2,7 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as SSE with
 ``"stream": true``: ``data: {chunk}\\n\\n`` … ``data: [DONE]\\n\\n``), ``GET /v1/models``,
-``GET /health`` (200 ready / 503 not: starting, shutting down, rank loop dead) and ``GET /metrics``.
+``GET /health`` (200 ready / 503 not: starting, shutting down, rank loop dead), ``GET /metrics``, and vLLM's
+``POST /tokenize`` (a ``prompt`` or ``messages``: the ids the generation endpoints would run), ``POST /detokenize``
+and ``GET /version``.
 
 Every error is an OpenAI error object, never a traceback: 400 invalid JSON / parameters (naming the
 field) / prompt over the context, 401 a missing or wrong API key, 404 unknown model or route, 405 wrong
@@ -17,7 +19,7 @@ the context), checked from ``Content-Length`` before it is read; JSON nested dee
 Unicode text (lone surrogates) are refused naming their field; a prompt longer than
 ``INLINE_TOKENIZE_CHARS`` is tokenized on a thread (shorter ones on the loop, with its own tokenizer
 copy: a hand-off to a thread costs more than they do; :mod:`.prompts`). With :attr:`ApiConfig.api_key`, ``/v1/*`` needs ``Authorization: Bearer <key>``
-(``/health`` and ``/metrics`` stay open); a connection has :attr:`ApiConfig.header_timeout_s` to send
+and so do ``/tokenize`` and ``/detokenize`` (``/health``, ``/metrics`` and ``/version`` stay open); a connection has :attr:`ApiConfig.header_timeout_s` to send
 its request's headers (aiohttp's keep-alive timer, which also runs from the connection's start).
 
 Metrics (own registry, all prefixed ``vexpert_serve_``): ``requests_total{endpoint,status}``
@@ -51,6 +53,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -67,6 +70,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ValidationError
 
+from vexpert_runtime import __version__
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.gc_heap import GcClock, freeze_heap
 from vexpert_runtime.serve import openai_api as oa
@@ -108,6 +112,8 @@ _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _Body = TypeVar("_Body", bound=BaseModel)
 _Result = TypeVar("_Result")
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+# vLLM's, outside /v1 and open there; here behind the API key like /v1 (each runs the tokenizer for anyone who asks)
+_TOKENIZER_ENDPOINTS = ("/tokenize", "/detokenize")
 
 
 @dataclass(frozen=True)
@@ -686,6 +692,9 @@ class ServeApi:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_get("/version", self._version)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         return app
@@ -698,7 +707,7 @@ class ServeApi:
         the request's arrival (its latencies count from there, as vLLM's do)."""
         request[_ARRIVED] = time.monotonic()
         try:
-            if self.config.api_key and request.path.startswith("/v1/"):
+            if self.config.api_key and (request.path.startswith("/v1/") or request.path in _TOKENIZER_ENDPOINTS):
                 self._authorize(request, self.config.api_key)
             response = await handler(request)
         except ApiError as exc:
@@ -762,6 +771,36 @@ class ServeApi:
         prompt_ids = await self.prompts.run(self.prompts.chat_ids, req, chars)
         return await self._generate(request, req, [_truncated(req, prompt_ids, self.config.max_context)], chat=True)
 
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /tokenize``: a ``prompt`` or ``messages`` as the generation endpoints tokenize them."""
+        body = await self._json(request)
+        req: oa.TokenizeChatRequest | oa.TokenizeCompletionRequest = (
+            self._parse(oa.TokenizeChatRequest, body) if "messages" in body
+            else self._parse(oa.TokenizeCompletionRequest, body))
+        if req.model is not None:
+            self._check_model(req.model)
+        prompts = self.prompts
+        if isinstance(req, oa.TokenizeChatRequest):
+            ids = await prompts.run(partial(prompts.chat_ids, add_special_tokens=req.add_special_tokens), req,
+                                    sum(len(m.text()) for m in req.messages))
+        else:
+            ids = await prompts.run(partial(prompts.prompt_ids, add_special_tokens=req.add_special_tokens),
+                                    req.prompt, len(req.prompt))
+        strs = await prompts.off_loop(prompts.tokenizer.convert_ids_to_tokens, ids) if req.return_token_strs else None
+        return web.json_response(oa.tokenize_response(ids, self.config.max_context, strs))
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /detokenize``: ``tokens`` (ids of the vocabulary, else a 400 naming them) as text."""
+        req = self._parse(oa.DetokenizeRequest, await self._json(request))
+        if req.model is not None:
+            self._check_model(req.model)
+        if any(not 0 <= token < self.config.vocab_size for token in req.tokens):
+            raise ApiError(400, f"tokens: token ids must be in [0, {self.config.vocab_size})", param="tokens")
+        return web.json_response({"prompt": await self.prompts.text(req.tokens)})
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": __version__})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(oa.models_response(self.config.model_name, self.created, self.config.max_context))

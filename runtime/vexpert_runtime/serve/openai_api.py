@@ -560,6 +560,40 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateInputs):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+# ---- vLLM's /tokenize and /detokenize ----------------------------------------------------------
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """``POST /tokenize`` of a text (vLLM's): its token ids as a completion prompt gets them."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True  # vLLM's default for a text: the tokenizer's own (e.g. BOS) too
+    return_token_strs: StrictBool | None = False
+
+
+class TokenizeChatRequest(ChatTemplateInputs):
+    """``POST /tokenize`` of a conversation (vLLM's): its token ids as a chat completion gets them."""
+
+    model: StrictStr | None = None
+    add_special_tokens: StrictBool = False  # the template holds the special tokens already
+    return_token_strs: StrictBool | None = False
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
+def tokenize_response(tokens: list[int], max_context: int, token_strs: list[str] | None) -> Json:
+    """vLLM's ``/tokenize`` answer: the ids, their count, the context they must fit, and (asked) each id's string."""
+    return {"count": len(tokens), "max_model_len": max_context, "tokens": tokens, "token_strs": token_strs}
+
+
 # ---- defaults -----------------------------------------------------------------------------------
 
 
