@@ -130,8 +130,9 @@ def serve_with_scheduler(directory: Path, tokenizer: Any, requests: list[Generat
 
 
 def build_tiny_checkpoint(directory: Path, family: str = "qwen3_moe", special_tokens: Sequence[str] = (),
-                          max_position_embeddings: int = 256) -> None:
-    """A byte-level BPE tokenizer (chat template, EOS; ``special_tokens`` more special tokens) and a random
+                          max_position_embeddings: int = 256, added_tokens: Sequence[str] = ()) -> None:
+    """A byte-level BPE tokenizer (chat template, EOS; ``special_tokens`` more special tokens, ``added_tokens``
+    more tokens that are not special — as Qwen3's ``<think>``) and a random
     float32 Qwen3-MoE (or DeepSeek-V3: ``family="deepseek_v3"``, MLA, a dense first layer, grouped routing),
     saved to ``directory``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -154,6 +155,8 @@ def build_tiny_checkpoint(directory: Path, family: str = "qwen3_moe", special_to
     tok.train_from_iterator(_CORPUS * 20, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
+    if added_tokens:
+        fast.add_tokens(list(added_tokens))
     fast.save_pretrained(directory)
 
     torch.manual_seed(1234)

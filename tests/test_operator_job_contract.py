@@ -126,7 +126,7 @@ def test_node_runtime_accepts_the_rendered_config_and_its_metrics_parse(tmp_path
 
 def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) -> None:
     """The node pod's own command (`vexpert serve --config … --port … --api-servers 2 --stream-interval 2
-    --prefix-caching --max-model-len 1024 --tool-call-parser hermes`, CPU workers, the embedded demo model) on the operator's
+    --prefix-caching --max-model-len 1024 --tool-call-parser hermes --reasoning-parser deepseek_r1`, CPU workers, the embedded demo model) on the operator's
     RuntimeConfig: /health turns 200, /v1/models names the context, a completion is served, and /metrics (on either API server) carries the serving series
     the tuning loop reads next to the node's."""
     import json
@@ -141,7 +141,8 @@ def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) 
 
     s = spec(model={"name": "demo", "architecture": "deepseek_v3", "checkpoint": {"hostPath": "/models"}},
              parallelism={"expertParallelSize": 2, "gpusPerNode": 2}, runtime__apiServers=2, runtime__streamInterval=2,
-             runtime__prefixCaching=True, runtime__maxModelLen=1024, runtime__toolCallParser="hermes")
+             runtime__prefixCaching=True, runtime__maxModelLen=1024, runtime__toolCallParser="hermes",
+             runtime__reasoningParser="deepseek_r1")
     group = plan_group(PlanInputs(name="d", namespace="ns", spec=s))
     config = group.runtime_config
     config.model.checkpoint_path = ""
@@ -155,7 +156,8 @@ def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) 
     container = build_pod_template("d", s, group.sizing, "h", None)["spec"]["containers"][0]
     assert container["command"] == ["vexpert", "serve"]
     assert container["args"][4:] == ["--api-servers", "2", "--stream-interval", "2", "--prefix-caching",
-                                     "--max-model-len", "1024", "--tool-call-parser", "hermes"]
+                                     "--max-model-len", "1024", "--tool-call-parser", "hermes",
+                                     "--reasoning-parser", "deepseek_r1"]
     port = free_port()
     args = [str(path) if a == "/etc/vexpert/runtime.yaml" else a for a in container["args"]]
     args[args.index("--port") + 1] = str(port)

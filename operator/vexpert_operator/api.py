@@ -30,6 +30,7 @@ from vexpert_runtime.config import (
 )
 from vexpert_runtime.model.families import Architecture
 from vexpert_runtime.policy.profile import NodeTypeKey, PerformanceProfile
+from vexpert_runtime.serve.reasoning import ReasoningParser
 from vexpert_runtime.serve.tool_calls import ToolCallParser
 
 GROUP = "vexpert.io"
@@ -356,6 +357,12 @@ class RuntimeSpec(CamelModel):
         "for Qwen2.5 / Qwen3(-MoE) / Hermes models, 'deepseek_v3' for DeepSeek-V3 / R1, 'deepseek_v31' for "
         "DeepSeek-V3.1, 'kimi_k2' for Kimi K2. Unset: requests with tools and tool_choice 'auto' are refused "
         "('required' and a named function need no parser)",
+    )
+    reasoning_parser: ReasoningParser | None = Field(
+        None,
+        description="Split chat replies into their reasoning (between <think> and </think>) and their content "
+        "(--reasoning-parser; vLLM's parser of that name): 'deepseek_r1', 'deepseek_v3' (DeepSeek-V3.1: thinking "
+        "when the request's chat_template_kwargs ask), 'qwen3', 'kimi_k2'. Unset: the reply is all content",
     )
     api_key_secret: SecretKeyRef | None = Field(
         None,

@@ -266,6 +266,8 @@ def _serve_args(spec: VExpertDeploymentSpec) -> list[str]:
         args += ["--max-model-len", str(spec.runtime.max_model_len)]
     if spec.runtime.tool_call_parser is not None:
         args += ["--tool-call-parser", spec.runtime.tool_call_parser]
+    if spec.runtime.reasoning_parser is not None:
+        args += ["--reasoning-parser", spec.runtime.reasoning_parser]
     return args
 
 

@@ -21,7 +21,10 @@ from typing import TYPE_CHECKING, Any, get_args
 
 from vexpert_runtime.config import KV_CACHE_DTYPE_HELP, KVCacheDtype
 from vexpert_runtime.model.expert_layout import CPU_EXPERT_KERNELS
+from vexpert_runtime.serve.reasoning import ReasoningParser
 from vexpert_runtime.serve.tool_calls import PARSERS as TOOL_CALL_PARSERS
+
+REASONING_PARSER_NAMES: tuple[str, ...] = get_args(ReasoningParser)
 
 if TYPE_CHECKING:  # imported where used: `vexpert --help` and the other commands stay free of torch
     from vexpert_runtime.config import RuntimeConfig
@@ -105,6 +108,11 @@ def register(subparsers: Any) -> None:
                              "'deepseek_v3' for DeepSeek-V3 / R1, 'deepseek_v31' for DeepSeek-V3.1, 'kimi_k2' for "
                              "Kimi K2; default: none (such requests must send tool_choice 'none'; 'required' and a "
                              "named function need no parser)")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default=None,
+                        help="split chat replies into 'reasoning' (between <think> and </think>) and 'content', as "
+                             "vLLM's parser of that name: 'deepseek_r1' for DeepSeek-R1, 'deepseek_v3' for "
+                             "DeepSeek-V3.1 (thinking when chat_template_kwargs says so), 'qwen3' for Qwen3(-MoE), "
+                             "'kimi_k2' for Kimi K2 Thinking; structured output then constrains the content only")
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="log-probabilities name each token 'token_id:{id}' instead of its text, unless a request "
                              "says otherwise (vLLM's flag and request field: a token that is a byte of a longer "
@@ -286,7 +294,8 @@ def _api_config(served: _Served, args: argparse.Namespace, api_key: str | None) 
     vocab = int(served.model_config.get("vocab_size", len(tokenizer)))
     return ApiConfig(served.name, served.max_context, vocab, args.drain_timeout, api_key=api_key,
                      header_timeout_s=args.header_timeout, sampling_defaults=served.sampling_defaults,
-                     tool_call_parser=args.tool_call_parser, tokens_as_ids=args.return_tokens_as_token_ids), tokenizer
+                     tool_call_parser=args.tool_call_parser, tokens_as_ids=args.return_tokens_as_token_ids,
+                     reasoning_parser=args.reasoning_parser), tokenizer
 
 
 def sampling_defaults(model_dir: Path, mode: str) -> tuple[SamplingDefaults, list[str]]:

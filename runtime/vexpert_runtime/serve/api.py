@@ -89,6 +89,12 @@ from vexpert_runtime.serve.events import (
 from vexpert_runtime.serve.histogram import CountedHistogram
 from vexpert_runtime.serve.metrics_share import MetricsShare
 from vexpert_runtime.serve.prompts import PromptEncoder, special_tokens
+from vexpert_runtime.serve.reasoning import (
+    REASONING_PARSERS,
+    ReasoningStream,
+    ReplyReasoning,
+    split_reasoning,
+)
 from vexpert_runtime.serve.tool_calls import (
     KEEPS_SPECIAL_TOKENS,
     ToolCall,
@@ -130,6 +136,7 @@ class ApiConfig:
     sampling_defaults: oa.SamplingDefaults = field(default_factory=oa.SamplingDefaults)  # for fields a request leaves out
     tool_call_parser: str | None = None  # how chat replies' tool calls are read (tool_calls.PARSERS); None: not
     tokens_as_ids: bool = False  # logprobs name tokens by id where a request does not say (vLLM's server flag)
+    reasoning_parser: str | None = None  # how chat replies' reasoning is told from their content (reasoning.py)
 
     @property
     def body_limit(self) -> int:
@@ -382,10 +389,12 @@ def _text_frame(payload: dict[str, Any]) -> tuple[bytes, bytes] | None:
 
 
 def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt_len: int, chat: bool,
-                    config: ApiConfig, bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
+                    config: ApiConfig, bad_words: tuple[tuple[int, ...], ...] = (), grammar_after: int | None = None
+                    ) -> SamplingParams:
     """A request's sampling for one of its prompts: the defaults resolved (``config.sampling_defaults``),
     the lengths checked against the context (a 400 naming the field); ``bad_words``: its bad words' ids
-    (:func:`bad_word_ids`)."""
+    (:func:`~.prompts.bad_word_ids`); ``grammar_after``: the token ending the reply's reasoning, which its grammar
+    (if any) waits for."""
     limit = config.max_context
     prompt_param = "messages" if chat else "prompt"
     if prompt_len == 0:
@@ -425,6 +434,7 @@ def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt
         return_token_ids=req.return_token_ids,
         bad_words=bad_words,
         allowed_token_ids=tuple(sorted(set(req.allowed_token_ids or ()))),
+        grammar_after=grammar_after if req.grammar is not None else None,
         # a tool-call format whose markers may be special tokens needs them in the text (as vLLM's parsers ask)
         skip_special_tokens=req.skip_special_tokens and tool_format(req, config) not in KEEPS_SPECIAL_TOKENS,
     )
@@ -449,6 +459,23 @@ def _with_tool_calls(job: _Job, choice: oa.Choice) -> oa.Choice:
         return choice
     reason = calls_finish_reason(job.tools, choice.finish_reason or "stop")
     return replace(choice, text=content, finish_reason=reason, tool_calls=[call.as_json() for call in calls])
+
+
+def _with_reasoning(job: _Job, choice: oa.Choice) -> oa.Choice:
+    """A finished chat choice's reply split into its reasoning and its content (a server with a reasoning parser)."""
+    if job.reasoning is None or choice.text is None:
+        return choice
+    reasoning, content = split_reasoning(job.reasoning.fmt, job.reasoning.in_reasoning, choice.text)
+    return replace(choice, text=content, reasoning=reasoning if job.reasoning.shown else None)
+
+
+def _reasoning_push(stream: ReasoningStream, text: str, last: bool) -> tuple[str, str]:
+    """A batch's (reasoning, content) text; at the reply's last batch with what the stream held back."""
+    thought, content = stream.push(text)
+    if last:
+        tail_thought, tail_content = stream.finish()
+        thought, content = thought + tail_thought, content + tail_content
+    return thought, content
 
 
 def _truncated(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt_ids: list[int], context: int) -> list[int]:
@@ -599,6 +626,7 @@ class _Job:
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked (each choice's, or the chat response's)
     prompt_ids: list[list[int]] | None = None  # per choice its prompt's token ids (vLLM's return_token_ids)
     tokens_as_ids: bool = False  # logprobs name each token "token_id:{id}" (vLLM's return_tokens_as_token_ids)
+    reasoning: ReplyReasoning | None = None  # chat replies split into reasoning and content (--reasoning-parser)
 
     @property
     def done(self) -> bool:
@@ -768,8 +796,11 @@ class ServeApi:
                            'hermes for Qwen / Hermes models, deepseek_v3 for DeepSeek-V3): send "none" (the template '
                            "shows the tools, the reply is text) or leave tools out", param="tool_choice")
         chars = sum(len(m.text()) for m in req.messages)
-        prompt_ids = await self.prompts.run(self.prompts.chat_ids, req, chars)
-        return await self._generate(request, req, [_truncated(req, prompt_ids, self.config.max_context)], chat=True)
+        prompt_ids = _truncated(req, await self.prompts.run(self.prompts.chat_ids, req, chars), self.config.max_context)
+        fmt = REASONING_PARSERS.get(self.config.reasoning_parser or "")
+        reasoning = None if fmt is None else ReplyReasoning(fmt, fmt.starts_in_reasoning(
+            req.chat_template_kwargs, await self.prompts.text(prompt_ids[-8:])), req.include_reasoning)
+        return await self._generate(request, req, [prompt_ids], chat=True, reasoning=reasoning)
 
 
     async def _tokenize(self, request: web.Request) -> web.Response:
@@ -870,13 +901,16 @@ class ServeApi:
         prompts: list[list[int]],
         chat: bool,
         echo: list[tuple[str, int]] | None = None,
+        reasoning: ReplyReasoning | None = None,
     ) -> web.StreamResponse:
         """Submit the request's choices (``n`` per prompt) to the dispatcher — all of them or none (a
         refusal of one cancels those queued before it) — and answer as one JSON body or an SSE stream
-        (``echo``: each choice's prompt text and first token, to lead its text and log-probabilities)."""
+        (``echo``: each choice's prompt text and first token, to lead its text and log-probabilities; ``reasoning``:
+        how a chat reply's reasoning is told from its content)."""
         bad = await self.prompts.run(self.prompts.bad_words, req.bad_words, sum(map(len, req.bad_words))) \
             if req.bad_words else ()
-        params = [sampling_params(req, len(prompt_ids), chat, self.config, bad) for prompt_ids in prompts]
+        after = self.prompts.single_token(reasoning.fmt.end) if reasoning is not None and reasoning.in_reasoning else None
+        params = [sampling_params(req, len(prompt_ids), chat, self.config, bad, after) for prompt_ids in prompts]
         request_id = oa.new_request_id("chatcmpl" if chat else "cmpl")
         requests = choice_requests(request_id, [(tuple(ids), p) for ids, p in zip(prompts, params, strict=True)],
                                    req.choices)
@@ -910,7 +944,8 @@ class ServeApi:
                    isinstance(req, oa.ChatCompletionRequest) and req.parallel_tool_calls is False,
                    req.prompt_logprobs is not None,
                    [list(ids) for ids in prompts for _ in range(req.choices)] if req.return_token_ids else None,
-                   self.config.tokens_as_ids if req.return_tokens_as_token_ids is None else req.return_tokens_as_token_ids)
+                   self.config.tokens_as_ids if req.return_tokens_as_token_ids is None else req.return_tokens_as_token_ids,
+                   reasoning)
         try:
             return await (self._stream(request, job) if job.stream else self._collect(job))
         finally:
@@ -947,13 +982,13 @@ class ServeApi:
             raise ApiError(500, "the request ended without a result", "server_error", code="internal_error")
         none: list[tuple[str, int | None]] = [("", None)] * len(texts)
         echo: list[tuple[str, int | None]] = list(job.echo) if job.echo else none
-        choices = [_with_tool_calls(job, oa.Choice(
+        choices = [_with_tool_calls(job, _with_reasoning(job, oa.Choice(
             i, echo[i][0] + "".join(parts), finish[i],
             await self._logprobs_object(job, [*prompts[i], *logprobs[i]] if job.echo else logprobs[i], 0, echo[i][1])
             if job.logprobs else None, None,
             oa.vllm_prompt_logprobs(prompts[i], await self._token_texts.texts(prompts[i])) if job.prompt_logprobs
             else None, token_ids[i] if job.prompt_ids is not None else None,
-            job.prompt_ids[i] if job.prompt_ids is not None else None))
+            job.prompt_ids[i] if job.prompt_ids is not None else None)))
             for i, parts in enumerate(texts)]
         build = oa.chat_response if job.chat else oa.completion_response
         return web.json_response(build(job.request_id, job.created, job.model, choices,
@@ -989,6 +1024,8 @@ class ServeApi:
         completion_tokens = 0
         offsets = [0] * len(job.choice_ids)  # each choice's text offset so far (completions' logprobs)
         tool_streams = [ToolCallStream(job.tools) for _ in job.choice_ids] if job.tools is not None else None
+        thoughts = None if job.reasoning is None else [
+            ReasoningStream(job.reasoning.fmt, job.reasoning.in_reasoning) for _ in job.choice_ids]
         echoing = set(range(len(job.choice_ids))) if job.echo else set()  # choices whose prompt is still to send
         frames = [_text_frame(_chunk(job, index, _TEXT_MARK)) if job.prompt_ids is None else None
                   for index in range(len(job.choice_ids))]
@@ -1006,6 +1043,9 @@ class ServeApi:
                 if tokens or first is not None:
                     logprobs = await self._logprobs_object(job, tokens, offsets[index], first)
                     offsets[index] += sum(len(token) for token in logprobs.get("tokens", ()))
+            thought = ""
+            if thoughts is not None:  # the reasoning first, the content after it
+                thought, text = _reasoning_push(thoughts[index], text, batch[-1].finished)
             calls: list[ToolCall] = []
             if tool_streams is not None:  # content until a call starts; the calls at the end
                 text = tool_streams[index].push(text)
@@ -1014,6 +1054,9 @@ class ServeApi:
                     calls = calls[:1] if job.one_call else calls
                     text += tail
             parts = _text_parts(job, index, text, logprobs, frames[index], batch, index in ids_pending)
+            if thought and job.reasoning is not None and job.reasoning.shown:
+                parts.insert(0, _sse(oa.chat_chunk(job.request_id, job.created, job.model, {"reasoning": thought},
+                                                   index=index)))
             ids_pending.discard(index)
             if calls:
                 parts.append(_sse(oa.chat_chunk(job.request_id, job.created, job.model, {"tool_calls": [

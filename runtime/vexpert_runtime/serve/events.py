@@ -34,7 +34,8 @@ class SamplingParams:
     ``grammar``: the output follows this llguidance grammar (:mod:`.structured_output`, compiled by the API);
     ``bad_words``: token sequences the output never completes — a one-token word is never drawn, a longer one's last
     token not where the output ends with the rest (vLLM's ``bad_words``, tokenized by the API);
-    ``allowed_token_ids``: the only tokens it may draw, sorted (vLLM's; (): all).
+    ``allowed_token_ids``: the only tokens it may draw, sorted (vLLM's; (): all); ``grammar_after``: the token that
+    ends the reply's reasoning — the grammar constrains only what follows it (vLLM's ``reasoning_ended``; None: all).
     """
 
     max_tokens: int
@@ -59,6 +60,7 @@ class SamplingParams:
     return_token_ids: bool = False  # vLLM's: each event carries the output ids it accounts for
     bad_words: tuple[tuple[int, ...], ...] = ()  # vLLM's, as token ids: a word's last token never completes it
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: every other token's logit is −inf
+    grammar_after: int | None = None  # a reasoning model's end-of-reasoning token: the grammar waits for it
 
     @property
     def penalized(self) -> bool:

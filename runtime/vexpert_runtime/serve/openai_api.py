@@ -497,6 +497,7 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateInputs):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    include_reasoning: StrictBool = True  # vLLM's: false leaves the reasoning out of the answer (a reasoning parser's)
     parallel_tool_calls: StrictBool | None = None  # False: tool_choice "required" makes exactly one call
 
     @model_validator(mode="before")
@@ -748,6 +749,7 @@ class Choice:
     prompt_logprobs: list[Json | None] | None = None  # vLLM's (:func:`vllm_prompt_logprobs`), when asked
     token_ids: list[int] | None = None  # vLLM's ``return_token_ids``: the choice's output ids
     prompt_token_ids: list[int] | None = None  # and its prompt's
+    reasoning: str | None = None  # a chat reply's reasoning (vLLM's, with a reasoning parser)
 
 
 def completion_response(rid: str, created: int, model: str, choices: list[Choice], prompt_tokens: int,
@@ -778,7 +780,9 @@ def chat_response(rid: str, created: int, model: str, choices: list[Choice], pro
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text, **({"tool_calls": c.tool_calls} if c.tool_calls else {})},
+                "message": {"role": "assistant", "content": c.text,
+                            **({"reasoning": c.reasoning} if c.reasoning is not None else {}),
+                            **({"tool_calls": c.tool_calls} if c.tool_calls else {})},
                 "logprobs": c.logprobs,
                 "finish_reason": c.finish_reason,
                 **({"token_ids": c.token_ids} if c.token_ids is not None else {}),

@@ -43,6 +43,7 @@ class PromptEncoder:
             log.info("tokenizer not copyable (%r): every prompt is tokenized on the tokenizer thread", exc)
             self.loop_tokenizer = None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="vexpert-tokenize")  # one: see the module's text
+        self._single: dict[str, int | None] = {}
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -63,6 +64,13 @@ class PromptEncoder:
         if self.loop_tokenizer is not None and len(ids) <= INLINE_TOKENIZE_CHARS:
             return str(self.loop_tokenizer.decode(list(ids)))
         return str(await self.off_loop(self.tokenizer.decode, list(ids)))
+
+    def single_token(self, text: str) -> int | None:
+        """The id of the one token ``text`` is (a marker such as ``</think>``), None where it is several."""
+        if text not in self._single:
+            ids = (self.loop_tokenizer or self.tokenizer).encode(text, add_special_tokens=False)
+            self._single[text] = ids[0] if len(ids) == 1 else None
+        return self._single[text]
 
     def prompt_ids(self, prompt: str | list[int], tokenizer: Any = None, add_special_tokens: bool = True
                    ) -> list[int]:

@@ -157,6 +157,7 @@ class _Sequence:
     bad_words: tuple[tuple[int, ...], ...] = field(init=False)  # its bad words of several tokens, checked at each draw
     early_bias: tuple[tuple[int, float], ...] = ()  # the logit bias before min_tokens: the stop ids at −inf
     grammar: GrammarMatcher | None = None  # structured output: where the output is in its grammar
+    grammar_waits: bool = False  # the grammar waits for the reasoning to end (SamplingParams.grammar_after)
     only: torch.Tensor | None = None  # allowed_token_ids as a bitmask (SamplingSpec.only); None: every token
     constrained: bool = False  # each draw reads the output before it (a grammar, bad words): no overlapped steps
     prefill_len: int = field(init=False)  # tokens to compute before decoding: the prompt (+ output after a preemption)
@@ -357,7 +358,7 @@ def constrain_draws(batch: list[tuple[_Sequence, SequenceWork]], grammars: Gramm
     its bad words. A grammar that allows nothing but the ids ``min_tokens`` holds back (it is complete) ends the
     output all the same."""
     constrained = [(seq, seq.grammar, item.sample) for seq, item in batch
-                   if seq.grammar is not None and item.sample is not None]
+                   if seq.grammar is not None and item.sample is not None and not seq.grammar_waits]
     if constrained:
         masks = grammars.allowed([grammar for _, grammar, _ in constrained if grammar is not None])
         for (seq, _, spec), allowed in zip(constrained, masks, strict=True):
@@ -600,6 +601,7 @@ class Scheduler:
             self._by_request[request.request_id] = seq
             if request.params.grammar is not None:
                 self._start_grammar(seq, request.params.grammar)
+                seq.grammar_waits = request.params.grammar_after is not None
             if not seq.finished and (seq.grammar is not None or seq.bad_words):
                 seq.constrained = True
                 self._constrained += 1
@@ -712,7 +714,9 @@ class Scheduler:
             self._finish(seq, "error", error="sampling failed")
             return
         grammar = seq.grammar
-        if grammar is not None and not grammar.accept(token):
+        if seq.grammar_waits:  # still reasoning: the grammar starts after the token that ends it
+            seq.grammar_waits, grammar = token != params.grammar_after, None
+        elif grammar is not None and not grammar.accept(token):
             self._finish(seq, "error", error=f"structured output: token {token} is not in the grammar {grammar.error}")
             return
         output = seq.output
