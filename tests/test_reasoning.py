@@ -12,7 +12,6 @@ from typing import Any
 
 import openai
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
