@@ -51,7 +51,7 @@ NEW_TOKENS = 24
 def cases(prompts: list[str], bad_words: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
     """name → (endpoint, body): every body greedy, ``ignore_eos``, ``NEW_TOKENS`` tokens; ``bad_words``: words the
     greedy completion writes (:func:`written_words`)."""
-    base = {"model": MODEL_NAME, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    base = BASE
     completion = {**base, "prompt": prompts[0]}
     chat = {**base, "messages": [{"role": "user", "content": prompts[1]}]}
     return {
@@ -146,6 +146,28 @@ def structured_cases(completion: dict[str, Any], chat: dict[str, Any]) -> dict[s
 
 
 STREAM = {"stream": True, "stream_options": {"include_usage": True}}
+BASE = {"model": MODEL_NAME, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+THINK_END_BIAS = 1.7  # on </think>: the random model ends its reasoning 11 tokens in, then writes 2 stray ones
+
+
+def reasoning_cases(model: Path, prompts: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Chat replies through both servers' ``--reasoning-parser qwen3``, greedy, with ``</think>`` favoured by a logit
+    bias (the random model writes it a few tokens in): thinking (Qwen3's default), streamed, ``enable_thinking`` false
+    (the template closes an empty think block), ``include_reasoning`` false, and a regex the content must follow (the
+    grammar waiting for the reasoning's end)."""
+    from transformers import AutoTokenizer
+
+    end = AutoTokenizer.from_pretrained(str(model)).convert_tokens_to_ids("</think>")
+    chat = {**BASE, "messages": [{"role": "user", "content": prompts[1]}], "logit_bias": {str(end): THINK_END_BIAS}}
+    return {
+        "reasoning: chat, thinking": ("chat/completions", chat),
+        "reasoning: chat, thinking, stream": ("chat/completions", {**chat, **STREAM}),
+        "reasoning: chat, enable_thinking false": ("chat/completions", {
+            **chat, "chat_template_kwargs": {"enable_thinking": False}}),
+        "reasoning: chat, include_reasoning false": ("chat/completions", {**chat, "include_reasoning": False}),
+        "reasoning: chat, a regex after the reasoning": ("chat/completions", {
+            **chat, "ignore_eos": False, "max_tokens": 64, "structured_outputs": {"regex": "[a-c]{5}"}}),
+    }
 ALLOWED = [5, 6, 7, 40, 41, 42, 100, 101, 102, 200]  # the only tokens the allowed_token_ids cases may draw
 TAGS = {"structures": [{"begin": "<|im_start|>", "schema": {  # <|im_start|> (id 1) is one of the tokenizer's specials
     "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"],
@@ -178,8 +200,10 @@ def fold_stream(chunks: list[dict[str, Any]]) -> dict[str, Any]:
         if chunk.get("usage"):
             answer["usage"] = chunk["usage"]
         for part in chunk.get("choices") or []:
-            choice = choices.setdefault(part["index"], {"index": part["index"], "text": "", "token_ids": []})
+            choice = choices.setdefault(part["index"], {"index": part["index"], "text": "", "token_ids": [],
+                                                        "reasoning": ""})
             choice["text"] += part.get("text") or (part.get("delta") or {}).get("content") or ""
+            choice["reasoning"] += (part.get("delta") or {}).get("reasoning") or ""
             choice["token_ids"] += part.get("token_ids") or []
             if part.get("prompt_token_ids") is not None:
                 choice["prompt_token_ids"] = part["prompt_token_ids"]
@@ -231,6 +255,11 @@ def _ids_in(answer: dict[str, Any]) -> tuple[Any, list[Any]]:
             [c.get("token_ids") for c in answer["choices"]])
 
 
+def _reasonings(answer: dict[str, Any]) -> list[str]:
+    """Each choice's reasoning (a reasoning parser's), "" where it has none."""
+    return [(c.get("message") or c).get("reasoning") or "" for c in answer.get("choices", [])]
+
+
 def _calls(answer: dict[str, Any]) -> list[Any]:
     """Each choice's tool calls (name, arguments) and finish reason."""
     return [([(c["function"]["name"], c["function"]["arguments"]) for c in (ch.get("message") or {}).get("tool_calls")
@@ -266,6 +295,8 @@ def compare(case: str, ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str
                            "usage_equal": _usage(ours) == _usage(theirs)}
     if "tool_choice" in case:
         row["calls_equal"] = _calls(ours) == _calls(theirs)
+    if case.startswith("reasoning"):  # each choice's reasoning (None and "" alike: a stream folds to "")
+        row["reasoning_equal"] = _reasonings(ours) == _reasonings(theirs)
     if "return_token_ids" in case:  # the prompt's ids (a choice's, or a chat response's) and each choice's output ids
         ids = [_ids_in(answer) for answer in (ours, theirs)]
         row["tokens_equal"] = ids[0] == ids[1] and ids[0][0] is not None
@@ -304,7 +335,7 @@ def compare(case: str, ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str
             row["text_offset_equal"] = mine["text_offset"] == peer["text_offset"]
     row["agree"] = bool(row["texts_equal"]) and row["indices_equal"] and row["usage_equal"] and row.get(
         "tokens_equal", True) and row.get("calls_equal", True) and row.get("ranks_equal", True) and row.get(
-        "bytes_equal", True)
+        "bytes_equal", True) and row.get("reasoning_equal", True)
     return row
 
 
@@ -315,7 +346,8 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
         diff = row.get("max_logprob_diff")
         sets = "–" if "top_sets_equal" not in row else (
             f"{row['top_sets_equal']:.2f} ({row['top_sets_equal_fragments_alike']:.2f})")
-        texts = f"{row.get('texts_equal')}" + (f", calls {row['calls_equal']}" if "calls_equal" in row else "")
+        texts = f"{row.get('texts_equal')}" + (f", calls {row['calls_equal']}" if "calls_equal" in row else "") + (
+            f", reasoning {row['reasoning_equal']}" if "reasoning_equal" in row else "")
         lines.append(f"| {case} | {texts} | {row.get('choices')}, {row.get('indices_equal')} | "
                      f"{row.get('usage_equal')} | {row.get('tokens_equal', '–')} | "
                      f"{'–' if diff is None else f'{diff:.2e}'} | {sets} |")
@@ -338,12 +370,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vexpert", type=Path, default=Path(sys.executable).parent / "vexpert")
     parser.add_argument("--vexpert-args", default="", help="extra vexpert serve arguments (one shell string)")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument("--reasoning", action="store_true",
+                        help="the reasoning cases only (reasoning_cases), on the checkpoint with <think> and </think> "
+                             "tokens, both servers with --reasoning-parser qwen3")
     args = parser.parse_args(argv)
     args.vexpert_src = args.max_running = args.max_batch_tokens = None  # server_command's other knobs: unused
     args.out.mkdir(parents=True, exist_ok=True)
-    model = build_checkpoint(args.work / "model")
-    prompts = make_prompts(model, 2, 32)
-    requests = cases(prompts, written_words(model, prompts[0]))
+    if args.reasoning:
+        model = build_checkpoint(args.work / "model-think", ("<think>", "</think>"))
+        prompts = make_prompts(model, 2, 32)
+        requests = reasoning_cases(model, prompts)
+        args.vexpert_args += " --reasoning-parser qwen3"
+        args.vllm_args += " --reasoning-parser qwen3"
+    else:
+        model = build_checkpoint(args.work / "model")
+        prompts = make_prompts(model, 2, 32)
+        requests = cases(prompts, written_words(model, prompts[0]))
     started = time.perf_counter()
     ours = ask(f"vexpert-{args.workers}", model, requests, args)
     theirs = ask("vllm", model, requests, args)

@@ -84,7 +84,8 @@ MODEL_SHAPE: dict[str, Any] = {
 TOKENIZER_VOCAB = 2048
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 CORPUS_TEXT = """
 A mixture of experts model sends every token to a few of its many expert networks. The router scores the
@@ -103,10 +104,12 @@ CORPUS = CORPUS_TEXT.split()
 # --------------------------------------------------------------------------------------------- checkpoint
 
 
-def build_checkpoint(directory: Path) -> Path:
-    """The tiny random Qwen3-MoE + tokenizer, saved once (a ``shape.json`` marker says which shape)."""
+def build_checkpoint(directory: Path, added_tokens: tuple[str, ...] = ()) -> Path:
+    """The tiny random Qwen3-MoE + tokenizer, saved once (a ``shape.json`` marker says which shape);
+    ``added_tokens``: tokens added to the tokenizer, not special (as Qwen3's ``<think>``, ``</think>``)."""
     marker = directory / "shape.json"
-    if marker.exists() and json.loads(marker.read_text()) == MODEL_SHAPE and (directory / "config.json").exists():
+    shape = {**MODEL_SHAPE, "added_tokens": list(added_tokens)} if added_tokens else MODEL_SHAPE
+    if marker.exists() and json.loads(marker.read_text()) == shape and (directory / "config.json").exists():
         return directory
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -126,6 +129,8 @@ def build_checkpoint(directory: Path) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
     fast.model_max_length = MODEL_SHAPE["max_position_embeddings"]
+    if added_tokens:
+        fast.add_tokens(list(added_tokens))
     fast.save_pretrained(directory)
     torch.manual_seed(0)
     config = Qwen3MoeConfig(
@@ -134,7 +139,7 @@ def build_checkpoint(directory: Path) -> Path:
         tie_word_embeddings=False, initializer_range=0.02, dtype="float32",
     )
     Qwen3MoeForCausalLM(config).to(torch.float32).eval().save_pretrained(directory)
-    marker.write_text(json.dumps(MODEL_SHAPE))
+    marker.write_text(json.dumps(shape))
     return directory
 
 

@@ -7,8 +7,9 @@ Qwen3 and Kimi K2 think unless the request's ``chat_template_kwargs`` turn it of
 false); DeepSeek-V3.1 thinks only when they turn it on. The rendered prompt has the last word: one that ends with the
 end marker (Qwen3's ``<think>\\n\\n</think>\\n\\n`` without thinking, V3.1's ``</think>``) starts in the content, one
 that ends with the start marker in the reasoning. A reply that never closes its reasoning is all reasoning; a stray
-end marker in the content is dropped; a tool call's first marker ends the reasoning and stays in the content (where
-the tool-call parser reads it), as vLLM's Qwen3 and Kimi K2 parsers do.
+end marker after the reasoning is dropped (a reply that started in its content keeps every character); a tool call's
+first marker ends the reasoning and stays in the content (where the tool-call parser reads it), as vLLM's Qwen3 and
+Kimi K2 parsers do.
 
 Structured output waits for the reasoning to end (:attr:`~.events.SamplingParams.grammar_after`, vLLM's
 ``reasoning_ended``): the grammar constrains the content only.
@@ -116,9 +117,9 @@ class ReasoningStream:
                 # the end marker goes; an implicit end (a tool call's start) is the content's first text
                 buffer = buffer[cut + len(marker):] if marker == self.fmt.end else buffer[cut:]
             else:
-                cut = buffer.find(self.fmt.end)
+                cut = buffer.find(self.fmt.end) if self.reasoned else -1  # (a reply that never reasoned: all text)
                 if cut < 0:
-                    kept = _held_back(buffer, (self.fmt.end,))
+                    kept = _held_back(buffer, (self.fmt.end,)) if self.reasoned else 0
                     content.append(buffer[: len(buffer) - kept])
                     self._pending = buffer[len(buffer) - kept:]
                     break
