@@ -11,6 +11,7 @@ but its last token, or another request's prompt and output: a chat's next turn) 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -83,10 +84,16 @@ def test_prompts_that_attach_cached_blocks_decode_what_generate_decodes(tmp_path
     prompts = {"first": [*shared, 40, 41, 42, 43], "other_suffix": [*shared, 50, 51], "same": [*shared, 40, 41, 42, 43]}
     new_tokens = {"first": 6, "other_suffix": 5, "same": 6}
     texts: dict[str, list[str]] = {name: [] for name in prompts}
+    details: dict[str, Any] = {}  # each request's last event's usage details
 
     def submit(name: str) -> None:
+        def sink(event: Any) -> None:
+            texts[name].append(event.text)
+            if event.finished:
+                details[name] = event.usage_details
+
         scheduler.submit(GenerationRequest(name, tuple(prompts[name]), SamplingParams(
-            max_tokens=new_tokens[name], temperature=0, ignore_eos=True)), lambda e: texts[name].append(e.text))
+            max_tokens=new_tokens[name], temperature=0, ignore_eos=True)), sink)
 
     submit("first")
     while scheduler.has_work():
@@ -112,3 +119,7 @@ def test_prompts_that_attach_cached_blocks_decode_what_generate_decodes(tmp_path
     assert (load.prefix_hit_tokens, load.prefix_query_tokens) == (12 + 16 + 20, 16 + 12 + 16 + 24)
     assert scheduler.pool.used_blocks == 0 and scheduler.pool.cached_blocks > 0
     assert computed_first == 17 and sum(computed) - computed_first == 3 + 1 + 5  # 57 without the cache
+    # each request's usage names the prompt tokens the cache served (OpenAI's prompt_tokens_details)
+    assert {name: d.cached_tokens for name, d in details.items()} == {
+        "first": 0, "other_suffix": 12, "same": 16, "continues": 20}
+    assert all(d.reasoning_tokens is None for d in details.values())

@@ -76,8 +76,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any
 
 
 def test_the_grammar_waits_for_the_end_of_the_reasoning(checkpoint: tuple[Path, Any, Any]) -> None:
-    """``grammar_after`` = ``</think>``'s id, favoured by a logit bias: the model closes its reasoning at once (a
-    token the regex does not allow), then writes what the regex allows; without ``grammar_after`` the regex rules
+    """``reasoning_end`` = ``</think>``'s id, favoured by a logit bias: the model closes its reasoning at once (a
+    token the regex does not allow), then writes what the regex allows; without ``reasoning_end`` the regex rules
     from the first token and ``</think>`` never comes."""
     directory, _, tokenizer = checkpoint
     end = tokenizer.convert_tokens_to_ids("</think>")
@@ -85,7 +85,7 @@ def test_the_grammar_waits_for_the_end_of_the_reasoning(checkpoint: tuple[Path, 
     prompt = tuple(tokenizer.encode("the quick brown fox"))
     grammar = compile_grammar(GrammarRequest("regex", "[a-c]{5}", "test"))
     common = {"max_tokens": 20, "temperature": 0.0, "grammar": grammar, "logit_bias": ((end, 100.0),)}
-    requests = [GenerationRequest("after", prompt, SamplingParams(**common, grammar_after=end)),  # type: ignore[arg-type]
+    requests = [GenerationRequest("after", prompt, SamplingParams(**common, reasoning_end=end)),  # type: ignore[arg-type]
                 GenerationRequest("from start", prompt, SamplingParams(**common))]  # type: ignore[arg-type]
     events = serve_with_scheduler(directory, tokenizer, requests, overlapped=True)
     texts = {name: "".join(e.text for e in batch) for name, batch in events.items()}
@@ -110,12 +110,20 @@ def test_reasoning_through_the_api(checkpoint: tuple[Path, Any, Any]) -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     kwargs: dict[str, Any] = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x?"}], "tools": tools,
                               "max_tokens": 120}
+    thinking = len(tokenizer.encode('<think>\nthe user wants f.\n', add_special_tokens=False))  # before </think>
     try:
-        message = client.chat.completions.create(**kwargs).choices[0].message
+        answer = client.chat.completions.create(**kwargs)
+        message = answer.choices[0].message
+        assert answer.usage is not None and answer.usage.completion_tokens == len(script) + 1  # and EOS
+        assert answer.usage.completion_tokens_details is not None
+        assert answer.usage.completion_tokens_details.reasoning_tokens == thinking  # (vLLM's usage field)
         assert message.model_extra is not None and message.model_extra["reasoning"] == "\nthe user wants f.\n"
         assert message.content == "\n\nCalling f.\n" and [c.function.name for c in message.tool_calls or []] == ["f"]
         reasoning, content, calls = "", "", []
-        for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for chunk in client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+            if not chunk.choices:  # the usage chunk
+                assert chunk.usage.completion_tokens_details.reasoning_tokens == thinking  # type: ignore[union-attr]
+                continue
             delta = chunk.choices[0].delta
             reasoning += (delta.model_extra or {}).get("reasoning") or ""
             content += delta.content or ""
@@ -126,6 +134,7 @@ def test_reasoning_through_the_api(checkpoint: tuple[Path, Any, Any]) -> None:
         plain = client.chat.completions.create(**kwargs, tool_choice="none",
                                                extra_body={"chat_template_kwargs": {"enable_thinking": False}})
         assert plain.choices[0].message.content == reply  # all content, as written
+        assert plain.usage.completion_tokens_details.reasoning_tokens == 0  # type: ignore[union-attr]
         srv.model.script = tokenizer.encode("<think>\nletters\n</think>abcab", add_special_tokens=False)
         constrained = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x?"}],
                                                      max_tokens=40, extra_body={"structured_outputs": {

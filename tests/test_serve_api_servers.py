@@ -127,6 +127,15 @@ def test_two_api_servers_share_the_port_serve_both_count_both_and_stop_together(
             chunks = [json.loads(line[6:]) for line in resp.read().decode().splitlines()
                       if line.startswith("data: {")]
         assert [t for chunk in chunks for c in chunk["choices"] for t in c["token_ids"]] == choice["token_ids"]
+        # the usage names the prompt tokens the prefix cache served (OpenAI's prompt_tokens_details): a prompt of the
+        # load above, whole 16-token blocks of it (the detail crosses the rank → API pipe on the last event)
+        cached = {**body, "prompt": "the quick brown fox jumps over the lazy dog " * 5 + "1", "return_token_ids": False}
+        request = urllib.request.Request(url + "/v1/completions", json.dumps(cached).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            usage = json.loads(resp.read())["usage"]
+        hit = usage["prompt_tokens_details"]["cached_tokens"]
+        assert hit % 16 == 0 and 16 <= hit < usage["prompt_tokens"], usage
         # 4 prompts over 2 ranks: after each rank's first of each, the prompts' whole blocks come from the
         # cache (2944 of 3072 tokens here; prompts admitted in one iteration may still both compute)
         queried = _metric(url, "vexpert_serve_prefix_cache_queried_tokens")

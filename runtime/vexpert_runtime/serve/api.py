@@ -389,12 +389,12 @@ def _text_frame(payload: dict[str, Any]) -> tuple[bytes, bytes] | None:
 
 
 def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt_len: int, chat: bool,
-                    config: ApiConfig, bad_words: tuple[tuple[int, ...], ...] = (), grammar_after: int | None = None
+                    config: ApiConfig, bad_words: tuple[tuple[int, ...], ...] = (), reasoning_end: int | None = None
                     ) -> SamplingParams:
     """A request's sampling for one of its prompts: the defaults resolved (``config.sampling_defaults``),
     the lengths checked against the context (a 400 naming the field); ``bad_words``: its bad words' ids
-    (:func:`~.prompts.bad_word_ids`); ``grammar_after``: the token ending the reply's reasoning, which its grammar
-    (if any) waits for."""
+    (:func:`~.prompts.bad_word_ids`); ``reasoning_end``: the token ending the reply's reasoning (a reply that starts
+    in it)."""
     limit = config.max_context
     prompt_param = "messages" if chat else "prompt"
     if prompt_len == 0:
@@ -434,7 +434,7 @@ def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt
         return_token_ids=req.return_token_ids,
         bad_words=bad_words,
         allowed_token_ids=tuple(sorted(set(req.allowed_token_ids or ()))),
-        grammar_after=grammar_after if req.grammar is not None else None,
+        reasoning_end=reasoning_end,
         # a tool-call format whose markers may be special tokens needs them in the text (as vLLM's parsers ask)
         skip_special_tokens=req.skip_special_tokens and tool_format(req, config) not in KEEPS_SPECIAL_TOKENS,
     )
@@ -459,6 +459,31 @@ def _with_tool_calls(job: _Job, choice: oa.Choice) -> oa.Choice:
         return choice
     reason = calls_finish_reason(job.tools, choice.finish_reason or "stop")
     return replace(choice, text=content, finish_reason=reason, tool_calls=[call.as_json() for call in calls])
+
+
+@dataclass
+class _UsageCounts:
+    """A response's usage, summed over its choices' last events: their output tokens; the prompt tokens the prefix
+    cache served (each prompt once: its first choice's; None where the ranks report none) and the reasoning tokens
+    (a reasoning parser's, else None)."""
+
+    completion_tokens: int = 0
+    cached_tokens: int | None = None
+    reasoning_tokens: int | None = None
+
+    def add(self, job: _Job, index: int, last: Event) -> None:
+        self.completion_tokens += last.completion_tokens
+        details = last.usage_details
+        if details is None:
+            return
+        if index % job.choices_per_prompt == 0:
+            self.cached_tokens = (self.cached_tokens or 0) + details.cached_tokens
+        if job.reasoning is not None:
+            self.reasoning_tokens = (self.reasoning_tokens or 0) + (details.reasoning_tokens or 0)
+
+    def usage(self, job: _Job) -> dict[str, Any]:
+        reasoning = (self.reasoning_tokens or 0) if job.reasoning is not None else None
+        return oa.usage(job.prompt_tokens, self.completion_tokens, self.cached_tokens, reasoning)
 
 
 def _with_reasoning(job: _Job, choice: oa.Choice) -> oa.Choice:
@@ -520,17 +545,16 @@ def _text_parts(job: _Job, index: int, text: str, logprobs: dict[str, Any] | Non
 
 
 def _finish_parts(job: _Job, index: int, last: Event, error: ApiError | None, called: bool,
-                  completion_tokens: int) -> list[bytes]:
+                  counts: _UsageCounts) -> list[bytes]:
     """A choice's finish chunk (or the error that ends the response) — the usage chunk and ``[DONE]`` after the
-    last choice's (``completion_tokens``: all choices' so far)."""
+    last choice's (``counts``: all choices' so far)."""
     reason = calls_finish_reason(job.tools, last.finish_reason or "stop") if called and job.tools else last.finish_reason
     parts = [_sse(error.body if error is not None else _chunk(
         job, index, None, reason, token_ids=[] if job.prompt_ids is not None else None))]
     if job.done or error is not None:
         if job.include_usage:
             obj = "chat.completion.chunk" if job.chat else "text_completion"
-            parts.append(_sse(oa.usage_chunk(obj, job.request_id, job.created, job.model, job.prompt_tokens,
-                                             completion_tokens)))
+            parts.append(_sse(oa.usage_chunk(obj, job.request_id, job.created, job.model, counts.usage(job))))
         parts.append(b"data: [DONE]\n\n")
     return parts
 
@@ -627,6 +651,7 @@ class _Job:
     prompt_ids: list[list[int]] | None = None  # per choice its prompt's token ids (vLLM's return_token_ids)
     tokens_as_ids: bool = False  # logprobs name each token "token_id:{id}" (vLLM's return_tokens_as_token_ids)
     reasoning: ReplyReasoning | None = None  # chat replies split into reasoning and content (--reasoning-parser)
+    choices_per_prompt: int = 1  # n: choice c is of prompt c // n
 
     @property
     def done(self) -> bool:
@@ -945,7 +970,7 @@ class ServeApi:
                    req.prompt_logprobs is not None,
                    [list(ids) for ids in prompts for _ in range(req.choices)] if req.return_token_ids else None,
                    self.config.tokens_as_ids if req.return_tokens_as_token_ids is None else req.return_tokens_as_token_ids,
-                   reasoning)
+                   reasoning, req.choices)
         try:
             return await (self._stream(request, job) if job.stream else self._collect(job))
         finally:
@@ -960,7 +985,7 @@ class ServeApi:
         prompts: list[list[TokenLogprobs]] = [[] for _ in job.choice_ids]  # the prompt's (echo, prompt_logprobs)
         token_ids: list[list[int]] = [[] for _ in job.choice_ids]  # return_token_ids
         finish: dict[int, str] = {}
-        completion_tokens = 0
+        counts = _UsageCounts()
         async for index, batch in job.events:
             texts[index].extend(event.text for event in batch)
             if job.prompt_ids is not None:
@@ -975,7 +1000,7 @@ class ServeApi:
                 if error is not None:
                     raise error
                 finish[index] = last.finish_reason or "stop"
-                completion_tokens += last.completion_tokens
+                counts.add(job, index, last)
         # (read to their end, not left after the last event: an async generator left suspended is closed
         # by the event loop's finalizer — a task per request)
         if not job.done:
@@ -991,8 +1016,7 @@ class ServeApi:
             job.prompt_ids[i] if job.prompt_ids is not None else None)))
             for i, parts in enumerate(texts)]
         build = oa.chat_response if job.chat else oa.completion_response
-        return web.json_response(build(job.request_id, job.created, job.model, choices,
-                                       job.prompt_tokens, completion_tokens))
+        return web.json_response(build(job.request_id, job.created, job.model, choices, counts.usage(job)))
 
     async def _logprobs_object(self, job: _Job, tokens: Sequence[TokenLogprobs], text_offset: int = 0,
                                first: int | None = None) -> dict[str, Any]:
@@ -1021,7 +1045,7 @@ class ServeApi:
         vLLM's API server merges a request's outputs under backpressure)."""
         if job.chat:
             yield b"".join(_sse(_role_chunk(job, index)) for index in range(len(job.choice_ids)))
-        completion_tokens = 0
+        counts = _UsageCounts()
         offsets = [0] * len(job.choice_ids)  # each choice's text offset so far (completions' logprobs)
         tool_streams = [ToolCallStream(job.tools) for _ in job.choice_ids] if job.tools is not None else None
         thoughts = None if job.reasoning is None else [
@@ -1064,8 +1088,8 @@ class ServeApi:
             last = batch[-1]
             if last.finished:
                 error = _failed(last)
-                completion_tokens += last.completion_tokens
-                parts += _finish_parts(job, index, last, error, bool(calls), completion_tokens)
+                counts.add(job, index, last)
+                parts += _finish_parts(job, index, last, error, bool(calls), counts)
                 if job.done or error is not None:
                     yield b"".join(parts)
                     if error is not None:

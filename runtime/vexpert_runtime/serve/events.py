@@ -34,8 +34,9 @@ class SamplingParams:
     ``grammar``: the output follows this llguidance grammar (:mod:`.structured_output`, compiled by the API);
     ``bad_words``: token sequences the output never completes — a one-token word is never drawn, a longer one's last
     token not where the output ends with the rest (vLLM's ``bad_words``, tokenized by the API);
-    ``allowed_token_ids``: the only tokens it may draw, sorted (vLLM's; (): all); ``grammar_after``: the token that
-    ends the reply's reasoning — the grammar constrains only what follows it (vLLM's ``reasoning_ended``; None: all).
+    ``allowed_token_ids``: the only tokens it may draw, sorted (vLLM's; (): all); ``reasoning_end``: a reply that
+    starts in its reasoning — the token that ends it: the tokens before it are reasoning tokens (the usage's), and the
+    grammar constrains only what follows it (vLLM's ``reasoning_ended``); None: the reply is all content.
     """
 
     max_tokens: int
@@ -60,7 +61,7 @@ class SamplingParams:
     return_token_ids: bool = False  # vLLM's: each event carries the output ids it accounts for
     bad_words: tuple[tuple[int, ...], ...] = ()  # vLLM's, as token ids: a word's last token never completes it
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: every other token's logit is −inf
-    grammar_after: int | None = None  # a reasoning model's end-of-reasoning token: the grammar waits for it
+    reasoning_end: int | None = None  # a reasoning reply's end-of-reasoning token (the grammar waits for it)
 
     @property
     def penalized(self) -> bool:
@@ -105,6 +106,16 @@ class EventLogprobs:
     prompt: tuple[TokenLogprobs, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class UsageDetails:
+    """A finished request's usage beyond its counts (OpenAI's ``prompt_tokens_details`` / ``completion_tokens_details``):
+    prompt tokens its prefill took from the prefix cache, and output tokens of its reasoning (None: the reply was not
+    split into reasoning and content)."""
+
+    cached_tokens: int = 0
+    reasoning_tokens: int | None = None
+
+
 @dataclass(slots=True)  # one per sequence per iteration: a slotted dataclass (made 5× faster than a frozen one)
 class Event:
     """What a request produced in one iteration.
@@ -124,6 +135,7 @@ class Event:
     completion_tokens: int = 0
     error: str | None = None
     logprobs: EventLogprobs | None = None
+    usage_details: UsageDetails | None = None  # the last event's, where the rank has any to give
 
     @property
     def finished(self) -> bool:
@@ -143,7 +155,7 @@ class EventWithTokenIds(Event):
 def with_token_ids(event: Event, token_ids: tuple[int, ...]) -> EventWithTokenIds:
     """``event`` carrying ``token_ids``."""
     return EventWithTokenIds(event.request_id, event.text, event.new_tokens, event.finish_reason, event.prompt_tokens,
-                             event.completion_tokens, event.error, event.logprobs, token_ids)
+                             event.completion_tokens, event.error, event.logprobs, event.usage_details, token_ids)
 
 
 @dataclass(frozen=True)

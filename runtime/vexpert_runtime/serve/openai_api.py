@@ -672,12 +672,21 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Json:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+          reasoning_tokens: int | None = None) -> Json:
+    """A response's ``usage``; ``cached_tokens`` (prompt tokens served from the prefix cache) and ``reasoning_tokens``
+    (output tokens of the reasoning) add OpenAI's ``prompt_tokens_details`` / ``completion_tokens_details`` where
+    known (None: not)."""
+    counts: Json = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if reasoning_tokens is not None:
+        counts["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return counts
 
 
 @dataclass(frozen=True)
@@ -752,9 +761,9 @@ class Choice:
     reasoning: str | None = None  # a chat reply's reasoning (vLLM's, with a reasoning parser)
 
 
-def completion_response(rid: str, created: int, model: str, choices: list[Choice], prompt_tokens: int,
-                        completion_tokens: int) -> Json:
-    """A non-streaming ``text_completion``; ``completion_tokens`` over all choices, the prompt once."""
+def completion_response(rid: str, created: int, model: str, choices: list[Choice], counts: Json) -> Json:
+    """A non-streaming ``text_completion``; ``counts``: its :func:`usage` (the completion tokens of all choices, the
+    prompt once)."""
     return {
         "id": rid,
         "object": "text_completion",
@@ -765,12 +774,11 @@ def completion_response(rid: str, created: int, model: str, choices: list[Choice
                      **({"prompt_token_ids": c.prompt_token_ids, "token_ids": c.token_ids}
                         if c.token_ids is not None else {})}
                     for c in choices],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": counts,
     }
 
 
-def chat_response(rid: str, created: int, model: str, choices: list[Choice], prompt_tokens: int,
-                  completion_tokens: int) -> Json:
+def chat_response(rid: str, created: int, model: str, choices: list[Choice], counts: Json) -> Json:
     """A non-streaming ``chat.completion``; usage as :func:`completion_response`'s."""
     return {
         "id": rid,
@@ -789,7 +797,7 @@ def chat_response(rid: str, created: int, model: str, choices: list[Choice], pro
             }
             for c in choices
         ],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": counts,
         # vLLM's: the prompt's, once (every choice has the same prompt)
         **({"prompt_logprobs": choices[0].prompt_logprobs} if choices and choices[0].prompt_logprobs is not None
            else {}),
@@ -836,7 +844,7 @@ def chat_chunk(rid: str, created: int, model: str, delta: Json, finish_reason: s
     }
 
 
-def usage_chunk(obj: str, rid: str, created: int, model: str, prompt_tokens: int, completion_tokens: int) -> Json:
+def usage_chunk(obj: str, rid: str, created: int, model: str, counts: Json) -> Json:
     """The last chunk when ``stream_options.include_usage``: no choices, the request's usage."""
     return {
         "id": rid,
@@ -844,7 +852,7 @@ def usage_chunk(obj: str, rid: str, created: int, model: str, prompt_tokens: int
         "created": created,
         "model": model,
         "choices": [],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": counts,
     }
 
 

@@ -11,8 +11,9 @@ end marker after the reasoning is dropped (a reply that started in its content k
 first marker ends the reasoning and stays in the content (where the tool-call parser reads it), as vLLM's Qwen3 and
 Kimi K2 parsers do.
 
-Structured output waits for the reasoning to end (:attr:`~.events.SamplingParams.grammar_after`, vLLM's
-``reasoning_ended``): the grammar constrains the content only.
+The rank counts a reply's reasoning tokens — those before the end-of-reasoning token
+(:attr:`~.events.SamplingParams.reasoning_end`) — for the usage's ``completion_tokens_details``, and structured output
+waits for that token (vLLM's ``reasoning_ended``): the grammar constrains the content only.
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ from vexpert_runtime.serve.events import (
     RankLoad,
     SamplingParams,
     TokenLogprobs,
+    UsageDetails,
     overloaded,
     shutting_down,
     with_token_ids,
@@ -157,7 +158,9 @@ class _Sequence:
     bad_words: tuple[tuple[int, ...], ...] = field(init=False)  # its bad words of several tokens, checked at each draw
     early_bias: tuple[tuple[int, float], ...] = ()  # the logit bias before min_tokens: the stop ids at −inf
     grammar: GrammarMatcher | None = None  # structured output: where the output is in its grammar
-    grammar_waits: bool = False  # the grammar waits for the reasoning to end (SamplingParams.grammar_after)
+    reasoning: bool = False  # before its end-of-reasoning token (SamplingParams.reasoning_end): a grammar waits
+    reasoning_tokens: int = 0  # output tokens before that token
+    cached_tokens: int | None = None  # prompt tokens its first admission took from the prefix cache
     only: torch.Tensor | None = None  # allowed_token_ids as a bitmask (SamplingSpec.only); None: every token
     constrained: bool = False  # each draw reads the output before it (a grammar, bad words): no overlapped steps
     prefill_len: int = field(init=False)  # tokens to compute before decoding: the prompt (+ output after a preemption)
@@ -358,7 +361,7 @@ def constrain_draws(batch: list[tuple[_Sequence, SequenceWork]], grammars: Gramm
     its bad words. A grammar that allows nothing but the ids ``min_tokens`` holds back (it is complete) ends the
     output all the same."""
     constrained = [(seq, seq.grammar, item.sample) for seq, item in batch
-                   if seq.grammar is not None and item.sample is not None and not seq.grammar_waits]
+                   if seq.grammar is not None and item.sample is not None and not seq.reasoning]
     if constrained:
         masks = grammars.allowed([grammar for _, grammar, _ in constrained if grammar is not None])
         for (seq, _, spec), allowed in zip(constrained, masks, strict=True):
@@ -601,7 +604,6 @@ class Scheduler:
             self._by_request[request.request_id] = seq
             if request.params.grammar is not None:
                 self._start_grammar(seq, request.params.grammar)
-                seq.grammar_waits = request.params.grammar_after is not None
             if not seq.finished and (seq.grammar is not None or seq.bad_words):
                 seq.constrained = True
                 self._constrained += 1
@@ -622,6 +624,7 @@ class Scheduler:
                                                            request.params.skip_special_tokens),
                         seed=request_seed(request.params.seed))
         seq.early_bias = early_bias(request.params, self.eos_ids, seq.bias)
+        seq.reasoning = request.params.reasoning_end is not None
         if request.params.allowed_token_ids:
             seq.only = pack_allowed(request.params.allowed_token_ids, self.model.vocab_size)
             if seq.early_bias and only_among(seq.only, (token for token, bias in seq.early_bias if bias < 0)):
@@ -684,6 +687,8 @@ class Scheduler:
             reusable = 0 if params.penalized or params.prompt_logprobs is not None else (seq.prefill_len - 1) // size
             attached = self.pool.attach_prefix(seq.seq_id, seq.digests[:reusable])
             seq.computed = attached * size
+            if seq.cached_tokens is None:  # (a preempted sequence re-attaches its own blocks: not the prompt's)
+                seq.cached_tokens = seq.computed
             seq.published = attached
             self._kv_tokens_used += seq.computed
 
@@ -714,8 +719,9 @@ class Scheduler:
             self._finish(seq, "error", error="sampling failed")
             return
         grammar = seq.grammar
-        if seq.grammar_waits:  # still reasoning: the grammar starts after the token that ends it
-            seq.grammar_waits, grammar = token != params.grammar_after, None
+        if seq.reasoning:  # still reasoning: the grammar starts after the token that ends it
+            seq.reasoning, grammar = token != params.reasoning_end, None
+            seq.reasoning_tokens += seq.reasoning
         elif grammar is not None and not grammar.accept(token):
             self._finish(seq, "error", error=f"structured output: token {token} is not in the grammar {grammar.error}")
             return
@@ -776,8 +782,11 @@ class Scheduler:
                 self._waiting.remove(seq)
         # the finishing token (stop, length), after the tokens held for the next event
         produced = seq.unsent_tokens + (1 if reason in ("stop", "length") and seq.output else 0)
+        params = seq.request.params
+        details = UsageDetails(seq.cached_tokens or 0, seq.reasoning_tokens if params.reasoning_end is not None
+                               else None) if self.config.prefix_caching or params.reasoning_end is not None else None
         fields = (seq.request.request_id, seq.unsent_text + text, produced, reason, seq.prompt_len, len(seq.output),
-                  error, seq.take_logprobs())  # Event's, in order
+                  error, seq.take_logprobs(), details)  # Event's, in order
         self._send(seq, Event(*fields))
 
     def _release_if_idle(self, seq: _Sequence) -> None:
