@@ -155,6 +155,20 @@ def test_streaming_completion_and_chat(client: openai.OpenAI, server: Background
     assert streamed == chat_whole.choices[0].message.content
     assert chat_chunks[-1].usage == chat_whole.usage
 
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far — the prompt's tokens and its choice's (the
+    # role chunk: none yet) —, each choice's last chunk all of its 10
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for create, body in ((client.completions.create, {"prompt": PROMPT}),
+                         (client.chat.completions.create, {"messages": messages, "n": 2, "temperature": 0.9, "seed": 1})):
+        counted = list(create(**kwargs | body, stream=True, stream_options=options,  # type: ignore[operator]
+                              extra_body={"ignore_eos": True}))
+        assert all(c.usage is not None for c in counted)
+        for index in range(body.get("n", 1)):  # type: ignore[arg-type]
+            mine = [c.usage.completion_tokens for c in counted if c.choices and c.choices[0].index == index]
+            assert mine == sorted(mine) and mine[-1] == 10, mine
+        assert {c.usage.prompt_tokens for c in counted} == {counted[-1].usage.prompt_tokens}
+        assert counted[-1].usage.completion_tokens == 10 * body.get("n", 1)  # type: ignore[operator]
+
     # the raw SSE: data lines, the last one [DONE]
     body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3, "stream": True}
     raw = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)

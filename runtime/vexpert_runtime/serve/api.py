@@ -526,6 +526,19 @@ def _chunk(job: _Job, index: int, text: str | None, finish_reason: str | None = 
         if prompt_token_ids is not None:
             choice["prompt_token_ids"] = prompt_token_ids
         choice["token_ids"] = token_ids
+    return _stamped(job, index, chunk)
+
+
+def _delta_chunk(job: _Job, index: int, delta: dict[str, Any]) -> dict[str, Any]:
+    """A chat stream's chunk of choice ``index`` that says ``delta`` (its role, reasoning, tool calls)."""
+    return _stamped(job, index, oa.chat_chunk(job.request_id, job.created, job.model, delta, index=index))
+
+
+def _stamped(job: _Job, index: int, chunk: dict[str, Any]) -> dict[str, Any]:
+    """``chunk`` with the usage so far where the request asks for it in every chunk (vLLM's
+    ``continuous_usage_stats``: the prompt's tokens, and its choice's)."""
+    if job.generated is not None:
+        chunk["usage"] = oa.usage(job.prompt_tokens, job.generated[index])
     return chunk
 
 
@@ -562,7 +575,7 @@ def _finish_parts(job: _Job, index: int, last: Event, error: ApiError | None, ca
 def _role_chunk(job: _Job, index: int) -> dict[str, Any]:
     """A chat stream's first chunk of choice ``index``: the assistant's role — with the prompt's ids where the request
     asks for them (vLLM's ``return_token_ids`` puts them on this chunk, beside its choices)."""
-    chunk = oa.chat_chunk(job.request_id, job.created, job.model, {"role": "assistant", "content": ""}, index=index)
+    chunk = _delta_chunk(job, index, {"role": "assistant", "content": ""})
     if job.prompt_ids is not None:
         chunk["prompt_token_ids"] = job.prompt_ids[index]
     return chunk
@@ -652,6 +665,7 @@ class _Job:
     tokens_as_ids: bool = False  # logprobs name each token "token_id:{id}" (vLLM's return_tokens_as_token_ids)
     reasoning: ReplyReasoning | None = None  # chat replies split into reasoning and content (--reasoning-parser)
     choices_per_prompt: int = 1  # n: choice c is of prompt c // n
+    generated: list[int] | None = None  # vLLM's continuous_usage_stats: each choice's tokens so far (else None)
 
     @property
     def done(self) -> bool:
@@ -970,7 +984,7 @@ class ServeApi:
                    req.prompt_logprobs is not None,
                    [list(ids) for ids in prompts for _ in range(req.choices)] if req.return_token_ids else None,
                    self.config.tokens_as_ids if req.return_tokens_as_token_ids is None else req.return_tokens_as_token_ids,
-                   reasoning, req.choices)
+                   reasoning, req.choices, [0] * len(requests) if req.continuous_usage else None)
         try:
             return await (self._stream(request, job) if job.stream else self._collect(job))
         finally:
@@ -1051,11 +1065,13 @@ class ServeApi:
         thoughts = None if job.reasoning is None else [
             ReasoningStream(job.reasoning.fmt, job.reasoning.in_reasoning) for _ in job.choice_ids]
         echoing = set(range(len(job.choice_ids))) if job.echo else set()  # choices whose prompt is still to send
-        frames = [_text_frame(_chunk(job, index, _TEXT_MARK)) if job.prompt_ids is None else None
-                  for index in range(len(job.choice_ids))]
+        frames = [_text_frame(_chunk(job, index, _TEXT_MARK)) if job.prompt_ids is None and job.generated is None
+                  else None for index in range(len(job.choice_ids))]
         ids_pending = set(range(len(job.choice_ids))) if job.prompt_ids is not None and not job.chat else set()
         async for index, batch in job.events:
             text = "".join([event.text for event in batch])
+            if job.generated is not None:
+                job.generated[index] += sum(event.new_tokens for event in batch)
             first = None
             if index in echoing and job.echo is not None:  # the first chunk leads with the prompt
                 echoing.discard(index)
@@ -1079,12 +1095,11 @@ class ServeApi:
                     text += tail
             parts = _text_parts(job, index, text, logprobs, frames[index], batch, index in ids_pending)
             if thought and job.reasoning is not None and job.reasoning.shown:
-                parts.insert(0, _sse(oa.chat_chunk(job.request_id, job.created, job.model, {"reasoning": thought},
-                                                   index=index)))
+                parts.insert(0, _sse(_delta_chunk(job, index, {"reasoning": thought})))
             ids_pending.discard(index)
             if calls:
-                parts.append(_sse(oa.chat_chunk(job.request_id, job.created, job.model, {"tool_calls": [
-                    call.as_json(i) for i, call in enumerate(calls)]}, index=index)))
+                parts.append(_sse(_delta_chunk(job, index, {"tool_calls": [
+                    call.as_json(i) for i, call in enumerate(calls)]})))
             last = batch[-1]
             if last.finished:
                 error = _failed(last)

@@ -69,10 +69,12 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` adds a last chunk with the usage and no choices."""
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage and no choices;
+    ``continuous_usage_stats`` (vLLM's) a usage to every chunk — the prompt's tokens and its choice's so far."""
 
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False
 
 
 # Fields this server cannot honour, by endpoint: the values that ask for nothing (accepted; of that type
@@ -326,6 +328,10 @@ class _GenerationRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def requested_max_tokens(self) -> int | None:
         """The client's output limit, if any."""
