@@ -123,3 +123,29 @@ def test_prompts_that_attach_cached_blocks_decode_what_generate_decodes(tmp_path
     assert {name: d.cached_tokens for name, d in details.items()} == {
         "first": 0, "other_suffix": 12, "same": 16, "continues": 20}
     assert all(d.reasoning_tokens is None for d in details.values())
+
+
+def test_a_cache_salt_shares_cached_blocks_only_with_prompts_of_the_same_salt(tmp_path: Path) -> None:
+    """vLLM's ``cache_salt``: the salt seeds the prompt's first block digest, so a prompt attaches cached blocks only
+    from prompts of its own salt (another tenant cannot tell a prompt by its cache hits); the usage says so."""
+    build_tiny_checkpoint(tmp_path)
+    model = HFStepModel(tmp_path, dtype=torch.float32, kv_cache_tokens=512, block_size=4)
+    scheduler = Scheduler(model, IdText(), SchedulerConfig(kv_budget_tokens=None, max_batch_tokens=32, max_running=4,
+                                                           prefix_caching=True))
+    prompt = tuple(range(5, 22))  # 17 tokens: 4 whole blocks, all attachable
+    cached: dict[str, int] = {}
+
+    def run(name: str, salt: str | None) -> None:
+        def sink(event: Any) -> None:
+            if event.finished:
+                cached[name] = event.usage_details.cached_tokens
+
+        scheduler.submit(GenerationRequest(name, prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True,
+                                                                        cache_salt=salt)), sink)
+        while scheduler.has_work():
+            scheduler.run_iteration()
+
+    for name, salt in (("alice", "a-secret"), ("bob", "b-secret"), ("no salt", None), ("alice again", "a-secret"),
+                       ("no salt again", None)):
+        run(name, salt)
+    assert cached == {"alice": 0, "bob": 0, "no salt": 0, "alice again": 16, "no salt again": 16}

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from vexpert_runtime.serve.events import GenerationRequest, RankEvent, RankLoad, SamplingParams
+from vexpert_runtime.serve.kv_cache import salt_digest, token_block_digests
 from vexpert_runtime.serve.multirank import MultiRankDispatcher
 from vexpert_runtime.serve.prefix_routing import PrefixAffinity
 
@@ -34,6 +35,10 @@ def test_the_longest_remembered_prefix_names_the_rank() -> None:
     assert affinity.preferred(affinity.digests(_prompt(1, 2, 3, 4))) == 0  # a continuation of a
     assert affinity.preferred(affinity.digests(_prompt(1, 2))) == 1
     assert affinity.preferred(affinity.digests(_prompt(5, 2, 3))) is None  # another start: nothing shared
+    # a cache_salt names other blocks — the ranks' own digests of that salt —, so it is routed as a prompt of its own
+    salted = affinity.digests(_prompt(1, 2, 3), "tenant-b")
+    assert salted == token_block_digests(_prompt(1, 2, 3), BLOCK, salt_digest("tenant-b"))
+    assert not set(salted) & set(a) and affinity.preferred(salted) is None
 
 
 def test_affinity_yields_to_load_beyond_its_slack_and_to_full_ranks() -> None:

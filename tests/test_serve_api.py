@@ -778,6 +778,42 @@ def test_tokenize_gives_the_ids_the_generation_endpoints_run_and_detokenize_reve
         assert error.status_code == status and error.json()["error"]["param"] == param, (body, error.text)
 
 
+def test_add_special_tokens_and_reasoning_effort_reach_the_tokenizer_and_the_template(tmp_path: Path) -> None:
+    """vLLM's ``add_special_tokens`` (a completion's default true: the tokenizer's own special tokens, here a BOS; a
+    chat's default false: the template's alone) and ``reasoning_effort`` (a variable of the chat template), in the
+    prompt a request runs as in ``/tokenize``'s answer."""
+    from tokenizers.processors import TemplateProcessing
+
+    from serve_support import CHAT_TEMPLATE, build_tiny_checkpoint
+
+    build_tiny_checkpoint(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    bos = tok.convert_tokens_to_ids("<|im_start|>")  # stands in for a BOS the tokenizer adds
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A",
+                                                              special_tokens=[("<|im_start|>", bos)])
+    tok.chat_template = CHAT_TEMPLATE + "{% if reasoning_effort is defined %}effort={{ reasoning_effort }}{% endif %}"
+    tok.save_pretrained(tmp_path)
+    srv = make_server(tmp_path, load_model(tmp_path))
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    try:
+        with_bos = httpx.post(f"{srv.url}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+        without = httpx.post(f"{srv.url}/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()["tokens"]
+        assert with_bos == [bos, *without]
+        for extra, count in (({}, len(with_bos)), ({"add_special_tokens": False}, len(without))):
+            answer = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, extra_body=extra)
+            assert answer.usage is not None and answer.usage.prompt_tokens == count, extra
+        messages = [{"role": "user", "content": "hi"}]
+        for extra in ({}, {"reasoning_effort": "low"}, {"add_special_tokens": True}):
+            ids = httpx.post(f"{srv.url}/tokenize", json={"messages": messages, **extra}).json()["tokens"]
+            assert ("effort=low" in tok.decode(ids)) == ("reasoning_effort" in extra)
+            assert (ids[0] == bos and ids[1] == bos) == ("add_special_tokens" in extra)  # the template's is first too
+            chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1,  # type: ignore[arg-type]
+                                                  extra_body={"return_token_ids": True, **extra})
+            assert chat.model_dump()["prompt_token_ids"] == ids, extra
+    finally:
+        srv.close()
+
+
 def test_max_tokens_gives_length(client: openai.OpenAI) -> None:
     result = client.completions.create(
         model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0.7, seed=1, extra_body={"ignore_eos": True}
@@ -853,6 +889,16 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
         ({"guided_json": {"type": "object"}}, "guided_json"),
         ({"min_tokens": 6, "max_tokens": 5}, "min_tokens"),  # more than it may generate
         ({"suffix": " end"}, "suffix"),
+        ({"priority": 1}, "priority"),  # vLLM's fields that would change the tokens or the answer, unsupported here
+        ({"length_penalty": 0.8}, "length_penalty"),
+        ({"logprob_token_ids": [3]}, "logprob_token_ids"),
+        ({"thinking_token_budget": 10}, "thinking_token_budget"),
+        ({"repetition_detection": {"max_pattern_size": 4}}, "repetition_detection"),
+        ({"prompt_embeds": "AAAA"}, "prompt_embeds"),
+        ({"kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params"),
+        ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+        ({"cache_salt": ""}, "cache_salt"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"bad_words": ["fox", " "]}, "bad_words"),  # a blank word (a word is served: tests/test_bad_words.py)
         ({"bad_words": "fox"}, "bad_words"),  # a list of words
         ({"skip_special_tokens": 0}, "skip_special_tokens"),  # a boolean (false keeps special tokens: served)
@@ -884,6 +930,9 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
         ({"continue_final_message": True}, "continue_final_message"),  # with the default add_generation_prompt
         ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),  # user last
+        ({"echo": True}, "echo"),  # vLLM's chat echo (the last message repeated): unsupported
+        ({"return_prompt_text": True}, "return_prompt_text"),
+        ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ):
         error = _error(httpx.post(f"{server.url}/v1/chat/completions", json={**hello, **bad}, timeout=10), 400)
         assert error["param"] == param, (bad, error)
@@ -931,9 +980,9 @@ def test_latency_metrics_count_from_the_requests_arrival(server: BackgroundServe
 
     encode, delay = server.api.prompts.prompt_ids, 0.3
 
-    def slow_encode(prompt: Any, tokenizer: Any = None) -> list[int]:
+    def slow_encode(prompt: Any, tokenizer: Any = None, **options: Any) -> list[int]:
         time.sleep(delay)
-        return encode(prompt, tokenizer)
+        return encode(prompt, tokenizer, **options)
 
     monkeypatch.setattr(server.api.prompts, "prompt_ids", slow_encode)
     ttft, duration = (histogram_sum("vexpert_serve_time_to_first_token_seconds"),

@@ -434,6 +434,7 @@ def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt
         return_token_ids=req.return_token_ids,
         bad_words=bad_words,
         allowed_token_ids=tuple(sorted(set(req.allowed_token_ids or ()))),
+        cache_salt=req.cache_salt,
         reasoning_end=reasoning_end,
         # a tool-call format whose markers may be special tokens needs them in the text (as vLLM's parsers ask)
         skip_special_tokens=req.skip_special_tokens and tool_format(req, config) not in KEEPS_SPECIAL_TOKENS,
@@ -814,7 +815,8 @@ class ServeApi:
         prompts, texts = [], []
         for prompt in req.prompts():
             if isinstance(prompt, str):
-                ids = await self.prompts.run(self.prompts.prompt_ids, prompt, len(prompt))
+                ids = await self.prompts.run(partial(self.prompts.prompt_ids, add_special_tokens=req.add_special_tokens),
+                                             prompt, len(prompt))
             else:  # token ids: only checked
                 ids = self.prompts.prompt_ids(prompt)
             kept = _truncated(req, ids, self.config.max_context)
@@ -835,7 +837,8 @@ class ServeApi:
                            'hermes for Qwen / Hermes models, deepseek_v3 for DeepSeek-V3): send "none" (the template '
                            "shows the tools, the reply is text) or leave tools out", param="tool_choice")
         chars = sum(len(m.text()) for m in req.messages)
-        prompt_ids = _truncated(req, await self.prompts.run(self.prompts.chat_ids, req, chars), self.config.max_context)
+        encode = partial(self.prompts.chat_ids, add_special_tokens=req.add_special_tokens)
+        prompt_ids = _truncated(req, await self.prompts.run(encode, req, chars), self.config.max_context)
         fmt = REASONING_PARSERS.get(self.config.reasoning_parser or "")
         reasoning = None if fmt is None else ReplyReasoning(fmt, fmt.starts_in_reasoning(
             req.chat_template_kwargs, await self.prompts.text(prompt_ids[-8:])), req.include_reasoning)

@@ -62,6 +62,7 @@ class SamplingParams:
     bad_words: tuple[tuple[int, ...], ...] = ()  # vLLM's, as token ids: a word's last token never completes it
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: every other token's logit is −inf
     reasoning_end: int | None = None  # a reasoning reply's end-of-reasoning token (the grammar waits for it)
+    cache_salt: str | None = None  # vLLM's: its prompt shares cached KV blocks only with prompts of the same salt
 
     @property
     def penalized(self) -> bool:

@@ -87,6 +87,12 @@ def token_block_digests(token_ids: Sequence[int], block_size: int, parent: bytes
     return digests
 
 
+def salt_digest(salt: str | None) -> bytes:
+    """The parent of a salted prompt's first block (vLLM's ``cache_salt``): prompts with different salts share no
+    cached block; b"" for none."""
+    return b"" if salt is None else hashlib.blake2b(b"cache_salt\0" + salt.encode(), digest_size=16).digest()
+
+
 class BlockPool:
     """Free list and block tables of one rank's KV cache (host side).
 

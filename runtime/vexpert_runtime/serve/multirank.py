@@ -220,7 +220,8 @@ class MultiRankDispatcher:
         loop = asyncio.get_running_loop()
         channel = EventChannel(loop)
         accepted: asyncio.Future[None] = loop.create_future()
-        digests = self.prefixes.digests(request.prompt_ids) if self.prefixes is not None else None
+        digests = self.prefixes.digests(request.prompt_ids, request.params.cache_salt) if self.prefixes is not None \
+            else None
         with self._lock:
             rank = self._choose(digests)
             self._channels[request.request_id] = (rank, channel)

@@ -15,7 +15,8 @@ the output tokens' log-probabilities under the model's distribution, before temp
 truncation, and the k most likely tokens'; at most :data:`~.events.MAX_LOGPROBS`); ``top_k`` and ``min_p``
 (sampling), ``stop_token_ids``, ``ignore_eos`` (benchmarks use it to force exact lengths), ``prompt_logprobs`` (each
 prompt token's log-probability and rank, and the k most likely; not streamed), ``truncate_prompt_tokens`` and
-``truncation_side``; for chat,
+``truncation_side``, ``add_special_tokens``, ``cache_salt`` (prefix caching within one salt); for chat,
+``reasoning_effort`` (a template variable),
 ``chat_template_kwargs`` (e.g. Qwen3's ``{"enable_thinking": false}``), ``add_generation_prompt``,
 ``continue_final_message``, ``documents``, and ``tools``: the model's template shows them; with ``tool_choice``
 "auto" (OpenAI's default) the reply's calls are parsed when the server has a ``--tool-call-parser``
@@ -88,7 +89,24 @@ _REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
     "guided_grammar": ((), _GUIDED), "guided_decoding_backend": ((), _GUIDED),
     "guided_whitespace_pattern": ((), _GUIDED),
     "use_beam_search": ((False,), "beam search is not supported; send false"),
+    "length_penalty": ((1.0, 1), "a beam-search option (beam search is not supported); send 1.0"),
     "logits_processors": ((), "not supported; leave it out"),
+    "logprob_token_ids": ((), "not supported: send logprobs / top_logprobs (the most likely tokens'), or leave it out"),
+    "priority": ((0,), "requests are served first come, first served: send 0"),
+    "repetition_detection": ((), "not supported: use repetition_penalty / frequency_penalty, or leave it out"),
+    "thinking_token_budget": ((), "not supported: limit the reply with max_tokens, or leave it out"),
+    "watermarking": ((False,), "not supported; send false"),
+    "spaces_between_special_tokens": ((True,), "special tokens are decoded as the tokenizer joins them: send true"),
+    "return_token_offsets": ((False,), "not supported; send false"),
+    "prompt_embeds": ((), "prompts are text or token ids: send prompt, leave prompt_embeds out"),
+    "kv_transfer_params": ((), "disaggregated prefill is not supported; leave it out"),
+    "ec_transfer_params": ((), "not supported; leave it out"),
+    "vllm_xargs": ((), "not supported; leave it out"),
+    "routed_experts_prompt_start": ((), "not supported; leave it out"),
+    "mm_payload": ((), "text models only: leave it out"),
+    "mm_processor_kwargs": ((), "text models only: leave it out"),
+    "media_io_kwargs": ((), "text models only: leave it out"),
+    "return_mm_kwargs": ((False,), "text models only: send false"),
 }
 _REFUSED_COMPLETION = {
     **_REFUSED_BOTH,
@@ -97,6 +115,8 @@ _REFUSED_COMPLETION = {
 }
 _REFUSED_CHAT = {
     **_REFUSED_BOTH,
+    "echo": ((False,), "a chat reply does not repeat the last message: send false"),
+    "return_prompt_text": ((False,), "not supported: POST /tokenize with the messages gives the prompt's tokens"),
     "chat_template": ((), "a request's own chat template is not supported: the model's is used; leave it out"),
 }
 
@@ -195,6 +215,7 @@ class _GenerationRequest(BaseModel):
     return_token_ids: StrictBool = False  # vLLM's: the prompt's and each choice's token ids in the answer
     bad_words: list[StrictStr] | None = Field(default=None, max_length=MAX_BAD_WORDS)  # vLLM's: words never written
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's: the only tokens the output may take
+    cache_salt: StrictStr | None = Field(default=None, min_length=1)  # vLLM's: cached KV shared within one salt only
     return_tokens_as_token_ids: StrictBool | None = None  # vLLM's: logprobs name tokens "token_id:{id}" (null: the server's)
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # vLLM's: keep that many prompt tokens
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: "left" (its default) keeps the last ones
@@ -348,6 +369,7 @@ class CompletionRequest(_GenerationRequest):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool | None = False
+    add_special_tokens: StrictBool = True  # vLLM's: a text prompt gets the tokenizer's special tokens (e.g. BOS)
 
     def requested_logprobs(self) -> int | None:
         """How many most likely tokens to report with each output token's log-probability (None: no log-probabilities)."""
@@ -469,6 +491,8 @@ class ChatTemplateInputs(BaseModel):
     chat_template_kwargs: dict[StrictStr, Any] | None = None  # vLLM's: extra variables of the template
     add_generation_prompt: StrictBool = True  # vLLM's
     continue_final_message: StrictBool = False  # vLLM's
+    add_special_tokens: StrictBool = False  # vLLM's: the tokenizer's own (e.g. BOS) too, beside the template's
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None  # a template variable
 
     def template_arguments(self) -> Json:
         """apply_chat_template's keyword arguments for this request (besides the conversation)."""
@@ -480,6 +504,8 @@ class ChatTemplateInputs(BaseModel):
             arguments["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
         if self.documents:
             arguments["documents"] = self.documents
+        if self.reasoning_effort is not None:  # (vLLM's: the template reads it, as gpt-oss's does)
+            arguments["reasoning_effort"] = self.reasoning_effort
         return arguments
 
     @model_validator(mode="after")
@@ -584,7 +610,6 @@ class TokenizeChatRequest(ChatTemplateInputs):
     """``POST /tokenize`` of a conversation (vLLM's): its token ids as a chat completion gets them."""
 
     model: StrictStr | None = None
-    add_special_tokens: StrictBool = False  # the template holds the special tokens already
     return_token_strs: StrictBool | None = False
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from vexpert_runtime.serve.kv_cache import token_block_digests
+from vexpert_runtime.serve.kv_cache import salt_digest, token_block_digests
 
 DEFAULT_SLACK = 2  # requests in flight beyond the least-loaded rank that affinity may add (at least)
 RELATIVE_SLACK = 0.125  # ... or this share of the least-loaded rank's, if more
@@ -47,9 +47,9 @@ class PrefixAffinity:
         self.capacity = capacity
         self._rank_of: OrderedDict[bytes, int] = OrderedDict()
 
-    def digests(self, prompt_ids: Sequence[int]) -> list[bytes]:
-        """The digests of the prompt's whole blocks (no lock needed: pure)."""
-        return token_block_digests(prompt_ids, self.block_size)
+    def digests(self, prompt_ids: Sequence[int], salt: str | None = None) -> list[bytes]:
+        """The digests of the prompt's whole blocks (``salt``: its ``cache_salt``; no lock needed: pure)."""
+        return token_block_digests(prompt_ids, self.block_size, salt_digest(salt))
 
     def preferred(self, digests: Sequence[bytes]) -> int | None:
         """The rank that was sent the longest prefix of ``digests``, or None (no block known)."""

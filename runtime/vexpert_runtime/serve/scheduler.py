@@ -69,7 +69,7 @@ from vexpert_runtime.serve.events import (
     shutting_down,
     with_token_ids,
 )
-from vexpert_runtime.serve.kv_cache import BlockPool, blocks_for, token_block_digests
+from vexpert_runtime.serve.kv_cache import BlockPool, blocks_for, salt_digest, token_block_digests
 from vexpert_runtime.serve.sampling import IncrementalDetokenizer, StopChecker, request_seed
 from vexpert_runtime.serve.step import (
     PendingStep,
@@ -679,7 +679,8 @@ class Scheduler:
         self._running[seq.seq_id] = seq
         if self.config.prefix_caching:
             size = self.pool.block_size
-            seq.digests = token_block_digests(seq.known_tokens(0, seq.prefill_len), size)
+            seq.digests = token_block_digests(seq.known_tokens(0, seq.prefill_len), size,
+                                              salt_digest(seq.request.params.cache_salt))
             # whole blocks, and never the prefill's last token: its logits give the next token; none for a
             # penalized sequence (the model learns its tokens from the ones it computes: penalties.py) nor for
             # one that asks for its prompt's log-probabilities (they come from computing it)
