@@ -401,6 +401,37 @@ def split_running(running: Iterable[_Sequence], block_size: int, max_context: in
     return decoding, prefilling, need, committed
 
 
+def new_sequence(seq_id: int, request: GenerationRequest, sink: EventSink, tokenizer: object, eos_ids: frozenset[int],
+                 vocab_size: int) -> _Sequence:
+    """A request's sequence, its stop strings, detokenizer, seed, logit biases and allowed tokens made."""
+    params = request.params
+    seq = _Sequence(seq_id=seq_id, request=request, sink=sink, stop=StopChecker(params.stop, params.include_stop_str),
+                    detokenizer=IncrementalDetokenizer(tokenizer, request.prompt_ids, params.skip_special_tokens),
+                    seed=request_seed(params.seed))
+    seq.early_bias = early_bias(params, eos_ids, seq.bias)
+    seq.reasoning = params.reasoning_end is not None
+    if params.allowed_token_ids:
+        seq.only = pack_allowed(params.allowed_token_ids, vocab_size)
+        if seq.early_bias and only_among(seq.only, (token for token, bias in seq.early_bias if bias < 0)):
+            seq.early_bias = seq.bias  # min_tokens would leave no token to draw: it yields (as to a grammar)
+    return seq
+
+
+def flush_text(seq: _Sequence) -> str:
+    """Text held back (partial character, possible stop-string prefix) when a sequence ends."""
+    text, stopped = seq.stop.push(seq.detokenizer.flush())
+    return text if stopped else text + seq.stop.flush()
+
+
+def usage_details(seq: _Sequence, prefix_caching: bool) -> UsageDetails | None:
+    """A finishing sequence's usage details: the prompt tokens the prefix cache served, its reasoning tokens (None
+    where neither is known: no event field to pickle)."""
+    reasoning = seq.request.params.reasoning_end is not None
+    if not prefix_caching and not reasoning:
+        return None
+    return UsageDetails(seq.cached_tokens or 0, seq.reasoning_tokens if reasoning else None)
+
+
 def publish_known(pool: BlockPool, seq: _Sequence) -> None:
     """Publish a finishing or preempted sequence's full blocks of prompt and output: a later prompt
     that continues it (a chat's next turn, or itself re-admitted) attaches them. Only tokens whose
@@ -616,20 +647,8 @@ class Scheduler:
                 self._finish(aborted, "abort", error=abort)
 
     def _new_sequence(self, request: GenerationRequest, sink: EventSink) -> _Sequence:
-        seq_id = self._next_seq_id
         self._next_seq_id += 1
-        seq = _Sequence(seq_id=seq_id, request=request, sink=sink, stop=StopChecker(request.params.stop,
-                                                                                     request.params.include_stop_str),
-                        detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_ids,
-                                                           request.params.skip_special_tokens),
-                        seed=request_seed(request.params.seed))
-        seq.early_bias = early_bias(request.params, self.eos_ids, seq.bias)
-        seq.reasoning = request.params.reasoning_end is not None
-        if request.params.allowed_token_ids:
-            seq.only = pack_allowed(request.params.allowed_token_ids, self.model.vocab_size)
-            if seq.early_bias and only_among(seq.only, (token for token, bias in seq.early_bias if bias < 0)):
-                seq.early_bias = seq.bias  # min_tokens would leave no token to draw: it yields (as to a grammar)
-        return seq
+        return new_sequence(self._next_seq_id - 1, request, sink, self.tokenizer, self.eos_ids, self.model.vocab_size)
 
     def _split(self) -> tuple[list[_Sequence], list[_Sequence], int, int]:
         return split_running(self._running.values(), self.pool.block_size, self.model.max_context, self._constrained > 0)
@@ -733,7 +752,7 @@ class Scheduler:
             seq.unsent_logprobs.append(logprobs)
         if ((token in self.eos_ids and (not params.ignore_eos or (grammar is not None and grammar.complete)))
                 or token in params.stop_token_ids):  # (a complete grammar ends at EOS, also ignoring EOS)
-            self._finish(seq, "stop", text=self._flush_text(seq))
+            self._finish(seq, "stop", text=flush_text(seq))
             return
         text = seq.detokenizer.push(token)
         stopped = False
@@ -758,11 +777,6 @@ class Scheduler:
                 seq.unsent_text += text
                 seq.unsent_tokens = held
 
-    def _flush_text(self, seq: _Sequence) -> str:
-        """Text held back (partial character, possible stop-string prefix) when a sequence ends."""
-        text, stopped = seq.stop.push(seq.detokenizer.flush())
-        return text if stopped else text + seq.stop.flush()
-
     def _finish(self, seq: _Sequence, reason: str, text: str = "", error: str | None = None) -> None:
         """Send the last event, free the sequence's cache (once no launched step
         writes it any more)."""
@@ -783,11 +797,8 @@ class Scheduler:
                 self._waiting.remove(seq)
         # the finishing token (stop, length), after the tokens held for the next event
         produced = seq.unsent_tokens + (1 if reason in ("stop", "length") and seq.output else 0)
-        params = seq.request.params
-        details = UsageDetails(seq.cached_tokens or 0, seq.reasoning_tokens if params.reasoning_end is not None
-                               else None) if self.config.prefix_caching or params.reasoning_end is not None else None
         fields = (seq.request.request_id, seq.unsent_text + text, produced, reason, seq.prompt_len, len(seq.output),
-                  error, seq.take_logprobs(), details)  # Event's, in order
+                  error, seq.take_logprobs(), usage_details(seq, self.config.prefix_caching))  # Event's, in order
         self._send(seq, Event(*fields))
 
     def _release_if_idle(self, seq: _Sequence) -> None:
