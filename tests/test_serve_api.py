@@ -383,6 +383,41 @@ def test_generation_config_defaults_are_read_as_vllm_reads_them(tmp_path: Path) 
     assert error.value.field == "--generation-config" and "vexpert" in str(error.value)
 
 
+def test_chat_template_is_a_file_or_the_template_and_is_checked_at_start(checkpoint: Path, tmp_path: Path) -> None:
+    """``--chat-template`` (vLLM's): a file's template, or the template given; a name that is no file and holds no
+    template, or a template that does not render, is an input error naming the flag (before any process starts)."""
+    from vexpert_runtime.commands.serve import load_chat_template
+
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+    (tmp_path / "chat.jinja").write_text(template)
+    assert load_chat_template(str(tmp_path / "chat.jinja"), checkpoint) == template
+    assert load_chat_template(template, checkpoint) == template
+    for bad, problem in ((str(tmp_path / "missing.jinja"), "no file"),
+                         ("{% for m in messages %}", "does not render"),
+                         ("{{ raise_exception('no') }}", "does not render")):
+        with pytest.raises(VExpertInputError) as error:
+            load_chat_template(bad, checkpoint)
+        assert error.value.field == "--chat-template" and problem in str(error.value), str(error.value)
+
+
+def test_the_servers_chat_template_renders_every_chat(server: BackgroundServer, client: openai.OpenAI,
+                                                      tokenizer: Any) -> None:
+    """With ``--chat-template`` (``ApiConfig.chat_template``) chats — completions and ``/tokenize`` alike — render with
+    it instead of the model's."""
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+    messages = [{"role": "user", "content": "hello world"}]
+    expected = tokenizer.encode("[user] hello world\n[assistant]", add_special_tokens=False)
+    server.api.config = dataclasses.replace(server.api.config, chat_template=template)
+    try:
+        assert httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["tokens"] == expected
+        chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1,  # type: ignore[arg-type]
+                                              extra_body={"return_token_ids": True})
+        assert chat.model_dump()["prompt_token_ids"] == expected
+    finally:
+        server.api.config = dataclasses.replace(server.api.config, chat_template=None)
+    assert httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["tokens"] != expected
+
+
 def test_n_choices_are_the_requests_of_seeds_seed_plus_i(client: openai.OpenAI) -> None:
     """n choices, each what a request with seed + i gives (vLLM's child requests); usage: the prompt
     once, the completions summed; greedy choices are all the greedy answer."""

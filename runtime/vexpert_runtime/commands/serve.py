@@ -108,6 +108,10 @@ def register(subparsers: Any) -> None:
                              "'deepseek_v3' for DeepSeek-V3 / R1, 'deepseek_v31' for DeepSeek-V3.1, 'kimi_k2' for "
                              "Kimi K2; default: none (such requests must send tool_choice 'none'; 'required' and a "
                              "named function need no parser)")
+    parser.add_argument("--chat-template", default=None,
+                        help="the Jinja chat template to render chats with instead of the checkpoint's (vLLM's flag): "
+                             "a file, or the template itself; e.g. vLLM's tool_chat_template_deepseekv3.jinja, which "
+                             "DeepSeek-V3's tool calls need")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default=None,
                         help="split chat replies into 'reasoning' (between <think> and </think>) and 'content', as "
                              "vLLM's parser of that name: 'deepseek_r1' for DeepSeek-R1, 'deepseek_v3' for "
@@ -242,6 +246,7 @@ class _Served:
     scheduler: SchedulerConfig
     sampling_defaults: SamplingDefaults  # for the fields a request leaves out (--generation-config)
     notes: tuple[str, ...] = ()  # to log at start
+    chat_template: str | None = None  # --chat-template's (checked: it renders a conversation), None: the model's
 
 
 def _resolve_served(args: argparse.Namespace, config: RuntimeConfig) -> _Served:
@@ -264,12 +269,13 @@ def _resolve_served(args: argparse.Namespace, config: RuntimeConfig) -> _Served:
                                 stream_interval=args.stream_interval, prefix_caching=args.prefix_caching)
     scheduler.check(max_context)  # refuse impossible limits before any process starts
     defaults, notes = sampling_defaults(model_dir, args.generation_config)
+    template = None if args.chat_template is None else load_chat_template(args.chat_template, model_dir)
     return _Served(
         model_dir=model_dir, demo=demo, name=args.served_model_name or (DEMO_NAME if demo else model_dir.name),
         model_config=model_config, max_context=max_context,
         gpu_memory_utilization=gpu_memory_utilization,
         kv_cache_dtype=args.kv_cache_dtype or config.runtime.kv_cache_dtype,
-        setup=setup, scheduler=scheduler, sampling_defaults=defaults, notes=tuple(notes),
+        setup=setup, scheduler=scheduler, sampling_defaults=defaults, notes=tuple(notes), chat_template=template,
     )
 
 
@@ -295,7 +301,33 @@ def _api_config(served: _Served, args: argparse.Namespace, api_key: str | None) 
     return ApiConfig(served.name, served.max_context, vocab, args.drain_timeout, api_key=api_key,
                      header_timeout_s=args.header_timeout, sampling_defaults=served.sampling_defaults,
                      tool_call_parser=args.tool_call_parser, tokens_as_ids=args.return_tokens_as_token_ids,
-                     reasoning_parser=args.reasoning_parser), tokenizer
+                     reasoning_parser=args.reasoning_parser, chat_template=served.chat_template), tokenizer
+
+
+def load_chat_template(value: str, model_dir: Path) -> str:
+    """``--chat-template``'s template: the file it names, else — where it holds a brace or a line break, as vLLM
+    tells them — the template itself; checked by rendering a one-message conversation with the checkpoint's
+    tokenizer (an input error naming the flag: a missing file, a template Jinja cannot render)."""
+    from transformers import AutoTokenizer
+
+    from vexpert_runtime.errors import VExpertInputError
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        template = path.read_text(encoding="utf-8")
+    elif any(char in value for char in "{}\n"):
+        template = value
+    else:
+        raise VExpertInputError("--chat-template", f"{value!r} is no file and no template",
+                                "name a Jinja template file, or give the template itself")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True,
+                                      chat_template=template)
+    except Exception as exc:  # Jinja's syntax and undefined-variable errors, a template that raises
+        raise VExpertInputError("--chat-template", f"the template does not render a conversation: {exc}",
+                                "fix the template (a Jinja chat template over `messages`)") from None
+    return template
 
 
 def sampling_defaults(model_dir: Path, mode: str) -> tuple[SamplingDefaults, list[str]]:

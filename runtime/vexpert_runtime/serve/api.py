@@ -137,6 +137,7 @@ class ApiConfig:
     tool_call_parser: str | None = None  # how chat replies' tool calls are read (tool_calls.PARSERS); None: not
     tokens_as_ids: bool = False  # logprobs name tokens by id where a request does not say (vLLM's server flag)
     reasoning_parser: str | None = None  # how chat replies' reasoning is told from their content (reasoning.py)
+    chat_template: str | None = None  # --chat-template: the Jinja template chats render with (None: the model's)
 
     @property
     def body_limit(self) -> int:
@@ -837,7 +838,8 @@ class ServeApi:
                            'hermes for Qwen / Hermes models, deepseek_v3 for DeepSeek-V3): send "none" (the template '
                            "shows the tools, the reply is text) or leave tools out", param="tool_choice")
         chars = sum(len(m.text()) for m in req.messages)
-        encode = partial(self.prompts.chat_ids, add_special_tokens=req.add_special_tokens)
+        encode = partial(self.prompts.chat_ids, add_special_tokens=req.add_special_tokens,
+                         chat_template=self.config.chat_template)
         prompt_ids = _truncated(req, await self.prompts.run(encode, req, chars), self.config.max_context)
         fmt = REASONING_PARSERS.get(self.config.reasoning_parser or "")
         reasoning = None if fmt is None else ReplyReasoning(fmt, fmt.starts_in_reasoning(
@@ -855,7 +857,8 @@ class ServeApi:
             self._check_model(req.model)
         prompts = self.prompts
         if isinstance(req, oa.TokenizeChatRequest):
-            ids = await prompts.run(partial(prompts.chat_ids, add_special_tokens=req.add_special_tokens), req,
+            ids = await prompts.run(partial(prompts.chat_ids, add_special_tokens=req.add_special_tokens,
+                                            chat_template=self.config.chat_template), req,
                                     sum(len(m.text()) for m in req.messages))
         else:
             ids = await prompts.run(partial(prompts.prompt_ids, add_special_tokens=req.add_special_tokens),

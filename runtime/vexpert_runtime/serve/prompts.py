@@ -85,14 +85,16 @@ class PromptEncoder:
         """vLLM's ``bad_words`` as the token sequences they ban (:func:`bad_word_ids`)."""
         return bad_word_ids(words, tokenizer or self.tokenizer)
 
-    def chat_ids(self, inputs: oa.ChatTemplateInputs, tokenizer: Any = None, add_special_tokens: bool = False
-                 ) -> list[int]:
+    def chat_ids(self, inputs: oa.ChatTemplateInputs, tokenizer: Any = None, add_special_tokens: bool = False,
+                 chat_template: str | None = None) -> list[int]:
         """Render the chat template (with the request's tools, documents and template variables), then tokenize
-        (the template already holds the special tokens: ``add_special_tokens`` adds the tokenizer's own too)."""
+        (the template already holds the special tokens: ``add_special_tokens`` adds the tokenizer's own too);
+        ``chat_template``: the server's own (``--chat-template``) instead of the model's."""
         tokenizer = tokenizer or self.tokenizer
         try:
             text = tokenizer.apply_chat_template(
-                [m.as_template_input() for m in inputs.messages], tokenize=False, **inputs.template_arguments()
+                [m.as_template_input() for m in inputs.messages], tokenize=False, chat_template=chat_template,
+                **inputs.template_arguments()
             )
         except Exception as exc:  # templates raise for conversations they reject (e.g. roles out of order)
             log.info("chat template rejected a conversation: %r", exc)
