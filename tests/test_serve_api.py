@@ -102,6 +102,10 @@ def expected_text(tokenizer: Any, generated: list[int]) -> tuple[str, str]:
 
 def test_models_and_health(server: BackgroundServer, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    model = client.models.retrieve(MODEL_NAME)  # GET /v1/models/{model}
+    assert (model.id, model.object, model.model_extra) == (MODEL_NAME, "model", {"max_model_len": MAX_CONTEXT})
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("org/other-model")
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 

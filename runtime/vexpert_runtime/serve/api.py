@@ -761,6 +761,7 @@ class ServeApi:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model:.+}", self._model)  # (a model id may hold slashes: org/name)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/version", self._version)
@@ -880,6 +881,10 @@ class ServeApi:
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(oa.models_response(self.config.model_name, self.created, self.config.max_context))
+
+    async def _model(self, request: web.Request) -> web.Response:
+        self._check_model(request.match_info["model"])
+        return web.json_response(oa.model_object(self.config.model_name, self.created, self.config.max_context))
 
     async def _health(self, request: web.Request) -> web.Response:
         reason = "shutting down" if self.shutting_down else self.dispatcher.ready()

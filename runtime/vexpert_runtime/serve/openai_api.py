@@ -887,9 +887,11 @@ def usage_chunk(obj: str, rid: str, created: int, model: str, counts: Json) -> J
     }
 
 
+def model_object(model: str, created: int, max_context: int) -> Json:
+    """``GET /v1/models/{model}``: the served model (OpenAI's model object, with vLLM's ``max_model_len``)."""
+    return {"id": model, "object": "model", "created": created, "owned_by": "vexpert", "max_model_len": max_context}
+
+
 def models_response(model: str, created: int, max_context: int) -> Json:
     """``GET /v1/models``: the one served model."""
-    return {
-        "object": "list",
-        "data": [{"id": model, "object": "model", "created": created, "owned_by": "vexpert", "max_model_len": max_context}],
-    }
+    return {"object": "list", "data": [model_object(model, created, max_context)]}
