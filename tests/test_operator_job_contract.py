@@ -124,9 +124,13 @@ def test_node_runtime_accepts_the_rendered_config_and_its_metrics_parse(tmp_path
         stop_process(proc, 20)
 
 
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # spec.runtime.chatTemplate: the contents alone
+
+
 def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) -> None:
     """The node pod's own command (`vexpert serve --config … --port … --api-servers 2 --stream-interval 2
-    --prefix-caching --max-model-len 1024 --tool-call-parser hermes --reasoning-parser deepseek_r1`, CPU workers, the embedded demo model) on the operator's
+    --prefix-caching --max-model-len 1024 --tool-call-parser hermes --reasoning-parser deepseek_r1 --chat-template
+    …`, CPU workers, the embedded demo model) on the operator's
     RuntimeConfig: /health turns 200, /v1/models names the context, a completion is served, and /metrics (on either API server) carries the serving series
     the tuning loop reads next to the node's."""
     import json
@@ -142,7 +146,7 @@ def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) 
     s = spec(model={"name": "demo", "architecture": "deepseek_v3", "checkpoint": {"hostPath": "/models"}},
              parallelism={"expertParallelSize": 2, "gpusPerNode": 2}, runtime__apiServers=2, runtime__streamInterval=2,
              runtime__prefixCaching=True, runtime__maxModelLen=1024, runtime__toolCallParser="hermes",
-             runtime__reasoningParser="deepseek_r1")
+             runtime__reasoningParser="deepseek_r1", runtime__chatTemplate=TEMPLATE)
     group = plan_group(PlanInputs(name="d", namespace="ns", spec=s))
     config = group.runtime_config
     config.model.checkpoint_path = ""
@@ -157,7 +161,7 @@ def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) 
     assert container["command"] == ["vexpert", "serve"]
     assert container["args"][4:] == ["--api-servers", "2", "--stream-interval", "2", "--prefix-caching",
                                      "--max-model-len", "1024", "--tool-call-parser", "hermes",
-                                     "--reasoning-parser", "deepseek_r1"]
+                                     "--reasoning-parser", "deepseek_r1", "--chat-template", TEMPLATE]
     port = free_port()
     args = [str(path) if a == "/etc/vexpert/runtime.yaml" else a for a in container["args"]]
     args[args.index("--port") + 1] = str(port)
@@ -182,6 +186,13 @@ def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) 
         request = urllib.request.Request(base + "/v1/completions", data=body, headers={"content-type": "application/json"})
         answer = json.loads(urllib.request.urlopen(request, timeout=60).read())
         assert answer["usage"]["completion_tokens"] >= 1
+        tokens = []  # the chat template of the spec renders a chat as its messages' contents alone
+        for body in ({"messages": [{"role": "user", "content": "Hello there"}]},
+                     {"prompt": "Hello there", "add_special_tokens": False}):
+            request = urllib.request.Request(base + "/tokenize", data=json.dumps(body).encode(),
+                                             headers={"content-type": "application/json"})
+            tokens.append(json.loads(urllib.request.urlopen(request, timeout=10).read())["tokens"])
+        assert tokens[0] == tokens[1] and tokens[0]
         deadline = time.monotonic() + 10  # either server answers; the other's series are ≤ 1 s old there
         while True:
             values = parse_runtime_metrics(urllib.request.urlopen(base + "/metrics", timeout=5).read())

@@ -358,6 +358,12 @@ class RuntimeSpec(CamelModel):
         "DeepSeek-V3.1, 'kimi_k2' for Kimi K2. Unset: requests with tools and tool_choice 'auto' are refused "
         "('required' and a named function need no parser)",
     )
+    chat_template: str | None = Field(
+        None, min_length=1, max_length=65536,
+        description="The Jinja chat template chats render with instead of the checkpoint's (--chat-template, vLLM's "
+        "flag), the template itself: e.g. vLLM's tool_chat_template_deepseekv3.jinja for DeepSeek-V3's tool calls. "
+        "Checked when the node pod starts. Unset: the checkpoint's",
+    )
     reasoning_parser: ReasoningParser | None = Field(
         None,
         description="Split chat replies into their reasoning (between <think> and </think>) and their content "

@@ -268,6 +268,8 @@ def _serve_args(spec: VExpertDeploymentSpec) -> list[str]:
         args += ["--tool-call-parser", spec.runtime.tool_call_parser]
     if spec.runtime.reasoning_parser is not None:
         args += ["--reasoning-parser", spec.runtime.reasoning_parser]
+    if spec.runtime.chat_template is not None:
+        args += ["--chat-template", spec.runtime.chat_template]
     return args
 
 
