@@ -760,11 +760,12 @@ class ServeApi:
         app = web.Application(middlewares=[self._errors], client_max_size=self.config.body_limit)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/v1/models/{model:.+}", self._model)  # (a model id may hold slashes: org/name)
-        app.router.add_post("/tokenize", self._tokenize)
-        app.router.add_post("/detokenize", self._detokenize)
-        app.router.add_get("/version", self._version)
+        info = _InfoRoutes(self)
+        app.router.add_get("/v1/models", info.models)
+        app.router.add_get("/v1/models/{model:.+}", info.model)  # (a model id may hold slashes: org/name)
+        app.router.add_post("/tokenize", info.tokenize)
+        app.router.add_post("/detokenize", info.detokenize)
+        app.router.add_get("/version", info.version)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         return app
@@ -846,45 +847,6 @@ class ServeApi:
         reasoning = None if fmt is None else ReplyReasoning(fmt, fmt.starts_in_reasoning(
             req.chat_template_kwargs, await self.prompts.text(prompt_ids[-8:])), req.include_reasoning)
         return await self._generate(request, req, [prompt_ids], chat=True, reasoning=reasoning)
-
-
-    async def _tokenize(self, request: web.Request) -> web.Response:
-        """vLLM's ``POST /tokenize``: a ``prompt`` or ``messages`` as the generation endpoints tokenize them."""
-        body = await self._json(request)
-        req: oa.TokenizeChatRequest | oa.TokenizeCompletionRequest = (
-            self._parse(oa.TokenizeChatRequest, body) if "messages" in body
-            else self._parse(oa.TokenizeCompletionRequest, body))
-        if req.model is not None:
-            self._check_model(req.model)
-        prompts = self.prompts
-        if isinstance(req, oa.TokenizeChatRequest):
-            ids = await prompts.run(partial(prompts.chat_ids, add_special_tokens=req.add_special_tokens,
-                                            chat_template=self.config.chat_template), req,
-                                    sum(len(m.text()) for m in req.messages))
-        else:
-            ids = await prompts.run(partial(prompts.prompt_ids, add_special_tokens=req.add_special_tokens),
-                                    req.prompt, len(req.prompt))
-        strs = await prompts.off_loop(prompts.tokenizer.convert_ids_to_tokens, ids) if req.return_token_strs else None
-        return web.json_response(oa.tokenize_response(ids, self.config.max_context, strs))
-
-    async def _detokenize(self, request: web.Request) -> web.Response:
-        """vLLM's ``POST /detokenize``: ``tokens`` (ids of the vocabulary, else a 400 naming them) as text."""
-        req = self._parse(oa.DetokenizeRequest, await self._json(request))
-        if req.model is not None:
-            self._check_model(req.model)
-        if any(not 0 <= token < self.config.vocab_size for token in req.tokens):
-            raise ApiError(400, f"tokens: token ids must be in [0, {self.config.vocab_size})", param="tokens")
-        return web.json_response({"prompt": await self.prompts.text(req.tokens)})
-
-    async def _version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": __version__})
-
-    async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response(oa.models_response(self.config.model_name, self.created, self.config.max_context))
-
-    async def _model(self, request: web.Request) -> web.Response:
-        self._check_model(request.match_info["model"])
-        return web.json_response(oa.model_object(self.config.model_name, self.created, self.config.max_context))
 
     async def _health(self, request: web.Request) -> web.Response:
         reason = "shutting down" if self.shutting_down else self.dispatcher.ready()
@@ -1123,6 +1085,52 @@ class ServeApi:
                     continue  # the choices' events end here: read to their end (see _collect)
             if parts:
                 yield b"".join(parts)
+
+
+class _InfoRoutes:
+    """The routes that answer about the served model and its tokenizer: ``/v1/models`` (and one model), vLLM's
+    ``/tokenize``, ``/detokenize`` and ``/version`` — over a :class:`ServeApi`'s config, body reading and prompts."""
+
+    def __init__(self, api: ServeApi) -> None:
+        self.api = api
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /tokenize``: a ``prompt`` or ``messages`` as the generation endpoints tokenize them."""
+        body = await self.api._json(request)
+        req: oa.TokenizeChatRequest | oa.TokenizeCompletionRequest = (
+            self.api._parse(oa.TokenizeChatRequest, body) if "messages" in body
+            else self.api._parse(oa.TokenizeCompletionRequest, body))
+        if req.model is not None:
+            self.api._check_model(req.model)
+        prompts = self.api.prompts
+        if isinstance(req, oa.TokenizeChatRequest):
+            ids = await prompts.run(partial(prompts.chat_ids, add_special_tokens=req.add_special_tokens,
+                                            chat_template=self.api.config.chat_template), req,
+                                    sum(len(m.text()) for m in req.messages))
+        else:
+            ids = await prompts.run(partial(prompts.prompt_ids, add_special_tokens=req.add_special_tokens),
+                                    req.prompt, len(req.prompt))
+        strs = await prompts.off_loop(prompts.tokenizer.convert_ids_to_tokens, ids) if req.return_token_strs else None
+        return web.json_response(oa.tokenize_response(ids, self.api.config.max_context, strs))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /detokenize``: ``tokens`` (ids of the vocabulary, else a 400 naming them) as text."""
+        req = self.api._parse(oa.DetokenizeRequest, await self.api._json(request))
+        if req.model is not None:
+            self.api._check_model(req.model)
+        if any(not 0 <= token < self.api.config.vocab_size for token in req.tokens):
+            raise ApiError(400, f"tokens: token ids must be in [0, {self.api.config.vocab_size})", param="tokens")
+        return web.json_response({"prompt": await self.api.prompts.text(req.tokens)})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": __version__})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(oa.models_response(self.api.config.model_name, self.api.created, self.api.config.max_context))
+
+    async def model(self, request: web.Request) -> web.Response:
+        self.api._check_model(request.match_info["model"])
+        return web.json_response(oa.model_object(self.api.config.model_name, self.api.created, self.api.config.max_context))
 
 
 class ApiServer:
