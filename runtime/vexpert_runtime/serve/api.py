@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (aiohttp), one port.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream as SSE with
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, OpenAI's ``POST /v1/responses`` (stateless:
+:mod:`.responses_api`) (all stream as SSE with
 ``"stream": true``: ``data: {chunk}\\n\\n`` … ``data: [DONE]\\n\\n``), ``GET /v1/models``,
 ``GET /health`` (200 ready / 503 not: starting, shutting down, rank loop dead), ``GET /metrics``, and vLLM's
 ``POST /tokenize`` (a ``prompt`` or ``messages``: the ids the generation endpoints would run), ``POST /detokenize``
@@ -50,6 +51,7 @@ import re
 import signal
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -74,6 +76,7 @@ from vexpert_runtime import __version__
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.gc_heap import GcClock, freeze_heap
 from vexpert_runtime.serve import openai_api as oa
+from vexpert_runtime.serve import responses_api as ra
 from vexpert_runtime.serve.api_errors import ApiError, refusal_error
 from vexpert_runtime.serve.dispatcher import Dispatcher
 from vexpert_runtime.serve.events import (
@@ -117,7 +120,7 @@ _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _Body = TypeVar("_Body", bound=BaseModel)
 _Result = TypeVar("_Result")
-GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 # vLLM's, outside /v1 and open there; here behind the API key like /v1 (each runs the tokenizer for anyone who asks)
 _TOKENIZER_ENDPOINTS = ("/tokenize", "/detokenize")
 
@@ -488,6 +491,53 @@ class _UsageCounts:
         return oa.usage(job.prompt_tokens, self.completion_tokens, self.cached_tokens, reasoning)
 
 
+def _renamed(error: ApiError, names: dict[str, str]) -> ApiError:
+    """``error`` with the field it names (its first part) renamed by ``names`` — in its message too."""
+    param = str(error.body["error"].get("param") or "")
+    head, dot, rest = param.partition(".")
+    if head not in names:
+        return error
+    renamed = ApiError(error.status, str(error).replace(head, names[head], 1), error.body["error"].get("type"),
+                       names[head] + dot + rest, error.body["error"].get("code"), error.headers)
+    return renamed
+
+
+async def _response_writes(job: _Job) -> AsyncIterator[bytes]:
+    """A streamed Responses API answer (:class:`~.responses_api.ResponseEvents`): its reasoning and content deltas as
+    they come, the function calls and ``response.completed`` at the end; an error ends it with ``response.failed``."""
+    assert job.responses is not None
+    events = ra.ResponseEvents(job.request_id, job.created, job.responses)
+    yield events.start()
+    thoughts = None if job.reasoning is None else ReasoningStream(job.reasoning.fmt, job.reasoning.in_reasoning)
+    tools = ToolCallStream(job.tools) if job.tools is not None else None
+    counts = _UsageCounts()
+    async for index, batch in job.events:
+        last = batch[-1]
+        text, thought = "".join([event.text for event in batch]), ""
+        calls: list[ToolCall] = []
+        if thoughts is not None:
+            thought, text = _reasoning_push(thoughts, text, last.finished)
+        if tools is not None:  # content until a call starts; the calls at the end
+            text = tools.push(text)
+            if last.finished:
+                tail, calls = tools.finish()
+                calls = calls[:1] if job.one_call else calls
+                text += tail
+        out = (events.reasoning(thought) if job.reasoning is not None and job.reasoning.shown else b"") + \
+            events.content(text)
+        if last.finished:
+            error = _failed(last)
+            if error is not None:
+                yield out + events.failed(str(error))
+                return
+            counts.add(job, index, last)
+            yield out + events.finish([call.as_json() for call in calls], last.finish_reason,
+                                      ra.usage_object(counts.usage(job)))
+            continue  # (read to the end: see _collect)
+        if out:
+            yield out
+
+
 def _with_reasoning(job: _Job, choice: oa.Choice) -> oa.Choice:
     """A finished chat choice's reply split into its reasoning and its content (a server with a reasoning parser)."""
     if job.reasoning is None or choice.text is None:
@@ -668,6 +718,7 @@ class _Job:
     reasoning: ReplyReasoning | None = None  # chat replies split into reasoning and content (--reasoning-parser)
     choices_per_prompt: int = 1  # n: choice c is of prompt c // n
     generated: list[int] | None = None  # vLLM's continuous_usage_stats: each choice's tokens so far (else None)
+    responses: ra.ResponsesRequest | None = None  # the Responses API request it answers (else chat or completions)
 
     @property
     def done(self) -> bool:
@@ -760,6 +811,7 @@ class ServeApi:
         app = web.Application(middlewares=[self._errors], client_max_size=self.config.body_limit)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_post("/v1/responses", self._responses)
         info = _InfoRoutes(self)
         app.router.add_get("/v1/models", info.models)
         app.router.add_get("/v1/models/{model:.+}", info.model)  # (a model id may hold slashes: org/name)
@@ -835,6 +887,24 @@ class ServeApi:
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = self._parse(oa.ChatCompletionRequest, await self._json(request))
         self._check_model(req.model)
+        return await self._chat(request, req)
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's ``POST /v1/responses``: the chat completion it amounts to, answered as a response
+        (:mod:`.responses_api`)."""
+        resp = self._parse(ra.ResponsesRequest, await self._json(request))
+        self._check_model(resp.model)
+        try:
+            body = ra.chat_body(resp)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=str(exc).split(":")[0]) from None
+        try:
+            return await self._chat(request, self._parse(oa.ChatCompletionRequest, body), resp)
+        except ApiError as exc:  # a chat field's error, named as the Responses API names the field
+            raise _renamed(exc, ra.FIELD_NAMES) from None
+
+    async def _chat(self, request: web.Request, req: oa.ChatCompletionRequest,
+                    responses: ra.ResponsesRequest | None = None) -> web.StreamResponse:
         if req.calls_tools and req.forced_tool_choice is None and self.config.tool_call_parser is None:
             raise ApiError(400, 'tool_choice: this server reads no tool calls (start it with --tool-call-parser '
                            'hermes for Qwen / Hermes models, deepseek_v3 for DeepSeek-V3): send "none" (the template '
@@ -846,7 +916,7 @@ class ServeApi:
         fmt = REASONING_PARSERS.get(self.config.reasoning_parser or "")
         reasoning = None if fmt is None else ReplyReasoning(fmt, fmt.starts_in_reasoning(
             req.chat_template_kwargs, await self.prompts.text(prompt_ids[-8:])), req.include_reasoning)
-        return await self._generate(request, req, [prompt_ids], chat=True, reasoning=reasoning)
+        return await self._generate(request, req, [prompt_ids], chat=True, reasoning=reasoning, responses=responses)
 
     async def _health(self, request: web.Request) -> web.Response:
         reason = "shutting down" if self.shutting_down else self.dispatcher.ready()
@@ -914,16 +984,18 @@ class ServeApi:
         chat: bool,
         echo: list[tuple[str, int]] | None = None,
         reasoning: ReplyReasoning | None = None,
+        responses: ra.ResponsesRequest | None = None,
     ) -> web.StreamResponse:
         """Submit the request's choices (``n`` per prompt) to the dispatcher — all of them or none (a
         refusal of one cancels those queued before it) — and answer as one JSON body or an SSE stream
         (``echo``: each choice's prompt text and first token, to lead its text and log-probabilities; ``reasoning``:
-        how a chat reply's reasoning is told from its content)."""
+        how a chat reply's reasoning is told from its content; ``responses``: the Responses API request it answers)."""
         bad = await self.prompts.run(self.prompts.bad_words, req.bad_words, sum(map(len, req.bad_words))) \
             if req.bad_words else ()
         after = self.prompts.single_token(reasoning.fmt.end) if reasoning is not None and reasoning.in_reasoning else None
         params = [sampling_params(req, len(prompt_ids), chat, self.config, bad, after) for prompt_ids in prompts]
-        request_id = oa.new_request_id("chatcmpl" if chat else "cmpl")
+        request_id = f"resp_{uuid.uuid4().hex}" if responses is not None else oa.new_request_id(
+            "chatcmpl" if chat else "cmpl")
         requests = choice_requests(request_id, [(tuple(ids), p) for ids, p in zip(prompts, params, strict=True)],
                                    req.choices)
         if self.shutting_down:
@@ -957,7 +1029,7 @@ class ServeApi:
                    req.prompt_logprobs is not None,
                    [list(ids) for ids in prompts for _ in range(req.choices)] if req.return_token_ids else None,
                    self.config.tokens_as_ids if req.return_tokens_as_token_ids is None else req.return_tokens_as_token_ids,
-                   reasoning, req.choices, [0] * len(requests) if req.continuous_usage else None)
+                   reasoning, req.choices, [0] * len(requests) if req.continuous_usage else None, responses)
         try:
             return await (self._stream(request, job) if job.stream else self._collect(job))
         finally:
@@ -1002,6 +1074,11 @@ class ServeApi:
             else None, token_ids[i] if job.prompt_ids is not None else None,
             job.prompt_ids[i] if job.prompt_ids is not None else None)))
             for i, parts in enumerate(texts)]
+        if job.responses is not None:
+            (choice,) = choices
+            output = ra.output_items(choice.reasoning, choice.text, choice.tool_calls or [])
+            return web.json_response(ra.response_object(job.request_id, job.created, job.responses, output,
+                                                        choice.finish_reason, ra.usage_object(counts.usage(job))))
         build = oa.chat_response if job.chat else oa.completion_response
         return web.json_response(build(job.request_id, job.created, job.model, choices, counts.usage(job)))
 
@@ -1015,7 +1092,7 @@ class ServeApi:
         )
         await response.prepare(request)
         try:
-            async for data in self._sse_writes(job):
+            async for data in (_response_writes(job) if job.responses is not None else self._sse_writes(job)):
                 await response.write(data)
             await response.write_eof()
         except ConnectionError:  # the client went away mid-stream; _generate cancels the request

@@ -121,19 +121,19 @@ _REFUSED_CHAT = {
 }
 
 
-def _refuse_unsupported(body: Any, refused: dict[str, tuple[tuple[Any, ...], str]]) -> Any:
+def refuse_unsupported(body: Any, refused: dict[str, tuple[tuple[Any, ...], str]]) -> Any:
     """Raise for the first field of ``refused`` in ``body`` whose value asks for something (null and the
     listed neutral values ask for nothing)."""
     if isinstance(body, dict):
         for name, (neutral, why) in refused.items():
             value = body.get(name)
             if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
-                raise _FieldRefused(name, why)
+                raise FieldRefused(name, why)
     return body
 
 
-class _FieldRefused(ValueError):
-    """A field this server cannot honour (:func:`_refuse_unsupported`); ``field`` names it."""
+class FieldRefused(ValueError):
+    """A field this server cannot honour (:func:`refuse_unsupported`); ``field`` names it."""
 
     def __init__(self, field: str, why: str) -> None:
         super().__init__(f"{field}: {why}")
@@ -227,7 +227,7 @@ class _GenerationRequest(BaseModel):
     def _compile_grammar(self, info: ValidationInfo) -> Any:
         """The grammar compiled (the validation context's ``special_tokens``: the tokenizer's, for structural tags)."""
         if self.prompt_logprobs and self.stream:
-            raise _FieldRefused("prompt_logprobs", "not available when streaming (as vLLM): send stream false, or leave "
+            raise FieldRefused("prompt_logprobs", "not available when streaming (as vLLM): send stream false, or leave "
                                 "prompt_logprobs out")
         request = self.grammar_request()
         if request is not None and request.kind == "structural_tag" and isinstance(info.context, dict):
@@ -236,7 +236,7 @@ class _GenerationRequest(BaseModel):
             try:
                 self._grammar = compile_grammar(request)
             except VExpertInputError as exc:
-                raise _FieldRefused(exc.field, f"{exc.problem} ({exc.fix})") from None
+                raise FieldRefused(exc.field, f"{exc.problem} ({exc.fix})") from None
         return self
 
     def truncated(self, prompt_ids: list[int], context: int) -> list[int]:
@@ -247,7 +247,7 @@ class _GenerationRequest(BaseModel):
         if keep is None:
             return prompt_ids
         if keep > context:
-            raise _FieldRefused("truncate_prompt_tokens", f"{keep} is more than the context ({context} tokens): send "
+            raise FieldRefused("truncate_prompt_tokens", f"{keep} is more than the context ({context} tokens): send "
                                 f"at most {context}, or -1 for the context less one token")
         keep = context - 1 if keep < 0 else keep
         if len(prompt_ids) <= keep:
@@ -259,7 +259,7 @@ class _GenerationRequest(BaseModel):
         fmt, outputs = self.response_format, self.structured_outputs
         if fmt is not None and fmt.type != "text":
             if outputs is not None:
-                raise _FieldRefused("response_format", "send either response_format or structured_outputs, not both")
+                raise FieldRefused("response_format", "send either response_format or structured_outputs, not both")
             if fmt.type == "json_object":
                 return GrammarRequest("json_object", None, "response_format")
             if fmt.type == "structural_tag":
@@ -267,14 +267,14 @@ class _GenerationRequest(BaseModel):
                 return GrammarRequest("structural_tag", tag if fmt.format is None else {**tag, "format": fmt.format},
                                       "response_format")
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-                raise _FieldRefused("response_format.json_schema.schema", 'type "json_schema" needs the schema: '
+                raise FieldRefused("response_format.json_schema.schema", 'type "json_schema" needs the schema: '
                                     '{"type": "json_schema", "json_schema": {"name": …, "schema": {…}}}')
             return GrammarRequest("json", fmt.json_schema.schema_, "response_format.json_schema.schema")
         if outputs is None:
             return None
         given = outputs.constraints()
         if len(given) != 1:
-            raise _FieldRefused("structured_outputs", "give exactly one of json, regex, choice, grammar, json_object, "
+            raise FieldRefused("structured_outputs", "give exactly one of json, regex, choice, grammar, json_object, "
                                 "structural_tag: "
                                 f"got {', '.join(given) or 'none'}")
         (kind, spec), = given.items()
@@ -384,7 +384,7 @@ class CompletionRequest(_GenerationRequest):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, body: Any) -> Any:
-        return _refuse_unsupported(body, _REFUSED_COMPLETION)
+        return refuse_unsupported(body, _REFUSED_COMPLETION)
 
     @field_validator("prompt")
     @classmethod
@@ -396,7 +396,7 @@ class CompletionRequest(_GenerationRequest):
     @model_validator(mode="after")
     def _sequences(self) -> CompletionRequest:
         if len(self.prompts()) * self.choices > MAX_CHOICES:
-            raise _FieldRefused("prompt", f"a request runs at most {MAX_CHOICES} sequences (prompts × n): got "
+            raise FieldRefused("prompt", f"a request runs at most {MAX_CHOICES} sequences (prompts × n): got "
                                 f"{len(self.prompts())} × {self.choices}; send the batch in several requests")
         return self
 
@@ -511,13 +511,13 @@ class ChatTemplateInputs(BaseModel):
     @model_validator(mode="after")
     def _template_flags(self) -> Any:
         if self.add_generation_prompt and self.continue_final_message:
-            raise _FieldRefused("continue_final_message", "continuing the final message leaves no room for a new "
+            raise FieldRefused("continue_final_message", "continuing the final message leaves no room for a new "
                                 "turn: send add_generation_prompt false with it")
         if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise _FieldRefused("continue_final_message", "the last message must be the assistant's to continue it")
+            raise FieldRefused("continue_final_message", "the last message must be the assistant's to continue it")
         reserved = sorted(_TEMPLATE_ARGUMENTS.intersection(self.chat_template_kwargs or ()))
         if reserved:
-            raise _FieldRefused("chat_template_kwargs", f"{', '.join(reserved)} cannot be set here"
+            raise FieldRefused("chat_template_kwargs", f"{', '.join(reserved)} cannot be set here"
                                 " (tools, documents and the prompt flags have fields of their own)")
         return self
 
@@ -535,7 +535,7 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateInputs):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, body: Any) -> Any:
-        return _refuse_unsupported(body, _REFUSED_CHAT)
+        return refuse_unsupported(body, _REFUSED_CHAT)
 
     @property
     def forced_tool_choice(self) -> ForcedToolChoice | None:
@@ -545,16 +545,16 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateInputs):
         if choice in (None, "none", "auto"):
             return None
         if not self.tools:
-            raise _FieldRefused("tool_choice", "a forced tool call needs tools: send tools, or leave tool_choice out")
+            raise FieldRefused("tool_choice", "a forced tool call needs tools: send tools, or leave tool_choice out")
         if choice == "required":
             return ForcedToolChoice(None, self.parallel_tool_calls is not False)
         assert isinstance(choice, dict)
         function = choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
         if choice.get("type") != "function" or not isinstance(name, str):
-            raise _FieldRefused("tool_choice", 'a named tool choice is {"type": "function", "function": {"name": …}}')
+            raise FieldRefused("tool_choice", 'a named tool choice is {"type": "function", "function": {"name": …}}')
         if name not in {tool.function.name for tool in self.tools}:
-            raise _FieldRefused("tool_choice.function.name", f"{name!r} is not one of the request's tools")
+            raise FieldRefused("tool_choice.function.name", f"{name!r} is not one of the request's tools")
         return ForcedToolChoice(name)
 
     def grammar_request(self) -> GrammarRequest | None:
@@ -563,7 +563,7 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateInputs):
         if forced is None:
             return super().grammar_request()
         if (self.response_format is not None and self.response_format.type != "text") or self.structured_outputs:
-            raise _FieldRefused("tool_choice", "a forced tool call constrains the reply itself: leave response_format "
+            raise FieldRefused("tool_choice", "a forced tool call constrains the reply itself: leave response_format "
                                 "and structured_outputs out, or send tool_choice \"auto\"")
         assert self.tools is not None
         return GrammarRequest("json", forced.schema([tool.model_dump(exclude_none=True) for tool in self.tools]),
@@ -572,7 +572,7 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateInputs):
     @model_validator(mode="after")
     def _top_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise _FieldRefused("top_logprobs", "needs logprobs: true (send both, or leave top_logprobs out)")
+            raise FieldRefused("top_logprobs", "needs logprobs: true (send both, or leave top_logprobs out)")
         return self
 
     @property
@@ -680,7 +680,7 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
     """(message, param) of a pydantic error: the first problem, naming its field as OpenAI does."""
     first = exc.errors()[0]
     refused = (first.get("ctx") or {}).get("error")
-    if isinstance(refused, _FieldRefused):  # a model validator's: its location is the body, not the field
+    if isinstance(refused, FieldRefused):  # a model validator's: its location is the body, not the field
         return str(refused), refused.field
     loc = [str(part) for part in first.get("loc", ())]
     # union members show up in the location ("str", "list[int]"): keep only the request's own path

@@ -1,0 +1,339 @@
+"""OpenAI's Responses API (``POST /v1/responses``), stateless: a request becomes the chat completion it amounts to
+(:func:`chat_body`: ``instructions`` a system message, ``input`` the conversation — its messages, function calls and
+their outputs —, function ``tools``, ``text.format`` the response format, ``reasoning.effort`` the template's
+``reasoning_effort``, ``max_output_tokens``), runs through the chat path, and its reply comes back as a response
+object (:func:`response_object`): a reasoning item (with a reasoning parser), a message, function calls; streamed, as
+the ``response.*`` events OpenAI's SDK reads (:class:`ResponseEvents`).
+
+Nothing is stored: ``previous_response_id``, ``conversation`` and ``background`` are refused (a 400 naming the field —
+send the whole conversation as ``input``), and no ``GET /v1/responses/{id}`` is served; ``store`` is accepted and
+changes nothing. Tools other than functions, input images or files, ``top_logprobs`` and prompt templates are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
+
+from vexpert_runtime.serve.openai_api import refuse_unsupported
+
+Json = dict[str, Any]
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class FunctionTool(BaseModel):
+    """A function tool, as the Responses API flattens it (``name`` beside ``type``, not under ``function``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class TextFormat(BaseModel):
+    """``text.format``: ``text``, ``json_object``, or ``json_schema`` (``name``, ``schema``, ``strict`` beside ``type``)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses`` (the fields served; others that would change the answer are refused by name)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr
+    input: StrictStr | list[dict[str, Any]]
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat | StrictInt | None = Field(default=None, ge=0, le=2)
+    top_p: StrictFloat | StrictInt | None = Field(default=None, gt=0, le=1)
+    tools: list[FunctionTool] = Field(default_factory=list)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] = "auto"
+    parallel_tool_calls: StrictBool = True
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    stream: StrictBool = False
+    store: StrictBool = True  # accepted, changes nothing: nothing is stored
+    metadata: dict[str, StrictStr] | None = None
+    user: StrictStr | None = None
+    include: list[StrictStr] | None = None  # accepted: nothing more to include (reasoning comes as text)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, body: Any) -> Any:
+        return refuse_unsupported(body, _REFUSED)
+
+
+_STATELESS = "nothing is stored here: send the whole conversation as input"
+_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {  # the values that ask for nothing, what to send instead
+    "previous_response_id": ((), _STATELESS),
+    "conversation": ((), _STATELESS),
+    "background": ((False,), "send false (a response is answered while its request is open)"),
+    "prompt": ((), "prompt templates are not stored here: send instructions and input"),
+    "top_logprobs": ((0,), "not served on /v1/responses: send 0 (or ask /v1/chat/completions for top_logprobs)"),
+    "max_tool_calls": ((), "leave it out"),
+    "truncation": (("disabled",), 'send "disabled": a conversation over the context is refused, not cut'),
+}
+
+
+# a chat request's fields as the Responses API names them (in the errors of the chat request a response amounts to)
+FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+               "reasoning_effort": "reasoning.effort"}
+
+
+def chat_body(req: ResponsesRequest) -> Json:
+    """The chat completion request ``req`` amounts to (validated as one by the caller)."""
+    messages: list[Json] = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+    messages += _messages(req.input)
+    body: Json = {"model": req.model, "messages": messages, "stream": req.stream,
+                  "parallel_tool_calls": req.parallel_tool_calls}
+    for name, value in (("max_completion_tokens", req.max_output_tokens), ("temperature", req.temperature),
+                        ("top_p", req.top_p)):
+        if value is not None:
+            body[name] = value
+    if req.tools:
+        body["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+                         for tool in req.tools]
+        choice = req.tool_choice
+        body["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}} \
+            if isinstance(choice, dict) else choice
+    elif req.tool_choice not in ("auto", "none"):
+        body["tool_choice"] = req.tool_choice if isinstance(req.tool_choice, str) else "required"  # (refused: no tools)
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type != "text":
+        body["response_format"] = {"type": "json_object"} if fmt.type == "json_object" else {
+            "type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_,
+                                                   "strict": fmt.strict}}
+    if req.reasoning is not None and req.reasoning.effort is not None:
+        body["reasoning_effort"] = req.reasoning.effort
+    return body
+
+
+def _messages(given: str | list[Json]) -> list[Json]:
+    """``input`` as chat messages: a text is the user's message; items — messages (their text parts joined), function
+    calls (``tool_calls`` of the assistant turn before them: a reply's message and calls are one turn) and their
+    outputs (``tool`` turns);
+    reasoning items are left out (as chat templates drop earlier reasoning). Raises ``ValueError`` naming the item."""
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}]
+    messages: list[Json] = []
+    for i, item in enumerate(given):
+        kind = item.get("type", "message")
+        if kind == "message":
+            role, content = item.get("role"), item.get("content")
+            if isinstance(content, list):
+                if any(not isinstance(p, dict) or p.get("type") not in _TEXT_PARTS for p in content):
+                    raise ValueError(f"input.{i}.content: only text parts are served (input_text, output_text)")
+                content = "".join(str(p.get("text") or "") for p in content)
+            if role not in ("system", "developer", "user", "assistant") or not isinstance(content, str):
+                raise ValueError(f"input.{i}: a message needs a role (system, developer, user, assistant) and text")
+            messages.append({"role": role, "content": content})
+        elif kind == "function_call":
+            call = {"id": str(item.get("call_id") or item.get("id") or ""), "type": "function",
+                    "function": {"name": str(item.get("name") or ""), "arguments": str(item.get("arguments") or "")}}
+            if messages and messages[-1]["role"] == "assistant":  # the turn of the message (or calls) before it
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": str(item.get("call_id") or ""),
+                             "content": output if isinstance(output, str) else json.dumps(output)})
+        elif kind != "reasoning":
+            raise ValueError(f"input.{i}: items of type {kind!r} are not served (messages, function_call, "
+                             "function_call_output, reasoning)")
+    return messages
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def output_items(reasoning: str | None, content: str | None, calls: Sequence[Json], message_id: str = "",
+                 reasoning_id: str = "") -> list[Json]:
+    """A finished reply's output items: its reasoning (a reasoning parser's), its message (where it has text, or no
+    call), its function calls (``calls``: chat ``tool_calls`` objects)."""
+    items: list[Json] = []
+    if reasoning is not None:
+        items.append(reasoning_item(reasoning_id or _item_id("rs"), reasoning))
+    if content or not calls:
+        items.append(message_item(message_id or _item_id("msg"), content or ""))
+    items += [function_call_item(call) for call in calls]
+    return items
+
+
+def reasoning_item(item_id: str, text: str | None, status: str = "completed") -> Json:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [] if text is None else [{"type": "reasoning_text", "text": text}]}
+
+
+def message_item(item_id: str, text: str | None, status: str = "completed") -> Json:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [] if text is None else [output_text(text)]}
+
+
+def output_text(text: str) -> Json:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def function_call_item(call: Json) -> Json:
+    """A chat ``tool_calls`` entry as a Responses ``function_call`` item (its call id the chat call's id)."""
+    return {"type": "function_call", "id": _item_id("fc"), "call_id": call["id"], "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"], "status": "completed"}
+
+
+def usage_object(chat_usage: Json) -> Json:
+    """A chat ``usage`` as the Responses API counts: input and output tokens, cached and reasoning ones (0: none)."""
+    return {"input_tokens": chat_usage["prompt_tokens"], "output_tokens": chat_usage["completion_tokens"],
+            "total_tokens": chat_usage["total_tokens"],
+            "input_tokens_details": {"cached_tokens": (chat_usage.get("prompt_tokens_details") or {}).get(
+                "cached_tokens", 0)},
+            "output_tokens_details": {"reasoning_tokens": (chat_usage.get("completion_tokens_details") or {}).get(
+                "reasoning_tokens", 0)}}
+
+
+def response_object(response_id: str, created: int, req: ResponsesRequest, output: list[Json], finish_reason: str | None,
+                    usage: Json | None, status: str | None = None) -> Json:
+    """The response object: ``status`` completed, or incomplete (``max_output_tokens``) where the reply hit its limit;
+    ``in_progress`` while streaming (``status`` given)."""
+    if status is None:
+        status = "incomplete" if finish_reason == "length" else "completed"
+    return {
+        "id": response_id, "object": "response", "created_at": created, "status": status,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None, "error": None,
+        "model": req.model, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+        "metadata": req.metadata or {}, "output": output, "parallel_tool_calls": req.parallel_tool_calls,
+        "temperature": req.temperature, "top_p": req.top_p, "tool_choice": req.tool_choice,
+        "tools": [tool.model_dump(exclude_none=True) for tool in req.tools],
+        "text": {"format": (req.text.format.model_dump(by_alias=True, exclude_none=True)
+                            if req.text is not None and req.text.format is not None else {"type": "text"})},
+        "reasoning": {"effort": req.reasoning.effort if req.reasoning is not None else None, "summary": None},
+        "store": False, "truncation": "disabled", "user": req.user, "usage": usage,
+    }
+
+
+class ResponseEvents:
+    """A streamed response's events (``response.*``, numbered): created, the reasoning item's and the message's
+    deltas as they come, the function calls at the end, completed. Each method returns the events' SSE bytes."""
+
+    def __init__(self, response_id: str, created: int, req: ResponsesRequest) -> None:
+        self.response_id, self.created, self.req = response_id, created, req
+        self._sequence = 0
+        self._output: list[Json] = []  # the items done
+        self._open: tuple[str, str] | None = None  # (kind, id) of the item streaming now
+        self._text = ""
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
+
+    def start(self) -> bytes:
+        response = response_object(self.response_id, self.created, self.req, [], None, None, "in_progress")
+        return self._event("response.created", response=response) + self._event("response.in_progress",
+                                                                                 response=response)
+
+    def reasoning(self, delta: str) -> bytes:
+        return self._delta("reasoning", delta)
+
+    def content(self, delta: str) -> bytes:
+        return self._delta("message", delta)
+
+    def _delta(self, kind: str, delta: str) -> bytes:
+        if not delta:
+            return b""
+        out = self._opened(kind)
+        self._text += delta
+        assert self._open is not None
+        item_id, index = self._open[1], len(self._output)
+        kind_event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra: Json = {} if kind == "reasoning" else {"logprobs": []}
+        return out + self._event(kind_event, item_id=item_id, output_index=index, content_index=0, delta=delta, **extra)
+
+    def _opened(self, kind: str) -> bytes:
+        """Make ``kind`` (reasoning, message) the item streaming now: the one before it done, this one added."""
+        if self._open is not None and self._open[0] == kind:
+            return b""
+        out = self._close()
+        item_id = _item_id("rs" if kind == "reasoning" else "msg")
+        self._open, self._text = (kind, item_id), ""
+        index = len(self._output)
+        if kind == "reasoning":
+            return out + self._event("response.output_item.added", output_index=index,
+                                     item=reasoning_item(item_id, None, "in_progress"))
+        out += self._event("response.output_item.added", output_index=index,
+                           item=message_item(item_id, None, "in_progress"))
+        return out + self._event("response.content_part.added", item_id=item_id, output_index=index, content_index=0,
+                                 part=output_text(""))
+
+    def _close(self) -> bytes:
+        """End the item streaming now (its done events)."""
+        if self._open is None:
+            return b""
+        (kind, item_id), index, text = self._open, len(self._output), self._text
+        self._open = None
+        if kind == "reasoning":
+            item = reasoning_item(item_id, text)
+            out = self._event("response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0,
+                              text=text)
+        else:
+            item = message_item(item_id, text)
+            out = self._event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
+                              text=text, logprobs=[])
+            out += self._event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
+                               part=output_text(text))
+        self._output.append(item)
+        return out + self._event("response.output_item.done", output_index=index, item=item)
+
+    def finish(self, calls: Sequence[Json], finish_reason: str | None, usage: Json) -> bytes:
+        """The calls (each added, its arguments, done), then ``response.completed`` (or ``.incomplete``)."""
+        out = self._close()
+        for call in calls:
+            item, index = function_call_item(call), len(self._output)
+            out += self._event("response.output_item.added", output_index=index, item={**item, "arguments": "",
+                                                                                        "status": "in_progress"})
+            out += self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                               delta=item["arguments"])
+            out += self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                               arguments=item["arguments"])
+            self._output.append(item)
+            out += self._event("response.output_item.done", output_index=index, item=item)
+        if not self._output:  # an empty reply is still a message
+            out += self._opened("message") + self._close()
+        response = response_object(self.response_id, self.created, self.req, self._output, finish_reason, usage)
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return out + self._event(kind, response=response)
+
+    def failed(self, message: str) -> bytes:
+        response = response_object(self.response_id, self.created, self.req, self._output, None, None, "failed")
+        response["error"] = {"code": "server_error", "message": message}
+        return self._event("response.failed", response=response)
