@@ -497,9 +497,8 @@ def _renamed(error: ApiError, names: dict[str, str]) -> ApiError:
     head, dot, rest = param.partition(".")
     if head not in names:
         return error
-    renamed = ApiError(error.status, str(error).replace(head, names[head], 1), error.body["error"].get("type"),
-                       names[head] + dot + rest, error.body["error"].get("code"), error.headers)
-    return renamed
+    return ApiError(error.status, str(error).replace(head, names[head], 1), error.body["error"].get("type"),
+                    names[head] + dot + rest, error.body["error"].get("code"), error.headers)
 
 
 async def _response_writes(job: _Job) -> AsyncIterator[bytes]:
