@@ -150,6 +150,56 @@ BASE = {"model": MODEL_NAME, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore
 THINK_END_BIAS = 1.7  # on </think>: the random model ends its reasoning 11 tokens in, then writes 2 stray ones
 
 
+def responses_cases(prompts: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """OpenAI's Responses API on both servers, greedy: a text input with instructions, a conversation of items,
+    streamed (the events' deltas joined), and a JSON-schema ``text.format`` (64 tokens at most)."""
+    base = {"model": MODEL_NAME, "max_output_tokens": NEW_TOKENS, "temperature": 0}
+    items = [{"role": "user", "content": [{"type": "input_text", "text": prompts[0]}]},
+             {"role": "assistant", "content": "yes"},
+             {"role": "user", "content": prompts[1]}]
+    return {
+        "responses: text input, instructions": ("responses", {**base, "input": prompts[1], "instructions": "be brief"}),
+        "responses: items": ("responses", {**base, "input": items}),
+        "responses: text input, stream": ("responses", {**base, "input": prompts[1], "stream": True}),
+        "responses: text.format json_schema": ("responses", {**base, "max_output_tokens": 64, "input": prompts[1],
+                                                             "text": {"format": {"type": "json_schema", "name": "p",
+                                                                                 "schema": SCHEMA, "strict": True}}}),
+    }
+
+
+def fold_response_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed response as the final response its last event carries, with the deltas' text beside it."""
+    final = dict(events[-1].get("response") or {})
+    final["streamed_text"] = "".join(e.get("delta") or "" for e in events if e.get("type") == "response.output_text.delta")
+    return final
+
+
+def _response_text(answer: dict[str, Any]) -> str:
+    return "".join(part.get("text") or "" for item in answer.get("output") or [] if item.get("type") == "message"
+                   for part in item.get("content") or [])
+
+
+def compare_response(case: str, ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """Whether two response objects agree: the message's text (and the streamed deltas'), the status, the output
+    items' types, the usage's input and output tokens."""
+    if isinstance(ours.get("error"), int) or isinstance(theirs.get("error"), int):  # an HTTP error (ask's)
+        return {"agree": False, "vexpert": ours.get("error"), "vllm": theirs.get("error")}
+    mine, peer = ((a.get("usage") or {}) for a in (ours, theirs))
+    row: dict[str, Any] = {
+        "texts_equal": _response_text(ours) == _response_text(theirs),
+        "status": [ours.get("status"), theirs.get("status")],
+        "items": [[i.get("type") for i in a.get("output") or []] for a in (ours, theirs)],
+        "usage_equal": (mine.get("input_tokens"), mine.get("output_tokens"))
+        == (peer.get("input_tokens"), peer.get("output_tokens")),
+    }
+    if "stream" in case:
+        row["streamed_equal"] = ours.get("streamed_text") == theirs.get("streamed_text") == _response_text(ours)
+    row["agree"] = row["texts_equal"] and row["status"][0] == row["status"][1] and row["items"][0] == row["items"][1] \
+        and row["usage_equal"] and row.get("streamed_equal", True)
+    row["choices"], row["indices_equal"] = [1, 1], True
+    return row
+
+
 def reasoning_cases(model: Path, prompts: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
     """Chat replies through both servers' ``--reasoning-parser qwen3``, greedy, with ``</think>`` favoured by a logit
     bias (the random model writes it a few tokens in): thinking (Qwen3's default), streamed, ``enable_thinking`` false
@@ -219,8 +269,8 @@ def post(url: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         if not body.get("stream"):
             return dict(json.loads(response.read()))
         lines = [line.decode().strip() for line in response]
-    data = [line[6:] for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
-    return fold_stream([json.loads(line) for line in data])
+    data = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+    return fold_response_stream(data) if endpoint == "responses" else fold_stream(data)
 
 
 def ask(name: str, model: Path, requests: dict[str, tuple[str, dict[str, Any]]], args: argparse.Namespace
@@ -370,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vexpert", type=Path, default=Path(sys.executable).parent / "vexpert")
     parser.add_argument("--vexpert-args", default="", help="extra vexpert serve arguments (one shell string)")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument("--responses", action="store_true", help="the Responses API cases only (responses_cases)")
     parser.add_argument("--reasoning", action="store_true",
                         help="the reasoning cases only (reasoning_cases), on the checkpoint with <think> and </think> "
                              "tokens, both servers with --reasoning-parser qwen3")
@@ -382,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
         requests = reasoning_cases(model, prompts)
         args.vexpert_args += " --reasoning-parser qwen3"
         args.vllm_args += " --reasoning-parser qwen3"
+    elif args.responses:
+        model = build_checkpoint(args.work / "model")
+        requests = responses_cases(make_prompts(model, 2, 32))
     else:
         model = build_checkpoint(args.work / "model")
         prompts = make_prompts(model, 2, 32)
@@ -389,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     ours = ask(f"vexpert-{args.workers}", model, requests, args)
     theirs = ask("vllm", model, requests, args)
-    rows = {case: compare(case, ours[case], theirs[case]) for case in requests}
+    rows = {case: (compare_response if requests[case][0] == "responses" else compare)(case, ours[case], theirs[case])
+            for case in requests}
     (args.out / "answers.json").write_text(json.dumps({"requests": requests, "vexpert": ours, "vllm": theirs},
                                                       indent=2) + "\n")
     summary = {"argv": sys.argv, "seconds": round(time.perf_counter() - started, 1), "cases": rows}
