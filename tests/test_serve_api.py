@@ -387,6 +387,20 @@ def test_generation_config_defaults_are_read_as_vllm_reads_them(tmp_path: Path) 
     assert error.value.field == "--generation-config" and "vexpert" in str(error.value)
 
 
+def test_vllms_names_of_the_shared_flags_are_accepted() -> None:
+    """A vLLM command line's flags for the knobs vexpert shares: the same settings under vLLM's names."""
+    from vexpert_runtime.cli import build_parser
+
+    parser = build_parser()
+    ours = parser.parse_args(["serve", "--max-running", "32", "--max-batch-tokens", "512", "--prefix-caching",
+                              "--api-servers", "2", "--tool-call-parser", "hermes"])
+    vllms = parser.parse_args(["serve", "--max-num-seqs", "32", "--max-num-batched-tokens", "512",
+                               "--enable-prefix-caching", "--api-server-count", "2", "--enable-auto-tool-choice",
+                               "--tool-call-parser", "hermes"])
+    assert (vllms.max_running, vllms.max_batch_tokens, vllms.prefix_caching, vllms.api_servers) == (32, 512, True, 2)
+    assert {**vars(vllms), "enable_auto_tool_choice": False} == vars(ours)
+
+
 def test_chat_template_is_a_file_or_the_template_and_is_checked_at_start(checkpoint: Path, tmp_path: Path) -> None:
     """``--chat-template`` (vLLM's): a file's template, or the template given; a name that is no file and holds no
     template, or a template that does not render, is an input error naming the flag (before any process starts)."""

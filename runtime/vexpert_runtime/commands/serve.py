@@ -43,8 +43,8 @@ def register(subparsers: Any) -> None:
         "serve",
         help="serve a model's requests (OpenAI-compatible API) through vExpert",
         description=(
-            "Serve /v1/completions, /v1/chat/completions (both with stream), /v1/models, /health and /metrics on one "
-            "port. Without --model and without a config naming a checkpoint, serves the embedded demo model (a small "
+            "Serve /v1/completions, /v1/chat/completions, /v1/responses (all with stream), /v1/models, /tokenize, "
+            "/detokenize, /health and /metrics on one port; vLLM's names of the shared flags are accepted too. Without --model and without a config naming a checkpoint, serves the embedded demo model (a small "
             "DeepSeek-V3-shaped MoE with random weights and a local tokenizer) on CPU workers. Stops cleanly on "
             "SIGTERM: new requests get 503, running ones finish (or are aborted after --drain-timeout)."
         ),
@@ -57,11 +57,13 @@ def register(subparsers: Any) -> None:
                              "(reachable from other machines: set --api-key), 127.0.0.1 keeps it on this machine")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--cpu-workers", type=int, default=None, help="N CPU worker processes (EP ranks) instead of GPUs")
-    parser.add_argument("--max-batch-tokens", type=int, default=None,
-                        help="tokens per rank per iteration (prompt chunks + decodes); default on GPUs "
+    parser.add_argument("--max-batch-tokens", "--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per rank per iteration (prompt chunks + decodes; vLLM's --max-num-batched-tokens "
+                             "names it too); default on GPUs "
                              f"max({GPU_BATCH_DEFAULTS[1]}, --max-running), on CPU max({CPU_BATCH_DEFAULTS[1]}, --max-running)")
-    parser.add_argument("--max-running", type=int, default=None,
-                        help=f"sequences per rank in one batch (default {GPU_BATCH_DEFAULTS[0]} on GPUs, "
+    parser.add_argument("--max-running", "--max-num-seqs", type=int, default=None,
+                        help=f"sequences per rank in one batch (vLLM's --max-num-seqs names it too; default "
+                             f"{GPU_BATCH_DEFAULTS[0]} on GPUs, "
                              f"{CPU_BATCH_DEFAULTS[0]} on CPU)")
     parser.add_argument("--max-waiting", type=int, default=128, help="queued requests per rank before 429")
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -83,12 +85,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--header-timeout", type=float, default=15.0,
                         help="seconds a connection gets to send a request's headers (and to stay idle between "
                              "requests) before it is closed: a slow client cannot hold connections open")
-    parser.add_argument("--api-servers", type=int, default=1,
+    parser.add_argument("--api-servers", "--api-server-count", type=int, default=1,
                         help="API server processes sharing --port (SO_REUSEPORT; each tokenizes and streams its own "
                              "connections' requests): one interpreter per server, for hundreds of streams "
                              "(vLLM's --api-server-count)")
-    parser.add_argument("--prefix-caching", action="store_true",
-                        help="reuse the KV cache of prompt prefixes computed before (whole 16-token blocks of the same "
+    parser.add_argument("--prefix-caching", "--enable-prefix-caching", action="store_true",
+                        help="reuse the KV cache of prompt prefixes computed before (vLLM's --enable-prefix-caching; "
+                             "whole 16-token blocks of the same "
                              "tokens from the prompt's start, e.g. a shared system prompt): their prefill is skipped")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="send a stream's tokens every N tokens (its first at once, its last with the finish): "
@@ -108,6 +111,10 @@ def register(subparsers: Any) -> None:
                              "'deepseek_v3' for DeepSeek-V3 / R1, 'deepseek_v31' for DeepSeek-V3.1, 'kimi_k2' for "
                              "Kimi K2; default: none (such requests must send tool_choice 'none'; 'required' and a "
                              "named function need no parser)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM's command lines: tool_choice 'auto' is served wherever "
+                             "--tool-call-parser is given (without one it is refused, as vLLM refuses it without this "
+                             "flag)")
     parser.add_argument("--chat-template", default=None,
                         help="the Jinja chat template to render chats with instead of the checkpoint's (vLLM's flag): "
                              "a file, or the template itself; e.g. vLLM's tool_chat_template_deepseekv3.jinja, which "
