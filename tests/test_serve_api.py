@@ -107,6 +107,18 @@ def test_models_and_health(server: BackgroundServer, client: openai.OpenAI) -> N
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("org/other-model")
     assert httpx.get(f"{server.url}/health").status_code == 200
+    # --served-model-name a b (vLLM's): every name served and listed, the first first
+    from vexpert_runtime.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--served-model-name", "a", "org/b", "--port", "1"]).served_model_name \
+        == ["a", "org/b"]
+    server.api.config = dataclasses.replace(server.api.config, aliases=("org/alias",))
+    try:
+        assert [m.id for m in client.models.list().data] == [MODEL_NAME, "org/alias"]
+        assert client.models.retrieve("org/alias").id == "org/alias"
+        assert client.completions.create(model="org/alias", prompt=PROMPT, max_tokens=1).usage is not None
+    finally:
+        server.api.config = dataclasses.replace(server.api.config, aliases=())
 
 
 @pytest.mark.parametrize("as_ids", [False, True])

@@ -51,7 +51,9 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--config", default=None, help="runtime.yaml (RuntimeConfig; the node pod's config)")
     parser.add_argument("--model", default=None, help="a local checkpoint directory (config.json, safetensors, tokenizer)")
-    parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the model id clients send (default: the directory name); several: any of them is "
+                             "served, the first named in answers (vLLM's)")
     parser.add_argument("--host", default="0.0.0.0",
                         help="address to listen on; the default 0.0.0.0 exposes the API on every network interface "
                              "(reachable from other machines: set --api-key), 127.0.0.1 keeps it on this machine")
@@ -245,6 +247,7 @@ class _Served:
     model_dir: Path
     demo: bool  # the embedded demo model (no --model and no checkpoint in the config)
     name: str  # the model id clients send
+    aliases: tuple[str, ...]  # other ids they may send for it (--served-model-name's after the first)
     model_config: dict[str, Any]
     max_context: int
     gpu_memory_utilization: float
@@ -278,7 +281,9 @@ def _resolve_served(args: argparse.Namespace, config: RuntimeConfig) -> _Served:
     defaults, notes = sampling_defaults(model_dir, args.generation_config)
     template = None if args.chat_template is None else load_chat_template(args.chat_template, model_dir)
     return _Served(
-        model_dir=model_dir, demo=demo, name=args.served_model_name or (DEMO_NAME if demo else model_dir.name),
+        model_dir=model_dir, demo=demo,
+        name=args.served_model_name[0] if args.served_model_name else (DEMO_NAME if demo else model_dir.name),
+        aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
         model_config=model_config, max_context=max_context,
         gpu_memory_utilization=gpu_memory_utilization,
         kv_cache_dtype=args.kv_cache_dtype or config.runtime.kv_cache_dtype,
@@ -305,7 +310,7 @@ def _api_config(served: _Served, args: argparse.Namespace, api_key: str | None) 
 
     tokenizer = AutoTokenizer.from_pretrained(str(served.model_dir), local_files_only=True)
     vocab = int(served.model_config.get("vocab_size", len(tokenizer)))
-    return ApiConfig(served.name, served.max_context, vocab, args.drain_timeout, api_key=api_key,
+    return ApiConfig(served.name, served.max_context, vocab, args.drain_timeout, api_key=api_key, aliases=served.aliases,
                      header_timeout_s=args.header_timeout, sampling_defaults=served.sampling_defaults,
                      tool_call_parser=args.tool_call_parser, tokens_as_ids=args.return_tokens_as_token_ids,
                      reasoning_parser=args.reasoning_parser, chat_template=served.chat_template), tokenizer

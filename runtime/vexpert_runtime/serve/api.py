@@ -141,6 +141,7 @@ class ApiConfig:
     tokens_as_ids: bool = False  # logprobs name tokens by id where a request does not say (vLLM's server flag)
     reasoning_parser: str | None = None  # how chat replies' reasoning is told from their content (reasoning.py)
     chat_template: str | None = None  # --chat-template: the Jinja template chats render with (None: the model's)
+    aliases: tuple[str, ...] = ()  # other names requests may give the model (--served-model-name's after the first)
 
     @property
     def body_limit(self) -> int:
@@ -965,7 +966,7 @@ class ServeApi:
             raise ApiError(400, message, param=param, code="invalid_value") from None
 
     def _check_model(self, model: str) -> None:
-        if model != self.config.model_name:
+        if model != self.config.model_name and model not in self.config.aliases:
             raise ApiError(
                 404,
                 f"the model '{model}' does not exist; this server serves '{self.config.model_name}'",
@@ -1202,11 +1203,14 @@ class _InfoRoutes:
         return web.json_response({"version": __version__})
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(oa.models_response(self.api.config.model_name, self.api.created, self.api.config.max_context))
+        config = self.api.config
+        names = (config.model_name, *config.aliases)
+        return web.json_response(oa.models_response(names, self.api.created, config.max_context))
 
     async def model(self, request: web.Request) -> web.Response:
-        self.api._check_model(request.match_info["model"])
-        return web.json_response(oa.model_object(self.api.config.model_name, self.api.created, self.api.config.max_context))
+        name = request.match_info["model"]
+        self.api._check_model(name)
+        return web.json_response(oa.model_object(name, self.api.created, self.api.config.max_context))
 
 
 class ApiServer:

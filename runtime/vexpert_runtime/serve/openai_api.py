@@ -892,6 +892,6 @@ def model_object(model: str, created: int, max_context: int) -> Json:
     return {"id": model, "object": "model", "created": created, "owned_by": "vexpert", "max_model_len": max_context}
 
 
-def models_response(model: str, created: int, max_context: int) -> Json:
-    """``GET /v1/models``: the one served model."""
-    return {"object": "list", "data": [model_object(model, created, max_context)]}
+def models_response(names: Sequence[str], created: int, max_context: int) -> Json:
+    """``GET /v1/models``: the served model, under each of its names (vLLM lists them so)."""
+    return {"object": "list", "data": [model_object(name, created, max_context) for name in names]}
