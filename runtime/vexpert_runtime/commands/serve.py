@@ -38,6 +38,33 @@ DEFAULT_PORT = 8000
 DEMO_NAME = "vexpert-demo"
 
 
+def _add_reply_options(parser: argparse.ArgumentParser) -> None:
+    """The flags that shape a chat reply: its tool calls, its reasoning, its template, its log-probabilities' tokens."""
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                        help="read tool calls out of chat replies (requests with tools and tool_choice 'auto'), as "
+                             "vLLM's parser of that name: 'hermes' for Qwen2.5 / Qwen3(-MoE) / Hermes models, "
+                             "'deepseek_v3' for DeepSeek-V3 / R1, 'deepseek_v31' for DeepSeek-V3.1, 'kimi_k2' for "
+                             "Kimi K2; default: none (such requests must send tool_choice 'none'; 'required' and a "
+                             "named function need no parser)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM's command lines: tool_choice 'auto' is served wherever "
+                             "--tool-call-parser is given (without one it is refused, as vLLM refuses it without this "
+                             "flag)")
+    parser.add_argument("--chat-template", default=None,
+                        help="the Jinja chat template to render chats with instead of the checkpoint's (vLLM's flag): "
+                             "a file, or the template itself; e.g. vLLM's tool_chat_template_deepseekv3.jinja, which "
+                             "DeepSeek-V3's tool calls need")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default=None,
+                        help="split chat replies into 'reasoning' (between <think> and </think>) and 'content', as "
+                             "vLLM's parser of that name: 'deepseek_r1' for DeepSeek-R1, 'deepseek_v3' for "
+                             "DeepSeek-V3.1 (thinking when chat_template_kwargs says so), 'qwen3' for Qwen3(-MoE), "
+                             "'kimi_k2' for Kimi K2 Thinking; structured output then constrains the content only")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="log-probabilities name each token 'token_id:{id}' instead of its text, unless a request "
+                             "says otherwise (vLLM's flag and request field: a token that is a byte of a longer "
+                             "character is still told apart)")
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "serve",
@@ -107,29 +134,7 @@ def register(subparsers: Any) -> None:
                         help="fuse the step's small pieces (norms, routers, rotary, the EP layer's dispatch "
                              "bookkeeping, sampling) with torch.compile (auto: with CUDA graphs, where a step is "
                              "captured once and replayed; compiles take about a minute at start, cached on disk)")
-    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                        help="read tool calls out of chat replies (requests with tools and tool_choice 'auto'), as "
-                             "vLLM's parser of that name: 'hermes' for Qwen2.5 / Qwen3(-MoE) / Hermes models, "
-                             "'deepseek_v3' for DeepSeek-V3 / R1, 'deepseek_v31' for DeepSeek-V3.1, 'kimi_k2' for "
-                             "Kimi K2; default: none (such requests must send tool_choice 'none'; 'required' and a "
-                             "named function need no parser)")
-    parser.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help="accepted for vLLM's command lines: tool_choice 'auto' is served wherever "
-                             "--tool-call-parser is given (without one it is refused, as vLLM refuses it without this "
-                             "flag)")
-    parser.add_argument("--chat-template", default=None,
-                        help="the Jinja chat template to render chats with instead of the checkpoint's (vLLM's flag): "
-                             "a file, or the template itself; e.g. vLLM's tool_chat_template_deepseekv3.jinja, which "
-                             "DeepSeek-V3's tool calls need")
-    parser.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default=None,
-                        help="split chat replies into 'reasoning' (between <think> and </think>) and 'content', as "
-                             "vLLM's parser of that name: 'deepseek_r1' for DeepSeek-R1, 'deepseek_v3' for "
-                             "DeepSeek-V3.1 (thinking when chat_template_kwargs says so), 'qwen3' for Qwen3(-MoE), "
-                             "'kimi_k2' for Kimi K2 Thinking; structured output then constrains the content only")
-    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
-                        help="log-probabilities name each token 'token_id:{id}' instead of its text, unless a request "
-                             "says otherwise (vLLM's flag and request field: a token that is a byte of a longer "
-                             "character is still told apart)")
+    _add_reply_options(parser)
     parser.add_argument("--generation-config", choices=("auto", "vexpert"), default="auto",
                         help="defaults of the sampling fields a request leaves out: 'auto' takes temperature, "
                              "top_p, top_k, min_p, repetition_penalty and max_new_tokens from the checkpoint's "
