@@ -1033,6 +1033,23 @@ def test_metrics(server: BackgroundServer, client: openai.OpenAI) -> None:
     samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
     assert samples["vexpert_serve_time_to_first_token_seconds_count"] >= 1
     assert samples["vexpert_serve_generated_tokens_total"] >= 4
+    # the same series under vLLM's names and model_name label (what inference gateways and autoscalers read)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for family in text_string_to_metric_families(text) for s in family.samples}
+    label = (("model_name", MODEL_NAME),)
+    for vllm, ours in (("vllm:num_requests_running", "vexpert_serve_requests_running"),
+                       ("vllm:num_requests_waiting", "vexpert_serve_requests_waiting"),
+                       ("vllm:kv_cache_usage_perc", "vexpert_serve_kv_cache_usage_ratio"),
+                       ("vllm:prompt_tokens_total", "vexpert_serve_prompt_tokens_total"),
+                       ("vllm:generation_tokens_total", "vexpert_serve_generated_tokens_total"),
+                       ("vllm:time_to_first_token_seconds_count", "vexpert_serve_time_to_first_token_seconds_count"),
+                       ("vllm:inter_token_latency_seconds_sum", "vexpert_serve_inter_token_latency_seconds_sum"),
+                       ("vllm:e2e_request_latency_seconds_count", "vexpert_serve_request_duration_seconds_count")):
+        assert values[(vllm, label)] == values[(ours, ())], vllm
+    assert values[("vllm:request_success_total", (("finished_reason", "length"), *label))] == values[
+        ("vexpert_serve_request_finish_total", (("reason", "length"),))] >= 1
 
 
 def test_latency_metrics_count_from_the_requests_arrival(server: BackgroundServer, client: openai.OpenAI,

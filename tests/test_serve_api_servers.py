@@ -110,6 +110,9 @@ def test_two_api_servers_share_the_port_serve_both_count_both_and_stop_together(
             while (counted := _metric(url, name)) != expected:
                 assert counted < expected and time.monotonic() < deadline, (name, counted)
                 time.sleep(0.3)
+        # vLLM's names (an inference gateway's): the same counts, summed over both servers too
+        assert _metric(url, "vllm:generation_tokens_total") == REQUESTS * TOKENS
+        assert _metric(url, "vllm:request_success_total") == REQUESTS
         for _ in range(6):  # on either server: the node's series too
             assert _metric(url, "vexpert_iterations_total") > 0
         # return_token_ids from worker processes (the ids cross the rank → API pipe beside the events' rows)

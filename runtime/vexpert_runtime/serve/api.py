@@ -106,6 +106,7 @@ from vexpert_runtime.serve.tool_calls import (
     calls_finish_reason,
     parse_tool_calls,
 )
+from vexpert_runtime.serve.vllm_metrics import VllmSeries
 
 log = logging.getLogger(__name__)
 
@@ -796,6 +797,7 @@ class ServeApi:
         self.config = config
         self.gc_clock = GcClock().install()
         self.metrics = ServeMetrics(registry if registry is not None else CollectorRegistry(), self.gc_clock)
+        self.metrics.registry.register(VllmSeries(self.metrics, lambda: self.config.model_name))
         self.created = oa.now()
         self.shutting_down = False
         self._token_texts = _TokenTexts(self.prompts.loop_tokenizer, tokenizer, self.prompts.pool)

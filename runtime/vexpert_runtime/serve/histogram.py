@@ -48,13 +48,19 @@ class CountedHistogram(Collector):
             self._sum += value * count
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
+        yield self.family(self.name, self.documentation)
+
+    def family(self, name: str, documentation: str, labels: dict[str, str] | None = None) -> HistogramMetricFamily:
+        """The histogram now, exposed as ``name`` (with ``labels``): the same counts under another name."""
         with self._lock:
             counts, total = list(self._counts), self._sum
         cumulative, running = [], 0
         for bound, count in zip(self._bounds, counts, strict=True):
             running += count
             cumulative.append((floatToGoString(bound), running))
-        yield HistogramMetricFamily(self.name, self.documentation, buckets=cumulative, sum_value=total)
+        family = HistogramMetricFamily(name, documentation, labels=list(labels or ()))
+        family.add_metric(list((labels or {}).values()), cumulative, total)
+        return family
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
         yield HistogramMetricFamily(self.name, self.documentation)
