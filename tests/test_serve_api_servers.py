@@ -139,6 +139,11 @@ def test_two_api_servers_share_the_port_serve_both_count_both_and_stop_together(
             usage = json.loads(resp.read())["usage"]
         hit = usage["prompt_tokens_details"]["cached_tokens"]
         assert hit % 16 == 0 and 16 <= hit < usage["prompt_tokens"], usage
+        # the same prompt with a cache_salt (vLLM's) shares no cached block with it: none served from the cache
+        request = urllib.request.Request(url + "/v1/completions", json.dumps({**cached, "cache_salt": "tenant-b"}).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            assert json.loads(resp.read())["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         # 4 prompts over 2 ranks: after each rank's first of each, the prompts' whole blocks come from the
         # cache (2944 of 3072 tokens here; prompts admitted in one iteration may still both compute)
         queried = _metric(url, "vexpert_serve_prefix_cache_queried_tokens")
