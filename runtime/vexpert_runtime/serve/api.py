@@ -509,21 +509,11 @@ async def _response_writes(job: _Job) -> AsyncIterator[bytes]:
     assert job.responses is not None
     events = ra.ResponseEvents(job.request_id, job.created, job.responses)
     yield events.start()
-    thoughts = None if job.reasoning is None else ReasoningStream(job.reasoning.fmt, job.reasoning.in_reasoning)
-    tools = ToolCallStream(job.tools) if job.tools is not None else None
+    reply = _StreamedReply(job)
     counts = _UsageCounts()
     async for index, batch in job.events:
         last = batch[-1]
-        text, thought = "".join([event.text for event in batch]), ""
-        calls: list[ToolCall] = []
-        if thoughts is not None:
-            thought, text = _reasoning_push(thoughts, text, last.finished)
-        if tools is not None:  # content until a call starts; the calls at the end
-            text = tools.push(text)
-            if last.finished:
-                tail, calls = tools.finish()
-                calls = calls[:1] if job.one_call else calls
-                text += tail
+        thought, text, calls = reply.push("".join([event.text for event in batch]), last.finished)
         out = (events.reasoning(thought) if job.reasoning is not None and job.reasoning.shown else b"") + \
             events.content(text)
         if last.finished:
@@ -547,13 +537,31 @@ def _with_reasoning(job: _Job, choice: oa.Choice) -> oa.Choice:
     return replace(choice, text=content, reasoning=reasoning if job.reasoning.shown else None)
 
 
-def _reasoning_push(stream: ReasoningStream, text: str, last: bool) -> tuple[str, str]:
-    """A batch's (reasoning, content) text; at the reply's last batch with what the stream held back."""
-    thought, content = stream.push(text)
-    if last:
-        tail_thought, tail_content = stream.finish()
-        thought, content = thought + tail_thought, content + tail_content
-    return thought, content
+class _StreamedReply:
+    """One streamed chat reply's text, split as it arrives: its reasoning first (a reasoning parser's), then its
+    content until a tool call starts, the calls at its end (a tool-call format's; ``parallel_tool_calls`` false: the
+    first)."""
+
+    def __init__(self, job: _Job) -> None:
+        self.thoughts = None if job.reasoning is None else ReasoningStream(job.reasoning.fmt, job.reasoning.in_reasoning)
+        self.tools = ToolCallStream(job.tools) if job.tools is not None else None
+        self.one_call = job.one_call
+
+    def push(self, text: str, last: bool) -> tuple[str, str, list[ToolCall]]:
+        """A batch's (reasoning, content, calls); at the reply's last batch with what was held back."""
+        thought, calls = "", list[ToolCall]()
+        if self.thoughts is not None:
+            thought, text = self.thoughts.push(text)
+            if last:
+                tail_thought, tail = self.thoughts.finish()
+                thought, text = thought + tail_thought, text + tail
+        if self.tools is not None:
+            text = self.tools.push(text)
+            if last:
+                tail, calls = self.tools.finish()
+                calls = calls[:1] if self.one_call else calls
+                text += tail
+        return thought, text, calls
 
 
 def _truncated(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt_ids: list[int], context: int) -> list[int]:
@@ -1113,9 +1121,8 @@ class ServeApi:
             yield b"".join(_sse(_role_chunk(job, index)) for index in range(len(job.choice_ids)))
         counts = _UsageCounts()
         offsets = [0] * len(job.choice_ids)  # each choice's text offset so far (completions' logprobs)
-        tool_streams = [ToolCallStream(job.tools) for _ in job.choice_ids] if job.tools is not None else None
-        thoughts = None if job.reasoning is None else [
-            ReasoningStream(job.reasoning.fmt, job.reasoning.in_reasoning) for _ in job.choice_ids]
+        replies = [_StreamedReply(job) for _ in job.choice_ids] \
+            if job.reasoning is not None or job.tools is not None else None
         echoing = set(range(len(job.choice_ids))) if job.echo else set()  # choices whose prompt is still to send
         frames = [_text_frame(_chunk(job, index, _TEXT_MARK)) if job.prompt_ids is None and job.generated is None
                   else None for index in range(len(job.choice_ids))]
@@ -1135,16 +1142,9 @@ class ServeApi:
                 if tokens or first is not None:
                     logprobs = await self._logprobs_object(job, tokens, offsets[index], first)
                     offsets[index] += sum(len(token) for token in logprobs.get("tokens", ()))
-            thought = ""
-            if thoughts is not None:  # the reasoning first, the content after it
-                thought, text = _reasoning_push(thoughts[index], text, batch[-1].finished)
-            calls: list[ToolCall] = []
-            if tool_streams is not None:  # content until a call starts; the calls at the end
-                text = tool_streams[index].push(text)
-                if batch[-1].finished:
-                    tail, calls = tool_streams[index].finish()
-                    calls = calls[:1] if job.one_call else calls
-                    text += tail
+            thought, calls = "", list[ToolCall]()
+            if replies is not None:  # the reasoning first, the content after it, the calls at the end
+                thought, text, calls = replies[index].push(text, batch[-1].finished)
             parts = _text_parts(job, index, text, logprobs, frames[index], batch, index in ids_pending)
             if thought and job.reasoning is not None and job.reasoning.shown:
                 parts.insert(0, _sse(_delta_chunk(job, index, {"reasoning": thought})))
