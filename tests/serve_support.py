@@ -99,6 +99,38 @@ def tiny_random_model(family: str) -> Any:
     return model
 
 
+def grammar_reference(model: Any, tokenizer: Any, prompt: Sequence[int], grammar: str, max_tokens: int,
+                      bias: dict[int, float] | None = None) -> list[int]:
+    """Greedy decoding under an llguidance grammar, written out: transformers' logits over the whole sequence (plus a
+    logit ``bias``), llguidance's own mask applied by llguidance (``apply_token_bitmask_inplace``), the argmax; EOS
+    ends it (not included)."""
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch
+
+    from vexpert_runtime.serve.sampling import eos_token_ids
+
+    eos = sorted(eos_token_ids(tokenizer))
+    ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, max(model.config.vocab_size, len(tokenizer)), eos)
+    matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
+    mask = llguidance.torch.allocate_token_bitmask(1, ll_tokenizer.vocab_size)
+    ids, out = list(prompt), []
+    for _ in range(max_tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[:, -1].float()
+        for token, value in (bias or {}).items():
+            logits[0, token] += value
+        llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
+        llguidance.torch.apply_token_bitmask_inplace(logits, mask)
+        token = int(logits.argmax())
+        if token in eos:
+            break
+        assert matcher.consume_token(token)
+        ids.append(token)
+        out.append(token)
+    return out
+
+
 def serve_with_scheduler(directory: Path, tokenizer: Any, requests: list[GenerationRequest], overlapped: bool,
            seen: list[list[SequenceWork]] | None = None) -> dict[str, list[Event]]:
     """The requests through the product's scheduler and a batched float32 model of the checkpoint at ``directory``

@@ -7,14 +7,10 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jsonschema
-import llguidance
-import llguidance.hf
-import llguidance.torch
 import openai
 import pytest
 import torch
@@ -24,6 +20,7 @@ pytest.importorskip("transformers")
 from serve_support import (
     MODEL_NAME,
     build_tiny_checkpoint,
+    grammar_reference,
     load_model,
     load_tokenizer,
     make_server,
@@ -99,31 +96,6 @@ def test_a_bad_structural_tag_names_the_field(checkpoint: tuple[Path, Any, Any],
     assert "fix: send" in str(raised.value)
 
 
-def _reference(model: Any, tokenizer: Any, prompt: Sequence[int], grammar: str, bias: dict[int, float],
-               max_tokens: int) -> list[int]:
-    """Greedy decoding under the grammar, written out: transformers' logits + the logit bias, llguidance's own mask
-    applied by llguidance, the argmax; EOS ends it."""
-    eos = sorted(eos_token_ids(tokenizer))
-    ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, max(model.config.vocab_size, len(tokenizer)), eos)
-    matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
-    mask = llguidance.torch.allocate_token_bitmask(1, ll_tokenizer.vocab_size)
-    ids, out = list(prompt), []
-    for _ in range(max_tokens):
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[:, -1].float()
-        for token, value in bias.items():
-            logits[0, token] += value
-        llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
-        llguidance.torch.apply_token_bitmask_inplace(logits, mask)
-        token = int(logits.argmax())
-        if token in eos:
-            break
-        assert matcher.consume_token(token)
-        ids.append(token)
-        out.append(token)
-    return out
-
-
 def _tags(text: str) -> list[Any]:
     return [json.loads(body) for body in re.findall(r"<tool_call>(.*?)</tool_call>", text)]
 
@@ -140,7 +112,7 @@ def test_greedy_tagged_output_is_the_reference_decode(checkpoint: tuple[Path, An
                             skip_special_tokens=False, return_token_ids=True)
     events = serve_with_scheduler(directory, tokenizer, [GenerationRequest("tags", prompt, params)], overlapped)
     ids = [t for e in events["tags"] for t in getattr(e, "token_ids", ())]
-    assert ids == _reference(model, tokenizer, prompt, grammar, {trigger: 100.0}, 48)
+    assert ids == grammar_reference(model, tokenizer, prompt, grammar, 48, {trigger: 100.0})
     tags = _tags("".join(e.text for e in events["tags"]))
     assert tags and all(jsonschema.validate(tag, SCHEMA) is None for tag in tags)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch
 from serve_support import (
     MODEL_NAME,
     build_tiny_checkpoint,
+    grammar_reference,
     load_model,
     load_tokenizer,
     make_server,
@@ -35,7 +35,6 @@ from serve_support import (
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.serve.events import Event, GenerationRequest, SamplingParams
 from vexpert_runtime.serve.hf_model import HFStepModel
-from vexpert_runtime.serve.sampling import eos_token_ids
 from vexpert_runtime.serve.scheduler import only_among
 from vexpert_runtime.serve.step import SequenceWork
 from vexpert_runtime.serve.structured_output import GrammarRequest, compile_grammar, unpack_allowed
@@ -67,28 +66,6 @@ def _grammar(kind: str, spec: Any, flexible: bool = True) -> str:
     return compile_grammar(GrammarRequest(kind, spec, "test", whitespace_flexible=flexible))  # type: ignore[arg-type]
 
 
-def _reference(model: Any, tokenizer: Any, prompt: Sequence[int], grammar: str, max_tokens: int) -> list[int]:
-    """Greedy decoding under the grammar, written out: transformers' logits over the whole sequence, llguidance's
-    own mask applied by llguidance (``apply_token_bitmask_inplace``), the argmax; EOS ends it (not included)."""
-    eos = sorted(eos_token_ids(tokenizer))
-    ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, max(model.config.vocab_size, len(tokenizer)), eos)
-    matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
-    mask = llguidance.torch.allocate_token_bitmask(1, ll_tokenizer.vocab_size)
-    ids, out = list(prompt), []
-    for _ in range(max_tokens):
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[:, -1].float()
-        llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
-        llguidance.torch.apply_token_bitmask_inplace(logits, mask)
-        token = int(logits.argmax())
-        if token in eos:
-            break
-        assert matcher.consume_token(token)
-        ids.append(token)
-        out.append(token)
-    return out
-
-
 def _text(events: list[Event]) -> str:
     assert not any(e.error for e in events), [e.error for e in events]
     return "".join(e.text for e in events)
@@ -109,7 +86,7 @@ def test_greedy_constrained_output_is_the_reference_decode_and_leaves_the_others
     seen: list[list[SequenceWork]] = []
     events = serve_with_scheduler(directory, tokenizer, requests, overlapped, seen)
     for name, grammar in grammars.items():
-        expected = tokenizer.decode(_reference(model, tokenizer, prompt, grammar, 128))
+        expected = tokenizer.decode(grammar_reference(model, tokenizer, prompt, grammar, 128))
         assert _text(events[name]) == expected, name
     assert json.loads(_text(events["json"])) is not None
     assert re.fullmatch(REGEX, _text(events["regex"])) and _text(events["choice"]) in CHOICES
