@@ -24,6 +24,9 @@
 #                the default; also constrained by a grammar), then structured output's masks on the host (~8 min)
 #   STAGE=fp8    --kv-cache-dtype fp8: its GPU tests (graphed == eager over an FP8 cache, the MLA kernel over one), then
 #                the graphed decode step at a 32,768-token context, 1 / 4 / 16 / 64 sequences, bf16 vs FP8 cache (~6 min)
+#   STAGE=mlalong  the MLA decode kernel at long contexts and 16-256 sequences (run 24 on an H100: the step at 64
+#                sequences of 32,768 tokens 7.6x its bound, and an FP8 cache slower than bf16): 32- vs 64-head blocks
+#                and splits, bf16 and FP8 caches (~2 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
 #                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
 #                profile, with the EP layer's share of a traced iteration (~6 min)
@@ -112,16 +115,23 @@ case "${STAGE:-tests}" in
       --out "$OUT/grammar_mask_cost.json" 2>&1 | tail -6 ;;
   fp8)  # --kv-cache-dtype fp8: its GPU tests, then the graphed step over a bf16 vs an FP8 cache at a long context
     PYTHONPATH=$HEAD_PATH timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_serve_gpu.py \
-      -k "fp8 or graphed_decode" 2>&1 | tee "$OUT/pytest_gpu_fp8.txt" | tail -4
+      -k "${TESTS:-fp8 or graphed_decode}" 2>&1 | tee "$OUT/pytest_gpu_fp8.txt" | tail -4
     for kv in auto fp8; do
       PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3-long \
         --max-position-embeddings 163840 --batches 1 4 16 64 --context 32768 --kv-cache-dtype $kv \
         --out "$OUT/decode_step_long_kv_$kv.json" 2>&1 | grep '^{' | cut -c1-240
     done ;;
+  mlalong)  # the MLA decode kernel where the KV read is the step: long contexts, 16 / 64 (and 256 at 4,096) sequences
+    tune() { PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/mla_decode_tuning.py --iters 20 --block-n 64 --warps 8 \
+               --stages 3 "$@" 2>&1 | grep best; }
+    tune --batches 64 16 --context 32768 --block-h 32 64 --kv-splits 1 2 4 --out "$OUT/mla_long_bf16.json"
+    tune --batches 64 16 --context 32768 --block-h 32 64 --kv-splits 1 2 4 --kv-cache-dtype fp8 \
+      --out "$OUT/mla_long_fp8.json"
+    tune --batches 256 64 --context 4096 --block-h 32 64 --kv-splits 1 2 4 --out "$OUT/mla_4k_bf16.json" ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
     BENCH_TIMEOUT=560 bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \
       --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json --profile-streams 64 256 \
       --profile-iters 600-619 ;;
-  *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | router | sidestream | fp8 | onoff" >&2; exit 2 ;;
+  *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | router | sidestream | fp8 | mlalong | onoff" >&2; exit 2 ;;
 esac

@@ -12,6 +12,9 @@ sweeps split-KV at long contexts (each configuration also at these split counts;
 
     PYTHONPATH=runtime python3 benchmarks/mla_decode_tuning.py --batches 1 4 16 --context 32768 \
         --block-h 32 --block-n 64 --warps 8 --stages 3 --kv-splits 1 4 16 64
+
+``--kv-cache-dtype fp8``: the cache in FP8 e4m3 (as ``vexpert serve --kv-cache-dtype fp8`` keeps it). Each row
+also prints ``kv_tb_per_s``, the cache's bytes (each row once) ÷ the kernel's time.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ def main() -> int:
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--kv-splits", type=int, nargs="+", default=[1])
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="the cache's dtype: the queries' (auto) or FP8 e4m3, as --kv-cache-dtype fp8 keeps it")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -62,6 +67,8 @@ def main() -> int:
         meta = build_metadata(work, args.page, [None], device, dtype=dtype)
         kernel_meta = build_metadata(work, args.page, [None], device, padded_groups=False)
         cache = torch.randn(pool.num_blocks * args.page, args.latent + args.rope, device=device, dtype=dtype)
+        if args.kv_cache_dtype == "fp8":
+            cache = cache.to(torch.float8_e4m3fn)
         q_latent = torch.randn(batch, args.heads, args.latent, device=device, dtype=dtype)
         q_rope = torch.randn(batch, args.heads, args.rope, device=device, dtype=dtype)
         scale = (args.latent + args.rope) ** -0.5
@@ -71,6 +78,7 @@ def main() -> int:
             want = torch.cat([mla_attention(q_latent[row:row + 1], q_rope[row:row + 1], cache,
                                             build_metadata(work[row:row + 1], args.page, [None], device, dtype=dtype),
                                             scale).float() for row in range(batch)])
+        kv_bytes = batch * (args.context + 1) * cache.stride(0) * cache.element_size()  # each cached row read once
         best = None
         for block_h, block_n, warps, stages, splits in itertools.product(args.block_h, args.block_n, args.warps,
                                                                          args.stages, args.kv_splits):
@@ -95,7 +103,9 @@ def main() -> int:
                 end.synchronize()
                 times.append(start.elapsed_time(end) / args.iters)
             row = {"batch": batch, "context": args.context, "block_h": block_h, "block_n": block_n, "warps": warps,
-                   "stages": stages, "kv_splits": splits, "ms": round(statistics.median(times), 4), "max_abs_error": round(error, 4)}
+                   "stages": stages, "kv_splits": splits, "kv_cache_dtype": args.kv_cache_dtype,
+                   "ms": round(statistics.median(times), 4), "max_abs_error": round(error, 4),
+                   "kv_tb_per_s": round(kv_bytes / (statistics.median(times) * 1e9), 2)}
             rows.append(row)
             print(json.dumps(row), flush=True)
             if error < 0.05 and (best is None or row["ms"] < best["ms"]):

@@ -238,8 +238,11 @@ def test_mla_splits_aim_at_one_program_per_sm_of_the_split_kernel() -> None:
     assert [mla_kv_splits(rows, 128, 32_768, sms) for rows in (1, 4, 16)] == [MAX_KV_SPLITS, 16, 4]
     assert mla_kv_splits(2, 128, 32_768, sms) == 32  # 4 split programs → 33 wanted
     assert mla_kv_splits(32, 128, 32_768, sms) == 2  # one pass: 128 programs < 132; split: 64 per split
-    assert mla_kv_splits(33, 128, 32_768, sms) == 1  # one pass: 132 programs fill the SMs
-    assert mla_kv_splits(256, 128, 163_840, sms) == 1
+    # one pass: 132 programs fill the SMs — but with 32-head blocks, each cached row read by 4 programs: a long
+    # context goes to the split kernel's 64-head blocks (2 splits); a short one stays one pass
+    assert mla_kv_splits(33, 128, 32_768, sms) == mla_kv_splits(64, 128, 2 * SPLIT_ROWS, sms) == 2
+    assert mla_kv_splits(64, 128, 2 * SPLIT_ROWS - 1, sms) == mla_kv_splits(127, 128, 96, sms) == 1
+    assert mla_kv_splits(256, 128, 163_840, sms) == mla_kv_splits(128, 128, 4096, sms) == 1  # 64-head one pass
     assert mla_kv_splits(16, 128, 2 * SPLIT_ROWS - 1, sms) == 1
     # the split kernel's programs per SM, not the one pass's, decide the count: at 2 per SM with the
     # one-pass grid's 32-head blocks, 16 rows would take as many splits — but 8 at 2 per SM of 64-head blocks

@@ -79,11 +79,11 @@ def test_gqa_decode_kernel_matches_the_torch_twin() -> None:
     assert (got - want).abs().max() < 3e-2 * want.abs().max()
 
 
-@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("batch", [1, 4, 16, 64])
 def test_split_decode_kernels_match_the_torch_twins_at_long_contexts(batch: int) -> None:
     """Split-KV at DeepSeek-V3's MLA and Qwen3-30B-A3B's GQA shapes: a few long contexts (and one short,
     which stays one pass inside a split launch) against the torch twins, with the splits the product's
-    policy picks for this GPU."""
+    policy picks for this GPU (64 sequences: MLA in 2 splits for its 64-head blocks, GQA's grid full in one pass)."""
     import dataclasses
 
     torch.manual_seed(batch)
@@ -101,7 +101,7 @@ def test_split_decode_kernels_match_the_torch_twins_at_long_contexts(batch: int)
     got = mla_decode(q_latent, q_rope, cache, dataclasses.replace(meta, kv_splits=splits), 0.1).float()
     assert (got - want).abs().max() < 3e-2 * want.abs().max()
     gqa_splits = kv_splits(batch, 4, max(lengths), sms)
-    assert gqa_splits > 1
+    assert gqa_splits > 1 or batch * 4 >= sms
     g_cache = torch.randn(slots, 2, 4, 128, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
     want = gqa_attention(q.float(), g_cache.float(), meta, 0.088, None)

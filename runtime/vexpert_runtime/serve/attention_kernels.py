@@ -338,9 +338,19 @@ def mla_kv_splits(rows: int, heads: int, longest: int, sm_count: int) -> int:
     """:func:`kv_splits` of :func:`mla_decode`: split where the one-pass grid leaves SMs idle, into about
     one split-kernel program per SM — its 64-head blocks hold one program per SM (216 KB of shared
     memory, ``kernel_resources.py``), and one per SM was the fastest measured: at 1 / 4 / 16 sequences
-    of 32,768 tokens, 64 / 16 / 4 splits (``mla_decode_tuning_run21_splits.json``)."""
-    return kv_splits(rows, mla_programs_per_row(rows, heads), longest, sm_count,
-                     split_programs_per_row=-(-heads // mla_split_launch_config(rows)[0]), programs_per_sm=1)
+    of 32,768 tokens, 64 / 16 / 4 splits (``mla_decode_tuning_run21_splits.json``).
+
+    And at least 2 splits once the context is long (``longest`` ≥ 2 · :data:`SPLIT_ROWS`) where the
+    one-pass grid's head blocks are smaller than the split kernel's (fewer than 128 rows: 32 heads):
+    there the cached rows are the kernel's work, and 64-head blocks read each row half as often. An
+    H100 (``mla_decode_long_run24_h100.json``): 64 sequences of 32,768 tokens 2.81 ms per layer in 2
+    splits against 5.11 in one 32-head pass; of 4,096 tokens 0.394 against 0.656 — while at 96 tokens
+    the 32-head pass stays the faster (0.030 against 0.044 ms on an H200, run 12)."""
+    splits = kv_splits(rows, mla_programs_per_row(rows, heads), longest, sm_count,
+                       split_programs_per_row=-(-heads // mla_split_launch_config(rows)[0]), programs_per_sm=1)
+    if splits == 1 and longest >= 2 * SPLIT_ROWS and mla_launch_config(rows)[0] < mla_split_launch_config(rows)[0]:
+        return 2
+    return splits
 
 
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
