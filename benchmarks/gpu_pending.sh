@@ -2,7 +2,7 @@
 # What the next H200 session must measure for issue #21, in device calls that each end inside 10 minutes
 # (benchmarks/README.md §10, "Next on the H200"). Every stage writes under $OUT.
 #
-#   STAGE=tests  the full GPU test list (~7 min; run 20: 373 s before the two-rank CLI test joined it): kernels, graphed == eager, prefix caching and preemption on
+#   STAGE=tests  the full GPU test list (~8 min; run 24 on an H100: 481 s; PART=1 / PART=2 split it in two calls): kernels, graphed == eager, prefix caching and preemption on
 #                graphed overlapped steps, the node's GPU path
 #   STAGE=ab     an earlier H200-measured tree (in ab_old/: run 19 a2c4df7, run 21 c40564e) beside HEAD, 256 and 64 streams (~6 min):
 #                everything since — allocation skip, node process, KV on demand, routing, block-table copy, GC freeze
@@ -49,11 +49,16 @@ bench() {  # bench TREE NAME ARGS...: serve_engine.py from TREE (. or ab_old) on
      --out "$OUT/$name" --modes vexpert "$@" 2>&1 | grep -v "Loading weights" | tail -8)
 }
 case "${STAGE:-tests}" in
-  tests)
-    PYTHONPATH=$HEAD_PATH timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu \
-      tests/test_runtime_gpu.py tests/test_gpu_path.py tests/test_serve_gpu.py tests/test_expert_format_gpu.py \
-      tests/test_runtime_ep_moe.py tests/test_dispatch.py tests/test_attention_kernels.py \
-      tests/test_grouped_gemm_kernel.py tests/test_fusion.py 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -25 ;;
+  tests)  # PART=1: the serving engine's file; PART=2: the rest (each well inside a call); default: all
+    files=(tests/test_runtime_gpu.py tests/test_gpu_path.py tests/test_serve_gpu.py tests/test_expert_format_gpu.py
+           tests/test_runtime_ep_moe.py tests/test_dispatch.py tests/test_attention_kernels.py
+           tests/test_grouped_gemm_kernel.py tests/test_fusion.py)
+    case "${PART:-all}" in
+      1) files=(tests/test_serve_gpu.py) ;;
+      2) files=("${files[@]/tests\/test_serve_gpu.py}") ;;
+    esac
+    PYTHONPATH=$HEAD_PATH timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu ${files[*]} 2>&1 \
+      | tee "$OUT/pytest_gpu.txt" | tail -25 ;;
   ab)
     for round in 1 2; do
       bench . "head$round" --model-dir /tmp/bench-ds3 --streams 256 64 "${LOAD[@]}"  # HEAD writes the checkpoint

@@ -343,7 +343,7 @@ def mla_kv_splits(rows: int, heads: int, longest: int, sm_count: int) -> int:
     And at least 2 splits once the context is long (``longest`` ≥ 2 · :data:`SPLIT_ROWS`) where the
     one-pass grid's head blocks are smaller than the split kernel's (fewer than 128 rows: 32 heads):
     there the cached rows are the kernel's work, and 64-head blocks read each row half as often. An
-    H100 (``mla_decode_long_run24_h100.json``): 64 sequences of 32,768 tokens 2.81 ms per layer in 2
+    H100 (``mla_decode_{long,4k}_bf16_run24_h100.json``): 64 sequences of 32,768 tokens 2.81 ms per layer in 2
     splits against 5.11 in one 32-head pass; of 4,096 tokens 0.394 against 0.656 — while at 96 tokens
     the 32-head pass stays the faster (0.030 against 0.044 ms on an H200, run 12)."""
     splits = kv_splits(rows, mla_programs_per_row(rows, heads), longest, sm_count,
