@@ -1,6 +1,6 @@
-"""Tool calls read out of chat replies (``serve/tool_calls.py``, vLLM's ``hermes``, ``deepseek_v3``, ``deepseek_v31``
-and ``kimi_k2`` parsers' formats): the parsers on their own, streamed in pieces of every size, and the operator's field naming the same
-parsers."""
+"""Tool calls read out of chat replies (``serve/tool_calls.py``, vLLM's ``hermes``, ``deepseek_v3``, ``deepseek_v31``,
+``kimi_k2`` and ``qwen3_coder`` parsers' formats): the parsers on their own, streamed in pieces of every size, and the
+operator's field naming the same parsers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ import typing
 
 import pytest
 
-from vexpert_runtime.serve.tool_calls import PARSERS, ToolCallStream, parse_tool_calls
+from vexpert_runtime.serve.tool_calls import (
+    PARSERS,
+    ToolCallStream,
+    TypedToolFormat,
+    parse_tool_calls,
+    schema_types,
+)
 
 TWO_CALLS = ('Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
              '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET", "format": "24h"}}\n</tool_call>')
@@ -100,14 +106,80 @@ def test_a_reply_in_another_format_or_without_valid_calls_is_all_content(parser:
     assert parse_tool_calls(parser, text) == (text, [])
 
 
+# Qwen3-Coder's XML calls, typed by the request's tools (vLLM's qwen3_coder parser's conversions)
+QWEN3_CODER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+        "hours": {"type": "array"}, "limit": {"type": ["number", "null"]}, "zip": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string"}, "offset": {"type": "number"}}}}},
+    {"type": "function", "function": {"name": "ping"}},
+]
+QWEN3_CODER = TypedToolFormat.of("qwen3_coder", QWEN3_CODER_TOOLS)
+QWEN3_CODER_TWO_CALLS = (
+    "Let me check both.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n<parameter=metric>\nTrue\n</parameter>\n<parameter=hours>\n[9, 12]\n"
+    "</parameter>\n<parameter=limit>\n2.5\n</parameter>\n<parameter=zip>\n02134\n</parameter>\n"
+    "<parameter=note>\n  two\nlines \n</parameter>\n</function>\n</tool_call>\n"
+    "<tool_call>\n<function=get_time>\n<parameter=zone>\nnull\n</parameter>\n<parameter=offset>\n2.0\n</parameter>\n"
+    "</function>\n</tool_call>")
+
+
+def test_qwen3_coder_calls_are_typed_by_the_requests_tools() -> None:
+    """Each parameter's text becomes what its tool's schema says, as vLLM 0.32's parser converts it (a string stays
+    text however it looks — "02134", "null" —; an integer, a boolean, an array, a number — integral ones as
+    integers —, null where the types allow null); a parameter the tool does not declare stays text, one newline
+    trimmed at each end and nothing else (``benchmarks/tool_parser_parity.py`` runs such replies through vLLM's own
+    parser)."""
+    content, calls = parse_tool_calls(QWEN3_CODER, QWEN3_CODER_TWO_CALLS)
+    assert content == "Let me check both."  # the newline Qwen's template writes before a call is not content
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "New York", "days": 3, "metric": True, "hours": [9, 12], "limit": 2.5,
+                         "zip": "02134", "note": "  two\nlines "}),
+        ("get_time", {"zone": "null", "offset": 2})]
+    assert all(c.id.startswith("chatcmpl-tool-") for c in calls)
+    # a value that is not what its type says stays text; an unknown tool's parameters are text; unclosed tags
+    # (the reply ran out) still end at the next parameter or the end
+    _, (odd,) = parse_tool_calls(QWEN3_CODER, "<tool_call><function=get_weather><parameter=days>three"
+                                              "<parameter=limit>inf</function></tool_call>")
+    assert json.loads(odd.arguments) == {"days": "three", "limit": "inf"}
+    _, (nulls,) = parse_tool_calls(QWEN3_CODER, "<tool_call><function=get_weather><parameter=limit>null</parameter>"
+                                                "<parameter=metric>0</parameter></function></tool_call>")
+    assert json.loads(nulls.arguments) == {"limit": None, "metric": False}
+    _, (unknown,) = parse_tool_calls(QWEN3_CODER, "<tool_call><function=other><parameter=n>1</parameter></function>")
+    assert (unknown.name, json.loads(unknown.arguments)) == ("other", {"n": "1"})
+    _, (bare,) = parse_tool_calls(QWEN3_CODER, "<tool_call>\n<function=ping>\n</function>\n</tool_call>")
+    assert (bare.name, bare.arguments) == ("ping", "{}")
+    assert schema_types({"enum": [1, "a", None, True]}) == {"integer", "string", "null", "boolean"}
+    assert schema_types({"type": "Float"}) == {"number"} and schema_types({}) == schema_types(None) == {"string"}
+    assert schema_types({"oneOf": [{"type": "int"}, {"type": "array"}]}) == {"integer", "array"}
+    # the same text without the request's tools: every value is text
+    untyped = TypedToolFormat.of("qwen3_coder", [])
+    assert json.loads(parse_tool_calls(untyped, QWEN3_CODER_TWO_CALLS)[1][0].arguments)["days"] == "3"
+
+
+@pytest.mark.parametrize("text", [
+    "plain text, no call",
+    "<tool_call>not a function</tool_call>",  # no <function=…>
+    "<tool_call><function=>\n</function></tool_call>",  # no name
+    "<tool_call><function=f></function><function=g></function></tool_call>",  # two in one block
+    "<tool_call><function=f><parameter=>1</parameter></function></tool_call>",  # a parameter without a name
+    "<function=f></function>",  # no <tool_call> (vLLM reads this one; its stream does not: here neither does)
+])
+def test_a_qwen3_coder_reply_without_valid_calls_is_all_content(text: str) -> None:
+    assert parse_tool_calls(QWEN3_CODER, text) == (text, [])
+
+
 @pytest.mark.parametrize("piece", [1, 2, 3, 7, 11, 1000])
 @pytest.mark.parametrize(("parser", "text"), [
     ("hermes", TWO_CALLS), ("hermes", "no call here, though it ends in <tool_c"),
     ("hermes", "a <tool_call> that is not one"), ("deepseek_v3", DEEPSEEK_TWO_CALLS),
     ("deepseek_v3", f"no call here, though it ends in {BEGIN[:4]}"), ("deepseek_v3", f"a {BEGIN} that is not one"),
     ("deepseek_v31", DEEPSEEK_V31_TWO_CALLS), ("kimi_k2", KIMI_TWO_CALLS),
-    ("kimi_k2", f"no call here, though it ends in {KIMI_BEGIN[:6]}")])
-def test_a_streamed_reply_gives_the_content_then_the_calls(parser: str, text: str, piece: int) -> None:
+    ("kimi_k2", f"no call here, though it ends in {KIMI_BEGIN[:6]}"), (QWEN3_CODER, QWEN3_CODER_TWO_CALLS),
+    (QWEN3_CODER, "no call here, though it ends in <tool_ca"), (QWEN3_CODER, "no call, spaces \n\n and all \n"),
+    (QWEN3_CODER, "  \n" + QWEN3_CODER_TWO_CALLS[19:])])
+def test_a_streamed_reply_gives_the_content_then_the_calls(parser: str | TypedToolFormat, text: str, piece: int) -> None:
     """Streamed in pieces of any size: the content goes out before the first call (a possible start of one
     held back, then released when it is not one), the calls at the end, as the whole reply parses."""
     stream = ToolCallStream(parser)
@@ -126,4 +198,4 @@ def test_the_operator_offers_the_runtimes_parsers() -> None:
     field = RuntimeSpec.model_fields["tool_call_parser"].annotation
     literals = [arg for arg in typing.get_args(field) if arg is not type(None)]
     assert {value for literal in literals for value in typing.get_args(literal)} == set(PARSERS) == {
-        "hermes", "deepseek_v3", "deepseek_v31", "kimi_k2"}
+        "hermes", "deepseek_v3", "deepseek_v31", "kimi_k2", "qwen3_coder"}

@@ -355,7 +355,8 @@ class RuntimeSpec(CamelModel):
         None,
         description="Read tool calls out of chat replies (--tool-call-parser; vLLM's parser of that name): 'hermes' "
         "for Qwen2.5 / Qwen3(-MoE) / Hermes models, 'deepseek_v3' for DeepSeek-V3 / R1, 'deepseek_v31' for "
-        "DeepSeek-V3.1, 'kimi_k2' for Kimi K2. Unset: requests with tools and tool_choice 'auto' are refused "
+        "DeepSeek-V3.1, 'kimi_k2' for Kimi K2, 'qwen3_coder' for Qwen3-Coder (its arguments typed by the "
+        "request's tools). Unset: requests with tools and tool_choice 'auto' are refused "
         "('required' and a named function need no parser)",
     )
     chat_template: str | None = Field(

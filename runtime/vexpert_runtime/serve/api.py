@@ -100,9 +100,11 @@ from vexpert_runtime.serve.reasoning import (
 )
 from vexpert_runtime.serve.tool_calls import (
     KEEPS_SPECIAL_TOKENS,
+    TYPED_PARSERS,
     ToolCall,
     ToolCallStream,
     ToolFormat,
+    TypedToolFormat,
     calls_finish_reason,
     parse_tool_calls,
 )
@@ -452,7 +454,12 @@ def tool_format(req: oa.CompletionRequest | oa.ChatCompletionRequest, config: Ap
     when the request's tools may not be called."""
     if not isinstance(req, oa.ChatCompletionRequest) or not req.calls_tools:
         return None
-    return req.forced_tool_choice or config.tool_call_parser
+    if req.forced_tool_choice is not None:
+        return req.forced_tool_choice
+    if config.tool_call_parser in TYPED_PARSERS:  # its calls' arguments are typed by the request's tools
+        assert req.tools is not None  # calls_tools
+        return TypedToolFormat.of(config.tool_call_parser, [tool.model_dump(exclude_none=True) for tool in req.tools])
+    return config.tool_call_parser
 
 
 def _with_tool_calls(job: _Job, choice: oa.Choice) -> oa.Choice:

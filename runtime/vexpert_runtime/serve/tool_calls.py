@@ -13,6 +13,11 @@
 * ``kimi_k2`` — Kimi K2 writes ``<|tool_calls_section_begin|>``, per call ``<|tool_call_begin|>functions.NAME:INDEX``
   ``<|tool_call_argument_begin|>ARGUMENTS<|tool_call_end|>``, then ``<|tool_calls_section_end|>``; the header is the
   call's id (as vLLM returns it). Both keep their special tokens in the text, as ``deepseek_v3``.
+* ``qwen3_coder`` — Qwen3-Coder (its MoE models: 30B-A3B, 480B-A35B) writes each call as XML,
+  ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>…</function></tool_call>``, every value as plain text.
+  What a value is comes from the request's tools (:class:`TypedToolFormat`: that parameter's JSON-schema types), as
+  vLLM 0.32's parser reads it (:func:`_typed_value`): a string parameter's text stays text, an integer's is parsed,
+  and so on; a parameter the tool does not declare stays text.
 
 :func:`parse_tool_calls` splits a finished reply into its content (the text before the first call) and its calls;
 :class:`ToolCallStream` does it for a streamed reply: content goes out as it comes until the calls start (a tail
@@ -29,14 +34,15 @@ own format; it needs no ``--tool-call-parser``.
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 # ``vexpert serve --tool-call-parser``, ``spec.runtime.toolCallParser``
-ToolCallParser = Literal["hermes", "deepseek_v3", "deepseek_v31", "kimi_k2"]
+ToolCallParser = Literal["hermes", "deepseek_v3", "deepseek_v31", "kimi_k2", "qwen3_coder"]
 PARSERS: tuple[str, ...] = get_args(ToolCallParser)
 KEEPS_SPECIAL_TOKENS = frozenset({"deepseek_v3", "deepseek_v31", "kimi_k2"})  # formats whose markers may be special tokens
 _HERMES_START = "<tool_call>"
@@ -51,6 +57,10 @@ _KIMI_START = "<|tool_calls_section_begin|>"
 _KIMI_CALL_START = "<|tool_call_begin|>"
 _KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*(?P<id>[^<]+?:\d+)\s*<\|tool_call_argument_begin\|>(?P<arguments>.*?)"
                         r"<\|tool_call_end\|>", re.DOTALL)
+_XML_FUNCTION = re.compile(r"<function=(?P<name>[^>\n]*)>(?P<body>.*?)(?:</function>|$)", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=(?P<key>[^>\n]*)>(?P<value>.*?)"
+                            r"(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL)
+TYPED_PARSERS = frozenset({"qwen3_coder"})  # formats whose arguments are read with the request's tools' types
 
 
 @dataclass(frozen=True)
@@ -131,6 +141,126 @@ def _kimi_calls(text: str) -> list[ToolCall] | None:
     return _marked_calls(text, _KIMI_CALL, _KIMI_CALL_START, read)
 
 
+# JSON-schema type names as tools write them → the types :func:`_typed_value` tries (vLLM's aliases)
+_TYPE_ALIASES = {"str": "string", "text": "string", "varchar": "string", "char": "string", "enum": "string",
+                 "int": "integer", "int32": "integer", "int64": "integer", "uint": "integer", "uint32": "integer",
+                 "uint64": "integer", "long": "integer", "short": "integer", "unsigned": "integer", "float": "number",
+                 "float32": "number", "float64": "number", "double": "number", "bool": "boolean", "dict": "object",
+                 "arr": "array", "list": "array", "sequence": "array"}
+_ENUM_TYPES = ((type(None), "null"), (bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
+               (list, "array"), (dict, "object"))
+
+
+def schema_types(schema: Any) -> set[str]:
+    """The JSON types a parameter's ``schema`` allows: its ``type`` (one or a list), its ``enum`` values' types,
+    those of its ``anyOf`` / ``oneOf`` / ``allOf`` choices; ``{"string"}`` when it says none."""
+    if not isinstance(schema, dict):
+        return {"string"}
+    kinds = schema.get("type")
+    types = set()
+    if isinstance(kinds, str):
+        types.add(kinds)
+    elif isinstance(kinds, list):
+        types |= {kind for kind in kinds if isinstance(kind, str)}
+    for value in schema.get("enum") or ():  # (bool before int: True is an int too)
+        types.add(next((name for kind, name in _ENUM_TYPES if isinstance(value, kind)), "string"))
+    for field in ("anyOf", "oneOf", "allOf"):
+        for choice in schema.get(field) or ():
+            types |= schema_types(choice)
+    return {_TYPE_ALIASES.get(t.strip().lower(), t.strip().lower()) for t in types} or {"string"}
+
+
+def _finite_json(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def _typed_value(text: str, types: set[str]) -> Any:
+    """A ``qwen3_coder`` parameter's text as the first of its ``types`` it reads as, in the order null, integer,
+    number (an integral one as an integer), boolean (``true`` / ``1``, ``false`` / ``0``), object, array, string;
+    when none fits, its JSON value if it is JSON, else the text — vLLM 0.32's ``coerce_to_schema_type``."""
+    for kind in ("null", "integer", "number", "boolean", "object", "array", "string"):
+        if kind not in types:
+            continue
+        if kind == "string":
+            return text
+        if kind == "null" and text.lower() == "null":
+            return None
+        if kind == "integer":
+            try:
+                return int(text)
+            except ValueError:
+                continue
+        if kind == "number":
+            try:
+                number = float(text)
+            except ValueError:
+                continue
+            if math.isfinite(number):
+                return int(number) if number.is_integer() else number
+        if kind == "boolean" and text.lower().strip() in ("true", "1", "false", "0"):
+            return text.lower().strip() in ("true", "1")
+        if kind in ("object", "array"):
+            try:
+                parsed = json.loads(text)
+            except ValueError:
+                continue
+            if _finite_json(parsed):
+                return parsed
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return text
+    return parsed if _finite_json(parsed) else text
+
+
+def _qwen3_coder_calls(text: str, parameters: Mapping[str, Mapping[str, Any]]) -> list[ToolCall] | None:
+    """Qwen3-Coder's calls (from the first ``<tool_call>`` on): one ``<function=NAME>`` per block, its parameters'
+    texts typed by ``parameters`` (function name → its parameters' schemas). None if a block holds no function or
+    more than one, or a function or parameter has no name."""
+    calls = []
+    for block in _HERMES_BLOCK.findall(text):
+        functions = list(_XML_FUNCTION.finditer(block))
+        if len(functions) != 1 or block.count("<function=") != 1 or not functions[0]["name"].strip():
+            return None
+        name = functions[0]["name"].strip()
+        declared = parameters.get(name, {})
+        arguments: dict[str, Any] = {}
+        for match in _XML_PARAMETER.finditer(functions[0]["body"]):
+            key = match["key"].strip()
+            if not key:
+                return None
+            value = match["value"].removeprefix("\n").removesuffix("\n")
+            # a parameter the tool does not declare stays text
+            arguments[key] = _typed_value(value, schema_types(declared[key])) if key in declared else value
+        calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False), _new_id()))
+    return calls or None
+
+
+@dataclass(frozen=True, eq=False)
+class TypedToolFormat:
+    """A parser whose calls write every argument as text (:data:`TYPED_PARSERS`), with what the request's tools say
+    each parameter is: ``parameters`` maps a function's name to its parameters' JSON schemas (``properties``)."""
+
+    parser: str
+    parameters: Mapping[str, Mapping[str, Any]]
+
+    @classmethod
+    def of(cls, parser: str, tools: list[dict[str, Any]]) -> TypedToolFormat:
+        """From the request's ``tools`` (OpenAI's ``{"type": "function", "function": {"name", "parameters"}}``)."""
+        parameters = {}
+        for tool in tools:
+            schema = tool.get("function", {}).get("parameters") or {}
+            parameters[tool["function"]["name"]] = schema.get("properties", {}) if isinstance(schema, dict) else {}
+        return cls(parser, parameters)
+
+    def calls(self, text: str) -> list[ToolCall] | None:
+        return _qwen3_coder_calls(text, self.parameters)
+
+
 def _is_json(text: str) -> bool:
     try:
         json.loads(text)
@@ -199,7 +329,9 @@ class ForcedToolChoice:
         return reason if self.function is not None else "tool_calls" if reason == "stop" else reason
 
 
-ToolFormat = str | ForcedToolChoice  # how a reply's calls are read: a parser of :data:`PARSERS`, or a forced choice
+# how a reply's calls are read: a parser of :data:`PARSERS` (one of :data:`TYPED_PARSERS` with the request's tools), or
+# a forced choice
+ToolFormat = str | TypedToolFormat | ForcedToolChoice
 
 
 def calls_finish_reason(tools: ToolFormat, reason: str) -> str:
@@ -216,15 +348,21 @@ def parse_tool_calls(parser: ToolFormat, text: str) -> tuple[str | None, list[To
     if isinstance(parser, ForcedToolChoice):
         forced = parser.calls(text)
         return (None, forced) if forced else (text, [])
-    start_marker, read_calls = _FORMATS[parser]
+    start_marker, read_calls = (_HERMES_START, parser.calls) if isinstance(parser, TypedToolFormat) else _FORMATS[parser]
     start = text.find(start_marker)
     if start < 0:
         return text, []
     calls = read_calls(text[start:])
     if not calls:
         return text, []
-    content = text[:start]
+    content = text[:start].rstrip() if _trims_content(parser) else text[:start]
     return (content if content.strip() else None), calls
+
+
+def _trims_content(parser: ToolFormat) -> bool:
+    """Whether the content before a reply's calls loses its trailing whitespace (the newline Qwen's template writes
+    before ``<tool_call>``): ``qwen3_coder``'s, as vLLM 0.32's parser gives it."""
+    return isinstance(parser, TypedToolFormat)
 
 
 class ToolCallStream:
@@ -233,8 +371,10 @@ class ToolCallStream:
     def __init__(self, parser: ToolFormat) -> None:
         self.parser = parser
         forced = isinstance(parser, ForcedToolChoice)  # the whole reply is its calls
-        self.start_marker = "" if isinstance(parser, ForcedToolChoice) else _FORMATS[parser][0]
+        self.start_marker = ("" if isinstance(parser, ForcedToolChoice) else _HERMES_START
+                             if isinstance(parser, TypedToolFormat) else _FORMATS[parser][0])
         self.held = ""  # a possible start of the calls, or (``in_calls``) the calls
+        self.trims = _trims_content(parser)
         self.in_calls = forced
 
     def push(self, text: str) -> str:
@@ -248,9 +388,12 @@ class ToolCallStream:
         if at >= 0:
             self.in_calls = True
             out, self.held = buffer[:at], buffer[at:]
-            return out
+            return out.rstrip() if self.trims else out
         keep = next((n for n in range(min(len(marker) - 1, len(buffer)), 0, -1) if marker.startswith(buffer[-n:])), 0)
-        out, self.held = buffer[: len(buffer) - keep], buffer[len(buffer) - keep:]
+        end = len(buffer) - keep
+        if self.trims:  # whitespace that may end the content before a call waits for what follows it
+            end = len(buffer[:end].rstrip())
+        out, self.held = buffer[:end], buffer[end:]
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:

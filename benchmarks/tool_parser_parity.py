@@ -1,0 +1,115 @@
+"""vexpert's tool-call parsers beside vLLM's on the same replies, offline: ``qwen3_coder`` (Qwen3-Coder's XML calls,
+whose arguments the request's tools type) — each case's content and calls from ``serve/tool_calls.py``
+(:func:`parse_tool_calls` with :class:`TypedToolFormat`, what ``vexpert serve --tool-call-parser qwen3_coder`` runs)
+and from vLLM's own parser class (``vllm.tool_parsers``, its ``extract_tool_calls``), run in vLLM's virtual environment
+(``--vllm-python``; it reads the demo model's tokenizer). Prints one row per case and whether the two agree.
+
+    python benchmarks/tool_parser_parity.py --vllm-python /work/vllm-venv/bin/python --out out/tool_parser_parity.json
+
+A live server comparison (``api_parity.py``) cannot reach these: no model we can run here writes these formats,
+and vLLM cannot be given a scripted reply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+    "hours": {"type": "array", "items": {"type": "integer"}}, "limit": {"type": ["number", "null"]},
+    "zip": {"type": "string"}, "unit": {"enum": ["c", "f"]}, "level": {"enum": [1, 2, 3]},
+    "filters": {"type": "object"}, "ratio": {"anyOf": [{"type": "number"}, {"type": "string"}]},
+    "free": {}}}}}
+TOOLS = [WEATHER, {"type": "function", "function": {"name": "ping"}}]
+
+
+def _call(name: str, **parameters: str) -> str:
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in parameters.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+# (case, reply) — the values are the texts a model writes; what each becomes depends on the tool's schema
+CASES = [
+    ("typed values", "Checking.\n" + _call("get_weather", city="New York", days="3", metric="True",
+                                           hours="[9, 12]", limit="2.5", zip="02134")),
+    ("integral number, null, enums", _call("get_weather", limit="2.0", days="null", unit="c", level="2")),
+    ("values their types do not fit", _call("get_weather", days="three", limit="inf", metric="yes",
+                                            hours="not json", filters="{\"a\": 1}")),
+    ("anyOf, untyped and undeclared", _call("get_weather", ratio="0.5", free="[1, 2]", extra="7")),
+    ("two calls, multi-line text", _call("get_weather", city="  two\nlines ") + "\n" + _call("ping")),
+    ("unknown tool", _call("other", n="1")),
+    ("bool as 1 / 0", _call("get_weather", metric="0")),
+    ("no call", "plain text, no call"),
+    ("content before, trailing newline", "Let me look.\n\n" + _call("ping")),
+]
+
+
+def vexpert_rows() -> list[dict[str, Any]]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+    from vexpert_runtime.serve.tool_calls import TypedToolFormat, parse_tool_calls
+
+    fmt = TypedToolFormat.of("qwen3_coder", TOOLS)
+    rows = []
+    for name, text in CASES:
+        content, calls = parse_tool_calls(fmt, text)
+        rows.append({"case": name, "content": content if calls else text,
+                     "calls": [[c.name, json.loads(c.arguments)] for c in calls]})
+    return rows
+
+
+VLLM_SIDE = """
+import json, sys
+from transformers import AutoTokenizer
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.tool_parsers import ToolParserManager
+cases, tools, tokenizer = json.loads(sys.stdin.read())
+tok = AutoTokenizer.from_pretrained(tokenizer)
+request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=tools)
+parser_cls = ToolParserManager.get_tool_parser("qwen3_coder")
+rows = []
+for name, text in cases:
+    got = parser_cls(tok, request.tools).extract_tool_calls(text, request)
+    rows.append({"case": name, "content": got.content if got.tools_called else text,
+                 "calls": [[c.function.name, json.loads(c.function.arguments)] for c in got.tool_calls]})
+print("ROWS " + json.dumps(rows))
+"""
+
+
+def vllm_rows(python: str, tokenizer: str) -> list[dict[str, Any]]:
+    done = subprocess.run([python, "-c", VLLM_SIDE], input=json.dumps([CASES, TOOLS, tokenizer]), text=True,
+                          capture_output=True, timeout=600, check=True)
+    line = next(line for line in done.stdout.splitlines() if line.startswith("ROWS "))
+    return json.loads(line[5:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", required=True, help="the python of a virtual environment with vLLM")
+    parser.add_argument("--tokenizer", default="/tmp/vexpert-demo-model", help="a tokenizer directory vLLM can load")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if not (Path(args.tokenizer) / "tokenizer.json").exists():
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+        from vexpert_runtime.serve.demo_model import ensure_demo_model
+
+        ensure_demo_model(Path(args.tokenizer))
+    ours, theirs = vexpert_rows(), vllm_rows(args.vllm_python, args.tokenizer)
+    rows = []
+    for mine, other in zip(ours, theirs, strict=True):
+        row = {"case": mine["case"], "agree": mine == other, "vexpert": mine, "vllm": other}
+        rows.append(row)
+        print(json.dumps(row, ensure_ascii=False))
+    print(f"{sum(r['agree'] for r in rows)} of {len(rows)} cases agree")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"parser": "qwen3_coder", "rows": rows}, indent=1, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
