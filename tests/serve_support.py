@@ -72,6 +72,20 @@ def id_text_tokens(text: str) -> list[int]:
     return [int(t) for t in re.findall(r"<(\d+)>", text)]
 
 
+def joined_tool_calls(deltas: Sequence[Any]) -> list[tuple[int, str | None, str, str]]:
+    """A chat stream's ``tool_calls`` deltas (the OpenAI SDK's objects) joined per call, as a client joins them:
+    (index, id, name, arguments) — the id and name from a call's first delta, its arguments concatenated."""
+    calls: dict[int, list[Any]] = {}
+    for delta in deltas:
+        if delta.index not in calls:
+            assert delta.function.name, "a call's first delta names it"
+            calls[delta.index] = [delta.id, delta.function.name, ""]
+        else:
+            assert delta.id is None and delta.function.name is None, "only a call's first delta names it"
+        calls[delta.index][2] += delta.function.arguments or ""
+    return [(index, *calls[index]) for index in sorted(calls)]
+
+
 def tiny_random_model(family: str) -> Any:
     """A tiny random transformers model (no checkpoint) of ``family``: DeepSeek-V3 (MLA, dense first layer,
     shared expert), Qwen3-MoE (GQA) or Qwen2-MoE (GQA with biases, sigmoid-gated shared expert); its

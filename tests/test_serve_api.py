@@ -573,7 +573,7 @@ def test_qwen3_coder_calls_come_back_typed_by_the_requests_tools(checkpoint: Pat
     """With ``--tool-call-parser qwen3_coder``, a reply in Qwen3-Coder's XML call format (scripted) comes back as
     ``tool_calls`` whose arguments are typed by the request's tools — the same text is an integer for a tool that
     declares one and text for a tool that declares a string — whole and streamed, the content first."""
-    from serve_support import ScriptedStepModel
+    from serve_support import ScriptedStepModel, joined_tool_calls
 
     reply = "ok\n<tool_call>\n<function=f>\n<parameter=x>\n7\n</parameter>\n</function>\n</tool_call>"
     script = tokenizer.encode(reply, add_special_tokens=False)
@@ -598,7 +598,8 @@ def test_qwen3_coder_calls_come_back_typed_by_the_requests_tools(checkpoint: Pat
             for chunk in client.chat.completions.create(**kwargs, tools=tools(kind), stream=True):
                 content += chunk.choices[0].delta.content or ""
                 deltas += chunk.choices[0].delta.tool_calls or []
-            assert (content, [(d.function.name, d.function.arguments) for d in deltas]) == ("ok", [("f", expected)])
+            assert (content, [(name, arguments) for _, _, name, arguments in joined_tool_calls(deltas)]) == (
+                "ok", [("f", expected)])
     finally:
         srv.close()
 
@@ -625,7 +626,7 @@ def test_tool_calls_are_read_though_their_markers_are_special_tokens(tmp_path: P
     markers stay out of the text; ``skip_special_tokens: false`` keeps them in any request's text (vLLM's field)."""
     from transformers import AutoModelForCausalLM
 
-    from serve_support import ScriptedStepModel, build_tiny_checkpoint, load_tokenizer
+    from serve_support import ScriptedStepModel, build_tiny_checkpoint, joined_tool_calls, load_tokenizer
 
     markers, template = SPECIAL_TOKEN_FORMATS[parser]
     build_tiny_checkpoint(tmp_path, special_tokens=markers)
@@ -654,7 +655,8 @@ def test_tool_calls_are_read_though_their_markers_are_special_tokens(tmp_path: P
             deltas += chunk.choices[0].delta.tool_calls or []
             finish = chunk.choices[0].finish_reason or finish
         assert (content, finish) == ("ok ", "tool_calls")
-        assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [(0, "f", '{"x": 1}')]
+        assert [(index, name, arguments) for index, _, name, arguments in joined_tool_calls(deltas)] == [
+            (0, "f", '{"x": 1}')]
         text = client.chat.completions.create(**kwargs, tool_choice="none").choices[0]
         assert (text.message.content, text.message.tool_calls) == (without_markers, None)
         completion = client.completions.create(model=MODEL_NAME, prompt="x?", max_tokens=120,

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import typing
+from collections import defaultdict
 
 import pytest
 
+from vexpert_runtime.serve.tool_call_stream import ToolCallStream
 from vexpert_runtime.serve.tool_calls import (
     PARSERS,
-    ToolCallStream,
     TypedToolFormat,
     parse_tool_calls,
     schema_types,
@@ -116,6 +117,9 @@ QWEN3_CODER_TOOLS = [
     {"type": "function", "function": {"name": "ping"}},
 ]
 QWEN3_CODER = TypedToolFormat.of("qwen3_coder", QWEN3_CODER_TOOLS)
+QWEN3_CODER_GROWING = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nSan\nFran</cisco>\n\n</parameter>\n"
+                       "<parameter=note>\n<b>bold</b> \\ \"q\"\n</parameter>\n<parameter=days>\n12\n</parameter>\n"
+                       "</function>\n</tool_call>")  # string values streamed as they grow, markup-like text inside
 QWEN3_CODER_TWO_CALLS = (
     "Let me check both.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
     "<parameter=days>\n3\n</parameter>\n<parameter=metric>\nTrue\n</parameter>\n<parameter=hours>\n[9, 12]\n"
@@ -178,17 +182,72 @@ def test_a_qwen3_coder_reply_without_valid_calls_is_all_content(text: str) -> No
     ("deepseek_v31", DEEPSEEK_V31_TWO_CALLS), ("kimi_k2", KIMI_TWO_CALLS),
     ("kimi_k2", f"no call here, though it ends in {KIMI_BEGIN[:6]}"), (QWEN3_CODER, QWEN3_CODER_TWO_CALLS),
     (QWEN3_CODER, "no call here, though it ends in <tool_ca"), (QWEN3_CODER, "no call, spaces \n\n and all \n"),
-    (QWEN3_CODER, "  \n" + QWEN3_CODER_TWO_CALLS[19:])])
-def test_a_streamed_reply_gives_the_content_then_the_calls(parser: str | TypedToolFormat, text: str, piece: int) -> None:
-    """Streamed in pieces of any size: the content goes out before the first call (a possible start of one
-    held back, then released when it is not one), the calls at the end, as the whole reply parses."""
+    (QWEN3_CODER, "  \n" + QWEN3_CODER_TWO_CALLS[19:]), (QWEN3_CODER, QWEN3_CODER_GROWING)])
+def test_a_streamed_reply_gives_the_content_then_the_calls_as_they_are_written(
+        parser: str | TypedToolFormat, text: str, piece: int) -> None:
+    """Streamed in pieces of any size: the content goes out before the first call (a possible start of one held
+    back, then released when it is not one), then each call — its id and name once, its arguments in pieces whose
+    concatenation is what the whole reply reads (the ids the same) —, and no piece of a call goes out before the
+    model has written it."""
     stream = ToolCallStream(parser)
-    sent = "".join(stream.push(text[i:i + piece]) for i in range(0, len(text), piece))
+    sent, pieces, early = "", defaultdict(list), 0
+    for at in range(0, len(text), piece):
+        content, deltas = stream.push(text[at:at + piece])
+        sent += content
+        for delta in deltas:
+            pieces[delta.index].append(delta)
+            if parser in ("deepseek_v3", "deepseek_v31", "kimi_k2"):  # their arguments go out as written
+                assert delta.arguments in text
+        early += len(deltas)
     assert stream.start_marker not in sent or not parse_tool_calls(parser, text)[1]
-    tail, calls = stream.finish()
+    tail, last, calls = stream.finish()
+    for delta in last:
+        pieces[delta.index].append(delta)
     content, expected = parse_tool_calls(parser, text)
     assert sent + tail == (content or "") if expected else sent + tail == text
     assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in expected]
+    assert sorted(pieces) == list(range(len(calls)))
+    for index, call in enumerate(calls):
+        first, *rest = pieces[index]
+        assert (first.id, first.name) == (call.id, call.name) and all(d.name is None for d in rest)
+        assert first.arguments + "".join(d.arguments for d in rest) == call.arguments
+    if expected and parser != "hermes" and piece < 10:  # these formats' calls go out before the reply ends
+        assert early > len(calls)
+
+
+def test_a_long_argument_goes_out_as_it_is_written() -> None:
+    """A DeepSeek-V3 call whose arguments hold a long text, and a Qwen3-Coder string parameter: most of the arguments
+    have gone out before the call ends (a tail that may be the end marker is held), never more than was written."""
+    body = "z" * 400
+    deepseek = f"{BEGIN}{CALL}function{SEP}write\n```json\n{{\"text\": \"{body}\"}}\n```{CALL_END}{END}"
+    xml = f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{body}\n</parameter>\n</function>\n</tool_call>"
+    for parser, text in (("deepseek_v3", deepseek), (QWEN3_CODER, xml)):
+        stream = ToolCallStream(parser)
+        cut = text.index(body) + 300
+        got = "".join(d.arguments for d in stream.push(text[:cut])[1])
+        assert got.count("z") == 300 and got.endswith("z" * 300)  # all of it that was written, nothing after
+        got += "".join(d.arguments for d in stream.push(text[cut:])[1])
+        _, last, calls = stream.finish()
+        assert got + "".join(d.arguments for d in last) == calls[0].arguments
+
+
+def test_calls_that_went_out_stay_calls_though_the_reply_then_breaks_them() -> None:
+    """A stream cannot take back what it sent: a DeepSeek-V3 call whose arguments turn out not to be JSON, after
+    their start went out, ends as the call that was sent (the whole reply reads as content, as vLLM's would differ)."""
+    text = f"ok{BEGIN}{CALL}function{SEP}f\n```json\n{{\"a\": 1,,}}\n```{CALL_END}{END}"
+    stream = ToolCallStream("deepseek_v3")
+    content, deltas = stream.push(text)
+    assert content == "ok" and deltas and deltas[0].name == "f"
+    tail, _, calls = stream.finish()
+    assert tail == "" and [(c.name, c.arguments, c.id) for c in calls] == [("f", '{"a": 1,,}', deltas[0].id)]
+    assert parse_tool_calls("deepseek_v3", text) == (text, [])
+
+
+def test_parallel_tool_calls_false_streams_the_first_call_only() -> None:
+    stream = ToolCallStream("kimi_k2", one_call=True)
+    _, deltas = stream.push(KIMI_TWO_CALLS)
+    _, last, calls = stream.finish()
+    assert {d.index for d in deltas + last} == {0} and [c.name for c in calls] == ["get_weather"]
 
 
 def test_the_operator_offers_the_runtimes_parsers() -> None:

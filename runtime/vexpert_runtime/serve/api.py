@@ -98,11 +98,11 @@ from vexpert_runtime.serve.reasoning import (
     ReplyReasoning,
     split_reasoning,
 )
+from vexpert_runtime.serve.tool_call_stream import CallDelta, ToolCallStream
 from vexpert_runtime.serve.tool_calls import (
     KEEPS_SPECIAL_TOKENS,
     TYPED_PARSERS,
     ToolCall,
-    ToolCallStream,
     ToolFormat,
     TypedToolFormat,
     calls_finish_reason,
@@ -520,7 +520,7 @@ async def _response_writes(job: _Job) -> AsyncIterator[bytes]:
     counts = _UsageCounts()
     async for index, batch in job.events:
         last = batch[-1]
-        thought, text, calls = reply.push("".join([event.text for event in batch]), last.finished)
+        thought, text, _, calls = reply.push("".join([event.text for event in batch]), last.finished)
         out = (events.reasoning(thought) if job.reasoning is not None and job.reasoning.shown else b"") + \
             events.content(text)
         if last.finished:
@@ -546,29 +546,28 @@ def _with_reasoning(job: _Job, choice: oa.Choice) -> oa.Choice:
 
 class _StreamedReply:
     """One streamed chat reply's text, split as it arrives: its reasoning first (a reasoning parser's), then its
-    content until a tool call starts, the calls at its end (a tool-call format's; ``parallel_tool_calls`` false: the
-    first)."""
+    content until a tool call starts, then the calls as they are written (a tool-call format's;
+    ``parallel_tool_calls`` false: the first; :mod:`.tool_call_stream`)."""
 
     def __init__(self, job: _Job) -> None:
         self.thoughts = None if job.reasoning is None else ReasoningStream(job.reasoning.fmt, job.reasoning.in_reasoning)
-        self.tools = ToolCallStream(job.tools) if job.tools is not None else None
-        self.one_call = job.one_call
+        self.tools = ToolCallStream(job.tools, job.one_call) if job.tools is not None else None
 
-    def push(self, text: str, last: bool) -> tuple[str, str, list[ToolCall]]:
-        """A batch's (reasoning, content, calls); at the reply's last batch with what was held back."""
-        thought, calls = "", list[ToolCall]()
+    def push(self, text: str, last: bool) -> tuple[str, str, list[CallDelta], list[ToolCall]]:
+        """A batch's (reasoning, content, the calls' new pieces); at the reply's last batch with what was held back,
+        and the calls."""
+        thought, deltas, calls = "", list[CallDelta](), list[ToolCall]()
         if self.thoughts is not None:
             thought, text = self.thoughts.push(text)
             if last:
                 tail_thought, tail = self.thoughts.finish()
                 thought, text = thought + tail_thought, text + tail
         if self.tools is not None:
-            text = self.tools.push(text)
+            text, deltas = self.tools.push(text)
             if last:
-                tail, calls = self.tools.finish()
-                calls = calls[:1] if self.one_call else calls
-                text += tail
-        return thought, text, calls
+                tail, more, calls = self.tools.finish()
+                text, deltas = text + tail, deltas + more
+        return thought, text, deltas, calls
 
 
 def _truncated(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt_ids: list[int], context: int) -> list[int]:
@@ -1149,16 +1148,15 @@ class ServeApi:
                 if tokens or first is not None:
                     logprobs = await self._logprobs_object(job, tokens, offsets[index], first)
                     offsets[index] += sum(len(token) for token in logprobs.get("tokens", ()))
-            thought, calls = "", list[ToolCall]()
-            if replies is not None:  # the reasoning first, the content after it, the calls at the end
-                thought, text, calls = replies[index].push(text, batch[-1].finished)
+            thought, deltas, calls = "", list[CallDelta](), list[ToolCall]()
+            if replies is not None:  # the reasoning first, the content after it, the calls as they are written
+                thought, text, deltas, calls = replies[index].push(text, batch[-1].finished)
             parts = _text_parts(job, index, text, logprobs, frames[index], batch, index in ids_pending)
             if thought and job.reasoning is not None and job.reasoning.shown:
                 parts.insert(0, _sse(_delta_chunk(job, index, {"reasoning": thought})))
             ids_pending.discard(index)
-            if calls:
-                parts.append(_sse(_delta_chunk(job, index, {"tool_calls": [
-                    call.as_json(i) for i, call in enumerate(calls)]})))
+            if deltas:
+                parts.append(_sse(_delta_chunk(job, index, {"tool_calls": [delta.as_json() for delta in deltas]})))
             last = batch[-1]
             if last.finished:
                 error = _failed(last)

@@ -20,10 +20,9 @@
   and so on; a parameter the tool does not declare stays text.
 
 :func:`parse_tool_calls` splits a finished reply into its content (the text before the first call) and its calls;
-:class:`ToolCallStream` does it for a streamed reply: content goes out as it comes until the calls start (a tail
-that could be the start of the marker is held back), the rest waits for the end, where the calls go out in one
-delta. A call that does not parse (arguments that are not JSON, a missing name) leaves the reply as plain
-content — nothing the model wrote is dropped.
+:func:`partial_calls` reads the calls a reply has begun as far as they are written, which
+:class:`~.tool_call_stream.ToolCallStream` sends as they come. A call that does not parse (arguments that are not JSON,
+a missing name) leaves the reply as plain content — nothing the model wrote is dropped.
 
 :class:`ForcedToolChoice` is ``tool_choice`` ``"required"`` or a named function, as vLLM serves them: the reply is
 constrained to JSON (:meth:`ForcedToolChoice.schema`, through structured output) — the named function's arguments,
@@ -57,9 +56,6 @@ _KIMI_START = "<|tool_calls_section_begin|>"
 _KIMI_CALL_START = "<|tool_call_begin|>"
 _KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*(?P<id>[^<]+?:\d+)\s*<\|tool_call_argument_begin\|>(?P<arguments>.*?)"
                         r"<\|tool_call_end\|>", re.DOTALL)
-_XML_FUNCTION = re.compile(r"<function=(?P<name>[^>\n]*)>(?P<body>.*?)(?:</function>|$)", re.DOTALL)
-_XML_PARAMETER = re.compile(r"<parameter=(?P<key>[^>\n]*)>(?P<value>.*?)"
-                            r"(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL)
 TYPED_PARSERS = frozenset({"qwen3_coder"})  # formats whose arguments are read with the request's tools' types
 
 
@@ -78,7 +74,7 @@ class ToolCall:
         return entry if index is None else {"index": index, **entry}
 
 
-def _new_id() -> str:
+def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
@@ -95,7 +91,7 @@ def _hermes_calls(text: str) -> list[ToolCall] | None:
         arguments = call.get("arguments", call.get("parameters", {}))
         calls.append(ToolCall(call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments,
                                                                                                   ensure_ascii=False),
-                              _new_id()))
+                              new_call_id()))
     return calls
 
 
@@ -112,7 +108,7 @@ def _marked_calls(text: str, pattern: re.Pattern[str], call_start: str,
         name, arguments, call_id = read(match)
         if not name or not _is_json(arguments):
             return None
-        calls.append(ToolCall(name, arguments, call_id or _new_id()))
+        calls.append(ToolCall(name, arguments, call_id or new_call_id()))
     return calls
 
 
@@ -223,21 +219,87 @@ def _qwen3_coder_calls(text: str, parameters: Mapping[str, Mapping[str, Any]]) -
     more than one, or a function or parameter has no name."""
     calls = []
     for block in _HERMES_BLOCK.findall(text):
-        functions = list(_XML_FUNCTION.finditer(block))
-        if len(functions) != 1 or block.count("<function=") != 1 or not functions[0]["name"].strip():
+        function = _xml_function(block)
+        if function is None or block.count("<function=") != 1:
             return None
-        name = functions[0]["name"].strip()
-        declared = parameters.get(name, {})
-        arguments: dict[str, Any] = {}
-        for match in _XML_PARAMETER.finditer(functions[0]["body"]):
-            key = match["key"].strip()
-            if not key:
-                return None
-            value = match["value"].removeprefix("\n").removesuffix("\n")
-            # a parameter the tool does not declare stays text
-            arguments[key] = _typed_value(value, schema_types(declared[key])) if key in declared else value
-        calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False), _new_id()))
+        name, body, _ = function
+        if any(not key for key, _, _ in _xml_parameters(body)):
+            return None
+        calls.append(ToolCall(name, _xml_arguments(body, parameters.get(name, {}), True), new_call_id()))
     return calls or None
+
+
+def _xml_function(block: str) -> tuple[str, str, bool] | None:
+    """(name, body, closed) of the first ``<function=NAME>`` in ``block``: its body the text up to ``</function>``
+    (closed) or to the block's end; None before its name is written, or where it has none."""
+    at = block.find("<function=")
+    close = block.find(">", at) if at >= 0 else -1
+    if close < 0 or "\n" in block[at:close] or not block[at + 10:close].strip():
+        return None
+    end = block.find("</function>", close)
+    return block[at + 10:close].strip(), block[close + 1:] if end < 0 else block[close + 1:end], end >= 0
+
+
+def _xml_parameters(body: str) -> list[tuple[str, str, bool]]:
+    """(key, raw value, ended) of each ``<parameter=KEY>`` in a function's ``body``, in order: a value ends at
+    ``</parameter>``, at the next ``<parameter=`` or at ``</function>``, whichever comes first (the last one may still
+    be growing: not ended). With ``str.find``, not a regex: a stream reads a growing call at every token."""
+    found: list[tuple[str, str, bool]] = []
+    at = body.find("<parameter=")
+    while at >= 0:
+        close = body.find(">", at)
+        if close < 0 or "\n" in body[at:close]:
+            break
+        key, start = body[at + 11:close].strip(), close + 1
+        ends = [(end, marker) for marker in ("</parameter>", "<parameter=", "</function>")
+                if (end := body.find(marker, start)) >= 0]
+        if not ends:
+            found.append((key, body[start:], False))
+            break
+        end, marker = min(ends)
+        found.append((key, body[start:end], True))
+        at = body.find("<parameter=", end + len(marker) if marker == "</parameter>" else end)
+    return found
+
+
+def _terminator_hold(text: str, terminator: re.Pattern[str]) -> str:
+    """``text`` less the shortest tail that may be the start of what ends it (``terminator`` full-matches every
+    prefix of that end; each such end starts with a newline or ``<``, so only those positions are tried)."""
+    for at in range(max(0, len(text) - 64), len(text)):
+        if text[at] in "\n<" and terminator.fullmatch(text, at):
+            return text[:at]
+    return text
+
+
+def _prefixes(marker: str) -> str:
+    """A regex alternation of ``marker``'s non-empty prefixes, longest first."""
+    return "|".join(re.escape(marker[:n]) for n in range(len(marker), 0, -1))
+
+
+# what may end a parameter's value where a block is still being written (each full-matches its prefixes)
+_XML_VALUE_END = re.compile("|".join(_prefixes(marker) for marker in (
+    "\n</parameter>", "\n<parameter=", "\n</function>", "\n</tool_call>", "</parameter>", "<parameter=",
+    "</function>", "</tool_call>")))
+
+
+def _xml_arguments(body: str, declared: Mapping[str, Any], closed: bool) -> str:
+    """A ``qwen3_coder`` function's arguments JSON from its ``body`` (the text after ``<function=NAME>``) — whole
+    where ``closed``, else as far as it is written, and only ever extended by what follows: ``{"key": value, …``
+    for its finished parameters (each typed by its ``declared`` schema; an undeclared one is text), a string
+    parameter's text as it grows (JSON-escaped, a possible end of it held back; a typed one waits for its end),
+    ``}`` once the function closes. One definition for the whole reply and its stream."""
+    written: list[str] = []
+    for key, value, ended in _xml_parameters(body):
+        if ended or closed:
+            value = value.removeprefix("\n").removesuffix("\n")
+            typed = _typed_value(value, schema_types(declared[key])) if key in declared else value
+            written.append(f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(typed, ensure_ascii=False)}")
+            continue
+        if (key in declared and schema_types(declared[key]) != {"string"}) or not value:
+            break  # a typed value waits for its end (its JSON depends on all of it); an empty one for its first newline
+        growing = _terminator_hold(value.removeprefix("\n"), _XML_VALUE_END)
+        written.append(f"{json.dumps(key, ensure_ascii=False)}: " + json.dumps(growing, ensure_ascii=False)[:-1])
+    return "{" + ", ".join(written) + ("}" if closed else "")
 
 
 @dataclass(frozen=True, eq=False)
@@ -313,7 +375,7 @@ class ForcedToolChoice:
     def calls(self, text: str) -> list[ToolCall] | None:
         """The calls a reply wrote (None: it is not what the schema asks, e.g. cut short by max_tokens)."""
         if self.function is not None:
-            return [ToolCall(self.function, text, _new_id())] if text.strip() else None
+            return [ToolCall(self.function, text, new_call_id())] if text.strip() else None
         try:
             written = json.loads(text)
         except json.JSONDecodeError:
@@ -321,7 +383,7 @@ class ForcedToolChoice:
         if not isinstance(written, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
                                                      for c in written):
             return None
-        return [ToolCall(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False), _new_id())
+        return [ToolCall(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False), new_call_id())
                 for c in written] or None
 
     def finish_reason(self, reason: str) -> str:
@@ -365,38 +427,105 @@ def _trims_content(parser: ToolFormat) -> bool:
     return isinstance(parser, TypedToolFormat)
 
 
-class ToolCallStream:
-    """A streamed reply's content, held back from the start of the calls on (see the module docstring)."""
+def start_marker(parser: ToolFormat) -> str:
+    """The text a reply's calls start with in ``parser``'s format ("" for a forced choice: the whole reply)."""
+    if isinstance(parser, ForcedToolChoice):
+        return ""
+    return _HERMES_START if isinstance(parser, TypedToolFormat) else _FORMATS[parser][0]
 
-    def __init__(self, parser: ToolFormat) -> None:
-        self.parser = parser
-        forced = isinstance(parser, ForcedToolChoice)  # the whole reply is its calls
-        self.start_marker = ("" if isinstance(parser, ForcedToolChoice) else _HERMES_START
-                             if isinstance(parser, TypedToolFormat) else _FORMATS[parser][0])
-        self.held = ""  # a possible start of the calls, or (``in_calls``) the calls
-        self.trims = _trims_content(parser)
-        self.in_calls = forced
 
-    def push(self, text: str) -> str:
-        """The content of ``text`` safe to send now."""
-        if self.in_calls:
-            self.held += text
-            return ""
-        marker = self.start_marker
-        buffer = self.held + text
-        at = buffer.find(marker)
-        if at >= 0:
-            self.in_calls = True
-            out, self.held = buffer[:at], buffer[at:]
-            return out.rstrip() if self.trims else out
-        keep = next((n for n in range(min(len(marker) - 1, len(buffer)), 0, -1) if marker.startswith(buffer[-n:])), 0)
-        end = len(buffer) - keep
-        if self.trims:  # whitespace that may end the content before a call waits for what follows it
-            end = len(buffer[:end].rstrip())
-        out, self.held = buffer[:end], buffer[end:]
-        return out
+def trims_content(parser: ToolFormat) -> bool:
+    """Whether the content before a reply's calls loses its trailing whitespace (see :func:`_trims_content`)."""
+    return _trims_content(parser)
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """At the reply's end: (content still to send, the calls). Held text that is not calls is content."""
-        _, calls = parse_tool_calls(self.parser, self.held)
-        return ("", calls) if calls else (self.held, [])
+
+@dataclass(frozen=True)
+class PartialCall:
+    """A call as far as a reply has written it: its name (and the id the format gives it, or None), the part of its
+    arguments that later text only extends (``arguments``), and where its text ends in the text read (``end``; None
+    while it is not complete)."""
+
+    name: str
+    id: str | None
+    arguments: str
+    end: int | None
+
+
+# (call start, a started call's header: the name (and id) known and its arguments begun, the end of a call, what
+# ends the arguments — full-matching each of its prefixes —, the complete call, a header match read as (name, id))
+_MARKED_PARTIAL: dict[str, tuple[str, re.Pattern[str], str, re.Pattern[str], re.Pattern[str],
+                                 Callable[[re.Match[str]], tuple[str, str | None]]]] = {
+    "deepseek_v3": (_DEEPSEEK_CALL_START,
+                    re.compile(r"<｜tool▁call▁begin｜>[^<]*?<｜tool▁sep｜>(?P<name>[^\n]*)\n```json\n"),
+                    "<｜tool▁call▁end｜>",
+                    re.compile(r"\n(?:`{0,3}|```\s*(?:" + _prefixes("<｜tool▁call▁end｜>") + "))", re.DOTALL),
+                    _DEEPSEEK_CALL, lambda match: (match["name"].strip(), None)),
+    "deepseek_v31": (_DEEPSEEK_CALL_START, re.compile(r"<｜tool▁call▁begin｜>(?P<name>[^<]*?)<｜tool▁sep｜>"),
+                     "<｜tool▁call▁end｜>", re.compile(_prefixes("<｜tool▁call▁end｜>")), _DEEPSEEK_V31_CALL,
+                     lambda match: (match["name"].strip(), None)),
+    "kimi_k2": (_KIMI_CALL_START,
+                re.compile(r"<\|tool_call_begin\|>\s*(?P<id>[^<]+?:\d+)\s*<\|tool_call_argument_begin\|>"),
+                "<|tool_call_end|>", re.compile(_prefixes("<|tool_call_end|>")), _KIMI_CALL,
+                lambda match: (match["id"].strip().split(":")[0].removeprefix("functions."), match["id"].strip())),
+}
+
+
+def partial_calls(parser: ToolFormat, text: str) -> list[PartialCall]:
+    """The calls ``text`` (a reply from its calls' start marker, or from a call's start, on) has begun, in order, each
+    as far as it is written — what a stream sends of them before the reply ends. Formats whose arguments are written
+    as they are sent (deepseek_v3, deepseek_v31, kimi_k2) give them as they grow; ``qwen3_coder`` its JSON as its
+    parameters come (a string parameter's text as it grows); ``hermes`` (its arguments re-encoded from the call's
+    JSON) a call once its block is closed; a forced choice nothing before the end. A stream reads only from the
+    first call not yet complete (``end``): what it reads at every token grows with one call, not with the reply."""
+    if isinstance(parser, ForcedToolChoice):
+        return []
+    if isinstance(parser, TypedToolFormat) or parser == "hermes":
+        return _block_calls(parser, text)
+    call_start, header, call_end, terminator, whole, read = _MARKED_PARTIAL[parser]
+    found = []
+    at = text.find(call_start)
+    while at >= 0:
+        following = text.find(call_start, at + len(call_start))
+        segment = text[at:] if following < 0 else text[at:following]
+        begun = header.match(segment)
+        if begun is None:
+            break
+        name, call_id = read(begun)
+        complete = whole.match(segment) if call_end in segment else None
+        if complete is None:  # (a call followed by another that did not complete: the stream stops at it)
+            found.append(PartialCall(name, call_id, _terminator_hold(segment[begun.end():], terminator), None))
+            break
+        found.append(PartialCall(name, call_id, complete["arguments"], at + complete.end()))
+        at = following
+    return found
+
+
+def _block_calls(parser: str | TypedToolFormat, text: str) -> list[PartialCall]:
+    """:func:`partial_calls` of the ``<tool_call>`` block formats: ``hermes`` (a call once its block closes) and
+    ``qwen3_coder`` (its arguments as they are written)."""
+    found = []
+    at = text.find(_HERMES_START)
+    while at >= 0:
+        close = text.find("</tool_call>", at)
+        following = text.find(_HERMES_START, at + len(_HERMES_START))
+        if isinstance(parser, TypedToolFormat):
+            limit = len(text) if following < 0 else following
+            block_closed = 0 <= close < limit
+            function = _xml_function(text[at + len(_HERMES_START):close if block_closed else limit])
+            if function is None:
+                break
+            name, body, closed = function
+            closed = closed or block_closed
+            end = (close + len("</tool_call>") if block_closed else limit) if closed else None
+            found.append(PartialCall(name, None, _xml_arguments(body, parser.parameters.get(name, {}), closed), end))
+            if not closed:
+                break
+        else:
+            if close < 0:
+                break
+            calls = _hermes_calls(text[at:close + len("</tool_call>")])
+            if not calls:
+                break
+            found.append(PartialCall(calls[0].name, None, calls[0].arguments, close + len("</tool_call>")))
+        at = following
+    return found
