@@ -23,7 +23,8 @@ from serve_support import (
     load_tokenizer,
     make_server,
 )
-from vexpert_runtime.serve.responses_api import ResponsesRequest, chat_body
+from vexpert_runtime.serve.responses_api import ResponseEvents, ResponsesRequest, chat_body
+from vexpert_runtime.serve.tool_call_stream import ToolCallStream
 
 
 def test_a_response_request_is_the_chat_request_it_amounts_to() -> None:
@@ -135,6 +136,41 @@ def test_reasoning_and_function_calls_are_output_items(served: Any) -> None:
         assert over.value.body["param"] == "max_output_tokens"  # type: ignore[index]
     finally:
         scripted.close()
+
+
+def test_function_calls_stream_as_they_are_written() -> None:
+    """A reply streamed through the Responses events: content, then two DeepSeek-V3.1 calls whose arguments go out
+    in pieces as the model writes them (``response.function_call_arguments.delta``), each call's item added at its
+    first piece and done (with the joined arguments) before the next is added; ``response.completed`` lists the
+    message and both calls, in that order, and sends no call twice."""
+    begin, end, call, call_end, sep = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                                       "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
+    reply = f'Looking.{begin}{call}f{sep}{{"text": "{"y" * 40}"}}{call_end}{call}g{sep}{{"n": 2}}{call_end}{end}'
+    events = ResponseEvents("resp_1", 0, ResponsesRequest.model_validate({"model": "m", "input": "x"}))
+    stream, raw = ToolCallStream("deepseek_v31"), events.start()
+    for at in range(0, len(reply), 5):
+        content, deltas = stream.push(reply[at:at + 5])
+        raw += events.content(content) + events.calls(deltas)
+    tail, deltas, calls = stream.finish()
+    raw += events.content(tail) + events.calls(deltas)
+    raw += events.finish([c.as_json() for c in calls], "stop", {"input_tokens": 1, "output_tokens": 2})
+    sent = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+    assert [e["sequence_number"] for e in sent] == list(range(len(sent)))
+    argument_deltas = [e for e in sent if e["type"] == "response.function_call_arguments.delta"]
+    assert len(argument_deltas) > 4  # in pieces, not one per call
+    done = [e for e in sent if e["type"] == "response.function_call_arguments.done"]
+    for event in done:
+        pieces = "".join(d["delta"] for d in argument_deltas if d["item_id"] == event["item_id"])
+        assert pieces == event["arguments"]
+    assert [json.loads(e["arguments"]) for e in done] == [{"text": "y" * 40}, {"n": 2}]
+    kinds = [e["type"] for e in sent]
+    assert kinds.index("response.function_call_arguments.done") < [
+        i for i, e in enumerate(sent) if e["type"] == "response.output_item.added"][-1]  # f done before g is added
+    final = sent[-1]["response"]
+    assert final["status"] == "completed" and [item["type"] for item in final["output"]] == [
+        "message", "function_call", "function_call"]
+    assert [(item["name"], item["call_id"]) for item in final["output"][1:]] == [(c.name, c.id) for c in calls]
+    assert final["output"][0]["content"][0]["text"] == "Looking."
 
 
 def test_a_json_schema_text_format_constrains_the_output(served: Any) -> None:

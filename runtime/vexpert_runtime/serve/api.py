@@ -511,8 +511,8 @@ def _renamed(error: ApiError, names: dict[str, str]) -> ApiError:
 
 
 async def _response_writes(job: _Job) -> AsyncIterator[bytes]:
-    """A streamed Responses API answer (:class:`~.responses_api.ResponseEvents`): its reasoning and content deltas as
-    they come, the function calls and ``response.completed`` at the end; an error ends it with ``response.failed``."""
+    """A streamed Responses API answer (:class:`~.responses_api.ResponseEvents`): its reasoning and content deltas and
+    its function calls as they come, ``response.completed`` at the end; an error ends it with ``response.failed``."""
     assert job.responses is not None
     events = ra.ResponseEvents(job.request_id, job.created, job.responses)
     yield events.start()
@@ -520,9 +520,9 @@ async def _response_writes(job: _Job) -> AsyncIterator[bytes]:
     counts = _UsageCounts()
     async for index, batch in job.events:
         last = batch[-1]
-        thought, text, _, calls = reply.push("".join([event.text for event in batch]), last.finished)
+        thought, text, deltas, calls = reply.push("".join([event.text for event in batch]), last.finished)
         out = (events.reasoning(thought) if job.reasoning is not None and job.reasoning.shown else b"") + \
-            events.content(text)
+            events.content(text) + events.calls(deltas)
         if last.finished:
             error = _failed(last)
             if error is not None:

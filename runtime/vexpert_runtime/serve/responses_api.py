@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from vexpert_runtime.serve.openai_api import refuse_unsupported
+from vexpert_runtime.serve.tool_call_stream import CallDelta
 
 Json = dict[str, Any]
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -243,7 +244,8 @@ def response_object(response_id: str, created: int, req: ResponsesRequest, outpu
 
 class ResponseEvents:
     """A streamed response's events (``response.*``, numbered): created, the reasoning item's and the message's
-    deltas as they come, the function calls at the end, completed. Each method returns the events' SSE bytes."""
+    deltas as they come, each function call as it is written (:mod:`.tool_call_stream`), completed. Each method
+    returns the events' SSE bytes."""
 
     def __init__(self, response_id: str, created: int, req: ResponsesRequest) -> None:
         self.response_id, self.created, self.req = response_id, created, req
@@ -251,6 +253,8 @@ class ResponseEvents:
         self._output: list[Json] = []  # the items done
         self._open: tuple[str, str] | None = None  # (kind, id) of the item streaming now
         self._text = ""
+        self._call: tuple[str, str] = ("", "")  # (call id, name) of the function call streaming now
+        self._streamed: set[str] = set()  # the call ids whose items went out as they were written
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         event = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -279,6 +283,28 @@ class ResponseEvents:
         extra: Json = {} if kind == "reasoning" else {"logprobs": []}
         return out + self._event(kind_event, item_id=item_id, output_index=index, content_index=0, delta=delta, **extra)
 
+    def calls(self, deltas: Sequence[CallDelta]) -> bytes:
+        """Function calls as they are written: a call's first piece adds its item, every piece is an arguments
+        delta; the call before it is done."""
+        out = b""
+        for delta in deltas:
+            if delta.name is not None:
+                out += self._close()
+                item_id = _item_id("fc")
+                self._open, self._text, self._call = ("function_call", item_id), "", (str(delta.id), delta.name)
+                self._streamed.add(str(delta.id))
+                out += self._event("response.output_item.added", output_index=len(self._output),
+                                   item=self._call_item(item_id, "", "in_progress"))
+            if delta.arguments and self._open is not None:
+                self._text += delta.arguments
+                out += self._event("response.function_call_arguments.delta", item_id=self._open[1],
+                                   output_index=len(self._output), delta=delta.arguments)
+        return out
+
+    def _call_item(self, item_id: str, arguments: str, status: str) -> Json:
+        return {"type": "function_call", "id": item_id, "call_id": self._call[0], "name": self._call[1],
+                "arguments": arguments, "status": status}
+
     def _opened(self, kind: str) -> bytes:
         """Make ``kind`` (reasoning, message) the item streaming now: the one before it done, this one added."""
         if self._open is not None and self._open[0] == kind:
@@ -301,7 +327,11 @@ class ResponseEvents:
             return b""
         (kind, item_id), index, text = self._open, len(self._output), self._text
         self._open = None
-        if kind == "reasoning":
+        if kind == "function_call":
+            item = self._call_item(item_id, text, "completed")
+            out = self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                              arguments=text)
+        elif kind == "reasoning":
             item = reasoning_item(item_id, text)
             out = self._event("response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0,
                               text=text)
@@ -315,9 +345,12 @@ class ResponseEvents:
         return out + self._event("response.output_item.done", output_index=index, item=item)
 
     def finish(self, calls: Sequence[Json], finish_reason: str | None, usage: Json) -> bytes:
-        """The calls (each added, its arguments, done), then ``response.completed`` (or ``.incomplete``)."""
+        """The calls not streamed yet (each added, its arguments, done), then ``response.completed`` (or
+        ``.incomplete``)."""
         out = self._close()
         for call in calls:
+            if call["id"] in self._streamed:
+                continue
             item, index = function_call_item(call), len(self._output)
             out += self._event("response.output_item.added", output_index=index, item={**item, "arguments": "",
                                                                                         "status": "in_progress"})
