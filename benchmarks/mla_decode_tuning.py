@@ -53,8 +53,6 @@ def main() -> int:
     parser.add_argument("--kv-splits", type=int, nargs="+", default=[1])
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the cache's dtype: the queries' (auto) or FP8 e4m3, as --kv-cache-dtype fp8 keeps it")
-    parser.add_argument("--warp-specialize", choices=("off", "on"), nargs="+", default=["off"],
-                        help="Triton's warp-specialised loop over the context (tl.range warp_specialize), or not")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -82,19 +80,16 @@ def main() -> int:
                                             scale).float() for row in range(batch)])
         kv_bytes = batch * (args.context + 1) * cache.stride(0) * cache.element_size()  # each cached row read once
         best = None
-        for block_h, block_n, warps, stages, splits, specialize in itertools.product(
-                args.block_h, args.block_n, args.warps, args.stages, args.kv_splits, args.warp_specialize):
+        for block_h, block_n, warps, stages, splits in itertools.product(args.block_h, args.block_n, args.warps,
+                                                                         args.stages, args.kv_splits):
             split_meta = dataclasses.replace(kernel_meta, kv_splits=splits)
-            ws = specialize == "on"
             try:
                 got = attention_kernels.mla_decode(q_latent, q_rope, cache, split_meta, scale, block_h=block_h,
-                                                   block_n=block_n, num_warps=warps, num_stages=stages,
-                                                   warp_specialize=ws)
+                                                   block_n=block_n, num_warps=warps, num_stages=stages)
                 torch.cuda.synchronize()
             except Exception as exc:  # a configuration Triton cannot build (shared memory)
                 rows.append({"batch": batch, "block_h": block_h, "block_n": block_n, "warps": warps,
-                             "stages": stages, "kv_splits": splits, "warp_specialize": specialize,
-                             "error": str(exc)[:160]})
+                             "stages": stages, "kv_splits": splits, "error": str(exc)[:120]})
                 continue
             error = (got.float() - want).abs().max().item()
             times = []
@@ -103,14 +98,13 @@ def main() -> int:
                 start.record()
                 for _ in range(args.iters):
                     attention_kernels.mla_decode(q_latent, q_rope, cache, split_meta, scale, block_h=block_h,
-                                                 block_n=block_n, num_warps=warps, num_stages=stages,
-                                                 warp_specialize=ws)
+                                                 block_n=block_n, num_warps=warps, num_stages=stages)
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end) / args.iters)
             row = {"batch": batch, "context": args.context, "block_h": block_h, "block_n": block_n, "warps": warps,
                    "stages": stages, "kv_splits": splits, "kv_cache_dtype": args.kv_cache_dtype,
-                   "warp_specialize": specialize, "ms": round(statistics.median(times), 4), "max_abs_error": round(error, 4),
+                   "ms": round(statistics.median(times), 4), "max_abs_error": round(error, 4),
                    "kv_tb_per_s": round(kv_bytes / (statistics.median(times) * 1e9), 2)}
             rows.append(row)
             print(json.dumps(row), flush=True)

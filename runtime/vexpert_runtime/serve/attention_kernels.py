@@ -46,7 +46,7 @@ if triton is not None:
     @triton.jit
     def _mla_rows(ql, qr, cache, table, start, end, scale, stride_cache, stride_tn,
                   C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, PAGE: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False):
+                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
         """Online softmax of a head block's queries over the sequence's cached rows [start, end):
         (running max [BLOCK_H], denominator [BLOCK_H], Σ p·c [BLOCK_H, CP]) — one definition for the
         one-pass and the split kernels."""
@@ -57,8 +57,7 @@ if triton is not None:
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, CP], dtype=tl.float32)
-        # WARP_SPECIALIZE: Triton's producer/consumer warp groups (loads beside the dots), an experiment (run 24)
-        for first in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        for first in range(start, end, BLOCK_N):
             n = first + tl.arange(0, BLOCK_N)
             nmask = n < end
             block = tl.load(table + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
@@ -96,15 +95,14 @@ if triton is not None:
                            stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_cache, stride_tb, stride_tn,
                            stride_ob, stride_oh,
                            NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr,
-                           PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                           WARP_SPECIALIZE: tl.constexpr = False):
+                           PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
         b = tl.program_id(0)
         table = tables + tl.load(token_seq + b) * stride_tb
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         ql, qr = _mla_queries(q_lat, q_rope, b, heads, stride_qlb, stride_qlh, stride_qrb, stride_qrh, NH, C, R, CP, RP)
         length = tl.load(lens + b)
         _, l_i, acc = _mla_rows(ql, qr, cache, table, 0, length, scale, stride_cache, stride_tn, C, R, CP, RP, PAGE,
-                                BLOCK_H, BLOCK_N, WARP_SPECIALIZE)
+                                BLOCK_H, BLOCK_N)
         result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         offs_c = tl.arange(0, CP)
         tl.store(out + b * stride_ob + heads[:, None] * stride_oh + offs_c[None, :],
@@ -140,7 +138,7 @@ if triton is not None:
                                  stride_ob, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls, max_splits,
                                  NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr,
                                  RP: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 SPLIT_ROWS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False):
+                                 SPLIT_ROWS: tl.constexpr):
         """Split ``program_id(2)`` of a query's context (split-KV, as FlashDecoding and SGLang's
         ``decode_attention`` stage 1): a query whose context takes one split writes its output here;
         the others write their normalised partial output and log-sum-exp for :func:`_merge_splits_kernel`."""
@@ -154,7 +152,7 @@ if triton is not None:
             ql, qr = _mla_queries(q_lat, q_rope, b, heads, stride_qlb, stride_qlh, stride_qrb, stride_qrh,
                                   NH, C, R, CP, RP)
             m_i, l_i, acc = _mla_rows(ql, qr, cache, table, start, end, scale, stride_cache, stride_tn, C, R, CP, RP,
-                                      PAGE, BLOCK_H, BLOCK_N, WARP_SPECIALIZE)
+                                      PAGE, BLOCK_H, BLOCK_N)
             offs_c = tl.arange(0, CP)
             _store_split(m_i, l_i, acc, splits, out + b * stride_ob + heads[:, None] * stride_oh + offs_c[None, :],
                          part + b * stride_pb + split * stride_ps + heads[:, None] * stride_ph + offs_c[None, :],
@@ -357,8 +355,7 @@ def mla_kv_splits(rows: int, heads: int, longest: int, sm_count: int) -> int:
 
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, split_rows: int | None = None, warp_specialize: bool = False
-               ) -> torch.Tensor:
+               num_stages: int | None = None, split_rows: int | None = None) -> torch.Tensor:
     """q_latent [T, nh, C], q_rope [T, nh, R] (any tokens: decodes or prompt chunks, each with its
     own context, see :class:`~.attention.AttentionMetadata`) over a latent cache [slots, C + R]
     → Σ p·c [T, nh, C]. Launch parameters left None come from :func:`mla_launch_config` (T is a
@@ -377,7 +374,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     page = meta.block_size
     head_blocks = triton.cdiv(heads, block_h)
     shapes = dict(NH=heads, C=latent, R=rope, CP=_pow2(latent), RP=_pow2(rope), PAGE=page, BLOCK_H=block_h,
-                  BLOCK_N=block_n, WARP_SPECIALIZE=warp_specialize)
+                  BLOCK_N=block_n)
     strides = (q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
                meta.block_tables.stride(0), meta.block_tables.stride(1), out.stride(0), out.stride(1))
     if splits == 1:
