@@ -292,15 +292,24 @@ TOOLS = {"get_weather": WEATHER, "get_time": CLOCK}
 
 
 def test_a_named_tool_choice_is_that_functions_arguments_with_no_parser(client: openai.OpenAI) -> None:
-    """The server has no --tool-call-parser: the forced call is read from the constrained JSON."""
-    reply = client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "weather?"}], max_tokens=500, temperature=0,
-        tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}})  # type: ignore[list-item]
-    choice = reply.choices[0]
+    """The server has no --tool-call-parser: the forced call is read from the constrained JSON — streamed, its
+    arguments go out as they are written (the call named in the first piece; ``test_tool_calls.py`` shows the pieces),
+    joined the same as the whole reply's."""
+    from serve_support import joined_tool_calls
+
+    body: dict[str, Any] = {
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 500,
+        "temperature": 0, "tools": [WEATHER, CLOCK], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+    choice = client.chat.completions.create(**body).choices[0]
     assert choice.finish_reason == "stop" and not choice.message.content  # OpenAI's: a named call stops
     (call,) = choice.message.tool_calls or []
     assert call.function.name == "get_time" and call.id.startswith("chatcmpl-tool-")  # type: ignore[union-attr]
     jsonschema.validate(json.loads(call.function.arguments), CLOCK["function"]["parameters"])  # type: ignore[union-attr,index]
+    chunks = list(client.chat.completions.create(stream=True, **body))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    ((index, call_id, name, arguments),) = joined_tool_calls(deltas)
+    assert (index, name, arguments) == (0, "get_time", call.function.arguments)  # type: ignore[union-attr]
+    assert call_id and call_id.startswith("chatcmpl-tool-")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

@@ -13,6 +13,7 @@ import pytest
 from vexpert_runtime.serve.tool_call_stream import ToolCallStream
 from vexpert_runtime.serve.tool_calls import (
     PARSERS,
+    ForcedToolChoice,
     TypedToolFormat,
     parse_tool_calls,
     schema_types,
@@ -241,6 +242,19 @@ def test_calls_that_went_out_stay_calls_though_the_reply_then_breaks_them() -> N
     tail, _, calls = stream.finish()
     assert tail == "" and [(c.name, c.arguments, c.id) for c in calls] == [("f", '{"a": 1,,}', deltas[0].id)]
     assert parse_tool_calls("deepseek_v3", text) == (text, [])
+
+
+def test_a_named_forced_function_streams_its_arguments_as_written_and_a_required_call_at_the_end() -> None:
+    """``tool_choice`` naming a function: the whole reply is its arguments, sent as they come (not before a
+    non-blank character); "required": a JSON list of calls, re-encoded, so the calls go out at the end."""
+    named = ToolCallStream(ForcedToolChoice("f"))
+    pieces = [named.push(text)[1] for text in ("  ", '{"a"', ": 1}")]
+    assert pieces[0] == [] and [d.arguments for d in pieces[1] + pieces[2]] == ['  {"a"', ": 1}"]
+    assert pieces[1][0].name == "f" and named.finish()[2][0].arguments == '  {"a": 1}'
+    required = ToolCallStream(ForcedToolChoice(None))
+    assert required.push('[{"name": "f", "parameters": {"a": 1}}]')[1] == []
+    _, last, calls = required.finish()
+    assert [(d.name, d.arguments) for d in last] == [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1}')]
 
 
 def test_parallel_tool_calls_false_streams_the_first_call_only() -> None:

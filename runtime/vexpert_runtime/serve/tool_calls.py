@@ -475,10 +475,12 @@ def partial_calls(parser: ToolFormat, text: str) -> list[PartialCall]:
     as far as it is written — what a stream sends of them before the reply ends. Formats whose arguments are written
     as they are sent (deepseek_v3, deepseek_v31, kimi_k2) give them as they grow; ``qwen3_coder`` its JSON as its
     parameters come (a string parameter's text as it grows); ``hermes`` (its arguments re-encoded from the call's
-    JSON) a call once its block is closed; a forced choice nothing before the end. A stream reads only from the
-    first call not yet complete (``end``): what it reads at every token grows with one call, not with the reply."""
+    JSON) a call once its block is closed; a named forced function its arguments (the whole reply) as written;
+    ``tool_choice`` "required" (calls re-encoded from a JSON list) nothing before the end. A stream reads only from
+    the first call not yet complete (``end``): what it reads at every token grows with one call, not with the reply."""
     if isinstance(parser, ForcedToolChoice):
-        return []
+        named = parser.function is not None and text.strip()
+        return [PartialCall(str(parser.function), None, text, None)] if named else []
     if isinstance(parser, TypedToolFormat) or parser == "hermes":
         return _block_calls(parser, text)
     call_start, header, call_end, terminator, whole, read = _MARKED_PARTIAL[parser]
