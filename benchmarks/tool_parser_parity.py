@@ -2,7 +2,9 @@
 whose arguments the request's tools type) — each case's content and calls from ``serve/tool_calls.py``
 (:func:`parse_tool_calls` with :class:`TypedToolFormat`, what ``vexpert serve --tool-call-parser qwen3_coder`` runs)
 and from vLLM's own parser class (``vllm.tool_parsers``, its ``extract_tool_calls``), run in vLLM's virtual environment
-(``--vllm-python``; it reads the demo model's tokenizer). Prints one row per case and whether the two agree.
+(``--vllm-python``; it reads the demo model's tokenizer) — and streamed a token at a time (the demo tokenizer's
+tokens; vLLM's ``extract_tool_calls_streaming``, vexpert's ``ToolCallStream``), each call's deltas joined as a client
+joins them. Prints one row per case and whether the two agree.
 
     python benchmarks/tool_parser_parity.py --vllm-python /work/vllm-venv/bin/python --out out/tool_parser_parity.json
 
@@ -49,16 +51,32 @@ CASES = [
 ]
 
 
-def vexpert_rows() -> list[dict[str, Any]]:
+def vexpert_rows(pieces: list[list[str]]) -> list[dict[str, Any]]:
+    """Each case whole (``parse_tool_calls``) and streamed by ``pieces`` (``ToolCallStream``, the deltas joined)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+    from vexpert_runtime.serve.tool_call_stream import ToolCallStream
     from vexpert_runtime.serve.tool_calls import TypedToolFormat, parse_tool_calls
 
     fmt = TypedToolFormat.of("qwen3_coder", TOOLS)
     rows = []
-    for name, text in CASES:
+    for (name, text), case_pieces in zip(CASES, pieces, strict=True):
         content, calls = parse_tool_calls(fmt, text)
+        stream, sent, joined = ToolCallStream(fmt), "", {}
+        for piece in case_pieces:
+            more, deltas = stream.push(piece)
+            sent += more
+            for delta in deltas:
+                entry = joined.setdefault(delta.index, ["", ""])
+                entry[0] += delta.name or ""
+                entry[1] += delta.arguments
+        tail, deltas, _ = stream.finish()
+        for delta in deltas:
+            entry = joined.setdefault(delta.index, ["", ""])
+            entry[0] += delta.name or ""
+            entry[1] += delta.arguments
         rows.append({"case": name, "content": content if calls else text,
-                     "calls": [[c.name, json.loads(c.arguments)] for c in calls]})
+                     "calls": [[c.name, json.loads(c.arguments)] for c in calls],
+                     "streamed": {"content": sent + tail, "calls": [joined[i] for i in sorted(joined)]}})
     return rows
 
 
@@ -74,8 +92,32 @@ parser_cls = ToolParserManager.get_tool_parser("qwen3_coder")
 rows = []
 for name, text in cases:
     got = parser_cls(tok, request.tools).extract_tool_calls(text, request)
-    rows.append({"case": name, "content": got.content if got.tools_called else text,
-                 "calls": [[c.function.name, json.loads(c.function.arguments)] for c in got.tool_calls]})
+    row = {"case": name, "content": got.content if got.tools_called else text,
+           "calls": [[c.function.name, json.loads(c.function.arguments)] for c in got.tool_calls]}
+    # streamed a token at a time (the demo tokenizer's tokens), the deltas joined per call as a client joins them
+    parser = parser_cls(tok, request.tools)
+    ids = tok.encode(text, add_special_tokens=False)
+    before, pieces, deltas = "", [], []
+    for end in range(1, len(ids) + 1):
+        now = tok.decode(ids[:end])
+        pieces.append(now[len(before):])
+        delta = parser.extract_tool_calls_streaming(before, now, now[len(before):], ids[:end - 1], ids[:end],
+                                                    ids[end - 1:end], request)
+        if delta is not None:
+            deltas.append(delta)
+        before = now
+    last = parser.finish_streaming() if hasattr(parser, "finish_streaming") else None
+    deltas += [last] if last is not None else []
+    content, joined = "", {}
+    for delta in deltas:
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            entry = joined.setdefault(call.index, ["", ""])
+            entry[0] += (call.function.name or "") if call.function else ""
+            entry[1] += (call.function.arguments or "") if call.function else ""
+    row["pieces"] = pieces
+    row["streamed"] = {"content": content, "calls": [[joined[i][0], joined[i][1]] for i in sorted(joined)]}
+    rows.append(row)
 print("ROWS " + json.dumps(rows))
 """
 
@@ -98,13 +140,18 @@ def main() -> int:
         from vexpert_runtime.serve.demo_model import ensure_demo_model
 
         ensure_demo_model(Path(args.tokenizer))
-    ours, theirs = vexpert_rows(), vllm_rows(args.vllm_python, args.tokenizer)
+    theirs = vllm_rows(args.vllm_python, args.tokenizer)
+    ours = vexpert_rows([row.pop("pieces") for row in theirs])
     rows = []
     for mine, other in zip(ours, theirs, strict=True):
-        row = {"case": mine["case"], "agree": mine == other, "vexpert": mine, "vllm": other}
+        whole = {k: mine[k] for k in ("content", "calls")} == {k: other[k] for k in ("content", "calls")}
+        row = {"case": mine["case"], "agree": whole, "streamed_calls_agree": mine["streamed"]["calls"] ==
+               other["streamed"]["calls"], "streamed_content_agree": mine["streamed"]["content"] ==
+               other["streamed"]["content"], "vexpert": mine, "vllm": other}
         rows.append(row)
         print(json.dumps(row, ensure_ascii=False))
-    print(f"{sum(r['agree'] for r in rows)} of {len(rows)} cases agree")
+    print(f"whole replies: {sum(r['agree'] for r in rows)} of {len(rows)} cases agree; streamed: calls "
+          f"{sum(r['streamed_calls_agree'] for r in rows)}, content {sum(r['streamed_content_agree'] for r in rows)}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"parser": "qwen3_coder", "rows": rows}, indent=1, ensure_ascii=False))
