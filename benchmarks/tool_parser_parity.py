@@ -1,6 +1,7 @@
 """vexpert's tool-call parsers beside vLLM's on the same replies, offline: ``qwen3_coder`` (Qwen3-Coder's XML calls,
-whose arguments the request's tools type) — each case's content and calls from ``serve/tool_calls.py``
-(:func:`parse_tool_calls` with :class:`TypedToolFormat`, what ``vexpert serve --tool-call-parser qwen3_coder`` runs)
+whose arguments the request's tools type), ``deepseek_v3``, ``deepseek_v31`` and ``kimi_k2`` (their markers made
+special tokens of the tokenizer, as in those models') — each case's content and calls from ``serve/tool_calls.py``
+(:func:`parse_tool_calls`, what ``vexpert serve --tool-call-parser …`` runs)
 and from vLLM's own parser class (``vllm.tool_parsers``, its ``extract_tool_calls``), run in vLLM's virtual environment
 (``--vllm-python``; it reads the demo model's tokenizer) — and streamed a token at a time (the demo tokenizer's
 tokens; vLLM's ``extract_tool_calls_streaming``, vexpert's ``ToolCallStream``), each call's deltas joined as a client
@@ -51,29 +52,55 @@ CASES = [
 ]
 
 
-def vexpert_rows(pieces: list[list[str]]) -> list[dict[str, Any]]:
+BEGIN, END, CALL, CALL_END, SEP = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                                   "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
+KIMI = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_end|>",
+        "<|tool_call_argument_begin|>")
+LONG = json.dumps({"path": "a.py", "text": "def f(x):\n    return x * 2\n" * 6})
+# parser → (its markers, special tokens in the model's tokenizer; its cases)
+FORMATS: dict[str, tuple[tuple[str, ...], list[tuple[str, str]]]] = {
+    "qwen3_coder": ((), CASES),
+    "deepseek_v3": ((BEGIN, END, CALL, CALL_END, SEP), [
+        ("two calls", f'Let me check.{BEGIN}{CALL}function{SEP}get_weather\n```json\n{{"city": "Paris"}}\n```{CALL_END}\n'
+                      f'{CALL}function{SEP}ping\n```json\n{{}}\n```{CALL_END}{END}'),
+        ("long arguments", f"{BEGIN}{CALL}function{SEP}write\n```json\n{LONG}\n```{CALL_END}{END}"),
+        ("spaced JSON", f'{BEGIN}{CALL}function{SEP}f\n```json\n{{ "a" : [1, 2],\n "b":"x" }}\n```{CALL_END}{END}'),
+        ("no call", "plain text, no call")]),
+    "deepseek_v31": ((BEGIN, END, CALL, CALL_END, SEP), [
+        ("two calls", f'Let me check.{BEGIN}{CALL}get_weather{SEP}{{"city": "Paris"}}{CALL_END}'
+                      f'{CALL}ping{SEP}{{}}{CALL_END}{END}'),
+        ("long arguments", f"{BEGIN}{CALL}write{SEP}{LONG}{CALL_END}{END}")]),
+    "kimi_k2": (KIMI, [
+        ("two calls", f'Let me check.{KIMI[0]}{KIMI[2]}functions.get_weather:0{KIMI[4]}{{"city": "Paris"}}{KIMI[3]}'
+                      f'{KIMI[2]}functions.ping:1{KIMI[4]}{{}}{KIMI[3]}{KIMI[1]}'),
+        ("long arguments", f"{KIMI[0]}{KIMI[2]}functions.write:0{KIMI[4]}{LONG}{KIMI[3]}{KIMI[1]}")]),
+}
+
+
+def _joined(joined: dict[int, list[str]], deltas: Any, name_of: Any, arguments_of: Any) -> None:
+    for delta in deltas:
+        entry = joined.setdefault(delta.index, ["", ""])
+        entry[0] += name_of(delta) or ""
+        entry[1] += arguments_of(delta) or ""
+
+
+def vexpert_rows(parser_name: str, pieces: list[list[str]]) -> list[dict[str, Any]]:
     """Each case whole (``parse_tool_calls``) and streamed by ``pieces`` (``ToolCallStream``, the deltas joined)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
     from vexpert_runtime.serve.tool_call_stream import ToolCallStream
     from vexpert_runtime.serve.tool_calls import TypedToolFormat, parse_tool_calls
 
-    fmt = TypedToolFormat.of("qwen3_coder", TOOLS)
+    fmt = TypedToolFormat.of(parser_name, TOOLS) if parser_name == "qwen3_coder" else parser_name
     rows = []
-    for (name, text), case_pieces in zip(CASES, pieces, strict=True):
+    for (name, text), case_pieces in zip(FORMATS[parser_name][1], pieces, strict=True):
         content, calls = parse_tool_calls(fmt, text)
         stream, sent, joined = ToolCallStream(fmt), "", {}
         for piece in case_pieces:
             more, deltas = stream.push(piece)
             sent += more
-            for delta in deltas:
-                entry = joined.setdefault(delta.index, ["", ""])
-                entry[0] += delta.name or ""
-                entry[1] += delta.arguments
+            _joined(joined, deltas, lambda d: d.name, lambda d: d.arguments)
         tail, deltas, _ = stream.finish()
-        for delta in deltas:
-            entry = joined.setdefault(delta.index, ["", ""])
-            entry[0] += delta.name or ""
-            entry[1] += delta.arguments
+        _joined(joined, deltas, lambda d: d.name, lambda d: d.arguments)
         rows.append({"case": name, "content": content if calls else text,
                      "calls": [[c.name, json.loads(c.arguments)] for c in calls],
                      "streamed": {"content": sent + tail, "calls": [joined[i] for i in sorted(joined)]}})
@@ -85,10 +112,12 @@ import json, sys
 from transformers import AutoTokenizer
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.tool_parsers import ToolParserManager
-cases, tools, tokenizer = json.loads(sys.stdin.read())
+parser_name, markers, cases, tools, tokenizer = json.loads(sys.stdin.read())
 tok = AutoTokenizer.from_pretrained(tokenizer)
+if markers:  # the format's markers are special tokens in the model's tokenizer, as in DeepSeek's and Kimi's
+    tok.add_special_tokens({"additional_special_tokens": markers})
 request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=tools)
-parser_cls = ToolParserManager.get_tool_parser("qwen3_coder")
+parser_cls = ToolParserManager.get_tool_parser(parser_name)
 rows = []
 for name, text in cases:
     got = parser_cls(tok, request.tools).extract_tool_calls(text, request)
@@ -122,9 +151,10 @@ print("ROWS " + json.dumps(rows))
 """
 
 
-def vllm_rows(python: str, tokenizer: str) -> list[dict[str, Any]]:
-    done = subprocess.run([python, "-c", VLLM_SIDE], input=json.dumps([CASES, TOOLS, tokenizer]), text=True,
-                          capture_output=True, timeout=600, check=True)
+def vllm_rows(python: str, tokenizer: str, parser_name: str) -> list[dict[str, Any]]:
+    markers, cases = FORMATS[parser_name]
+    done = subprocess.run([python, "-c", VLLM_SIDE], input=json.dumps([parser_name, markers, cases, TOOLS, tokenizer]),
+                          text=True, capture_output=True, timeout=600, check=True)
     line = next(line for line in done.stdout.splitlines() if line.startswith("ROWS "))
     return json.loads(line[5:])
 
@@ -133,6 +163,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", required=True, help="the python of a virtual environment with vLLM")
     parser.add_argument("--tokenizer", default="/tmp/vexpert-demo-model", help="a tokenizer directory vLLM can load")
+    parser.add_argument("--parsers", nargs="+", choices=sorted(FORMATS), default=sorted(FORMATS))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not (Path(args.tokenizer) / "tokenizer.json").exists():
@@ -140,21 +171,24 @@ def main() -> int:
         from vexpert_runtime.serve.demo_model import ensure_demo_model
 
         ensure_demo_model(Path(args.tokenizer))
-    theirs = vllm_rows(args.vllm_python, args.tokenizer)
-    ours = vexpert_rows([row.pop("pieces") for row in theirs])
-    rows = []
-    for mine, other in zip(ours, theirs, strict=True):
-        whole = {k: mine[k] for k in ("content", "calls")} == {k: other[k] for k in ("content", "calls")}
-        row = {"case": mine["case"], "agree": whole, "streamed_calls_agree": mine["streamed"]["calls"] ==
-               other["streamed"]["calls"], "streamed_content_agree": mine["streamed"]["content"] ==
-               other["streamed"]["content"], "vexpert": mine, "vllm": other}
-        rows.append(row)
-        print(json.dumps(row, ensure_ascii=False))
-    print(f"whole replies: {sum(r['agree'] for r in rows)} of {len(rows)} cases agree; streamed: calls "
-          f"{sum(r['streamed_calls_agree'] for r in rows)}, content {sum(r['streamed_content_agree'] for r in rows)}")
+    results = {}
+    for parser_name in args.parsers:
+        theirs = vllm_rows(args.vllm_python, args.tokenizer, parser_name)
+        ours = vexpert_rows(parser_name, [row.pop("pieces") for row in theirs])
+        rows = []
+        for mine, other in zip(ours, theirs, strict=True):
+            whole = {k: mine[k] for k in ("content", "calls")} == {k: other[k] for k in ("content", "calls")}
+            row = {"case": mine["case"], "agree": whole, "streamed_calls_agree": mine["streamed"]["calls"] ==
+                   other["streamed"]["calls"], "streamed_content_agree": mine["streamed"]["content"] ==
+                   other["streamed"]["content"], "vexpert": mine, "vllm": other}
+            rows.append(row)
+            print(parser_name, json.dumps(row, ensure_ascii=False))
+        print(f"{parser_name}: whole replies {sum(r['agree'] for r in rows)} of {len(rows)} agree; streamed: calls "
+              f"{sum(r['streamed_calls_agree'] for r in rows)}, content {sum(r['streamed_content_agree'] for r in rows)}")
+        results[parser_name] = rows
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"parser": "qwen3_coder", "rows": rows}, indent=1, ensure_ascii=False))
+        args.out.write_text(json.dumps(results, indent=1, ensure_ascii=False))
     return 0
 
 
