@@ -180,6 +180,7 @@ def test_a_qwen3_coder_reply_without_valid_calls_is_all_content(text: str) -> No
     ("hermes", TWO_CALLS), ("hermes", "no call here, though it ends in <tool_c"),
     ("hermes", "a <tool_call> that is not one"), ("deepseek_v3", DEEPSEEK_TWO_CALLS),
     ("deepseek_v3", f"no call here, though it ends in {BEGIN[:4]}"), ("deepseek_v3", f"a {BEGIN} that is not one"),
+    ("deepseek_v3", f"{BEGIN}{CALL}function{SEP}f\n```json\n{{\"a\": \"``\"}}\n``` \n {CALL_END}{END}"),
     ("deepseek_v31", DEEPSEEK_V31_TWO_CALLS), ("kimi_k2", KIMI_TWO_CALLS),
     ("kimi_k2", f"no call here, though it ends in {KIMI_BEGIN[:6]}"), (QWEN3_CODER, QWEN3_CODER_TWO_CALLS),
     (QWEN3_CODER, "no call here, though it ends in <tool_ca"), (QWEN3_CODER, "no call, spaces \n\n and all \n"),

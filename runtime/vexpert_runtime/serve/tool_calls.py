@@ -458,7 +458,7 @@ _MARKED_PARTIAL: dict[str, tuple[str, re.Pattern[str], str, re.Pattern[str], re.
     "deepseek_v3": (_DEEPSEEK_CALL_START,
                     re.compile(r"<｜tool▁call▁begin｜>[^<]*?<｜tool▁sep｜>(?P<name>[^\n]*)\n```json\n"),
                     "<｜tool▁call▁end｜>",
-                    re.compile(r"\n(?:`{0,3}|```\s*(?:" + _prefixes("<｜tool▁call▁end｜>") + "))", re.DOTALL),
+                    re.compile(r"\n(?:`{0,3}|```\s*(?:" + _prefixes("<｜tool▁call▁end｜>") + ")?)", re.DOTALL),
                     _DEEPSEEK_CALL, lambda match: (match["name"].strip(), None)),
     "deepseek_v31": (_DEEPSEEK_CALL_START, re.compile(r"<｜tool▁call▁begin｜>(?P<name>[^<]*?)<｜tool▁sep｜>"),
                      "<｜tool▁call▁end｜>", re.compile(_prefixes("<｜tool▁call▁end｜>")), _DEEPSEEK_V31_CALL,
