@@ -657,6 +657,11 @@ def test_tool_calls_are_read_though_their_markers_are_special_tokens(tmp_path: P
         assert (content, finish) == ("ok ", "tool_calls")
         assert [(index, name, arguments) for index, _, name, arguments in joined_tool_calls(deltas)] == [
             (0, "f", '{"x": 1}')]
+        # the OpenAI SDK's own stream accumulator reads the same call out of the deltas
+        with client.chat.completions.stream(**kwargs) as stream:
+            final = stream.get_final_completion().choices[0]
+        assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls or []] == [("f", '{"x": 1}')]
+        assert final.finish_reason == "tool_calls"
         text = client.chat.completions.create(**kwargs, tool_choice="none").choices[0]
         assert (text.message.content, text.message.tool_calls) == (without_markers, None)
         completion = client.completions.create(model=MODEL_NAME, prompt="x?", max_tokens=120,
