@@ -23,7 +23,7 @@ from serve_support import (
     load_tokenizer,
     make_server,
 )
-from vexpert_runtime.serve.responses_api import ResponseEvents, ResponsesRequest, chat_body
+from vexpert_runtime.serve.responses_api import ResponseEvents, ResponsesRequest, ResponseStore, chat_body
 from vexpert_runtime.serve.tool_call_stream import ToolCallStream
 
 
@@ -193,6 +193,52 @@ def test_a_json_schema_text_format_constrains_the_output(served: Any) -> None:
     assert all(matcher.accept(token) for token in tokenizer.encode(text, add_special_tokens=False)), text
     if response.status == "completed":
         jsonschema.validate(json.loads(text), schema)
+
+
+def test_stored_responses_continue_their_conversation_and_are_retrieved(served: Any) -> None:
+    """With a store (``--responses-store 2``): a response continued by ``previous_response_id`` sees the conversation
+    it ends — its reply is the chat completion of the whole exchange, token for token, whole and streamed —; ``GET
+    /v1/responses/{id}`` returns a stored one; ``store: false`` keeps none; the oldest goes first (a 404 naming
+    ``previous_response_id``); the CLI refuses the store with several API processes (each would keep its own)."""
+    from vexpert_runtime.cli import build_parser
+    from vexpert_runtime.commands.serve import _checked_api_key
+    from vexpert_runtime.errors import VExpertInputError
+
+    srv, client = served[0], served[1]
+    srv.api.responses_store = ResponseStore(2)
+    ask: dict[str, Any] = {"model": MODEL_NAME, "max_output_tokens": 8, "temperature": 0}
+    try:
+        first = client.responses.create(input="the quick brown fox", **ask)
+        assert first.store and client.responses.retrieve(first.id).output_text == first.output_text
+        second = client.responses.create(input="and then?", previous_response_id=first.id, **ask)
+        chat = client.chat.completions.create(model=MODEL_NAME, max_tokens=8, temperature=0, messages=[
+            {"role": "user", "content": "the quick brown fox"}, {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "and then?"}])
+        assert second.output_text == chat.choices[0].message.content
+        assert second.usage is not None and chat.usage is not None
+        assert second.usage.input_tokens == chat.usage.prompt_tokens
+        events = list(client.responses.create(input="more", previous_response_id=second.id, stream=True, **ask))
+        third = events[-1].response
+        chat = client.chat.completions.create(model=MODEL_NAME, max_tokens=8, temperature=0, messages=[
+            {"role": "user", "content": "the quick brown fox"}, {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "and then?"}, {"role": "assistant", "content": second.output_text},
+            {"role": "user", "content": "more"}])
+        assert third.store and third.output_text == chat.choices[0].message.content
+        assert client.responses.retrieve(third.id).output_text == third.output_text
+        unkept = client.responses.create(input="hi", store=False, **ask)
+        assert not unkept.store
+        for gone in (unkept.id, first.id):  # not stored; dropped (the store holds the last 2: second, third)
+            assert httpx.get(f"{srv.url}/v1/responses/{gone}", timeout=30).status_code == 404
+        answer = httpx.post(f"{srv.url}/v1/responses", json={**ask, "input": "x", "previous_response_id": first.id},
+                            timeout=30)
+        assert answer.status_code == 404 and answer.json()["error"]["param"] == "previous_response_id"
+    finally:
+        srv.api.responses_store = None
+    assert httpx.get(f"{srv.url}/v1/responses/{second.id}", timeout=30).status_code == 404  # no store: none
+    with pytest.raises(VExpertInputError) as error:
+        _checked_api_key(build_parser().parse_args(["serve", "--responses-store", "8", "--api-servers", "2",
+                                                    "--port", "8000"]))
+    assert error.value.field == "--responses-store"
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -135,6 +135,10 @@ def register(subparsers: Any) -> None:
                              "bookkeeping, sampling) with torch.compile (auto: with CUDA graphs, where a step is "
                              "captured once and replayed; compiles take about a minute at start, cached on disk)")
     _add_reply_options(parser)
+    parser.add_argument("--responses-store", type=int, default=0, metavar="N",
+                        help="keep the last N Responses API responses of requests with store true in the API "
+                             "process, for previous_response_id and GET /v1/responses/{id} (vLLM: "
+                             "VLLM_ENABLE_RESPONSES_API_STORE); 0, the default: none (needs --api-servers 1)")
     parser.add_argument("--generation-config", choices=("auto", "vexpert"), default="auto",
                         help="defaults of the sampling fields a request leaves out: 'auto' takes temperature, "
                              "top_p, top_k, min_p, repetition_penalty and max_new_tokens from the checkpoint's "
@@ -214,6 +218,11 @@ def _checked_api_key(args: argparse.Namespace) -> str | None:
     require_at_least("--cpu-workers", args.cpu_workers, 1, CPU_WORKERS_MEANING)
     require_at_least("--stream-interval", args.stream_interval, 1, "tokens per streamed event (1: every token)")
     require_at_least("--api-servers", args.api_servers, 1, "API server processes sharing the port")
+    require_at_least("--responses-store", args.responses_store, 0, "stored Responses API responses (0: none)")
+    if args.responses_store > 0 and args.api_servers > 1:
+        raise VExpertInputError("--responses-store", "each API server process would keep its own responses: a "
+                                "follow-up reaching another process would not find its predecessor",
+                                "pass --api-servers 1 with it, or leave it out")
     if args.api_servers > 1 and args.port == 0:
         raise VExpertInputError("--port", "0 (any free port) cannot be shared by several API servers",
                                 "pass a port, or --api-servers 1")
@@ -318,7 +327,8 @@ def _api_config(served: _Served, args: argparse.Namespace, api_key: str | None) 
     return ApiConfig(served.name, served.max_context, vocab, args.drain_timeout, api_key=api_key, aliases=served.aliases,
                      header_timeout_s=args.header_timeout, sampling_defaults=served.sampling_defaults,
                      tool_call_parser=args.tool_call_parser, tokens_as_ids=args.return_tokens_as_token_ids,
-                     reasoning_parser=args.reasoning_parser, chat_template=served.chat_template), tokenizer
+                     reasoning_parser=args.reasoning_parser, chat_template=served.chat_template,
+                     responses_store=args.responses_store), tokenizer
 
 
 def load_chat_template(value: str, model_dir: Path) -> str:

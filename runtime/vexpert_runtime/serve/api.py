@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (aiohttp), one port.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, OpenAI's ``POST /v1/responses`` (stateless:
-:mod:`.responses_api`) (all stream as SSE with
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, OpenAI's ``POST /v1/responses`` (and ``GET
+/v1/responses/{id}`` where ``--responses-store`` keeps them: :mod:`.responses_api`) (all stream as SSE with
 ``"stream": true``: ``data: {chunk}\\n\\n`` … ``data: [DONE]\\n\\n``), ``GET /v1/models``,
 ``GET /health`` (200 ready / 503 not: starting, shutting down, rank loop dead), ``GET /metrics``, and vLLM's
 ``POST /tokenize`` (a ``prompt`` or ``messages``: the ids the generation endpoints would run), ``POST /detokenize``
@@ -145,6 +145,7 @@ class ApiConfig:
     reasoning_parser: str | None = None  # how chat replies' reasoning is told from their content (reasoning.py)
     chat_template: str | None = None  # --chat-template: the Jinja template chats render with (None: the model's)
     aliases: tuple[str, ...] = ()  # other names requests may give the model (--served-model-name's after the first)
+    responses_store: int = 0  # the last N stored Responses API responses kept (--responses-store; 0: none)
 
     @property
     def body_limit(self) -> int:
@@ -510,11 +511,13 @@ def _renamed(error: ApiError, names: dict[str, str]) -> ApiError:
                     names[head] + dot + rest, error.body["error"].get("code"), error.headers)
 
 
-async def _response_writes(job: _Job) -> AsyncIterator[bytes]:
+async def _response_writes(job: _Job, store: ra.ResponseStore | None) -> AsyncIterator[bytes]:
     """A streamed Responses API answer (:class:`~.responses_api.ResponseEvents`): its reasoning and content deltas and
-    its function calls as they come, ``response.completed`` at the end; an error ends it with ``response.failed``."""
+    its function calls as they come, ``response.completed`` at the end (kept in ``store`` where the request asks);
+    an error ends it with ``response.failed``."""
     assert job.responses is not None
-    events = ra.ResponseEvents(job.request_id, job.created, job.responses)
+    store = store if job.responses.store else None
+    events = ra.ResponseEvents(job.request_id, job.created, job.responses, store=store is not None)
     yield events.start()
     reply = _StreamedReply(job)
     counts = _UsageCounts()
@@ -531,6 +534,8 @@ async def _response_writes(job: _Job) -> AsyncIterator[bytes]:
             counts.add(job, index, last)
             yield out + events.finish([call.as_json() for call in calls], last.finish_reason,
                                       ra.usage_object(counts.usage(job)))
+            if store is not None and events.final is not None:
+                store.put(events.final, job.responses)
             continue  # (read to the end: see _collect)
         if out:
             yield out
@@ -815,6 +820,7 @@ class ServeApi:
         self.created = oa.now()
         self.shutting_down = False
         self._token_texts = _TokenTexts(self.prompts.loop_tokenizer, tokenizer, self.prompts.pool)
+        self.responses_store = ra.ResponseStore(config.responses_store) if config.responses_store > 0 else None
 
     def close(self) -> None:
         """Stop the tokenizer thread (after the server stopped); publish the final counts."""
@@ -829,6 +835,7 @@ class ServeApi:
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_post("/v1/responses", self._responses)
         info = _InfoRoutes(self)
+        app.router.add_get("/v1/responses/{response_id}", info.stored_response)
         app.router.add_get("/v1/models", info.models)
         app.router.add_get("/v1/models/{model:.+}", info.model)  # (a model id may hold slashes: org/name)
         app.router.add_post("/tokenize", info.tokenize)
@@ -910,6 +917,17 @@ class ServeApi:
         (:mod:`.responses_api`)."""
         resp = self._parse(ra.ResponsesRequest, await self._json(request))
         self._check_model(resp.model)
+        if resp.previous_response_id is not None:
+            if self.responses_store is None:
+                raise ApiError(400, "previous_response_id: this server stores no responses (start it with "
+                               "--responses-store N): send the whole conversation as input",
+                               param="previous_response_id")
+            try:
+                resp = self.responses_store.continued(resp)
+            except KeyError:
+                raise ApiError(404, f"previous_response_id: no stored response {resp.previous_response_id!r} (this "
+                               f"server keeps its last {self.responses_store.capacity})",
+                               param="previous_response_id") from None
         try:
             body = ra.chat_body(resp)
         except ValueError as exc:
@@ -1093,8 +1111,12 @@ class ServeApi:
         if job.responses is not None:
             (choice,) = choices
             output = ra.output_items(choice.reasoning, choice.text, choice.tool_calls or [])
-            return web.json_response(ra.response_object(job.request_id, job.created, job.responses, output,
-                                                        choice.finish_reason, ra.usage_object(counts.usage(job))))
+            store = self.responses_store if job.responses.store else None
+            response = ra.response_object(job.request_id, job.created, job.responses, output, choice.finish_reason,
+                                          ra.usage_object(counts.usage(job)), store=store is not None)
+            if store is not None:
+                store.put(response, job.responses)
+            return web.json_response(response)
         build = oa.chat_response if job.chat else oa.completion_response
         return web.json_response(build(job.request_id, job.created, job.model, choices, counts.usage(job)))
 
@@ -1108,7 +1130,8 @@ class ServeApi:
         )
         await response.prepare(request)
         try:
-            async for data in (_response_writes(job) if job.responses is not None else self._sse_writes(job)):
+            async for data in (_response_writes(job, self.responses_store) if job.responses is not None
+                               else self._sse_writes(job)):
                 await response.write(data)
             await response.write_eof()
         except ConnectionError:  # the client went away mid-stream; _generate cancels the request
@@ -1205,6 +1228,17 @@ class _InfoRoutes:
         if any(not 0 <= token < self.api.config.vocab_size for token in req.tokens):
             raise ApiError(400, f"tokens: token ids must be in [0, {self.api.config.vocab_size})", param="tokens")
         return web.json_response({"prompt": await self.api.prompts.text(req.tokens)})
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """OpenAI's ``GET /v1/responses/{id}``: a response the server stored (``--responses-store``), else a 404."""
+        response_id = request.match_info["response_id"]
+        store = self.api.responses_store
+        response = store.response(response_id) if store is not None else None
+        if response is None:
+            raise ApiError(404, f"no stored response {response_id!r}" + (
+                "" if store is not None else " (this server stores none: start it with --responses-store N)"),
+                param="response_id")
+        return web.json_response(response)
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": __version__})

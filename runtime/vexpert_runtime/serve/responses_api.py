@@ -5,15 +5,19 @@ their outputs —, function ``tools``, ``text.format`` the response format, ``re
 object (:func:`response_object`): a reasoning item (with a reasoning parser), a message, function calls; streamed, as
 the ``response.*`` events OpenAI's SDK reads (:class:`ResponseEvents`).
 
-Nothing is stored: ``previous_response_id``, ``conversation`` and ``background`` are refused (a 400 naming the field —
-send the whole conversation as ``input``), and no ``GET /v1/responses/{id}`` is served; ``store`` is accepted and
-changes nothing. Tools other than functions, input images or files, ``top_logprobs`` and prompt templates are refused.
+Stored responses (:class:`ResponseStore`) are opt-in, as in vLLM (its ``VLLM_ENABLE_RESPONSES_API_STORE``):
+``vexpert serve --responses-store N`` keeps the last N responses of ``store: true`` requests in the API process — a
+request naming one as ``previous_response_id`` continues its conversation, and ``GET /v1/responses/{id}`` returns it.
+Without it ``previous_response_id`` is a 400 naming the field (send the whole conversation as ``input``);
+``conversation`` and ``background`` are refused. Tools other than functions, input images or files, ``top_logprobs``
+and prompt templates are refused.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -83,7 +87,8 @@ class ResponsesRequest(BaseModel):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     stream: StrictBool = False
-    store: StrictBool = True  # accepted, changes nothing: nothing is stored
+    store: StrictBool = True  # kept where the server stores responses (--responses-store)
+    previous_response_id: StrictStr | None = None  # a stored response this one continues (--responses-store)
     metadata: dict[str, StrictStr] | None = None
     user: StrictStr | None = None
     include: list[StrictStr] | None = None  # accepted: nothing more to include (reasoning comes as text)
@@ -94,10 +99,9 @@ class ResponsesRequest(BaseModel):
         return refuse_unsupported(body, _REFUSED)
 
 
-_STATELESS = "nothing is stored here: send the whole conversation as input"
 _REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {  # the values that ask for nothing, what to send instead
-    "previous_response_id": ((), _STATELESS),
-    "conversation": ((), _STATELESS),
+    "conversation": ((), "conversations are not stored here: send the whole conversation as input (or "
+                     "previous_response_id, with a server started with --responses-store N)"),
     "background": ((False,), "send false (a response is answered while its request is open)"),
     "prompt": ((), "prompt templates are not stored here: send instructions and input"),
     "top_logprobs": ((0,), "not served on /v1/responses: send 0 (or ask /v1/chat/completions for top_logprobs)"),
@@ -175,6 +179,38 @@ def _messages(given: str | list[Json]) -> list[Json]:
     return messages
 
 
+def input_items(given: str | list[Json]) -> list[Json]:
+    """``input`` as items (a text is the user's message)."""
+    return [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else list(given)
+
+
+class ResponseStore:
+    """The last ``capacity`` stored responses of this API process, oldest dropped first: each response object and
+    the conversation it ends — its predecessors' items, its input's, its output's — which a request naming it as
+    ``previous_response_id`` continues (the new ``instructions`` replace the old, as OpenAI's do)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._stored: OrderedDict[str, tuple[Json, list[Json]]] = OrderedDict()
+
+    def put(self, response: Json, req: ResponsesRequest) -> None:
+        """Keep ``response``, answered to ``req`` (its input the whole conversation so far)."""
+        self._stored[response["id"]] = (response, [*input_items(req.input), *response["output"]])
+        while len(self._stored) > self.capacity:
+            self._stored.popitem(last=False)
+
+    def response(self, response_id: str) -> Json | None:
+        entry = self._stored.get(response_id)
+        return None if entry is None else entry[0]
+
+    def continued(self, req: ResponsesRequest) -> ResponsesRequest:
+        """``req`` with its ``previous_response_id``'s conversation before its input (``KeyError`` if not stored)."""
+        if req.previous_response_id is None:
+            return req
+        _, conversation = self._stored[req.previous_response_id]
+        return req.model_copy(update={"input": [*conversation, *input_items(req.input)]})
+
+
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -223,9 +259,9 @@ def usage_object(chat_usage: Json) -> Json:
 
 
 def response_object(response_id: str, created: int, req: ResponsesRequest, output: list[Json], finish_reason: str | None,
-                    usage: Json | None, status: str | None = None) -> Json:
+                    usage: Json | None, status: str | None = None, store: bool = False) -> Json:
     """The response object: ``status`` completed, or incomplete (``max_output_tokens``) where the reply hit its limit;
-    ``in_progress`` while streaming (``status`` given)."""
+    ``in_progress`` while streaming (``status`` given); ``store``: whether the server keeps it."""
     if status is None:
         status = "incomplete" if finish_reason == "length" else "completed"
     return {
@@ -238,7 +274,7 @@ def response_object(response_id: str, created: int, req: ResponsesRequest, outpu
         "text": {"format": (req.text.format.model_dump(by_alias=True, exclude_none=True)
                             if req.text is not None and req.text.format is not None else {"type": "text"})},
         "reasoning": {"effort": req.reasoning.effort if req.reasoning is not None else None, "summary": None},
-        "store": False, "truncation": "disabled", "user": req.user, "usage": usage,
+        "store": store, "truncation": "disabled", "user": req.user, "usage": usage,
     }
 
 
@@ -247,14 +283,15 @@ class ResponseEvents:
     deltas as they come, each function call as it is written (:mod:`.tool_call_stream`), completed. Each method
     returns the events' SSE bytes."""
 
-    def __init__(self, response_id: str, created: int, req: ResponsesRequest) -> None:
-        self.response_id, self.created, self.req = response_id, created, req
+    def __init__(self, response_id: str, created: int, req: ResponsesRequest, store: bool = False) -> None:
+        self.response_id, self.created, self.req, self.store = response_id, created, req, store
         self._sequence = 0
         self._output: list[Json] = []  # the items done
         self._open: tuple[str, str] | None = None  # (kind, id) of the item streaming now
         self._text = ""
         self._call: tuple[str, str] = ("", "")  # (call id, name) of the function call streaming now
         self._streamed: set[str] = set()  # the call ids whose items went out as they were written
+        self.final: Json | None = None  # the response, once finished
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         event = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -362,7 +399,9 @@ class ResponseEvents:
             out += self._event("response.output_item.done", output_index=index, item=item)
         if not self._output:  # an empty reply is still a message
             out += self._opened("message") + self._close()
-        response = response_object(self.response_id, self.created, self.req, self._output, finish_reason, usage)
+        response = response_object(self.response_id, self.created, self.req, self._output, finish_reason, usage,
+                                   store=self.store)
+        self.final = response
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return out + self._event(kind, response=response)
 
