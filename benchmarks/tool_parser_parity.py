@@ -1,6 +1,6 @@
 """vexpert's tool-call parsers beside vLLM's on the same replies, offline: ``qwen3_coder`` (Qwen3-Coder's XML calls,
-whose arguments the request's tools type), ``deepseek_v3``, ``deepseek_v31`` and ``kimi_k2`` (their markers made
-special tokens of the tokenizer, as in those models') — each case's content and calls from ``serve/tool_calls.py``
+whose arguments the request's tools type), ``hermes``, ``deepseek_v3``, ``deepseek_v31`` and ``kimi_k2`` (their
+markers made special tokens of the tokenizer, as in those models') — each case's content and calls from ``serve/tool_calls.py``
 (:func:`parse_tool_calls`, what ``vexpert serve --tool-call-parser …`` runs)
 and from vLLM's own parser class (``vllm.tool_parsers``, its ``extract_tool_calls``), run in vLLM's virtual environment
 (``--vllm-python``; it reads the demo model's tokenizer) — and streamed a token at a time (the demo tokenizer's
@@ -60,6 +60,11 @@ LONG = json.dumps({"path": "a.py", "text": "def f(x):\n    return x * 2\n" * 6})
 # parser → (its markers, special tokens in the model's tokenizer; its cases)
 FORMATS: dict[str, tuple[tuple[str, ...], list[tuple[str, str]]]] = {
     "qwen3_coder": ((), CASES),
+    "hermes": (("<tool_call>", "</tool_call>"), [
+        ("two calls", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+                      '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'),
+        ("compact JSON, non-ASCII", '<tool_call>{"name":"get_weather","arguments":{"city":"Zürich","days":3}}</tool_call>'),
+        ("no call", "plain text, no call")]),
     "deepseek_v3": ((BEGIN, END, CALL, CALL_END, SEP), [
         ("two calls", f'Let me check.{BEGIN}{CALL}function{SEP}get_weather\n```json\n{{"city": "Paris"}}\n```{CALL_END}\n'
                       f'{CALL}function{SEP}ping\n```json\n{{}}\n```{CALL_END}{END}'),
@@ -82,6 +87,17 @@ def _joined(joined: dict[int, list[str]], deltas: Any, name_of: Any, arguments_o
         entry = joined.setdefault(delta.index, ["", ""])
         entry[0] += name_of(delta) or ""
         entry[1] += arguments_of(delta) or ""
+
+
+def _as_json(calls: list[list[str]]) -> list[tuple[str, Any]]:
+    """Streamed calls' joined arguments as JSON values where they parse (the text where not)."""
+    parsed = []
+    for name, arguments in calls:
+        try:
+            parsed.append((name, json.loads(arguments)))
+        except ValueError:
+            parsed.append((name, arguments))
+    return parsed
 
 
 def vexpert_rows(parser_name: str, pieces: list[list[str]]) -> list[dict[str, Any]]:
@@ -126,12 +142,15 @@ for name, text in cases:
     # streamed a token at a time (the demo tokenizer's tokens), the deltas joined per call as a client joins them
     parser = parser_cls(tok, request.tools)
     ids = tok.encode(text, add_special_tokens=False)
-    before, pieces, deltas = "", [], []
+    before, pieces, deltas, sent = "", [], [], 0
     for end in range(1, len(ids) + 1):
         now = tok.decode(ids[:end])
+        if now.endswith("\ufffd") and end < len(ids):
+            continue  # a character cut between tokens: wait for the rest of it (as a server's detokenizer does)
         pieces.append(now[len(before):])
-        delta = parser.extract_tool_calls_streaming(before, now, now[len(before):], ids[:end - 1], ids[:end],
-                                                    ids[end - 1:end], request)
+        delta = parser.extract_tool_calls_streaming(before, now, now[len(before):], ids[:sent], ids[:end],
+                                                    ids[sent:end], request)
+        sent = end
         if delta is not None:
             deltas.append(delta)
         before = now
@@ -178,13 +197,17 @@ def main() -> int:
         rows = []
         for mine, other in zip(ours, theirs, strict=True):
             whole = {k: mine[k] for k in ("content", "calls")} == {k: other[k] for k in ("content", "calls")}
-            row = {"case": mine["case"], "agree": whole, "streamed_calls_agree": mine["streamed"]["calls"] ==
-                   other["streamed"]["calls"], "streamed_content_agree": mine["streamed"]["content"] ==
-                   other["streamed"]["content"], "vexpert": mine, "vllm": other}
+            row = {"case": mine["case"], "agree": whole,
+                   "streamed_calls_agree": _as_json(mine["streamed"]["calls"]) == _as_json(other["streamed"]["calls"]),
+                   "streamed_arguments_as_sent": mine["streamed"]["calls"] == other["streamed"]["calls"],
+                   "streamed_content_agree": mine["streamed"]["content"] == other["streamed"]["content"],
+                   "vexpert": mine, "vllm": other}
             rows.append(row)
             print(parser_name, json.dumps(row, ensure_ascii=False))
         print(f"{parser_name}: whole replies {sum(r['agree'] for r in rows)} of {len(rows)} agree; streamed: calls "
-              f"{sum(r['streamed_calls_agree'] for r in rows)}, content {sum(r['streamed_content_agree'] for r in rows)}")
+              f"{sum(r['streamed_calls_agree'] for r in rows)} (their arguments' text "
+              f"{sum(r['streamed_arguments_as_sent'] for r in rows)}), content "
+              f"{sum(r['streamed_content_agree'] for r in rows)}")
         results[parser_name] = rows
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
