@@ -44,7 +44,8 @@ def _add_reply_options(parser: argparse.ArgumentParser) -> None:
                         help="read tool calls out of chat replies (requests with tools and tool_choice 'auto'), as "
                              "vLLM's parser of that name: 'hermes' for Qwen2.5 / Qwen3(-MoE) / Hermes models, "
                              "'deepseek_v3' for DeepSeek-V3 / R1, 'deepseek_v31' for DeepSeek-V3.1, 'kimi_k2' for "
-                             "Kimi K2; default: none (such requests must send tool_choice 'none'; 'required' and a "
+                             "Kimi K2, 'qwen3_coder' for Qwen3-Coder (XML calls typed by the request's tools); "
+                             "default: none (such requests must send tool_choice 'none'; 'required' and a "
                              "named function need no parser)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="accepted for vLLM's command lines: tool_choice 'auto' is served wherever "

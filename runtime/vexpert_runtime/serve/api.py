@@ -941,7 +941,8 @@ class ServeApi:
                     responses: ra.ResponsesRequest | None = None) -> web.StreamResponse:
         if req.calls_tools and req.forced_tool_choice is None and self.config.tool_call_parser is None:
             raise ApiError(400, 'tool_choice: this server reads no tool calls (start it with --tool-call-parser '
-                           'hermes for Qwen / Hermes models, deepseek_v3 for DeepSeek-V3): send "none" (the template '
+                           'hermes for Qwen / Hermes models, qwen3_coder for Qwen3-Coder, deepseek_v3 for DeepSeek-V3, '
+                           'kimi_k2 for Kimi K2): send "none" (the template '
                            "shows the tools, the reply is text) or leave tools out", param="tool_choice")
         chars = sum(len(m.text()) for m in req.messages)
         encode = partial(self.prompts.chat_ids, add_special_tokens=req.add_special_tokens,
