@@ -49,6 +49,8 @@ CASES = [
     ("bool as 1 / 0", _call("get_weather", metric="0")),
     ("no call", "plain text, no call"),
     ("content before, trailing newline", "Let me look.\n\n" + _call("ping")),
+    ("bare functions, no <tool_call>", "Sure.\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n</function>\n"
+                                       "<function=ping>\n</function>"),
 ]
 
 

@@ -158,6 +158,11 @@ def test_qwen3_coder_calls_are_typed_by_the_requests_tools() -> None:
     assert schema_types({"enum": [1, "a", None, True]}) == {"integer", "string", "null", "boolean"}
     assert schema_types({"type": "Float"}) == {"number"} and schema_types({}) == schema_types(None) == {"string"}
     assert schema_types({"oneOf": [{"type": "int"}, {"type": "array"}]}) == {"integer", "array"}
+    # a model that leaves <tool_call> out: bare functions are calls too (as vLLM reads them)
+    content, bare = parse_tool_calls(QWEN3_CODER, "Sure.\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n"
+                                                  "</function>\n<function=ping>\n</function>")
+    assert content == "Sure." and [(c.name, json.loads(c.arguments)) for c in bare] == [
+        ("get_weather", {"days": 2}), ("ping", {})]
     # the same text without the request's tools: every value is text
     untyped = TypedToolFormat.of("qwen3_coder", [])
     assert json.loads(parse_tool_calls(untyped, QWEN3_CODER_TWO_CALLS)[1][0].arguments)["days"] == "3"
@@ -169,7 +174,7 @@ def test_qwen3_coder_calls_are_typed_by_the_requests_tools() -> None:
     "<tool_call><function=>\n</function></tool_call>",  # no name
     "<tool_call><function=f></function><function=g></function></tool_call>",  # two in one block
     "<tool_call><function=f><parameter=>1</parameter></function></tool_call>",  # a parameter without a name
-    "<function=f></function>",  # no <tool_call> (vLLM reads this one; its stream does not: here neither does)
+    "<function=>\n</function>",  # a bare function without a name
 ])
 def test_a_qwen3_coder_reply_without_valid_calls_is_all_content(text: str) -> None:
     assert parse_tool_calls(QWEN3_CODER, text) == (text, [])
@@ -184,7 +189,9 @@ def test_a_qwen3_coder_reply_without_valid_calls_is_all_content(text: str) -> No
     ("deepseek_v31", DEEPSEEK_V31_TWO_CALLS), ("kimi_k2", KIMI_TWO_CALLS),
     ("kimi_k2", f"no call here, though it ends in {KIMI_BEGIN[:6]}"), (QWEN3_CODER, QWEN3_CODER_TWO_CALLS),
     (QWEN3_CODER, "no call here, though it ends in <tool_ca"), (QWEN3_CODER, "no call, spaces \n\n and all \n"),
-    (QWEN3_CODER, "  \n" + QWEN3_CODER_TWO_CALLS[19:]), (QWEN3_CODER, QWEN3_CODER_GROWING)])
+    (QWEN3_CODER, "  \n" + QWEN3_CODER_TWO_CALLS[19:]), (QWEN3_CODER, QWEN3_CODER_GROWING),
+    (QWEN3_CODER, "Sure.\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n"
+                  "<function=ping>\n</function>"), (QWEN3_CODER, "a <functio")])
 def test_a_streamed_reply_gives_the_content_then_the_calls_as_they_are_written(
         parser: str | TypedToolFormat, text: str, piece: int) -> None:
     """Streamed in pieces of any size: the content goes out before the first call (a possible start of one held
@@ -201,7 +208,7 @@ def test_a_streamed_reply_gives_the_content_then_the_calls_as_they_are_written(
             if parser in ("deepseek_v3", "deepseek_v31", "kimi_k2"):  # their arguments go out as written
                 assert delta.arguments in text
         early += len(deltas)
-    assert stream.start_marker not in sent or not parse_tool_calls(parser, text)[1]
+    assert not any(marker in sent for marker in stream.start_markers) or not parse_tool_calls(parser, text)[1]
     tail, last, calls = stream.finish()
     for delta in last:
         pieces[delta.index].append(delta)

@@ -23,10 +23,11 @@ from typing import Any
 from vexpert_runtime.serve.tool_calls import (
     ToolCall,
     ToolFormat,
+    first_marker,
     new_call_id,
     parse_tool_calls,
     partial_calls,
-    start_marker,
+    start_markers,
     trims_content,
 )
 
@@ -57,10 +58,10 @@ class ToolCallStream:
     def __init__(self, parser: ToolFormat, one_call: bool = False) -> None:
         self.parser = parser
         self.one_call = one_call
-        self.start_marker = start_marker(parser)
+        self.start_markers = start_markers(parser)
         self.trims = trims_content(parser)
         self.held = ""  # a possible start of the calls, or (``in_calls``) the calls
-        self.in_calls = self.start_marker == ""  # a forced choice: the whole reply is its calls
+        self.in_calls = not self.start_markers  # a forced choice: the whole reply is its calls
         self.sent: list[tuple[str, str, str]] = []  # per call begun: (id, name, arguments sent)
         self.scan_from = 0  # where in ``held`` the first call not yet complete begins (read at every push)
         self.scanned_calls = 0  # the calls complete before it
@@ -70,14 +71,14 @@ class ToolCallStream:
         if self.in_calls:
             self.held += text
             return "", self._deltas()
-        marker = self.start_marker
         buffer = self.held + text
-        at = buffer.find(marker)
+        at = first_marker(buffer, self.start_markers)
         if at >= 0:
             self.in_calls = True
             out, self.held = buffer[:at], buffer[at:]
             return (out.rstrip() if self.trims else out), self._deltas()
-        keep = next((n for n in range(min(len(marker) - 1, len(buffer)), 0, -1) if marker.startswith(buffer[-n:])), 0)
+        keep = max(next((n for n in range(min(len(marker) - 1, len(buffer)), 0, -1) if marker.startswith(buffer[-n:])),
+                        0) for marker in self.start_markers)
         end = len(buffer) - keep
         if self.trims:  # whitespace that may end the content before a call waits for what follows it
             end = len(buffer[:end].rstrip())

@@ -14,7 +14,8 @@
   ``<|tool_call_argument_begin|>ARGUMENTS<|tool_call_end|>``, then ``<|tool_calls_section_end|>``; the header is the
   call's id (as vLLM returns it). Both keep their special tokens in the text, as ``deepseek_v3``.
 * ``qwen3_coder`` — Qwen3-Coder (its MoE models: 30B-A3B, 480B-A35B) writes each call as XML,
-  ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>…</function></tool_call>``, every value as plain text.
+  ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>…</function></tool_call>`` (or, leaving the wrapper out,
+  a bare ``<function=…>``, which vLLM reads too), every value as plain text.
   What a value is comes from the request's tools (:class:`TypedToolFormat`: that parameter's JSON-schema types), as
   vLLM 0.32's parser reads it (:func:`_typed_value`): a string parameter's text stays text, an integer's is parsed,
   and so on; a parameter the tool does not declare stays text.
@@ -218,7 +219,7 @@ def _qwen3_coder_calls(text: str, parameters: Mapping[str, Mapping[str, Any]]) -
     texts typed by ``parameters`` (function name → its parameters' schemas). None if a block holds no function or
     more than one, or a function or parameter has no name."""
     calls = []
-    for block in _HERMES_BLOCK.findall(text):
+    for block in _xml_blocks(text):
         function = _xml_function(block)
         if function is None or block.count("<function=") != 1:
             return None
@@ -227,6 +228,17 @@ def _qwen3_coder_calls(text: str, parameters: Mapping[str, Mapping[str, Any]]) -
             return None
         calls.append(ToolCall(name, _xml_arguments(body, parameters.get(name, {}), True), new_call_id()))
     return calls or None
+
+
+_XML_FUNCTION_START = "<function="
+
+
+def _xml_blocks(text: str) -> list[str]:
+    """``qwen3_coder``'s call blocks of ``text`` (from its calls' start on): each ``<tool_call>`` block, or — where the
+    calls start with a bare ``<function=`` — each function from its start to the next."""
+    if not text.startswith(_XML_FUNCTION_START):
+        return _HERMES_BLOCK.findall(text)
+    return [_XML_FUNCTION_START + piece for piece in text.split(_XML_FUNCTION_START)[1:]]
 
 
 def _xml_function(block: str) -> tuple[str, str, bool] | None:
@@ -410,8 +422,8 @@ def parse_tool_calls(parser: ToolFormat, text: str) -> tuple[str | None, list[To
     if isinstance(parser, ForcedToolChoice):
         forced = parser.calls(text)
         return (None, forced) if forced else (text, [])
-    start_marker, read_calls = (_HERMES_START, parser.calls) if isinstance(parser, TypedToolFormat) else _FORMATS[parser]
-    start = text.find(start_marker)
+    read_calls = parser.calls if isinstance(parser, TypedToolFormat) else _FORMATS[parser][1]
+    start = first_marker(text, start_markers(parser))
     if start < 0:
         return text, []
     calls = read_calls(text[start:])
@@ -427,11 +439,19 @@ def _trims_content(parser: ToolFormat) -> bool:
     return isinstance(parser, TypedToolFormat)
 
 
-def start_marker(parser: ToolFormat) -> str:
-    """The text a reply's calls start with in ``parser``'s format ("" for a forced choice: the whole reply)."""
+def start_markers(parser: ToolFormat) -> tuple[str, ...]:
+    """The texts a reply's calls may start with in ``parser``'s format (none for a forced choice: the whole reply is
+    its calls); ``qwen3_coder``: ``<tool_call>``, or a bare ``<function=`` (as vLLM reads a model that leaves the
+    wrapper out)."""
     if isinstance(parser, ForcedToolChoice):
-        return ""
-    return _HERMES_START if isinstance(parser, TypedToolFormat) else _FORMATS[parser][0]
+        return ()
+    return (_HERMES_START, _XML_FUNCTION_START) if isinstance(parser, TypedToolFormat) else (_FORMATS[parser][0],)
+
+
+def first_marker(text: str, markers: tuple[str, ...]) -> int:
+    """Where the first of ``markers`` starts in ``text`` (−1: none does)."""
+    found = [at for at in (text.find(marker) for marker in markers) if at >= 0]
+    return min(found, default=-1)
 
 
 def trims_content(parser: ToolFormat) -> bool:
@@ -505,6 +525,9 @@ def partial_calls(parser: ToolFormat, text: str) -> list[PartialCall]:
 def _block_calls(parser: str | TypedToolFormat, text: str) -> list[PartialCall]:
     """:func:`partial_calls` of the ``<tool_call>`` block formats: ``hermes`` (a call once its block closes) and
     ``qwen3_coder`` (its arguments as they are written)."""
+    if isinstance(parser, TypedToolFormat) and first_marker(text, start_markers(parser)) == text.find(
+            _XML_FUNCTION_START) >= 0:
+        return _bare_function_calls(parser, text)
     found = []
     at = text.find(_HERMES_START)
     while at >= 0:
@@ -529,5 +552,25 @@ def _block_calls(parser: str | TypedToolFormat, text: str) -> list[PartialCall]:
             if not calls:
                 break
             found.append(PartialCall(calls[0].name, None, calls[0].arguments, close + len("</tool_call>")))
+        at = following
+    return found
+
+
+def _bare_function_calls(parser: TypedToolFormat, text: str) -> list[PartialCall]:
+    """:func:`partial_calls` of ``qwen3_coder`` calls written as bare functions (no ``<tool_call>``): each from its
+    ``<function=`` to the next, complete once ``</function>`` closes it."""
+    found = []
+    at = text.find(_XML_FUNCTION_START)
+    while at >= 0:
+        following = text.find(_XML_FUNCTION_START, at + len(_XML_FUNCTION_START))
+        limit = len(text) if following < 0 else following
+        function = _xml_function(text[at:limit])
+        if function is None:
+            break
+        name, body, closed = function
+        end = text.find("</function>", at) + len("</function>") if closed else None
+        found.append(PartialCall(name, None, _xml_arguments(body, parser.parameters.get(name, {}), closed), end))
+        if not closed:
+            break
         at = following
     return found
