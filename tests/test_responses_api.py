@@ -153,7 +153,7 @@ def test_function_calls_stream_as_they_are_written() -> None:
         raw += events.content(content) + events.calls(deltas)
     tail, deltas, calls = stream.finish()
     raw += events.content(tail) + events.calls(deltas)
-    raw += events.finish([c.as_json() for c in calls], "stop", {"input_tokens": 1, "output_tokens": 2})
+    raw += events.finish("stop", {"input_tokens": 1, "output_tokens": 2})
     sent = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
     assert [e["sequence_number"] for e in sent] == list(range(len(sent)))
     argument_deltas = [e for e in sent if e["type"] == "response.function_call_arguments.delta"]

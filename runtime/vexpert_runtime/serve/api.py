@@ -523,7 +523,7 @@ async def _response_writes(job: _Job, store: ra.ResponseStore | None) -> AsyncIt
     counts = _UsageCounts()
     async for index, batch in job.events:
         last = batch[-1]
-        thought, text, deltas, calls = reply.push("".join([event.text for event in batch]), last.finished)
+        thought, text, deltas, _ = reply.push("".join([event.text for event in batch]), last.finished)
         out = (events.reasoning(thought) if job.reasoning is not None and job.reasoning.shown else b"") + \
             events.content(text) + events.calls(deltas)
         if last.finished:
@@ -532,8 +532,7 @@ async def _response_writes(job: _Job, store: ra.ResponseStore | None) -> AsyncIt
                 yield out + events.failed(str(error))
                 return
             counts.add(job, index, last)
-            yield out + events.finish([call.as_json() for call in calls], last.finish_reason,
-                                      ra.usage_object(counts.usage(job)))
+            yield out + events.finish(last.finish_reason, ra.usage_object(counts.usage(job)))
             if store is not None and events.final is not None:
                 store.put(events.final, job.responses)
             continue  # (read to the end: see _collect)

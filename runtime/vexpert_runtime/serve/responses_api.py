@@ -290,7 +290,6 @@ class ResponseEvents:
         self._open: tuple[str, str] | None = None  # (kind, id) of the item streaming now
         self._text = ""
         self._call: tuple[str, str] = ("", "")  # (call id, name) of the function call streaming now
-        self._streamed: set[str] = set()  # the call ids whose items went out as they were written
         self.final: Json | None = None  # the response, once finished
 
     def _event(self, kind: str, **fields: Any) -> bytes:
@@ -329,7 +328,6 @@ class ResponseEvents:
                 out += self._close()
                 item_id = _item_id("fc")
                 self._open, self._text, self._call = ("function_call", item_id), "", (str(delta.id), delta.name)
-                self._streamed.add(str(delta.id))
                 out += self._event("response.output_item.added", output_index=len(self._output),
                                    item=self._call_item(item_id, "", "in_progress"))
             if delta.arguments and self._open is not None:
@@ -381,22 +379,11 @@ class ResponseEvents:
         self._output.append(item)
         return out + self._event("response.output_item.done", output_index=index, item=item)
 
-    def finish(self, calls: Sequence[Json], finish_reason: str | None, usage: Json) -> bytes:
-        """The calls not streamed yet (each added, its arguments, done), then ``response.completed`` (or
-        ``.incomplete``)."""
+    def finish(self, finish_reason: str | None, usage: Json) -> bytes:
+        """The item streaming now done (every function call came through :meth:`calls`: a stream's
+        :class:`~.tool_call_stream.ToolCallStream` sends each call, whole or in pieces), then ``response.completed``
+        (or ``.incomplete``)."""
         out = self._close()
-        for call in calls:
-            if call["id"] in self._streamed:
-                continue
-            item, index = function_call_item(call), len(self._output)
-            out += self._event("response.output_item.added", output_index=index, item={**item, "arguments": "",
-                                                                                        "status": "in_progress"})
-            out += self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                               delta=item["arguments"])
-            out += self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                               arguments=item["arguments"])
-            self._output.append(item)
-            out += self._event("response.output_item.done", output_index=index, item=item)
         if not self._output:  # an empty reply is still a message
             out += self._opened("message") + self._close()
         response = response_object(self.response_id, self.created, self.req, self._output, finish_reason, usage,

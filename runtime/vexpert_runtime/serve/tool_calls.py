@@ -429,11 +429,11 @@ def parse_tool_calls(parser: ToolFormat, text: str) -> tuple[str | None, list[To
     calls = read_calls(text[start:])
     if not calls:
         return text, []
-    content = text[:start].rstrip() if _trims_content(parser) else text[:start]
+    content = text[:start].rstrip() if trims_content(parser) else text[:start]
     return (content if content.strip() else None), calls
 
 
-def _trims_content(parser: ToolFormat) -> bool:
+def trims_content(parser: ToolFormat) -> bool:
     """Whether the content before a reply's calls loses its trailing whitespace (the newline Qwen's template writes
     before ``<tool_call>``): ``qwen3_coder``'s, as vLLM 0.32's parser gives it."""
     return isinstance(parser, TypedToolFormat)
@@ -454,9 +454,6 @@ def first_marker(text: str, markers: tuple[str, ...]) -> int:
     return min(found, default=-1)
 
 
-def trims_content(parser: ToolFormat) -> bool:
-    """Whether the content before a reply's calls loses its trailing whitespace (see :func:`_trims_content`)."""
-    return _trims_content(parser)
 
 
 @dataclass(frozen=True)
