@@ -48,15 +48,16 @@ KEEPS_SPECIAL_TOKENS = frozenset({"deepseek_v3", "deepseek_v31", "kimi_k2"})  # 
 _HERMES_START = "<tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _DEEPSEEK_START = "<｜tool▁calls▁begin｜>"
-_DEEPSEEK_CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<type>[^<]*?)<｜tool▁sep｜>(?P<name>[^\n]*)\n```json\n"
-                            r"(?P<arguments>.*?)\n```\s*<｜tool▁call▁end｜>", re.DOTALL)
+# each call's header (its name, and id, known; its arguments begun) — a stream's start of a call — and the whole call
+_DEEPSEEK_HEADER = r"<｜tool▁call▁begin｜>(?P<type>[^<]*?)<｜tool▁sep｜>(?P<name>[^\n]*)\n```json\n"
+_DEEPSEEK_CALL = re.compile(_DEEPSEEK_HEADER + r"(?P<arguments>.*?)\n```\s*<｜tool▁call▁end｜>", re.DOTALL)
 _DEEPSEEK_CALL_START = "<｜tool▁call▁begin｜>"
-_DEEPSEEK_V31_CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<name>[^<]*?)<｜tool▁sep｜>(?P<arguments>.*?)<｜tool▁call▁end｜>",
-                                re.DOTALL)
+_DEEPSEEK_V31_HEADER = r"<｜tool▁call▁begin｜>(?P<name>[^<]*?)<｜tool▁sep｜>"
+_DEEPSEEK_V31_CALL = re.compile(_DEEPSEEK_V31_HEADER + r"(?P<arguments>.*?)<｜tool▁call▁end｜>", re.DOTALL)
 _KIMI_START = "<|tool_calls_section_begin|>"
 _KIMI_CALL_START = "<|tool_call_begin|>"
-_KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*(?P<id>[^<]+?:\d+)\s*<\|tool_call_argument_begin\|>(?P<arguments>.*?)"
-                        r"<\|tool_call_end\|>", re.DOTALL)
+_KIMI_HEADER = r"<\|tool_call_begin\|>\s*(?P<id>[^<]+?:\d+)\s*<\|tool_call_argument_begin\|>"
+_KIMI_CALL = re.compile(_KIMI_HEADER + r"(?P<arguments>.*?)<\|tool_call_end\|>", re.DOTALL)
 TYPED_PARSERS = frozenset({"qwen3_coder"})  # formats whose arguments are read with the request's tools' types
 
 
@@ -468,20 +469,20 @@ class PartialCall:
     end: int | None
 
 
-# (call start, a started call's header: the name (and id) known and its arguments begun, the end of a call, what
-# ends the arguments — full-matching each of its prefixes —, the complete call, a header match read as (name, id))
+# (call start, a started call's header, the end of a call, what ends the arguments — full-matching each of its
+# prefixes —, the complete call, a header match read as (name, id))
 _MARKED_PARTIAL: dict[str, tuple[str, re.Pattern[str], str, re.Pattern[str], re.Pattern[str],
                                  Callable[[re.Match[str]], tuple[str, str | None]]]] = {
     "deepseek_v3": (_DEEPSEEK_CALL_START,
-                    re.compile(r"<｜tool▁call▁begin｜>[^<]*?<｜tool▁sep｜>(?P<name>[^\n]*)\n```json\n"),
+                    re.compile(_DEEPSEEK_HEADER),
                     "<｜tool▁call▁end｜>",
                     re.compile(r"\n(?:`{0,3}|```\s*(?:" + _prefixes("<｜tool▁call▁end｜>") + ")?)", re.DOTALL),
                     _DEEPSEEK_CALL, lambda match: (match["name"].strip(), None)),
-    "deepseek_v31": (_DEEPSEEK_CALL_START, re.compile(r"<｜tool▁call▁begin｜>(?P<name>[^<]*?)<｜tool▁sep｜>"),
+    "deepseek_v31": (_DEEPSEEK_CALL_START, re.compile(_DEEPSEEK_V31_HEADER),
                      "<｜tool▁call▁end｜>", re.compile(_prefixes("<｜tool▁call▁end｜>")), _DEEPSEEK_V31_CALL,
                      lambda match: (match["name"].strip(), None)),
     "kimi_k2": (_KIMI_CALL_START,
-                re.compile(r"<\|tool_call_begin\|>\s*(?P<id>[^<]+?:\d+)\s*<\|tool_call_argument_begin\|>"),
+                re.compile(_KIMI_HEADER),
                 "<|tool_call_end|>", re.compile(_prefixes("<|tool_call_end|>")), _KIMI_CALL,
                 lambda match: (match["id"].strip().split(":")[0].removeprefix("functions."), match["id"].strip())),
 }
