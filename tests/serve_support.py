@@ -37,6 +37,7 @@ from vexpert_runtime.serve.step import (
     SynchronousSteps,
 )
 from vexpert_runtime.serve.structured_output import unpack_allowed
+from vexpert_runtime.serve.waiting_queue import SchedulingPolicy
 
 MODEL_NAME = "tiny-qwen3-moe"
 MAX_CONTEXT = 96
@@ -451,7 +452,8 @@ def single_rank_api(
     scheduler = Scheduler(model, rank_tokenizer, scheduler_config, eos_ids)
     dispatcher = InProcessDispatcher(scheduler)
     dispatcher.start()
-    config = ApiConfig(model_name, model.max_context, model.vocab_size, drain_timeout_s)
+    config = ApiConfig(model_name, model.max_context, model.vocab_size, drain_timeout_s,
+                       scheduling_policy=scheduler_config.scheduling_policy)
     return ServeApi(dispatcher, api_tokenizer, config, registry)
 
 
@@ -517,12 +519,14 @@ def make_server(
     max_running: int = 32,
     max_waiting: int = 64,
     drain_timeout_s: float = 10.0,
+    scheduling_policy: SchedulingPolicy = "fcfs",
 ) -> BackgroundServer:
     """A started single-rank server over the tiny model (the API and the rank each get a tokenizer);
     ``model``: another step model than the tiny model recomputed."""
     model = model or RecomputeStepModel(hf_model)
     rank_tokenizer = load_tokenizer(checkpoint)
-    config = SchedulerConfig(kv_budget_tokens, max_batch_tokens, max_running, max_waiting)
+    config = SchedulerConfig(kv_budget_tokens, max_batch_tokens, max_running, max_waiting,
+                             scheduling_policy=scheduling_policy)
     api = single_rank_api(
         model, load_tokenizer(checkpoint), rank_tokenizer, MODEL_NAME, config, eos_token_ids(rank_tokenizer),
         drain_timeout_s, CollectorRegistry(),

@@ -1,7 +1,8 @@
 """Property test of one rank's scheduler over a paged KV cache (serve/scheduler.py, serve/kv_cache.py).
 
 Random requests (prompts from a small alphabet, so prefixes repeat) arrive at random iterations into a
-small cache, some are cancelled, with and without overlapped steps and prefix caching. The model is a
+small cache, some are cancelled, with and without overlapped steps and prefix caching, first come first served
+or by random priorities (``--scheduling-policy priority``: another admission and preemption order). The model is a
 paged stand-in: it writes each token id into its cache slot (the block table's), and its next token
 is a function of every token it *reads back* through the block table — so a block freed, reused or
 shared wrongly, a preemption that loses a token or a prefix attached at the wrong place changes what
@@ -22,6 +23,7 @@ from serve_support import IdText, id_text_tokens
 from vexpert_runtime.serve.events import Event, GenerationRequest, SamplingParams
 from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
 from vexpert_runtime.serve.step import FinishedStep, PendingStep, SequenceWork
+from vexpert_runtime.serve.waiting_queue import SchedulingPolicy
 
 VOCAB = 40
 BLOCK = 4
@@ -89,6 +91,7 @@ requests = st.lists(
         st.integers(1, 12),  # max_tokens (capped by the context below)
         st.integers(0, 12),  # arrival iteration
         st.one_of(st.none(), st.integers(0, 40)),  # cancelled at this iteration, or not
+        st.integers(-2, 2),  # priority (its order only under the priority policy)
     ),
     min_size=1, max_size=10,
 )
@@ -96,28 +99,30 @@ requests = st.lists(
 
 @settings(max_examples=150, deadline=None)
 @given(requests=requests, extra_blocks=st.integers(0, 8), max_batch_tokens=st.integers(6, 16),
-       max_running=st.integers(1, 6), overlapped=st.booleans(), prefix_caching=st.booleans())
+       max_running=st.integers(1, 6), overlapped=st.booleans(), prefix_caching=st.booleans(),
+       policy=st.sampled_from(["fcfs", "priority"]))
 def test_every_request_gets_its_own_tokens_whatever_the_cache_does(
-    requests: list[tuple[list[int], int, int, int | None]], extra_blocks: int, max_batch_tokens: int,
-    max_running: int, overlapped: bool, prefix_caching: bool,
+    requests: list[tuple[list[int], int, int, int | None, int]], extra_blocks: int, max_batch_tokens: int,
+    max_running: int, overlapped: bool, prefix_caching: bool, policy: SchedulingPolicy,
 ) -> None:
     # one context (8 blocks) + scratch is the smallest cache a rank accepts
     model = PagedStandIn(CONTEXT // BLOCK + 1 + extra_blocks, overlapped)
     config = SchedulerConfig(kv_budget_tokens=None, max_batch_tokens=max(max_batch_tokens, max_running),
-                             max_running=max_running, max_waiting=64, prefix_caching=prefix_caching)
+                             max_running=max_running, max_waiting=64, prefix_caching=prefix_caching,
+                             scheduling_policy=policy)
     scheduler = Scheduler(model, IdText(), config)
     events: dict[str, list[Event]] = {}
     specs: dict[str, tuple[list[int], int, int | None]] = {}
-    for i, (prompt, max_tokens, _, cancel) in enumerate(requests):
+    for i, (prompt, max_tokens, _, cancel, _) in enumerate(requests):
         specs[f"r{i}"] = (prompt, min(max_tokens, CONTEXT - len(prompt)), cancel)
     iteration = 0
     while iteration <= 12 or scheduler.has_work():
-        for i, (prompt, _, arrival, _) in enumerate(requests):
+        for i, (prompt, _, arrival, _, priority) in enumerate(requests):
             rid = f"r{i}"
             if arrival == iteration:
                 events[rid] = []
                 params = SamplingParams(max_tokens=specs[rid][1], temperature=0, ignore_eos=True)
-                scheduler.submit(GenerationRequest(rid, tuple(prompt), params), events[rid].append)
+                scheduler.submit(GenerationRequest(rid, tuple(prompt), params, priority=priority), events[rid].append)
             if specs[rid][2] == iteration and rid in events:
                 scheduler.cancel(rid)
         scheduler.run_iteration()

@@ -32,6 +32,7 @@ from vexpert_runtime.model.families import Architecture
 from vexpert_runtime.policy.profile import NodeTypeKey, PerformanceProfile
 from vexpert_runtime.serve.reasoning import ReasoningParser
 from vexpert_runtime.serve.tool_calls import ToolCallParser
+from vexpert_runtime.serve.waiting_queue import SchedulingPolicy
 
 GROUP = "vexpert.io"
 VERSION = "v1alpha1"
@@ -339,6 +340,12 @@ class RuntimeSpec(CamelModel):
         1, ge=1, le=1024,
         description="A stream's tokens go out every N-th token (--stream-interval; the first at once, the rest "
         "with the finish): fewer, larger SSE chunks cost the API servers less CPU, streams get chunkier",
+    )
+    scheduling_policy: SchedulingPolicy = Field(
+        "fcfs",
+        description="The order each rank admits waiting requests and preempts running ones in "
+        "(--scheduling-policy, vLLM's): fcfs, first come first served (a request's priority must be 0), or "
+        "priority: by the request's priority field (lower first), then arrival",
     )
     max_model_len: int | None = Field(
         None, ge=2,

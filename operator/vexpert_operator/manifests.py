@@ -260,6 +260,8 @@ def _serve_args(spec: VExpertDeploymentSpec) -> list[str]:
         args += ["--api-servers", str(spec.runtime.api_servers)]
     if spec.runtime.stream_interval != 1:
         args += ["--stream-interval", str(spec.runtime.stream_interval)]
+    if spec.runtime.scheduling_policy != "fcfs":
+        args += ["--scheduling-policy", spec.runtime.scheduling_policy]
     if spec.runtime.prefix_caching:
         args.append("--prefix-caching")
     if spec.runtime.max_model_len is not None:

@@ -23,6 +23,7 @@ from vexpert_runtime.config import KV_CACHE_DTYPE_HELP, KVCacheDtype
 from vexpert_runtime.model.expert_layout import CPU_EXPERT_KERNELS
 from vexpert_runtime.serve.reasoning import ReasoningParser
 from vexpert_runtime.serve.tool_calls import PARSERS as TOOL_CALL_PARSERS
+from vexpert_runtime.serve.waiting_queue import SCHEDULING_POLICIES
 
 REASONING_PARSER_NAMES: tuple[str, ...] = get_args(ReasoningParser)
 
@@ -127,6 +128,10 @@ def register(subparsers: Any) -> None:
                         help="send a stream's tokens every N tokens (its first at once, its last with the finish): "
                              "fewer, larger SSE chunks cost the API process less at hundreds of streams; 1 sends "
                              "every token (default; benchmarks/README.md has the measured trade-off)")
+    parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                        help="the order a rank admits waiting requests in and preempts running ones in (vLLM's): "
+                             "fcfs, first come first served (default; a request's priority must be 0), or priority: "
+                             "by the request's priority (lower first), then arrival")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
     parser.add_argument("--overlap-steps", choices=("auto", "on", "off"), default="auto",
                         help="form iteration i+1 while the device runs iteration i (auto: with CUDA graphs; on CPU "
@@ -291,7 +296,8 @@ def _resolve_served(args: argparse.Namespace, config: RuntimeConfig) -> _Served:
     max_running, max_batch_tokens = resolve_batch_limits(args.max_running, args.max_batch_tokens, setup.device)
     scheduler = SchedulerConfig(kv_budget_tokens=kv_tokens, max_batch_tokens=max_batch_tokens,
                                 max_running=max_running, max_waiting=args.max_waiting,
-                                stream_interval=args.stream_interval, prefix_caching=args.prefix_caching)
+                                stream_interval=args.stream_interval, prefix_caching=args.prefix_caching,
+                                scheduling_policy=args.scheduling_policy)
     scheduler.check(max_context)  # refuse impossible limits before any process starts
     defaults, notes = sampling_defaults(model_dir, args.generation_config)
     template = None if args.chat_template is None else load_chat_template(args.chat_template, model_dir)
@@ -329,7 +335,7 @@ def _api_config(served: _Served, args: argparse.Namespace, api_key: str | None) 
                      header_timeout_s=args.header_timeout, sampling_defaults=served.sampling_defaults,
                      tool_call_parser=args.tool_call_parser, tokens_as_ids=args.return_tokens_as_token_ids,
                      reasoning_parser=args.reasoning_parser, chat_template=served.chat_template,
-                     responses_store=args.responses_store), tokenizer
+                     responses_store=args.responses_store, scheduling_policy=args.scheduling_policy), tokenizer
 
 
 def load_chat_template(value: str, model_dir: Path) -> str:

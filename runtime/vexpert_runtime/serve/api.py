@@ -146,6 +146,7 @@ class ApiConfig:
     chat_template: str | None = None  # --chat-template: the Jinja template chats render with (None: the model's)
     aliases: tuple[str, ...] = ()  # other names requests may give the model (--served-model-name's after the first)
     responses_store: int = 0  # the last N stored Responses API responses kept (--responses-store; 0: none)
+    scheduling_policy: str = "fcfs"  # the ranks' (--scheduling-policy): a request's priority ≠ 0 needs "priority"
 
     @property
     def body_limit(self) -> int:
@@ -744,17 +745,29 @@ class _Job:
         return len(self.finished) == len(self.choice_ids)
 
 
-def choice_requests(request_id: str, prompts: Sequence[tuple[tuple[int, ...], SamplingParams]], n: int
-                    ) -> list[GenerationRequest]:
-    """The ranks' requests for ``n`` choices of each of ``prompts`` ((token ids, sampling), in order):
-    one choice in all takes the response's own id; else choice c = prompt index · n + i is ``{c}_{id}``,
-    and with a seed, samples with seed + i (vLLM's child requests): a prompt's choices differ, and the same
-    request gives the same choices again."""
+def choice_requests(request_id: str, prompts: Sequence[tuple[tuple[int, ...], SamplingParams]], n: int,
+                    priority: int = 0) -> list[GenerationRequest]:
+    """The ranks' requests for ``n`` choices of each of ``prompts`` ((token ids, sampling), in order), each of
+    ``priority``: one choice in all takes the response's own id; else choice c = prompt index · n + i is
+    ``{c}_{id}``, and with a seed, samples with seed + i (vLLM's child requests): a prompt's choices differ, and the
+    same request gives the same choices again."""
     if len(prompts) == 1 and n == 1:
-        return [GenerationRequest(request_id, *prompts[0])]
+        return [GenerationRequest(request_id, *prompts[0], priority=priority)]
     return [GenerationRequest(f"{p * n + i}_{request_id}", prompt_ids,
-                              params if params.seed is None else replace(params, seed=params.seed + i))
+                              params if params.seed is None else replace(params, seed=params.seed + i),
+                              priority=priority)
             for p, (prompt_ids, params) in enumerate(prompts) for i in range(n)]
+
+
+def request_priority(req: oa.CompletionRequest | oa.ChatCompletionRequest, config: ApiConfig) -> int:
+    """``req``'s ``priority`` (null: 0); another value than 0 is a 400 naming it unless the ranks schedule by
+    priority (``--scheduling-policy priority``), as vLLM refuses it: it would otherwise be silently ignored."""
+    priority = req.priority or 0
+    if priority != 0 and config.scheduling_policy != "priority":
+        raise ApiError(400, f"priority: this server serves requests first come, first served (--scheduling-policy "
+                       f"{config.scheduling_policy}): send 0, or start it with --scheduling-policy priority",
+                       param="priority")
+    return priority
 
 
 class _ChoiceStreams:
@@ -1031,7 +1044,7 @@ class ServeApi:
         request_id = f"resp_{uuid.uuid4().hex}" if responses is not None else oa.new_request_id(
             "chatcmpl" if chat else "cmpl")
         requests = choice_requests(request_id, [(tuple(ids), p) for ids, p in zip(prompts, params, strict=True)],
-                                   req.choices)
+                                   req.choices, request_priority(req, self.config))
         if self.shutting_down:
             raise refusal_error(shutting_down())
         streams: list[AsyncIterator[list[Event]]] = []

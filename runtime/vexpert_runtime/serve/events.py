@@ -90,12 +90,14 @@ class TokenLogprobs:
 @dataclass(frozen=True)
 class GenerationRequest:
     """One tokenized request as a rank's scheduler receives it. ``reply_to``: the API server that
-    sent it (its events go to that server's queue; ``vexpert serve --api-servers``)."""
+    sent it (its events go to that server's queue; ``vexpert serve --api-servers``); ``priority``: vLLM's (lower
+    first; its order only under ``--scheduling-policy priority``, :mod:`.waiting_queue`)."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     reply_to: int = 0
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,8 @@ the output tokens' log-probabilities under the model's distribution, before temp
 truncation, and the k most likely tokens'; at most :data:`~.events.MAX_LOGPROBS`); ``top_k`` and ``min_p``
 (sampling), ``stop_token_ids``, ``ignore_eos`` (benchmarks use it to force exact lengths), ``prompt_logprobs`` (each
 prompt token's log-probability and rank, and the k most likely; not streamed), ``truncate_prompt_tokens`` and
-``truncation_side``, ``add_special_tokens``, ``cache_salt`` (prefix caching within one salt); for chat,
+``truncation_side``, ``add_special_tokens``, ``cache_salt`` (prefix caching within one salt), ``priority`` (with
+``--scheduling-policy priority``; any other value than 0 without it is a 400 naming it, as in vLLM); for chat,
 ``reasoning_effort`` (a template variable),
 ``chat_template_kwargs`` (e.g. Qwen3's ``{"enable_thinking": false}``), ``add_generation_prompt``,
 ``continue_final_message``, ``documents``, and ``tools``: the model's template shows them; with ``tool_choice``
@@ -92,7 +93,6 @@ _REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
     "length_penalty": ((1.0, 1), "a beam-search option (beam search is not supported); send 1.0"),
     "logits_processors": ((), "not supported; leave it out"),
     "logprob_token_ids": ((), "not supported: send logprobs / top_logprobs (the most likely tokens'), or leave it out"),
-    "priority": ((0,), "requests are served first come, first served: send 0"),
     "repetition_detection": ((), "not supported: use repetition_penalty / frequency_penalty, or leave it out"),
     "thinking_token_budget": ((), "not supported: limit the reply with max_tokens, or leave it out"),
     "watermarking": ((False,), "not supported; send false"),
@@ -216,6 +216,7 @@ class _GenerationRequest(BaseModel):
     bad_words: list[StrictStr] | None = Field(default=None, max_length=MAX_BAD_WORDS)  # vLLM's: words never written
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's: the only tokens the output may take
     cache_salt: StrictStr | None = Field(default=None, min_length=1)  # vLLM's: cached KV shared within one salt only
+    priority: StrictInt | None = Field(default=None, ge=-(1 << 63), le=(1 << 63) - 1)  # vLLM's: lower first (null: 0)
     return_tokens_as_token_ids: StrictBool | None = None  # vLLM's: logprobs name tokens "token_id:{id}" (null: the server's)
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)  # vLLM's: keep that many prompt tokens
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: "left" (its default) keeps the last ones

@@ -92,6 +92,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, StrictStr] | None = None
     user: StrictStr | None = None
     include: list[StrictStr] | None = None  # accepted: nothing more to include (reasoning comes as text)
+    priority: StrictInt = 0  # vLLM's (with --scheduling-policy priority): passed on to the chat request
 
     @model_validator(mode="before")
     @classmethod
@@ -122,7 +123,7 @@ def chat_body(req: ResponsesRequest) -> Json:
     body: Json = {"model": req.model, "messages": messages, "stream": req.stream,
                   "parallel_tool_calls": req.parallel_tool_calls}
     for name, value in (("max_completion_tokens", req.max_output_tokens), ("temperature", req.temperature),
-                        ("top_p", req.top_p)):
+                        ("top_p", req.top_p), ("priority", req.priority or None)):
         if value is not None:
             body[name] = value
     if req.tools:

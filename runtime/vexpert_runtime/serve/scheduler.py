@@ -22,13 +22,14 @@ is done (:mod:`.step`).
 KV cache: the scheduler owns the rank's :class:`~.kv_cache.BlockPool` (the model owns the tensors).
 Blocks are taken as a sequence grows, not for its worst case (``max_tokens`` defaults to the whole
 context, and most requests stop long before), and all return when it finishes. A waiting request is
-admitted (FIFO: the head waits and blocks the rest) when the free blocks, less what the prompts
+admitted (in the policy's order, :mod:`.waiting_queue`: the head waits and blocks the rest) when the free blocks, less what the prompts
 already admitted still need and a 1 % watermark, hold its prompt and first token; so a prefill never
 stalls. When the decodes of an iteration need more blocks than are free, the scheduler first reads
 the step in flight (its finished sequences free theirs), then **preempts** the running sequence
-that arrived last (vLLM's FCFS policy; a re-admitted one keeps its place, so the same sequence is not
-recomputed over and over): its blocks go back (published first with prefix caching, so it may attach
-them again), it returns to the head of the queue and, re-admitted, prefills its prompt and the tokens
+that comes last in the policy's order (``fcfs``: the newest; ``priority``: the least urgent, the newest among
+equals — vLLM's; a re-admitted one keeps its place, so the same sequence is not recomputed over and over): its
+blocks go back (published first with prefix caching, so it may attach them again), it returns to the queue where it
+stood (under ``fcfs`` its head) and, re-admitted, prefills its prompt and the tokens
 it had produced, then goes on sampling from where it was (same seeds per position: the same tokens);
 its client sees only a pause. A request that does not fit yet **waits**; a 429 comes only when the
 queue itself is full. The pool must hold at least one full-context sequence (checked at
@@ -44,13 +45,12 @@ called from other threads; ``run_iteration`` runs on the rank's loop thread.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -80,6 +80,7 @@ from vexpert_runtime.serve.step import (
     StepModel,
 )
 from vexpert_runtime.serve.structured_output import GrammarMatcher, GrammarTokens, pack_allowed
+from vexpert_runtime.serve.waiting_queue import SchedulingPolicy, WaitingQueue, check_policy, order_key
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,8 @@ class SchedulerConfig:
     reuse the KV blocks of prompt prefixes computed before (module docstring); ``stream_interval``:
     a request's tokens go out as one event every this many (its first at once, its last with the
     finish): fewer, larger events and SSE chunks for the API process at hundreds of streams, for
-    chunkier streams (SGLang's ``--stream-interval``; 1 sends every token).
+    chunkier streams (SGLang's ``--stream-interval``; 1 sends every token); ``scheduling_policy``: the order
+    requests are admitted and preempted in (:mod:`.waiting_queue`: ``fcfs`` or ``priority``, vLLM's).
     """
 
     kv_budget_tokens: int | None  # None: every block of the model's cache
@@ -106,6 +108,7 @@ class SchedulerConfig:
     max_waiting: int = 256
     stream_interval: int = 1
     prefix_caching: bool = False
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
     def check(self, max_context: int, capacity_tokens: int | None = None) -> None:
         """Raise :class:`VExpertInputError` for limits that could never serve a valid request
@@ -124,6 +127,7 @@ class SchedulerConfig:
         if self.stream_interval < 1:
             raise VExpertInputError("stream_interval", f"{self.stream_interval} is not ≥ 1",
                                     "tokens per streamed event: 1 sends every token, e.g. 4 sends every fourth")
+        check_policy(self.scheduling_policy)
         if self.max_batch_tokens < self.max_running:
             # every running sequence decodes one token per iteration; the budget must fit them all
             raise VExpertInputError(
@@ -140,7 +144,7 @@ def scheduler_pool(model: StepModel, config: SchedulerConfig) -> BlockPool:
     return BlockPool(min(model.kv_num_blocks, cap), size)
 
 
-@dataclass(eq=False, slots=True)  # identity: a deque.remove must find this very sequence
+@dataclass(eq=False, slots=True)  # identity: the waiting queue's remove finds this very sequence
 class _Sequence:
     """A request's state inside the scheduler (read for every sequence of every iteration: plain
     slotted fields, no properties on the hot path)."""
@@ -444,8 +448,8 @@ def publish_known(pool: BlockPool, seq: _Sequence) -> None:
         pool.publish(seq.seq_id, seq.digests + more)
 
 
-def _arrival(seq: _Sequence) -> int:
-    return seq.seq_id  # numbered as requests arrive
+def _order(seq: _Sequence, policy: str) -> tuple[int, int]:
+    return order_key(policy, seq.request.priority, seq.seq_id)  # numbered as requests arrive
 
 
 @dataclass(frozen=True)
@@ -476,7 +480,7 @@ class Scheduler:
         self._cancels: set[str] = set()
         self._abort: str | None = None
         self._accepting = True
-        self._waiting: deque[_Sequence] = deque()
+        self._waiting: WaitingQueue[_Sequence] = WaitingQueue()
         self._running: dict[int, _Sequence] = {}  # insertion order = admission order
         self._by_request: dict[str, _Sequence] = {}
         self._next_seq_id = 0
@@ -631,7 +635,7 @@ class Scheduler:
             abort, self._abort = self._abort, None
         for request, sink in inbox:
             seq = self._new_sequence(request, sink)
-            self._waiting.append(seq)
+            self._waiting.push(_order(seq, self.config.scheduling_policy), seq)
             self._by_request[request.request_id] = seq
             if request.params.grammar is not None:
                 self._start_grammar(seq, request.params.grammar)
@@ -667,8 +671,8 @@ class Scheduler:
         while need + committed > pool.free_blocks:  # the decodes outgrow the cache
             if self._in_flight is not None:  # its finished sequences free blocks (and victims must be idle)
                 self._complete(self._take_in_flight())
-            else:  # the latest arrival: the least served (a re-admitted victim keeps its place)
-                self._preempt(max(self._running.values(), key=_arrival))
+            else:  # the last in the policy's order: fcfs the newest, the least served (waiting_queue.py)
+                self._preempt(max(self._running.values(), key=partial(_order, policy=self.config.scheduling_policy)))
             decoding, prefilling, need, committed = self._split()
         spare = pool.free_blocks - need - committed  # what admissions may take (chunks take from committed)
         batch = [(seq, seq.decode_work(pool)) for seq in decoding]
@@ -680,11 +684,11 @@ class Scheduler:
             batch.append((seq, item))
             budget -= len(item.tokens)
         while budget > 0 and self._waiting and len(self._running) < self.config.max_running:
-            head = self._waiting[0]
+            head = self._waiting.peek()
             wanted = blocks_for(head.prefill_len + 1, size)  # its prefill and its first token
             if wanted + (self._watermark if self._running else 0) > spare:
-                break  # FIFO: the head waits for room, and the rest behind it
-            self._waiting.popleft()
+                break  # in order: the head waits for room, and the rest behind it
+            self._waiting.pop()
             self._admit(head)
             spare -= wanted
             item = head.prefill_work(budget, pool)
@@ -713,7 +717,7 @@ class Scheduler:
             self._kv_tokens_used += seq.computed
 
     def _preempt(self, seq: _Sequence) -> None:
-        """Give a running sequence's blocks back and queue it first: re-admitted, it prefills its
+        """Give a running sequence's blocks back and queue it where it stood: re-admitted, it prefills its
         prompt and output so far and goes on (no launched step may hold it)."""
         assert seq.steps_in_flight == 0 and not seq.pending
         del self._running[seq.seq_id]
@@ -726,7 +730,7 @@ class Scheduler:
         seq.computed = seq.published = 0
         seq.table, seq.digests = (), []
         seq.prefill_len = seq.prompt_len + len(seq.output)
-        self._waiting.appendleft(seq)
+        self._waiting.push(_order(seq, self.config.scheduling_policy), seq)
         self._preemptions += 1
         log.debug("preempted %s after %d tokens (KV cache full)", seq.request.request_id, len(seq.output))
 
@@ -793,8 +797,7 @@ class Scheduler:
                 self._kv_tokens_used -= seq.computed
             self._release_if_idle(seq)
         else:
-            with contextlib.suppress(ValueError):  # already out of the queue
-                self._waiting.remove(seq)
+            self._waiting.remove(seq)  # (False: already out of the queue)
         # the finishing token (stop, length), after the tokens held for the next event
         produced = seq.unsent_tokens + (1 if reason in ("stop", "length") and seq.output else 0)
         fields = (seq.request.request_id, seq.unsent_text + text, produced, reason, seq.prompt_len, len(seq.output),

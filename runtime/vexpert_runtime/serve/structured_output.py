@@ -160,6 +160,10 @@ class GrammarTokens:
     sequence (what a complete grammar allows)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int]) -> None:
+        # imported here, not on the reader thread: llguidance.hf imports transformers, and a thread importing it
+        # while this one does too can hand either a half-initialised module ("cannot import name …")
+        import llguidance.hf  # noqa: F401
+
         self.vocab_size = vocab_size
         self._ll_tokenizer: Any = None
         self._executor: Any = None
@@ -171,7 +175,6 @@ class GrammarTokens:
 
     def _read(self, tokenizer: Any, eos: list[int]) -> None:
         try:
-            import llguidance
             import llguidance.hf
 
             self._ll_tokenizer = llguidance.hf.from_tokenizer(
