@@ -5,7 +5,8 @@ markers made special tokens of the tokenizer, as in those models') — each case
 and from vLLM's own parser class (``vllm.tool_parsers``, its ``extract_tool_calls``), run in vLLM's virtual environment
 (``--vllm-python``; it reads the demo model's tokenizer) — and streamed a token at a time (the demo tokenizer's
 tokens; vLLM's ``extract_tool_calls_streaming``, vexpert's ``ToolCallStream``), each call's deltas joined as a client
-joins them. Prints one row per case and whether the two agree.
+joins them, and counted: how many pieces of its arguments went out before the reply ended (``argument_pieces``: a
+call sent whole at the end has none). Prints one row per case and whether the two agree.
 
     python benchmarks/tool_parser_parity.py --vllm-python /work/vllm-venv/bin/python --out out/tool_parser_parity.json
 
@@ -66,6 +67,7 @@ FORMATS: dict[str, tuple[tuple[str, ...], list[tuple[str, str]]]] = {
         ("two calls", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
                       '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'),
         ("compact JSON, non-ASCII", '<tool_call>{"name":"get_weather","arguments":{"city":"Zürich","days":3}}</tool_call>'),
+        ("long arguments", f'<tool_call>\n{{"name": "write", "arguments": {LONG}}}\n</tool_call>'),
         ("no call", "plain text, no call")]),
     "deepseek_v3": ((BEGIN, END, CALL, CALL_END, SEP), [
         ("two calls", f'Let me check.{BEGIN}{CALL}function{SEP}get_weather\n```json\n{{"city": "Paris"}}\n```{CALL_END}\n'
@@ -112,16 +114,19 @@ def vexpert_rows(parser_name: str, pieces: list[list[str]]) -> list[dict[str, An
     rows = []
     for (name, text), case_pieces in zip(FORMATS[parser_name][1], pieces, strict=True):
         content, calls = parse_tool_calls(fmt, text)
-        stream, sent, joined = ToolCallStream(fmt), "", {}
+        stream, sent, joined, early = ToolCallStream(fmt), "", {}, {}
         for piece in case_pieces:
             more, deltas = stream.push(piece)
             sent += more
             _joined(joined, deltas, lambda d: d.name, lambda d: d.arguments)
+            for delta in deltas:
+                early[delta.index] = early.get(delta.index, 0) + bool(delta.arguments)
         tail, deltas, _ = stream.finish()
         _joined(joined, deltas, lambda d: d.name, lambda d: d.arguments)
         rows.append({"case": name, "content": content if calls else text,
                      "calls": [[c.name, json.loads(c.arguments)] for c in calls],
-                     "streamed": {"content": sent + tail, "calls": [joined[i] for i in sorted(joined)]}})
+                     "streamed": {"content": sent + tail, "calls": [joined[i] for i in sorted(joined)],
+                                  "argument_pieces": [early.get(i, 0) for i in sorted(joined)]}})
     return rows
 
 
@@ -158,15 +163,18 @@ for name, text in cases:
         before = now
     last = parser.finish_streaming() if hasattr(parser, "finish_streaming") else None
     deltas += [last] if last is not None else []
-    content, joined = "", {}
+    content, joined, early = "", {}, {}
     for delta in deltas:
         content += delta.content or ""
         for call in delta.tool_calls or []:
+            if delta is not last:
+                early[call.index] = early.get(call.index, 0) + bool(call.function and call.function.arguments)
             entry = joined.setdefault(call.index, ["", ""])
             entry[0] += (call.function.name or "") if call.function else ""
             entry[1] += (call.function.arguments or "") if call.function else ""
     row["pieces"] = pieces
-    row["streamed"] = {"content": content, "calls": [[joined[i][0], joined[i][1]] for i in sorted(joined)]}
+    row["streamed"] = {"content": content, "calls": [[joined[i][0], joined[i][1]] for i in sorted(joined)],
+                       "argument_pieces": [early.get(i, 0) for i in sorted(joined)]}
     rows.append(row)
 print("ROWS " + json.dumps(rows))
 """
@@ -209,7 +217,9 @@ def main() -> int:
         print(f"{parser_name}: whole replies {sum(r['agree'] for r in rows)} of {len(rows)} agree; streamed: calls "
               f"{sum(r['streamed_calls_agree'] for r in rows)} (their arguments' text "
               f"{sum(r['streamed_arguments_as_sent'] for r in rows)}), content "
-              f"{sum(r['streamed_content_agree'] for r in rows)}")
+              f"{sum(r['streamed_content_agree'] for r in rows)}; pieces of arguments sent before the reply ended: "
+              f"vexpert {sum(sum(r['vexpert']['streamed']['argument_pieces']) for r in rows)}, vLLM "
+              f"{sum(sum(r['vllm']['streamed']['argument_pieces']) for r in rows)}")
         results[parser_name] = rows
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

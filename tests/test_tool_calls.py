@@ -21,6 +21,11 @@ from vexpert_runtime.serve.tool_calls import (
 
 TWO_CALLS = ('Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
              '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET", "format": "24h"}}\n</tool_call>')
+# written as a model may write them — not as json.dumps would: the stream re-encodes them as the whole reply does
+HERMES_UNCANONICAL = ('<tool_call>\n{"name":"plot", "arguments":{"xs":[1.50,2E1 ,-0.0],"label":"\\u00e9t\\u00e9 \\ud83d\\ude00 '
+                      '\\"q\\"","opts":{},"on":true,"none":null}}\n</tool_call>'
+                      '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
+                      '<tool_call>{"arguments": {"b": 2}, "name": "g"}</tool_call>')
 
 
 def test_calls_are_read_with_the_content_before_them() -> None:
@@ -183,7 +188,7 @@ def test_a_qwen3_coder_reply_without_valid_calls_is_all_content(text: str) -> No
 @pytest.mark.parametrize("piece", [1, 2, 3, 7, 11, 1000])
 @pytest.mark.parametrize(("parser", "text"), [
     ("hermes", TWO_CALLS), ("hermes", "no call here, though it ends in <tool_c"),
-    ("hermes", "a <tool_call> that is not one"), ("deepseek_v3", DEEPSEEK_TWO_CALLS),
+    ("hermes", "a <tool_call> that is not one"), ("hermes", HERMES_UNCANONICAL), ("deepseek_v3", DEEPSEEK_TWO_CALLS),
     ("deepseek_v3", f"no call here, though it ends in {BEGIN[:4]}"), ("deepseek_v3", f"a {BEGIN} that is not one"),
     ("deepseek_v3", f"{BEGIN}{CALL}function{SEP}f\n```json\n{{\"a\": \"``\"}}\n``` \n {CALL_END}{END}"),
     ("deepseek_v31", DEEPSEEK_V31_TWO_CALLS), ("kimi_k2", KIMI_TWO_CALLS),
@@ -220,17 +225,18 @@ def test_a_streamed_reply_gives_the_content_then_the_calls_as_they_are_written(
         first, *rest = pieces[index]
         assert (first.id, first.name) == (call.id, call.name) and all(d.name is None for d in rest)
         assert first.arguments + "".join(d.arguments for d in rest) == call.arguments
-    if expected and parser != "hermes" and piece < 10:  # these formats' calls go out before the reply ends
+    if expected and piece < 10:  # the calls go out before the reply ends
         assert early > len(calls)
 
 
 def test_a_long_argument_goes_out_as_it_is_written() -> None:
-    """A DeepSeek-V3 call whose arguments hold a long text, and a Qwen3-Coder string parameter: most of the arguments
+    """A DeepSeek-V3 or hermes call whose arguments hold a long text, and a Qwen3-Coder string parameter: most of the arguments
     have gone out before the call ends (a tail that may be the end marker is held), never more than was written."""
     body = "z" * 400
     deepseek = f"{BEGIN}{CALL}function{SEP}write\n```json\n{{\"text\": \"{body}\"}}\n```{CALL_END}{END}"
     xml = f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{body}\n</parameter>\n</function>\n</tool_call>"
-    for parser, text in (("deepseek_v3", deepseek), (QWEN3_CODER, xml)):
+    hermes = f'<tool_call>\n{{"name": "write", "arguments": {{"text": "{body}"}}}}\n</tool_call>'
+    for parser, text in (("deepseek_v3", deepseek), (QWEN3_CODER, xml), ("hermes", hermes)):
         stream = ToolCallStream(parser)
         cut = text.index(body) + 300
         got = "".join(d.arguments for d in stream.push(text[:cut])[1])

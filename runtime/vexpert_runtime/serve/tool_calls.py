@@ -41,6 +41,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from vexpert_runtime.serve.json_prefix import json_prefix
+
 # ``vexpert serve --tool-call-parser``, ``spec.runtime.toolCallParser``
 ToolCallParser = Literal["hermes", "deepseek_v3", "deepseek_v31", "kimi_k2", "qwen3_coder"]
 PARSERS: tuple[str, ...] = get_args(ToolCallParser)
@@ -492,8 +494,8 @@ def partial_calls(parser: ToolFormat, text: str) -> list[PartialCall]:
     """The calls ``text`` (a reply from its calls' start marker, or from a call's start, on) has begun, in order, each
     as far as it is written — what a stream sends of them before the reply ends. Formats whose arguments are written
     as they are sent (deepseek_v3, deepseek_v31, kimi_k2) give them as they grow; ``qwen3_coder`` its JSON as its
-    parameters come (a string parameter's text as it grows); ``hermes`` (its arguments re-encoded from the call's
-    JSON) a call once its block is closed; a named forced function its arguments (the whole reply) as written;
+    parameters come (a string parameter's text as it grows); ``hermes`` its arguments re-encoded as they are written
+    (the whole reply re-encodes them: :mod:`.json_prefix`); a named forced function its arguments (the whole reply) as written;
     ``tool_choice`` "required" (calls re-encoded from a JSON list) nothing before the end. A stream reads only from
     the first call not yet complete (``end``): what it reads at every token grows with one call, not with the reply."""
     if isinstance(parser, ForcedToolChoice):
@@ -521,8 +523,8 @@ def partial_calls(parser: ToolFormat, text: str) -> list[PartialCall]:
 
 
 def _block_calls(parser: str | TypedToolFormat, text: str) -> list[PartialCall]:
-    """:func:`partial_calls` of the ``<tool_call>`` block formats: ``hermes`` (a call once its block closes) and
-    ``qwen3_coder`` (its arguments as they are written)."""
+    """:func:`partial_calls` of the ``<tool_call>`` block formats: ``hermes`` (its arguments re-encoded as they are
+    written, :func:`_hermes_partial`) and ``qwen3_coder`` (its arguments as they are written)."""
     if isinstance(parser, TypedToolFormat) and first_marker(text, start_markers(parser)) == text.find(
             _XML_FUNCTION_START) >= 0:
         return _bare_function_calls(parser, text)
@@ -545,6 +547,9 @@ def _block_calls(parser: str | TypedToolFormat, text: str) -> list[PartialCall]:
                 break
         else:
             if close < 0:
+                call = _hermes_partial(text[at + len(_HERMES_START):])
+                if call is not None:
+                    found.append(call)
                 break
             calls = _hermes_calls(text[at:close + len("</tool_call>")])
             if not calls:
@@ -552,6 +557,24 @@ def _block_calls(parser: str | TypedToolFormat, text: str) -> list[PartialCall]:
             found.append(PartialCall(calls[0].name, None, calls[0].arguments, close + len("</tool_call>")))
         at = following
     return found
+
+
+_HERMES_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*(?=")')
+_HERMES_ARGUMENTS = re.compile(r'\s*,\s*"arguments"\s*:\s*(?=[\[{])')
+
+
+def _hermes_partial(text: str) -> PartialCall | None:
+    """The call of an open ``hermes`` block (``text``: after ``<tool_call>``) as far as it can be sent: nothing
+    before its name is written (the call's first key); its arguments — the next key, an object — as
+    :func:`~.json_prefix.json_prefix` re-encodes them as they are written (the whole call's re-encoded arguments
+    extend them); other arguments (a string, after other keys) once the block closes."""
+    head = _HERMES_NAME.match(text)
+    name = json_prefix(text, head.end()) if head is not None else None
+    if name is None or name[1] is None:
+        return None
+    arguments = _HERMES_ARGUMENTS.match(text, name[1])
+    written = json_prefix(text, arguments.end()) if arguments is not None else None
+    return PartialCall(json.loads(name[0]), None, written[0] if written is not None else "", None)
 
 
 def _bare_function_calls(parser: TypedToolFormat, text: str) -> list[PartialCall]:
