@@ -19,6 +19,7 @@ from serve_support import (
     MODEL_NAME,
     ScriptedStepModel,
     build_tiny_checkpoint,
+    joined_tool_calls,
     load_model,
     load_tokenizer,
     make_server,
@@ -128,7 +129,8 @@ def test_reasoning_through_the_api(checkpoint: tuple[Path, Any, Any]) -> None:
             reasoning += (delta.model_extra or {}).get("reasoning") or ""
             content += delta.content or ""
             calls += delta.tool_calls or []
-        assert (reasoning, content, len(calls)) == ("\nthe user wants f.\n", "\n\nCalling f.\n", 1)
+        assert (reasoning, content) == ("\nthe user wants f.\n", "\n\nCalling f.\n")
+        assert [(name, arguments) for _, _, name, arguments in joined_tool_calls(calls)] == [("f", '{"x": 1}')]
         hidden = client.chat.completions.create(**kwargs, extra_body={"include_reasoning": False}).choices[0].message
         assert "reasoning" not in (hidden.model_extra or {}) and hidden.content == "\n\nCalling f.\n"
         plain = client.chat.completions.create(**kwargs, tool_choice="none",
@@ -142,5 +144,61 @@ def test_reasoning_through_the_api(checkpoint: tuple[Path, Any, Any]) -> None:
         choice = constrained.choices[0]
         assert (choice.message.content, choice.finish_reason) == ("abcab", "stop")
         assert (choice.message.model_extra or {})["reasoning"] == "\nletters\n"
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("overlapped", [False, True], ids=["sequential", "overlapped"])
+def test_a_thinking_budget_ends_the_reasoning_after_that_many_tokens(checkpoint: tuple[Path, Any, Any],
+                                                                     overlapped: bool) -> None:
+    """vLLM's ``thinking_token_budget``: a reply whose reasoning would go on (``</think>`` biased away) gets its
+    ``</think>`` as the token after the budget's — 0, 1 or 3 reasoning tokens —, then writes its content; a budget
+    beyond ``max_tokens`` changes nothing; a reply that ends its reasoning early is not held to it. Sequential and
+    overlapped steps alike (an overlapped sequence near its budget reads each token before its next draw)."""
+    directory, _, tokenizer = checkpoint
+    end = tokenizer.convert_tokens_to_ids("</think>")
+    prompt = tuple(tokenizer.encode("the quick brown fox"))
+    common: dict[str, Any] = {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True, "reasoning_end": end}
+    away, toward = ((end, -100.0),), ((end, 100.0),)
+    budgets = {"b0": 0, "b1": 1, "b3": 3, "b20": 20}
+    requests = [GenerationRequest(name, prompt, SamplingParams(**common, logit_bias=away, thinking_budget=budget))
+                for name, budget in budgets.items()]
+    requests.append(GenerationRequest("early", prompt, SamplingParams(**common, logit_bias=toward, thinking_budget=5)))
+    events = serve_with_scheduler(directory, tokenizer, requests, overlapped=overlapped)
+    for name, batch in events.items():
+        assert not any(e.error for e in batch), (name, batch)
+        texts = [e.text for e in batch if e.new_tokens]  # one event per token
+        details = batch[-1].usage_details
+        assert details is not None and batch[-1].completion_tokens == 10, (name, batch[-1])
+        expected = {"b20": None, "early": 0}.get(name, budgets.get(name))
+        assert (texts.index("</think>") if "</think>" in texts else None) == expected, (name, texts)
+        assert details.reasoning_tokens == (10 if expected is None else expected), (name, details)
+        assert texts.count("</think>") <= 1 or name == "early", (name, texts)
+
+
+def test_a_thinking_budget_through_the_api(checkpoint: tuple[Path, Any, Any]) -> None:
+    """``thinking_token_budget`` on a chat request with ``--reasoning-parser qwen3``: the reasoning has that many
+    tokens (the usage's ``reasoning_tokens``), the rest is content; −1 is no limit; without a reasoning parser, or on
+    /v1/completions, it is a 400 naming it."""
+    directory, hf_model, tokenizer = checkpoint
+    end = tokenizer.convert_tokens_to_ids("</think>")
+    srv = make_server(directory, hf_model)
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    kwargs: dict[str, Any] = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x?"}], "max_tokens": 8,
+                              "temperature": 0.0, "logit_bias": {str(end): -100}}
+    try:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(**kwargs, extra_body={"thinking_token_budget": 2})
+        assert refused.value.body["param"] == "thinking_token_budget" and "--reasoning-parser" in str(refused.value)
+        with pytest.raises(openai.BadRequestError) as completion:
+            client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, extra_body={"thinking_token_budget": 2})
+        assert completion.value.body["param"] == "thinking_token_budget"
+        srv.api.config = dataclasses.replace(srv.api.config, reasoning_parser="qwen3")
+        budgeted = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True, "thinking_token_budget": 2})
+        assert budgeted.usage.completion_tokens_details.reasoning_tokens == 2  # type: ignore[union-attr]
+        assert budgeted.choices[0].message.content and budgeted.usage.completion_tokens == 8  # type: ignore[union-attr]
+        unlimited = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True, "thinking_token_budget": -1})
+        assert unlimited.usage.completion_tokens_details.reasoning_tokens == 8  # type: ignore[union-attr]
+        assert unlimited.choices[0].message.content is None
     finally:
         srv.close()

@@ -527,10 +527,10 @@ def test_tool_calls_are_read_out_of_the_reply_with_the_hermes_parser(checkpoint:
                                                                       tokenizer: Any) -> None:
     """With ``--tool-call-parser hermes``, a reply that calls tools (here scripted: the model writes the
     call) comes back as OpenAI's ``tool_calls`` with finish reason "tool_calls" and the text before it as
-    content — streamed too, the content first and the calls in one delta; ``parallel_tool_calls: false`` keeps the
+    content — streamed too, the content first, then the calls as they are written; ``parallel_tool_calls: false`` keeps the
     first call (vLLM's filter); without a parser a request whose
     tools may be called is a 400 naming tool_choice; with tool_choice "none" the reply stays text."""
-    from serve_support import ScriptedStepModel
+    from serve_support import ScriptedStepModel, joined_tool_calls
 
     reply = ('ok\n<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>\n'
              '<tool_call>{"name": "f", "arguments": {"x": 2}}</tool_call>')
@@ -561,7 +561,7 @@ def test_tool_calls_are_read_out_of_the_reply_with_the_hermes_parser(checkpoint:
                 deltas += delta.tool_calls or []
                 finish = chunk.choices[0].finish_reason or finish
             assert (content, finish) == ("ok\n", "tool_calls")
-            assert [(d.index, json.loads(d.function.arguments)) for d in deltas] == expected
+            assert [(index, json.loads(arguments)) for index, _, _, arguments in joined_tool_calls(deltas)] == expected
         text = client.chat.completions.create(**kwargs, tool_choice="none").choices[0]
         assert (text.message.content, text.message.tool_calls, text.finish_reason) == (reply, None, "stop")
     finally:

@@ -420,6 +420,50 @@ def test_structured_output_on_graphed_overlapped_steps_equals_the_eager_one(tmp_
         assert results[1][f"choice-{temperature}"] in ("yes", "no", "maybe so")
 
 
+def test_a_thinking_budget_on_graphed_overlapped_steps_equals_the_eager_one(tmp_path: Path) -> None:
+    """vLLM's ``thinking_token_budget`` on the GPU path: reasoning sequences with ``</think>`` biased away and budgets
+    of 0, 2 and 5 tokens beside free ones — the forced ``</think>`` a mask in the bias rows of graphed overlapped
+    steps, a sequence near its budget sitting out the step that samples its token — give the eager sequential
+    scheduler's tokens, with ``</think>`` right after each budget."""
+    from serve_support import build_tiny_checkpoint, load_tokenizer
+    from vexpert_runtime.serve.events import GenerationRequest, SamplingParams
+    from vexpert_runtime.serve.sampling import eos_token_ids
+    from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
+
+    path = tmp_path / "ds3"
+    build_tiny_checkpoint(path, "deepseek_v3", added_tokens=["<think>", "</think>"])
+    tokenizer = load_tokenizer(path)
+    end = tokenizer.convert_tokens_to_ids("</think>")
+    prompt = tuple(tokenizer.encode("the quick brown fox"))
+    budgets = {"b0": 0, "b2": 2, "b5": 5}
+    requests = [GenerationRequest(f"{name}-{temperature}", prompt, SamplingParams(
+        max_tokens=12, temperature=temperature, seed=5, ignore_eos=True, logit_bias=((end, -100.0),),
+        reasoning_end=end, thinking_budget=budget))
+        for name, budget in budgets.items() for temperature in (0.0, 1.0)]
+    requests += [GenerationRequest(f"free{i}", prompt[i:], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+                 for i in range(4)]
+    results = []
+    for graphs in (False, True):
+        model = _one_rank_model(path)
+        stream = torch.cuda.Stream()
+        tokens: dict[str, list[str]] = {r.request_id: [] for r in requests}
+        with torch.cuda.stream(stream):
+            if graphs:
+                model.enable_cuda_graphs(64, 16, stream)
+            scheduler = Scheduler(model, tokenizer, SchedulerConfig(kv_budget_tokens=None, max_batch_tokens=64,
+                                                                    max_running=16), eos_token_ids(tokenizer))
+            for request in requests:
+                scheduler.submit(request, lambda e, out=tokens[request.request_id]: out.append(e.error or e.text))
+            while scheduler.has_work():
+                scheduler.run_iteration()
+        results.append(tokens)
+    assert results[0] == results[1]
+    for name, budget in budgets.items():
+        for temperature in (0.0, 1.0):
+            texts = results[1][f"{name}-{temperature}"]  # one event per token
+            assert texts.index("</think>") == budget and texts.count("</think>") == 1, texts
+
+
 def test_a_grammar_mask_and_a_logit_bias_are_written_without_waiting_for_the_device() -> None:
     """The bias rows' writes ahead of a step (a logit bias, a grammar's mask) upload from pinned memory: the host
     does not wait for the step in flight (a pageable upload would, and the overlap be lost); the row holds −inf

@@ -399,12 +399,12 @@ def _text_frame(payload: dict[str, Any]) -> tuple[bytes, bytes] | None:
 
 
 def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt_len: int, chat: bool,
-                    config: ApiConfig, bad_words: tuple[tuple[int, ...], ...] = (), reasoning_end: int | None = None
-                    ) -> SamplingParams:
+                    config: ApiConfig, bad_words: tuple[tuple[int, ...], ...] = (), reasoning_end: int | None = None,
+                    in_reasoning: bool = False) -> SamplingParams:
     """A request's sampling for one of its prompts: the defaults resolved (``config.sampling_defaults``),
     the lengths checked against the context (a 400 naming the field); ``bad_words``: its bad words' ids
     (:func:`~.prompts.bad_word_ids`); ``reasoning_end``: the token ending the reply's reasoning (a reply that starts
-    in it)."""
+    in it: ``in_reasoning``; None there where the marker is several tokens)."""
     limit = config.max_context
     prompt_param = "messages" if chat else "prompt"
     if prompt_len == 0:
@@ -419,6 +419,7 @@ def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt
         raise ApiError(400, f"{param}: {requested} + the prompt's {prompt_len} tokens exceed the context of {limit} "
                        "tokens", param=param, code="context_length_exceeded")
     max_tokens = requested if requested is not None else min(limit - prompt_len, default.max_tokens or limit)
+    budget = thinking_budget(req, config, in_reasoning and reasoning_end is None)
     if (req.min_tokens or 0) > max_tokens:
         raise ApiError(400, f"min_tokens: {req.min_tokens} is more than the {max_tokens} tokens this request may "
                        "generate (max_tokens, or what the context leaves)", param="min_tokens")
@@ -446,9 +447,27 @@ def sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, prompt
         allowed_token_ids=tuple(sorted(set(req.allowed_token_ids or ()))),
         cache_salt=req.cache_salt,
         reasoning_end=reasoning_end,
+        thinking_budget=budget if reasoning_end is not None else None,
         # a tool-call format whose markers may be special tokens needs them in the text (as vLLM's parsers ask)
         skip_special_tokens=req.skip_special_tokens and tool_format(req, config) not in KEEPS_SPECIAL_TOKENS,
     )
+
+
+def thinking_budget(req: oa.CompletionRequest | oa.ChatCompletionRequest, config: ApiConfig, marker_split: bool
+                    ) -> int | None:
+    """A chat request's ``thinking_token_budget`` (vLLM's; None and −1: no limit); a 400 naming it where it cannot be
+    honoured: no ``--reasoning-parser`` tells the reasoning from the content, or the reply's end-of-reasoning marker is
+    several tokens (``marker_split``: one forced token could not end it). A reply that does not start in its reasoning
+    has nothing to limit: the budget is moot there."""
+    budget = getattr(req, "thinking_token_budget", None)
+    if budget is None or budget == -1:
+        return None
+    if config.reasoning_parser is None or marker_split:
+        why = ("needs a server started with --reasoning-parser (the reasoning it limits is what that parser tells from "
+               "the content)" if config.reasoning_parser is None else "this model's end-of-reasoning marker is several "
+               "tokens: a budget cannot force it")
+        raise ApiError(400, f"thinking_token_budget: {why}; leave it out", param="thinking_token_budget")
+    return int(budget)
 
 
 def tool_format(req: oa.CompletionRequest | oa.ChatCompletionRequest, config: ApiConfig) -> ToolFormat | None:
@@ -1040,7 +1059,8 @@ class ServeApi:
         bad = await self.prompts.run(self.prompts.bad_words, req.bad_words, sum(map(len, req.bad_words))) \
             if req.bad_words else ()
         after = self.prompts.single_token(reasoning.fmt.end) if reasoning is not None and reasoning.in_reasoning else None
-        params = [sampling_params(req, len(prompt_ids), chat, self.config, bad, after) for prompt_ids in prompts]
+        params = [sampling_params(req, len(prompt_ids), chat, self.config, bad, after,
+                                  reasoning is not None and reasoning.in_reasoning) for prompt_ids in prompts]
         request_id = f"resp_{uuid.uuid4().hex}" if responses is not None else oa.new_request_id(
             "chatcmpl" if chat else "cmpl")
         requests = choice_requests(request_id, [(tuple(ids), p) for ids, p in zip(prompts, params, strict=True)],

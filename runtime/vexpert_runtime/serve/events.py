@@ -36,7 +36,9 @@ class SamplingParams:
     token not where the output ends with the rest (vLLM's ``bad_words``, tokenized by the API);
     ``allowed_token_ids``: the only tokens it may draw, sorted (vLLM's; (): all); ``reasoning_end``: a reply that
     starts in its reasoning — the token that ends it: the tokens before it are reasoning tokens (the usage's), and the
-    grammar constrains only what follows it (vLLM's ``reasoning_ended``); None: the reply is all content.
+    grammar constrains only what follows it (vLLM's ``reasoning_ended``); None: the reply is all content;
+    ``thinking_budget`` (with ``reasoning_end``): after that many reasoning tokens the next one is ``reasoning_end``
+    (vLLM's ``thinking_token_budget``).
     """
 
     max_tokens: int
@@ -63,6 +65,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: every other token's logit is −inf
     reasoning_end: int | None = None  # a reasoning reply's end-of-reasoning token (the grammar waits for it)
     cache_salt: str | None = None  # vLLM's: its prompt shares cached KV blocks only with prompts of the same salt
+    thinking_budget: int | None = None  # vLLM's thinking_token_budget: reasoning tokens before reasoning_end is forced
 
     @property
     def penalized(self) -> bool:
@@ -71,9 +74,10 @@ class SamplingParams:
     @property
     def holds_row(self) -> bool:
         """Whether the model keeps a row of per-sequence tables for it (penalties, a logit bias, min_tokens, a
-        grammar — its bias row masks the tokens the grammar does not allow —, bad words, allowed token ids)."""
+        grammar — its bias row masks the tokens the grammar does not allow —, bad words, allowed token ids, a thinking
+        budget: its row forces the end of the reasoning)."""
         return (self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.grammar is not None
-                or bool(self.bad_words) or bool(self.allowed_token_ids))
+                or bool(self.bad_words) or bool(self.allowed_token_ids) or self.thinking_budget is not None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,7 +94,6 @@ _REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
     "logits_processors": ((), "not supported; leave it out"),
     "logprob_token_ids": ((), "not supported: send logprobs / top_logprobs (the most likely tokens'), or leave it out"),
     "repetition_detection": ((), "not supported: use repetition_penalty / frequency_penalty, or leave it out"),
-    "thinking_token_budget": ((), "not supported: limit the reply with max_tokens, or leave it out"),
     "watermarking": ((False,), "not supported; send false"),
     "spaces_between_special_tokens": ((True,), "special tokens are decoded as the tokenizer joins them: send true"),
     "return_token_offsets": ((False,), "not supported; send false"),
@@ -112,6 +111,8 @@ _REFUSED_COMPLETION = {
     **_REFUSED_BOTH,
     "best_of": ((1,), "only best_of=1 is supported"),
     "suffix": (("",), "not supported (no fill-in-the-middle); leave it out"),
+    "thinking_token_budget": ((None, -1), "a chat request's field (it limits the reasoning a --reasoning-parser tells "
+                              "from the content): send it to /v1/chat/completions, or leave it out"),
 }
 _REFUSED_CHAT = {
     **_REFUSED_BOTH,
@@ -531,6 +532,7 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateInputs):
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     include_reasoning: StrictBool = True  # vLLM's: false leaves the reasoning out of the answer (a reasoning parser's)
+    thinking_token_budget: StrictInt | None = Field(default=None, ge=-1)  # vLLM's: reasoning tokens, then it ends (−1: no limit)
     parallel_tool_calls: StrictBool | None = None  # False: tool_choice "required" makes exactly one call
 
     @model_validator(mode="before")

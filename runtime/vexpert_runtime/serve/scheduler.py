@@ -166,6 +166,7 @@ class _Sequence:
     reasoning_tokens: int = 0  # output tokens before that token
     cached_tokens: int | None = None  # prompt tokens its first admission took from the prefix cache
     only: torch.Tensor | None = None  # allowed_token_ids as a bitmask (SamplingSpec.only); None: every token
+    reasoning_stop: torch.Tensor | None = None  # a thinking budget's: only reasoning_end, as a bitmask
     constrained: bool = False  # each draw reads the output before it (a grammar, bad words): no overlapped steps
     prefill_len: int = field(init=False)  # tokens to compute before decoding: the prompt (+ output after a preemption)
     computed: int = 0  # tokens the model holds in its KV cache (or will, once the launched steps are done)
@@ -366,6 +367,9 @@ def constrain_draws(batch: list[tuple[_Sequence, SequenceWork]], grammars: Gramm
     output all the same."""
     constrained = [(seq, seq.grammar, item.sample) for seq, item in batch
                    if seq.grammar is not None and item.sample is not None and not seq.reasoning]
+    for seq, item in batch:  # a spent thinking budget: the reasoning ends now (vLLM's thinking_token_budget)
+        if item.sample is not None and seq.reasoning and seq.reasoning_stop is not None and thinking_spent(seq):
+            item.sample.allowed = seq.reasoning_stop
     if constrained:
         masks = grammars.allowed([grammar for _, grammar, _ in constrained if grammar is not None])
         for (seq, _, spec), allowed in zip(constrained, masks, strict=True):
@@ -383,6 +387,23 @@ def constrain_draws(batch: list[tuple[_Sequence, SequenceWork]], grammars: Gramm
             banned = banned_next(seq.output, seq.bad_words)
             if banned:
                 item.sample.logit_bias = banning(item.sample.logit_bias, banned)
+
+
+def thinking_spent(seq: _Sequence, ahead: int = 0) -> bool:
+    """Whether ``seq``'s reasoning has taken its thinking budget (``ahead``: counting that many more tokens)."""
+    budget = seq.request.params.thinking_budget
+    return budget is not None and seq.reasoning_tokens + ahead >= budget
+
+
+def constraint_change(seq: _Sequence) -> int:
+    """Mark whether each of ``seq``'s draws must read the output before it — a grammar, bad words, or a reasoning one
+    token from its thinking budget (the draw after the budget is forced: it must know the reasoning has not ended) —;
+    the change in the count of such sequences (+1, −1, 0)."""
+    now = seq.grammar is not None or bool(seq.bad_words) or (seq.reasoning and thinking_spent(seq, ahead=1))
+    if now == seq.constrained:
+        return 0
+    seq.constrained = now
+    return 1 if now else -1
 
 
 def split_running(running: Iterable[_Sequence], block_size: int, max_context: int, constrained: bool = False
@@ -414,6 +435,8 @@ def new_sequence(seq_id: int, request: GenerationRequest, sink: EventSink, token
                     seed=request_seed(params.seed))
     seq.early_bias = early_bias(params, eos_ids, seq.bias)
     seq.reasoning = params.reasoning_end is not None
+    if params.reasoning_end is not None and params.thinking_budget is not None:
+        seq.reasoning_stop = pack_allowed((params.reasoning_end,), vocab_size)
     if params.allowed_token_ids:
         seq.only = pack_allowed(params.allowed_token_ids, vocab_size)
         if seq.early_bias and only_among(seq.only, (token for token, bias in seq.early_bias if bias < 0)):
@@ -639,9 +662,8 @@ class Scheduler:
             self._by_request[request.request_id] = seq
             if request.params.grammar is not None:
                 self._start_grammar(seq, request.params.grammar)
-            if not seq.finished and (seq.grammar is not None or seq.bad_words):
-                seq.constrained = True
-                self._constrained += 1
+            if not seq.finished:
+                self._constrained += constraint_change(seq)
         for request_id in cancels:
             cancelled = self._by_request.get(request_id)
             if cancelled is not None:
@@ -746,6 +768,7 @@ class Scheduler:
         if seq.reasoning:  # still reasoning: the grammar starts after the token that ends it
             seq.reasoning, grammar = token != params.reasoning_end, None
             seq.reasoning_tokens += seq.reasoning
+            self._constrained += constraint_change(seq)  # (a thinking budget near, or the reasoning over)
         elif grammar is not None and not grammar.accept(token):
             self._finish(seq, "error", error=f"structured output: token {token} is not in the grammar {grammar.error}")
             return
