@@ -96,6 +96,40 @@ def test_a_response_has_the_tokens_of_its_chat_completion_whole_and_streamed(ser
     assert deltas == response.output_text == events[-1].response.output_text
 
 
+def test_log_probabilities_are_the_chat_completions_whole_and_streamed(served: Any) -> None:
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` 3: the message's ``output_text`` carries each
+    output token's log-probability and its 3 most likely alternatives — the chat completion's for the same request —,
+    and streamed, the ``response.output_text.delta`` events' add up to them (and ``output_text.done``'s are them).
+    Without the include there are none (as vLLM's)."""
+    client = served[1]
+    common: dict[str, Any] = {"model": MODEL_NAME, "temperature": 0}
+    chat = client.chat.completions.create(**common, max_tokens=12, logprobs=True, top_logprobs=3,
+                                          messages=[{"role": "user", "content": "the quick brown fox"}])
+    expected = [(e.token, round(e.logprob, 5), [(t.token, round(t.logprob, 5)) for t in e.top_logprobs])
+                for e in chat.choices[0].logprobs.content]  # type: ignore[union-attr]
+    assert len(expected) == chat.usage.completion_tokens  # type: ignore[union-attr]
+
+    def entries(logprobs: Any) -> list[Any]:
+        return [(e.token, round(e.logprob, 5), [(t.token, round(t.logprob, 5)) for t in e.top_logprobs])
+                for e in logprobs]
+
+    asked: dict[str, Any] = {**common, "input": "the quick brown fox", "max_output_tokens": 12, "top_logprobs": 3,
+                             "include": ["message.output_text.logprobs"]}
+    response = client.responses.create(**asked)
+    (part,) = response.output[0].content  # type: ignore[union-attr]
+    assert entries(part.logprobs) == expected and all(len(e[2]) == 3 for e in expected)  # type: ignore[union-attr]
+    events = list(client.responses.create(**asked, stream=True))
+    streamed = [e for event in events if event.type == "response.output_text.delta" for e in event.logprobs]
+    assert entries(streamed) == expected
+    done = next(event for event in events if event.type == "response.output_text.done")
+    assert entries(done.logprobs) == expected
+    plain = client.responses.create(**{**asked, "include": []})
+    assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(**{**asked, "top_logprobs": 21})
+    assert refused.value.body["param"] == "top_logprobs"  # type: ignore[index]
+
+
 def test_reasoning_and_function_calls_are_output_items(served: Any) -> None:
     """``--reasoning-parser qwen3`` and ``--tool-call-parser hermes`` with a scripted reply that thinks, says and
     calls: a reasoning item, a message, a function call — whole and streamed —; the call and its output sent back
@@ -244,7 +278,7 @@ def test_stored_responses_continue_their_conversation_and_are_retrieved(served: 
 @pytest.mark.parametrize(("body", "param"), [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
-    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"top_logprobs": 21}, "top_logprobs"),
     ({"truncation": "auto"}, "truncation"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content"),
     ({"input": [{"type": "file_search_call", "id": "x"}]}, "input.0"),

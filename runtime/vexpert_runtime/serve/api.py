@@ -531,21 +531,32 @@ def _renamed(error: ApiError, names: dict[str, str]) -> ApiError:
                     names[head] + dot + rest, error.body["error"].get("code"), error.headers)
 
 
-async def _response_writes(job: _Job, store: ra.ResponseStore | None) -> AsyncIterator[bytes]:
+async def _response_writes(job: _Job, store: ra.ResponseStore | None, token_texts: _TokenTexts
+                           ) -> AsyncIterator[bytes]:
     """A streamed Responses API answer (:class:`~.responses_api.ResponseEvents`): its reasoning and content deltas and
     its function calls as they come, ``response.completed`` at the end (kept in ``store`` where the request asks);
-    an error ends it with ``response.failed``."""
+    an error ends it with ``response.failed``. Where the request asks for log-probabilities a content delta carries
+    its tokens' (``token_texts`` names them) — with those of tokens that wrote no text yet (half a character), not
+    those of a stretch that was reasoning only (as vLLM's stream)."""
     assert job.responses is not None
     store = store if job.responses.store else None
     events = ra.ResponseEvents(job.request_id, job.created, job.responses, store=store is not None)
     yield events.start()
     reply = _StreamedReply(job)
     counts = _UsageCounts()
+    held: list[TokenLogprobs] = []  # tokens whose log-probabilities wait for the content delta they wrote
     async for index, batch in job.events:
         last = batch[-1]
         thought, text, deltas, _ = reply.push("".join([event.text for event in batch]), last.finished)
+        logprobs = None
+        if job.logprobs:
+            held += [token for event in batch if event.logprobs is not None for token in event.logprobs.output]
+            if text and held:
+                logprobs = (await token_texts.logprobs_object(held, True, job.tokens_as_ids))["content"]
+            if text or thought:
+                held = []
         out = (events.reasoning(thought) if job.reasoning is not None and job.reasoning.shown else b"") + \
-            events.content(text) + events.calls(deltas)
+            events.content(text, logprobs) + events.calls(deltas)
         if last.finished:
             error = _failed(last)
             if error is not None:
@@ -1143,7 +1154,8 @@ class ServeApi:
             for i, parts in enumerate(texts)]
         if job.responses is not None:
             (choice,) = choices
-            output = ra.output_items(choice.reasoning, choice.text, choice.tool_calls or [])
+            output = ra.output_items(choice.reasoning, choice.text, choice.tool_calls or [],
+                                     (choice.logprobs or {}).get("content"))
             store = self.responses_store if job.responses.store else None
             response = ra.response_object(job.request_id, job.created, job.responses, output, choice.finish_reason,
                                           ra.usage_object(counts.usage(job)), store=store is not None)
@@ -1163,7 +1175,7 @@ class ServeApi:
         )
         await response.prepare(request)
         try:
-            async for data in (_response_writes(job, self.responses_store) if job.responses is not None
+            async for data in (_response_writes(job, self.responses_store, self._token_texts) if job.responses is not None
                                else self._sse_writes(job)):
                 await response.write(data)
             await response.write_eof()

@@ -9,8 +9,10 @@ Stored responses (:class:`ResponseStore`) are opt-in, as in vLLM (its ``VLLM_ENA
 ``vexpert serve --responses-store N`` keeps the last N responses of ``store: true`` requests in the API process — a
 request naming one as ``previous_response_id`` continues its conversation, and ``GET /v1/responses/{id}`` returns it.
 Without it ``previous_response_id`` is a 400 naming the field (send the whole conversation as ``input``);
-``conversation`` and ``background`` are refused. Tools other than functions, input images or files, ``top_logprobs``
-and prompt templates are refused.
+``conversation`` and ``background`` are refused. Tools other than functions, input images or files and prompt templates
+are refused. Log-probabilities as OpenAI's and vLLM's: ``include: ["message.output_text.logprobs"]`` (with
+``top_logprobs`` alternatives per token) puts each output token's in the message's ``output_text`` — streamed, the
+tokens of each ``response.output_text.delta`` in it (a reasoning-only stretch's are not sent, as vLLM's).
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ class ResponsesRequest(BaseModel):
     previous_response_id: StrictStr | None = None  # a stored response this one continues (--responses-store)
     metadata: dict[str, StrictStr] | None = None
     user: StrictStr | None = None
-    include: list[StrictStr] | None = None  # accepted: nothing more to include (reasoning comes as text)
+    include: list[StrictStr] | None = None  # "message.output_text.logprobs": the tokens' log-probabilities; others: no-ops
+    top_logprobs: StrictInt = Field(default=0, ge=0, le=20)  # alternatives per token (with the include above)
     priority: StrictInt = 0  # vLLM's (with --scheduling-policy priority): passed on to the chat request
 
     @model_validator(mode="before")
@@ -105,7 +108,6 @@ _REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {  # the values that ask for 
                      "previous_response_id, with a server started with --responses-store N)"),
     "background": ((False,), "send false (a response is answered while its request is open)"),
     "prompt": ((), "prompt templates are not stored here: send instructions and input"),
-    "top_logprobs": ((0,), "not served on /v1/responses: send 0 (or ask /v1/chat/completions for top_logprobs)"),
     "max_tool_calls": ((), "leave it out"),
     "truncation": (("disabled",), 'send "disabled": a conversation over the context is refused, not cut'),
 }
@@ -116,12 +118,21 @@ FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens"
                "reasoning_effort": "reasoning.effort"}
 
 
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the ``include`` entry that asks for them
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    return OUTPUT_LOGPROBS in (req.include or ())
+
+
 def chat_body(req: ResponsesRequest) -> Json:
     """The chat completion request ``req`` amounts to (validated as one by the caller)."""
     messages: list[Json] = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     messages += _messages(req.input)
     body: Json = {"model": req.model, "messages": messages, "stream": req.stream,
                   "parallel_tool_calls": req.parallel_tool_calls}
+    if wants_logprobs(req):
+        body.update(logprobs=True, top_logprobs=req.top_logprobs)
     for name, value in (("max_completion_tokens", req.max_output_tokens), ("temperature", req.temperature),
                         ("top_p", req.top_p), ("priority", req.priority or None)):
         if value is not None:
@@ -216,15 +227,16 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def output_items(reasoning: str | None, content: str | None, calls: Sequence[Json], message_id: str = "",
-                 reasoning_id: str = "") -> list[Json]:
+def output_items(reasoning: str | None, content: str | None, calls: Sequence[Json], logprobs: list[Json] | None = None
+                 ) -> list[Json]:
     """A finished reply's output items: its reasoning (a reasoning parser's), its message (where it has text, or no
-    call), its function calls (``calls``: chat ``tool_calls`` objects)."""
+    call; ``logprobs``: its ``output_text``'s, the chat reply's ``logprobs.content``), its function calls (``calls``:
+    chat ``tool_calls`` objects)."""
     items: list[Json] = []
     if reasoning is not None:
-        items.append(reasoning_item(reasoning_id or _item_id("rs"), reasoning))
+        items.append(reasoning_item(_item_id("rs"), reasoning))
     if content or not calls:
-        items.append(message_item(message_id or _item_id("msg"), content or ""))
+        items.append(message_item(_item_id("msg"), content or "", logprobs=logprobs))
     items += [function_call_item(call) for call in calls]
     return items
 
@@ -234,13 +246,13 @@ def reasoning_item(item_id: str, text: str | None, status: str = "completed") ->
             "content": [] if text is None else [{"type": "reasoning_text", "text": text}]}
 
 
-def message_item(item_id: str, text: str | None, status: str = "completed") -> Json:
+def message_item(item_id: str, text: str | None, status: str = "completed", logprobs: list[Json] | None = None) -> Json:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [] if text is None else [output_text(text)]}
+            "content": [] if text is None else [output_text(text, logprobs)]}
 
 
-def output_text(text: str) -> Json:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[Json] | None = None) -> Json:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def function_call_item(call: Json) -> Json:
@@ -290,6 +302,7 @@ class ResponseEvents:
         self._output: list[Json] = []  # the items done
         self._open: tuple[str, str] | None = None  # (kind, id) of the item streaming now
         self._text = ""
+        self._logprobs: list[Json] = []  # the message streaming now's, as sent
         self._call: tuple[str, str] = ("", "")  # (call id, name) of the function call streaming now
         self.final: Json | None = None  # the response, once finished
 
@@ -306,10 +319,11 @@ class ResponseEvents:
     def reasoning(self, delta: str) -> bytes:
         return self._delta("reasoning", delta)
 
-    def content(self, delta: str) -> bytes:
-        return self._delta("message", delta)
+    def content(self, delta: str, logprobs: list[Json] | None = None) -> bytes:
+        """The message's text ``delta`` (``logprobs``: its tokens', where the request asks)."""
+        return self._delta("message", delta, logprobs or [])
 
-    def _delta(self, kind: str, delta: str) -> bytes:
+    def _delta(self, kind: str, delta: str, logprobs: list[Json] | None = None) -> bytes:
         if not delta:
             return b""
         out = self._opened(kind)
@@ -317,7 +331,8 @@ class ResponseEvents:
         assert self._open is not None
         item_id, index = self._open[1], len(self._output)
         kind_event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra: Json = {} if kind == "reasoning" else {"logprobs": []}
+        extra: Json = {} if logprobs is None else {"logprobs": logprobs}
+        self._logprobs += logprobs or []
         return out + self._event(kind_event, item_id=item_id, output_index=index, content_index=0, delta=delta, **extra)
 
     def calls(self, deltas: Sequence[CallDelta]) -> bytes:
@@ -347,7 +362,7 @@ class ResponseEvents:
             return b""
         out = self._close()
         item_id = _item_id("rs" if kind == "reasoning" else "msg")
-        self._open, self._text = (kind, item_id), ""
+        self._open, self._text, self._logprobs = (kind, item_id), "", []
         index = len(self._output)
         if kind == "reasoning":
             return out + self._event("response.output_item.added", output_index=index,
@@ -372,11 +387,11 @@ class ResponseEvents:
             out = self._event("response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0,
                               text=text)
         else:
-            item = message_item(item_id, text)
+            item = message_item(item_id, text, logprobs=self._logprobs)
             out = self._event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                              text=text, logprobs=[])
+                              text=text, logprobs=self._logprobs)
             out += self._event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
-                               part=output_text(text))
+                               part=output_text(text, self._logprobs))
         self._output.append(item)
         return out + self._event("response.output_item.done", output_index=index, item=item)
 
