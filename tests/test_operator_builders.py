@@ -234,6 +234,25 @@ def test_gpu_memory_utilization_reaches_the_node_pods_runtime_yaml() -> None:
     assert hashes[0] != hashes[1]
 
 
+def test_the_batch_limits_reach_the_node_pods_command_and_a_budget_below_the_batch_is_refused() -> None:
+    """spec.runtime.maxNumSeqs / maxNumBatchedTokens / maxWaiting (vLLM's names) become `vexpert serve`'s flags; unset,
+    none is passed (the runtime's defaults); a token budget smaller than the batch — every running sequence decodes a
+    token each iteration — is refused naming the field, before any pod starts."""
+    args = _plan(s=spec(runtime__maxNumSeqs=64, runtime__maxNumBatchedTokens=1024, runtime__maxWaiting=32)
+                 ).statefulset["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-num-seqs") + 1] == "64" and args[args.index("--max-num-batched-tokens") + 1] == "1024"
+    assert args[args.index("--max-waiting") + 1] == "32"
+    default = _plan().statefulset["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not {"--max-num-seqs", "--max-num-batched-tokens", "--max-waiting"} & set(default)
+    for overrides in ({"runtime__maxNumSeqs": 64, "runtime__maxNumBatchedTokens": 32},
+                      {"runtime__maxNumBatchedTokens": 128}):  # (unset maxNumSeqs: the GPU default, 256)
+        parsed, problems = parse_spec(raw_spec(**overrides))
+        assert parsed is None and len(problems) == 1 and problems[0].field.startswith("spec.runtime"), problems
+        assert "maxNumBatchedTokens" in problems[0].message and "maxNumSeqs" in problems[0].message
+    parsed, problems = parse_spec(raw_spec(runtime__maxNumSeqs=0))
+    assert parsed is None and [p.field for p in problems] == ["spec.runtime.maxNumSeqs"]
+
+
 @pytest.mark.parametrize("dispatch", ["auto", "plan", "local", "global"])
 def test_the_replica_dispatch_reaches_the_runtime_config(dispatch: str) -> None:
     plan = _plan(s=spec(vexpert__dispatch=dispatch))

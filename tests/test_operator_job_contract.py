@@ -129,7 +129,8 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # spec.runti
 
 def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) -> None:
     """The node pod's own command (`vexpert serve --config … --port … --api-servers 2 --stream-interval 2
-    --scheduling-policy priority --prefix-caching --max-model-len 1024 --tool-call-parser hermes --reasoning-parser deepseek_r1 --chat-template
+    --scheduling-policy priority --prefix-caching --max-model-len 1024 --max-num-seqs 8 --max-num-batched-tokens 64
+    --max-waiting 16 --tool-call-parser hermes --reasoning-parser deepseek_r1 --chat-template
     …`, CPU workers, the embedded demo model) on the operator's
     RuntimeConfig: /health turns 200, /v1/models names the context, a completion is served, and /metrics (on either API server) carries the serving series
     the tuning loop reads next to the node's."""
@@ -145,7 +146,8 @@ def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) 
 
     s = spec(model={"name": "demo", "architecture": "deepseek_v3", "checkpoint": {"hostPath": "/models"}},
              parallelism={"expertParallelSize": 2, "gpusPerNode": 2}, runtime__apiServers=2, runtime__streamInterval=2,
-             runtime__schedulingPolicy="priority", runtime__prefixCaching=True, runtime__maxModelLen=1024, runtime__toolCallParser="hermes",
+             runtime__schedulingPolicy="priority", runtime__prefixCaching=True, runtime__maxModelLen=1024,
+             runtime__maxNumSeqs=8, runtime__maxNumBatchedTokens=64, runtime__maxWaiting=16, runtime__toolCallParser="hermes",
              runtime__reasoningParser="deepseek_r1", runtime__chatTemplate=TEMPLATE)
     group = plan_group(PlanInputs(name="d", namespace="ns", spec=s))
     config = group.runtime_config
@@ -161,7 +163,8 @@ def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) 
     assert container["command"] == ["vexpert", "serve"]
     assert container["args"][4:] == ["--api-servers", "2", "--stream-interval", "2",
                                      "--scheduling-policy", "priority", "--prefix-caching",
-                                     "--max-model-len", "1024", "--tool-call-parser", "hermes",
+                                     "--max-model-len", "1024", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+                                     "--max-waiting", "16", "--tool-call-parser", "hermes",
                                      "--reasoning-parser", "deepseek_r1", "--chat-template", TEMPLATE]
     port = free_port()
     args = [str(path) if a == "/etc/vexpert/runtime.yaml" else a for a in container["args"]]

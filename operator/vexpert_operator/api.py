@@ -353,6 +353,22 @@ class RuntimeSpec(CamelModel):
         "checkpoint's max_position_embeddings (checked at start). Unset: that. A request's max_tokens defaults to "
         "what it leaves; every rank's KV cache must hold one such sequence",
     )
+    max_num_seqs: int | None = Field(
+        None, ge=1, le=4096,
+        description="Sequences per rank in one batch (--max-num-seqs, vLLM's name; `vexpert serve --max-running`). "
+        "Unset: 256 on GPUs. CUDA graphs are captured for batch buckets up to it",
+    )
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1,
+        description="Tokens per rank per iteration, prompt chunks and decodes (--max-num-batched-tokens, vLLM's "
+        "name). At least maxNumSeqs (every running sequence decodes a token each iteration). Unset: "
+        "max(512, maxNumSeqs) on GPUs; a larger budget prefills faster and stalls the decodes longer",
+    )
+    max_waiting: int | None = Field(
+        None, ge=0,
+        description="Requests queued per rank beyond which `vexpert serve` answers 429 with Retry-After "
+        "(--max-waiting). Unset: 128",
+    )
     prefix_caching: bool = Field(
         False,
         description="Reuse the KV cache of prompt prefixes computed before (--prefix-caching): requests that start "
@@ -397,6 +413,15 @@ class RuntimeSpec(CamelModel):
         return data
 
     _gpu_memory_utilization = field_validator("gpu_memory_utilization", mode="wrap")(check_gpu_memory_utilization)
+
+    @model_validator(mode="after")
+    def _batch_fits_its_sequences(self) -> RuntimeSpec:
+        tokens = self.max_num_batched_tokens
+        if tokens is not None and tokens < (self.max_num_seqs or 256):
+            raise ValueError(f"maxNumBatchedTokens {tokens} < maxNumSeqs {self.max_num_seqs or '(unset: 256)'}: every "
+                             "running sequence decodes a token each iteration; raise maxNumBatchedTokens or lower "
+                             "maxNumSeqs")
+        return self
 
     @field_validator("node_selector")
     @classmethod

@@ -266,6 +266,11 @@ def _serve_args(spec: VExpertDeploymentSpec) -> list[str]:
         args.append("--prefix-caching")
     if spec.runtime.max_model_len is not None:
         args += ["--max-model-len", str(spec.runtime.max_model_len)]
+    for flag, value in (("--max-num-seqs", spec.runtime.max_num_seqs),
+                        ("--max-num-batched-tokens", spec.runtime.max_num_batched_tokens),
+                        ("--max-waiting", spec.runtime.max_waiting)):
+        if value is not None:
+            args += [flag, str(value)]
     if spec.runtime.tool_call_parser is not None:
         args += ["--tool-call-parser", spec.runtime.tool_call_parser]
     if spec.runtime.reasoning_parser is not None:
