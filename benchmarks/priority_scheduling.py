@@ -1,7 +1,10 @@
 """Priority scheduling under a saturated rank: what ``--scheduling-policy priority`` buys an urgent request.
 
 ``vexpert serve`` itself (the embedded demo model, CPU workers) is started once per policy with a small batch
-(``--max-running``), and loaded with ``--streams`` closed-loop streaming completions (``priority`` 0,
+(``--max-running``) — and with ``--servers vexpert vllm`` vLLM's CPU build too (``--vllm-python``; vLLM's
+``--scheduling-policy`` and ``--max-num-seqs``), both on the side-by-side benchmark's tiny Qwen3-MoE
+(``cpu_serve_compare.py``'s, built once under ``--work``) —, and loaded with ``--streams`` closed-loop streaming
+completions (``priority`` 0,
 ``ignore_eos``, ``--max-tokens`` each) — more than the batch holds, so requests queue. Beside them a prober sends
 one short streaming request at a time (``--probe-tokens``), ``priority`` −1 under ``priority`` and 0 (the only value
 ``fcfs`` accepts) under ``fcfs``: the same load, the same requests, only the order differs. Reported per policy: the
@@ -9,6 +12,7 @@ probes' time to first token and latency, and the background's tokens/s and time 
 requests gain and what the others pay for it.
 
     python benchmarks/priority_scheduling.py --out benchmarks/results/priority_scheduling_cpu.json
+    python benchmarks/priority_scheduling.py --servers vexpert vllm --out benchmarks/results/priority_scheduling_vllm_cpu.json
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -32,12 +35,15 @@ sys.path.insert(0, str(ROOT / "runtime"))
 
 from vexpert_runtime.ports import free_port  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from cpu_serve_compare import MODEL_NAME, build_checkpoint, stop_server  # noqa: E402
+
 PROMPT = "A mixture of experts model sends every token to a few of its many expert networks, and the busiest"
 
 
 async def stream_request(session: Any, url: str, max_tokens: int, priority: int) -> tuple[float, float, int]:
     """One streaming completion: (time to first text, total time, completion tokens)."""
-    body = {"model": "vexpert-demo", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
             "priority": priority, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
     first = None
@@ -101,15 +107,29 @@ async def load(url: str, args: argparse.Namespace, probe_priority: int) -> dict[
     }
 
 
-def run_policy(policy: str, args: argparse.Namespace, log: Path) -> dict[str, Any]:
-    """Start ``vexpert serve --scheduling-policy policy``, load it, stop it."""
+def server_command(server: str, policy: str, port: int, model: Path | None, args: argparse.Namespace
+                   ) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of ``server`` (vexpert, vllm) scheduling by ``policy``."""
+    if server == "vllm":
+        assert model is not None
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
+        return [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                "--dtype", "float32", "--max-model-len", "1024", "--served-model-name", MODEL_NAME,
+                "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(args.max_running),
+                "--scheduling-policy", policy], env
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "runtime"), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "vexpert_runtime", "serve", "--port", str(port), "--cpu-workers", str(args.cpu_workers),
+           "--max-running", str(args.max_running), "--max-waiting", str(4 * args.streams), "--served-model-name",
+           MODEL_NAME, "--scheduling-policy", policy, "--drain-timeout", "5"]
+    return cmd + (["--model", str(model)] if model is not None else []), env
+
+
+def run_policy(server: str, policy: str, model: Path | None, args: argparse.Namespace, log: Path) -> dict[str, Any]:
+    """Start ``server`` with ``--scheduling-policy policy``, load it, stop it."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "vexpert_runtime", "serve", "--port", str(port), "--cpu-workers", str(args.cpu_workers),
-           "--max-running", str(args.max_running), "--max-waiting", str(4 * args.streams),
-           "--scheduling-policy", policy, "--drain-timeout", "5"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "runtime"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    cmd, env = server_command(server, policy, port, model, args)
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         import urllib.request
 
@@ -125,19 +145,19 @@ def run_policy(policy: str, args: argparse.Namespace, log: Path) -> dict[str, An
             if time.monotonic() > deadline:
                 raise RuntimeError("server not healthy in 300 s:\n" + log.read_text()[-3000:])
             time.sleep(0.5)
-        return {"policy": policy, **asyncio.run(load(url, args, -1 if policy == "priority" else 0))}
+        return {"server": server, "policy": policy, **asyncio.run(load(url, args, -1 if policy == "priority" else 0))}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc, 60)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="JSON file the rows are written to")
     parser.add_argument("--policies", nargs="+", default=["fcfs", "priority"], choices=["fcfs", "priority"])
+    parser.add_argument("--servers", nargs="+", default=["vexpert"], choices=["vexpert", "vllm"],
+                        help="vllm (or more than one): every server on cpu_serve_compare.py's tiny Qwen3-MoE")
+    parser.add_argument("--vllm-python", type=Path, default=Path("/work/vllm-venv/bin/python"))
+    parser.add_argument("--work", type=Path, default=Path("/tmp/vexpert-cpu-compare"), help="where the checkpoint is")
     parser.add_argument("--cpu-workers", type=int, default=1)
     parser.add_argument("--max-running", type=int, default=8, help="the batch: fewer than --streams, so requests queue")
     parser.add_argument("--streams", type=int, default=24, help="background closed-loop streams (priority 0)")
@@ -149,12 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="policies run in turn this many times (interleaved)")
     args = parser.parse_args(argv)
     rows = []
+    model = build_checkpoint(args.work / "model") if args.servers != ["vexpert"] else None
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
-            for policy in args.policies:
-                row = {"round": round_ + 1, **run_policy(policy, args, Path(tmp) / f"{policy}_{round_}.log")}
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+            for server in args.servers:
+                for policy in args.policies:
+                    log = Path(tmp) / f"{server}_{policy}_{round_}.log"
+                    row = {"round": round_ + 1, **run_policy(server, policy, model, args, log)}
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "settings": settings,

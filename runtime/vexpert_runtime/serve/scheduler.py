@@ -167,7 +167,8 @@ class _Sequence:
     cached_tokens: int | None = None  # prompt tokens its first admission took from the prefix cache
     only: torch.Tensor | None = None  # allowed_token_ids as a bitmask (SamplingSpec.only); None: every token
     reasoning_stop: torch.Tensor | None = None  # a thinking budget's: only reasoning_end, as a bitmask
-    constrained: bool = False  # each draw reads the output before it (a grammar, bad words): no overlapped steps
+    constrained: bool = False  # each draw reads the output before it (a grammar, bad words, a thinking budget near:
+    # constraint_change): no overlapped steps
     prefill_len: int = field(init=False)  # tokens to compute before decoding: the prompt (+ output after a preemption)
     computed: int = 0  # tokens the model holds in its KV cache (or will, once the launched steps are done)
     admitted: bool = False
