@@ -29,6 +29,8 @@
 #   STAGE=mlalong  the MLA decode kernel at long contexts and 16-256 sequences (run 24 on an H100: the step at 64
 #                sequences of 32,768 tokens 7.6x its bound, and an FP8 cache slower than bf16): 32- vs 64-head blocks
 #                and splits, bf16 and FP8 caches (~2 min)
+#   STAGE=priority  --scheduling-policy priority against fcfs at 256 and 64 streams (all requests priority 0): what
+#                the heap-ordered waiting queue costs at GPU admission rates (~6 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
 #                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
 #                profile, with the EP layer's share of a traced iteration (~6 min)
@@ -135,6 +137,10 @@ case "${STAGE:-tests}" in
     tune --batches 64 16 --context 32768 --block-h 32 64 --kv-splits 1 2 4 --kv-cache-dtype fp8 \
       --out "$OUT/mla_long_fp8.json"
     tune --batches 256 64 --context 4096 --block-h 32 64 --kv-splits 1 2 4 --out "$OUT/mla_4k_bf16.json" ;;
+  priority)  # --scheduling-policy priority at GPU speed: its heap-ordered queue and victim rule against fcfs, every
+    # request of priority 0 (the same order), at 256 and 64 streams, one process each (~6 min)
+    bench . fcfs --model-dir /tmp/bench-ds3 --streams 256 64 "${LOAD[@]}"
+    bench . priority --model-dir /tmp/bench-ds3 --streams 256 64 "${LOAD[@]}" --serve-args "--scheduling-policy priority" ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
     BENCH_TIMEOUT=560 bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \
