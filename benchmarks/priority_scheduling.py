@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="vllm (or more than one): every server on cpu_serve_compare.py's tiny Qwen3-MoE")
     parser.add_argument("--vllm-python", type=Path, default=Path("/work/vllm-venv/bin/python"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/vexpert-cpu-compare"), help="where the checkpoint is")
+    parser.add_argument("--checkpoint", choices=["demo", "qwen3"], default=None,
+                        help="demo: vexpert's embedded model; qwen3: cpu_serve_compare.py's tiny Qwen3-MoE (default: "
+                             "qwen3 where vLLM runs, else demo)")
     parser.add_argument("--cpu-workers", type=int, default=1)
     parser.add_argument("--max-running", type=int, default=8, help="the batch: fewer than --streams, so requests queue")
     parser.add_argument("--streams", type=int, default=24, help="background closed-loop streams (priority 0)")
@@ -169,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="policies run in turn this many times (interleaved)")
     args = parser.parse_args(argv)
     rows = []
-    model = build_checkpoint(args.work / "model") if args.servers != ["vexpert"] else None
+    checkpoint = args.checkpoint or ("demo" if args.servers == ["vexpert"] else "qwen3")
+    if checkpoint == "demo" and "vllm" in args.servers:
+        parser.error("--checkpoint demo: vLLM cannot load vexpert's embedded model; use qwen3")
+    model = build_checkpoint(args.work / "model") if checkpoint == "qwen3" else None
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             for server in args.servers:
@@ -182,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "settings": settings,
                                     "command": "python benchmarks/priority_scheduling.py " + " ".join(argv or sys.argv[1:]),
-                                    "rows": rows}, indent=1) + "\n")
+                                    "rows": rows}, indent=1, default=str) + "\n")
     return 0
 
 
