@@ -279,6 +279,7 @@ def test_stored_responses_continue_their_conversation_and_are_retrieved(served: 
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
     ({"top_logprobs": 21}, "top_logprobs"),
+    ({"thinking_token_budget": 8}, "thinking_token_budget"),
     ({"truncation": "auto"}, "truncation"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content"),
     ({"input": [{"type": "file_search_call", "id": "x"}]}, "input.0"),

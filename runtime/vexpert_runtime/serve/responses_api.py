@@ -109,6 +109,8 @@ _REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {  # the values that ask for 
     "background": ((False,), "send false (a response is answered while its request is open)"),
     "prompt": ((), "prompt templates are not stored here: send instructions and input"),
     "max_tool_calls": ((), "leave it out"),
+    "thinking_token_budget": ((None, -1), "a chat request's field (vLLM's Responses API has none): send it to "
+                              "/v1/chat/completions, or leave it out"),
     "truncation": (("disabled",), 'send "disabled": a conversation over the context is refused, not cut'),
 }
 
