@@ -27,6 +27,7 @@ from serve_support import (
     MODEL_NAME,
     build_tiny_checkpoint,
     grammar_reference,
+    joined_tool_calls,
     load_model,
     load_tokenizer,
     make_server,
@@ -295,7 +296,6 @@ def test_a_named_tool_choice_is_that_functions_arguments_with_no_parser(client: 
     """The server has no --tool-call-parser: the forced call is read from the constrained JSON — streamed, its
     arguments go out as they are written (the call named in the first piece; ``test_tool_calls.py`` shows the pieces),
     joined the same as the whole reply's."""
-    from serve_support import joined_tool_calls
 
     body: dict[str, Any] = {
         "model": MODEL_NAME, "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 500,
@@ -320,14 +320,16 @@ def test_required_tool_choice_calls_the_request_tools(client: openai.OpenAI, str
     if stream:
         chunks = list(client.chat.completions.create(stream=True, **body))
         assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)  # the calls are no content
-        calls = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
+        deltas = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
+        calls = [(name, arguments) for _, _, name, arguments in joined_tool_calls(deltas)]  # (streamed as written)
         reason = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
     else:
         choice = client.chat.completions.create(**body).choices[0]
-        calls, reason = list(choice.message.tool_calls or []), choice.finish_reason
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]  # type: ignore[union-attr]
+        reason = choice.finish_reason
     assert reason == "tool_calls" and len(calls) == 1  # parallel_tool_calls false: exactly one
-    tool = TOOLS[calls[0].function.name]  # type: ignore[union-attr]
-    jsonschema.validate(json.loads(calls[0].function.arguments), tool["function"]["parameters"])  # type: ignore[union-attr,index]
+    tool = TOOLS[calls[0][0]]
+    jsonschema.validate(json.loads(calls[0][1]), tool["function"]["parameters"])  # type: ignore[index]
 
 
 @pytest.mark.parametrize(("body", "param"), [

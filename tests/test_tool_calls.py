@@ -196,7 +196,9 @@ def test_a_qwen3_coder_reply_without_valid_calls_is_all_content(text: str) -> No
     (QWEN3_CODER, "no call here, though it ends in <tool_ca"), (QWEN3_CODER, "no call, spaces \n\n and all \n"),
     (QWEN3_CODER, "  \n" + QWEN3_CODER_TWO_CALLS[19:]), (QWEN3_CODER, QWEN3_CODER_GROWING),
     (QWEN3_CODER, "Sure.\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n"
-                  "<function=ping>\n</function>"), (QWEN3_CODER, "a <functio")])
+                  "<function=ping>\n</function>"), (QWEN3_CODER, "a <functio"),
+    (ForcedToolChoice(None), '[{"name": "get_weather", "parameters": {"city":"Paris","days":2}},\n {"name":"ping",'
+                             '"parameters":{}}]')])
 def test_a_streamed_reply_gives_the_content_then_the_calls_as_they_are_written(
         parser: str | TypedToolFormat, text: str, piece: int) -> None:
     """Streamed in pieces of any size: the content goes out before the first call (a possible start of one held
@@ -258,17 +260,29 @@ def test_calls_that_went_out_stay_calls_though_the_reply_then_breaks_them() -> N
     assert parse_tool_calls("deepseek_v3", text) == (text, [])
 
 
-def test_a_named_forced_function_streams_its_arguments_as_written_and_a_required_call_at_the_end() -> None:
+def test_a_named_forced_function_streams_its_arguments_as_written_and_required_calls_as_they_are_written() -> None:
     """``tool_choice`` naming a function: the whole reply is its arguments, sent as they come (not before a
-    non-blank character); "required": a JSON list of calls, re-encoded, so the calls go out at the end."""
+    non-blank character); "required": a JSON list of calls, each sent once its name is written, its parameters
+    re-encoded as they are written (the whole reply re-encodes them): the pieces add up to the whole reply's calls."""
     named = ToolCallStream(ForcedToolChoice("f"))
     pieces = [named.push(text)[1] for text in ("  ", '{"a"', ": 1}")]
     assert pieces[0] == [] and [d.arguments for d in pieces[1] + pieces[2]] == ['  {"a"', ": 1}"]
     assert pieces[1][0].name == "f" and named.finish()[2][0].arguments == '  {"a": 1}'
-    required = ToolCallStream(ForcedToolChoice(None))
-    assert required.push('[{"name": "f", "parameters": {"a": 1}}]')[1] == []
-    _, last, calls = required.finish()
-    assert [(d.name, d.arguments) for d in last] == [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1}')]
+    reply = '[{"name":"f","parameters":{"a":1.50,"s":"\\u00e9"}}, {"name": "g", "parameters": {}}]'
+    for piece in (1, 3, len(reply)):
+        required = ToolCallStream(ForcedToolChoice(None))
+        deltas = [d for at in range(0, len(reply), piece) for d in required.push(reply[at:at + piece])[1]]
+        early = len(deltas)
+        _, last, calls = required.finish()
+        assert [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1.5, "s": "é"}'), ("g", "{}")]
+        joined: dict[int, list[str]] = {}
+        for delta in deltas + last:
+            joined.setdefault(delta.index, [delta.name or "", ""])[1] += delta.arguments
+        assert [tuple(joined[i]) for i in sorted(joined)] == [(c.name, c.arguments) for c in calls]
+        assert [d.id for d in deltas + last if d.name is not None] == [c.id for c in calls]
+        assert early > 2 if piece == 1 else early >= 1  # the calls went out as they were written
+    one = ToolCallStream(ForcedToolChoice(None, parallel=False), one_call=True)
+    assert [d.name for d in one.push('[{"name": "f", "parameters": {}}')[1]] == ["f"]
 
 
 def test_parallel_tool_calls_false_streams_the_first_call_only() -> None:

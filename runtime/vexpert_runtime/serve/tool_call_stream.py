@@ -4,8 +4,8 @@
 be the start of the format's marker is held back), then each call as it grows — its id and name once they are
 written, then its arguments in pieces whose concatenation is the call's arguments string
 (:func:`~.tool_calls.partial_calls` says how far each format's calls can be sent: as written for DeepSeek-V3 /
-V3.1 and Kimi K2, a parameter and a growing string at a time for ``qwen3_coder``, re-encoded as written for ``hermes``, all at
-the end for a forced choice). Why: a coding agent's call can carry a whole file; sent at the reply's end, the client
+V3.1 and Kimi K2, a parameter and a growing string at a time for ``qwen3_coder``, re-encoded as written for ``hermes``
+and a ``"required"`` choice, as written for a named function). Why: a coding agent's call can carry a whole file; sent at the reply's end, the client
 waits for all of it in silence.
 
 At the reply's end :meth:`ToolCallStream.finish` sends what is left and gives the calls as the whole reply reads

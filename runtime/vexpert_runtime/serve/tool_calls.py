@@ -494,13 +494,14 @@ def partial_calls(parser: ToolFormat, text: str) -> list[PartialCall]:
     """The calls ``text`` (a reply from its calls' start marker, or from a call's start, on) has begun, in order, each
     as far as it is written — what a stream sends of them before the reply ends. Formats whose arguments are written
     as they are sent (deepseek_v3, deepseek_v31, kimi_k2) give them as they grow; ``qwen3_coder`` its JSON as its
-    parameters come (a string parameter's text as it grows); ``hermes`` its arguments re-encoded as they are written
-    (the whole reply re-encodes them: :mod:`.json_prefix`); a named forced function its arguments (the whole reply) as written;
-    ``tool_choice`` "required" (calls re-encoded from a JSON list) nothing before the end. A stream reads only from
+    parameters come (a string parameter's text as it grows); ``hermes`` and ``tool_choice`` "required" (a JSON list
+    of calls) their arguments re-encoded as they are written (the whole reply re-encodes them: :mod:`.json_prefix`); a
+    named forced function its arguments (the whole reply) as written. A stream reads only from
     the first call not yet complete (``end``): what it reads at every token grows with one call, not with the reply."""
     if isinstance(parser, ForcedToolChoice):
-        named = parser.function is not None and text.strip()
-        return [PartialCall(str(parser.function), None, text, None)] if named else []
+        if parser.function is None:
+            return _required_calls(text)
+        return [PartialCall(parser.function, None, text, None)] if text.strip() else []
     if isinstance(parser, TypedToolFormat) or parser == "hermes":
         return _block_calls(parser, text)
     call_start, header, call_end, terminator, whole, read = _MARKED_PARTIAL[parser]
@@ -556,6 +557,33 @@ def _block_calls(parser: str | TypedToolFormat, text: str) -> list[PartialCall]:
                 break
             found.append(PartialCall(calls[0].name, None, calls[0].arguments, close + len("</tool_call>")))
         at = following
+    return found
+
+
+_REQUIRED_NEXT = re.compile(r'\s*[\[,]?\s*\{\s*"name"\s*:\s*(?=")')  # a call of the list: its start, to its name
+_REQUIRED_PARAMETERS = re.compile(r'\s*,\s*"parameters"\s*:\s*(?=[\[{])')
+_REQUIRED_CLOSE = re.compile(r"\s*\}")
+
+
+def _required_calls(text: str) -> list[PartialCall]:
+    """:func:`partial_calls` of ``tool_choice`` "required": the reply is a JSON list of ``{"name", "parameters"}``
+    objects (the grammar writes the name first); each call as far as it is written, its parameters re-encoded
+    (:func:`~.json_prefix.json_prefix`), complete once its object closes. ``text`` starts at the list or after a
+    complete call (at the comma before the next)."""
+    found = []
+    at = 0
+    while (head := _REQUIRED_NEXT.match(text, at)) is not None:
+        name = json_prefix(text, head.end())
+        if name is None or name[1] is None:
+            break
+        parameters = _REQUIRED_PARAMETERS.match(text, name[1])
+        written = json_prefix(text, parameters.end()) if parameters is not None else None
+        closed = _REQUIRED_CLOSE.match(text, written[1]) if written is not None and written[1] is not None else None
+        found.append(PartialCall(json.loads(name[0]), None, written[0] if written is not None else "",
+                                 closed.end() if closed is not None else None))
+        if closed is None:
+            break
+        at = closed.end()
     return found
 
 
