@@ -563,46 +563,47 @@ def _block_calls(parser: str | TypedToolFormat, text: str) -> list[PartialCall]:
 _REQUIRED_NEXT = re.compile(r'\s*[\[,]?\s*\{\s*"name"\s*:\s*(?=")')  # a call of the list: its start, to its name
 _REQUIRED_PARAMETERS = re.compile(r'\s*,\s*"parameters"\s*:\s*(?=[\[{])')
 _REQUIRED_CLOSE = re.compile(r"\s*\}")
+_HERMES_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*(?=")')
+_HERMES_ARGUMENTS = re.compile(r'\s*,\s*"arguments"\s*:\s*(?=[\[{])')
+
+
+def _json_call(text: str, at: int, head: re.Pattern[str], arguments: re.Pattern[str]
+               ) -> tuple[str, str, int | None] | None:
+    """A call object written as JSON from ``at``, as far as it is: (its name, its arguments re-encoded as they are
+    written — :func:`~.json_prefix.json_prefix` —, where they end or None while they do not); None before its name
+    is complete. ``head`` matches up to the name's quote, ``arguments`` the next key up to its object or list (other
+    arguments — a string, after other keys — give "" here: the whole call has them)."""
+    start = head.match(text, at)
+    name = json_prefix(text, start.end()) if start is not None else None
+    if name is None or name[1] is None:
+        return None
+    key = arguments.match(text, name[1])
+    written = json_prefix(text, key.end()) if key is not None else None
+    return json.loads(name[0]), written[0] if written is not None else "", written[1] if written is not None else None
 
 
 def _required_calls(text: str) -> list[PartialCall]:
     """:func:`partial_calls` of ``tool_choice`` "required": the reply is a JSON list of ``{"name", "parameters"}``
-    objects (the grammar writes the name first); each call as far as it is written, its parameters re-encoded
-    (:func:`~.json_prefix.json_prefix`), complete once its object closes. ``text`` starts at the list or after a
-    complete call (at the comma before the next)."""
+    objects (the grammar writes the name first); each call as far as it is written (:func:`_json_call`), complete
+    once its object closes. ``text`` starts at the list or after a complete call (at the comma before the next)."""
     found = []
     at = 0
-    while (head := _REQUIRED_NEXT.match(text, at)) is not None:
-        name = json_prefix(text, head.end())
-        if name is None or name[1] is None:
-            break
-        parameters = _REQUIRED_PARAMETERS.match(text, name[1])
-        written = json_prefix(text, parameters.end()) if parameters is not None else None
-        closed = _REQUIRED_CLOSE.match(text, written[1]) if written is not None and written[1] is not None else None
-        found.append(PartialCall(json.loads(name[0]), None, written[0] if written is not None else "",
-                                 closed.end() if closed is not None else None))
+    while (call := _json_call(text, at, _REQUIRED_NEXT, _REQUIRED_PARAMETERS)) is not None:
+        name, written, written_end = call
+        closed = _REQUIRED_CLOSE.match(text, written_end) if written_end is not None else None
+        found.append(PartialCall(name, None, written, closed.end() if closed is not None else None))
         if closed is None:
             break
         at = closed.end()
     return found
 
 
-_HERMES_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*(?=")')
-_HERMES_ARGUMENTS = re.compile(r'\s*,\s*"arguments"\s*:\s*(?=[\[{])')
-
-
 def _hermes_partial(text: str) -> PartialCall | None:
-    """The call of an open ``hermes`` block (``text``: after ``<tool_call>``) as far as it can be sent: nothing
-    before its name is written (the call's first key); its arguments — the next key, an object — as
-    :func:`~.json_prefix.json_prefix` re-encodes them as they are written (the whole call's re-encoded arguments
-    extend them); other arguments (a string, after other keys) once the block closes."""
-    head = _HERMES_NAME.match(text)
-    name = json_prefix(text, head.end()) if head is not None else None
-    if name is None or name[1] is None:
-        return None
-    arguments = _HERMES_ARGUMENTS.match(text, name[1])
-    written = json_prefix(text, arguments.end()) if arguments is not None else None
-    return PartialCall(json.loads(name[0]), None, written[0] if written is not None else "", None)
+    """The call of an open ``hermes`` block (``text``: after ``<tool_call>``) as far as it can be sent
+    (:func:`_json_call`): nothing before its name is written (the call's first key); its arguments — the next key,
+    an object — re-encoded as they are written (the whole call's re-encoded arguments extend them)."""
+    call = _json_call(text, 0, _HERMES_NAME, _HERMES_ARGUMENTS)
+    return None if call is None else PartialCall(call[0], None, call[1], None)
 
 
 def _bare_function_calls(parser: TypedToolFormat, text: str) -> list[PartialCall]:
