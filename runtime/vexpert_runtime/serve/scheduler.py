@@ -363,14 +363,11 @@ def _keep_prompt_logprobs(seq: _Sequence, item: SequenceWork, prompt: PromptLogp
 
 def constrain_draws(batch: list[tuple[_Sequence, SequenceWork]], grammars: GrammarTokens) -> None:
     """Each constrained draw of the batch takes only what its grammar allows next (the host has read every
-    token before it: :func:`split_running`), all masks in one call, and none of the tokens that would complete one of
-    its bad words. A grammar that allows nothing but the ids ``min_tokens`` holds back (it is complete) ends the
+    token before it: :func:`split_running`), all masks in one call, none of the tokens that would complete one of
+    its bad words, and only the end of its reasoning once its thinking budget is spent. A grammar that allows nothing but the ids ``min_tokens`` holds back (it is complete) ends the
     output all the same."""
     constrained = [(seq, seq.grammar, item.sample) for seq, item in batch
                    if seq.grammar is not None and item.sample is not None and not seq.reasoning]
-    for seq, item in batch:  # a spent thinking budget: the reasoning ends now (vLLM's thinking_token_budget)
-        if item.sample is not None and seq.reasoning and seq.reasoning_stop is not None and thinking_spent(seq):
-            item.sample.allowed = seq.reasoning_stop
     if constrained:
         masks = grammars.allowed([grammar for _, grammar, _ in constrained if grammar is not None])
         for (seq, _, spec), allowed in zip(constrained, masks, strict=True):
@@ -384,7 +381,11 @@ def constrain_draws(batch: list[tuple[_Sequence, SequenceWork]], grammars: Gramm
                     allowed, (token for token, bias in seq.early_bias if bias < 0)):
                 spec.logit_bias = seq.bias
     for seq, item in batch:
-        if seq.bad_words and item.sample is not None:
+        if item.sample is None:
+            continue
+        if seq.reasoning and seq.reasoning_stop is not None and thinking_spent(seq):
+            item.sample.allowed = seq.reasoning_stop  # the budget is spent: the reasoning ends now (vLLM's)
+        if seq.bad_words:
             banned = banned_next(seq.output, seq.bad_words)
             if banned:
                 item.sample.logit_bias = banning(item.sample.logit_bias, banned)
