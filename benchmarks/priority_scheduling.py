@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "runtime"))
 from vexpert_runtime.ports import free_port  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from cpu_serve_compare import MODEL_NAME, build_checkpoint, stop_server  # noqa: E402
+from cpu_serve_compare import MODEL_NAME, build_checkpoint, stop_server, wait_healthy  # noqa: E402
 
 PROMPT = "A mixture of experts model sends every token to a few of its many expert networks, and the busiest"
 
@@ -131,20 +131,7 @@ def run_policy(server: str, policy: str, model: Path | None, args: argparse.Name
     cmd, env = server_command(server, policy, port, model, args)
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        import urllib.request
-
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + log.read_text()[-3000:])
-            try:
-                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server not healthy in 300 s:\n" + log.read_text()[-3000:])
-            time.sleep(0.5)
+        wait_healthy(proc, url, log, 300)
         return {"server": server, "policy": policy, **asyncio.run(load(url, args, -1 if policy == "priority" else 0))}
     finally:
         stop_server(proc, 60)
