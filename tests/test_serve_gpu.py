@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -266,9 +266,9 @@ def test_prompt_logprobs_on_a_graphed_model_equal_the_eager_models(tmp_path: Pat
 
 
 def _eager_and_graphed(path: Path, run: Callable[[HFStepModel], T], kv_cache_tokens: int = 512, fused: bool = False,
-                       kv_cache_dtype: str = "auto") -> tuple[T, T, HFStepModel]:
-    """``run`` on a fresh one-rank model stepping eagerly, then on another replaying CUDA graphs (its
-    small pieces compiled by inductor first when ``fused``): both results and the graphed model."""
+                       kv_cache_dtype: str = "auto", max_seqs: int = 8) -> tuple[T, T, HFStepModel]:
+    """``run`` on a fresh one-rank model stepping eagerly, then on another replaying CUDA graphs of up to ``max_seqs``
+    sequences (its small pieces compiled by inductor first when ``fused``): both results and the graphed model."""
     results = []
     for graphs in (False, True):
         model = _one_rank_model(path, kv_cache_tokens, kv_cache_dtype=kv_cache_dtype)
@@ -277,9 +277,25 @@ def _eager_and_graphed(path: Path, run: Callable[[HFStepModel], T], kv_cache_tok
             if graphs:
                 if fused:
                     assert model.compile_pieces() > 0
-                model.enable_cuda_graphs(64, 8, stream)
+                model.enable_cuda_graphs(64, max_seqs, stream)
             results.append(run(model))
     return results[0], results[1], model
+
+
+def _served_texts(model: HFStepModel, tokenizer: Any, requests: list[Any]) -> dict[str, list[str]]:
+    """Each of ``requests``' event texts (an error's message in its place), served to the end by a scheduler of 16
+    sequences and 64 tokens an iteration over ``model`` (overlapped where it replays graphs)."""
+    from vexpert_runtime.serve.sampling import eos_token_ids
+    from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
+
+    texts: dict[str, list[str]] = {r.request_id: [] for r in requests}
+    scheduler = Scheduler(model, tokenizer, SchedulerConfig(kv_budget_tokens=None, max_batch_tokens=64, max_running=16),
+                          eos_token_ids(tokenizer))
+    for request in requests:
+        scheduler.submit(request, lambda e, out=texts[request.request_id]: out.append(e.error or e.text))
+    while scheduler.has_work():
+        scheduler.run_iteration()
+    return texts
 
 
 def _one_rank_model(path: Path, kv_cache_tokens: int = 2048, overlap_shared_experts: bool = True,
@@ -378,8 +394,6 @@ def test_structured_output_on_graphed_overlapped_steps_equals_the_eager_one(tmp_
 
     from serve_support import build_tiny_checkpoint, load_tokenizer
     from vexpert_runtime.serve.events import GenerationRequest, SamplingParams
-    from vexpert_runtime.serve.sampling import eos_token_ids
-    from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
     from vexpert_runtime.serve.structured_output import GrammarRequest, compile_grammar
 
     path = tmp_path / "ds3"
@@ -396,23 +410,9 @@ def test_structured_output_on_graphed_overlapped_steps_equals_the_eager_one(tmp_
         for name, grammar in grammars.items() for temperature in (0.0, 1.0)]
     requests += [GenerationRequest(f"free{i}", prompt[i:], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
                  for i in range(4)]
-    results = []
-    for graphs in (False, True):
-        model = _one_rank_model(path)
-        stream = torch.cuda.Stream()
-        texts: dict[str, list[str]] = {r.request_id: [] for r in requests}
-        with torch.cuda.stream(stream):
-            if graphs:
-                model.enable_cuda_graphs(64, 16, stream)
-            scheduler = Scheduler(model, tokenizer, SchedulerConfig(kv_budget_tokens=None, max_batch_tokens=64,
-                                                                    max_running=16), eos_token_ids(tokenizer))
-            for request in requests:
-                scheduler.submit(request, lambda e, out=texts[request.request_id]: out.append(e.error or e.text))
-            while scheduler.has_work():
-                scheduler.run_iteration()
-            if graphs:
-                assert model.graphs is not None and any(key.penalties for key in model.graphs.graphs)
-        results.append({r: "".join(t) for r, t in texts.items()})
+    eager, graphed, model = _eager_and_graphed(path, lambda m: _served_texts(m, tokenizer, requests), 2048, max_seqs=16)
+    assert model.graphs is not None and any(key.penalties for key in model.graphs.graphs)
+    results = [{r: "".join(t) for r, t in texts.items()} for texts in (eager, graphed)]
     assert results[0] == results[1]
     for temperature in (0.0, 1.0):
         assert set(json.loads(results[1][f"json-{temperature}"])) == {"n", "ok"}
@@ -427,8 +427,6 @@ def test_a_thinking_budget_on_graphed_overlapped_steps_equals_the_eager_one(tmp_
     scheduler's tokens, with ``</think>`` right after each budget."""
     from serve_support import build_tiny_checkpoint, load_tokenizer
     from vexpert_runtime.serve.events import GenerationRequest, SamplingParams
-    from vexpert_runtime.serve.sampling import eos_token_ids
-    from vexpert_runtime.serve.scheduler import Scheduler, SchedulerConfig
 
     path = tmp_path / "ds3"
     build_tiny_checkpoint(path, "deepseek_v3", added_tokens=["<think>", "</think>"])
@@ -442,21 +440,7 @@ def test_a_thinking_budget_on_graphed_overlapped_steps_equals_the_eager_one(tmp_
         for name, budget in budgets.items() for temperature in (0.0, 1.0)]
     requests += [GenerationRequest(f"free{i}", prompt[i:], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
                  for i in range(4)]
-    results = []
-    for graphs in (False, True):
-        model = _one_rank_model(path)
-        stream = torch.cuda.Stream()
-        tokens: dict[str, list[str]] = {r.request_id: [] for r in requests}
-        with torch.cuda.stream(stream):
-            if graphs:
-                model.enable_cuda_graphs(64, 16, stream)
-            scheduler = Scheduler(model, tokenizer, SchedulerConfig(kv_budget_tokens=None, max_batch_tokens=64,
-                                                                    max_running=16), eos_token_ids(tokenizer))
-            for request in requests:
-                scheduler.submit(request, lambda e, out=tokens[request.request_id]: out.append(e.error or e.text))
-            while scheduler.has_work():
-                scheduler.run_iteration()
-        results.append(tokens)
+    results = _eager_and_graphed(path, lambda m: _served_texts(m, tokenizer, requests), 2048, max_seqs=16)[:2]
     assert results[0] == results[1]
     for name, budget in budgets.items():
         for temperature in (0.0, 1.0):
