@@ -48,9 +48,55 @@ def check_kernel_on_cpu() -> None:
         raise AssertionError("a transposed weight view was accepted")
 
 
+def check_fp8_kernel_on_cpu() -> None:
+    """Block-FP8 rows read in place (fp8 weights, scales per K tile) equal the loop over their
+    dequantised copy: partial scale blocks (I 24 and H 40 over 16×16 blocks), K tiles wider than a
+    scale block (narrowed to it), both grids, a stack that is a slice of a larger buffer (slots)."""
+    from vexpert_runtime.model.expert_format import ExpertFormat, quantize_fp8_block
+    from vexpert_runtime.model.grouped_gemm_kernel import grouped_gemm, triton_swiglu
+    from vexpert_runtime.model.grouped_moe import grouped_swiglu
+
+    torch.manual_seed(1)
+    experts, intermediate, hidden, block = 4, 24, 40, (16, 16)
+    fmt = ExpertFormat(intermediate, hidden, torch.float32, block)
+    packed = []
+    for _ in range(experts + 2):
+        weights = {"gate": torch.randn(intermediate, hidden), "up": torch.randn(intermediate, hidden),
+                   "down": torch.randn(hidden, intermediate)}
+        quantised = {p: quantize_fp8_block(w / hidden**0.5, block) for p, w in weights.items()}
+        packed.append(fmt.pack_fp8({p: q for p, (q, _) in quantised.items()}, {p: s for p, (_, s) in quantised.items()}))
+    buffer = torch.stack(packed)
+    rows = buffer[1:-1]  # a slice of a larger buffer, as a layer's slots are
+    stack = fmt.fp8_stack(rows)
+    assert stack is not None and stack.w13.data_ptr() == rows.data_ptr()  # views, no copy
+    w13, w2 = fmt.stack_weights(rows)
+    offs = torch.tensor([5, 5, 37, 40], dtype=torch.int32)
+    x = torch.randn(48, hidden)
+    want = grouped_swiglu(x, w13, w2, offs, grouped=False)
+    for configs in (((16, 16, 16, 4, 2, 1), (16, 16, 16, 4, 2, 2)), ((16, 32, 64, 4, 2, 0), (16, 16, 32, 4, 2, 0))):
+        got = triton_swiglu(x, stack.w13, stack.w2, offs, configs=configs, scales=(stack.s13, stack.s2),
+                            scale_block=block)
+        assert torch.allclose(got[:40], want[:40], rtol=1e-4, atol=1e-4), configs
+    down = grouped_gemm(x[:, :intermediate].contiguous(), stack.w2, offs, config=(16, 16, 16, 4, 2, 0),
+                        scales=stack.s2, scale_block=block)
+    for e, (start, end) in enumerate(zip([0, *offs[:-1].tolist()], offs.tolist(), strict=True)):
+        assert torch.allclose(down[start:end], x[start:end, :intermediate] @ w2[e].T, rtol=1e-4, atol=1e-4)
+    try:
+        grouped_gemm(x, stack.w13, offs, swiglu=True, scales=stack.s2, scale_block=block)
+    except ValueError as error:
+        assert "scales float32" in str(error)
+    else:
+        raise AssertionError("scales of the wrong shape were accepted")
+
+
 def test_triton_grouped_swiglu_equals_the_loop_in_the_interpreter() -> None:
     pytest.importorskip("triton")
     run_in_triton_interpreter("test_grouped_gemm_kernel", "check_kernel_on_cpu")
+
+
+def test_triton_grouped_swiglu_reads_block_fp8_rows_in_place_in_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    run_in_triton_interpreter("test_grouped_gemm_kernel", "check_fp8_kernel_on_cpu")
 
 
 @pytest.mark.gpu

@@ -51,6 +51,7 @@ from vexpert_runtime.model.grouped_moe import (
     packed_views,
     padded_capacity,
     rank_in_group,
+    triton_experts_run,
     uses_grouped_gemm,
 )
 from vexpert_runtime.model.levelling import ReplicaCopies, copies_capacity, list_replica_copies
@@ -553,6 +554,22 @@ class ExpertStacks:
             return packed_views(rows, self.intermediate, hidden)
         return self.format.stack_weights(rows)
 
+    def swiglu(self, x: torch.Tensor, rows: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of x [M, H]'s groups (ends ``offs``) through the stack ``rows`` into ``out``. Block-FP8
+        rows on a GPU go to the Triton grouped GEMM as stored (fp8 weights, block scales applied per K
+        tile: half the bytes a bf16 expert reads, and no dequantised copy); elsewhere
+        :func:`grouped_swiglu` over :meth:`weights`."""
+        fmt = self.format
+        if fmt is not None and fmt.fp8_block is not None and self.grouped is not False and triton_experts_run(x):
+            stack = fmt.fp8_stack(rows)
+            if stack is not None:
+                from vexpert_runtime.model.grouped_gemm_kernel import triton_swiglu
+
+                return triton_swiglu(x, stack.w13, stack.w2, offs, out=out, scales=(stack.s13, stack.s2),
+                                     scale_block=stack.block)
+        w13, w2 = self.weights(rows, x.shape[1])
+        return grouped_swiglu(x, w13, w2, offs, grouped=self.grouped, out=out)
+
 
 def stacked_outputs(buf: torch.Tensor, resident_offs: torch.Tensor, slot_offs: torch.Tensor, resident_rows: int,
                     stacks: ExpertStacks, slot_wait: Callable[[], None] | None = None,
@@ -561,20 +578,17 @@ def stacked_outputs(buf: torch.Tensor, resident_offs: torch.Tensor, slot_offs: t
     pair over the resident stack (rows [0, resident_rows)), then — after ``slot_wait`` — one over the
     slot stack (the rest), then ``after_compute``. Rows past a region's last group end are undefined.
     Both hooks are called on every call, also when no row goes to a slot."""
-    hidden = buf.shape[1]
     out = torch.empty_like(buf)
     if isinstance(stacks.resident, PrepackedExperts):
         out[:resident_rows] = stacks.resident.swiglu(buf[:resident_rows], resident_offs)
     else:
-        w13, w2 = stacks.weights(stacks.resident, hidden)
-        grouped_swiglu(buf[:resident_rows], w13, w2, resident_offs, grouped=stacks.grouped, out=out[:resident_rows])
+        stacks.swiglu(buf[:resident_rows], stacks.resident, resident_offs, out[:resident_rows])
     if slot_wait is not None:
         slot_wait()
     if slot_offs.numel():
         if stacks.slots is None:
             raise ValueError("the routing table has slots but no slot stack was given")
-        s13, s2 = stacks.weights(stacks.slots, hidden)  # FP8: dequantised only once the slots are filled
-        grouped_swiglu(buf[resident_rows:], s13, s2, slot_offs, grouped=stacks.grouped, out=out[resident_rows:])
+        stacks.swiglu(buf[resident_rows:], stacks.slots, slot_offs, out[resident_rows:])  # once the slots are filled
     if after_compute is not None:
         after_compute()
     return out

@@ -3,8 +3,10 @@ reads it (layouts in :mod:`~vexpert_runtime.model.expert_layout`).
 
 The pool, the slots and every copy between them move rows in the *storage* format; compute always
 runs in the model's compute dtype. For ``dense`` rows the weights are views of the row (no copy);
-for ``fp8_block`` rows they are dequantised on use (``fp8 · scale_inv`` broadcast over its block),
-into a scratch stack of the compute dtype that the grouped GEMM or the per-expert loop reads.
+for ``fp8_block`` rows a GPU's grouped GEMM reads the fp8 weights and their scales in place
+(:meth:`ExpertFormat.fp8_stack`, :mod:`~vexpert_runtime.model.grouped_gemm_kernel`); elsewhere they are
+dequantised on use (``fp8 · scale_inv`` broadcast over its block) into a scratch stack of the compute
+dtype that the grouped GEMM or the per-expert loop reads.
 
 Shapes: ``I`` intermediate, ``H`` hidden, ``E`` rows in a stack, ``D`` row elements.
 """
@@ -53,6 +55,19 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int]) -> tuple[to
     scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
     quantised = (tiles / scale[:, None, :, None]).to(FP8_DTYPE).view(nr * block[0], nc * block[1])
     return quantised[:rows, :cols].contiguous(), scale
+
+
+@dataclass(frozen=True)
+class Fp8Stack:
+    """A stack of block-FP8 expert rows as views a grouped GEMM reads in place (:meth:`ExpertFormat.fp8_stack`):
+    ``w13`` [E, 2I, H] and ``w2`` [E, H, I] float8_e4m3fn; ``s13`` [E, 2·⌈I/bo⌉, ⌈H/bi⌉] (gate's scale rows,
+    then up's) and ``s2`` [E, ⌈H/bo⌉, ⌈I/bi⌉] float32; ``block`` (bo, bi)."""
+
+    w13: torch.Tensor
+    s13: torch.Tensor
+    w2: torch.Tensor
+    s2: torch.Tensor
+    block: tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -121,6 +136,22 @@ class ExpertFormat:
         shape = layout.down_scale_shape if proj == "down" else layout.gate_scale_shape
         # .contiguous() first: viewing bytes as float32 needs a 4-byte-aligned, dense last dim.
         return rows[:, start:end].contiguous().view(torch.float32).unflatten(1, shape)
+
+    def fp8_stack(self, rows: torch.Tensor) -> Fp8Stack | None:
+        """Views (no copy) of a stack of FP8 rows [E, D] as a kernel reads them in place: the fp8 weights
+        and their float32 scales (gate's then up's, as the rows store them). None where the rows'
+        strides or alignment leave the scales no float32 view (a kernel then takes :meth:`stack_weights`)."""
+        layout = self.layout
+        if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.stride(-1) != 1 or rows.stride(0) % 4 \
+                or rows.storage_offset() % 4:
+            return None
+        si, sk = layout.gate_scale_shape
+        start, end = layout.scale_range("gate")[0], layout.scale_range("up")[1]
+        s13 = rows[:, start:end].view(torch.float32).unflatten(1, (2 * si, sk))
+        start, end = layout.scale_range("down")
+        s2 = rows[:, start:end].view(torch.float32).unflatten(1, layout.down_scale_shape)
+        w13 = rows[:, : 2 * layout.matrix_bytes].view(FP8_DTYPE).unflatten(1, (2 * self.intermediate, self.hidden))
+        return Fp8Stack(w13, s13, self._fp8_matrix(rows, "down"), s2, layout.block)
 
     def dequantized(self, rows: torch.Tensor, proj: str) -> torch.Tensor:
         """One projection of every row [E, D] in the compute dtype: [E, I, H] or [E, H, I]."""

@@ -28,22 +28,35 @@ import triton.language as tl
 
 
 @triton.jit
-def _gemm_tile(x, w_expert, out, rows, rmask, n, nmask, K, UP, stride_xm, stride_wn, stride_om,
-               SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[rows, n] = x[rows] @ w_expert[n, :]ᵀ (or SwiGLU of the gate column n and the up column UP + n)."""
+def _gemm_tile(x, w_expert, s_expert, out, rows, rmask, n, nmask, K, UP, UP_S, stride_xm, stride_wn, stride_sn,
+               stride_om, SWIGLU: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[rows, n] = x[rows] @ w_expert[n, :]ᵀ (or SwiGLU of the gate column n and the up column UP + n).
+    FP8: w_expert is float8_e4m3fn with float32 block scales s_expert [⌈N'/SCALE_N⌉, ⌈K/SCALE_K⌉] (row
+    stride stride_sn; the up half's scale rows start at UP_S): each K tile lies in one scale column
+    (BLOCK_K divides SCALE_K), so its product is scaled per output column once, after the dot."""
     kk = tl.arange(0, BLOCK_K)
     a_ptr = x + rows[:, None].to(tl.int64) * stride_xm + kk[None, :]
     b_ptr = w_expert + n[None, :].to(tl.int64) * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
+    s_ptr = s_expert + (n // SCALE_N) * stride_sn  # [BLOCK_N]: each column's scale row (FP8 only)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kmask = k0 + kk < K
         a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(b_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        if FP8:
+            scale = tl.load(s_ptr + k0 // SCALE_K, mask=nmask, other=0.0)
+            acc += tl.dot(a, b.to(a.dtype)) * scale[None, :]
+        else:
+            acc = tl.dot(a, b, acc)
         if SWIGLU:
             b_up = tl.load(b_ptr + UP * stride_wn, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            acc_up = tl.dot(a, b_up, acc_up)
+            if FP8:
+                scale_up = tl.load(s_ptr + UP_S * stride_sn + k0 // SCALE_K, mask=nmask, other=0.0)
+                acc_up += tl.dot(a, b_up.to(a.dtype)) * scale_up[None, :]
+            else:
+                acc_up = tl.dot(a, b_up, acc_up)
         a_ptr += BLOCK_K
         b_ptr += BLOCK_K
     if SWIGLU:
@@ -53,8 +66,9 @@ def _gemm_tile(x, w_expert, out, rows, rmask, n, nmask, K, UP, stride_xm, stride
 
 
 @triton.jit
-def _grouped_gemm_kernel(x, w, offs, out, K, N, UP, stride_xm, stride_we, stride_wn, stride_om, split_m,
-                         SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _grouped_gemm_kernel(x, w, s, offs, out, K, N, UP, UP_S, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
+                         stride_om, split_m, SWIGLU: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr,
+                         SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Expert-major grid. Program (n block, expert, s) takes the expert's row blocks s, s + split_m, …:
     a hot expert's rows spread over split_m programs (which read its weights at the same time, mostly
     from L2)."""
@@ -66,16 +80,18 @@ def _grouped_gemm_kernel(x, w, offs, out, K, N, UP, stride_xm, stride_we, stride
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     w_expert = w + expert.to(tl.int64) * stride_we
+    s_expert = s + expert.to(tl.int64) * stride_se
     for m0 in range(start + split * BLOCK_M, end, BLOCK_M * split_m):
         rows = m0 + tl.arange(0, BLOCK_M)
-        _gemm_tile(x, w_expert, out, rows, rows < end, n, nmask, K, UP, stride_xm, stride_wn, stride_om,
-                   SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
+        _gemm_tile(x, w_expert, s_expert, out, rows, rows < end, n, nmask, K, UP, UP_S, stride_xm, stride_wn,
+                   stride_sn, stride_om, SWIGLU, FP8, SCALE_N, SCALE_K, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def _grouped_gemm_row_tile_kernel(x, w, offs, out, K, N, UP, stride_xm, stride_we, stride_wn, stride_om,
-                                  E: tl.constexpr, EP: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
-                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _grouped_gemm_row_tile_kernel(x, w, s, offs, out, K, N, UP, UP_S, stride_xm, stride_we, stride_wn, stride_se,
+                                  stride_sn, stride_om, E: tl.constexpr, EP: tl.constexpr, SWIGLU: tl.constexpr,
+                                  FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Row-tile grid. Program (t, n block) takes row tile t of the list of every expert's tiles (each
     group cut into tiles of BLOCK_M rows): a hot expert's tiles all run at once, side by side on the
     same columns, so they read its weights together, mostly from L2, however skewed the routing (as
@@ -96,8 +112,9 @@ def _grouped_gemm_row_tile_kernel(x, w, offs, out, K, N, UP, stride_xm, stride_w
         first_tile = tl.sum(tl.where(here, after - tiles, 0), 0)
         rows = start + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        _gemm_tile(x, w + expert.to(tl.int64) * stride_we, out, rows, rows < end, n, n < N, K, UP, stride_xm,
-                   stride_wn, stride_om, SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
+        _gemm_tile(x, w + expert.to(tl.int64) * stride_we, s + expert.to(tl.int64) * stride_se, out, rows,
+                   rows < end, n, n < N, K, UP, UP_S, stride_xm, stride_wn, stride_sn, stride_om, SWIGLU, FP8,
+                   SCALE_N, SCALE_K, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_M) per GEMM ("gate_up", "down"), by rows per expert up
@@ -124,10 +141,16 @@ def launch_config(gemm: str, rows_per_expert: float) -> LaunchConfig:
 
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu: bool = False,
-                 config: LaunchConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                 config: LaunchConfig | None = None, out: torch.Tensor | None = None,
+                 scales: torch.Tensor | None = None, scale_block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """x [M, K] grouped by ``offs`` [E] (int32 ends) times w [E, N', K] (any row and expert stride,
     unit stride along K) → [M, N] with N = N' (or N'/2 and SwiGLU of the two halves when ``swiglu``),
-    written into ``out`` (unit column stride) when given; rows past offs[-1] are not written."""
+    written into ``out`` (unit column stride) when given; rows past offs[-1] are not written.
+
+    Block-FP8 weights: w float8_e4m3fn and ``scales`` [E, S_N, S_K] float32 (any expert and row stride,
+    unit stride along S_K), the ``weight_scale_inv`` of ``scale_block`` (rows, columns) tiles: w's
+    [n, k] weighs ``w[n, k] · scales[n // bn, k // bk]``. With ``swiglu`` the gate's scale rows come first,
+    then the up half's (⌈N/bn⌉ each). Read as stored: no dequantised copy of the weights is made."""
     rows, depth = x.shape
     experts, columns, _ = w.shape
     if w.shape[2] != depth or w.stride(2) != 1 or x.stride(1) != 1:
@@ -142,26 +165,51 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu
         return out
     block_m, block_n, block_k, warps, stages, split_m = config or launch_config(
         "gate_up" if swiglu else "down", rows / experts)
+    fp8 = scales is not None
+    if fp8:
+        assert scales is not None
+        scale_n, scale_k = scale_block
+        up_scale_rows = triton.cdiv(width, scale_n) if swiglu else 0
+        want = (experts, 2 * up_scale_rows if swiglu else triton.cdiv(columns, scale_n), triton.cdiv(depth, scale_k))
+        if w.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32 or tuple(scales.shape) != want \
+                or scales.stride(2) != 1:
+            raise ValueError(f"FP8 grouped_gemm wants w float8_e4m3fn and scales float32 {list(want)} with unit "
+                             f"last stride: got w {w.dtype}, scales {scales.dtype} {list(scales.shape)} {scales.stride()}")
+        while scale_k % block_k:  # a K tile must lie in one scale column
+            block_k //= 2
+        if block_k < 16:
+            raise ValueError(f"scale block {scale_block}: its columns must be a multiple of 16")
+        scale_args = (scales, up_scale_rows, scales.stride(0), scales.stride(1))
+    else:
+        scale_n, scale_k = 1, 1
+        scale_args = (w, 0, 0, 0)  # never read
+    s, up_s, stride_se, stride_sn = scale_args
     if split_m == 0:  # row tiles: at most one partial tile per group
         tiles = (triton.cdiv(rows, block_m) + experts, triton.cdiv(width, block_n))
         _grouped_gemm_row_tile_kernel[tiles](
-            x, w, offs, out, depth, width, width, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
-            E=experts, EP=triton.next_power_of_2(experts), SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+            x, w, s, offs, out, depth, width, width, up_s, x.stride(0), w.stride(0), w.stride(1), stride_se,
+            stride_sn, out.stride(0), E=experts, EP=triton.next_power_of_2(experts), SWIGLU=swiglu, FP8=fp8,
+            SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=warps, num_stages=stages)
     else:
         expert_major = (triton.cdiv(width, block_n), experts, split_m)
-        _grouped_gemm_kernel[expert_major](x, w, offs, out, depth, width, width, x.stride(0), w.stride(0), w.stride(1),
-                                   out.stride(0), split_m, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n,
-                                   BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        _grouped_gemm_kernel[expert_major](
+            x, w, s, offs, out, depth, width, width, up_s, x.stride(0), w.stride(0), w.stride(1), stride_se,
+            stride_sn, out.stride(0), split_m, SWIGLU=swiglu, FP8=fp8, SCALE_N=scale_n, SCALE_K=scale_k,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out
 
 
 def triton_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
                   configs: tuple[LaunchConfig, LaunchConfig] | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  scale_block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """:func:`~.grouped_moe.grouped_swiglu` as two Triton launches: x [M, H], w13 [E, 2I, H], w2 [E, H, I],
     offs [E] → [M, H] (into ``out`` when given; rows past offs[-1] undefined). ``configs``: (gate_up,
-    down) launch parameters, default :func:`launch_config`'s."""
+    down) launch parameters, default :func:`launch_config`'s. Block-FP8 experts: w13 and w2
+    float8_e4m3fn with ``scales`` (s13 [E, 2·⌈I/bn⌉, ⌈H/bk⌉], s2 [E, ⌈H/bn⌉, ⌈I/bk⌉]) of ``scale_block``
+    (:meth:`~.expert_format.ExpertFormat.fp8_stack`)."""
     gate_up, down = configs or (None, None)
-    act = grouped_gemm(x, w13, offs, swiglu=True, config=gate_up)
-    return grouped_gemm(act, w2, offs, config=down, out=out)
+    s13, s2 = scales or (None, None)
+    act = grouped_gemm(x, w13, offs, swiglu=True, config=gate_up, scales=s13, scale_block=scale_block)
+    return grouped_gemm(act, w2, offs, config=down, out=out, scales=s2, scale_block=scale_block)

@@ -339,6 +339,9 @@ class EPExperts:
         """This rank's executor with its resident rows read from the checkpoint (only those experts'
         tensors are read: rank-local loading, with :func:`load_without_experts` for the rest)."""
         spec = reader.spec
+        fmt = spec.expert_format(dtype)  # block-FP8 rows stay FP8 (model.expert_format auto): say so
+        if fmt.fp8_block is not None:
+            kwargs.setdefault("format", fmt)
         return cls.from_rows(lambda layer, ids: reader.experts(layer, ids, dtype), num_layers, spec.intermediate_size,
                              spec.num_experts, rank, world, group, device, **kwargs)
 
