@@ -65,12 +65,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 from serve_engine import hbm_bound
-from serve_load import write_model
+from serve_load import block_fp8_copy, write_model
 
 from vexpert_runtime.serve.demo_model import ensure_demo_model
 from vexpert_runtime.serve.hf_model import HFStepModel
 from vexpert_runtime.serve.kv_cache import BlockPool
-from vexpert_runtime.serve.moe_executors import EPExperts
+from vexpert_runtime.serve.moe_executors import EPExperts, checkpoint_reader
 from vexpert_runtime.serve.step import SamplingSpec, SequenceWork
 
 
@@ -198,16 +198,28 @@ def main() -> int:
                         help="the KV cache's dtype, as vexpert serve --kv-cache-dtype (the bound's KV bytes follow it)")
     parser.add_argument("--shared-expert-stream", choices=("on", "off"), default="on",
                         help="the shared experts on a side stream beside the routed ones (the product's default), or not")
+    parser.add_argument("--block-fp8", action="store_true",
+                        help="the checkpoint's block-FP8 copy (DeepSeek-V3's released format), loaded as a serving rank "
+                             "loads it: experts FP8 rows read in place, the rest dequantised to bf16 (the bound counts so)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not (args.model_dir / "config.json").exists():
         write_model(args.model_dir, ensure_demo_model(Path("/tmp/vexpert-demo-model")), args.layers, args.experts,
                     small=False, device="cuda", positions=args.max_position_embeddings)
+    if args.block_fp8:
+        args.model_dir = block_fp8_copy(args.model_dir)
     max_seqs = max(args.batches) + max(args.prefill_chunks, default=0)
+    # block FP8: as serve/rank.py builds a rank (experts read from the shards as FP8 rows); else the experts
+    # the model loaded, moved into the EP layer
+    reader = checkpoint_reader(args.model_dir) if args.block_fp8 else None
+    executor = None if reader is None else EPExperts.from_checkpoint(
+        reader, reader.spec.num_layers, torch.bfloat16, 0, 1, None, "cuda", max_tokens=args.max_batch_tokens)
     model = HFStepModel(args.model_dir, device="cuda", dtype=torch.bfloat16,
                         kv_cache_tokens=max_seqs * (max(args.context, args.chunk) + 32),
-                        overlap_shared_experts=args.shared_expert_stream == "on", kv_cache_dtype=args.kv_cache_dtype)
-    model.executor = EPExperts.for_model(model, 0, 1, None, max_tokens=args.max_batch_tokens)
+                        overlap_shared_experts=args.shared_expert_stream == "on", kv_cache_dtype=args.kv_cache_dtype,
+                        load_experts=executor is None, executor=executor)
+    if executor is None:
+        model.executor = EPExperts.for_model(model, 0, 1, None, max_tokens=args.max_batch_tokens)
     # structured output: every other token allowed (bits 0x55555555), a new mask written into every row's bias
     # ahead of each launch, as a constrained sequence's is (launch_span_ms holds that; graph_ms does not)
     SAMPLING["grammar"].allowed = torch.full(((model.vocab_size + 31) // 32,), 0x55555555, dtype=torch.int32)
@@ -284,6 +296,7 @@ def main() -> int:
             flops = step_flops(model, batch, args.context)
             row = {"batch": batch, "context": args.context, "sampling": sampling,
                    "shared_expert_stream": args.shared_expert_stream, "kv_cache_dtype": args.kv_cache_dtype,
+                   "experts": "block_fp8" if args.block_fp8 else "bf16",
                    "kv_splits": graphs.key_for(work)[2],
                    "graph_ms": round(graph_ms, 3),
                    "launch_span_ms": round(step_ms, 3), "host_launch_ms": round(host_ms, 3),

@@ -2,9 +2,12 @@
 
 Measures (CUDA events, median of N): the pinned host→device copy of one packed row (what a slot
 fill moves), the dequantisation of a stack of FP8 rows into a bf16 scratch, and the SwiGLU grouped
-GEMMs over that stack (bf16 rows as they are vs FP8 rows dequantised first). Prints JSON.
+GEMMs over that stack: bf16 rows as they are, FP8 rows dequantised first (the path before 2026-12-06),
+and FP8 rows as the EP layer now computes them (``ExpertStacks.swiglu``: the Triton grouped GEMM reading
+the fp8 weights and block scales in place), each with the weights' bytes over its time. Prints JSON.
 
     python3 benchmarks/fp8_expert.py --experts 4 --pairs 512 2048 8192
+    python3 benchmarks/fp8_expert.py --experts 8 --pairs 32 128 512 --skewed   # the serving benchmark's rank
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import statistics
 
 import torch
 
+from vexpert_runtime.model.ep_moe import ExpertStacks
 from vexpert_runtime.model.expert_format import ExpertFormat, quantize_fp8_block
 from vexpert_runtime.model.grouped_moe import GROUP_ALIGN, grouped_swiglu, packed_views
 from vexpert_runtime.model.moe_math import relative_error
@@ -55,6 +59,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=4, help="rows in the stack (EP64: 4 resident experts/GPU)")
     parser.add_argument("--pairs", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--skewed", action="store_true",
+                        help="pairs split 1/(e+1) over the experts (a hot expert), not evenly")
     args = parser.parse_args()
     device = torch.device("cuda")
     fmt = ExpertFormat(INTER, HIDDEN, torch.bfloat16, BLOCK)
@@ -70,18 +76,31 @@ def main() -> None:
     rows8, rows16 = host8.to(device), host16.to(device)
     out["dequant_stack_ms"] = round(cuda_ms(lambda: fmt.stack_weights(rows8), args.repeats), 4)
     results = []
+    stacks = ExpertStacks(rows8, None, INTER, format=fmt)
+    w13, w2 = packed_views(rows16, INTER, HIDDEN)
     for pairs in args.pairs:
-        per = -(-pairs // args.experts // GROUP_ALIGN) * GROUP_ALIGN
-        x = torch.randn(per * args.experts, HIDDEN, device=device, dtype=torch.bfloat16)
-        offs = torch.arange(1, args.experts + 1, device=device, dtype=torch.int32) * per
-        w13, w2 = packed_views(rows16, INTER, HIDDEN)
-        bf16_ms = cuda_ms(lambda x=x, offs=offs, w13=w13, w2=w2: grouped_swiglu(x, w13, w2, offs), args.repeats)
-        fp8_ms = cuda_ms(lambda x=x, offs=offs: grouped_swiglu(x, *fmt.stack_weights(rows8), offs), args.repeats)
-        # The FP8 path against bf16 weights it was quantised from (e4m3 precision, not a bug bound).
-        err = relative_error(grouped_swiglu(x, *fmt.stack_weights(rows8), offs).float(),
-                             grouped_swiglu(x, w13, w2, offs).float())
-        results.append({"pairs": per * args.experts, "bf16_gemm_ms": round(bf16_ms, 4),
-                        "fp8_dequant_plus_gemm_ms": round(fp8_ms, 4), "rel_error_vs_bf16_weights": round(err, 4)})
+        share = torch.tensor([1.0 / (e + 1) if args.skewed else 1.0 for e in range(args.experts)])
+        counts = (share / share.sum() * pairs).floor().long()
+        counts[0] += pairs - int(counts.sum())
+        padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+        offs = padded.cumsum(0).to(device=device, dtype=torch.int32)
+        x = torch.randn(int(padded.sum()), HIDDEN, device=device, dtype=torch.bfloat16)
+        out8 = torch.empty_like(x)
+        bf16_ms = cuda_ms(lambda x=x, offs=offs: grouped_swiglu(x, w13, w2, offs), args.repeats)
+        dequant_ms = cuda_ms(lambda x=x, offs=offs: grouped_swiglu(x, *fmt.stack_weights(rows8), offs), args.repeats)
+        in_place_ms = cuda_ms(lambda x=x, offs=offs, o=out8: stacks.swiglu(x, rows8, offs, o), args.repeats)
+        # The FP8 paths against bf16 weights they were quantised from (e4m3 precision, not a bug bound), and
+        # the in-place kernel against the dequantised stack (the same FP8 weights: rounding only).
+        want = grouped_swiglu(x, w13, w2, offs).float()
+        dequantised = grouped_swiglu(x, *fmt.stack_weights(rows8), offs).float()
+        stacks.swiglu(x, rows8, offs, out8)
+        results.append({"pairs": int(padded.sum()), "bf16_gemm_ms": round(bf16_ms, 4),
+                        "fp8_dequant_plus_gemm_ms": round(dequant_ms, 4), "fp8_in_place_ms": round(in_place_ms, 4),
+                        "bf16_weight_tb_per_s": round(host16.numel() * 2 / bf16_ms / 1e9, 2),
+                        "fp8_in_place_weight_tb_per_s": round(host8.numel() / in_place_ms / 1e9, 2),
+                        "rel_error_vs_bf16_weights": round(relative_error(dequantised, want), 4),
+                        "in_place_vs_dequantised": round(relative_error(out8.float(), dequantised), 5)})
+        print(json.dumps(results[-1]), flush=True)
     out["grouped_swiglu"] = results
     print(json.dumps(out, indent=2))
 

@@ -31,6 +31,11 @@
 #                and splits, bf16 and FP8 caches (~2 min)
 #   STAGE=priority  --scheduling-policy priority against fcfs at 256 and 64 streams (all requests priority 0): what
 #                the heap-ordered waiting queue costs at GPU admission rates (~6 min)
+#   STAGE=fp8experts  block-FP8 experts read in place by the grouped GEMM (DeepSeek-V3's own format): their GPU tests,
+#                the kernel beside bf16 rows and the dequantise-first path, its launch points over FP8 rows (~6 min)
+#   STAGE=fp8step  the graphed decode step with bf16 vs block-FP8 experts (the checkpoint's FP8 copy, loaded as a rank
+#                loads it) at 16 / 64 / 256 sequences (~7 min)
+#   STAGE=fp8serve  vexpert serve on the block-FP8 copy beside the bf16 checkpoint at 256 / 64 streams (~7 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
 #                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
 #                profile, with the EP layer's share of a traced iteration (~6 min)
@@ -141,10 +146,33 @@ case "${STAGE:-tests}" in
     # request of priority 0 (the same order), at 256 and 64 streams, one process each (~6 min)
     bench . fcfs --model-dir /tmp/bench-ds3 --streams 256 64 "${LOAD[@]}"
     bench . priority --model-dir /tmp/bench-ds3 --streams 256 64 "${LOAD[@]}" --serve-args "--scheduling-policy priority" ;;
+  fp8experts)  # block-FP8 experts read in place by the grouped GEMM: GPU tests, the kernel beside bf16 and the old
+    # dequantise-then-multiply path (EP64's 4 experts and the benchmark rank's 8, skewed), then its launch points (~6 min)
+    PYTHONPATH=$HEAD_PATH timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_expert_format_gpu.py \
+      tests/test_grouped_gemm_kernel.py tests/test_serve_gpu.py -k "${TESTS:-fp8 or grouped or graphed_decode_equals}" 2>&1 \
+      | tee "$OUT/pytest_gpu_fp8_experts.txt" | tail -4
+    PYTHONPATH=$HEAD_PATH timeout 100 python3 benchmarks/fp8_expert.py --experts 8 --pairs 32 128 512 --skewed \
+      > "$OUT/fp8_expert_8_skewed.json" 2>&1; grep -E '^\{"pairs' "$OUT/fp8_expert_8_skewed.json"
+    PYTHONPATH=$HEAD_PATH timeout 80 python3 benchmarks/fp8_expert.py --experts 4 --pairs 512 2048 8192 \
+      > "$OUT/fp8_expert_4.json" 2>&1; grep -E '^\{"pairs' "$OUT/fp8_expert_4.json"
+    PYTHONPATH=$HEAD_PATH timeout $((540 - SECONDS)) python3 benchmarks/grouped_gemm_tuning.py --fp8 --tokens 16 64 256 \
+      --out "$OUT/grouped_gemm_tuning_fp8.json" 2>&1 | grep -E "best|bucket" | tail -12 ;;
+  fp8step)  # the graphed decode step with the benchmark checkpoint's experts bf16 vs block FP8 (its copy in DeepSeek-V3's
+    # released format, loaded as a serving rank loads it), bounds counting bytes as served (~7 min)
+    for fmt in bf16 fp8; do
+      flag=""; [ "$fmt" = fp8 ] && flag="--block-fp8"
+      PYTHONPATH=$HEAD_PATH timeout 250 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 $flag \
+        --batches 16 64 256 --context 96 --profile --top 20 --out "$OUT/decode_step_bound_experts_$fmt.json" 2>&1 \
+        | grep -v "Loading weights" | grep '^{' | cut -c1-300
+    done ;;
+  fp8serve)  # vexpert serve on the block-FP8 copy beside the bf16 checkpoint, 256 and 64 streams (~7 min)
+    bench . bf16 --model-dir /tmp/bench-ds3 --streams 256 64 "${LOAD[@]}"
+    bench . blockfp8 --model-dir /tmp/bench-ds3 --block-fp8 --streams 256 64 "${LOAD[@]}" ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
     BENCH_TIMEOUT=560 bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \
       --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json --profile-streams 64 256 \
       --profile-iters 600-619 ;;
-  *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | router | sidestream | fp8 | mlalong | onoff" >&2; exit 2 ;;
+  *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | router | sidestream | fp8 | mlalong | priority |" \
+          "fp8experts | fp8step | fp8serve | onoff" >&2; exit 2 ;;
 esac

@@ -17,6 +17,11 @@ gate/up GEMM, where the 256-token winner holds one 4-warp program per SM (192 KB
 ``kernel_resources.py``); 2 stages or 64-wide K tiles fit two or three:
 
     PYTHONPATH=runtime python3 benchmarks/grouped_gemm_tuning.py --tokens 256 --stages 2 3 4 --gate-up-block-k 64 128
+
+``--fp8``: the experts as block-FP8 rows (DeepSeek-V3's release: 128×128 blocks), which the kernel reads in place
+(fp8 weights and their scales; K tiles of at most 128): every configuration checked against CUTLASS over the
+dequantised bf16 stack, the bytes counted as stored (half of bf16's). The launch table is shared with bf16 rows;
+``--apply`` is refused with ``--fp8``.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from pathlib import Path
 import torch
 
 from vexpert_runtime.model import grouped_gemm_kernel
-from vexpert_runtime.model.grouped_gemm_kernel import grouped_gemm, launch_config
+from vexpert_runtime.model.expert_format import ExpertFormat, quantize_fp8_block
+from vexpert_runtime.model.grouped_gemm_kernel import grouped_gemm, launch_config, triton_swiglu
 from vexpert_runtime.model.grouped_moe import GROUP_ALIGN, grouped_swiglu, packed_views, padded_capacity
 
 
@@ -79,15 +85,37 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--stages", type=int, nargs="+", default=[3, 4])
     parser.add_argument("--gate-up-block-k", type=int, nargs="+", default=[128])
+    parser.add_argument("--fp8", action="store_true", help="block-FP8 expert rows read in place (see above)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--apply", action="store_true", help="write the best configuration per bucket into "
                         "grouped_gemm_kernel.py's launch table")
     args = parser.parse_args()
+    if args.fp8 and args.apply:
+        parser.error("--apply writes the bf16 rows' table: run it without --fp8")
     torch.manual_seed(0)
     hidden, inter, experts = args.hidden, args.intermediate, args.experts
     rows = torch.randn(experts, 3 * inter * hidden, device="cuda", dtype=torch.bfloat16) * 0.02
     w13, w2 = packed_views(rows, inter, hidden)
     bytes_gate_up, bytes_down = w13.numel() * 2, w2.numel() * 2
+    # the Triton kernel's operands: the same views, or FP8 rows with their scales (and CUTLASS over their dequantised copy)
+    kernel_weights = {"gate_up": (w13, {}), "down": (w2, {})}
+    fp8_scales: dict[str, object] = {}  # triton_swiglu's scale arguments (FP8)
+    if args.fp8:
+        fmt = ExpertFormat(inter, hidden, torch.bfloat16, (128, 128))
+        packed = []
+        for e in range(experts):
+            quantised = {p: quantize_fp8_block(m, fmt.layout.block)
+                         for p, m in (("gate", w13[e, :inter]), ("up", w13[e, inter:]), ("down", w2[e]))}
+            packed.append(fmt.pack_fp8({p: q for p, (q, _) in quantised.items()},
+                                       {p: s for p, (_, s) in quantised.items()}))
+        rows8 = torch.stack(packed).cuda()
+        stack = fmt.fp8_stack(rows8)
+        assert stack is not None
+        w13, w2 = fmt.stack_weights(rows8)  # what CUTLASS and the reference multiply
+        kernel_weights = {"gate_up": (stack.w13, {"scales": stack.s13, "scale_block": stack.block}),
+                          "down": (stack.w2, {"scales": stack.s2, "scale_block": stack.block})}
+        bytes_gate_up, bytes_down = stack.w13.numel(), stack.w2.numel()
+        fp8_scales = {"scales": (stack.s13, stack.s2), "scale_block": stack.block}
     results = []
     for tokens, skewed in itertools.product(args.tokens, (False, True)):
         offs, capacity = group_ends(tokens, args.top_k, experts, skewed)
@@ -99,7 +127,8 @@ def main() -> int:
         want = grouped_swiglu(x, w13, w2, offs, gpu_kernel="cutlass")
         case = {"tokens": tokens, "skewed": skewed, "rows": capacity, "used_rows": used,
                 "cutlass_ms": round(time_ms(args.iters, grouped_swiglu, x, w13, w2, offs, gpu_kernel="cutlass"), 4),
-                "triton_default_ms": round(time_ms(args.iters, grouped_swiglu, x, w13, w2, offs), 4),
+                "triton_default_ms": round(time_ms(args.iters, triton_swiglu, x, kernel_weights["gate_up"][0],
+                                                  kernel_weights["down"][0], offs, **fp8_scales), 4),
                 "cutlass_gate_up_ms": round(time_ms(args.iters, torch._grouped_mm, x, w13.transpose(-2, -1),
                                                     offs=offs), 4),
                 "cutlass_down_ms": round(time_ms(args.iters, torch._grouped_mm, want_act, w2.transpose(-2, -1),
@@ -111,21 +140,22 @@ def main() -> int:
         # tiles may be smaller, so more of a hot expert's rows run at once)
         small = tokens * args.top_k / experts <= 16
         grids = [((16,) if small else (64,), (1, 2, 4)), ((16,) if small else (16, 32, 64), (0,))]
-        for gemm, weight, source, ks in (("gate_up", w13, x, tuple(args.gate_up_block_k)),
-                                         ("down", w2, want_act, (64, 128))):
+        for gemm, source, ks in (("gate_up", x, tuple(args.gate_up_block_k)), ("down", want_act, (64, 128))):
+            weight, scaled = kernel_weights[gemm]
             reference = want_act if gemm == "gate_up" else want
             for block_m, block_n, block_k, warps, stages, split in itertools.chain.from_iterable(
                     itertools.product(block_ms, (64, 128), ks, (4, 8), args.stages, splits) for block_ms, splits in grids):
                 config = (block_m, block_n, block_k, warps, stages, split)
                 try:
-                    got = grouped_gemm(source, weight, offs, swiglu=gemm == "gate_up", config=config)
+                    got = grouped_gemm(source, weight, offs, swiglu=gemm == "gate_up", config=config, **scaled)
                     torch.cuda.synchronize()
                 except Exception as error:  # out of shared memory etc.: the sweep goes on
                     case["configs"][gemm].append({"config": config, "error": str(error)[:120]})
                     continue
                 err = float((got[:used].float() - reference[:used].float()).abs().max())
                 scale = float(reference[:used].float().abs().max())
-                ms = time_ms(args.iters, grouped_gemm, source, weight, offs, swiglu=gemm == "gate_up", config=config)
+                ms = time_ms(args.iters, grouped_gemm, source, weight, offs, swiglu=gemm == "gate_up", config=config,
+                             **scaled)
                 size = bytes_gate_up if gemm == "gate_up" else bytes_down
                 case["configs"][gemm].append({"config": config, "ms": round(ms, 4), "gbps": round(size / ms / 1e6),
                                               "rel_err": round(err / max(scale, 1e-6), 4)})
@@ -165,6 +195,7 @@ def main() -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                         "hidden": hidden, "intermediate": inter, "experts": experts,
+                                        "experts_format": "block_fp8" if args.fp8 else "bf16",
                                         "table": table, "cases": results}, indent=1))
     return 0
 

@@ -40,7 +40,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
-from serve_load import load_processes, scrape, wait_healthy, write_model
+from serve_load import block_fp8_copy, load_processes, scrape, wait_healthy, write_model
 
 from vexpert_runtime.ports import free_port
 from vexpert_runtime.serve.demo_model import ensure_demo_model
@@ -123,7 +123,9 @@ def hf_generate(model_dir: Path, streams: list[int], prompt_ids: list[int], new_
 def hbm_bound(model_dir: Path, batch: int, mean_context: float, kv_dtype: torch.dtype = torch.bfloat16
               ) -> dict[str, Any]:
     """Bytes one decode step of ``batch`` sequences must read, and that ÷ HBM bandwidth (the KV cache in
-    ``kv_dtype``: ``--kv-cache-dtype fp8`` halves its bytes)."""
+    ``kv_dtype``: ``--kv-cache-dtype fp8`` halves its bytes). Weights count as served: bf16, except a block-FP8
+    checkpoint's routed experts, which stay FP8 (a byte per weight, plus their float32 block scales); its other
+    projections are dequantised to bf16 at load, so their scales are never read."""
     from safetensors import safe_open
 
     from vexpert_runtime.serve.attention_layers import kv_layout
@@ -138,7 +140,13 @@ def hbm_bound(model_dir: Path, batch: int, mean_context: float, kv_dtype: torch.
                 numel = 1
                 for n in shape:
                     numel *= n
-                nbytes = numel * 2  # served in bf16
+                expert = ".experts." in name
+                if name.endswith("_scale_inv"):
+                    nbytes = numel * 4 if expert else 0
+                elif tensor.get_dtype() == "F8_E4M3" and expert:
+                    nbytes = numel
+                else:
+                    nbytes = numel * 2  # served in bf16
                 if "embed_tokens" in name:
                     embed += nbytes
                     hidden = shape[1]
@@ -379,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
                              "--prefix-caching, one prompt for all is its best case")
     parser.add_argument("--shared-prefix-tokens", type=int, default=0,
                         help="with --distinct-prompts: the first N prompt ids the same in all (a system prompt)")
+    parser.add_argument("--block-fp8", action="store_true",
+                        help="serve the checkpoint's block-FP8 copy (DeepSeek-V3's released format, written once next "
+                             "to it: experts served FP8); transformers' generate runs the bf16 original")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="vexpert serve --compile (results of 'off' go under '<mode>_compile-off')")
     args = parser.parse_args(argv)
@@ -393,6 +404,12 @@ def main(argv: list[str] | None = None) -> int:
             write_model(args.model_dir, ensure_demo_model(Path(tmp) / "demo"), args.layers, args.experts, False, "cuda",
                         args.max_position_embeddings)
         results["model_write_s"] = round(time.perf_counter() - started, 1)
+    hf_dir = args.model_dir
+    if args.block_fp8:
+        started = time.perf_counter()
+        args.model_dir = block_fp8_copy(args.model_dir)
+        results["block_fp8_copy_s"] = round(time.perf_counter() - started, 1)
+        results["served_checkpoint"] = str(args.model_dir)
     results["max_position_embeddings"] = json.loads((args.model_dir / "config.json").read_text())["max_position_embeddings"]
     prompt, prompt_ids = prompt_text(args.model_dir)
     results["prompt_ids"] = len(prompt_ids)
@@ -404,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         summary_path.write_text(json.dumps(results, indent=2))
 
     if "hf" in args.modes:
-        results["hf"] = hf_generate(args.model_dir, args.streams, prompt_ids, args.max_tokens, args.hf_variants)
+        results["hf"] = hf_generate(hf_dir, args.streams, prompt_ids, args.max_tokens, args.hf_variants)
         save()
     profile = json.loads(args.profile.read_text()) if args.profile else None
     for streams in args.streams:

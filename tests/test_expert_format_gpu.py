@@ -1,6 +1,8 @@
 """Block-FP8 experts on a GPU (skipped without CUDA): the grouped-GEMM EP layer over FP8 stacks
-(dequantised into a bf16 scratch, then ``torch._grouped_mm``) equals the dequantised reference, and
-a whole node with FP8 pool and slots in HBM (filled over CUDA IPC) verifies every step."""
+(the Triton grouped GEMM reading the fp8 weights and their block scales in place) equals the
+dequantised reference — at the tiny spec's partial blocks and at DeepSeek-V3's expert sizes, without a
+dequantised copy —, and a whole node with FP8 pool and slots in HBM (filled over CUDA IPC) verifies
+every step."""
 
 from __future__ import annotations
 
@@ -49,6 +51,50 @@ def test_fp8_grouped_gemm_on_gpu_equals_the_dequantised_reference(tmp_path: Path
         table = DeviceRoutingTable.of(static_table(SPEC.num_layers, SPEC.num_experts, 1, 0), device)
         y, _ = ep_moe_layer(xd, ids, weights, table, layer, stacks, shared, 0, 1, None)
         assert relative_error(y.cpu(), ref) <= VERIFY_TOLERANCE["bfloat16"], layer
+
+
+@pytest.mark.parametrize("tokens", [16, 256])
+def test_fp8_experts_at_deepseek_sizes_are_read_in_place(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight DeepSeek-V3 experts (I 2048, H 7168, 128×128 blocks) as FP8 rows, skewed groups: the EP
+    layer's SwiGLU equals the one over their dequantised bf16 stack, makes no dequantised copy (the
+    dequantisation is not called, and the memory it takes stays below a tenth of such a stack)."""
+    from vexpert_runtime.model.expert_format import ExpertFormat, quantize_fp8_block
+    from vexpert_runtime.model.grouped_moe import GROUP_ALIGN, grouped_swiglu
+
+    experts, inter, hidden, block = 8, 2048, 7168, (128, 128)
+    fmt = ExpertFormat(inter, hidden, torch.bfloat16, block)
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    rows = []
+    for _ in range(experts):
+        weights = {"gate": torch.randn(inter, hidden, device="cuda", generator=gen) * 0.02,
+                   "up": torch.randn(inter, hidden, device="cuda", generator=gen) * 0.02,
+                   "down": torch.randn(hidden, inter, device="cuda", generator=gen) * 0.02}
+        quantised = {p: quantize_fp8_block(w, block) for p, w in weights.items()}
+        rows.append(fmt.pack_fp8({p: q.cpu() for p, (q, _) in quantised.items()},
+                                 {p: s.cpu() for p, (_, s) in quantised.items()}).cuda())
+        del weights, quantised
+    stack = torch.stack(rows)
+    del rows
+    counts = torch.multinomial(torch.tensor([8.0, 4, 2, 1, 1, 0.5, 0.5, 0.01]), 2 * tokens, replacement=True,
+                               generator=torch.Generator().manual_seed(tokens)).bincount(minlength=experts)
+    offs = ((counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN).cumsum(0).to(torch.int32).cuda()
+    used = int(offs[-1])
+    x = torch.randn(used + 16, hidden, device="cuda", dtype=torch.bfloat16)
+    w13, w2 = fmt.stack_weights(stack)
+    want = grouped_swiglu(x, w13, w2, offs).float()
+    dequantised_bytes = (w13.numel() + w2.numel()) * 2
+    del w13, w2
+    stacks = ExpertStacks(stack, None, inter, format=fmt)
+    out = torch.empty_like(x)
+    torch.cuda.synchronize()
+    monkeypatch.setattr(ExpertFormat, "stack_weights", lambda *_: pytest.fail("FP8 rows were dequantised"))
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    stacks.swiglu(x, stack, offs, out)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < dequantised_bytes / 10
+    got = out.float()
+    assert (got[:used] - want[:used]).abs().max() <= 0.02 * want[:used].abs().max()
 
 
 def test_node_on_one_gpu_with_fp8_slots_verifies(tmp_path: Path) -> None:

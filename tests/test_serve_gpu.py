@@ -172,6 +172,32 @@ def test_graphed_decode_over_an_fp8_kv_cache_equals_the_eager_step(family: str, 
     assert eager == graphed
 
 
+def test_a_block_fp8_checkpoint_graphed_equals_the_eager_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek-V3's own format (every projection block-FP8), loaded as a serving rank loads it: its experts stay
+    FP8 rows that the grouped GEMM reads in place (never dequantised), graphed == eager."""
+    from test_serve_model import _block_fp8_copies
+    from vexpert_runtime.model.expert_format import ExpertFormat
+    from vexpert_runtime.serve.moe_executors import checkpoint_reader
+
+    fp8, _ = _block_fp8_copies(_write("deepseek_v3", tmp_path / "deepseek_v3"), tmp_path)
+    monkeypatch.setattr(ExpertFormat, "stack_weights", lambda *_: pytest.fail("FP8 rows were dequantised"))
+    results = []
+    for graphs in (False, True):
+        reader = checkpoint_reader(fp8)
+        executor = EPExperts.from_checkpoint(reader, reader.spec.num_layers, torch.bfloat16, 0, 1, None, "cuda",
+                                             max_tokens=64)
+        assert executor.resident[0].dtype == torch.uint8  # type: ignore[union-attr]
+        model = HFStepModel(fp8, device="cuda", dtype=torch.bfloat16, kv_cache_tokens=512, load_experts=False,
+                            executor=executor)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            if graphs:
+                model.enable_cuda_graphs(64, 8, stream)
+            results.append(drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK))
+    assert model.graphs is not None and model.graphs.replays >= 10
+    assert results[0] == results[1]
+
+
 @pytest.mark.parametrize("batch", [16, 256])
 def test_mla_decode_kernel_over_an_fp8_cache_matches_the_torch_twin(batch: int) -> None:
     """DeepSeek-V3's shapes (128 heads, 512 + 64 latent), bf16 queries over an FP8 (e4m3) cache written by

@@ -178,6 +178,50 @@ def test_rank_local_model_matches_generate(checkpoints: dict[str, Path], family:
     assert drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK) == expected
 
 
+def _block_fp8_copies(src: Path, root: Path, block: tuple[int, int] = (16, 16)) -> tuple[Path, Path]:
+    """(a block-FP8 copy of checkpoint ``src`` in DeepSeek-V3's format — every projection F8_E4M3 with F32
+    ``weight_scale_inv``, config.json's ``quantization_config`` —, an fp32 copy whose projections are
+    those FP8 weights dequantised: what the FP8 checkpoint means, for transformers to run)."""
+    from safetensors.torch import load_file, save_file
+
+    from vexpert_runtime.model.expert_format import dequantize_fp8_block, quantize_fp8_block
+
+    tensors = load_file(str(src / "model.safetensors"))
+    fp8, dequantised = dict(tensors), dict(tensors)
+    for name, weight in tensors.items():
+        if name.endswith("_proj.weight"):
+            fp8[name], fp8[name + "_scale_inv"] = quantize_fp8_block(weight, block)
+            dequantised[name] = dequantize_fp8_block(fp8[name], fp8[name + "_scale_inv"], block, torch.float32)
+    config = json.loads((src / "config.json").read_text())
+    paths = (root / "fp8", root / "dequantised")
+    for path, weights, extra in ((paths[0], fp8, {"quantization_config": {
+            "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block), "activation_scheme": "dynamic"}}),
+                                 (paths[1], dequantised, {})):
+        path.mkdir(parents=True)
+        (path / "config.json").write_text(json.dumps({**config, **extra}))
+        save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return paths
+
+
+def test_a_block_fp8_checkpoint_serves_the_tokens_of_its_dequantised_weights(checkpoints: dict[str, Path],
+                                                                           tmp_path: Path) -> None:
+    """DeepSeek-V3's own format: the rank keeps its experts as FP8 rows (half the bytes), read as such
+    by the EP layer, the rest dequantised at load — the same greedy tokens as transformers' generate
+    over the dequantised weights. (Until 2026-12-06 the rank read FP8 rows but computed them as dense
+    ones: a DeepSeek-V3-format checkpoint failed at its first MoE layer.)"""
+    from vexpert_runtime.serve.moe_executors import EPExperts
+
+    fp8, dequantised = _block_fp8_copies(checkpoints["deepseek_v3"], tmp_path)
+    expected, _ = _reference(dequantised)
+    reader = checkpoint_reader(fp8)
+    executor = EPExperts.from_checkpoint(reader, reader.spec.num_layers, torch.float32, 0, 1, None, "cpu")
+    assert executor.format is not None and executor.format.fp8_block == (16, 16)
+    assert all(isinstance(rows, torch.Tensor) and rows.dtype == torch.uint8 for rows in executor.resident)
+    model = HFStepModel(fp8, dtype=torch.float32, kv_cache_tokens=KV_TOKENS, load_experts=False, executor=executor)
+    assert drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK) == expected
+    assert len({t for seq in expected for t in seq}) > 3
+
+
 @pytest.mark.parametrize(("family", "windows"), [
     ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 4,
                    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
