@@ -33,12 +33,19 @@ def _gemm_tile(x, w_expert, s_expert, out, rows, rmask, n, nmask, K, UP, UP_S, s
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[rows, n] = x[rows] @ w_expert[n, :]ᵀ (or SwiGLU of the gate column n and the up column UP + n).
     FP8: w_expert is float8_e4m3fn with float32 block scales s_expert [⌈N'/SCALE_N⌉, ⌈K/SCALE_K⌉] (row
-    stride stride_sn; the up half's scale rows start at UP_S): each K tile lies in one scale column
-    (BLOCK_K divides SCALE_K), so its product is scaled per output column once, after the dot."""
+    stride stride_sn; the up half's scale rows start at UP_S), and each K tile lies in one scale column
+    (BLOCK_K divides SCALE_K). Where the column block lies in one scale row too (BLOCK_N divides SCALE_N:
+    DeepSeek-V3's 128-wide blocks), the tile's scale is one number, applied to the activation tile before
+    the dot, so the dot accumulates in place as the bf16 one does (one bf16 rounding of x·scale, as
+    dequantising the weights rounds w·scale); else each column's scale multiplies its dot product."""
     kk = tl.arange(0, BLOCK_K)
     a_ptr = x + rows[:, None].to(tl.int64) * stride_xm + kk[None, :]
     b_ptr = w_expert + n[None, :].to(tl.int64) * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
-    s_ptr = s_expert + (n // SCALE_N) * stride_sn  # [BLOCK_N]: each column's scale row (FP8 only)
+    ONE_SCALE: tl.constexpr = SCALE_N % BLOCK_N == 0
+    if ONE_SCALE:
+        s_ptr = s_expert + (tl.min(n, 0) // SCALE_N) * stride_sn  # the column block's scale row
+    else:
+        s_ptr = s_expert + (n // SCALE_N) * stride_sn  # [BLOCK_N]: each column's scale row
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -46,15 +53,23 @@ def _gemm_tile(x, w_expert, s_expert, out, rows, rmask, n, nmask, K, UP, UP_S, s
         a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(b_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
         if FP8:
-            scale = tl.load(s_ptr + k0 // SCALE_K, mask=nmask, other=0.0)
-            acc += tl.dot(a, b.to(a.dtype)) * scale[None, :]
+            if ONE_SCALE:
+                scale = tl.load(s_ptr + k0 // SCALE_K)
+                acc = tl.dot((a * scale).to(a.dtype), b.to(a.dtype), acc)
+            else:
+                scales = tl.load(s_ptr + k0 // SCALE_K, mask=nmask, other=0.0)
+                acc += tl.dot(a, b.to(a.dtype)) * scales[None, :]
         else:
             acc = tl.dot(a, b, acc)
         if SWIGLU:
             b_up = tl.load(b_ptr + UP * stride_wn, mask=kmask[:, None] & nmask[None, :], other=0.0)
             if FP8:
-                scale_up = tl.load(s_ptr + UP_S * stride_sn + k0 // SCALE_K, mask=nmask, other=0.0)
-                acc_up += tl.dot(a, b_up.to(a.dtype)) * scale_up[None, :]
+                if ONE_SCALE:
+                    scale_up = tl.load(s_ptr + UP_S * stride_sn + k0 // SCALE_K)
+                    acc_up = tl.dot((a * scale_up).to(a.dtype), b_up.to(a.dtype), acc_up)
+                else:
+                    scales_up = tl.load(s_ptr + UP_S * stride_sn + k0 // SCALE_K, mask=nmask, other=0.0)
+                    acc_up += tl.dot(a, b_up.to(a.dtype)) * scales_up[None, :]
             else:
                 acc_up = tl.dot(a, b_up, acc_up)
         a_ptr += BLOCK_K
