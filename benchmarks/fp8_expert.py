@@ -4,8 +4,7 @@ Measures (CUDA events, median of N): the pinned host→device copy of one packed
 fill moves), the dequantisation of a stack of FP8 rows into a bf16 scratch, and the SwiGLU grouped
 GEMMs over that stack: bf16 rows as they are, FP8 rows dequantised first (the path before 2026-12-06),
 and FP8 rows as the EP layer now computes them (``ExpertStacks.swiglu``: the Triton grouped GEMM reading
-the fp8 weights and block scales in place — W8A8 where the GPU has FP8 tensor cores), and the same kernel as
-W8A16 (weights widened to bf16), each with the weights' bytes over its time. Prints JSON.
+the fp8 weights and block scales in place), each with the weights' bytes over its time. Prints JSON.
 
     python3 benchmarks/fp8_expert.py --experts 4 --pairs 512 2048 8192
     python3 benchmarks/fp8_expert.py --experts 8 --pairs 32 128 512 --skewed   # the serving benchmark's rank
@@ -21,7 +20,6 @@ import torch
 
 from vexpert_runtime.model.ep_moe import ExpertStacks
 from vexpert_runtime.model.expert_format import ExpertFormat, quantize_fp8_block
-from vexpert_runtime.model.grouped_gemm_kernel import fp8_tensor_cores, triton_swiglu
 from vexpert_runtime.model.grouped_moe import GROUP_ALIGN, grouped_swiglu, packed_views
 from vexpert_runtime.model.moe_math import relative_error
 
@@ -79,8 +77,6 @@ def main() -> None:
     out["dequant_stack_ms"] = round(cuda_ms(lambda: fmt.stack_weights(rows8), args.repeats), 4)
     results = []
     stacks = ExpertStacks(rows8, None, INTER, format=fmt)
-    stack = fmt.fp8_stack(rows8)
-    assert stack is not None
     w13, w2 = packed_views(rows16, INTER, HIDDEN)
     for pairs in args.pairs:
         share = torch.tensor([1.0 / (e + 1) if args.skewed else 1.0 for e in range(args.experts)])
@@ -93,8 +89,6 @@ def main() -> None:
         bf16_ms = cuda_ms(lambda x=x, offs=offs: grouped_swiglu(x, w13, w2, offs), args.repeats)
         dequant_ms = cuda_ms(lambda x=x, offs=offs: grouped_swiglu(x, *fmt.stack_weights(rows8), offs), args.repeats)
         in_place_ms = cuda_ms(lambda x=x, offs=offs, o=out8: stacks.swiglu(x, rows8, offs, o), args.repeats)
-        w8a16_ms = cuda_ms(lambda x=x, offs=offs, o=out8: triton_swiglu(
-            x, stack.w13, stack.w2, offs, out=o, scales=(stack.s13, stack.s2), quantize_activations=False), args.repeats)
         # The FP8 paths against bf16 weights they were quantised from (e4m3 precision, not a bug bound), and
         # the in-place kernel against the dequantised stack (the same FP8 weights: rounding only).
         want = grouped_swiglu(x, w13, w2, offs).float()
@@ -102,8 +96,6 @@ def main() -> None:
         stacks.swiglu(x, rows8, offs, out8)
         results.append({"pairs": int(padded.sum()), "bf16_gemm_ms": round(bf16_ms, 4),
                         "fp8_dequant_plus_gemm_ms": round(dequant_ms, 4), "fp8_in_place_ms": round(in_place_ms, 4),
-                        "fp8_in_place_kernel": "w8a8" if fp8_tensor_cores(device) else "w8a16",
-                        "fp8_w8a16_ms": round(w8a16_ms, 4),
                         "bf16_weight_tb_per_s": round(host16.numel() * 2 / bf16_ms / 1e9, 2),
                         "fp8_in_place_weight_tb_per_s": round(host8.numel() / in_place_ms / 1e9, 2),
                         "rel_error_vs_bf16_weights": round(relative_error(dequantised, want), 4),

@@ -21,8 +21,7 @@ gate/up GEMM, where the 256-token winner holds one 4-warp program per SM (192 KB
 ``--fp8``: the experts as block-FP8 rows (DeepSeek-V3's release: 128×128 blocks), which the kernel reads in place
 (fp8 weights and their scales; K tiles of at most 128): every configuration checked against CUTLASS over the
 dequantised bf16 stack, the bytes counted as stored (half of bf16's). The launch table is shared with bf16 rows;
-``--apply`` is refused with ``--fp8``. Where the GPU has FP8 tensor cores the kernel is W8A8 (activations quantised
-per row and 128-wide K tile), so a configuration is accepted within 8 % of the output's largest value there.
+``--apply`` is refused with ``--fp8``.
 """
 
 from __future__ import annotations
@@ -101,7 +100,6 @@ def main() -> int:
     # the Triton kernel's operands: the same views, or FP8 rows with their scales (and CUTLASS over their dequantised copy)
     kernel_weights = {"gate_up": (w13, {}), "down": (w2, {})}
     fp8_scales: dict[str, object] = {}  # triton_swiglu's scale arguments (FP8)
-    max_err = 0.02  # a configuration's largest error ÷ the output's largest value (W8A8: e4m3 activations, 0.08)
     if args.fp8:
         fmt = ExpertFormat(inter, hidden, torch.bfloat16, (128, 128))
         packed = []
@@ -118,7 +116,6 @@ def main() -> int:
                           "down": (stack.w2, {"scales": stack.s2, "scale_block": stack.block})}
         bytes_gate_up, bytes_down = stack.w13.numel(), stack.w2.numel()
         fp8_scales = {"scales": (stack.s13, stack.s2), "scale_block": stack.block}
-        max_err = 0.08
     results = []
     for tokens, skewed in itertools.product(args.tokens, (False, True)):
         offs, capacity = group_ends(tokens, args.top_k, experts, skewed)
@@ -162,7 +159,7 @@ def main() -> int:
                 size = bytes_gate_up if gemm == "gate_up" else bytes_down
                 case["configs"][gemm].append({"config": config, "ms": round(ms, 4), "gbps": round(size / ms / 1e6),
                                               "rel_err": round(err / max(scale, 1e-6), 4)})
-            ok = [c for c in case["configs"][gemm] if "ms" in c and c["rel_err"] < max_err]
+            ok = [c for c in case["configs"][gemm] if "ms" in c and c["rel_err"] < 0.02]
             best = min(ok, key=lambda c: c["ms"])
             case[f"best_{gemm}"] = best
             cutlass = case[f"cutlass_{gemm}_ms"]
@@ -181,7 +178,7 @@ def main() -> int:
             totals: dict[tuple[int, ...], list[float]] = {}
             for c in cases:
                 for entry in c["configs"][gemm]:
-                    if "ms" in entry and entry["rel_err"] < max_err:
+                    if "ms" in entry and entry["rel_err"] < 0.02:
                         totals.setdefault(tuple(entry["config"]), []).append(entry["ms"])
             complete = {k: sum(v) for k, v in totals.items() if len(v) == len(cases)}
             best = min(complete, key=complete.__getitem__) if complete else default

@@ -28,43 +28,16 @@ import triton.language as tl
 
 
 @triton.jit
-def _scaled_dot(a, a_scale, b, scale_ptr, k0, nmask, acc, FP8: tl.constexpr, A8: tl.constexpr,
-                ONE_SCALE: tl.constexpr, SCALE_K: tl.constexpr):
-    """acc + a @ b for one K tile: bf16 weights as they are; FP8 weights with their block scales (one number
-    where the column block lies in one scale row, else one per column), against the activation tile as it is
-    (``a``, W8A16: the weights widened) or quantised (``A8``: ``a`` FP8 with one scale per row, ``a_scale``)."""
-    if FP8:
-        if ONE_SCALE:
-            scale = tl.load(scale_ptr + k0 // SCALE_K)
-            if A8:
-                acc += tl.dot(a, b) * (a_scale[:, None] * scale)
-            else:  # scaled activations, so the dot accumulates in place as the bf16 one does
-                acc = tl.dot((a * scale).to(a.dtype), b.to(a.dtype), acc)
-        else:
-            scales = tl.load(scale_ptr + k0 // SCALE_K, mask=nmask, other=0.0)
-            if A8:
-                acc += tl.dot(a, b) * (a_scale[:, None] * scales[None, :])
-            else:
-                acc += tl.dot(a, b.to(a.dtype)) * scales[None, :]
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
 def _gemm_tile(x, w_expert, s_expert, out, rows, rmask, n, nmask, K, UP, UP_S, stride_xm, stride_wn, stride_sn,
-               stride_om, SWIGLU: tl.constexpr, FP8: tl.constexpr, A8: tl.constexpr, SCALE_N: tl.constexpr,
-               SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               stride_om, SWIGLU: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[rows, n] = x[rows] @ w_expert[n, :]ᵀ (or SwiGLU of the gate column n and the up column UP + n).
-
     FP8: w_expert is float8_e4m3fn with float32 block scales s_expert [⌈N'/SCALE_N⌉, ⌈K/SCALE_K⌉] (row
     stride stride_sn; the up half's scale rows start at UP_S), and each K tile lies in one scale column
-    (BLOCK_K divides SCALE_K). A8 (W8A8, the checkpoint's dynamic activation scheme): each row of an activation
-    tile is quantised to FP8 with its own scale (amax / 448, DeepSeek-V3's 1×BLOCK_K groups) and the tile
-    multiplied on the FP8 tensor cores — no weight is widened, which is what a tile pays once per row
-    tile when it does. Else (W8A16) the weights are widened to the activations' dtype; where the column
-    block lies in one scale row too (BLOCK_N divides SCALE_N) the scale goes onto the activation tile (one
-    bf16 rounding of x·scale, as dequantising the weights rounds w·scale)."""
+    (BLOCK_K divides SCALE_K). Where the column block lies in one scale row too (BLOCK_N divides SCALE_N:
+    DeepSeek-V3's 128-wide blocks), the tile's scale is one number, applied to the activation tile before
+    the dot, so the dot accumulates in place as the bf16 one does (one bf16 rounding of x·scale, as
+    dequantising the weights rounds w·scale); else each column's scale multiplies its dot product."""
     kk = tl.arange(0, BLOCK_K)
     a_ptr = x + rows[:, None].to(tl.int64) * stride_xm + kk[None, :]
     b_ptr = w_expert + n[None, :].to(tl.int64) * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
@@ -78,16 +51,27 @@ def _gemm_tile(x, w_expert, s_expert, out, rows, rmask, n, nmask, K, UP, UP_S, s
     for k0 in range(0, K, BLOCK_K):
         kmask = k0 + kk < K
         a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        a_scale = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if A8:
-            a_scale = tl.maximum(tl.max(tl.abs(a.to(tl.float32)), 1), 1e-12) / 448.0
-            a = (a.to(tl.float32) / a_scale[:, None]).to(tl.float8e4nv)
         b = tl.load(b_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        acc = _scaled_dot(a, a_scale, b, s_ptr, k0, nmask, acc, FP8, A8, ONE_SCALE, SCALE_K)
+        if FP8:
+            if ONE_SCALE:
+                scale = tl.load(s_ptr + k0 // SCALE_K)
+                acc = tl.dot((a * scale).to(a.dtype), b.to(a.dtype), acc)
+            else:
+                scales = tl.load(s_ptr + k0 // SCALE_K, mask=nmask, other=0.0)
+                acc += tl.dot(a, b.to(a.dtype)) * scales[None, :]
+        else:
+            acc = tl.dot(a, b, acc)
         if SWIGLU:
             b_up = tl.load(b_ptr + UP * stride_wn, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            acc_up = _scaled_dot(a, a_scale, b_up, s_ptr + UP_S * stride_sn, k0, nmask, acc_up, FP8, A8, ONE_SCALE,
-                                 SCALE_K)
+            if FP8:
+                if ONE_SCALE:
+                    scale_up = tl.load(s_ptr + UP_S * stride_sn + k0 // SCALE_K)
+                    acc_up = tl.dot((a * scale_up).to(a.dtype), b_up.to(a.dtype), acc_up)
+                else:
+                    scales_up = tl.load(s_ptr + UP_S * stride_sn + k0 // SCALE_K, mask=nmask, other=0.0)
+                    acc_up += tl.dot(a, b_up.to(a.dtype)) * scales_up[None, :]
+            else:
+                acc_up = tl.dot(a, b_up, acc_up)
         a_ptr += BLOCK_K
         b_ptr += BLOCK_K
     if SWIGLU:
@@ -98,9 +82,8 @@ def _gemm_tile(x, w_expert, s_expert, out, rows, rmask, n, nmask, K, UP, UP_S, s
 
 @triton.jit
 def _grouped_gemm_kernel(x, w, s, offs, out, K, N, UP, UP_S, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
-                         stride_om, split_m, SWIGLU: tl.constexpr, FP8: tl.constexpr, A8: tl.constexpr,
-                         SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         stride_om, split_m, SWIGLU: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr,
+                         SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Expert-major grid. Program (n block, expert, s) takes the expert's row blocks s, s + split_m, …:
     a hot expert's rows spread over split_m programs (which read its weights at the same time, mostly
     from L2)."""
@@ -116,13 +99,13 @@ def _grouped_gemm_kernel(x, w, s, offs, out, K, N, UP, UP_S, stride_xm, stride_w
     for m0 in range(start + split * BLOCK_M, end, BLOCK_M * split_m):
         rows = m0 + tl.arange(0, BLOCK_M)
         _gemm_tile(x, w_expert, s_expert, out, rows, rows < end, n, nmask, K, UP, UP_S, stride_xm, stride_wn,
-                   stride_sn, stride_om, SWIGLU, FP8, A8, SCALE_N, SCALE_K, BLOCK_M, BLOCK_N, BLOCK_K)
+                   stride_sn, stride_om, SWIGLU, FP8, SCALE_N, SCALE_K, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
 def _grouped_gemm_row_tile_kernel(x, w, s, offs, out, K, N, UP, UP_S, stride_xm, stride_we, stride_wn, stride_se,
                                   stride_sn, stride_om, E: tl.constexpr, EP: tl.constexpr, SWIGLU: tl.constexpr,
-                                  FP8: tl.constexpr, A8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+                                  FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Row-tile grid. Program (t, n block) takes row tile t of the list of every expert's tiles (each
     group cut into tiles of BLOCK_M rows): a hot expert's tiles all run at once, side by side on the
@@ -145,7 +128,7 @@ def _grouped_gemm_row_tile_kernel(x, w, s, offs, out, K, N, UP, UP_S, stride_xm,
         rows = start + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         _gemm_tile(x, w + expert.to(tl.int64) * stride_we, s + expert.to(tl.int64) * stride_se, out, rows,
-                   rows < end, n, n < N, K, UP, UP_S, stride_xm, stride_wn, stride_sn, stride_om, SWIGLU, FP8, A8,
+                   rows < end, n, n < N, K, UP, UP_S, stride_xm, stride_wn, stride_sn, stride_om, SWIGLU, FP8,
                    SCALE_N, SCALE_K, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
@@ -172,15 +155,9 @@ def launch_config(gemm: str, rows_per_expert: float) -> LaunchConfig:
     raise AssertionError("the last limit covers every row count")
 
 
-def fp8_tensor_cores(device: torch.device) -> bool:
-    """Whether ``device`` multiplies FP8 on its tensor cores (CUDA compute capability 8.9+: Ada, Hopper, Blackwell)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu: bool = False,
                  config: LaunchConfig | None = None, out: torch.Tensor | None = None,
-                 scales: torch.Tensor | None = None, scale_block: tuple[int, int] = (128, 128),
-                 quantize_activations: bool | None = None) -> torch.Tensor:
+                 scales: torch.Tensor | None = None, scale_block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """x [M, K] grouped by ``offs`` [E] (int32 ends) times w [E, N', K] (any row and expert stride,
     unit stride along K) → [M, N] with N = N' (or N'/2 and SwiGLU of the two halves when ``swiglu``),
     written into ``out`` (unit column stride) when given; rows past offs[-1] are not written.
@@ -188,11 +165,7 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu
     Block-FP8 weights: w float8_e4m3fn and ``scales`` [E, S_N, S_K] float32 (any expert and row stride,
     unit stride along S_K), the ``weight_scale_inv`` of ``scale_block`` (rows, columns) tiles: w's
     [n, k] weighs ``w[n, k] · scales[n // bn, k // bk]``. With ``swiglu`` the gate's scale rows come first,
-    then the up half's (⌈N/bn⌉ each). Read as stored: no dequantised copy of the weights is made.
-    ``quantize_activations``: W8A8 — each row's K tile quantised to FP8 in the kernel and multiplied on the FP8
-    tensor cores (what a block-FP8 checkpoint's ``activation_scheme: dynamic`` prescribes, as vLLM and SGLang
-    serve DeepSeek-V3) — or W8A16 (the weights widened to x's dtype); default: W8A8 where the GPU has FP8
-    tensor cores (:func:`fp8_tensor_cores`) and the scale blocks are 32–256 columns wide."""
+    then the up half's (⌈N/bn⌉ each). Read as stored: no dequantised copy of the weights is made."""
     rows, depth = x.shape
     experts, columns, _ = w.shape
     if w.shape[2] != depth or w.stride(2) != 1 or x.stride(1) != 1:
@@ -217,21 +190,12 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu
                 or scales.stride(2) != 1:
             raise ValueError(f"FP8 grouped_gemm wants w float8_e4m3fn and scales float32 {list(want)} with unit "
                              f"last stride: got w {w.dtype}, scales {scales.dtype} {list(scales.shape)} {scales.stride()}")
-        # W8A8 quantises each row's scale-block-wide K tile (DeepSeek-V3's 1×128 activation groups, whatever the
-        # launch configuration: the same numbers in every graph bucket); FP8 dots want K tiles of 32 or more
-        a8_fits = scale_k in (32, 64, 128, 256)
-        if quantize_activations and not a8_fits:
-            raise ValueError(f"scale block {scale_block}: W8A8 needs 32, 64, 128 or 256 columns per block")
-        a8 = (fp8_tensor_cores(x.device) if quantize_activations is None else quantize_activations) and a8_fits
-        if a8:
-            block_k = scale_k
         while scale_k % block_k:  # a K tile must lie in one scale column
             block_k //= 2
         if block_k < 16:
             raise ValueError(f"scale block {scale_block}: its columns must be a multiple of 16")
         scale_args = (scales, up_scale_rows, scales.stride(0), scales.stride(1))
     else:
-        a8 = False
         scale_n, scale_k = 1, 1
         scale_args = (w, 0, 0, 0)  # never read
     s, up_s, stride_se, stride_sn = scale_args
@@ -239,14 +203,14 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu
         tiles = (triton.cdiv(rows, block_m) + experts, triton.cdiv(width, block_n))
         _grouped_gemm_row_tile_kernel[tiles](
             x, w, s, offs, out, depth, width, width, up_s, x.stride(0), w.stride(0), w.stride(1), stride_se,
-            stride_sn, out.stride(0), E=experts, EP=triton.next_power_of_2(experts), SWIGLU=swiglu, FP8=fp8, A8=a8,
+            stride_sn, out.stride(0), E=experts, EP=triton.next_power_of_2(experts), SWIGLU=swiglu, FP8=fp8,
             SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             num_warps=warps, num_stages=stages)
     else:
         expert_major = (triton.cdiv(width, block_n), experts, split_m)
         _grouped_gemm_kernel[expert_major](
             x, w, s, offs, out, depth, width, width, up_s, x.stride(0), w.stride(0), w.stride(1), stride_se,
-            stride_sn, out.stride(0), split_m, SWIGLU=swiglu, FP8=fp8, A8=a8, SCALE_N=scale_n, SCALE_K=scale_k,
+            stride_sn, out.stride(0), split_m, SWIGLU=swiglu, FP8=fp8, SCALE_N=scale_n, SCALE_K=scale_k,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out
 
@@ -254,15 +218,13 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu
 def triton_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
                   configs: tuple[LaunchConfig, LaunchConfig] | None = None,
                   out: torch.Tensor | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  scale_block: tuple[int, int] = (128, 128), quantize_activations: bool | None = None) -> torch.Tensor:
+                  scale_block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """:func:`~.grouped_moe.grouped_swiglu` as two Triton launches: x [M, H], w13 [E, 2I, H], w2 [E, H, I],
     offs [E] → [M, H] (into ``out`` when given; rows past offs[-1] undefined). ``configs``: (gate_up,
     down) launch parameters, default :func:`launch_config`'s. Block-FP8 experts: w13 and w2
     float8_e4m3fn with ``scales`` (s13 [E, 2·⌈I/bn⌉, ⌈H/bk⌉], s2 [E, ⌈H/bn⌉, ⌈I/bk⌉]) of ``scale_block``
-    (:meth:`~.expert_format.ExpertFormat.fp8_stack`); ``quantize_activations`` as in :func:`grouped_gemm`."""
+    (:meth:`~.expert_format.ExpertFormat.fp8_stack`)."""
     gate_up, down = configs or (None, None)
     s13, s2 = scales or (None, None)
-    act = grouped_gemm(x, w13, offs, swiglu=True, config=gate_up, scales=s13, scale_block=scale_block,
-                       quantize_activations=quantize_activations)
-    return grouped_gemm(act, w2, offs, config=down, out=out, scales=s2, scale_block=scale_block,
-                        quantize_activations=quantize_activations)
+    act = grouped_gemm(x, w13, offs, swiglu=True, config=gate_up, scales=s13, scale_block=scale_block)
+    return grouped_gemm(act, w2, offs, config=down, out=out, scales=s2, scale_block=scale_block)
