@@ -158,12 +158,15 @@ case "${STAGE:-tests}" in
     PYTHONPATH=$HEAD_PATH timeout $((540 - SECONDS)) python3 benchmarks/grouped_gemm_tuning.py --fp8 --tokens 16 64 256 \
       --out "$OUT/grouped_gemm_tuning_fp8.json" 2>&1 | grep -E "best|bucket" | tail -12 ;;
   fp8step)  # the graphed decode step with the benchmark checkpoint's experts bf16 vs block FP8 (its copy in DeepSeek-V3's
-    # released format, loaded as a serving rank loads it), bounds counting bytes as served (~7 min)
+    # released format, loaded as a serving rank loads it), bounds counting bytes as served; first the FP8 GPU tests
+    # of test_expert_format_gpu.py (TESTS="" skips them) (~8 min)
+    [ -n "${TESTS-fp8}" ] && PYTHONPATH=$HEAD_PATH timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/test_expert_format_gpu.py -k "${TESTS-fp8}" 2>&1 | tee "$OUT/pytest_gpu_fp8_experts.txt" | tail -2
     for fmt in bf16 fp8; do
-      flag=""; [ "$fmt" = fp8 ] && flag="--block-fp8"
-      PYTHONPATH=$HEAD_PATH timeout 250 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 $flag \
-        --batches 16 64 256 --context 96 --profile --top 20 --out "$OUT/decode_step_bound_experts_$fmt.json" 2>&1 \
-        | grep -v "Loading weights" | grep '^{' | cut -c1-300
+      flag=""; share=2; [ "$fmt" = fp8 ] && flag="--block-fp8" && share=1  # bf16: half the time left
+      PYTHONPATH=$HEAD_PATH timeout $(( (${LIMIT:-540} - SECONDS) / share )) python3 \
+        benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 $flag --batches 16 64 256 --context 96 ${PROFILE:-} \
+        --out "$OUT/decode_step_bound_experts_$fmt.json" 2>&1 | grep -v "Loading weights" | grep '^{' | cut -c1-300
     done ;;
   fp8serve)  # vexpert serve on the block-FP8 copy beside the bf16 checkpoint, 256 and 64 streams (~7 min)
     bench . bf16 --model-dir /tmp/bench-ds3 --streams 256 64 "${LOAD[@]}"

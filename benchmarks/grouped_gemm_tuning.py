@@ -20,8 +20,8 @@ gate/up GEMM, where the 256-token winner holds one 4-warp program per SM (192 KB
 
 ``--fp8``: the experts as block-FP8 rows (DeepSeek-V3's release: 128×128 blocks), which the kernel reads in place
 (fp8 weights and their scales; K tiles of at most 128): every configuration checked against CUTLASS over the
-dequantised bf16 stack, the bytes counted as stored (half of bf16's). The launch table is shared with bf16 rows;
-``--apply`` is refused with ``--fp8``.
+dequantised bf16 stack, the bytes counted as stored (half of bf16's). Its launch table is its own;
+``--apply`` writes that table (``_FP8_CONFIGS``) instead of the bf16 rows' one.
 """
 
 from __future__ import annotations
@@ -51,11 +51,12 @@ def group_ends(tokens: int, top_k: int, experts: int, skewed: bool) -> tuple[tor
     return padded.cumsum(0).to(torch.int32), padded_capacity(pairs, experts)
 
 
-def with_launch_table(source: str, table: dict[str, list[tuple[int, tuple[int, ...]]]]) -> str:
-    """grouped_gemm_kernel.py's text with ``table`` (per GEMM: (rows-per-expert limit, config)) as _CONFIGS."""
-    begin = source.index("_CONFIGS: dict[")
+def with_launch_table(source: str, table: dict[str, list[tuple[int, tuple[int, ...]]]], name: str = "_CONFIGS") -> str:
+    """grouped_gemm_kernel.py's text with ``table`` (per GEMM: (rows-per-expert limit, config)) as ``name``
+    (_CONFIGS: bf16 rows; _FP8_CONFIGS: block-FP8 rows)."""
+    begin = source.index(f"\n{name}: dict[") + 1
     stop = source.index("}\n", begin) + 2
-    lines = ["_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {"]
+    lines = [f"{name}: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {{"]
     for gemm, rows in table.items():
         entries = ", ".join(f"({'1 << 30' if limit >= 1 << 30 else limit}, {tuple(config)})" for limit, config in rows)
         lines.append(f'    "{gemm}": ({entries}),')
@@ -90,8 +91,6 @@ def main() -> int:
     parser.add_argument("--apply", action="store_true", help="write the best configuration per bucket into "
                         "grouped_gemm_kernel.py's launch table")
     args = parser.parse_args()
-    if args.fp8 and args.apply:
-        parser.error("--apply writes the bf16 rows' table: run it without --fp8")
     torch.manual_seed(0)
     hidden, inter, experts = args.hidden, args.intermediate, args.experts
     rows = torch.randn(experts, 3 * inter * hidden, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -173,8 +172,8 @@ def main() -> int:
     table = {}
     for gemm in ("gate_up", "down"):
         rows_table = []
-        for limit, default in grouped_gemm_kernel._CONFIGS[gemm]:
-            cases = [c for c in results if launch_config(gemm, c["rows"] / experts) == default]
+        for limit, default in (grouped_gemm_kernel._FP8_CONFIGS if args.fp8 else grouped_gemm_kernel._CONFIGS)[gemm]:
+            cases = [c for c in results if launch_config(gemm, c["rows"] / experts, args.fp8) == default]
             totals: dict[tuple[int, ...], list[float]] = {}
             for c in cases:
                 for entry in c["configs"][gemm]:
@@ -189,7 +188,8 @@ def main() -> int:
         table[gemm] = rows_table
     if args.apply:
         kernel_file = Path(grouped_gemm_kernel.__file__)
-        kernel_file.write_text(with_launch_table(kernel_file.read_text(), table))
+        kernel_file.write_text(with_launch_table(kernel_file.read_text(), table,
+                                                 "_FP8_CONFIGS" if args.fp8 else "_CONFIGS"))
         print(f"wrote the table into {kernel_file}", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
