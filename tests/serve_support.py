@@ -4,8 +4,10 @@ server on a background event loop."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
+import shutil
 import threading
 import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -240,6 +242,32 @@ def build_tiny_checkpoint(directory: Path, family: str = "qwen3_moe", special_to
         initializer_range=0.2,  # peaked logits: greedy has clear winners, so recompute == KV-cached generate
     )
     Qwen3MoeForCausalLM(config).eval().save_pretrained(directory)
+
+
+def block_fp8_copies(src: Path, root: Path, block: tuple[int, int] = (16, 16)) -> tuple[Path, Path]:
+    """(a block-FP8 copy of checkpoint ``src`` in DeepSeek-V3's format — every projection F8_E4M3 with F32
+    ``weight_scale_inv``, config.json's ``quantization_config`` —, an fp32 copy whose projections are
+    those FP8 weights dequantised: what the FP8 checkpoint means, for transformers to run)."""
+    from safetensors.torch import load_file, save_file
+
+    from vexpert_runtime.model.expert_format import dequantize_fp8_block, quantize_fp8_block
+
+    tensors = load_file(str(src / "model.safetensors"))
+    fp8, dequantised = dict(tensors), dict(tensors)
+    for name, weight in tensors.items():
+        if name.endswith("_proj.weight"):
+            fp8[name], fp8[name + "_scale_inv"] = quantize_fp8_block(weight, block)
+            dequantised[name] = dequantize_fp8_block(fp8[name], fp8[name + "_scale_inv"], block, torch.float32)
+    config = json.loads((src / "config.json").read_text())
+    paths = (root / "fp8", root / "dequantised")
+    for path in paths:  # the tokenizer and generation config, where the checkpoint has them
+        shutil.copytree(src, path, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    for path, weights, extra in ((paths[0], fp8, {"quantization_config": {
+            "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block), "activation_scheme": "dynamic"}}),
+                                 (paths[1], dequantised, {})):
+        (path / "config.json").write_text(json.dumps({**config, **extra}))
+        save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return paths
 
 
 def load_tokenizer(directory: Path) -> Any:

@@ -175,11 +175,11 @@ def test_graphed_decode_over_an_fp8_kv_cache_equals_the_eager_step(family: str, 
 def test_a_block_fp8_checkpoint_graphed_equals_the_eager_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """DeepSeek-V3's own format (every projection block-FP8), loaded as a serving rank loads it: its experts stay
     FP8 rows that the grouped GEMM reads in place (never dequantised), graphed == eager."""
-    from test_serve_model import _block_fp8_copies
+    from serve_support import block_fp8_copies
     from vexpert_runtime.model.expert_format import ExpertFormat
     from vexpert_runtime.serve.moe_executors import checkpoint_reader
 
-    fp8, _ = _block_fp8_copies(_write("deepseek_v3", tmp_path / "deepseek_v3"), tmp_path)
+    fp8, _ = block_fp8_copies(_write("deepseek_v3", tmp_path / "deepseek_v3"), tmp_path)
     monkeypatch.setattr(ExpertFormat, "stack_weights", lambda *_: pytest.fail("FP8 rows were dequantised"))
     results = []
     for graphs in (False, True):

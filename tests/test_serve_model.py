@@ -22,6 +22,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from serve_support import block_fp8_copies  # noqa: E402
 from vexpert_runtime.model.checkpoint import read_model_spec  # noqa: E402
 from vexpert_runtime.serve.hf_model import HFStepModel  # noqa: E402
 from vexpert_runtime.serve.kv_cache import BlockPool  # noqa: E402
@@ -178,31 +179,6 @@ def test_rank_local_model_matches_generate(checkpoints: dict[str, Path], family:
     assert drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK) == expected
 
 
-def _block_fp8_copies(src: Path, root: Path, block: tuple[int, int] = (16, 16)) -> tuple[Path, Path]:
-    """(a block-FP8 copy of checkpoint ``src`` in DeepSeek-V3's format — every projection F8_E4M3 with F32
-    ``weight_scale_inv``, config.json's ``quantization_config`` —, an fp32 copy whose projections are
-    those FP8 weights dequantised: what the FP8 checkpoint means, for transformers to run)."""
-    from safetensors.torch import load_file, save_file
-
-    from vexpert_runtime.model.expert_format import dequantize_fp8_block, quantize_fp8_block
-
-    tensors = load_file(str(src / "model.safetensors"))
-    fp8, dequantised = dict(tensors), dict(tensors)
-    for name, weight in tensors.items():
-        if name.endswith("_proj.weight"):
-            fp8[name], fp8[name + "_scale_inv"] = quantize_fp8_block(weight, block)
-            dequantised[name] = dequantize_fp8_block(fp8[name], fp8[name + "_scale_inv"], block, torch.float32)
-    config = json.loads((src / "config.json").read_text())
-    paths = (root / "fp8", root / "dequantised")
-    for path, weights, extra in ((paths[0], fp8, {"quantization_config": {
-            "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block), "activation_scheme": "dynamic"}}),
-                                 (paths[1], dequantised, {})):
-        path.mkdir(parents=True)
-        (path / "config.json").write_text(json.dumps({**config, **extra}))
-        save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return paths
-
-
 def test_a_block_fp8_checkpoint_serves_the_tokens_of_its_dequantised_weights(checkpoints: dict[str, Path],
                                                                            tmp_path: Path) -> None:
     """DeepSeek-V3's own format: the rank keeps its experts as FP8 rows (half the bytes), read as such
@@ -211,7 +187,7 @@ def test_a_block_fp8_checkpoint_serves_the_tokens_of_its_dequantised_weights(che
     ones: a DeepSeek-V3-format checkpoint failed at its first MoE layer.)"""
     from vexpert_runtime.serve.moe_executors import EPExperts
 
-    fp8, dequantised = _block_fp8_copies(checkpoints["deepseek_v3"], tmp_path)
+    fp8, dequantised = block_fp8_copies(checkpoints["deepseek_v3"], tmp_path)
     expected, _ = _reference(dequantised)
     reader = checkpoint_reader(fp8)
     executor = EPExperts.from_checkpoint(reader, reader.spec.num_layers, torch.float32, 0, 1, None, "cpu")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
-from vexpert_runtime.config import KV_CACHE_DTYPE_HELP, KVCacheDtype
+from vexpert_runtime.config import KV_CACHE_DTYPE_HELP, ExpertFormatChoice, KVCacheDtype
 from vexpert_runtime.model.expert_layout import CPU_EXPERT_KERNELS
 from vexpert_runtime.serve.reasoning import ReasoningParser
 from vexpert_runtime.serve.tool_calls import PARSERS as TOOL_CALL_PARSERS
@@ -108,6 +108,11 @@ def register(subparsers: Any) -> None:
                         help="share of each GPU's memory a rank may fill; the paged KV cache gets what the weights, "
                              "experts, slots and a 2 GiB headroom leave of it (default: the config's "
                              "runtime.gpu_memory_utilization, else 0.9)")
+    parser.add_argument("--expert-format", choices=get_args(ExpertFormatChoice), default=None,
+                        help="how routed experts are kept (the config's model.expert_format, default auto): auto = as "
+                             "the checkpoint stores them (a block-FP8 checkpoint such as DeepSeek-V3's: FP8 rows, half "
+                             "the memory and slot copies, read as FP8 by the GPU kernel), dense = in the model dtype "
+                             "(FP8 dequantised at load), fp8_block = insist on FP8 rows")
     parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDtype), default=None,
                         help=KV_CACHE_DTYPE_HELP + " (default: the config's runtime.kv_cache_dtype, else auto)")
     parser.add_argument("--api-key", default=None,
@@ -250,14 +255,18 @@ def _runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     from vexpert_runtime.config import RuntimeConfig, load_runtime_config
 
     if args.config:
-        return load_runtime_config(args.config)
-    on_gpu = torch.cuda.is_available() and args.cpu_workers is None
-    ranks = torch.cuda.device_count() if on_gpu else (args.cpu_workers or 2)
-    return RuntimeConfig.model_validate({
-        "model": {"dtype": "bfloat16" if on_gpu else "float32"},
-        "parallelism": {"expert_parallel_size": ranks, "gpus_per_node": ranks},
-        "runtime": {"device": "cuda" if on_gpu else "cpu", "metrics_port": 0},
-    })
+        config = load_runtime_config(args.config)
+    else:
+        on_gpu = torch.cuda.is_available() and args.cpu_workers is None
+        ranks = torch.cuda.device_count() if on_gpu else (args.cpu_workers or 2)
+        config = RuntimeConfig.model_validate({
+            "model": {"dtype": "bfloat16" if on_gpu else "float32"},
+            "parallelism": {"expert_parallel_size": ranks, "gpus_per_node": ranks},
+            "runtime": {"device": "cuda" if on_gpu else "cpu", "metrics_port": 0},
+        })
+    if args.expert_format is not None:  # the flag over the config's model.expert_format
+        config = config.model_copy(update={"model": config.model.model_copy(update={"expert_format": args.expert_format})})
+    return config
 
 
 @dataclass(frozen=True)
@@ -414,7 +423,7 @@ def run(args: argparse.Namespace) -> int:
                                served.gpu_memory_utilization, ranks_per_gpu=setup.workers_per_gpu,
                                overlap_steps=_AUTO_ON_OFF[args.overlap_steps], compile=_AUTO_ON_OFF[args.compile],
                                cpu_expert_kernel=args.cpu_expert_kernel, max_context=served.max_context,
-                               kv_cache_dtype=served.kv_cache_dtype)
+                               kv_cache_dtype=served.kv_cache_dtype, expert_format=setup.spec.expert_storage)
                for inbound in requests],
         log=_log,
     )

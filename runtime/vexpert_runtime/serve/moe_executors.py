@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.model import fusion
-from vexpert_runtime.model.checkpoint import CheckpointReader, read_model_spec
+from vexpert_runtime.model.checkpoint import CheckpointReader, read_model_spec, resolve_expert_storage
 from vexpert_runtime.model.dispatch import DISPATCH_MODES, DispatchMode
 from vexpert_runtime.model.ep_moe import (
     DeviceRoutingTable,
@@ -103,10 +103,11 @@ def _check_dense(experts: Any) -> None:
                              "(and pass EPExperts their ExpertFormat)")
 
 
-def checkpoint_reader(path: str | Path) -> CheckpointReader:
+def checkpoint_reader(path: str | Path, expert_format: str = "auto") -> CheckpointReader:
     """A validated :class:`CheckpointReader` of a local checkpoint (what a coordinator builds its
-    pool from: ``reader.experts(moe_layer, ids, dtype)`` gives packed rows [len(ids), D])."""
-    reader = CheckpointReader(path, read_model_spec(path))
+    pool from: ``reader.experts(moe_layer, ids, dtype)`` gives packed rows [len(ids), D]), its expert
+    rows in ``expert_format`` (``model.expert_format``: auto — as stored —, dense, fp8_block)."""
+    reader = CheckpointReader(path, resolve_expert_storage(read_model_spec(path), expert_format))
     reader.validate()
     return reader
 

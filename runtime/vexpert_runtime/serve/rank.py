@@ -72,6 +72,9 @@ class ServeWorkerArgs:
     cpu_expert_kernel: str = "auto"  # a CPU rank's resident expert kernel (expert_layout.CPU_EXPERT_KERNELS)
     max_context: int | None = None  # the longest sequence served (--max-model-len); None: the checkpoint's
     kv_cache_dtype: str = "auto"  # the KV cache's dtype (--kv-cache-dtype: auto, fp8, fp8_e4m3, fp8_e5m2)
+    # how resident expert rows are stored (model.expert_format: auto, dense, fp8_block) — the node's pool and
+    # slots hold rows resolved by the same rule, so a rank's resident and slot rows are of one format
+    expert_format: str = "auto"
 
 
 def kv_cache_blocks(args: ServeWorkerArgs, model: HFStepModel, device: torch.device) -> int:
@@ -118,7 +121,7 @@ class ServingRank:
         self.args = args
         self.rank = rank
         # Rank-local loading: the non-expert weights, then this rank's resident experts from the shards.
-        reader = checkpoint_reader(args.model_dir)
+        reader = checkpoint_reader(args.model_dir, args.expert_format)
         self.experts = EPExperts.from_checkpoint(reader, reader.spec.num_layers, dtype, rank, world, group, device,
                                                  table=table, slots=slots, hooks=SlotHooks(wait, release),
                                                  # fixed dispatch capacity where graphs need it; else agreed per layer

@@ -1,0 +1,96 @@
+"""``vexpert serve`` on a block-FP8 checkpoint (DeepSeek-V3's released format), end to end on CPU.
+
+A tiny DeepSeek-V3 with a tokenizer, every projection F8_E4M3 with F32 ``weight_scale_inv`` and
+``quantization_config`` in config.json, served by the real command with two EP workers (the coordinator's
+pool and the slots hold rows of the same format as the ranks' resident experts): greedy completions equal
+transformers' ``generate`` over the dequantised weights, with the experts kept FP8 (the default, ``auto``)
+and dequantised at load (``--expert-format dense``). Until 2026-12-06 a rank read FP8 rows but computed
+them as dense ones, and a ``dense`` node gave its ranks FP8 resident rows beside dense slots.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from serve_support import block_fp8_copies, build_tiny_checkpoint, load_model, load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ("the quick brown fox", "a lazy dog sat on the mat and")
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("block-fp8")
+    build_tiny_checkpoint(root / "bf16", family="deepseek_v3")
+    return block_fp8_copies(root / "bf16", root)
+
+
+def _generated(dequantised: Path) -> dict[str, list[int]]:
+    """transformers' greedy tokens per prompt over the dequantised weights (no EOS stop)."""
+    model, tokenizer = load_model(dequantised), load_tokenizer(dequantised)
+    out = {}
+    for prompt in PROMPTS:
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0)
+        out[prompt] = generated[0, ids.shape[1]:].tolist()
+    return out
+
+
+def _served(checkpoint: Path, tmp_path: Path, *flags: str) -> tuple[dict[str, list[int]], str]:
+    """Each prompt's greedy token ids from ``vexpert serve --cpu-workers 2`` (ignore_eos), and the server's log."""
+    from vexpert_runtime.ports import free_port
+
+    port, log = free_port(), tmp_path / f"serve{'-'.join(flags)}.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "runtime"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vexpert_runtime", "serve", "--model", str(checkpoint), "--cpu-workers", "2",
+         "--host", "127.0.0.1", "--port", str(port), "--kv-cache-tokens", "1024", *flags],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "not healthy in 240 s:\n" + log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        tokens = {}
+        for prompt in PROMPTS:
+            body = {"model": checkpoint.name, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                    "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+            answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert answer.status_code == 200, answer.text
+            pieces = answer.json()["choices"][0]["logprobs"]["tokens"]
+            tokens[prompt] = [int(piece.removeprefix("token_id:")) for piece in pieces]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return tokens, log.read_text(errors="replace")
+
+
+@pytest.mark.parametrize("flags", [(), ("--expert-format", "dense")], ids=["fp8-rows", "dense-rows"])
+def test_a_block_fp8_checkpoint_is_served_with_the_tokens_of_its_dequantised_weights(
+        checkpoints: tuple[Path, Path], flags: tuple[str, ...], tmp_path: Path) -> None:
+    fp8, dequantised = checkpoints
+    expected = _generated(dequantised)
+    served, log = _served(fp8, tmp_path, *flags)
+    assert served == expected, log[-3000:]
+    assert len({t for tokens in expected.values() for t in tokens}) > 3  # the tokens vary
