@@ -168,9 +168,12 @@ case "${STAGE:-tests}" in
         benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 $flag --batches 16 64 256 --context 96 ${PROFILE:-} \
         --out "$OUT/decode_step_bound_experts_$fmt.json" 2>&1 | grep -v "Loading weights" | grep '^{' | cut -c1-300
     done ;;
-  fp8serve)  # vexpert serve on the block-FP8 copy beside the bf16 checkpoint, 256 and 64 streams (~7 min)
-    bench . bf16 --model-dir /tmp/bench-ds3 --streams 256 64 "${LOAD[@]}"
-    bench . blockfp8 --model-dir /tmp/bench-ds3 --block-fp8 --streams 256 64 "${LOAD[@]}" ;;
+  fp8serve)  # vexpert serve on the block-FP8 copy beside the bf16 checkpoint, 256 and 64 streams (~7 min; STREAMS=64:
+    # ~4); SWEEP=1 first sweeps the FP8 GEMMs' launch points at 256 tokens with 128-row tiles too (~1.5 min)
+    [ -n "${SWEEP:-}" ] && PYTHONPATH=$HEAD_PATH timeout 120 python3 benchmarks/grouped_gemm_tuning.py --fp8 --tokens 256 \
+      --row-tile-block-m 32 64 128 --out "$OUT/grouped_gemm_tuning_fp8_256.json" 2>&1 | grep -E "bucket|<=" | tail -6
+    bench . bf16 --model-dir /tmp/bench-ds3 --streams ${STREAMS:-256 64} "${LOAD[@]}"
+    bench . blockfp8 --model-dir /tmp/bench-ds3 --block-fp8 --streams ${STREAMS:-256 64} "${LOAD[@]}" ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
     BENCH_TIMEOUT=560 bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \

@@ -86,6 +86,8 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--stages", type=int, nargs="+", default=[3, 4])
     parser.add_argument("--gate-up-block-k", type=int, nargs="+", default=[128])
+    parser.add_argument("--row-tile-block-m", type=int, nargs="+", default=[16, 32, 64],
+                        help="BLOCK_M of the row-tile grid past 16 rows per expert")
     parser.add_argument("--fp8", action="store_true", help="block-FP8 expert rows read in place (see above)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--apply", action="store_true", help="write the best configuration per bucket into "
@@ -138,7 +140,7 @@ def main() -> int:
         # (run 13: BLOCK_M 64 for the expert-major grid past 16 rows per expert; the row-tile grid's
         # tiles may be smaller, so more of a hot expert's rows run at once)
         small = tokens * args.top_k / experts <= 16
-        grids = [((16,) if small else (64,), (1, 2, 4)), ((16,) if small else (16, 32, 64), (0,))]
+        grids = [((16,) if small else (64,), (1, 2, 4)), ((16,) if small else tuple(args.row_tile_block_m), (0,))]
         for gemm, source, ks in (("gate_up", x, tuple(args.gate_up_block_k)), ("down", want_act, (64, 128))):
             weight, scaled = kernel_weights[gemm]
             reference = want_act if gemm == "gate_up" else want
