@@ -122,12 +122,37 @@ def test_expert_format_rule(fp8_checkpoint: Path, tmp_path: Path) -> None:
     rows = CheckpointReader(fp8_checkpoint, dense).experts(0, [1], torch.float32)
     assert rows.dtype == torch.float32 and rows.shape == (1, 3 * 192 * 256)  # dequantised at load
     plain = write_tiny_checkpoint(tmp_path / "bf16", dataclasses.replace(FP8_SPEC, fp8_block=None, expert_storage=DENSE))
-    with pytest.raises(VExpertInputError, match=r"model\.expert_format.*fp8_block needs a block-FP8 checkpoint"):
-        resolve_expert_storage(read_model_spec(plain), "fp8_block")
+    quantised = resolve_expert_storage(read_model_spec(plain), "fp8_block")  # a dense checkpoint's experts, FP8 rows
+    assert quantised.fp8_block is None and quantised.storage_block == (128, 128)
     config = parse_runtime_config({"model": {"expert_format": "fp8_block", "dtype": "bfloat16"}})
     assert config.model.expert_format == "fp8_block"
     with pytest.raises(VExpertInputError, match=r"model\.expert_format"):
         parse_runtime_config({"model": {"expert_format": "int4"}})
+
+
+def test_a_dense_checkpoints_experts_are_quantised_at_load(tmp_path: Path) -> None:
+    """``model.expert_format: fp8_block`` on a dense checkpoint: each expert projection is quantised as it is read,
+    in 128 × 128 blocks (partial at I 192), into the same row an FP8 checkpoint of those weights gives; the reference
+    model (``--verify``'s) reads the rows dequantised, within e4m3's error of the dense weights."""
+    dense_spec = dataclasses.replace(FP8_SPEC, fp8_block=None, expert_storage=DENSE)
+    plain = write_tiny_checkpoint(tmp_path / "dense", dense_spec, seed=6)
+    spec = resolve_expert_storage(read_model_spec(plain), "fp8_block")
+    reader = CheckpointReader(plain, spec)
+    reader.validate()
+    fmt = spec.expert_format(torch.float32)
+    assert fmt.fp8_block == BLOCK
+    rows = reader.experts(1, [0, 3], torch.float32)
+    assert rows.dtype == torch.uint8 and rows.shape == (2, Fp8RowLayout(192, 256).row_bytes)
+    dense = CheckpointReader(plain, read_model_spec(plain)).experts(1, [0, 3], torch.float32)
+    layer = spec.moe_layers[1]
+    for i, expert in enumerate((0, 3)):
+        weights = {p: reader.tensor(expert_tensor(layer, expert, p)) for p in ("gate", "up", "down")}
+        quantised = {p: quantize_fp8_block(w, BLOCK) for p, w in weights.items()}
+        want = fmt.pack_fp8({p: q for p, (q, _) in quantised.items()}, {p: s for p, (_, s) in quantised.items()})
+        assert torch.equal(rows[i], want)
+        assert 0 < relative_error(fmt.dense_rows(rows[i : i + 1]), dense[i : i + 1]) < 0.08
+    reference = ModelWeights.load(reader, torch.float32)
+    assert torch.equal(reference.experts[1][3], fmt.dense_rows(rows[1:2])[0])
 
 
 def _broken(tmp_path: Path, edit: str) -> Path:

@@ -1,4 +1,4 @@
-"""``vexpert serve`` on a block-FP8 checkpoint (DeepSeek-V3's released format), end to end on CPU.
+"""``vexpert serve`` with block-FP8 experts, end to end on CPU: a block-FP8 checkpoint, and a dense one quantised at load.
 
 A tiny DeepSeek-V3 with a tokenizer, every projection F8_E4M3 with F32 ``weight_scale_inv`` and
 ``quantization_config`` in config.json, served by the real command with two EP workers (the coordinator's
@@ -6,11 +6,16 @@ pool and the slots hold rows of the same format as the ranks' resident experts):
 transformers' ``generate`` over the dequantised weights, with the experts kept FP8 (the default, ``auto``)
 and dequantised at load (``--expert-format dense``). Until 2026-12-06 a rank read FP8 rows but computed
 them as dense ones, and a ``dense`` node gave its ranks FP8 resident rows beside dense slots.
+
+A dense Qwen3-MoE with ``--expert-format fp8_block`` (what vLLM's ``--quantization fp8`` offers): its experts are
+quantised as they are read, in 128 × 128 blocks — greedy completions equal ``generate`` over the checkpoint whose
+expert weights went through that quantisation and back.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -21,6 +26,7 @@ import pytest
 import torch
 
 from serve_support import block_fp8_copies, build_tiny_checkpoint, load_model, load_tokenizer
+from vexpert_runtime.model.expert_format import dequantize_fp8_block, quantize_fp8_block
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ("the quick brown fox", "a lazy dog sat on the mat and")
@@ -93,4 +99,28 @@ def test_a_block_fp8_checkpoint_is_served_with_the_tokens_of_its_dequantised_wei
     expected = _generated(dequantised)
     served, log = _served(fp8, tmp_path, *flags)
     assert served == expected, log[-3000:]
+    assert ("8 experts as block-FP8 rows," in log) == (not flags), log[-3000:]
     assert len({t for tokens in expected.values() for t in tokens}) > 3  # the tokens vary
+
+
+def _experts_through_fp8(src: Path, dst: Path, block: tuple[int, int] = (128, 128)) -> Path:
+    """A copy of dense checkpoint ``src`` whose routed experts' projections are their block-FP8 quantisation,
+    dequantised (float32): what serving ``src`` with FP8 expert rows computes."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(str(src / "model.safetensors"))
+    for name, weight in tensors.items():
+        if ".mlp.experts." in name and name.endswith("_proj.weight"):
+            tensors[name] = dequantize_fp8_block(*quantize_fp8_block(weight, block), block, torch.float32)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_a_dense_checkpoints_experts_quantised_at_load_serve_the_tokens_of_their_fp8_weights(tmp_path: Path) -> None:
+    dense = tmp_path / "qwen3"
+    build_tiny_checkpoint(dense)
+    expected = _generated(_experts_through_fp8(dense, tmp_path / "through-fp8"))
+    served, log = _served(dense, tmp_path, "--expert-format", "fp8_block")
+    assert served == expected, log[-3000:]
+    assert "8 experts as block-FP8 rows (quantised at load)" in log, log[-3000:]

@@ -101,8 +101,9 @@ class ModelSpec(CamelModel):
     )
     expert_format: ExpertFormatChoice = Field(
         "auto",
-        description="Expert storage in pool and slots: fp8_block for block-FP8 checkpoints (DeepSeek-V3/R1, "
-        "Kimi-K2; ~half the bytes of bf16), dense = dtype; auto follows the checkpoint but is sized as dense",
+        description="Expert storage in pool and slots: fp8_block = FP8 rows (~half the bytes of bf16), a block-FP8 "
+        "checkpoint's own (DeepSeek-V3/R1, Kimi-K2) or a dense checkpoint's experts quantised at load in 128x128 "
+        "blocks; dense = dtype; auto follows the checkpoint but is sized as dense",
     )
 
 

@@ -326,9 +326,12 @@ def _start_message(served: _Served, args: argparse.Namespace, api_key: str | Non
     what = "the embedded demo model" if served.demo else served.model_dir
     access = "an API key is required on /v1/*" if api_key else "no API key (anyone who reaches the port can use it)"
     servers = f" ({args.api_servers} API servers)" if args.api_servers > 1 else ""
+    spec = setup.spec
+    rows = "" if spec.storage_block is None else (
+        f" as block-FP8 rows{' (quantised at load)' if spec.fp8_block is None else ''}")
     return (f"serving {what} as {served.name!r} on {args.host}:{args.port}{servers}: "
-            f"{setup.local_workers} {setup.device} ranks, {setup.spec.num_layers} MoE layers × {setup.spec.num_experts} "
-            f"experts, G·Vmax = {setup.slots} slots per rank"
+            f"{setup.local_workers} {setup.device} ranks, {spec.num_layers} MoE layers × {spec.num_experts} "
+            f"experts{rows}, G·Vmax = {setup.slots} slots per rank"
             f"{'' if served.kv_cache_dtype == 'auto' else f', KV cache in {served.kv_cache_dtype}'}; {access}")
 
 

@@ -13,7 +13,8 @@ Block-FP8 checkpoints (DeepSeek-V3/R1, Kimi-K2, Qwen3-FP8: ``quantization_config
 fmt: e4m3, weight_block_size: [bo, bi]}``) store each expert and shared projection as ``F8_E4M3`` with a
 ``…weight_scale_inv`` F32 ``[⌈out/bo⌉, ⌈in/bi⌉]``. Their experts stay FP8 in the pool and slots
 (``MoESpec.expert_storage``, :mod:`~vexpert_runtime.model.expert_format`); shared experts, which are resident,
-are dequantised at load.
+are dequantised at load. A dense checkpoint's experts can be stored so too (``model.expert_format: fp8_block``):
+quantised at load, in 128 × 128 blocks.
 """
 
 from __future__ import annotations
@@ -80,19 +81,14 @@ def read_model_spec(path: str | Path, architecture: str = "auto") -> MoESpec:
 
 def resolve_expert_storage(spec: MoESpec, requested: str) -> MoESpec:
     """Apply ``model.expert_format``: ``auto`` keeps the checkpoint's own format (block FP8 stays FP8,
-    dense stays in model.dtype), ``dense`` dequantises FP8 experts at load, ``fp8_block`` insists on
-    FP8 rows (and so on a block-FP8 checkpoint)."""
+    dense stays in model.dtype), ``dense`` dequantises FP8 experts at load, ``fp8_block`` keeps FP8 rows —
+    a block-FP8 checkpoint's own, or a dense checkpoint's experts quantised at load in 128 × 128 blocks
+    (DeepSeek's converter's scheme; vLLM's ``--quantization fp8`` does the same for a whole model)."""
     if requested == "auto":
         return spec
     if requested == DENSE:
         return replace(spec, expert_storage=DENSE)
     if requested == FP8_BLOCK:
-        if spec.fp8_block is None:
-            raise VExpertInputError(
-                "model.expert_format",
-                "fp8_block needs a block-FP8 checkpoint, but config.json has no quantization_config (dense experts)",
-                "set model.expert_format: auto (or dense) for this checkpoint",
-            )
         return replace(spec, expert_storage=FP8_BLOCK)
     raise VExpertInputError("model.expert_format", f"{requested!r} is unknown", f"use one of {EXPERT_FORMAT_CHOICES}")
 
@@ -407,10 +403,14 @@ class CheckpointReader:
             return
         layout = fmt.layout
         for proj, name in names.items():
-            start, end = layout.matrix_range(proj)
-            self._fill(name, row[start:end].view(FP8_DTYPE))
-            start, end = layout.scale_range(proj)  # 16-byte aligned: viewable as float32
-            self._fill(name + SCALE_SUFFIX, row[start:end].view(torch.float32))
+            weights, scales = layout.matrix_range(proj), layout.scale_range(proj)  # scales 16-byte aligned: float32 views
+            if self.spec.fp8_block is None:  # a dense checkpoint's expert, quantised here (model.expert_format: fp8_block)
+                weight, scale = quantize_fp8_block(self.tensor(name), layout.block)
+                row[weights[0] : weights[1]].view(FP8_DTYPE).copy_(weight.reshape(-1))
+                row[scales[0] : scales[1]].view(torch.float32).copy_(scale.reshape(-1))
+                continue
+            self._fill(name, row[weights[0] : weights[1]].view(FP8_DTYPE))
+            self._fill(name + SCALE_SUFFIX, row[scales[0] : scales[1]].view(torch.float32))
         row[layout.matrix_range("down")[1] : layout.scales_offset].zero_()  # padding, as pack_fp8 leaves it
         row[layout.scale_range("down")[1] :].zero_()
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from vexpert_runtime.errors import VExpertInputError
-from vexpert_runtime.model.expert_layout import DENSE, FP8_BLOCK
+from vexpert_runtime.model.expert_layout import DEFAULT_FP8_BLOCK, DENSE, FP8_BLOCK
 
 if TYPE_CHECKING:
     import torch
@@ -56,8 +56,15 @@ class MoESpec:
         # imported on use: expert_format needs torch, and the operator imports this module without it
         from vexpert_runtime.model.expert_format import ExpertFormat
 
-        block = self.fp8_block if self.expert_storage == FP8_BLOCK else None
-        return ExpertFormat(self.intermediate_size, self.hidden_size, compute_dtype, block)
+        return ExpertFormat(self.intermediate_size, self.hidden_size, compute_dtype, self.storage_block)
+
+    @property
+    def storage_block(self) -> tuple[int, int] | None:
+        """The FP8 block of the pool's and slots' rows (None: dense rows): the checkpoint's own, or — a dense
+        checkpoint stored as FP8 (``model.expert_format: fp8_block``), quantised at load — DeepSeek-V3's 128 × 128."""
+        if self.expert_storage != FP8_BLOCK:
+            return None
+        return self.fp8_block or DEFAULT_FP8_BLOCK
 
     @property
     def expert_numel(self) -> int:
