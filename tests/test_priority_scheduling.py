@@ -170,3 +170,29 @@ def test_requests_queued_behind_a_running_one_finish_by_priority(checkpoint: tup
         gate.set()
         server.close()
     assert finished == ["first", "m1", "p0", "p4"]
+
+
+def test_a_requests_time_on_its_rank_splits_into_queue_prefill_and_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's request_{queue,prefill,decode}_time_seconds, on the scheduler's clock (one second a model step here): with
+    one batch slot the second request waits for the first to finish; each then takes a step to its first token and two
+    to its last (3 tokens)."""
+    from types import SimpleNamespace
+
+    from vexpert_runtime.serve import scheduler as scheduler_module
+
+    clock = [0.0]
+    monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    step = PagedStandIn.step
+
+    def timed_step(self: PagedStandIn, work: Any) -> Any:
+        clock[0] += 1.0
+        return step(self, work)
+
+    monkeypatch.setattr(PagedStandIn, "step", timed_step)
+    _, events, _ = _serve("fcfs", [("r0", [1, 2], 3, 0), ("r1", [2, 0], 3, 0)], blocks=CONTEXT // BLOCK + 1,
+                          max_running=1)
+    phases = {rid: events[rid][-1].usage_details for rid in events}
+    assert all(details is not None for details in phases.values())
+    assert [(d.queue_seconds, d.prefill_seconds, d.decode_seconds) for d in phases.values()] == [  # type: ignore[union-attr]
+        (0.0, 1.0, 2.0), (3.0, 1.0, 2.0)]
+    assert all(d.cached_tokens is None and d.reasoning_tokens is None for d in phases.values())  # type: ignore[union-attr]

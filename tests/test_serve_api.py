@@ -1088,8 +1088,21 @@ def test_metrics(server: BackgroundServer, client: openai.OpenAI) -> None:
                        ("vllm:generation_tokens_total", "vexpert_serve_generated_tokens_total"),
                        ("vllm:time_to_first_token_seconds_count", "vexpert_serve_time_to_first_token_seconds_count"),
                        ("vllm:inter_token_latency_seconds_sum", "vexpert_serve_inter_token_latency_seconds_sum"),
-                       ("vllm:e2e_request_latency_seconds_count", "vexpert_serve_request_duration_seconds_count")):
+                       ("vllm:e2e_request_latency_seconds_count", "vexpert_serve_request_duration_seconds_count"),
+                       ("vllm:request_queue_time_seconds_count", "vexpert_serve_request_queue_time_seconds_count"),
+                       ("vllm:request_prefill_time_seconds_sum", "vexpert_serve_request_prefill_time_seconds_sum"),
+                       ("vllm:request_decode_time_seconds_count", "vexpert_serve_request_decode_time_seconds_count"),
+                       ("vllm:request_inference_time_seconds_sum", "vexpert_serve_request_inference_time_seconds_sum"),
+                       ("vllm:request_prompt_tokens_sum", "vexpert_serve_request_prompt_tokens_sum"),
+                       ("vllm:request_generation_tokens_count", "vexpert_serve_request_generation_tokens_count")):
         assert values[(vllm, label)] == values[(ours, ())], vllm
+    # each finished request's time on its rank and token counts (vLLM's request_* histograms)
+    assert values[("vexpert_serve_request_decode_time_seconds_count", ())] == values[
+        ("vexpert_serve_request_duration_seconds_count", ())] >= 1
+    assert 0 < values[("vexpert_serve_request_inference_time_seconds_sum", ())] <= values[
+        ("vexpert_serve_request_duration_seconds_sum", ())]
+    assert values[("vexpert_serve_request_generation_tokens_sum", ())] == values[
+        ("vexpert_serve_generated_tokens_total", ())]
     assert values[("vllm:request_success_total", (("finished_reason", "length"), *label))] == values[
         ("vexpert_serve_request_finish_total", (("reason", "length"),))] >= 1
 

@@ -87,6 +87,7 @@ from vexpert_runtime.serve.events import (
     SamplingParams,
     ServeRefusal,
     TokenLogprobs,
+    UsageDetails,
     shutting_down,
 )
 from vexpert_runtime.serve.histogram import CountedHistogram
@@ -114,6 +115,8 @@ log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 _DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+_PHASE_BUCKETS = (*_LATENCY_BUCKETS, 60.0, 120.0, 300.0)  # a request's queue / prefill / decode time
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 _BYTES_PER_TOKEN = 16  # a token id in JSON is ≤ 7 bytes; a token of text rarely over 16 (escapes included)
 _BODY_MARGIN_BYTES = 64 * 1024  # the other fields, chat framing
 _BODY_CAP_BYTES = 4 * 1024 * 1024
@@ -298,6 +301,19 @@ class ServeMetrics:
         self.duration = CountedHistogram(
             "vexpert_serve_request_duration_seconds", "Request arrival to last token", _DURATION_BUCKETS, reg
         )
+        # a finished request's time on its rank (the rank's clock: queued, to its first token, to its last; vLLM's)
+        self.queue_time = CountedHistogram("vexpert_serve_request_queue_time_seconds",
+                                           "Time a request waited on its rank before its first admission", _PHASE_BUCKETS, reg)
+        self.prefill_time = CountedHistogram("vexpert_serve_request_prefill_time_seconds",
+                                             "A request's first admission to its first token", _PHASE_BUCKETS, reg)
+        self.decode_time = CountedHistogram("vexpert_serve_request_decode_time_seconds",
+                                            "A request's first token to its last", _PHASE_BUCKETS, reg)
+        self.inference_time = CountedHistogram("vexpert_serve_request_inference_time_seconds",
+                                               "A request's first admission to its last token", _PHASE_BUCKETS, reg)
+        self.request_prompt_tokens = CountedHistogram("vexpert_serve_request_prompt_tokens",
+                                                      "Prompt tokens per finished request", _TOKEN_BUCKETS, reg)
+        self.request_generation_tokens = CountedHistogram("vexpert_serve_request_generation_tokens",
+                                                          "Generated tokens per finished sequence", _TOKEN_BUCKETS, reg)
         self.prompt_tokens = Counter("vexpert_serve_prompt_tokens", "Prompt tokens of finished requests", registry=reg)
         self.generation_tokens = Counter("vexpert_serve_generated_tokens", "Tokens generated", registry=reg)
         self.running = Gauge("vexpert_serve_requests_running", "Requests in the ranks' batches", registry=reg)
@@ -318,6 +334,16 @@ class ServeMetrics:
                                        "Prompt tokens served from cached KV blocks since the ranks started", registry=reg)
         self.preemptions = Gauge("vexpert_serve_preemptions", "Sequences preempted since the ranks started (KV cache "
                                  "full: blocks freed, recomputed when re-admitted)", registry=reg)
+
+    def observe_phases(self, details: UsageDetails | None) -> None:
+        """A finished sequence's time on its rank (its last event's details)."""
+        if details is None:  # (an event the API made itself: a refusal or a lost rank)
+            return
+        self.queue_time.observe(details.queue_seconds)
+        if details.prefill_seconds is not None and details.decode_seconds is not None:
+            self.prefill_time.observe(details.prefill_seconds)
+            self.decode_time.observe(details.decode_seconds)
+            self.inference_time.observe(details.prefill_seconds + details.decode_seconds)
 
     def refresh(self, loads: list[RankLoad]) -> None:
         """Set the gauges from the ranks' loads (at scrape time)."""
@@ -368,7 +394,10 @@ class _RequestTimer:
             self.metrics.duration.observe(now - self.start)
             if self.counts_prompt:
                 self.metrics.prompt_tokens.inc(last.prompt_tokens)
+                self.metrics.request_prompt_tokens.observe(last.prompt_tokens)
+            self.metrics.request_generation_tokens.observe(last.completion_tokens)
             self.metrics.finished.labels(last.finish_reason).inc()
+            self.metrics.observe_phases(last.usage_details)
 
 
 def _failed(event: Event) -> ApiError | None:
@@ -511,7 +540,7 @@ class _UsageCounts:
         details = last.usage_details
         if details is None:
             return
-        if index % job.choices_per_prompt == 0:
+        if details.cached_tokens is not None and index % job.choices_per_prompt == 0:
             self.cached_tokens = (self.cached_tokens or 0) + details.cached_tokens
         if job.reasoning is not None:
             self.reasoning_tokens = (self.reasoning_tokens or 0) + (details.reasoning_tokens or 0)

@@ -116,11 +116,16 @@ class EventLogprobs:
 @dataclass(frozen=True, slots=True)
 class UsageDetails:
     """A finished request's usage beyond its counts (OpenAI's ``prompt_tokens_details`` / ``completion_tokens_details``):
-    prompt tokens its prefill took from the prefix cache, and output tokens of its reasoning (None: the reply was not
-    split into reasoning and content)."""
+    prompt tokens its prefill took from the prefix cache (None: not reported — neither prefix caching nor a reasoning
+    parser), and output tokens of its reasoning (None: the reply was not split into reasoning and content); and its
+    time on the rank in seconds, as vLLM's ``request_{queue,prefill,decode}_time_seconds`` measure it: waiting before
+    its first admission, from then to its first token, from that to its last (None: it produced no token)."""
 
-    cached_tokens: int = 0
+    cached_tokens: int | None = None
     reasoning_tokens: int | None = None
+    queue_seconds: float = 0.0
+    prefill_seconds: float | None = None
+    decode_seconds: float | None = None
 
 
 @dataclass(slots=True)  # one per sequence per iteration: a slotted dataclass (made 5× faster than a frozen one)
@@ -142,7 +147,7 @@ class Event:
     completion_tokens: int = 0
     error: str | None = None
     logprobs: EventLogprobs | None = None
-    usage_details: UsageDetails | None = None  # the last event's, where the rank has any to give
+    usage_details: UsageDetails | None = None  # the last event's (None on the others)
 
     @property
     def finished(self) -> bool:

@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -189,8 +190,13 @@ class _Sequence:
     unsent_logprobs: list[TokenLogprobs] | None = None  # the unsent tokens' (and a finishing token's)
     prompt_logprobs: list[TokenLogprobs] | None = None  # the prompt's, until the first event with a token
     prompt_reported: int = 1  # prompt tokens [1, this) have their log-probability (a recomputed prefill skips them)
+    # time.monotonic() at submission, first admission and first token read (None: not yet): its UsageDetails' durations
+    queued_at: float = field(init=False)
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
 
     def __post_init__(self) -> None:
+        self.queued_at = time.monotonic()
         self.prompt_len = self.prefill_len = len(self.request.prompt_ids)
         self.max_tokens = self.request.params.max_tokens
         self.penalty_prompt_len = self.prompt_len if self.request.params.holds_row else -1
@@ -452,13 +458,16 @@ def flush_text(seq: _Sequence) -> str:
     return text if stopped else text + seq.stop.flush()
 
 
-def usage_details(seq: _Sequence, prefix_caching: bool) -> UsageDetails | None:
-    """A finishing sequence's usage details: the prompt tokens the prefix cache served, its reasoning tokens (None
-    where neither is known: no event field to pickle)."""
+def usage_details(seq: _Sequence, prefix_caching: bool) -> UsageDetails:
+    """A finishing sequence's usage details: the prompt tokens the prefix cache served and its reasoning tokens
+    (where known), and its time here — queued, to its first token, to now."""
     reasoning = seq.request.params.reasoning_end is not None
-    if not prefix_caching and not reasoning:
-        return None
-    return UsageDetails(seq.cached_tokens or 0, seq.reasoning_tokens if reasoning else None)
+    now = time.monotonic()
+    scheduled = now if seq.scheduled_at is None else seq.scheduled_at
+    first = seq.first_token_at
+    return UsageDetails(seq.cached_tokens or 0 if prefix_caching or reasoning else None,
+                        seq.reasoning_tokens if reasoning else None, scheduled - seq.queued_at,
+                        None if first is None else first - scheduled, None if first is None else now - first)
 
 
 def publish_known(pool: BlockPool, seq: _Sequence) -> None:
@@ -722,6 +731,8 @@ class Scheduler:
 
     def _admit(self, seq: _Sequence) -> None:
         seq.admitted = seq.holds_blocks = True
+        if seq.scheduled_at is None:  # (a preempted sequence's first admission counts)
+            seq.scheduled_at = time.monotonic()
         self.pool.add(seq.seq_id)
         self._running[seq.seq_id] = seq
         if self.config.prefix_caching:
@@ -776,6 +787,8 @@ class Scheduler:
             return
         output = seq.output
         output.append(token)
+        if seq.first_token_at is None:
+            seq.first_token_at = time.monotonic()
         if logprobs is not None:
             seq.unsent_logprobs = seq.unsent_logprobs or []
             seq.unsent_logprobs.append(logprobs)

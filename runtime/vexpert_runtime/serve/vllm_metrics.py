@@ -37,6 +37,12 @@ class ServeSeries(Protocol):
     ttft: CountedHistogram
     itl: CountedHistogram
     duration: CountedHistogram
+    queue_time: CountedHistogram
+    prefill_time: CountedHistogram
+    decode_time: CountedHistogram
+    inference_time: CountedHistogram
+    request_prompt_tokens: CountedHistogram
+    request_generation_tokens: CountedHistogram
 
 
 class VllmSeries(Collector):
@@ -77,7 +83,17 @@ class VllmSeries(Collector):
         yield success
         for name, doc, histogram in (("vllm:time_to_first_token_seconds", "Request arrival to first token", m.ttft),
                                      ("vllm:inter_token_latency_seconds", "Time between a request's tokens", m.itl),
-                                     ("vllm:e2e_request_latency_seconds", "Request arrival to last token", m.duration)):
+                                     ("vllm:e2e_request_latency_seconds", "Request arrival to last token", m.duration),
+                                     ("vllm:request_queue_time_seconds", "Time waiting before the first admission",
+                                      m.queue_time),
+                                     ("vllm:request_prefill_time_seconds", "First admission to first token",
+                                      m.prefill_time),
+                                     ("vllm:request_decode_time_seconds", "First token to last", m.decode_time),
+                                     ("vllm:request_inference_time_seconds", "First admission to last token",
+                                      m.inference_time),
+                                     ("vllm:request_prompt_tokens", "Prompt tokens per request", m.request_prompt_tokens),
+                                     ("vllm:request_generation_tokens", "Generated tokens per request",
+                                      m.request_generation_tokens)):
             yield histogram.family(name, doc, labels)
 
     def describe(self) -> Iterator[Metric]:
