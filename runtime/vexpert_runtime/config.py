@@ -75,8 +75,9 @@ class ModelSource(BaseModel):
     )
     expert_format: ExpertFormatChoice = Field(
         "auto",
-        description="Expert rows in pool and slots: auto = as the checkpoint stores them (block FP8 stays FP8), "
-        "dense = in dtype (FP8 dequantised at load), fp8_block = FP8 (a dense checkpoint's quantised at load, 128x128 blocks)",
+        description="Expert rows in pool and slots: auto = as the checkpoint stores them (block FP8 stays FP8 on GPU "
+        "nodes; CPU nodes keep dense rows: no CPU kernel reads FP8), dense = in dtype (FP8 dequantised at load), "
+        "fp8_block = FP8 (a dense checkpoint's quantised at load, 128x128 blocks)",
     )
 
 

@@ -111,8 +111,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--expert-format", choices=get_args(ExpertFormatChoice), default=None,
                         help="how routed experts are kept (the config's model.expert_format, default auto): auto = as "
                              "the checkpoint stores them (a block-FP8 checkpoint such as DeepSeek-V3's: FP8 rows, half "
-                             "the memory and slot copies, read as FP8 by the GPU kernel), dense = in the model dtype "
-                             "(FP8 dequantised at load), fp8_block = insist on FP8 rows")
+                             "the memory and slot copies, read as FP8 by the GPU kernel; CPU ranks keep dense rows), "
+                             "dense = in the model dtype (FP8 dequantised at load), fp8_block = FP8 rows (a dense "
+                             "checkpoint's experts quantised at load, 128x128 blocks)")
     parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDtype), default=None,
                         help=KV_CACHE_DTYPE_HELP + " (default: the config's runtime.kv_cache_dtype, else auto)")
     parser.add_argument("--api-key", default=None,

@@ -23,6 +23,7 @@ from vexpert_runtime.model.checkpoint import (
     resolve_expert_storage,
 )
 from vexpert_runtime.model.dispatch import choose_dispatch
+from vexpert_runtime.model.expert_layout import DENSE
 from vexpert_runtime.node.slots import SlotLayout
 from vexpert_runtime.policy.names import DEFAULT_PLACEMENT_POLICY, PlacementPolicyName
 from vexpert_runtime.policy.profile import PerformanceProfile
@@ -133,7 +134,12 @@ def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: in
         local = cpu_workers or config.runtime.cpu_workers or par.gpus_per_node
     node_rank = resolve_node_rank(par.node_rank, par.num_nodes)
     world = par.num_nodes * local
-    spec = resolve_expert_storage(read_model_spec(checkpoint, config.model.architecture), config.model.expert_format)
+    expert_format: str = config.model.expert_format
+    if expert_format == "auto" and device == "cpu":
+        # No CPU kernel reads FP8 rows: each step would dequantise every stack (a block-FP8 checkpoint served 12x
+        # slower, benchmarks/README.md §10 run 26), so CPU ranks keep dense rows unless fp8_block is asked for.
+        expert_format = DENSE
+    spec = resolve_expert_storage(read_model_spec(checkpoint, config.model.architecture), expert_format)
     CheckpointReader(checkpoint, spec).validate()
     if spec.num_experts % world:
         raise VExpertInputError(
