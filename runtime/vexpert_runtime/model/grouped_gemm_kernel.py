@@ -18,6 +18,12 @@ shapes only); rows past ``offs[-1]`` are not written. Weights are the strided vi
 (``w13`` [E, 2I, H], ``w2`` [E, H, I]); no copy. Launch parameters by rows per expert
 (:func:`launch_config`, from ``benchmarks/grouped_gemm_tuning.py`` on an H200). The CPU tests run it
 in Triton's interpreter against the per-expert loop.
+
+Block-FP8 experts (DeepSeek-V3's checkpoint format) are read as stored: fp8 weights, widened in the kernel, and
+their float32 block scales (:meth:`~.expert_format.ExpertFormat.fp8_stack`; W8A16 — the activations stay bf16),
+half the bytes of a bf16 expert and no dequantised copy; their own launch table (:data:`_FP8_CONFIGS`). (The gate
+and up halves' FP8 branches are written out twice on purpose: a shared helper compiles to other SASS than the
+binaries run 26 measured.)
 """
 
 from __future__ import annotations
