@@ -328,8 +328,10 @@ def _start_message(served: _Served, args: argparse.Namespace, api_key: str | Non
     access = "an API key is required on /v1/*" if api_key else "no API key (anyone who reaches the port can use it)"
     servers = f" ({args.api_servers} API servers)" if args.api_servers > 1 else ""
     spec = setup.spec
-    rows = "" if spec.storage_block is None else (
-        f" as block-FP8 rows{' (quantised at load)' if spec.fp8_block is None else ''}")
+    if spec.storage_block is not None:
+        rows = f" as block-FP8 rows{' (quantised at load)' if spec.fp8_block is None else ''}"
+    else:  # a block-FP8 checkpoint's experts in the compute dtype (--expert-format dense, or auto on CPU ranks)
+        rows = "" if spec.fp8_block is None else " as dense rows (dequantised at load)"
     return (f"serving {what} as {served.name!r} on {args.host}:{args.port}{servers}: "
             f"{setup.local_workers} {setup.device} ranks, {spec.num_layers} MoE layers × {spec.num_experts} "
             f"experts{rows}, G·Vmax = {setup.slots} slots per rank"
