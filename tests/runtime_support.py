@@ -6,6 +6,8 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,21 @@ def stop_process(proc: subprocess.Popen[bytes] | subprocess.Popen[str], timeout:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float) -> None:
+    """Wait until ``vexpert serve`` at ``url`` answers ``/health`` with 200; fail with the end of its ``log`` if it
+    exits first or ``timeout_s`` pass."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"vexpert serve exited {proc.returncode}:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"no /health 200 in {timeout_s:.0f} s:\n{log.read_text()[-4000:]}"
+        try:
+            if urllib.request.urlopen(url + "/health", timeout=5).status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
 
 
 def run_in_triton_interpreter(module: str, function: str) -> None:

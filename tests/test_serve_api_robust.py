@@ -25,6 +25,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
+from runtime_support import wait_healthy
 from serve_support import (
     MAX_CONTEXT,
     MODEL_NAME,
@@ -382,17 +383,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subpro
         stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=tmp,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
     try:
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "not healthy in 180 s:\n" + log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(proc, url, log, 180)
         yield url, proc, log
     finally:
         if proc.poll() is None:

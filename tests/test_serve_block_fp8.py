@@ -18,13 +18,13 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
+from runtime_support import stop_process, wait_healthy
 from serve_support import block_fp8_copies, build_tiny_checkpoint, load_model, load_tokenizer
 from vexpert_runtime.model.expert_format import dequantize_fp8_block, quantize_fp8_block
 
@@ -65,16 +65,7 @@ def _served(checkpoint: Path, tmp_path: Path, *flags: str) -> tuple[dict[str, li
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "not healthy in 240 s:\n" + log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(proc, url, log, 240)
         tokens = {}
         for prompt in PROMPTS:
             body = {"model": checkpoint.name, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
@@ -84,11 +75,7 @@ def _served(checkpoint: Path, tmp_path: Path, *flags: str) -> tuple[dict[str, li
             pieces = answer.json()["choices"][0]["logprobs"]["tokens"]
             tokens[prompt] = [int(piece.removeprefix("token_id:")) for piece in pieces]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 60)
     return tokens, log.read_text(errors="replace")
 
 

@@ -27,7 +27,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from runtime_support import TINY_DEEPSEEK_SPEC, TINY_FP8_DEEPSEEK_SPEC
+from runtime_support import TINY_DEEPSEEK_SPEC, TINY_FP8_DEEPSEEK_SPEC, wait_healthy
 from vexpert_runtime.model.checkpoint import (
     PROJECTIONS,
     SCALE_SUFFIX,
@@ -180,19 +179,6 @@ def _write_model(path: Path) -> None:
                 shutil.copy(Path(tiny) / name, path / name)
 
 
-def _wait_healthy(proc: subprocess.Popen[bytes], base: str, log: Path) -> None:
-    deadline = time.monotonic() + HEALTH_TIMEOUT_S
-    while True:
-        assert proc.poll() is None, f"vexpert serve exited {proc.returncode}:\n{log.read_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"no /health 200 in {HEALTH_TIMEOUT_S:.0f} s:\n{log.read_text()[-4000:]}"
-        try:
-            if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-
-
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM (a clean drain), then the whole process group."""
     if proc.poll() is None:
@@ -225,7 +211,7 @@ def test_serve_peak_rss_is_what_each_process_keeps(tmp_path: Path) -> None:
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )
         try:
-            _wait_healthy(proc, base, log)
+            wait_healthy(proc, base, log, HEALTH_TIMEOUT_S)
             body = json.dumps({"model": path.name, "prompt": "hello world", "max_tokens": 4}).encode()
             request = urllib.request.Request(base + "/v1/completions", data=body,
                                              headers={"content-type": "application/json"})
