@@ -201,6 +201,9 @@ def main() -> int:
     parser.add_argument("--block-fp8", action="store_true",
                         help="the checkpoint's block-FP8 copy (DeepSeek-V3's released format), loaded as a serving rank "
                              "loads it: experts FP8 rows read in place, the rest dequantised to bf16 (the bound counts so)")
+    parser.add_argument("--expert-compute", choices=("w8a16", "w8a8"), default="w8a16",
+                        help="with --block-fp8: the FP8 rows against bf16 activations or FP8 ones (vexpert serve "
+                             "--expert-compute)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not (args.model_dir / "config.json").exists():
@@ -211,7 +214,7 @@ def main() -> int:
     max_seqs = max(args.batches) + max(args.prefill_chunks, default=0)
     # block FP8: as serve/rank.py builds a rank (experts read from the shards as FP8 rows); else the experts
     # the model loaded, moved into the EP layer
-    reader = checkpoint_reader(args.model_dir) if args.block_fp8 else None
+    reader = checkpoint_reader(args.model_dir, "auto", args.expert_compute) if args.block_fp8 else None
     executor = None if reader is None else EPExperts.from_checkpoint(
         reader, reader.spec.num_layers, torch.bfloat16, 0, 1, None, "cuda", max_tokens=args.max_batch_tokens)
     model = HFStepModel(args.model_dir, device="cuda", dtype=torch.bfloat16,
@@ -297,6 +300,7 @@ def main() -> int:
             row = {"batch": batch, "context": args.context, "sampling": sampling,
                    "shared_expert_stream": args.shared_expert_stream, "kv_cache_dtype": args.kv_cache_dtype,
                    "experts": "block_fp8" if args.block_fp8 else "bf16",
+                   "expert_compute": args.expert_compute if args.block_fp8 else "bf16",
                    "kv_splits": graphs.key_for(work)[2],
                    "graph_ms": round(graph_ms, 3),
                    "launch_span_ms": round(step_ms, 3), "host_launch_ms": round(host_ms, 3),

@@ -4,7 +4,9 @@ Measures (CUDA events, median of N): the pinned host→device copy of one packed
 fill moves), the dequantisation of a stack of FP8 rows into a bf16 scratch, and the SwiGLU grouped
 GEMMs over that stack: bf16 rows as they are, FP8 rows dequantised first (the path before 2026-12-06),
 and FP8 rows as the EP layer now computes them (``ExpertStacks.swiglu``: the Triton grouped GEMM reading
-the fp8 weights and block scales in place), each with the weights' bytes over its time. Prints JSON.
+the fp8 weights and block scales in place; W8A16 and, ``model.expert_compute: w8a8``, against FP8 activations
+quantised ahead of each GEMM — that quantisation timed with it), each with the weights' bytes over its time.
+Prints JSON.
 
     python3 benchmarks/fp8_expert.py --experts 4 --pairs 512 2048 8192
     python3 benchmarks/fp8_expert.py --experts 8 --pairs 32 128 512 --skewed   # the serving benchmark's rank
@@ -13,6 +15,7 @@ the fp8 weights and block scales in place), each with the weights' bytes over it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 
@@ -77,6 +80,7 @@ def main() -> None:
     out["dequant_stack_ms"] = round(cuda_ms(lambda: fmt.stack_weights(rows8), args.repeats), 4)
     results = []
     stacks = ExpertStacks(rows8, None, INTER, format=fmt)
+    w8a8 = ExpertStacks(rows8, None, INTER, format=dataclasses.replace(fmt, fp8_activations=True))
     w13, w2 = packed_views(rows16, INTER, HIDDEN)
     for pairs in args.pairs:
         share = torch.tensor([1.0 / (e + 1) if args.skewed else 1.0 for e in range(args.experts)])
@@ -89,17 +93,22 @@ def main() -> None:
         bf16_ms = cuda_ms(lambda x=x, offs=offs: grouped_swiglu(x, w13, w2, offs), args.repeats)
         dequant_ms = cuda_ms(lambda x=x, offs=offs: grouped_swiglu(x, *fmt.stack_weights(rows8), offs), args.repeats)
         in_place_ms = cuda_ms(lambda x=x, offs=offs, o=out8: stacks.swiglu(x, rows8, offs, o), args.repeats)
+        out_a8 = torch.empty_like(x)
+        w8a8_ms = cuda_ms(lambda x=x, offs=offs, o=out_a8: w8a8.swiglu(x, rows8, offs, o), args.repeats)
         # The FP8 paths against bf16 weights they were quantised from (e4m3 precision, not a bug bound), and
         # the in-place kernel against the dequantised stack (the same FP8 weights: rounding only).
         want = grouped_swiglu(x, w13, w2, offs).float()
         dequantised = grouped_swiglu(x, *fmt.stack_weights(rows8), offs).float()
         stacks.swiglu(x, rows8, offs, out8)
+        w8a8.swiglu(x, rows8, offs, out_a8)
         results.append({"pairs": int(padded.sum()), "bf16_gemm_ms": round(bf16_ms, 4),
                         "fp8_dequant_plus_gemm_ms": round(dequant_ms, 4), "fp8_in_place_ms": round(in_place_ms, 4),
+                        "fp8_w8a8_ms": round(w8a8_ms, 4),
                         "bf16_weight_tb_per_s": round(host16.numel() * 2 / bf16_ms / 1e9, 2),
                         "fp8_in_place_weight_tb_per_s": round(host8.numel() / in_place_ms / 1e9, 2),
                         "rel_error_vs_bf16_weights": round(relative_error(dequantised, want), 4),
-                        "in_place_vs_dequantised": round(relative_error(out8.float(), dequantised), 5)})
+                        "in_place_vs_dequantised": round(relative_error(out8.float(), dequantised), 5),
+                        "w8a8_vs_dequantised": round(relative_error(out_a8.float(), dequantised), 5)})
         print(json.dumps(results[-1]), flush=True)
     out["grouped_swiglu"] = results
     print(json.dumps(out, indent=2))

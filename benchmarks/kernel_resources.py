@@ -127,31 +127,34 @@ def kernel_specs() -> list[dict[str, Any]]:
                            unspecialised=("max_splits",)))
     # The expert SwiGLU's grouped GEMMs at DeepSeek-V3's H 7168 / I 2048 (packed rows: D = 3·I·H), 8 experts,
     # with the launch table's choice at ≤ 24 rows per expert (16 streams) and at 64 (256 streams).
-    # Block-FP8 rows (DeepSeek-V3's release: 128 × 128 blocks) with their own table, weights and scales read in place.
+    # Block-FP8 rows (DeepSeek-V3's release: 128 × 128 blocks) with their own table, weights and scales read in place;
+    # and against FP8 activations (W8A8: their scales per row and 128 columns, FP8 dots).
     from vexpert_runtime.model.expert_layout import Fp8RowLayout
 
     hidden, inter, experts = 7168, 2048, 8
     fp8_row = Fp8RowLayout(inter, hidden).row_bytes
-    for fp8 in (False, True):
+    for fp8, a8 in ((False, False), (True, False), (True, True)):
         packed = fp8_row if fp8 else 3 * inter * hidden  # a row's elements (FP8: bytes)
-        gemm_pointers = {"x": bf16, "w": "*fp8e4nv" if fp8 else bf16, "s": "*fp32" if fp8 else bf16, "offs": "*i32",
-                         "out": bf16}
+        gemm_pointers = {"x": "*fp8e4nv" if a8 else bf16, "xs": "*fp32" if a8 else bf16, "w": "*fp8e4nv" if fp8 else bf16,
+                         "s": "*fp32" if fp8 else bf16, "offs": "*i32", "out": bf16}
         for gemm, (depth, width, x_stride, w_row) in (("gate_up", (hidden, inter, hidden, hidden)),
                                                       ("down", (inter, hidden, inter, inter))):
             for rows_per_expert in (16, 64):
-                block_m, block_n, block_k, warps, stages, split_m = gg.launch_config(gemm, rows_per_expert, fp8)
+                block_m, block_n, block_k, warps, stages, split_m = gg.launch_config(gemm, rows_per_expert, fp8, a8)
                 scale = {"UP_S": inter // 128 if gemm == "gate_up" else 0, "stride_se": fp8_row // 4,
                          "stride_sn": depth // 128} if fp8 else {"UP_S": 0, "stride_se": 0, "stride_sn": 0}
                 scalars: dict[str, int | float] = {"K": depth, "N": width, "UP": width, "stride_xm": x_stride,
                                                    "stride_we": packed, "stride_wn": w_row, "stride_om": width,
-                                                   "split_m": split_m, **scale}
-                shapes = {"SWIGLU": gemm == "gate_up", "FP8": fp8, "SCALE_N": 128 if fp8 else 1,
+                                                   "split_m": split_m, "stride_xsm": depth // 128 if a8 else 0,
+                                                   **scale}
+                shapes = {"SWIGLU": gemm == "gate_up", "FP8": fp8, "A8": a8, "SCALE_N": 128 if fp8 else 1,
                           "SCALE_K": 128 if fp8 else 1, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
                 if split_m == 0:
                     fn, shapes = gg._grouped_gemm_row_tile_kernel, {**shapes, "E": experts, "EP": experts}
                 else:
                     fn = gg._grouped_gemm_kernel
-                specs.append(_spec(f"grouped_gemm{' fp8' if fp8 else ''} {gemm} {rows_per_expert} rows/expert", fn,
+                kind = " fp8 w8a8" if a8 else " fp8" if fp8 else ""
+                specs.append(_spec(f"grouped_gemm{kind} {gemm} {rows_per_expert} rows/expert", fn,
                                    gemm_pointers, scalars, shapes, warps, stages))
     # The routers' expert selection as the fused routers launch it: DeepSeek-V3's release (256 experts in 8
     # groups, 4 kept, top-8) and a grouped 8-expert one (8 in 4 groups, 2 kept, top-2); Qwen3-30B-A3B's

@@ -128,6 +128,14 @@ def test_expert_format_rule(fp8_checkpoint: Path, tmp_path: Path) -> None:
     assert config.model.expert_format == "fp8_block"
     with pytest.raises(VExpertInputError, match=r"model\.expert_format"):
         parse_runtime_config({"model": {"expert_format": "int4"}})
+    # model.expert_compute: W8A8 multiplies FP8 rows (carried by the format every executor reads), never dense ones
+    w8a8 = resolve_expert_storage(spec, "auto", "w8a8")
+    assert w8a8.fp8_activations and w8a8.expert_format(torch.bfloat16).fp8_activations
+    assert not resolve_expert_storage(spec, "auto").expert_format(torch.bfloat16).fp8_activations
+    with pytest.raises(VExpertInputError, match=r"model\.expert_compute.*fp8_block"):
+        resolve_expert_storage(spec, "dense", "w8a8")
+    with pytest.raises(VExpertInputError, match=r"model\.expert_compute"):
+        parse_runtime_config({"model": {"expert_compute": "w4a8"}})
 
 
 def test_a_dense_checkpoints_experts_are_quantised_at_load(tmp_path: Path) -> None:
@@ -245,11 +253,14 @@ def test_fp8_reference_is_close_to_the_unquantised_model(fp8_checkpoint: Path) -
     assert relative_error(fp8, exact) < 0.1
 
 
+@pytest.mark.parametrize("compute", ["w8a16", "w8a8"])
 def test_node_with_fp8_experts_verifies_against_the_dequantised_reference(
-        fp8_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Two CPU workers, FP8 pool and slots, a plan with vExperts (τ = 0.95, k = 2): ``--verify``."""
+        fp8_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], compute: str) -> None:
+    """Two CPU workers, FP8 pool and slots, a plan with vExperts (τ = 0.95, k = 2): ``--verify`` (W8A8: the
+    reference quantises each expert GEMM's activations alike, the workers' experts emulate the GPU kernel)."""
     raw = {
-        "model": {"checkpoint_path": str(fp8_checkpoint), "dtype": "float32", "expert_format": "fp8_block"},
+        "model": {"checkpoint_path": str(fp8_checkpoint), "dtype": "float32", "expert_format": "fp8_block",
+                  "expert_compute": compute},
         "parallelism": {"expert_parallel_size": 2, "gpus_per_node": 2, "master_port": free_port()},
         "vexpert": {"group_size": 2, "vmax": 1, "balance_threshold": 0.95},
         "tuning": {"allocation_interval": 2},
@@ -268,7 +279,9 @@ def test_node_with_fp8_experts_verifies_against_the_dequantised_reference(
 
 def test_operator_sizes_the_deepseek_v3_example_with_fp8_bytes() -> None:
     from vexpert_operator.api import VExpertDeploymentSpec
-    from vexpert_operator.sizing import gpu_bytes_per_gpu, model_shape
+    from vexpert_operator.manifests import build_runtime_config
+    from vexpert_operator.sizing import gpu_bytes_per_gpu, model_shape, size_pod
+    from vexpert_runtime.policy.profile import PerformanceProfile
 
     docs = yaml.safe_load_all((REPO / "examples" / "deepseek-v3-ep64.yaml").read_text())
     raw = next(d for d in docs if d and d.get("kind") == "VExpertDeployment")  # beside its checkpoint claim
@@ -278,4 +291,12 @@ def test_operator_sizes_the_deepseek_v3_example_with_fp8_bytes() -> None:
     assert 44e6 < shape.expert_bytes < 44.1e6
     dense = model_shape(spec.model_copy(update={"model": spec.model.model_copy(update={"expert_format": "dense"})}))
     assert dense is not None and dense.expert_bytes == 3 * 2048 * 7168 * 2
+    # W8A8 on dense rows is refused at admission, naming both fields (the runtime would refuse it at start)
+    model = {**raw["spec"]["model"], "expertFormat": "dense", "expertCompute": "w8a8"}
+    with pytest.raises(ValueError, match=r"model\.expertCompute.*expertFormat"):
+        VExpertDeploymentSpec.model_validate({**raw["spec"], "model": model})
+    w8a8 = VExpertDeploymentSpec.model_validate({**raw["spec"], "model": {**raw["spec"]["model"], "expertCompute": "w8a8"}})
+    rendered = build_runtime_config(w8a8, "dsv3", "inference", PerformanceProfile(), 10, None,
+                                    size_pod(w8a8, model_shape(w8a8), None))
+    assert parse_runtime_config(yaml.safe_load(rendered.to_yaml())).model.expert_compute == "w8a8"  # reaches the pods
     assert gpu_bytes_per_gpu(spec, shape) < gpu_bytes_per_gpu(spec, dense)

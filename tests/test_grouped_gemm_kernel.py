@@ -8,6 +8,8 @@ GPU (marker ``gpu``): at DeepSeek-V3's expert sizes in bf16, against ``torch._gr
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -89,6 +91,81 @@ def check_fp8_kernel_on_cpu() -> None:
         raise AssertionError("scales of the wrong shape were accepted")
 
 
+def random_fp8_rows(fmt: Any, count: int) -> torch.Tensor:
+    """``count`` packed block-FP8 rows [count, D] of ``fmt`` (an ExpertFormat) with random weights."""
+    from vexpert_runtime.model.expert_format import quantize_fp8_block
+
+    rows = []
+    for _ in range(count):
+        shapes = {"gate": (fmt.intermediate, fmt.hidden), "up": (fmt.intermediate, fmt.hidden),
+                  "down": (fmt.hidden, fmt.intermediate)}
+        quantised = {p: quantize_fp8_block(torch.randn(*shape) / fmt.hidden**0.5, fmt.fp8_block)
+                     for p, shape in shapes.items()}
+        rows.append(fmt.pack_fp8({p: q for p, (q, _) in quantised.items()}, {p: s for p, (_, s) in quantised.items()}))
+    return torch.stack(rows)
+
+
+def check_w8a8_kernel_on_cpu() -> None:
+    """W8A8: FP8 activations (quantised per row and 32-wide group ahead of each GEMM) against block-FP8 rows
+    equal, to float32 rounding, the twin that quantises alike and multiplies dequantised weights one expert at a
+    time (the CPU ranks' path) — and both differ from W8A16 by e4m3's error only. Partial scale blocks (I 48, H 80
+    over 32×32), the one-scale and per-column paths, both grids, a slot-like slice, misuse named."""
+    from vexpert_runtime.model.expert_format import ExpertFormat, w8a8_swiglu
+    from vexpert_runtime.model.fp8_activations import fp8_activation_round_trip, quantize_activation_groups
+    from vexpert_runtime.model.grouped_gemm_kernel import grouped_gemm, triton_swiglu
+    from vexpert_runtime.model.grouped_moe import grouped_swiglu
+
+    torch.manual_seed(3)
+    experts, intermediate, hidden, block = 4, 48, 80, (32, 32)
+    fmt = ExpertFormat(intermediate, hidden, torch.float32, block)
+    rows = random_fp8_rows(fmt, experts + 1)[1:]  # a slice of a larger buffer, as a layer's slots are
+    stack = fmt.fp8_stack(rows)
+    assert stack is not None
+    w13, w2 = fmt.stack_weights(rows)
+    offs = torch.tensor([5, 5, 37, 40], dtype=torch.int32)
+    x = torch.randn(48, hidden)
+    twin = w8a8_swiglu(x, w13, w2, offs, block[1])
+    w8a16 = grouped_swiglu(x, w13, w2, offs, grouped=False)
+    assert 1e-3 < (twin[:40] - w8a16[:40]).norm() / w8a16[:40].norm() < 0.1  # e4m3 activations: 3 mantissa bits
+    # one scale per K tile (BLOCK_N divides 32) on the expert-major grid; per-column scales (BLOCK_N 64, K tiles
+    # of 64 narrowed to 32) on the row-tile grid
+    for configs in (((16, 16, 32, 4, 2, 1), (16, 32, 32, 4, 2, 2)), ((16, 64, 64, 4, 2, 0), (16, 16, 32, 4, 2, 0))):
+        got = triton_swiglu(x, stack.w13, stack.w2, offs, configs=configs, scales=(stack.s13, stack.s2),
+                            scale_block=block, fp8_activations=True)
+        assert torch.allclose(got[:40], twin[:40], rtol=1e-4, atol=1e-4), configs
+    # the down GEMM alone, into a slice of a larger output (rows around it untouched)
+    act = torch.randn(48, intermediate)
+    aq, scales = quantize_activation_groups(act, block[1])
+    assert aq.dtype == torch.float8_e4m3fn and scales.shape == (48, 2)  # 48 columns: one whole group, one partial
+    assert aq[:, :32].float().abs().amax(1).eq(448).all()  # each group's largest element maps to e4m3's largest
+    out = torch.full((52, hidden), 7.0)
+    grouped_gemm(aq, stack.w2, offs, config=(16, 32, 32, 4, 2, 0), scales=stack.s2, scale_block=block,
+                 x_scales=scales, out=out[2:50])
+    act_used = fp8_activation_round_trip(act, block[1])
+    for e, (start, end) in enumerate(zip([0, *offs[:-1].tolist()], offs.tolist(), strict=True)):
+        want = act_used[start:end].double() @ w2[e].double().T
+        assert torch.allclose(out[2 + start:2 + end].double(), want, rtol=1e-4, atol=1e-4), e
+    assert out[:2].eq(7.0).all() and out[50:].eq(7.0).all()
+    for bad, named in (({"x_scales": None}, "x_scales"), ({"x_scales": scales[:, :1].contiguous()}, "x_scales float32")):
+        try:
+            grouped_gemm(aq, stack.w2, offs, scales=stack.s2, scale_block=block, out_dtype=torch.float32,
+                         **{"x_scales": scales, **bad})
+        except ValueError as error:
+            assert named in str(error), error
+        else:
+            raise AssertionError(f"{bad} was accepted")
+    narrow = ExpertFormat(intermediate, hidden, torch.float32, (16, 16))
+    narrow_stack = narrow.fp8_stack(random_fp8_rows(narrow, experts))
+    assert narrow_stack is not None
+    try:
+        triton_swiglu(x, narrow_stack.w13, narrow_stack.w2, offs, scales=(narrow_stack.s13, narrow_stack.s2),
+                      scale_block=(16, 16), fp8_activations=True)
+    except ValueError as error:
+        assert "32 (FP8 dots, W8A8)" in str(error), error
+    else:
+        raise AssertionError("16-column blocks were accepted for FP8 dots")
+
+
 def test_triton_grouped_swiglu_equals_the_loop_in_the_interpreter() -> None:
     pytest.importorskip("triton")
     run_in_triton_interpreter("test_grouped_gemm_kernel", "check_kernel_on_cpu")
@@ -97,6 +174,11 @@ def test_triton_grouped_swiglu_equals_the_loop_in_the_interpreter() -> None:
 def test_triton_grouped_swiglu_reads_block_fp8_rows_in_place_in_the_interpreter() -> None:
     pytest.importorskip("triton")
     run_in_triton_interpreter("test_grouped_gemm_kernel", "check_fp8_kernel_on_cpu")
+
+
+def test_triton_w8a8_grouped_swiglu_equals_its_twin_in_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    run_in_triton_interpreter("test_grouped_gemm_kernel", "check_w8a8_kernel_on_cpu")
 
 
 @pytest.mark.gpu

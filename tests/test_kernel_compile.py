@@ -4,7 +4,7 @@ Triton's interpreter (test_attention_kernels.py) runs a kernel's Python, and acc
 compiler does not; ``benchmarks/kernel_resources.py`` compiles every launch configuration ``vexpert
 serve`` uses with Triton's own compiler and ``ptxas`` (both ship in the Triton wheel) and reads the
 registers, spills and shared memory from the cubin. Here: every kernel (attention, split-KV merge, the
-expert GEMMs over bf16 and block-FP8 rows, the routers' expert selection) compiles, fits an SM, and the merge (plain fp32 streaming) does not spill.
+expert GEMMs over bf16 and block-FP8 rows (W8A16 and W8A8), the routers' expert selection) compiles, fits an SM, and the merge (plain fp32 streaming) does not spill.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ def test_attention_kernels_compile_for_sm90_and_fit_an_sm(tmp_path: Path) -> Non
     rows = {row["kernel"]: row for row in map(json.loads, out.read_text().splitlines())}
     assert {"mla_decode rows>=128", "mla_decode rows<128", "mla_decode_split rows<128", "gqa_decode",
             "gqa_decode_split", "gqa_decode window", "merge_splits mla", "merge_splits gqa"} <= set(rows)
-    assert sum(name.startswith("grouped_gemm") for name in rows) == 8
-    assert sum(name.startswith("grouped_gemm fp8") for name in rows) == 4  # block-FP8 rows, read in place
+    assert sum(name.startswith("grouped_gemm") for name in rows) == 12
+    assert sum(name.startswith("grouped_gemm fp8") for name in rows) == 8  # block-FP8 rows, read in place
+    assert sum(name.startswith("grouped_gemm fp8 w8a8") for name in rows) == 4  # against FP8 activations: FP8 dots
     assert {"deepseek_v3_select 256 experts", "deepseek_v3_select 8 experts", "softmax_topk_select 128 experts"} <= set(rows)
     for name, row in rows.items():
         assert row["sass_instructions"] > 100, name

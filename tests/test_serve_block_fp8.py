@@ -10,15 +10,21 @@ them as dense ones, and a ``dense`` node gave its ranks FP8 resident rows beside
 A dense Qwen3-MoE with ``--expert-format fp8_block`` (what vLLM's ``--quantization fp8`` offers): its experts are
 quantised as they are read, in 128 × 128 blocks — greedy completions equal ``generate`` over the checkpoint whose
 expert weights went through that quantisation and back.
+
+W8A8 (``--expert-compute w8a8``): the block-FP8 checkpoint's routed experts multiplied against activations
+quantised per token and block column (emulated on CPU ranks, the GPU kernel's twin) — greedy completions equal
+``generate`` over the dequantised weights with transformers' expert loop quantising its activations alike.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -43,6 +49,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def _generated(dequantised: Path) -> dict[str, list[int]]:
     """transformers' greedy tokens per prompt over the dequantised weights (no EOS stop)."""
     model, tokenizer = load_model(dequantised), load_tokenizer(dequantised)
+    return _greedy(model, tokenizer)
+
+
+def _greedy(model: Any, tokenizer: Any) -> dict[str, list[int]]:
     out = {}
     for prompt in PROMPTS:
         ids = torch.tensor([tokenizer.encode(prompt)])
@@ -114,3 +124,53 @@ def test_a_dense_checkpoints_experts_quantised_at_load_serve_the_tokens_of_their
     served, log = _served(dense, tmp_path, "--expert-format", "fp8_block")
     assert served == expected, log[-3000:]
     assert "8 experts as block-FP8 rows (quantised at load)" in log, log[-3000:]
+
+
+def _w8a8_experts_forward(group: int) -> Any:
+    """transformers' DeepseekV3Experts.forward (its per-expert loop) with each expert GEMM's activations quantised
+    per token and ``group`` columns and dequantised first: W8A8's numbers."""
+    from vexpert_runtime.model.fp8_activations import fp8_activation_round_trip
+
+    def forward(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for expert in range(self.num_experts):
+            token_idx, top_k_pos = torch.where(top_k_index == expert)
+            if len(token_idx) == 0:
+                continue
+            state = fp8_activation_round_trip(hidden_states[token_idx], group)
+            gate, up = torch.nn.functional.linear(state, self.gate_up_proj[expert]).chunk(2, dim=-1)
+            act = fp8_activation_round_trip(self.act_fn(gate) * up, group)
+            result = torch.nn.functional.linear(act, self.down_proj[expert]) * top_k_weights[token_idx, top_k_pos, None]
+            out.index_add_(0, token_idx, result.to(out.dtype))
+        return out
+
+    return forward
+
+
+def test_w8a8_serves_the_tokens_of_fp8_activations_against_the_fp8_weights(
+        checkpoints: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+
+    fp8, dequantised = checkpoints
+    block = json.loads((fp8 / "config.json").read_text())["quantization_config"]["weight_block_size"]
+    model, tokenizer = load_model(dequantised), load_tokenizer(dequantised)
+    w8a16 = _greedy(model, tokenizer)
+    monkeypatch.setattr(modeling_deepseek_v3.DeepseekV3Experts, "forward", _w8a8_experts_forward(block[1]))
+    expected = _greedy(model, tokenizer)
+    served, log = _served(fp8, tmp_path, "--expert-format", "fp8_block", "--expert-compute", "w8a8")
+    assert served == expected != w8a16, log[-3000:]  # W8A8's numbers were served, not W8A16's
+    assert "8 experts as block-FP8 rows × FP8 activations (w8a8, emulated)" in log, log[-3000:]
+    print(f"greedy tokens W8A8 vs W8A16: {sum(a != b for p in PROMPTS for a, b in zip(expected[p], w8a16[p], strict=True))} "
+          f"of {len(PROMPTS) * NEW_TOKENS} differ")
+
+
+def test_w8a8_on_dense_rows_is_refused_naming_the_field(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
+    fp8, _ = checkpoints
+    proc = subprocess.run(
+        [sys.executable, "-m", "vexpert_runtime", "serve", "--model", str(fp8), "--cpu-workers", "2",
+         "--expert-format", "dense", "--expert-compute", "w8a8", "--port", "0"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "runtime"), os.environ.get("PYTHONPATH", "")])})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "model.expert_compute" in proc.stderr and "fp8_block" in proc.stderr, proc.stderr[-2000:]

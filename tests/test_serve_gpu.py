@@ -172,18 +172,23 @@ def test_graphed_decode_over_an_fp8_kv_cache_equals_the_eager_step(family: str, 
     assert eager == graphed
 
 
-def test_a_block_fp8_checkpoint_graphed_equals_the_eager_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("compute", ["w8a16", "w8a8"])
+def test_a_block_fp8_checkpoint_graphed_equals_the_eager_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               compute: str) -> None:
     """DeepSeek-V3's own format (every projection block-FP8), loaded as a serving rank loads it: its experts stay
-    FP8 rows that the grouped GEMM reads in place (never dequantised), graphed == eager."""
+    FP8 rows that the grouped GEMM reads in place (never dequantised), graphed == eager; W8A8 too (32-wide blocks:
+    FP8 dots want K tiles of 32 or more)."""
     from serve_support import block_fp8_copies
     from vexpert_runtime.model.expert_format import ExpertFormat
     from vexpert_runtime.serve.moe_executors import checkpoint_reader
 
-    fp8, _ = block_fp8_copies(_write("deepseek_v3", tmp_path / "deepseek_v3"), tmp_path)
+    block = (32, 32) if compute == "w8a8" else (16, 16)
+    fp8, _ = block_fp8_copies(_write("deepseek_v3", tmp_path / "deepseek_v3"), tmp_path, block)
     monkeypatch.setattr(ExpertFormat, "stack_weights", lambda *_: pytest.fail("FP8 rows were dequantised"))
     results = []
     for graphs in (False, True):
-        reader = checkpoint_reader(fp8)
+        reader = checkpoint_reader(fp8, "auto", compute)
+        assert reader.spec.fp8_activations == (compute == "w8a8")
         executor = EPExperts.from_checkpoint(reader, reader.spec.num_layers, torch.bfloat16, 0, 1, None, "cuda",
                                              max_tokens=64)
         assert executor.resident[0].dtype == torch.uint8  # type: ignore[union-attr]

@@ -20,9 +20,11 @@ from pydantic.alias_generators import to_camel
 
 from vexpert_runtime.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
+    EXPERT_COMPUTE_HELP,
     GPU_MEMORY_UTILIZATION_HELP,
     KV_CACHE_DTYPE_HELP,
     ComputeDtype,
+    ExpertComputeChoice,
     ExpertFormatChoice,
     GroupKnobs,
     KVCacheDtype,
@@ -105,6 +107,14 @@ class ModelSpec(CamelModel):
         "checkpoint's own (DeepSeek-V3/R1, Kimi-K2) or a dense checkpoint's experts quantised at load in 128x128 "
         "blocks; dense = dtype; auto follows the checkpoint but is sized as dense",
     )
+    expert_compute: ExpertComputeChoice = Field("w8a16", description=EXPERT_COMPUTE_HELP)
+
+    @model_validator(mode="after")
+    def _w8a8_needs_fp8_rows(self) -> ModelSpec:
+        if self.expert_compute == "w8a8" and self.expert_format == "dense":
+            raise ValueError("model.expertCompute: w8a8 multiplies FP8 expert rows and model.expertFormat is dense; "
+                             "set expertFormat to fp8_block (or auto on a block-FP8 checkpoint), or expertCompute to w8a16")
+        return self
 
 
 # --------------------------------------------------------------------------------------- parallelism

@@ -92,6 +92,7 @@ def build_runtime_config(spec: VExpertDeploymentSpec, name: str, namespace: str,
             architecture=spec.model.architecture,
             dtype=spec.model.dtype,
             expert_format=spec.model.expert_format,
+            expert_compute=spec.model.expert_compute,
         ),
         parallelism=ParallelismConfig(
             expert_parallel_size=spec.parallelism.expert_parallel_size,

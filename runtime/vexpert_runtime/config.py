@@ -28,6 +28,14 @@ from vexpert_runtime.policy.profile import PerformanceProfile
 
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
 ExpertFormatChoice = Literal["auto", "dense", "fp8_block"]  # see expert_layout.py
+ExpertComputeChoice = Literal["w8a16", "w8a8"]  # FP8 rows against activations of dtype, or FP8 ones too
+EXPERT_COMPUTE_HELP = (
+    "How FP8 expert rows are multiplied: w8a16 = against activations of the compute dtype (the weights widened "
+    "in the kernel; the default), w8a8 = against activations quantised to FP8 per token and 128 columns ahead of "
+    "each expert GEMM (DeepSeek-V3's activation_scheme dynamic, as vLLM and SGLang serve its FP8 checkpoint; FP8 "
+    "tensor cores, a few percent off w8a16's outputs; GPUs of compute capability 8.9+, emulated on CPU ranks). "
+    "Needs FP8 rows (expert_format fp8_block, or auto on a block-FP8 checkpoint)"
+)
 DispatchChoice = Literal["auto", "plan", "local", "global"]  # see model/dispatch.py
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]  # vLLM's --kv-cache-dtype names; see serve/kv_cache.py
 KV_CACHE_DTYPE_HELP = (
@@ -79,6 +87,7 @@ class ModelSource(BaseModel):
         "nodes; CPU nodes keep dense rows: no CPU kernel reads FP8), dense = in dtype (FP8 dequantised at load), "
         "fp8_block = FP8 (a dense checkpoint's quantised at load, 128x128 blocks)",
     )
+    expert_compute: ExpertComputeChoice = Field("w8a16", description=EXPERT_COMPUTE_HELP)
 
 
 DEFAULT_MASTER_PORT = 29500  # the rendezvous port of a multi-node group whose config pins none

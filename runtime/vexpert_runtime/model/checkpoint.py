@@ -25,9 +25,11 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import get_args
 
 import torch
 
+from vexpert_runtime.config import ExpertComputeChoice
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.model.expert_format import (
     FP8_DTYPE,
@@ -52,6 +54,7 @@ _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloa
 SCALE_SUFFIX = "_scale_inv"  # block scales of ``X.weight`` are ``X.weight_scale_inv``
 FP8_HEADER_DTYPE = "F8_E4M3"
 EXPERT_FORMAT_CHOICES = ("auto", DENSE, FP8_BLOCK)
+EXPERT_COMPUTE_CHOICES = get_args(ExpertComputeChoice)  # model.expert_compute
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,18 +82,28 @@ def read_model_spec(path: str | Path, architecture: str = "auto") -> MoESpec:
     return spec_from_config(raw, architecture, origin=str(config_path))
 
 
-def resolve_expert_storage(spec: MoESpec, requested: str) -> MoESpec:
+def resolve_expert_storage(spec: MoESpec, requested: str, compute: str = "w8a16") -> MoESpec:
     """Apply ``model.expert_format``: ``auto`` keeps the checkpoint's own format (block FP8 stays FP8,
     dense stays in model.dtype), ``dense`` dequantises FP8 experts at load, ``fp8_block`` keeps FP8 rows —
     a block-FP8 checkpoint's own, or a dense checkpoint's experts quantised at load in 128 × 128 blocks
-    (DeepSeek's converter's scheme; vLLM's ``--quantization fp8`` does the same for a whole model)."""
+    (DeepSeek's converter's scheme; vLLM's ``--quantization fp8`` does the same for a whole model). Then
+    ``model.expert_compute``: ``w8a16`` (FP8 rows against activations of the compute dtype) or ``w8a8``
+    (activations quantised to FP8 too: FP8 rows only)."""
     if requested == "auto":
-        return spec
-    if requested == DENSE:
-        return replace(spec, expert_storage=DENSE)
-    if requested == FP8_BLOCK:
-        return replace(spec, expert_storage=FP8_BLOCK)
-    raise VExpertInputError("model.expert_format", f"{requested!r} is unknown", f"use one of {EXPERT_FORMAT_CHOICES}")
+        resolved = spec
+    elif requested in (DENSE, FP8_BLOCK):
+        resolved = replace(spec, expert_storage=requested)
+    else:
+        raise VExpertInputError("model.expert_format", f"{requested!r} is unknown",
+                                f"use one of {EXPERT_FORMAT_CHOICES}")
+    if compute not in EXPERT_COMPUTE_CHOICES:
+        raise VExpertInputError("model.expert_compute", f"{compute!r} is unknown", f"use one of {EXPERT_COMPUTE_CHOICES}")
+    if compute == "w8a8" and resolved.expert_storage != FP8_BLOCK:
+        raise VExpertInputError(
+            "model.expert_compute", f"w8a8 multiplies FP8 expert rows, and this node keeps {resolved.expert_storage} "
+            f"rows (model.expert_format {requested})",
+            "set model.expert_format (--expert-format) to fp8_block, or model.expert_compute to w8a16")
+    return replace(resolved, fp8_activations=compute == "w8a8")
 
 
 # ---------------------------------------------------------------------------------------------

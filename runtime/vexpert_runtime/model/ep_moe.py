@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from vexpert_runtime.model import fusion
 from vexpert_runtime.model.dispatch import DispatchMode, dispatch_cum_share
-from vexpert_runtime.model.expert_format import ExpertFormat
+from vexpert_runtime.model.expert_format import ExpertFormat, w8a8_swiglu
 from vexpert_runtime.model.grouped_moe import (
     GROUP_ALIGN,
     PrepackedExperts,
@@ -557,8 +557,9 @@ class ExpertStacks:
     def swiglu(self, x: torch.Tensor, rows: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """SwiGLU of x [M, H]'s groups (ends ``offs``) through the stack ``rows`` into ``out``. Block-FP8
         rows on a GPU go to the Triton grouped GEMM as stored (fp8 weights, block scales applied per K
-        tile: half the bytes a bf16 expert reads, and no dequantised copy); elsewhere
-        :func:`grouped_swiglu` over :meth:`weights`."""
+        tile: half the bytes a bf16 expert reads, and no dequantised copy; W8A8 where the format says
+        ``fp8_activations``); elsewhere :func:`grouped_swiglu` over :meth:`weights` (W8A8:
+        :func:`~.expert_format.w8a8_swiglu`, the same numbers one expert at a time)."""
         fmt = self.format
         if fmt is not None and fmt.fp8_block is not None and self.grouped is not False and triton_experts_run(x):
             stack = fmt.fp8_stack(rows)
@@ -566,8 +567,10 @@ class ExpertStacks:
                 from vexpert_runtime.model.grouped_gemm_kernel import triton_swiglu
 
                 return triton_swiglu(x, stack.w13, stack.w2, offs, out=out, scales=(stack.s13, stack.s2),
-                                     scale_block=stack.block)
+                                     scale_block=stack.block, fp8_activations=fmt.fp8_activations)
         w13, w2 = self.weights(rows, x.shape[1])
+        if fmt is not None and fmt.fp8_block is not None and fmt.fp8_activations:
+            return out.copy_(w8a8_swiglu(x, w13, w2, offs, fmt.fp8_block[1]))
         return grouped_swiglu(x, w13, w2, offs, grouped=self.grouped, out=out)
 
 

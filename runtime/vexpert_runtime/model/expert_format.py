@@ -18,11 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from vexpert_runtime.model.expert_layout import DENSE, FP8_BLOCK, Fp8RowLayout, scale_shape
-from vexpert_runtime.model.grouped_moe import packed_views
+from vexpert_runtime.model.fp8_activations import FP8_DTYPE, FP8_MAX, fp8_activation_round_trip
+from vexpert_runtime.model.grouped_moe import packed_views, swiglu_loop
 from vexpert_runtime.model.moe_math import expert_ffn
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
@@ -57,6 +55,15 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int]) -> tuple[to
     return quantised[:rows, :cols].contiguous(), scale
 
 
+def w8a8_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, group: int) -> torch.Tensor:
+    """SwiGLU of x [M, H]'s expert groups (ends ``offs``) over dequantised weights (w13 [E, 2I, H], w2 [E, H, I]),
+    each GEMM's activations quantised per row and ``group`` columns first (:func:`fp8_activation_round_trip`):
+    what the W8A8 grouped GEMM computes, one expert at a time — the CPU ranks' path (no FP8 tensor cores there:
+    the same numbers, no speed-up) and the kernel's twin. Rows past offs[-1] are zero."""
+    return swiglu_loop(x, w13, w2, offs, w2.shape[-1],
+                       lambda a, w: torch.nn.functional.linear(fp8_activation_round_trip(a, group), w))
+
+
 @dataclass(frozen=True)
 class Fp8Stack:
     """A stack of block-FP8 expert rows as views a grouped GEMM reads in place (:meth:`ExpertFormat.fp8_stack`):
@@ -75,13 +82,16 @@ class ExpertFormat:
     """How one model's packed expert rows are stored and read.
 
     ``fp8_block`` None: dense rows of ``compute_dtype`` [3·I·H]; else uint8 rows of
-    :class:`~vexpert_runtime.model.expert_layout.Fp8RowLayout` with that weight block size.
+    :class:`~vexpert_runtime.model.expert_layout.Fp8RowLayout` with that weight block size, multiplied
+    against activations of ``compute_dtype`` (W8A16) or, ``fp8_activations``, against activations quantised
+    to FP8 per row and block column (W8A8, ``model.expert_compute``).
     """
 
     intermediate: int
     hidden: int
     compute_dtype: torch.dtype
     fp8_block: tuple[int, int] | None = None
+    fp8_activations: bool = False
 
     @property
     def name(self) -> str:

@@ -32,18 +32,24 @@ import torch
 import triton
 import triton.language as tl
 
+from vexpert_runtime.model.fp8_activations import quantize_activation_groups
+
 
 @triton.jit
-def _gemm_tile(x, w_expert, s_expert, out, rows, rmask, n, nmask, K, UP, UP_S, stride_xm, stride_wn, stride_sn,
-               stride_om, SWIGLU: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemm_tile(x, xs, w_expert, s_expert, out, rows, rmask, n, nmask, K, UP, UP_S, stride_xm, stride_xsm, stride_wn,
+               stride_sn, stride_om, SWIGLU: tl.constexpr, FP8: tl.constexpr, A8: tl.constexpr,
+               SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
     """out[rows, n] = x[rows] @ w_expert[n, :]ᵀ (or SwiGLU of the gate column n and the up column UP + n).
     FP8: w_expert is float8_e4m3fn with float32 block scales s_expert [⌈N'/SCALE_N⌉, ⌈K/SCALE_K⌉] (row
     stride stride_sn; the up half's scale rows start at UP_S), and each K tile lies in one scale column
     (BLOCK_K divides SCALE_K). Where the column block lies in one scale row too (BLOCK_N divides SCALE_N:
     DeepSeek-V3's 128-wide blocks), the tile's scale is one number, applied to the activation tile before
     the dot, so the dot accumulates in place as the bf16 one does (one bf16 rounding of x·scale, as
-    dequantising the weights rounds w·scale); else each column's scale multiplies its dot product."""
+    dequantising the weights rounds w·scale); else each column's scale multiplies its dot product.
+    A8 (W8A8): x is FP8 too, with float32 scales xs [M, ⌈K/SCALE_K⌉] (row stride stride_xsm: one per row and
+    weight scale column, :func:`~.fp8_activations.quantize_activation_groups`), and each K tile's dot runs on the
+    FP8 tensor cores, its product scaled by the row's and the weights' scales — nothing is widened."""
     kk = tl.arange(0, BLOCK_K)
     a_ptr = x + rows[:, None].to(tl.int64) * stride_xm + kk[None, :]
     b_ptr = w_expert + n[None, :].to(tl.int64) * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
@@ -58,7 +64,15 @@ def _gemm_tile(x, w_expert, s_expert, out, rows, rmask, n, nmask, K, UP, UP_S, s
         kmask = k0 + kk < K
         a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(b_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        if FP8:
+        if A8:
+            a_s = tl.load(xs + rows.to(tl.int64) * stride_xsm + k0 // SCALE_K, mask=rmask, other=0.0)
+            if ONE_SCALE:
+                scale = tl.load(s_ptr + k0 // SCALE_K)
+                acc += tl.dot(a, b) * (a_s[:, None] * scale)
+            else:
+                scales = tl.load(s_ptr + k0 // SCALE_K, mask=nmask, other=0.0)
+                acc += tl.dot(a, b) * (a_s[:, None] * scales[None, :])
+        elif FP8:
             if ONE_SCALE:
                 scale = tl.load(s_ptr + k0 // SCALE_K)
                 acc = tl.dot((a * scale).to(a.dtype), b.to(a.dtype), acc)
@@ -69,7 +83,14 @@ def _gemm_tile(x, w_expert, s_expert, out, rows, rmask, n, nmask, K, UP, UP_S, s
             acc = tl.dot(a, b, acc)
         if SWIGLU:
             b_up = tl.load(b_ptr + UP * stride_wn, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            if FP8:
+            if A8:
+                if ONE_SCALE:
+                    scale_up = tl.load(s_ptr + UP_S * stride_sn + k0 // SCALE_K)
+                    acc_up += tl.dot(a, b_up) * (a_s[:, None] * scale_up)
+                else:
+                    scales_up = tl.load(s_ptr + UP_S * stride_sn + k0 // SCALE_K, mask=nmask, other=0.0)
+                    acc_up += tl.dot(a, b_up) * (a_s[:, None] * scales_up[None, :])
+            elif FP8:
                 if ONE_SCALE:
                     scale_up = tl.load(s_ptr + UP_S * stride_sn + k0 // SCALE_K)
                     acc_up = tl.dot((a * scale_up).to(a.dtype), b_up.to(a.dtype), acc_up)
@@ -87,9 +108,10 @@ def _gemm_tile(x, w_expert, s_expert, out, rows, rmask, n, nmask, K, UP, UP_S, s
 
 
 @triton.jit
-def _grouped_gemm_kernel(x, w, s, offs, out, K, N, UP, UP_S, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
-                         stride_om, split_m, SWIGLU: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr,
-                         SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _grouped_gemm_kernel(x, xs, w, s, offs, out, K, N, UP, UP_S, stride_xm, stride_xsm, stride_we, stride_wn,
+                         stride_se, stride_sn, stride_om, split_m, SWIGLU: tl.constexpr, FP8: tl.constexpr,
+                         A8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Expert-major grid. Program (n block, expert, s) takes the expert's row blocks s, s + split_m, …:
     a hot expert's rows spread over split_m programs (which read its weights at the same time, mostly
     from L2)."""
@@ -104,15 +126,16 @@ def _grouped_gemm_kernel(x, w, s, offs, out, K, N, UP, UP_S, stride_xm, stride_w
     s_expert = s + expert.to(tl.int64) * stride_se
     for m0 in range(start + split * BLOCK_M, end, BLOCK_M * split_m):
         rows = m0 + tl.arange(0, BLOCK_M)
-        _gemm_tile(x, w_expert, s_expert, out, rows, rows < end, n, nmask, K, UP, UP_S, stride_xm, stride_wn,
-                   stride_sn, stride_om, SWIGLU, FP8, SCALE_N, SCALE_K, BLOCK_M, BLOCK_N, BLOCK_K)
+        _gemm_tile(x, xs, w_expert, s_expert, out, rows, rows < end, n, nmask, K, UP, UP_S, stride_xm, stride_xsm,
+                   stride_wn, stride_sn, stride_om, SWIGLU, FP8, A8, SCALE_N, SCALE_K, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def _grouped_gemm_row_tile_kernel(x, w, s, offs, out, K, N, UP, UP_S, stride_xm, stride_we, stride_wn, stride_se,
-                                  stride_sn, stride_om, E: tl.constexpr, EP: tl.constexpr, SWIGLU: tl.constexpr,
-                                  FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
-                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _grouped_gemm_row_tile_kernel(x, xs, w, s, offs, out, K, N, UP, UP_S, stride_xm, stride_xsm, stride_we, stride_wn,
+                                  stride_se, stride_sn, stride_om, E: tl.constexpr, EP: tl.constexpr,
+                                  SWIGLU: tl.constexpr, FP8: tl.constexpr, A8: tl.constexpr, SCALE_N: tl.constexpr,
+                                  SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  BLOCK_K: tl.constexpr):
     """Row-tile grid. Program (t, n block) takes row tile t of the list of every expert's tiles (each
     group cut into tiles of BLOCK_M rows): a hot expert's tiles all run at once, side by side on the
     same columns, so they read its weights together, mostly from L2, however skewed the routing (as
@@ -133,9 +156,9 @@ def _grouped_gemm_row_tile_kernel(x, w, s, offs, out, K, N, UP, UP_S, stride_xm,
         first_tile = tl.sum(tl.where(here, after - tiles, 0), 0)
         rows = start + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        _gemm_tile(x, w + expert.to(tl.int64) * stride_we, s + expert.to(tl.int64) * stride_se, out, rows,
-                   rows < end, n, n < N, K, UP, UP_S, stride_xm, stride_wn, stride_sn, stride_om, SWIGLU, FP8,
-                   SCALE_N, SCALE_K, BLOCK_M, BLOCK_N, BLOCK_K)
+        _gemm_tile(x, xs, w + expert.to(tl.int64) * stride_we, s + expert.to(tl.int64) * stride_se, out, rows,
+                   rows < end, n, n < N, K, UP, UP_S, stride_xm, stride_xsm, stride_wn, stride_sn, stride_om, SWIGLU,
+                   FP8, A8, SCALE_N, SCALE_K, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_M) per GEMM ("gate_up", "down"), by rows per expert up
@@ -161,11 +184,22 @@ _FP8_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
 }
 
 
-def launch_config(gemm: str, rows_per_expert: float, fp8: bool = False) -> LaunchConfig:
+# W8A8 (FP8 activations against FP8 rows, every K tile 128 wide: DeepSeek-V3's scale columns), from
+# grouped_gemm_tuning.py --fp8 on an H100 with the activations quantised inside the kernel
+# (results/serve_engine/grouped_gemm_tuning_fp8_run26c_w8a8_h100.json; skewed 256 sequences, gate/up 0.148 ms against
+# W8A16's 0.261, down 0.077 against 0.092). Not yet swept with the activations quantised ahead (this layout).
+_W8A8_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
+    "gate_up": ((24, (16, 64, 128, 4, 3, 0)), (40, (16, 64, 128, 4, 4, 0)), (1 << 30, (64, 64, 128, 8, 3, 0))),
+    "down": ((24, (16, 128, 128, 8, 4, 0)), (40, (16, 128, 128, 8, 4, 0)), (1 << 30, (64, 128, 128, 8, 3, 0))),
+}
+
+
+def launch_config(gemm: str, rows_per_expert: float, fp8: bool = False, a8: bool = False) -> LaunchConfig:
     """Launch parameters of ``gemm`` ("gate_up" / "down") for groups of ~``rows_per_expert`` rows (a
     shape-only figure: the buffer's rows over the experts, so a graph bucket keeps one choice), over
-    bf16 / fp16 weights or (``fp8``) block-FP8 ones."""
-    for limit, config in (_FP8_CONFIGS if fp8 else _CONFIGS)[gemm]:
+    bf16 / fp16 weights or (``fp8``) block-FP8 ones, against FP8 activations too (``a8``, W8A8)."""
+    table = _W8A8_CONFIGS if a8 else _FP8_CONFIGS if fp8 else _CONFIGS
+    for limit, config in table[gemm]:
         if rows_per_expert <= limit:
             return config
     raise AssertionError("the last limit covers every row count")
@@ -173,7 +207,8 @@ def launch_config(gemm: str, rows_per_expert: float, fp8: bool = False) -> Launc
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu: bool = False,
                  config: LaunchConfig | None = None, out: torch.Tensor | None = None,
-                 scales: torch.Tensor | None = None, scale_block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+                 scales: torch.Tensor | None = None, scale_block: tuple[int, int] = (128, 128),
+                 x_scales: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] grouped by ``offs`` [E] (int32 ends) times w [E, N', K] (any row and expert stride,
     unit stride along K) → [M, N] with N = N' (or N'/2 and SwiGLU of the two halves when ``swiglu``),
     written into ``out`` (unit column stride) when given; rows past offs[-1] are not written.
@@ -181,22 +216,30 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu
     Block-FP8 weights: w float8_e4m3fn and ``scales`` [E, S_N, S_K] float32 (any expert and row stride,
     unit stride along S_K), the ``weight_scale_inv`` of ``scale_block`` (rows, columns) tiles: w's
     [n, k] weighs ``w[n, k] · scales[n // bn, k // bk]``. With ``swiglu`` the gate's scale rows come first,
-    then the up half's (⌈N/bn⌉ each). Read as stored: no dequantised copy of the weights is made."""
+    then the up half's (⌈N/bn⌉ each). Read as stored: no dequantised copy of the weights is made.
+
+    W8A8: x float8_e4m3fn too, with ``x_scales`` [M, ⌈K/bk⌉] float32 (one per row and weight scale column,
+    :func:`~.fp8_activations.quantize_activation_groups` with group bk), K tiles of 32 or more; the result is
+    ``out_dtype`` (or ``out``'s)."""
     rows, depth = x.shape
     experts, columns, _ = w.shape
     if w.shape[2] != depth or w.stride(2) != 1 or x.stride(1) != 1:
         raise ValueError(f"grouped_gemm wants x [M, K] and w [E, N, K] with unit stride along K: "
                          f"got x {tuple(x.shape)} strides {x.stride()}, w {tuple(w.shape)} strides {w.stride()}")
     width = columns // 2 if swiglu else columns
+    a8 = x.dtype == torch.float8_e4m3fn
+    if a8 and (scales is None or x_scales is None or (out is None and out_dtype is None)):
+        raise ValueError("FP8 activations (W8A8) want FP8 weights with their scales, the activations' x_scales and "
+                         "out or out_dtype")
     if out is None:
-        out = x.new_empty(rows, width)
+        out = x.new_empty(rows, width, dtype=out_dtype or x.dtype)
     elif out.shape != (rows, width) or out.stride(1) != 1:
         raise ValueError(f"out must be [{rows}, {width}] with unit column stride, got {tuple(out.shape)} {out.stride()}")
     if rows == 0 or experts == 0:
         return out
     fp8 = scales is not None
     block_m, block_n, block_k, warps, stages, split_m = config or launch_config(
-        "gate_up" if swiglu else "down", rows / experts, fp8)
+        "gate_up" if swiglu else "down", rows / experts, fp8, a8)
     if fp8:
         assert scales is not None
         scale_n, scale_k = scale_block
@@ -208,25 +251,36 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu
                              f"last stride: got w {w.dtype}, scales {scales.dtype} {list(scales.shape)} {scales.stride()}")
         while scale_k % block_k:  # a K tile must lie in one scale column
             block_k //= 2
-        if block_k < 16:
-            raise ValueError(f"scale block {scale_block}: its columns must be a multiple of 16")
+        if block_k < (32 if a8 else 16):
+            raise ValueError(f"scale block {scale_block}: its columns must be a multiple of "
+                             f"{'32 (FP8 dots, W8A8)' if a8 else '16'}")
         scale_args = (scales, up_scale_rows, scales.stride(0), scales.stride(1))
     else:
         scale_n, scale_k = 1, 1
         scale_args = (w, 0, 0, 0)  # never read
     s, up_s, stride_se, stride_sn = scale_args
+    if a8:
+        assert x_scales is not None
+        want_xs = (rows, triton.cdiv(depth, scale_k))
+        if x_scales.dtype != torch.float32 or tuple(x_scales.shape) != want_xs or x_scales.stride(1) != 1:
+            raise ValueError(f"W8A8 grouped_gemm wants x_scales float32 {list(want_xs)} with unit column stride: got "
+                             f"{x_scales.dtype} {list(x_scales.shape)} {x_scales.stride()}")
+        xs, stride_xsm = x_scales, x_scales.stride(0)
+    else:
+        xs, stride_xsm = x, 0  # never read
     if split_m == 0:  # row tiles: at most one partial tile per group
         tiles = (triton.cdiv(rows, block_m) + experts, triton.cdiv(width, block_n))
         _grouped_gemm_row_tile_kernel[tiles](
-            x, w, s, offs, out, depth, width, width, up_s, x.stride(0), w.stride(0), w.stride(1), stride_se,
-            stride_sn, out.stride(0), E=experts, EP=triton.next_power_of_2(experts), SWIGLU=swiglu, FP8=fp8,
-            SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            x, xs, w, s, offs, out, depth, width, width, up_s, x.stride(0), stride_xsm, w.stride(0), w.stride(1),
+            stride_se, stride_sn, out.stride(0), E=experts, EP=triton.next_power_of_2(experts), SWIGLU=swiglu,
+            FP8=fp8, A8=a8, SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             num_warps=warps, num_stages=stages)
     else:
         expert_major = (triton.cdiv(width, block_n), experts, split_m)
         _grouped_gemm_kernel[expert_major](
-            x, w, s, offs, out, depth, width, width, up_s, x.stride(0), w.stride(0), w.stride(1), stride_se,
-            stride_sn, out.stride(0), split_m, SWIGLU=swiglu, FP8=fp8, SCALE_N=scale_n, SCALE_K=scale_k,
+            x, xs, w, s, offs, out, depth, width, width, up_s, x.stride(0), stride_xsm, w.stride(0), w.stride(1),
+            stride_se, stride_sn, out.stride(0), split_m, SWIGLU=swiglu, FP8=fp8, A8=a8, SCALE_N=scale_n,
+            SCALE_K=scale_k,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out
 
@@ -234,13 +288,23 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu
 def triton_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
                   configs: tuple[LaunchConfig, LaunchConfig] | None = None,
                   out: torch.Tensor | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  scale_block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+                  scale_block: tuple[int, int] = (128, 128), fp8_activations: bool = False) -> torch.Tensor:
     """:func:`~.grouped_moe.grouped_swiglu` as two Triton launches: x [M, H], w13 [E, 2I, H], w2 [E, H, I],
     offs [E] → [M, H] (into ``out`` when given; rows past offs[-1] undefined). ``configs``: (gate_up,
     down) launch parameters, default :func:`launch_config`'s. Block-FP8 experts: w13 and w2
     float8_e4m3fn with ``scales`` (s13 [E, 2·⌈I/bn⌉, ⌈H/bk⌉], s2 [E, ⌈H/bn⌉, ⌈I/bk⌉]) of ``scale_block``
-    (:meth:`~.expert_format.ExpertFormat.fp8_stack`)."""
+    (:meth:`~.expert_format.ExpertFormat.fp8_stack`). ``fp8_activations`` (W8A8, block-FP8 experts): x and then
+    the SwiGLU intermediate (written in x's dtype first) quantised per row and ``scale_block``-wide column group
+    (:func:`~.fp8_activations.quantize_activation_groups`) before each GEMM."""
     gate_up, down = configs or (None, None)
     s13, s2 = scales or (None, None)
+    if fp8_activations:
+        group = scale_block[1]
+        xq, xs = quantize_activation_groups(x, group)
+        act = grouped_gemm(xq, w13, offs, swiglu=True, config=gate_up, scales=s13, scale_block=scale_block,
+                           x_scales=xs, out_dtype=x.dtype)
+        aq, as_ = quantize_activation_groups(act, group)
+        return grouped_gemm(aq, w2, offs, config=down, out=out, scales=s2, scale_block=scale_block, x_scales=as_,
+                            out_dtype=x.dtype)
     act = grouped_gemm(x, w13, offs, swiglu=True, config=gate_up, scales=s13, scale_block=scale_block)
     return grouped_gemm(act, w2, offs, config=down, out=out, scales=s2, scale_block=scale_block)

@@ -75,7 +75,7 @@ class PrepackedExperts:
     def swiglu(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """:func:`grouped_swiglu`'s loop over these experts: x [M, H] sorted by expert, groups ending
         at ``offs`` [E]; rows past offs[-1] are undefined."""
-        return _swiglu_loop(x, self.w13, self.w2, offs, self.intermediate, _prepacked_linear)
+        return swiglu_loop(x, self.w13, self.w2, offs, self.intermediate, _prepacked_linear)
 
 
 def _prepacked_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -83,7 +83,7 @@ def _prepacked_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _swiglu_loop(x: torch.Tensor, w13: torch.Tensor | Sequence[torch.Tensor],
+def swiglu_loop(x: torch.Tensor, w13: torch.Tensor | Sequence[torch.Tensor],
                  w2: torch.Tensor | Sequence[torch.Tensor], offs: torch.Tensor, intermediate: int, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """SwiGLU of every expert over its token group, one expert at a time (reads the group ends on the
     host): ``linear(rows, w13[e])`` then ``linear(act, w2[e])`` per non-empty group."""
@@ -170,7 +170,7 @@ def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: t
         act = F.silu(h[:, :intermediate]) * h[:, intermediate:]
         result = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)
     else:
-        result = _swiglu_loop(x, w13, w2, offs, intermediate, F.linear)
+        result = swiglu_loop(x, w13, w2, offs, intermediate, F.linear)
     if out is None:
         return result
     return out.copy_(result)

@@ -45,6 +45,7 @@ class MoESpec:
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid gate on the shared expert's output
     fp8_block: tuple[int, int] | None = None  # checkpoint's expert/shared projections are block FP8 (bo, bi)
     expert_storage: str = DENSE  # row format of pool and slots: DENSE or FP8_BLOCK (resolve_expert_storage)
+    fp8_activations: bool = False  # FP8 rows multiplied against FP8 activations (model.expert_compute w8a8)
 
     @property
     def num_layers(self) -> int:
@@ -56,7 +57,8 @@ class MoESpec:
         # imported on use: expert_format needs torch, and the operator imports this module without it
         from vexpert_runtime.model.expert_format import ExpertFormat
 
-        return ExpertFormat(self.intermediate_size, self.hidden_size, compute_dtype, self.storage_block)
+        return ExpertFormat(self.intermediate_size, self.hidden_size, compute_dtype, self.storage_block,
+                            self.fp8_activations)
 
     @property
     def storage_block(self) -> tuple[int, int] | None:

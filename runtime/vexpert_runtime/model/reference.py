@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from vexpert_runtime.model.checkpoint import CheckpointReader
+from vexpert_runtime.model.expert_format import w8a8_swiglu
+from vexpert_runtime.model.grouped_moe import packed_views
 from vexpert_runtime.model.moe_math import combine, packed_ffn, rms_norm, shared_forward
 from vexpert_runtime.model.moe_spec import MoESpec
 from vexpert_runtime.model.routing import expert_counts, route_logits, router_logits, routing_margin
@@ -64,11 +66,16 @@ def reference_moe_layer(
     ids, topk_weights = route_logits(logits, weights.routers[layer], spec)
     batch, top_k = ids.shape
     outputs = x.new_zeros(batch, top_k, spec.hidden_size)
+    group = spec.storage_block[1] if spec.fp8_activations and spec.storage_block else None
     for expert in torch.unique(ids).tolist():
         token, slot = torch.nonzero(ids == expert, as_tuple=True)
-        outputs[token, slot] = packed_ffn(
-            x[token], weights.experts[layer][expert], spec.intermediate_size, spec.hidden_size
-        )
+        row = weights.experts[layer][expert]
+        if group is None:
+            outputs[token, slot] = packed_ffn(x[token], row, spec.intermediate_size, spec.hidden_size)
+        else:  # W8A8 (model.expert_compute): each GEMM's activations quantised per token and block column first
+            w13, w2 = packed_views(row.unsqueeze(0), spec.intermediate_size, spec.hidden_size)
+            offs = torch.tensor([len(token)], dtype=torch.int32)
+            outputs[token, slot] = w8a8_swiglu(x[token], w13, w2, offs, group)
     y = combine(topk_weights, outputs, shared_forward(x, weights.shared[layer]))
     return y, expert_counts(ids, spec.num_experts)
 

@@ -135,11 +135,27 @@ def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: in
     node_rank = resolve_node_rank(par.node_rank, par.num_nodes)
     world = par.num_nodes * local
     expert_format: str = config.model.expert_format
-    if expert_format == "auto" and device == "cpu":
+    if expert_format == "auto" and device == "cpu" and config.model.expert_compute != "w8a8":
         # No CPU kernel reads FP8 rows: each step would dequantise every stack (a block-FP8 checkpoint served 12x
-        # slower, benchmarks/README.md §10 run 26), so CPU ranks keep dense rows unless fp8_block is asked for.
+        # slower, benchmarks/README.md §10 run 26), so CPU ranks keep dense rows unless fp8_block (or w8a8, which
+        # multiplies FP8 rows) is asked for.
         expert_format = DENSE
-    spec = resolve_expert_storage(read_model_spec(checkpoint, config.model.architecture), expert_format)
+    spec = resolve_expert_storage(read_model_spec(checkpoint, config.model.architecture), expert_format,
+                                  config.model.expert_compute)
+    if spec.fp8_activations and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        raise VExpertInputError(
+            "model.expert_compute",
+            f"w8a8 multiplies on FP8 tensor cores, and this GPU ({torch.cuda.get_device_name()}, compute capability "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability()))}) has none (8.9+: Ada, Hopper, Blackwell)",
+            "set model.expert_compute (--expert-compute) to w8a16",
+        )
+    if spec.fp8_activations and device == "cuda" and (spec.storage_block or (0, 0))[1] % 32:
+        raise VExpertInputError(
+            "model.expert_compute",
+            f"w8a8 quantises activations per weight block column and FP8 dots want 32 or more of them: this "
+            f"checkpoint's blocks are {spec.storage_block}",
+            "set model.expert_compute (--expert-compute) to w8a16",
+        )
     CheckpointReader(checkpoint, spec).validate()
     if spec.num_experts % world:
         raise VExpertInputError(

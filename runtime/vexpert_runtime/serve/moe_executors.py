@@ -103,11 +103,12 @@ def _check_dense(experts: Any) -> None:
                              "(and pass EPExperts their ExpertFormat)")
 
 
-def checkpoint_reader(path: str | Path, expert_format: str = "auto") -> CheckpointReader:
+def checkpoint_reader(path: str | Path, expert_format: str = "auto", expert_compute: str = "w8a16") -> CheckpointReader:
     """A validated :class:`CheckpointReader` of a local checkpoint (what a coordinator builds its
     pool from: ``reader.experts(moe_layer, ids, dtype)`` gives packed rows [len(ids), D]), its expert
-    rows in ``expert_format`` (``model.expert_format``: auto — as stored —, dense, fp8_block)."""
-    reader = CheckpointReader(path, resolve_expert_storage(read_model_spec(path), expert_format))
+    rows in ``expert_format`` (``model.expert_format``: auto — as stored —, dense, fp8_block), multiplied as
+    ``expert_compute`` says (``model.expert_compute``: w8a16, w8a8)."""
+    reader = CheckpointReader(path, resolve_expert_storage(read_model_spec(path), expert_format, expert_compute))
     reader.validate()
     return reader
 

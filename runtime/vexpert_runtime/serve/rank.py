@@ -75,6 +75,7 @@ class ServeWorkerArgs:
     # how resident expert rows are stored (model.expert_format: auto, dense, fp8_block) — the node's pool and
     # slots hold rows resolved by the same rule, so a rank's resident and slot rows are of one format
     expert_format: str = "auto"
+    expert_compute: str = "w8a16"  # FP8 rows against activations of the compute dtype or FP8 ones (model.expert_compute)
 
 
 def kv_cache_blocks(args: ServeWorkerArgs, model: HFStepModel, device: torch.device) -> int:
@@ -121,7 +122,7 @@ class ServingRank:
         self.args = args
         self.rank = rank
         # Rank-local loading: the non-expert weights, then this rank's resident experts from the shards.
-        reader = checkpoint_reader(args.model_dir, args.expert_format)
+        reader = checkpoint_reader(args.model_dir, args.expert_format, args.expert_compute)
         self.experts = EPExperts.from_checkpoint(reader, reader.spec.num_layers, dtype, rank, world, group, device,
                                                  table=table, slots=slots, hooks=SlotHooks(wait, release),
                                                  # fixed dispatch capacity where graphs need it; else agreed per layer
