@@ -70,6 +70,28 @@ def test_the_ep_layers_pieces_compiled_equal_the_eager_ones_at_every_batch_size(
     assert counters["stats"]["unique_graphs"] <= 9  # 3 pieces × (first batch static, batch > 1 symbolic, batch 1)
 
 
+def test_w8a8s_activation_quantisation_compiled_is_bit_for_bit_the_eager_one() -> None:
+    """What the EP layer hands W8A8's GEMMs where it fuses: the compiled per-token-group quantisation gives the
+    eager one's fp8 bytes and scales over every batch size (partial groups too), in at most three compiles."""
+    import torch._dynamo
+
+    from vexpert_runtime.model.fp8_activations import quantize_activation_groups
+
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    generator = torch.Generator().manual_seed(1)
+    for rows, cols in ((96, 320), (40, 320), (7, 320), (1, 320), (33, 200)):
+        x = torch.randn(rows, cols, generator=generator) * 4
+        x[0, :64] = 0.0  # a group of zeros (the scale's floor) beside others
+        q, scale = quantize_activation_groups(x, 64)
+        fused_q, fused_scale = compiled(quantize_activation_groups)(x, 64)
+        assert torch.equal(q.view(torch.uint8), fused_q.view(torch.uint8)) and torch.equal(scale, fused_scale)
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] <= 4  # three for the row counts, one for the 200-wide input
+
+
 def test_the_compiled_step_equals_the_eager_step_for_deepseek_v3(tmp_path: Path) -> None:
     """DeepSeek-V3 (MLA, grouped router with a correction bias, a shared expert, a dense layer) on
     one EP rank in float32: :meth:`HFStepModel.compile_pieces` compiles transformers' norms, router,

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from vexpert_runtime.model import fusion
 from vexpert_runtime.model.dispatch import DispatchMode, dispatch_cum_share
 from vexpert_runtime.model.expert_format import ExpertFormat, w8a8_swiglu
+from vexpert_runtime.model.fp8_activations import ActivationQuantizer, quantize_activation_groups
 from vexpert_runtime.model.grouped_moe import (
     GROUP_ALIGN,
     PrepackedExperts,
@@ -554,12 +555,14 @@ class ExpertStacks:
             return packed_views(rows, self.intermediate, hidden)
         return self.format.stack_weights(rows)
 
-    def swiglu(self, x: torch.Tensor, rows: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def swiglu(self, x: torch.Tensor, rows: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
+               quantize: ActivationQuantizer = quantize_activation_groups) -> torch.Tensor:
         """SwiGLU of x [M, H]'s groups (ends ``offs``) through the stack ``rows`` into ``out``. Block-FP8
         rows on a GPU go to the Triton grouped GEMM as stored (fp8 weights, block scales applied per K
         tile: half the bytes a bf16 expert reads, and no dequantised copy; W8A8 where the format says
         ``fp8_activations``); elsewhere :func:`grouped_swiglu` over :meth:`weights` (W8A8:
-        :func:`~.expert_format.w8a8_swiglu`, the same numbers one expert at a time)."""
+        :func:`~.expert_format.w8a8_swiglu`, the same numbers one expert at a time). ``quantize``: how W8A8's
+        activations are quantised (the EP layer passes its compiled copy where it fuses)."""
         fmt = self.format
         if fmt is not None and fmt.fp8_block is not None and self.grouped is not False and triton_experts_run(x):
             stack = fmt.fp8_stack(rows)
@@ -567,7 +570,7 @@ class ExpertStacks:
                 from vexpert_runtime.model.grouped_gemm_kernel import triton_swiglu
 
                 return triton_swiglu(x, stack.w13, stack.w2, offs, out=out, scales=(stack.s13, stack.s2),
-                                     scale_block=stack.block, fp8_activations=fmt.fp8_activations)
+                                     scale_block=stack.block, fp8_activations=fmt.fp8_activations, quantize=quantize)
         w13, w2 = self.weights(rows, x.shape[1])
         if fmt is not None and fmt.fp8_block is not None and fmt.fp8_activations:
             return out.copy_(w8a8_swiglu(x, w13, w2, offs, fmt.fp8_block[1]))
@@ -576,7 +579,8 @@ class ExpertStacks:
 
 def stacked_outputs(buf: torch.Tensor, resident_offs: torch.Tensor, slot_offs: torch.Tensor, resident_rows: int,
                     stacks: ExpertStacks, slot_wait: Callable[[], None] | None = None,
-                    after_compute: Callable[[], None] | None = None) -> torch.Tensor:
+                    after_compute: Callable[[], None] | None = None,
+                    quantize: ActivationQuantizer = quantize_activation_groups) -> torch.Tensor:
     """Expert outputs [M, H] of a buffer [M, H] laid out by :func:`receive_layout`: one grouped GEMM
     pair over the resident stack (rows [0, resident_rows)), then — after ``slot_wait`` — one over the
     slot stack (the rest), then ``after_compute``. Rows past a region's last group end are undefined.
@@ -585,13 +589,13 @@ def stacked_outputs(buf: torch.Tensor, resident_offs: torch.Tensor, slot_offs: t
     if isinstance(stacks.resident, PrepackedExperts):
         out[:resident_rows] = stacks.resident.swiglu(buf[:resident_rows], resident_offs)
     else:
-        stacks.swiglu(buf[:resident_rows], stacks.resident, resident_offs, out[:resident_rows])
+        stacks.swiglu(buf[:resident_rows], stacks.resident, resident_offs, out[:resident_rows], quantize)
     if slot_wait is not None:
         slot_wait()
     if slot_offs.numel():
         if stacks.slots is None:
             raise ValueError("the routing table has slots but no slot stack was given")
-        stacks.swiglu(buf[resident_rows:], stacks.slots, slot_offs, out[resident_rows:])  # once the slots are filled
+        stacks.swiglu(buf[resident_rows:], stacks.slots, slot_offs, out[resident_rows:], quantize)  # slots filled
     if after_compute is not None:
         after_compute()
     return out
@@ -664,7 +668,9 @@ def ep_moe_layer(
     align = group_align(recv_x.device) if grouped else 1
     buf, position, resident_offs, slot_offs, computed = arrange(recv_x, recv_local, resident, slots, align)
     resident_rows = padded_capacity(recv_local.numel(), resident, align)
-    out = stacked_outputs(buf, resident_offs, slot_offs, resident_rows, stacks, slot_wait, after_compute)
+    # W8A8's activation quantisation fused into one kernel where the layer's bookkeeping is
+    out = stacked_outputs(buf, resident_offs, slot_offs, resident_rows, stacks, slot_wait, after_compute,
+                          fusion.maybe_compiled(quantize_activation_groups, fused))
     back = _exchange(out.index_select(0, position), group)
     y, dropped = combine_back(back, row_of_pair, topk_weights, shared_out)
     return y, LayerStats(computed=computed, dropped=dropped, sent=pairs)

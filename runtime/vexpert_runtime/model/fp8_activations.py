@@ -5,10 +5,15 @@ this package: the Triton kernel's caller, the CPU twin and the reference all qua
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+ActivationQuantizer = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]  # (x, group) → (fp8, scales)
 
 
 def quantize_activation_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vexpert_runtime.model.fp8_activations import quantize_activation_groups
+from vexpert_runtime.model.fp8_activations import ActivationQuantizer, quantize_activation_groups
 
 
 @triton.jit
@@ -288,22 +288,24 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu
 def triton_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
                   configs: tuple[LaunchConfig, LaunchConfig] | None = None,
                   out: torch.Tensor | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  scale_block: tuple[int, int] = (128, 128), fp8_activations: bool = False) -> torch.Tensor:
+                  scale_block: tuple[int, int] = (128, 128), fp8_activations: bool = False,
+                  quantize: ActivationQuantizer = quantize_activation_groups) -> torch.Tensor:
     """:func:`~.grouped_moe.grouped_swiglu` as two Triton launches: x [M, H], w13 [E, 2I, H], w2 [E, H, I],
     offs [E] → [M, H] (into ``out`` when given; rows past offs[-1] undefined). ``configs``: (gate_up,
     down) launch parameters, default :func:`launch_config`'s. Block-FP8 experts: w13 and w2
     float8_e4m3fn with ``scales`` (s13 [E, 2·⌈I/bn⌉, ⌈H/bk⌉], s2 [E, ⌈H/bn⌉, ⌈I/bk⌉]) of ``scale_block``
     (:meth:`~.expert_format.ExpertFormat.fp8_stack`). ``fp8_activations`` (W8A8, block-FP8 experts): x and then
     the SwiGLU intermediate (written in x's dtype first) quantised per row and ``scale_block``-wide column group
-    (:func:`~.fp8_activations.quantize_activation_groups`) before each GEMM."""
+    (``quantize``: :func:`~.fp8_activations.quantize_activation_groups`, or the same compiled into one kernel by
+    the EP layer's fusion) before each GEMM."""
     gate_up, down = configs or (None, None)
     s13, s2 = scales or (None, None)
     if fp8_activations:
         group = scale_block[1]
-        xq, xs = quantize_activation_groups(x, group)
+        xq, xs = quantize(x, group)
         act = grouped_gemm(xq, w13, offs, swiglu=True, config=gate_up, scales=s13, scale_block=scale_block,
                            x_scales=xs, out_dtype=x.dtype)
-        aq, as_ = quantize_activation_groups(act, group)
+        aq, as_ = quantize(act, group)
         return grouped_gemm(aq, w2, offs, config=down, out=out, scales=s2, scale_block=scale_block, x_scales=as_,
                             out_dtype=x.dtype)
     act = grouped_gemm(x, w13, offs, swiglu=True, config=gate_up, scales=s13, scale_block=scale_block)
