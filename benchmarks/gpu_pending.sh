@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What the next H200 session must measure for issue #21, in device calls that each end inside 10 minutes
 # (benchmarks/README.md §10, "Next on the H200"). Every stage writes under $OUT.
-# After run 26 (H100s again; block-FP8 experts read in place — fp8experts, fp8step ran there): fp8serve (served tokens/s
+# After run 26 (H100s again; block-FP8 experts read in place — fp8experts, fp8step ran there) and a session without device time: w8a8 first, then fp8serve (served tokens/s
 # on the block-FP8 copy; run 26's was cut by the device budget), then sidestream and mlalong on an H200, onoff on two GPUs.
 #
 #   STAGE=tests  the full GPU test list (~8 min; run 24 on an H100: 481 s; PART=1 / PART=2 split it in two calls): kernels, graphed == eager, prefix caching and preemption on
