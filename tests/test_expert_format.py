@@ -136,6 +136,9 @@ def test_expert_format_rule(fp8_checkpoint: Path, tmp_path: Path) -> None:
         resolve_expert_storage(spec, "dense", "w8a8")
     with pytest.raises(VExpertInputError, match=r"model\.expert_compute"):
         parse_runtime_config({"model": {"expert_compute": "w4a8"}})
+    assert parse_runtime_config({}).model.linear_format == "dense"  # FP8 linears dequantised unless asked
+    with pytest.raises(VExpertInputError, match=r"model\.linear_format"):
+        parse_runtime_config({"model": {"linear_format": "fp4"}})
 
 
 def test_a_dense_checkpoints_experts_are_quantised_at_load(tmp_path: Path) -> None:
@@ -295,8 +298,10 @@ def test_operator_sizes_the_deepseek_v3_example_with_fp8_bytes() -> None:
     model = {**raw["spec"]["model"], "expertFormat": "dense", "expertCompute": "w8a8"}
     with pytest.raises(ValueError, match=r"model\.expertCompute.*expertFormat"):
         VExpertDeploymentSpec.model_validate({**raw["spec"], "model": model})
-    w8a8 = VExpertDeploymentSpec.model_validate({**raw["spec"], "model": {**raw["spec"]["model"], "expertCompute": "w8a8"}})
+    w8a8 = VExpertDeploymentSpec.model_validate({**raw["spec"], "model": {**raw["spec"]["model"], "expertCompute": "w8a8",
+                                                                          "linearFormat": "fp8_block"}})
     rendered = build_runtime_config(w8a8, "dsv3", "inference", PerformanceProfile(), 10, None,
                                     size_pod(w8a8, model_shape(w8a8), None))
-    assert parse_runtime_config(yaml.safe_load(rendered.to_yaml())).model.expert_compute == "w8a8"  # reaches the pods
+    pods = parse_runtime_config(yaml.safe_load(rendered.to_yaml())).model
+    assert (pods.expert_compute, pods.linear_format) == ("w8a8", "fp8_block")  # both reach the pods
     assert gpu_bytes_per_gpu(spec, shape) < gpu_bytes_per_gpu(spec, dense)

@@ -166,6 +166,31 @@ def check_w8a8_kernel_on_cpu() -> None:
         raise AssertionError("16-column blocks were accepted for FP8 dots")
 
 
+def check_fp8_linear_on_cpu() -> None:
+    """The GPU branch of ``vexpert::fp8_linear`` (a block-FP8 linear kept as stored: the grouped GEMM over one
+    "expert") equals the product with the dequantised weight: partial blocks, row counts below, at and past a tile,
+    a strided input, through ``Fp8Linear`` and ``torch.compile`` (the op is one opaque node)."""
+    import vexpert_runtime.serve.fp8_linear as fp8_linear_module
+    from vexpert_runtime.model.expert_format import quantize_fp8_block
+    from vexpert_runtime.serve.fp8_linear import Fp8Linear
+
+    fp8_linear_module.triton_experts_run = lambda x: True  # the kernel path, in the interpreter on CPU tensors
+    torch.manual_seed(4)
+    for out_features, in_features, block in ((48, 80, (32, 32)), (40, 72, (16, 16))):
+        weight, scales = quantize_fp8_block(torch.randn(out_features, in_features) / in_features**0.5, block)
+        linear = Fp8Linear(weight, scales, block)
+        dense = linear.dequantized(torch.float32)
+        for rows in (1, 16, 37):
+            x = torch.randn(rows, in_features)
+            assert torch.allclose(linear(x), x @ dense.T, rtol=1e-4, atol=1e-4), (block, rows)
+        wide = torch.randn(5, 2 * in_features)[:, ::2]  # a strided input
+        assert torch.allclose(linear(wide), wide @ dense.T, rtol=1e-4, atol=1e-4)
+        batched = torch.randn(2, 3, in_features)
+        assert torch.allclose(linear(batched), batched @ dense.T, rtol=1e-4, atol=1e-4)
+        compiled = torch.compile(lambda t, layer=linear: layer(t) * 2.0, fullgraph=True)  # no graph break
+        assert torch.allclose(compiled(batched), 2.0 * batched @ dense.T, rtol=1e-4, atol=1e-4)
+
+
 def test_triton_grouped_swiglu_equals_the_loop_in_the_interpreter() -> None:
     pytest.importorskip("triton")
     run_in_triton_interpreter("test_grouped_gemm_kernel", "check_kernel_on_cpu")
@@ -174,6 +199,11 @@ def test_triton_grouped_swiglu_equals_the_loop_in_the_interpreter() -> None:
 def test_triton_grouped_swiglu_reads_block_fp8_rows_in_place_in_the_interpreter() -> None:
     pytest.importorskip("triton")
     run_in_triton_interpreter("test_grouped_gemm_kernel", "check_fp8_kernel_on_cpu")
+
+
+def test_fp8_linears_kernel_path_equals_the_dequantised_product_in_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    run_in_triton_interpreter("test_grouped_gemm_kernel", "check_fp8_linear_on_cpu")
 
 
 def test_triton_w8a8_grouped_swiglu_equals_its_twin_in_the_interpreter() -> None:

@@ -32,6 +32,7 @@ from vexpert_runtime.model.checkpoint import (  # noqa: E402
 )
 from vexpert_runtime.model.expert_format import dequantize_fp8_block, quantize_fp8_block  # noqa: E402
 from vexpert_runtime.serve import model_loading  # noqa: E402
+from vexpert_runtime.serve.fp8_linear import Fp8Linear  # noqa: E402
 from vexpert_runtime.serve.model_loading import LoadReport, load_without_experts  # noqa: E402
 from vexpert_runtime.serve.sparse_blocks import is_sparse_block  # noqa: E402
 
@@ -271,6 +272,28 @@ def test_block_fp8_weights_are_dequantised(checkpoints: dict[str, Path], tmp_pat
         assert tensor.dtype == torch.float32 and torch.equal(tensor, want), name
     sizes = _header_bytes(path)
     assert report.bytes_read == sum(size for name, size in sizes.items() if EXPERTS not in name)
+
+    # model.linear_format fp8_block: the bias-free FP8 linears stay FP8 as stored (MLA's kv_b_proj, absorbed into the
+    # query and output as a matrix, is dequantised), the same bytes read, ~a quarter of their fp32 bytes kept, and
+    # each computes what its dequantised weight does
+    kept, kept_report = load_without_experts(path, "cpu", torch.float32, fp8_linears=True)
+    assert kept_report.bytes_read == report.bytes_read
+    fp8 = {name: module for name, module in kept.named_modules() if isinstance(module, Fp8Linear)}
+    assert fp8 and all(name + ".weight" in quantised for name in fp8)
+    assert {name for name in quantised if name.removesuffix(".weight") not in fp8} == \
+        {name for name in quantised if "kv_b_proj" in name}
+    for name, module in fp8.items():
+        weight, scales = quantised[name + ".weight"]
+        assert torch.equal(module.weight, weight) and torch.equal(module.weight_scale_inv, scales)
+        x = torch.randn(3, module.in_features)
+        assert torch.equal(module(x), x @ dequantize_fp8_block(weight, scales, block, torch.float32).T), name
+
+    def stored_bytes(m: Any) -> int:
+        return sum(t.numel() * t.element_size() for n, t in [*m.named_parameters(), *m.named_buffers()]
+                   if EXPERTS not in n and t.device.type != "meta")
+
+    linear_fp32 = sum(quantised[name + ".weight"][0].numel() * 4 for name in fp8)
+    assert stored_bytes(model) - stored_bytes(kept) > 0.7 * linear_fp32  # fp8 + scales instead of fp32
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,9 @@ A dense Qwen3-MoE with ``--expert-format fp8_block`` (what vLLM's ``--quantizati
 quantised as they are read, in 128 × 128 blocks — greedy completions equal ``generate`` over the checkpoint whose
 expert weights went through that quantisation and back.
 
+With ``--linear-format fp8_block`` the non-expert linears stay FP8 too (computed from their stored weights and
+scales): the same tokens. Both options on a checkpoint without FP8 weights are refused, naming the field.
+
 W8A8 (``--expert-compute w8a8``): the block-FP8 checkpoint's routed experts multiplied against activations
 quantised per token and block column (emulated on CPU ranks, the GPU kernel's twin) — greedy completions equal
 ``generate`` over the dequantised weights with transformers' expert loop quantising its activations alike.
@@ -89,7 +92,9 @@ def _served(checkpoint: Path, tmp_path: Path, *flags: str) -> tuple[dict[str, li
     return tokens, log.read_text(errors="replace")
 
 
-@pytest.mark.parametrize("flags", [("--expert-format", "fp8_block"), ()], ids=["fp8-rows", "auto"])
+@pytest.mark.parametrize("flags", [("--expert-format", "fp8_block"), (),
+                                   ("--expert-format", "fp8_block", "--linear-format", "fp8_block")],
+                         ids=["fp8-rows", "auto", "fp8-rows-and-linears"])
 def test_a_block_fp8_checkpoint_is_served_with_the_tokens_of_its_dequantised_weights(
         checkpoints: tuple[Path, Path], flags: tuple[str, ...], tmp_path: Path) -> None:
     """FP8 rows where asked for; ``auto`` on CPU ranks keeps dense rows (no CPU kernel reads FP8: each step would
@@ -98,7 +103,8 @@ def test_a_block_fp8_checkpoint_is_served_with_the_tokens_of_its_dequantised_wei
     expected = _generated(dequantised)
     served, log = _served(fp8, tmp_path, *flags)
     assert served == expected, log[-3000:]
-    rows = "block-FP8 rows," if flags else "dense rows (dequantised at load),"
+    rows = "block-FP8 rows," if len(flags) == 2 else "block-FP8 rows, other linear layers block-FP8," if flags \
+        else "dense rows (dequantised at load),"
     assert f"8 experts as {rows}" in log, log[-3000:]
     assert len({t for tokens in expected.values() for t in tokens}) > 3  # the tokens vary
 
@@ -165,12 +171,18 @@ def test_w8a8_serves_the_tokens_of_fp8_activations_against_the_fp8_weights(
           f"of {len(PROMPTS) * NEW_TOKENS} differ")
 
 
-def test_w8a8_on_dense_rows_is_refused_naming_the_field(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
-    fp8, _ = checkpoints
+@pytest.mark.parametrize(("flags", "field"), [(("--expert-format", "dense", "--expert-compute", "w8a8"),
+                                                "model.expert_compute"),
+                                               (("--linear-format", "fp8_block"), "model.linear_format")],
+                         ids=["w8a8-on-dense-rows", "fp8-linears-of-a-dense-checkpoint"])
+def test_fp8_options_without_fp8_weights_are_refused_naming_the_field(
+        checkpoints: tuple[Path, Path], tmp_path: Path, flags: tuple[str, ...], field: str) -> None:
+    fp8, dense = checkpoints
+    model = dense if field == "model.linear_format" else fp8
     proc = subprocess.run(
-        [sys.executable, "-m", "vexpert_runtime", "serve", "--model", str(fp8), "--cpu-workers", "2",
-         "--expert-format", "dense", "--expert-compute", "w8a8", "--port", "0"],
+        [sys.executable, "-m", "vexpert_runtime", "serve", "--model", str(model), "--cpu-workers", "2", *flags,
+         "--port", "0"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "runtime"), os.environ.get("PYTHONPATH", "")])})
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "model.expert_compute" in proc.stderr and "fp8_block" in proc.stderr, proc.stderr[-2000:]
+    assert field in proc.stderr and "fp8_block" in proc.stderr, proc.stderr[-2000:]

@@ -172,12 +172,13 @@ def test_graphed_decode_over_an_fp8_kv_cache_equals_the_eager_step(family: str, 
     assert eager == graphed
 
 
-@pytest.mark.parametrize("compute", ["w8a16", "w8a8"])
+@pytest.mark.parametrize(("compute", "fp8_linears"), [("w8a16", False), ("w8a8", False), ("w8a16", True)])
 def test_a_block_fp8_checkpoint_graphed_equals_the_eager_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                               compute: str) -> None:
+                                                               compute: str, fp8_linears: bool) -> None:
     """DeepSeek-V3's own format (every projection block-FP8), loaded as a serving rank loads it: its experts stay
     FP8 rows that the grouped GEMM reads in place (never dequantised), graphed == eager; W8A8 too (32-wide blocks:
-    FP8 dots want K tiles of 32 or more)."""
+    FP8 dots want K tiles of 32 or more); and with the other linears kept FP8 (``--linear-format fp8_block``),
+    compiled pieces and graphs calling their op."""
     from serve_support import block_fp8_copies
     from vexpert_runtime.model.expert_format import ExpertFormat
     from vexpert_runtime.serve.moe_executors import checkpoint_reader
@@ -193,10 +194,13 @@ def test_a_block_fp8_checkpoint_graphed_equals_the_eager_step(tmp_path: Path, mo
                                              max_tokens=64)
         assert executor.resident[0].dtype == torch.uint8  # type: ignore[union-attr]
         model = HFStepModel(fp8, device="cuda", dtype=torch.bfloat16, kv_cache_tokens=512, load_experts=False,
-                            executor=executor)
+                            executor=executor, fp8_linears=fp8_linears)
+        assert any(type(m).__name__ == "Fp8Linear" for m in model.model.modules()) == fp8_linears
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
             if graphs:
+                if fp8_linears:  # the compiled pieces call the FP8 linears' op (opaque to dynamo)
+                    assert model.compile_pieces() > 0
                 model.enable_cuda_graphs(64, 8, stream)
             results.append(drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK))
     assert model.graphs is not None and model.graphs.replays >= 10

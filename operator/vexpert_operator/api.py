@@ -23,11 +23,13 @@ from vexpert_runtime.config import (
     EXPERT_COMPUTE_HELP,
     GPU_MEMORY_UTILIZATION_HELP,
     KV_CACHE_DTYPE_HELP,
+    LINEAR_FORMAT_HELP,
     ComputeDtype,
     ExpertComputeChoice,
     ExpertFormatChoice,
     GroupKnobs,
     KVCacheDtype,
+    LinearFormatChoice,
     check_gpu_memory_utilization,
 )
 from vexpert_runtime.model.families import Architecture
@@ -108,6 +110,7 @@ class ModelSpec(CamelModel):
         "blocks; dense = dtype; auto follows the checkpoint but is sized as dense",
     )
     expert_compute: ExpertComputeChoice = Field("w8a16", description=EXPERT_COMPUTE_HELP)
+    linear_format: LinearFormatChoice = Field("dense", description=LINEAR_FORMAT_HELP)
 
     @model_validator(mode="after")
     def _w8a8_needs_fp8_rows(self) -> ModelSpec:

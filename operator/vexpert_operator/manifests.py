@@ -93,6 +93,7 @@ def build_runtime_config(spec: VExpertDeploymentSpec, name: str, namespace: str,
             dtype=spec.model.dtype,
             expert_format=spec.model.expert_format,
             expert_compute=spec.model.expert_compute,
+            linear_format=spec.model.linear_format,
         ),
         parallelism=ParallelismConfig(
             expert_parallel_size=spec.parallelism.expert_parallel_size,

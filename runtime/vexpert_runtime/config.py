@@ -29,6 +29,13 @@ from vexpert_runtime.policy.profile import PerformanceProfile
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
 ExpertFormatChoice = Literal["auto", "dense", "fp8_block"]  # see expert_layout.py
 ExpertComputeChoice = Literal["w8a16", "w8a8"]  # FP8 rows against activations of dtype, or FP8 ones too
+LinearFormatChoice = Literal["dense", "fp8_block"]  # a block-FP8 checkpoint's non-expert linears: dequantised or kept
+LINEAR_FORMAT_HELP = (
+    "A block-FP8 checkpoint's non-expert linear layers (attention projections but MLA's kv_b_proj, shared experts, "
+    "dense MLPs): dense = dequantised to the compute dtype at load (the default), fp8_block = kept FP8 with their "
+    "block scales (half the HBM: ~17 GB less per DeepSeek-V3 rank, left to the KV cache; the GPU multiplies them "
+    "with the expert GEMM's kernel, W8A16; CPU ranks dequantise per call). Needs a block-FP8 checkpoint"
+)
 EXPERT_COMPUTE_HELP = (
     "How FP8 expert rows are multiplied: w8a16 = against activations of the compute dtype (the weights widened "
     "in the kernel; the default), w8a8 = against activations quantised to FP8 per token and 128 columns ahead of "
@@ -88,6 +95,7 @@ class ModelSource(BaseModel):
         "fp8_block = FP8 (a dense checkpoint's quantised at load, 128x128 blocks)",
     )
     expert_compute: ExpertComputeChoice = Field("w8a16", description=EXPERT_COMPUTE_HELP)
+    linear_format: LinearFormatChoice = Field("dense", description=LINEAR_FORMAT_HELP)
 
 
 DEFAULT_MASTER_PORT = 29500  # the rendezvous port of a multi-node group whose config pins none

@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING, Any, get_args
 from vexpert_runtime.config import (
     EXPERT_COMPUTE_HELP,
     KV_CACHE_DTYPE_HELP,
+    LINEAR_FORMAT_HELP,
     ExpertComputeChoice,
     ExpertFormatChoice,
     KVCacheDtype,
+    LinearFormatChoice,
 )
 from vexpert_runtime.model.expert_layout import CPU_EXPERT_KERNELS
 from vexpert_runtime.serve.reasoning import ReasoningParser
@@ -122,6 +124,8 @@ def register(subparsers: Any) -> None:
                              "checkpoint's experts quantised at load, 128x128 blocks)")
     parser.add_argument("--expert-compute", choices=get_args(ExpertComputeChoice), default=None,
                         help=EXPERT_COMPUTE_HELP + " (the config's model.expert_compute, default w8a16)")
+    parser.add_argument("--linear-format", choices=get_args(LinearFormatChoice), default=None,
+                        help=LINEAR_FORMAT_HELP + " (the config's model.linear_format, default dense)")
     parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDtype), default=None,
                         help=KV_CACHE_DTYPE_HELP + " (default: the config's runtime.kv_cache_dtype, else auto)")
     parser.add_argument("--api-key", default=None,
@@ -273,7 +277,8 @@ def _runtime_config(args: argparse.Namespace) -> RuntimeConfig:
             "parallelism": {"expert_parallel_size": ranks, "gpus_per_node": ranks},
             "runtime": {"device": "cuda" if on_gpu else "cpu", "metrics_port": 0},
         })
-    for flag, field in ((args.expert_format, "expert_format"), (args.expert_compute, "expert_compute")):
+    for flag, field in ((args.expert_format, "expert_format"), (args.expert_compute, "expert_compute"),
+                        (args.linear_format, "linear_format")):
         if flag is not None:  # the flag over the config's model.<field>
             config = config.model_copy(update={"model": config.model.model_copy(update={field: flag})})
     return config
@@ -341,6 +346,8 @@ def _start_message(served: _Served, args: argparse.Namespace, api_key: str | Non
         rows = f" as block-FP8 rows{' (quantised at load)' if spec.fp8_block is None else ''}"
         if spec.fp8_activations:
             rows += " × FP8 activations (w8a8)" if setup.device == "cuda" else " × FP8 activations (w8a8, emulated)"
+    if setup.linear_format == "fp8_block":
+        rows += ", other linear layers block-FP8"
     else:  # a block-FP8 checkpoint's experts in the compute dtype (--expert-format dense, or auto on CPU ranks)
         rows = "" if spec.fp8_block is None else " as dense rows (dequantised at load)"
     return (f"serving {what} as {served.name!r} on {args.host}:{args.port}{servers}: "
@@ -441,7 +448,8 @@ def run(args: argparse.Namespace) -> int:
                                overlap_steps=_AUTO_ON_OFF[args.overlap_steps], compile=_AUTO_ON_OFF[args.compile],
                                cpu_expert_kernel=args.cpu_expert_kernel, max_context=served.max_context,
                                kv_cache_dtype=served.kv_cache_dtype, expert_format=setup.spec.expert_storage,
-                               expert_compute="w8a8" if setup.spec.fp8_activations else "w8a16")
+                               expert_compute="w8a8" if setup.spec.fp8_activations else "w8a16",
+                               linear_format=setup.linear_format)
                for inbound in requests],
         log=_log,
     )

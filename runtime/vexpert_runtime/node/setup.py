@@ -80,6 +80,7 @@ class NodeSetup:
     dispatch_reason: str = "configured"  # why (auto's comparison, for logs and the report)
     metrics_addr: str = "0.0.0.0"
     placement_policy: PlacementPolicyName = DEFAULT_PLACEMENT_POLICY  # the registry entry the node runs
+    linear_format: str = "dense"  # a block-FP8 checkpoint's non-expert linears: dequantised or kept (serving ranks)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -106,6 +107,32 @@ def memory_plan(spec: MoESpec, dtype: torch.dtype, pooled: int, slots: int, worl
         workers=workers,
         device=device,
     )
+
+
+def check_fp8_options(spec: MoESpec, linear_format: str, device: str) -> None:
+    """``model.expert_compute`` and ``model.linear_format`` against the checkpoint (``spec``, storage resolved)
+    and the device: W8A8 wants FP8 tensor cores and blocks of 32+ columns, FP8 linears an FP8 checkpoint."""
+    if spec.fp8_activations and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        raise VExpertInputError(
+            "model.expert_compute",
+            f"w8a8 multiplies on FP8 tensor cores, and this GPU ({torch.cuda.get_device_name()}, compute capability "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability()))}) has none (8.9+: Ada, Hopper, Blackwell)",
+            "set model.expert_compute (--expert-compute) to w8a16",
+        )
+    if linear_format == "fp8_block" and spec.fp8_block is None:
+        raise VExpertInputError(
+            "model.linear_format",
+            "fp8_block keeps a block-FP8 checkpoint's linear layers as stored, and this checkpoint's are not FP8 "
+            "(no quantization_config weight_block_size)",
+            "set model.linear_format (--linear-format) to dense, or serve a block-FP8 checkpoint",
+        )
+    if spec.fp8_activations and device == "cuda" and (spec.storage_block or (0, 0))[1] % 32:
+        raise VExpertInputError(
+            "model.expert_compute",
+            f"w8a8 quantises activations per weight block column and FP8 dots want 32 or more of them: this "
+            f"checkpoint's blocks are {spec.storage_block}",
+            "set model.expert_compute (--expert-compute) to w8a16",
+        )
 
 
 def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: int | None = None) -> NodeSetup:
@@ -142,20 +169,7 @@ def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: in
         expert_format = DENSE
     spec = resolve_expert_storage(read_model_spec(checkpoint, config.model.architecture), expert_format,
                                   config.model.expert_compute)
-    if spec.fp8_activations and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
-        raise VExpertInputError(
-            "model.expert_compute",
-            f"w8a8 multiplies on FP8 tensor cores, and this GPU ({torch.cuda.get_device_name()}, compute capability "
-            f"{'.'.join(map(str, torch.cuda.get_device_capability()))}) has none (8.9+: Ada, Hopper, Blackwell)",
-            "set model.expert_compute (--expert-compute) to w8a16",
-        )
-    if spec.fp8_activations and device == "cuda" and (spec.storage_block or (0, 0))[1] % 32:
-        raise VExpertInputError(
-            "model.expert_compute",
-            f"w8a8 quantises activations per weight block column and FP8 dots want 32 or more of them: this "
-            f"checkpoint's blocks are {spec.storage_block}",
-            "set model.expert_compute (--expert-compute) to w8a16",
-        )
+    check_fp8_options(spec, config.model.linear_format, device)
     CheckpointReader(checkpoint, spec).validate()
     if spec.num_experts % world:
         raise VExpertInputError(
@@ -185,6 +199,7 @@ def resolve_setup(config: RuntimeConfig, checkpoint: str | Path, cpu_workers: in
     return NodeSetup(
         checkpoint=Path(checkpoint),
         spec=spec,
+        linear_format=config.model.linear_format,
         dtype=config.model.dtype,
         device=device,
         local_workers=local,

@@ -35,7 +35,7 @@ What ``from_pretrained(path, dtype=dtype)`` does, and so what this module reprod
 Beyond ``from_pretrained``: block-FP8 checkpoints (``F8_E4M3`` weight + F32 ``weight_scale_inv``,
 DeepSeek-V3's format). ``from_config`` builds plain ``nn.Linear`` layers for them, so FP8 non-expert
 weights are dequantised to ``dtype`` at load with their block scales (as :class:`CheckpointReader`
-dequantises shared experts); the scales count as read.
+dequantises shared experts) — or, ``fp8_linears``, kept FP8 (:mod:`.fp8_linear`); the scales count as read.
 
 Every needed tensor's presence, shape and dtype is checked from the safetensors headers before the
 first tensor is read, so a bad checkpoint fails with one :class:`VExpertInputError` and nothing half
@@ -64,6 +64,7 @@ from vexpert_runtime.model.checkpoint import (
 from vexpert_runtime.model.expert_format import dequantize_fp8_block
 from vexpert_runtime.model.expert_layout import scale_shape
 from vexpert_runtime.model.families import supported_checkpoints
+from vexpert_runtime.serve.fp8_linear import Fp8Linear, converts_to_fp8
 from vexpert_runtime.serve.sparse_blocks import is_sparse_block
 
 _FIELD = "model.checkpoint_path"
@@ -146,7 +147,7 @@ class _TensorReader:
 
 
 def load_without_experts(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
-                         *, attn_implementation: str | None = None) -> tuple[Any, LoadReport]:
+                         *, attn_implementation: str | None = None, fp8_linears: bool = False) -> tuple[Any, LoadReport]:
     """The transformers causal LM of checkpoint directory ``path`` with every tensor but the routed
     experts loaded on ``device`` (in ``dtype``, float32 where transformers keeps float32), in eval mode.
 
@@ -154,6 +155,8 @@ def load_without_experts(path: str | Path, device: torch.device | str = "cpu", d
     ``mlp.experts`` before running the model). Everything else equals
     ``AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)`` exactly, non-persistent
     buffers (rotary frequencies) included. ``attn_implementation`` as in ``from_pretrained``.
+    ``fp8_linears`` (``model.linear_format: fp8_block``): a block-FP8 checkpoint's bias-free linears stay FP8
+    (:class:`~.fp8_linear.Fp8Linear`, weight and scales as stored) instead of being dequantised.
 
     Raises :class:`VExpertInputError` (field ``model.checkpoint_path``) naming the first missing,
     wrong-shaped or wrong-typed tensor, before any tensor is read.
@@ -178,7 +181,10 @@ def load_without_experts(path: str | Path, device: torch.device | str = "cpu", d
         reader = _TensorReader(root, files, stack, target_device)
         plan, ties = _plan(model, reader, expert_prefixes, dtype)
         for read in plan:  # every header checked: only now is tensor data read
-            _set_tensor(model, read.target, _materialise(reader, read, target_device, model.config))
+            if fp8_linears and read.scales is not None and _keeps_fp8(model, read.target):
+                _set_fp8_linear(model, reader, read, target_device)
+            else:
+                _set_tensor(model, read.target, _materialise(reader, read, target_device, model.config))
         tensors, read_bytes = reader.tensors, reader.bytes
     _tie(model, ties)
     _recompute_non_persistent_buffers(model, expert_prefixes, target_device)
@@ -301,6 +307,21 @@ def _materialise(reader: _TensorReader, read: _Read, device: torch.device, confi
     assert block is not None  # checked with the headers
     scales = reader.read(read.scales).to(device)
     return dequantize_fp8_block(stored.to(device), scales, block, read.dtype)
+
+
+def _keeps_fp8(model: Any, name: str) -> bool:
+    module_name, _, attr = name.rpartition(".")
+    return attr == "weight" and converts_to_fp8(model.get_submodule(module_name), module_name)
+
+
+def _set_fp8_linear(model: Any, reader: _TensorReader, read: _Read, device: torch.device) -> None:
+    """Replace the linear whose weight is ``read`` with an :class:`Fp8Linear` of the stored fp8 weight and scales."""
+    block = _fp8_block(model.config)
+    assert block is not None and read.scales is not None  # checked with the headers
+    module_name = read.target.rpartition(".")[0]
+    parent_name, _, attr = module_name.rpartition(".")
+    linear = Fp8Linear(reader.read(read.key).to(device), reader.read(read.scales).to(device), block)
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, linear)
 
 
 def _set_tensor(model: Any, name: str, value: torch.Tensor) -> None:

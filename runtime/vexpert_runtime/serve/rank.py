@@ -76,6 +76,7 @@ class ServeWorkerArgs:
     # slots hold rows resolved by the same rule, so a rank's resident and slot rows are of one format
     expert_format: str = "auto"
     expert_compute: str = "w8a16"  # FP8 rows against activations of the compute dtype or FP8 ones (model.expert_compute)
+    linear_format: str = "dense"  # a block-FP8 checkpoint's non-expert linears dequantised or kept (model.linear_format)
 
 
 def kv_cache_blocks(args: ServeWorkerArgs, model: HFStepModel, device: torch.device) -> int:
@@ -132,7 +133,7 @@ class ServingRank:
         del reader
         self.model = HFStepModel(args.model_dir, device=device, dtype=dtype, block_size=args.kv_block_size,
                                  load_experts=False, executor=self.experts, max_context=args.max_context,
-                                 kv_cache_dtype=args.kv_cache_dtype)
+                                 kv_cache_dtype=args.kv_cache_dtype, fp8_linears=args.linear_format == "fp8_block")
         self.model.allocate_kv_cache(kv_cache_blocks(args, self.model, device))
         if args.compile or (args.compile is None and graph_stream is not None):
             self.model.compile_pieces()  # compiled at the first calls: the graphs' warm-up passes

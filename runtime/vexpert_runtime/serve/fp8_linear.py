@@ -1,0 +1,84 @@
+"""Block-FP8 linear layers kept as stored (``model.linear_format: fp8_block``): half the HBM of bf16 weights.
+
+A block-FP8 checkpoint (DeepSeek-V3's, Kimi-K2's) stores every projection as F8_E4M3 with F32 ``weight_scale_inv``
+blocks. By default a serving rank dequantises the non-expert ones at load (attention, shared experts, dense
+MLPs: ~17 B parameters of DeepSeek-V3, 34 GB in bf16 on *every* rank, since attention is not sharded); kept FP8
+they take ~17 GB, and the KV cache gets the difference. :class:`Fp8Linear` replaces such an ``nn.Linear``: its
+weight stays fp8 with its scales, and the product runs as :func:`fp8_linear` — on a GPU the expert GEMM's Triton
+kernel over one "expert" (:func:`~vexpert_runtime.model.grouped_gemm_kernel.grouped_gemm`: fp8 weights widened in
+the kernel, W8A16, no dequantised copy), elsewhere a dequantised copy per call (CPU ranks keep dense layers unless
+asked: see ``node/setup.py``). :func:`fp8_linear` is a torch custom op, so ``torch.compile``'d pieces that call a
+projection see one opaque node and CUDA graphs capture its kernel.
+
+Not converted: linears with a bias (none in DeepSeek-V3's FP8 release) and MLA's ``kv_b_proj``, whose weight the
+decode absorbs into the query and the output (:mod:`.attention_layers` reads it as a matrix).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vexpert_runtime.model.expert_format import dequantize_fp8_block
+from vexpert_runtime.model.grouped_moe import triton_experts_run
+
+# Linears whose weight is read as a matrix elsewhere (MLA's absorbed up-projection): they stay dequantised.
+KEPT_DENSE = ("kv_b_proj",)
+
+
+@torch.library.custom_op("vexpert::fp8_linear", mutates_args=())
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block_n: int,
+               block_k: int) -> torch.Tensor:
+    """x [M, K] (compute dtype) times the block-FP8 weight [N, K]ᵀ (``scale_inv`` [⌈N/block_n⌉, ⌈K/block_k⌉]
+    float32) → [M, N] in x's dtype."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if triton_experts_run(x):
+        from vexpert_runtime.model.grouped_gemm_kernel import grouped_gemm
+
+        offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+        return grouped_gemm(x, weight.unsqueeze(0), offs, scales=scale_inv.unsqueeze(0),
+                            scale_block=(block_n, block_k))
+    return F.linear(x, dequantize_fp8_block(weight, scale_inv, (block_n, block_k), x.dtype))
+
+
+@fp8_linear.register_fake
+def _fp8_linear_shape(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block_n: int,
+                      block_k: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+class Fp8Linear(nn.Module):
+    """``y = x @ Wᵀ`` with W kept block-FP8: ``weight`` [N, K] float8_e4m3fn and ``weight_scale_inv`` (buffers,
+    the checkpoint's names) of ``block`` (rows, columns) tiles."""
+
+    weight: torch.Tensor
+    weight_scale_inv: torch.Tensor
+
+    def __init__(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
+        super().__init__()
+        if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or weight_scale_inv.dtype != torch.float32:
+            raise ValueError(f"Fp8Linear wants a float8_e4m3fn [N, K] weight and float32 scales, got {weight.dtype} "
+                             f"{list(weight.shape)} and {weight_scale_inv.dtype}")
+        self.out_features, self.in_features = (int(n) for n in weight.shape)
+        self.block = block
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale_inv", weight_scale_inv)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out = fp8_linear(flat, self.weight, self.weight_scale_inv, self.block[0], self.block[1])
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [N, K] in ``dtype`` (what a load-time dequantisation would have kept)."""
+        return dequantize_fp8_block(self.weight, self.weight_scale_inv, self.block, dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
+
+
+def converts_to_fp8(module: nn.Module, name: str) -> bool:
+    """Whether the linear ``module`` (at ``name`` in the model) is kept block-FP8 under ``linear_format: fp8_block``."""
+    return type(module) is nn.Linear and module.bias is None and not name.endswith(KEPT_DENSE)
