@@ -201,6 +201,9 @@ def main() -> int:
     parser.add_argument("--block-fp8", action="store_true",
                         help="the checkpoint's block-FP8 copy (DeepSeek-V3's released format), loaded as a serving rank "
                              "loads it: experts FP8 rows read in place, the rest dequantised to bf16 (the bound counts so)")
+    parser.add_argument("--linear-format", choices=("dense", "fp8_block"), default="dense",
+                        help="with --block-fp8: the other linear layers dequantised at load or kept FP8 (vexpert serve "
+                             "--linear-format; the bound counts their bytes as served)")
     parser.add_argument("--expert-compute", choices=("w8a16", "w8a8"), default="w8a16",
                         help="with --block-fp8: the FP8 rows against bf16 activations or FP8 ones (vexpert serve "
                              "--expert-compute)")
@@ -220,7 +223,8 @@ def main() -> int:
     model = HFStepModel(args.model_dir, device="cuda", dtype=torch.bfloat16,
                         kv_cache_tokens=max_seqs * (max(args.context, args.chunk) + 32),
                         overlap_shared_experts=args.shared_expert_stream == "on", kv_cache_dtype=args.kv_cache_dtype,
-                        load_experts=executor is None, executor=executor)
+                        load_experts=executor is None, executor=executor,
+                        fp8_linears=args.block_fp8 and args.linear_format == "fp8_block")
     if executor is None:
         model.executor = EPExperts.for_model(model, 0, 1, None, max_tokens=args.max_batch_tokens)
     # structured output: every other token allowed (bits 0x55555555), a new mask written into every row's bias
@@ -295,12 +299,14 @@ def main() -> int:
             end.record(stream)
             end.synchronize()
             graph_ms = start.elapsed_time(end) / args.iters
-            bound = hbm_bound(args.model_dir, batch, args.context, model.kv_dtype)
+            bound = hbm_bound(args.model_dir, batch, args.context, model.kv_dtype,
+                              fp8_linears=args.block_fp8 and args.linear_format == "fp8_block")
             flops = step_flops(model, batch, args.context)
             row = {"batch": batch, "context": args.context, "sampling": sampling,
                    "shared_expert_stream": args.shared_expert_stream, "kv_cache_dtype": args.kv_cache_dtype,
                    "experts": "block_fp8" if args.block_fp8 else "bf16",
                    "expert_compute": args.expert_compute if args.block_fp8 else "bf16",
+                   "linear_format": args.linear_format if args.block_fp8 else "dense",
                    "kv_splits": graphs.key_for(work)[2],
                    "graph_ms": round(graph_ms, 3),
                    "launch_span_ms": round(step_ms, 3), "host_launch_ms": round(host_ms, 3),

@@ -39,7 +39,8 @@
 #   STAGE=w8a8   FP8 rows against FP8 activations (--expert-compute w8a8, activations quantised ahead of each GEMM): the
 #                W8A8 GPU tests (the kernel = its float32 twin at DeepSeek-V3's sizes, the node verifies, graphed ==
 #                eager), the kernel beside W8A16 (fp8_expert.py), its launch points (--w8a8; APPLY=1 writes the
-#                table), then the graphed decode step W8A16 vs W8A8 at 16 / 64 / 256 sequences (~9 min)
+#                table), then the graphed decode step W8A16 vs W8A8 vs W8A16 with the other linears FP8 too
+#                (--linear-format fp8_block) at 16 / 64 / 256 sequences (~9 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
 #                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
 #                profile, with the EP layer's share of a traced iteration (~6 min)
@@ -180,17 +181,18 @@ case "${STAGE:-tests}" in
     bench . blockfp8 --model-dir /tmp/bench-ds3 --block-fp8 --streams ${STREAMS:-256 64} "${LOAD[@]}" ;;
   w8a8)  # FP8 activations against FP8 rows: tests, the kernel, its launch points, the decode step (~9 min)
     PYTHONPATH=$HEAD_PATH timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_expert_format_gpu.py \
-      tests/test_serve_gpu.py -k "${TESTS:-fp8}" 2>&1 | tee "$OUT/pytest_gpu_w8a8.txt" | tail -3
+      tests/test_serve_gpu.py tests/test_grouped_gemm_kernel.py -k "${TESTS:-fp8}" 2>&1 | tee "$OUT/pytest_gpu_w8a8.txt" | tail -3
     PYTHONPATH=$HEAD_PATH timeout 80 python3 benchmarks/fp8_expert.py --experts 8 --pairs 32 128 512 --skewed \
       > "$OUT/fp8_expert_8_skewed_w8a8.json" 2>&1; grep -E '^\{"pairs' "$OUT/fp8_expert_8_skewed_w8a8.json"
     PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/grouped_gemm_tuning.py --w8a8 --tokens 16 64 256 \
       ${APPLY:+--apply} --out "$OUT/grouped_gemm_tuning_w8a8.json" 2>&1 | grep -E "<=" | tail -6
-    for compute in w8a16 w8a8; do
-      share=2; [ "$compute" = w8a8 ] && share=1
+    for compute in w8a16 w8a8 w8a16-fp8linears; do
+      share=3; [ "$compute" = w8a8 ] && share=2; [ "$compute" = w8a16-fp8linears ] && share=1
+      linears=dense; [ "$compute" = w8a16-fp8linears ] && linears=fp8_block
       PYTHONPATH=$HEAD_PATH timeout $(( (${LIMIT:-560} - SECONDS) / share )) python3 \
-        benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --block-fp8 --expert-compute $compute \
-        --batches 16 64 256 --context 96 --out "$OUT/decode_step_bound_experts_$compute.json" 2>&1 \
-        | grep -v "Loading weights" | grep '^{' | cut -c1-300
+        benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --block-fp8 --expert-compute ${compute%%-*} \
+        --linear-format $linears --batches 16 64 256 --context 96 --out "$OUT/decode_step_bound_experts_$compute.json" \
+        2>&1 | grep -v "Loading weights" | grep '^{' | cut -c1-300
     done ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }

@@ -120,12 +120,13 @@ def hf_generate(model_dir: Path, streams: list[int], prompt_ids: list[int], new_
     return out
 
 
-def hbm_bound(model_dir: Path, batch: int, mean_context: float, kv_dtype: torch.dtype = torch.bfloat16
-              ) -> dict[str, Any]:
+def hbm_bound(model_dir: Path, batch: int, mean_context: float, kv_dtype: torch.dtype = torch.bfloat16,
+              fp8_linears: bool = False) -> dict[str, Any]:
     """Bytes one decode step of ``batch`` sequences must read, and that ÷ HBM bandwidth (the KV cache in
     ``kv_dtype``: ``--kv-cache-dtype fp8`` halves its bytes). Weights count as served: bf16, except a block-FP8
     checkpoint's routed experts, which stay FP8 (a byte per weight, plus their float32 block scales); its other
-    projections are dequantised to bf16 at load, so their scales are never read."""
+    projections are dequantised to bf16 at load, so their scales are never read — unless ``fp8_linears``
+    (``--linear-format fp8_block``): then they too count as stored, but MLA's kv_b_proj (kept dense)."""
     from safetensors import safe_open
 
     from vexpert_runtime.serve.attention_layers import kv_layout
@@ -140,10 +141,10 @@ def hbm_bound(model_dir: Path, batch: int, mean_context: float, kv_dtype: torch.
                 numel = 1
                 for n in shape:
                     numel *= n
-                expert = ".experts." in name
+                stays_fp8 = ".experts." in name or (fp8_linears and "kv_b_proj" not in name)  # (if stored so)
                 if name.endswith("_scale_inv"):
-                    nbytes = numel * 4 if expert else 0
-                elif tensor.get_dtype() == "F8_E4M3" and expert:
+                    nbytes = numel * 4 if stays_fp8 else 0
+                elif tensor.get_dtype() == "F8_E4M3" and stays_fp8:
                     nbytes = numel
                 else:
                     nbytes = numel * 2  # served in bf16

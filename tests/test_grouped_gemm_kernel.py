@@ -231,3 +231,24 @@ def test_triton_grouped_swiglu_matches_grouped_mm_at_deepseek_sizes(tokens: int)
     got = grouped_swiglu(x, w13, w2, offs).float()  # the default on CUDA: the Triton kernel
     used = int(offs[-1])
     assert (got[:used] - want[:used]).abs().max() <= 0.02 * want[:used].abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [16, 256])
+def test_fp8_linears_at_deepseek_sizes_equal_the_dequantised_product(rows: int) -> None:
+    """DeepSeek-V3's attention output projection (16384 → 7168) and q_b (1536 → 24576) kept block-FP8
+    (``--linear-format fp8_block``): the kernel's product equals bf16 ``F.linear`` over the dequantised weight."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("triton")
+    from vexpert_runtime.model.expert_format import quantize_fp8_block
+    from vexpert_runtime.model.moe_math import relative_error
+    from vexpert_runtime.serve.fp8_linear import Fp8Linear
+
+    torch.manual_seed(rows)
+    for out_features, in_features in ((7168, 16384), (24576, 1536)):
+        weight = torch.randn(out_features, in_features, device="cuda") / in_features**0.5
+        linear = Fp8Linear(*quantize_fp8_block(weight, (128, 128)), (128, 128))
+        x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+        want = torch.nn.functional.linear(x, linear.dequantized(torch.bfloat16)).float()
+        assert relative_error(linear(x).float(), want) <= 1e-2, (out_features, in_features)

@@ -33,7 +33,7 @@ LinearFormatChoice = Literal["dense", "fp8_block"]  # a block-FP8 checkpoint's n
 LINEAR_FORMAT_HELP = (
     "A block-FP8 checkpoint's non-expert linear layers (attention projections but MLA's kv_b_proj, shared experts, "
     "dense MLPs): dense = dequantised to the compute dtype at load (the default), fp8_block = kept FP8 with their "
-    "block scales (half the HBM: ~17 GB less per DeepSeek-V3 rank, left to the KV cache; the GPU multiplies them "
+    "block scales (half their HBM: ~14 GB less per DeepSeek-V3 rank, left to the KV cache; the GPU multiplies them "
     "with the expert GEMM's kernel, W8A16; CPU ranks dequantise per call). Needs a block-FP8 checkpoint"
 )
 EXPERT_COMPUTE_HELP = (
