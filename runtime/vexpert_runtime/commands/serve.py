@@ -346,10 +346,10 @@ def _start_message(served: _Served, args: argparse.Namespace, api_key: str | Non
         rows = f" as block-FP8 rows{' (quantised at load)' if spec.fp8_block is None else ''}"
         if spec.fp8_activations:
             rows += " × FP8 activations (w8a8)" if setup.device == "cuda" else " × FP8 activations (w8a8, emulated)"
-    if setup.linear_format == "fp8_block":
-        rows += ", other linear layers block-FP8"
     else:  # a block-FP8 checkpoint's experts in the compute dtype (--expert-format dense, or auto on CPU ranks)
         rows = "" if spec.fp8_block is None else " as dense rows (dequantised at load)"
+    if setup.linear_format == "fp8_block":
+        rows += ", other linear layers block-FP8"
     return (f"serving {what} as {served.name!r} on {args.host}:{args.port}{servers}: "
             f"{setup.local_workers} {setup.device} ranks, {spec.num_layers} MoE layers × {spec.num_experts} "
             f"experts{rows}, G·Vmax = {setup.slots} slots per rank"
