@@ -458,3 +458,24 @@ def test_rank_start_peak_rss_is_its_share_not_the_checkpoint(tmp_path: Path) -> 
     # ...and with this rank's half of the experts the process stays far from the whole checkpoint.
     assert got["total"] < 0.6 * file_bytes
     assert non_expert < 0.05 * file_bytes
+
+
+def test_nonexpert_bytes_counts_a_deepseek_v3_rank_with_the_loaders_rule() -> None:
+    """benchmarks/nonexpert_bytes.py (DeepSeek-V3 on the meta device): its FP8 linears are the bias-free ``*_proj``
+    layers but ``kv_b_proj`` (MLA's q/kv/o projections, shared experts, dense MLPs), and FP8 saves a byte per weight
+    less the scales."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "nonexpert_bytes.py")], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(repo / "runtime")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(proc.stdout)
+    hidden, layers, dense_layers, q_lora, kv_lora, heads = 7168, 61, 3, 1536, 512, 128
+    mla = hidden * q_lora + q_lora * heads * 192 + hidden * (kv_lora + 64) + heads * 128 * hidden  # no kv_b_proj
+    mlps = dense_layers * 3 * hidden * 18432 + (layers - dense_layers) * 3 * hidden * 2048  # dense + shared experts
+    assert row["fp8_linear_params"] == layers * mla + mlps
+    saved = row["fp8_linear_weights"] - row["fp8_linear_scales"]  # 2 bytes → 1, plus the scales
+    assert abs(row["saved_gb"] - saved / 1e9) < 0.01 and 13 < row["saved_gb"] < 15
