@@ -21,9 +21,12 @@ in Triton's interpreter against the per-expert loop.
 
 Block-FP8 experts (DeepSeek-V3's checkpoint format) are read as stored: fp8 weights, widened in the kernel, and
 their float32 block scales (:meth:`~.expert_format.ExpertFormat.fp8_stack`; W8A16 — the activations stay bf16),
-half the bytes of a bf16 expert and no dequantised copy; their own launch table (:data:`_FP8_CONFIGS`). (The gate
-and up halves' FP8 branches are written out twice on purpose: a shared helper compiles to other SASS than the
-binaries run 26 measured.)
+half the bytes of a bf16 expert and no dequantised copy; their own launch table (:data:`_FP8_CONFIGS`). W8A8
+(``model.expert_compute: w8a8``): the activations arrive quantised too — FP8 with a float32 scale per row and
+weight scale column, made ahead of the kernel by :func:`~.fp8_activations.quantize_activation_groups` —, and each K
+tile's dot runs on the FP8 tensor cores, scaled by both; its own table (:data:`_W8A8_CONFIGS`). (The gate and up
+halves' FP8 branches are written out twice on purpose: a shared helper compiles to other SASS than the binaries
+run 26 measured.)
 """
 
 from __future__ import annotations
