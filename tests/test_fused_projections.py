@@ -79,3 +79,33 @@ def test_projections_of_different_inputs_are_refused() -> None:
         fuse_linears([torch.nn.Linear(4, 3), torch.nn.Linear(5, 3)])
     with pytest.raises(ValueError, match="bias"):
         fuse_linears([torch.nn.Linear(4, 3), torch.nn.Linear(4, 3, bias=False)])
+
+
+def test_block_fp8_linears_fuse_where_their_rows_fill_whole_blocks() -> None:
+    """``--linear-format fp8_block``: a tiny DeepSeek-V3 whose linears are block-FP8 (16 × 16): the SwiGLU MLPs' gate
+    and up fuse (fp8 weights and scales concatenated, the originals views into them), MLA's a-projections do not
+    (kv_a's 40 rows are not whole blocks, as DeepSeek-V3's 576 are not), and the model computes what it did."""
+    from torch import nn
+
+    from vexpert_runtime.model.expert_format import quantize_fp8_block
+    from vexpert_runtime.serve.fp8_linear import Fp8Linear, converts_to_fp8
+
+    original = tiny_random_model("deepseek_v3")
+    for name, module in list(original.named_modules()):
+        if isinstance(module, nn.Linear) and converts_to_fp8(module, name) and name != "lm_head":
+            parent, _, attr = name.rpartition(".")
+            setattr(original.get_submodule(parent), attr,
+                    Fp8Linear(*quantize_fp8_block(module.weight.detach(), (16, 16)), (16, 16)))
+    attn = original.model.layers[0].self_attn
+    assert attn.kv_a_proj_with_mqa.out_features % 16 and attn.q_a_proj.out_features % 16 == 0
+    fused = copy.deepcopy(original)
+    assert fuse_model_projections(fused) == {"mla_a": 0, "gqa_qkv": 0, "mlp_gate_up": 3}
+    mlp = fused.model.layers[0].mlp
+    assert isinstance(mlp, GateUpMLP) and isinstance(mlp.gate_up_proj, Fp8Linear)
+    gate = fused.model.layers[0].mlp.gate_up_proj.weight
+    assert original.model.layers[0].mlp.gate_proj.weight.shape[0] * 2 == gate.shape[0]
+    tokens = torch.randint(0, 96, (1, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(tokens).logits, original(tokens).logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="whole blocks"):
+        fuse_linears([attn.q_a_proj, attn.kv_a_proj_with_mqa])

@@ -12,8 +12,11 @@ concatenated weights and splits the output:
 * GQA (Qwen): ``q_proj``, ``k_proj``, ``v_proj`` (with their biases, Qwen2) → ``attn.fused_qkv_proj``;
 * SwiGLU MLPs (shared experts, dense layers): ``gate_proj`` and ``up_proj`` → :class:`GateUpMLP`.
 
-Only plain ``nn.Linear`` modules are fused: a subclass (transformers' FP8 linear with its block scales,
-a quantized or LoRA layer) computes more than ``x @ Wᵀ + b`` and is left as it is. Each output column is
+Only plain ``nn.Linear`` modules are fused — a subclass (transformers' FP8 linear with its block scales,
+a quantized or LoRA layer) computes more than ``x @ Wᵀ + b`` and is left as it is — and our own block-FP8
+linears (:class:`~.fp8_linear.Fp8Linear`, ``--linear-format fp8_block``) where each one's rows fill whole scale
+blocks (their weights and scales concatenate then: DeepSeek-V3's shared experts and dense MLPs, 2048 and 18432
+rows; not MLA's 576-row ``kv_a_proj_with_mqa``). Each output column is
 the same dot product as before (only the GEMM's tiling may differ). The original
 ``Linear`` modules stay, their weights now views into the fused one (no second copy), so anything that
 calls them still works.
@@ -27,14 +30,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from vexpert_runtime.serve.fp8_linear import Fp8Linear
 from vexpert_runtime.serve.sparse_blocks import decoder_layers
 
 
-def fuse_linears(linears: Sequence[nn.Linear]) -> nn.Linear:
+def fuse_linears(linears: Sequence[nn.Module]) -> nn.Module:
     """One ``Linear`` whose output is the concatenation of ``linears``' outputs (same input width;
-    all with a bias or none); each original's weight and bias become views into it."""
-    if any(type(layer) is not nn.Linear for layer in linears):
-        raise ValueError(f"only plain nn.Linear fuses, got {sorted({type(layer).__name__ for layer in linears})}")
+    all with a bias or none); each original's weight and bias become views into it. Block-FP8
+    :class:`Fp8Linear` s fuse alike (:func:`fuse_fp8_linears`)."""
+    if linears and all(type(layer) is Fp8Linear for layer in linears):
+        return fuse_fp8_linears([layer for layer in linears if isinstance(layer, Fp8Linear)])
+    return _fuse_plain_linears(linears)
+
+
+def _fuse_plain_linears(modules: Sequence[nn.Module]) -> nn.Linear:
+    linears = [layer for layer in modules if type(layer) is nn.Linear and isinstance(layer, nn.Linear)]
+    if len(linears) != len(modules):
+        raise ValueError(f"only plain nn.Linear fuses, got {sorted({type(layer).__name__ for layer in modules})}")
     widths = {layer.in_features for layer in linears}
     biased = {layer.bias is not None for layer in linears}
     if len(widths) != 1 or len(biased) != 1:
@@ -54,6 +66,30 @@ def fuse_linears(linears: Sequence[nn.Linear]) -> nn.Linear:
     return fused
 
 
+def fuse_fp8_linears(linears: Sequence[Fp8Linear]) -> Fp8Linear:
+    """One :class:`Fp8Linear` whose output is the concatenation of ``linears``' outputs: fp8 weights and block
+    scales concatenated along the output rows (each linear's rows must fill whole scale blocks, one block size,
+    one input width); each original's weight and scales become views into it."""
+    if not _fp8_fusable(linears):
+        raise ValueError("block-FP8 linears fuse when they share the input width and block size and each one's "
+                         f"rows fill whole blocks: got {[(m.out_features, m.in_features, m.block) for m in linears]}")
+    block = linears[0].block
+    fused = Fp8Linear(torch.cat([m.weight for m in linears]), torch.cat([m.weight_scale_inv for m in linears]), block)
+    start = 0
+    for layer in linears:
+        end = start + layer.out_features
+        layer.weight = fused.weight[start:end]
+        layer.weight_scale_inv = fused.weight_scale_inv[start // block[0]:end // block[0]]
+        start = end
+    return fused
+
+
+def _fp8_fusable(linears: Sequence[nn.Module]) -> bool:
+    fp8 = [m for m in linears if type(m) is Fp8Linear]
+    return (len(fp8) == len(linears) > 0 and len({(m.in_features, m.block) for m in fp8}) == 1
+            and all(m.out_features % m.block[0] == 0 for m in fp8))
+
+
 class GateUpMLP(nn.Module):
     """A SwiGLU MLP (``down(act(gate(x)) · up(x))``) with gate and up as one GEMM."""
 
@@ -70,11 +106,15 @@ class GateUpMLP(nn.Module):
 
 
 def _plain_linears(module: Any, names: tuple[str, ...]) -> bool:
-    return all(type(getattr(module, name, None)) is nn.Linear for name in names)
+    """Whether ``module``'s ``names`` are linears that fuse: all plain ``nn.Linear``, or all block-FP8 ones that
+    concatenate (:func:`fuse_fp8_linears`)."""
+    layers = [layer for name in names if isinstance(layer := getattr(module, name, None), nn.Module)]
+    return len(layers) == len(names) and (all(type(layer) is nn.Linear for layer in layers) or _fp8_fusable(layers))
 
 
 def _is_swiglu_mlp(module: Any) -> bool:
-    return _plain_linears(module, ("gate_proj", "up_proj", "down_proj")) and callable(getattr(module, "act_fn", None))
+    return (_plain_linears(module, ("gate_proj", "up_proj")) and isinstance(getattr(module, "down_proj", None), nn.Module)
+            and callable(getattr(module, "act_fn", None)))
 
 
 def fuse_model_projections(model: Any) -> dict[str, int]:
