@@ -83,8 +83,9 @@ def test_projections_of_different_inputs_are_refused() -> None:
 
 def test_block_fp8_linears_fuse_where_their_rows_fill_whole_blocks() -> None:
     """``--linear-format fp8_block``: a tiny DeepSeek-V3 whose linears are block-FP8 (16 × 16): the SwiGLU MLPs' gate
-    and up fuse (fp8 weights and scales concatenated, the originals views into them), MLA's a-projections do not
-    (kv_a's 40 rows are not whole blocks, as DeepSeek-V3's 576 are not), and the model computes what it did."""
+    and up fuse (fp8 weights and scales concatenated, the originals views into them), and so do MLA's a-projections
+    — kv_a's 40 rows end in a partial block, as DeepSeek-V3's 576 do, which only the last linear may —, and the model
+    computes what it did."""
     from torch import nn
 
     from vexpert_runtime.model.expert_format import quantize_fp8_block
@@ -99,7 +100,14 @@ def test_block_fp8_linears_fuse_where_their_rows_fill_whole_blocks() -> None:
     attn = original.model.layers[0].self_attn
     assert attn.kv_a_proj_with_mqa.out_features % 16 and attn.q_a_proj.out_features % 16 == 0
     fused = copy.deepcopy(original)
-    assert fuse_model_projections(fused) == {"mla_a": 0, "gqa_qkv": 0, "mlp_gate_up": 3}
+    assert fuse_model_projections(fused) == {"mla_a": 3, "gqa_qkv": 0, "mlp_gate_up": 3}
+    fused_attn = fused.model.layers[0].self_attn
+    assert isinstance(fused_attn.fused_a_proj, Fp8Linear) and fused_attn.fused_a_proj.weight_scale_inv.shape[0] == \
+        -(-(attn.q_a_proj.out_features + attn.kv_a_proj_with_mqa.out_features) // 16)
+    assert fused_attn.kv_a_proj_with_mqa.weight.untyped_storage().data_ptr() == \
+        fused_attn.fused_a_proj.weight.untyped_storage().data_ptr()  # a view into the fused weight, no second copy
+    x = torch.randn(5, attn.q_a_proj.in_features)
+    torch.testing.assert_close(fused_attn.kv_a_proj_with_mqa(x), attn.kv_a_proj_with_mqa(x), rtol=0, atol=0)
     mlp = fused.model.layers[0].mlp
     assert isinstance(mlp, GateUpMLP) and isinstance(mlp.gate_up_proj, Fp8Linear)
     gate = fused.model.layers[0].mlp.gate_up_proj.weight
@@ -107,5 +115,5 @@ def test_block_fp8_linears_fuse_where_their_rows_fill_whole_blocks() -> None:
     tokens = torch.randint(0, 96, (1, 11))
     with torch.no_grad():
         torch.testing.assert_close(fused(tokens).logits, original(tokens).logits, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="whole blocks"):
-        fuse_linears([attn.q_a_proj, attn.kv_a_proj_with_mqa])
+    with pytest.raises(ValueError, match="whole blocks"):  # a partial block in the middle of the fused rows
+        fuse_linears([attn.kv_a_proj_with_mqa, attn.q_a_proj])

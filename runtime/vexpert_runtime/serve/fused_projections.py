@@ -14,9 +14,9 @@ concatenated weights and splits the output:
 
 Only plain ``nn.Linear`` modules are fused — a subclass (transformers' FP8 linear with its block scales,
 a quantized or LoRA layer) computes more than ``x @ Wᵀ + b`` and is left as it is — and our own block-FP8
-linears (:class:`~.fp8_linear.Fp8Linear`, ``--linear-format fp8_block``) where each one's rows fill whole scale
-blocks (their weights and scales concatenate then: DeepSeek-V3's shared experts and dense MLPs, 2048 and 18432
-rows; not MLA's 576-row ``kv_a_proj_with_mqa``). Each output column is
+linears (:class:`~.fp8_linear.Fp8Linear`, ``--linear-format fp8_block``) where every one but the last fills whole
+scale blocks (their weights and scales concatenate then: DeepSeek-V3's 1536-row ``q_a_proj`` before the 576-row
+``kv_a_proj_with_mqa``, the shared experts' and dense MLPs' gate and up). Each output column is
 the same dot product as before (only the GEMM's tiling may differ). The original
 ``Linear`` modules stay, their weights now views into the fused one (no second copy), so anything that
 calls them still works.
@@ -68,18 +68,19 @@ def _fuse_plain_linears(modules: Sequence[nn.Module]) -> nn.Linear:
 
 def fuse_fp8_linears(linears: Sequence[Fp8Linear]) -> Fp8Linear:
     """One :class:`Fp8Linear` whose output is the concatenation of ``linears``' outputs: fp8 weights and block
-    scales concatenated along the output rows (each linear's rows must fill whole scale blocks, one block size,
-    one input width); each original's weight and scales become views into it."""
+    scales concatenated along the output rows (every linear's rows but the last's must fill whole scale blocks — a
+    partial block may only end the fused weight —, one block size, one input width); each original's weight and
+    scales become views into it."""
     if not _fp8_fusable(linears):
-        raise ValueError("block-FP8 linears fuse when they share the input width and block size and each one's "
-                         f"rows fill whole blocks: got {[(m.out_features, m.in_features, m.block) for m in linears]}")
+        raise ValueError("block-FP8 linears fuse when they share the input width and block size and every one's rows "
+                         f"but the last's fill whole blocks: got {[(m.out_features, m.in_features, m.block) for m in linears]}")
     block = linears[0].block
     fused = Fp8Linear(torch.cat([m.weight for m in linears]), torch.cat([m.weight_scale_inv for m in linears]), block)
     start = 0
     for layer in linears:
         end = start + layer.out_features
         layer.weight = fused.weight[start:end]
-        layer.weight_scale_inv = fused.weight_scale_inv[start // block[0]:end // block[0]]
+        layer.weight_scale_inv = fused.weight_scale_inv[start // block[0]:-(-end // block[0])]
         start = end
     return fused
 
@@ -87,7 +88,7 @@ def fuse_fp8_linears(linears: Sequence[Fp8Linear]) -> Fp8Linear:
 def _fp8_fusable(linears: Sequence[nn.Module]) -> bool:
     fp8 = [m for m in linears if type(m) is Fp8Linear]
     return (len(fp8) == len(linears) > 0 and len({(m.in_features, m.block) for m in fp8}) == 1
-            and all(m.out_features % m.block[0] == 0 for m in fp8))
+            and all(m.out_features % m.block[0] == 0 for m in fp8[:-1]))
 
 
 class GateUpMLP(nn.Module):
