@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,13 +26,12 @@ from vexpert_runtime.serve.fp8_linear import converts_to_fp8
 BLOCK = (128, 128)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, help="a config.json (default: transformers' DeepseekV3Config())")
-    args = parser.parse_args()
-    from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config
+def rank_bytes(config: Any = None) -> dict[str, Any]:
+    """The counts for ``config`` (a transformers config; default DeepSeek-V3's): FP8 linear parameters, bytes of
+    their weights and scales, the bf16 bytes kept, and the per-rank totals under either linear format."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
 
-    config = AutoConfig.from_pretrained(str(args.config.parent)) if args.config else DeepseekV3Config()
+    config = config or DeepseekV3Config()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     rows: dict[str, int] = {"fp8_linear_weights": 0, "fp8_linear_scales": 0, "bf16_kept": 0}
@@ -51,11 +51,20 @@ def main() -> None:
             rows["bf16_kept"] += 2 * tensor.numel()
     dense = rows["bf16_kept"] + 2 * fp8_params
     kept = rows["bf16_kept"] + rows["fp8_linear_weights"] + rows["fp8_linear_scales"]
-    print(json.dumps({"model": type(model).__name__, "layers": config.num_hidden_layers,
-                      "fp8_linear_params": fp8_params, **rows,
-                      "per_rank_gb_linear_format_dense": round(dense / 1e9, 2),
-                      "per_rank_gb_linear_format_fp8_block": round(kept / 1e9, 2),
-                      "saved_gb": round((dense - kept) / 1e9, 2)}, indent=1))
+    return {"model": type(model).__name__, "layers": config.num_hidden_layers, "fp8_linear_params": fp8_params, **rows,
+            "per_rank_bytes_linear_format_dense": dense, "per_rank_bytes_linear_format_fp8_block": kept,
+            "per_rank_gb_linear_format_dense": round(dense / 1e9, 2),
+            "per_rank_gb_linear_format_fp8_block": round(kept / 1e9, 2), "saved_gb": round((dense - kept) / 1e9, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, help="a config.json (default: transformers' DeepseekV3Config())")
+    args = parser.parse_args()
+    from transformers import AutoConfig
+
+    print(json.dumps(rank_bytes(AutoConfig.from_pretrained(str(args.config.parent)) if args.config else None),
+                     indent=1))
 
 
 if __name__ == "__main__":
