@@ -2,12 +2,13 @@
 
 A block-FP8 checkpoint (DeepSeek-V3's, Kimi-K2's) stores every projection as F8_E4M3 with F32 ``weight_scale_inv``
 blocks. By default a serving rank dequantises the non-expert ones at load (attention, shared experts, dense
-MLPs: 14.1 B parameters of DeepSeek-V3, 28.3 GB in bf16 on *every* rank, since attention is not sharded); kept FP8
-they take 14.1 GB, and the KV cache gets the difference (``benchmarks/nonexpert_bytes.py``). :class:`Fp8Linear` replaces such an ``nn.Linear``: its
-weight stays fp8 with its scales, and the product runs as :func:`fp8_linear` — on a GPU the expert GEMM's Triton
-kernel over one "expert" (:func:`~vexpert_runtime.model.grouped_gemm_kernel.grouped_gemm`: fp8 weights widened in
-the kernel, W8A16, no dequantised copy), elsewhere a dequantised copy per call (CPU ranks keep dense layers unless
-asked: see ``node/setup.py``). :func:`fp8_linear` is a torch custom op, so ``torch.compile``'d pieces that call a
+MLPs: 14.1 B parameters of DeepSeek-V3, 28.3 GB in bf16 on *every* rank, since attention is not sharded); kept
+FP8 they take 14.1 GB, and the KV cache gets the difference (``benchmarks/nonexpert_bytes.py``).
+:class:`Fp8Linear` replaces such an ``nn.Linear``: its weight stays fp8 with its scales, and the product runs as
+:func:`fp8_linear` — on a GPU the expert GEMM's Triton kernel over one "expert"
+(:func:`~vexpert_runtime.model.grouped_gemm_kernel.grouped_gemm`: fp8 weights widened in the kernel, W8A16, no
+dequantised copy), elsewhere a dequantised copy per call (slow: the default, ``dense``, dequantises them once at
+load on every device). :func:`fp8_linear` is a torch custom op, so ``torch.compile``'d pieces that call a
 projection see one opaque node and CUDA graphs capture its kernel.
 
 Not converted: linears with a bias (none in DeepSeek-V3's FP8 release) and MLA's ``kv_b_proj``, whose weight the
