@@ -305,3 +305,23 @@ def test_operator_sizes_the_deepseek_v3_example_with_fp8_bytes() -> None:
     pods = parse_runtime_config(yaml.safe_load(rendered.to_yaml())).model
     assert (pods.expert_compute, pods.linear_format) == ("w8a8", "fp8_block")  # both reach the pods
     assert gpu_bytes_per_gpu(spec, shape) < gpu_bytes_per_gpu(spec, dense)
+
+
+def test_w8a8_is_refused_on_gpus_without_fp8_tensor_cores_and_on_narrow_blocks(
+        fp8_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a GPU node checks at start (``node/setup.check_fp8_options``), with the GPU's answers stubbed here: an
+    A100 (compute capability 8.0) has no FP8 tensor cores; FP8 dots want blocks of 32+ columns; an H100 with
+    128-wide blocks passes."""
+    from vexpert_runtime.node.setup import check_fp8_options
+
+    spec = resolve_expert_storage(read_model_spec(fp8_checkpoint), "auto", "w8a8")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 0))
+    with pytest.raises(VExpertInputError, match=r"model\.expert_compute.*FP8 tensor cores.*A100.*capability 8\.0\) has none"):
+        check_fp8_options(spec, "dense", "cuda")
+    check_fp8_options(spec, "dense", "cpu")  # CPU ranks emulate it
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
+    check_fp8_options(spec, "fp8_block", "cuda")
+    narrow = dataclasses.replace(spec, fp8_block=(16, 16))
+    with pytest.raises(VExpertInputError, match=r"model\.expert_compute.*32 or more"):
+        check_fp8_options(narrow, "dense", "cuda")
