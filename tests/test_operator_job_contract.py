@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from operator_support.samples import spec
-from runtime_support import stop_process
+from runtime_support import stop_process, wait_healthy
 from vexpert_operator import manifests as mf
 from vexpert_operator.calibration import JobSummary, failure_reason, parse_result
 from vexpert_operator.settings import OperatorSettings
@@ -170,20 +170,12 @@ def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) 
     args = [str(path) if a == "/etc/vexpert/runtime.yaml" else a for a in container["args"]]
     args[args.index("--port") + 1] = str(port)
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    log = tmp_path / "serve.log"  # a file, not a pipe nobody reads while the server runs (it could fill and block)
     proc = subprocess.Popen([sys.executable, "-m", "vexpert_runtime", "serve", *args, "--cpu-workers", "2"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "no /health 200 within 120 s"
-            try:
-                if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(proc, base, log, 120)
         models = json.loads(urllib.request.urlopen(base + "/v1/models", timeout=5).read())
         assert models["data"][0]["max_model_len"] == 1024  # the demo checkpoint's own is 4096
         body = json.dumps({"model": "vexpert-demo", "prompt": "Hello", "max_tokens": 4, "priority": -1}).encode()
