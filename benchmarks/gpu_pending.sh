@@ -186,6 +186,7 @@ case "${STAGE:-tests}" in
       > "$OUT/fp8_expert_8_skewed_w8a8.json" 2>&1; grep -E '^\{"pairs' "$OUT/fp8_expert_8_skewed_w8a8.json"
     PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/grouped_gemm_tuning.py --w8a8 --tokens 16 64 256 \
       ${APPLY:+--apply} --out "$OUT/grouped_gemm_tuning_w8a8.json" 2>&1 | grep -E "<=" | tail -6
+    [ -n "${APPLY:-}" ] && cp runtime/vexpert_runtime/model/grouped_gemm_kernel.py "$OUT/"  # the table it wrote
     for compute in w8a16 w8a8 w8a16-fp8linears; do
       share=3; [ "$compute" = w8a8 ] && share=2; [ "$compute" = w8a16-fp8linears ] && share=1
       linears=dense; [ "$compute" = w8a16-fp8linears ] && linears=fp8_block
