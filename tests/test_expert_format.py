@@ -243,6 +243,69 @@ def test_ep_forward_of_fp8_rows_matches_the_dequantised_reference(fp8_checkpoint
         assert relative_error(y, ref) <= tolerance
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_tokens_cross_the_dispatch_quantised_and_compute_the_reference(
+        fp8_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """W8A8 (FP8 rows × FP8 activations): each token is quantised once before the dispatch all-to-all and crosses
+    it as a wire row (its FP8 values, then its float32 scales: ~half a bf16 row's bytes) — and the layer still
+    computes the W8A8 reference, which quantises each expert GEMM's rows after routing: per-row quantisation
+    commutes with the dispatch's row copies. The exchange is watched through the module's own function."""
+    from vexpert_runtime.model import ep_moe
+    from vexpert_runtime.model.fp8_activations import wire_row_bytes
+
+    spec = resolve_expert_storage(read_model_spec(fp8_checkpoint), "auto", "w8a8")
+    reader = CheckpointReader(fp8_checkpoint, spec)
+    reference = ModelWeights.load(reader, dtype)
+    fmt = spec.expert_format(dtype)
+    assert fmt.fp8_activations and fmt.fp8_block is not None
+    sent: list[torch.Tensor] = []
+    exchange = ep_moe._exchange_rows
+    monkeypatch.setattr(ep_moe, "_exchange_rows", lambda x, local, group: (sent.append(x), exchange(x, local, group))[1])
+    x = torch.randn(24, spec.hidden_size, generator=torch.Generator().manual_seed(2)).to(dtype)
+    table = DeviceRoutingTable.of(static_table(spec.num_layers, spec.num_experts, 1, 0), "cpu")
+    for layer in range(spec.num_layers):
+        ids, weights = route(x, reference.routers[layer], spec)
+        stacks = ExpertStacks(reader.experts(layer, list(range(spec.num_experts)), dtype), None,
+                              spec.intermediate_size, format=fmt)
+        y, _ = ep_moe_layer(x, ids, weights, table, layer, stacks, shared_forward(x, reference.shared[layer]),
+                            0, 1, None)
+        ref, _ = reference_moe_layer(x, reference, layer)
+        assert y.dtype == dtype and relative_error(y, ref) <= (1e-5 if dtype == torch.float32 else
+                                                               VERIFY_TOLERANCE["bfloat16"])
+        wire = sent[-1]
+        assert wire.dtype == torch.uint8 and wire.shape == (ids.numel(), wire_row_bytes(spec.hidden_size,
+                                                                                       fmt.fp8_block[1]))
+        assert wire.shape[1] < 0.6 * spec.hidden_size * 2  # against a bf16 row's bytes
+    # W8A16 sends rows of the compute dtype, as before
+    w8a16 = ExpertStacks(reader.experts(0, list(range(spec.num_experts)), dtype), None, spec.intermediate_size,
+                         format=dataclasses.replace(fmt, fp8_activations=False))
+    ids, weights = route(x, reference.routers[0], spec)
+    ep_moe_layer(x, ids, weights, table, 0, w8a16, None, 0, 1, None)
+    assert sent[-1].dtype == dtype and sent[-1].shape == (ids.numel(), spec.hidden_size)
+
+
+def test_w8a8_swiglu_over_wire_rows_is_w8a8_swiglu_over_the_rows(fp8_checkpoint: Path) -> None:
+    """The CPU ranks' W8A8 experts (and the GPU kernel's twin) given the dispatch's wire rows compute, bit for bit,
+    what they compute quantising the same rows themselves — float32 and bf16, hidden sizes with a partial
+    activation group and a width that is not a multiple of 4 (padded before the scales)."""
+    from vexpert_runtime.model.expert_format import w8a8_swiglu
+    from vexpert_runtime.model.fp8_activations import quantized_wire_rows, unpack_wire_rows, wire_row_bytes
+
+    generator = torch.Generator().manual_seed(4)
+    for hidden, group, dtype in ((256, 128, torch.float32), (200, 128, torch.bfloat16), (198, 64, torch.float32)):
+        x = (torch.randn(19, hidden, generator=generator) * 3).to(dtype)
+        w13 = torch.randn(3, 2 * 48, hidden, generator=generator).to(dtype) / hidden ** 0.5
+        w2 = torch.randn(3, hidden, 48, generator=generator).to(dtype) / 48 ** 0.5
+        offs = torch.tensor([5, 5, 17], dtype=torch.int32)
+        wire = quantized_wire_rows(x, group)
+        assert wire.shape == (19, wire_row_bytes(hidden, group)) and wire_row_bytes(hidden, group) % 4 == 0
+        quantised, scales = unpack_wire_rows(wire, hidden)
+        assert quantised.shape == (19, hidden) and scales.shape == (19, -(-hidden // group))
+        assert torch.equal(w8a8_swiglu(quantised, w13, w2, offs, group, scales), w8a8_swiglu(x, w13, w2, offs, group))
+    with pytest.raises(ValueError, match="4-byte-aligned"):
+        unpack_wire_rows(wire[:, 1:], hidden)
+
+
 def test_fp8_reference_is_close_to_the_unquantised_model(fp8_checkpoint: Path) -> None:
     """Sanity of the dequantisation itself: FP8 weights compute what their fp32 originals do, to
     the precision of e4m3 (the checkpoint writer quantised random fp32 weights)."""

@@ -111,7 +111,12 @@ def check_w8a8_kernel_on_cpu() -> None:
     time (the CPU ranks' path) — and both differ from W8A16 by e4m3's error only. Partial scale blocks (I 48, H 80
     over 32×32), the one-scale and per-column paths, both grids, a slot-like slice, misuse named."""
     from vexpert_runtime.model.expert_format import ExpertFormat, w8a8_swiglu
-    from vexpert_runtime.model.fp8_activations import fp8_activation_round_trip, quantize_activation_groups
+    from vexpert_runtime.model.fp8_activations import (
+        fp8_activation_round_trip,
+        quantize_activation_groups,
+        quantized_wire_rows,
+        unpack_wire_rows,
+    )
     from vexpert_runtime.model.grouped_gemm_kernel import grouped_gemm, triton_swiglu
     from vexpert_runtime.model.grouped_moe import grouped_swiglu
 
@@ -133,6 +138,11 @@ def check_w8a8_kernel_on_cpu() -> None:
         got = triton_swiglu(x, stack.w13, stack.w2, offs, configs=configs, scales=(stack.s13, stack.s2),
                             scale_block=block, fp8_activations=True)
         assert torch.allclose(got[:40], twin[:40], rtol=1e-4, atol=1e-4), configs
+        # the dispatch's wire rows (quantised before the all-to-all): the same numbers through strided views
+        quantised, x_scales = unpack_wire_rows(quantized_wire_rows(x, block[1]), hidden)
+        wired = triton_swiglu(quantised, stack.w13, stack.w2, offs, configs=configs, scales=(stack.s13, stack.s2),
+                              scale_block=block, fp8_activations=True, x_scales=x_scales, out=torch.empty_like(x))
+        assert torch.equal(wired[:40], got[:40]), configs
     # the down GEMM alone, into a slice of a larger output (rows around it untouched)
     act = torch.randn(48, intermediate)
     aq, scales = quantize_activation_groups(act, block[1])

@@ -41,7 +41,12 @@ import torch.distributed as dist
 from vexpert_runtime.model import fusion
 from vexpert_runtime.model.dispatch import DispatchMode, dispatch_cum_share
 from vexpert_runtime.model.expert_format import ExpertFormat, w8a8_swiglu
-from vexpert_runtime.model.fp8_activations import ActivationQuantizer, quantize_activation_groups
+from vexpert_runtime.model.fp8_activations import (
+    ActivationQuantizer,
+    quantize_activation_groups,
+    quantized_wire_rows,
+    unpack_wire_rows,
+)
 from vexpert_runtime.model.grouped_moe import (
     GROUP_ALIGN,
     PrepackedExperts,
@@ -555,6 +560,16 @@ class ExpertStacks:
             return packed_views(rows, self.intermediate, hidden)
         return self.format.stack_weights(rows)
 
+    @property
+    def wire_group(self) -> int | None:
+        """W8A8 rows (block FP8, ``fp8_activations``): the columns per activation scale, and tokens cross the
+        dispatch quantised, as wire rows (:func:`~.fp8_activations.pack_wire_rows`); else None (rows of the
+        compute dtype)."""
+        fmt = self.format
+        if fmt is None or fmt.fp8_block is None or not fmt.fp8_activations:
+            return None
+        return fmt.fp8_block[1]
+
     def swiglu(self, x: torch.Tensor, rows: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
                quantize: ActivationQuantizer = quantize_activation_groups) -> torch.Tensor:
         """SwiGLU of x [M, H]'s groups (ends ``offs``) through the stack ``rows`` into ``out``. Block-FP8
@@ -562,18 +577,26 @@ class ExpertStacks:
         tile: half the bytes a bf16 expert reads, and no dequantised copy; W8A8 where the format says
         ``fp8_activations``); elsewhere :func:`grouped_swiglu` over :meth:`weights` (W8A8:
         :func:`~.expert_format.w8a8_swiglu`, the same numbers one expert at a time). ``quantize``: how W8A8's
-        activations are quantised (the EP layer passes its compiled copy where it fuses)."""
+        activations are quantised (the EP layer passes its compiled copy where it fuses). W8A8 only: x may be
+        wire rows [M, B] uint8 (:attr:`wire_group`), quantised before the dispatch; ``out`` is always [M, H] of
+        the compute dtype."""
         fmt = self.format
-        if fmt is not None and fmt.fp8_block is not None and self.grouped is not False and triton_experts_run(x):
+        x_scales = None
+        if x.dtype == torch.uint8:
+            if self.wire_group is None:
+                raise ValueError("uint8 activations are W8A8 wire rows; these experts are not W8A8")
+            x, x_scales = unpack_wire_rows(x, out.shape[1])
+        if fmt is not None and fmt.fp8_block is not None and self.grouped is not False and triton_experts_run(out):
             stack = fmt.fp8_stack(rows)
             if stack is not None:
                 from vexpert_runtime.model.grouped_gemm_kernel import triton_swiglu
 
                 return triton_swiglu(x, stack.w13, stack.w2, offs, out=out, scales=(stack.s13, stack.s2),
-                                     scale_block=stack.block, fp8_activations=fmt.fp8_activations, quantize=quantize)
-        w13, w2 = self.weights(rows, x.shape[1])
+                                     scale_block=stack.block, fp8_activations=fmt.fp8_activations, quantize=quantize,
+                                     x_scales=x_scales)
+        w13, w2 = self.weights(rows, out.shape[1])
         if fmt is not None and fmt.fp8_block is not None and fmt.fp8_activations:
-            return out.copy_(w8a8_swiglu(x, w13, w2, offs, fmt.fp8_block[1]))
+            return out.copy_(w8a8_swiglu(x, w13, w2, offs, fmt.fp8_block[1], x_scales))
         return grouped_swiglu(x, w13, w2, offs, grouped=self.grouped, out=out)
 
 
@@ -585,7 +608,11 @@ def stacked_outputs(buf: torch.Tensor, resident_offs: torch.Tensor, slot_offs: t
     pair over the resident stack (rows [0, resident_rows)), then — after ``slot_wait`` — one over the
     slot stack (the rest), then ``after_compute``. Rows past a region's last group end are undefined.
     Both hooks are called on every call, also when no row goes to a slot."""
-    out = torch.empty_like(buf)
+    if stacks.wire_group is None:
+        out = torch.empty_like(buf)
+    else:  # wire rows in, rows of the compute dtype out
+        assert stacks.format is not None
+        out = buf.new_empty(buf.shape[0], stacks.format.hidden, dtype=stacks.format.compute_dtype)
     if isinstance(stacks.resident, PrepackedExperts):
         out[:resident_rows] = stacks.resident.swiglu(buf[:resident_rows], resident_offs)
     else:
@@ -659,18 +686,21 @@ def ep_moe_layer(
                                    fusion.maybe_compiled(combine_received, fused))
     cum_share = dispatch_cum_share(dispatch, ids, table.gpu[layer], table.cum_share[layer], table.num_gpus,
                                    group, copies=table.copies(layer))
-    send_x, send_local, row_of_pair = pack(x, ids, table.gpu[layer], table.local[layer], cum_share, rank, world,
+    quantize = fusion.maybe_compiled(quantize_activation_groups, fused)
+    # W8A8: each token quantised once, before the all-to-all (not each of its K copies after it), and sent as
+    # FP8 with its scales (DeepEP's FP8 dispatch: ~half the bytes); per-row quantisation, so the same numbers
+    tokens = x if stacks.wire_group is None else fusion.maybe_compiled(quantized_wire_rows, fused)(x, stacks.wire_group)
+    send_x, send_local, row_of_pair = pack(tokens, ids, table.gpu[layer], table.local[layer], cum_share, rank, world,
                                            block)
     recv_x, recv_local = _exchange_rows(send_x, send_local, group)
 
-    grouped = stacks.grouped if stacks.grouped is not None else uses_grouped_gemm(recv_x)
+    grouped = stacks.grouped if stacks.grouped is not None else uses_grouped_gemm(x)
     resident, slots = table.experts_per_gpu, table.slots
     align = group_align(recv_x.device) if grouped else 1
     buf, position, resident_offs, slot_offs, computed = arrange(recv_x, recv_local, resident, slots, align)
     resident_rows = padded_capacity(recv_local.numel(), resident, align)
     # W8A8's activation quantisation fused into one kernel where the layer's bookkeeping is
-    out = stacked_outputs(buf, resident_offs, slot_offs, resident_rows, stacks, slot_wait, after_compute,
-                          fusion.maybe_compiled(quantize_activation_groups, fused))
+    out = stacked_outputs(buf, resident_offs, slot_offs, resident_rows, stacks, slot_wait, after_compute, quantize)
     back = _exchange(out.index_select(0, position), group)
     y, dropped = combine_back(back, row_of_pair, topk_weights, shared_out)
     return y, LayerStats(computed=computed, dropped=dropped, sent=pairs)

@@ -18,7 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from vexpert_runtime.model.expert_layout import DENSE, FP8_BLOCK, Fp8RowLayout, scale_shape
-from vexpert_runtime.model.fp8_activations import FP8_DTYPE, FP8_MAX, fp8_activation_round_trip
+from vexpert_runtime.model.fp8_activations import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_activation_groups,
+    fp8_activation_round_trip,
+)
 from vexpert_runtime.model.grouped_moe import packed_views, swiglu_loop
 from vexpert_runtime.model.moe_math import expert_ffn
 
@@ -55,13 +60,20 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int]) -> tuple[to
     return quantised[:rows, :cols].contiguous(), scale
 
 
-def w8a8_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, group: int) -> torch.Tensor:
+def w8a8_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, group: int,
+                x_scales: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU of x [M, H]'s expert groups (ends ``offs``) over dequantised weights (w13 [E, 2I, H], w2 [E, H, I]),
     each GEMM's activations quantised per row and ``group`` columns first (:func:`fp8_activation_round_trip`):
     what the W8A8 grouped GEMM computes, one expert at a time — the CPU ranks' path (no FP8 tensor cores there:
-    the same numbers, no speed-up) and the kernel's twin. Rows past offs[-1] are zero."""
-    return swiglu_loop(x, w13, w2, offs, w2.shape[-1],
-                       lambda a, w: torch.nn.functional.linear(fp8_activation_round_trip(a, group), w))
+    the same numbers, no speed-up) and the kernel's twin. ``x_scales`` [M, ⌈H/group⌉]: x arrives quantised
+    (fp8, the dispatch's wire rows) and is only dequantised. Rows past offs[-1] are zero; the result is w13's dtype."""
+    def quantised_linear(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(fp8_activation_round_trip(a, group), w)
+
+    if x_scales is None:
+        return swiglu_loop(x, w13, w2, offs, w2.shape[-1], quantised_linear)
+    x = dequantize_activation_groups(x, x_scales, group, w13.dtype)
+    return swiglu_loop(x, w13, w2, offs, w2.shape[-1], torch.nn.functional.linear, quantised_linear)
 
 
 @dataclass(frozen=True)

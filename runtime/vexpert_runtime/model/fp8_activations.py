@@ -1,6 +1,8 @@
-"""FP8 numbers shared by expert rows and activations: e4m3's dtype and range, and the per-token-group quantisation
-of activations that W8A8 expert GEMMs multiply (``model.expert_compute: w8a8``). Pure torch, no other import of
-this package: the Triton kernel's caller, the CPU twin and the reference all quantise with these functions.
+"""FP8 numbers shared by expert rows and activations: e4m3's dtype and range, the per-token-group quantisation
+of activations that W8A8 expert GEMMs multiply (``model.expert_compute: w8a8``), and the wire rows that carry
+quantised activations through the dispatch all-to-all (each row its FP8 values, then its float32 scales, as
+bytes: DeepEP's FP8 dispatch). Pure torch, no other import of this package: the Triton kernel's caller, the CPU
+twin and the reference all quantise with these functions.
 """
 
 from __future__ import annotations
@@ -24,18 +26,65 @@ def quantize_activation_groups(x: torch.Tensor, group: int) -> tuple[torch.Tenso
     rows, cols = x.shape
     groups = -(-cols // group)
     wide = x.to(torch.float32)
-    if cols % group:
-        wide = torch.nn.functional.pad(wide, (0, groups * group - cols))
-    tiles = wide.view(rows, groups, group)
-    scale = tiles.abs().amax(dim=2).clamp(min=1e-12) / FP8_MAX
-    quantised = (tiles / scale[:, :, None]).to(FP8_DTYPE).view(rows, groups * group)
-    return quantised[:, :cols], scale
+    magnitude = wide.abs()  # divided unpadded below: only the amax needs the padding
+    if cols % group:  # the last group partial: its amax over zeros past the end
+        magnitude = torch.nn.functional.pad(magnitude, (0, groups * group - cols))
+    scale = magnitude.view(rows, groups, group).amax(dim=2).clamp(min=1e-12) / FP8_MAX
+    return (wide / per_column(scale, group, cols)).to(FP8_DTYPE), scale
+
+
+def per_column(scale: torch.Tensor, group: int, cols: int) -> torch.Tensor:
+    """Group scales [M, ⌈cols/group⌉] → [M, cols], each column its group's. By index, not
+    ``repeat_interleave(...)[:, :cols]`` or an expand-reshape-slice: inductor (CPU, torch 2.13) compiled those
+    into reads of garbage where the last group was partial (``benchmarks/inductor_partial_group.py``)."""
+    return scale[:, torch.arange(cols, device=scale.device) // group]
 
 
 def fp8_activation_round_trip(x: torch.Tensor, group: int) -> torch.Tensor:
     """x [M, K] quantised as :func:`quantize_activation_groups` does and dequantised, in x's dtype: the
     activations a W8A8 GEMM multiplies."""
     quantised, scale = quantize_activation_groups(x, group)
-    cols = x.shape[1]
-    wide = quantised.to(torch.float32) * scale.repeat_interleave(group, dim=1)[:, :cols]
-    return wide.to(x.dtype)
+    return dequantize_activation_groups(quantised, scale, group, x.dtype)
+
+
+def wire_row_bytes(cols: int, group: int) -> int:
+    """Bytes of one wire row of ``cols`` quantised activations: the FP8 values padded to 4 bytes (so the scales
+    after them are float32-aligned), then ⌈cols/group⌉ float32 scales."""
+    return -(-cols // 4) * 4 + 4 * -(-cols // group)
+
+
+def pack_wire_rows(quantised: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(fp8 [M, K], float32 scales [M, G]) → uint8 wire rows [M, :func:`wire_row_bytes`]: one tensor, so the
+    dispatch moves, gathers and exchanges a token's quantised activations as one row (half a bf16 row's bytes
+    and G·4 more)."""
+    rows, cols = quantised.shape
+    padded = -(-cols // 4) * 4
+    wire = quantised.new_zeros(rows, padded + 4 * scales.shape[1], dtype=torch.uint8)
+    wire[:, :cols] = quantised.view(torch.uint8)
+    wire[:, padded:] = scales.to(torch.float32).contiguous().view(torch.uint8)
+    return wire
+
+
+def unpack_wire_rows(wire: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views (no copy) of wire rows [M, B] uint8 (:func:`pack_wire_rows`, any row stride that keeps float32
+    alignment): (fp8 [M, cols], float32 scales [M, G])."""
+    padded = -(-cols // 4) * 4
+    if wire.dtype != torch.uint8 or wire.stride(-1) != 1 or wire.stride(0) % 4 or wire.storage_offset() % 4:
+        raise ValueError(f"wire rows must be uint8 [M, B] with 4-byte-aligned rows, got {wire.dtype} "
+                         f"{tuple(wire.shape)} strides {wire.stride()} offset {wire.storage_offset()}")
+    return wire[:, :cols].view(FP8_DTYPE), wire[:, padded:].view(torch.float32)
+
+
+def dequantize_activation_groups(quantised: torch.Tensor, scales: torch.Tensor, group: int,
+                                 dtype: torch.dtype) -> torch.Tensor:
+    """fp8 [M, K] · float32 scales [M, ⌈K/group⌉] in float32, cast to ``dtype``: what
+    :func:`fp8_activation_round_trip` returns for the rows these were quantised from."""
+    cols = quantised.shape[1]
+    wide = quantised.to(torch.float32) * per_column(scales, group, cols)
+    return wide.to(dtype)
+
+
+def quantized_wire_rows(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] quantised per row and ``group`` columns (:func:`quantize_activation_groups`) as wire rows
+    (:func:`pack_wire_rows`): what a W8A8 rank sends the dispatch all-to-all."""
+    return pack_wire_rows(*quantize_activation_groups(x, group))

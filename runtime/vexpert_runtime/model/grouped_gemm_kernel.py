@@ -292,7 +292,8 @@ def triton_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: to
                   configs: tuple[LaunchConfig, LaunchConfig] | None = None,
                   out: torch.Tensor | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                   scale_block: tuple[int, int] = (128, 128), fp8_activations: bool = False,
-                  quantize: ActivationQuantizer = quantize_activation_groups) -> torch.Tensor:
+                  quantize: ActivationQuantizer = quantize_activation_groups,
+                  x_scales: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`~.grouped_moe.grouped_swiglu` as two Triton launches: x [M, H], w13 [E, 2I, H], w2 [E, H, I],
     offs [E] → [M, H] (into ``out`` when given; rows past offs[-1] undefined). ``configs``: (gate_up,
     down) launch parameters, default :func:`launch_config`'s. Block-FP8 experts: w13 and w2
@@ -300,16 +301,22 @@ def triton_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: to
     (:meth:`~.expert_format.ExpertFormat.fp8_stack`). ``fp8_activations`` (W8A8, block-FP8 experts): x and then
     the SwiGLU intermediate (written in x's dtype first) quantised per row and ``scale_block``-wide column group
     (``quantize``: :func:`~.fp8_activations.quantize_activation_groups`, or the same compiled into one kernel by
-    the EP layer's fusion) before each GEMM."""
+    the EP layer's fusion) before each GEMM; with ``x_scales`` x arrives quantised so (float8_e4m3fn, the
+    dispatch's wire rows) and ``out`` gives the result's dtype."""
     gate_up, down = configs or (None, None)
     s13, s2 = scales or (None, None)
     if fp8_activations:
         group = scale_block[1]
-        xq, xs = quantize(x, group)
+        if x_scales is None:
+            xq, xs, dtype = *quantize(x, group), x.dtype
+        elif out is None:
+            raise ValueError("triton_swiglu over quantised x (x_scales) wants out, whose dtype the result takes")
+        else:
+            xq, xs, dtype = x, x_scales, out.dtype
         act = grouped_gemm(xq, w13, offs, swiglu=True, config=gate_up, scales=s13, scale_block=scale_block,
-                           x_scales=xs, out_dtype=x.dtype)
+                           x_scales=xs, out_dtype=dtype)
         aq, as_ = quantize(act, group)
         return grouped_gemm(aq, w2, offs, config=down, out=out, scales=s2, scale_block=scale_block, x_scales=as_,
-                            out_dtype=x.dtype)
+                            out_dtype=dtype)
     act = grouped_gemm(x, w13, offs, swiglu=True, config=gate_up, scales=s13, scale_block=scale_block)
     return grouped_gemm(act, w2, offs, config=down, out=out, scales=s2, scale_block=scale_block)

@@ -84,15 +84,18 @@ def _prepacked_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_loop(x: torch.Tensor, w13: torch.Tensor | Sequence[torch.Tensor],
-                 w2: torch.Tensor | Sequence[torch.Tensor], offs: torch.Tensor, intermediate: int, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                 w2: torch.Tensor | Sequence[torch.Tensor], offs: torch.Tensor, intermediate: int,
+                 linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 linear_down: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """SwiGLU of every expert over its token group, one expert at a time (reads the group ends on the
-    host): ``linear(rows, w13[e])`` then ``linear(act, w2[e])`` per non-empty group."""
+    host): ``linear(rows, w13[e])`` then ``linear_down(act, w2[e])`` (default ``linear``) per non-empty group."""
+    down = linear_down or linear
     out = torch.zeros_like(x)
     start = 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
             h = linear(x[start:end], w13[e])
-            out[start:end] = linear(F.silu(h[:, :intermediate]) * h[:, intermediate:], w2[e])
+            out[start:end] = down(F.silu(h[:, :intermediate]) * h[:, intermediate:], w2[e])
         start = end
     return out
 
