@@ -224,7 +224,8 @@ def main() -> int:
                         kv_cache_tokens=max_seqs * (max(args.context, args.chunk) + 32),
                         overlap_shared_experts=args.shared_expert_stream == "on", kv_cache_dtype=args.kv_cache_dtype,
                         load_experts=executor is None, executor=executor,
-                        fp8_linears=args.block_fp8 and args.linear_format == "fp8_block")
+                        fp8_linears=args.block_fp8 and args.linear_format == "fp8_block",
+                        fp8_activations=args.block_fp8 and args.expert_compute == "w8a8")
     if executor is None:
         model.executor = EPExperts.for_model(model, 0, 1, None, max_tokens=args.max_batch_tokens)
     # structured output: every other token allowed (bits 0x55555555), a new mask written into every row's bias

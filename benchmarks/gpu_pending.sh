@@ -39,8 +39,10 @@
 #   STAGE=w8a8   FP8 rows against FP8 activations (--expert-compute w8a8, activations quantised ahead of each GEMM): the
 #                W8A8 GPU tests (the kernel = its float32 twin at DeepSeek-V3's sizes, the node verifies, graphed ==
 #                eager), the kernel beside W8A16 (fp8_expert.py), its launch points (--w8a8; APPLY=1 writes the
-#                table), then the graphed decode step W8A16 vs W8A8 vs W8A16 with the other linears FP8 too
-#                (--linear-format fp8_block) at 16 / 64 / 256 sequences (~9 min)
+#                table; it comes back in $OUT) (~6 min); STEP=1 goes on with w8a8step
+#   STAGE=w8a8step  the graphed decode step at 16 / 64 / 256 sequences (BATCHES), W8A16 vs W8A8 experts (the tokens
+#                dispatched as FP8 wire rows), each with the other linears bf16 and block-FP8 (--linear-format fp8_block;
+#                W8A8 there too under w8a8) (~8 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
 #                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
 #                profile, with the EP layer's share of a traced iteration (~6 min)
@@ -187,13 +189,16 @@ case "${STAGE:-tests}" in
     PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/grouped_gemm_tuning.py --w8a8 --tokens 16 64 256 \
       ${APPLY:+--apply} --out "$OUT/grouped_gemm_tuning_w8a8.json" 2>&1 | grep -E "<=" | tail -6
     [ -n "${APPLY:-}" ] && cp runtime/vexpert_runtime/model/grouped_gemm_kernel.py "$OUT/"  # the table it wrote
-    for compute in w8a16 w8a8 w8a16-fp8linears; do
-      share=3; [ "$compute" = w8a8 ] && share=2; [ "$compute" = w8a16-fp8linears ] && share=1
-      linears=dense; [ "$compute" = w8a16-fp8linears ] && linears=fp8_block
-      PYTHONPATH=$HEAD_PATH timeout $(( (${LIMIT:-560} - SECONDS) / share )) python3 \
-        benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --block-fp8 --expert-compute ${compute%%-*} \
-        --linear-format $linears --batches 16 64 256 --context 96 --out "$OUT/decode_step_bound_experts_$compute.json" \
-        2>&1 | grep -v "Loading weights" | grep '^{' | cut -c1-300
+    [ -z "${STEP:-}" ] && exit 0  # STEP=1: the decode steps too (else STAGE=w8a8step, a call of its own)
+    ;&
+  w8a8step)  # the graphed decode step: W8A16 / W8A8 experts, each with the other linears bf16 and FP8 (~8 min)
+    variants=(w8a16-dense w8a8-dense w8a16-fp8_block w8a8-fp8_block)
+    for i in "${!variants[@]}"; do
+      variant=${variants[$i]}; left=$(( ${#variants[@]} - i ))
+      PYTHONPATH=$HEAD_PATH timeout $(( (${LIMIT:-560} - SECONDS) / left )) python3 \
+        benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --block-fp8 --expert-compute ${variant%%-*} \
+        --linear-format ${variant#*-} --batches ${BATCHES:-16 64 256} --context 96 \
+        --out "$OUT/decode_step_bound_$variant.json" 2>&1 | grep -v "Loading weights" | grep '^{' | cut -c1-300
     done ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
@@ -201,5 +206,5 @@ case "${STAGE:-tests}" in
       --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json --profile-streams 64 256 \
       --profile-iters 600-619 ;;
   *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | router | sidestream | fp8 | mlalong | priority |" \
-          "fp8experts | fp8step | fp8serve | w8a8 | onoff" >&2; exit 2 ;;
+          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | onoff" >&2; exit 2 ;;
 esac

@@ -117,3 +117,9 @@ def test_block_fp8_linears_fuse_where_their_rows_fill_whole_blocks() -> None:
         torch.testing.assert_close(fused(tokens).logits, original(tokens).logits, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="whole blocks"):  # a partial block in the middle of the fused rows
         fuse_linears([attn.kv_a_proj_with_mqa, attn.q_a_proj])
+    # one activation scheme per fused linear: W8A8 linears fuse into a W8A8 one, never with a W8A16 one
+    gate, up = (Fp8Linear(m.weight, m.weight_scale_inv, m.block, fp8_activations=True)
+                for m in (original.model.layers[0].mlp.gate_proj, original.model.layers[0].mlp.up_proj))
+    assert fuse_linears([gate, up]).fp8_activations
+    with pytest.raises(ValueError, match="activation scheme"):
+        fuse_linears([gate, original.model.layers[0].mlp.up_proj])

@@ -182,6 +182,7 @@ def check_fp8_linear_on_cpu() -> None:
     a strided input, through ``Fp8Linear`` and ``torch.compile`` (the op is one opaque node)."""
     import vexpert_runtime.serve.fp8_linear as fp8_linear_module
     from vexpert_runtime.model.expert_format import quantize_fp8_block
+    from vexpert_runtime.model.fp8_activations import fp8_activation_round_trip
     from vexpert_runtime.serve.fp8_linear import Fp8Linear
 
     fp8_linear_module.triton_experts_run = lambda x: True  # the kernel path, in the interpreter on CPU tensors
@@ -199,6 +200,13 @@ def check_fp8_linear_on_cpu() -> None:
         assert torch.allclose(linear(batched), batched @ dense.T, rtol=1e-4, atol=1e-4)
         compiled = torch.compile(lambda t, layer=linear: layer(t) * 2.0, fullgraph=True)  # no graph break
         assert torch.allclose(compiled(batched), 2.0 * batched @ dense.T, rtol=1e-4, atol=1e-4)
+        if block[1] >= 32:  # W8A8 (FP8 dots want 32-column blocks): the input quantised per row and block column
+            w8a8 = Fp8Linear(weight, scales, block, fp8_activations=True)
+            for rows in (1, 37):
+                x = torch.randn(rows, in_features)
+                want = fp8_activation_round_trip(x, block[1]) @ dense.T
+                assert torch.allclose(w8a8(x), want, rtol=1e-4, atol=1e-4), rows
+                assert not torch.allclose(w8a8(x), x @ dense.T, rtol=1e-3, atol=1e-3)  # it did quantise
 
 
 def test_triton_grouped_swiglu_equals_the_loop_in_the_interpreter() -> None:
@@ -252,6 +260,7 @@ def test_fp8_linears_at_deepseek_sizes_equal_the_dequantised_product(rows: int) 
         pytest.skip("needs a CUDA device")
     pytest.importorskip("triton")
     from vexpert_runtime.model.expert_format import quantize_fp8_block
+    from vexpert_runtime.model.fp8_activations import fp8_activation_round_trip
     from vexpert_runtime.model.moe_math import relative_error
     from vexpert_runtime.serve.fp8_linear import Fp8Linear
 
@@ -262,3 +271,7 @@ def test_fp8_linears_at_deepseek_sizes_equal_the_dequantised_product(rows: int) 
         x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
         want = torch.nn.functional.linear(x, linear.dequantized(torch.bfloat16)).float()
         assert relative_error(linear(x).float(), want) <= 1e-2, (out_features, in_features)
+        # W8A8 (model.expert_compute w8a8): against its float32 twin, the same quantised activations
+        w8a8 = Fp8Linear(linear.weight, linear.weight_scale_inv, (128, 128), fp8_activations=True)
+        twin = fp8_activation_round_trip(x.float(), 128) @ linear.dequantized(torch.float32).T
+        assert relative_error(w8a8(x).float(), twin) <= 1e-2, (out_features, in_features)

@@ -288,6 +288,19 @@ def test_block_fp8_weights_are_dequantised(checkpoints: dict[str, Path], tmp_pat
         x = torch.randn(3, module.in_features)
         assert torch.equal(module(x), x @ dequantize_fp8_block(weight, scales, block, torch.float32).T), name
 
+    # ... multiplied against FP8 activations under model.expert_compute w8a8 (the CPU emulation of W8A8)
+    from vexpert_runtime.model.fp8_activations import fp8_activation_round_trip
+
+    w8a8, _ = load_without_experts(path, "cpu", torch.float32, fp8_linears=True, fp8_activations=True)
+    w8a8_linears = {name: module for name, module in w8a8.named_modules() if isinstance(module, Fp8Linear)}
+    assert w8a8_linears.keys() == fp8.keys() and all(m.fp8_activations for m in w8a8_linears.values())
+    assert not any(m.fp8_activations for m in fp8.values())
+    for name, module in w8a8_linears.items():
+        weight, scales = quantised[name + ".weight"]
+        x = torch.randn(3, module.in_features)
+        dense = dequantize_fp8_block(weight, scales, block, torch.float32)
+        assert torch.equal(module(x), fp8_activation_round_trip(x, block[1]) @ dense.T), name
+
     def stored_bytes(m: Any) -> int:
         return sum(t.numel() * t.element_size() for n, t in [*m.named_parameters(), *m.named_buffers()]
                    if EXPERTS not in n and t.device.type != "meta")

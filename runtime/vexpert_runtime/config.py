@@ -34,14 +34,16 @@ LINEAR_FORMAT_HELP = (
     "A block-FP8 checkpoint's non-expert linear layers (attention projections but MLA's kv_b_proj, shared experts, "
     "dense MLPs): dense = dequantised to the compute dtype at load (the default), fp8_block = kept FP8 with their "
     "block scales (half their HBM: ~14 GB less per DeepSeek-V3 rank, left to the KV cache; the GPU multiplies them "
-    "with the expert GEMM's kernel, W8A16; CPU ranks dequantise per call). Needs a block-FP8 checkpoint"
+    "with the expert GEMM's kernel, W8A16 — W8A8 under expert_compute w8a8; CPU ranks dequantise per call). Needs a "
+    "block-FP8 checkpoint"
 )
 EXPERT_COMPUTE_HELP = (
     "How FP8 expert rows are multiplied: w8a16 = against activations of the compute dtype (the weights widened "
     "in the kernel; the default), w8a8 = against activations quantised to FP8 per token and 128 columns ahead of "
     "each expert GEMM (DeepSeek-V3's activation_scheme dynamic, as vLLM and SGLang serve its FP8 checkpoint; FP8 "
     "tensor cores, a few percent off w8a16's outputs; GPUs of compute capability 8.9+, emulated on CPU ranks). "
-    "Needs FP8 rows (expert_format fp8_block, or auto on a block-FP8 checkpoint)"
+    "With linear_format fp8_block the other FP8 linear layers take FP8 activations too. Needs FP8 rows "
+    "(expert_format fp8_block, or auto on a block-FP8 checkpoint)"
 )
 DispatchChoice = Literal["auto", "plan", "local", "global"]  # see model/dispatch.py
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]  # vLLM's --kv-cache-dtype names; see serve/kv_cache.py

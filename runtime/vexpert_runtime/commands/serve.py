@@ -349,7 +349,7 @@ def _start_message(served: _Served, args: argparse.Namespace, api_key: str | Non
     else:  # a block-FP8 checkpoint's experts in the compute dtype (--expert-format dense, or auto on CPU ranks)
         rows = "" if spec.fp8_block is None else " as dense rows (dequantised at load)"
     if setup.linear_format == "fp8_block":
-        rows += ", other linear layers block-FP8"
+        rows += ", other linear layers block-FP8" + (" × FP8 activations" if spec.fp8_activations else "")
     return (f"serving {what} as {served.name!r} on {args.host}:{args.port}{servers}: "
             f"{setup.local_workers} {setup.device} ranks, {spec.num_layers} MoE layers × {spec.num_experts} "
             f"experts{rows}, G·Vmax = {setup.slots} slots per rank"

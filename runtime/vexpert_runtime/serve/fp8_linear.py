@@ -8,7 +8,9 @@ FP8 they take 14.1 GB, and the KV cache gets the difference (``benchmarks/nonexp
 :func:`fp8_linear` — on a GPU the expert GEMM's Triton kernel over one "expert"
 (:func:`~vexpert_runtime.model.grouped_gemm_kernel.grouped_gemm`: fp8 weights widened in the kernel, W8A16, no
 dequantised copy), elsewhere a dequantised copy per call (slow: the default, ``dense``, dequantises them once at
-load on every device). :func:`fp8_linear` is a torch custom op, so ``torch.compile``'d pieces that call a
+load on every device). Under ``model.expert_compute: w8a8`` (one activation scheme for the model's FP8 GEMMs, as
+DeepSeek-V3's ``activation_scheme: dynamic`` and vLLM's block-FP8 linears have it) the input is quantised per token
+and block column first and the kernel multiplies FP8 by FP8 (W8A8); CPU ranks emulate it with the same quantisation. :func:`fp8_linear` is a torch custom op, so ``torch.compile``'d pieces that call a
 projection see one opaque node and CUDA graphs capture its kernel.
 
 Not converted: linears with a bias (none in DeepSeek-V3's FP8 release) and MLA's ``kv_b_proj``, whose weight the
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vexpert_runtime.model.expert_format import dequantize_fp8_block
+from vexpert_runtime.model.fp8_activations import fp8_activation_round_trip, quantize_activation_groups
 from vexpert_runtime.model.grouped_moe import triton_experts_run
 
 # Linears whose weight is read as a matrix elsewhere (MLA's absorbed up-projection): they stay dequantised.
@@ -30,46 +33,55 @@ KEPT_DENSE = ("kv_b_proj",)
 
 @torch.library.custom_op("vexpert::fp8_linear", mutates_args=())
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block_n: int,
-               block_k: int) -> torch.Tensor:
+               block_k: int, fp8_activations: bool = False) -> torch.Tensor:
     """x [M, K] (compute dtype) times the block-FP8 weight [N, K]ᵀ (``scale_inv`` [⌈N/block_n⌉, ⌈K/block_k⌉]
-    float32) → [M, N] in x's dtype."""
+    float32) → [M, N] in x's dtype; ``fp8_activations`` (W8A8): x quantised per row and ``block_k`` columns first
+    (:func:`~vexpert_runtime.model.fp8_activations.quantize_activation_groups`)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     if triton_experts_run(x):
         from vexpert_runtime.model.grouped_gemm_kernel import grouped_gemm
 
         offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+        if fp8_activations:
+            quantised, x_scales = quantize_activation_groups(x, block_k)
+            return grouped_gemm(quantised, weight.unsqueeze(0), offs, scales=scale_inv.unsqueeze(0),
+                                scale_block=(block_n, block_k), x_scales=x_scales, out_dtype=x.dtype)
         return grouped_gemm(x, weight.unsqueeze(0), offs, scales=scale_inv.unsqueeze(0),
                             scale_block=(block_n, block_k))
+    if fp8_activations:
+        x = fp8_activation_round_trip(x, block_k)
     return F.linear(x, dequantize_fp8_block(weight, scale_inv, (block_n, block_k), x.dtype))
 
 
 @fp8_linear.register_fake
 def _fp8_linear_shape(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block_n: int,
-                      block_k: int) -> torch.Tensor:
+                      block_k: int, fp8_activations: bool = False) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
 class Fp8Linear(nn.Module):
     """``y = x @ Wᵀ`` with W kept block-FP8: ``weight`` [N, K] float8_e4m3fn and ``weight_scale_inv`` (buffers,
-    the checkpoint's names) of ``block`` (rows, columns) tiles."""
+    the checkpoint's names) of ``block`` (rows, columns) tiles; against FP8 activations where ``fp8_activations``."""
 
     weight: torch.Tensor
     weight_scale_inv: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
+    def __init__(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block: tuple[int, int],
+                 fp8_activations: bool = False) -> None:
         super().__init__()
         if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or weight_scale_inv.dtype != torch.float32:
             raise ValueError(f"Fp8Linear wants a float8_e4m3fn [N, K] weight and float32 scales, got {weight.dtype} "
                              f"{list(weight.shape)} and {weight_scale_inv.dtype}")
         self.out_features, self.in_features = (int(n) for n in weight.shape)
         self.block = block
+        self.fp8_activations = fp8_activations
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale_inv", weight_scale_inv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = fp8_linear(flat, self.weight, self.weight_scale_inv, self.block[0], self.block[1])
+        out = fp8_linear(flat, self.weight, self.weight_scale_inv, self.block[0], self.block[1], self.fp8_activations)
         return out.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -77,7 +89,8 @@ class Fp8Linear(nn.Module):
         return dequantize_fp8_block(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}, "
+                f"{'w8a8' if self.fp8_activations else 'w8a16'}")
 
 
 def converts_to_fp8(module: nn.Module, name: str) -> bool:

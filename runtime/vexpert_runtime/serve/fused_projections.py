@@ -69,13 +69,15 @@ def _fuse_plain_linears(modules: Sequence[nn.Module]) -> nn.Linear:
 def fuse_fp8_linears(linears: Sequence[Fp8Linear]) -> Fp8Linear:
     """One :class:`Fp8Linear` whose output is the concatenation of ``linears``' outputs: fp8 weights and block
     scales concatenated along the output rows (every linear's rows but the last's must fill whole scale blocks — a
-    partial block may only end the fused weight —, one block size, one input width); each original's weight and
+    partial block may only end the fused weight —, one block size, one input width, one activation scheme); each original's weight and
     scales become views into it."""
     if not _fp8_fusable(linears):
-        raise ValueError("block-FP8 linears fuse when they share the input width and block size and every one's rows "
-                         f"but the last's fill whole blocks: got {[(m.out_features, m.in_features, m.block) for m in linears]}")
+        raise ValueError("block-FP8 linears fuse when they share the input width, block size and activation scheme "
+                         "and every one's rows but the last's fill whole blocks: got "
+                         f"{[(m.out_features, m.in_features, m.block, m.fp8_activations) for m in linears]}")
     block = linears[0].block
-    fused = Fp8Linear(torch.cat([m.weight for m in linears]), torch.cat([m.weight_scale_inv for m in linears]), block)
+    fused = Fp8Linear(torch.cat([m.weight for m in linears]), torch.cat([m.weight_scale_inv for m in linears]), block,
+                      linears[0].fp8_activations)
     start = 0
     for layer in linears:
         end = start + layer.out_features
@@ -87,7 +89,7 @@ def fuse_fp8_linears(linears: Sequence[Fp8Linear]) -> Fp8Linear:
 
 def _fp8_fusable(linears: Sequence[nn.Module]) -> bool:
     fp8 = [m for m in linears if type(m) is Fp8Linear]
-    return (len(fp8) == len(linears) > 0 and len({(m.in_features, m.block) for m in fp8}) == 1
+    return (len(fp8) == len(linears) > 0 and len({(m.in_features, m.block, m.fp8_activations) for m in fp8}) == 1
             and all(m.out_features % m.block[0] == 0 for m in fp8[:-1]))
 
 

@@ -116,21 +116,23 @@ class HFStepModel:
         kv_cache_dtype: the KV cache's dtype (vLLM's ``--kv-cache-dtype``): "auto" (``dtype``), "fp8" /
             "fp8_e4m3" or "fp8_e5m2" (:mod:`.kv_cache`).
         fp8_linears: with ``load_experts=False``, a block-FP8 checkpoint's non-expert linears stay FP8
-            (``model.linear_format: fp8_block``, :mod:`.fp8_linear`).
+            (``model.linear_format: fp8_block``, :mod:`.fp8_linear`), against FP8 activations where
+            ``fp8_activations`` (``model.expert_compute: w8a8``).
     """
 
     def __init__(self, path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
                  executor: MoEExecutor | None = None, kv_cache_tokens: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, load_experts: bool = True,
                  max_context: int | None = None, overlap_shared_experts: bool = True,
-                 kv_cache_dtype: str = "auto", fp8_linears: bool = False) -> None:
+                 kv_cache_dtype: str = "auto", fp8_linears: bool = False, fp8_activations: bool = False) -> None:
         from transformers import AutoModelForCausalLM
 
         if load_experts:
             model: Any = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
             model = model.to(device)
         else:  # rank-local: every non-expert tensor, no routed expert (an executor brings its own rows)
-            model, self.load_report = load_without_experts(path, device, dtype, fp8_linears=fp8_linears)
+            model, self.load_report = load_without_experts(path, device, dtype, fp8_linears=fp8_linears,
+                                                           fp8_activations=fp8_activations)
         self.model: Any = model.eval()
         self.config = model.config
         self.device = torch.device(device)

@@ -147,7 +147,8 @@ class _TensorReader:
 
 
 def load_without_experts(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
-                         *, attn_implementation: str | None = None, fp8_linears: bool = False) -> tuple[Any, LoadReport]:
+                         *, attn_implementation: str | None = None, fp8_linears: bool = False,
+                         fp8_activations: bool = False) -> tuple[Any, LoadReport]:
     """The transformers causal LM of checkpoint directory ``path`` with every tensor but the routed
     experts loaded on ``device`` (in ``dtype``, float32 where transformers keeps float32), in eval mode.
 
@@ -156,7 +157,8 @@ def load_without_experts(path: str | Path, device: torch.device | str = "cpu", d
     ``AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)`` exactly, non-persistent
     buffers (rotary frequencies) included. ``attn_implementation`` as in ``from_pretrained``.
     ``fp8_linears`` (``model.linear_format: fp8_block``): a block-FP8 checkpoint's bias-free linears stay FP8
-    (:class:`~.fp8_linear.Fp8Linear`, weight and scales as stored) instead of being dequantised.
+    (:class:`~.fp8_linear.Fp8Linear`, weight and scales as stored) instead of being dequantised, multiplied against
+    FP8 activations where ``fp8_activations`` (``model.expert_compute: w8a8``).
 
     Raises :class:`VExpertInputError` (field ``model.checkpoint_path``) naming the first missing,
     wrong-shaped or wrong-typed tensor, before any tensor is read.
@@ -182,7 +184,7 @@ def load_without_experts(path: str | Path, device: torch.device | str = "cpu", d
         plan, ties = _plan(model, reader, expert_prefixes, dtype)
         for read in plan:  # every header checked: only now is tensor data read
             if fp8_linears and read.scales is not None and _keeps_fp8(model, read.target):
-                _set_fp8_linear(model, reader, read, target_device)
+                _set_fp8_linear(model, reader, read, target_device, fp8_activations)
             else:
                 _set_tensor(model, read.target, _materialise(reader, read, target_device, model.config))
         tensors, read_bytes = reader.tensors, reader.bytes
@@ -314,13 +316,14 @@ def _keeps_fp8(model: Any, name: str) -> bool:
     return attr == "weight" and converts_to_fp8(model.get_submodule(module_name), module_name)
 
 
-def _set_fp8_linear(model: Any, reader: _TensorReader, read: _Read, device: torch.device) -> None:
+def _set_fp8_linear(model: Any, reader: _TensorReader, read: _Read, device: torch.device,
+                    fp8_activations: bool) -> None:
     """Replace the linear whose weight is ``read`` with an :class:`Fp8Linear` of the stored fp8 weight and scales."""
     block = _fp8_block(model.config)
     assert block is not None and read.scales is not None  # checked with the headers
     module_name = read.target.rpartition(".")[0]
     parent_name, _, attr = module_name.rpartition(".")
-    linear = Fp8Linear(reader.read(read.key).to(device), reader.read(read.scales).to(device), block)
+    linear = Fp8Linear(reader.read(read.key).to(device), reader.read(read.scales).to(device), block, fp8_activations)
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, linear)
 
 

@@ -133,7 +133,8 @@ class ServingRank:
         del reader
         self.model = HFStepModel(args.model_dir, device=device, dtype=dtype, block_size=args.kv_block_size,
                                  load_experts=False, executor=self.experts, max_context=args.max_context,
-                                 kv_cache_dtype=args.kv_cache_dtype, fp8_linears=args.linear_format == "fp8_block")
+                                 kv_cache_dtype=args.kv_cache_dtype, fp8_linears=args.linear_format == "fp8_block",
+                                 fp8_activations=args.expert_compute == "w8a8")
         self.model.allocate_kv_cache(kv_cache_blocks(args, self.model, device))
         if args.compile or (args.compile is None and graph_stream is not None):
             self.model.compile_pieces()  # compiled at the first calls: the graphs' warm-up passes
