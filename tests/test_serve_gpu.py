@@ -172,7 +172,8 @@ def test_graphed_decode_over_an_fp8_kv_cache_equals_the_eager_step(family: str, 
     assert eager == graphed
 
 
-@pytest.mark.parametrize(("compute", "fp8_linears"), [("w8a16", False), ("w8a8", False), ("w8a16", True)])
+@pytest.mark.parametrize(("compute", "fp8_linears"), [("w8a16", False), ("w8a8", False), ("w8a16", True),
+                                                      ("w8a8", True)])
 def test_a_block_fp8_checkpoint_graphed_equals_the_eager_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                compute: str, fp8_linears: bool) -> None:
     """DeepSeek-V3's own format (every projection block-FP8), loaded as a serving rank loads it: its experts stay
@@ -194,7 +195,7 @@ def test_a_block_fp8_checkpoint_graphed_equals_the_eager_step(tmp_path: Path, mo
                                              max_tokens=64)
         assert executor.resident[0].dtype == torch.uint8  # type: ignore[union-attr]
         model = HFStepModel(fp8, device="cuda", dtype=torch.bfloat16, kv_cache_tokens=512, load_experts=False,
-                            executor=executor, fp8_linears=fp8_linears)
+                            executor=executor, fp8_linears=fp8_linears, fp8_activations=compute == "w8a8")
         assert any(type(m).__name__ == "Fp8Linear" for m in model.model.modules()) == fp8_linears
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
