@@ -15,6 +15,7 @@ from runtime_support import TINY_FP8_DEEPSEEK_SPEC as SPEC
 from vexpert_runtime.config import RuntimeConfig
 from vexpert_runtime.model.checkpoint import CheckpointReader, write_tiny_checkpoint
 from vexpert_runtime.model.ep_moe import DeviceRoutingTable, ExpertStacks, ep_moe_layer, static_table
+from vexpert_runtime.model.fp8_activations import dequantize_activation_groups, quantize_activation_groups
 from vexpert_runtime.model.grouped_moe import uses_grouped_gemm
 from vexpert_runtime.model.moe_math import relative_error, shared_forward
 from vexpert_runtime.model.reference import VERIFY_TOLERANCE, ModelWeights, reference_moe_layer
@@ -53,21 +54,17 @@ def test_fp8_grouped_gemm_on_gpu_equals_the_dequantised_reference(tmp_path: Path
         assert relative_error(y.cpu(), ref) <= VERIFY_TOLERANCE["bfloat16"], layer
 
 
-def _w8a8_twin(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor, group: int) -> torch.Tensor:
-    """W8A8's SwiGLU in float32 (w13, w2: float32 dequantised weights): x quantised as the kernel's caller does, each
-    group's GEMMs in float32, the intermediate rounded to x's dtype and quantised again — as the kernel writes it."""
-    from vexpert_runtime.model.fp8_activations import quantize_activation_groups
-
-    def dequantised(a: torch.Tensor) -> torch.Tensor:
-        q, scale = quantize_activation_groups(a, group)
-        return q.float() * scale.repeat_interleave(group, dim=1)[:, : a.shape[1]]
-
-    inter, out, start = w2.shape[-1], torch.zeros(x.shape[0], w2.shape[1], device=x.device), 0
+def _float32_gemms(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, group: int, swiglu: bool) -> torch.Tensor:
+    """One W8A8 GEMM's float32 twin over the same FP8 numbers: a [M, K] quantised as the kernel's caller does
+    (per row and ``group`` columns), times the float32 dequantised w [E, N, K] per group (SwiGLU of the halves)."""
+    quantised, scales = quantize_activation_groups(a, group)
+    wide = dequantize_activation_groups(quantised, scales, group, torch.float32)
+    width = w.shape[1] // 2 if swiglu else w.shape[1]
+    out, start = torch.zeros(a.shape[0], width, device=a.device), 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
-            h = dequantised(x[start:end]) @ w13[e].T
-            act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype)
-            out[start:end] = dequantised(act) @ w2[e].T
+            h = wide[start:end] @ w[e].T
+            out[start:end] = torch.nn.functional.silu(h[:, :width]) * h[:, width:] if swiglu else h
         start = end
     return out
 
@@ -78,8 +75,8 @@ def test_fp8_experts_at_deepseek_sizes_are_read_in_place(tokens: int, compute: s
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Eight DeepSeek-V3 experts (I 2048, H 7168, 128×128 blocks) as FP8 rows, skewed groups: the EP
     layer's SwiGLU equals the one over their dequantised bf16 stack, makes no dequantised copy (the
-    dequantisation is not called, and the memory it takes stays below a tenth of such a stack). W8A8: equal to
-    its float32 twin (the same quantised activations) and within e4m3's error of W8A16."""
+    dequantisation is not called, and the memory it takes stays below a tenth of such a stack). W8A8: each GEMM
+    equal to its float32 twin over the same FP8 numbers, and the whole within e4m3's error of W8A16."""
     from vexpert_runtime.model.expert_format import ExpertFormat, quantize_fp8_block
     from vexpert_runtime.model.grouped_moe import GROUP_ALIGN, grouped_swiglu
 
@@ -106,8 +103,8 @@ def test_fp8_experts_at_deepseek_sizes_are_read_in_place(tokens: int, compute: s
     want = grouped_swiglu(x, w13, w2, offs).float()
     dequantised_bytes = (w13.numel() + w2.numel()) * 2
     del w13, w2
-    twin = _w8a8_twin(x, *ExpertFormat(inter, hidden, torch.float32, block).stack_weights(stack), offs, block[1]) \
-        if fmt.fp8_activations else None
+    w13_32, w2_32 = ExpertFormat(inter, hidden, torch.float32, block).stack_weights(stack) if fmt.fp8_activations \
+        else (None, None)
     stacks = ExpertStacks(stack, None, inter, format=fmt)
     out = torch.empty_like(x)
     torch.cuda.synchronize()
@@ -118,11 +115,28 @@ def test_fp8_experts_at_deepseek_sizes_are_read_in_place(tokens: int, compute: s
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - before < dequantised_bytes / 10
     got = out.float()
-    if twin is None:
+    if w13_32 is None:
         assert (got[:used] - want[:used]).abs().max() <= 0.02 * want[:used].abs().max()
-    else:
-        assert relative_error(got[:used], twin[:used]) <= 5e-3
-        assert relative_error(got[:used], want[:used]) <= 0.08  # e4m3 activations: 3 mantissa bits
+        return
+    # W8A8, GEMM by GEMM against float32 over the same FP8 numbers (to bf16's rounding of the outputs); the served
+    # SwiGLU is exactly these two launches
+    from vexpert_runtime.model.grouped_gemm_kernel import grouped_gemm
+
+    fp8 = fmt.fp8_stack(stack)
+    assert fp8 is not None and w2_32 is not None
+    xq, xs = quantize_activation_groups(x, block[1])
+    act = grouped_gemm(xq, fp8.w13, offs, swiglu=True, scales=fp8.s13, scale_block=block, x_scales=xs,
+                       out_dtype=torch.bfloat16)
+    assert relative_error(act[:used].float(), _float32_gemms(x, w13_32, offs, block[1], True)[:used]) <= 5e-3
+    aq, as_ = quantize_activation_groups(act, block[1])
+    down = grouped_gemm(aq, fp8.w2, offs, scales=fp8.s2, scale_block=block, x_scales=as_, out_dtype=torch.bfloat16)
+    assert relative_error(down[:used].float(), _float32_gemms(act, w2_32, offs, block[1], False)[:used]) <= 5e-3
+    assert torch.equal(out[:used], down[:used])
+    # the whole of it within e4m3's error of W8A16 (3 mantissa bits: ~5 %). Not against a float32 twin of the
+    # whole: the intermediate is requantised, so a bf16 step between the kernel's and a twin's intermediate flips
+    # e4m3 roundings and group scales — on an H100 the FP8 tensor cores' reduced-precision accumulation within a K
+    # tile made 1.5 % of such a difference at 256 tokens (benchmarks/w8a8_accuracy.py measures both)
+    assert relative_error(got[:used], want[:used]) <= 0.08
 
 
 @pytest.mark.parametrize("compute", ["w8a16", "w8a8"])
