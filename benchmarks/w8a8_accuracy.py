@@ -8,6 +8,7 @@ off (TF32) shows; and the whole SwiGLU against its exact twin, where a small dif
 amplified by its requantisation (an e4m3 rounding or a group's scale flips):
 
     PYTHONPATH=runtime python benchmarks/w8a8_accuracy.py --tokens 16 256
+    PYTHONPATH=runtime python benchmarks/w8a8_accuracy.py --amplification --device cpu   # that amplification alone
 """
 
 from __future__ import annotations
@@ -42,13 +43,45 @@ def _exact(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, swiglu: bool) -
     return out
 
 
+def amplification(device: str, rows: int = 64) -> None:
+    """How much W8A8's requantised intermediate amplifies a small relative error in the gate/up GEMM's output
+    (the kind an FP8 tensor core's reduced-precision accumulation makes): one DeepSeek-V3 expert in float32, the
+    exact intermediate against one perturbed by ``eps`` (relative, Gaussian), both rounded to bf16, requantised and
+    multiplied by the down projection."""
+    from vexpert_runtime.model.fp8_activations import fp8_activation_round_trip
+
+    inter, hidden, block = 2048, 7168, (128, 128)
+    gen = torch.Generator(device=device).manual_seed(0)
+    w13 = torch.cat([dequantize_fp8_block(*quantize_fp8_block(torch.randn(inter, hidden, device=device, generator=gen)
+                                                               * 0.02, block), block, torch.float32)
+                     for _ in range(2)])
+    w2 = dequantize_fp8_block(*quantize_fp8_block(torch.randn(hidden, inter, device=device, generator=gen) * 0.02,
+                                                  block), block, torch.float32)
+    x = torch.randn(rows, hidden, device=device, generator=gen).to(torch.bfloat16)
+    h = fp8_activation_round_trip(x.float(), 128) @ w13.T
+
+    def down(gate_up: torch.Tensor) -> torch.Tensor:
+        act = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(torch.bfloat16)
+        return fp8_activation_round_trip(act.float(), 128) @ w2.T
+
+    exact = down(h)
+    for eps in (1e-5, 1e-4, 3e-4, 1e-3):
+        noisy = h * (1 + eps * torch.randn(h.shape, device=device, generator=gen))
+        print(json.dumps({"perturbation": eps, "output_relative_difference": round(relative_error(down(noisy), exact), 5)}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 256])
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--sizes", type=int, nargs=2, default=[2048, 7168], help="intermediate, hidden")
     parser.add_argument("--device", default="cuda", help="cpu: with TRITON_INTERPRET=1, small --sizes (a dry run)")
+    parser.add_argument("--amplification", action="store_true", help="only the amplification of a perturbed "
+                        "intermediate (torch, any device: --device cpu)")
     args = parser.parse_args()
+    if args.amplification:
+        amplification(args.device)
+        return
     (inter, hidden), block, device = args.sizes, (128, 128), args.device
     gen = torch.Generator(device=device).manual_seed(0)
     w13q, s13, w2q, s2 = [], [], [], []
