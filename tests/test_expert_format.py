@@ -388,3 +388,29 @@ def test_w8a8_is_refused_on_gpus_without_fp8_tensor_cores_and_on_narrow_blocks(
     narrow = dataclasses.replace(spec, fp8_block=(16, 16))
     with pytest.raises(VExpertInputError, match=r"model\.expert_compute.*32 or more"):
         check_fp8_options(narrow, "dense", "cuda")
+
+
+def test_expert_compute_auto_is_w8a8_for_fp8_rows_on_gpus_with_fp8_tensor_cores(
+        fp8_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``model.expert_compute: auto`` (the default), resolved per node (``node/setup.resolve_expert_compute``; the
+    GPU's answers stubbed): W8A8 for FP8 rows on an H100 (as vLLM and SGLang serve a block-FP8 checkpoint there),
+    W8A16 on an A100, on CPU ranks, for blocks narrower than FP8 dots take and for dense rows; explicit choices
+    pass through unchanged."""
+    from vexpert_runtime.node.setup import resolve_expert_compute
+
+    assert parse_runtime_config({}).model.expert_compute == "auto"
+    fp8_rows = resolve_expert_storage(read_model_spec(fp8_checkpoint), "auto")
+    dense_rows = resolve_expert_storage(read_model_spec(fp8_checkpoint), "dense")
+    quantised_at_load = resolve_expert_storage(read_model_spec(write_tiny_checkpoint(
+        tmp_path / "bf16", dataclasses.replace(FP8_SPEC, fp8_block=None, expert_storage=DENSE))), "fp8_block")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
+    assert resolve_expert_compute("auto", fp8_rows, "cuda") == "w8a8"
+    assert resolve_expert_compute("auto", quantised_at_load, "cuda") == "w8a8"  # 128 x 128 blocks
+    assert resolve_expert_compute("auto", dense_rows, "cuda") == "w8a16"
+    assert resolve_expert_compute("auto", dataclasses.replace(fp8_rows, fp8_block=(16, 16)), "cuda") == "w8a16"
+    assert resolve_expert_compute("auto", fp8_rows, "cpu") == "w8a16"
+    assert resolve_expert_compute("w8a16", fp8_rows, "cuda") == "w8a16"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 0))
+    assert resolve_expert_compute("auto", fp8_rows, "cuda") == "w8a16"
+    assert resolve_expert_compute("w8a8", fp8_rows, "cpu") == "w8a8"  # asked for: emulated
+    assert not resolve_expert_storage(read_model_spec(fp8_checkpoint), "auto", "auto").fp8_activations  # no device

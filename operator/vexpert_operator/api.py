@@ -109,7 +109,7 @@ class ModelSpec(CamelModel):
         "checkpoint's own (DeepSeek-V3/R1, Kimi-K2) or a dense checkpoint's experts quantised at load in 128x128 "
         "blocks; dense = dtype; auto follows the checkpoint but is sized as dense",
     )
-    expert_compute: ExpertComputeChoice = Field("w8a16", description=EXPERT_COMPUTE_HELP)
+    expert_compute: ExpertComputeChoice = Field("auto", description=EXPERT_COMPUTE_HELP)
     linear_format: LinearFormatChoice = Field("dense", description=LINEAR_FORMAT_HELP)
 
     @model_validator(mode="after")

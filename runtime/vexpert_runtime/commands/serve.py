@@ -123,7 +123,7 @@ def register(subparsers: Any) -> None:
                              "dense = in the model dtype (FP8 dequantised at load), fp8_block = FP8 rows (a dense "
                              "checkpoint's experts quantised at load, 128x128 blocks)")
     parser.add_argument("--expert-compute", choices=get_args(ExpertComputeChoice), default=None,
-                        help=EXPERT_COMPUTE_HELP + " (the config's model.expert_compute, default w8a16)")
+                        help=EXPERT_COMPUTE_HELP + " (the config's model.expert_compute, default auto)")
     parser.add_argument("--linear-format", choices=get_args(LinearFormatChoice), default=None,
                         help=LINEAR_FORMAT_HELP + " (the config's model.linear_format, default dense)")
     parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDtype), default=None,

@@ -88,7 +88,8 @@ def resolve_expert_storage(spec: MoESpec, requested: str, compute: str = "w8a16"
     a block-FP8 checkpoint's own, or a dense checkpoint's experts quantised at load in 128 × 128 blocks
     (DeepSeek's converter's scheme; vLLM's ``--quantization fp8`` does the same for a whole model). Then
     ``model.expert_compute``: ``w8a16`` (FP8 rows against activations of the compute dtype) or ``w8a8``
-    (activations quantised to FP8 too: FP8 rows only)."""
+    (activations quantised to FP8 too: FP8 rows only); ``auto`` is w8a16 here, where no device is known
+    (:func:`~vexpert_runtime.node.setup.resolve_expert_compute` resolves it for a node's GPUs)."""
     if requested == "auto":
         resolved = spec
     elif requested in (DENSE, FP8_BLOCK):
