@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # What the next H200 session must measure for issue #21, in device calls that each end inside 10 minutes
 # (benchmarks/README.md §10, "Next on the H200"). Every stage writes under $OUT.
-# After run 26 (H100s again; block-FP8 experts read in place — fp8experts, fp8step ran there) and a session without device time: w8a8 first, then fp8serve (served tokens/s
-# on the block-FP8 copy; run 26's was cut by the device budget), then sidestream and mlalong on an H200, onoff on two GPUs.
+# After run 27 (an H100: W8A8 measured — the fastest step, now the default for FP8 rows on 8.9+ GPUs — and its GPU test
+# restructured GEMM by GEMM): w8a8check first, then fp8serve (served tokens/s on the block-FP8 copy, W8A8 by default
+# now), the full test list (PART=1 / PART=2), then sidestream and mlalong on an H200, onoff on two GPUs.
 #
 #   STAGE=tests  the full GPU test list (~8 min; run 24 on an H100: 481 s; PART=1 / PART=2 split it in two calls): kernels, graphed == eager, prefix caching and preemption on
 #                graphed overlapped steps, the node's GPU path
@@ -43,6 +44,9 @@
 #   STAGE=w8a8step  the graphed decode step at 16 / 64 / 256 sequences (BATCHES), W8A16 vs W8A8 experts (the tokens
 #                dispatched as FP8 wire rows), each with the other linears bf16 and block-FP8 (--linear-format fp8_block;
 #                W8A8 there too under w8a8) (~8 min)
+#   STAGE=w8a8check  W8A8's accuracy on the GPU: each GEMM against float64 over the kernel's own FP8 inputs and the
+#                whole against its exact twin, per launch configuration (w8a8_accuracy.py), then the W8A8 GPU tests
+#                (each GEMM against float32, the node's --verify, graphed == eager with W8A8 experts and linears) (~4 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
 #                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
 #                profile, with the EP layer's share of a traced iteration (~6 min)
@@ -200,11 +204,17 @@ case "${STAGE:-tests}" in
         --linear-format ${variant#*-} --batches ${BATCHES:-16 64 256} --context 96 \
         --out "$OUT/decode_step_bound_$variant.json" 2>&1 | grep -v "Loading weights" | grep '^{' | cut -c1-300
     done ;;
+  w8a8check)
+    PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/w8a8_accuracy.py --tokens 16 256 > "$OUT/w8a8_accuracy.jsonl" 2>&1
+    cut -c1-2600 "$OUT/w8a8_accuracy.jsonl"
+    PYTHONPATH=$HEAD_PATH timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_expert_format_gpu.py \
+      tests/test_serve_gpu.py tests/test_grouped_gemm_kernel.py -k "${TESTS:-w8a8 or block_fp8_checkpoint_graphed or fp8_linears}" \
+      2>&1 | tee "$OUT/pytest_gpu_w8a8check.txt" | tail -4 ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
     BENCH_TIMEOUT=560 bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \
       --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json --profile-streams 64 256 \
       --profile-iters 600-619 ;;
   *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | router | sidestream | fp8 | mlalong | priority |" \
-          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | onoff" >&2; exit 2 ;;
+          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | onoff" >&2; exit 2 ;;
 esac
