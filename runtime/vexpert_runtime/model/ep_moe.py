@@ -686,6 +686,7 @@ def ep_moe_layer(
                                    fusion.maybe_compiled(combine_received, fused))
     cum_share = dispatch_cum_share(dispatch, ids, table.gpu[layer], table.cum_share[layer], table.num_gpus,
                                    group, copies=table.copies(layer))
+    # W8A8's activation quantisations fused into one kernel each where the layer's bookkeeping is
     quantize = fusion.maybe_compiled(quantize_activation_groups, fused)
     # W8A8: each token quantised once, before the all-to-all (not each of its K copies after it), and sent as
     # FP8 with its scales (DeepEP's FP8 dispatch: ~half the bytes); per-row quantisation, so the same numbers
@@ -699,7 +700,6 @@ def ep_moe_layer(
     align = group_align(recv_x.device) if grouped else 1
     buf, position, resident_offs, slot_offs, computed = arrange(recv_x, recv_local, resident, slots, align)
     resident_rows = padded_capacity(recv_local.numel(), resident, align)
-    # W8A8's activation quantisation fused into one kernel where the layer's bookkeeping is
     out = stacked_outputs(buf, resident_offs, slot_offs, resident_rows, stacks, slot_wait, after_compute, quantize)
     back = _exchange(out.index_select(0, position), group)
     y, dropped = combine_back(back, row_of_pair, topk_weights, shared_out)

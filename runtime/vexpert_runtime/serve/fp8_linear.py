@@ -10,8 +10,10 @@ FP8 they take 14.1 GB, and the KV cache gets the difference (``benchmarks/nonexp
 dequantised copy), elsewhere a dequantised copy per call (slow: the default, ``dense``, dequantises them once at
 load on every device). Under ``model.expert_compute: w8a8`` (one activation scheme for the model's FP8 GEMMs, as
 DeepSeek-V3's ``activation_scheme: dynamic`` and vLLM's block-FP8 linears have it) the input is quantised per token
-and block column first and the kernel multiplies FP8 by FP8 (W8A8); CPU ranks emulate it with the same quantisation. :func:`fp8_linear` is a torch custom op, so ``torch.compile``'d pieces that call a
-projection see one opaque node and CUDA graphs capture its kernel.
+and block column first and the kernel multiplies FP8 by FP8 (W8A8); CPU ranks emulate it with the same
+quantisation. :func:`fp8_linear` is a torch custom op, so ``torch.compile``'d pieces that call a projection see one
+opaque node and CUDA graphs capture its kernel. On an H100 (benchmarks/README.md §10, run 27) this kernel is slower
+than cuBLAS's bf16 GEMMs at DeepSeek-V3's attention shapes: FP8 linears save HBM, not time.
 
 Not converted: linears with a bias (none in DeepSeek-V3's FP8 release) and MLA's ``kv_b_proj``, whose weight the
 decode absorbs into the query and the output (:mod:`.attention_layers` reads it as a matrix).
