@@ -47,6 +47,9 @@
 #   STAGE=w8a8check  W8A8's accuracy on the GPU: each GEMM against float64 over the kernel's own FP8 inputs and the
 #                whole against its exact twin, per launch configuration (w8a8_accuracy.py), then the W8A8 GPU tests
 #                (each GEMM against float32, the node's --verify, graphed == eager with W8A8 experts and linears) (~4 min)
+#   STAGE=linears  the block-FP8 linear layers' launch table (fp8_linear_tuning.py over DeepSeek-V3's linear shapes at
+#                16 / 64 / 256 rows, W8A16 and W8A8, beside cuBLAS bf16; APPLY=1 writes the "linear" rows and brings the
+#                kernel module back), then the graphed step with FP8 linears (w8a8-dense vs w8a8-fp8_block) (~8 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
 #                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
 #                profile, with the EP layer's share of a traced iteration (~6 min)
@@ -210,11 +213,21 @@ case "${STAGE:-tests}" in
     PYTHONPATH=$HEAD_PATH timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_expert_format_gpu.py \
       tests/test_serve_gpu.py tests/test_grouped_gemm_kernel.py -k "${TESTS:-w8a8 or block_fp8_checkpoint_graphed or fp8_linears}" \
       2>&1 | tee "$OUT/pytest_gpu_w8a8check.txt" | tail -4 ;;
+  linears)
+    PYTHONPATH=$HEAD_PATH:$PWD/benchmarks timeout 300 python3 benchmarks/fp8_linear_tuning.py --rows 16 64 256 \
+      ${APPLY:+--apply} --out "$OUT/fp8_linear_tuning.json" 2>&1 | grep -E "rows <=|wrote" | tail -8
+    [ -n "${APPLY:-}" ] && cp runtime/vexpert_runtime/model/grouped_gemm_kernel.py "$OUT/"
+    for variant in w8a8-dense w8a8-fp8_block; do
+      share=2; [ "$variant" = w8a8-fp8_block ] && share=1
+      PYTHONPATH=$HEAD_PATH timeout $(( (${LIMIT:-560} - SECONDS) / share )) python3 benchmarks/decode_step_bound.py \
+        --model-dir /tmp/bench-ds3 --block-fp8 --expert-compute w8a8 --linear-format ${variant#*-} --batches 64 256 \
+        --context 96 --out "$OUT/decode_step_bound_linears_$variant.json" 2>&1 | grep '^{' | cut -c1-300
+    done ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
     BENCH_TIMEOUT=560 bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \
       --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json --profile-streams 64 256 \
       --profile-iters 600-619 ;;
   *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | router | sidestream | fp8 | mlalong | priority |" \
-          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | onoff" >&2; exit 2 ;;
+          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | linears | onoff" >&2; exit 2 ;;
 esac

@@ -184,6 +184,7 @@ _CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
 _FP8_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
     "gate_up": ((24, (16, 64, 128, 8, 3, 1)), (40, (16, 64, 128, 8, 3, 4)), (1 << 30, (64, 64, 128, 4, 3, 0))),
     "down": ((24, (16, 64, 128, 4, 3, 2)), (40, (16, 64, 128, 8, 3, 0)), (1 << 30, (64, 64, 64, 4, 3, 1))),
+    "linear": ((24, (16, 64, 128, 4, 3, 2)), (40, (16, 64, 128, 8, 3, 0)), (1 << 30, (64, 64, 64, 4, 3, 1))),
 }
 
 
@@ -191,15 +192,19 @@ _FP8_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
 # grouped_gemm_tuning.py --w8a8 on an H100 with the activations quantised ahead, as served
 # (results/serve_engine/grouped_gemm_tuning_w8a8_run27b_h100.json, the least time over even + skewed splits per
 # bucket): 1-8 % less than run 26c's table (swept with in-kernel quantisation); the graphed 256-sequence step
-# 1.881 -> 1.847 ms.
+# 1.881 -> 1.847 ms. "linear" (the FP8 linear layers, M rows of one weight) starts as "down"'s choices, which left
+# o_proj's 56 column blocks too few programs at 64 rows (run 27: FP8 linears slower than cuBLAS);
+# benchmarks/fp8_linear_tuning.py sweeps it over DeepSeek-V3's linear shapes.
 _W8A8_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
     "gate_up": ((24, (16, 64, 128, 4, 3, 2)), (40, (16, 64, 128, 4, 3, 4)), (1 << 30, (64, 128, 128, 8, 4, 0))),
     "down": ((24, (16, 128, 128, 4, 3, 0)), (40, (16, 128, 128, 4, 3, 0)), (1 << 30, (64, 128, 128, 4, 4, 0))),
+    "linear": ((24, (16, 128, 128, 4, 3, 0)), (40, (16, 128, 128, 4, 3, 0)), (1 << 30, (64, 128, 128, 4, 4, 0))),
 }
 
 
 def launch_config(gemm: str, rows_per_expert: float, fp8: bool = False, a8: bool = False) -> LaunchConfig:
-    """Launch parameters of ``gemm`` ("gate_up" / "down") for groups of ~``rows_per_expert`` rows (a
+    """Launch parameters of ``gemm`` ("gate_up" / "down"; "linear": a block-FP8 linear layer, one "expert" of
+    :mod:`~vexpert_runtime.serve.fp8_linear`, FP8 tables only) for groups of ~``rows_per_expert`` rows (a
     shape-only figure: the buffer's rows over the experts, so a graph bucket keeps one choice), over
     bf16 / fp16 weights or (``fp8``) block-FP8 ones, against FP8 activations too (``a8``, W8A8)."""
     table = _W8A8_CONFIGS if a8 else _FP8_CONFIGS if fp8 else _CONFIGS

@@ -42,14 +42,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, b
     if x.stride(-1) != 1:
         x = x.contiguous()
     if triton_experts_run(x):
-        from vexpert_runtime.model.grouped_gemm_kernel import grouped_gemm
+        from vexpert_runtime.model.grouped_gemm_kernel import grouped_gemm, launch_config
 
         offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+        config = launch_config("linear", x.shape[0], fp8=True, a8=fp8_activations)  # the linear layers' own table
         if fp8_activations:
             quantised, x_scales = quantize_activation_groups(x, block_k)
-            return grouped_gemm(quantised, weight.unsqueeze(0), offs, scales=scale_inv.unsqueeze(0),
+            return grouped_gemm(quantised, weight.unsqueeze(0), offs, config=config, scales=scale_inv.unsqueeze(0),
                                 scale_block=(block_n, block_k), x_scales=x_scales, out_dtype=x.dtype)
-        return grouped_gemm(x, weight.unsqueeze(0), offs, scales=scale_inv.unsqueeze(0),
+        return grouped_gemm(x, weight.unsqueeze(0), offs, config=config, scales=scale_inv.unsqueeze(0),
                             scale_block=(block_n, block_k))
     if fp8_activations:
         x = fp8_activation_round_trip(x, block_k)
