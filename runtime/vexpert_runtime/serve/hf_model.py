@@ -80,6 +80,13 @@ _SWIGLU_ACTIVATIONS = ("silu", "swish")
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV-cache block (vLLM's default)
 
 
+def add_and_norm(norm: Any, hidden: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream after a block, ``hidden + delta``, and the next norm of it (transformers' own module):
+    compiled, one kernel instead of an add and a norm (vLLM's ``fused_add_rms_norm``)."""
+    total = hidden + delta
+    return total, norm(total)
+
+
 def checked_max_context(requested: int | None, positions: int) -> int:
     """The context served: ``requested`` (``--max-model-len``) if given, else the checkpoint's
     ``positions`` (``max_position_embeddings``); refused beyond it (no RoPE scaling is applied here)."""
@@ -257,9 +264,10 @@ class HFStepModel:
         projections + norms + rotary embedding (:func:`~.attention_layers.mla_inputs`,
         :func:`~.attention_layers.gqa_inputs`); the EP layer's dispatch bookkeeping; sampling.
         Compiles happen at the first calls (the graph warm-up passes). Returns the modules compiled."""
-        modules: list[Any] = [self.model.model.norm, self.model.model.rotary_emb]
-        for layer in decoder_layers(self.model):
-            modules += [layer.input_layernorm, layer.post_attention_layernorm]
+        # the norms after a residual add run inside the compiled add_and_norm (_hidden); the first layer's has no add
+        layers = decoder_layers(self.model)
+        modules: list[Any] = [self.model.model.norm, self.model.model.rotary_emb, layers[0].input_layernorm]
+        for layer in layers:
             if is_sparse_block(layer.mlp):
                 gate = layer.mlp.gate  # a fused router is its own kernels already
                 modules += [None if isinstance(gate, FusedRouter) else gate,
@@ -396,12 +404,18 @@ class HFStepModel:
         cos, sin = self.model.model.rotary_emb(hidden, meta.positions.unsqueeze(0))
         attention = AttentionStep(cos[0], sin[0], meta, None if meta.groups else self._attention_kernel, self.compiled)
         self.executor.token_valid = valid
+        residual_norm = fusion.maybe_compiled(add_and_norm, self.compiled)
+        layers = decoder_layers(self.model)
         try:
-            for index, layer in enumerate(decoder_layers(self.model)):
-                normed = layer.input_layernorm(hidden)
-                hidden = hidden + attention_forward(layer.self_attn, normed, cache.layers[index], attention,
-                                                    self.windows[index])
-                hidden = hidden + self._mlp(layer, index, layer.post_attention_layernorm(hidden))
+            normed = layers[0].input_layernorm(hidden)
+            for index, layer in enumerate(layers):
+                delta = attention_forward(layer.self_attn, normed, cache.layers[index], attention, self.windows[index])
+                hidden, normed = residual_norm(layer.post_attention_layernorm, hidden, delta)
+                delta = self._mlp(layer, index, normed)
+                if index + 1 < len(layers):
+                    hidden, normed = residual_norm(layers[index + 1].input_layernorm, hidden, delta)
+                else:
+                    hidden = hidden + delta
         finally:
             self.executor.token_valid = None
         return hidden
