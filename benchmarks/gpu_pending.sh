@@ -2,8 +2,9 @@
 # What the next H200 session must measure for issue #21, in device calls that each end inside 10 minutes
 # (benchmarks/README.md §10, "Next on the H200"). Every stage writes under $OUT.
 # After run 27 (an H100: W8A8 measured — the fastest step, now the default for FP8 rows on 8.9+ GPUs — and its GPU test
-# restructured GEMM by GEMM): w8a8check first, then fp8serve (served tokens/s on the block-FP8 copy, W8A8 by default
-# now), the full test list (PART=1 / PART=2), then sidestream and mlalong on an H200, onoff on two GPUs.
+# restructured GEMM by GEMM, passing in run 27c): fp8serve first (served tokens/s on the block-FP8 copy, W8A8 by
+# default now), APPLY=1 linears (the FP8 linears' launch rows), the full test list (PART=1 / PART=2: the fused residual
+# norm since), then sidestream and mlalong on an H200, onoff on two GPUs.
 #
 #   STAGE=tests  the full GPU test list (~8 min; run 24 on an H100: 481 s; PART=1 / PART=2 split it in two calls): kernels, graphed == eager, prefix caching and preemption on
 #                graphed overlapped steps, the node's GPU path
