@@ -207,6 +207,10 @@ def check_fp8_linear_on_cpu() -> None:
                 want = fp8_activation_round_trip(x, block[1]) @ dense.T
                 assert torch.allclose(w8a8(x), want, rtol=1e-4, atol=1e-4), rows
                 assert not torch.allclose(w8a8(x), x @ dense.T, rtol=1e-3, atol=1e-3)  # it did quantise
+                eager = w8a8(x)
+                w8a8.compiled = True  # the quantisation by inductor (set with the step's compiled pieces)
+                assert torch.equal(w8a8(x), eager), rows
+                w8a8.compiled = False
 
 
 def test_triton_grouped_swiglu_equals_the_loop_in_the_interpreter() -> None:

@@ -24,20 +24,21 @@ def quantize_activation_groups(x: torch.Tensor, group: int) -> tuple[torch.Tenso
     [M, ⌈K/group⌉]) with ``q · scale ≈ x`` per row and ``group`` columns, scale = amax / 448. Torch ops only,
     so a GPU rank and its CPU twin quantise alike (IEEE division and round-to-nearest-even on both)."""
     rows, cols = x.shape
-    groups = -(-cols // group)
     wide = x.to(torch.float32)
-    magnitude = wide.abs()  # divided unpadded below: only the amax needs the padding
-    if cols % group:  # the last group partial: its amax over zeros past the end
-        magnitude = torch.nn.functional.pad(magnitude, (0, groups * group - cols))
-    scale = magnitude.view(rows, groups, group).amax(dim=2).clamp(min=1e-12) / FP8_MAX
-    return (wide / per_column(scale, group, cols)).to(FP8_DTYPE), scale
+    if cols % group == 0:  # whole groups (DeepSeek-V3's widths): one view of tiles
+        tiles = wide.view(rows, cols // group, group)
+        scale = tiles.abs().amax(dim=2).clamp(min=1e-12) / FP8_MAX
+        return (tiles / scale[:, :, None]).to(FP8_DTYPE).view(rows, cols), scale
+    # A partial last group, group by group: inductor (CPU, torch 2.13) compiled the padded-tile, indexed and
+    # repeat_interleave forms into reads of garbage here (benchmarks/inductor_partial_group.py)
+    parts = _column_groups(wide, group)
+    scale = torch.stack([part.abs().amax(dim=1) for part in parts], dim=1).clamp(min=1e-12) / FP8_MAX
+    return torch.cat([(part / scale[:, i, None]).to(FP8_DTYPE) for i, part in enumerate(parts)], dim=1), scale
 
 
-def per_column(scale: torch.Tensor, group: int, cols: int) -> torch.Tensor:
-    """Group scales [M, ⌈cols/group⌉] → [M, cols], each column its group's. By index, not
-    ``repeat_interleave(...)[:, :cols]`` or an expand-reshape-slice: inductor (CPU, torch 2.13) compiled those
-    into reads of garbage where the last group was partial (``benchmarks/inductor_partial_group.py``)."""
-    return scale[:, torch.arange(cols, device=scale.device) // group]
+def _column_groups(x: torch.Tensor, group: int) -> list[torch.Tensor]:
+    """x [M, K]'s column groups of ``group`` (the last may be partial), as views."""
+    return [x[:, start:start + group] for start in range(0, x.shape[1], group)]
 
 
 def fp8_activation_round_trip(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -78,10 +79,14 @@ def unpack_wire_rows(wire: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch
 def dequantize_activation_groups(quantised: torch.Tensor, scales: torch.Tensor, group: int,
                                  dtype: torch.dtype) -> torch.Tensor:
     """fp8 [M, K] · float32 scales [M, ⌈K/group⌉] in float32, cast to ``dtype``: what
-    :func:`fp8_activation_round_trip` returns for the rows these were quantised from."""
-    cols = quantised.shape[1]
-    wide = quantised.to(torch.float32) * per_column(scales, group, cols)
-    return wide.to(dtype)
+    :func:`fp8_activation_round_trip` returns for the rows these were quantised from (whole groups as tiles, a
+    partial one group by group, as :func:`quantize_activation_groups` does, for its reason)."""
+    rows, cols = quantised.shape
+    if cols % group == 0:
+        tiles = quantised.to(torch.float32).view(rows, cols // group, group) * scales[:, :, None]
+        return tiles.view(rows, cols).to(dtype)
+    parts = _column_groups(quantised, group)
+    return torch.cat([part.to(torch.float32) * scales[:, i, None] for i, part in enumerate(parts)], dim=1).to(dtype)
 
 
 def quantized_wire_rows(x: torch.Tensor, group: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vexpert_runtime.model import fusion
 from vexpert_runtime.model.expert_format import dequantize_fp8_block
 from vexpert_runtime.model.fp8_activations import fp8_activation_round_trip, quantize_activation_groups
 from vexpert_runtime.model.grouped_moe import triton_experts_run
@@ -35,10 +36,11 @@ KEPT_DENSE = ("kv_b_proj",)
 
 @torch.library.custom_op("vexpert::fp8_linear", mutates_args=())
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block_n: int,
-               block_k: int, fp8_activations: bool = False) -> torch.Tensor:
+               block_k: int, fp8_activations: bool = False, compiled: bool = False) -> torch.Tensor:
     """x [M, K] (compute dtype) times the block-FP8 weight [N, K]ᵀ (``scale_inv`` [⌈N/block_n⌉, ⌈K/block_k⌉]
     float32) → [M, N] in x's dtype; ``fp8_activations`` (W8A8): x quantised per row and ``block_k`` columns first
-    (:func:`~vexpert_runtime.model.fp8_activations.quantize_activation_groups`)."""
+    (:func:`~vexpert_runtime.model.fp8_activations.quantize_activation_groups`; ``compiled``: by inductor, one kernel
+    instead of several — the op is opaque to the step's compiled pieces, so it compiles its own)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     if triton_experts_run(x):
@@ -47,7 +49,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, b
         offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
         config = launch_config("linear", x.shape[0], fp8=True, a8=fp8_activations)  # the linear layers' own table
         if fp8_activations:
-            quantised, x_scales = quantize_activation_groups(x, block_k)
+            quantised, x_scales = fusion.maybe_compiled(quantize_activation_groups, compiled)(x, block_k)
             return grouped_gemm(quantised, weight.unsqueeze(0), offs, config=config, scales=scale_inv.unsqueeze(0),
                                 scale_block=(block_n, block_k), x_scales=x_scales, out_dtype=x.dtype)
         return grouped_gemm(x, weight.unsqueeze(0), offs, config=config, scales=scale_inv.unsqueeze(0),
@@ -59,7 +61,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, b
 
 @fp8_linear.register_fake
 def _fp8_linear_shape(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block_n: int,
-                      block_k: int, fp8_activations: bool = False) -> torch.Tensor:
+                      block_k: int, fp8_activations: bool = False, compiled: bool = False) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
@@ -79,12 +81,14 @@ class Fp8Linear(nn.Module):
         self.out_features, self.in_features = (int(n) for n in weight.shape)
         self.block = block
         self.fp8_activations = fp8_activations
+        self.compiled = False  # W8A8's quantisation compiled (set with the step's compiled pieces)
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale_inv", weight_scale_inv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = fp8_linear(flat, self.weight, self.weight_scale_inv, self.block[0], self.block[1], self.fp8_activations)
+        out = fp8_linear(flat, self.weight, self.weight_scale_inv, self.block[0], self.block[1], self.fp8_activations,
+                         self.compiled)
         return out.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:

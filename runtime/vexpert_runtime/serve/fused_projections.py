@@ -78,6 +78,7 @@ def fuse_fp8_linears(linears: Sequence[Fp8Linear]) -> Fp8Linear:
     block = linears[0].block
     fused = Fp8Linear(torch.cat([m.weight for m in linears]), torch.cat([m.weight_scale_inv for m in linears]), block,
                       linears[0].fp8_activations)
+    fused.compiled = linears[0].compiled
     start = 0
     for layer in linears:
         end = start + layer.out_features

@@ -37,6 +37,7 @@ from vexpert_runtime.serve.attention_layers import (
 )
 from vexpert_runtime.serve.cuda_graphs import GraphedSteps
 from vexpert_runtime.serve.events import MAX_LOGPROBS
+from vexpert_runtime.serve.fp8_linear import Fp8Linear
 from vexpert_runtime.serve.fused_projections import fuse_model_projections
 from vexpert_runtime.serve.fused_router import FusedRouter, fuse_model_routers
 from vexpert_runtime.serve.kv_cache import PagedKVCache, blocks_for
@@ -278,6 +279,9 @@ class HFStepModel:
         self.compiled = True
         if hasattr(self.executor, "compiled"):
             self.executor.compiled = True
+        for module in self.model.modules():  # FP8 linears are opaque ops: their W8A8 quantisation compiles on its own
+            if isinstance(module, Fp8Linear):
+                module.compiled = True
         return fusion.compile_modules(modules)
 
     def enable_cuda_graphs(self, max_tokens: int, max_seqs: int, stream: Any) -> None:
