@@ -24,6 +24,7 @@ from grouped_gemm_tuning import time_ms, with_launch_table
 
 from vexpert_runtime.model import grouped_gemm_kernel
 from vexpert_runtime.model.expert_format import quantize_fp8_block
+from vexpert_runtime.model.fp8_activations import quantize_activation_groups
 from vexpert_runtime.model.grouped_gemm_kernel import grouped_gemm, launch_config
 from vexpert_runtime.model.moe_math import relative_error
 from vexpert_runtime.serve.fp8_linear import Fp8Linear
@@ -70,8 +71,6 @@ def main() -> int:
             offs = torch.full((1,), rows, dtype=torch.int32, device=device)
             w, scales = layer.weight.unsqueeze(0), layer.weight_scale_inv.unsqueeze(0)
             if a8:
-                from vexpert_runtime.model.fp8_activations import quantize_activation_groups
-
                 source, x_scales = quantize_activation_groups(x, BLOCK[1])
                 extra = {"x_scales": x_scales, "out_dtype": dtype}
             else:

@@ -48,10 +48,15 @@ def fp8_activation_round_trip(x: torch.Tensor, group: int) -> torch.Tensor:
     return dequantize_activation_groups(quantised, scale, group, x.dtype)
 
 
+def _values_bytes(cols: int) -> int:
+    """A wire row's bytes before its scales: ``cols`` FP8 values padded to 4 bytes (float32-aligned scales)."""
+    return -(-cols // 4) * 4
+
+
 def wire_row_bytes(cols: int, group: int) -> int:
     """Bytes of one wire row of ``cols`` quantised activations: the FP8 values padded to 4 bytes (so the scales
     after them are float32-aligned), then ⌈cols/group⌉ float32 scales."""
-    return -(-cols // 4) * 4 + 4 * -(-cols // group)
+    return _values_bytes(cols) + 4 * -(-cols // group)
 
 
 def pack_wire_rows(quantised: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -59,7 +64,7 @@ def pack_wire_rows(quantised: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
     dispatch moves, gathers and exchanges a token's quantised activations as one row (half a bf16 row's bytes
     and G·4 more)."""
     rows, cols = quantised.shape
-    padded = -(-cols // 4) * 4
+    padded = _values_bytes(cols)
     wire = quantised.new_zeros(rows, padded + 4 * scales.shape[1], dtype=torch.uint8)
     wire[:, :cols] = quantised.view(torch.uint8)
     wire[:, padded:] = scales.to(torch.float32).contiguous().view(torch.uint8)
@@ -69,7 +74,7 @@ def pack_wire_rows(quantised: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
 def unpack_wire_rows(wire: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Views (no copy) of wire rows [M, B] uint8 (:func:`pack_wire_rows`, any row stride that keeps float32
     alignment): (fp8 [M, cols], float32 scales [M, G])."""
-    padded = -(-cols // 4) * 4
+    padded = _values_bytes(cols)
     if wire.dtype != torch.uint8 or wire.stride(-1) != 1 or wire.stride(0) % 4 or wire.storage_offset() % 4:
         raise ValueError(f"wire rows must be uint8 [M, B] with 4-byte-aligned rows, got {wire.dtype} "
                          f"{tuple(wire.shape)} strides {wire.stride()} offset {wire.storage_offset()}")
