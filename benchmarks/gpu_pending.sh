@@ -224,11 +224,20 @@ case "${STAGE:-tests}" in
         --model-dir /tmp/bench-ds3 --block-fp8 --expert-compute w8a8 --linear-format ${variant#*-} --batches 64 256 \
         --context 96 --out "$OUT/decode_step_bound_linears_$variant.json" 2>&1 | grep '^{' | cut -c1-300
     done ;;
+  h200step)  # the graphed decode step on this card: bf16 experts with each kernel's time (--profile), then W8A8 FP8
+    # experts (the block-FP8 copy, as `auto` serves it on 8.9+ GPUs), 16 / 64 / 256 sequences, context 96 (~7 min)
+    PYTHONPATH=$HEAD_PATH timeout $(( (${LIMIT:-540} - SECONDS) / 2 )) python3 benchmarks/decode_step_bound.py \
+      --model-dir /tmp/bench-ds3 --batches ${BATCHES:-16 64 256} --context 96 --profile --top 40 \
+      --out "$OUT/decode_step_bound_bf16_profile.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/decode_step_bound_bf16_profile.log" \
+      | grep '^{' | cut -c1-300
+    PYTHONPATH=$HEAD_PATH timeout $(( ${LIMIT:-540} - SECONDS )) python3 benchmarks/decode_step_bound.py \
+      --model-dir /tmp/bench-ds3 --block-fp8 --expert-compute w8a8 --batches ${BATCHES:-16 64 256} --context 96 \
+      --out "$OUT/decode_step_bound_w8a8.json" 2>&1 | grep -v "Loading weights" | grep '^{' | cut -c1-300 ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
     BENCH_TIMEOUT=560 bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \
       --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json --profile-streams 64 256 \
       --profile-iters 600-619 ;;
   *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | router | sidestream | fp8 | mlalong | priority |" \
-          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | linears | onoff" >&2; exit 2 ;;
+          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | linears | h200step | onoff" >&2; exit 2 ;;
 esac
