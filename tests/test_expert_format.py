@@ -249,7 +249,8 @@ def test_w8a8_tokens_cross_the_dispatch_quantised_and_compute_the_reference(
     """W8A8 (FP8 rows × FP8 activations): each token is quantised once before the dispatch all-to-all and crosses
     it as a wire row (its FP8 values, then its float32 scales: ~half a bf16 row's bytes) — and the layer still
     computes the W8A8 reference, which quantises each expert GEMM's rows after routing: per-row quantisation
-    commutes with the dispatch's row copies. The exchange is watched through the module's own function."""
+    commutes with the dispatch's row copies. What enters the dispatch is watched through the module's own function
+    (one rank: the layout its tokens go straight into)."""
     from vexpert_runtime.model import ep_moe
     from vexpert_runtime.model.fp8_activations import wire_row_bytes
 
@@ -259,8 +260,8 @@ def test_w8a8_tokens_cross_the_dispatch_quantised_and_compute_the_reference(
     fmt = spec.expert_format(dtype)
     assert fmt.fp8_activations and fmt.fp8_block is not None
     sent: list[torch.Tensor] = []
-    exchange = ep_moe._exchange_rows
-    monkeypatch.setattr(ep_moe, "_exchange_rows", lambda x, local, group: (sent.append(x), exchange(x, local, group))[1])
+    arrange = ep_moe.arrange_local
+    monkeypatch.setattr(ep_moe, "arrange_local", lambda tokens, *args: (sent.append(tokens), arrange(tokens, *args))[1])
     x = torch.randn(24, spec.hidden_size, generator=torch.Generator().manual_seed(2)).to(dtype)
     table = DeviceRoutingTable.of(static_table(spec.num_layers, spec.num_experts, 1, 0), "cpu")
     for layer in range(spec.num_layers):
@@ -273,15 +274,15 @@ def test_w8a8_tokens_cross_the_dispatch_quantised_and_compute_the_reference(
         assert y.dtype == dtype and relative_error(y, ref) <= (1e-5 if dtype == torch.float32 else
                                                                VERIFY_TOLERANCE["bfloat16"])
         wire = sent[-1]
-        assert wire.dtype == torch.uint8 and wire.shape == (ids.numel(), wire_row_bytes(spec.hidden_size,
-                                                                                       fmt.fp8_block[1]))
+        assert wire.dtype == torch.uint8 and wire.shape == (x.shape[0], wire_row_bytes(spec.hidden_size,
+                                                                                      fmt.fp8_block[1]))
         assert wire.shape[1] < 0.6 * spec.hidden_size * 2  # against a bf16 row's bytes
     # W8A16 sends rows of the compute dtype, as before
     w8a16 = ExpertStacks(reader.experts(0, list(range(spec.num_experts)), dtype), None, spec.intermediate_size,
                          format=dataclasses.replace(fmt, fp8_activations=False))
     ids, weights = route(x, reference.routers[0], spec)
     ep_moe_layer(x, ids, weights, table, 0, w8a16, None, 0, 1, None)
-    assert sent[-1].dtype == dtype and sent[-1].shape == (ids.numel(), spec.hidden_size)
+    assert sent[-1].dtype == dtype and sent[-1].shape == (x.shape[0], spec.hidden_size)
 
 
 def test_w8a8_swiglu_over_wire_rows_is_w8a8_swiglu_over_the_rows(fp8_checkpoint: Path) -> None:

@@ -70,6 +70,37 @@ def test_the_ep_layers_pieces_compiled_equal_the_eager_ones_at_every_batch_size(
     assert counters["stats"]["unique_graphs"] <= 9  # 3 pieces × (first batch static, batch > 1 symbolic, batch 1)
 
 
+def test_a_single_ranks_layout_and_combine_compiled_equal_the_eager_ones() -> None:
+    """An EP group of one (arrange_local → combine_local), eager and compiled, over batches of 1–96 tokens: the
+    same buffer rows, group ends and outputs; at most three compiles of each piece."""
+    import torch._dynamo
+
+    from vexpert_runtime.model.ep_moe import arrange_local, combine_local
+
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    experts, hidden, top_k = 8, 16, 2
+    table = DeviceRoutingTable.of(static_table(1, experts, 1, 2), "cpu")
+    generator = torch.Generator().manual_seed(0)
+    for batch in (96, 40, 7, 1):
+        x = torch.randn(batch, hidden, generator=generator)
+        ids = torch.randint(0, experts, (batch, top_k), generator=generator)
+        weights = torch.rand(batch, top_k, generator=generator)
+        args = (x, ids, table.gpu[0], table.local[0], table.cum_share[0], experts, 2, 16)
+        eager, fused = arrange_local(*args), compiled(arrange_local)(*args)
+        position = eager[1]
+        assert torch.equal(eager[0][position], fused[0][position])
+        assert all(torch.equal(a, b) for a, b in zip(eager[1:], fused[1:], strict=True))
+        out = eager[0] * 2.0  # any per-row "expert" will do
+        out[position.max() + 1:] = float("nan")  # rows no pair landed on are never read
+        torch.testing.assert_close(compiled(combine_local)(out, position, weights, None),
+                                   combine_local(out, position, weights, None))
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] <= 6  # 2 pieces × (first batch static, batch > 1 symbolic, batch 1)
+
+
 def test_w8a8s_activation_quantisation_compiled_is_bit_for_bit_the_eager_one() -> None:
     """What the EP layer hands W8A8's GEMMs where it fuses: the compiled per-token-group quantisation gives the
     eager one's fp8 bytes and scales over every batch size (partial groups too), in at most three compiles."""

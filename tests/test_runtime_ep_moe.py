@@ -347,6 +347,42 @@ def test_ep_forward_on_one_and_two_ranks_equals_reference_and_old_layer(tmp_path
         assert rows[0]["logical"] == rows[0]["reference_counts"]
 
 
+def test_a_single_rank_lays_its_pairs_out_as_the_send_and_receive_path_does() -> None:
+    """An EP group of one skips the send and return buffers (arrange_local / combine_local): the same buffer rows,
+    group ends, counts and outputs, bit for bit, as pack_dispatch → arrange_received → combine_received at world 1,
+    with and without (empty) slots, aligned groups and not."""
+    from vexpert_runtime.model.ep_moe import (
+        arrange_local,
+        arrange_received,
+        combine_local,
+        combine_received,
+        pack_dispatch,
+    )
+
+    experts, hidden, top_k = 16, 24, 4
+    generator = torch.Generator().manual_seed(5)
+    # (one GPU holds every expert, so a plan places none in its slots: plan_from_slots refuses a second copy there)
+    for table in (static_table(2, experts, 1, 3), static_table(2, experts, 1, 0)):
+        device_table = DeviceRoutingTable.of(table, "cpu")
+        for batch, align in ((40, 16), (7, 1), (1, 16)):
+            x = torch.randn(batch, hidden, generator=generator)
+            ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(batch)])
+            weights = torch.rand(batch, top_k, generator=generator)
+            shared = torch.randn(batch, hidden, generator=generator)
+            gpu, local, cum = device_table.gpu[1], device_table.local[1], device_table.cum_share[1]
+            send_x, send_local, row_of_pair = pack_dispatch(x, ids, gpu, local, cum, 0, 1, batch * top_k)
+            buf, position, resident_offs, slot_offs, computed = arrange_received(send_x, send_local, experts,
+                                                                                 table.slots, align)
+            local_buf, local_position, *local_rest = arrange_local(x, ids, gpu, local, cum, experts, table.slots, align)
+            assert torch.equal(local_position, position[row_of_pair])  # each pair's buffer row
+            assert all(torch.equal(a, b) for a, b in zip(local_rest, (resident_offs, slot_offs, computed), strict=True))
+            assert torch.equal(local_buf[local_position], buf[position])
+            out = torch.randn(buf.shape, generator=generator)  # any per-row "expert" output
+            y, dropped = combine_received(out.index_select(0, position), row_of_pair, weights, shared)
+            assert int(dropped) == 0
+            assert torch.equal(combine_local(out, local_position, weights, shared), y)
+
+
 def test_no_token_dropped_or_duplicated(ep_results: Any) -> None:
     by_case, _ = ep_results
     for name, rows in by_case.items():

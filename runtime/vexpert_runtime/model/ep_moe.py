@@ -499,6 +499,35 @@ def combine_received(back: torch.Tensor, row_of_pair: torch.Tensor, topk_weights
     return combine(topk_weights, outputs, shared_out), dropped
 
 
+def arrange_local(tokens: torch.Tensor, ids: torch.Tensor, gpu: torch.Tensor, local: torch.Tensor,
+                  cum_share: torch.Tensor, resident: int, slots: int, align: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One rank's pairs laid out for its grouped GEMMs straight from its tokens (an EP group of one: no
+    send buffer, no exchange). The same rows :func:`pack_dispatch` → :func:`arrange_received` lay out with
+    ``world`` = 1 and nothing dropped, in one row copy instead of two.
+
+    Args: tokens [B, H'] (rows of the compute dtype, or W8A8 wire rows); ids [B, K]; gpu, local, cum_share
+        [E, R] the layer's table; resident = E, slots = S.
+    Returns buf [M, H'], position [P] (buffer row of each pair), resident_offs [E] int32, slot_offs [S] int32,
+    computed [E + S] int64 — as :func:`arrange_received`.
+    """
+    top_k = ids.shape[1]
+    _, dest_local = choose_replicas(ids, gpu, local, cum_share, 0, 1)
+    layout = receive_layout(dest_local.reshape(-1), resident, slots, align)
+    token_of_pair = torch.arange(ids.numel(), device=tokens.device) // top_k
+    buf = tokens.new_empty(layout.rows, tokens.shape[1])  # no memset: rows no pair lands on are never read
+    buf.index_copy_(0, layout.position, tokens.index_select(0, token_of_pair))
+    return buf, layout.position, layout.resident_offs, layout.slot_offs, layout.computed
+
+
+def combine_local(out: torch.Tensor, position: torch.Tensor, topk_weights: torch.Tensor,
+                  shared_out: torch.Tensor | None) -> torch.Tensor:
+    """:func:`combine_received` for an EP group of one: each pair's output read from its buffer row.
+    Args: out [M, H]; position [P]; topk_weights [B, K]; shared_out [B, H] or None. Returns y [B, H]."""
+    batch, top_k = topk_weights.shape
+    return combine(topk_weights, out.index_select(0, position).view(batch, top_k, out.shape[1]), shared_out)
+
+
 @dataclass
 class LayerStats:
     """What one rank saw in one layer, on the layer's device (read them when it suits the caller):
@@ -691,13 +720,22 @@ def ep_moe_layer(
     # W8A8: each token quantised once, before the all-to-all (not each of its K copies after it), and sent as
     # FP8 with its scales (DeepEP's FP8 dispatch: ~half the bytes); per-row quantisation, so the same numbers
     tokens = x if stacks.wire_group is None else fusion.maybe_compiled(quantized_wire_rows, fused)(x, stacks.wire_group)
+    grouped = stacks.grouped if stacks.grouped is not None else uses_grouped_gemm(x)
+    resident, slots = table.experts_per_gpu, table.slots
+    align = group_align(x.device) if grouped else 1
+    if group is None and world == 1 and block >= pairs:
+        # An EP group of one (a single-GPU server): the pairs go straight to their buffer rows and the outputs are
+        # read back from there — two row copies per layer fewer than through the send and return buffers
+        buf, position, resident_offs, slot_offs, computed = fusion.maybe_compiled(arrange_local, fused)(
+            tokens, ids, table.gpu[layer], table.local[layer], cum_share, resident, slots, align)
+        out = stacked_outputs(buf, resident_offs, slot_offs, padded_capacity(pairs, resident, align), stacks,
+                              slot_wait, after_compute, quantize)
+        y = fusion.maybe_compiled(combine_local, fused)(out, position, topk_weights, shared_out)
+        return y, LayerStats(computed=computed, dropped=torch.zeros((), dtype=torch.int64, device=x.device),
+                             sent=pairs)
     send_x, send_local, row_of_pair = pack(tokens, ids, table.gpu[layer], table.local[layer], cum_share, rank, world,
                                            block)
     recv_x, recv_local = _exchange_rows(send_x, send_local, group)
-
-    grouped = stacks.grouped if stacks.grouped is not None else uses_grouped_gemm(x)
-    resident, slots = table.experts_per_gpu, table.slots
-    align = group_align(recv_x.device) if grouped else 1
     buf, position, resident_offs, slot_offs, computed = arrange(recv_x, recv_local, resident, slots, align)
     resident_rows = padded_capacity(recv_local.numel(), resident, align)
     out = stacked_outputs(buf, resident_offs, slot_offs, resident_rows, stacks, slot_wait, after_compute, quantize)
