@@ -16,6 +16,7 @@ from vexpert_runtime.serve.sparse_blocks import (
     shared_expert,
     shared_expert_output,
     sparse_block_output,
+    sparse_block_parts,
 )
 
 SHARED = {"deepseek_v3": ("DeepseekV3MLP", None), "qwen2_moe": ("Qwen2MoeMLP", "Linear"), "qwen3_moe": (None, None)}
@@ -44,4 +45,31 @@ def test_the_sparse_block_output_is_transformers_block_forward(family: str) -> N
                 _, weights, ids = block.gate(x)
                 routed_only = block.experts(x, ids, weights)
             assert not torch.allclose(routed_only, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_the_residual_add_of_a_blocks_parts_is_the_add_of_its_output(family: str, dtype: torch.dtype) -> None:
+    """The step model hands a sparse block's routed and shared outputs to its residual add (add_and_norm), which
+    sums them first: the residual stream and the next norm are the ones the block's output gives, bit for bit in
+    bf16 too (the block's own rounding kept), eager and compiled."""
+    import shutil
+
+    from vexpert_runtime.model import fusion
+    from vexpert_runtime.serve.hf_model import add_and_norm
+
+    model = tiny_random_model(family).to(dtype)
+    block = next(layer.mlp for layer in model.model.layers if is_sparse_block(layer.mlp))
+    norm = model.model.layers[1].input_layernorm
+    torch.manual_seed(4)
+    x, hidden = torch.randn(2, 9, model.config.hidden_size, dtype=dtype).unbind()
+    compiles = shutil.which("g++") is not None or shutil.which("c++") is not None  # inductor's CPU backend
+    with torch.no_grad():
+        output, parts = sparse_block_output(block, x), sparse_block_parts(block, x)
+        assert (parts[1] is None) == (family == "qwen3_moe")
+        for fused in (False, True) if compiles else (False,):  # (a compiled norm may sum in another order: each
+            residual_norm = fusion.maybe_compiled(add_and_norm, fused)  # form against itself)
+            got, want = residual_norm(norm, hidden, *parts), residual_norm(norm, hidden, output)
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
 

@@ -56,7 +56,7 @@ from vexpert_runtime.serve.sparse_blocks import (
     ExecutorExperts,
     decoder_layers,
     is_sparse_block,
-    sparse_block_output,
+    sparse_block_parts,
     sparse_layers,
 )
 from vexpert_runtime.serve.step import (
@@ -81,9 +81,14 @@ _SWIGLU_ACTIVATIONS = ("silu", "swish")
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV-cache block (vLLM's default)
 
 
-def add_and_norm(norm: Any, hidden: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def add_and_norm(norm: Any, hidden: torch.Tensor, delta: torch.Tensor, shared: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream after a block, ``hidden + delta``, and the next norm of it (transformers' own module):
-    compiled, one kernel instead of an add and a norm (vLLM's ``fused_add_rms_norm``)."""
+    compiled, one kernel instead of an add and a norm (vLLM's ``fused_add_rms_norm``). ``shared``: a sparse block's
+    shared-expert output, ``delta`` then its routed experts' — the block's own sum ``delta + shared`` taken in the
+    same kernel, rounded as transformers rounds it."""
+    if shared is not None:
+        delta = delta + shared
     total = hidden + delta
     return total, norm(total)
 
@@ -189,7 +194,7 @@ class HFStepModel:
         # On a GPU the routers select their experts in one kernel after the logits GEMM (DeepSeek-V3's GEMM
         # on tensor cores; :mod:`.fused_router`); transformers' routers on CPU, the kernel's reference.
         self.fused_routers = fuse_model_routers(model) if self.device.type == "cuda" else 0
-        # On a GPU the shared experts run on a stream of their own beside the routed ones (:func:`sparse_block_output`).
+        # On a GPU the shared experts run on a stream of their own beside the routed ones (:func:`~.sparse_blocks.sparse_block_parts`).
         self.shared_expert_stream = torch.cuda.Stream(self.device) \
             if self.device.type == "cuda" and overlap_shared_experts else None
         if kv_cache_tokens is not None:
@@ -415,11 +420,11 @@ class HFStepModel:
             for index, layer in enumerate(layers):
                 delta = attention_forward(layer.self_attn, normed, cache.layers[index], attention, self.windows[index])
                 hidden, normed = residual_norm(layer.post_attention_layernorm, hidden, delta)
-                delta = self._mlp(layer, index, normed)
+                delta, shared = self._mlp(layer, index, normed)
                 if index + 1 < len(layers):
-                    hidden, normed = residual_norm(layers[index + 1].input_layernorm, hidden, delta)
+                    hidden, normed = residual_norm(layers[index + 1].input_layernorm, hidden, delta, shared)
                 else:
-                    hidden = hidden + delta
+                    hidden = hidden + (delta if shared is None else delta + shared)
         finally:
             self.executor.token_valid = None
         return hidden
@@ -473,19 +478,20 @@ class HFStepModel:
             if len(item.blocks) * size < end:
                 raise ValueError(f"sequence {item.seq_id}: {len(item.blocks)} blocks cannot hold {end} tokens")
 
-    def _mlp(self, layer: Any, index: int, normed: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, layer: Any, index: int, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's MLP over all tokens at once (one executor call for a sparse block, also
-        with no tokens: the EP collective runs on every rank)."""
+        with no tokens: the EP collective runs on every rank): (its output, None), or a sparse block's routed and
+        shared experts' outputs (:func:`sparse_block_parts`), which the residual add sums."""
         if normed.shape[0] == 0:
             if is_sparse_block(layer.mlp):  # the router cannot take 0 rows; the collective must still run
                 moe_layer = self.moe_layers.index(index)
                 ids = torch.zeros(0, self.top_k, dtype=torch.int64, device=self.device)
                 self.executor.forward(moe_layer, normed, ids, torch.zeros(0, self.top_k, device=self.device))
-            return normed
+            return normed, None
         if is_sparse_block(layer.mlp):
-            return sparse_block_output(layer.mlp, normed, self.shared_expert_stream)
+            return sparse_block_parts(layer.mlp, normed, self.shared_expert_stream)
         out: torch.Tensor = layer.mlp(normed.unsqueeze(0))
-        return out.reshape(normed.shape)
+        return out.reshape(normed.shape), None
 
 
 if TYPE_CHECKING:  # mypy checks the classes against the protocols they implement

@@ -67,12 +67,13 @@ def shared_expert_output(block: Any, x: torch.Tensor) -> torch.Tensor | None:
     return out if gate is None else torch.sigmoid(gate(x)) * out
 
 
-def sparse_block_output(block: Any, x: torch.Tensor, side_stream: Any = None) -> torch.Tensor:
-    """The block's output over x [T, H]: its routed experts' (router ``gate``, then ``experts``) plus its shared
-    expert's, summed in transformers' order. With ``side_stream`` (a CUDA stream; inside a graph capture too,
-    as a fork joined before the sum) and at most :data:`SIDE_STREAM_MAX_TOKENS` tokens, the shared expert's
-    GEMMs run there while the router and the EP layer's small kernels, which leave most SMs idle, run on the
-    current stream."""
+def sparse_block_parts(block: Any, x: torch.Tensor, side_stream: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The block's routed experts' output over x [T, H] (router ``gate``, then ``experts``) and its shared expert's
+    (None without one), both ready on the current stream: transformers' block output is their sum, in that order
+    (:func:`sparse_block_output`; the step model adds them inside its compiled residual add instead, one kernel
+    fewer). With ``side_stream`` (a CUDA stream; inside a graph capture too, as a fork joined before returning)
+    and at most :data:`SIDE_STREAM_MAX_TOKENS` tokens, the shared expert's GEMMs run there while the router and
+    the EP layer's small kernels, which leave most SMs idle, run on the current stream."""
     overlap = (side_stream is not None and x.shape[0] <= SIDE_STREAM_MAX_TOKENS
                and shared_expert(block)[0] is not None)
     if overlap:
@@ -86,6 +87,13 @@ def sparse_block_output(block: Any, x: torch.Tensor, side_stream: Any = None) ->
     routed: torch.Tensor = block.experts(x, ids, weights)
     if overlap:
         current.wait_stream(side_stream)  # the join: the sum reads the shared expert's output
+    return routed, shared
+
+
+def sparse_block_output(block: Any, x: torch.Tensor, side_stream: Any = None) -> torch.Tensor:
+    """The block's output over x [T, H]: its routed experts' plus its shared expert's (:func:`sparse_block_parts`),
+    summed in transformers' order."""
+    routed, shared = sparse_block_parts(block, x, side_stream)
     return routed if shared is None else routed + shared
 
 
