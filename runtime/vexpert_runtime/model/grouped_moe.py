@@ -214,21 +214,36 @@ def cpu_expert_kernel_seconds(rows: torch.Tensor, intermediate: int, rows_per_ex
     return total
 
 
+# Above this many one-hot elements (pairs × groups) rank_in_group sorts and group_counts scatters instead: the
+# one-hot forms' memory and time grow with both, a sort's and a scatter's only with the pairs (a shape-only
+# choice: graph-safe).
+_ONE_HOT_LIMIT = 1 << 20
+
+
 def group_counts(group: torch.Tensor, num_groups: int) -> torch.Tensor:
     """Rows per group [num_groups] int64 of ``group`` [P] with values in [0, num_groups]; the value
     ``num_groups`` marks a row no group computes (padding, or a row of the other stack).
 
-    A fixed-size ``scatter_add_`` instead of ``torch.bincount``, whose output size depends on the
-    data: that size is read back to the host, which a CUDA graph cannot capture.
+    Fixed-size forms instead of ``torch.bincount``, whose output size depends on the data (read back to the
+    host, which a CUDA graph cannot capture): up to ``_ONE_HOT_LIMIT`` elements the sum of the one-hot rows —
+    compiled, one reduction kernel that inductor fuses with what computes ``group`` (a ``scatter_add_`` is an
+    eager fallback kernel after a memset: three pairs of them per MoE layer in the decode step's graph) —,
+    above it a ``scatter_add_``.
     """
+    if group.numel() * (num_groups + 1) <= _ONE_HOT_LIMIT:
+        values = torch.arange(num_groups, device=group.device)
+        return (group.unsqueeze(1) == values).sum(0)
+    return weighted_group_counts(group, torch.ones_like(group), num_groups)
+
+
+def weighted_group_counts(group: torch.Tensor, weight: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """:func:`group_counts` with row weights ``weight`` [P] int64 (0 leaves a row out): Σ weight per group [num_groups]."""
+    if group.numel() * (num_groups + 1) <= _ONE_HOT_LIMIT:
+        values = torch.arange(num_groups, device=group.device)
+        return torch.where(group.unsqueeze(1) == values, weight.unsqueeze(1), 0).sum(0)
     counts = torch.zeros(num_groups + 1, dtype=torch.int64, device=group.device)
-    counts.scatter_add_(0, group, torch.ones_like(group))
+    counts.scatter_add_(0, group, weight)
     return counts[:num_groups]
-
-
-# Above this many one-hot elements (pairs × groups) rank_in_group sorts instead: the one-hot scan's memory and
-# time grow with both, a sort's only with the pairs (a shape-only choice: graph-safe).
-_ONE_HOT_LIMIT = 1 << 20
 
 
 def rank_in_group(group: torch.Tensor, num_groups: int) -> torch.Tensor:

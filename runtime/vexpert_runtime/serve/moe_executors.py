@@ -42,6 +42,8 @@ from vexpert_runtime.model.expert_format import ExpertFormat
 from vexpert_runtime.model.expert_layout import CPU_EXPERT_KERNELS
 from vexpert_runtime.model.grouped_moe import (
     PrepackedExperts,
+    group_counts,
+    weighted_group_counts,
     cpu_expert_kernel_seconds,
     prepacking_runs,
 )
@@ -153,6 +155,18 @@ def mask_padding(ids: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor, 
     spread = torch.arange(ids.numel(), device=ids.device).view_as(ids) % num_experts
     return (torch.where(valid_pairs, ids, spread), torch.where(valid_pairs, weights, torch.zeros_like(weights)),
             valid_pairs.reshape(-1).to(torch.int64))
+
+
+def record_layer_stats(counts: torch.Tensor, computed: torch.Tensor, ids: torch.Tensor, counted: torch.Tensor | None,
+                       layer_computed: torch.Tensor) -> None:
+    """Write one layer's statistics in place: ``counts`` [E] int64 ← pairs per logical expert of ``ids`` [T, K]
+    (each weighted by ``counted`` [T·K] int64, :func:`mask_padding`'s, or 1), ``computed`` ← ``layer_computed``.
+    Compiled with the step's pieces: the count is a one-hot sum written straight into the buffer — one fused kernel
+    where a memset and a scatter were two launches each layer (:func:`~.grouped_moe.group_counts`)."""
+    flat = ids.reshape(-1).to(torch.int64)
+    counts.copy_(group_counts(flat, counts.shape[0]) if counted is None
+                 else weighted_group_counts(flat, counted, counts.shape[0]))
+    computed.copy_(layer_computed)
 
 
 @dataclass
@@ -308,11 +322,8 @@ class EPExperts:
         # The iteration's statistics are written, not accumulated: every MoE layer runs exactly once
         # per iteration (also with no tokens), so no memset has to precede an iteration (on a GPU
         # these are kernels inside the step's graph, not one more launch).
-        self.computed[moe_layer].copy_(stats.computed)
-        flat = ids.reshape(-1).to(torch.int64)
-        row = self.counts[moe_layer]
-        row.zero_()
-        row.scatter_add_(0, flat, torch.ones_like(flat) if counted is None else counted)
+        fusion.maybe_compiled(record_layer_stats, self.compiled)(self.counts[moe_layer], self.computed[moe_layer],
+                                                                 ids, counted, stats.computed)
         self.last_stats = stats
         return y
 
