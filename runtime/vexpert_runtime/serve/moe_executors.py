@@ -42,10 +42,10 @@ from vexpert_runtime.model.expert_format import ExpertFormat
 from vexpert_runtime.model.expert_layout import CPU_EXPERT_KERNELS
 from vexpert_runtime.model.grouped_moe import (
     PrepackedExperts,
-    group_counts,
-    weighted_group_counts,
     cpu_expert_kernel_seconds,
+    group_counts,
     prepacking_runs,
+    weighted_group_counts,
 )
 from vexpert_runtime.model.moe_math import combine
 
