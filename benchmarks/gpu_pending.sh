@@ -233,11 +233,23 @@ case "${STAGE:-tests}" in
     PYTHONPATH=$HEAD_PATH timeout $(( ${LIMIT:-540} - SECONDS )) python3 benchmarks/decode_step_bound.py \
       --model-dir /tmp/bench-ds3 --block-fp8 --expert-compute w8a8 --batches ${BATCHES:-16 64 256} --context 96 \
       --out "$OUT/decode_step_bound_w8a8.json" 2>&1 | grep -v "Loading weights" | grep '^{' | cut -c1-300 ;;
+  gather)  # the single-GPU EP layer's gate/up GEMM reading its tokens in place (row_src): its GPU tests (the kernel
+    # gathering == the copied rows, bit for bit; the layer on one rank against the reference, bf16 and FP8 rows;
+    # graphed == eager), then the graphed step at 256 / 64 sequences, bf16 and W8A8 experts (~4 min)
+    PYTHONPATH=$HEAD_PATH timeout ${TEST_LIMIT:-120} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_grouped_gemm_kernel.py \
+      tests/test_expert_format_gpu.py tests/test_serve_gpu.py -k "${TESTS:-deepseek_sizes or dequantised_reference or graphed_decode_equals}" \
+      2>&1 | tee "$OUT/pytest_gpu_gather.txt" | tail -3
+    PYTHONPATH=$HEAD_PATH timeout $(( (${LIMIT:-280} - SECONDS) / 2 )) python3 benchmarks/decode_step_bound.py \
+      --model-dir /tmp/bench-ds3 --batches ${BATCHES:-256 64} --context 96 --out "$OUT/decode_step_bound_gather_bf16.json" \
+      2>&1 | grep '^{' | cut -c1-260
+    PYTHONPATH=$HEAD_PATH timeout $(( ${LIMIT:-280} - SECONDS )) python3 benchmarks/decode_step_bound.py \
+      --model-dir /tmp/bench-ds3 --block-fp8 --expert-compute w8a8 --batches ${BATCHES:-256 64} --context 96 \
+      --out "$OUT/decode_step_bound_gather_w8a8.json" 2>&1 | grep '^{' | cut -c1-260 ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
     BENCH_TIMEOUT=560 bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \
       --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json --profile-streams 64 256 \
       --profile-iters 600-619 ;;
   *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | router | sidestream | fp8 | mlalong | priority |" \
-          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | linears | h200step | onoff" >&2; exit 2 ;;
+          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | linears | h200step | gather | onoff" >&2; exit 2 ;;
 esac

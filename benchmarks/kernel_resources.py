@@ -136,7 +136,7 @@ def kernel_specs() -> list[dict[str, Any]]:
     for fp8, a8 in ((False, False), (True, False), (True, True)):
         packed = fp8_row if fp8 else 3 * inter * hidden  # a row's elements (FP8: bytes)
         gemm_pointers = {"x": "*fp8e4nv" if a8 else bf16, "xs": "*fp32" if a8 else bf16, "w": "*fp8e4nv" if fp8 else bf16,
-                         "s": "*fp32" if fp8 else bf16, "offs": "*i32", "out": bf16}
+                         "s": "*fp32" if fp8 else bf16, "offs": "*i32", "out": bf16, "row_src": "*i64"}
         for gemm, (depth, width, x_stride, w_row) in (("gate_up", (hidden, inter, hidden, hidden)),
                                                       ("down", (inter, hidden, inter, inter))):
             for rows_per_expert in (16, 64):
@@ -148,7 +148,8 @@ def kernel_specs() -> list[dict[str, Any]]:
                                                    "split_m": split_m, "stride_xsm": depth // 128 if a8 else 0,
                                                    **scale}
                 shapes = {"SWIGLU": gemm == "gate_up", "FP8": fp8, "A8": a8, "SCALE_N": 128 if fp8 else 1,
-                          "SCALE_K": 128 if fp8 else 1, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
+                          "SCALE_K": 128 if fp8 else 1, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                          "GATHER": gemm == "gate_up"}  # a single-GPU EP layer's gate/up reads its tokens in place
                 if split_m == 0:
                     fn, shapes = gg._grouped_gemm_row_tile_kernel, {**shapes, "E": experts, "EP": experts}
                 else:

@@ -250,7 +250,7 @@ def test_w8a8_tokens_cross_the_dispatch_quantised_and_compute_the_reference(
     it as a wire row (its FP8 values, then its float32 scales: ~half a bf16 row's bytes) — and the layer still
     computes the W8A8 reference, which quantises each expert GEMM's rows after routing: per-row quantisation
     commutes with the dispatch's row copies. What enters the dispatch is watched through the module's own function
-    (one rank: the layout its tokens go straight into)."""
+    (one rank: the rows its experts read in place)."""
     from vexpert_runtime.model import ep_moe
     from vexpert_runtime.model.fp8_activations import wire_row_bytes
 
@@ -260,8 +260,8 @@ def test_w8a8_tokens_cross_the_dispatch_quantised_and_compute_the_reference(
     fmt = spec.expert_format(dtype)
     assert fmt.fp8_activations and fmt.fp8_block is not None
     sent: list[torch.Tensor] = []
-    arrange = ep_moe.arrange_local
-    monkeypatch.setattr(ep_moe, "arrange_local", lambda tokens, *args: (sent.append(tokens), arrange(tokens, *args))[1])
+    experts = ep_moe.stacked_outputs
+    monkeypatch.setattr(ep_moe, "stacked_outputs", lambda tokens, *args: (sent.append(tokens), experts(tokens, *args))[1])
     x = torch.randn(24, spec.hidden_size, generator=torch.Generator().manual_seed(2)).to(dtype)
     table = DeviceRoutingTable.of(static_table(spec.num_layers, spec.num_experts, 1, 0), "cpu")
     for layer in range(spec.num_layers):

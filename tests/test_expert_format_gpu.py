@@ -52,6 +52,10 @@ def test_fp8_grouped_gemm_on_gpu_equals_the_dequantised_reference(tmp_path: Path
         table = DeviceRoutingTable.of(static_table(SPEC.num_layers, SPEC.num_experts, 1, 0), device)
         y, _ = ep_moe_layer(xd, ids, weights, table, layer, stacks, shared, 0, 1, None)
         assert relative_error(y.cpu(), ref) <= VERIFY_TOLERANCE["bfloat16"], layer
+        # the same layer over the reference's dense bf16 rows: one rank's gate/up GEMM reads each token in place
+        dense = ExpertStacks(reference.experts[layer].to(device), None, SPEC.intermediate_size)
+        y_dense, _ = ep_moe_layer(xd, ids, weights, table, layer, dense, shared, 0, 1, None)
+        assert relative_error(y_dense.cpu(), ref) <= VERIFY_TOLERANCE["bfloat16"], layer
 
 
 def _float32_gemms(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, group: int, swiglu: bool) -> torch.Tensor:

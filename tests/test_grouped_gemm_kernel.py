@@ -32,6 +32,19 @@ def check_kernel_on_cpu() -> None:
                     ((16, 16, 16, 4, 2, 0), (16, 32, 32, 4, 2, 0)), ((32, 16, 64, 4, 2, 0), (16, 16, 16, 4, 2, 1))):
         got = triton_swiglu(x, w13, w2, offs, configs=configs)
         assert torch.allclose(got[:40], want[:40], rtol=1e-4, atol=1e-4), configs
+    # The rows read in place (a single-GPU EP layer): row m of the grouped order is token row_src[m] of 20 tokens
+    # (a token in several groups, padding rows naming token 0), both grids — bit for bit the copied rows' result.
+    tokens = torch.randn(20, hidden)
+    row_src = torch.randint(0, 20, (48,), generator=torch.Generator().manual_seed(5))
+    for configs in (((16, 16, 16, 4, 2, 1), (16, 16, 32, 4, 2, 2)), ((16, 16, 16, 4, 2, 0), (16, 32, 32, 4, 2, 0))):
+        copied = triton_swiglu(tokens[row_src], w13, w2, offs, configs=configs)
+        assert torch.equal(triton_swiglu(tokens, w13, w2, offs, configs=configs, row_src=row_src)[:40], copied[:40])
+    try:
+        grouped_gemm(tokens, w13, offs, row_src=row_src.to(torch.int32))
+    except ValueError as error:
+        assert "row_src" in str(error)
+    else:
+        raise AssertionError("int32 row_src was accepted")
     # Into a slice of a larger buffer (the EP layer's resident rows): rows around it untouched.
     out = torch.full((60, hidden), 7.0)
     triton_swiglu(x, w13, w2, offs, configs=((16, 16, 16, 4, 2, 2),) * 2, out=out[10:58])
@@ -143,6 +156,16 @@ def check_w8a8_kernel_on_cpu() -> None:
         wired = triton_swiglu(quantised, stack.w13, stack.w2, offs, configs=configs, scales=(stack.s13, stack.s2),
                               scale_block=block, fp8_activations=True, x_scales=x_scales, out=torch.empty_like(x))
         assert torch.equal(wired[:40], got[:40]), configs
+        # ... read in place by row (a single-GPU EP layer): the tokens' wire rows, 48 buffer rows over 20 tokens
+        tokens = x[:20]
+        row_src = torch.cat([torch.arange(20), torch.arange(20), torch.arange(8)]).roll(3)
+        quantised, x_scales = unpack_wire_rows(quantized_wire_rows(tokens, block[1]), hidden)
+        gathered = triton_swiglu(quantised, stack.w13, stack.w2, offs, configs=configs, scales=(stack.s13, stack.s2),
+                                 scale_block=block, fp8_activations=True, x_scales=x_scales,
+                                 out=torch.empty_like(x), row_src=row_src)
+        copied = triton_swiglu(tokens[row_src], stack.w13, stack.w2, offs, configs=configs,
+                               scales=(stack.s13, stack.s2), scale_block=block, fp8_activations=True)
+        assert torch.equal(gathered[:40], copied[:40]), configs
     # the down GEMM alone, into a slice of a larger output (rows around it untouched)
     act = torch.randn(48, intermediate)
     aq, scales = quantize_activation_groups(act, block[1])
@@ -253,6 +276,11 @@ def test_triton_grouped_swiglu_matches_grouped_mm_at_deepseek_sizes(tokens: int)
     got = grouped_swiglu(x, w13, w2, offs).float()  # the default on CUDA: the Triton kernel
     used = int(offs[-1])
     assert (got[:used] - want[:used]).abs().max() <= 0.02 * want[:used].abs().max()
+    # the rows read in place (a single-GPU EP layer's gate/up GEMM gathers each row's token): bit for bit the same
+    row_src = torch.randint(0, tokens, (x.shape[0],), device="cuda")
+    tokens_x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    gathered = grouped_swiglu(tokens_x, w13, w2, offs, row_src=row_src)
+    assert torch.equal(gathered[:used], grouped_swiglu(tokens_x[row_src], w13, w2, offs)[:used])
 
 
 @pytest.mark.gpu

@@ -348,9 +348,10 @@ def test_ep_forward_on_one_and_two_ranks_equals_reference_and_old_layer(tmp_path
 
 
 def test_a_single_rank_lays_its_pairs_out_as_the_send_and_receive_path_does() -> None:
-    """An EP group of one skips the send and return buffers (arrange_local / combine_local): the same buffer rows,
-    group ends, counts and outputs, bit for bit, as pack_dispatch → arrange_received → combine_received at world 1,
-    with and without (empty) slots, aligned groups and not."""
+    """An EP group of one skips the send and return buffers (arrange_local / combine_local): its buffer rows name
+    the tokens the send/receive path copies there (row_src), and the same group ends, counts and outputs, bit for
+    bit, as pack_dispatch → arrange_received → combine_received at world 1, with and without (empty) slots, aligned
+    groups and not; every row names a token, also rows no pair lands on."""
     from vexpert_runtime.model.ep_moe import (
         arrange_local,
         arrange_received,
@@ -373,10 +374,11 @@ def test_a_single_rank_lays_its_pairs_out_as_the_send_and_receive_path_does() ->
             send_x, send_local, row_of_pair = pack_dispatch(x, ids, gpu, local, cum, 0, 1, batch * top_k)
             buf, position, resident_offs, slot_offs, computed = arrange_received(send_x, send_local, experts,
                                                                                  table.slots, align)
-            local_buf, local_position, *local_rest = arrange_local(x, ids, gpu, local, cum, experts, table.slots, align)
+            row_src, local_position, *local_rest = arrange_local(ids, gpu, local, cum, experts, table.slots, align)
             assert torch.equal(local_position, position[row_of_pair])  # each pair's buffer row
             assert all(torch.equal(a, b) for a, b in zip(local_rest, (resident_offs, slot_offs, computed), strict=True))
-            assert torch.equal(local_buf[local_position], buf[position])
+            assert torch.equal(x[row_src[local_position]], buf[position])  # the token each buffer row reads
+            assert row_src.shape == (buf.shape[0],) and int(row_src.min()) >= 0 and int(row_src.max()) < batch
             out = torch.randn(buf.shape, generator=generator)  # any per-row "expert" output
             y, dropped = combine_received(out.index_select(0, position), row_of_pair, weights, shared)
             assert int(dropped) == 0

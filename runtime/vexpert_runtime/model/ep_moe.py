@@ -499,25 +499,25 @@ def combine_received(back: torch.Tensor, row_of_pair: torch.Tensor, topk_weights
     return combine(topk_weights, outputs, shared_out), dropped
 
 
-def arrange_local(tokens: torch.Tensor, ids: torch.Tensor, gpu: torch.Tensor, local: torch.Tensor,
-                  cum_share: torch.Tensor, resident: int, slots: int, align: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One rank's pairs laid out for its grouped GEMMs straight from its tokens (an EP group of one: no
-    send buffer, no exchange). The same rows :func:`pack_dispatch` → :func:`arrange_received` lay out with
-    ``world`` = 1 and nothing dropped, in one row copy instead of two.
+def arrange_local(ids: torch.Tensor, gpu: torch.Tensor, local: torch.Tensor, cum_share: torch.Tensor, resident: int,
+                  slots: int, align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One rank's pairs laid out for its grouped GEMMs without moving its tokens (an EP group of one: no send
+    buffer, no exchange): the buffer rows :func:`pack_dispatch` → :func:`arrange_received` lay out with ``world`` = 1
+    and nothing dropped, as the token each row reads — the GEMM gathers them as it reads (``row_src``), or
+    :func:`stacked_outputs` copies them where it cannot.
 
-    Args: tokens [B, H'] (rows of the compute dtype, or W8A8 wire rows); ids [B, K]; gpu, local, cum_share
-        [E, R] the layer's table; resident = E, slots = S.
-    Returns buf [M, H'], position [P] (buffer row of each pair), resident_offs [E] int32, slot_offs [S] int32,
-    computed [E + S] int64 — as :func:`arrange_received`.
+    Args: ids [B, K]; gpu, local, cum_share [E, R] the layer's table; resident = E, slots = S.
+    Returns row_src [M] int64 (the token of each buffer row; 0 on rows no pair lands on, whose outputs nothing
+    reads), position [P] (buffer row of each pair), resident_offs [E] int32, slot_offs [S] int32, computed [E + S]
+    int64 — as :func:`arrange_received`.
     """
     top_k = ids.shape[1]
     _, dest_local = choose_replicas(ids, gpu, local, cum_share, 0, 1)
     layout = receive_layout(dest_local.reshape(-1), resident, slots, align)
-    token_of_pair = torch.arange(ids.numel(), device=tokens.device) // top_k
-    buf = tokens.new_empty(layout.rows, tokens.shape[1])  # no memset: rows no pair lands on are never read
-    buf.index_copy_(0, layout.position, tokens.index_select(0, token_of_pair))
-    return buf, layout.position, layout.resident_offs, layout.slot_offs, layout.computed
+    token_of_pair = torch.arange(ids.numel(), device=ids.device) // top_k
+    row_src = torch.zeros(layout.rows, dtype=torch.int64, device=ids.device).index_copy_(0, layout.position,
+                                                                                          token_of_pair)
+    return row_src, layout.position, layout.resident_offs, layout.slot_offs, layout.computed
 
 
 def combine_local(out: torch.Tensor, position: torch.Tensor, topk_weights: torch.Tensor,
@@ -600,7 +600,8 @@ class ExpertStacks:
         return fmt.fp8_block[1]
 
     def swiglu(self, x: torch.Tensor, rows: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
-               quantize: ActivationQuantizer = quantize_activation_groups) -> torch.Tensor:
+               quantize: ActivationQuantizer = quantize_activation_groups,
+               row_src: torch.Tensor | None = None) -> torch.Tensor:
         """SwiGLU of x [M, H]'s groups (ends ``offs``) through the stack ``rows`` into ``out``. Block-FP8
         rows on a GPU go to the Triton grouped GEMM as stored (fp8 weights, block scales applied per K
         tile: half the bytes a bf16 expert reads, and no dequantised copy; W8A8 where the format says
@@ -608,13 +609,14 @@ class ExpertStacks:
         :func:`~.expert_format.w8a8_swiglu`, the same numbers one expert at a time). ``quantize``: how W8A8's
         activations are quantised (the EP layer passes its compiled copy where it fuses). W8A8 only: x may be
         wire rows [M, B] uint8 (:attr:`wire_group`), quantised before the dispatch; ``out`` is always [M, H] of
-        the compute dtype."""
+        the compute dtype. ``row_src`` [M] int64: x is [T, ·] and row m is ``x[row_src[m]]`` — read in place by the
+        Triton kernel, copied first elsewhere."""
         fmt = self.format
         x_scales = None
         if x.dtype == torch.uint8:
             if self.wire_group is None:
                 raise ValueError("uint8 activations are W8A8 wire rows; these experts are not W8A8")
-            x, x_scales = unpack_wire_rows(x, out.shape[1])
+            x, x_scales = unpack_wire_rows(x, out.shape[1])  # per row: T rows in, T rows out
         if fmt is not None and fmt.fp8_block is not None and self.grouped is not False and triton_experts_run(out):
             stack = fmt.fp8_stack(rows)
             if stack is not None:
@@ -622,36 +624,51 @@ class ExpertStacks:
 
                 return triton_swiglu(x, stack.w13, stack.w2, offs, out=out, scales=(stack.s13, stack.s2),
                                      scale_block=stack.block, fp8_activations=fmt.fp8_activations, quantize=quantize,
-                                     x_scales=x_scales)
+                                     x_scales=x_scales, row_src=row_src)
         w13, w2 = self.weights(rows, out.shape[1])
-        if fmt is not None and fmt.fp8_block is not None and fmt.fp8_activations:
-            return out.copy_(w8a8_swiglu(x, w13, w2, offs, fmt.fp8_block[1], x_scales))
-        return grouped_swiglu(x, w13, w2, offs, grouped=self.grouped, out=out)
+        if fmt is None or fmt.fp8_block is None or not fmt.fp8_activations:  # (the Triton kernel gathers there too)
+            return grouped_swiglu(x, w13, w2, offs, grouped=self.grouped, out=out, row_src=row_src)
+        if row_src is not None:
+            x = x.index_select(0, row_src)
+            x_scales = None if x_scales is None else x_scales.index_select(0, row_src)
+        return out.copy_(w8a8_swiglu(x, w13, w2, offs, fmt.fp8_block[1], x_scales))
 
 
 def stacked_outputs(buf: torch.Tensor, resident_offs: torch.Tensor, slot_offs: torch.Tensor, resident_rows: int,
                     stacks: ExpertStacks, slot_wait: Callable[[], None] | None = None,
                     after_compute: Callable[[], None] | None = None,
-                    quantize: ActivationQuantizer = quantize_activation_groups) -> torch.Tensor:
+                    quantize: ActivationQuantizer = quantize_activation_groups,
+                    row_src: torch.Tensor | None = None) -> torch.Tensor:
     """Expert outputs [M, H] of a buffer [M, H] laid out by :func:`receive_layout`: one grouped GEMM
     pair over the resident stack (rows [0, resident_rows)), then — after ``slot_wait`` — one over the
     slot stack (the rest), then ``after_compute``. Rows past a region's last group end are undefined.
-    Both hooks are called on every call, also when no row goes to a slot."""
+    Both hooks are called on every call, also when no row goes to a slot. With ``row_src`` [M] int64 (an EP
+    group of one, :func:`arrange_local`) ``buf`` is the tokens [T, ·] and buffer row m is ``buf[row_src[m]]``."""
+    rows = buf.shape[0] if row_src is None else row_src.shape[0]
     if stacks.wire_group is None:
-        out = torch.empty_like(buf)
+        out = buf.new_empty(rows, buf.shape[1])
     else:  # wire rows in, rows of the compute dtype out
         assert stacks.format is not None
-        out = buf.new_empty(buf.shape[0], stacks.format.hidden, dtype=stacks.format.compute_dtype)
+        out = buf.new_empty(rows, stacks.format.hidden, dtype=stacks.format.compute_dtype)
+
+    def region(first: int, last: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(x, row_src) of buffer rows [first, last)."""
+        if row_src is None:
+            return buf[first:last], None
+        return buf, row_src[first:last]
+
+    x, src = region(0, resident_rows)
     if isinstance(stacks.resident, PrepackedExperts):
-        out[:resident_rows] = stacks.resident.swiglu(buf[:resident_rows], resident_offs)
+        out[:resident_rows] = stacks.resident.swiglu(x if src is None else x.index_select(0, src), resident_offs)
     else:
-        stacks.swiglu(buf[:resident_rows], stacks.resident, resident_offs, out[:resident_rows], quantize)
+        stacks.swiglu(x, stacks.resident, resident_offs, out[:resident_rows], quantize, src)
     if slot_wait is not None:
         slot_wait()
     if slot_offs.numel():
         if stacks.slots is None:
             raise ValueError("the routing table has slots but no slot stack was given")
-        stacks.swiglu(buf[resident_rows:], stacks.slots, slot_offs, out[resident_rows:], quantize)  # slots filled
+        x, src = region(resident_rows, None)
+        stacks.swiglu(x, stacks.slots, slot_offs, out[resident_rows:], quantize, src)  # slots filled
     if after_compute is not None:
         after_compute()
     return out
@@ -724,12 +741,12 @@ def ep_moe_layer(
     resident, slots = table.experts_per_gpu, table.slots
     align = group_align(x.device) if grouped else 1
     if group is None and world == 1 and block >= pairs:
-        # An EP group of one (a single-GPU server): the pairs go straight to their buffer rows and the outputs are
-        # read back from there — two row copies per layer fewer than through the send and return buffers
-        buf, position, resident_offs, slot_offs, computed = fusion.maybe_compiled(arrange_local, fused)(
-            tokens, ids, table.gpu[layer], table.local[layer], cum_share, resident, slots, align)
-        out = stacked_outputs(buf, resident_offs, slot_offs, padded_capacity(pairs, resident, align), stacks,
-                              slot_wait, after_compute, quantize)
+        # An EP group of one (a single-GPU server): no send and return buffers — the gate/up GEMM reads each pair's
+        # token where it is (row_src) and the combine reads the outputs from the GEMM's buffer
+        row_src, position, resident_offs, slot_offs, computed = fusion.maybe_compiled(arrange_local, fused)(
+            ids, table.gpu[layer], table.local[layer], cum_share, resident, slots, align)
+        out = stacked_outputs(tokens, resident_offs, slot_offs, padded_capacity(pairs, resident, align), stacks,
+                              slot_wait, after_compute, quantize, row_src)
         y = fusion.maybe_compiled(combine_local, fused)(out, position, topk_weights, shared_out)
         return y, LayerStats(computed=computed, dropped=torch.zeros((), dtype=torch.int64, device=x.device),
                              sent=pairs)

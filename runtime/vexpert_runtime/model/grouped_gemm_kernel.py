@@ -39,11 +39,12 @@ from vexpert_runtime.model.fp8_activations import ActivationQuantizer, quantize_
 
 
 @triton.jit
-def _gemm_tile(x, xs, w_expert, s_expert, out, rows, rmask, n, nmask, K, UP, UP_S, stride_xm, stride_xsm, stride_wn,
-               stride_sn, stride_om, SWIGLU: tl.constexpr, FP8: tl.constexpr, A8: tl.constexpr,
+def _gemm_tile(x, xs, w_expert, s_expert, out, rows, a_rows, rmask, n, nmask, K, UP, UP_S, stride_xm, stride_xsm,
+               stride_wn, stride_sn, stride_om, SWIGLU: tl.constexpr, FP8: tl.constexpr, A8: tl.constexpr,
                SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr):
-    """out[rows, n] = x[rows] @ w_expert[n, :]ᵀ (or SwiGLU of the gate column n and the up column UP + n).
+    """out[rows, n] = x[a_rows] @ w_expert[n, :]ᵀ (or SwiGLU of the gate column n and the up column UP + n); a_rows
+    is rows itself, or the rows of x they gather (:func:`_a_rows`).
     FP8: w_expert is float8_e4m3fn with float32 block scales s_expert [⌈N'/SCALE_N⌉, ⌈K/SCALE_K⌉] (row
     stride stride_sn; the up half's scale rows start at UP_S), and each K tile lies in one scale column
     (BLOCK_K divides SCALE_K). Where the column block lies in one scale row too (BLOCK_N divides SCALE_N:
@@ -54,7 +55,7 @@ def _gemm_tile(x, xs, w_expert, s_expert, out, rows, rmask, n, nmask, K, UP, UP_
     weight scale column, :func:`~.fp8_activations.quantize_activation_groups`), and each K tile's dot runs on the
     FP8 tensor cores, its product scaled by the row's and the weights' scales — nothing is widened."""
     kk = tl.arange(0, BLOCK_K)
-    a_ptr = x + rows[:, None].to(tl.int64) * stride_xm + kk[None, :]
+    a_ptr = x + a_rows[:, None].to(tl.int64) * stride_xm + kk[None, :]
     b_ptr = w_expert + n[None, :].to(tl.int64) * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
     ONE_SCALE: tl.constexpr = SCALE_N % BLOCK_N == 0
     if ONE_SCALE:
@@ -68,7 +69,7 @@ def _gemm_tile(x, xs, w_expert, s_expert, out, rows, rmask, n, nmask, K, UP, UP_
         a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(b_ptr, mask=kmask[:, None] & nmask[None, :], other=0.0)
         if A8:
-            a_s = tl.load(xs + rows.to(tl.int64) * stride_xsm + k0 // SCALE_K, mask=rmask, other=0.0)
+            a_s = tl.load(xs + a_rows.to(tl.int64) * stride_xsm + k0 // SCALE_K, mask=rmask, other=0.0)
             if ONE_SCALE:
                 scale = tl.load(s_ptr + k0 // SCALE_K)
                 acc += tl.dot(a, b) * (a_s[:, None] * scale)
@@ -111,10 +112,20 @@ def _gemm_tile(x, xs, w_expert, s_expert, out, rows, rmask, n, nmask, K, UP, UP_
 
 
 @triton.jit
-def _grouped_gemm_kernel(x, xs, w, s, offs, out, K, N, UP, UP_S, stride_xm, stride_xsm, stride_we, stride_wn,
+def _a_rows(row_src, rows, rmask, GATHER: tl.constexpr):
+    """The rows of x a tile multiplies: its own rows, or (GATHER) the x rows ``row_src`` names for them — the EP
+    layer's tokens read in place instead of copied into an expert-sorted buffer first (vLLM's fused MoE kernel
+    reads its sorted token ids so)."""
+    if GATHER:
+        return tl.load(row_src + rows, mask=rmask, other=0)
+    return rows
+
+
+@triton.jit
+def _grouped_gemm_kernel(x, xs, w, s, offs, out, row_src, K, N, UP, UP_S, stride_xm, stride_xsm, stride_we, stride_wn,
                          stride_se, stride_sn, stride_om, split_m, SWIGLU: tl.constexpr, FP8: tl.constexpr,
                          A8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr):
     """Expert-major grid. Program (n block, expert, s) takes the expert's row blocks s, s + split_m, …:
     a hot expert's rows spread over split_m programs (which read its weights at the same time, mostly
     from L2)."""
@@ -129,16 +140,18 @@ def _grouped_gemm_kernel(x, xs, w, s, offs, out, K, N, UP, UP_S, stride_xm, stri
     s_expert = s + expert.to(tl.int64) * stride_se
     for m0 in range(start + split * BLOCK_M, end, BLOCK_M * split_m):
         rows = m0 + tl.arange(0, BLOCK_M)
-        _gemm_tile(x, xs, w_expert, s_expert, out, rows, rows < end, n, nmask, K, UP, UP_S, stride_xm, stride_xsm,
-                   stride_wn, stride_sn, stride_om, SWIGLU, FP8, A8, SCALE_N, SCALE_K, BLOCK_M, BLOCK_N, BLOCK_K)
+        rmask = rows < end
+        _gemm_tile(x, xs, w_expert, s_expert, out, rows, _a_rows(row_src, rows, rmask, GATHER), rmask, n, nmask, K,
+                   UP, UP_S, stride_xm, stride_xsm, stride_wn, stride_sn, stride_om, SWIGLU, FP8, A8, SCALE_N, SCALE_K,
+                   BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def _grouped_gemm_row_tile_kernel(x, xs, w, s, offs, out, K, N, UP, UP_S, stride_xm, stride_xsm, stride_we, stride_wn,
-                                  stride_se, stride_sn, stride_om, E: tl.constexpr, EP: tl.constexpr,
+def _grouped_gemm_row_tile_kernel(x, xs, w, s, offs, out, row_src, K, N, UP, UP_S, stride_xm, stride_xsm, stride_we,
+                                  stride_wn, stride_se, stride_sn, stride_om, E: tl.constexpr, EP: tl.constexpr,
                                   SWIGLU: tl.constexpr, FP8: tl.constexpr, A8: tl.constexpr, SCALE_N: tl.constexpr,
                                   SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                  BLOCK_K: tl.constexpr):
+                                  BLOCK_K: tl.constexpr, GATHER: tl.constexpr):
     """Row-tile grid. Program (t, n block) takes row tile t of the list of every expert's tiles (each
     group cut into tiles of BLOCK_M rows): a hot expert's tiles all run at once, side by side on the
     same columns, so they read its weights together, mostly from L2, however skewed the routing (as
@@ -158,10 +171,11 @@ def _grouped_gemm_row_tile_kernel(x, xs, w, s, offs, out, K, N, UP, UP_S, stride
         end = tl.sum(tl.where(here, ends, 0), 0)
         first_tile = tl.sum(tl.where(here, after - tiles, 0), 0)
         rows = start + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < end
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         _gemm_tile(x, xs, w + expert.to(tl.int64) * stride_we, s + expert.to(tl.int64) * stride_se, out, rows,
-                   rows < end, n, n < N, K, UP, UP_S, stride_xm, stride_xsm, stride_wn, stride_sn, stride_om, SWIGLU,
-                   FP8, A8, SCALE_N, SCALE_K, BLOCK_M, BLOCK_N, BLOCK_K)
+                   _a_rows(row_src, rows, rmask, GATHER), rmask, n, n < N, K, UP, UP_S, stride_xm, stride_xsm,
+                   stride_wn, stride_sn, stride_om, SWIGLU, FP8, A8, SCALE_N, SCALE_K, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_M) per GEMM ("gate_up", "down"), by rows per expert up
@@ -217,10 +231,13 @@ def launch_config(gemm: str, rows_per_expert: float, fp8: bool = False, a8: bool
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu: bool = False,
                  config: LaunchConfig | None = None, out: torch.Tensor | None = None,
                  scales: torch.Tensor | None = None, scale_block: tuple[int, int] = (128, 128),
-                 x_scales: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 x_scales: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                 row_src: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] grouped by ``offs`` [E] (int32 ends) times w [E, N', K] (any row and expert stride,
     unit stride along K) → [M, N] with N = N' (or N'/2 and SwiGLU of the two halves when ``swiglu``),
     written into ``out`` (unit column stride) when given; rows past offs[-1] are not written.
+    With ``row_src`` [M] (int64, each a row of x) x is [T, K], and row m multiplies ``x[row_src[m]]``: the rows are
+    read where they are, not copied into the grouped order first (x_scales then [T, ·] too).
 
     Block-FP8 weights: w float8_e4m3fn and ``scales`` [E, S_N, S_K] float32 (any expert and row stride,
     unit stride along S_K), the ``weight_scale_inv`` of ``scale_block`` (rows, columns) tiles: w's
@@ -230,7 +247,10 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu
     W8A8: x float8_e4m3fn too, with ``x_scales`` [M, ⌈K/bk⌉] float32 (one per row and weight scale column,
     :func:`~.fp8_activations.quantize_activation_groups` with group bk), K tiles of 32 or more; the result is
     ``out_dtype`` (or ``out``'s)."""
-    rows, depth = x.shape
+    sources, depth = x.shape
+    rows = sources if row_src is None else row_src.shape[0]
+    if row_src is not None and (row_src.dtype != torch.int64 or row_src.dim() != 1 or row_src.stride(0) != 1):
+        raise ValueError(f"row_src must be a contiguous [M] int64 tensor, got {row_src.dtype} {tuple(row_src.shape)}")
     experts, columns, _ = w.shape
     if w.shape[2] != depth or w.stride(2) != 1 or x.stride(1) != 1:
         raise ValueError(f"grouped_gemm wants x [M, K] and w [E, N, K] with unit stride along K: "
@@ -270,27 +290,28 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *, swiglu
     s, up_s, stride_se, stride_sn = scale_args
     if a8:
         assert x_scales is not None
-        want_xs = (rows, triton.cdiv(depth, scale_k))
+        want_xs = (sources, triton.cdiv(depth, scale_k))
         if x_scales.dtype != torch.float32 or tuple(x_scales.shape) != want_xs or x_scales.stride(1) != 1:
             raise ValueError(f"W8A8 grouped_gemm wants x_scales float32 {list(want_xs)} with unit column stride: got "
                              f"{x_scales.dtype} {list(x_scales.shape)} {x_scales.stride()}")
         xs, stride_xsm = x_scales, x_scales.stride(0)
     else:
         xs, stride_xsm = x, 0  # never read
+    gather = offs if row_src is None else row_src  # (never read without GATHER)
     if split_m == 0:  # row tiles: at most one partial tile per group
         tiles = (triton.cdiv(rows, block_m) + experts, triton.cdiv(width, block_n))
         _grouped_gemm_row_tile_kernel[tiles](
-            x, xs, w, s, offs, out, depth, width, width, up_s, x.stride(0), stride_xsm, w.stride(0), w.stride(1),
-            stride_se, stride_sn, out.stride(0), E=experts, EP=triton.next_power_of_2(experts), SWIGLU=swiglu,
-            FP8=fp8, A8=a8, SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=warps, num_stages=stages)
+            x, xs, w, s, offs, out, gather, depth, width, width, up_s, x.stride(0), stride_xsm, w.stride(0),
+            w.stride(1), stride_se, stride_sn, out.stride(0), E=experts, EP=triton.next_power_of_2(experts),
+            SWIGLU=swiglu, FP8=fp8, A8=a8, SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, GATHER=row_src is not None, num_warps=warps, num_stages=stages)
     else:
         expert_major = (triton.cdiv(width, block_n), experts, split_m)
         _grouped_gemm_kernel[expert_major](
-            x, xs, w, s, offs, out, depth, width, width, up_s, x.stride(0), stride_xsm, w.stride(0), w.stride(1),
-            stride_se, stride_sn, out.stride(0), split_m, SWIGLU=swiglu, FP8=fp8, A8=a8, SCALE_N=scale_n,
-            SCALE_K=scale_k,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+            x, xs, w, s, offs, out, gather, depth, width, width, up_s, x.stride(0), stride_xsm, w.stride(0),
+            w.stride(1), stride_se, stride_sn, out.stride(0), split_m, SWIGLU=swiglu, FP8=fp8, A8=a8, SCALE_N=scale_n,
+            SCALE_K=scale_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATHER=row_src is not None,
+            num_warps=warps, num_stages=stages)
     return out
 
 
@@ -299,9 +320,11 @@ def triton_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: to
                   out: torch.Tensor | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                   scale_block: tuple[int, int] = (128, 128), fp8_activations: bool = False,
                   quantize: ActivationQuantizer = quantize_activation_groups,
-                  x_scales: torch.Tensor | None = None) -> torch.Tensor:
+                  x_scales: torch.Tensor | None = None, row_src: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`~.grouped_moe.grouped_swiglu` as two Triton launches: x [M, H], w13 [E, 2I, H], w2 [E, H, I],
-    offs [E] → [M, H] (into ``out`` when given; rows past offs[-1] undefined). ``configs``: (gate_up,
+    offs [E] → [M, H] (into ``out`` when given; rows past offs[-1] undefined). ``row_src`` [M] int64: x is [T, H]
+    and row m is ``x[row_src[m]]``, gathered by the gate/up GEMM as it reads (:func:`grouped_gemm`; W8A8 quantises
+    the T rows of x, not M). ``configs``: (gate_up,
     down) launch parameters, default :func:`launch_config`'s. Block-FP8 experts: w13 and w2
     float8_e4m3fn with ``scales`` (s13 [E, 2·⌈I/bn⌉, ⌈H/bk⌉], s2 [E, ⌈H/bn⌉, ⌈I/bk⌉]) of ``scale_block``
     (:meth:`~.expert_format.ExpertFormat.fp8_stack`). ``fp8_activations`` (W8A8, block-FP8 experts): x and then
@@ -320,9 +343,9 @@ def triton_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: to
         else:
             xq, xs, dtype = x, x_scales, out.dtype
         act = grouped_gemm(xq, w13, offs, swiglu=True, config=gate_up, scales=s13, scale_block=scale_block,
-                           x_scales=xs, out_dtype=dtype)
+                           x_scales=xs, out_dtype=dtype, row_src=row_src)
         aq, as_ = quantize(act, group)
         return grouped_gemm(aq, w2, offs, config=down, out=out, scales=s2, scale_block=scale_block, x_scales=as_,
                             out_dtype=dtype)
-    act = grouped_gemm(x, w13, offs, swiglu=True, config=gate_up, scales=s13, scale_block=scale_block)
+    act = grouped_gemm(x, w13, offs, swiglu=True, config=gate_up, scales=s13, scale_block=scale_block, row_src=row_src)
     return grouped_gemm(act, w2, offs, config=down, out=out, scales=s2, scale_block=scale_block)

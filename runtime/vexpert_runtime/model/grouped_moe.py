@@ -144,7 +144,7 @@ def triton_experts_run(x: torch.Tensor) -> bool:
 
 def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
                    grouped: bool | None = None, gpu_kernel: str | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, row_src: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU of every expert over its token group.
 
     Args:
@@ -156,18 +156,23 @@ def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: t
             the default where Triton runs: it streams decode-sized groups' weights near HBM bandwidth,
             ``benchmarks/grouped_gemm_tuning.py``) or "cutlass" (``torch._grouped_mm``).
         out: [M, H] to write the result into (the Triton kernel writes it there directly), or None.
+        row_src: [M] int64 or None: x is then [T, H] and row m is ``x[row_src[m]]`` (the Triton kernel reads the
+            rows in place; the other paths copy them first).
     Returns:
         [M, H] (``out`` when given); rows past offs[-1] are undefined.
     """
     if gpu_kernel not in (None, "triton", "cutlass"):
         raise ValueError(f"gpu_kernel must be 'triton', 'cutlass' or None, not {gpu_kernel!r}")
+    if row_src is not None and not (grouped is not False and gpu_kernel != "cutlass" and uses_grouped_gemm(x)
+                                    and triton_experts_run(x)):
+        x, row_src = x.index_select(0, row_src), None
     if grouped is None:
         grouped = uses_grouped_gemm(x) and (_aligned_for_grouped_mm(x, w13, w2) or triton_experts_run(x))
     intermediate = w2.shape[-1]
     if grouped and gpu_kernel != "cutlass" and triton_experts_run(x):
         from vexpert_runtime.model.grouped_gemm_kernel import triton_swiglu
 
-        return triton_swiglu(x, w13, w2, offs, out=out)
+        return triton_swiglu(x, w13, w2, offs, out=out, row_src=row_src)
     if grouped:
         h = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)
         act = F.silu(h[:, :intermediate]) * h[:, intermediate:]
