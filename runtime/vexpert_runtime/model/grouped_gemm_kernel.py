@@ -116,9 +116,10 @@ def _a_rows(row_src, rows, rmask, GATHER: tl.constexpr):
     """The rows of x a tile multiplies: its own rows, or (GATHER) the x rows ``row_src`` names for them — the EP
     layer's tokens read in place instead of copied into an expert-sorted buffer first (vLLM's fused MoE kernel
     reads its sorted token ids so)."""
+    a_rows = rows.to(tl.int64)  # (one return of one type: Triton's compiler wants that of every branch)
     if GATHER:
-        return tl.load(row_src + rows, mask=rmask, other=0)
-    return rows
+        a_rows = tl.load(row_src + rows, mask=rmask, other=0)
+    return a_rows
 
 
 @triton.jit
