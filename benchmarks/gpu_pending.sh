@@ -2,8 +2,9 @@
 # What the next H200 session must measure for issue #21, in device calls that each end inside 10 minutes
 # (benchmarks/README.md §10, "Next on the H200"). Every stage writes under $OUT.
 # After run 28 (an H100: fewer small kernels in the step, −4.8 % at 256 sequences; 71 GPU tests pass; the single-GPU
-# EP layer's gate/up GEMM gathering its tokens in place passed its GPU tests but its step was not timed): gather with
-# TESTS=none first (the step at 256 / 64 sequences), APPLY=1 linears (the FP8 linears' launch rows), then h200step,
+# EP layer's gate/up GEMM gathering its tokens in place passed its GPU tests but its step was not timed; the received
+# rows of several ranks gathered likewise since, GPU-untested): gather with TEST_LIMIT=300 first (those GPU tests, then
+# the step at 256 / 64 sequences), APPLY=1 linears (the FP8 linears' launch rows), then h200step,
 # sidestream and mlalong on an H200, onoff on two GPUs.
 #
 #   STAGE=tests  the full GPU test list (~8 min; run 24 on an H100: 481 s; PART=1 / PART=2 split it in two calls): kernels, graphed == eager, prefix caching and preemption on
@@ -233,11 +234,13 @@ case "${STAGE:-tests}" in
     PYTHONPATH=$HEAD_PATH timeout $(( ${LIMIT:-540} - SECONDS )) python3 benchmarks/decode_step_bound.py \
       --model-dir /tmp/bench-ds3 --block-fp8 --expert-compute w8a8 --batches ${BATCHES:-16 64 256} --context 96 \
       --out "$OUT/decode_step_bound_w8a8.json" 2>&1 | grep -v "Loading weights" | grep '^{' | cut -c1-300 ;;
-  gather)  # the single-GPU EP layer's gate/up GEMM reading its tokens in place (row_src): its GPU tests (the kernel
-    # gathering == the copied rows, bit for bit; the layer on one rank against the reference, bf16 and FP8 rows;
-    # graphed == eager), then the graphed step at 256 / 64 sequences, bf16 and W8A8 experts (~4 min)
+  gather)  # the EP layer's gate/up GEMM reading its rows in place (row_src: one rank's tokens, several ranks' received
+    # rows): its GPU tests (the kernel gathering == the copied rows, bit for bit; the layer on one rank against the
+    # reference, bf16 and FP8 rows; graphed == eager; two ranks and the node's GPU path, whose received rows it gathers
+    # since run 28f), then the graphed step at 256 / 64 sequences, bf16 and W8A8 experts (~6 min; TEST_LIMIT=300)
     [ "${TESTS:-}" = none ] || PYTHONPATH=$HEAD_PATH timeout ${TEST_LIMIT:-120} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_grouped_gemm_kernel.py \
-      tests/test_expert_format_gpu.py tests/test_serve_gpu.py -k "${TESTS:-deepseek_sizes or dequantised_reference or graphed_decode_equals}" \
+      tests/test_expert_format_gpu.py tests/test_serve_gpu.py tests/test_runtime_gpu.py tests/test_gpu_path.py \
+      -k "${TESTS:-deepseek_sizes or dequantised_reference or graphed_decode_equals or two_ranks or verifies or layer}" \
       2>&1 | tee "$OUT/pytest_gpu_gather.txt" | tail -3
     PYTHONPATH=$HEAD_PATH timeout $(( (${LIMIT:-280} - SECONDS) / 2 )) python3 benchmarks/decode_step_bound.py \
       --model-dir /tmp/bench-ds3 --batches ${BATCHES:-256 64} --context 96 --out "$OUT/decode_step_bound_gather_bf16.json" \

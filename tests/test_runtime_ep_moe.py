@@ -372,8 +372,9 @@ def test_a_single_rank_lays_its_pairs_out_as_the_send_and_receive_path_does() ->
             shared = torch.randn(batch, hidden, generator=generator)
             gpu, local, cum = device_table.gpu[1], device_table.local[1], device_table.cum_share[1]
             send_x, send_local, row_of_pair = pack_dispatch(x, ids, gpu, local, cum, 0, 1, batch * top_k)
-            buf, position, resident_offs, slot_offs, computed = arrange_received(send_x, send_local, experts,
-                                                                                 table.slots, align)
+            received, position, resident_offs, slot_offs, computed = arrange_received(send_local, experts,
+                                                                                      table.slots, align)
+            buf = send_x[received]  # the buffer the grouped GEMMs read (gathered as they read on a GPU)
             row_src, local_position, *local_rest = arrange_local(ids, gpu, local, cum, experts, table.slots, align)
             assert torch.equal(local_position, position[row_of_pair])  # each pair's buffer row
             assert all(torch.equal(a, b) for a, b in zip(local_rest, (resident_offs, slot_offs, computed), strict=True))

@@ -467,20 +467,23 @@ def pack_dispatch(x: torch.Tensor, ids: torch.Tensor, gpu: torch.Tensor, local: 
     return send_x[:-1], send_local[:-1], row_of_pair
 
 
-def arrange_received(recv_x: torch.Tensor, recv_local: torch.Tensor, resident: int, slots: int, align: int
+def arrange_received(recv_local: torch.Tensor, resident: int, slots: int, align: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The received rows laid out for the grouped GEMMs (:func:`receive_layout`).
+    """The received rows laid out for the grouped GEMMs (:func:`receive_layout`), as the received row each buffer
+    row reads: the gate/up GEMM gathers them from the receive buffer as it reads (``row_src``), or
+    :func:`stacked_outputs` copies them where it cannot — no copy of the rows into the grouped order first.
 
-    Args: recv_x [T, H]; recv_local [T] int64 (−1 padding); resident = E/N; slots = S.
-    Returns buf [M, H] (rows by local expert, M = :attr:`ReceiveLayout.rows`; rows no received row
-    lands on — a group's alignment padding, the space past the groups — are left unwritten: a GEMM
-    row depends only on its own input row, and no such output row is read), position [T],
-    resident_offs [E/N] int32, slot_offs [S] int32, computed [E/N + S] int64.
+    Args: recv_local [T] int64 (−1 padding); resident = E/N; slots = S.
+    Returns row_src [M] int64 (M = :attr:`ReceiveLayout.rows`; 0 on rows no received row lands on — a group's
+    alignment padding, the space past the groups —, whose outputs nothing reads: a GEMM row depends only on its
+    own input row), position [T] (buffer row of each received row), resident_offs [E/N] int32, slot_offs [S]
+    int32, computed [E/N + S] int64.
     """
     layout = receive_layout(recv_local, resident, slots, align)
-    buf = recv_x.new_empty(layout.rows, recv_x.shape[1])  # no memset (a kernel per layer on a GPU)
-    buf.index_copy_(0, layout.position, recv_x)
-    return buf, layout.position, layout.resident_offs, layout.slot_offs, layout.computed
+    received = torch.arange(recv_local.numel(), device=recv_local.device)
+    row_src = torch.zeros(layout.rows, dtype=torch.int64, device=recv_local.device).index_copy_(0, layout.position,
+                                                                                                 received)
+    return row_src, layout.position, layout.resident_offs, layout.slot_offs, layout.computed
 
 
 def combine_received(back: torch.Tensor, row_of_pair: torch.Tensor, topk_weights: torch.Tensor,
@@ -642,8 +645,9 @@ def stacked_outputs(buf: torch.Tensor, resident_offs: torch.Tensor, slot_offs: t
     """Expert outputs [M, H] of a buffer [M, H] laid out by :func:`receive_layout`: one grouped GEMM
     pair over the resident stack (rows [0, resident_rows)), then — after ``slot_wait`` — one over the
     slot stack (the rest), then ``after_compute``. Rows past a region's last group end are undefined.
-    Both hooks are called on every call, also when no row goes to a slot. With ``row_src`` [M] int64 (an EP
-    group of one, :func:`arrange_local`) ``buf`` is the tokens [T, ·] and buffer row m is ``buf[row_src[m]]``."""
+    Both hooks are called on every call, also when no row goes to a slot. With ``row_src`` [M] int64
+    (:func:`arrange_received`, :func:`arrange_local`) ``buf`` is the rows as they arrived [T, ·] (received, or an EP
+    group of one's tokens) and buffer row m is ``buf[row_src[m]]``."""
     rows = buf.shape[0] if row_src is None else row_src.shape[0]
     if stacks.wire_group is None:
         out = buf.new_empty(rows, buf.shape[1])
@@ -753,9 +757,10 @@ def ep_moe_layer(
     send_x, send_local, row_of_pair = pack(tokens, ids, table.gpu[layer], table.local[layer], cum_share, rank, world,
                                            block)
     recv_x, recv_local = _exchange_rows(send_x, send_local, group)
-    buf, position, resident_offs, slot_offs, computed = arrange(recv_x, recv_local, resident, slots, align)
+    row_src, position, resident_offs, slot_offs, computed = arrange(recv_local, resident, slots, align)
     resident_rows = padded_capacity(recv_local.numel(), resident, align)
-    out = stacked_outputs(buf, resident_offs, slot_offs, resident_rows, stacks, slot_wait, after_compute, quantize)
+    out = stacked_outputs(recv_x, resident_offs, slot_offs, resident_rows, stacks, slot_wait, after_compute, quantize,
+                          row_src)
     back = _exchange(out.index_select(0, position), group)
     y, dropped = combine_back(back, row_of_pair, topk_weights, shared_out)
     return y, LayerStats(computed=computed, dropped=dropped, sent=pairs)
