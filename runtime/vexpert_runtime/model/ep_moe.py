@@ -723,8 +723,9 @@ def ep_moe_layer(
             (from the group's counts: one all-reduce of [E] int32 before the all-to-all, so every
             rank must pass the same mode). No host sync in any mode.
         compiled: run the bookkeeping around the GEMMs and collectives (:func:`pack_dispatch`,
-            :func:`arrange_received`, :func:`combine_received`) compiled by inductor
-            (:mod:`~vexpert_runtime.model.fusion`): ~40 fused kernels instead of ~120 per layer.
+            :func:`arrange_received`, :func:`combine_received`; one rank: :func:`arrange_local`,
+            :func:`combine_local`) compiled by inductor (:mod:`~vexpert_runtime.model.fusion`): a few fused kernels
+            per layer instead of ~120.
     Returns (y [B, H], stats), stats on ``x.device``.
     """
     batch, top_k = ids.shape
