@@ -386,6 +386,24 @@ def test_a_single_rank_lays_its_pairs_out_as_the_send_and_receive_path_does() ->
             assert torch.equal(combine_local(out, local_position, weights, shared), y)
 
 
+def test_rows_named_in_an_empty_step_are_zeros_not_an_index_error() -> None:
+    """A step with no tokens still has a buffer of alignment rows (16 per expert on a GPU), each naming row 0 of an
+    empty x: where the rows are copied rather than read in place (a float32 GPU rank, the CPU kernels) that copy gives
+    zero rows, and the experts' outputs are empty groups — no index error."""
+    from vexpert_runtime.model.grouped_moe import gather_rows, grouped_swiglu, packed_views
+
+    experts, intermediate, hidden = 4, 8, 12
+    w13, w2 = packed_views(torch.randn(experts, 3 * intermediate * hidden), intermediate, hidden)
+    row_src = torch.zeros(experts * 15, dtype=torch.int64)
+    assert torch.equal(gather_rows(torch.randn(0, hidden), row_src), torch.zeros(experts * 15, hidden))
+    offs = torch.zeros(experts, dtype=torch.int32)
+    for grouped in (False, True):
+        out = grouped_swiglu(torch.randn(0, hidden), w13, w2, offs, grouped=grouped, row_src=row_src)
+        assert out.shape == (experts * 15, hidden)
+    x = torch.randn(3, hidden)
+    assert torch.equal(gather_rows(x, torch.tensor([2, 0, 2])), x[[2, 0, 2]])
+
+
 def test_no_token_dropped_or_duplicated(ep_results: Any) -> None:
     by_case, _ = ep_results
     for name, rows in by_case.items():

@@ -50,6 +50,7 @@ from vexpert_runtime.model.fp8_activations import (
 from vexpert_runtime.model.grouped_moe import (
     GROUP_ALIGN,
     PrepackedExperts,
+    gather_rows,
     group_align,
     group_counts,
     group_layout,
@@ -632,8 +633,8 @@ class ExpertStacks:
         if fmt is None or fmt.fp8_block is None or not fmt.fp8_activations:  # (the Triton kernel gathers there too)
             return grouped_swiglu(x, w13, w2, offs, grouped=self.grouped, out=out, row_src=row_src)
         if row_src is not None:
-            x = x.index_select(0, row_src)
-            x_scales = None if x_scales is None else x_scales.index_select(0, row_src)
+            x = gather_rows(x, row_src)
+            x_scales = None if x_scales is None else gather_rows(x_scales, row_src)
         return out.copy_(w8a8_swiglu(x, w13, w2, offs, fmt.fp8_block[1], x_scales))
 
 
@@ -663,7 +664,7 @@ def stacked_outputs(buf: torch.Tensor, resident_offs: torch.Tensor, slot_offs: t
 
     x, src = region(0, resident_rows)
     if isinstance(stacks.resident, PrepackedExperts):
-        out[:resident_rows] = stacks.resident.swiglu(x if src is None else x.index_select(0, src), resident_offs)
+        out[:resident_rows] = stacks.resident.swiglu(x if src is None else gather_rows(x, src), resident_offs)
     else:
         stacks.swiglu(x, stacks.resident, resident_offs, out[:resident_rows], quantize, src)
     if slot_wait is not None:

@@ -142,6 +142,14 @@ def triton_experts_run(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _triton_importable()
 
 
+def gather_rows(x: torch.Tensor, row_src: torch.Tensor) -> torch.Tensor:
+    """``x[row_src]`` [M, ·] — the rows a ``row_src`` names, copied where a kernel cannot read them in place. An empty x
+    (a step with no tokens, whose buffer still has alignment rows naming row 0) gives zero rows: no row of it is read."""
+    if x.shape[0] == 0:
+        return x.new_zeros(row_src.shape[0], *x.shape[1:])
+    return x.index_select(0, row_src)
+
+
 def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
                    grouped: bool | None = None, gpu_kernel: str | None = None,
                    out: torch.Tensor | None = None, row_src: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,7 +173,7 @@ def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: t
         raise ValueError(f"gpu_kernel must be 'triton', 'cutlass' or None, not {gpu_kernel!r}")
     if row_src is not None and not (grouped is not False and gpu_kernel != "cutlass" and uses_grouped_gemm(x)
                                     and triton_experts_run(x)):
-        x, row_src = x.index_select(0, row_src), None
+        x, row_src = gather_rows(x, row_src), None
     if grouped is None:
         grouped = uses_grouped_gemm(x) and (_aligned_for_grouped_mm(x, w13, w2) or triton_experts_run(x))
     intermediate = w2.shape[-1]
