@@ -27,6 +27,9 @@ dequantised bf16 stack, the bytes counted as stored (half of bf16's). Its launch
 quantised per row and 128 columns ahead (``quantize_activation_groups``, outside the timed kernel — the serving path
 runs it as its own ops), checked against W8A16's CUTLASS result within e4m3's error (8 %; the exact check is the
 tests' twin); ``--apply`` writes ``_W8A8_CONFIGS``.
+
+``--gather``: the gate/up GEMM reads its rows in place through ``row_src`` (each buffer row a token of the batch), as
+the EP layer serves it since run 28f, instead of from a contiguous copy (the tables before were swept without it).
 """
 
 from __future__ import annotations
@@ -96,6 +99,9 @@ def main() -> int:
                         help="BLOCK_M of the row-tile grid past 16 rows per expert")
     parser.add_argument("--fp8", action="store_true", help="block-FP8 expert rows read in place (see above)")
     parser.add_argument("--w8a8", action="store_true", help="FP8 rows against FP8 activations (see above)")
+    parser.add_argument("--gather", action="store_true",
+                        help="the gate/up GEMM reads its rows in place, as the EP layer serves it (row_src: each buffer "
+                             "row a random token of the batch) instead of from a contiguous copy")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--apply", action="store_true", help="write the best configuration per bucket into "
                         "grouped_gemm_kernel.py's launch table")
@@ -132,6 +138,12 @@ def main() -> int:
         offs = offs.cuda()
         used = int(offs[-1])
         x = torch.randn(capacity, hidden, device="cuda", dtype=torch.bfloat16)
+        gathered: dict[str, object] = {}  # --gather: the gate/up GEMM's row_src over the batch's tokens
+        batch = x
+        if args.gather:
+            batch = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+            row_src = torch.randint(0, tokens, (capacity,), device="cuda")
+            x, gathered = batch[row_src], {"row_src": row_src}
         want_h = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)
         want_act = torch.nn.functional.silu(want_h[:, :inter]) * want_h[:, inter:]
         want = grouped_swiglu(x, w13, w2, offs, gpu_kernel="cutlass")
@@ -150,8 +162,10 @@ def main() -> int:
         # tiles may be smaller, so more of a hot expert's rows run at once)
         small = tokens * args.top_k / experts <= 16
         grids = [((16,) if small else (64,), (1, 2, 4)), ((16,) if small else tuple(args.row_tile_block_m), (0,))]
-        for gemm, source, ks in (("gate_up", x, tuple(args.gate_up_block_k)), ("down", want_act, (64, 128))):
+        for gemm, source, ks in (("gate_up", batch, tuple(args.gate_up_block_k)), ("down", want_act, (64, 128))):
             weight, scaled = kernel_weights[gemm]
+            if gemm == "gate_up":
+                scaled = {**scaled, **gathered}
             if args.w8a8:  # the GEMM's input as the serving path hands it over: FP8 with a scale per row and 128 columns
                 source, x_scales = quantize_activation_groups(source, 128)
                 scaled = {**scaled, "x_scales": x_scales, "out_dtype": torch.bfloat16}
