@@ -515,13 +515,11 @@ def arrange_local(ids: torch.Tensor, gpu: torch.Tensor, local: torch.Tensor, cum
     reads), position [P] (buffer row of each pair), resident_offs [E] int32, slot_offs [S] int32, computed [E + S]
     int64 — as :func:`arrange_received`.
     """
-    top_k = ids.shape[1]
     _, dest_local = choose_replicas(ids, gpu, local, cum_share, 0, 1)
-    layout = receive_layout(dest_local.reshape(-1), resident, slots, align)
-    token_of_pair = torch.arange(ids.numel(), device=ids.device) // top_k
-    row_src = torch.zeros(layout.rows, dtype=torch.int64, device=ids.device).index_copy_(0, layout.position,
-                                                                                          token_of_pair)
-    return row_src, layout.position, layout.resident_offs, layout.slot_offs, layout.computed
+    # the pairs as one rank's received rows (pair p = token p // K): each buffer row's pair, then its token
+    pair_of_row, position, resident_offs, slot_offs, computed = arrange_received(dest_local.reshape(-1), resident,
+                                                                                 slots, align)
+    return pair_of_row // ids.shape[1], position, resident_offs, slot_offs, computed
 
 
 def combine_local(out: torch.Tensor, position: torch.Tensor, topk_weights: torch.Tensor,
