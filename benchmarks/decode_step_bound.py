@@ -37,7 +37,7 @@ holds the mask's upload and unpack, ``graph_ms`` only the graph.
 
 ``--shared-expert-stream off``: every sparse block's shared expert on the step's one stream, for an A/B against
 the product's default (``on``: on a side stream beside the router and the routed experts, forked and joined inside
-each graph; :func:`~vexpert_runtime.serve.sparse_blocks.sparse_block_output`).
+each graph; :func:`~vexpert_runtime.serve.sparse_blocks.sparse_block_parts`).
 
 ``--kv-cache-dtype fp8``: the KV cache in FP8 (half its bytes; the bound counts them so), as ``vexpert serve
 --kv-cache-dtype fp8`` keeps it — what it saves where the KV read matters, at long contexts.

@@ -1,4 +1,4 @@
-"""The step model's sparse-block forward (:func:`vexpert_runtime.serve.sparse_blocks.sparse_block_output`)
+"""The step model's sparse-block forward (:func:`vexpert_runtime.serve.sparse_blocks.sparse_block_parts`, summed)
 computes transformers' own block forward — routed experts plus the shared expert (DeepSeek-V3), the sigmoid-
 gated shared expert (Qwen2-MoE), none (Qwen3-MoE) — bit for bit, in the same order of summation; on a GPU
 its shared expert may run on a side stream (tests/test_serve_gpu.py)."""
@@ -15,9 +15,15 @@ from vexpert_runtime.serve.sparse_blocks import (
     is_sparse_block,
     shared_expert,
     shared_expert_output,
-    sparse_block_output,
     sparse_block_parts,
 )
+
+
+def block_output(block: object, x: torch.Tensor) -> torch.Tensor:
+    """The block's routed + shared experts' outputs summed in transformers' order, as the step's residual add sums
+    them."""
+    routed, shared = sparse_block_parts(block, x)
+    return routed if shared is None else routed + shared
 
 SHARED = {"deepseek_v3": ("DeepseekV3MLP", None), "qwen2_moe": ("Qwen2MoeMLP", "Linear"), "qwen3_moe": (None, None)}
 
@@ -32,7 +38,7 @@ def test_the_sparse_block_output_is_transformers_block_forward(family: str) -> N
         x = torch.randn(13, model.config.hidden_size)
         with torch.no_grad():
             expected = block(x.unsqueeze(0)).reshape(x.shape)
-            got = sparse_block_output(block, x)
+            got = block_output(block, x)
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
         module, gate = shared_expert(block)
         assert (type(module).__name__ if module is not None else None,
@@ -65,7 +71,7 @@ def test_the_residual_add_of_a_blocks_parts_is_the_add_of_its_output(family: str
     x, hidden = torch.randn(2, 9, model.config.hidden_size, dtype=dtype).unbind()
     compiles = shutil.which("g++") is not None or shutil.which("c++") is not None  # inductor's CPU backend
     with torch.no_grad():
-        output, parts = sparse_block_output(block, x), sparse_block_parts(block, x)
+        output, parts = block_output(block, x), sparse_block_parts(block, x)
         assert (parts[1] is None) == (family == "qwen3_moe")
         for fused in (False, True) if compiles else (False,):  # (a compiled norm may sum in another order: each
             residual_norm = fusion.maybe_compiled(add_and_norm, fused)  # form against itself)

@@ -6,9 +6,10 @@ DeepSeek-V3, Qwen3-MoE and Qwen2-MoE. Both the step model (:mod:`.hf_model`, whi
 block's ``experts`` with an :class:`ExecutorExperts`) and the rank-local loader (:mod:`.model_loading`,
 which leaves the experts unread) ask this module which blocks those are.
 
-The step model runs a block through :func:`sparse_block_output` rather than the block's own ``forward``:
-the same sum in the same order, with the shared expert free to run on a side CUDA stream beside the
-router and the routed experts (SGLang's dual-stream MoE does this for DeepSeek's shared experts).
+The step model runs a block through :func:`sparse_block_parts` rather than the block's own ``forward``: the
+routed and shared experts' outputs, which its compiled residual add sums in transformers' order, with the shared
+expert free to run on a side CUDA stream beside the router and the routed experts (SGLang's dual-stream MoE does
+this for DeepSeek's shared experts).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def shared_expert_output(block: Any, x: torch.Tensor) -> torch.Tensor | None:
 def sparse_block_parts(block: Any, x: torch.Tensor, side_stream: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The block's routed experts' output over x [T, H] (router ``gate``, then ``experts``) and its shared expert's
     (None without one), both ready on the current stream: transformers' block output is their sum, in that order
-    (:func:`sparse_block_output`; the step model adds them inside its compiled residual add instead, one kernel
+    (the step model adds them inside its compiled residual add, :func:`~.hf_model.add_and_norm`: one kernel
     fewer). With ``side_stream`` (a CUDA stream; inside a graph capture too, as a fork joined before returning)
     and at most :data:`SIDE_STREAM_MAX_TOKENS` tokens, the shared expert's GEMMs run there while the router and
     the EP layer's small kernels, which leave most SMs idle, run on the current stream."""
@@ -88,13 +89,6 @@ def sparse_block_parts(block: Any, x: torch.Tensor, side_stream: Any = None) -> 
     if overlap:
         current.wait_stream(side_stream)  # the join: the sum reads the shared expert's output
     return routed, shared
-
-
-def sparse_block_output(block: Any, x: torch.Tensor, side_stream: Any = None) -> torch.Tensor:
-    """The block's output over x [T, H]: its routed experts' plus its shared expert's (:func:`sparse_block_parts`),
-    summed in transformers' order."""
-    routed, shared = sparse_block_parts(block, x, side_stream)
-    return routed if shared is None else routed + shared
 
 
 def decoder_layers(model: Any) -> Any:
