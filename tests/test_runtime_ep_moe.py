@@ -404,6 +404,24 @@ def test_rows_named_in_an_empty_step_are_zeros_not_an_index_error() -> None:
     assert torch.equal(gather_rows(x, torch.tensor([2, 0, 2])), x[[2, 0, 2]])
 
 
+@pytest.mark.parametrize("tokens, experts", [(24, 16), (1024, 256)])  # the one-hot sum; past 2^20 elements, the scatter
+def test_a_layers_statistics_count_real_rows_only(tokens: int, experts: int) -> None:
+    """record_layer_stats writes the layer's expert counts and computed rows in place: a padded graph batch's pad rows
+    (mask_padding) are left out of the counts — every pair counted once otherwise — on both forms of group_counts."""
+    from vexpert_runtime.serve.moe_executors import mask_padding, record_layer_stats
+
+    generator = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, experts, (tokens, 4), generator=generator)
+    valid = torch.rand(tokens, generator=generator) < 0.7
+    routed, _, counted = mask_padding(ids, torch.rand(tokens, 4, generator=generator), valid, experts)
+    counts, computed = torch.full((experts,), -1), torch.full((3,), -1)
+    record_layer_stats(counts, computed, routed, counted, torch.tensor([5, 0, 2]))
+    assert torch.equal(counts, torch.bincount(ids[valid].reshape(-1), minlength=experts))
+    assert torch.equal(computed, torch.tensor([5, 0, 2]))
+    record_layer_stats(counts, computed, ids, None, torch.tensor([1, 1, 1]))
+    assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=experts))
+
+
 def test_no_token_dropped_or_duplicated(ep_results: Any) -> None:
     by_case, _ = ep_results
     for name, rows in by_case.items():

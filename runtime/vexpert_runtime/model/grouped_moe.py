@@ -233,9 +233,10 @@ def cpu_expert_kernel_seconds(rows: torch.Tensor, intermediate: int, rows_per_ex
 _ONE_HOT_LIMIT = 1 << 20
 
 
-def group_counts(group: torch.Tensor, num_groups: int) -> torch.Tensor:
+def group_counts(group: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None) -> torch.Tensor:
     """Rows per group [num_groups] int64 of ``group`` [P] with values in [0, num_groups]; the value
-    ``num_groups`` marks a row no group computes (padding, or a row of the other stack).
+    ``num_groups`` marks a row no group computes (padding, or a row of the other stack). ``weight`` [P] int64:
+    each row counts that much (0 leaves it out); None: 1.
 
     Fixed-size forms instead of ``torch.bincount``, whose output size depends on the data (read back to the
     host, which a CUDA graph cannot capture): up to ``_ONE_HOT_LIMIT`` elements the sum of the one-hot rows —
@@ -244,18 +245,10 @@ def group_counts(group: torch.Tensor, num_groups: int) -> torch.Tensor:
     above it a ``scatter_add_``.
     """
     if group.numel() * (num_groups + 1) <= _ONE_HOT_LIMIT:
-        values = torch.arange(num_groups, device=group.device)
-        return (group.unsqueeze(1) == values).sum(0)
-    return weighted_group_counts(group, torch.ones_like(group), num_groups)
-
-
-def weighted_group_counts(group: torch.Tensor, weight: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """:func:`group_counts` with row weights ``weight`` [P] int64 (0 leaves a row out): Σ weight per group [num_groups]."""
-    if group.numel() * (num_groups + 1) <= _ONE_HOT_LIMIT:
-        values = torch.arange(num_groups, device=group.device)
-        return torch.where(group.unsqueeze(1) == values, weight.unsqueeze(1), 0).sum(0)
+        hit = group.unsqueeze(1) == torch.arange(num_groups, device=group.device)
+        return hit.sum(0) if weight is None else torch.where(hit, weight.unsqueeze(1), 0).sum(0)
     counts = torch.zeros(num_groups + 1, dtype=torch.int64, device=group.device)
-    counts.scatter_add_(0, group, weight)
+    counts.scatter_add_(0, group, torch.ones_like(group) if weight is None else weight)
     return counts[:num_groups]
 
 

@@ -45,7 +45,6 @@ from vexpert_runtime.model.grouped_moe import (
     cpu_expert_kernel_seconds,
     group_counts,
     prepacking_runs,
-    weighted_group_counts,
 )
 from vexpert_runtime.model.moe_math import combine
 
@@ -164,8 +163,7 @@ def record_layer_stats(counts: torch.Tensor, computed: torch.Tensor, ids: torch.
     Compiled with the step's pieces: the count is a one-hot sum written straight into the buffer — one fused kernel
     where a memset and a scatter were two launches each layer (:func:`~.grouped_moe.group_counts`)."""
     flat = ids.reshape(-1).to(torch.int64)
-    counts.copy_(group_counts(flat, counts.shape[0]) if counted is None
-                 else weighted_group_counts(flat, counted, counts.shape[0]))
+    counts.copy_(group_counts(flat, counts.shape[0], counted))
     computed.copy_(layer_computed)
 
 
