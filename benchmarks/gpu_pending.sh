@@ -52,6 +52,8 @@
 #   STAGE=linears  the block-FP8 linear layers' launch table (fp8_linear_tuning.py over DeepSeek-V3's linear shapes at
 #                16 / 64 / 256 rows, W8A16 and W8A8, beside cuBLAS bf16; APPLY=1 writes the "linear" rows and brings the
 #                kernel module back), then the graphed step with FP8 linears (w8a8-dense vs w8a8-fp8_block) (~8 min)
+#   STAGE=abstep  the graphed decode step of the tree in ab_old/ beside HEAD's, ROUNDS (2) interleaved rounds at 256 / 64
+#                sequences on one warm card (carry ab_old; ~5 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
 #                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
 #                profile, with the EP layer's share of a traced iteration (~6 min)
@@ -248,11 +250,21 @@ case "${STAGE:-tests}" in
     PYTHONPATH=$HEAD_PATH timeout $(( ${LIMIT:-280} - SECONDS )) python3 benchmarks/decode_step_bound.py \
       --model-dir /tmp/bench-ds3 --block-fp8 --expert-compute w8a8 --batches ${BATCHES:-256 64} --context 96 \
       --out "$OUT/decode_step_bound_gather_w8a8.json" 2>&1 | grep '^{' | cut -c1-260 ;;
+  abstep)  # the graphed decode step of ab_old's tree beside HEAD's on one warm card, ROUNDS interleaved rounds at 256 /
+    # 64 sequences, bf16 experts (run 28e's A/B, scripted; ~70 s a process once the checkpoint exists)
+    for round in $(seq 1 "${ROUNDS:-2}"); do
+      for tree in ab_old .; do
+        name=head; [ "$tree" = ab_old ] && name=ab_old
+        (cd "$tree" && PYTHONPATH="$SITE:$PWD/runtime:$OLDPWD/tests" timeout 150 python3 benchmarks/decode_step_bound.py \
+           --model-dir /tmp/bench-ds3 --batches ${BATCHES:-256 64} --context 96 \
+           --out "$OUT/decode_step_bound_ab_${round}_$name.json" 2>&1 | grep '^{' | cut -c1-200)
+      done
+    done ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
     BENCH_TIMEOUT=560 bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \
       --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json --profile-streams 64 256 \
       --profile-iters 600-619 ;;
   *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | router | sidestream | fp8 | mlalong | priority |" \
-          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | linears | h200step | gather | onoff" >&2; exit 2 ;;
+          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | linears | h200step | gather | abstep | onoff" >&2; exit 2 ;;
 esac
