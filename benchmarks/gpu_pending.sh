@@ -79,7 +79,7 @@ case "${STAGE:-tests}" in
   tests)  # PART=1: the serving engine's file; PART=2: the rest (each well inside a call); default: all
     files=(tests/test_runtime_gpu.py tests/test_gpu_path.py tests/test_serve_gpu.py tests/test_expert_format_gpu.py
            tests/test_runtime_ep_moe.py tests/test_dispatch.py tests/test_attention_kernels.py
-           tests/test_grouped_gemm_kernel.py tests/test_fusion.py)
+           tests/test_grouped_gemm_kernel.py tests/test_fusion.py tests/test_layout_kernel.py)
     case "${PART:-all}" in
       1) files=(tests/test_serve_gpu.py) ;;
       2) files=("${files[@]/tests\/test_serve_gpu.py}") ;;
@@ -240,9 +240,9 @@ case "${STAGE:-tests}" in
     # rows): its GPU tests (the kernel gathering == the copied rows, bit for bit; the layer on one rank against the
     # reference, bf16 and FP8 rows; graphed == eager; two ranks and the node's GPU path, whose received rows it gathers
     # since run 28f), then the graphed step at 256 / 64 sequences, bf16 and W8A8 experts (~6 min; TEST_LIMIT=300)
-    [ "${TESTS:-}" = none ] || PYTHONPATH=$HEAD_PATH timeout ${TEST_LIMIT:-120} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_grouped_gemm_kernel.py \
+    [ "${TESTS:-}" = none ] || PYTHONPATH=$HEAD_PATH timeout ${TEST_LIMIT:-120} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_grouped_gemm_kernel.py tests/test_layout_kernel.py \
       tests/test_expert_format_gpu.py tests/test_serve_gpu.py tests/test_runtime_gpu.py tests/test_gpu_path.py \
-      -k "${TESTS:-deepseek_sizes or dequantised_reference or graphed_decode_equals or two_ranks or verifies or layer}" \
+      -k "${TESTS:-deepseek_sizes or dequantised_reference or graphed_decode_equals or two_ranks or verifies or layer or layout}" \
       2>&1 | tee "$OUT/pytest_gpu_gather.txt" | tail -3
     PYTHONPATH=$HEAD_PATH timeout $(( (${LIMIT:-280} - SECONDS) / 2 )) python3 benchmarks/decode_step_bound.py \
       --model-dir /tmp/bench-ds3 --batches ${BATCHES:-256 64} --context 96 --out "$OUT/decode_step_bound_gather_bf16.json" \

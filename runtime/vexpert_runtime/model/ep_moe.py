@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from vexpert_runtime.model import fusion
-from vexpert_runtime.model.dispatch import DispatchMode, dispatch_cum_share
+from vexpert_runtime.model.dispatch import DispatchMode, dispatch_cum_share, triton_available
 from vexpert_runtime.model.expert_format import ExpertFormat, w8a8_swiglu
 from vexpert_runtime.model.fp8_activations import (
     ActivationQuantizer,
@@ -522,6 +522,18 @@ def arrange_local(ids: torch.Tensor, gpu: torch.Tensor, local: torch.Tensor, cum
     return pair_of_row // ids.shape[1], position, resident_offs, slot_offs, computed
 
 
+# rows × (groups + 1) up to which a layer's layout runs as one kernel (:mod:`.layout_kernel`: one thread block
+# holds them in a few chunks of one-hot rows); beyond, the compiled torch code
+FUSED_LAYOUT_LIMIT = 1 << 16
+
+
+def fused_layout_runs(device: torch.device, rows: int, resident: int, slots: int) -> bool:
+    """Whether :func:`arrange_received` / :func:`arrange_local` of ``rows`` rows run as one kernel
+    (:mod:`.layout_kernel`, equal outputs): on CUDA with Triton (not switched off with
+    ``VEXPERT_DISPATCH_KERNEL=torch``), at least one row, rows × (E/N + S + 1) ≤ :data:`FUSED_LAYOUT_LIMIT`."""
+    return device.type == "cuda" and 0 < rows * (resident + slots + 1) <= FUSED_LAYOUT_LIMIT and triton_available()
+
+
 def combine_local(out: torch.Tensor, position: torch.Tensor, topk_weights: torch.Tensor,
                   shared_out: torch.Tensor | None) -> torch.Tensor:
     """:func:`combine_received` for an EP group of one: each pair's output read from its buffer row.
@@ -747,8 +759,14 @@ def ep_moe_layer(
     if group is None and world == 1 and block >= pairs:
         # An EP group of one (a single-GPU server): no send and return buffers — the gate/up GEMM reads each pair's
         # token where it is (row_src) and the combine reads the outputs from the GEMM's buffer
-        row_src, position, resident_offs, slot_offs, computed = fusion.maybe_compiled(arrange_local, fused)(
-            ids, table.gpu[layer], table.local[layer], cum_share, resident, slots, align)
+        if table.local.shape[-1] == 1 and fused_layout_runs(x.device, pairs, resident, slots):
+            from vexpert_runtime.model.layout_kernel import fused_arrange_local
+
+            layout = fused_arrange_local(ids, table.local[layer], resident, slots, align)
+        else:
+            layout = fusion.maybe_compiled(arrange_local, fused)(ids, table.gpu[layer], table.local[layer], cum_share,
+                                                                 resident, slots, align)
+        row_src, position, resident_offs, slot_offs, computed = layout
         out = stacked_outputs(tokens, resident_offs, slot_offs, padded_capacity(pairs, resident, align), stacks,
                               slot_wait, after_compute, quantize, row_src)
         y = fusion.maybe_compiled(combine_local, fused)(out, position, topk_weights, shared_out)
@@ -757,6 +775,10 @@ def ep_moe_layer(
     send_x, send_local, row_of_pair = pack(tokens, ids, table.gpu[layer], table.local[layer], cum_share, rank, world,
                                            block)
     recv_x, recv_local = _exchange_rows(send_x, send_local, group)
+    if fused_layout_runs(x.device, recv_local.numel(), resident, slots):
+        from vexpert_runtime.model.layout_kernel import fused_arrange_received
+
+        arrange = fused_arrange_received
     row_src, position, resident_offs, slot_offs, computed = arrange(recv_local, resident, slots, align)
     resident_rows = padded_capacity(recv_local.numel(), resident, align)
     out = stacked_outputs(recv_x, resident_offs, slot_offs, resident_rows, stacks, slot_wait, after_compute, quantize,
