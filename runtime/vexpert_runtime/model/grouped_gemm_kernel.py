@@ -199,7 +199,7 @@ _CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
 _FP8_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
     "gate_up": ((24, (16, 64, 128, 8, 3, 1)), (40, (16, 64, 128, 8, 3, 4)), (1 << 30, (64, 64, 128, 4, 3, 0))),
     "down": ((24, (16, 64, 128, 4, 3, 2)), (40, (16, 64, 128, 8, 3, 0)), (1 << 30, (64, 64, 64, 4, 3, 1))),
-    "linear": ((24, (16, 64, 128, 4, 3, 2)), (40, (16, 64, 128, 8, 3, 0)), (1 << 30, (64, 64, 64, 4, 3, 1))),
+    "linear": ((24, (16, 64, 128, 4, 3, 2)), (40, (16, 64, 128, 8, 3, 0)), (1 << 30, (64, 128, 128, 8, 3, 0))),
 }
 
 
@@ -209,11 +209,14 @@ _FP8_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
 # bucket): 1-8 % less than run 26c's table (swept with in-kernel quantisation); the graphed 256-sequence step
 # 1.881 -> 1.847 ms. "linear" (the FP8 linear layers, M rows of one weight) starts as "down"'s choices, which left
 # o_proj's 56 column blocks too few programs at 64 rows (run 27: FP8 linears slower than cuBLAS);
-# benchmarks/fp8_linear_tuning.py sweeps it over DeepSeek-V3's linear shapes.
+# benchmarks/fp8_linear_tuning.py sweeps it over DeepSeek-V3's linear shapes: run 29 on an H100 wrote the "linear" rows
+# here and in _FP8_CONFIGS (results/serve_engine/fp8_linear_tuning_run29_h100.json; summed over DeepSeek-V3's ten linear
+# shapes: W8A8 at ≤ 40 rows 0.341 → 0.284 ms, W8A16 past 40 rows 1.628 → 1.176 ms — both still slower than cuBLAS bf16,
+# 0.19 / 0.39 ms, so dense bf16 stays the linears' default).
 _W8A8_CONFIGS: dict[str, tuple[tuple[int, LaunchConfig], ...]] = {
     "gate_up": ((24, (16, 64, 128, 4, 3, 2)), (40, (16, 64, 128, 4, 3, 4)), (1 << 30, (64, 128, 128, 8, 4, 0))),
     "down": ((24, (16, 128, 128, 4, 3, 0)), (40, (16, 128, 128, 4, 3, 0)), (1 << 30, (64, 128, 128, 4, 4, 0))),
-    "linear": ((24, (16, 128, 128, 4, 3, 0)), (40, (16, 128, 128, 4, 3, 0)), (1 << 30, (64, 128, 128, 4, 4, 0))),
+    "linear": ((24, (16, 64, 128, 4, 4, 0)), (40, (16, 64, 128, 4, 4, 0)), (1 << 30, (64, 128, 128, 4, 4, 0))),
 }
 
 
