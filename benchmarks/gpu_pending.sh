@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # What the next H200 session must measure for issue #21, in device calls that each end inside 10 minutes
 # (benchmarks/README.md §10, "Next on the H200"). Every stage writes under $OUT.
-# After run 28 (an H100: fewer small kernels in the step, −4.8 % at 256 sequences; 71 GPU tests pass; the single-GPU
-# EP layer's gate/up GEMM gathering its tokens in place passed its GPU tests but its step was not timed; the received
-# rows of several ranks gathered likewise since, GPU-untested): gather with TEST_LIMIT=300 first (those GPU tests, then
-# the step at 256 / 64 sequences), APPLY=1 linears (the FP8 linears' launch rows), then h200step,
-# sidestream and mlalong on an H200, onoff on two GPUs.
+# After run 29 (an H100: the rows read in place pass their GPU tests, two ranks too, and gain nothing measurable; the
+# layout bookkeeping around them ~100 µs per step): the EP layer's layout as one Triton kernel (model/layout_kernel.py)
+# is GPU-untested and its step untimed — first its GPU tests (tests/test_layout_kernel.py -m gpu, graphed_decode_equals,
+# two_ranks), then STAGE=abstep against the tree before it (git archive 93bf13f), a profile of the 256-sequence step;
+# then h200step, sidestream and mlalong on an H200, onoff on two GPUs.
 #
 #   STAGE=tests  the full GPU test list (~8 min; run 24 on an H100: 481 s; PART=1 / PART=2 split it in two calls): kernels, graphed == eager, prefix caching and preemption on
 #                graphed overlapped steps, the node's GPU path
@@ -52,6 +52,8 @@
 #   STAGE=linears  the block-FP8 linear layers' launch table (fp8_linear_tuning.py over DeepSeek-V3's linear shapes at
 #                16 / 64 / 256 rows, W8A16 and W8A8, beside cuBLAS bf16; APPLY=1 writes the "linear" rows and brings the
 #                kernel module back), then the graphed step with FP8 linears (w8a8-dense vs w8a8-fp8_block) (~8 min)
+#   STAGE=layout  the EP layer's layout kernel: its GPU tests, STAGE=abstep against ab_old (93bf13f), the step's profile
+#                (carry .whl and ab_old; ~7 min)
 #   STAGE=abstep  the graphed decode step of the tree in ab_old/ beside HEAD's, ROUNDS (2) interleaved rounds at 256 / 64
 #                sequences on one warm card (carry ab_old; ~5 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
@@ -250,6 +252,14 @@ case "${STAGE:-tests}" in
     PYTHONPATH=$HEAD_PATH timeout $(( ${LIMIT:-280} - SECONDS )) python3 benchmarks/decode_step_bound.py \
       --model-dir /tmp/bench-ds3 --block-fp8 --expert-compute w8a8 --batches ${BATCHES:-256 64} --context 96 \
       --out "$OUT/decode_step_bound_gather_w8a8.json" 2>&1 | grep '^{' | cut -c1-260 ;;
+  layout)  # the EP layer's layout in one kernel: its GPU tests, then the step against ab_old's tree (the one before:
+    # git archive 93bf13f), then a profile of the 256-sequence step (~7 min; ROUNDS=1 and TESTS to shorten)
+    PYTHONPATH=$HEAD_PATH timeout ${TEST_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layout_kernel.py \
+      tests/test_serve_gpu.py tests/test_runtime_gpu.py -k "${TESTS:-layout or graphed_decode_equals or two_ranks}" 2>&1 \
+      | tee "$OUT/pytest_gpu_layout.txt" | tail -2
+    ROUNDS=${ROUNDS:-2} STAGE=abstep OUT=$OUT "$0"
+    PYTHONPATH=$HEAD_PATH timeout 90 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 256 \
+      --context 96 --profile --top 40 --out "$OUT/decode_step_bound_profile_layout.json" 2>&1 | grep '^{' | cut -c1-300 ;;
   abstep)  # the graphed decode step of ab_old's tree beside HEAD's on one warm card, ROUNDS interleaved rounds at 256 /
     # 64 sequences, bf16 experts (run 28e's A/B, scripted; ~70 s a process once the checkpoint exists)
     for round in $(seq 1 "${ROUNDS:-2}"); do
@@ -266,5 +276,5 @@ case "${STAGE:-tests}" in
       --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json --profile-streams 64 256 \
       --profile-iters 600-619 ;;
   *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | router | sidestream | fp8 | mlalong | priority |" \
-          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | linears | h200step | gather | abstep | onoff" >&2; exit 2 ;;
+          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | linears | h200step | gather | layout | abstep | onoff" >&2; exit 2 ;;
 esac
