@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # What the next H200 session must measure for issue #21, in device calls that each end inside 10 minutes
 # (benchmarks/README.md §10, "Next on the H200"). Every stage writes under $OUT.
-# After run 29 (an H100: the rows read in place pass their GPU tests, two ranks too, and gain nothing measurable; the
-# layout bookkeeping around them ~100 µs per step): the EP layer's layout as one Triton kernel (model/layout_kernel.py)
-# is GPU-untested and its step untimed — first its GPU tests (tests/test_layout_kernel.py -m gpu, graphed_decode_equals,
-# two_ranks), then STAGE=abstep against the tree before it (git archive 93bf13f), a profile of the 256-sequence step;
-# then h200step, sidestream and mlalong on an H200, onoff on two GPUs.
+# After run 29 (the rows read in place: GPU tests pass, two ranks too, no gain by themselves; the EP layer's layout as
+# one Triton kernel: its own GPU test passes, the 256-sequence step on an H200 1.782 -> 1.76 ms, 2.35x its bound):
+# STAGE=layout first (the graphed-step and two-rank GPU tests with the kernel, the A/B at 64 sequences too, the
+# profile), then h200step, sidestream and mlalong on an H200, onoff on two GPUs.
 #
 #   STAGE=tests  the full GPU test list (~8 min; run 24 on an H100: 481 s; PART=1 / PART=2 split it in two calls): kernels, graphed == eager, prefix caching and preemption on
 #                graphed overlapped steps, the node's GPU path
