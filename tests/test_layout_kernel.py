@@ -90,6 +90,7 @@ def test_the_layout_kernel_compiles_for_hopper(tmp_path: Path, monkeypatch: pyte
 
 
 def test_the_layout_kernel_runs_on_cuda_within_its_limit_only() -> None:
+    from vexpert_runtime.model.dispatch import triton_available
     from vexpert_runtime.model.ep_moe import FUSED_LAYOUT_LIMIT, fused_layout_runs
 
     cuda = torch.device("cuda")
@@ -97,8 +98,7 @@ def test_the_layout_kernel_runs_on_cuda_within_its_limit_only() -> None:
     assert not fused_layout_runs(cuda, 0, 8, 2)  # an empty step: nothing to lay out
     big = FUSED_LAYOUT_LIMIT // 11 + 1
     assert not fused_layout_runs(cuda, big, 8, 2)  # past one block's chunks: the compiled torch code
-    expected = pytest.importorskip("importlib.util").find_spec("triton") is not None
-    assert fused_layout_runs(cuda, big - 1, 8, 2) is expected
+    assert fused_layout_runs(cuda, big - 1, 8, 2) is triton_available()
 
 
 def test_the_fused_one_rank_layout_refuses_replicated_tables() -> None:

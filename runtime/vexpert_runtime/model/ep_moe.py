@@ -736,16 +736,15 @@ def ep_moe_layer(
         compiled: run the bookkeeping around the GEMMs and collectives (:func:`pack_dispatch`,
             :func:`arrange_received`, :func:`combine_received`; one rank: :func:`arrange_local`,
             :func:`combine_local`) compiled by inductor (:mod:`~vexpert_runtime.model.fusion`): a few fused kernels
-            per layer instead of ~120.
+            per layer instead of ~120. On CUDA the layout (:func:`arrange_received` / :func:`arrange_local`) is one
+            Triton kernel either way, where :func:`fused_layout_runs`.
     Returns (y [B, H], stats), stats on ``x.device``.
     """
     batch, top_k = ids.shape
     pairs = batch * top_k
     block = pairs if capacity is None else capacity
     fused = compiled and pairs > 0  # inductor fails on some empty shapes; an empty step is cheap eagerly
-    pack, arrange, combine_back = (fusion.maybe_compiled(pack_dispatch, fused),
-                                   fusion.maybe_compiled(arrange_received, fused),
-                                   fusion.maybe_compiled(combine_received, fused))
+    pack, combine_back = fusion.maybe_compiled(pack_dispatch, fused), fusion.maybe_compiled(combine_received, fused)
     cum_share = dispatch_cum_share(dispatch, ids, table.gpu[layer], table.cum_share[layer], table.num_gpus,
                                    group, copies=table.copies(layer))
     # W8A8's activation quantisations fused into one kernel each where the layer's bookkeeping is
@@ -776,9 +775,9 @@ def ep_moe_layer(
                                            block)
     recv_x, recv_local = _exchange_rows(send_x, send_local, group)
     if fused_layout_runs(x.device, recv_local.numel(), resident, slots):
-        from vexpert_runtime.model.layout_kernel import fused_arrange_received
-
-        arrange = fused_arrange_received
+        from vexpert_runtime.model.layout_kernel import fused_arrange_received as arrange
+    else:
+        arrange = fusion.maybe_compiled(arrange_received, fused)
     row_src, position, resident_offs, slot_offs, computed = arrange(recv_local, resident, slots, align)
     resident_rows = padded_capacity(recv_local.numel(), resident, align)
     out = stacked_outputs(recv_x, resident_offs, slot_offs, resident_rows, stacks, slot_wait, after_compute, quantize,
