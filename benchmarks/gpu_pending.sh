@@ -4,7 +4,8 @@
 # After run 29 (the rows read in place: GPU tests pass, two ranks too, no gain by themselves; the EP layer's layout as
 # one Triton kernel: its own GPU test passes, the 256-sequence step on an H200 1.782 -> 1.76 ms, 2.35x its bound):
 # STAGE=layout first (the graphed-step and two-rank GPU tests with the kernel, the A/B at 64 sequences too, the
-# profile), then h200step, sidestream and mlalong on an H200, onoff on two GPUs.
+# profile), STAGE=mlapersist (the persistent MLA candidate: if it beats the one-pass grid, the serving path takes it
+# where contexts are short), then h200step, sidestream and mlalong on an H200, onoff on two GPUs.
 #
 #   STAGE=tests  the full GPU test list (~8 min; run 24 on an H100: 481 s; PART=1 / PART=2 split it in two calls): kernels, graphed == eager, prefix caching and preemption on
 #                graphed overlapped steps, the node's GPU path
@@ -51,6 +52,8 @@
 #   STAGE=linears  the block-FP8 linear layers' launch table (fp8_linear_tuning.py over DeepSeek-V3's linear shapes at
 #                16 / 64 / 256 rows, W8A16 and W8A8, beside cuBLAS bf16; APPLY=1 writes the "linear" rows and brings the
 #                kernel module back), then the graphed step with FP8 linears (w8a8-dense vs w8a8-fp8_block) (~8 min)
+#   STAGE=mlapersist  the persistent MLA decode kernel (one pipelined loop over a program's items and context tiles, a
+#                candidate for short contexts over many queries) beside the one-pass grid, 256 / 64 sequences (~6 min)
 #   STAGE=layout  the EP layer's layout kernel: its GPU tests, STAGE=abstep against ab_old (93bf13f), the step's profile
 #                (carry .whl and ab_old; ~7 min)
 #   STAGE=abstep  the graphed decode step of the tree in ab_old/ beside HEAD's, ROUNDS (2) interleaved rounds at 256 / 64
@@ -251,6 +254,12 @@ case "${STAGE:-tests}" in
     PYTHONPATH=$HEAD_PATH timeout $(( ${LIMIT:-280} - SECONDS )) python3 benchmarks/decode_step_bound.py \
       --model-dir /tmp/bench-ds3 --block-fp8 --expert-compute w8a8 --batches ${BATCHES:-256 64} --context 96 \
       --out "$OUT/decode_step_bound_gather_w8a8.json" 2>&1 | grep '^{' | cut -c1-260 ;;
+  mlapersist)  # the persistent MLA kernel (a candidate for short contexts over many queries, not served yet) beside
+    # the one-pass grid at 256 / 64 sequences of 96 tokens, then its GPU test (~6 min)
+    PYTHONPATH=$HEAD_PATH timeout 420 python3 benchmarks/mla_decode_tuning.py --batches 256 64 --context 96 --iters 20 \
+      --block-h 32 64 --block-n 16 32 64 --warps 4 8 --stages 1 2 3 --persistent 0 1 2 \
+      --out "$OUT/mla_decode_persistent.json" 2>&1 | grep best
+    PYTHONPATH=$HEAD_PATH timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_kernels.py 2>&1 | tail -1 ;;
   layout)  # the EP layer's layout in one kernel: its GPU tests, then the step against ab_old's tree (the one before:
     # git archive 93bf13f), then a profile of the 256-sequence step (~7 min; ROUNDS=1 and TESTS to shorten)
     PYTHONPATH=$HEAD_PATH timeout ${TEST_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layout_kernel.py \
@@ -275,5 +284,5 @@ case "${STAGE:-tests}" in
       --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json --profile-streams 64 256 \
       --profile-iters 600-619 ;;
   *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | router | sidestream | fp8 | mlalong | priority |" \
-          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | linears | h200step | gather | layout | abstep | onoff" >&2; exit 2 ;;
+          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | linears | h200step | gather | mlapersist | layout | abstep | onoff" >&2; exit 2 ;;
 esac

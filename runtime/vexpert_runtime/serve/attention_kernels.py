@@ -109,6 +109,64 @@ if triton is not None:
                  result.to(out.dtype.element_ty), mask=(heads < NH)[:, None] & (offs_c < C)[None, :])
 
     @triton.jit
+    def _mla_decode_persistent_kernel(q_lat, q_rope, cache, tables, token_seq, lens, out, scale, items, tiles,
+                                      stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_cache, stride_tb,
+                                      stride_tn, stride_ob, stride_oh,
+                                      NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr,
+                                      RP: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
+                                      BLOCK_N: tl.constexpr, HEAD_BLOCKS: tl.constexpr):
+        """:func:`_mla_decode_kernel`'s work — (query, head block) items, each over its cached rows — in a grid of a
+        few programs per SM, each walking items pid, pid + P, … as ONE loop over (item, context tile) of ``tiles``
+        tiles per item (rows past a query's length masked): the compiler's software pipeline then loads the next
+        item's queries and first rows while this item computes (the queries at every tile, from L2 after the first), where one program per (query, head block) with one
+        program per SM (its shared memory) runs load → compute → store in waves. The item's state resets at its
+        first tile (running max −inf: the old sums' weight exp(−inf) is 0); its output is written at its last."""
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        offs_c = tl.arange(0, CP)
+        offs_r = tl.arange(0, RP)
+        cmask = offs_c < C
+        rmask = offs_r < R
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, CP], dtype=tl.float32)
+        mine = (items - pid + programs - 1) // programs
+        for step in range(0, mine * tiles):
+            item = pid + (step // tiles) * programs
+            tile = step % tiles
+            b = item // HEAD_BLOCKS  # a query's head blocks adjacent: its cached rows read twice from L2
+            heads = (item % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+            hmask = heads < NH
+            # the item's queries, loaded at every tile (from L2 after the first: pipelined like the rows, and no
+            # register-resident copy carried across the loop, where the accumulator leaves no room)
+            ql, qr = _mla_queries(q_lat, q_rope, b, heads, stride_qlb, stride_qlh, stride_qrb, stride_qrh,
+                                  NH, C, R, CP, RP)
+            m_i = tl.where(tile == 0, float("-inf"), m_i)
+            length = tl.load(lens + b)
+            table = tables + tl.load(token_seq + b) * stride_tb
+            n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            nmask = n < length
+            block = tl.load(table + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
+            row = (block * PAGE + n % PAGE) * stride_cache
+            kc = tl.load(cache + row[:, None] + offs_c[None, :], mask=nmask[:, None] & cmask[None, :],
+                         other=0.0).to(ql.dtype)
+            kr = tl.load(cache + row[:, None] + C + offs_r[None, :], mask=nmask[:, None] & rmask[None, :],
+                         other=0.0).to(qr.dtype)
+            s = tl.dot(ql, tl.trans(kc), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
+            s = tl.where(nmask[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            base = tl.where(m_new > float("-inf"), m_new, 0.0)  # no row yet: every weight exp(−inf) = 0, not NaN
+            p = tl.exp(s - base[:, None])
+            alpha = tl.exp(m_i - base)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc, input_precision="ieee")
+            m_i = m_new
+            if tile == tiles - 1:
+                result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+                tl.store(out + b * stride_ob + heads[:, None] * stride_oh + offs_c[None, :],
+                         result.to(out.dtype.element_ty), mask=hmask[:, None] & cmask[None, :])
+
+    @triton.jit
     def _split_range(length, split, max_splits, SPLIT_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
         """(splits this query's context takes, its rows [start, end) in split ``split``): one split per
         SPLIT_ROWS rows, at most ``max_splits``, each a whole number of BLOCK_N-row tiles (the last
@@ -355,13 +413,20 @@ def mla_kv_splits(rows: int, heads: int, longest: int, sm_count: int) -> int:
 
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, split_rows: int | None = None) -> torch.Tensor:
+               num_stages: int | None = None, split_rows: int | None = None,
+               persistent_programs: int | None = None) -> torch.Tensor:
     """q_latent [T, nh, C], q_rope [T, nh, R] (any tokens: decodes or prompt chunks, each with its
     own context, see :class:`~.attention.AttentionMetadata`) over a latent cache [slots, C + R]
     → Σ p·c [T, nh, C]. Launch parameters left None come from :func:`mla_launch_config` (T is a
     graph bucket's size where graphs run: a shape-only choice); ``meta.kv_splits`` > 1 cuts long
     contexts into splits of at least ``split_rows`` rows (None: :data:`SPLIT_ROWS`, as :func:`kv_splits`),
-    launched as :func:`mla_split_launch_config` says."""
+    launched as :func:`mla_split_launch_config` says.
+
+    ``persistent_programs`` (one pass only): run the work in that many programs of
+    :func:`_mla_decode_persistent_kernel`, each walking its items' context tiles as one pipelined loop of
+    ⌈width · page / block_n⌉ tiles per item (width: the block tables' columns) — a candidate for short contexts
+    over many queries, swept by ``benchmarks/mla_decode_tuning.py --persistent`` and not chosen by the serving
+    path until measured faster (issue #21)."""
     batch, heads, latent = q_latent.shape
     splits = meta.kv_splits
     tuned = mla_launch_config(batch) if splits == 1 else mla_split_launch_config(batch)
@@ -377,6 +442,14 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
                   BLOCK_N=block_n)
     strides = (q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
                meta.block_tables.stride(0), meta.block_tables.stride(1), out.stride(0), out.stride(1))
+    if splits == 1 and persistent_programs is not None:
+        tiles = triton.cdiv(meta.block_tables.shape[1] * page, block_n)
+        items = batch * head_blocks
+        _mla_decode_persistent_kernel[(max(1, min(persistent_programs, items)),)](
+            q_latent, q_rope, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale, items, tiles,
+            *strides, **shapes, HEAD_BLOCKS=head_blocks, num_warps=num_warps, num_stages=num_stages,
+        )
+        return out
     if splits == 1:
         _mla_decode_kernel[(batch, head_blocks)](
             q_latent, q_rope, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale, *strides,
