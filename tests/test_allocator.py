@@ -440,22 +440,22 @@ def _brute_force_counts(balance: torch.Tensor, cfg: AllocatorConfig) -> float:
     """Min of Σ T*(L_i, V_i) (+ the wrap charge with L odd) over every feasible V vector."""
     profile, consts = PerformanceProfile(), InferenceConstants()
     layers, slots, group = len(balance), cfg.slots_per_gpu, cfg.group_size
-    table = predicted_layer_time(balance.unsqueeze(1), torch.arange(slots + 1).unsqueeze(0), profile, consts).tolist()
-    charge = ((1 - profile.hardware.contention_eta) * h2d_time(torch.arange(slots + 1), consts, profile.hardware)).tolist()
-    best = float("inf")
-    for combo in itertools.product(range(slots + 1), repeat=layers):
-        if any(v > 0 and float(balance[i]) > cfg.balance_threshold for i, v in enumerate(combo)):
-            continue
-        if any(sum(combo[s : s + group]) > slots for s in range(0, layers, group)):
-            continue
-        cost = sum(table[i][v] for i, v in enumerate(combo))
-        if cfg.adjacency_bound:
-            if any(combo[a] + combo[b] > slots for a, b in adjacent_pairs(layers)):
-                continue
-            if layers % 2 and combo[-1] > 0 and combo[0] > 0:
-                cost += charge[combo[0]]
-        best = min(best, cost)
-    return best
+    table = predicted_layer_time(balance.unsqueeze(1), torch.arange(slots + 1).unsqueeze(0), profile, consts).double().numpy()
+    charge = ((1 - profile.hardware.contention_eta) * h2d_time(torch.arange(slots + 1), consts, profile.hardware)).double().numpy()
+    # every V vector at once ([combos, L]; a layer above τ takes no copy), the infeasible ones masked out
+    choices = [np.arange(slots + 1) if float(b) <= cfg.balance_threshold else np.zeros(1, dtype=np.int64)
+               for b in balance]
+    combos = np.stack(np.meshgrid(*choices, indexing="ij"), axis=-1).reshape(-1, layers)
+    feasible = np.ones(len(combos), dtype=bool)
+    for start in range(0, layers, group):
+        feasible &= combos[:, start : start + group].sum(1) <= slots
+    cost = table[np.arange(layers), combos].sum(1)
+    if cfg.adjacency_bound:
+        for a, b in adjacent_pairs(layers):
+            feasible &= combos[:, a] + combos[:, b] <= slots
+        if layers % 2:
+            cost = cost + np.where((combos[:, -1] > 0) & (combos[:, 0] > 0), charge[combos[:, 0]], 0.0)
+    return float(cost[feasible].min())  # V = 0 everywhere is always feasible
 
 
 @settings(max_examples=60, deadline=None)
