@@ -44,37 +44,44 @@ def _pow2(n: int, least: int = 16) -> int:
 if triton is not None:
 
     @triton.jit
+    def _mla_tile(ql, qr, cache, table, n, nmask, scale, stride_cache, stride_tn, m_i, l_i, acc,
+                  C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, PAGE: tl.constexpr):
+        """One tile of cached rows ``n`` (``nmask``: those that count) folded into a head block's online softmax
+        (running max m_i, denominator l_i, Σ p·c acc) — one definition for every MLA decode kernel. A tile with no
+        row yet (m_i and every score −inf) leaves zeros, not NaN."""
+        offs_c = tl.arange(0, CP)
+        offs_r = tl.arange(0, RP)
+        block = tl.load(table + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
+        row = (block * PAGE + n % PAGE) * stride_cache
+        # (an FP8 cache's rows widened to the queries' dtype: a no-op for a cache in that dtype)
+        kc = tl.load(cache + row[:, None] + offs_c[None, :], mask=nmask[:, None] & (offs_c < C)[None, :],
+                     other=0.0).to(ql.dtype)
+        kr = tl.load(cache + row[:, None] + C + offs_r[None, :], mask=nmask[:, None] & (offs_r < R)[None, :],
+                     other=0.0).to(qr.dtype)
+        s = tl.dot(ql, tl.trans(kc), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
+        s = tl.where(nmask[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        base = tl.where(m_new > float("-inf"), m_new, 0.0)  # = m_new wherever a row has counted
+        p = tl.exp(s - base[:, None])
+        alpha = tl.exp(m_i - base)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc, input_precision="ieee")
+        return m_new, l_i, acc
+
+    @triton.jit
     def _mla_rows(ql, qr, cache, table, start, end, scale, stride_cache, stride_tn,
                   C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, PAGE: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
         """Online softmax of a head block's queries over the sequence's cached rows [start, end):
-        (running max [BLOCK_H], denominator [BLOCK_H], Σ p·c [BLOCK_H, CP]) — one definition for the
-        one-pass and the split kernels."""
-        offs_c = tl.arange(0, CP)
-        offs_r = tl.arange(0, RP)
-        cmask = offs_c < C
-        rmask = offs_r < R
+        (running max [BLOCK_H], denominator [BLOCK_H], Σ p·c [BLOCK_H, CP]) — for the one-pass and the split
+        kernels."""
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, CP], dtype=tl.float32)
         for first in range(start, end, BLOCK_N):
             n = first + tl.arange(0, BLOCK_N)
-            nmask = n < end
-            block = tl.load(table + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
-            row = (block * PAGE + n % PAGE) * stride_cache
-            # (an FP8 cache's rows widened to the queries' dtype: a no-op for a cache in that dtype)
-            kc = tl.load(cache + row[:, None] + offs_c[None, :], mask=nmask[:, None] & cmask[None, :],
-                         other=0.0).to(ql.dtype)
-            kr = tl.load(cache + row[:, None] + C + offs_r[None, :], mask=nmask[:, None] & rmask[None, :],
-                         other=0.0).to(qr.dtype)
-            s = tl.dot(ql, tl.trans(kc), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
-            s = tl.where(nmask[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc, input_precision="ieee")
-            m_i = m_new
+            m_i, l_i, acc = _mla_tile(ql, qr, cache, table, n, n < end, scale, stride_cache, stride_tn, m_i, l_i,
+                                      acc, C, R, CP, RP, PAGE)
         return m_i, l_i, acc
 
     @triton.jit
@@ -118,15 +125,13 @@ if triton is not None:
         """:func:`_mla_decode_kernel`'s work — (query, head block) items, each over its cached rows — in a grid of a
         few programs per SM, each walking items pid, pid + P, … as ONE loop over (item, context tile) of ``tiles``
         tiles per item (rows past a query's length masked): the compiler's software pipeline then loads the next
-        item's queries and first rows while this item computes (the queries at every tile, from L2 after the first), where one program per (query, head block) with one
-        program per SM (its shared memory) runs load → compute → store in waves. The item's state resets at its
+        item's queries and first rows while this item computes (the queries at every tile, from L2 after the
+        first), where one program per (query, head block) with one program per SM (its shared memory) runs load →
+        compute → store in waves. The item's state resets at its
         first tile (running max −inf: the old sums' weight exp(−inf) is 0); its output is written at its last."""
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         offs_c = tl.arange(0, CP)
-        offs_r = tl.arange(0, RP)
-        cmask = offs_c < C
-        rmask = offs_r < R
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, CP], dtype=tl.float32)
@@ -145,26 +150,12 @@ if triton is not None:
             length = tl.load(lens + b)
             table = tables + tl.load(token_seq + b) * stride_tb
             n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            nmask = n < length
-            block = tl.load(table + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
-            row = (block * PAGE + n % PAGE) * stride_cache
-            kc = tl.load(cache + row[:, None] + offs_c[None, :], mask=nmask[:, None] & cmask[None, :],
-                         other=0.0).to(ql.dtype)
-            kr = tl.load(cache + row[:, None] + C + offs_r[None, :], mask=nmask[:, None] & rmask[None, :],
-                         other=0.0).to(qr.dtype)
-            s = tl.dot(ql, tl.trans(kc), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
-            s = tl.where(nmask[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            base = tl.where(m_new > float("-inf"), m_new, 0.0)  # no row yet: every weight exp(−inf) = 0, not NaN
-            p = tl.exp(s - base[:, None])
-            alpha = tl.exp(m_i - base)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc, input_precision="ieee")
-            m_i = m_new
+            m_i, l_i, acc = _mla_tile(ql, qr, cache, table, n, n < length, scale, stride_cache, stride_tn, m_i, l_i,
+                                      acc, C, R, CP, RP, PAGE)
             if tile == tiles - 1:
                 result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
                 tl.store(out + b * stride_ob + heads[:, None] * stride_oh + offs_c[None, :],
-                         result.to(out.dtype.element_ty), mask=hmask[:, None] & cmask[None, :])
+                         result.to(out.dtype.element_ty), mask=hmask[:, None] & (offs_c < C)[None, :])
 
     @triton.jit
     def _split_range(length, split, max_splits, SPLIT_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
