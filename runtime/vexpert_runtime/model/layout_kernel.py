@@ -32,8 +32,18 @@ import triton.language as tl
 _CHUNK_ENTRIES = 8192  # one-hot entries a chunk holds: FUSED_LAYOUT_LIMIT's rows in at most 16 chunks
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+@triton.jit
+def _row_groups(group_src, local_table, stride_table, rows, T, cols, NUM_LOCAL: tl.constexpr, GP: tl.constexpr,
+                LOOKUP: tl.constexpr):
+    """The one-hot group rows [len(rows), GP] int32 of ``rows`` (a local expert, −1 padding → column NUM_LOCAL; with
+    LOOKUP each row's expert id looked up in ``local_table``; rows ≥ T in no column) and whether each row is real."""
+    mask = rows < T
+    g = tl.load(group_src + rows, mask=mask, other=0)
+    if LOOKUP:
+        g = tl.load(local_table + g * stride_table, mask=mask, other=0)
+    g = tl.where(g < 0, NUM_LOCAL, g)
+    g = tl.where(mask, g, GP)  # past every column: counted nowhere
+    return (g[:, None] == cols[None, :]).to(tl.int32), mask
 
 
 @triton.jit
@@ -55,14 +65,8 @@ def _layout_kernel(group_src, local_table, stride_table, row_src, position, resi
     # pass 1: rows per group
     counts = tl.zeros([GP], dtype=tl.int32)
     for first in range(0, T, CHUNK):
-        rows = first + tl.arange(0, CHUNK)
-        mask = rows < T
-        g = tl.load(group_src + rows, mask=mask, other=0)
-        if LOOKUP:
-            g = tl.load(local_table + g * stride_table, mask=mask, other=0)
-        g = tl.where(g < 0, NUM_LOCAL, g)
-        g = tl.where(mask, g, GP)  # past every column: counted nowhere
-        hit = (g[:, None] == cols[None, :]).to(tl.int32)
+        hit, _ = _row_groups(group_src, local_table, stride_table, first + tl.arange(0, CHUNK), T, cols, NUM_LOCAL,
+                             GP, LOOKUP)
         counts += tl.sum(hit, 0)
 
     # group starts: resident groups from row 0, slot groups from resident_rows, padding after the last slot group
@@ -90,16 +94,10 @@ def _layout_kernel(group_src, local_table, stride_table, row_src, position, resi
     pad_peers = (is_res | is_pad).to(tl.int32)
     for first in range(0, T, CHUNK):
         rows = first + tl.arange(0, CHUNK)
-        mask = rows < T
-        g = tl.load(group_src + rows, mask=mask, other=0)
-        if LOOKUP:
-            g = tl.load(local_table + g * stride_table, mask=mask, other=0)
-        g = tl.where(g < 0, NUM_LOCAL, g)
-        g = tl.where(mask, g, GP)
-        hit = (g[:, None] == cols[None, :]).to(tl.int32)
+        hit, mask = _row_groups(group_src, local_table, stride_table, rows, T, cols, NUM_LOCAL, GP, LOOKUP)
         before = tl.cumsum(hit, 0) - hit + earlier[None, :]  # [CHUNK, GP] earlier rows of each group
-        own = tl.sum(before * hit, 1)
-        rank = tl.where(g == NUM_LOCAL, tl.sum(before * pad_peers[None, :], 1), own)
+        is_padding = tl.sum(hit * is_pad[None, :].to(tl.int32), 1) > 0
+        rank = tl.where(is_padding, tl.sum(before * pad_peers[None, :], 1), tl.sum(before * hit, 1))
         pos = (tl.sum(starts[None, :] * hit, 1) + rank).to(tl.int64)
         tl.store(position + rows, pos, mask=mask)
         tl.store(row_src + pos, (rows // TOKEN_DIV).to(tl.int64), mask=mask)
@@ -113,7 +111,7 @@ def _launch(group_src: torch.Tensor, local_table: torch.Tensor | None, rows: int
     device = group_src.device
     resident_rows = padded_capacity(rows, resident, align)
     buffer_rows = resident_rows + padded_capacity(rows, slots, align)
-    groups = _pow2(resident + slots + 1)
+    groups = triton.next_power_of_2(resident + slots + 1)
     row_src = torch.empty(buffer_rows, dtype=torch.int64, device=device)
     position = torch.empty(rows, dtype=torch.int64, device=device)
     resident_offs = torch.empty(resident, dtype=torch.int32, device=device)
@@ -124,7 +122,7 @@ def _launch(group_src: torch.Tensor, local_table: torch.Tensor | None, rows: int
         group_src, table, 0 if local_table is None else local_table.stride(0), row_src, position, resident_offs,
         slot_offs, computed, rows, buffer_rows, resident_rows,
         RESIDENT=resident, SLOTS=slots, ALIGN=align, LOOKUP=local_table is not None, TOKEN_DIV=token_div, GP=groups,
-        CHUNK=max(1, min(_pow2(rows), _CHUNK_ENTRIES // groups)), ZERO_BLOCK=1024, num_warps=4,
+        CHUNK=max(1, min(triton.next_power_of_2(rows), _CHUNK_ENTRIES // groups)), ZERO_BLOCK=1024, num_warps=4,
     )
     return row_src, position, resident_offs, slot_offs, computed
 
