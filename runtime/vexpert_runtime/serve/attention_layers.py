@@ -149,9 +149,17 @@ def mla_inputs(attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 def mla_output(attn: Any, out_latent: torch.Tensor) -> torch.Tensor:
-    """The layer's output [T, H] of the attention's latent output [T, nh, C]: W_UV, then o_proj."""
+    """The layer's output [T, H] of the attention's latent output [T, nh, C]: W_UV, then o_proj.
+
+    The per-head W_UV products are one batched GEMM over heads that writes its [nh, T, dv] result straight into a
+    [T, nh, dv] buffer (a batch stride of dv, rows nh·dv apart: cuBLAS takes any row stride), which o_proj reads as
+    [T, nh·dv] — an einsum (compiled or not) wrote [nh, T, dv] and then copied it into that order (a transpose kernel
+    per layer, 13 µs at 256 tokens on an H100: run 29c's profile). Eager on purpose: compiled, the ``out=`` write
+    would be functionalised back into that copy."""
     _, w_uv = mla_weights(attn)
-    return attn.o_proj(torch.einsum("tnc,nvc->tnv", out_latent, w_uv).flatten(1))
+    values = out_latent.new_empty(out_latent.shape[0], out_latent.shape[1], w_uv.shape[1])
+    torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2), out=values.transpose(0, 1))
+    return attn.o_proj(values.flatten(1))
 
 
 def _mla_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: AttentionStep) -> torch.Tensor:
@@ -161,4 +169,4 @@ def _mla_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: Attentio
         out_latent = step.kernel(q_latent, q_rope, cache, step.meta, float(attn.scaling))
     else:
         out_latent = mla_attention(q_latent, q_rope, cache, step.meta, float(attn.scaling))
-    return fusion.maybe_compiled(mla_output, step.compiled)(attn, out_latent)
+    return mla_output(attn, out_latent)
