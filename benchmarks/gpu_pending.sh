@@ -83,7 +83,7 @@ case "${STAGE:-tests}" in
   tests)  # PART=1: the serving engine's file; PART=2: the rest (each well inside a call); default: all
     files=(tests/test_runtime_gpu.py tests/test_gpu_path.py tests/test_serve_gpu.py tests/test_expert_format_gpu.py
            tests/test_runtime_ep_moe.py tests/test_dispatch.py tests/test_attention_kernels.py
-           tests/test_grouped_gemm_kernel.py tests/test_fusion.py tests/test_layout_kernel.py)
+           tests/test_grouped_gemm_kernel.py tests/test_fusion.py tests/test_layout_kernel.py tests/test_mla_output.py)
     case "${PART:-all}" in
       1) files=(tests/test_serve_gpu.py) ;;
       2) files=("${files[@]/tests\/test_serve_gpu.py}") ;;
@@ -268,6 +268,20 @@ case "${STAGE:-tests}" in
     ROUNDS=${ROUNDS:-2} STAGE=abstep OUT=$OUT "$0"
     PYTHONPATH=$HEAD_PATH timeout 90 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 256 \
       --context 96 --profile --top 40 --out "$OUT/decode_step_bound_profile_layout.json" 2>&1 | grep '^{' | cut -c1-300 ;;
+  session17)  # one call (~9 min): the GPU tests of the layout kernel, the MLA kernels and the graphed step (W_UV's GEMM
+    # now writes o_proj's layout), the persistent MLA sweep (trimmed; rows kept as they come), one A/B round against
+    # ab_old (93bf13f) at 256 / 64 sequences, the 256-sequence step's profile; later parts skipped when time runs short
+    PYTHONPATH=$HEAD_PATH timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layout_kernel.py \
+      tests/test_mla_output.py tests/test_attention_kernels.py tests/test_serve_gpu.py -k "layout or mla or graphed_decode_equals" 2>&1 \
+      | tee "$OUT/pytest_gpu_session17.txt" | tail -2
+    PYTHONPATH=$HEAD_PATH timeout 170 python3 benchmarks/mla_decode_tuning.py --batches 256 64 --context 96 --iters 20 \
+      --block-h 32 64 --block-n 32 64 --warps 4 8 --stages 2 3 --persistent 0 1 2 \
+      --out "$OUT/mla_decode_persistent.json" > "$OUT/mla_decode_persistent.log" 2>&1; grep best "$OUT/mla_decode_persistent.log"
+    [ "$SECONDS" -lt 330 ] && ROUNDS=1 STAGE=abstep OUT=$OUT "$0"
+    [ "$SECONDS" -lt 470 ] && PYTHONPATH=$HEAD_PATH timeout $((545 - SECONDS)) python3 benchmarks/decode_step_bound.py \
+      --model-dir /tmp/bench-ds3 --batches 256 --context 96 --profile --top 40 \
+      --out "$OUT/decode_step_bound_profile.json" 2>&1 | grep '^{' | cut -c1-300
+    echo "session17 done at ${SECONDS}s" ;;
   abstep)  # the graphed decode step of ab_old's tree beside HEAD's on one warm card, ROUNDS interleaved rounds at 256 /
     # 64 sequences, bf16 experts (run 28e's A/B, scripted; ~70 s a process once the checkpoint exists)
     for round in $(seq 1 "${ROUNDS:-2}"); do
@@ -284,5 +298,5 @@ case "${STAGE:-tests}" in
       --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json --profile-streams 64 256 \
       --profile-iters 600-619 ;;
   *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | router | sidestream | fp8 | mlalong | priority |" \
-          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | linears | h200step | gather | mlapersist | layout | abstep | onoff" >&2; exit 2 ;;
+          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | linears | h200step | gather | mlapersist | layout | session17 | abstep | onoff" >&2; exit 2 ;;
 esac
