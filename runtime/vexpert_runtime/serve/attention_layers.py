@@ -87,13 +87,25 @@ def attention_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: Att
 
 def _gqa_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: AttentionStep,
                  window: int | None) -> torch.Tensor:
-    q, row = fusion.maybe_compiled(gqa_inputs, step.compiled)(attn, x, step.cos, step.sin)
-    write_rows(cache, step.meta.slot_mapping, row)
+    (q,) = fusion.maybe_compiled(inputs_written, step.compiled)(gqa_inputs, attn, x, step.cos, step.sin, cache,
+                                                                 step.meta.slot_mapping)
     if step.kernel is not None:
         out = step.kernel(q, cache, step.meta, float(attn.scaling), window=window)
     else:
         out = gqa_attention(q, cache, step.meta, float(attn.scaling), window)
     return attn.o_proj(out.flatten(1))
+
+
+def inputs_written(inputs: Callable[..., tuple[torch.Tensor, ...]], attn: Any, x: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A layer's queries from ``inputs`` (:func:`gqa_inputs` or :func:`mla_inputs`), its cache rows written into
+    ``cache`` at ``slots`` (:func:`~.kv_cache.write_rows`). One function so that, compiled, the kernel producing the
+    rows (norm, rotary, concatenation) stores them straight into the cache — inductor turns the in-place
+    ``index_copy_`` on the cache argument into that kernel's store — instead of writing them once and then copying
+    them with an ``index_copy`` kernel per layer (13 µs a step at 256 tokens on an H100: run 29c's profile)."""
+    *queries, rows = inputs(attn, x, cos, sin)
+    write_rows(cache, slots, rows)
+    return tuple(queries)
 
 
 def gqa_inputs(attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,8 +175,8 @@ def mla_output(attn: Any, out_latent: torch.Tensor) -> torch.Tensor:
 
 
 def _mla_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: AttentionStep) -> torch.Tensor:
-    q_latent, q_rope, row = fusion.maybe_compiled(mla_inputs, step.compiled)(attn, x, step.cos, step.sin)
-    write_rows(cache, step.meta.slot_mapping, row)
+    q_latent, q_rope = fusion.maybe_compiled(inputs_written, step.compiled)(mla_inputs, attn, x, step.cos, step.sin,
+                                                                            cache, step.meta.slot_mapping)
     if step.kernel is not None:
         out_latent = step.kernel(q_latent, q_rope, cache, step.meta, float(attn.scaling))
     else:
