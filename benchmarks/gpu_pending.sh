@@ -278,8 +278,9 @@ case "${STAGE:-tests}" in
     PYTHONPATH=$HEAD_PATH timeout 200 python3 benchmarks/mla_decode_tuning.py --batches 256 64 --context 96 --iters 20 \
       --block-h 32 64 --block-n 32 64 --warps 4 8 --stages 2 3 --persistent 0 1 2 8 \
       --out "$OUT/mla_decode_persistent.json" > "$OUT/mla_decode_persistent.log" 2>&1; grep best "$OUT/mla_decode_persistent.log"
-    [ "$SECONDS" -lt 360 ] && ROUNDS=1 STAGE=abstep OUT=$OUT "$0"
-    [ "$SECONDS" -lt 470 ] && PYTHONPATH=$HEAD_PATH timeout $((545 - SECONDS)) python3 benchmarks/decode_step_bound.py \
+    LIMIT=${LIMIT:-560}  # the call's seconds: the later parts run only where they fit
+    [ "$SECONDS" -lt $((LIMIT - 200)) ] && ROUNDS=1 STAGE=abstep OUT=$OUT "$0"
+    [ "$SECONDS" -lt $((LIMIT - 90)) ] && PYTHONPATH=$HEAD_PATH timeout $((LIMIT - 15 - SECONDS)) python3 benchmarks/decode_step_bound.py \
       --model-dir /tmp/bench-ds3 --batches 256 --context 96 --profile --top 40 \
       --out "$OUT/decode_step_bound_profile.json" 2>&1 | grep '^{' | cut -c1-300
     echo "session17 done at ${SECONDS}s" ;;
