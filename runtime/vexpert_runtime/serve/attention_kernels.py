@@ -116,29 +116,34 @@ if triton is not None:
                  result.to(out.dtype.element_ty), mask=(heads < NH)[:, None] & (offs_c < C)[None, :])
 
     @triton.jit
-    def _mla_decode_persistent_kernel(q_lat, q_rope, cache, tables, token_seq, lens, out, scale, items, tiles,
+    def _mla_decode_persistent_kernel(q_lat, q_rope, cache, tables, token_seq, lens, out, scale, items,
                                       stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_cache, stride_tb,
                                       stride_tn, stride_ob, stride_oh,
                                       NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr,
                                       RP: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
                                       BLOCK_N: tl.constexpr, HEAD_BLOCKS: tl.constexpr):
         """:func:`_mla_decode_kernel`'s work — (query, head block) items, each over its cached rows — in a grid of a
-        few programs per SM, each walking items pid, pid + P, … as ONE loop over (item, context tile) of ``tiles``
-        tiles per item (rows past a query's length masked): the compiler's software pipeline then loads the next
-        item's queries and first rows while this item computes (the queries at every tile, from L2 after the
-        first), where one program per (query, head block) with one program per SM (its shared memory) runs load →
-        compute → store in waves. The item's state resets at its
-        first tile (running max −inf: the old sums' weight exp(−inf) is 0); its output is written at its last."""
+        few programs per SM, each walking items pid, pid + P, … as ONE loop over (item, context tile): the compiler's
+        software pipeline then loads the next item's queries and first rows while this item computes (the queries at
+        every tile, from L2 after the first), where one program per (query, head block) with one program per SM (its
+        shared memory) runs load → compute → store in waves. Each item takes its own context's tiles (at least one:
+        a pad row's zeros are written too), the item and tile carried through the loop as Triton's flattened
+        persistent GEMM carries its tile: a prompt chunk's long context costs its own items, not every item, and
+        the launch needs no bound on the contexts (a graph's block tables are as wide as the model's context).
+        The item's state resets at its first tile (running max −inf: the old sums' weight exp(−inf) is 0); its
+        output is written at its last."""
         pid = tl.program_id(0)
         programs = tl.num_programs(0)
         offs_c = tl.arange(0, CP)
+        steps = 0
+        for mine in range(pid, items, programs):
+            steps += tl.maximum(tl.cdiv(tl.load(lens + mine // HEAD_BLOCKS).to(tl.int32), BLOCK_N), 1)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, CP], dtype=tl.float32)
-        mine = (items - pid + programs - 1) // programs
-        for step in range(0, mine * tiles):
-            item = pid + (step // tiles) * programs
-            tile = step % tiles
+        item = pid
+        tile = 0
+        for _ in range(0, steps):
             b = item // HEAD_BLOCKS  # a query's head blocks adjacent: its cached rows read twice from L2
             heads = (item % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
             hmask = heads < NH
@@ -152,10 +157,13 @@ if triton is not None:
             n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             m_i, l_i, acc = _mla_tile(ql, qr, cache, table, n, n < length, scale, stride_cache, stride_tn, m_i, l_i,
                                       acc, C, R, CP, RP, PAGE)
-            if tile == tiles - 1:
+            last = (tile + 1) * BLOCK_N >= length
+            if last:
                 result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
                 tl.store(out + b * stride_ob + heads[:, None] * stride_oh + offs_c[None, :],
                          result.to(out.dtype.element_ty), mask=hmask[:, None] & (offs_c < C)[None, :])
+            tile = tl.where(last, 0, tile + 1)
+            item = tl.where(last, item + programs, item)
 
     @triton.jit
     def _split_range(length, split, max_splits, SPLIT_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -414,8 +422,8 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     launched as :func:`mla_split_launch_config` says.
 
     ``persistent_programs`` (one pass only): run the work in that many programs of
-    :func:`_mla_decode_persistent_kernel`, each walking its items' context tiles as one pipelined loop of
-    ⌈width · page / block_n⌉ tiles per item (width: the block tables' columns) — a candidate for short contexts
+    :func:`_mla_decode_persistent_kernel`, each walking its items' context tiles (each item its own context's) as
+    one pipelined loop — a candidate for short contexts
     over many queries, swept by ``benchmarks/mla_decode_tuning.py --persistent`` and not chosen by the serving
     path until measured faster (issue #21)."""
     batch, heads, latent = q_latent.shape
@@ -434,10 +442,9 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     strides = (q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
                meta.block_tables.stride(0), meta.block_tables.stride(1), out.stride(0), out.stride(1))
     if splits == 1 and persistent_programs is not None:
-        tiles = triton.cdiv(meta.block_tables.shape[1] * page, block_n)
         items = batch * head_blocks
         _mla_decode_persistent_kernel[(max(1, min(persistent_programs, items)),)](
-            q_latent, q_rope, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale, items, tiles,
+            q_latent, q_rope, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale, items,
             *strides, **shapes, HEAD_BLOCKS=head_blocks, num_warps=num_warps, num_stages=num_stages,
         )
         return out
