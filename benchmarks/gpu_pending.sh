@@ -268,18 +268,19 @@ case "${STAGE:-tests}" in
     ROUNDS=${ROUNDS:-2} STAGE=abstep OUT=$OUT "$0"
     PYTHONPATH=$HEAD_PATH timeout 90 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 256 \
       --context 96 --profile --top 40 --out "$OUT/decode_step_bound_profile_layout.json" 2>&1 | grep '^{' | cut -c1-300 ;;
-  session17)  # one call (~9 min): the GPU tests of the layout kernel, the MLA kernels and the graphed step (W_UV's GEMM
-    # now writes o_proj's layout), the persistent MLA sweep (trimmed; rows kept as they come), one A/B round against
-    # ab_old (93bf13f) at 256 / 64 sequences, the 256-sequence step's profile; later parts skipped when time runs short
-    PYTHONPATH=$HEAD_PATH timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layout_kernel.py \
-      tests/test_mla_output.py tests/test_attention_kernels.py tests/test_serve_gpu.py -k "layout or mla or graphed_decode_equals" 2>&1 \
-      | tee "$OUT/pytest_gpu_session17.txt" | tail -2
+  session17)  # one call (~9 min): the persistent MLA sweep (trimmed; rows kept as they come), the GPU tests of the
+    # layout kernel, the MLA kernels and the graphed step (W_UV's GEMM writes o_proj's layout, the cache rows written
+    # inside the compiled inputs), one A/B round against ab_old (93bf13f) at 256 sequences, the step's profile; the
+    # later parts run only where they fit in LIMIT seconds
+    LIMIT=${LIMIT:-560}
     # (8 programs per SM: at least one per item, i.e. the one-pass grid with the queries re-read per tile)
     PYTHONPATH=$HEAD_PATH timeout 200 python3 benchmarks/mla_decode_tuning.py --batches 256 64 --context 96 --iters 20 \
       --block-h 32 64 --block-n 32 64 --warps 4 8 --stages 2 3 --persistent 0 1 2 8 \
       --out "$OUT/mla_decode_persistent.json" > "$OUT/mla_decode_persistent.log" 2>&1; grep best "$OUT/mla_decode_persistent.log"
-    LIMIT=${LIMIT:-560}  # the call's seconds: the later parts run only where they fit
-    [ "$SECONDS" -lt $((LIMIT - 200)) ] && ROUNDS=1 STAGE=abstep OUT=$OUT "$0"
+    PYTHONPATH=$HEAD_PATH timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layout_kernel.py \
+      tests/test_mla_output.py tests/test_attention_kernels.py tests/test_serve_gpu.py -k "layout or mla or graphed_decode_equals" 2>&1 \
+      | tee "$OUT/pytest_gpu_session17.txt" | tail -2
+    [ "$SECONDS" -lt $((LIMIT - 150)) ] && BATCHES=256 ROUNDS=1 STAGE=abstep OUT=$OUT "$0"
     [ "$SECONDS" -lt $((LIMIT - 90)) ] && PYTHONPATH=$HEAD_PATH timeout $((LIMIT - 15 - SECONDS)) python3 benchmarks/decode_step_bound.py \
       --model-dir /tmp/bench-ds3 --batches 256 --context 96 --profile --top 40 \
       --out "$OUT/decode_step_bound_profile.json" 2>&1 | grep '^{' | cut -c1-300
