@@ -274,11 +274,12 @@ case "${STAGE:-tests}" in
     # later parts run only where they fit in LIMIT seconds
     LIMIT=${LIMIT:-560}
     # (8 programs per SM: at least one per item, i.e. the one-pass grid with the queries re-read per tile)
-    PYTHONPATH=$HEAD_PATH timeout 200 python3 benchmarks/mla_decode_tuning.py --batches 256 64 --context 96 --iters 20 \
+    PYTHONPATH=$HEAD_PATH timeout 180 python3 benchmarks/mla_decode_tuning.py --batches 256 64 --context 96 --iters 20 \
       --block-h 32 64 --block-n 32 64 --warps 4 8 --stages 2 3 --persistent 0 1 2 8 \
       --out "$OUT/mla_decode_persistent.json" > "$OUT/mla_decode_persistent.log" 2>&1; grep best "$OUT/mla_decode_persistent.log"
     PYTHONPATH=$HEAD_PATH timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layout_kernel.py \
-      tests/test_mla_output.py tests/test_attention_kernels.py tests/test_serve_gpu.py -k "layout or mla or graphed_decode_equals" 2>&1 \
+      tests/test_mla_output.py tests/test_attention_kernels.py tests/test_serve_gpu.py \
+      -k "${TESTS:-layout or mla_output or persistent or (graphed_decode_equals and deepseek)}" 2>&1 \
       | tee "$OUT/pytest_gpu_session17.txt" | tail -2
     [ "$SECONDS" -lt $((LIMIT - 150)) ] && BATCHES=256 ROUNDS=1 STAGE=abstep OUT=$OUT "$0"
     [ "$SECONDS" -lt $((LIMIT - 90)) ] && PYTHONPATH=$HEAD_PATH timeout $((LIMIT - 15 - SECONDS)) python3 benchmarks/decode_step_bound.py \
