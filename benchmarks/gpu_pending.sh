@@ -274,8 +274,8 @@ case "${STAGE:-tests}" in
     # later parts run only where they fit in LIMIT seconds
     LIMIT=${LIMIT:-560}
     # (8 programs per SM: at least one per item, i.e. the one-pass grid with the queries re-read per tile)
-    PYTHONPATH=$HEAD_PATH timeout 180 python3 benchmarks/mla_decode_tuning.py --batches 256 64 --context 96 --iters 20 \
-      --block-h 32 64 --block-n 32 64 --warps 4 8 --stages 2 3 --persistent 0 1 2 8 \
+    PYTHONPATH=$HEAD_PATH timeout ${MLA_TIMEOUT:-180} python3 benchmarks/mla_decode_tuning.py --batches 256 64 --context 96 \
+      --iters 20 --block-h 32 64 --block-n 32 64 --warps 4 8 --stages 2 3 --persistent ${PERSISTENT:-0 1 2 8} \
       --out "$OUT/mla_decode_persistent.json" > "$OUT/mla_decode_persistent.log" 2>&1; grep best "$OUT/mla_decode_persistent.log"
     PYTHONPATH=$HEAD_PATH timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layout_kernel.py \
       tests/test_mla_output.py tests/test_attention_kernels.py tests/test_serve_gpu.py \
