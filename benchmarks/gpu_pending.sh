@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # What the next H200 session must measure for issue #21, in device calls that each end inside 10 minutes
 # (benchmarks/README.md §10, "Next on the H200"). Every stage writes under $OUT.
-# After run 29 (the rows read in place: GPU tests pass, two ranks too, no gain by themselves; the EP layer's layout as
-# one Triton kernel: its own GPU test passes, the 256-sequence step on an H200 1.782 -> 1.76 ms, 2.35x its bound):
-# STAGE=layout first (the graphed-step and two-rank GPU tests with the kernel, the A/B at 64 sequences too, the
-# profile), STAGE=mlapersist (the persistent MLA candidate: if it beats the one-pass grid, the serving path takes it
-# where contexts are short), then h200step, sidestream and mlalong on an H200, onoff on two GPUs.
+# After run 30 (on an H100: the persistent MLA kernel 8 % slower than the one-pass grid at 256 sequences, not served;
+# today's changes pass their GPU tests, untimed in the step): on an H200, STAGE=session17 in full (the A/B against
+# 93bf13f and the profile time the layout kernel, W_UV's strided GEMM and the rows written inside the compiled
+# inputs), mla_decode_tuning.py --batches 64 (the 64-head launch won there on the H100), STAGE=layout's two-rank tests,
+# then h200step, sidestream and mlalong on an H200, onoff on two GPUs.
 #
 #   STAGE=tests  the full GPU test list (~8 min; run 24 on an H100: 481 s; PART=1 / PART=2 split it in two calls): kernels, graphed == eager, prefix caching and preemption on
 #                graphed overlapped steps, the node's GPU path
