@@ -40,7 +40,7 @@ def _check(tokens: int, heads: int, dn: int, dv: int, latent: int, hidden: int, 
     assert got.shape == (tokens, hidden)
     tolerance = 0 if dtype == torch.float32 and device == "cpu" else 2e-2
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
-    torch.testing.assert_close(strided, got, rtol=0, atol=0)
+    torch.testing.assert_close(strided, got, rtol=tolerance, atol=tolerance)  # cuBLAS may pick another kernel
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
