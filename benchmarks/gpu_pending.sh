@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What the next H200 session must measure for issue #21, in device calls that each end inside 10 minutes
 # (benchmarks/README.md §10, "Next on the H200"). Every stage writes under $OUT.
-# After run 30 (on an H100: the persistent MLA kernel 8 % slower than the one-pass grid at 256 sequences, not served;
-# today's changes pass their GPU tests, untimed in the step): on an H200, STAGE=session17 in full (the A/B against
+# After run 30 (on an H100: a persistent MLA kernel 8 % slower than the one-pass grid at 256 sequences, removed again;
+# the session's other changes pass their GPU tests, untimed in the step): on an H200, STAGE=session17 in full (the A/B against
 # 93bf13f and the profile time the layout kernel, W_UV's strided GEMM and the rows written inside the compiled
 # inputs), mla_decode_tuning.py --batches 64 (the 64-head launch won there on the H100), STAGE=layout's two-rank tests,
 # then h200step, sidestream and mlalong on an H200, onoff on two GPUs.
@@ -52,8 +52,8 @@
 #   STAGE=linears  the block-FP8 linear layers' launch table (fp8_linear_tuning.py over DeepSeek-V3's linear shapes at
 #                16 / 64 / 256 rows, W8A16 and W8A8, beside cuBLAS bf16; APPLY=1 writes the "linear" rows and brings the
 #                kernel module back), then the graphed step with FP8 linears (w8a8-dense vs w8a8-fp8_block) (~8 min)
-#   STAGE=mlapersist  the persistent MLA decode kernel (one pipelined loop over a program's items and context tiles, a
-#                candidate for short contexts over many queries) beside the one-pass grid, 256 / 64 sequences (~6 min)
+#   STAGE=session17  the MLA launch sweep at 256 / 64 sequences, the GPU tests of run 30's changes, an A/B round
+#                against ab_old (93bf13f) at 256 sequences and the step's profile, scaled to LIMIT seconds (~9 min)
 #   STAGE=layout  the EP layer's layout kernel: its GPU tests, STAGE=abstep against ab_old (93bf13f), the step's profile
 #                (carry .whl and ab_old; ~7 min)
 #   STAGE=abstep  the graphed decode step of the tree in ab_old/ beside HEAD's, ROUNDS (2) interleaved rounds at 256 / 64
@@ -254,12 +254,6 @@ case "${STAGE:-tests}" in
     PYTHONPATH=$HEAD_PATH timeout $(( ${LIMIT:-280} - SECONDS )) python3 benchmarks/decode_step_bound.py \
       --model-dir /tmp/bench-ds3 --block-fp8 --expert-compute w8a8 --batches ${BATCHES:-256 64} --context 96 \
       --out "$OUT/decode_step_bound_gather_w8a8.json" 2>&1 | grep '^{' | cut -c1-260 ;;
-  mlapersist)  # the persistent MLA kernel (a candidate for short contexts over many queries, not served yet) beside
-    # the one-pass grid at 256 / 64 sequences of 96 tokens, then its GPU test (~6 min)
-    PYTHONPATH=$HEAD_PATH timeout 420 python3 benchmarks/mla_decode_tuning.py --batches 256 64 --context 96 --iters 20 \
-      --block-h 32 64 --block-n 16 32 64 --warps 4 8 --stages 1 2 3 --persistent 0 1 2 \
-      --out "$OUT/mla_decode_persistent.json" 2>&1 | grep best
-    PYTHONPATH=$HEAD_PATH timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_kernels.py 2>&1 | tail -1 ;;
   layout)  # the EP layer's layout in one kernel: its GPU tests, then the step against ab_old's tree (the one before:
     # git archive 93bf13f), then a profile of the 256-sequence step (~7 min; ROUNDS=1 and TESTS to shorten)
     PYTHONPATH=$HEAD_PATH timeout ${TEST_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layout_kernel.py \
@@ -268,18 +262,17 @@ case "${STAGE:-tests}" in
     ROUNDS=${ROUNDS:-2} STAGE=abstep OUT=$OUT "$0"
     PYTHONPATH=$HEAD_PATH timeout 90 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 256 \
       --context 96 --profile --top 40 --out "$OUT/decode_step_bound_profile_layout.json" 2>&1 | grep '^{' | cut -c1-300 ;;
-  session17)  # one call (~9 min): the persistent MLA sweep (trimmed; rows kept as they come), the GPU tests of the
-    # layout kernel, the MLA kernels and the graphed step (W_UV's GEMM writes o_proj's layout, the cache rows written
-    # inside the compiled inputs), one A/B round against ab_old (93bf13f) at 256 sequences, the step's profile; the
-    # later parts run only where they fit in LIMIT seconds
+  session17)  # one call (~9 min): the MLA launch sweep at 256 / 64 sequences (rows kept as they come; run 30 on an
+    # H100 had 64-head blocks fastest at 64 too), the GPU tests of the layout kernel, W_UV's strided GEMM and the graphed
+    # step (the cache rows written inside the compiled inputs), one A/B round against ab_old (93bf13f) at 256 sequences,
+    # the step's profile; the later parts run only where they fit in LIMIT seconds
     LIMIT=${LIMIT:-560}
-    # (8 programs per SM: at least one per item, i.e. the one-pass grid with the queries re-read per tile)
-    PYTHONPATH=$HEAD_PATH timeout ${MLA_TIMEOUT:-180} python3 benchmarks/mla_decode_tuning.py --batches 256 64 --context 96 \
-      --iters 20 --block-h 32 64 --block-n 32 64 --warps 4 8 --stages 2 3 --persistent ${PERSISTENT:-0 1 2 8} \
-      --out "$OUT/mla_decode_persistent.json" > "$OUT/mla_decode_persistent.log" 2>&1; grep best "$OUT/mla_decode_persistent.log"
+    PYTHONPATH=$HEAD_PATH timeout ${MLA_TIMEOUT:-150} python3 benchmarks/mla_decode_tuning.py --batches 256 64 --context 96 \
+      --iters 20 --block-h 32 64 --block-n 32 64 --warps 4 8 --stages 2 3 \
+      --out "$OUT/mla_decode_tuning.json" > "$OUT/mla_decode_tuning.log" 2>&1; grep best "$OUT/mla_decode_tuning.log"
     PYTHONPATH=$HEAD_PATH timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layout_kernel.py \
       tests/test_mla_output.py tests/test_attention_kernels.py tests/test_serve_gpu.py \
-      -k "${TESTS:-layout or mla_output or persistent or (graphed_decode_equals and deepseek)}" 2>&1 \
+      -k "${TESTS:-layout or mla_output or (graphed_decode_equals and deepseek)}" 2>&1 \
       | tee "$OUT/pytest_gpu_session17.txt" | tail -2
     [ "$SECONDS" -lt $((LIMIT - 150)) ] && BATCHES=256 ROUNDS=1 STAGE=abstep OUT=$OUT "$0"
     [ "$SECONDS" -lt $((LIMIT - 90)) ] && PYTHONPATH=$HEAD_PATH timeout $((LIMIT - 15 - SECONDS)) python3 benchmarks/decode_step_bound.py \
@@ -302,5 +295,5 @@ case "${STAGE:-tests}" in
       --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json --profile-streams 64 256 \
       --profile-iters 600-619 ;;
   *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | router | sidestream | fp8 | mlalong | priority |" \
-          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | linears | h200step | gather | mlapersist | layout | session17 | abstep | onoff" >&2; exit 2 ;;
+          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | linears | h200step | gather | layout | session17 | abstep | onoff" >&2; exit 2 ;;
 esac

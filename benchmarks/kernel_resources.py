@@ -102,12 +102,6 @@ def kernel_specs() -> list[dict[str, Any]]:
         shapes = {**mla, "BLOCK_H": block_h, "BLOCK_N": block_n}
         specs.append(_spec("mla_decode rows>=128" if tokens >= 128 else "mla_decode rows<128", ak._mla_decode_kernel,
                            mla_pointers, mla_scalars, shapes, warps, stages))
-    # the persistent candidate (mla_decode(persistent_programs=...), swept by mla_decode_tuning.py --persistent) at a
-    # launch that fits an SM without spills (32 heads, 32-row tiles, 8 warps, 2 stages; 64 heads with 2+ stages stage
-    # their queries past the shared memory: --sweep --only persistent): 1,024 items (256 queries' 32-head blocks)
-    specs.append(_spec("mla_decode persistent", ak._mla_decode_persistent_kernel, mla_pointers,
-                       {**mla_scalars, "items": seqs * heads // 32},
-                       {**mla, "BLOCK_H": 32, "BLOCK_N": 32, "HEAD_BLOCKS": heads // 32}, 8, 2))
     block_h, block_n, warps, stages = ak.mla_split_launch_config(16)  # splits run where few rows leave SMs idle
     specs.append(_spec("mla_decode_split rows<128", ak._mla_decode_split_kernel, mla_pointers, mla_scalars,
                        {**mla, "BLOCK_H": block_h, "BLOCK_N": block_n, "SPLIT_ROWS": ak.SPLIT_ROWS}, warps, stages,

@@ -13,12 +13,6 @@ sweeps split-KV at long contexts (each configuration also at these split counts;
     PYTHONPATH=runtime python3 benchmarks/mla_decode_tuning.py --batches 1 4 16 --context 32768 \
         --block-h 32 --block-n 64 --warps 8 --stages 3 --kv-splits 1 4 16 64
 
-``--persistent 0 1 2``: each configuration also as the persistent kernel with 1 and 2 programs per SM (a
-candidate for short contexts over many queries: one pipelined loop over each program's items and context tiles):
-
-    PYTHONPATH=runtime python3 benchmarks/mla_decode_tuning.py --batches 256 64 --context 96 --block-h 32 64 \
-        --block-n 16 32 64 --warps 4 8 --stages 1 2 3 --persistent 0 1 2
-
 ``--kv-cache-dtype fp8``: the cache in FP8 e4m3 (as ``vexpert serve --kv-cache-dtype fp8`` keeps it). Each row
 also prints ``kv_tb_per_s``, the cache's bytes (each row once) ÷ the kernel's time.
 """
@@ -59,9 +53,6 @@ def main() -> int:
     parser.add_argument("--kv-splits", type=int, nargs="+", default=[1])
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the cache's dtype: the queries' (auto) or FP8 e4m3, as --kv-cache-dtype fp8 keeps it")
-    parser.add_argument("--persistent", type=int, nargs="+", default=[0], metavar="PER_SM",
-                        help="also (or, without 0, only) the persistent kernel (mla_decode(persistent_programs=...)) with "
-                             "this many programs per SM; 0: the one-pass grid")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -89,20 +80,16 @@ def main() -> int:
                                             scale).float() for row in range(batch)])
         kv_bytes = batch * (args.context + 1) * cache.stride(0) * cache.element_size()  # each cached row read once
         best = None
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        for block_h, block_n, warps, stages, splits, per_sm in itertools.product(
-                args.block_h, args.block_n, args.warps, args.stages, args.kv_splits, args.persistent):
-            if per_sm and splits > 1:
-                continue  # the persistent kernel is one pass
+        for block_h, block_n, warps, stages, splits in itertools.product(args.block_h, args.block_n, args.warps,
+                                                                         args.stages, args.kv_splits):
             split_meta = dataclasses.replace(kernel_meta, kv_splits=splits)
-            launch = dict(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages,
-                          persistent_programs=per_sm * sms if per_sm else None)
+            launch = dict(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages)
             try:
                 got = attention_kernels.mla_decode(q_latent, q_rope, cache, split_meta, scale, **launch)
                 torch.cuda.synchronize()
             except Exception as exc:  # a configuration Triton cannot build (shared memory)
                 rows.append({"batch": batch, "block_h": block_h, "block_n": block_n, "warps": warps,
-                             "stages": stages, "kv_splits": splits, "persistent_per_sm": per_sm, "error": str(exc)[:120]})
+                             "stages": stages, "kv_splits": splits, "error": str(exc)[:120]})
                 continue
             error = (got.float() - want).abs().max().item()
             times = []
@@ -115,7 +102,7 @@ def main() -> int:
                 end.synchronize()
                 times.append(start.elapsed_time(end) / args.iters)
             row = {"batch": batch, "context": args.context, "block_h": block_h, "block_n": block_n, "warps": warps,
-                   "stages": stages, "kv_splits": splits, "persistent_per_sm": per_sm, "kv_cache_dtype": args.kv_cache_dtype,
+                   "stages": stages, "kv_splits": splits, "kv_cache_dtype": args.kv_cache_dtype,
                    "ms": round(statistics.median(times), 4), "max_abs_error": round(error, 4),
                    "kv_tb_per_s": round(kv_bytes / (statistics.median(times) * 1e9), 2)}
             rows.append(row)

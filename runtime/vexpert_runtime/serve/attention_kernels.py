@@ -116,56 +116,6 @@ if triton is not None:
                  result.to(out.dtype.element_ty), mask=(heads < NH)[:, None] & (offs_c < C)[None, :])
 
     @triton.jit
-    def _mla_decode_persistent_kernel(q_lat, q_rope, cache, tables, token_seq, lens, out, scale, items,
-                                      stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_cache, stride_tb,
-                                      stride_tn, stride_ob, stride_oh,
-                                      NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr,
-                                      RP: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
-                                      BLOCK_N: tl.constexpr, HEAD_BLOCKS: tl.constexpr):
-        """:func:`_mla_decode_kernel`'s work — (query, head block) items, each over its cached rows — in a grid of a
-        few programs per SM, each walking items pid, pid + P, … as ONE loop over (item, context tile): the compiler's
-        software pipeline then loads the next item's queries and first rows while this item computes (the queries at
-        every tile, from L2 after the first), where one program per (query, head block) with one program per SM (its
-        shared memory) runs load → compute → store in waves. Each item takes its own context's tiles (at least one:
-        a pad row's zeros are written too), the item and tile carried through the loop as Triton's flattened
-        persistent GEMM carries its tile: a prompt chunk's long context costs its own items, not every item, and
-        the launch needs no bound on the contexts (a graph's block tables are as wide as the model's context).
-        The item's state resets at its first tile (running max −inf: the old sums' weight exp(−inf) is 0); its
-        output is written at its last."""
-        pid = tl.program_id(0)
-        programs = tl.num_programs(0)
-        offs_c = tl.arange(0, CP)
-        steps = 0
-        for mine in range(pid, items, programs):
-            steps += tl.maximum(tl.cdiv(tl.load(lens + mine // HEAD_BLOCKS).to(tl.int32), BLOCK_N), 1)
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, CP], dtype=tl.float32)
-        item = pid
-        tile = 0
-        for _ in range(0, steps):
-            b = item // HEAD_BLOCKS  # a query's head blocks adjacent: its cached rows read twice from L2
-            heads = (item % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
-            hmask = heads < NH
-            # the item's queries, loaded at every tile (from L2 after the first: pipelined like the rows, and no
-            # register-resident copy carried across the loop, where the accumulator leaves no room)
-            ql, qr = _mla_queries(q_lat, q_rope, b, heads, stride_qlb, stride_qlh, stride_qrb, stride_qrh,
-                                  NH, C, R, CP, RP)
-            m_i = tl.where(tile == 0, float("-inf"), m_i)
-            length = tl.load(lens + b)
-            table = tables + tl.load(token_seq + b) * stride_tb
-            n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            m_i, l_i, acc = _mla_tile(ql, qr, cache, table, n, n < length, scale, stride_cache, stride_tn, m_i, l_i,
-                                      acc, C, R, CP, RP, PAGE)
-            last = (tile + 1) * BLOCK_N >= length
-            if last:
-                result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-                tl.store(out + b * stride_ob + heads[:, None] * stride_oh + offs_c[None, :],
-                         result.to(out.dtype.element_ty), mask=hmask[:, None] & (offs_c < C)[None, :])
-            tile = tl.where(last, 0, tile + 1)
-            item = tl.where(last, item + programs, item)
-
-    @triton.jit
     def _split_range(length, split, max_splits, SPLIT_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
         """(splits this query's context takes, its rows [start, end) in split ``split``): one split per
         SPLIT_ROWS rows, at most ``max_splits``, each a whole number of BLOCK_N-row tiles (the last
@@ -412,8 +362,7 @@ def mla_kv_splits(rows: int, heads: int, longest: int, sm_count: int) -> int:
 
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, split_rows: int | None = None,
-               persistent_programs: int | None = None) -> torch.Tensor:
+               num_stages: int | None = None, split_rows: int | None = None) -> torch.Tensor:
     """q_latent [T, nh, C], q_rope [T, nh, R] (any tokens: decodes or prompt chunks, each with its
     own context, see :class:`~.attention.AttentionMetadata`) over a latent cache [slots, C + R]
     → Σ p·c [T, nh, C]. Launch parameters left None come from :func:`mla_launch_config` (T is a
@@ -421,12 +370,10 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     contexts into splits of at least ``split_rows`` rows (None: :data:`SPLIT_ROWS`, as :func:`kv_splits`),
     launched as :func:`mla_split_launch_config` says.
 
-    ``persistent_programs`` (one pass only): run the work in that many programs of
-    :func:`_mla_decode_persistent_kernel`, each walking its items' context tiles (each item its own context's) as
-    one pipelined loop — a candidate for short contexts
-    over many queries, swept by ``benchmarks/mla_decode_tuning.py --persistent``; not served: on an H100 at 256
-    sequences of 96 tokens its best launch (2 programs per SM, 32-head blocks: 64 do not fit its shared memory) took
-    0.102 ms a layer against the one-pass grid's 0.095 (``results/serve_engine/mla_decode_persistent_run30_h100.json``)."""
+    (A persistent variant — a few programs per SM, each walking its (query, head block) items as one pipelined loop
+    over their context tiles — was 8 % slower than this one-pass grid at 256 sequences of 96 tokens on an H100: it
+    fits only 32-head blocks, so each cached row is read by four programs, not two; it lived up to commit b7c8ba4,
+    ``results/serve_engine/mla_decode_persistent_run30_h100.json``.)"""
     batch, heads, latent = q_latent.shape
     splits = meta.kv_splits
     tuned = mla_launch_config(batch) if splits == 1 else mla_split_launch_config(batch)
@@ -442,13 +389,6 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
                   BLOCK_N=block_n)
     strides = (q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
                meta.block_tables.stride(0), meta.block_tables.stride(1), out.stride(0), out.stride(1))
-    if splits == 1 and persistent_programs is not None:
-        items = batch * head_blocks
-        _mla_decode_persistent_kernel[(max(1, min(persistent_programs, items)),)](
-            q_latent, q_rope, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale, items,
-            *strides, **shapes, HEAD_BLOCKS=head_blocks, num_warps=num_warps, num_stages=num_stages,
-        )
-        return out
     if splits == 1:
         _mla_decode_kernel[(batch, head_blocks)](
             q_latent, q_rope, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale, *strides,
