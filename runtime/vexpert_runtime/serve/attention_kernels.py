@@ -47,8 +47,8 @@ if triton is not None:
     def _mla_tile(ql, qr, cache, table, n, nmask, scale, stride_cache, stride_tn, m_i, l_i, acc,
                   C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, PAGE: tl.constexpr):
         """One tile of cached rows ``n`` (``nmask``: those that count) folded into a head block's online softmax
-        (running max m_i, denominator l_i, Σ p·c acc) — one definition for every MLA decode kernel. A tile with no
-        row yet (m_i and every score −inf) leaves zeros, not NaN."""
+        (running max m_i, denominator l_i, Σ p·c acc) — one definition for the one-pass and the split kernels, whose
+        every tile holds at least one row that counts (so m_new is finite)."""
         offs_c = tl.arange(0, CP)
         offs_r = tl.arange(0, RP)
         block = tl.load(table + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
@@ -61,9 +61,8 @@ if triton is not None:
         s = tl.dot(ql, tl.trans(kc), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
         s = tl.where(nmask[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        base = tl.where(m_new > float("-inf"), m_new, 0.0)  # = m_new wherever a row has counted
-        p = tl.exp(s - base[:, None])
-        alpha = tl.exp(m_i - base)
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc, input_precision="ieee")
         return m_new, l_i, acc
