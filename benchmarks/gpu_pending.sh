@@ -58,6 +58,8 @@
 #                (carry .whl and ab_old; ~7 min)
 #   STAGE=abstep  the graphed decode step of the tree in ab_old/ beside HEAD's, ROUNDS (2) interleaved rounds at 256 / 64
 #                sequences on one warm card (carry ab_old; ~5 min)
+#   STAGE=dense  inductor's GEMM autotuning (max-autotune: Triton templates beside cuBLAS) for the step's dense linears
+#                at 64 / 256 rows against the served cuBLAS call, graphed (benchmarks/dense_gemm_autotune.py; ~3 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
 #                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
 #                profile, with the EP layer's share of a traced iteration (~6 min)
@@ -289,11 +291,14 @@ case "${STAGE:-tests}" in
            --out "$OUT/decode_step_bound_ab_${round}_$name.json" 2>&1 | grep '^{' | cut -c1-200)
       done
     done ;;
+  dense)  # inductor's GEMM autotuning against cuBLAS for the step's dense linears at 64 / 256 rows (~3 min)
+    PYTHONPATH=$HEAD_PATH:$PWD/benchmarks timeout ${DENSE_TIMEOUT:-300} python3 benchmarks/dense_gemm_autotune.py --rows 64 256 \
+      --out "$OUT/dense_gemm_autotune.json" > "$OUT/dense_gemm_autotune.log" 2>&1; grep '^{' "$OUT/dense_gemm_autotune.log" ;;
   onoff)
     [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "STAGE=onoff needs 2 GPUs (kind nvidia-h200-x2)" >&2; exit 2; }
     BENCH_TIMEOUT=560 bench . onoff --model-dir /tmp/bench-ds3 --ranks 2 --modes vexpert static --streams 64 256 "${LOAD[@]}" \
       --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json --profile-streams 64 256 \
       --profile-iters 600-619 ;;
   *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | router | sidestream | fp8 | mlalong | priority |" \
-          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | linears | h200step | gather | layout | session17 | abstep | onoff" >&2; exit 2 ;;
+          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | linears | h200step | gather | layout | session17 | dense | abstep | onoff" >&2; exit 2 ;;
 esac
