@@ -104,8 +104,18 @@ def _layout_kernel(group_src, local_table, stride_table, row_src, position, resi
         earlier += tl.sum(hit, 0)
 
 
+LaunchConfig = tuple[int, int]  # (warps, one-hot entries a chunk holds)
+
+
+def launch_config(rows: int, groups: int) -> LaunchConfig:
+    """(warps, chunk entries) of the layout kernel for ``rows`` rows over ``groups`` one-hot columns (a power of two):
+    the served launch; ``benchmarks/layout_kernel_tuning.py`` times others."""
+    return 4, _CHUNK_ENTRIES
+
+
 def _launch(group_src: torch.Tensor, local_table: torch.Tensor | None, rows: int, resident: int, slots: int,
-            align: int, token_div: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            align: int, token_div: int, config: LaunchConfig | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from vexpert_runtime.model.grouped_moe import padded_capacity
 
     device = group_src.device
@@ -118,27 +128,30 @@ def _launch(group_src: torch.Tensor, local_table: torch.Tensor | None, rows: int
     slot_offs = torch.empty(max(slots, 1), dtype=torch.int32, device=device)[:slots]  # no null pointer at S = 0
     computed = torch.empty(resident + slots, dtype=torch.int64, device=device)
     table = group_src if local_table is None else local_table
+    warps, entries = config or launch_config(rows, groups)
     _layout_kernel[(1,)](
         group_src, table, 0 if local_table is None else local_table.stride(0), row_src, position, resident_offs,
         slot_offs, computed, rows, buffer_rows, resident_rows,
         RESIDENT=resident, SLOTS=slots, ALIGN=align, LOOKUP=local_table is not None, TOKEN_DIV=token_div, GP=groups,
-        CHUNK=max(1, min(triton.next_power_of_2(rows), _CHUNK_ENTRIES // groups)), ZERO_BLOCK=1024, num_warps=4,
+        CHUNK=max(1, min(triton.next_power_of_2(rows), entries // groups)), ZERO_BLOCK=1024, num_warps=warps,
     )
     return row_src, position, resident_offs, slot_offs, computed
 
 
-def fused_arrange_received(recv_local: torch.Tensor, resident: int, slots: int, align: int
+def fused_arrange_received(recv_local: torch.Tensor, resident: int, slots: int, align: int,
+                           config: LaunchConfig | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`~vexpert_runtime.model.ep_moe.arrange_received` in one kernel: the same outputs, equal.
-    recv_local [T] int64 contiguous (−1 padding)."""
-    return _launch(recv_local.contiguous(), None, recv_local.numel(), resident, slots, align, 1)
+    recv_local [T] int64 contiguous (−1 padding). ``config``: (warps, chunk entries), default :func:`launch_config`'s."""
+    return _launch(recv_local.contiguous(), None, recv_local.numel(), resident, slots, align, 1, config)
 
 
-def fused_arrange_local(ids: torch.Tensor, local: torch.Tensor, resident: int, slots: int, align: int
+def fused_arrange_local(ids: torch.Tensor, local: torch.Tensor, resident: int, slots: int, align: int,
+                        config: LaunchConfig | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`~vexpert_runtime.model.ep_moe.arrange_local` in one kernel for a table of one copy per expert
     (``local`` [E, 1]: an EP group of one), where the replica choice is the lookup ``local[id, 0]``:
-    the same outputs, equal. ids [B, K] int64."""
+    the same outputs, equal. ids [B, K] int64. ``config`` as :func:`fused_arrange_received`'s."""
     if local.shape[1] != 1:
         raise ValueError(f"fused_arrange_local takes a table of one copy per expert, not {local.shape[1]}")
-    return _launch(ids.contiguous().view(-1), local, ids.numel(), resident, slots, align, ids.shape[1])
+    return _launch(ids.contiguous().view(-1), local, ids.numel(), resident, slots, align, ids.shape[1], config)
