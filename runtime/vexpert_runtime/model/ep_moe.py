@@ -775,10 +775,12 @@ def ep_moe_layer(
                                            block)
     recv_x, recv_local = _exchange_rows(send_x, send_local, group)
     if fused_layout_runs(x.device, recv_local.numel(), resident, slots):
-        from vexpert_runtime.model.layout_kernel import fused_arrange_received as arrange
+        from vexpert_runtime.model.layout_kernel import fused_arrange_received
+
+        layout = fused_arrange_received(recv_local, resident, slots, align)
     else:
-        arrange = fusion.maybe_compiled(arrange_received, fused)
-    row_src, position, resident_offs, slot_offs, computed = arrange(recv_local, resident, slots, align)
+        layout = fusion.maybe_compiled(arrange_received, fused)(recv_local, resident, slots, align)
+    row_src, position, resident_offs, slot_offs, computed = layout
     resident_rows = padded_capacity(recv_local.numel(), resident, align)
     out = stacked_outputs(recv_x, resident_offs, slot_offs, resident_rows, stacks, slot_wait, after_compute, quantize,
                           row_src)
