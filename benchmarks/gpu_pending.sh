@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # What the next H200 session must measure for issue #21, in device calls that each end inside 10 minutes
 # (benchmarks/README.md §10, "Next on the H200"). Every stage writes under $OUT.
-# After run 30 (on an H100: a persistent MLA kernel 8 % slower than the one-pass grid at 256 sequences, removed again;
-# the session's other changes pass their GPU tests, untimed in the step): on an H200, STAGE=session17 in full (the A/B against
-# 93bf13f and the profile time the layout kernel, W_UV's strided GEMM and the rows written inside the compiled
-# inputs), mla_decode_tuning.py --batches 64 (the 64-head launch won there on the H100), STAGE=layout's two-rank tests,
-# then h200step, sidestream and mlalong on an H200, onoff on two GPUs.
+# After run 31 (an H100: session 17's changes -0.4 % / -2.3 % at 256 / 64 sequences; the layout kernel 24 µs a layer
+# at 256 in the step's profile; inductor's autotuning no better than cuBLAS): STAGE=session18 (the layout kernel's
+# launches, the step stream's priority), then on an H200 STAGE=session17's A/B and profile against its bound,
+# STAGE=layout's two-rank tests on two GPUs, h200step, sidestream and mlalong, onoff on two GPUs.
 #
 #   STAGE=tests  the full GPU test list (~8 min; run 24 on an H100: 481 s; PART=1 / PART=2 split it in two calls): kernels, graphed == eager, prefix caching and preemption on
 #                graphed overlapped steps, the node's GPU path
@@ -54,6 +53,9 @@
 #                kernel module back), then the graphed step with FP8 linears (w8a8-dense vs w8a8-fp8_block) (~8 min)
 #   STAGE=session17  the MLA launch sweep at 256 / 64 sequences, the GPU tests of run 30's changes, an A/B round
 #                against ab_old (93bf13f) at 256 sequences and the step's profile, scaled to LIMIT seconds (~9 min)
+#   STAGE=session18  the layout kernel's launch sweep (benchmarks/layout_kernel_tuning.py), the step with its stream
+#                above the shared experts' side stream (decode_step_bound.py --stream-priority -1 vs 0, two rounds), the
+#                256-sequence profile with the shared experts on the step's stream (carry .whl; ~8 min)
 #   STAGE=layout  the EP layer's layout kernel: its GPU tests, STAGE=abstep against ab_old (93bf13f), the step's profile
 #                (carry .whl and ab_old; ~7 min)
 #   STAGE=abstep  the graphed decode step of the tree in ab_old/ beside HEAD's, ROUNDS (2) interleaved rounds at 256 / 64
@@ -281,6 +283,23 @@ case "${STAGE:-tests}" in
       --model-dir /tmp/bench-ds3 --batches 256 --context 96 --profile --top 40 \
       --out "$OUT/decode_step_bound_profile.json" 2>&1 | grep '^{' | cut -c1-300
     echo "session17 done at ${SECONDS}s" ;;
+  session18)  # one call (~8 min): the layout kernel's launch sweep (run 31: 24 µs a layer at 256 sequences in the step's
+    # profile, one block walking 512 rows), the step with its stream above the shared experts' side stream (priority
+    # -1 vs 0, two interleaved rounds at 256 / 64), then the step's profile with the shared experts on the step's stream
+    # (the layout kernel's time without a concurrent GEMM beside it)
+    PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/layout_kernel_tuning.py --tokens 16 64 256 \
+      --out "$OUT/layout_kernel_tuning.json" 2>&1 | grep '^{' | cut -c1-300
+    for round in 1 2; do
+      for priority in 0 -1; do
+        PYTHONPATH=$HEAD_PATH timeout 130 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 \
+          --batches 256 64 --context 96 --stream-priority $priority \
+          --out "$OUT/decode_step_bound_priority_${priority}_$round.json" 2>&1 | grep '^{' | cut -c1-200
+      done
+    done
+    PYTHONPATH=$HEAD_PATH timeout 130 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 256 \
+      --context 96 --shared-expert-stream off --profile --top 40 --out "$OUT/decode_step_bound_side_off_profile.json" \
+      2>&1 | grep '^{' | cut -c1-200
+    echo "session18 done at ${SECONDS}s" ;;
   abstep)  # the graphed decode step of ab_old's tree beside HEAD's on one warm card, ROUNDS interleaved rounds at 256 /
     # 64 sequences, bf16 experts (run 28e's A/B, scripted; ~70 s a process once the checkpoint exists)
     for round in $(seq 1 "${ROUNDS:-2}"); do
@@ -300,5 +319,5 @@ case "${STAGE:-tests}" in
       --profile benchmarks/results/calibration/profile_h200_deepseek_v3.json --profile-streams 64 256 \
       --profile-iters 600-619 ;;
   *) echo "STAGE: tests | ab | knobs | long | kernels | longkernels | router | sidestream | fp8 | mlalong | priority |" \
-          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | linears | h200step | gather | layout | session17 | dense | abstep | onoff" >&2; exit 2 ;;
+          "fp8experts | fp8step | fp8serve | w8a8 | w8a8step | w8a8check | linears | h200step | gather | layout | session17 | session18 | dense | abstep | onoff" >&2; exit 2 ;;
 esac

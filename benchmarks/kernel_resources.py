@@ -172,6 +172,20 @@ def kernel_specs() -> list[dict[str, Any]]:
                                       normalise=True)
         pointers = {**select_pointers, "logits": bf16, "weights_out": bf16} if softmax else select_pointers
         specs.append(_spec(label, rk._select_experts_kernel, pointers, select_scalars, select, 4, 1))
+    # The EP layer's layout kernel, one rank's pairs of a 256-sequence step (512 rows; 8 experts and 2 slots: 16
+    # one-hot columns) at the served launch and the warps benchmarks/layout_kernel_tuning.py times
+    import vexpert_runtime.model.layout_kernel as lk
+
+    pairs, groups = 512, 16
+    layout_pointers = {"group_src": "*i64", "local_table": "*i64", "row_src": "*i64", "position": "*i64",
+                       "resident_offs": "*i32", "slot_offs": "*i32", "computed": "*i64"}
+    layout_scalars: dict[str, int | float] = {"stride_table": 1, "T": pairs, "M": 2 * pairs, "resident_rows": pairs}
+    served_warps, entries = lk.launch_config(pairs, groups)
+    for warps in sorted({served_warps, 8, 16}):
+        layout = {"RESIDENT": 8, "SLOTS": 2, "ALIGN": 16, "LOOKUP": 1, "TOKEN_DIV": 2, "GP": groups,
+                  "CHUNK": min(pairs, entries // groups), "ZERO_BLOCK": 1024}
+        label = "layout 512 rows" + (" (served)" if warps == served_warps else "")
+        specs.append(_spec(label, lk._layout_kernel, layout_pointers, layout_scalars, layout, warps, 1))
     return specs
 
 
