@@ -8,7 +8,8 @@ row-source scatter. Compiled by inductor that is still ~8 kernels per MoE layer,
 layer at 256 decode tokens on an H100 (run 29's profile: benchmarks/README §10) for a few kilobytes of indices.
 Here one program of one thread block does it all: a pass over the rows counts them per group, the group starts
 come from the padded counts' prefix sums, a second pass ranks each row within its group (a scan over a chunk of
-one-hot rows plus the earlier chunks' counts) and writes its position and the row-source entry.
+one-hot rows plus the earlier chunks' counts; then two sums over the group columns a row: its group's start plus
+its rank, and a padding row's rank among its peers) and writes its position and the row-source entry.
 
 The arithmetic is :func:`receive_layout`'s step for step (its torch code is the CPU twin and the reference the
 tests compare with), and every value is an exact integer: the outputs are equal, not close — the padding rows'
@@ -36,14 +37,15 @@ _CHUNK_ENTRIES = 8192  # one-hot entries a chunk holds: FUSED_LAYOUT_LIMIT's row
 def _row_groups(group_src, local_table, stride_table, rows, T, cols, NUM_LOCAL: tl.constexpr, GP: tl.constexpr,
                 LOOKUP: tl.constexpr):
     """The one-hot group rows [len(rows), GP] int32 of ``rows`` (a local expert, −1 padding → column NUM_LOCAL; with
-    LOOKUP each row's expert id looked up in ``local_table``; rows ≥ T in no column) and whether each row is real."""
+    LOOKUP each row's expert id looked up in ``local_table``; rows ≥ T in no column), whether each row is real, and
+    each row's column (GP for rows ≥ T)."""
     mask = rows < T
     g = tl.load(group_src + rows, mask=mask, other=0)
     if LOOKUP:
         g = tl.load(local_table + g * stride_table, mask=mask, other=0)
     g = tl.where(g < 0, NUM_LOCAL, g)
     g = tl.where(mask, g, GP)  # past every column: counted nowhere
-    return (g[:, None] == cols[None, :]).to(tl.int32), mask
+    return (g[:, None] == cols[None, :]).to(tl.int32), mask, g
 
 
 @triton.jit
@@ -65,8 +67,8 @@ def _layout_kernel(group_src, local_table, stride_table, row_src, position, resi
     # pass 1: rows per group
     counts = tl.zeros([GP], dtype=tl.int32)
     for first in range(0, T, CHUNK):
-        hit, _ = _row_groups(group_src, local_table, stride_table, first + tl.arange(0, CHUNK), T, cols, NUM_LOCAL,
-                             GP, LOOKUP)
+        hit, _, _ = _row_groups(group_src, local_table, stride_table, first + tl.arange(0, CHUNK), T, cols, NUM_LOCAL,
+                                GP, LOOKUP)
         counts += tl.sum(hit, 0)
 
     # group starts: resident groups from row 0, slot groups from resident_rows, padding after the last slot group
@@ -76,8 +78,8 @@ def _layout_kernel(group_src, local_table, stride_table, row_src, position, resi
     res_ends = tl.cumsum(res_padded, 0)
     slot_ends = tl.cumsum(slot_padded, 0)
     slot_total = tl.sum(slot_padded, 0)
-    starts = tl.where(is_res, res_ends - res_padded,
-                      tl.where(is_slot, resident_rows + slot_ends - slot_padded, resident_rows + slot_total))
+    pad_start = resident_rows + slot_total
+    starts = tl.where(is_res, res_ends - res_padded, tl.where(is_slot, resident_rows + slot_ends - slot_padded, pad_start))
     tl.store(resident_offs + cols, res_ends, mask=is_res)
     tl.store(slot_offs + (cols - RESIDENT), slot_ends, mask=is_slot)
     tl.store(computed + cols, counts.to(tl.int64), mask=cols < NUM_LOCAL)
@@ -94,11 +96,13 @@ def _layout_kernel(group_src, local_table, stride_table, row_src, position, resi
     pad_peers = (is_res | is_pad).to(tl.int32)
     for first in range(0, T, CHUNK):
         rows = first + tl.arange(0, CHUNK)
-        hit, mask = _row_groups(group_src, local_table, stride_table, rows, T, cols, NUM_LOCAL, GP, LOOKUP)
+        hit, mask, g = _row_groups(group_src, local_table, stride_table, rows, T, cols, NUM_LOCAL, GP, LOOKUP)
         before = tl.cumsum(hit, 0) - hit + earlier[None, :]  # [CHUNK, GP] earlier rows of each group
-        is_padding = tl.sum(hit * is_pad[None, :].to(tl.int32), 1) > 0
-        rank = tl.where(is_padding, tl.sum(before * pad_peers[None, :], 1), tl.sum(before * hit, 1))
-        pos = (tl.sum(starts[None, :] * hit, 1) + rank).to(tl.int64)
+        # two reductions over the group columns per row: its group's start + its rank there (any row), and a padding
+        # row's rank among its peers
+        own = tl.sum((before + starts[None, :]) * hit, 1)
+        pad = pad_start + tl.sum(before * pad_peers[None, :], 1)
+        pos = tl.where(g == NUM_LOCAL, pad, own).to(tl.int64)
         tl.store(position + rows, pos, mask=mask)
         tl.store(row_src + pos, (rows // TOKEN_DIV).to(tl.int64), mask=mask)
         earlier += tl.sum(hit, 0)
