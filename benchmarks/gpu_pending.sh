@@ -55,7 +55,8 @@
 #                against ab_old (93bf13f) at 256 sequences and the step's profile, scaled to LIMIT seconds (~9 min)
 #   STAGE=session18  the layout kernel's launch sweep (benchmarks/layout_kernel_tuning.py), the step with its stream
 #                above the shared experts' side stream (decode_step_bound.py --stream-priority -1 vs 0, two rounds), the
-#                256-sequence profile with the shared experts on the step's stream (carry .whl; ~8 min)
+#                256-sequence profile with the shared experts on the step's stream, then (where LIMIT leaves time) the
+#                step beside ab_old's = ac953c8, the layout kernel's four-reduction rank pass (carry .whl, ab_old; ~9 min)
 #   STAGE=layout  the EP layer's layout kernel: its GPU tests, STAGE=abstep against ab_old (93bf13f), the step's profile
 #                (carry .whl and ab_old; ~7 min)
 #   STAGE=abstep  the graphed decode step of the tree in ab_old/ beside HEAD's, ROUNDS (2) interleaved rounds at 256 / 64
@@ -299,6 +300,7 @@ case "${STAGE:-tests}" in
     PYTHONPATH=$HEAD_PATH timeout 130 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 256 \
       --context 96 --shared-expert-stream off --profile --top 40 --out "$OUT/decode_step_bound_side_off_profile.json" \
       2>&1 | grep '^{' | cut -c1-200
+    [ "$SECONDS" -lt $((${LIMIT:-560} - 150)) ] && BATCHES="256 64" ROUNDS=1 STAGE=abstep OUT=$OUT "$0"
     echo "session18 done at ${SECONDS}s" ;;
   abstep)  # the graphed decode step of ab_old's tree beside HEAD's on one warm card, ROUNDS interleaved rounds at 256 /
     # 64 sequences, bf16 experts (run 28e's A/B, scripted; ~70 s a process once the checkpoint exists)
