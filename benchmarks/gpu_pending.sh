@@ -54,7 +54,7 @@
 #   STAGE=session17  the MLA launch sweep at 256 / 64 sequences, the GPU tests of run 30's changes, an A/B round
 #                against ab_old (93bf13f) at 256 sequences and the step's profile, scaled to LIMIT seconds (~9 min)
 #   STAGE=session18  the layout kernel's launch sweep (benchmarks/layout_kernel_tuning.py), the step with its stream
-#                above the shared experts' side stream (decode_step_bound.py --stream-priority -1 vs 0, two rounds), the
+#                above the shared experts' side stream (decode_step_bound.py --stream-priority -1 vs 0, PRIORITY_ROUNDS rounds), the
 #                256-sequence profile with the shared experts on the step's stream, then (where LIMIT leaves time) the
 #                step beside ab_old's = ac953c8, the layout kernel's four-reduction rank pass (carry .whl, ab_old; ~9 min)
 #   STAGE=layout  the EP layer's layout kernel: its GPU tests, STAGE=abstep against ab_old (93bf13f), the step's profile
@@ -286,11 +286,11 @@ case "${STAGE:-tests}" in
     echo "session17 done at ${SECONDS}s" ;;
   session18)  # one call (~8 min): the layout kernel's launch sweep (run 31: 24 µs a layer at 256 sequences in the step's
     # profile, one block walking 512 rows), the step with its stream above the shared experts' side stream (priority
-    # -1 vs 0, two interleaved rounds at 256 / 64), then the step's profile with the shared experts on the step's stream
+    # -1 vs 0, PRIORITY_ROUNDS (1) interleaved rounds at 256 / 64), then the step's profile with the shared experts on the step's stream
     # (the layout kernel's time without a concurrent GEMM beside it)
     PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/layout_kernel_tuning.py --tokens 16 64 256 \
       --out "$OUT/layout_kernel_tuning.json" 2>&1 | grep '^{' | cut -c1-300
-    for round in 1 2; do
+    for round in $(seq 1 "${PRIORITY_ROUNDS:-1}"); do
       for priority in 0 -1; do
         PYTHONPATH=$HEAD_PATH timeout 130 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 \
           --batches 256 64 --context 96 --stream-priority $priority \
