@@ -21,27 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from fp8_linear_tuning import SHAPES
-
-
-def graphed_ms(iters: int, fn, *args: torch.Tensor) -> float:
-    """ms per call of fn(*args), ``iters`` calls captured in one CUDA graph (as the step replays them: no host
-    dispatch between kernels), median of 5 replays."""
-    for _ in range(3):
-        fn(*args)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn(*args)
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return sorted(times)[2]
+from grouped_gemm_tuning import graphed_ms
 
 
 def main() -> int:

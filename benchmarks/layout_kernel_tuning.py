@@ -19,29 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from grouped_gemm_tuning import graphed_ms
 
 from vexpert_runtime.model.ep_moe import DeviceRoutingTable, static_table
 from vexpert_runtime.model.layout_kernel import fused_arrange_local, fused_arrange_received, launch_config
-
-
-def graphed_us(iters: int, fn: Callable[[], object]) -> float:
-    """µs per call of fn(), ``iters`` calls captured in one CUDA graph, median of 5 replays."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
-    return sorted(times)[2]
 
 
 def main() -> int:
@@ -83,7 +64,7 @@ def main() -> int:
                 if not equal:
                     raise AssertionError(f"{form} {tokens} tokens, warps {warps}, chunk {entries}: not equal to served")
                 results.append({"warps": warps, "chunk_entries": entries,
-                                "us": round(graphed_us(args.iters, lambda c=(warps, entries), run=run: run(c)), 2)})
+                                "us": round(graphed_ms(args.iters, lambda c=(warps, entries), run=run: run(c)) * 1e3, 2)})
             best = min(results, key=lambda r: r["us"])
             served_us = next(r["us"] for r in results if (r["warps"], r["chunk_entries"]) == served)
             row = {"form": form, "tokens": tokens, "rows": tokens * args.top_k, "served": served,
