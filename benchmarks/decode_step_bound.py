@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from serve_engine import hbm_bound
 from serve_load import block_fp8_copy, write_model
 
+from vexpert_runtime.node.step_graph import STEP_STREAM_PRIORITY, step_stream
 from vexpert_runtime.serve.demo_model import ensure_demo_model
 from vexpert_runtime.serve.hf_model import HFStepModel
 from vexpert_runtime.serve.kv_cache import BlockPool
@@ -198,9 +199,9 @@ def main() -> int:
                         help="the KV cache's dtype, as vexpert serve --kv-cache-dtype (the bound's KV bytes follow it)")
     parser.add_argument("--shared-expert-stream", choices=("on", "off"), default="on",
                         help="the shared experts on a side stream beside the routed ones (the product's default), or not")
-    parser.add_argument("--stream-priority", type=int, default=0,
-                        help="the step stream's CUDA priority (0 as the worker's compute stream; negative is higher): "
-                             "with -1 the shared experts' side stream (priority 0) yields SMs to the step's kernels")
+    parser.add_argument("--stream-priority", type=int, default=None,
+                        help="the step stream's CUDA priority (default: the worker's, step_graph.STEP_STREAM_PRIORITY = -1; "
+                             "negative is higher): 0 puts it level with the shared experts' side stream (priority 0)")
     parser.add_argument("--block-fp8", action="store_true",
                         help="the checkpoint's block-FP8 copy (DeepSeek-V3's released format), loaded as a serving rank "
                              "loads it: experts FP8 rows read in place, the rest dequantised to bf16 (the bound counts so)")
@@ -235,7 +236,7 @@ def main() -> int:
     # ahead of each launch, as a constrained sequence's is (launch_span_ms holds that; graph_ms does not)
     SAMPLING["grammar"].allowed = torch.full(((model.vocab_size + 31) // 32,), 0x55555555, dtype=torch.int32)
     model.drop_expert_weights()
-    stream = torch.cuda.Stream(priority=args.stream_priority)
+    stream = step_stream() if args.stream_priority is None else torch.cuda.Stream(priority=args.stream_priority)
     results = []
     ops = None
     with torch.cuda.stream(stream):
@@ -307,7 +308,7 @@ def main() -> int:
                               fp8_linears=args.block_fp8 and args.linear_format == "fp8_block")
             flops = step_flops(model, batch, args.context)
             row = {"batch": batch, "context": args.context, "sampling": sampling,
-                   "shared_expert_stream": args.shared_expert_stream, "stream_priority": args.stream_priority,
+                   "shared_expert_stream": args.shared_expert_stream, "stream_priority": STEP_STREAM_PRIORITY if args.stream_priority is None else args.stream_priority,
                    "kv_cache_dtype": args.kv_cache_dtype,
                    "experts": "block_fp8" if args.block_fp8 else "bf16",
                    "expert_compute": args.expert_compute if args.block_fp8 else "bf16",

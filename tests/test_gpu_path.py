@@ -308,6 +308,25 @@ def test_the_node_benchmark_runs_vexpert_node_on_the_cpu_twin(tmp_path: Path) ->
 
 @pytest.mark.gpu
 @pytest.mark.skipif(GPUS == 0, reason="no CUDA device")
+def test_the_step_stream_is_above_the_shared_experts_side_stream() -> None:
+    """A worker's compute stream (step_graph.step_stream) outranks a default stream such as the shared experts'
+    side stream, and a graph captured on it replays (the priority the step's graphs keep)."""
+    from vexpert_runtime.node.step_graph import step_stream
+
+    stream, side = step_stream(), torch.cuda.Stream()
+    assert stream.priority < side.priority
+    x = torch.ones(4, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        y = x * 2
+    x.fill_(3)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert y.tolist() == [6.0] * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS == 0, reason="no CUDA device")
 def test_cuda_grouped_mm_matches_the_loop() -> None:
     s = _layer_setup("cuda", torch.bfloat16)
     local = s["ids"].reshape(-1)

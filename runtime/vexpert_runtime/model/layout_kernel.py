@@ -112,9 +112,13 @@ LaunchConfig = tuple[int, int]  # (warps, one-hot entries a chunk holds)
 
 
 def launch_config(rows: int, groups: int) -> LaunchConfig:
-    """(warps, chunk entries) of the layout kernel for ``rows`` rows over ``groups`` one-hot columns (a power of two):
-    the served launch; ``benchmarks/layout_kernel_tuning.py`` times others."""
-    return 4, _CHUNK_ENTRIES
+    """(warps, chunk entries) of the layout kernel for ``rows`` rows over ``groups`` one-hot columns (a power of two).
+
+    From ``benchmarks/layout_kernel_tuning.py`` on an H100 (``results/serve_engine/layout_kernel_tuning_run32_h100.json``,
+    16 groups, graphed): the largest chunk is the fastest at every row count (each chunk is a pass of scans);
+    8 warps at 512 rows (6.72 / 6.37 µs against 7.34 / 7.28 with 4, local / received rows), 4 at 128 (3.29 / 3.11
+    against 3.84 / 3.20 with 8), and at 32 rows all within 0.3 µs. So 8 warps past 256 rows."""
+    return (8 if rows > 256 else 4), _CHUNK_ENTRIES
 
 
 def _launch(group_src: torch.Tensor, local_table: torch.Tensor | None, rows: int, resident: int, slots: int,

@@ -29,6 +29,21 @@ def graphs_enabled() -> bool:
     return os.environ.get(GRAPHS_ENV, "1") != "0"
 
 
+# The step's stream above every other stream of the worker (CUDA: lower is higher; PyTorch offers -1 and 0):
+# the shared experts' side stream (priority 0, :mod:`~vexpert_runtime.serve.sparse_blocks`) runs its GEMM beside
+# the routed path, whose router / selection / layout kernels are the critical path, and with equal priorities the
+# side GEMM's CTAs took the SMs first — the layout kernel took 24 µs a layer in the 256-sequence step and 7 µs with
+# the shared experts on the step's stream. On an H100, graphed, priority -1 against 0: 256 sequences 1.937 against
+# 1.963 ms, 64 sequences 1.577 against 1.590 (benchmarks/README.md §10, run 32). Graph capture keeps a kernel's
+# stream priority in its node.
+STEP_STREAM_PRIORITY = -1
+
+
+def step_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
+    """A new stream for a worker's decode step, at :data:`STEP_STREAM_PRIORITY`."""
+    return torch.cuda.Stream(device=device, priority=STEP_STREAM_PRIORITY)
+
+
 class StepGraph:
     """``run(inputs, bias) -> outputs`` captured on ``stream`` over static input buffers.
 

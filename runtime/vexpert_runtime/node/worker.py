@@ -62,7 +62,7 @@ from vexpert_runtime.node.runners import (
 )
 from vexpert_runtime.node.slot_probe import ProbedSlots, SlotProbe
 from vexpert_runtime.node.slots import FULL
-from vexpert_runtime.node.step_graph import graphs_enabled
+from vexpert_runtime.node.step_graph import graphs_enabled, step_stream
 from vexpert_runtime.node.transport import make_transport
 from vexpert_runtime.node.worker_args import WorkerArgs
 
@@ -232,8 +232,8 @@ class _Worker:
         self.group = dist.group.WORLD if args.world > 1 else None
         if device.type == "cuda":
             # A stream of its own: the watchdog's side stream must not serialise behind it, as it
-            # would behind the legacy default stream.
-            self.compute_stream = torch.cuda.Stream(device=device)
+            # would behind the legacy default stream; above the side streams (step_graph.step_stream).
+            self.compute_stream = step_stream(device)
             torch.cuda.set_stream(self.compute_stream)
         ops = transport.flag_ops(self.stopping.is_set if device.type == "cuda" else self._publisher_gone)
         stream = self.compute_stream if device.type == "cuda" else None
