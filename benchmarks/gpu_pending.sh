@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # What the next H200 session must measure for issue #21, in device calls that each end inside 10 minutes
 # (benchmarks/README.md §10, "Next on the H200"). Every stage writes under $OUT.
-# After run 31 (an H100: session 17's changes -0.4 % / -2.3 % at 256 / 64 sequences; the layout kernel 24 µs a layer
-# at 256 in the step's profile; inductor's autotuning no better than cuBLAS): STAGE=session18 (the layout kernel's
-# launches, the step stream's priority), then on an H200 STAGE=session17's A/B and profile against its bound,
+# After run 32 (two H100s: the step's stream above the shared experts' side stream and the layout kernel's 8-warp launch
+# served, -1.1 % at 256 sequences): on an H200 STAGE=session17's A/B (ab_old = 93bf13f) and profile against its bound,
 # STAGE=layout's two-rank tests on two GPUs, h200step, sidestream and mlalong, onoff on two GPUs.
 #
 #   STAGE=tests  the full GPU test list (~8 min; run 24 on an H100: 481 s; PART=1 / PART=2 split it in two calls): kernels, graphed == eager, prefix caching and preemption on
