@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from serve_engine import hbm_bound
 from serve_load import block_fp8_copy, write_model
 
-from vexpert_runtime.node.step_graph import STEP_STREAM_PRIORITY, step_stream
+from vexpert_runtime.node.step_graph import step_stream
 from vexpert_runtime.serve.demo_model import ensure_demo_model
 from vexpert_runtime.serve.hf_model import HFStepModel
 from vexpert_runtime.serve.kv_cache import BlockPool
@@ -308,7 +308,7 @@ def main() -> int:
                               fp8_linears=args.block_fp8 and args.linear_format == "fp8_block")
             flops = step_flops(model, batch, args.context)
             row = {"batch": batch, "context": args.context, "sampling": sampling,
-                   "shared_expert_stream": args.shared_expert_stream, "stream_priority": STEP_STREAM_PRIORITY if args.stream_priority is None else args.stream_priority,
+                   "shared_expert_stream": args.shared_expert_stream, "stream_priority": stream.priority,
                    "kv_cache_dtype": args.kv_cache_dtype,
                    "experts": "block_fp8" if args.block_fp8 else "bf16",
                    "expert_compute": args.expert_compute if args.block_fp8 else "bf16",
