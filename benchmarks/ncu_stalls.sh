@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Nsight Compute on the served kernels of the 256-sequence decode step (benchmarks/ncu_targets.py): for each, the
+# speed-of-light summary, the warps' stall reasons (sampled) and the SASS lines where most samples fell. Writes
+# $OUT/ncu_<name>.{ncu-rep,details.txt,stalls.txt,source.csv}.
+#   OUT=$OUT ./benchmarks/ncu_stalls.sh mla experts        (on the GPU host; PYTHONPATH as gpu_pending.sh sets it)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="$(realpath -m "${OUT:-out/ncu}")"
+mkdir -p "$OUT"
+profile() {  # profile NAME KERNEL_REGEX ARGS...: the launch after NCU_SKIP (2) of the kernel (experts: gate/up, down alternate)
+  local name=$1 regex=$2; shift 2
+  timeout "${NCU_TIMEOUT:-150}" ncu -k "regex:$regex" -s "${NCU_SKIP:-2}" -c 1 --set full --import-source yes -f -o "$OUT/ncu_$name" \
+    python3 benchmarks/ncu_targets.py "$@" > "$OUT/ncu_$name.log" 2>&1 || { tail -5 "$OUT/ncu_$name.log"; return; }
+  ncu --import "$OUT/ncu_$name.ncu-rep" --page details > "$OUT/ncu_${name}_details.txt" 2>&1
+  grep -E 'Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|L2 Hit' \
+    "$OUT/ncu_${name}_details.txt" | sed "s/^/$name /"
+  ncu --import "$OUT/ncu_$name.ncu-rep" --page raw --csv > "$OUT/ncu_${name}_raw.csv" 2>&1
+  python3 - "$OUT/ncu_${name}_raw.csv" "$name" <<'PY' | tee "$OUT/ncu_${name}_stalls.txt"
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+head, values = rows[0], rows[-1]
+stalls = {h.replace("smsp__pcsamp_warps_issue_stalled_", ""): float(v.replace(",", "") or 0)
+          for h, v in zip(head, values) if h.startswith("smsp__pcsamp_warps_issue_stalled_") and not h.endswith("_not_issued")}
+total = sum(stalls.values()) or 1
+for key, count in sorted(stalls.items(), key=lambda kv: -kv[1])[:10]:
+    print(f"{sys.argv[2]} stall {key:32s} {100 * count / total:5.1f} %")
+PY
+  ncu --import "$OUT/ncu_$name.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_${name}_source.csv" 2>&1
+  python3 - "$OUT/ncu_${name}_source.csv" "$name" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if r]
+head = next((i for i, r in enumerate(rows) if any("Source" == c or c.startswith("Source") for c in r)), None)
+if head is None:
+    print(sys.argv[2], "source page: no header", rows[:2]); sys.exit()
+cols = rows[head]
+sample = next((i for i, c in enumerate(cols) if c.startswith("Warp Stall Sampling (All")), None)
+source = next(i for i, c in enumerate(cols) if c.startswith("Source"))
+if sample is None:
+    print(sys.argv[2], "columns:", cols[:30]); sys.exit()
+body = [r for r in rows[head + 1:] if len(r) > sample]
+num = lambda r: float(r[sample].replace(",", "") or 0)
+total = sum(num(r) for r in body) or 1
+for r in sorted(body, key=num, reverse=True)[:25]:
+    print(f"{sys.argv[2]} {100 * num(r) / total:5.1f} %  {r[source][:110]}")
+PY
+}
+for target in "$@"; do
+  case "$target" in
+    mla) profile mla _mla_decode_kernel --kernel mla --batch "${BATCH:-256}" ;;
+    mla_halves) profile mla_halves _mla_decode_halves_kernel --kernel mla --batch "${BATCH:-256}" --halves ;;
+    experts) profile experts _grouped_gemm_row_tile_kernel --kernel experts --batch "${BATCH:-256}" ;;
+    experts_down) NCU_SKIP=3 profile experts_down _grouped_gemm_row_tile_kernel --kernel experts --batch "${BATCH:-256}" ;;
+    experts_skewed) profile experts_skewed _grouped_gemm_row_tile_kernel --kernel experts --batch "${BATCH:-256}" --skewed ;;
+  esac
+done
