@@ -13,9 +13,6 @@ sweeps split-KV at long contexts (each configuration also at these split counts;
     PYTHONPATH=runtime python3 benchmarks/mla_decode_tuning.py --batches 1 4 16 --context 32768 \
         --block-h 32 --block-n 64 --warps 8 --stages 3 --kv-splits 1 4 16 64
 
-``--halves 0 1`` also times each one-pass point as two programs per (query, head block), each keeping half of the
-latent output (``mla_decode(halves=True)``: half the float32 accumulator, every score computed twice).
-
 ``--kv-cache-dtype fp8``: the cache in FP8 e4m3 (as ``vexpert serve --kv-cache-dtype fp8`` keeps it). Each row
 also prints ``kv_tb_per_s``, the cache's bytes (each row once) ÷ the kernel's time.
 """
@@ -54,8 +51,6 @@ def main() -> int:
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--kv-splits", type=int, nargs="+", default=[1])
-    parser.add_argument("--halves", type=int, nargs="+", choices=(0, 1), default=[0],
-                        help="1: the one pass as two programs per (query, head block), half the latent output each")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the cache's dtype: the queries' (auto) or FP8 e4m3, as --kv-cache-dtype fp8 keeps it")
     parser.add_argument("--out", type=Path)
@@ -85,18 +80,16 @@ def main() -> int:
                                             scale).float() for row in range(batch)])
         kv_bytes = batch * (args.context + 1) * cache.stride(0) * cache.element_size()  # each cached row read once
         best = None
-        for block_h, block_n, warps, stages, splits, halves in itertools.product(
-                args.block_h, args.block_n, args.warps, args.stages, args.kv_splits, args.halves):
-            if halves and splits > 1:
-                continue  # the halves are a one-pass launch
+        for block_h, block_n, warps, stages, splits in itertools.product(args.block_h, args.block_n, args.warps,
+                                                                         args.stages, args.kv_splits):
             split_meta = dataclasses.replace(kernel_meta, kv_splits=splits)
-            launch = dict(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages, halves=bool(halves))
+            launch = dict(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages)
             try:
                 got = attention_kernels.mla_decode(q_latent, q_rope, cache, split_meta, scale, **launch)
                 torch.cuda.synchronize()
             except Exception as exc:  # a configuration Triton cannot build (shared memory)
                 rows.append({"batch": batch, "block_h": block_h, "block_n": block_n, "warps": warps,
-                             "stages": stages, "kv_splits": splits, "halves": halves, "error": str(exc)[:120]})
+                             "stages": stages, "kv_splits": splits, "error": str(exc)[:120]})
                 continue
             error = (got.float() - want).abs().max().item()
             times = []
@@ -109,7 +102,7 @@ def main() -> int:
                 end.synchronize()
                 times.append(start.elapsed_time(end) / args.iters)
             row = {"batch": batch, "context": args.context, "block_h": block_h, "block_n": block_n, "warps": warps,
-                   "stages": stages, "kv_splits": splits, "halves": halves, "kv_cache_dtype": args.kv_cache_dtype,
+                   "stages": stages, "kv_splits": splits, "kv_cache_dtype": args.kv_cache_dtype,
                    "ms": round(statistics.median(times), 4), "max_abs_error": round(error, 4),
                    "kv_tb_per_s": round(kv_bytes / (statistics.median(times) * 1e9), 2)}
             rows.append(row)

@@ -47,7 +47,6 @@ PY
 for target in "$@"; do
   case "$target" in
     mla) profile mla _mla_decode_kernel --kernel mla --batch "${BATCH:-256}" ;;
-    mla_halves) profile mla_halves _mla_decode_halves_kernel --kernel mla --batch "${BATCH:-256}" --halves ;;
     experts) profile experts _grouped_gemm_row_tile_kernel --kernel experts --batch "${BATCH:-256}" ;;
     experts_down) NCU_SKIP=3 profile experts_down _grouped_gemm_row_tile_kernel --kernel experts --batch "${BATCH:-256}" ;;
     experts_skewed) profile experts_skewed _grouped_gemm_row_tile_kernel --kernel experts --batch "${BATCH:-256}" --skewed ;;

@@ -30,7 +30,7 @@ from vexpert_runtime.serve.kv_cache import BlockPool
 from vexpert_runtime.serve.step import SamplingSpec, SequenceWork
 
 
-def run_mla(batch: int, context: int, repeat: int, halves: bool) -> None:
+def run_mla(batch: int, context: int, repeat: int) -> None:
     heads, latent, rope, page = 128, 512, 64, 16
     pool = BlockPool(batch * (context // page + 2) + 2, page)
     work = []
@@ -42,7 +42,7 @@ def run_mla(batch: int, context: int, repeat: int, halves: bool) -> None:
     q_latent = torch.randn(batch, heads, latent, device="cuda", dtype=torch.bfloat16)
     q_rope = torch.randn(batch, heads, rope, device="cuda", dtype=torch.bfloat16)
     for _ in range(repeat):
-        attention_kernels.mla_decode(q_latent, q_rope, cache, meta, (latent + rope) ** -0.5, halves=halves)
+        attention_kernels.mla_decode(q_latent, q_rope, cache, meta, (latent + rope) ** -0.5)
     torch.cuda.synchronize()
 
 
@@ -64,12 +64,11 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=256, help="sequences (mla) or tokens (experts)")
     parser.add_argument("--context", type=int, default=96)
     parser.add_argument("--skewed", action="store_true", help="experts: the Zipf-like split")
-    parser.add_argument("--halves", action="store_true", help="mla: mla_decode(halves=True)")
     parser.add_argument("--repeat", type=int, default=4)
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.kernel == "mla":
-        run_mla(args.batch, args.context, args.repeat, args.halves)
+        run_mla(args.batch, args.context, args.repeat)
     else:
         run_experts(args.batch, args.skewed, args.repeat)
     return 0

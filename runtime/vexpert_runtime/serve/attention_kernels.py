@@ -115,70 +115,6 @@ if triton is not None:
                  result.to(out.dtype.element_ty), mask=(heads < NH)[:, None] & (offs_c < C)[None, :])
 
     @triton.jit
-    def _mla_half_tile(ql_own, ql_other, qr, cache, table, n, nmask, scale, stride_cache, stride_tn, m_i, l_i, acc,
-                       own, other, C: tl.constexpr, R: tl.constexpr, CW: tl.constexpr, RP: tl.constexpr,
-                       PAGE: tl.constexpr):
-        """:func:`_mla_tile` of a program that keeps one half of the latent output: the scores take both halves of
-        the cached rows (its own, columns ``own`` + [0, CW), and the other's), the output Σ p·c only its own."""
-        offs_w = tl.arange(0, CW)
-        offs_r = tl.arange(0, RP)
-        block = tl.load(table + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
-        row = (block * PAGE + n % PAGE) * stride_cache
-        k_own = tl.load(cache + row[:, None] + own + offs_w[None, :],
-                        mask=nmask[:, None] & (own + offs_w < C)[None, :], other=0.0).to(ql_own.dtype)
-        k_other = tl.load(cache + row[:, None] + other + offs_w[None, :],
-                          mask=nmask[:, None] & (other + offs_w < C)[None, :], other=0.0).to(ql_own.dtype)
-        kr = tl.load(cache + row[:, None] + C + offs_r[None, :], mask=nmask[:, None] & (offs_r < R)[None, :],
-                     other=0.0).to(qr.dtype)
-        s = tl.dot(ql_own, tl.trans(k_own), input_precision="ieee")
-        s += tl.dot(ql_other, tl.trans(k_other), input_precision="ieee")
-        s += tl.dot(qr, tl.trans(kr), input_precision="ieee")
-        s = tl.where(nmask[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k_own.dtype), k_own, input_precision="ieee")
-        return m_new, l_i, acc
-
-    @triton.jit
-    def _mla_decode_halves_kernel(q_lat, q_rope, cache, tables, token_seq, lens, out, scale,
-                                  stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_cache, stride_tb, stride_tn,
-                                  stride_ob, stride_oh,
-                                  NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CW: tl.constexpr,
-                                  RP: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-        """The one-pass kernel with the latent output cut in two halves of CW columns, a program each (grid
-        (2 · head blocks, queries): a query's programs adjacent, so the second reads its rows from L2): the
-        [BLOCK_H, C] float32 accumulator that holds the one-pass kernel to one program per SM is half as large,
-        for the price of every score computed twice."""
-        half = tl.program_id(0) % 2
-        heads = (tl.program_id(0) // 2) * BLOCK_H + tl.arange(0, BLOCK_H)
-        b = tl.program_id(1)
-        own = half * CW
-        other = (1 - half) * CW
-        table = tables + tl.load(token_seq + b) * stride_tb
-        hmask = heads < NH
-        offs_w = tl.arange(0, CW)
-        offs_r = tl.arange(0, RP)
-        q_row = q_lat + b * stride_qlb + heads[:, None] * stride_qlh
-        ql_own = tl.load(q_row + own + offs_w[None, :], mask=hmask[:, None] & (own + offs_w < C)[None, :], other=0.0)
-        ql_other = tl.load(q_row + other + offs_w[None, :], mask=hmask[:, None] & (other + offs_w < C)[None, :],
-                           other=0.0)
-        qr = tl.load(q_rope + b * stride_qrb + heads[:, None] * stride_qrh + offs_r[None, :],
-                     mask=hmask[:, None] & (offs_r < R)[None, :], other=0.0)
-        length = tl.load(lens + b)
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
-        for first in range(0, length, BLOCK_N):
-            n = first + tl.arange(0, BLOCK_N)
-            m_i, l_i, acc = _mla_half_tile(ql_own, ql_other, qr, cache, table, n, n < length, scale, stride_cache,
-                                           stride_tn, m_i, l_i, acc, own, other, C, R, CW, RP, PAGE)
-        result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out + b * stride_ob + heads[:, None] * stride_oh + own + offs_w[None, :],
-                 result.to(out.dtype.element_ty), mask=hmask[:, None] & (own + offs_w < C)[None, :])
-
-    @triton.jit
     def _split_range(length, split, max_splits, SPLIT_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
         """(splits this query's context takes, its rows [start, end) in split ``split``): one split per
         SPLIT_ROWS rows, at most ``max_splits``, each a whole number of BLOCK_N-row tiles (the last
@@ -425,19 +361,23 @@ def mla_kv_splits(rows: int, heads: int, longest: int, sm_count: int) -> int:
 
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, split_rows: int | None = None, halves: bool = False) -> torch.Tensor:
+               num_stages: int | None = None, split_rows: int | None = None) -> torch.Tensor:
     """q_latent [T, nh, C], q_rope [T, nh, R] (any tokens: decodes or prompt chunks, each with its
     own context, see :class:`~.attention.AttentionMetadata`) over a latent cache [slots, C + R]
     → Σ p·c [T, nh, C]. Launch parameters left None come from :func:`mla_launch_config` (T is a
     graph bucket's size where graphs run: a shape-only choice); ``meta.kv_splits`` > 1 cuts long
     contexts into splits of at least ``split_rows`` rows (None: :data:`SPLIT_ROWS`, as :func:`kv_splits`),
-    launched as :func:`mla_split_launch_config` says. ``halves``: the one pass as two programs per (query, head
-    block), each keeping half of the latent output (:func:`_mla_decode_halves_kernel`).
+    launched as :func:`mla_split_launch_config` says.
 
     (A persistent variant — a few programs per SM, each walking its (query, head block) items as one pipelined loop
     over their context tiles — was 8 % slower than this one-pass grid at 256 sequences of 96 tokens on an H100: it
     fits only 32-head blocks, so each cached row is read by four programs, not two; it lived up to commit b7c8ba4,
-    ``results/serve_engine/mla_decode_persistent_run30_h100.json``.)"""
+    ``results/serve_engine/mla_decode_persistent_run30_h100.json``. Two programs per (query, head block), each keeping
+    half of the latent output — half the float32 accumulator, two programs per SM, every score computed twice — took
+    0.0915 against 0.0879 ms at 256 sequences and 0.0294 against 0.0284 at 64, each at its best launch, on an H100;
+    up to commit c89c364, ``mla_decode_halves_run33_h100.json``. Nsight Compute has this kernel latency-bound at 256
+    sequences: 36 % of DRAM bandwidth, 8 warps an SM, a third of the warps' samples waiting on global loads and on
+    the score GEMM, ``results/ncu/``.)"""
     batch, heads, latent = q_latent.shape
     splits = meta.kv_splits
     tuned = mla_launch_config(batch) if splits == 1 else mla_split_launch_config(batch)
@@ -453,14 +393,6 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
                   BLOCK_N=block_n)
     strides = (q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
                meta.block_tables.stride(0), meta.block_tables.stride(1), out.stride(0), out.stride(1))
-    if splits == 1 and halves:
-        cw = _pow2(latent) // 2
-        _mla_decode_halves_kernel[(2 * head_blocks, batch)](
-            q_latent, q_rope, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale, *strides,
-            NH=heads, C=latent, R=rope, CW=cw, RP=_pow2(rope), PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n,
-            num_warps=num_warps, num_stages=num_stages,
-        )
-        return out
     if splits == 1:
         _mla_decode_kernel[(batch, head_blocks)](
             q_latent, q_rope, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale, *strides,
