@@ -211,6 +211,9 @@ def main() -> int:
     parser.add_argument("--expert-compute", choices=("w8a16", "w8a8"), default="w8a16",
                         help="with --block-fp8: the FP8 rows against bf16 activations or FP8 ones (vexpert serve "
                              "--expert-compute)")
+    parser.add_argument("--ncu-range", action="store_true",
+                        help="after each row, one more replay inside the NVTX range ncu_step_<batch> (for Nsight "
+                             "Compute's --nvtx-include: benchmarks/ncu_stalls.sh step)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not (args.model_dir / "config.json").exists():
@@ -322,6 +325,10 @@ def main() -> int:
                    "flop_ms": round(flops / (args.peak_tflops * 1e12) * 1e3, 3)}
             if args.profile:
                 row["kernels"] = kernel_times(graph, args.iters, args.top)
+            if args.ncu_range:
+                with torch.cuda.nvtx.range(f"ncu_step_{batch}"):
+                    graph.replay()
+                torch.cuda.synchronize()
             print(json.dumps(row), flush=True)
             results.append(row)
     if args.out:
