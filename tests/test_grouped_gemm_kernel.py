@@ -284,7 +284,7 @@ def test_triton_grouped_swiglu_matches_grouped_mm_at_deepseek_sizes(tokens: int)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [16, 256])
+@pytest.mark.parametrize("rows", [16, 37, 256])
 def test_fp8_linears_at_deepseek_sizes_equal_the_dequantised_product(rows: int) -> None:
     """DeepSeek-V3's attention output projection (16384 → 7168) and q_b (1536 → 24576) kept block-FP8
     (``--linear-format fp8_block``): the kernel's product equals bf16 ``F.linear`` over the dequantised weight."""
@@ -292,18 +292,41 @@ def test_fp8_linears_at_deepseek_sizes_equal_the_dequantised_product(rows: int) 
         pytest.skip("needs a CUDA device")
     pytest.importorskip("triton")
     from vexpert_runtime.model.expert_format import quantize_fp8_block
-    from vexpert_runtime.model.fp8_activations import fp8_activation_round_trip
+    from vexpert_runtime.model.fp8_activations import fp8_activation_round_trip, quantize_activation_groups
+    from vexpert_runtime.model.grouped_gemm_kernel import grouped_gemm, launch_config
     from vexpert_runtime.model.moe_math import relative_error
-    from vexpert_runtime.serve.fp8_linear import Fp8Linear
+    from vexpert_runtime.serve.fp8_linear import Fp8Linear, cublas_block_scaling_runs
 
     torch.manual_seed(rows)
-    for out_features, in_features in ((7168, 16384), (24576, 1536)):
+    if torch.cuda.get_device_capability() >= (9, 0):  # Hopper: W8A8 takes torch's block-scaled GEMM (cuBLAS)
+        assert cublas_block_scaling_runs(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
+    # o_proj, q_b, and the fused q_a + kv_a (2112 columns: a partial last scale block)
+    for out_features, in_features in ((7168, 16384), (24576, 1536), (2112, 7168)):
         weight = torch.randn(out_features, in_features, device="cuda") / in_features**0.5
         linear = Fp8Linear(*quantize_fp8_block(weight, (128, 128)), (128, 128))
         x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
         want = torch.nn.functional.linear(x, linear.dequantized(torch.bfloat16)).float()
         assert relative_error(linear(x).float(), want) <= 1e-2, (out_features, in_features)
-        # W8A8 (model.expert_compute w8a8): against its float32 twin, the same quantised activations
+        # W8A8 (model.expert_compute w8a8): against its float32 twin, the same quantised activations — on cuBLAS's
+        # block-scaled GEMM where it runs, and on the Triton kernel; the two agree as closely
         w8a8 = Fp8Linear(linear.weight, linear.weight_scale_inv, (128, 128), fp8_activations=True)
         twin = fp8_activation_round_trip(x.float(), 128) @ linear.dequantized(torch.float32).T
         assert relative_error(w8a8(x).float(), twin) <= 1e-2, (out_features, in_features)
+        quantised, x_scales = quantize_activation_groups(x, 128)
+        offs = torch.full((1,), rows, dtype=torch.int32, device="cuda")
+        triton_w8a8 = grouped_gemm(quantised, linear.weight.unsqueeze(0), offs, config=launch_config("linear", rows, True, True),
+                                   scales=linear.weight_scale_inv.unsqueeze(0), x_scales=x_scales, out_dtype=x.dtype)
+        assert relative_error(w8a8(x).float(), triton_w8a8.float()) <= 1e-2, (out_features, in_features)
+        # as the decode step's graph holds it: captured once (compiled quantisation), replayed on new rows
+        w8a8.compiled = True
+        eager = w8a8(x)
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            w8a8(x)  # warm-up off the capture (inductor's compile)
+            with torch.cuda.graph(graph, stream=stream):
+                captured = w8a8(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert not torch.equal(captured, eager) and torch.equal(captured, w8a8(x)), (out_features, in_features)

@@ -11,7 +11,8 @@ dequantised copy), elsewhere a dequantised copy per call (slow: the default, ``d
 load on every device). Under ``model.expert_compute: w8a8`` (one activation scheme for the model's FP8 GEMMs, as
 DeepSeek-V3's ``activation_scheme: dynamic`` and vLLM's block-FP8 linears have it) the input is quantised per token
 and block column first and the kernel multiplies FP8 by FP8 (W8A8); CPU ranks emulate it with the same
-quantisation. :func:`fp8_linear` is a torch custom op, so ``torch.compile``'d pieces that call a projection see one
+quantisation; where torch's own block-scaled FP8 GEMM runs (cuBLAS on Hopper, :func:`cublas_block_scaling_runs`), a
+W8A8 linear with DeepSeek-V3's 128 x 128 blocks takes it instead of the Triton kernel. :func:`fp8_linear` is a torch custom op, so ``torch.compile``'d pieces that call a projection see one
 opaque node and CUDA graphs capture its kernel. On an H100 (benchmarks/README.md §10, run 27) this kernel is slower
 than cuBLAS's bf16 GEMMs at DeepSeek-V3's attention shapes: FP8 linears save HBM, not time.
 
@@ -20,6 +21,8 @@ decode absorbs into the query and the output (:mod:`.attention_layers` reads it 
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +37,36 @@ from vexpert_runtime.model.grouped_moe import triton_experts_run
 KEPT_DENSE = ("kv_b_proj",)
 
 
+# torch's own block-scaled FP8 GEMM (``torch._scaled_mm``, cuBLAS's block scaling on Hopper) takes DeepSeek-V3's
+# layout only: activation scales per row and 128 columns, weight scales per 128 x 128 block.
+_CUBLAS_BLOCK = (128, 128)
+
+
+@functools.cache
+def cublas_block_scaling_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._scaled_mm`` multiplies FP8 by FP8 with 1 x 128 activation and 128 x 128 weight scales into
+    ``dtype`` on ``device`` (CUDA torch builds with cuBLAS block scaling on the GPU: an H100 with torch 2.11; not on
+    CPU). Asked once per (device, dtype) — first at a W8A8 linear's first call, which is eager, never a capture."""
+    if device.type != "cuda":
+        return False
+    try:
+        a = torch.ones((16, 128), device=device).to(torch.float8_e4m3fn)
+        b = torch.ones((128, 128), device=device).to(torch.float8_e4m3fn)
+        scale_a = torch.ones((1, 16), device=device).t()  # [M, K/128], outer-dimension-major
+        scale_b = torch.ones((1, 1), device=device)
+        out = torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=dtype)
+        return bool(torch.allclose(out.float(), torch.full_like(out.float(), 128.0)))
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+
+
+def quantize_for_block_scaled_mm(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~vexpert_runtime.model.fp8_activations.quantize_activation_groups` with the scales laid out as
+    ``torch._scaled_mm``'s block scaling reads them: [M, ⌈K/group⌉] with the rows adjacent (stride (1, M))."""
+    quantised, scales = quantize_activation_groups(x, group)
+    return quantised, scales.t().contiguous().t()
+
+
 @torch.library.custom_op("vexpert::fp8_linear", mutates_args=())
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block_n: int,
                block_k: int, fp8_activations: bool = False, compiled: bool = False) -> torch.Tensor:
@@ -46,6 +79,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, b
     if triton_experts_run(x):
         from vexpert_runtime.model.grouped_gemm_kernel import grouped_gemm, launch_config
 
+        if fp8_activations and (block_n, block_k) == _CUBLAS_BLOCK and x.shape[1] % block_k == 0 \
+                and cublas_block_scaling_runs(x.device, x.dtype):
+            # W8A8 on cuBLAS's FP8 tensor-core GEMM with block scales (an H100 at 256 rows: o_proj 0.056 ms against
+            # bf16's 0.088 and this package's Triton kernel's 0.136; benchmarks/scaled_mm_blockwise.py)
+            quantised, x_scales = fusion.maybe_compiled(quantize_for_block_scaled_mm, compiled)(x, block_k)
+            return torch._scaled_mm(quantised, weight.t(), scale_a=x_scales, scale_b=scale_inv.t(), out_dtype=x.dtype)
         offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
         config = launch_config("linear", x.shape[0], fp8=True, a8=fp8_activations)  # the linear layers' own table
         if fp8_activations:

@@ -37,7 +37,7 @@ from vexpert_runtime.serve.attention_layers import (
 )
 from vexpert_runtime.serve.cuda_graphs import GraphedSteps
 from vexpert_runtime.serve.events import MAX_LOGPROBS
-from vexpert_runtime.serve.fp8_linear import Fp8Linear
+from vexpert_runtime.serve.fp8_linear import Fp8Linear, cublas_block_scaling_runs
 from vexpert_runtime.serve.fused_projections import fuse_model_projections
 from vexpert_runtime.serve.fused_router import FusedRouter, fuse_model_routers
 from vexpert_runtime.serve.kv_cache import PagedKVCache, blocks_for
@@ -149,6 +149,8 @@ class HFStepModel:
         self.model: Any = model.eval()
         self.config = model.config
         self.device = torch.device(device)
+        if fp8_linears and fp8_activations:  # asked now, eagerly: never first inside a graph capture
+            cublas_block_scaling_runs(self.device, dtype)
         self.dtype = dtype
         self.kv_dtype = kv_cache_dtype_for(kv_cache_dtype, dtype)
         self.vocab_size = int(self.config.vocab_size)
