@@ -40,6 +40,9 @@ KEPT_DENSE = ("kv_b_proj",)
 # torch's own block-scaled FP8 GEMM (``torch._scaled_mm``, cuBLAS's block scaling on Hopper) takes DeepSeek-V3's
 # layout only: activation scales per row and 128 columns, weight scales per 128 x 128 block.
 _CUBLAS_BLOCK = (128, 128)
+# Row counts it takes: multiples of 16 (graph buckets from 16 up; 37 rows failed on an H100 — the Triton kernel takes
+# the others: small buckets, prompt chunks)
+_CUBLAS_ROWS = 16
 
 
 @functools.cache
@@ -80,7 +83,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, b
         from vexpert_runtime.model.grouped_gemm_kernel import grouped_gemm, launch_config
 
         if fp8_activations and (block_n, block_k) == _CUBLAS_BLOCK and x.shape[1] % block_k == 0 \
-                and cublas_block_scaling_runs(x.device, x.dtype):
+                and x.shape[0] % _CUBLAS_ROWS == 0 and cublas_block_scaling_runs(x.device, x.dtype):
             # W8A8 on cuBLAS's FP8 tensor-core GEMM with block scales (an H100 at 256 rows: o_proj 0.056 ms against
             # bf16's 0.088 and this package's Triton kernel's 0.136; benchmarks/scaled_mm_blockwise.py)
             quantised, x_scales = fusion.maybe_compiled(quantize_for_block_scaled_mm, compiled)(x, block_k)
