@@ -11,10 +11,12 @@ dequantised copy), elsewhere a dequantised copy per call (slow: the default, ``d
 load on every device). Under ``model.expert_compute: w8a8`` (one activation scheme for the model's FP8 GEMMs, as
 DeepSeek-V3's ``activation_scheme: dynamic`` and vLLM's block-FP8 linears have it) the input is quantised per token
 and block column first and the kernel multiplies FP8 by FP8 (W8A8); CPU ranks emulate it with the same
-quantisation; where torch's own block-scaled FP8 GEMM runs (cuBLAS on Hopper, :func:`cublas_block_scaling_runs`), a
-W8A8 linear with DeepSeek-V3's 128 x 128 blocks takes it instead of the Triton kernel. :func:`fp8_linear` is a torch custom op, so ``torch.compile``'d pieces that call a projection see one
-opaque node and CUDA graphs capture its kernel. On an H100 (benchmarks/README.md §10, run 27) this kernel is slower
-than cuBLAS's bf16 GEMMs at DeepSeek-V3's attention shapes: FP8 linears save HBM, not time.
+quantisation. Where torch's own block-scaled FP8 GEMM runs (cuBLAS on Hopper, :func:`cublas_block_scaling_runs`), a
+W8A8 linear with DeepSeek-V3's 128 x 128 blocks at a multiple of 16 rows takes it instead of the Triton kernel.
+:func:`fp8_linear` is a torch custom op, so ``torch.compile``'d pieces that call a projection see one opaque node and
+CUDA graphs capture its kernel. On an H100 (benchmarks/README.md §10, run 27) the Triton kernel is slower than
+cuBLAS's bf16 GEMMs at DeepSeek-V3's attention shapes; torch's block-scaled GEMM is faster than both at 256 rows but
+for the fused q_a + kv_a (run 33: o_proj 0.056 against bf16's 0.088 ms).
 
 Not converted: linears with a bias (none in DeepSeek-V3's FP8 release) and MLA's ``kv_b_proj``, whose weight the
 decode absorbs into the query and the output (:mod:`.attention_layers` reads it as a matrix).
