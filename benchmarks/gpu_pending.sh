@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # What the next H200 session must measure for issue #21, in device calls that each end inside 10 minutes
 # (benchmarks/README.md §10, "Next on the H200"). Every stage writes under $OUT.
-# After run 32 (two H100s: the step's stream above the shared experts' side stream and the layout kernel's 8-warp launch
-# served, -1.1 % at 256 sequences): on an H200 STAGE=session17's A/B (ab_old = 93bf13f) and profile against its bound,
-# STAGE=layout's two-rank tests on two GPUs, h200step, sidestream and mlalong, onoff on two GPUs.
+# After run 33 (H100s only: Nsight Compute's view of the step, FP8 linears on torch's block-scaled GEMM): STAGE=cublasfp8
+# on any card; on an H200 STAGE=h200step (HEAD's step against its bound) and STAGE=session17's A/B (ab_old = 93bf13f),
+# STAGE=layout's two-rank tests and onoff on two GPUs.
 #
 #   STAGE=tests  the full GPU test list (~8 min; run 24 on an H100: 481 s; PART=1 / PART=2 split it in two calls): kernels, graphed == eager, prefix caching and preemption on
 #                graphed overlapped steps, the node's GPU path
@@ -62,6 +62,8 @@
 #                sequences on one warm card (carry ab_old; ~5 min)
 #   STAGE=dense  inductor's GEMM autotuning (max-autotune: Triton templates beside cuBLAS) for the step's dense linears
 #                at 64 / 256 rows against the served cuBLAS call, graphed (benchmarks/dense_gemm_autotune.py; ~3 min)
+#   STAGE=cublasfp8  run 33's FP8 linears on torch's block-scaled GEMM: their GPU tests, the graphed step with the linears
+#                kept FP8 against dequantised, W8A8 experts, two interleaved rounds (~6 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
 #                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
 #                profile, with the EP layer's share of a traced iteration (~6 min)
@@ -234,6 +236,15 @@ case "${STAGE:-tests}" in
       PYTHONPATH=$HEAD_PATH timeout $(( (${LIMIT:-560} - SECONDS) / share )) python3 benchmarks/decode_step_bound.py \
         --model-dir /tmp/bench-ds3 --block-fp8 --expert-compute w8a8 --linear-format ${variant#*-} --batches 64 256 \
         --context 96 --out "$OUT/decode_step_bound_linears_$variant.json" 2>&1 | grep '^{' | cut -c1-300
+    done ;;
+  cublasfp8)  # run 33's untimed change (~5 min): FP8 linears' W8A8 on torch's block-scaled GEMM — their GPU tests, then
+    # the graphed step with the block-FP8 copy's linears kept FP8 (fp8_block) against dequantised (dense), W8A8 experts
+    PYTHONPATH=$HEAD_PATH timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_grouped_gemm_kernel.py \
+      tests/test_serve_gpu.py -k "fp8_linears or block_fp8_checkpoint_graphed" 2>&1 | tee "$OUT/pytest_gpu_cublasfp8.txt" | tail -2
+    for lf in dense fp8_block dense fp8_block; do
+      PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --block-fp8 \
+        --expert-compute w8a8 --linear-format $lf --batches ${BATCHES:-256 64 16} --context 96 \
+        --out "$OUT/decode_step_bound_cublasfp8_${lf}_$SECONDS.json" 2>&1 | grep -E '^\{|Error' | cut -c1-300
     done ;;
   h200step)  # the graphed decode step on this card: bf16 experts with each kernel's time (--profile), then W8A8 FP8
     # experts (the block-FP8 copy, as `auto` serves it on 8.9+ GPUs), 16 / 64 / 256 sequences, context 96 (~7 min)
