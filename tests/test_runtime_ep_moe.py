@@ -413,13 +413,29 @@ def test_a_layers_statistics_count_real_rows_only(tokens: int, experts: int) -> 
     generator = torch.Generator().manual_seed(6)
     ids = torch.randint(0, experts, (tokens, 4), generator=generator)
     valid = torch.rand(tokens, generator=generator) < 0.7
-    routed, _, counted = mask_padding(ids, torch.rand(tokens, 4, generator=generator), valid, experts)
+    routed, _ = mask_padding(ids, torch.rand(tokens, 4, generator=generator), valid, experts)
     counts, computed = torch.full((experts,), -1), torch.full((3,), -1)
-    record_layer_stats(counts, computed, routed, counted, torch.tensor([5, 0, 2]))
+    record_layer_stats(counts, computed, routed, valid, torch.tensor([5, 0, 2]))
     assert torch.equal(counts, torch.bincount(ids[valid].reshape(-1), minlength=experts))
     assert torch.equal(computed, torch.tensor([5, 0, 2]))
     record_layer_stats(counts, computed, ids, None, torch.tensor([1, 1, 1]))
     assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=experts))
+
+
+def test_masking_a_padded_batch_is_one_compiled_kernel() -> None:
+    """mask_padding, compiled as the step compiles it, is one kernel (it made a third output, the pairs' count
+    weights, in a second kernel every MoE layer until the statistics took the rows' validity themselves)."""
+    import torch._inductor.metrics as inductor_metrics
+
+    from vexpert_runtime.serve.moe_executors import mask_padding
+
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 5, (61, 3), generator=generator)  # shapes no other test compiles it at (no cache hit)
+    valid = torch.rand(61, generator=generator) < 0.8
+    inductor_metrics.reset()
+    routed, weights = torch.compile(mask_padding, dynamic=False)(ids, torch.rand(61, 3, generator=generator), valid, 5)
+    assert inductor_metrics.generated_kernel_count == 1
+    assert torch.equal(routed[valid], ids[valid]) and bool((weights[~valid] == 0).all())
 
 
 def test_no_token_dropped_or_duplicated(ep_results: Any) -> None:

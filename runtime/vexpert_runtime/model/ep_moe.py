@@ -27,6 +27,7 @@ destination rank, ``T = N·C`` rows received.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Callable, Sequence
@@ -689,6 +690,13 @@ def stacked_outputs(buf: torch.Tensor, resident_offs: torch.Tensor, slot_offs: t
     return out
 
 
+@functools.cache
+def _no_drops(device: torch.device) -> torch.Tensor:
+    """The dropped-pair count of a layer that drops none (an EP group of one), made once per device: a new zero each
+    layer was a fill kernel each MoE layer of every step. Read-only: no caller writes a layer's statistics."""
+    return torch.zeros((), dtype=torch.int64, device=device)
+
+
 def ep_moe_layer(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -769,8 +777,7 @@ def ep_moe_layer(
         out = stacked_outputs(tokens, resident_offs, slot_offs, padded_capacity(pairs, resident, align), stacks,
                               slot_wait, after_compute, quantize, row_src)
         y = fusion.maybe_compiled(combine_local, fused)(out, position, topk_weights, shared_out)
-        return y, LayerStats(computed=computed, dropped=torch.zeros((), dtype=torch.int64, device=x.device),
-                             sent=pairs)
+        return y, LayerStats(computed=computed, dropped=_no_drops(x.device), sent=pairs)
     send_x, send_local, row_of_pair = pack(tokens, ids, table.gpu[layer], table.local[layer], cum_share, rank, world,
                                            block)
     recv_x, recv_local = _exchange_rows(send_x, send_local, group)

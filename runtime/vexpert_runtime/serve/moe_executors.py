@@ -143,26 +143,27 @@ class LocalExperts:
 
 
 def mask_padding(ids: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor, num_experts: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A padded batch's routing with its pad rows made harmless: spread round-robin over the experts
-    (a pad row costs a dispatch row, never a hot spot) with weight 0.
+    (a pad row costs a dispatch row, never a hot spot) with weight 0. (The statistics leave the pad rows out
+    themselves, from ``valid``: :func:`record_layer_stats`; so this is one kernel compiled, not two.)
 
     Args: ids [T, K] int64, weights [T, K], valid [T] bool (False: pad row).
-    Returns ids [T, K], weights [T, K], counted [T·K] int64 (1 for a real row's pairs: what statistics count).
+    Returns ids [T, K], weights [T, K].
     """
     valid_pairs = valid.unsqueeze(1).expand_as(ids)
     spread = torch.arange(ids.numel(), device=ids.device).view_as(ids) % num_experts
-    return (torch.where(valid_pairs, ids, spread), torch.where(valid_pairs, weights, torch.zeros_like(weights)),
-            valid_pairs.reshape(-1).to(torch.int64))
+    return torch.where(valid_pairs, ids, spread), torch.where(valid_pairs, weights, torch.zeros_like(weights))
 
 
-def record_layer_stats(counts: torch.Tensor, computed: torch.Tensor, ids: torch.Tensor, counted: torch.Tensor | None,
+def record_layer_stats(counts: torch.Tensor, computed: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor | None,
                        layer_computed: torch.Tensor) -> None:
     """Write one layer's statistics in place: ``counts`` [E] int64 ← pairs per logical expert of ``ids`` [T, K]
-    (each weighted by ``counted`` [T·K] int64, :func:`mask_padding`'s, or 1), ``computed`` ← ``layer_computed``.
-    Compiled with the step's pieces: the count is a one-hot sum written straight into the buffer — one fused kernel
-    where a memset and a scatter were two launches each layer (:func:`~.grouped_moe.group_counts`)."""
+    (only the rows ``valid`` [T] bool marks, where given: a padded batch's real rows), ``computed`` ←
+    ``layer_computed``. Compiled with the step's pieces: the count is a one-hot sum written straight into the buffer —
+    one fused kernel where a memset and a scatter were two launches each layer (:func:`~.grouped_moe.group_counts`)."""
     flat = ids.reshape(-1).to(torch.int64)
+    counted = None if valid is None else valid.unsqueeze(1).expand_as(ids).reshape(-1).to(torch.int64)
     counts.copy_(group_counts(flat, counts.shape[0], counted))
     computed.copy_(layer_computed)
 
@@ -303,10 +304,9 @@ class EPExperts:
 
     def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         hooks = self.hooks
-        counted: torch.Tensor | None = None
         if self.token_valid is not None:
             mask = fusion.maybe_compiled(mask_padding, self.compiled)
-            ids, weights, counted = mask(ids, weights, self.token_valid, self.num_experts)
+            ids, weights = mask(ids, weights, self.token_valid, self.num_experts)
         stacks = ExpertStacks(self.resident[moe_layer], self._slot_rows(moe_layer), self.intermediate,
                               format=self.format)
         with torch.profiler.record_function(EP_LAYER_RANGE):  # a profiler trace's EP-layer share
@@ -321,7 +321,7 @@ class EPExperts:
         # per iteration (also with no tokens), so no memset has to precede an iteration (on a GPU
         # these are kernels inside the step's graph, not one more launch).
         fusion.maybe_compiled(record_layer_stats, self.compiled)(self.counts[moe_layer], self.computed[moe_layer],
-                                                                 ids, counted, stats.computed)
+                                                                 ids, self.token_valid, stats.computed)
         self.last_stats = stats
         return y
 
