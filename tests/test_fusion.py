@@ -158,9 +158,9 @@ def test_the_compiled_step_equals_the_eager_step_for_deepseek_v3(tmp_path: Path)
         model.executor = EPExperts.for_model(model, 0, 1, None)
         model.drop_expert_weights()
         if fuse:
-            assert model.compile_pieces() == 2 + 1 + 2 * 2 + 1  # norm, rotary; the first layer's input norm (the
-            # others run inside the compiled residual add, add_and_norm); 2 sparse blocks' router + shared expert;
-            # 1 dense MLP
+            assert model.compile_pieces() == 1 + 1 + 2 * 2 + 1  # rotary; the first layer's input norm (the
+            # others run inside the compiled residual add, add_and_norm; the final norm inside norm_rows); 2 sparse
+            # blocks' router + shared expert; 1 dense MLP
         # A rank's iteration 0 at start is an empty step (eager on CPU): the pieces' first call sees no rows.
         assert model.step([]).shape == (0,)
         outputs.append(drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK))

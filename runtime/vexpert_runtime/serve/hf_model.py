@@ -93,6 +93,20 @@ def add_and_norm(norm: Any, hidden: torch.Tensor, delta: torch.Tensor, shared: t
     return total, norm(total)
 
 
+def residual_sum(hidden: torch.Tensor, delta: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+    """The last block's residual stream, ``hidden + delta`` (``shared``: as in :func:`add_and_norm`, summed with
+    ``delta`` first, rounded as transformers rounds it) — compiled, one kernel where eagerly two adds ran."""
+    if shared is not None:
+        delta = delta + shared
+    return hidden + delta
+
+
+def norm_rows(norm: Any, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The model's final norm (transformers' own module) of ``hidden``'s ``rows``: compiled, the gather inside the
+    norm's kernel instead of a kernel of its own."""
+    return norm(hidden[rows])
+
+
 def checked_max_context(requested: int | None, positions: int) -> int:
     """The context served: ``requested`` (``--max-model-len``) if given, else the checkpoint's
     ``positions`` (``max_position_embeddings``); refused beyond it (no RoPE scaling is applied here)."""
@@ -272,9 +286,10 @@ class HFStepModel:
         projections + norms + rotary embedding (:func:`~.attention_layers.mla_inputs`,
         :func:`~.attention_layers.gqa_inputs`); the EP layer's dispatch bookkeeping; sampling.
         Compiles happen at the first calls (the graph warm-up passes). Returns the modules compiled."""
-        # the norms after a residual add run inside the compiled add_and_norm (_hidden); the first layer's has no add
+        # the norms after a residual add run inside the compiled add_and_norm (_hidden); the first layer's has no add;
+        # the final norm inside the compiled norm_rows (with the gather of the rows it norms)
         layers = decoder_layers(self.model)
-        modules: list[Any] = [self.model.model.norm, self.model.model.rotary_emb, layers[0].input_layernorm]
+        modules: list[Any] = [self.model.model.rotary_emb, layers[0].input_layernorm]
         for layer in layers:
             if is_sparse_block(layer.mlp):
                 gate = layer.mlp.gate  # a fused router is its own kernels already
@@ -365,7 +380,8 @@ class HFStepModel:
         parts = []
         for start in range(0, len(rows), _PROMPT_LOGITS_ROWS):
             chunk = torch.tensor(rows[start:start + _PROMPT_LOGITS_ROWS], dtype=torch.int64, device=self.device)
-            logits = self.model.lm_head(self.model.model.norm(hidden[chunk]))
+            logits = self.model.lm_head(fusion.maybe_compiled(norm_rows, self.compiled)(self.model.model.norm, hidden,
+                                                                                        chunk))
             wanted = torch.tensor(targets[start:start + _PROMPT_LOGITS_ROWS], dtype=torch.int64, device=self.device)
             parts.append([t.cpu() for t in (*token_logprobs(logits, wanted, min(MAX_LOGPROBS, logits.shape[-1])),
                                             token_ranks(logits, wanted))])
@@ -426,7 +442,7 @@ class HFStepModel:
                 if index + 1 < len(layers):
                     hidden, normed = residual_norm(layers[index + 1].input_layernorm, hidden, delta, shared)
                 else:
-                    hidden = hidden + (delta if shared is None else delta + shared)
+                    hidden = fusion.maybe_compiled(residual_sum, self.compiled)(hidden, delta, shared)
         finally:
             self.executor.token_valid = None
         return hidden
@@ -434,7 +450,8 @@ class HFStepModel:
     def _sampled(self, hidden: torch.Tensor, sample_rows: torch.Tensor, sampling: tuple[Any, ...], publish: bool,
                  logprobs: bool, penalties: PenaltyInputs | None) -> tuple[torch.Tensor, ...]:
         """The LM head at ``sample_rows`` and the sampled ids (see :meth:`_forward`)."""
-        logits = self.model.lm_head(self.model.model.norm(hidden[sample_rows]))
+        logits = self.model.lm_head(fusion.maybe_compiled(norm_rows, self.compiled)(self.model.model.norm, hidden,
+                                                                                    sample_rows))
         sampled_from = logits
         if penalties is not None:
             assert self.penalties.seen is not None and self.penalties.counts is not None
