@@ -88,15 +88,17 @@ def kernel_specs() -> list[dict[str, Any]]:
 
     rows, seqs, heads, latent, rope, splits = 256, 256, 128, 512, 64, 8
     bf16 = "*bf16"
-    mla_pointers = {"q_lat": bf16, "q_rope": bf16, "cache": bf16, "tables": "*i64", "token_seq": "*i64",
-                    "lens": "*i64", "out": bf16, "part": "*fp32", "part_lse": "*fp32"}
+    mla_pointers = {"q_lat": bf16, "q_rope": bf16, "cos": bf16, "sin": bf16, "cache": bf16, "tables": "*i64",
+                    "token_seq": "*i64", "lens": "*i64", "out": bf16, "part": "*fp32", "part_lse": "*fp32"}
     mla_scalars: dict[str, int | float] = {
-        "scale": 0.1, "stride_qlb": heads * latent, "stride_qlh": latent, "stride_qrb": heads * rope, "stride_qrh": rope,
+        # the rotary queries as the served step passes them: q_b's output unrotated, [T, nh, 128 + 64] strided
+        "scale": 0.1, "stride_qlb": heads * latent, "stride_qlh": latent, "stride_qrb": heads * 192, "stride_qrh": 192,
+        "stride_rope": rope,
         "stride_cache": latent + rope, "stride_tb": 1, "stride_tn": seqs, "stride_ob": heads * latent,
         "stride_oh": latent, "stride_pb": splits * heads * latent, "stride_ps": heads * latent, "stride_ph": latent,
         "stride_lb": splits * heads, "stride_ls": heads, "max_splits": splits}
     specs = []
-    mla = dict(NH=heads, C=latent, R=rope, CP=latent, RP=rope, PAGE=16)
+    mla = dict(NH=heads, C=latent, R=rope, CP=latent, RP=rope, PAGE=16, ROTATE=True, INTERLEAVE=True)
     for tokens in (rows, 16):
         block_h, block_n, warps, stages = ak.mla_launch_config(tokens)
         shapes = {**mla, "BLOCK_H": block_h, "BLOCK_N": block_n}

@@ -45,8 +45,8 @@ def _probe_kernel(q_lat, q_rope, cache, tables, token_seq, lens, out, scale,
         ql = tl.full([BLOCK_H, CP], 0.01, dtype=tl.bfloat16)
         qr = tl.full([BLOCK_H, RP], 0.01, dtype=tl.bfloat16)
     else:
-        ql, qr = ak._mla_queries(q_lat, q_rope, b, heads, stride_qlb, stride_qlh, stride_qrb, stride_qrh,
-                                 NH, C, R, CP, RP)
+        ql, qr = ak._mla_queries(q_lat, q_rope, q_rope, q_rope, b, heads, stride_qlb, stride_qlh, stride_qrb,
+                                 stride_qrh, 0, NH, C, R, CP, RP, False, False)  # (queries rotated already)
     length = tl.load(lens + b)
     table = tables + tl.load(token_seq + b) * stride_tb
     if DIRECT:  # the sequence's rows at a fixed contiguous place: no block-table load before each tile's rows

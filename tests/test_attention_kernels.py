@@ -48,6 +48,7 @@ def check_kernels_on_cpu() -> None:
         got = gqa_decode(q, cache, meta, 0.25, block_n=16)
         assert (got - want).abs().max() < 1e-5, (kv_heads, group, dim)
         assert torch.equal(gqa_decode(q, cache, by_column, 0.25, block_n=16), got)
+    check_query_rotary_on_cpu(meta, blocks * size, tokens)
     check_split_kernels_on_cpu()
     check_fp8_caches_on_cpu(work, size, blocks, tokens)
     # Sliding windows (GQA): each query sees its last `window` tokens, in one pass and in splits.
@@ -68,6 +69,38 @@ def check_kernels_on_cpu() -> None:
     cache = torch.randn(blocks * size, 2, 2, 16)
     out = gqa_decode(torch.randn(tokens, 6, 16), cache, pad, 0.25)
     assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isfinite(out).all()
+
+
+def check_query_rotary_on_cpu(meta: object, slots: int, tokens: int) -> None:
+    """The MLA kernels rotate the rotary queries themselves (``rope=QueryRotary``): fed the projection's rotary part
+    as it comes — a strided view of the [T, nh, dn + R] query — they equal the kernel fed the queries rotated by
+    ``apply_rotary`` first, both of its forms (DeepSeek's interleaved pairs, transformers' halves), one pass and
+    in splits; cos / sin of another width are refused."""
+    import dataclasses
+
+    from vexpert_runtime.serve.attention_kernels import QueryRotary, mla_decode
+    from vexpert_runtime.serve.attention_layers import apply_rotary
+
+    torch.manual_seed(3)
+    latent, rope, heads, nope = 32, 16, 5, 24
+    cache = torch.randn(slots, latent + rope)
+    q_latent = torch.randn(tokens, heads, latent)
+    q = torch.randn(tokens, heads, nope + rope)
+    raw = q[..., nope:]  # strided: the projection's rotary part, not copied
+    angles = torch.rand(tokens, rope // 2) * 6.0
+    for interleave in (True, False):
+        doubled = torch.cat([angles, angles], dim=-1)
+        cos, sin = doubled.cos(), doubled.sin()
+        rotated = apply_rotary(raw, cos, sin, interleave)
+        want = mla_decode(q_latent, rotated.contiguous(), cache, meta, 0.3, block_n=16)
+        got = mla_decode(q_latent, raw, cache, meta, 0.3, block_n=16, rope=QueryRotary(cos, sin, interleave))
+        assert (got - want).abs().max() < 1e-5, interleave
+        assert (got - mla_decode(q_latent, raw.contiguous(), cache, meta, 0.3, block_n=16)).abs().max() > 1e-3
+        split = dataclasses.replace(meta, kv_splits=4)
+        got = mla_decode(q_latent, raw, cache, split, 0.3, block_n=2, split_rows=2, rope=QueryRotary(cos, sin, interleave))
+        assert (got - want).abs().max() < 1e-5, interleave
+    with pytest.raises(ValueError, match="QueryRotary wants cos and sin"):
+        mla_decode(q_latent, raw, cache, meta, 0.3, rope=QueryRotary(cos[:, :8], sin[:, :8], False))
 
 
 def check_fp8_caches_on_cpu(work: list, size: int, blocks: int, tokens: int) -> None:

@@ -21,6 +21,8 @@ Shapes: ``B`` sequences (one query token each), ``nh`` heads, ``C`` latent, ``R`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from vexpert_runtime.serve.attention import AttentionMetadata
@@ -84,28 +86,55 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
-    def _mla_queries(q_lat, q_rope, b, heads, stride_qlb, stride_qlh, stride_qrb, stride_qrh,
-                     NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr):
-        """Token ``b``'s latent and rotary queries of ``heads`` (zeros past NH / C / R)."""
+    def _mla_queries(q_lat, q_rope, cos, sin, b, heads, stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_rope,
+                     NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr,
+                     ROTATE: tl.constexpr, INTERLEAVE: tl.constexpr):
+        """Token ``b``'s latent and rotary queries of ``heads`` (zeros past NH / C / R). ``ROTATE``: ``q_rope`` is
+        the projection's output before the rotary embedding, applied here at the token's ``cos`` / ``sin`` rows
+        (row stride ``stride_rope``) as :func:`~.attention_layers.apply_rotary` computes it — each product and the
+        sum rounded to the queries' dtype — so no kernel of its own writes the rotated queries first."""
         hmask = heads < NH
         offs_c = tl.arange(0, CP)
         offs_r = tl.arange(0, RP)
+        rmask = hmask[:, None] & (offs_r < R)[None, :]
         ql = tl.load(q_lat + b * stride_qlb + heads[:, None] * stride_qlh + offs_c[None, :],
                      mask=hmask[:, None] & (offs_c < C)[None, :], other=0.0)
-        qr = tl.load(q_rope + b * stride_qrb + heads[:, None] * stride_qrh + offs_r[None, :],
-                     mask=hmask[:, None] & (offs_r < R)[None, :], other=0.0)
+        q_row = q_rope + b * stride_qrb + heads[:, None] * stride_qrh
+        if ROTATE:
+            HALF: tl.constexpr = R // 2
+            upper = offs_r >= HALF
+            if INTERLEAVE:  # DeepSeek's: out[j] = x[2j]·c[j] − x[2j+1]·s[j], out[h+j] = x[2j+1]·c[j] + x[2j]·s[j]
+                pair = tl.where(upper, offs_r - HALF, offs_r)
+                own = tl.where(upper, 2 * pair + 1, 2 * pair)
+                partner = tl.where(upper, 2 * pair, 2 * pair + 1)
+            else:  # transformers' rotate_half: out[j] = x[j]·c[j] + (−x[j+h] | x[j−h])·s[j]
+                pair = offs_r
+                own = offs_r
+                partner = tl.where(upper, offs_r - HALF, offs_r + HALF)
+            x = tl.load(q_row + own[None, :], mask=rmask, other=0.0)
+            other = tl.load(q_row + partner[None, :], mask=rmask, other=0.0)
+            c = tl.load(cos + b * stride_rope + pair, mask=offs_r < R, other=0.0)
+            s_ = tl.load(sin + b * stride_rope + pair, mask=offs_r < R, other=0.0)
+            straight = (x.to(tl.float32) * c.to(tl.float32)[None, :]).to(x.dtype)
+            turned = (other.to(tl.float32) * s_.to(tl.float32)[None, :]).to(x.dtype)
+            signed = tl.where(upper[None, :], turned.to(tl.float32), -turned.to(tl.float32))
+            qr = (straight.to(tl.float32) + signed).to(x.dtype)
+        else:
+            qr = tl.load(q_row + offs_r[None, :], mask=rmask, other=0.0)
         return ql, qr
 
     @triton.jit
-    def _mla_decode_kernel(q_lat, q_rope, cache, tables, token_seq, lens, out, scale,
-                           stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_cache, stride_tb, stride_tn,
-                           stride_ob, stride_oh,
+    def _mla_decode_kernel(q_lat, q_rope, cos, sin, cache, tables, token_seq, lens, out, scale,
+                           stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_rope, stride_cache, stride_tb,
+                           stride_tn, stride_ob, stride_oh,
                            NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr,
-                           PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+                           PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                           ROTATE: tl.constexpr = False, INTERLEAVE: tl.constexpr = False):
         b = tl.program_id(0)
         table = tables + tl.load(token_seq + b) * stride_tb
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        ql, qr = _mla_queries(q_lat, q_rope, b, heads, stride_qlb, stride_qlh, stride_qrb, stride_qrh, NH, C, R, CP, RP)
+        ql, qr = _mla_queries(q_lat, q_rope, cos, sin, b, heads, stride_qlb, stride_qlh, stride_qrb, stride_qrh,
+                              stride_rope, NH, C, R, CP, RP, ROTATE, INTERLEAVE)
         length = tl.load(lens + b)
         _, l_i, acc = _mla_rows(ql, qr, cache, table, 0, length, scale, stride_cache, stride_tn, C, R, CP, RP, PAGE,
                                 BLOCK_H, BLOCK_N)
@@ -139,12 +168,13 @@ if triton is not None:
     # max_splits is a runtime argument, not specialised: one compile serves every split count (a
     # graph per count is captured on first use while serving; a compile then would stall the rank)
     @triton.jit(do_not_specialize=["max_splits"])
-    def _mla_decode_split_kernel(q_lat, q_rope, cache, tables, token_seq, lens, out, part, part_lse, scale,
-                                 stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_cache, stride_tb, stride_tn,
-                                 stride_ob, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls, max_splits,
-                                 NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr,
+    def _mla_decode_split_kernel(q_lat, q_rope, cos, sin, cache, tables, token_seq, lens, out, part, part_lse, scale,
+                                 stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_rope, stride_cache, stride_tb,
+                                 stride_tn, stride_ob, stride_oh, stride_pb, stride_ps, stride_ph, stride_lb, stride_ls,
+                                 max_splits, NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr,
                                  RP: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 SPLIT_ROWS: tl.constexpr):
+                                 SPLIT_ROWS: tl.constexpr, ROTATE: tl.constexpr = False,
+                                 INTERLEAVE: tl.constexpr = False):
         """Split ``program_id(2)`` of a query's context (split-KV, as FlashDecoding and SGLang's
         ``decode_attention`` stage 1): a query whose context takes one split writes its output here;
         the others write their normalised partial output and log-sum-exp for :func:`_merge_splits_kernel`."""
@@ -155,8 +185,8 @@ if triton is not None:
         if split < splits:
             table = tables + tl.load(token_seq + b) * stride_tb
             heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-            ql, qr = _mla_queries(q_lat, q_rope, b, heads, stride_qlb, stride_qlh, stride_qrb, stride_qrh,
-                                  NH, C, R, CP, RP)
+            ql, qr = _mla_queries(q_lat, q_rope, cos, sin, b, heads, stride_qlb, stride_qlh, stride_qrb, stride_qrh,
+                                  stride_rope, NH, C, R, CP, RP, ROTATE, INTERLEAVE)
             m_i, l_i, acc = _mla_rows(ql, qr, cache, table, start, end, scale, stride_cache, stride_tn, C, R, CP, RP,
                                       PAGE, BLOCK_H, BLOCK_N)
             offs_c = tl.arange(0, CP)
@@ -290,6 +320,17 @@ if triton is not None:
                          part_lse + b * stride_lb + split * stride_ls + heads, mask, gmask)
 
 
+@dataclass(frozen=True)
+class QueryRotary:
+    """The rotary embedding :func:`mla_decode` applies to its rotary queries as it loads them: ``cos`` / ``sin``
+    [T, R] (a row per query token, the step's), DeepSeek's ``interleave`` pairing or transformers' halves
+    (:func:`~.attention_layers.apply_rotary`'s two forms)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleave: bool
+
+
 def mla_launch_config(tokens: int) -> tuple[int, int, int, int]:
     """(head block, context block, warps, stages) of :func:`mla_decode`'s one-pass kernel for ``tokens``
     queries: from a sweep on an H200 at DeepSeek-V3's shapes, context 96 (``benchmarks/mla_decode_tuning.py``,
@@ -361,10 +402,12 @@ def mla_kv_splits(rows: int, heads: int, longest: int, sm_count: int) -> int:
 
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None, split_rows: int | None = None) -> torch.Tensor:
+               num_stages: int | None = None, split_rows: int | None = None,
+               rope: QueryRotary | None = None) -> torch.Tensor:
     """q_latent [T, nh, C], q_rope [T, nh, R] (any tokens: decodes or prompt chunks, each with its
-    own context, see :class:`~.attention.AttentionMetadata`) over a latent cache [slots, C + R]
-    → Σ p·c [T, nh, C]. Launch parameters left None come from :func:`mla_launch_config` (T is a
+    own context, see :class:`~.attention.AttentionMetadata`; any token and head strides) over a latent cache
+    [slots, C + R] → Σ p·c [T, nh, C]. With ``rope`` q_rope is the query projection's rotary part before its rotary
+    embedding, which the kernel applies as it loads it (:class:`QueryRotary`). Launch parameters left None come from :func:`mla_launch_config` (T is a
     graph bucket's size where graphs run: a shape-only choice); ``meta.kv_splits`` > 1 cuts long
     contexts into splits of at least ``split_rows`` rows (None: :data:`SPLIT_ROWS`, as :func:`kv_splits`),
     launched as :func:`mla_split_launch_config` says.
@@ -385,24 +428,37 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     block_n = tuned[1] if block_n is None else block_n
     num_warps = tuned[2] if num_warps is None else num_warps
     num_stages = tuned[3] if num_stages is None else num_stages
-    rope = q_rope.shape[2]
+    width = q_rope.shape[2]
     out = torch.empty_like(q_latent)
     page = meta.block_size
     head_blocks = triton.cdiv(heads, block_h)
-    shapes = dict(NH=heads, C=latent, R=rope, CP=_pow2(latent), RP=_pow2(rope), PAGE=page, BLOCK_H=block_h,
-                  BLOCK_N=block_n)
-    strides = (q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
+    shapes: dict[str, int | bool] = dict(NH=heads, C=latent, R=width, CP=_pow2(latent), RP=_pow2(width), PAGE=page,
+                                         BLOCK_H=block_h, BLOCK_N=block_n)
+    if q_rope.stride(2) != 1:
+        raise ValueError(f"mla_decode wants q_rope with unit stride along its last dim, got strides {q_rope.stride()}")
+    if rope is not None:
+        if rope.cos.shape != (batch, width) or rope.sin.shape != rope.cos.shape or width % 2 \
+                or rope.cos.stride() != rope.sin.stride() or rope.cos.stride(1) != 1:
+            raise ValueError(f"QueryRotary wants cos and sin [{batch}, {width}] (an even width) alike with unit column "
+                             f"stride, got {list(rope.cos.shape)} {rope.cos.stride()} and {list(rope.sin.shape)} "
+                             f"{rope.sin.stride()}")
+        shapes.update(ROTATE=True, INTERLEAVE=rope.interleave)
+        cos, sin, stride_rope = rope.cos, rope.sin, rope.cos.stride(0)
+    else:
+        cos, sin, stride_rope = q_rope, q_rope, 0  # never read
+    strides = (q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), stride_rope, cache.stride(0),
                meta.block_tables.stride(0), meta.block_tables.stride(1), out.stride(0), out.stride(1))
     if splits == 1:
         _mla_decode_kernel[(batch, head_blocks)](
-            q_latent, q_rope, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale, *strides,
-            **shapes, num_warps=num_warps, num_stages=num_stages,
+            q_latent, q_rope, cos, sin, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, scale,
+            *strides, **shapes, num_warps=num_warps, num_stages=num_stages,
         )
         return out
     split_rows = SPLIT_ROWS if split_rows is None else split_rows
     part, part_lse = _split_buffers(batch, splits, heads, latent, q_latent.device)
     _mla_decode_split_kernel[(batch, head_blocks, splits)](
-        q_latent, q_rope, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, part, part_lse, scale,
+        q_latent, q_rope, cos, sin, cache, meta.block_tables, meta.token_seq, meta.context_lens, out, part, part_lse,
+        scale,
         *strides, *part.stride()[:3], *part_lse.stride()[:2], splits, **shapes, SPLIT_ROWS=split_rows,
         num_warps=num_warps, num_stages=num_stages,
     )
