@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What the next H200 session must measure for issue #21, in device calls that each end inside 10 minutes
 # (benchmarks/README.md §10, "Next on the H200"). Every stage writes under $OUT.
-# After run 33 (H100s only: Nsight Compute's view of the step, FP8 linears on torch's block-scaled GEMM): STAGE=cublasfp8
-# on any card; on an H200 STAGE=h200step (HEAD's step against its bound) and STAGE=session17's A/B (ab_old = 93bf13f),
+# After run 33 (H100s only: Nsight Compute's view of the step, FP8 linears on torch's block-scaled GEMM, four kernels a
+# layer fewer, untimed): STAGE=session20 and STAGE=cublasfp8 on any card; on an H200 STAGE=h200step (HEAD's step against its bound) and STAGE=session17's A/B (ab_old = 93bf13f),
 # STAGE=layout's two-rank tests and onoff on two GPUs.
 #
 #   STAGE=tests  the full GPU test list (~8 min; run 24 on an H100: 481 s; PART=1 / PART=2 split it in two calls): kernels, graphed == eager, prefix caching and preemption on
@@ -62,6 +62,8 @@
 #                sequences on one warm card (carry ab_old; ~5 min)
 #   STAGE=dense  inductor's GEMM autotuning (max-autotune: Triton templates beside cuBLAS) for the step's dense linears
 #                at 64 / 256 rows against the served cuBLAS call, graphed (benchmarks/dense_gemm_autotune.py; ~3 min)
+#   STAGE=session20  run 33's served, untimed changes to the bf16 step (the MLA kernels rotating the queries, two MoE
+#                kernels and two final kernels fewer): their GPU tests, the step against ab_old = 3fc0f6e, a profile (~8 min)
 #   STAGE=cublasfp8  run 33's FP8 linears on torch's block-scaled GEMM: their GPU tests, the graphed step with the linears
 #                kept FP8 against dequantised, W8A8 experts, two interleaved rounds (~6 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
@@ -237,6 +239,17 @@ case "${STAGE:-tests}" in
         --model-dir /tmp/bench-ds3 --block-fp8 --expert-compute w8a8 --linear-format ${variant#*-} --batches 64 256 \
         --context 96 --out "$OUT/decode_step_bound_linears_$variant.json" 2>&1 | grep '^{' | cut -c1-300
     done ;;
+  session20)  # run 33's served, untimed changes to the bf16 step (~8 min; carry .whl and ab_old = git archive 3fc0f6e):
+    # the MLA kernels rotating the queries themselves, pad masking in one kernel, no fill for an EP group of one's
+    # dropped pairs, the last residual sum and the final norm with its gather compiled — their GPU tests (the MLA kernel
+    # against the torch twin, graphed == eager for DeepSeek-V3, Qwen3-MoE, Qwen2-MoE, the FP8 cache), then ROUNDS (2)
+    # interleaved rounds against ab_old at 256 / 64 sequences, then HEAD's 256-sequence profile
+    PYTHONPATH=$HEAD_PATH timeout ${TEST_LIMIT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_serve_gpu.py \
+      tests/test_runtime_gpu.py -k "${TESTS:-mla_decode or graphed_decode_equals or fp8_kv_cache or node}" 2>&1 \
+      | tee "$OUT/pytest_gpu_session20.txt" | tail -2
+    ROUNDS=${ROUNDS:-2} STAGE=abstep OUT=$OUT "$0"
+    PYTHONPATH=$HEAD_PATH timeout 90 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 256 \
+      --context 96 --profile --top 40 --out "$OUT/decode_step_bound_profile_session20.json" 2>&1 | grep '^{' | cut -c1-300 ;;
   cublasfp8)  # run 33's untimed change (~5 min): FP8 linears' W8A8 on torch's block-scaled GEMM — their GPU tests, then
     # the graphed step with the block-FP8 copy's linears kept FP8 (fp8_block) against dequantised (dense), W8A8 experts
     PYTHONPATH=$HEAD_PATH timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_grouped_gemm_kernel.py \

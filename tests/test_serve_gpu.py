@@ -60,6 +60,18 @@ def test_mla_decode_kernel_matches_the_torch_twin_at_deepseek_shapes(batch: int)
     want = mla_attention(q_latent.float(), q_rope.float(), cache.float(), meta, 0.1)
     got = mla_decode(q_latent, q_rope, cache, meta, 0.1).float()
     assert (got - want).abs().max() < 3e-2 * want.abs().max()
+    # the served form: q_b's output unrotated ([T, nh, 128 + 64], its rotary part a strided view), the kernel applying
+    # DeepSeek-V3's interleaved rotary embedding as it loads it — the same bf16 roundings as apply_rotary, so the
+    # same output bit for bit
+    from vexpert_runtime.serve.attention_kernels import QueryRotary
+    from vexpert_runtime.serve.attention_layers import apply_rotary
+
+    raw = torch.randn(batch, 128, 128 + 64, device="cuda", dtype=torch.bfloat16)[..., 128:]
+    angles = torch.rand(batch, 32, device="cuda") * 100.0
+    cos, sin = (torch.cat([f(angles), f(angles)], dim=-1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    rotated = apply_rotary(raw, cos, sin, True).contiguous()
+    assert torch.equal(mla_decode(q_latent, raw, cache, meta, 0.1, rope=QueryRotary(cos, sin, True)),
+                       mla_decode(q_latent, rotated, cache, meta, 0.1))
 
 
 def test_gqa_decode_kernel_matches_the_torch_twin() -> None:
