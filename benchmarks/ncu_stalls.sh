@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Nsight Compute on the served kernels of the 256-sequence decode step (benchmarks/ncu_targets.py): for each, the
 # speed-of-light summary, the warps' stall reasons (sampled) and the SASS lines where most samples fell. Writes
-# $OUT/ncu_<name>.{ncu-rep,details.txt,stalls.txt,source.csv}.
+# $OUT/ncu_<name>_{details,stalls}.txt (the reports, raw and source CSVs and logs too with KEEP=1: the device call brings
+# back a limited number of files).
 # `step`: every kernel of one graphed 256-sequence decode step (decode_step_bound.py --ncu-range), per kernel name.
 #   OUT=$OUT ./benchmarks/ncu_stalls.sh mla experts step   (on the GPU host; PYTHONPATH as gpu_pending.sh sets it)
 set -uo pipefail
@@ -81,6 +82,7 @@ for name, (n, us, mb, sm) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:
 PY
 }
 for target in "$@"; do
+  trap '[ -n "${KEEP:-}" ] || rm -f "$OUT"/ncu_*_raw.csv "$OUT"/ncu_*_source.csv "$OUT"/*.ncu-rep "$OUT"/*.log' EXIT
   case "$target" in
     mla) profile mla _mla_decode_kernel --kernel mla --batch "${BATCH:-256}" ;;
     experts) profile experts _grouped_gemm_row_tile_kernel --kernel experts --batch "${BATCH:-256}" ;;
