@@ -81,8 +81,8 @@ for name, (n, us, mb, sm) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:
     print(f"{us:8.1f} us {n:4d}x {mb:8.1f} MB {mb / us if us else 0:5.2f} TB/s  SM {sm / us if us else 0:5.1f} %  {name}")
 PY
 }
+trap '[ -n "${KEEP:-}" ] || rm -f "$OUT"/ncu_*_raw.csv "$OUT"/ncu_*_source.csv "$OUT"/*.ncu-rep "$OUT"/*.log' EXIT
 for target in "$@"; do
-  trap '[ -n "${KEEP:-}" ] || rm -f "$OUT"/ncu_*_raw.csv "$OUT"/ncu_*_source.csv "$OUT"/*.ncu-rep "$OUT"/*.log' EXIT
   case "$target" in
     mla) profile mla _mla_decode_kernel --kernel mla --batch "${BATCH:-256}" ;;
     experts) profile experts _grouped_gemm_row_tile_kernel --kernel experts --batch "${BATCH:-256}" ;;
