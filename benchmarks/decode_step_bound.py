@@ -9,7 +9,9 @@ decode step of B sequences at context ``--context`` (the same step relaunched: i
 slots) between two CUDA events, after warm-up (``launch_span_ms``: with the host's input fill between
 steps), then the bucket's graph alone, replayed back to back on the same inputs (``graph_ms``: the GPU's
 time for the step; ``replay_host_ms``: the host's time to launch it). The bound is ``serve_engine.hbm_bound``: non-embedding weights (every expert hit) + the batch's
-embedding rows + the KV cache at that context, ÷ 4.8 TB/s.
+embedding rows + the KV cache at that context, ÷ 4.8 TB/s (an H200's: issue #21's yardstick on any card);
+``card_bound_ms`` / ``graph_over_card_bound``: the same bytes ÷ the bandwidth of the card that ran (an H100 SXM's
+3.35 TB/s, ``serve_engine.CARD_HBM_BYTES_PER_S``).
 
     python benchmarks/decode_step_bound.py --batches 16 64 256 --context 96 --out out/decode_step_bound.json
 
@@ -64,7 +66,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
-from serve_engine import hbm_bound
+from serve_engine import card_hbm_bytes_per_s, hbm_bound
 from serve_load import block_fp8_copy, write_model
 
 from vexpert_runtime.node.step_graph import step_stream
@@ -151,6 +153,17 @@ def op_times(model: HFStepModel, work: list[SequenceWork], iters: int, top: int 
             for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0]
     rows.sort(key=lambda r: -r[2])
     return [(key, shapes, round(ms, 4)) for key, shapes, ms in rows[:top]]
+
+
+def card_bound(step_bytes: int, graph_ms: float) -> dict[str, object]:
+    """The step's bytes over the bandwidth of the card that ran it (beside ``bound_ms``, the H200's): its name, that
+    bound and the graph's ratio to it — an H100's run says how far it is from its own card."""
+    name = torch.cuda.get_device_name()
+    rate = card_hbm_bytes_per_s(name)
+    if rate is None:
+        return {"card": name}
+    own = 1000 * step_bytes / rate
+    return {"card": name, "card_bound_ms": round(own, 3), "graph_over_card_bound": round(graph_ms / own, 2)}
 
 
 def replayed_ms(model: HFStepModel, work: list[SequenceWork], stream: torch.cuda.Stream, iters: int) -> float:
@@ -321,6 +334,7 @@ def main() -> int:
                    "launch_span_ms": round(step_ms, 3), "host_launch_ms": round(host_ms, 3),
                    "replay_host_ms": round(replay_host_ms, 3),
                    "bound_ms": bound["bound_ms"], "graph_over_bound": round(graph_ms / bound["bound_ms"], 2),
+                   **card_bound(bound["bytes"], graph_ms),
                    "bytes": bound["bytes"], "flops": flops,
                    "flop_ms": round(flops / (args.peak_tflops * 1e12) * 1e3, 3)}
             if args.profile:

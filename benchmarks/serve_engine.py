@@ -46,7 +46,14 @@ from vexpert_runtime.ports import free_port
 from vexpert_runtime.serve.demo_model import ensure_demo_model
 from vexpert_runtime.serve.moe_executors import EP_LAYER_RANGE
 
-HBM_BYTES_PER_S = 4.8e12  # H200
+HBM_BYTES_PER_S = 4.8e12  # H200: issue #21's yardstick, whatever card ran
+# The card that ran, by the name torch reports: its own HBM bandwidth (datasheet), for a second, card-own ratio
+CARD_HBM_BYTES_PER_S = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12))
+
+
+def card_hbm_bytes_per_s(name: str) -> float | None:
+    """The datasheet HBM bandwidth of the GPU called ``name`` (``torch.cuda.get_device_name``), None if not listed."""
+    return next((rate for key, rate in CARD_HBM_BYTES_PER_S if key in name), None)
 PROMPT_TOKENS = 62
 TEXT = ("A mixture of experts model sends every token to a few of its many expert networks, and expert "
         "parallelism spreads those experts over GPUs, so a hot expert makes one GPU the straggler. ") * 4
