@@ -51,7 +51,8 @@ _CUBLAS_ROWS = 16
 def cublas_block_scaling_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch._scaled_mm`` multiplies FP8 by FP8 with 1 x 128 activation and 128 x 128 weight scales into
     ``dtype`` on ``device`` (CUDA torch builds with cuBLAS block scaling on the GPU: an H100 with torch 2.11; not on
-    CPU). Asked once per (device, dtype) — first at a W8A8 linear's first call, which is eager, never a capture."""
+    CPU). Asked once per (device, dtype), eagerly: when the serving model loads (:class:`~.hf_model.HFStepModel`), else
+    at a W8A8 linear's first call — never first inside a graph capture."""
     if device.type != "cuda":
         return False
     try:
@@ -85,7 +86,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, b
         from vexpert_runtime.model.grouped_gemm_kernel import grouped_gemm, launch_config
 
         if fp8_activations and (block_n, block_k) == _CUBLAS_BLOCK and x.shape[1] % block_k == 0 \
-                and x.shape[0] % _CUBLAS_ROWS == 0 and cublas_block_scaling_runs(x.device, x.dtype):
+                and x.shape[0] > 0 and x.shape[0] % _CUBLAS_ROWS == 0 and cublas_block_scaling_runs(x.device, x.dtype):
             # W8A8 on cuBLAS's FP8 tensor-core GEMM with block scales (an H100 at 256 rows: o_proj 0.056 ms against
             # bf16's 0.088 and this package's Triton kernel's 0.136; benchmarks/scaled_mm_blockwise.py)
             quantised, x_scales = fusion.maybe_compiled(quantize_for_block_scaled_mm, compiled)(x, block_k)
