@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What the next H200 session must measure for issue #21, in device calls that each end inside 10 minutes
 # (benchmarks/README.md §10, "Next on the H200"). Every stage writes under $OUT.
-# After run 33 (H100s only: Nsight Compute's view of the step, FP8 linears on torch's block-scaled GEMM, four kernels a
-# layer fewer, untimed): STAGE=session20 and STAGE=cublasfp8 on any card; on an H200 STAGE=h200step (HEAD's step against its bound) and STAGE=session17's A/B (ab_old = 93bf13f),
+# After run 33 (H100s only: Nsight Compute's view of the step, FP8 linears on torch's block-scaled GEMM, three kernels
+# a layer and two a step fewer, untimed): STAGE=session20 and STAGE=cublasfp8 on any card; on an H200 STAGE=h200step (HEAD's step against its bound) and STAGE=session17's A/B (ab_old = 93bf13f),
 # STAGE=layout's two-rank tests and onoff on two GPUs.
 #
 #   STAGE=tests  the full GPU test list (~8 min; run 24 on an H100: 481 s; PART=1 / PART=2 split it in two calls): kernels, graphed == eager, prefix caching and preemption on
