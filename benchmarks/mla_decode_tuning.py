@@ -1,7 +1,8 @@
 """The MLA decode kernel's launch parameters on a GPU: ``attention_kernels.mla_decode`` (the product's kernel,
 what the graphed decode step runs for DeepSeek-V3) swept over head block, context block, warps and
-stages at DeepSeek-V3's shapes (128 heads, latent 512, rope 64, 16-token pages), for several batches at
-one context; each configuration checked against the torch twin (``attention.mla_attention``) and timed
+stages at DeepSeek-V3's shapes (128 heads, latent 512, rope 64, 16-token pages; the rotary queries unrotated, a strided
+view that the kernel rotates, as served since run 33), for several batches at one context; each configuration checked
+against the torch twin (``attention.mla_attention``) and timed
 over ``--iters`` launches between CUDA events (median of 5 repeats). Prints one JSON row per
 configuration and the best per batch.
 
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 from vexpert_runtime.serve import attention_kernels
 from vexpert_runtime.serve.attention import build_metadata, mla_attention
+from vexpert_runtime.serve.attention_layers import apply_rotary
 from vexpert_runtime.serve.kv_cache import BlockPool
 from vexpert_runtime.serve.step import SamplingSpec, SequenceWork
 
@@ -70,7 +72,13 @@ def main() -> int:
         if args.kv_cache_dtype == "fp8":
             cache = cache.to(torch.float8_e4m3fn)
         q_latent = torch.randn(batch, args.heads, args.latent, device=device, dtype=dtype)
-        q_rope = torch.randn(batch, args.heads, args.rope, device=device, dtype=dtype)
+        # as the served step passes them: q_b's output unrotated (its rotary part a strided view of [T, nh, 128 + R]),
+        # the kernel applying DeepSeek-V3's interleaved rotary embedding as it loads it; the twin gets them rotated
+        raw = torch.randn(batch, args.heads, 128 + args.rope, device=device, dtype=dtype)[..., 128:]
+        angles = torch.rand(batch, args.rope // 2, device=device) * 100.0
+        cos, sin = (torch.cat([f(angles), f(angles)], dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+        rope = attention_kernels.QueryRotary(cos, sin, True)
+        q_rope = apply_rotary(raw, cos, sin, True)
         scale = (args.latent + args.rope) ** -0.5
         if batch * args.context <= 1 << 16:
             want = mla_attention(q_latent, q_rope, cache, meta, scale).float()
@@ -85,7 +93,7 @@ def main() -> int:
             split_meta = dataclasses.replace(kernel_meta, kv_splits=splits)
             launch = dict(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages)
             try:
-                got = attention_kernels.mla_decode(q_latent, q_rope, cache, split_meta, scale, **launch)
+                got = attention_kernels.mla_decode(q_latent, raw, cache, split_meta, scale, rope=rope, **launch)
                 torch.cuda.synchronize()
             except Exception as exc:  # a configuration Triton cannot build (shared memory)
                 rows.append({"batch": batch, "block_h": block_h, "block_n": block_n, "warps": warps,
@@ -97,7 +105,7 @@ def main() -> int:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(args.iters):
-                    attention_kernels.mla_decode(q_latent, q_rope, cache, split_meta, scale, **launch)
+                    attention_kernels.mla_decode(q_latent, raw, cache, split_meta, scale, rope=rope, **launch)
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end) / args.iters)

@@ -40,9 +40,13 @@ def run_mla(batch: int, context: int, repeat: int) -> None:
     meta = build_metadata(work, page, [None], "cuda", padded_groups=False)
     cache = torch.randn(pool.num_blocks * page, latent + rope, device="cuda", dtype=torch.bfloat16)
     q_latent = torch.randn(batch, heads, latent, device="cuda", dtype=torch.bfloat16)
-    q_rope = torch.randn(batch, heads, rope, device="cuda", dtype=torch.bfloat16)
+    # as served: q_b's output unrotated, its rotary part a strided view, rotated by the kernel (DeepSeek-V3's pairs)
+    q_rope = torch.randn(batch, heads, 128 + rope, device="cuda", dtype=torch.bfloat16)[..., 128:]
+    angles = torch.rand(batch, rope // 2, device="cuda") * 100.0
+    cos, sin = (torch.cat([f(angles), f(angles)], dim=-1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
     for _ in range(repeat):
-        attention_kernels.mla_decode(q_latent, q_rope, cache, meta, (latent + rope) ** -0.5)
+        attention_kernels.mla_decode(q_latent, q_rope, cache, meta, (latent + rope) ** -0.5,
+                                     rope=attention_kernels.QueryRotary(cos, sin, True))
     torch.cuda.synchronize()
 
 
