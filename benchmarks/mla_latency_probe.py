@@ -40,7 +40,6 @@ def _probe_kernel(q_lat, q_rope, cache, tables, token_seq, lens, out, scale,
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, CP)
-    offs_r = tl.arange(0, RP)
     if Q_CONST:
         ql = tl.full([BLOCK_H, CP], 0.01, dtype=tl.bfloat16)
         qr = tl.full([BLOCK_H, RP], 0.01, dtype=tl.bfloat16)
@@ -55,20 +54,8 @@ def _probe_kernel(q_lat, q_rope, cache, tables, token_seq, lens, out, scale,
         acc = tl.zeros([BLOCK_H, CP], dtype=tl.float32)
         for first in range(0, length, BLOCK_N):
             n = first + tl.arange(0, BLOCK_N)
-            nmask = n < length
             row = (b.to(tl.int64) * rows_per_seq + n) * stride_cache
-            kc = tl.load(cache + row[:, None] + offs_c[None, :], mask=nmask[:, None] & (offs_c < C)[None, :],
-                         other=0.0).to(ql.dtype)
-            kr = tl.load(cache + row[:, None] + C + offs_r[None, :], mask=nmask[:, None] & (offs_r < R)[None, :],
-                         other=0.0).to(qr.dtype)
-            s = tl.dot(ql, tl.trans(kc), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
-            s = tl.where(nmask[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc, input_precision="ieee")
-            m_i = m_new
+            m_i, l_i, acc = ak._mla_fold(ql, qr, cache, row, n < length, scale, m_i, l_i, acc, C, R, CP, RP)
     else:  # the served loop itself
         _, l_i, acc = ak._mla_rows(ql, qr, cache, table, 0, length, scale, stride_cache, stride_tn, C, R, CP, RP, PAGE,
                                    BLOCK_H, BLOCK_N)

@@ -51,10 +51,16 @@ if triton is not None:
         """One tile of cached rows ``n`` (``nmask``: those that count) folded into a head block's online softmax
         (running max m_i, denominator l_i, Σ p·c acc) — one definition for the one-pass and the split kernels, whose
         every tile holds at least one row that counts (so m_new is finite)."""
-        offs_c = tl.arange(0, CP)
-        offs_r = tl.arange(0, RP)
         block = tl.load(table + (n // PAGE) * stride_tn, mask=nmask, other=0).to(tl.int64)
         row = (block * PAGE + n % PAGE) * stride_cache
+        return _mla_fold(ql, qr, cache, row, nmask, scale, m_i, l_i, acc, C, R, CP, RP)
+
+    @triton.jit
+    def _mla_fold(ql, qr, cache, row, nmask, scale, m_i, l_i, acc,
+                  C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr):
+        """:func:`_mla_tile` past the block tables: the cached rows at element offsets ``row`` folded in."""
+        offs_c = tl.arange(0, CP)
+        offs_r = tl.arange(0, RP)
         # (an FP8 cache's rows widened to the queries' dtype: a no-op for a cache in that dtype)
         kc = tl.load(cache + row[:, None] + offs_c[None, :], mask=nmask[:, None] & (offs_c < C)[None, :],
                      other=0.0).to(ql.dtype)
