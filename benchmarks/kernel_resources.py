@@ -127,6 +127,16 @@ def kernel_specs() -> list[dict[str, Any]]:
                      WINDOW=0)
         specs.append(_spec(f"merge_splits {label}", ak._merge_splits_kernel, mla_pointers, scalars, merge, 4, 1,
                            unspecialised=("max_splits",)))
+    # The MLA layer's norms, rotary key and cache write after its fused q_a + kv_a GEMM (one program per token)
+    import vexpert_runtime.serve.attention_input_kernels as aik
+
+    q_rank = 1536
+    specs.append(_spec("mla_cache_rows", aik._mla_cache_rows_kernel,
+                       {"a": bf16, "q_weight": bf16, "kv_weight": bf16, "cos": bf16, "sin": bf16, "slots": "*i64",
+                        "cache": bf16, "q_normed": bf16},
+                       {"q_eps": 1e-6, "kv_eps": 1e-6, "stride_a": q_rank + latent + rope, "stride_rope": rope,
+                        "stride_cache": latent + rope, "stride_q": q_rank},
+                       dict(Q=q_rank, C=latent, R=rope, QP=2048, CP=latent, RP=rope, INTERLEAVE=True), 4, 1))
     # The expert SwiGLU's grouped GEMMs at DeepSeek-V3's H 7168 / I 2048 (packed rows: D = 3·I·H), 8 experts,
     # with the launch table's choice at ≤ 24 rows per expert (16 streams) and at 64 (256 streams).
     # Block-FP8 rows (DeepSeek-V3's release: 128 × 128 blocks) with their own table, weights and scales read in place;

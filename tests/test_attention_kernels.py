@@ -49,6 +49,7 @@ def check_kernels_on_cpu() -> None:
         assert (got - want).abs().max() < 1e-5, (kv_heads, group, dim)
         assert torch.equal(gqa_decode(q, cache, by_column, 0.25, block_n=16), got)
     check_query_rotary_on_cpu(meta, blocks * size, tokens)
+    check_mla_cache_rows_on_cpu()
     check_split_kernels_on_cpu()
     check_fp8_caches_on_cpu(work, size, blocks, tokens)
     # Sliding windows (GQA): each query sees its last `window` tokens, in one pass and in splits.
@@ -101,6 +102,57 @@ def check_query_rotary_on_cpu(meta: object, slots: int, tokens: int) -> None:
         assert (got - want).abs().max() < 1e-5, interleave
     with pytest.raises(ValueError, match="QueryRotary wants cos and sin"):
         mla_decode(q_latent, raw, cache, meta, 0.3, rope=QueryRotary(cos[:, :8], sin[:, :8], False))
+
+
+def check_mla_cache_rows_on_cpu() -> None:
+    """The MLA layer's inputs between its projections in one kernel (:func:`mla_queries_by_kernel`): against the torch
+    code the compiled step runs otherwise (:func:`inputs_written` over :func:`mla_inputs_unrotated`) on a transformers
+    DeepSeek-V3 attention module with q_a and kv_a fused — powers of two and widths the kernel pads, both rotary
+    forms, tokens written to scattered slots — the same queries and the same cache rows (to float32 rounding: the
+    norms' sums run in another order), every other slot untouched; a pad row's scratch slot written by several rows."""
+    import transformers
+
+    import test_serve_model as serve_model
+    from vexpert_runtime.serve.attention_input_kernels import mla_cache_rows, mla_cache_rows_runs
+    from vexpert_runtime.serve.attention_layers import (
+        inputs_written,
+        mla_inputs_unrotated,
+        mla_queries_by_kernel,
+    )
+    from vexpert_runtime.serve.fused_projections import fuse_model_projections
+
+    tokens, slots_total = 7, 40
+    for widths in ({}, {"q_lora_rank": 24, "kv_lora_rank": 20, "qk_rope_head_dim": 6}):
+        for interleave in (True, False):
+            torch.manual_seed(11)
+            config = serve_model._config("deepseek_v3")
+            for key, value in {**widths, "rope_interleave": interleave}.items():
+                setattr(config, key, value)
+            model = transformers.AutoModelForCausalLM.from_config(config).eval()
+            fuse_model_projections(model)
+            attn = model.model.layers[0].self_attn
+            for norm in (attn.q_a_layernorm, attn.kv_a_layernorm):  # weights that matter
+                norm.weight.data.normal_(1.0, 0.3)
+            rope = int(config.qk_rope_head_dim)
+            x = torch.randn(tokens, int(config.hidden_size))
+            angles = torch.rand(tokens, rope // 2) * 6.0
+            cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+            slots = torch.tensor([5, 17, 0, 33, 8, 0, 21])  # two rows on slot 0: a graph's pad rows
+            want_cache = torch.randn(slots_total, int(config.kv_lora_rank) + rope)
+            got_cache = want_cache.clone()
+            assert mla_cache_rows_runs(attn, x, got_cache)
+            with torch.no_grad():
+                want = inputs_written(mla_inputs_unrotated, attn, x, cos, sin, want_cache, slots)
+                got = mla_queries_by_kernel(attn, x, cos, sin, got_cache, slots)
+            for g, w in zip(got, want, strict=True):
+                assert g.shape == w.shape and (g - w).abs().max() < 1e-4, (widths, interleave)
+            assert (got_cache - want_cache).abs().max() < 1e-5, (widths, interleave)
+            untouched = torch.ones(slots_total, dtype=torch.bool)
+            untouched[slots] = False
+            assert torch.equal(got_cache[untouched], want_cache[untouched])
+    assert not mla_cache_rows_runs(attn, x, got_cache.to(torch.float8_e4m3fn))  # an FP8 cache: the torch code
+    with pytest.raises(ValueError, match="mla_cache_rows wants cos and sin"):
+        mla_cache_rows(attn, attn.fused_a_proj(x), cos[:, :2], sin[:, :2], got_cache, slots)
 
 
 def check_fp8_caches_on_cpu(work: list, size: int, blocks: int, tokens: int) -> None:

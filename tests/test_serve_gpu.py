@@ -74,6 +74,49 @@ def test_mla_decode_kernel_matches_the_torch_twin_at_deepseek_shapes(batch: int)
                        mla_decode(q_latent, rotated, cache, meta, 0.1))
 
 
+@pytest.mark.parametrize("tokens", [1, 37, 256])
+def test_mla_cache_rows_kernel_matches_the_torch_code_at_deepseek_shapes(tokens: int) -> None:
+    """The MLA layer's norms, rotary key and cache write in one kernel (:func:`mla_queries_by_kernel`) against the
+    code it replaces (:func:`inputs_written` over :func:`mla_inputs_unrotated`, eager: the roundings of transformers'
+    formulas), on a bf16 DeepSeek-V3 attention module at its real sizes (hidden 7168, q_lora 1536, latent 512, rope 64, 128 heads):
+    the rotary key bit for bit (the same bf16 roundings), the normed latent and the queries to a bf16 rounding or two
+    (the norms' float32 sums run in another order); the other slots untouched."""
+    from vexpert_runtime.serve.attention_layers import (
+        inputs_written,
+        mla_inputs_unrotated,
+        mla_queries_by_kernel,
+    )
+    from vexpert_runtime.serve.fused_projections import fuse_model_projections
+
+    torch.manual_seed(tokens)
+    config = transformers.DeepseekV3Config(hidden_size=7168, num_attention_heads=128, q_lora_rank=1536,
+                                           kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                                           v_head_dim=128, num_hidden_layers=1, first_k_dense_replace=1,
+                                           intermediate_size=64, vocab_size=64)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to("cuda").eval()
+    fuse_model_projections(model)
+    attn = model.model.layers[0].self_attn
+    for norm in (attn.q_a_layernorm, attn.kv_a_layernorm):
+        norm.weight.data.normal_(1.0, 0.3)
+    x = torch.randn(tokens, 7168, device="cuda", dtype=torch.bfloat16)
+    angles = torch.rand(tokens, 32, device="cuda") * 100.0
+    cos, sin = (torch.cat([f(angles), f(angles)], dim=-1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    slots = torch.randperm(4 * tokens, device="cuda")[:tokens]
+    want_cache = torch.randn(4 * tokens, 576, device="cuda", dtype=torch.bfloat16)
+    got_cache = want_cache.clone()
+    with torch.inference_mode():
+        want = inputs_written(mla_inputs_unrotated, attn, x, cos, sin, want_cache, slots)
+        got = mla_queries_by_kernel(attn, x, cos, sin, got_cache, slots)
+    assert torch.equal(got_cache[slots, 512:], want_cache[slots, 512:])
+    assert ((got_cache[slots, :512].float() - want_cache[slots, :512].float()).abs()
+            <= 2 ** -6 * want_cache[slots, :512].float().abs() + 1e-6).all()
+    for g, w in zip(got, want, strict=True):
+        assert (g.float() - w.float()).abs().max() < 2e-2 * w.float().abs().max()
+    untouched = torch.ones(4 * tokens, dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    assert torch.equal(got_cache[untouched], want_cache[untouched])
+
+
 def test_gqa_decode_kernel_matches_the_torch_twin() -> None:
     torch.manual_seed(0)
     lengths = torch.randint(1, 200, (32,)).tolist()

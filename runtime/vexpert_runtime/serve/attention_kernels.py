@@ -92,6 +92,33 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
+    def rotary_indices(offs_r, R: tl.constexpr, INTERLEAVE: tl.constexpr):
+        """For output columns ``offs_r`` of a rotary embedding over R columns
+        (:func:`~.attention_layers.apply_rotary`'s two forms): (the cos / sin column, the input column it scales,
+        the partner column the sine scales, whether the column is in the upper half)."""
+        HALF: tl.constexpr = R // 2
+        upper = offs_r >= HALF
+        if INTERLEAVE:  # DeepSeek's: out[j] = x[2j]·c[j] − x[2j+1]·s[j], out[h+j] = x[2j+1]·c[j] + x[2j]·s[j]
+            pair = tl.where(upper, offs_r - HALF, offs_r)
+            own = tl.where(upper, 2 * pair + 1, 2 * pair)
+            partner = tl.where(upper, 2 * pair, 2 * pair + 1)
+        else:  # transformers' rotate_half: out[j] = x[j]·c[j] + (−x[j+h] | x[j−h])·s[j]
+            pair = offs_r
+            own = offs_r
+            partner = tl.where(upper, offs_r - HALF, offs_r + HALF)
+        return pair, own, partner, upper
+
+    @triton.jit
+    def rotated(x, other, c, s, upper):
+        """The rotary embedding's outputs from their own inputs ``x``, partners ``other`` and cos / sin ``c`` / ``s``
+        (the :func:`rotary_indices` columns): each product and the sum rounded to x's dtype, as the eager torch code
+        computes it."""
+        straight = (x.to(tl.float32) * c.to(tl.float32)).to(x.dtype)
+        turned = (other.to(tl.float32) * s.to(tl.float32)).to(x.dtype)
+        signed = tl.where(upper, turned.to(tl.float32), -turned.to(tl.float32))
+        return (straight.to(tl.float32) + signed).to(x.dtype)
+
+    @triton.jit
     def _mla_queries(q_lat, q_rope, cos, sin, b, heads, stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_rope,
                      NH: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr,
                      ROTATE: tl.constexpr, INTERLEAVE: tl.constexpr):
@@ -107,24 +134,12 @@ if triton is not None:
                      mask=hmask[:, None] & (offs_c < C)[None, :], other=0.0)
         q_row = q_rope + b * stride_qrb + heads[:, None] * stride_qrh
         if ROTATE:
-            HALF: tl.constexpr = R // 2
-            upper = offs_r >= HALF
-            if INTERLEAVE:  # DeepSeek's: out[j] = x[2j]·c[j] − x[2j+1]·s[j], out[h+j] = x[2j+1]·c[j] + x[2j]·s[j]
-                pair = tl.where(upper, offs_r - HALF, offs_r)
-                own = tl.where(upper, 2 * pair + 1, 2 * pair)
-                partner = tl.where(upper, 2 * pair, 2 * pair + 1)
-            else:  # transformers' rotate_half: out[j] = x[j]·c[j] + (−x[j+h] | x[j−h])·s[j]
-                pair = offs_r
-                own = offs_r
-                partner = tl.where(upper, offs_r - HALF, offs_r + HALF)
+            pair, own, partner, upper = rotary_indices(offs_r, R, INTERLEAVE)
             x = tl.load(q_row + own[None, :], mask=rmask, other=0.0)
             other = tl.load(q_row + partner[None, :], mask=rmask, other=0.0)
             c = tl.load(cos + b * stride_rope + pair, mask=offs_r < R, other=0.0)
             s_ = tl.load(sin + b * stride_rope + pair, mask=offs_r < R, other=0.0)
-            straight = (x.to(tl.float32) * c.to(tl.float32)[None, :]).to(x.dtype)
-            turned = (other.to(tl.float32) * s_.to(tl.float32)[None, :]).to(x.dtype)
-            signed = tl.where(upper[None, :], turned.to(tl.float32), -turned.to(tl.float32))
-            qr = (straight.to(tl.float32) + signed).to(x.dtype)
+            qr = rotated(x, other, c[None, :], s_[None, :], upper[None, :])
         else:
             qr = tl.load(q_row + offs_r[None, :], mask=rmask, other=0.0)
         return ql, qr

@@ -21,6 +21,7 @@ import torch
 
 from vexpert_runtime.model import fusion
 from vexpert_runtime.serve.attention import AttentionMetadata, gqa_attention, mla_attention
+from vexpert_runtime.serve.attention_input_kernels import mla_cache_rows, mla_cache_rows_runs
 from vexpert_runtime.serve.attention_kernels import QueryRotary
 from vexpert_runtime.serve.kv_cache import KVLayout, write_rows
 
@@ -185,10 +186,30 @@ def mla_output(attn: Any, out_latent: torch.Tensor) -> torch.Tensor:
     return attn.o_proj(values.flatten(1))
 
 
+def mla_queries_by_kernel(attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
+                          slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`inputs_written` over :func:`mla_inputs_unrotated` with the norms, the rotary key and the cache write
+    between the two projections in one kernel (:func:`~.attention_input_kernels.mla_cache_rows`), eager: the fused
+    q_a + kv_a GEMM, that kernel, q_b, then W_UK as one batched GEMM over heads writing q_latent [T, nh, C] in place
+    (as :func:`mla_output` writes its values). Returns (q_latent, q_rope as q_b's strided rotary part)."""
+    tokens, heads = x.shape[0], int(attn.num_heads)
+    dn, rope = int(attn.qk_nope_head_dim), int(attn.qk_rope_head_dim)
+    q_normed = mla_cache_rows(attn, attn.fused_a_proj(x), cos, sin, cache, slots)
+    q = attn.q_b_proj(q_normed).view(tokens, heads, dn + rope)
+    w_uk, _ = mla_weights(attn)
+    q_latent = q.new_empty(tokens, heads, w_uk.shape[2])
+    torch.bmm(q[..., :dn].transpose(0, 1), w_uk, out=q_latent.transpose(0, 1))
+    return q_latent, q[..., dn:]
+
+
 def _mla_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: AttentionStep) -> torch.Tensor:
     written = fusion.maybe_compiled(inputs_written, step.compiled)
     if step.kernel is not None:  # the kernel applies the queries' rotary embedding itself
-        q_latent, q_rope = written(mla_inputs_unrotated, attn, x, step.cos, step.sin, cache, step.meta.slot_mapping)
+        if mla_cache_rows_runs(attn, x, cache):
+            q_latent, q_rope = mla_queries_by_kernel(attn, x, step.cos, step.sin, cache, step.meta.slot_mapping)
+        else:
+            q_latent, q_rope = written(mla_inputs_unrotated, attn, x, step.cos, step.sin, cache,
+                                       step.meta.slot_mapping)
         rope = QueryRotary(step.cos, step.sin, bool(getattr(attn.config, "rope_interleave", False)))
         out_latent = step.kernel(q_latent, q_rope, cache, step.meta, float(attn.scaling), rope=rope)
     else:

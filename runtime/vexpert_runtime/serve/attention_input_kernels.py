@@ -1,0 +1,110 @@
+"""An MLA layer's inputs between its two down/up projections in one Triton kernel: :func:`mla_cache_rows`.
+
+After the fused q_a + kv_a GEMM (:mod:`.fused_projections`) a DeepSeek-V3 layer norms q_a's output for q_b, norms the
+compressed latent, rotates the rotary key and writes (latent, key) into the paged cache. Compiled by inductor
+(:func:`~.attention_layers.inputs_written` over :func:`~.attention_layers.mla_inputs_unrotated`) that is five kernels a
+layer — two norms of different widths, the rotary key, the concatenation, the cache's ``index_copy`` — 18 µs a layer
+at 256 decode tokens on an H100 for ~1 MB of rows (run 33b's Nsight Compute table of the step, benchmarks/README §10).
+Here one program per token row does all of it, the way vLLM's and SGLang's fused norm / rotary / cache-write kernels
+do: the row's q_a part normed into ``q_normed``, its latent normed and its rotary key rotated straight into the
+token's cache slot.
+
+The arithmetic is transformers' ``DeepseekV3RMSNorm`` (float32 mean of squares, the normed row rounded to the input's
+dtype, then times the weight) and :func:`~.attention_layers.apply_rotary` (each product and the sum rounded), so the
+outputs equal the torch code's up to the order of the mean's sum (the CPU tests run it in Triton's interpreter).
+Runs where :func:`mla_cache_rows_runs` says (the attention kernels run, q_a and kv_a fused, a cache in the
+activations' dtype); elsewhere the torch code. Shapes: ``T`` token rows, ``Q`` q_lora_rank, ``C`` latent, ``R``
+rotary head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vexpert_runtime.serve import attention_kernels
+
+if attention_kernels.available():
+    import triton
+    import triton.language as tl
+
+    from vexpert_runtime.serve.attention_kernels import rotary_indices, rotated
+
+    @triton.jit
+    def _rms_normed(x, weight, offs, mask, count, eps):
+        """transformers' RMSNorm of one row ``x`` (float32 here; ``count`` real columns): in the weight's dtype."""
+        variance = tl.sum(tl.where(mask, x * x, 0.0), 0) / count
+        normed = (x * tl.rsqrt(variance + eps)).to(weight.dtype.element_ty)
+        w = tl.load(weight + offs, mask=mask, other=0.0)
+        return (w.to(tl.float32) * normed.to(tl.float32)).to(weight.dtype.element_ty)
+
+    @triton.jit
+    def _mla_cache_rows_kernel(a, q_weight, kv_weight, cos, sin, slots, cache, q_normed, q_eps, kv_eps,
+                               stride_a, stride_rope, stride_cache, stride_q,
+                               Q: tl.constexpr, C: tl.constexpr, R: tl.constexpr, QP: tl.constexpr,
+                               CP: tl.constexpr, RP: tl.constexpr, INTERLEAVE: tl.constexpr):
+        """One program per token row t. a [T, Q + C + R] (row stride ``stride_a``): q_a's output, the latent, the
+        rotary key. Writes q_normed[t] = norm_q(a[t, :Q]) and cache[slots[t]] = (norm_kv(a[t, Q:Q+C]),
+        rotary(a[t, Q+C:])) at cos / sin [T, R] row t."""
+        t = tl.program_id(0)
+        row = a + t.to(tl.int64) * stride_a
+        offs_q = tl.arange(0, QP)
+        qmask = offs_q < Q
+        x = tl.load(row + offs_q, mask=qmask, other=0.0).to(tl.float32)
+        tl.store(q_normed + t.to(tl.int64) * stride_q + offs_q, _rms_normed(x, q_weight, offs_q, qmask, Q, q_eps),
+                 mask=qmask)
+        slot = tl.load(slots + t).to(tl.int64)
+        dest = cache + slot * stride_cache
+        offs_c = tl.arange(0, CP)
+        cmask = offs_c < C
+        c = tl.load(row + Q + offs_c, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(dest + offs_c, _rms_normed(c, kv_weight, offs_c, cmask, C, kv_eps).to(cache.dtype.element_ty),
+                 mask=cmask)
+        offs_r = tl.arange(0, RP)
+        rmask = offs_r < R
+        pair, own, partner, upper = rotary_indices(offs_r, R, INTERLEAVE)
+        key = tl.load(row + Q + C + own, mask=rmask, other=0.0)
+        other = tl.load(row + Q + C + partner, mask=rmask, other=0.0)
+        cs = tl.load(cos + t.to(tl.int64) * stride_rope + pair, mask=rmask, other=0.0)
+        sn = tl.load(sin + t.to(tl.int64) * stride_rope + pair, mask=rmask, other=0.0)
+        tl.store(dest + C + offs_r, rotated(key, other, cs, sn, upper).to(cache.dtype.element_ty), mask=rmask)
+
+
+def mla_cache_rows_runs(attn: Any, x: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether :func:`mla_cache_rows` serves this layer's inputs: Triton is there, q_a and kv_a are one GEMM
+    (``attn.fused_a_proj``), the cache holds the activations' dtype (an FP8 cache's saturating cast stays in the torch
+    code) and there is a row to write."""
+    return (attention_kernels.available() and getattr(attn, "fused_a_proj", None) is not None
+            and cache.dtype == x.dtype and x.shape[0] > 0)
+
+
+def mla_cache_rows(attn: Any, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
+                   slots: torch.Tensor) -> torch.Tensor:
+    """q_a's output normed for q_b [T, Q], with each token's cache row — (kv_a's latent normed, its rotary key
+    rotated) — written into ``cache`` [slots, C + R] at ``slots`` [T]: what
+    :func:`~.attention_layers.inputs_written` over :func:`~.attention_layers.mla_inputs` computes between the two
+    projections, in one kernel. ``a`` [T, Q + C + R]: the fused q_a + kv_a GEMM's output (unit column stride);
+    cos / sin [T, R]."""
+    q_rank, latent, rope = int(attn.q_lora_rank), int(attn.kv_lora_rank), int(attn.qk_rope_head_dim)
+    tokens = a.shape[0]
+    if a.shape[1] != q_rank + latent + rope or a.stride(1) != 1:
+        raise ValueError(f"mla_cache_rows wants the fused q_a + kv_a output [T, {q_rank + latent + rope}] with unit "
+                         f"column stride, got {list(a.shape)} strides {a.stride()}")
+    if cos.shape != (tokens, rope) or sin.shape != cos.shape or cos.stride() != sin.stride() or cos.stride(1) != 1:
+        raise ValueError(f"mla_cache_rows wants cos and sin [{tokens}, {rope}] alike with unit column stride, got "
+                         f"{list(cos.shape)} {cos.stride()} and {list(sin.shape)} {sin.stride()}")
+    if cache.shape[1] != latent + rope or cache.stride(1) != 1 or slots.shape != (tokens,):
+        raise ValueError(f"mla_cache_rows wants a cache [slots, {latent + rope}] and slots [{tokens}], got "
+                         f"{list(cache.shape)} and {list(slots.shape)}")
+    q_norm, kv_norm = attn.q_a_layernorm, attn.kv_a_layernorm
+    q_normed = a.new_empty(tokens, q_rank)
+    _mla_cache_rows_kernel[(tokens,)](
+        a, q_norm.weight, kv_norm.weight, cos, sin, slots, cache, q_normed,
+        float(q_norm.variance_epsilon), float(kv_norm.variance_epsilon),
+        a.stride(0), cos.stride(0), cache.stride(0), q_normed.stride(0),
+        Q=q_rank, C=latent, R=rope, QP=triton.next_power_of_2(q_rank), CP=triton.next_power_of_2(latent),
+        RP=triton.next_power_of_2(rope), INTERLEAVE=bool(getattr(attn.config, "rope_interleave", False)),
+        num_warps=4,
+    )
+    return q_normed
