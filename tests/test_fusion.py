@@ -142,7 +142,7 @@ def test_w8a8s_wire_rows_and_their_consumers_compile_to_the_eager_numbers(cols: 
 def test_the_compiled_step_equals_the_eager_step_for_deepseek_v3(tmp_path: Path) -> None:
     """DeepSeek-V3 (MLA, grouped router with a correction bias, a shared expert, a dense layer) on
     one EP rank in float32: :meth:`HFStepModel.compile_pieces` compiles transformers' norms, router,
-    shared expert, dense MLP and rotary embedding, and our attention inputs, EP bookkeeping and
+    shared expert and dense MLP, and our step inputs (embedding, rotary embedding), attention inputs, EP bookkeeping and
     sampling — and a continuous batch (joins, 4-token prompt chunks, leaves) gives the eager
     tokens, with no graph break anywhere."""
     import torch._dynamo
@@ -158,9 +158,9 @@ def test_the_compiled_step_equals_the_eager_step_for_deepseek_v3(tmp_path: Path)
         model.executor = EPExperts.for_model(model, 0, 1, None)
         model.drop_expert_weights()
         if fuse:
-            assert model.compile_pieces() == 1 + 1 + 2 * 2 + 1  # rotary; the first layer's input norm (the
-            # others run inside the compiled residual add, add_and_norm; the final norm inside norm_rows); 2 sparse
-            # blocks' router + shared expert; 1 dense MLP
+            assert model.compile_pieces() == 1 + 2 * 2 + 1  # the first layer's input norm (the others run inside
+            # the compiled residual add, add_and_norm; the final norm inside norm_rows; the rotary embedding inside
+            # step_inputs); 2 sparse blocks' router + shared expert; 1 dense MLP
         # A rank's iteration 0 at start is an empty step (eager on CPU): the pieces' first call sees no rows.
         assert model.step([]).shape == (0,)
         outputs.append(drive(model, PROMPTS, NEW_TOKENS, JOINS, CHUNK))

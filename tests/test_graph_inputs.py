@@ -95,8 +95,11 @@ def test_fill_writes_the_penalty_fields_when_a_sequence_is_penalized() -> None:
     assert sampled == 2
     assert v["penalty_rows"] == [3, 3, 3, 3, scratch, 0, 0] + [scratch] * 9
     assert v["outputs"] == [0, 0, 1, 1, 0, 0, 0] + [0] * 9  # positions 6, 7 of sequence 0 are output
+    # what the step reads as it is (no conversion kernel in a replay): bool and float32 views of the int64 buffer
+    assert {name: inputs.views[name].dtype for name in ("outputs", "valid", "repetition", "temperature")} == {
+        "outputs": torch.bool, "valid": torch.bool, "repetition": torch.float32, "temperature": torch.float32}
     assert v["penalty_sample_rows"] == [3, scratch, scratch, scratch]
-    assert v["repetition"] == [1.3, 1.0, 1.0, 1.0]
+    assert v["repetition"] == pytest.approx([1.3, 1.0, 1.0, 1.0], rel=1e-7)  # float32
     assert v["presence"] == [0.5, 0.0, 0.0, 0.0] and v["frequency"] == [-0.25, 0.0, 0.0, 0.0]
     assert graph_key(work, token_buckets(16), BLOCK, None, 2).penalties
     assert not graph_key(work[1:2], token_buckets(16), BLOCK, None, 2).penalties

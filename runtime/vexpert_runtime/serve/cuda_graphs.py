@@ -26,6 +26,7 @@ Shapes: ``T`` token rows, ``S`` sampling rows, ``W`` the widest block table (a f
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -44,7 +45,13 @@ from vexpert_runtime.serve.step import SequenceWork, StepLogprobs
 _TOKEN_FIELDS = ("tokens", "positions", "slots", "lengths", "seqs", "valid", "fed", "penalty_rows", "outputs")
 _PENALTY_SAMPLE_FIELDS = ("penalty_sample_rows", "repetition", "presence", "frequency")  # written only with penalties
 _SAMPLE_FIELDS = ("rows", "seeds", "draws", "temperature", "top_p", "top_k", "min_p", *_PENALTY_SAMPLE_FIELDS)
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition", "presence", "frequency")  # stored as float64 bits
+# Fields a step reads as float32 / bool, each kept in the low bytes of its int64 element (float32 bits, a 0 / 1 byte)
+# and read through a strided view of them: a graph reads them as they are, where ``.float()`` / ``.bool()`` conversions
+# of whole-element fields were four kernels at the head of every replay (run 33b's Nsight Compute table: ~15 µs).
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition", "presence", "frequency")
+_BOOL_FIELDS = ("valid", "outputs")
+if sys.byteorder != "little":  # pragma: no cover - every platform torch serves on is little-endian
+    raise ImportError("cuda_graphs keeps float32 and bool fields in the low bytes of int64 elements: little-endian only")
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -67,7 +74,7 @@ def token_buckets(max_tokens: int) -> list[int]:
 @dataclass
 class GraphInputs:
     """Views into one static int64 buffer: the token fields [T] each, the sampling fields [S] each
-    (floats stored as float64 bits), then the block tables [S, W] stored column by column (block j of
+    (float32 and bool fields in their elements' low bytes: :data:`_FLOAT_FIELDS`, :data:`_BOOL_FIELDS`), then the block tables [S, W] stored column by column (block j of
     every row together), so an iteration whose longest table has w blocks copies only the buffer's
     first :meth:`used` elements: a long context's W (10,240 columns for DeepSeek-V3's 163,840 tokens)
     costs nothing until a sequence is that long."""
@@ -88,7 +95,9 @@ class GraphInputs:
                 views[name] = buffer[at:at + n]
                 at += n
         for name in _FLOAT_FIELDS:
-            views[name] = views[name].view(torch.float64)
+            views[name] = views[name].view(torch.float32)[::2]
+        for name in _BOOL_FIELDS:
+            views[name] = views[name].view(torch.bool)[::8]
         return cls(buffer, views, buffer[at:].view(width, seqs).t())
 
     def used(self, work: Sequence[SequenceWork], width: int | None = None) -> int:
@@ -369,16 +378,15 @@ class GraphedSteps:
         tokens = key.tokens
         seqs = min(tokens, self.max_seqs)
         v = inputs.views
-        sampling = (v["temperature"][:seqs].float(), v["top_p"][:seqs].float(), v["top_k"][:seqs],
-                    v["min_p"][:seqs].float(), v["seeds"][:seqs], v["draws"][:seqs], key.truncate)
+        sampling = (v["temperature"][:seqs], v["top_p"][:seqs], v["top_k"][:seqs], v["min_p"][:seqs],
+                    v["seeds"][:seqs], v["draws"][:seqs], key.truncate)
         penalties = None
         if key.penalties:
-            penalties = PenaltyInputs(v["penalty_rows"][:tokens], v["outputs"][:tokens].bool(),
-                                      v["penalty_sample_rows"][:seqs], v["repetition"][:seqs].float(),
-                                      v["presence"][:seqs].float(), v["frequency"][:seqs].float())
+            penalties = PenaltyInputs(v["penalty_rows"][:tokens], v["outputs"][:tokens], v["penalty_sample_rows"][:seqs],
+                                      v["repetition"][:seqs], v["presence"][:seqs], v["frequency"][:seqs])
         meta = inputs.metadata(tokens, seqs, self.block_size, key.splits)
         return self.forward(v["tokens"][:tokens], v["fed"][:tokens], meta, v["rows"][:seqs], sampling,
-                            v["valid"][:tokens].bool(), warmup, key.logprobs, penalties)
+                            v["valid"][:tokens], warmup, key.logprobs, penalties)
 
     def _capture(self, key: GraphKey) -> None:
         """Warm up eagerly on pad rows, then capture the bucket."""

@@ -93,6 +93,37 @@ def add_and_norm(norm: Any, hidden: torch.Tensor, delta: torch.Tensor, shared: t
     return total, norm(total)
 
 
+def step_inputs(embed: Any, rotary: Any, tokens: torch.Tensor, fed: torch.Tensor | None, last_sampled: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first layer's input [T, H] — token ids [T], where ``fed`` [T] is ≥ 0 the previous step's sampled id at that
+    row of ``last_sampled``, embedded by transformers' embedding ``embed`` — and the rotary embedding's cos / sin
+    [T, r] at ``positions`` [T] (:func:`rotary_cos_sin`). Compiled, two kernels where eight ran at the head of every
+    graphed step (the fed ids' compare, clamp, gather and select, the embedding's gather, the frequencies' cast,
+    GEMM and cos / sin: ~30 µs on an H100, run 33b's Nsight Compute table)."""
+    if fed is not None:
+        tokens = torch.where(fed >= 0, last_sampled[fed.clamp(min=0)], tokens)
+    hidden = embed(tokens)
+    cos, sin = rotary_cos_sin(rotary, hidden, positions)
+    return hidden, cos, sin
+
+
+def rotary_cos_sin(rotary: Any, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' rotary embedding module ``rotary`` at positions [T]: (cos, sin) [T, r] in x's dtype. For the
+    types whose inverse frequencies are fixed at load (default, linear, YaRN, Llama 3, …) computed as its ``forward``
+    computes them, with the frequencies' K = 1 matrix product written as the elementwise product it is (one float32
+    rounding either way), so that compiled it fuses with the cos and sin instead of running as a GEMM of its own; the
+    types that change their frequencies with the context (dynamic NTK, LongRoPE) call the module."""
+    rope_type = getattr(rotary, "rope_type", None)
+    if not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope" \
+            or not hasattr(rotary, "inv_freq") or not hasattr(rotary, "attention_scaling"):
+        cos, sin = rotary(x, positions.unsqueeze(0))
+        return cos[0], sin[0]
+    freqs = positions.float()[:, None] * rotary.inv_freq.float()[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    scaling = rotary.attention_scaling
+    return (angles.cos() * scaling).to(x.dtype), (angles.sin() * scaling).to(x.dtype)
+
+
 def residual_sum(hidden: torch.Tensor, delta: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
     """The last block's residual stream, ``hidden + delta`` (``shared``: as in :func:`add_and_norm`, summed with
     ``delta`` first, rounded as transformers rounds it) — compiled, one kernel where eagerly two adds ran."""
@@ -281,15 +312,16 @@ class HFStepModel:
 
     def compile_pieces(self) -> int:
         """Run the step's small pieces compiled by inductor (:mod:`~vexpert_runtime.model.fusion`), the
-        GEMMs and attention kernels as they are: transformers' norms, routers, shared experts, dense
-        MLPs and rotary embedding (their own ``forward``, compiled in place); the attention layers'
-        projections + norms + rotary embedding (:func:`~.attention_layers.mla_inputs`,
+        GEMMs and attention kernels as they are: transformers' norms, routers, shared experts and dense
+        MLPs (their own ``forward``, compiled in place); the embedding with the rotary embedding
+        (:func:`step_inputs`); the attention layers' projections + norms + rotary embedding (:func:`~.attention_layers.mla_inputs`,
         :func:`~.attention_layers.gqa_inputs`); the EP layer's dispatch bookkeeping; sampling.
         Compiles happen at the first calls (the graph warm-up passes). Returns the modules compiled."""
         # the norms after a residual add run inside the compiled add_and_norm (_hidden); the first layer's has no add;
-        # the final norm inside the compiled norm_rows (with the gather of the rows it norms)
+        # the final norm inside the compiled norm_rows (with the gather of the rows it norms); the rotary embedding
+        # inside the compiled step_inputs
         layers = decoder_layers(self.model)
-        modules: list[Any] = [self.model.model.rotary_emb, layers[0].input_layernorm]
+        modules: list[Any] = [layers[0].input_layernorm]
         for layer in layers:
             if is_sparse_block(layer.mlp):
                 gate = layer.mlp.gate  # a fused router is its own kernels already
@@ -422,14 +454,15 @@ class HFStepModel:
         """The decoder layers over tokens [T] (see :meth:`_forward`): the last hidden states [T, H]."""
         cache = self.kv_cache
         assert cache is not None
-        if fed is not None:
-            tokens = torch.where(fed >= 0, self.last_sampled[fed.clamp(min=0)], tokens)
-        if penalties is not None:
+        if penalties is not None:  # the penalty tables count the ids the step feeds
             assert self.penalties.seen is not None and self.penalties.counts is not None
+            if fed is not None:
+                tokens = torch.where(fed >= 0, self.last_sampled[fed.clamp(min=0)], tokens)
+                fed = None
             record_tokens(self.penalties.seen, self.penalties.counts, tokens, meta.positions, penalties)
-        hidden = self.model.model.embed_tokens(tokens)  # [T, H]
-        cos, sin = self.model.model.rotary_emb(hidden, meta.positions.unsqueeze(0))
-        attention = AttentionStep(cos[0], sin[0], meta, None if meta.groups else self._attention_kernel, self.compiled)
+        hidden, cos, sin = fusion.maybe_compiled(step_inputs, self.compiled)(
+            self.model.model.embed_tokens, self.model.model.rotary_emb, tokens, fed, self.last_sampled, meta.positions)
+        attention = AttentionStep(cos, sin, meta, None if meta.groups else self._attention_kernel, self.compiled)
         self.executor.token_valid = valid
         residual_norm = fusion.maybe_compiled(add_and_norm, self.compiled)
         layers = decoder_layers(self.model)
