@@ -254,7 +254,7 @@ case "${STAGE:-tests}" in
     # the graphed step with the block-FP8 copy's linears kept FP8 (fp8_block) against dequantised (dense), W8A8 experts
     PYTHONPATH=$HEAD_PATH timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_grouped_gemm_kernel.py \
       tests/test_serve_gpu.py -k "fp8_linears or block_fp8_checkpoint_graphed" 2>&1 | tee "$OUT/pytest_gpu_cublasfp8.txt" | tail -2
-    for lf in dense fp8_block dense fp8_block; do
+    for lf in ${LINEAR_FORMATS:-dense fp8_block dense fp8_block}; do
       PYTHONPATH=$HEAD_PATH timeout 150 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --block-fp8 \
         --expert-compute w8a8 --linear-format $lf --batches ${BATCHES:-256 64 16} --context 96 \
         --out "$OUT/decode_step_bound_cublasfp8_${lf}_$SECONDS.json" 2>&1 | grep -E '^\{|Error' | cut -c1-300

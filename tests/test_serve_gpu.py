@@ -61,8 +61,9 @@ def test_mla_decode_kernel_matches_the_torch_twin_at_deepseek_shapes(batch: int)
     got = mla_decode(q_latent, q_rope, cache, meta, 0.1).float()
     assert (got - want).abs().max() < 3e-2 * want.abs().max()
     # the served form: q_b's output unrotated ([T, nh, 128 + 64], its rotary part a strided view), the kernel applying
-    # DeepSeek-V3's interleaved rotary embedding as it loads it — the same bf16 roundings as apply_rotary, so the
-    # same output bit for bit
+    # DeepSeek-V3's interleaved rotary embedding as it loads it — the same bf16 roundings as apply_rotary, so the same
+    # queries; the output to a bf16 rounding (the score GEMM takes its rotary operand from registers, not shared
+    # memory, and may sum in another order)
     from vexpert_runtime.serve.attention_kernels import QueryRotary
     from vexpert_runtime.serve.attention_layers import apply_rotary
 
@@ -70,8 +71,12 @@ def test_mla_decode_kernel_matches_the_torch_twin_at_deepseek_shapes(batch: int)
     angles = torch.rand(batch, 32, device="cuda") * 100.0
     cos, sin = (torch.cat([f(angles), f(angles)], dim=-1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
     rotated = apply_rotary(raw, cos, sin, True).contiguous()
-    assert torch.equal(mla_decode(q_latent, raw, cache, meta, 0.1, rope=QueryRotary(cos, sin, True)),
-                       mla_decode(q_latent, rotated, cache, meta, 0.1))
+    by_kernel = mla_decode(q_latent, raw, cache, meta, 0.1, rope=QueryRotary(cos, sin, True)).float()
+    pre_rotated = mla_decode(q_latent, rotated, cache, meta, 0.1).float()
+    gap = (by_kernel - pre_rotated).abs().max().item()
+    assert gap <= 2 ** -7 * pre_rotated.abs().max().item(), gap
+    want = mla_attention(q_latent.float(), rotated.float(), cache.float(), meta, 0.1)
+    assert (by_kernel - want).abs().max() < 3e-2 * want.abs().max()
 
 
 @pytest.mark.parametrize("tokens", [1, 37, 256])
