@@ -32,12 +32,13 @@ if attention_kernels.available():
     from vexpert_runtime.serve.attention_kernels import rotary_indices, rotated
 
     @triton.jit
-    def _rms_normed(x, weight, offs, mask, count, eps):
-        """transformers' RMSNorm of one row ``x`` (float32 here; ``count`` real columns): in the weight's dtype."""
+    def _rms_normed(x, weight, offs, mask, count, eps, DTYPE: tl.constexpr):
+        """transformers' RMSNorm of one row ``x`` (widened to float32; ``count`` real columns) whose input dtype is
+        DTYPE: the normed row rounded to DTYPE, then times the weight (float32 products; the caller's store rounds)."""
         variance = tl.sum(tl.where(mask, x * x, 0.0), 0) / count
-        normed = (x * tl.rsqrt(variance + eps)).to(weight.dtype.element_ty)
+        normed = (x * tl.rsqrt(variance + eps)).to(DTYPE)
         w = tl.load(weight + offs, mask=mask, other=0.0)
-        return (w.to(tl.float32) * normed.to(tl.float32)).to(weight.dtype.element_ty)
+        return w.to(tl.float32) * normed.to(tl.float32)
 
     @triton.jit
     def _mla_cache_rows_kernel(a, q_weight, kv_weight, cos, sin, slots, cache, q_normed, q_eps, kv_eps,
@@ -52,15 +53,16 @@ if attention_kernels.available():
         offs_q = tl.arange(0, QP)
         qmask = offs_q < Q
         x = tl.load(row + offs_q, mask=qmask, other=0.0).to(tl.float32)
-        tl.store(q_normed + t.to(tl.int64) * stride_q + offs_q, _rms_normed(x, q_weight, offs_q, qmask, Q, q_eps),
+        tl.store(q_normed + t.to(tl.int64) * stride_q + offs_q,
+                 _rms_normed(x, q_weight, offs_q, qmask, Q, q_eps, a.dtype.element_ty).to(q_normed.dtype.element_ty),
                  mask=qmask)
         slot = tl.load(slots + t).to(tl.int64)
         dest = cache + slot * stride_cache
         offs_c = tl.arange(0, CP)
         cmask = offs_c < C
         c = tl.load(row + Q + offs_c, mask=cmask, other=0.0).to(tl.float32)
-        tl.store(dest + offs_c, _rms_normed(c, kv_weight, offs_c, cmask, C, kv_eps).to(cache.dtype.element_ty),
-                 mask=cmask)
+        normed = _rms_normed(c, kv_weight, offs_c, cmask, C, kv_eps, a.dtype.element_ty).to(kv_weight.dtype.element_ty)
+        tl.store(dest + offs_c, normed.to(cache.dtype.element_ty), mask=cmask)
         offs_r = tl.arange(0, RP)
         rmask = offs_r < R
         pair, own, partner, upper = rotary_indices(offs_r, R, INTERLEAVE)
