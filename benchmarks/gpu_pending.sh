@@ -247,7 +247,7 @@ case "${STAGE:-tests}" in
     # against the torch twin, graphed == eager for DeepSeek-V3, Qwen3-MoE, Qwen2-MoE, the FP8 cache), then ROUNDS (2)
     # interleaved rounds against ab_old at 256 / 64 sequences, then HEAD's 256-sequence profile
     PYTHONPATH=$HEAD_PATH timeout ${TEST_LIMIT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_serve_gpu.py \
-      tests/test_runtime_gpu.py -k "${TESTS:-mla_decode or mla_cache_rows or graphed_decode_equals or fp8_kv_cache or node or truncated_sampling or logprobs_equal or penalties_equal}" 2>&1 \
+      tests/test_runtime_gpu.py -k "${TESTS:-mla_decode or cache_rows or graphed_decode_equals or fp8_kv_cache or node or truncated_sampling or logprobs_equal or penalties_equal}" 2>&1 \
       | tee "$OUT/pytest_gpu_session20.txt" | tail -2
     ROUNDS=${ROUNDS:-2} STAGE=abstep OUT=$OUT "$0"
     PYTHONPATH=$HEAD_PATH timeout 90 python3 benchmarks/decode_step_bound.py --model-dir /tmp/bench-ds3 --batches 256 \

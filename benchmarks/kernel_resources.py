@@ -137,6 +137,14 @@ def kernel_specs() -> list[dict[str, Any]]:
                        {"q_eps": 1e-6, "kv_eps": 1e-6, "stride_a": q_rank + latent + rope, "stride_rope": rope,
                         "stride_cache": latent + rope, "stride_q": q_rank},
                        dict(Q=q_rank, C=latent, R=rope, QP=2048, CP=latent, RP=rope, INTERLEAVE=True), 4, 1))
+    # Qwen3-30B-A3B's per-head norms, rotary embedding and cache write after its fused q / k / v GEMM
+    specs.append(_spec("gqa_cache_rows", aik._gqa_cache_rows_kernel,
+                       {"qkv": bf16, "q_weight": bf16, "k_weight": bf16, "cos": bf16, "sin": bf16, "slots": "*i64",
+                        "cache": bf16, "q_out": bf16},
+                       {"eps": 1e-6, "stride_qkv": (q_heads + 2 * kv_heads) * dim, "stride_rope": dim,
+                        "stride_cache": 2 * kv_heads * dim, "stride_kv": kv_heads * dim, "stride_head": dim,
+                        "stride_qt": q_heads * dim, "stride_qh": dim},
+                       dict(NH=q_heads, KVH=kv_heads, D=dim, NHP=q_heads, KVHP=kv_heads, DP=dim, NORM=True), 4, 1))
     # The expert SwiGLU's grouped GEMMs at DeepSeek-V3's H 7168 / I 2048 (packed rows: D = 3·I·H), 8 experts,
     # with the launch table's choice at ≤ 24 rows per expert (16 streams) and at 64 (256 streams).
     # Block-FP8 rows (DeepSeek-V3's release: 128 × 128 blocks) with their own table, weights and scales read in place;

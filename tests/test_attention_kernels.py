@@ -50,6 +50,7 @@ def check_kernels_on_cpu() -> None:
         assert torch.equal(gqa_decode(q, cache, by_column, 0.25, block_n=16), got)
     check_query_rotary_on_cpu(meta, blocks * size, tokens)
     check_mla_cache_rows_on_cpu()
+    check_gqa_cache_rows_on_cpu()
     check_split_kernels_on_cpu()
     check_fp8_caches_on_cpu(work, size, blocks, tokens)
     # Sliding windows (GQA): each query sees its last `window` tokens, in one pass and in splits.
@@ -153,6 +154,52 @@ def check_mla_cache_rows_on_cpu() -> None:
     assert not mla_cache_rows_runs(attn, x, got_cache.to(torch.float8_e4m3fn))  # an FP8 cache: the torch code
     with pytest.raises(ValueError, match="mla_cache_rows wants cos and sin"):
         mla_cache_rows(attn, attn.fused_a_proj(x), cos[:, :2], sin[:, :2], got_cache, slots)
+
+
+def check_gqa_cache_rows_on_cpu() -> None:
+    """A GQA layer's inputs after its fused q / k / v GEMM in one kernel (:func:`gqa_cache_rows`): against the torch code
+    the compiled step runs otherwise (:func:`inputs_written` over :func:`gqa_inputs`) on transformers' Qwen3-MoE
+    (per-head norms) and Qwen2-MoE (biases, no norms) attention modules — powers of two and head counts / widths the
+    kernel pads — the same queries and cache rows (to float32 rounding), every other slot untouched."""
+    import transformers
+
+    import test_serve_model as serve_model
+    from vexpert_runtime.serve.attention_input_kernels import gqa_cache_rows, gqa_cache_rows_runs
+    from vexpert_runtime.serve.attention_layers import gqa_inputs, inputs_written
+    from vexpert_runtime.serve.fused_projections import fuse_model_projections
+
+    tokens, slots_total = 6, 30
+    for family, widths in (("qwen3_moe", {}), ("qwen3_moe", {"num_attention_heads": 6, "num_key_value_heads": 3,
+                                                            "head_dim": 12}),
+                           ("qwen2_moe", {}), ("qwen2_moe", {"num_attention_heads": 6, "num_key_value_heads": 3})):
+        torch.manual_seed(13)
+        config = serve_model._config(family)
+        for key, value in widths.items():
+            setattr(config, key, value)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        fuse_model_projections(model)
+        attn = model.model.layers[0].self_attn
+        for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
+            if norm is not None:
+                norm.weight.data.normal_(1.0, 0.3)
+        head_dim, kv_heads = int(attn.head_dim), int(config.num_key_value_heads)
+        x = torch.randn(tokens, int(config.hidden_size))
+        angles = torch.rand(tokens, head_dim // 2) * 6.0
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        slots = torch.tensor([4, 0, 19, 0, 7, 28])
+        want_cache = torch.randn(slots_total, 2, kv_heads, head_dim)
+        got_cache = want_cache.clone()
+        assert gqa_cache_rows_runs(attn, x, got_cache), family
+        with torch.no_grad():
+            (want,) = inputs_written(gqa_inputs, attn, x, cos, sin, want_cache, slots)
+            got = gqa_cache_rows(attn, attn.fused_qkv_proj(x), cos, sin, got_cache, slots)
+        assert got.shape == want.shape and (got - want).abs().max() < 1e-4, (family, widths)
+        assert (got_cache - want_cache).abs().max() < 1e-4, (family, widths)
+        untouched = torch.ones(slots_total, dtype=torch.bool)
+        untouched[slots] = False
+        assert torch.equal(got_cache[untouched], want_cache[untouched])
+    with pytest.raises(ValueError, match="gqa_cache_rows wants a cache"):
+        gqa_cache_rows(attn, attn.fused_qkv_proj(x), cos, sin, got_cache[:, :1], slots)
 
 
 def check_fp8_caches_on_cpu(work: list, size: int, blocks: int, tokens: int) -> None:

@@ -120,6 +120,49 @@ def test_mla_cache_rows_kernel_matches_the_torch_code_at_deepseek_shapes(tokens:
     assert torch.equal(got_cache[untouched], want_cache[untouched])
 
 
+@pytest.mark.parametrize(("family", "tokens"), [("qwen3_moe", 1), ("qwen3_moe", 256), ("qwen2_moe", 37)])
+def test_gqa_cache_rows_kernel_matches_the_torch_code_at_qwen_shapes(family: str, tokens: int) -> None:
+    """A GQA layer's norms, rotary embedding and cache write in one kernel (:func:`gqa_cache_rows`) against the code it
+    replaces (:func:`inputs_written` over :func:`gqa_inputs`, eager) on a bf16 attention module at Qwen3-30B-A3B's
+    sizes (hidden 2048, 32 query heads, 4 KV heads, head dim 128; Qwen2-MoE at Qwen1.5-MoE-A2.7B's: 16 heads of 128,
+    its biases, no norms): the values bit for bit, queries and keys to a bf16 rounding or two (the norms' float32 sums
+    run in another order); other slots untouched."""
+    from vexpert_runtime.serve.attention_input_kernels import gqa_cache_rows
+    from vexpert_runtime.serve.attention_layers import gqa_inputs, inputs_written
+    from vexpert_runtime.serve.fused_projections import fuse_model_projections
+
+    torch.manual_seed(tokens)
+    sizes = dict(hidden_size=2048, num_hidden_layers=1, vocab_size=64, intermediate_size=64, moe_intermediate_size=64,
+                 num_experts=2, num_experts_per_tok=1)
+    config = (transformers.Qwen3MoeConfig(head_dim=128, num_attention_heads=32, num_key_value_heads=4, **sizes)
+              if family == "qwen3_moe" else
+              transformers.Qwen2MoeConfig(num_attention_heads=16, num_key_value_heads=16,
+                                          shared_expert_intermediate_size=64, **sizes))
+    kv_heads = int(config.num_key_value_heads)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to("cuda").eval()
+    fuse_model_projections(model)
+    attn = model.model.layers[0].self_attn
+    for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
+        if norm is not None:
+            norm.weight.data.normal_(1.0, 0.3)
+    x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
+    angles = torch.rand(tokens, 64, device="cuda") * 100.0
+    cos, sin = (torch.cat([f(angles), f(angles)], dim=-1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    slots = torch.randperm(4 * tokens, device="cuda")[:tokens]
+    assert int(attn.head_dim) == 128
+    want_cache = torch.randn(4 * tokens, 2, kv_heads, 128, device="cuda", dtype=torch.bfloat16)
+    got_cache = want_cache.clone()
+    with torch.inference_mode():
+        (want,) = inputs_written(gqa_inputs, attn, x, cos, sin, want_cache, slots)
+        got = gqa_cache_rows(attn, attn.fused_qkv_proj(x), cos, sin, got_cache, slots)
+    assert torch.equal(got_cache[slots, 1], want_cache[slots, 1])
+    for g, w in ((got, want), (got_cache[slots, 0], want_cache[slots, 0])):
+        assert (g.float() - w.float()).abs().max() <= 2 ** -5 * w.float().abs().max()
+    untouched = torch.ones(4 * tokens, dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    assert torch.equal(got_cache[untouched], want_cache[untouched])
+
+
 def test_gqa_decode_kernel_matches_the_torch_twin() -> None:
     torch.manual_seed(0)
     lengths = torch.randint(1, 200, (32,)).tolist()

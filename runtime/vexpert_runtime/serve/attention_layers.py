@@ -21,7 +21,12 @@ import torch
 
 from vexpert_runtime.model import fusion
 from vexpert_runtime.serve.attention import AttentionMetadata, gqa_attention, mla_attention
-from vexpert_runtime.serve.attention_input_kernels import mla_cache_rows, mla_cache_rows_runs
+from vexpert_runtime.serve.attention_input_kernels import (
+    gqa_cache_rows,
+    gqa_cache_rows_runs,
+    mla_cache_rows,
+    mla_cache_rows_runs,
+)
 from vexpert_runtime.serve.attention_kernels import QueryRotary
 from vexpert_runtime.serve.kv_cache import KVLayout, write_rows
 
@@ -89,8 +94,11 @@ def attention_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: Att
 
 def _gqa_forward(attn: Any, x: torch.Tensor, cache: torch.Tensor, step: AttentionStep,
                  window: int | None) -> torch.Tensor:
-    (q,) = fusion.maybe_compiled(inputs_written, step.compiled)(gqa_inputs, attn, x, step.cos, step.sin, cache,
-                                                                 step.meta.slot_mapping)
+    if step.kernel is not None and gqa_cache_rows_runs(attn, x, cache):  # norms, rotary, cache write: one kernel
+        q = gqa_cache_rows(attn, attn.fused_qkv_proj(x), step.cos, step.sin, cache, step.meta.slot_mapping)
+    else:
+        (q,) = fusion.maybe_compiled(inputs_written, step.compiled)(gqa_inputs, attn, x, step.cos, step.sin, cache,
+                                                                     step.meta.slot_mapping)
     if step.kernel is not None:
         out = step.kernel(q, cache, step.meta, float(attn.scaling), window=window)
     else:
