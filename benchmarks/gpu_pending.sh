@@ -66,7 +66,7 @@
 #                kernels and two final kernels fewer): their GPU tests, the step against ab_old = 3fc0f6e, a profile (~8 min)
 #   STAGE=cublasfp8  run 33's FP8 linears on torch's block-scaled GEMM: their GPU tests, the graphed step with the linears
 #                kept FP8 against dequantised, W8A8 experts, two interleaved rounds (~6 min)
-#   STAGE=session21  one call on whatever card comes: on an H200 STAGE=h200step, elsewhere the MLA kernel's GPU test and
+#   STAGE=session21  one call on whatever card comes: on an H200 STAGE=h200step, elsewhere the MLA decode and input kernels' GPU tests and
 #                STAGE=cublasfp8 at 256 / 64 sequences (~9 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
 #                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
@@ -263,12 +263,13 @@ case "${STAGE:-tests}" in
     done ;;
   session21)  # one call of whatever card comes (~9 min; carry .whl): on an H200, issue #21's measurement (STAGE=h200step:
     # HEAD's step against its bound, bf16 with a profile, then W8A8); on another card the MLA kernel's GPU test (its
-    # rotating form against pre-rotated queries), then STAGE=cublasfp8 at 256 / 64 sequences
+    # rotating form against pre-rotated queries) and the MLA / GQA input kernels' tests, then STAGE=cublasfp8 at 256 /
+    # 64 sequences
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
       LIMIT=${LIMIT:-540} STAGE=h200step OUT=$OUT "$0"
     else
       PYTHONPATH=$HEAD_PATH timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_serve_gpu.py \
-        -k "mla_decode_kernel_matches" --tb=short 2>&1 | tee "$OUT/pytest_gpu_mla_decode.txt" | tail -4
+        -k "mla_decode_kernel_matches or cache_rows" --tb=short 2>&1 | tee "$OUT/pytest_gpu_mla_decode.txt" | tail -4
       BATCHES=${BATCHES:-256 64} STAGE=cublasfp8 OUT=$OUT "$0"
     fi ;;
   h200step)  # the graphed decode step on this card: bf16 experts with each kernel's time (--profile), then W8A8 FP8
