@@ -186,6 +186,9 @@ def replayed_ms(model: HFStepModel, work: list[SequenceWork], stream: torch.cuda
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=Path(".cache/bench-ds3"), help="written once, reused")
+    parser.add_argument("--family", choices=("deepseek_v3", "qwen3_moe"), default="deepseek_v3",
+                        help="the checkpoint written when --model-dir holds none: DeepSeek-V3's sizes, or Qwen3-30B-A3B's "
+                             "(then pass --experts 128: its top-8 of 128)")
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
@@ -231,7 +234,7 @@ def main() -> int:
     args = parser.parse_args()
     if not (args.model_dir / "config.json").exists():
         write_model(args.model_dir, ensure_demo_model(Path("/tmp/vexpert-demo-model")), args.layers, args.experts,
-                    small=False, device="cuda", positions=args.max_position_embeddings)
+                    small=False, device="cuda", positions=args.max_position_embeddings, family=args.family)
     if args.block_fp8:
         args.model_dir = block_fp8_copy(args.model_dir)
     max_seqs = max(args.batches) + max(args.prefill_chunks, default=0)

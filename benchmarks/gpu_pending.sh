@@ -68,6 +68,7 @@
 #                kept FP8 against dequantised, W8A8 experts, two interleaved rounds (~6 min)
 #   STAGE=session21  one call on whatever card comes: on an H200 STAGE=h200step, elsewhere the MLA decode and input kernels' GPU tests and
 #                STAGE=cublasfp8 at 256 / 64 sequences (~9 min)
+#   STAGE=qwenstep  the graphed decode step of a Qwen3-MoE at Qwen3-30B-A3B's sizes against its bound (~5 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
 #                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
 #                profile, with the EP layer's share of a traced iteration (~6 min)
@@ -272,6 +273,11 @@ case "${STAGE:-tests}" in
         -k "mla_decode_kernel_matches or cache_rows" --tb=short 2>&1 | tee "$OUT/pytest_gpu_mla_decode.txt" | tail -4
       BATCHES=${BATCHES:-256 64} STAGE=cublasfp8 OUT=$OUT "$0"
     fi ;;
+  qwenstep)  # the graphed decode step of a Qwen3-MoE at Qwen3-30B-A3B's sizes (3 layers, 128 experts, top-8; the GQA
+    # path: its decode kernel and, since run 34, its input kernel) at 16 / 64 / 256 sequences with a profile (~5 min)
+    PYTHONPATH=$HEAD_PATH timeout ${LIMIT:-400} python3 benchmarks/decode_step_bound.py --family qwen3_moe \
+      --model-dir /tmp/bench-qwen3 --experts 128 --batches ${BATCHES:-16 64 256} --context 96 --profile --top 40 \
+      --out "$OUT/decode_step_bound_qwen3.json" 2>&1 | grep -v "Loading weights" | grep '^{' | cut -c1-300 ;;
   h200step)  # the graphed decode step on this card: bf16 experts with each kernel's time (--profile), then W8A8 FP8
     # experts (the block-FP8 copy, as `auto` serves it on 8.9+ GPUs), 16 / 64 / 256 sequences, context 96 (~7 min)
     PYTHONPATH=$HEAD_PATH timeout $(( (${LIMIT:-540} - SECONDS) / 2 )) python3 benchmarks/decode_step_bound.py \

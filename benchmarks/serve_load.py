@@ -48,9 +48,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def write_model(directory: Path, tokenizer_dir: Path, layers: int, experts: int, small: bool, device: str,
-                positions: int = 4096) -> Path:
+                positions: int = 4096, family: str = "deepseek_v3") -> Path:
     """Random-weight DeepSeek-V3 (DeepSeek-V3-sized experts unless ``small``) + the demo tokenizer;
-    ``positions``: its max_position_embeddings (the release's is 163,840)."""
+    ``positions``: its max_position_embeddings (the release's is 163,840). ``family="qwen3_moe"``: a Qwen3-MoE at
+    Qwen3-30B-A3B's sizes (hidden 2048, 32 query heads and 4 KV heads of 128, experts of 768, top-8 of ``experts``),
+    its routers random (no load bias to set: Qwen's routers have none)."""
     from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -58,6 +60,10 @@ def write_model(directory: Path, tokenizer_dir: Path, layers: int, experts: int,
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, directory / name)
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    if family == "qwen3_moe":
+        return _write_qwen3_moe(directory, len(tokenizer), layers, experts, device, positions, tokenizer)
+    if family != "deepseek_v3":
+        raise ValueError(f"write_model writes deepseek_v3 or qwen3_moe, not {family!r}")
     shape: dict[str, Any] = (
         {"hidden_size": 256, "moe_intermediate_size": 128, "intermediate_size": 512, "num_attention_heads": 4,
          "q_lora_rank": 64, "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32}
@@ -78,6 +84,25 @@ def write_model(directory: Path, tokenizer_dir: Path, layers: int, experts: int,
     skew = real_load_bias(layers, experts)
     for layer, bias in zip(model.model.layers, skew, strict=True):
         layer.mlp.gate.e_score_correction_bias.copy_(torch.from_numpy(bias))
+    model.save_pretrained(str(directory))
+    del model
+    return directory
+
+
+def _write_qwen3_moe(directory: Path, vocab: int, layers: int, experts: int, device: str, positions: int,
+                     tokenizer: Any) -> Path:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=2048, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=experts,
+        num_experts_per_tok=min(8, experts), norm_topk_prob=True, max_position_embeddings=positions,
+        initializer_range=0.02, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(str(directory))
     del model
     return directory
