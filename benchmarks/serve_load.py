@@ -93,13 +93,14 @@ def _write_qwen3_moe(directory: Path, vocab: int, layers: int, experts: int, dev
                      tokenizer: Any) -> Path:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(
+    sizes: dict[str, Any] = dict(  # (a dict: mypy reads Qwen3MoeConfig's signature without head_dim, which it takes)
         vocab_size=vocab, hidden_size=2048, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4,
         head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=experts,
         num_experts_per_tok=min(8, experts), norm_topk_prob=True, max_position_embeddings=positions,
         initializer_range=0.02, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
+    config = Qwen3MoeConfig(**sizes)
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
