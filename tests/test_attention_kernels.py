@@ -276,8 +276,9 @@ def check_split_kernels_on_cpu() -> None:
 def check_model_with_kernels_on_cpu() -> None:
     """The GPU path's eager step on CPU: ``HFStepModel`` attending with the Triton kernels (in the
     interpreter, as a GPU rank would with them) and the split policy of a 132-SM GPU — with splits of
-    16 rows instead of 256, so that a 72-token prompt splits as long contexts do — beside a short
-    prompt: DeepSeek-V3 (MLA) and Qwen3-MoE with a 40-token sliding window, their routers fused, give
+    32 rows instead of 256, so that a 72-token prompt splits as long contexts do — beside a short
+    prompt: DeepSeek-V3 (MLA) and Qwen3-MoE with a 40-token sliding window, their routers fused and their attention
+    inputs through the input kernels (:mod:`~vexpert_runtime.serve.attention_input_kernels`), give
     generate's greedy tokens, and some launches split their contexts."""
     import tempfile
 
@@ -288,9 +289,9 @@ def check_model_with_kernels_on_cpu() -> None:
     from vexpert_runtime.serve.fused_router import fuse_model_routers
     from vexpert_runtime.serve.hf_model import HFStepModel
 
-    attention_kernels.SPLIT_ROWS = 16  # read by the policy and the kernels' launches at call time
+    attention_kernels.SPLIT_ROWS = 32  # read by the policy and the kernels' launches at call time
     prompts = [[(7 * i + 3) % 120 + 1 for i in range(72)], [(5 * i + 2) % 120 + 1 for i in range(30)]]
-    new_tokens, joins = (4, 3), (0, 2)
+    new_tokens, joins = (3, 2), (0, 2)
     for family, extra in (("deepseek_v3", {}), ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 40})):
         with tempfile.TemporaryDirectory() as tmp:
             torch.manual_seed(5)
