@@ -123,34 +123,34 @@ def check_mla_cache_rows_on_cpu() -> None:
     from vexpert_runtime.serve.fused_projections import fuse_model_projections
 
     tokens, slots_total = 7, 40
-    for widths in ({}, {"q_lora_rank": 24, "kv_lora_rank": 20, "qk_rope_head_dim": 6}):
-        for interleave in (True, False):
-            torch.manual_seed(11)
-            config = serve_model._config("deepseek_v3")
-            for key, value in {**widths, "rope_interleave": interleave}.items():
-                setattr(config, key, value)
-            model = transformers.AutoModelForCausalLM.from_config(config).eval()
-            fuse_model_projections(model)
-            attn = model.model.layers[0].self_attn
-            for norm in (attn.q_a_layernorm, attn.kv_a_layernorm):  # weights that matter
-                norm.weight.data.normal_(1.0, 0.3)
-            rope = int(config.qk_rope_head_dim)
-            x = torch.randn(tokens, int(config.hidden_size))
-            angles = torch.rand(tokens, rope // 2) * 6.0
-            cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-            slots = torch.tensor([5, 17, 0, 33, 8, 0, 21])  # two rows on slot 0: a graph's pad rows
-            want_cache = torch.randn(slots_total, int(config.kv_lora_rank) + rope)
-            got_cache = want_cache.clone()
-            assert mla_cache_rows_runs(attn, x, got_cache)
-            with torch.no_grad():
-                want = inputs_written(mla_inputs_unrotated, attn, x, cos, sin, want_cache, slots)
-                got = mla_queries_by_kernel(attn, x, cos, sin, got_cache, slots)
-            for g, w in zip(got, want, strict=True):
-                assert g.shape == w.shape and (g - w).abs().max() < 1e-4, (widths, interleave)
-            assert (got_cache - want_cache).abs().max() < 1e-5, (widths, interleave)
-            untouched = torch.ones(slots_total, dtype=torch.bool)
-            untouched[slots] = False
-            assert torch.equal(got_cache[untouched], want_cache[untouched])
+    # powers of two with DeepSeek's interleaved rotary form, padded widths with transformers' halves
+    for widths, interleave in (({}, True), ({"q_lora_rank": 24, "kv_lora_rank": 20, "qk_rope_head_dim": 6}, False)):
+        torch.manual_seed(11)
+        config = serve_model._config("deepseek_v3")
+        for key, value in {**widths, "rope_interleave": interleave}.items():
+            setattr(config, key, value)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        fuse_model_projections(model)
+        attn = model.model.layers[0].self_attn
+        for norm in (attn.q_a_layernorm, attn.kv_a_layernorm):  # weights that matter
+            norm.weight.data.normal_(1.0, 0.3)
+        rope = int(config.qk_rope_head_dim)
+        x = torch.randn(tokens, int(config.hidden_size))
+        angles = torch.rand(tokens, rope // 2) * 6.0
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        slots = torch.tensor([5, 17, 0, 33, 8, 0, 21])  # two rows on slot 0: a graph's pad rows
+        want_cache = torch.randn(slots_total, int(config.kv_lora_rank) + rope)
+        got_cache = want_cache.clone()
+        assert mla_cache_rows_runs(attn, x, got_cache)
+        with torch.no_grad():
+            want = inputs_written(mla_inputs_unrotated, attn, x, cos, sin, want_cache, slots)
+            got = mla_queries_by_kernel(attn, x, cos, sin, got_cache, slots)
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape and (g - w).abs().max() < 1e-4, (widths, interleave)
+        assert (got_cache - want_cache).abs().max() < 1e-5, (widths, interleave)
+        untouched = torch.ones(slots_total, dtype=torch.bool)
+        untouched[slots] = False
+        assert torch.equal(got_cache[untouched], want_cache[untouched])
     assert not mla_cache_rows_runs(attn, x, got_cache.to(torch.float8_e4m3fn))  # an FP8 cache: the torch code
     with pytest.raises(ValueError, match="mla_cache_rows wants cos and sin"):
         mla_cache_rows(attn, attn.fused_a_proj(x), cos[:, :2], sin[:, :2], got_cache, slots)
@@ -159,8 +159,8 @@ def check_mla_cache_rows_on_cpu() -> None:
 def check_gqa_cache_rows_on_cpu() -> None:
     """A GQA layer's inputs after its fused q / k / v GEMM in one kernel (:func:`gqa_cache_rows`): against the torch code
     the compiled step runs otherwise (:func:`inputs_written` over :func:`gqa_inputs`) on transformers' Qwen3-MoE
-    (per-head norms) and Qwen2-MoE (biases, no norms) attention modules — powers of two and head counts / widths the
-    kernel pads — the same queries and cache rows (to float32 rounding), every other slot untouched."""
+    (per-head norms, at head counts and widths the kernel pads) and Qwen2-MoE (biases, no norms, powers of two)
+    attention modules — the same queries and cache rows (to float32 rounding), every other slot untouched."""
     import transformers
 
     import test_serve_model as serve_model
@@ -169,9 +169,9 @@ def check_gqa_cache_rows_on_cpu() -> None:
     from vexpert_runtime.serve.fused_projections import fuse_model_projections
 
     tokens, slots_total = 6, 30
-    for family, widths in (("qwen3_moe", {}), ("qwen3_moe", {"num_attention_heads": 6, "num_key_value_heads": 3,
-                                                            "head_dim": 12}),
-                           ("qwen2_moe", {}), ("qwen2_moe", {"num_attention_heads": 6, "num_key_value_heads": 3})):
+    # Qwen3's norms at widths the kernel pads; Qwen2's biases at powers of two
+    for family, widths in (("qwen3_moe", {"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 12}),
+                           ("qwen2_moe", {})):
         torch.manual_seed(13)
         config = serve_model._config(family)
         for key, value in widths.items():
