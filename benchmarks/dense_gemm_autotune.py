@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from fp8_linear_tuning import SHAPES
-from grouped_gemm_tuning import graphed_ms
+from grouped_gemm_tuning import graphed_ms, write_results
 
 
 def main() -> int:
@@ -58,8 +58,7 @@ def main() -> int:
             results.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                        "rows": results}, indent=1))
+        write_results(args.out, rows=results)
     return 0
 
 

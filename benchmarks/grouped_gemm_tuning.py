@@ -85,6 +85,13 @@ def time_ms(iters: int, fn: Callable[..., object], *args: object, **kwargs: obje
     return start.elapsed_time(end) / iters
 
 
+def write_results(path: Path, **fields: object) -> None:
+    """A GPU benchmark's results file: the card and torch that ran it, then ``fields`` (JSON, indented)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, **fields},
+                               indent=1))
+
+
 def graphed_ms(iters: int, fn: Callable[..., object], *args: object) -> float:
     """ms per call of fn(*args), ``iters`` calls captured in one CUDA graph (as the step replays them: no host
     dispatch between kernels), median of 5 replays (after 3 warm-up calls)."""
@@ -244,12 +251,9 @@ def main() -> int:
                                                  else "_CONFIGS"))
         print(f"wrote the table into {kernel_file}", flush=True)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                        "hidden": hidden, "intermediate": inter, "experts": experts,
-                                        "experts_format": "block_fp8" if args.fp8 else "bf16",
-                                        "expert_compute": "w8a8" if args.w8a8 else "w8a16",
-                                        "table": table, "cases": results}, indent=1))
+        write_results(args.out, hidden=hidden, intermediate=inter, experts=experts,
+                      experts_format="block_fp8" if args.fp8 else "bf16",
+                      expert_compute="w8a8" if args.w8a8 else "w8a16", table=table, cases=results)
     return 0
 
 

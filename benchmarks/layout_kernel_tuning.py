@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from grouped_gemm_tuning import graphed_ms
+from grouped_gemm_tuning import graphed_ms, write_results
 
 from vexpert_runtime.model.ep_moe import DeviceRoutingTable, static_table
 from vexpert_runtime.model.layout_kernel import fused_arrange_local, fused_arrange_received, launch_config
@@ -72,8 +72,7 @@ def main() -> int:
             rows_out.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "all"}), flush=True)
     if args.out:
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                        "rows": rows_out}, indent=1))
+        write_results(args.out, rows=rows_out)
     return 0
 
 

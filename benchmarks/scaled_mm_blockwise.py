@@ -22,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from grouped_gemm_tuning import graphed_ms
+from grouped_gemm_tuning import graphed_ms, write_results
 
 from vexpert_runtime.model.expert_format import dequantize_fp8_block, quantize_fp8_block
 from vexpert_runtime.model.fp8_activations import dequantize_activation_groups, quantize_activation_groups
@@ -88,8 +88,7 @@ def main() -> int:
             rows_out.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                        "rows": rows_out}, indent=1))
+        write_results(args.out, rows=rows_out)
     return 0
 
 
