@@ -39,13 +39,16 @@ if attention_kernels.available():
     from vexpert_runtime.serve.attention_kernels import rotary_indices, rotated
 
     @triton.jit
-    def _rms_normed(x, weight, offs, mask, count, eps, DTYPE: tl.constexpr):
-        """transformers' RMSNorm of one row ``x`` (widened to float32; ``count`` real columns) whose input dtype is
-        DTYPE: the normed row rounded to DTYPE, then times the weight (float32 products; the caller's store rounds)."""
-        variance = tl.sum(tl.where(mask, x * x, 0.0), 0) / count
-        normed = (x * tl.rsqrt(variance + eps)).to(DTYPE)
-        w = tl.load(weight + offs, mask=mask, other=0.0)
-        return w.to(tl.float32) * normed.to(tl.float32)
+    def _rms_rstd(x, count, eps, AXIS: tl.constexpr):
+        """transformers' RMSNorm's 1 / √(mean of squares + eps) along AXIS of float32 ``x`` (zeros past its ``count``
+        real columns)."""
+        return tl.rsqrt(tl.sum(x * x, AXIS) / count + eps)
+
+    @triton.jit
+    def _rms_normed(x, rstd, weight, DTYPE: tl.constexpr):
+        """transformers' RMSNorm's output from ``x`` and its :func:`_rms_rstd`: x · rstd rounded to the input's dtype
+        DTYPE, then times the weight (a float32 product; the caller rounds it)."""
+        return weight.to(tl.float32) * (x.to(tl.float32) * rstd).to(DTYPE).to(tl.float32)
 
     @triton.jit
     def _mla_cache_rows_kernel(a, q_weight, kv_weight, cos, sin, slots, cache, q_normed, q_eps, kv_eps,
@@ -55,28 +58,30 @@ if attention_kernels.available():
         """One program per token row t. a [T, Q + C + R] (row stride ``stride_a``): q_a's output, the latent, the
         rotary key. Writes q_normed[t] = norm_q(a[t, :Q]) and cache[slots[t]] = (norm_kv(a[t, Q:Q+C]),
         rotary(a[t, Q+C:])) at cos / sin [T, R] row t."""
-        t = tl.program_id(0)
-        row = a + t.to(tl.int64) * stride_a
+        t = tl.program_id(0).to(tl.int64)
+        row = a + t * stride_a
         offs_q = tl.arange(0, QP)
         qmask = offs_q < Q
         x = tl.load(row + offs_q, mask=qmask, other=0.0).to(tl.float32)
-        tl.store(q_normed + t.to(tl.int64) * stride_q + offs_q,
-                 _rms_normed(x, q_weight, offs_q, qmask, Q, q_eps, a.dtype.element_ty).to(q_normed.dtype.element_ty),
+        w = tl.load(q_weight + offs_q, mask=qmask, other=0.0)
+        tl.store(q_normed + t * stride_q + offs_q,
+                 _rms_normed(x, _rms_rstd(x, Q, q_eps, 0), w, a.dtype.element_ty).to(q_normed.dtype.element_ty),
                  mask=qmask)
         slot = tl.load(slots + t).to(tl.int64)
         dest = cache + slot * stride_cache
         offs_c = tl.arange(0, CP)
         cmask = offs_c < C
         c = tl.load(row + Q + offs_c, mask=cmask, other=0.0).to(tl.float32)
-        normed = _rms_normed(c, kv_weight, offs_c, cmask, C, kv_eps, a.dtype.element_ty).to(kv_weight.dtype.element_ty)
+        w = tl.load(kv_weight + offs_c, mask=cmask, other=0.0)
+        normed = _rms_normed(c, _rms_rstd(c, C, kv_eps, 0), w, a.dtype.element_ty).to(kv_weight.dtype.element_ty)
         tl.store(dest + offs_c, normed.to(cache.dtype.element_ty), mask=cmask)
         offs_r = tl.arange(0, RP)
         rmask = offs_r < R
         pair, own, partner, upper = rotary_indices(offs_r, R, INTERLEAVE)
         key = tl.load(row + Q + C + own, mask=rmask, other=0.0)
         other = tl.load(row + Q + C + partner, mask=rmask, other=0.0)
-        cs = tl.load(cos + t.to(tl.int64) * stride_rope + pair, mask=rmask, other=0.0)
-        sn = tl.load(sin + t.to(tl.int64) * stride_rope + pair, mask=rmask, other=0.0)
+        cs = tl.load(cos + t * stride_rope + pair, mask=rmask, other=0.0)
+        sn = tl.load(sin + t * stride_rope + pair, mask=rmask, other=0.0)
         tl.store(dest + C + offs_r, rotated(key, other, cs, sn, upper).to(cache.dtype.element_ty), mask=rmask)
 
 
@@ -92,12 +97,12 @@ if attention_kernels.available():
         x = tl.load(row + heads[:, None] * D + own[None, :], mask=mask, other=0.0)
         other = tl.load(row + heads[:, None] * D + partner[None, :], mask=mask, other=0.0)
         if NORM:  # own is every column once: the head's sum of squares
-            xf = x.to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(xf * xf, 1) / D + eps)[:, None]
-            w_own = tl.load(weight + own, mask=dmask, other=0.0).to(tl.float32)[None, :]
-            w_partner = tl.load(weight + partner, mask=dmask, other=0.0).to(tl.float32)[None, :]
-            x = (w_own * (xf * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
-            other = (w_partner * (other.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
+            rstd = _rms_rstd(x.to(tl.float32), D, eps, 1)[:, None]
+            w_own = tl.load(weight + own, mask=dmask, other=0.0)[None, :]
+            w_partner = tl.load(weight + partner, mask=dmask, other=0.0)[None, :]
+            dtype = x.dtype
+            x = _rms_normed(x, rstd, w_own, dtype).to(dtype)
+            other = _rms_normed(other, rstd, w_partner, dtype).to(dtype)
         c = tl.load(cos + t * stride_rope + pair, mask=dmask, other=0.0)
         s = tl.load(sin + t * stride_rope + pair, mask=dmask, other=0.0)
         return rotated(x, other, c[None, :], s[None, :], upper[None, :])
