@@ -1,6 +1,7 @@
 """The node runtime in its own process (``vexpert serve``'s node process, node/runtime_process.py),
 driven from this one as the API process drives it: readiness arrives without asking, the node's
-metrics come on request, a stop ends it cleanly (no failure), and a node process that dies is a
+metrics come on request, a stop signal sent to the whole process group leaves it running (the API
+process drains, then stops it), a stop ends it cleanly (no failure), and a node process that dies is a
 failure named by its exit, reported once."""
 
 from __future__ import annotations
@@ -47,6 +48,16 @@ def _wait_ready(node: NodeProcess, timeout_s: float = 120.0) -> list[str | None]
     return seen
 
 
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it, parents first (Linux: /proc/PID/task/PID/children)."""
+    tree, i = [pid], 0
+    while i < len(tree):
+        children = Path(f"/proc/{tree[i]}/task/{tree[i]}/children")
+        tree += [int(c) for c in children.read_text().split()] if children.exists() else []
+        i += 1
+    return tree
+
+
 def test_the_node_process_pushes_readiness_renders_its_metrics_and_stops_without_a_failure(tmp_path: Path) -> None:
     ctx, setup, options = _node(tmp_path)
     failures: list[str] = []
@@ -62,6 +73,18 @@ def test_the_node_process_pushes_readiness_renders_its_metrics_and_stops_without
         later = node.metrics_text()  # rendered now, in the node process: iterations went on
         assert metric_value(later, "vexpert_iterations_total") > metric_value(first, "vexpert_iterations_total")
         pid = node.pid
+        assert pid is not None
+        # a stop signal to the whole process group (a terminal's Ctrl-C, systemd's SIGTERM) is the API process's
+        # to handle: the node process, its coordinator and its workers ignore it and go on
+        tree = _descendants(pid)
+        assert len(tree) >= 4, tree  # the node process, its coordinator, two workers
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            for member in tree:
+                os.kill(member, sig)
+        time.sleep(0.5)
+        after = node.metrics_text()
+        assert metric_value(after, "vexpert_iterations_total") > metric_value(later, "vexpert_iterations_total")
+        assert failures == [] and node.readiness() is None and _descendants(pid) == tree
     finally:
         node.stop()
     assert failures == [] and node.failure is None

@@ -57,7 +57,7 @@ from vexpert_runtime.node.messages import (
     ToCoordinator,
 )
 from vexpert_runtime.node.plans import NodePlan, ScheduledPlan, add_to_schedule, in_effect
-from vexpert_runtime.node.processes import ignore_terminal_interrupt
+from vexpert_runtime.node.processes import ignore_stop_signals
 from vexpert_runtime.node.protocol import Assignment, FillLoop, FillStats, SharedState, SlotFiller
 from vexpert_runtime.node.slots import SlotBuffers
 from vexpert_runtime.node.transport import make_transport
@@ -99,7 +99,7 @@ class CoordinatorArgs:
 def coordinator_main(args: CoordinatorArgs) -> None:
     """Entry point of a coordinator process."""
     die_with_parent(args.parent_pid)
-    ignore_terminal_interrupt()  # the node stops its children (see terminal_interrupt_held)
+    ignore_stop_signals()  # the node stops its children (see stop_signals_held)
     torch.set_num_threads(1)
     try:
         Coordinator(args).run()

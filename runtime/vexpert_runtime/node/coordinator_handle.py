@@ -31,7 +31,7 @@ from vexpert_runtime.node.messages import (
 )
 from vexpert_runtime.node.metrics import NodeMetrics
 from vexpert_runtime.node.plans import PlanSwitch, ScheduledPlan, add_to_schedule
-from vexpert_runtime.node.processes import exit_line, stop_processes, terminal_interrupt_held
+from vexpert_runtime.node.processes import exit_line, stop_processes, stop_signals_held
 from vexpert_runtime.node.protocol import SharedState, SlotFiller
 from vexpert_runtime.node.setup import NodeSetup
 
@@ -159,7 +159,7 @@ class CoordinatorHandle:
             filler=self.filler,
         )
         proc = self.ctx.Process(target=coordinator_main, args=(args,), name="vexpert-coordinator", daemon=True)
-        with terminal_interrupt_held():
+        with stop_signals_held():
             proc.start()
         theirs.close()
         self.proc, self.conn = proc, ours

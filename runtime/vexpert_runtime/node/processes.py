@@ -10,26 +10,32 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+
 
 @contextlib.contextmanager
-def terminal_interrupt_held() -> Iterator[None]:
-    """Start child processes with SIGINT blocked in the calling thread (children inherit the mask
-    across fork and exec). A terminal's Ctrl-C goes to the whole foreground process group: a child
-    that took it — even while still importing, before its entry point runs — died with a
-    KeyboardInterrupt traceback, and the node reported a failure instead of stopping. The node's
-    own process stops its children (join, SIGTERM, SIGKILL; ``PR_SET_PDEATHSIG`` if it dies);
-    each child's entry point calls :func:`ignore_terminal_interrupt`."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+def stop_signals_held(signals: frozenset[signal.Signals] = STOP_SIGNALS) -> Iterator[None]:
+    """Start child processes with the stop signals blocked in the calling thread (children inherit the
+    mask across fork and exec). A stop signal often reaches the whole process group, not only its leader:
+    a terminal's Ctrl-C (SIGINT), and SIGTERM from systemd's ``KillMode=control-group`` (its default),
+    ``timeout``, ``kill -- -PGID``. A child that took one — even while still importing, before its
+    entry point runs — died (a KeyboardInterrupt traceback, or exit -15), and the node reported a
+    failure and failed the requests in flight instead of draining them. The process that leads the
+    group handles the signal and stops its children itself (join, then SIGKILL; ``PR_SET_PDEATHSIG``
+    if it dies); each child's entry point calls :func:`ignore_stop_signals` with the same set — as
+    multiprocessing starts its resource tracker, which ignores both."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def ignore_terminal_interrupt() -> None:
-    """In a child process: ignore SIGINT (a pending one is dropped), then unblock it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+def ignore_stop_signals(signals: frozenset[signal.Signals] = STOP_SIGNALS) -> None:
+    """In a child process: ignore ``signals`` (a pending one is dropped), then unblock them."""
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
 
 
 def drain(results: Any, timeout: float) -> list[Any]:
@@ -72,16 +78,13 @@ def first_dead(procs: list[Any], wait_s: float = 1.0) -> str | None:
         time.sleep(0.05)
 
 
-def stop_processes(procs: list[Any]) -> None:
-    """Join workers; terminate, then kill, whatever does not exit (only our own children)."""
-    deadline = time.monotonic() + 5.0
+def stop_processes(procs: list[Any], timeout_s: float = 5.0) -> None:
+    """Join our own children; kill whatever has not exited after ``timeout_s`` (they ignore SIGTERM: see
+    :func:`stop_signals_held`)."""
+    deadline = time.monotonic() + timeout_s
     for proc in procs:
         proc.join(timeout=max(0.0, deadline - time.monotonic()))
     for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in procs:
-        proc.join(timeout=2.0)
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=2.0)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vexpert_runtime.gc_heap import freeze_heap
-from vexpert_runtime.node.processes import exit_line, ignore_terminal_interrupt, terminal_interrupt_held
+from vexpert_runtime.node.processes import exit_line, ignore_stop_signals, stop_signals_held
 
 READINESS_POLL_S = 0.05  # how often the node process looks whether its readiness changed
 METRICS_TIMEOUT_S = 5.0  # a node that does not render its metrics in this long is left out of /metrics
@@ -91,7 +91,7 @@ def node_process_main(setup: Any, options: Any, conn: Any, parent_pid: int) -> N
     from vexpert_runtime.node import NodeRuntime
     from vexpert_runtime.node.coordinator import die_with_parent
 
-    ignore_terminal_interrupt()  # Ctrl-C is the API process's: it drains, then stops this one
+    ignore_stop_signals()  # a group's Ctrl-C / SIGTERM is the API process's: it drains, then stops this one
     die_with_parent(parent_pid)
     runtime = NodeRuntime(setup, options)
     freeze_heap()  # torch, the allocator, the checkpoint's index: out of the collector's reach (gc_heap)
@@ -201,7 +201,7 @@ class NodeProcess:
         return self._proc.pid
 
     def start(self) -> None:
-        with terminal_interrupt_held():  # Ctrl-C reaches the whole group: the API process handles it
+        with stop_signals_held():  # Ctrl-C, systemd's SIGTERM reach the whole group: the API process handles them
             self._proc.start()
         self._child_conn.close()  # the child holds its end: EOF here once it exits
         self._reader.start()
@@ -238,15 +238,12 @@ class NodeProcess:
         self._send(StopNode())
 
     def stop(self) -> None:
-        """Stop the node and wait for its process (terminate it if it does not exit in time)."""
+        """Stop the node and wait for its process (kill it if it does not exit in time: it ignores SIGTERM)."""
         self.request_stop()
         self._proc.join(timeout=STOP_TIMEOUT_S)
         if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(timeout=5.0)
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join()
+            self._proc.kill()
+            self._proc.join()
         self._reader.join(timeout=2.0)
         self._conn.close()
 

@@ -75,7 +75,7 @@ from vexpert_runtime.node.processes import (
     drain,
     first_dead,
     stop_processes,
-    terminal_interrupt_held,
+    stop_signals_held,
 )
 from vexpert_runtime.node.protocol import SharedState
 from vexpert_runtime.node.report import NodeOptions, NodeReport, Progress
@@ -220,7 +220,7 @@ class NodeRuntime:
         for local, rank in enumerate(self.setup.ranks):
             args = worker_args(self.setup, self.options, local, rendezvous, shared, results, self._controls[local])
             proc = ctx.Process(target=worker_main, args=(args,), name=f"vexpert-worker-{rank}", daemon=True)
-            with terminal_interrupt_held():
+            with stop_signals_held():
                 proc.start()
             procs.append(proc)
         return procs

@@ -50,7 +50,7 @@ from vexpert_runtime.node.messages import (
     WorkerInputError,
     WorkerReady,
 )
-from vexpert_runtime.node.processes import ignore_terminal_interrupt
+from vexpert_runtime.node.processes import ignore_stop_signals
 from vexpert_runtime.node.protocol import WorkerSlots, agree
 from vexpert_runtime.node.runners import (
     DeviceTables,
@@ -78,7 +78,7 @@ STARTUP_TIMEOUT_S = 180.0
 def worker_main(args: WorkerArgs) -> None:
     """Entry point of a worker process."""
     die_with_parent(args.parent_pid)
-    ignore_terminal_interrupt()  # the node stops its children (see terminal_interrupt_held)
+    ignore_stop_signals()  # the node stops its children (see stop_signals_held)
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack on stderr
     try:
