@@ -68,6 +68,8 @@
 #                kept FP8 against dequantised, W8A8 experts, two interleaved rounds (~6 min)
 #   STAGE=session21  one call on whatever card comes: on an H200 STAGE=h200step, elsewhere the MLA decode and input kernels' GPU tests and
 #                STAGE=cublasfp8 at 256 / 64 sequences (~9 min)
+#   STAGE=session22  on an H200 STAGE=h200step; elsewhere vexpert serve vs transformers generate at 16 / 64 / 256
+#                streams (the README's headline table at HEAD, on that card) (~9 min)
 #   STAGE=qwenstep  the graphed decode step of a Qwen3-MoE at Qwen3-30B-A3B's sizes against its bound (~5 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
 #                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
@@ -274,6 +276,16 @@ case "${STAGE:-tests}" in
       PYTHONPATH=$HEAD_PATH timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_serve_gpu.py \
         -k "mla_decode_kernel_matches or cache_rows" --tb=short 2>&1 | tee "$OUT/pytest_gpu_mla_decode.txt" | tail -4
       BATCHES=${BATCHES:-256 64} STAGE=cublasfp8 OUT=$OUT "$0"
+    fi ;;
+  session22)  # one call of whatever card comes (~9 min; carry .whl): on an H200 STAGE=h200step (issue #21's 256-sequence
+    # step against its bound, unmeasured on an H200 since run 29e); on another card the README's headline table at HEAD —
+    # `vexpert serve` against transformers `generate` on the same checkpoint and card, 16 / 64 / 256 streams (run 16's
+    # table is the last with transformers beside it)
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      LIMIT=${LIMIT:-555} STAGE=h200step OUT=$OUT "$0"
+    else
+      (PYTHONPATH=$HEAD_PATH timeout ${LIMIT:-555} python3 benchmarks/serve_engine.py --out "$OUT/headline" \
+        --model-dir /tmp/bench-ds3 --modes hf vexpert --streams 16 64 256 "${LOAD[@]}" 2>&1 | grep -v "Loading weights" | tail -12)
     fi ;;
   qwenstep)  # the graphed decode step of a Qwen3-MoE at Qwen3-30B-A3B's sizes (3 layers, 128 experts, top-8; the GQA
     # path: its decode kernel and, since run 34, its input kernel) at 16 / 64 / 256 sequences with a profile (~5 min)
