@@ -1015,6 +1015,7 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
         error = _error(httpx.post(url, json={**base, **bad}, timeout=10), 400)
         assert error["param"] == param, error
         assert error["type"] == "invalid_request_error"
+        assert error["message"].startswith(f"{param}: ") and f"{param}: {param}" not in error["message"], error
     assert _error(httpx.post(url, json={**base, "model": "gpt-4"}, timeout=10), 404)["code"] == "model_not_found"
     long_prompt = " ".join(["fox"] * (MAX_CONTEXT + 10))
     error = _error(httpx.post(url, json={**base, "prompt": long_prompt}, timeout=10), 400)

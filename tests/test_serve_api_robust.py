@@ -410,6 +410,11 @@ def test_node_server_refuses_bad_max_tokens_large_prompts_and_missing_keys(
                                               "messages": [{"role": "user", "content": "hi"}]},
                                   headers=auth, timeout=30), 400)
         assert error["param"] == "max_tokens", error
+    # a field only the rank checks (the vocabulary's range): refused through the node's processes with the field named
+    # once (until 2026-12-07 the message came back as "logit_bias: logit_bias: …")
+    error = _error(httpx.post(comp, json={"model": MODEL_NAME, "prompt": "fox", "max_tokens": 2,
+                                          "logit_bias": {str(10**6): 5}}, headers=auth, timeout=30), 400)
+    assert error["param"] == "logit_bias" and error["message"].startswith("logit_bias: token ids must be in [0, "), error
     ok = httpx.post(comp, json={"model": MODEL_NAME, "prompt": "fox", "max_tokens": 2}, headers=auth, timeout=60)
     assert ok.status_code == 200, ok.text
     body = _big_prompt_body()

@@ -62,7 +62,7 @@ class Dispatcher(Protocol):
 class RankRefused:
     """Rank → API: the rank did not queue ``request_id``. ``status`` 429 / 503 (a
     :class:`~.events.ServeRefusal`: ``message``, ``retry_after_s``, ``code``) or 400 (a request no
-    rank can run: ``field`` names the parameter)."""
+    rank can run: ``field`` names the parameter, ``message`` says what is wrong with it, without the name)."""
 
     rank: int
     request_id: str
