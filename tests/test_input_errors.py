@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
+import socket
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -161,3 +166,54 @@ def test_one_file_loading_ladder() -> None:
         text = path.read_text()
         for handler in ("yaml.YAMLError", "json.JSONDecodeError", "UnicodeDecodeError", "yaml.safe_load(", "json.loads("):
             assert handler not in text, f"{path.relative_to(REPO)} handles {handler} itself: use vexpert_runtime.documents"
+
+
+def _listening_socket() -> Any:
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    return held
+
+
+def test_an_address_the_api_cannot_listen_on_is_refused_before_anything_loads(tmp_path: Path) -> None:
+    """A port in use (or a host that is no address here) ends ``vexpert serve`` in its first seconds with one line
+    naming the flag, before the node starts — as vLLM binds before it builds the engine. Until 2026-12-07 it came as
+    aiohttp's OSError traceback once the workers had loaded the model."""
+    from serve_support import build_tiny_checkpoint
+
+    build_tiny_checkpoint(tmp_path / "tiny", family="qwen3_moe")
+    with _listening_socket() as held:
+        port = held.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "vexpert_runtime", "serve", "--model", str(tmp_path / "tiny"), "--cpu-workers", "1",
+             "--host", "127.0.0.1", "--port", str(port)],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "runtime"), os.environ.get("PYTHONPATH", "")])})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    match = ONE_LINE.match(lines[-1])
+    assert match and match["field"] == "--port" and f"127.0.0.1:{port} is in use" in match["problem"], lines
+    assert not any("coordinator process" in line or "Traceback" in line for line in lines), lines  # nothing started
+
+
+def test_check_listen_address_names_the_flag_to_change() -> None:
+    import errno
+
+    from vexpert_runtime.ports import check_listen_address, free_port, listen_error
+
+    with _listening_socket() as held:
+        with pytest.raises(VExpertInputError) as in_use:
+            check_listen_address("127.0.0.1", held.getsockname()[1])
+        assert in_use.value.field == "--port" and "in use" in in_use.value.problem
+    with pytest.raises(VExpertInputError) as unresolved:
+        check_listen_address("999.1.1.1", 8000)  # no such IPv4 address
+    assert unresolved.value.field == "--host"
+    with pytest.raises(VExpertInputError) as foreign:
+        check_listen_address("192.0.2.1", 8000)  # TEST-NET-1 (RFC 5737): never a local address
+    assert foreign.value.field == "--host" and "cannot listen" in foreign.value.problem
+    check_listen_address("127.0.0.1", free_port())  # a free port passes (and is left free)
+    check_listen_address("127.0.0.1", 0)
+    # the late bind (the port taken between the check and the server's start) maps alike
+    assert listen_error("h", 1, OSError(errno.EACCES, "Permission denied")).field == "--port"
+    assert listen_error("h", 1, OSError(errno.EADDRINUSE, "Address already in use")).field == "--port"

@@ -423,6 +423,7 @@ def run(args: argparse.Namespace) -> int:
 
     from vexpert_runtime.node import NodeOptions
     from vexpert_runtime.node.runtime_process import NodeProcess
+    from vexpert_runtime.ports import check_listen_address
     from vexpert_runtime.serve.api import ServeApi, run_server
     from vexpert_runtime.serve.api_servers import ApiServerArgs, ApiServers
     from vexpert_runtime.serve.hf_model import DEFAULT_BLOCK_SIZE
@@ -433,6 +434,7 @@ def run(args: argparse.Namespace) -> int:
 
     api_key = _checked_api_key(args)
     served = _resolve_served(args, _runtime_config(args))
+    check_listen_address(args.host, args.port, reuse_port=args.api_servers > 1)  # not after the model has loaded
     for note in served.notes:
         _log(note)
     setup = served.setup

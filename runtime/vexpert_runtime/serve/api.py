@@ -75,6 +75,7 @@ from pydantic import BaseModel, ValidationError
 from vexpert_runtime import __version__
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.gc_heap import GcClock, freeze_heap
+from vexpert_runtime.ports import listen_error
 from vexpert_runtime.serve import openai_api as oa
 from vexpert_runtime.serve import responses_api as ra
 from vexpert_runtime.serve.api_errors import ApiError, refusal_error
@@ -1346,7 +1347,11 @@ class ApiServer:
         """Bind and serve; returns the port."""
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, reuse_port=self.reuse_port or None)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # checked before the model loaded (check_listen_address): taken since
+            await self._runner.cleanup()
+            raise listen_error(self.host, self.port, exc) from None
         if self.api.metrics_share is not None:
             self.api.metrics_share.start(self.api.metrics.registry, self.api.node_metrics)
         self.port = int(self._runner.addresses[0][1])
