@@ -57,6 +57,8 @@ def test_demo_and_simulate_bounds_say_how_to_fix_them(tmp_path: Path, capsys: py
     shared = run_cli(["serve", "--api-servers", "2", "--port", "0"], capsys)
     assert shared["field"] == "--port" and "--api-servers 1" in shared["fix"]
     assert run_cli(["serve", "--api-servers", "0"], capsys)["field"] == "--api-servers"
+    assert run_cli(["serve", "--drain-timeout", "-1"], capsys)["field"] == "--drain-timeout"  # was "up to -1 s"
+    assert run_cli(["serve", "--served-model-name", "tiny", " "], capsys)["field"] == "--served-model-name"
     interval = run_cli(["serve", "--stream-interval", "0"], capsys)
     assert interval["field"] == "--stream-interval" and interval["fix"].startswith("pass --stream-interval 1 or more")
 

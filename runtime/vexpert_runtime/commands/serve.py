@@ -254,6 +254,12 @@ def _checked_api_key(args: argparse.Namespace) -> str | None:
         raise VExpertInputError("--port", f"{args.port} is not a TCP port", "pass 1–65535 (0: any free port)")
     if not args.header_timeout > 0:  # also NaN
         raise VExpertInputError("--header-timeout", f"{args.header_timeout} is not > 0", "seconds, e.g. 15")
+    if not args.drain_timeout >= 0:  # also NaN
+        raise VExpertInputError("--drain-timeout", f"{args.drain_timeout} is not ≥ 0",
+                                "seconds running requests get to finish on SIGTERM, e.g. 30 (0: abort them)")
+    if args.served_model_name is not None and not all(name.strip() for name in args.served_model_name):
+        raise VExpertInputError("--served-model-name", "a name is empty: clients could not send it as `model`",
+                                "pass non-empty names, or leave the flag out (the checkpoint directory's name)")
     api_key: str | None = args.api_key if args.api_key is not None else os.environ.get("VEXPERT_API_KEY")
     if api_key is not None and not api_key.strip():
         raise VExpertInputError("--api-key", "is empty", "pass a non-empty key, or neither --api-key nor VEXPERT_API_KEY")
