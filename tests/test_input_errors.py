@@ -73,6 +73,12 @@ def test_a_max_model_len_beyond_the_checkpoint_says_its_bound(tmp_path: Path, mo
     match = run_cli(["serve", "--cpu-workers", "1", "--max-model-len", "5000"], capsys)
     assert match["field"] == "--max-model-len" and "[2, 4096]" in match["problem"]
     assert match["fix"].startswith("pass at most 4096")
+    # the scheduler's limits, one field each, each with its flag (max_waiting was reported as max_running)
+    for flag, field in (("--max-running", "max_running"), ("--max-waiting", "max_waiting")):
+        limit = run_cli(["serve", "--cpu-workers", "1", flag, "-1"], capsys)
+        assert limit["field"] == field and flag in limit["fix"], limit[0]
+    budget = run_cli(["serve", "--cpu-workers", "1", "--max-running", "8", "--max-batch-tokens", "4"], capsys)
+    assert budget["field"] == "max_batch_tokens" and "--max-batch-tokens" in budget["fix"]
 
 
 INDENT_TYPO = "runtime:\n  device: cpu\n   metrics_port: 0\n"  # line 3 indented one space too far

@@ -123,8 +123,12 @@ class SchedulerConfig:
                 "give the KV cache more memory (--kv-cache-tokens / --gpu-memory-utilization) or a shorter "
                 "context (--max-model-len)",
             )
-        if self.max_running < 1 or self.max_waiting < 0:
-            raise VExpertInputError("max_running", "must be ≥ 1 (and max_waiting ≥ 0)")
+        if self.max_running < 1:
+            raise VExpertInputError("max_running", f"{self.max_running} is not ≥ 1",
+                                    "the sequences a rank decodes at once (--max-running), e.g. 64")
+        if self.max_waiting < 0:
+            raise VExpertInputError("max_waiting", f"{self.max_waiting} is not ≥ 0",
+                                    "the requests a rank queues before answering 429 (--max-waiting), e.g. 128")
         if self.stream_interval < 1:
             raise VExpertInputError("stream_interval", f"{self.stream_interval} is not ≥ 1",
                                     "tokens per streamed event: 1 sends every token, e.g. 4 sends every fourth")
@@ -132,7 +136,8 @@ class SchedulerConfig:
         if self.max_batch_tokens < self.max_running:
             # every running sequence decodes one token per iteration; the budget must fit them all
             raise VExpertInputError(
-                "max_batch_tokens", f"{self.max_batch_tokens} < max_running {self.max_running}", "raise it"
+                "max_batch_tokens", f"{self.max_batch_tokens} < max_running {self.max_running}",
+                "raise it (--max-batch-tokens) to max_running or more: each running sequence decodes a token an iteration"
             )
 
 
