@@ -13,10 +13,9 @@ class VExpertInputError(ValueError):
         self.field = field
         self.problem = problem
         self.fix = fix
-        message = f"{field}: {problem}"
-        if fix:
-            message += f" (fix: {fix})"
-        super().__init__(message)
+        # what follows the field's name: a process that passes the error on by field and text sends this
+        self.detail = f"{problem} (fix: {fix})" if fix else problem
+        super().__init__(f"{field}: {self.detail}")
 
 
 def require_at_least(flag: str, value: float | None, minimum: float, meaning: str) -> None:

@@ -440,7 +440,9 @@ def run(args: argparse.Namespace) -> int:
 
     api_key = _checked_api_key(args)
     served = _resolve_served(args, _runtime_config(args))
-    check_listen_address(args.host, args.port, reuse_port=args.api_servers > 1)  # not after the model has loaded
+    # after every other input check (those name their own flags even where the default port is taken here),
+    # before anything loads
+    check_listen_address(args.host, args.port, reuse_port=args.api_servers > 1)
     for note in served.notes:
         _log(note)
     setup = served.setup

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+TERMINAL_INTERRUPT = frozenset({signal.SIGINT})  # for children that handle SIGTERM themselves (API servers)
 
 
 @contextlib.contextmanager
@@ -78,10 +79,10 @@ def first_dead(procs: list[Any], wait_s: float = 1.0) -> str | None:
         time.sleep(0.05)
 
 
-def stop_processes(procs: list[Any], timeout_s: float = 5.0) -> None:
-    """Join our own children; kill whatever has not exited after ``timeout_s`` (they ignore SIGTERM: see
+def stop_processes(procs: list[Any]) -> None:
+    """Join our own children; kill whatever has not exited after 5 s (they ignore SIGTERM: see
     :func:`stop_signals_held`)."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + 5.0
     for proc in procs:
         proc.join(timeout=max(0.0, deadline - time.monotonic()))
     for proc in procs:

@@ -60,13 +60,13 @@ def api_server_main(args: ApiServerArgs) -> None:
     from transformers import AutoTokenizer
 
     from vexpert_runtime.node.coordinator import die_with_parent
-    from vexpert_runtime.node.processes import ignore_stop_signals
+    from vexpert_runtime.node.processes import TERMINAL_INTERRUPT, ignore_stop_signals
     from vexpert_runtime.serve.api import ServeApi, run_server
     from vexpert_runtime.serve.metrics_share import MetricsShare
     from vexpert_runtime.serve.multirank import MultiRankDispatcher
 
     # SIGTERM stays: it drains this server (run_server), whether server 0 forwards it or it reached the group
-    ignore_stop_signals(frozenset({signal.SIGINT}))  # until run_server handles it: a Ctrl-C while importing is no traceback
+    ignore_stop_signals(TERMINAL_INTERRUPT)  # until run_server handles it: a Ctrl-C while importing is no traceback
     die_with_parent(args.parent_pid)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
     # server 0 stops the node once every server drained: nothing to do here when this one has
@@ -103,9 +103,9 @@ class ApiServers:
         self._watcher = threading.Thread(target=self._watch, name="vexpert-api-watch", daemon=True)
 
     def start(self) -> None:
-        from vexpert_runtime.node.processes import stop_signals_held
+        from vexpert_runtime.node.processes import TERMINAL_INTERRUPT, stop_signals_held
 
-        with stop_signals_held(frozenset({signal.SIGINT})):  # each handles SIGINT once it serves (and server 0 forwards it)
+        with stop_signals_held(TERMINAL_INTERRUPT):  # each handles SIGINT once it serves (and server 0 forwards it)
             for proc in self.procs:
                 proc.start()
         self._watcher.start()

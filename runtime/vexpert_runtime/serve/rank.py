@@ -194,8 +194,7 @@ class ServingRank:
             except ServeRefusal as refusal:  # full or draining: a typed refusal (429 / 503), not an error
                 self._refuse(msg, refusal.status, refusal.message, refusal.retry_after_s, refusal.code)
             except VExpertInputError as exc:  # a request no rank can run: 400 naming the field
-                problem = exc.problem + (f" (fix: {exc.fix})" if exc.fix else "")  # the API names the field
-                self._refuse(msg, 400, problem, code="invalid_value", field=exc.field)
+                self._refuse(msg, 400, exc.detail, code="invalid_value", field=exc.field)  # the API names the field
             except Exception:
                 log.exception("rank %d: could not queue request %s", self.rank, msg.request_id)
                 self._sink(Event(msg.request_id, finish_reason="error",
