@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
+from vexpert_runtime.commands import shared_help
 from vexpert_runtime.config import (
     EXPERT_COMPUTE_HELP,
     KV_CACHE_DTYPE_HELP,
@@ -123,11 +124,11 @@ def register(subparsers: Any) -> None:
                              "dense = in the model dtype (FP8 dequantised at load), fp8_block = FP8 rows (a dense "
                              "checkpoint's experts quantised at load, 128x128 blocks)")
     parser.add_argument("--expert-compute", choices=get_args(ExpertComputeChoice), default=None,
-                        help=EXPERT_COMPUTE_HELP + " (the config's model.expert_compute, default auto)")
+                        help=shared_help(EXPERT_COMPUTE_HELP + " (the config's model.expert_compute, default auto)"))
     parser.add_argument("--linear-format", choices=get_args(LinearFormatChoice), default=None,
-                        help=LINEAR_FORMAT_HELP + " (the config's model.linear_format, default dense)")
+                        help=shared_help(LINEAR_FORMAT_HELP + " (the config's model.linear_format, default dense)"))
     parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDtype), default=None,
-                        help=KV_CACHE_DTYPE_HELP + " (default: the config's runtime.kv_cache_dtype, else auto)")
+                        help=shared_help(KV_CACHE_DTYPE_HELP + " (default: the config's runtime.kv_cache_dtype, else auto)"))
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer <key>' on /v1/* (401 otherwise; /health and /metrics "
                              "stay open); default: the environment variable VEXPERT_API_KEY, else no key")
