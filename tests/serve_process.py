@@ -26,7 +26,7 @@ def start_cpu_serve(tmp: Path, *extra: str, healthy_in_a_row: int = 1,
     build_tiny_checkpoint(checkpoint, "qwen3_moe")
     config = tmp / "runtime.yaml"
     config.write_text(json.dumps({  # JSON is YAML; no master_port: the node picks a free loopback one
-        "model": {"checkpoint_path": str(checkpoint), "dtype": "float32"},
+        "model": {"dtype": "float32"},  # the checkpoint named as vLLM users do: `vexpert serve PATH`
         "parallelism": {"expert_parallel_size": 2, "gpus_per_node": 2},
         "runtime": {"device": "cpu", "cpu_workers": 2, "metrics_port": 0, "slot_fill_timeout_s": 30.0},
     }))
@@ -34,7 +34,7 @@ def start_cpu_serve(tmp: Path, *extra: str, healthy_in_a_row: int = 1,
     log = tmp / "serve.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "runtime"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vexpert_runtime", "serve", "--config", str(config), "--host", "127.0.0.1",
+        [sys.executable, "-m", "vexpert_runtime", "serve", str(checkpoint), "--config", str(config), "--host", "127.0.0.1",
          "--port", str(port), "--served-model-name", "tiny", *extra],
         stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=tmp, start_new_session=True,
     )

@@ -81,6 +81,23 @@ def test_a_max_model_len_beyond_the_checkpoint_says_its_bound(tmp_path: Path, mo
     assert budget["field"] == "max_batch_tokens" and "--max-batch-tokens" in budget["fix"]
 
 
+def test_the_checkpoint_named_wrongly_names_where_it_came_from(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """``vexpert serve PATH`` (vLLM's positional form; ``tests/serve_process.py`` serves through it), ``--model``
+    and the config's ``model.checkpoint_path``: a directory without config.json is refused naming the one given
+    (the config's was reported as --model), and two different checkpoints are refused, not one silently taken."""
+    missing = tmp_path / "missing"
+    assert run_cli(["serve", str(missing)], capsys)["field"] == "MODEL"
+    assert run_cli(["serve", "--model", str(missing)], capsys)["field"] == "--model"
+    config = tmp_path / "runtime.yaml"
+    config.write_text(json.dumps({"model": {"checkpoint_path": str(missing)}, "runtime": {"device": "cpu"}}))
+    assert run_cli(["serve", "--config", str(config)], capsys)["field"] == "model.checkpoint_path"
+    both = run_cli(["serve", str(tmp_path / "a"), "--model", str(tmp_path / "b")], capsys)
+    assert both["field"] == "MODEL" and "once" in both["fix"]
+    # the same directory twice is one checkpoint: refused only for lacking config.json
+    assert "no config.json" in run_cli(["serve", str(missing), "--model", str(missing) + "/"], capsys)["problem"]
+
+
 INDENT_TYPO = "runtime:\n  device: cpu\n   metrics_port: 0\n"  # line 3 indented one space too far
 
 

@@ -82,12 +82,14 @@ def register(subparsers: Any) -> None:
         help="serve a model's requests (OpenAI-compatible API) through vExpert",
         description=(
             "Serve /v1/completions, /v1/chat/completions, /v1/responses (all with stream), /v1/models, /tokenize, "
-            "/detokenize, /health and /metrics on one port; vLLM's names of the shared flags are accepted too. Without --model and without a config naming a checkpoint, serves the embedded demo model (a small "
+            "/detokenize, /health and /metrics on one port; vLLM's names of the shared flags are accepted too. Without a MODEL (or --model) and without a config naming a checkpoint, serves the embedded demo model (a small "
             "DeepSeek-V3-shaped MoE with random weights and a local tokenizer) on CPU workers. Stops cleanly on "
             "SIGTERM: new requests get 503, running ones finish (or are aborted after --drain-timeout)."
         ),
     )
     parser.add_argument("--config", default=None, help="runtime.yaml (RuntimeConfig; the node pod's config)")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="a local checkpoint directory, as in vLLM's `vllm serve MODEL` (the same as --model)")
     parser.add_argument("--model", default=None, help="a local checkpoint directory (config.json, safetensors, tokenizer)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="the model id clients send (default: the directory name); several: any of them is "
@@ -215,11 +217,15 @@ def _model_dir(args: argparse.Namespace, configured: str) -> tuple[Path, bool]:
     from vexpert_runtime.errors import VExpertInputError
     from vexpert_runtime.serve.demo_model import ensure_demo_model
 
-    chosen = args.model or configured
-    if chosen:
-        path = Path(chosen)
+    if args.model_tag and args.model and Path(args.model_tag).resolve() != Path(args.model).resolve():
+        raise VExpertInputError("MODEL", f"two checkpoints named: {args.model_tag} and --model {args.model}",
+                                "name the checkpoint once (vexpert serve PATH, or --model PATH)")
+    named = args.model_tag or args.model
+    if named or configured:
+        path = Path(named or configured)
         if not (path / "config.json").is_file():
-            raise VExpertInputError("--model", f"{path} has no config.json", "pass a local checkpoint directory")
+            field = ("MODEL" if args.model_tag else "--model") if named else "model.checkpoint_path"
+            raise VExpertInputError(field, f"{path} has no config.json", "pass a local checkpoint directory")
         return path, False
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vexpert" / "demo-model"
     return ensure_demo_model(cache), True
