@@ -185,6 +185,7 @@ list the requests take in turn."""
     stop_at, count_from = start + duration, start + warmup
     ttft: list[float] = []
     itl: list[float] = []
+    tpot: list[float] = []
     done = tokens = errors = 0
 
     async def client(session: aiohttp.ClientSession) -> None:
@@ -215,6 +216,8 @@ list the requests take in turn."""
                 tokens += generated
                 ttft.append(stamps[0] - sent)
                 itl.extend(b - a for a, b in itertools.pairwise(stamps))
+                if generated > 1:  # vLLM's TPOT: a request's time after its first token per token after it
+                    tpot.append((stamps[-1] - stamps[0]) / (generated - 1))
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
     # 0: no pool cap, every client its own connection (aiohttp's default, 100, held "256 streams" to ~100)
@@ -222,7 +225,7 @@ list the requests take in turn."""
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         await asyncio.gather(*(client(session) for _ in range(concurrency)))
     return {"requests": done, "errors": errors, "tokens": tokens, "measured_s": time.perf_counter() - count_from,
-            "ttft": ttft, "itl": itl}
+            "ttft": ttft, "itl": itl, "tpot": tpot}
 
 
 def summarise_load(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -231,6 +234,7 @@ def summarise_load(parts: list[dict[str, Any]]) -> dict[str, Any]:
     done = sum(part["requests"] for part in parts)
     ttft = [x for part in parts for x in part["ttft"]]
     itl = [x for part in parts for x in part["itl"]]
+    tpot = [x for part in parts for x in part.get("tpot", [])]
 
     def pct(values: list[float], q: float) -> float | None:
         return round(1000 * sorted(values)[int(q * (len(values) - 1))], 2) if values else None
@@ -239,7 +243,10 @@ def summarise_load(parts: list[dict[str, Any]]) -> dict[str, Any]:
             "requests_per_s": round(done / measured, 3), "tokens_per_s": round(sum(p["tokens"] for p in parts) / measured, 1),
             "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p90": pct(ttft, 0.9),
             "itl_ms_p50": pct(itl, 0.5), "itl_ms_p90": pct(itl, 0.9),
-            "itl_ms_mean": round(1000 * statistics.fmean(itl), 2) if itl else None, "client_processes": len(parts),
+            "itl_ms_mean": round(1000 * statistics.fmean(itl), 2) if itl else None,
+            # ITL is the gap between chunks, and a chunk carries every token queued for its stream (several under
+            # load); TPOT is per token
+            "tpot_ms_p50": pct(tpot, 0.5), "tpot_ms_p90": pct(tpot, 0.9), "client_processes": len(parts),
             # near 1: a client process was busy all the time, so the figures may be the load generator's limit
             "client_cpu_share_max": max(part.get("cpu_share", 0.0) for part in parts)}
 
