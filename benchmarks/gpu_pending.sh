@@ -70,6 +70,8 @@
 #                STAGE=cublasfp8 at 256 / 64 sequences (~9 min)
 #   STAGE=session22  on an H200 STAGE=h200step; elsewhere vexpert serve vs transformers generate at 16 / 64 / 256
 #                streams (the README's headline table at HEAD, on that card) (~9 min)
+#   STAGE=hostab  HEAD against 22aa075 (ab_old) at 256 streams, interleaved, on one host: is run 36's 35k tokens/s
+#                (run 23: 66k on another H100) the tree's or the host's? (~7 min)
 #   STAGE=qwenstep  the graphed decode step of a Qwen3-MoE at Qwen3-30B-A3B's sizes against its bound (~5 min)
 #   STAGE=onoff  only on a 2-GPU host (kind nvidia-h200-x2): vExpert on vs off (static = τ 0) on two EP ranks, one
 #                per GPU, at 64 and 256 streams, the skewed router of the benchmark checkpoint, the calibrated H200
@@ -109,6 +111,14 @@ case "${STAGE:-tests}" in
       bench ab_old "old$round" --model-dir /tmp/bench-ds3 --streams 256 64 "${LOAD[@]}"
       [ "$round" = 1 ] && [ "$SECONDS" -gt 300 ] && break  # one round when the checkpoint's writing took long
     done ;;
+  hostab)  # is the 256-stream throughput HEAD's or the host's? (run 23: 66k tokens/s on one H100 host, run 36: 35k on
+    # another) — HEAD against ab_old (22aa075, run 22's tree: 53k beside 327b58f on run 25's host) on this host,
+    # interleaved, with the host's CPU model (~7 min; carry .whl and ab_old)
+    lscpu | grep -E "Model name|^CPU\(s\)"
+    bench . hostab-head1 --model-dir /tmp/bench-ds3 --streams 256 "${LOAD[@]}"  # HEAD writes the checkpoint
+    bench ab_old hostab-old1 --model-dir /tmp/bench-ds3 --streams 256 "${LOAD[@]}"
+    bench . hostab-head2 --model-dir /tmp/bench-ds3 --streams 256 "${LOAD[@]}"
+    [ "$SECONDS" -lt 400 ] && bench ab_old hostab-old2 --model-dir /tmp/bench-ds3 --streams 256 "${LOAD[@]}" ;;
   knobs)  # the serving knobs beside the defaults, in one call on one host
     bench . base --model-dir /tmp/bench-ds3 --streams 256 "${LOAD[@]}"
     bench . api2 --model-dir /tmp/bench-ds3 --streams 256 "${LOAD[@]}" --serve-args "--api-servers 2"
