@@ -98,6 +98,32 @@ def test_the_checkpoint_named_wrongly_names_where_it_came_from(tmp_path: Path,
     assert "no config.json" in run_cli(["serve", str(missing), "--model", str(missing) + "/"], capsys)["problem"]
 
 
+def test_a_hugging_face_repo_id_is_served_from_the_local_cache_or_says_how_to_get_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``vexpert serve org/name`` as vLLM users write it: a checkpoint in the local Hugging Face cache is served
+    from its snapshot under the repo id; one not there is refused with the download command (nothing is
+    downloaded); a local directory of that relative name wins over the cache."""
+    from huggingface_hub import constants
+
+    from vexpert_runtime.commands.serve import checkpoint_dir
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("0123abc")
+    assert checkpoint_dir("org/tiny", "MODEL") == (snapshot, "org/tiny")
+    missing = run_cli(["serve", "org/missing"], capsys)
+    assert missing["field"] == "MODEL" and "not in the Hugging Face cache" in missing["problem"]
+    assert "hf download org/missing" in missing["fix"]
+    local = tmp_path / "org" / "tiny"
+    local.mkdir(parents=True)
+    (local / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert checkpoint_dir("org/tiny", "MODEL") == (Path("org/tiny"), "tiny")
+
+
 INDENT_TYPO = "runtime:\n  device: cpu\n   metrics_port: 0\n"  # line 3 indented one space too far
 
 

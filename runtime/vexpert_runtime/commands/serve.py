@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -89,8 +90,11 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--config", default=None, help="runtime.yaml (RuntimeConfig; the node pod's config)")
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="a local checkpoint directory, as in vLLM's `vllm serve MODEL` (the same as --model)")
-    parser.add_argument("--model", default=None, help="a local checkpoint directory (config.json, safetensors, tokenizer)")
+                        help="the checkpoint, as in vLLM's `vllm serve MODEL` (the same as --model)")
+    parser.add_argument("--model", default=None,
+                        help="a local checkpoint directory (config.json, safetensors, tokenizer), or a Hugging Face "
+                             "repo id (org/name) already in the local Hugging Face cache, served as that id (nothing "
+                             "is downloaded)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="the model id clients send (default: the directory name); several: any of them is "
                              "served, the first named in answers (vLLM's)")
@@ -212,8 +216,8 @@ def resolve_gpu_memory_utilization(cli: float | None, configured: float | None) 
     return cli
 
 
-def _model_dir(args: argparse.Namespace, configured: str) -> tuple[Path, bool]:
-    """The checkpoint to serve and whether it is the embedded demo model."""
+def _model_dir(args: argparse.Namespace, configured: str) -> tuple[Path, str | None]:
+    """The checkpoint to serve and the model id it is served as by default (None: the embedded demo model)."""
     from vexpert_runtime.errors import VExpertInputError
     from vexpert_runtime.serve.demo_model import ensure_demo_model
 
@@ -222,13 +226,39 @@ def _model_dir(args: argparse.Namespace, configured: str) -> tuple[Path, bool]:
                                 "name the checkpoint once (vexpert serve PATH, or --model PATH)")
     named = args.model_tag or args.model
     if named or configured:
-        path = Path(named or configured)
-        if not (path / "config.json").is_file():
-            field = ("MODEL" if args.model_tag else "--model") if named else "model.checkpoint_path"
-            raise VExpertInputError(field, f"{path} has no config.json", "pass a local checkpoint directory")
-        return path, False
+        field = ("MODEL" if args.model_tag else "--model") if named else "model.checkpoint_path"
+        return checkpoint_dir(named or configured, field)
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vexpert" / "demo-model"
-    return ensure_demo_model(cache), True
+    return ensure_demo_model(cache), None
+
+
+_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def checkpoint_dir(value: str, field: str) -> tuple[Path, str]:
+    """The checkpoint directory ``value`` names and the model id it is served as by default: a local directory (its
+    name), else a Hugging Face repo id (``org/name``) already in the local Hugging Face cache — where `vllm serve
+    org/name` finds it — served as that id. Nothing is downloaded (a node pod has its checkpoint on a volume); a repo
+    id not in the cache is an input error whose fix is the download command."""
+    from vexpert_runtime.errors import VExpertInputError
+
+    path = Path(value).expanduser()
+    if (path / "config.json").is_file():
+        return path, path.name
+    if not path.exists() and _REPO_ID.fullmatch(value):
+        from huggingface_hub import constants, snapshot_download
+
+        try:
+            cached = Path(snapshot_download(value, local_files_only=True))
+        except (OSError, ValueError):  # not cached (LocalEntryNotFoundError), not a valid id (HFValidationError)
+            raise VExpertInputError(field, f"{value} is no local directory and not in the Hugging Face cache "
+                                           f"({constants.HF_HUB_CACHE})",
+                                    f"download it first (hf download {value}), or pass a local checkpoint "
+                                    "directory") from None
+        if (cached / "config.json").is_file():
+            return cached, value
+        path = cached
+    raise VExpertInputError(field, f"{path} has no config.json", "pass a local checkpoint directory")
 
 
 def _model_config(model_dir: Path) -> dict[str, Any]:
@@ -321,7 +351,8 @@ def _resolve_served(args: argparse.Namespace, config: RuntimeConfig) -> _Served:
     from vexpert_runtime.serve.hf_model import checked_max_context
     from vexpert_runtime.serve.scheduler import SchedulerConfig
 
-    model_dir, demo = _model_dir(args, config.model.checkpoint_path)
+    model_dir, default_name = _model_dir(args, config.model.checkpoint_path)
+    demo = default_name is None
     model_config = _model_config(model_dir)
     max_context = checked_max_context(args.max_model_len, int(model_config.get("max_position_embeddings", 4096)))
     gpu_memory_utilization = resolve_gpu_memory_utilization(args.gpu_memory_utilization,
@@ -340,7 +371,7 @@ def _resolve_served(args: argparse.Namespace, config: RuntimeConfig) -> _Served:
     template = None if args.chat_template is None else load_chat_template(args.chat_template, model_dir)
     return _Served(
         model_dir=model_dir, demo=demo,
-        name=args.served_model_name[0] if args.served_model_name else (DEMO_NAME if demo else model_dir.name),
+        name=args.served_model_name[0] if args.served_model_name else (default_name or DEMO_NAME),
         aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
         model_config=model_config, max_context=max_context,
         gpu_memory_utilization=gpu_memory_utilization,
