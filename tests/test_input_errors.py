@@ -124,6 +124,24 @@ def test_a_hugging_face_repo_id_is_served_from_the_local_cache_or_says_how_to_ge
     assert checkpoint_dir("org/tiny", "MODEL") == (Path("org/tiny"), "tiny")
 
 
+def test_dtype_takes_vllms_names_over_the_config(tmp_path: Path) -> None:
+    """``vexpert serve --dtype`` (vLLM's flag and names: half, float, …) sets the compute dtype over the config's
+    model.dtype; auto keeps the config's, else the machine's default (float32 on CPU ranks)."""
+    from vexpert_runtime.cli import build_parser
+    from vexpert_runtime.commands.serve import _runtime_config
+
+    config = tmp_path / "runtime.yaml"
+    config.write_text(json.dumps({"model": {"dtype": "bfloat16"}, "runtime": {"device": "cpu"}}))
+    parser = build_parser()
+    for flags, want in ((["--dtype", "half"], "float16"), (["--dtype", "float"], "float32"),
+                        (["--config", str(config)], "bfloat16"), (["--config", str(config), "--dtype", "float32"], "float32"),
+                        (["--cpu-workers", "1"], "float32")):
+        args = parser.parse_args(["serve", *flags])
+        assert _runtime_config(args).model.dtype == want, flags
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--dtype", "fp8"])
+
+
 INDENT_TYPO = "runtime:\n  device: cpu\n   metrics_port: 0\n"  # line 3 indented one space too far
 
 

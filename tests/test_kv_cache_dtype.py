@@ -125,7 +125,9 @@ def test_vexpert_serve_with_an_fp8_cache_serves_from_half_the_bytes(tmp_path: Pa
         # (the gauge counts the blocks sequences may take; each of the 2 ranks also holds its scratch block)
         assert blocks > 0 and cached == (blocks + 2) * 16 * layout.token_bytes(torch.float8_e4m3fn)
         assert "KV cache in fp8" in log.read_text()
-        assert f"serving {tmp_path / 'ckpt'} as 'tiny'" in log.read_text()  # named as `vexpert serve PATH`
+        # named as `vexpert serve PATH`; the compute dtype said
+        assert f"serving {tmp_path / 'ckpt'} as 'tiny' on 127.0.0.1:{url.rsplit(':', 1)[1]}: 2 cpu ranks in float32" \
+            in log.read_text()
     finally:
         proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0, log.read_text()[-3000:]

@@ -129,6 +129,9 @@ def register(subparsers: Any) -> None:
                              "the memory and slot copies, read as FP8 by the GPU kernel; CPU ranks keep dense rows), "
                              "dense = in the model dtype (FP8 dequantised at load), fp8_block = FP8 rows (a dense "
                              "checkpoint's experts quantised at load, 128x128 blocks)")
+    parser.add_argument("--dtype", choices=tuple(_DTYPES), default="auto",
+                        help="the compute dtype (the config's model.dtype; vLLM's names: half = float16, float = "
+                             "float32); auto = the config's, else bfloat16 on GPUs and float32 on CPU ranks")
     parser.add_argument("--expert-compute", choices=get_args(ExpertComputeChoice), default=None,
                         help=shared_help(EXPERT_COMPUTE_HELP + " (the config's model.expert_compute, default auto)"))
     parser.add_argument("--linear-format", choices=get_args(LinearFormatChoice), default=None,
@@ -183,6 +186,9 @@ def register(subparsers: Any) -> None:
 
 
 _AUTO_ON_OFF: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+# --dtype's values (vLLM's) → model.dtype
+_DTYPES: dict[str, str | None] = {"auto": None, "bfloat16": "bfloat16", "float16": "float16", "half": "float16",
+                                  "float32": "float32", "float": "float32"}
 
 
 # (max_running, max_batch_tokens) per rank when not given. On one H200 (benchmarks/README.md §10, run 18)
@@ -321,7 +327,7 @@ def _runtime_config(args: argparse.Namespace) -> RuntimeConfig:
             "runtime": {"device": "cuda" if on_gpu else "cpu", "metrics_port": 0},
         })
     for flag, field in ((args.expert_format, "expert_format"), (args.expert_compute, "expert_compute"),
-                        (args.linear_format, "linear_format")):
+                        (args.linear_format, "linear_format"), (_DTYPES[args.dtype], "dtype")):
         if flag is not None:  # the flag over the config's model.<field>
             config = config.model_copy(update={"model": config.model.model_copy(update={field: flag})})
     return config
@@ -395,7 +401,7 @@ def _start_message(served: _Served, args: argparse.Namespace, api_key: str | Non
     if setup.linear_format == "fp8_block":
         rows += ", other linear layers block-FP8" + (" × FP8 activations" if spec.fp8_activations else "")
     return (f"serving {what} as {served.name!r} on {args.host}:{args.port}{servers}: "
-            f"{setup.local_workers} {setup.device} ranks, {spec.num_layers} MoE layers × {spec.num_experts} "
+            f"{setup.local_workers} {setup.device} ranks in {setup.dtype}, {spec.num_layers} MoE layers × {spec.num_experts} "
             f"experts{rows}, G·Vmax = {setup.slots} slots per rank"
             f"{'' if served.kv_cache_dtype == 'auto' else f', KV cache in {served.kv_cache_dtype}'}; {access}")
 
