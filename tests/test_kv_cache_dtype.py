@@ -128,6 +128,7 @@ def test_vexpert_serve_with_an_fp8_cache_serves_from_half_the_bytes(tmp_path: Pa
         # named as `vexpert serve PATH`; the compute dtype said
         assert f"serving {tmp_path / 'ckpt'} as 'tiny' on 127.0.0.1:{url.rsplit(':', 1)[1]}: 2 cpu ranks in float32" \
             in log.read_text()
+        assert re.search(r"ready for requests: 2 ranks loaded [0-9.]+ s after the node's start", log.read_text())
     finally:
         proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0, log.read_text()[-3000:]

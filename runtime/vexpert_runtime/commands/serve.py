@@ -16,6 +16,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
@@ -526,7 +527,10 @@ def run(args: argparse.Namespace) -> int:
 
     # the supervisor and the allocator in a process of their own: the API process's one GIL is the
     # HTTP loop's, the tokenizer's and the ranks' events' (node/runtime_process.py says why)
-    node = NodeProcess(ctx, setup, options, on_failure=node_failed)
+    started = time.monotonic()
+    node = NodeProcess(ctx, setup, options, on_failure=node_failed,
+                       on_ready=lambda: _log(f"ready for requests: {setup.local_workers} ranks loaded "
+                                             f"{time.monotonic() - started:.1f} s after the node's start"))
     node.start()  # its workers load the model while this process loads the tokenizer
     # one API server: the drain's end stops the node; several: the node stops once all have drained
     # with prefix caching on several ranks, a prompt goes where its prefix was computed (prefix_routing.py)

@@ -180,10 +180,13 @@ class NodeProcess:
     """The node process, seen from the API process: start it, read its readiness and metrics, stop it.
 
     ``on_failure(message)`` runs (on the reader thread) once when the node fails — it raised, or its
-    process died — and not when it stops because it was asked to."""
+    process died — and not when it stops because it was asked to; ``on_ready()`` once, when the node first
+    takes requests."""
 
-    def __init__(self, ctx: Any, setup: Any, options: Any, on_failure: Callable[[str], None]) -> None:
+    def __init__(self, ctx: Any, setup: Any, options: Any, on_failure: Callable[[str], None],
+                 on_ready: Callable[[], None] | None = None) -> None:
         self.on_failure = on_failure
+        self.on_ready = on_ready  # once, when the node first takes requests (before /health says so)
         self.status = SharedNodeStatus(ctx)  # readiness and failure, where the other API servers read them too
         self._conn, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(target=node_process_main, args=(setup, options, child, os.getpid()),
@@ -265,6 +268,9 @@ class NodeProcess:
             except (EOFError, OSError):
                 break
             if isinstance(msg, NodeStatus):
+                if msg.readiness is None and self.on_ready is not None:
+                    self.on_ready()
+                    self.on_ready = None
                 self.status.set(msg.readiness)
             elif isinstance(msg, NodeMetricsText):
                 self._metrics.put(msg)
