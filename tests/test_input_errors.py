@@ -96,6 +96,14 @@ def test_the_checkpoint_named_wrongly_names_where_it_came_from(tmp_path: Path,
     assert both["field"] == "MODEL" and "once" in both["fix"]
     # the same directory twice is one checkpoint: refused only for lacking config.json
     assert "no config.json" in run_cli(["serve", str(missing), "--model", str(missing) + "/"], capsys)["problem"]
+    # a config.json that is not JSON: its line and column (it was json.decoder's traceback), or not an object
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "deepseek_v3"\n')
+    not_json = run_cli(["serve", str(broken)], capsys)
+    assert not_json["field"] == "model.checkpoint_path" and "config.json line 2, column 1: not JSON" in not_json["problem"]
+    (broken / "config.json").write_text("[1]")
+    assert "config.json is a JSON list, not an object" in run_cli(["serve", str(broken)], capsys)["problem"]
 
 
 def test_a_hugging_face_repo_id_is_served_from_the_local_cache_or_says_how_to_get_it(

@@ -97,9 +97,10 @@ def read_document(path: str | Path, field: str, fix: str, fmt: Format = "yaml") 
         raise _yaml_error(exc, p, field, fix) from None
     if data is None and fmt == "yaml":
         data = {}
+    if not isinstance(data, dict) and fmt == "json":
+        raise VExpertInputError(field, f"{p} is a JSON {type(data).__name__}, not an object", fix)
     if not isinstance(data, dict):
-        kind = "JSON" if fmt == "json" else "YAML"
-        raise VExpertInputError(field, f"{p} holds a {kind} {type(data).__name__}, not a mapping of sections",
+        raise VExpertInputError(field, f"{p} holds a YAML {type(data).__name__}, not a mapping of sections",
                                 "the top level must be `section: …` keys")
     return Document(p, data, text)
 

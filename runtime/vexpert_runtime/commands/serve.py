@@ -270,8 +270,9 @@ def checkpoint_dir(value: str, field: str) -> tuple[Path, str]:
 
 def _model_config(model_dir: Path) -> dict[str, Any]:
     """The checkpoint's config.json (context length and vocabulary for the API's checks)."""
-    raw: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
-    return raw
+    from vexpert_runtime.model.checkpoint import read_checkpoint_config
+
+    return read_checkpoint_config(model_dir)
 
 
 def _log(line: str) -> None:

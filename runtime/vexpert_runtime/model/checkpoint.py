@@ -25,11 +25,12 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
 import torch
 
 from vexpert_runtime.config import ExpertComputeChoice
+from vexpert_runtime.documents import read_document
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.model.expert_format import (
     FP8_DTYPE,
@@ -68,18 +69,20 @@ def read_model_spec(path: str | Path, architecture: str = "auto") -> MoESpec:
     ``architecture`` forces the family (a name of :data:`~vexpert_runtime.model.families.FAMILIES`);
     "auto" reads ``model_type``.
     """
+    return spec_from_config(read_checkpoint_config(path), architecture, origin=str(Path(path) / CONFIG_FILE))
+
+
+def read_checkpoint_config(path: str | Path) -> dict[str, Any]:
+    """``path/config.json`` as a dict; a missing file, one that is not JSON (its line and column) or not an
+    object is a :class:`VExpertInputError` for ``model.checkpoint_path``."""
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
         raise VExpertInputError(
             "model.checkpoint_path", f"{config_path} not found", "point it at a directory with config.json"
         )
-    try:
-        raw = json.loads(config_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise VExpertInputError("model.checkpoint_path", f"{config_path} is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise VExpertInputError("model.checkpoint_path", f"{config_path} is a JSON {type(raw).__name__}, not an object")
-    return spec_from_config(raw, architecture, origin=str(config_path))
+    data: dict[str, Any] = read_document(config_path, "model.checkpoint_path", "use the checkpoint's own config.json",
+                                         fmt="json").data
+    return data
 
 
 def resolve_expert_storage(spec: MoESpec, requested: str, compute: str = "w8a16") -> MoESpec:
