@@ -125,6 +125,7 @@ def test_a_hugging_face_repo_id_is_served_from_the_local_cache_or_says_how_to_ge
     missing = run_cli(["serve", "org/missing"], capsys)
     assert missing["field"] == "MODEL" and "not in the Hugging Face cache" in missing["problem"]
     assert "hf download org/missing" in missing["fix"]
+    assert "no config.json" in run_cli(["serve", "./org-missing/x"], capsys)["problem"]  # a local path, not an id
     local = tmp_path / "org" / "tiny"
     local.mkdir(parents=True)
     (local / "config.json").write_text("{}")

@@ -239,7 +239,7 @@ def _model_dir(args: argparse.Namespace, configured: str) -> tuple[Path, str | N
     return ensure_demo_model(cache), None
 
 
-_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # org/name (not ./name, ../name: local paths)
 
 
 def checkpoint_dir(value: str, field: str) -> tuple[Path, str]:
