@@ -313,7 +313,9 @@ def test_a_requests_missing_sampling_fields_take_the_generation_configs_defaults
     before = server.api.config
     try:
         server.api.config = dataclasses.replace(before, sampling_defaults=SamplingDefaults(1.5, 1.0, 1, 0.0, 3))
-        result = client.completions.create(seed=9, **kwargs)  # top_k 1 by default: the greedy tokens, 3 of them
+        # top_k 1 by default: the greedy tokens, 3 of them (max_tokens null: the config's — left out, a completion
+        # takes OpenAI's and vLLM's 16)
+        result = client.completions.create(seed=9, max_tokens=None, **kwargs)
         assert (result.choices[0].text, result.choices[0].finish_reason) == (greedy, "length")
         assert client.completions.create(seed=9, max_tokens=4, **{**kwargs, "extra_body": {
             "ignore_eos": True, "top_k": -1}}).choices[0].text == hot  # sent fields win
@@ -929,6 +931,28 @@ def test_max_tokens_gives_length(client: openai.OpenAI) -> None:
     assert result.usage is not None and result.usage.completion_tokens == 3
 
 
+def test_a_request_without_model_or_max_tokens_gets_vllms_defaults(server: BackgroundServer) -> None:
+    """As vLLM 0.32: ``model`` may be left out (or null) — the served model answers and is named —, and a completion
+    without ``max_tokens`` stops after 16 tokens as OpenAI's legacy completions do (it ran to the end of the context:
+    a copied vLLM client call could generate thousands); ``max_tokens: null`` and a chat without it run to the end."""
+    def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        reply = httpx.post(f"{server.url}{path}", json={"temperature": 0.7, "seed": 3, "ignore_eos": True, **body},
+                           timeout=60)
+        assert reply.status_code == 200, reply.text
+        answer: dict[str, Any] = reply.json()
+        return answer
+
+    completion = post("/v1/completions", {"prompt": PROMPT})
+    assert completion["model"] == MODEL_NAME and completion["usage"]["completion_tokens"] == 16
+    prompt_tokens = completion["usage"]["prompt_tokens"]
+    unbounded = post("/v1/completions", {"model": None, "prompt": PROMPT, "max_tokens": None})
+    assert unbounded["usage"]["completion_tokens"] == MAX_CONTEXT - prompt_tokens
+    chat = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert chat["model"] == MODEL_NAME and chat["usage"]["completion_tokens"] + chat["usage"]["prompt_tokens"] == MAX_CONTEXT
+    response = post("/v1/responses", {"input": "hi", "max_output_tokens": 2})
+    assert response["model"] == MODEL_NAME and response["usage"]["output_tokens"] == 2
+
+
 def test_sixteen_concurrent_streams(client: openai.OpenAI, server: BackgroundServer) -> None:
     """16 streams at once all complete; each seeded stream samples what it samples alone."""
 
@@ -980,7 +1004,7 @@ def test_errors_are_openai_error_objects(server: BackgroundServer, client: opena
         ({"prompt": ["one", [3, 4]]}, "prompt"),  # one kind of prompt per batch
         ({"max_tokens": 0}, "max_tokens"),
         ({"prompt": [1, 10**6]}, "prompt"),
-        ({"model": None}, "model"),
+        ({"model": 5}, "model"),  # (left out or null: the served model, as vLLM's)
         ({"presence_penalty": 2.5}, "presence_penalty"),  # OpenAI's range: [-2, 2]
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),  # > 0

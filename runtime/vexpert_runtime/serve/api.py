@@ -989,6 +989,8 @@ class ServeApi:
         (:mod:`.responses_api`)."""
         resp = self._parse(ra.ResponsesRequest, await self._json(request))
         self._check_model(resp.model)
+        if resp.model is None:  # the response names the model it came from
+            resp = resp.model_copy(update={"model": self.config.model_name})
         if resp.previous_response_id is not None:
             if self.responses_store is None:
                 raise ApiError(400, "previous_response_id: this server stores no responses (start it with "
@@ -1072,8 +1074,9 @@ class ServeApi:
             message, param = oa.describe_validation_error(exc)
             raise ApiError(400, message, param=param, code="invalid_value") from None
 
-    def _check_model(self, model: str) -> None:
-        if model != self.config.model_name and model not in self.config.aliases:
+    def _check_model(self, model: str | None) -> None:
+        """A request for a model this server does not serve is a 404; None (left out) means the served one."""
+        if model is not None and model != self.config.model_name and model not in self.config.aliases:
             raise ApiError(
                 404,
                 f"the model '{model}' does not exist; this server serves '{self.config.model_name}'",
@@ -1130,7 +1133,8 @@ class ServeApi:
                 finished.add(index)
 
         choices = _ChoiceStreams(streams, observe)
-        job = _Job(request_id, [r.request_id for r in requests], oa.now(), req.model, chat, bool(req.stream),
+        job = _Job(request_id, [r.request_id for r in requests], oa.now(), req.model or self.config.model_name, chat,
+                   bool(req.stream),
                    req.include_usage, choices.__aiter__(), sum(map(len, prompts)), params[0].logprobs is not None, echo,
                    tool_format(req, self.config), finished,
                    isinstance(req, oa.ChatCompletionRequest) and req.parallel_tool_calls is False,

@@ -192,7 +192,7 @@ class _GenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: StrictStr
+    model: StrictStr | None = None  # None: the served model (vLLM's; OpenAI's clients always send it)
     n: StrictInt | None = Field(default=None, ge=1, le=MAX_CHOICES)
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
@@ -361,6 +361,9 @@ class _GenerationRequest(BaseModel):
         return self.max_tokens
 
 
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``: one prompt or a batch of them, as text or token ids (each prompt's ``n``
     choices in order: choice index = prompt index · n + i, as OpenAI's). ``logprobs`` k: each output
@@ -369,6 +372,9 @@ class CompletionRequest(_GenerationRequest):
     prompt's first token has none), as evaluation harnesses score a continuation."""
 
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    # 16 when left out, as OpenAI's legacy completions and vLLM's (a chat's: what the context leaves); null: what the
+    # context leaves (or the checkpoint's generation_config.json), as vLLM's
+    max_tokens: StrictInt | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool | None = False
     add_special_tokens: StrictBool = True  # vLLM's: a text prompt gets the tokenizer's special tokens (e.g. BOS)
