@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
@@ -78,6 +79,25 @@ def _add_reply_options(parser: argparse.ArgumentParser) -> None:
                              "character is still told apart)")
 
 
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    """How the model's weights, activations and KV cache are kept (each over the config's field)."""
+    parser.add_argument("--expert-format", choices=get_args(ExpertFormatChoice), default=None,
+                        help="how routed experts are kept (the config's model.expert_format, default auto): auto = as "
+                             "the checkpoint stores them (a block-FP8 checkpoint such as DeepSeek-V3's: FP8 rows, half "
+                             "the memory and slot copies, read as FP8 by the GPU kernel; CPU ranks keep dense rows), "
+                             "dense = in the model dtype (FP8 dequantised at load), fp8_block = FP8 rows (a dense "
+                             "checkpoint's experts quantised at load, 128x128 blocks)")
+    parser.add_argument("--dtype", choices=tuple(_DTYPES), default="auto",
+                        help="the compute dtype (the config's model.dtype; vLLM's names: half = float16, float = "
+                             "float32); auto = the config's, else bfloat16 on GPUs and float32 on CPU ranks")
+    parser.add_argument("--expert-compute", choices=get_args(ExpertComputeChoice), default=None,
+                        help=shared_help(EXPERT_COMPUTE_HELP + " (the config's model.expert_compute, default auto)"))
+    parser.add_argument("--linear-format", choices=get_args(LinearFormatChoice), default=None,
+                        help=shared_help(LINEAR_FORMAT_HELP + " (the config's model.linear_format, default dense)"))
+    parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDtype), default=None,
+                        help=shared_help(KV_CACHE_DTYPE_HELP + " (default: the config's runtime.kv_cache_dtype, else auto)"))
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "serve",
@@ -115,8 +135,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--max-waiting", type=int, default=128, help="queued requests per rank before 429")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="the longest sequence (prompt + output) served, at most the checkpoint's "
-                             "max_position_embeddings (default: that); a request's max_tokens defaults to what it "
-                             "leaves, and a rank's KV cache must hold one such sequence (vLLM's --max-model-len)")
+                             "max_position_embeddings (default: that); a chat's max_tokens defaults to what it "
+                             "leaves (a completion's to 16, as vLLM's), and a rank's KV cache must hold one such "
+                             "sequence (vLLM's --max-model-len)")
     parser.add_argument("--kv-cache-tokens", type=int, default=None,
                         help="KV-cache tokens per rank (default: on GPUs what --gpu-memory-utilization leaves, "
                              "on CPU 8 full contexts of --max-model-len)")
@@ -124,21 +145,7 @@ def register(subparsers: Any) -> None:
                         help="share of each GPU's memory a rank may fill; the paged KV cache gets what the weights, "
                              "experts, slots and a 2 GiB headroom leave of it (default: the config's "
                              "runtime.gpu_memory_utilization, else 0.9)")
-    parser.add_argument("--expert-format", choices=get_args(ExpertFormatChoice), default=None,
-                        help="how routed experts are kept (the config's model.expert_format, default auto): auto = as "
-                             "the checkpoint stores them (a block-FP8 checkpoint such as DeepSeek-V3's: FP8 rows, half "
-                             "the memory and slot copies, read as FP8 by the GPU kernel; CPU ranks keep dense rows), "
-                             "dense = in the model dtype (FP8 dequantised at load), fp8_block = FP8 rows (a dense "
-                             "checkpoint's experts quantised at load, 128x128 blocks)")
-    parser.add_argument("--dtype", choices=tuple(_DTYPES), default="auto",
-                        help="the compute dtype (the config's model.dtype; vLLM's names: half = float16, float = "
-                             "float32); auto = the config's, else bfloat16 on GPUs and float32 on CPU ranks")
-    parser.add_argument("--expert-compute", choices=get_args(ExpertComputeChoice), default=None,
-                        help=shared_help(EXPERT_COMPUTE_HELP + " (the config's model.expert_compute, default auto)"))
-    parser.add_argument("--linear-format", choices=get_args(LinearFormatChoice), default=None,
-                        help=shared_help(LINEAR_FORMAT_HELP + " (the config's model.linear_format, default dense)"))
-    parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDtype), default=None,
-                        help=shared_help(KV_CACHE_DTYPE_HELP + " (default: the config's runtime.kv_cache_dtype, else auto)"))
+    _add_model_options(parser)
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer <key>' on /v1/* (401 otherwise; /health and /metrics "
                              "stay open); default: the environment variable VEXPERT_API_KEY, else no key")
@@ -273,6 +280,10 @@ def _model_config(model_dir: Path) -> dict[str, Any]:
     from vexpert_runtime.model.checkpoint import read_checkpoint_config
 
     return read_checkpoint_config(model_dir)
+
+
+def _log_ready(ranks: int, started: float) -> None:
+    _log(f"ready for requests: {ranks} ranks loaded {time.monotonic() - started:.1f} s after the node's start")
 
 
 def _log(line: str) -> None:
@@ -528,10 +539,8 @@ def run(args: argparse.Namespace) -> int:
 
     # the supervisor and the allocator in a process of their own: the API process's one GIL is the
     # HTTP loop's, the tokenizer's and the ranks' events' (node/runtime_process.py says why)
-    started = time.monotonic()
     node = NodeProcess(ctx, setup, options, on_failure=node_failed,
-                       on_ready=lambda: _log(f"ready for requests: {setup.local_workers} ranks loaded "
-                                             f"{time.monotonic() - started:.1f} s after the node's start"))
+                       on_ready=partial(_log_ready, setup.local_workers, time.monotonic()))
     node.start()  # its workers load the model while this process loads the tokenizer
     # one API server: the drain's end stops the node; several: the node stops once all have drained
     # with prefix caching on several ranks, a prompt goes where its prefix was computed (prefix_routing.py)

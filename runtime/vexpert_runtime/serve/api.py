@@ -869,6 +869,13 @@ class _ChoiceStreams:
             pump.cancel()
 
 
+def check_model(config: ApiConfig, model: str | None) -> None:
+    """A request for a model this server does not serve is a 404; None (left out) means the served one."""
+    if model is not None and model != config.model_name and model not in config.aliases:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{config.model_name}'",
+                       param="model", code="model_not_found")
+
+
 class ServeApi:
     """The request handlers over a :class:`Dispatcher`; :meth:`app` builds the aiohttp app."""
 
@@ -961,7 +968,7 @@ class ServeApi:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         req = self._parse(oa.CompletionRequest, await self._json(request))
-        self._check_model(req.model)
+        check_model(self.config, req.model)
         prompts, texts = [], []
         for prompt in req.prompts():
             if isinstance(prompt, str):
@@ -981,14 +988,14 @@ class ServeApi:
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = self._parse(oa.ChatCompletionRequest, await self._json(request))
-        self._check_model(req.model)
+        check_model(self.config, req.model)
         return await self._chat(request, req)
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         """OpenAI's ``POST /v1/responses``: the chat completion it amounts to, answered as a response
         (:mod:`.responses_api`)."""
         resp = self._parse(ra.ResponsesRequest, await self._json(request))
-        self._check_model(resp.model)
+        check_model(self.config, resp.model)
         if resp.model is None:  # the response names the model it came from
             resp = resp.model_copy(update={"model": self.config.model_name})
         if resp.previous_response_id is not None:
@@ -1074,15 +1081,6 @@ class ServeApi:
             message, param = oa.describe_validation_error(exc)
             raise ApiError(400, message, param=param, code="invalid_value") from None
 
-    def _check_model(self, model: str | None) -> None:
-        """A request for a model this server does not serve is a 404; None (left out) means the served one."""
-        if model is not None and model != self.config.model_name and model not in self.config.aliases:
-            raise ApiError(
-                404,
-                f"the model '{model}' does not exist; this server serves '{self.config.model_name}'",
-                param="model",
-                code="model_not_found",
-            )
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -1287,7 +1285,7 @@ class _InfoRoutes:
             self.api._parse(oa.TokenizeChatRequest, body) if "messages" in body
             else self.api._parse(oa.TokenizeCompletionRequest, body))
         if req.model is not None:
-            self.api._check_model(req.model)
+            check_model(self.api.config, req.model)
         prompts = self.api.prompts
         if isinstance(req, oa.TokenizeChatRequest):
             ids = await prompts.run(partial(prompts.chat_ids, add_special_tokens=req.add_special_tokens,
@@ -1303,7 +1301,7 @@ class _InfoRoutes:
         """vLLM's ``POST /detokenize``: ``tokens`` (ids of the vocabulary, else a 400 naming them) as text."""
         req = self.api._parse(oa.DetokenizeRequest, await self.api._json(request))
         if req.model is not None:
-            self.api._check_model(req.model)
+            check_model(self.api.config, req.model)
         if any(not 0 <= token < self.api.config.vocab_size for token in req.tokens):
             raise ApiError(400, f"tokens: token ids must be in [0, {self.api.config.vocab_size})", param="tokens")
         return web.json_response({"prompt": await self.api.prompts.text(req.tokens)})
@@ -1329,7 +1327,7 @@ class _InfoRoutes:
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        self.api._check_model(name)
+        check_model(self.api.config, name)
         return web.json_response(oa.model_object(name, self.api.created, self.api.config.max_context))
 
 
