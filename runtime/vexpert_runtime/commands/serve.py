@@ -275,13 +275,6 @@ def checkpoint_dir(value: str, field: str) -> tuple[Path, str]:
     raise VExpertInputError(field, f"{path} has no config.json", "pass a local checkpoint directory")
 
 
-def _model_config(model_dir: Path) -> dict[str, Any]:
-    """The checkpoint's config.json (context length and vocabulary for the API's checks)."""
-    from vexpert_runtime.model.checkpoint import read_checkpoint_config
-
-    return read_checkpoint_config(model_dir)
-
-
 def _log_ready(ranks: int, started: float) -> None:
     _log(f"ready for requests: {ranks} ranks loaded {time.monotonic() - started:.1f} s after the node's start")
 
@@ -366,13 +359,14 @@ class _Served:
 
 
 def _resolve_served(args: argparse.Namespace, config: RuntimeConfig) -> _Served:
+    from vexpert_runtime.model.checkpoint import read_checkpoint_config
     from vexpert_runtime.node import resolve_setup
     from vexpert_runtime.serve.hf_model import checked_max_context
     from vexpert_runtime.serve.scheduler import SchedulerConfig
 
     model_dir, default_name = _model_dir(args, config.model.checkpoint_path)
     demo = default_name is None
-    model_config = _model_config(model_dir)
+    model_config = read_checkpoint_config(model_dir)  # context length and vocabulary for the API's checks
     max_context = checked_max_context(args.max_model_len, int(model_config.get("max_position_embeddings", 4096)))
     gpu_memory_utilization = resolve_gpu_memory_utilization(args.gpu_memory_utilization,
                                                             config.runtime.gpu_memory_utilization)

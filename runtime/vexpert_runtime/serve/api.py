@@ -869,9 +869,9 @@ class _ChoiceStreams:
             pump.cancel()
 
 
-def check_model(config: ApiConfig, model: str | None) -> None:
-    """A request for a model this server does not serve is a 404; None (left out) means the served one."""
-    if model is not None and model != config.model_name and model not in config.aliases:
+def check_model(config: ApiConfig, model: str) -> None:
+    """A request for a model this server does not serve is a 404."""
+    if model != config.model_name and model not in config.aliases:
         raise ApiError(404, f"the model '{model}' does not exist; this server serves '{config.model_name}'",
                        param="model", code="model_not_found")
 
@@ -996,8 +996,6 @@ class ServeApi:
         (:mod:`.responses_api`)."""
         resp = self._parse(ra.ResponsesRequest, await self._json(request))
         check_model(self.config, resp.model)
-        if resp.model is None:  # the response names the model it came from
-            resp = resp.model_copy(update={"model": self.config.model_name})
         if resp.previous_response_id is not None:
             if self.responses_store is None:
                 raise ApiError(400, "previous_response_id: this server stores no responses (start it with "
@@ -1075,12 +1073,13 @@ class ServeApi:
         return await asyncio.to_thread(parse_body, raw)
 
     def _parse(self, model: type[_Body], body: dict[str, Any]) -> _Body:
+        if body.get("model") is None:  # left out or null: the served model, as vLLM's (and the answer names it)
+            body = {**body, "model": self.config.model_name}
         try:
             return model.model_validate(body, context=self._validation_context)
         except ValidationError as exc:
             message, param = oa.describe_validation_error(exc)
             raise ApiError(400, message, param=param, code="invalid_value") from None
-
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -1131,8 +1130,7 @@ class ServeApi:
                 finished.add(index)
 
         choices = _ChoiceStreams(streams, observe)
-        job = _Job(request_id, [r.request_id for r in requests], oa.now(), req.model or self.config.model_name, chat,
-                   bool(req.stream),
+        job = _Job(request_id, [r.request_id for r in requests], oa.now(), req.model, chat, bool(req.stream),
                    req.include_usage, choices.__aiter__(), sum(map(len, prompts)), params[0].logprobs is not None, echo,
                    tool_format(req, self.config), finished,
                    isinstance(req, oa.ChatCompletionRequest) and req.parallel_tool_calls is False,
@@ -1284,8 +1282,7 @@ class _InfoRoutes:
         req: oa.TokenizeChatRequest | oa.TokenizeCompletionRequest = (
             self.api._parse(oa.TokenizeChatRequest, body) if "messages" in body
             else self.api._parse(oa.TokenizeCompletionRequest, body))
-        if req.model is not None:
-            check_model(self.api.config, req.model)
+        check_model(self.api.config, req.model)
         prompts = self.api.prompts
         if isinstance(req, oa.TokenizeChatRequest):
             ids = await prompts.run(partial(prompts.chat_ids, add_special_tokens=req.add_special_tokens,
@@ -1300,8 +1297,7 @@ class _InfoRoutes:
     async def detokenize(self, request: web.Request) -> web.Response:
         """vLLM's ``POST /detokenize``: ``tokens`` (ids of the vocabulary, else a 400 naming them) as text."""
         req = self.api._parse(oa.DetokenizeRequest, await self.api._json(request))
-        if req.model is not None:
-            check_model(self.api.config, req.model)
+        check_model(self.api.config, req.model)
         if any(not 0 <= token < self.api.config.vocab_size for token in req.tokens):
             raise ApiError(400, f"tokens: token ids must be in [0, {self.api.config.vocab_size})", param="tokens")
         return web.json_response({"prompt": await self.api.prompts.text(req.tokens)})

@@ -192,7 +192,7 @@ class _GenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: StrictStr | None = None  # None: the served model (vLLM's; OpenAI's clients always send it)
+    model: StrictStr  # left out or null: the served model's name, filled in by the API (vLLM's)
     n: StrictInt | None = Field(default=None, ge=1, le=MAX_CHOICES)
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
@@ -609,7 +609,7 @@ class TokenizeCompletionRequest(BaseModel):
     """``POST /tokenize`` of a text (vLLM's): its token ids as a completion prompt gets them."""
 
     model_config = ConfigDict(extra="ignore")
-    model: StrictStr | None = None
+    model: StrictStr  # left out or null: the served model's name (ServeApi._parse)
     prompt: StrictStr
     add_special_tokens: StrictBool = True  # vLLM's default for a text: the tokenizer's own (e.g. BOS) too
     return_token_strs: StrictBool | None = False
@@ -618,7 +618,7 @@ class TokenizeCompletionRequest(BaseModel):
 class TokenizeChatRequest(ChatTemplateInputs):
     """``POST /tokenize`` of a conversation (vLLM's): its token ids as a chat completion gets them."""
 
-    model: StrictStr | None = None
+    model: StrictStr  # left out or null: the served model's name (ServeApi._parse)
     return_token_strs: StrictBool | None = False
 
 
@@ -626,7 +626,7 @@ class DetokenizeRequest(BaseModel):
     """``POST /detokenize`` (vLLM's): token ids back to text."""
 
     model_config = ConfigDict(extra="ignore")
-    model: StrictStr | None = None
+    model: StrictStr  # left out or null: the served model's name (ServeApi._parse)
     tokens: list[StrictInt]
 
 

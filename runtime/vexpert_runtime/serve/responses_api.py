@@ -77,7 +77,7 @@ class ResponsesRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: StrictStr | None = None  # None: the served model (vLLM's); the response names it
+    model: StrictStr  # left out or null: the served model's name (ServeApi._parse)
     input: StrictStr | list[dict[str, Any]]
     instructions: StrictStr | None = None
     max_output_tokens: StrictInt | None = Field(default=None, ge=1)
