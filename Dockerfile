@@ -51,7 +51,7 @@ COPY --from=wheel /dist /dist
 # torch comes from the base image; the rest of the `runtime` extra is named here so that pip does not
 # replace the image's CUDA build of torch (tests/test_dockerfile.py keeps this list and the extra equal).
 RUN pip install --no-cache-dir "$(find /dist -name 'vexpert-*.whl')" "safetensors>=0.4" "numpy>=1.26" \
-        "transformers==5.17.0" "aiohttp>=3.9" "llguidance>=1.7" \
+        "transformers==5.17.0" "aiohttp>=3.9" "llguidance>=1.7" "huggingface-hub>=1.5,<2" \
     && rm -rf /dist \
     && groupadd --gid 10001 vexpert \
     && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/vexpert --shell /usr/sbin/nologin vexpert
