@@ -78,7 +78,7 @@
 #                profile, with the EP layer's share of a traced iteration (~6 min)
 #
 # Before the device call, here:  mkdir -p ab_old && git archive a2c4df7 runtime benchmarks | tar -x -C ab_old
-# and carry ab_old and .whl (pydantic wheels, py-spy): run(command="STAGE=ab OUT=$OUT ./benchmarks/gpu_pending.sh",
+# and carry ab_old and .whl (wheels of pydantic and its needs, llguidance, py-spy): run(command="STAGE=ab OUT=$OUT ./benchmarks/gpu_pending.sh",
 # carry=[".whl", "ab_old"]).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -87,6 +87,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 SITE=/tmp/site
+# the GPU host's image lacks these: stop at once, not after a server fails to start (run 37's first call lost two
+# benchmark rounds to a .whl without llguidance, which a rank imports at its start)
+PYTHONPATH=$SITE python3 -c "import pydantic, llguidance" || { echo "error: .whl lacks a wheel the runtime imports (pydantic, llguidance): download it here and carry .whl" >&2; exit 2; }
 HEAD_PATH="$SITE:$PWD/runtime:$PWD/tests"
 LOAD=(--duration 12 --warmup 4 --client-processes 4)
 bench() {  # bench TREE NAME ARGS...: serve_engine.py from TREE (. or ab_old) on the shared checkpoint
