@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # imported where used: `vexpert --help` and the other command
     from vexpert_runtime.serve.api import ApiConfig
     from vexpert_runtime.serve.multirank import MultiRankDispatcher
     from vexpert_runtime.serve.openai_api import SamplingDefaults
+    from vexpert_runtime.serve.rank import ServeWorkerArgs
     from vexpert_runtime.serve.scheduler import SchedulerConfig
 
 DEFAULT_PORT = 8000
@@ -96,6 +97,26 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help=shared_help(LINEAR_FORMAT_HELP + " (the config's model.linear_format, default dense)"))
     parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDtype), default=None,
                         help=shared_help(KV_CACHE_DTYPE_HELP + " (default: the config's runtime.kv_cache_dtype, else auto)"))
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """How a rank runs its steps and draws unseeded samples."""
+    parser.add_argument("--overlap-steps", choices=("auto", "on", "off"), default="auto",
+                        help="form iteration i+1 while the device runs iteration i (auto: with CUDA graphs; on CPU "
+                             "the step is done when launched, so 'on' only exercises the protocol)")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                        help="fuse the step's small pieces (norms, routers, rotary, the EP layer's dispatch "
+                             "bookkeeping, sampling) with torch.compile (auto: with CUDA graphs, where a step is "
+                             "captured once and replayed; compiles take about a minute at start, cached on disk)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run every step eagerly on GPUs: no CUDA graphs and, under --compile auto, no "
+                             "torch.compile (vLLM's): a start without the captures and compiles, for debugging or "
+                             "a short-lived server, at the cost of the step's speed (CPU ranks always run eagerly)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="the engine seed (vLLM's): a request without a seed of its own takes the next of a "
+                             "stream this starts on each rank, so a restarted server sent the same requests in the "
+                             "same order samples the same tokens; default: fresh entropy per request (vLLM's "
+                             "default is 0). A request's own seed always wins")
 
 
 def register(subparsers: Any) -> None:
@@ -169,13 +190,7 @@ def register(subparsers: Any) -> None:
                              "fcfs, first come first served (default; a request's priority must be 0), or priority: "
                              "by the request's priority (lower first), then arrival")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
-    parser.add_argument("--overlap-steps", choices=("auto", "on", "off"), default="auto",
-                        help="form iteration i+1 while the device runs iteration i (auto: with CUDA graphs; on CPU "
-                             "the step is done when launched, so 'on' only exercises the protocol)")
-    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                        help="fuse the step's small pieces (norms, routers, rotary, the EP layer's dispatch "
-                             "bookkeeping, sampling) with torch.compile (auto: with CUDA graphs, where a step is "
-                             "captured once and replayed; compiles take about a minute at start, cached on disk)")
+    _add_engine_options(parser)
     _add_reply_options(parser)
     parser.add_argument("--responses-store", type=int, default=0, metavar="N",
                         help="keep the last N Responses API responses of requests with store true in the API "
@@ -378,7 +393,7 @@ def _resolve_served(args: argparse.Namespace, config: RuntimeConfig) -> _Served:
     scheduler = SchedulerConfig(kv_budget_tokens=kv_tokens, max_batch_tokens=max_batch_tokens,
                                 max_running=max_running, max_waiting=args.max_waiting,
                                 stream_interval=args.stream_interval, prefix_caching=args.prefix_caching,
-                                scheduling_policy=args.scheduling_policy)
+                                scheduling_policy=args.scheduling_policy, seed=args.seed)
     scheduler.check(max_context)  # refuse impossible limits before any process starts
     defaults, notes = sampling_defaults(model_dir, args.generation_config)
     template = None if args.chat_template is None else load_chat_template(args.chat_template, model_dir)
@@ -410,7 +425,9 @@ def _start_message(served: _Served, args: argparse.Namespace, api_key: str | Non
     return (f"serving {what} as {served.name!r} on {args.host}:{args.port}{servers}: "
             f"{setup.local_workers} {setup.device} ranks in {setup.dtype}, {spec.num_layers} MoE layers × {spec.num_experts} "
             f"experts{rows}, G·Vmax = {setup.slots} slots per rank"
-            f"{'' if served.kv_cache_dtype == 'auto' else f', KV cache in {served.kv_cache_dtype}'}; {access}")
+            f"{'' if served.kv_cache_dtype == 'auto' else f', KV cache in {served.kv_cache_dtype}'}"
+            f"{', eager steps (--enforce-eager)' if args.enforce_eager and setup.device == 'cuda' else ''}"
+            f"{'' if args.seed is None else f', engine seed {args.seed}'}; {access}")
 
 
 def _api_config(served: _Served, args: argparse.Namespace, api_key: str | None) -> tuple[ApiConfig, Any]:
@@ -475,6 +492,20 @@ def sampling_defaults(model_dir: Path, mode: str) -> tuple[SamplingDefaults, lis
     return SamplingDefaults.from_generation_config(config)
 
 
+def rank_args(served: _Served, args: argparse.Namespace, requests: Any, events: Any) -> ServeWorkerArgs:
+    """What one rank serves with (``requests``: its inbound queue; ``events``: the API servers' queues)."""
+    from vexpert_runtime.serve.rank import ServeWorkerArgs
+
+    setup = served.setup
+    return ServeWorkerArgs(str(served.model_dir), served.scheduler, requests, events, served.gpu_memory_utilization,
+                           ranks_per_gpu=setup.workers_per_gpu, overlap_steps=_AUTO_ON_OFF[args.overlap_steps],
+                           compile=_AUTO_ON_OFF[args.compile], enforce_eager=args.enforce_eager,
+                           cpu_expert_kernel=args.cpu_expert_kernel, max_context=served.max_context,
+                           kv_cache_dtype=served.kv_cache_dtype, expert_format=setup.spec.expert_storage,
+                           expert_compute="w8a8" if setup.spec.fp8_activations else "w8a16",
+                           linear_format=setup.linear_format)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -486,7 +517,6 @@ def run(args: argparse.Namespace) -> int:
     from vexpert_runtime.serve.hf_model import DEFAULT_BLOCK_SIZE
     from vexpert_runtime.serve.metrics_share import MetricsShare
     from vexpert_runtime.serve.multirank import MultiRankDispatcher
-    from vexpert_runtime.serve.rank import ServeWorkerArgs
     from vexpert_runtime.workload import Workload
 
     api_key = _checked_api_key(args)
@@ -504,14 +534,7 @@ def run(args: argparse.Namespace) -> int:
     requests = [ctx.Queue() for _ in range(setup.local_workers)]
     options = NodeOptions(
         workload=Workload(tokens_per_worker=served.scheduler.max_running),  # sizes the allocator's decode batch
-        serve=[ServeWorkerArgs(str(served.model_dir), served.scheduler, inbound, events,
-                               served.gpu_memory_utilization, ranks_per_gpu=setup.workers_per_gpu,
-                               overlap_steps=_AUTO_ON_OFF[args.overlap_steps], compile=_AUTO_ON_OFF[args.compile],
-                               cpu_expert_kernel=args.cpu_expert_kernel, max_context=served.max_context,
-                               kv_cache_dtype=served.kv_cache_dtype, expert_format=setup.spec.expert_storage,
-                               expert_compute="w8a8" if setup.spec.fp8_activations else "w8a16",
-                               linear_format=setup.linear_format)
-               for inbound in requests],
+        serve=[rank_args(served, args, inbound, events) for inbound in requests],
         log=_log,
     )
     dispatcher: MultiRankDispatcher | None = None

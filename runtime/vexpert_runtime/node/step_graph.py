@@ -25,8 +25,10 @@ from vexpert_runtime.gc_heap import collector_paused
 GRAPHS_ENV = "VEXPERT_CUDA_GRAPHS"  # "0": run GPU steps eagerly (debugging)
 
 
-def graphs_enabled() -> bool:
-    return os.environ.get(GRAPHS_ENV, "1") != "0"
+def graphs_enabled(enforce_eager: bool = False) -> bool:
+    """Whether a GPU step may run as CUDA graphs: not under ``vexpert serve --enforce-eager``, nor with
+    VEXPERT_CUDA_GRAPHS=0 in the environment (any command)."""
+    return not enforce_eager and os.environ.get(GRAPHS_ENV, "1") != "0"
 
 
 # The step's stream above every other stream of the worker (CUDA: lower is higher; PyTorch offers -1 and 0):

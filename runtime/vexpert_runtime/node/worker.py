@@ -181,7 +181,8 @@ class _Worker:
         # the experts run as grouped GEMMs (the fp32 loop reads group ends on the host) and nothing
         # reads slots on the host per layer (a slot probe). CUDA only: a CPU step is eager.
         self.graphable = (self.device.type == "cuda" and grouped_gemm_runs(self.device, self.dtype)
-                          and not args.shared_gpu and args.probe is None and graphs_enabled())
+                          and not args.shared_gpu and args.probe is None
+                          and graphs_enabled(enforce_eager=args.serve is not None and args.serve.enforce_eager))
         self.probe: SlotProbe | None = args.probe() if args.probe is not None else None
         self.gc_clock = GcClock().install()
         self._gc_reported = (0.0, 0.0, 0.0)  # the clock's totals at the last report

@@ -69,6 +69,7 @@ class ServeWorkerArgs:
     ranks_per_gpu: int = 1  # workers sharing one GPU split its share evenly
     overlap_steps: bool | None = None  # launch step i+1 before reading step i; None: where CUDA graphs run
     compile: bool | None = None  # fuse the step's small pieces with torch.compile; None: where CUDA graphs run
+    enforce_eager: bool = False  # no CUDA graphs (--enforce-eager, vLLM's): every step runs eagerly
     cpu_expert_kernel: str = "auto"  # a CPU rank's resident expert kernel (expert_layout.CPU_EXPERT_KERNELS)
     max_context: int | None = None  # the longest sequence served (--max-model-len); None: the checkpoint's
     kv_cache_dtype: str = "auto"  # the KV cache's dtype (--kv-cache-dtype: auto, fp8, fp8_e4m3, fp8_e5m2)
@@ -150,7 +151,7 @@ class ServingRank:
         config = args.scheduler
         self.scheduler = Scheduler(self.model, tokenizer,
                                    replace(config, max_waiting=config.max_running + config.max_waiting),
-                                   eos_token_ids(tokenizer))
+                                   eos_token_ids(tokenizer), rank=rank)
         self.world = world
         self._init_outboxes(args.events)
         for events in self._queues:

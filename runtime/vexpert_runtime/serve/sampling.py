@@ -8,6 +8,7 @@ tokens whatever else shares its batch, and nothing carries state from one iterat
 
 from __future__ import annotations
 
+import random
 import secrets
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -23,9 +24,19 @@ _DETOKENIZE_CONTEXT = 6  # prompt tokens decoded before the first new one, so le
 _MASK32 = 0xFFFFFFFF
 
 
-def request_seed(seed: int | None) -> int:
-    """The seed a request samples with: its own (reduced to 63 bits), else fresh entropy."""
-    return seed % 2**63 if seed is not None else secrets.randbits(63)
+def engine_seeds(seed: int | None, rank: int) -> random.Random | None:
+    """The seeds one rank gives requests that bring none, under ``vexpert serve --seed`` (vLLM's engine seed): a
+    stream of its own per rank — two ranks of one seed must not hand identical prompts identical samples — that
+    repeats from the start after every restart. ``None`` (no ``--seed``): no stream, fresh entropy per request."""
+    return None if seed is None else random.Random(f"vexpert-serve/{seed}/{rank}")  # a str seeds by its SHA-512
+
+
+def request_seed(seed: int | None, engine: random.Random | None = None) -> int:
+    """The seed a request samples with: its own (reduced to 63 bits), else the next of the rank's ``engine`` stream
+    (:func:`engine_seeds`), else fresh entropy."""
+    if seed is not None:
+        return seed % 2**63
+    return engine.getrandbits(63) if engine is not None else secrets.randbits(63)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

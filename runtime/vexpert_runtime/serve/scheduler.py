@@ -71,7 +71,7 @@ from vexpert_runtime.serve.events import (
     with_token_ids,
 )
 from vexpert_runtime.serve.kv_cache import BlockPool, blocks_for, salt_digest, token_block_digests
-from vexpert_runtime.serve.sampling import IncrementalDetokenizer, StopChecker, request_seed
+from vexpert_runtime.serve.sampling import IncrementalDetokenizer, StopChecker, engine_seeds, request_seed
 from vexpert_runtime.serve.step import (
     PendingStep,
     PromptLogprobs,
@@ -100,7 +100,10 @@ class SchedulerConfig:
     a request's tokens go out as one event every this many (its first at once, its last with the
     finish): fewer, larger events and SSE chunks for the API process at hundreds of streams, for
     chunkier streams (SGLang's ``--stream-interval``; 1 sends every token); ``scheduling_policy``: the order
-    requests are admitted and preempted in (:mod:`.waiting_queue`: ``fcfs`` or ``priority``, vLLM's).
+    requests are admitted and preempted in (:mod:`.waiting_queue`: ``fcfs`` or ``priority``, vLLM's); ``seed``: the
+    engine seed (vLLM's ``--seed``) — a request that brings no seed takes the next of a stream it starts on each rank
+    (:func:`~vexpert_runtime.serve.sampling.engine_seeds`), so a restarted server sent the same requests in the same
+    order samples the same tokens.
     """
 
     kv_budget_tokens: int | None  # None: every block of the model's cache
@@ -110,6 +113,7 @@ class SchedulerConfig:
     stream_interval: int = 1
     prefix_caching: bool = False
     scheduling_policy: SchedulingPolicy = "fcfs"
+    seed: int | None = None  # requests without a seed draw theirs from this one's stream (--seed); None: fresh entropy
 
     def check(self, max_context: int, capacity_tokens: int | None = None) -> None:
         """Raise :class:`VExpertInputError` for limits that could never serve a valid request
@@ -440,12 +444,13 @@ def split_running(running: Iterable[_Sequence], block_size: int, max_context: in
 
 
 def new_sequence(seq_id: int, request: GenerationRequest, sink: EventSink, tokenizer: object, eos_ids: frozenset[int],
-                 vocab_size: int) -> _Sequence:
-    """A request's sequence, its stop strings, detokenizer, seed, logit biases and allowed tokens made."""
+                 vocab_size: int, seed: int) -> _Sequence:
+    """A request's sequence, its stop strings, detokenizer, logit biases and allowed tokens made; ``seed``: what it
+    samples with (:func:`~vexpert_runtime.serve.sampling.request_seed`)."""
     params = request.params
     seq = _Sequence(seq_id=seq_id, request=request, sink=sink, stop=StopChecker(params.stop, params.include_stop_str),
                     detokenizer=IncrementalDetokenizer(tokenizer, request.prompt_ids, params.skip_special_tokens),
-                    seed=request_seed(params.seed))
+                    seed=seed)
     seq.early_bias = early_bias(params, eos_ids, seq.bias)
     seq.reasoning = params.reasoning_end is not None
     if params.reasoning_end is not None and params.thinking_budget is not None:
@@ -503,7 +508,8 @@ class Scheduler:
     """Continuous batching over one :class:`StepModel` (see the module docstring)."""
 
     def __init__(
-        self, model: StepModel, tokenizer: object, config: SchedulerConfig, eos_ids: frozenset[int] = frozenset()
+        self, model: StepModel, tokenizer: object, config: SchedulerConfig, eos_ids: frozenset[int] = frozenset(),
+        rank: int = 0,
     ) -> None:
         self.pool = scheduler_pool(model, config)
         config.check(model.max_context, self.pool.capacity_tokens())
@@ -514,6 +520,7 @@ class Scheduler:
         self._grammars = GrammarTokens(tokenizer, model.vocab_size, eos_ids)  # llguidance's view of the tokenizer
         self._constrained = 0  # live sequences with a grammar or bad words (none: no such work per iteration)
         self._stream_interval = config.stream_interval  # read per token
+        self._engine_seeds = engine_seeds(config.seed, rank)  # None: unseeded requests take fresh entropy
         self._lock = threading.Lock()
         self._inbox: list[tuple[GenerationRequest, EventSink]] = []
         self._cancels: set[str] = set()
@@ -690,7 +697,8 @@ class Scheduler:
 
     def _new_sequence(self, request: GenerationRequest, sink: EventSink) -> _Sequence:
         self._next_seq_id += 1
-        return new_sequence(self._next_seq_id - 1, request, sink, self.tokenizer, self.eos_ids, self.model.vocab_size)
+        return new_sequence(self._next_seq_id - 1, request, sink, self.tokenizer, self.eos_ids, self.model.vocab_size,
+                            request_seed(request.params.seed, self._engine_seeds))
 
     def _split(self) -> tuple[list[_Sequence], list[_Sequence], int, int]:
         return split_running(self._running.values(), self.pool.block_size, self.model.max_context, self._constrained > 0)
