@@ -32,6 +32,7 @@ from vexpert_runtime.config import (
     KVCacheDtype,
     LinearFormatChoice,
 )
+from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.model.expert_layout import CPU_EXPERT_KERNELS
 from vexpert_runtime.serve.reasoning import ReasoningParser
 from vexpert_runtime.serve.tool_calls import PARSERS as TOOL_CALL_PARSERS
@@ -119,6 +120,49 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                              "default is 0). A request's own seed always wins")
 
 
+def _add_parallel_options(parser: argparse.ArgumentParser) -> None:
+    """vLLM's parallelism flags, as a vLLM command line brings them: vexpert's layout is vLLM's data parallelism with
+    expert parallelism (each rank holds the non-expert model, runs attention for its own sequences and holds a share
+    of the experts); tensor and pipeline parallelism are refused with what to pass instead."""
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                        help="EP ranks on this node: the first N visible GPUs, or N CPU workers (vLLM's data "
+                             "parallelism with --enable-expert-parallel: each rank runs attention for its own "
+                             "sequences and holds a share of the experts); default: every visible GPU, else "
+                             "--cpu-workers")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="1 only: ranks shard the experts, not the layers (pass --data-parallel-size N for N ranks)")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="1 only: every rank holds every layer")
+    parser.add_argument("--enable-expert-parallel", "-ep", action="store_true",
+                        help="accepted for vLLM's command lines: vexpert's ranks always shard the experts")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="accepted for vLLM's command lines: vexpert runs transformers' own model definitions "
+                             "(DeepSeek-V3, Qwen3-MoE, Qwen2-MoE), never code from the checkpoint")
+
+
+def _checked_parallel_ranks(args: argparse.Namespace, visible_gpus: int) -> int | None:
+    """The ranks ``--data-parallel-size`` asks for (None: the default layout), after refusing the parallelism vexpert
+    does not have; ``visible_gpus``: 0 where the ranks are CPU workers."""
+    for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
+                        ("--pipeline-parallel-size", args.pipeline_parallel_size)):
+        if value != 1:
+            raise VExpertInputError(
+                flag, f"{value}: vexpert does not split layers over GPUs — each rank holds the whole non-expert model "
+                "and a share of the experts (vLLM's --data-parallel-size with --enable-expert-parallel)",
+                f"drop {flag}; pass --data-parallel-size N for N ranks (default: every visible GPU)")
+    dp = args.data_parallel_size
+    if dp is None:
+        return None
+    if dp < 1:
+        raise VExpertInputError("--data-parallel-size", f"{dp} is not ≥ 1", "the EP ranks on this node, e.g. 8")
+    if visible_gpus and dp > visible_gpus:
+        raise VExpertInputError("--data-parallel-size", f"{dp} ranks need {dp} GPUs, {visible_gpus} visible",
+                                f"pass at most {visible_gpus}, or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+    if not visible_gpus and args.cpu_workers is not None and args.cpu_workers != dp:
+        raise VExpertInputError("--data-parallel-size", f"{dp} ranks, but --cpu-workers asks for {args.cpu_workers}",
+                                "pass one of the two (on CPU both name the worker processes)")
+    return dp
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "serve",
@@ -167,6 +211,7 @@ def register(subparsers: Any) -> None:
                              "experts, slots and a 2 GiB headroom leave of it (default: the config's "
                              "runtime.gpu_memory_utilization, else 0.9)")
     _add_model_options(parser)
+    _add_parallel_options(parser)
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer <key>' on /v1/* (401 otherwise; /health and /metrics "
                              "stay open); default: the environment variable VEXPERT_API_KEY, else no key")
@@ -235,7 +280,6 @@ def resolve_gpu_memory_utilization(cli: float | None, configured: float | None) 
     """The share of each GPU's memory a rank may fill: ``--gpu-memory-utilization`` if given, else the
     config's ``runtime.gpu_memory_utilization`` (validated when the config was read), else 0.9."""
     from vexpert_runtime.config import DEFAULT_GPU_MEMORY_UTILIZATION
-    from vexpert_runtime.errors import VExpertInputError
 
     if cli is None:
         return DEFAULT_GPU_MEMORY_UTILIZATION if configured is None else configured
@@ -247,7 +291,6 @@ def resolve_gpu_memory_utilization(cli: float | None, configured: float | None) 
 
 def _model_dir(args: argparse.Namespace, configured: str) -> tuple[Path, str | None]:
     """The checkpoint to serve and the model id it is served as by default (None: the embedded demo model)."""
-    from vexpert_runtime.errors import VExpertInputError
     from vexpert_runtime.serve.demo_model import ensure_demo_model
 
     if args.model_tag and args.model and Path(args.model_tag).resolve() != Path(args.model).resolve():
@@ -269,7 +312,6 @@ def checkpoint_dir(value: str, field: str) -> tuple[Path, str]:
     name), else a Hugging Face repo id (``org/name``) already in the local Hugging Face cache — where `vllm serve
     org/name` finds it — served as that id. Nothing is downloaded (a node pod has its checkpoint on a volume); a repo
     id not in the cache is an input error whose fix is the download command."""
-    from vexpert_runtime.errors import VExpertInputError
 
     path = Path(value).expanduser()
     if (path / "config.json").is_file():
@@ -301,7 +343,7 @@ def _log(line: str) -> None:
 def _checked_api_key(args: argparse.Namespace) -> str | None:
     """Refuse impossible flags before anything is loaded; the API key from ``--api-key``, else the
     environment (None: no key)."""
-    from vexpert_runtime.errors import CPU_WORKERS_MEANING, VExpertInputError, require_at_least
+    from vexpert_runtime.errors import CPU_WORKERS_MEANING, require_at_least
 
     require_at_least("--cpu-workers", args.cpu_workers, 1, CPU_WORKERS_MEANING)
     require_at_least("--stream-interval", args.stream_interval, 1, "tokens per streamed event (1: every token)")
@@ -337,11 +379,16 @@ def _runtime_config(args: argparse.Namespace) -> RuntimeConfig:
 
     from vexpert_runtime.config import RuntimeConfig, load_runtime_config
 
+    on_gpu = torch.cuda.is_available() and args.cpu_workers is None
+    asked = _checked_parallel_ranks(args, torch.cuda.device_count() if on_gpu else 0)
     if args.config:
         config = load_runtime_config(args.config)
+        local = args.cpu_workers or config.runtime.cpu_workers or config.parallelism.gpus_per_node
+        if asked is not None and asked != local:
+            raise VExpertInputError("--data-parallel-size", f"{asked} ranks, but --config runs {local} on this node",
+                                    "drop --data-parallel-size: the config's parallelism (gpus_per_node) sets them")
     else:
-        on_gpu = torch.cuda.is_available() and args.cpu_workers is None
-        ranks = torch.cuda.device_count() if on_gpu else (args.cpu_workers or 2)
+        ranks = asked or (torch.cuda.device_count() if on_gpu else (args.cpu_workers or 2))
         config = RuntimeConfig.model_validate({
             "model": {"dtype": "bfloat16" if on_gpu else "float32"},
             "parallelism": {"expert_parallel_size": ranks, "gpus_per_node": ranks},
@@ -451,7 +498,6 @@ def load_chat_template(value: str, model_dir: Path) -> str:
     tokenizer (an input error naming the flag: a missing file, a template Jinja cannot render)."""
     from transformers import AutoTokenizer
 
-    from vexpert_runtime.errors import VExpertInputError
 
     path = Path(value).expanduser()
     if path.is_file():
@@ -475,7 +521,6 @@ def sampling_defaults(model_dir: Path, mode: str) -> tuple[SamplingDefaults, lis
     """The sampling defaults ``--generation-config mode`` gives (``auto``: the checkpoint's
     generation_config.json where it has one, as vLLM does; ``vexpert``: the OpenAI API's), and the
     lines to log about them. A generation config that is not a JSON object is an input error."""
-    from vexpert_runtime.errors import VExpertInputError
     from vexpert_runtime.serve.openai_api import SamplingDefaults
 
     path = model_dir / "generation_config.json"

@@ -1,7 +1,8 @@
-"""The engine seed (``vexpert serve --seed``, vLLM's): requests that bring no seed take theirs from a stream the seed
-starts on each rank, so a restarted server sent the same requests in the same order samples the same tokens; two
-ranks of one seed draw different streams; a request's own seed wins; without ``--seed`` every request draws fresh
-entropy. And ``--enforce-eager`` (vLLM's) reaches the rank: no CUDA graphs."""
+"""vLLM's engine flags on ``vexpert serve``. The engine seed (``--seed``): requests that bring no seed take theirs
+from a stream the seed starts on each rank, so a restarted server sent the same requests in the same order samples the
+same tokens; two ranks of one seed draw different streams; a request's own seed wins; without ``--seed`` every
+request draws fresh entropy. ``--enforce-eager`` reaches the rank (no CUDA graphs). A vLLM command line's parallelism
+(``-dp N -ep --trust-remote-code``) starts N ranks; tensor and pipeline parallelism are refused saying what to pass."""
 
 from __future__ import annotations
 
@@ -93,3 +94,31 @@ def test_the_serve_flags_reach_the_rank(tmp_path: Path) -> None:
     assert not graphs_enabled(enforce_eager=True) and graphs_enabled(enforce_eager=False)
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--seed", "x"])
+
+
+def test_vllm_parallel_flags_map_to_ranks_or_say_what_to_pass(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A vLLM command line (``-dp N --enable-expert-parallel --trust-remote-code``) starts the same layout: N ranks,
+    each with a share of the experts; tensor and pipeline parallelism, which vexpert does not have, are one-line
+    errors saying what to pass instead."""
+    from test_input_errors import run_cli
+    from vexpert_runtime.commands import serve
+
+    build_tiny_checkpoint(tmp_path, "qwen3_moe")
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+
+    def local_ranks(*flags: str) -> int:
+        args = parser.parse_args(["serve", str(tmp_path), *flags])
+        return serve._resolve_served(args, serve._runtime_config(args)).setup.local_workers
+
+    assert local_ranks("--cpu-workers", "1", "-dp", "1", "-ep", "--trust-remote-code", "-tp", "1") == 1
+    capsys.readouterr()  # the checkpoint's progress bars: not the CLI's
+    if not torch.cuda.is_available():  # CPU workers: -dp names them as --cpu-workers does
+        assert local_ranks("--data-parallel-size", "4", "--enable-expert-parallel") == 4
+    for flag in ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size"):
+        match = run_cli(["serve", str(tmp_path), "--cpu-workers", "1", flag, "8"], capsys)
+        assert match["field"] in ("--tensor-parallel-size", "--pipeline-parallel-size")
+        assert "--data-parallel-size N" in match["fix"]
+    assert run_cli(["serve", str(tmp_path), "--cpu-workers", "2", "-dp", "3"], capsys)["field"] == "--data-parallel-size"
+    assert run_cli(["serve", str(tmp_path), "-dp", "0"], capsys)["field"] == "--data-parallel-size"
