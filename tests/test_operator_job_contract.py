@@ -129,7 +129,7 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # spec.runti
 
 def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) -> None:
     """The node pod's own command (`vexpert serve --config … --port … --api-servers 2 --stream-interval 2
-    --scheduling-policy priority --prefix-caching --max-model-len 1024 --max-num-seqs 8 --max-num-batched-tokens 64
+    --scheduling-policy priority --prefix-caching --seed 7 --enforce-eager --max-model-len 1024 --max-num-seqs 8 --max-num-batched-tokens 64
     --max-waiting 16 --tool-call-parser hermes --reasoning-parser deepseek_r1 --chat-template
     …`, CPU workers, the embedded demo model) on the operator's
     RuntimeConfig: /health turns 200, /v1/models names the context, a completion is served, and /metrics (on either API server) carries the serving series
@@ -146,7 +146,8 @@ def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) 
 
     s = spec(model={"name": "demo", "architecture": "deepseek_v3", "checkpoint": {"hostPath": "/models"}},
              parallelism={"expertParallelSize": 2, "gpusPerNode": 2}, runtime__apiServers=2, runtime__streamInterval=2,
-             runtime__schedulingPolicy="priority", runtime__prefixCaching=True, runtime__maxModelLen=1024,
+             runtime__schedulingPolicy="priority", runtime__prefixCaching=True, runtime__seed=7,
+             runtime__enforceEager=True, runtime__maxModelLen=1024,
              runtime__maxNumSeqs=8, runtime__maxNumBatchedTokens=64, runtime__maxWaiting=16, runtime__toolCallParser="hermes",
              runtime__reasoningParser="deepseek_r1", runtime__chatTemplate=TEMPLATE)
     group = plan_group(PlanInputs(name="d", namespace="ns", spec=s))
@@ -162,8 +163,8 @@ def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) 
     container = build_pod_template("d", s, group.sizing, "h", None)["spec"]["containers"][0]
     assert container["command"] == ["vexpert", "serve"]
     assert container["args"][4:] == ["--api-servers", "2", "--stream-interval", "2",
-                                     "--scheduling-policy", "priority", "--prefix-caching",
-                                     "--max-model-len", "1024", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+                                     "--scheduling-policy", "priority", "--prefix-caching", "--seed", "7",
+                                     "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
                                      "--max-waiting", "16", "--tool-call-parser", "hermes",
                                      "--reasoning-parser", "deepseek_r1", "--chat-template", TEMPLATE]
     port = free_port()
@@ -178,6 +179,7 @@ def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) 
         wait_healthy(proc, base, log, 120)
         models = json.loads(urllib.request.urlopen(base + "/v1/models", timeout=5).read())
         assert models["data"][0]["max_model_len"] == 1024  # the demo checkpoint's own is 4096
+        assert "engine seed 7" in log.read_text()
         body = json.dumps({"model": "vexpert-demo", "prompt": "Hello", "max_tokens": 4, "priority": -1}).encode()
         request = urllib.request.Request(base + "/v1/completions", data=body, headers={"content-type": "application/json"})
         answer = json.loads(urllib.request.urlopen(request, timeout=60).read())

@@ -361,6 +361,18 @@ class RuntimeSpec(CamelModel):
         "(--scheduling-policy, vLLM's): fcfs, first come first served (a request's priority must be 0), or "
         "priority: by the request's priority field (lower first), then arrival",
     )
+    seed: int | None = Field(
+        None,
+        description="The engine seed (--seed, vLLM's): a request without a seed of its own takes the next of a "
+        "stream this starts on each rank, so a restarted group sent the same requests in the same order samples "
+        "the same tokens. Unset: fresh entropy per such request (vLLM's default is 0)",
+    )
+    enforce_eager: bool = Field(
+        False,
+        description="Run every step eagerly (--enforce-eager, vLLM's): no CUDA graphs and no torch.compile, so a "
+        "rank starts without their captures and compiles and steps slower; for debugging a graph or compile "
+        "failure",
+    )
     max_model_len: int | None = Field(
         None, ge=2,
         description="The longest sequence (prompt + output) `vexpert serve` accepts (--max-model-len), at most the "

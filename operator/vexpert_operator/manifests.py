@@ -266,6 +266,10 @@ def _serve_args(spec: VExpertDeploymentSpec) -> list[str]:
         args += ["--scheduling-policy", spec.runtime.scheduling_policy]
     if spec.runtime.prefix_caching:
         args.append("--prefix-caching")
+    if spec.runtime.seed is not None:
+        args += ["--seed", str(spec.runtime.seed)]
+    if spec.runtime.enforce_eager:
+        args.append("--enforce-eager")
     if spec.runtime.max_model_len is not None:
         args += ["--max-model-len", str(spec.runtime.max_model_len)]
     for flag, value in (("--max-num-seqs", spec.runtime.max_num_seqs),
