@@ -700,6 +700,39 @@ def test_n_choices_are_admitted_all_or_none(checkpoint: Path, hf_model: Any) -> 
         srv.close()
 
 
+def test_ping_is_health_and_load_counts_the_generation_requests_being_answered(checkpoint: Path,
+                                                                                hf_model: Any) -> None:
+    """vLLM's ``/ping`` (GET and POST, SageMaker's health check) answers as ``/health``; ``GET /load`` is vLLM's
+    ``{"server_load": N}``: the generation requests this API server is answering, a stream until its end — not
+    the other routes, and back to 0 once they are done, a refused one too."""
+    srv = make_server(checkpoint, hf_model, max_running=1, max_batch_tokens=16)
+    srv.model.gate = threading.Event()  # steps block: the first request stays in flight
+
+    def load() -> int:
+        return int(httpx.get(f"{srv.url}/load", timeout=10).json()["server_load"])
+
+    try:
+        for method in ("GET", "POST"):
+            ping = httpx.request(method, f"{srv.url}/ping", timeout=10)
+            assert ping.status_code == 200 and ping.json() == {"status": "ok"}
+        assert load() == 0
+        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "stream": True}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            streamed = pool.submit(lambda: httpx.post(f"{srv.url}/v1/completions", json=body, timeout=30).text)
+            _wait_for(lambda: srv.dispatcher.loads()[0].running == 1)
+            assert load() == 1
+            bad = httpx.post(f"{srv.url}/v1/completions", json={**body, "max_tokens": -1}, timeout=30)
+            assert bad.status_code == 400
+            assert httpx.get(f"{srv.url}/v1/models", timeout=10).status_code == 200
+            assert load() == 1  # the refused request and the models route are over, the stream is not
+            srv.model.gate.set()
+            assert streamed.result().rstrip().endswith("data: [DONE]")
+        _wait_for(lambda: load() == 0)
+    finally:
+        srv.model.gate.set()
+        srv.close()
+
+
 def test_a_client_gone_cancels_every_choice(checkpoint: Path, hf_model: Any) -> None:
     srv = make_server(checkpoint, hf_model)
     srv.model.delay_s = 0.02

@@ -898,6 +898,7 @@ class ServeApi:
         self.metrics.registry.register(VllmSeries(self.metrics, lambda: self.config.model_name))
         self.created = oa.now()
         self.shutting_down = False
+        self.server_load = 0  # generation requests this API server is answering now (GET /load)
         self._token_texts = _TokenTexts(self.prompts.loop_tokenizer, tokenizer, self.prompts.pool)
         self.responses_store = ra.ResponseStore(config.responses_store) if config.responses_store > 0 else None
 
@@ -921,6 +922,8 @@ class ServeApi:
         app.router.add_post("/detokenize", info.detokenize)
         app.router.add_get("/version", info.version)
         app.router.add_get("/health", self._health)
+        app.router.add_route("*", "/ping", info.ping)  # (vLLM's and SageMaker's name of /health: GET and POST)
+        app.router.add_get("/load", info.load)
         app.router.add_get("/metrics", self._metrics)
         return app
 
@@ -931,6 +934,8 @@ class ServeApi:
         """Turn every failure into an OpenAI error object and count the generation requests; stamp
         the request's arrival (its latencies count from there, as vLLM's do)."""
         request[_ARRIVED] = time.monotonic()
+        generation = request.path in GENERATION_ENDPOINTS
+        self.server_load += generation  # until its reply (a stream: its last chunk) is written: vLLM's /load
         try:
             if self.config.api_key and (request.path.startswith("/v1/") or request.path in _TOKENIZER_ENDPOINTS):
                 self._authorize(request, self.config.api_key)
@@ -946,7 +951,9 @@ class ServeApi:
         except Exception:
             log.exception("unhandled error serving %s %s", request.method, request.path)
             response = ApiError(500, "internal server error", "server_error", code="internal_error").response()
-        if request.path in GENERATION_ENDPOINTS:
+        finally:
+            self.server_load -= generation
+        if generation:
             self.metrics.requests.labels(request.path, str(response.status)).inc()
         return response
 
@@ -1270,8 +1277,9 @@ class ServeApi:
 
 
 class _InfoRoutes:
-    """The routes that answer about the served model and its tokenizer: ``/v1/models`` (and one model), vLLM's
-    ``/tokenize``, ``/detokenize`` and ``/version`` — over a :class:`ServeApi`'s config, body reading and prompts."""
+    """The routes that answer about the served model, its tokenizer and the server: ``/v1/models`` (and one model),
+    vLLM's ``/tokenize``, ``/detokenize``, ``/version``, ``/ping`` and ``/load`` — over a :class:`ServeApi`'s config,
+    body reading and prompts."""
 
     def __init__(self, api: ServeApi) -> None:
         self.api = api
@@ -1315,6 +1323,14 @@ class _InfoRoutes:
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": __version__})
+
+    async def ping(self, request: web.Request) -> web.Response:
+        return await self.api._health(request)
+
+    async def load(self, request: web.Request) -> web.Response:
+        """vLLM's ``GET /load``: the generation requests this API server is answering now (each of several API
+        servers its own connections'; vLLM counts them with --enable-server-load-tracking, here always)."""
+        return web.json_response({"server_load": self.api.server_load})
 
     async def models(self, request: web.Request) -> web.Response:
         config = self.api.config
