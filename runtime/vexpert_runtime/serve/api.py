@@ -76,6 +76,7 @@ from vexpert_runtime import __version__
 from vexpert_runtime.errors import VExpertInputError
 from vexpert_runtime.gc_heap import GcClock, freeze_heap
 from vexpert_runtime.ports import listen_error
+from vexpert_runtime.serve import messages_api as ma
 from vexpert_runtime.serve import openai_api as oa
 from vexpert_runtime.serve import responses_api as ra
 from vexpert_runtime.serve.api_errors import ApiError, refusal_error
@@ -127,7 +128,7 @@ _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _Body = TypeVar("_Body", bound=BaseModel)
 _Result = TypeVar("_Result")
-GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 # vLLM's, outside /v1 and open there; here behind the API key like /v1 (each runs the tokenizer for anyone who asks)
 _TOKENIZER_ENDPOINTS = ("/tokenize", "/detokenize")
 
@@ -568,9 +569,9 @@ async def _response_writes(job: _Job, store: ra.ResponseStore | None, token_text
     an error ends it with ``response.failed``. Where the request asks for log-probabilities a content delta carries
     its tokens' (``token_texts`` names them) — with those of tokens that wrote no text yet (half a character), not
     those of a stretch that was reasoning only (as vLLM's stream)."""
-    assert job.responses is not None
-    store = store if job.responses.store else None
-    events = ra.ResponseEvents(job.request_id, job.created, job.responses, store=store is not None)
+    assert isinstance(job.reply_api, ra.ResponsesRequest)
+    store = store if job.reply_api.store else None
+    events = ra.ResponseEvents(job.request_id, job.created, job.reply_api, store=store is not None)
     yield events.start()
     reply = _StreamedReply(job)
     counts = _UsageCounts()
@@ -595,7 +596,29 @@ async def _response_writes(job: _Job, store: ra.ResponseStore | None, token_text
             counts.add(job, index, last)
             yield out + events.finish(last.finish_reason, ra.usage_object(counts.usage(job)))
             if store is not None and events.final is not None:
-                store.put(events.final, job.responses)
+                store.put(events.final, job.reply_api)
+            continue  # (read to the end: see _collect)
+        if out:
+            yield out
+
+
+async def _message_writes(job: _Job) -> AsyncIterator[bytes]:
+    """A streamed Messages API answer (:class:`~.messages_api.MessageEvents`): its thinking, text and tool calls as
+    content blocks as they come, the stop reason and usage at the end; an error ends it with an ``error`` event."""
+    events = ma.MessageEvents(job.request_id, job.model, job.prompt_tokens)
+    yield events.start()
+    reply = _StreamedReply(job)
+    async for _, batch in job.events:
+        last = batch[-1]
+        thought, text, deltas, _ = reply.push("".join([event.text for event in batch]), last.finished)
+        out = (events.thinking(thought) if job.reasoning is not None and job.reasoning.shown else b"") + \
+            events.text(text) + events.calls(deltas)
+        if last.finished:
+            error = _failed(last)
+            if error is not None:
+                yield out + events.failed(str(error))
+                return
+            yield out + events.finish(last.finish_reason, last.completion_tokens)
             continue  # (read to the end: see _collect)
         if out:
             yield out
@@ -798,7 +821,8 @@ class _Job:
     reasoning: ReplyReasoning | None = None  # chat replies split into reasoning and content (--reasoning-parser)
     choices_per_prompt: int = 1  # n: choice c is of prompt c // n
     generated: list[int] | None = None  # vLLM's continuous_usage_stats: each choice's tokens so far (else None)
-    responses: ra.ResponsesRequest | None = None  # the Responses API request it answers (else chat or completions)
+    # the Responses or Messages API request it answers (else chat or completions)
+    reply_api: ra.ResponsesRequest | ma.MessagesRequest | None = None
 
     @property
     def done(self) -> bool:
@@ -913,8 +937,10 @@ class ServeApi:
         app = web.Application(middlewares=[self._errors], client_max_size=self.config.body_limit)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
-        app.router.add_post("/v1/responses", self._responses)
-        info = _InfoRoutes(self)
+        info, other = _InfoRoutes(self), _OtherApiRoutes(self)
+        app.router.add_post("/v1/responses", other.responses)
+        app.router.add_post("/v1/messages", other.messages)
+        app.router.add_post("/v1/messages/count_tokens", other.count_tokens)
         app.router.add_get("/v1/responses/{response_id}", info.stored_response)
         app.router.add_get("/v1/models", info.models)
         app.router.add_get("/v1/models/{model:.+}", info.model)  # (a model id may hold slashes: org/name)
@@ -953,19 +979,24 @@ class ServeApi:
             response = ApiError(500, "internal server error", "server_error", code="internal_error").response()
         finally:
             self.server_load -= generation
+        if request.path.startswith(ma.ROUTE) and response.status >= 400 and isinstance(response, web.Response):
+            response.text = json.dumps(ma.error_body(json.loads(response.text or "{}"), response.status))
         if generation:
             self.metrics.requests.labels(request.path, str(response.status)).inc()
         return response
 
     @staticmethod
     def _authorize(request: web.Request, key: str) -> None:
-        """``Authorization: Bearer <key>`` or a 401 (compared in constant time)."""
+        """``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``) or a 401 (compared in constant time)."""
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if "x-api-key" in request.headers:
+            scheme, token = "bearer", request.headers["x-api-key"]
         given = token.strip().encode("utf-8", "surrogateescape")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.encode("utf-8")):
             raise ApiError(
                 401,
-                "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key the server "
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>' (or 'x-api-key: <key>') with "
+                "the key the server "
                 "was started with (--api-key or VEXPERT_API_KEY)",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
@@ -998,33 +1029,8 @@ class ServeApi:
         check_model(self.config, req.model)
         return await self._chat(request, req)
 
-    async def _responses(self, request: web.Request) -> web.StreamResponse:
-        """OpenAI's ``POST /v1/responses``: the chat completion it amounts to, answered as a response
-        (:mod:`.responses_api`)."""
-        resp = self._parse(ra.ResponsesRequest, await self._json(request))
-        check_model(self.config, resp.model)
-        if resp.previous_response_id is not None:
-            if self.responses_store is None:
-                raise ApiError(400, "previous_response_id: this server stores no responses (start it with "
-                               "--responses-store N): send the whole conversation as input",
-                               param="previous_response_id")
-            try:
-                resp = self.responses_store.continued(resp)
-            except KeyError:
-                raise ApiError(404, f"previous_response_id: no stored response {resp.previous_response_id!r} (this "
-                               f"server keeps its last {self.responses_store.capacity})",
-                               param="previous_response_id") from None
-        try:
-            body = ra.chat_body(resp)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param=str(exc).split(":")[0]) from None
-        try:
-            return await self._chat(request, self._parse(oa.ChatCompletionRequest, body), resp)
-        except ApiError as exc:  # a chat field's error, named as the Responses API names the field
-            raise _renamed(exc, ra.FIELD_NAMES) from None
-
     async def _chat(self, request: web.Request, req: oa.ChatCompletionRequest,
-                    responses: ra.ResponsesRequest | None = None) -> web.StreamResponse:
+                    reply_api: ra.ResponsesRequest | ma.MessagesRequest | None = None) -> web.StreamResponse:
         if req.calls_tools and req.forced_tool_choice is None and self.config.tool_call_parser is None:
             raise ApiError(400, 'tool_choice: this server reads no tool calls (start it with --tool-call-parser '
                            'hermes for Qwen / Hermes models, qwen3_coder for Qwen3-Coder, deepseek_v3 for DeepSeek-V3, '
@@ -1037,7 +1043,7 @@ class ServeApi:
         fmt = REASONING_PARSERS.get(self.config.reasoning_parser or "")
         reasoning = None if fmt is None else ReplyReasoning(fmt, fmt.starts_in_reasoning(
             req.chat_template_kwargs, await self.prompts.text(prompt_ids[-8:])), req.include_reasoning)
-        return await self._generate(request, req, [prompt_ids], chat=True, reasoning=reasoning, responses=responses)
+        return await self._generate(request, req, [prompt_ids], chat=True, reasoning=reasoning, reply_api=reply_api)
 
     async def _health(self, request: web.Request) -> web.Response:
         reason = "shutting down" if self.shutting_down else self.dispatcher.ready()
@@ -1098,19 +1104,20 @@ class ServeApi:
         chat: bool,
         echo: list[tuple[str, int]] | None = None,
         reasoning: ReplyReasoning | None = None,
-        responses: ra.ResponsesRequest | None = None,
+        reply_api: ra.ResponsesRequest | ma.MessagesRequest | None = None,
     ) -> web.StreamResponse:
         """Submit the request's choices (``n`` per prompt) to the dispatcher — all of them or none (a
         refusal of one cancels those queued before it) — and answer as one JSON body or an SSE stream
         (``echo``: each choice's prompt text and first token, to lead its text and log-probabilities; ``reasoning``:
-        how a chat reply's reasoning is told from its content; ``responses``: the Responses API request it answers)."""
+        how a chat reply's reasoning is told from its content; ``reply_api``: the Responses or Messages API request it
+        answers)."""
         bad = await self.prompts.run(self.prompts.bad_words, req.bad_words, sum(map(len, req.bad_words))) \
             if req.bad_words else ()
         after = self.prompts.single_token(reasoning.fmt.end) if reasoning is not None and reasoning.in_reasoning else None
         params = [sampling_params(req, len(prompt_ids), chat, self.config, bad, after,
                                   reasoning is not None and reasoning.in_reasoning) for prompt_ids in prompts]
-        request_id = f"resp_{uuid.uuid4().hex}" if responses is not None else oa.new_request_id(
-            "chatcmpl" if chat else "cmpl")
+        request_id = f"resp_{uuid.uuid4().hex}" if isinstance(reply_api, ra.ResponsesRequest) else \
+            ma.new_message_id() if reply_api is not None else oa.new_request_id("chatcmpl" if chat else "cmpl")
         requests = choice_requests(request_id, [(tuple(ids), p) for ids, p in zip(prompts, params, strict=True)],
                                    req.choices, request_priority(req, self.config))
         if self.shutting_down:
@@ -1144,7 +1151,7 @@ class ServeApi:
                    req.prompt_logprobs is not None,
                    [list(ids) for ids in prompts for _ in range(req.choices)] if req.return_token_ids else None,
                    self.config.tokens_as_ids if req.return_tokens_as_token_ids is None else req.return_tokens_as_token_ids,
-                   reasoning, req.choices, [0] * len(requests) if req.continuous_usage else None, responses)
+                   reasoning, req.choices, [0] * len(requests) if req.continuous_usage else None, reply_api)
         try:
             return await (self._stream(request, job) if job.stream else self._collect(job))
         finally:
@@ -1189,15 +1196,20 @@ class ServeApi:
             else None, token_ids[i] if job.prompt_ids is not None else None,
             job.prompt_ids[i] if job.prompt_ids is not None else None)))
             for i, parts in enumerate(texts)]
-        if job.responses is not None:
+        if isinstance(job.reply_api, ma.MessagesRequest):
+            (choice,) = choices
+            return web.json_response(ma.message_object(job.request_id, job.model, choice.reasoning, choice.text,
+                                                       choice.tool_calls or [], choice.finish_reason,
+                                                       ma.usage_object(counts.usage(job))))
+        if job.reply_api is not None:
             (choice,) = choices
             output = ra.output_items(choice.reasoning, choice.text, choice.tool_calls or [],
                                      (choice.logprobs or {}).get("content"))
-            store = self.responses_store if job.responses.store else None
-            response = ra.response_object(job.request_id, job.created, job.responses, output, choice.finish_reason,
+            store = self.responses_store if job.reply_api.store else None
+            response = ra.response_object(job.request_id, job.created, job.reply_api, output, choice.finish_reason,
                                           ra.usage_object(counts.usage(job)), store=store is not None)
             if store is not None:
-                store.put(response, job.responses)
+                store.put(response, job.reply_api)
             return web.json_response(response)
         build = oa.chat_response if job.chat else oa.completion_response
         return web.json_response(build(job.request_id, job.created, job.model, choices, counts.usage(job)))
@@ -1212,8 +1224,10 @@ class ServeApi:
         )
         await response.prepare(request)
         try:
-            async for data in (_response_writes(job, self.responses_store, self._token_texts) if job.responses is not None
-                               else self._sse_writes(job)):
+            writes = _message_writes(job) if isinstance(job.reply_api, ma.MessagesRequest) else \
+                _response_writes(job, self.responses_store, self._token_texts) if job.reply_api is not None \
+                else self._sse_writes(job)
+            async for data in writes:
                 await response.write(data)
             await response.write_eof()
         except ConnectionError:  # the client went away mid-stream; _generate cancels the request
@@ -1341,6 +1355,70 @@ class _InfoRoutes:
         name = request.match_info["model"]
         check_model(self.api.config, name)
         return web.json_response(oa.model_object(name, self.api.created, self.api.config.max_context))
+
+
+class _OtherApiRoutes:
+    """The other APIs whose requests become chat completions: OpenAI's Responses API (:mod:`.responses_api`) and
+    Anthropic's Messages API (:mod:`.messages_api`) — over a :class:`ServeApi`'s chat path."""
+
+    def __init__(self, api: ServeApi) -> None:
+        self.api = api
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's ``POST /v1/responses``: the chat completion it amounts to, answered as a response
+        (:mod:`.responses_api`)."""
+        api = self.api
+        resp = api._parse(ra.ResponsesRequest, await api._json(request))
+        check_model(api.config, resp.model)
+        if resp.previous_response_id is not None:
+            if api.responses_store is None:
+                raise ApiError(400, "previous_response_id: this server stores no responses (start it with "
+                               "--responses-store N): send the whole conversation as input",
+                               param="previous_response_id")
+            try:
+                resp = api.responses_store.continued(resp)
+            except KeyError:
+                raise ApiError(404, f"previous_response_id: no stored response {resp.previous_response_id!r} (this "
+                               f"server keeps its last {api.responses_store.capacity})",
+                               param="previous_response_id") from None
+        try:
+            body = ra.chat_body(resp)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=str(exc).split(":")[0]) from None
+        try:
+            return await api._chat(request, api._parse(oa.ChatCompletionRequest, body), resp)
+        except ApiError as exc:  # a chat field's error, named as the Responses API names the field
+            raise _renamed(exc, ra.FIELD_NAMES) from None
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's ``POST /v1/messages``: the chat completion it amounts to, answered as a message."""
+        api = self.api
+        req = api._parse(ma.MessagesRequest, await api._json(request))
+        check_model(api.config, req.model)
+        chat = self._chat_request(req)
+        try:
+            return await api._chat(request, chat, req)
+        except ApiError as exc:  # a chat field's error, named as the Messages API names the field
+            raise _renamed(exc, ma.FIELD_NAMES) from None
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's ``POST /v1/messages/count_tokens``: the prompt's tokens, as ``/v1/messages`` would run it."""
+        api = self.api
+        req = api._parse(ma.CountTokensRequest, await api._json(request))
+        check_model(api.config, req.model)
+        chat = self._chat_request(req)
+        ids = await api.prompts.run(partial(api.prompts.chat_ids, add_special_tokens=chat.add_special_tokens,
+                                            chat_template=api.config.chat_template), chat,
+                                    sum(len(m.text()) for m in chat.messages))
+        return web.json_response({"input_tokens": len(ids)})
+
+    def _chat_request(self, req: ma.MessagesRequest | ma.CountTokensRequest) -> oa.ChatCompletionRequest:
+        try:
+            return self.api._parse(oa.ChatCompletionRequest, ma.chat_body(req))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=str(exc).split(":")[0]) from None
+        except ApiError as exc:
+            raise _renamed(exc, ma.FIELD_NAMES) from None
 
 
 class ApiServer:
