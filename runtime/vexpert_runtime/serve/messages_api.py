@@ -127,12 +127,12 @@ def chat_body(req: MessagesRequest | CountTokensRequest) -> Json:
             raise ValueError(f"tools.{i}.type: server tools ({tool.type}) are not served: send client tools "
                              "(name, description, input_schema)")
     choice = req.tool_choice
-    if req.tools and (choice is None or choice.type != "none"):
+    if req.tools:  # (tool_choice none: the template still shows them, the reply is text)
         body["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type", "input_schema"},
                                                                           exclude_none=True)
                           | {"parameters": tool.input_schema}} for tool in req.tools]
         if choice is not None:
-            body["tool_choice"] = {"auto": "auto", "any": "required"}.get(choice.type) or {
+            body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {
                 "type": "function", "function": {"name": choice.name}}
             body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
     output = req.output_config or OutputConfig()
