@@ -109,6 +109,16 @@ def test_a_message_has_the_tokens_of_its_chat_completion_whole_and_streamed(serv
     assert final.content[0].text == message.content[0].text  # type: ignore[union-attr]
     assert (final.stop_reason, final.usage.output_tokens) == (message.stop_reason, message.usage.output_tokens)
     assert int(httpx.get(f"{srv.url}/load", timeout=10).json()["server_load"]) == 0
+    full = client.messages.create(**{**asked, "extra_body": {"temperature": 0, "ignore_eos": True}}).content[0].text  # type: ignore[union-attr]
+    stop = full[4:7]
+    stopped = client.messages.create(**{**asked, "extra_body": {"temperature": 0, "ignore_eos": True}},
+                                     stop_sequences=["never appears", stop])
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
+    assert stopped.content[0].text == full[: full.index(stop)]  # type: ignore[union-attr]
+    with client.messages.stream(**{**asked, "extra_body": {"temperature": 0, "ignore_eos": True}},
+                                stop_sequences=[stop]) as stream:
+        streamed = stream.get_final_message()
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
 
 
 def test_errors_take_anthropics_shape(served: Any) -> None:

@@ -245,8 +245,13 @@ def test_stop_strings_are_trimmed(client: openai.OpenAI) -> None:
     expected = full[: full.index(stop)]
     result = client.completions.create(stop=[stop, "never appears"], extra_body={"ignore_eos": True}, **kwargs)
     assert (result.choices[0].text, result.choices[0].finish_reason) == (expected, "stop")
-    chunks = client.completions.create(stop=stop, stream=True, extra_body={"ignore_eos": True}, **kwargs)
+    assert result.choices[0].model_extra["stop_reason"] == stop  # vLLM's: the stop string that ended it
+    chunks = list(client.completions.create(stop=stop, stream=True, extra_body={"ignore_eos": True}, **kwargs))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert [c.choices[0].model_extra["stop_reason"] for c in chunks if c.choices and c.choices[0].finish_reason] == [stop]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": PROMPT}],
+                                          max_tokens=3, temperature=0, stop=["never appears"])
+    assert chat.choices[0].model_extra["stop_reason"] is None  # ended by its length
     # vLLM's include_stop_str_in_output: the stop string ends the text
     body = {"ignore_eos": True, "include_stop_str_in_output": True}
     included = client.completions.create(stop=[stop, "never appears"], extra_body=body, **kwargs).choices[0]
@@ -274,6 +279,7 @@ def test_top_k_min_p_and_stop_token_ids_are_honoured(client: openai.OpenAI, hf_m
     result = client.completions.create(temperature=0, extra_body={"ignore_eos": True, "stop_token_ids": [generated[at]]},
                                        **kwargs)
     assert result.choices[0].finish_reason == "stop"
+    assert result.choices[0].model_extra["stop_reason"] == generated[at]  # vLLM's: the stop token
     assert result.usage is not None and result.usage.completion_tokens == at + 1
     assert result.choices[0].text == tokenizer.decode(generated[:at], skip_special_tokens=True)
 
@@ -1234,7 +1240,7 @@ def test_shutdown_drains_in_flight_requests(checkpoint: Path, hf_model: Any) -> 
             refused = httpx.post(url, json=body, timeout=10)
             assert _error(refused, 503)["code"] == "shutting_down" and "Retry-After" in refused.headers
             assert plain.result().json()["choices"][0]["finish_reason"] == "length"
-            assert streamed.result().text.endswith('"finish_reason": "length"}]}\n\ndata: [DONE]\n\n')
+            assert streamed.result().text.endswith('"finish_reason": "length", "stop_reason": null}]}\n\ndata: [DONE]\n\n')
             stopping.result(30)
         assert sorted(srv.model.released) == [0, 1] and not srv.model.held
     finally:

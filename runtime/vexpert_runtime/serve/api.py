@@ -618,7 +618,7 @@ async def _message_writes(job: _Job) -> AsyncIterator[bytes]:
             if error is not None:
                 yield out + events.failed(str(error))
                 return
-            yield out + events.finish(last.finish_reason, last.completion_tokens)
+            yield out + events.finish(last.finish_reason, last.completion_tokens, stop_reason(last))
             continue  # (read to the end: see _collect)
         if out:
             yield out
@@ -717,14 +717,25 @@ def _finish_parts(job: _Job, index: int, last: Event, error: ApiError | None, ca
     """A choice's finish chunk (or the error that ends the response) — the usage chunk and ``[DONE]`` after the
     last choice's (``counts``: all choices' so far)."""
     reason = calls_finish_reason(job.tools, last.finish_reason or "stop") if called and job.tools else last.finish_reason
-    parts = [_sse(error.body if error is not None else _chunk(
-        job, index, None, reason, token_ids=[] if job.prompt_ids is not None else None))]
+    parts = [_sse(error.body if error is not None else _finish_chunk(job, index, last, reason))]
     if job.done or error is not None:
         if job.include_usage:
             obj = "chat.completion.chunk" if job.chat else "text_completion"
             parts.append(_sse(oa.usage_chunk(obj, job.request_id, job.created, job.model, counts.usage(job))))
         parts.append(b"data: [DONE]\n\n")
     return parts
+
+
+def _finish_chunk(job: _Job, index: int, last: Event, reason: str | None) -> dict[str, Any]:
+    """A choice's last chunk: its finish reason and vLLM's ``stop_reason`` (the stop string or token that ended it)."""
+    chunk = _chunk(job, index, None, reason, token_ids=[] if job.prompt_ids is not None else None)
+    chunk["choices"][0]["stop_reason"] = stop_reason(last)
+    return chunk
+
+
+def stop_reason(last: Event) -> str | int | None:
+    """vLLM's ``stop_reason`` of a choice's last event: the stop string or stop token that ended it, else None."""
+    return last.usage_details.stop_reason if last.usage_details is not None else None
 
 
 def _role_chunk(job: _Job, index: int) -> dict[str, Any]:
@@ -1166,6 +1177,7 @@ class ServeApi:
         prompts: list[list[TokenLogprobs]] = [[] for _ in job.choice_ids]  # the prompt's (echo, prompt_logprobs)
         token_ids: list[list[int]] = [[] for _ in job.choice_ids]  # return_token_ids
         finish: dict[int, str] = {}
+        stops: dict[int, str | int | None] = {}
         counts = _UsageCounts()
         async for index, batch in job.events:
             texts[index].extend(event.text for event in batch)
@@ -1180,7 +1192,7 @@ class ServeApi:
                 error = _failed(last)
                 if error is not None:
                     raise error
-                finish[index] = last.finish_reason or "stop"
+                finish[index], stops[index] = last.finish_reason or "stop", stop_reason(last)
                 counts.add(job, index, last)
         # (read to their end, not left after the last event: an async generator left suspended is closed
         # by the event loop's finalizer — a task per request)
@@ -1194,13 +1206,13 @@ class ServeApi:
             if job.logprobs else None, None,
             oa.vllm_prompt_logprobs(prompts[i], await self._token_texts.texts(prompts[i])) if job.prompt_logprobs
             else None, token_ids[i] if job.prompt_ids is not None else None,
-            job.prompt_ids[i] if job.prompt_ids is not None else None)))
+            job.prompt_ids[i] if job.prompt_ids is not None else None, stop_reason=stops[i])))
             for i, parts in enumerate(texts)]
         if isinstance(job.reply_api, ma.MessagesRequest):
             (choice,) = choices
             return web.json_response(ma.message_object(job.request_id, job.model, choice.reasoning, choice.text,
                                                        choice.tool_calls or [], choice.finish_reason,
-                                                       ma.usage_object(counts.usage(job))))
+                                                       ma.usage_object(counts.usage(job)), choice.stop_reason))
         if job.reply_api is not None:
             (choice,) = choices
             output = ra.output_items(choice.reasoning, choice.text, choice.tool_calls or [],

@@ -119,13 +119,15 @@ class UsageDetails:
     prompt tokens its prefill took from the prefix cache (None: not reported — neither prefix caching nor a reasoning
     parser), and output tokens of its reasoning (None: the reply was not split into reasoning and content); and its
     time on the rank in seconds, as vLLM's ``request_{queue,prefill,decode}_time_seconds`` measure it: waiting before
-    its first admission, from then to its first token, from that to its last (None: it produced no token)."""
+    its first admission, from then to its first token, from that to its last (None: it produced no token); and what
+    stopped it where a request's own stop string or stop token did (vLLM's ``stop_reason``)."""
 
     cached_tokens: int | None = None
     reasoning_tokens: int | None = None
     queue_seconds: float = 0.0
     prefill_seconds: float | None = None
     decode_seconds: float | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string, or stop_token_ids token, that ended it (else None)
 
 
 @dataclass(slots=True)  # one per sequence per iteration: a slotted dataclass (made 5× faster than a frozen one)

@@ -8,8 +8,7 @@ through the chat path, and its reply comes back as a message (:func:`message_obj
 ``tool_use`` content blocks, the stop reason) — streamed, as the events Anthropic's SDK reads (:class:`MessageEvents`:
 ``message_start``, a ``content_block_start`` / ``_delta`` / ``_stop`` per block, ``message_delta``,
 ``message_stop``). Errors take Anthropic's shape (:func:`error_body`). Images, documents and server tools are refused
-naming the block; a matched stop sequence is reported as ``end_turn`` (the ranks do not say which string stopped a
-reply), where Anthropic and vLLM say ``stop_sequence``.
+naming the block.
 """
 
 from __future__ import annotations
@@ -194,11 +193,14 @@ def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex}"
 
 
-def stop_reason(finish_reason: str | None, calls: bool) -> str | None:
-    """Anthropic's ``stop_reason`` of a chat choice's ``finish_reason`` (``calls``: the reply made tool calls)."""
+def stop_reason(finish_reason: str | None, calls: bool, matched: str | int | None = None) -> str | None:
+    """Anthropic's ``stop_reason`` of a chat choice's ``finish_reason`` (``calls``: the reply made tool calls;
+    ``matched``: vLLM's ``stop_reason``, the stop string that ended it — a stop sequence — or a stop token)."""
     if finish_reason is None:
         return None
-    return "tool_use" if calls and finish_reason != "length" else _STOP_REASONS.get(finish_reason, "end_turn")
+    if calls and finish_reason != "length":
+        return "tool_use"
+    return "stop_sequence" if isinstance(matched, str) else _STOP_REASONS.get(finish_reason, "end_turn")
 
 
 def usage_object(chat_usage: Json) -> Json:
@@ -217,7 +219,7 @@ def tool_use_block(call: Json) -> Json:
 
 
 def message_object(message_id: str, model: str, reasoning: str | None, text: str | None, calls: Sequence[Json],
-                   finish_reason: str | None, usage: Json) -> Json:
+                   finish_reason: str | None, usage: Json, matched: str | int | None = None) -> Json:
     """A finished reply as a message: its thinking, text and tool_use blocks, stop reason and usage."""
     content: list[Json] = []
     if reasoning:
@@ -226,7 +228,8 @@ def message_object(message_id: str, model: str, reasoning: str | None, text: str
         content.append({"type": "text", "text": text or ""})
     content += [tool_use_block(call) for call in calls]
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop_reason(finish_reason, bool(calls)), "stop_sequence": None, "usage": usage}
+            "stop_reason": stop_reason(finish_reason, bool(calls), matched),
+            "stop_sequence": matched if isinstance(matched, str) and not calls else None, "usage": usage}
 
 
 def error_body(openai_error: Json, status: int) -> Json:
@@ -302,11 +305,12 @@ class MessageEvents:
         self._open = None
         return out + self._event("content_block_stop", index=self._index)
 
-    def finish(self, finish_reason: str | None, output_tokens: int) -> bytes:
+    def finish(self, finish_reason: str | None, output_tokens: int, matched: str | int | None = None) -> bytes:
         """The block streaming now done (an empty reply still has a text block), the stop reason, the end."""
         out = self._close() if self._index >= 0 else self._opened("text", {"type": "text", "text": ""}) + self._close()
-        return out + self._event("message_delta", delta={"stop_reason": stop_reason(finish_reason, self._calls),
-                                                         "stop_sequence": None},
+        stop = stop_reason(finish_reason, self._calls, matched)
+        return out + self._event("message_delta", delta={"stop_reason": stop, "stop_sequence": matched
+                                                         if stop == "stop_sequence" else None},
                                  usage={"output_tokens": output_tokens}) + self._event("message_stop")
 
     def failed(self, message: str) -> bytes:

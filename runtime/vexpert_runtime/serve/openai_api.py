@@ -799,6 +799,7 @@ class Choice:
     token_ids: list[int] | None = None  # vLLM's ``return_token_ids``: the choice's output ids
     prompt_token_ids: list[int] | None = None  # and its prompt's
     reasoning: str | None = None  # a chat reply's reasoning (vLLM's, with a reasoning parser)
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it (EOS, length: None)
 
 
 def completion_response(rid: str, created: int, model: str, choices: list[Choice], counts: Json) -> Json:
@@ -810,6 +811,7 @@ def completion_response(rid: str, created: int, model: str, choices: list[Choice
         "created": created,
         "model": model,
         "choices": [{"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+                     "stop_reason": c.stop_reason,
                      **({"prompt_logprobs": c.prompt_logprobs} if c.prompt_logprobs is not None else {}),
                      **({"prompt_token_ids": c.prompt_token_ids, "token_ids": c.token_ids}
                         if c.token_ids is not None else {})}
@@ -833,6 +835,7 @@ def chat_response(rid: str, created: int, model: str, choices: list[Choice], cou
                             **({"tool_calls": c.tool_calls} if c.tool_calls else {})},
                 "logprobs": c.logprobs,
                 "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
                 **({"token_ids": c.token_ids} if c.token_ids is not None else {}),
             }
             for c in choices

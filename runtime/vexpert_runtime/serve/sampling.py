@@ -229,6 +229,7 @@ class StopChecker:
         self.stop = tuple(s for s in stop if s)
         self.include = include
         self.pending = ""
+        self.matched: str | None = None  # the stop string that ended the text (vLLM's ``stop_reason``)
 
     def _held_tail(self, text: str) -> int:
         """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
@@ -248,6 +249,7 @@ class StopChecker:
         if hits:
             self.pending = ""
             at, which = min(hits)
+            self.matched = self.stop[which]
             return buffer[: at + (len(self.stop[which]) if self.include else 0)], True
         held = self._held_tail(buffer)
         self.pending = buffer[len(buffer) - held :] if held else ""

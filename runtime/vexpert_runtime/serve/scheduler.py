@@ -174,6 +174,7 @@ class _Sequence:
     grammar: GrammarMatcher | None = None  # structured output: where the output is in its grammar
     reasoning: bool = False  # before its end-of-reasoning token (SamplingParams.reasoning_end): a grammar waits
     reasoning_tokens: int = 0  # output tokens before that token
+    stop_reason: int | None = None  # the stop_token_ids token that ended it (a stop string's: stop.matched)
     cached_tokens: int | None = None  # prompt tokens its first admission took from the prefix cache
     only: torch.Tensor | None = None  # allowed_token_ids as a bitmask (SamplingSpec.only); None: every token
     reasoning_stop: torch.Tensor | None = None  # a thinking budget's: only reasoning_end, as a bitmask
@@ -477,7 +478,8 @@ def usage_details(seq: _Sequence, prefix_caching: bool) -> UsageDetails:
     first = seq.first_token_at
     return UsageDetails(seq.cached_tokens or 0 if prefix_caching or reasoning else None,
                         seq.reasoning_tokens if reasoning else None, scheduled - seq.queued_at,
-                        None if first is None else first - scheduled, None if first is None else now - first)
+                        None if first is None else first - scheduled, None if first is None else now - first,
+                        seq.stop.matched if seq.stop.matched is not None else seq.stop_reason)
 
 
 def publish_known(pool: BlockPool, seq: _Sequence) -> None:
@@ -805,8 +807,11 @@ class Scheduler:
         if logprobs is not None:
             seq.unsent_logprobs = seq.unsent_logprobs or []
             seq.unsent_logprobs.append(logprobs)
-        if ((token in self.eos_ids and (not params.ignore_eos or (grammar is not None and grammar.complete)))
-                or token in params.stop_token_ids):  # (a complete grammar ends at EOS, also ignoring EOS)
+        if token in self.eos_ids and (not params.ignore_eos or (grammar is not None and grammar.complete)):
+            self._finish(seq, "stop", text=flush_text(seq))  # (a complete grammar ends at EOS, also ignoring EOS)
+            return
+        if token in params.stop_token_ids:
+            seq.stop_reason = token
             self._finish(seq, "stop", text=flush_text(seq))
             return
         text = seq.detokenizer.push(token)
