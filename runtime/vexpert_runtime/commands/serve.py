@@ -53,7 +53,7 @@ DEFAULT_PORT = 8000
 DEMO_NAME = "vexpert-demo"
 
 
-def _add_reply_options(parser: argparse.ArgumentParser) -> None:
+def _add_reply_options(parser: Any) -> None:
     """The flags that shape a chat reply: its tool calls, its reasoning, its template, its log-probabilities' tokens."""
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="read tool calls out of chat replies (requests with tools and tool_choice 'auto'), as "
@@ -81,7 +81,7 @@ def _add_reply_options(parser: argparse.ArgumentParser) -> None:
                              "character is still told apart)")
 
 
-def _add_model_options(parser: argparse.ArgumentParser) -> None:
+def _add_model_options(parser: Any) -> None:
     """How the model's weights, activations and KV cache are kept (each over the config's field)."""
     parser.add_argument("--expert-format", choices=get_args(ExpertFormatChoice), default=None,
                         help="how routed experts are kept (the config's model.expert_format, default auto): auto = as "
@@ -100,7 +100,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help=shared_help(KV_CACHE_DTYPE_HELP + " (default: the config's runtime.kv_cache_dtype, else auto)"))
 
 
-def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+def _add_engine_options(parser: Any) -> None:
     """How a rank runs its steps and draws unseeded samples."""
     parser.add_argument("--overlap-steps", choices=("auto", "on", "off"), default="auto",
                         help="form iteration i+1 while the device runs iteration i (auto: with CUDA graphs; on CPU "
@@ -118,12 +118,17 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                              "stream this starts on each rank, so a restarted server sent the same requests in the "
                              "same order samples the same tokens; default: fresh entropy per request (vLLM's "
                              "default is 0). A request's own seed always wins")
+    parser.add_argument("--cpu-expert-kernel", choices=CPU_EXPERT_KERNELS, default="auto",
+                        help="how a CPU rank multiplies its resident experts (fp32): grouped (torch._grouped_mm "
+                             "over the packed rows), prepacked (oneDNN, weights reordered at load), or auto: the "
+                             "faster of the two on this machine, timed over the first layer's experts at load")
 
 
-def _add_parallel_options(parser: argparse.ArgumentParser) -> None:
+def _add_parallel_options(parser: Any) -> None:
     """vLLM's parallelism flags, as a vLLM command line brings them: vexpert's layout is vLLM's data parallelism with
     expert parallelism (each rank holds the non-expert model, runs attention for its own sequences and holds a share
     of the experts); tensor and pipeline parallelism are refused with what to pass instead."""
+    parser.add_argument("--cpu-workers", type=int, default=None, help="N CPU worker processes (EP ranks) instead of GPUs")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=None,
                         help="EP ranks on this node: the first N visible GPUs, or N CPU workers (vLLM's data "
                              "parallelism with --enable-expert-parallel: each rank runs attention for its own "
@@ -163,17 +168,8 @@ def _checked_parallel_ranks(args: argparse.Namespace, visible_gpus: int) -> int 
     return dp
 
 
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "serve",
-        help="serve a model's requests (OpenAI-compatible API) through vExpert",
-        description=(
-            "Serve /v1/completions, /v1/chat/completions, /v1/responses (all with stream), /v1/models, /tokenize, "
-            "/detokenize, /health and /metrics on one port; vLLM's names of the shared flags are accepted too. Without a MODEL (or --model) and without a config naming a checkpoint, serves the embedded demo model (a small "
-            "DeepSeek-V3-shaped MoE with random weights and a local tokenizer) on CPU workers. Stops cleanly on "
-            "SIGTERM: new requests get 503, running ones finish (or are aborted after --drain-timeout)."
-        ),
-    )
+def _add_checkpoint_options(parser: Any) -> None:
+    """What is served, and under which names."""
     parser.add_argument("--config", default=None, help="runtime.yaml (RuntimeConfig; the node pod's config)")
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the checkpoint, as in vLLM's `vllm serve MODEL` (the same as --model)")
@@ -184,11 +180,15 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="the model id clients send (default: the directory name); several: any of them is "
                              "served, the first named in answers (vLLM's)")
-    parser.add_argument("--host", default="0.0.0.0",
-                        help="address to listen on; the default 0.0.0.0 exposes the API on every network interface "
-                             "(reachable from other machines: set --api-key), 127.0.0.1 keeps it on this machine")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--cpu-workers", type=int, default=None, help="N CPU worker processes (EP ranks) instead of GPUs")
+    parser.add_argument("--generation-config", choices=("auto", "vexpert"), default="auto",
+                        help="defaults of the sampling fields a request leaves out: 'auto' takes temperature, "
+                             "top_p, top_k, min_p, repetition_penalty and max_new_tokens from the checkpoint's "
+                             "generation_config.json where it sets them (as vLLM does; logged at start), 'vexpert' the OpenAI API's "
+                             "(temperature 1, no truncation)")
+
+
+def _add_batch_options(parser: Any) -> None:
+    """A rank's batch, queue, context and KV cache."""
     parser.add_argument("--max-batch-tokens", "--max-num-batched-tokens", type=int, default=None,
                         help="tokens per rank per iteration (prompt chunks + decodes; vLLM's --max-num-batched-tokens "
                              "names it too); default on GPUs "
@@ -210,11 +210,26 @@ def register(subparsers: Any) -> None:
                         help="share of each GPU's memory a rank may fill; the paged KV cache gets what the weights, "
                              "experts, slots and a 2 GiB headroom leave of it (default: the config's "
                              "runtime.gpu_memory_utilization, else 0.9)")
-    _add_model_options(parser)
-    _add_parallel_options(parser)
+    parser.add_argument("--prefix-caching", "--enable-prefix-caching", action="store_true",
+                        help="reuse the KV cache of prompt prefixes computed before (vLLM's --enable-prefix-caching; "
+                             "whole 16-token blocks of the same "
+                             "tokens from the prompt's start, e.g. a shared system prompt): their prefill is skipped")
+    parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                        help="the order a rank admits waiting requests in and preempts running ones in (vLLM's): "
+                             "fcfs, first come first served (default; a request's priority must be 0), or priority: "
+                             "by the request's priority (lower first), then arrival")
+
+
+def _add_server_options(parser: Any) -> None:
+    """The HTTP server: where it listens, who may use it, how it streams and stops."""
+    parser.add_argument("--host", default="0.0.0.0",
+                        help="address to listen on; the default 0.0.0.0 exposes the API on every network interface "
+                             "(reachable from other machines: set --api-key), 127.0.0.1 keeps it on this machine")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer <key>' on /v1/* (401 otherwise; /health and /metrics "
-                             "stay open); default: the environment variable VEXPERT_API_KEY, else no key")
+                        help="require 'Authorization: Bearer <key>' (or Anthropic's 'x-api-key: <key>') on /v1/* (401 "
+                             "otherwise; /health and /metrics stay open); default: the environment variable "
+                             "VEXPERT_API_KEY, else no key")
     parser.add_argument("--header-timeout", type=float, default=15.0,
                         help="seconds a connection gets to send a request's headers (and to stay idle between "
                              "requests) before it is closed: a slow client cannot hold connections open")
@@ -222,34 +237,37 @@ def register(subparsers: Any) -> None:
                         help="API server processes sharing --port (SO_REUSEPORT; each tokenizes and streams its own "
                              "connections' requests): one interpreter per server, for hundreds of streams "
                              "(vLLM's --api-server-count)")
-    parser.add_argument("--prefix-caching", "--enable-prefix-caching", action="store_true",
-                        help="reuse the KV cache of prompt prefixes computed before (vLLM's --enable-prefix-caching; "
-                             "whole 16-token blocks of the same "
-                             "tokens from the prompt's start, e.g. a shared system prompt): their prefill is skipped")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="send a stream's tokens every N tokens (its first at once, its last with the finish): "
                              "fewer, larger SSE chunks cost the API process less at hundreds of streams; 1 sends "
                              "every token (default; benchmarks/README.md has the measured trade-off)")
-    parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
-                        help="the order a rank admits waiting requests in and preempts running ones in (vLLM's): "
-                             "fcfs, first come first served (default; a request's priority must be 0), or priority: "
-                             "by the request's priority (lower first), then arrival")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
-    _add_engine_options(parser)
-    _add_reply_options(parser)
     parser.add_argument("--responses-store", type=int, default=0, metavar="N",
                         help="keep the last N Responses API responses of requests with store true in the API "
                              "process, for previous_response_id and GET /v1/responses/{id} (vLLM: "
                              "VLLM_ENABLE_RESPONSES_API_STORE); 0, the default: none (needs --api-servers 1)")
-    parser.add_argument("--generation-config", choices=("auto", "vexpert"), default="auto",
-                        help="defaults of the sampling fields a request leaves out: 'auto' takes temperature, "
-                             "top_p, top_k, min_p, repetition_penalty and max_new_tokens from the checkpoint's "
-                             "generation_config.json where it sets them (as vLLM does; logged at start), 'vexpert' the OpenAI API's "
-                             "(temperature 1, no truncation)")
-    parser.add_argument("--cpu-expert-kernel", choices=CPU_EXPERT_KERNELS, default="auto",
-                        help="how a CPU rank multiplies its resident experts (fp32): grouped (torch._grouped_mm "
-                             "over the packed rows), prepacked (oneDNN, weights reordered at load), or auto: the "
-                             "faster of the two on this machine, timed over the first layer's experts at load")
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model's requests (OpenAI-compatible API) through vExpert",
+        description=(
+            "Serve /v1/completions, /v1/chat/completions, /v1/responses, Anthropic's /v1/messages (all with stream), "
+            "/v1/models, /tokenize, /detokenize, /health and /metrics on one port; vLLM's names of the shared flags "
+            "are accepted too. Without a MODEL (or --model) and without a config naming a checkpoint, serves the "
+            "embedded demo model (a small DeepSeek-V3-shaped MoE with random weights and a local tokenizer) on CPU "
+            "workers. Stops cleanly on SIGTERM: new requests get 503, running ones finish (or are aborted after "
+            "--drain-timeout)."
+        ),
+    )
+    _add_checkpoint_options(parser.add_argument_group("model"))
+    _add_model_options(parser.add_argument_group("weights, activations and KV cache"))
+    _add_parallel_options(parser.add_argument_group("parallelism (vLLM's names)"))
+    _add_batch_options(parser.add_argument_group("batching and memory"))
+    _add_engine_options(parser.add_argument_group("engine"))
+    _add_server_options(parser.add_argument_group("API server"))
+    _add_reply_options(parser.add_argument_group("replies"))
     parser.set_defaults(handler=run)
 
 
