@@ -739,6 +739,29 @@ def test_ping_is_health_and_load_counts_the_generation_requests_being_answered(c
         srv.close()
 
 
+def test_requests_are_logged_only_where_asked(server: Any, client: openai.OpenAI,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """``--enable-log-requests`` (vLLM's): one INFO line per generation request as it is queued — id, route, prompt
+    lengths, at most ``--max-log-len`` prompt ids, sampling —; off (the default) no request reaches the log."""
+    import logging
+
+    kwargs: dict[str, Any] = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    with caplog.at_level(logging.INFO, logger="vexpert_runtime.serve.api"):
+        client.completions.create(**kwargs)
+        assert not [r for r in caplog.records if r.getMessage().startswith("request ")]
+        config = server.api.config
+        server.api.config = dataclasses.replace(config, log_requests=True, max_log_len=3)
+        try:
+            result = client.completions.create(**kwargs, seed=5)
+        finally:
+            server.api.config = config
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request ")]
+    prompt_ids = server.api.prompts.tokenizer(PROMPT)["input_ids"]
+    assert line.startswith(f"request {result.id}: /v1/completions, 1 choice(s), prompt tokens [{len(prompt_ids)}], "
+                           "max_tokens 2, temperature 0")
+    assert "seed 5" in line and line.endswith(f"prompt ids [{prompt_ids[:3]}]")
+
+
 def test_a_client_gone_cancels_every_choice(checkpoint: Path, hf_model: Any) -> None:
     srv = make_server(checkpoint, hf_model)
     srv.model.delay_s = 0.02

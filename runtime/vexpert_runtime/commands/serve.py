@@ -242,6 +242,11 @@ def _add_server_options(parser: Any) -> None:
                              "fewer, larger SSE chunks cost the API process less at hundreds of streams; 1 sends "
                              "every token (default; benchmarks/README.md has the measured trade-off)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
+    parser.add_argument("--enable-log-requests", action="store_true",
+                        help="log one line per generation request as it is queued: its id, route, prompt lengths and "
+                             "token ids, and sampling (vLLM's flag; off by default: prompts stay out of the log)")
+    parser.add_argument("--max-log-len", type=int, default=None,
+                        help="with --enable-log-requests, at most N prompt token ids per request (vLLM's; default: all)")
     parser.add_argument("--responses-store", type=int, default=0, metavar="N",
                         help="keep the last N Responses API responses of requests with store true in the API "
                              "process, for previous_response_id and GET /v1/responses/{id} (vLLM: "
@@ -378,6 +383,9 @@ def _checked_api_key(args: argparse.Namespace) -> str | None:
         raise VExpertInputError("--port", f"{args.port} is not a TCP port", "pass 1–65535 (0: any free port)")
     if not args.header_timeout > 0:  # also NaN
         raise VExpertInputError("--header-timeout", f"{args.header_timeout} is not > 0", "seconds, e.g. 15")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise VExpertInputError("--max-log-len", f"{args.max_log_len} is not ≥ 0",
+                                "the prompt token ids logged per request, e.g. 64 (leave it out: all)")
     if not args.drain_timeout >= 0:  # also NaN
         raise VExpertInputError("--drain-timeout", f"{args.drain_timeout} is not ≥ 0",
                                 "seconds running requests get to finish on SIGTERM, e.g. 30 (0: abort them)")
@@ -507,7 +515,8 @@ def _api_config(served: _Served, args: argparse.Namespace, api_key: str | None) 
                      header_timeout_s=args.header_timeout, sampling_defaults=served.sampling_defaults,
                      tool_call_parser=args.tool_call_parser, tokens_as_ids=args.return_tokens_as_token_ids,
                      reasoning_parser=args.reasoning_parser, chat_template=served.chat_template,
-                     responses_store=args.responses_store, scheduling_policy=args.scheduling_policy), tokenizer
+                     responses_store=args.responses_store, scheduling_policy=args.scheduling_policy,
+                     log_requests=args.enable_log_requests, max_log_len=args.max_log_len), tokenizer
 
 
 def load_chat_template(value: str, model_dir: Path) -> str:

@@ -152,6 +152,8 @@ class ApiConfig:
     aliases: tuple[str, ...] = ()  # other names requests may give the model (--served-model-name's after the first)
     responses_store: int = 0  # the last N stored Responses API responses kept (--responses-store; 0: none)
     scheduling_policy: str = "fcfs"  # the ranks' (--scheduling-policy): a request's priority ≠ 0 needs "priority"
+    log_requests: bool = False  # one INFO line per generation request as it is queued (--enable-log-requests, vLLM's)
+    max_log_len: int | None = None  # prompt token ids per logged request at most (--max-log-len; None: all)
 
     @property
     def body_limit(self) -> int:
@@ -854,6 +856,17 @@ def choice_requests(request_id: str, prompts: Sequence[tuple[tuple[int, ...], Sa
             for p, (prompt_ids, params) in enumerate(prompts) for i in range(n)]
 
 
+def log_request(path: str, request_id: str, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                req: oa.CompletionRequest | oa.ChatCompletionRequest, max_log_len: int | None) -> None:
+    """One INFO line for a generation request as it is queued (``--enable-log-requests``, as vLLM logs them): its id
+    and route, its prompts' lengths and token ids (at most ``max_log_len`` each) and the sampling it asked for."""
+    shown = [list(ids[:max_log_len]) if max_log_len is not None else list(ids) for ids in prompts]
+    log.info("request %s: %s, %d choice(s), prompt tokens %s, max_tokens %d, temperature %s, top_p %s, top_k %s, "
+             "seed %s, stream %s, prompt ids %s", request_id, path, len(prompts) * req.choices,
+             [len(ids) for ids in prompts], params.max_tokens, params.temperature, params.top_p, params.top_k,
+             params.seed, bool(req.stream), shown)
+
+
 def request_priority(req: oa.CompletionRequest | oa.ChatCompletionRequest, config: ApiConfig) -> int:
     """``req``'s ``priority`` (null: 0); another value than 0 is a 400 naming it unless the ranks schedule by
     priority (``--scheduling-policy priority``), as vLLM refuses it: it would otherwise be silently ignored."""
@@ -1133,6 +1146,8 @@ class ServeApi:
                                    req.choices, request_priority(req, self.config))
         if self.shutting_down:
             raise refusal_error(shutting_down())
+        if self.config.log_requests:
+            log_request(request.path, request_id, prompts, params[0], req, self.config.max_log_len)
         streams: list[AsyncIterator[list[Event]]] = []
         try:
             for choice in requests:
