@@ -187,6 +187,31 @@ def test_openai_client_completions_chat_and_streaming(server: Server) -> None:
     assert chunks[-1].usage is not None
 
 
+def test_anthropic_messages_and_stop_reasons_cross_the_ranks(server: Server) -> None:
+    """Through the node's ranks (events pickled between processes): Anthropic's client gets the chat completion's
+    text as a message, and a stop string that ends a reply comes back as vLLM's ``stop_reason`` and as Anthropic's
+    ``stop_sequence``."""
+    import anthropic
+
+    client = server.client()
+    messages: Any = [{"role": "user", "content": "hi"}]
+    greedy = {"temperature": 0, "ignore_eos": True}
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, extra_body={"ignore_eos": True},
+                                           temperature=0).choices[0]
+    message = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60).messages.create(
+        model="tiny", max_tokens=12, messages=messages, extra_body=greedy)
+    assert message.content[0].text == whole.message.content and message.stop_reason == "max_tokens"  # type: ignore[union-attr]
+    text = whole.message.content or ""
+    stop = text[3:6]
+    assert len(stop) == 3, text
+    stopped = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                             stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    assert (stopped.message.content, stopped.model_extra["stop_reason"]) == (text[: text.index(stop)], stop)  # type: ignore[index]
+    anthropic_stop = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0).messages.create(
+        model="tiny", max_tokens=12, messages=messages, extra_body=greedy, stop_sequences=[stop])
+    assert (anthropic_stop.stop_reason, anthropic_stop.stop_sequence) == ("stop_sequence", stop)
+
+
 def test_sixteen_concurrent_streams_complete(server: Server) -> None:
     async def stream(i: int) -> tuple[str, str | None]:
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
