@@ -167,6 +167,59 @@ def responses_cases(prompts: list[str]) -> dict[str, tuple[str, dict[str, Any]]]
     }
 
 
+def messages_cases(prompts: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Anthropic's Messages API on both servers, greedy (``temperature`` 0, which both read; neither ignores EOS here:
+    vLLM's Messages request has no ``ignore_eos``): a system prompt, a conversation whose assistant turn called a tool
+    and whose user turn returns its result, streamed (the events' deltas joined), stop sequences, and the prompt's
+    tokens counted (``/v1/messages/count_tokens``)."""
+    base: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": NEW_TOKENS, "temperature": 0}
+    user = [{"role": "user", "content": prompts[1]}]
+    functions: list[dict[str, Any]] = [t["function"] for t in TOOLS]  # type: ignore[misc]
+    tools = [{"name": f["name"], "input_schema": f["parameters"]} for f in functions]
+    called = [{"role": "user", "content": prompts[0]},
+              {"role": "assistant", "content": [{"type": "text", "text": "Checking."}, {
+                  "type": "tool_use", "id": "toolu_1", "name": tools[0]["name"], "input": {}}]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "12:00"}]}]
+    return {
+        "messages: system, user": ("messages", {**base, "system": "be brief", "messages": user}),
+        "messages: tool_use and tool_result turns": ("messages", {**base, "tools": tools, "messages": called,
+                                                                  "tool_choice": {"type": "none"}}),
+        "messages: stream": ("messages", {**base, "messages": user, "stream": True}),
+        "messages: stop_sequences": ("messages", {**base, "messages": user, "stop_sequences": ["e", "[[["]}),
+        "messages: count_tokens": ("messages/count_tokens", {"model": MODEL_NAME, "system": "be brief",
+                                                             "tools": tools, "messages": called}),
+    }
+
+
+def fold_message_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed message as an unstreamed one: the text deltas joined into one text block, the stop reason and
+    sequence of ``message_delta``, the usage of ``message_start`` and ``message_delta``."""
+    start = next((e["message"] for e in events if e.get("type") == "message_start"), {})
+    delta = next((e for e in events if e.get("type") == "message_delta"), {})
+    text = "".join((e.get("delta") or {}).get("text") or "" for e in events if e.get("type") == "content_block_delta")
+    return {**start, "content": [{"type": "text", "text": text}], **(delta.get("delta") or {}),
+            "usage": {**(start.get("usage") or {}), **(delta.get("usage") or {})}}
+
+
+def compare_message(case: str, ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """Whether two messages agree: their blocks' types and text, the stop reason and sequence, the usage's input and
+    output tokens (count_tokens: the input tokens)."""
+    if isinstance(ours.get("error"), int) or isinstance(theirs.get("error"), int):  # an HTTP error (ask's)
+        return {"agree": False, "vexpert": ours.get("error"), "vllm": theirs.get("error")}
+    if "count_tokens" in case:
+        equal = ours.get("input_tokens") == theirs.get("input_tokens") is not None
+        return {"agree": equal, "texts_equal": "–", "usage_equal": equal, "choices": [1, 1], "indices_equal": True,
+                "input_tokens": [ours.get("input_tokens"), theirs.get("input_tokens")]}
+    usage = [((a.get("usage") or {}).get("input_tokens"), (a.get("usage") or {}).get("output_tokens"))
+             for a in (ours, theirs)]
+    blocks = [[(b.get("type"), b.get("text")) for b in a.get("content") or []] for a in (ours, theirs)]
+    stops = [(a.get("stop_reason"), a.get("stop_sequence")) for a in (ours, theirs)]
+    row: dict[str, Any] = {"texts_equal": blocks[0] == blocks[1], "stop": stops, "usage_equal": usage[0] == usage[1],
+                           "choices": [1, 1], "indices_equal": True}
+    row["agree"] = row["texts_equal"] and stops[0] == stops[1] and row["usage_equal"]
+    return row
+
+
 def fold_response_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
     """A streamed response as the final response its last event carries, with the deltas' text beside it."""
     final = dict(events[-1].get("response") or {})
@@ -270,6 +323,8 @@ def post(url: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
             return dict(json.loads(response.read()))
         lines = [line.decode().strip() for line in response]
     data = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+    if endpoint == "messages":
+        return fold_message_stream(data)
     return fold_response_stream(data) if endpoint == "responses" else fold_stream(data)
 
 
@@ -421,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vexpert-args", default="", help="extra vexpert serve arguments (one shell string)")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--responses", action="store_true", help="the Responses API cases only (responses_cases)")
+    parser.add_argument("--messages", action="store_true", help="Anthropic's Messages API cases only (messages_cases)")
     parser.add_argument("--reasoning", action="store_true",
                         help="the reasoning cases only (reasoning_cases), on the checkpoint with <think> and </think> "
                              "tokens, both servers with --reasoning-parser qwen3")
@@ -436,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.responses:
         model = build_checkpoint(args.work / "model")
         requests = responses_cases(make_prompts(model, 2, 32))
+    elif args.messages:
+        model = build_checkpoint(args.work / "model")
+        requests = messages_cases(make_prompts(model, 2, 32))
     else:
         model = build_checkpoint(args.work / "model")
         prompts = make_prompts(model, 2, 32)
@@ -443,8 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     ours = ask(f"vexpert-{args.workers}", model, requests, args)
     theirs = ask("vllm", model, requests, args)
-    rows = {case: (compare_response if requests[case][0] == "responses" else compare)(case, ours[case], theirs[case])
-            for case in requests}
+    comparers = {"responses": compare_response, "messages": compare_message, "messages/count_tokens": compare_message}
+    rows = {case: comparers.get(requests[case][0], compare)(case, ours[case], theirs[case]) for case in requests}
     (args.out / "answers.json").write_text(json.dumps({"requests": requests, "vexpert": ours, "vllm": theirs},
                                                       indent=2) + "\n")
     summary = {"argv": sys.argv, "seconds": round(time.perf_counter() - started, 1), "cases": rows}

@@ -92,6 +92,7 @@ class MessagesRequest(BaseModel):
     stream: StrictBool = False
     metadata: dict[str, Any] | None = None
     service_tier: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the chat template's variables
 
 
 class CountTokensRequest(BaseModel):
@@ -106,6 +107,7 @@ class CountTokensRequest(BaseModel):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def chat_body(req: MessagesRequest | CountTokensRequest) -> Json:
@@ -115,6 +117,8 @@ def chat_body(req: MessagesRequest | CountTokensRequest) -> Json:
     for i, message in enumerate(req.messages):
         messages += _turn(message, f"messages.{i}")
     body: Json = {"model": req.model, "messages": messages}
+    if req.chat_template_kwargs is not None:
+        body["chat_template_kwargs"] = req.chat_template_kwargs
     if isinstance(req, MessagesRequest):
         body.update(max_completion_tokens=req.max_tokens, stream=req.stream)
         for name, value in (("stop", req.stop_sequences), ("temperature", req.temperature), ("top_p", req.top_p),
