@@ -129,7 +129,8 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # spec.runti
 
 def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) -> None:
     """The node pod's own command (`vexpert serve --config … --port … --api-servers 2 --stream-interval 2
-    --scheduling-policy priority --prefix-caching --seed 7 --enforce-eager --max-model-len 1024 --max-num-seqs 8 --max-num-batched-tokens 64
+    --scheduling-policy priority --prefix-caching --seed 7 --enforce-eager --enable-log-requests
+    --max-model-len 1024 --max-num-seqs 8 --max-num-batched-tokens 64
     --max-waiting 16 --tool-call-parser hermes --reasoning-parser deepseek_r1 --chat-template
     …`, CPU workers, the embedded demo model) on the operator's
     RuntimeConfig: /health turns 200, /v1/models names the context, a completion is served, and /metrics (on either API server) carries the serving series
@@ -147,7 +148,7 @@ def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) 
     s = spec(model={"name": "demo", "architecture": "deepseek_v3", "checkpoint": {"hostPath": "/models"}},
              parallelism={"expertParallelSize": 2, "gpusPerNode": 2}, runtime__apiServers=2, runtime__streamInterval=2,
              runtime__schedulingPolicy="priority", runtime__prefixCaching=True, runtime__seed=7,
-             runtime__enforceEager=True, runtime__maxModelLen=1024,
+             runtime__enforceEager=True, runtime__logRequests=True, runtime__maxModelLen=1024,
              runtime__maxNumSeqs=8, runtime__maxNumBatchedTokens=64, runtime__maxWaiting=16, runtime__toolCallParser="hermes",
              runtime__reasoningParser="deepseek_r1", runtime__chatTemplate=TEMPLATE)
     group = plan_group(PlanInputs(name="d", namespace="ns", spec=s))
@@ -164,7 +165,7 @@ def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) 
     assert container["command"] == ["vexpert", "serve"]
     assert container["args"][4:] == ["--api-servers", "2", "--stream-interval", "2",
                                      "--scheduling-policy", "priority", "--prefix-caching", "--seed", "7",
-                                     "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+                                     "--enforce-eager", "--enable-log-requests", "--max-model-len", "1024", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
                                      "--max-waiting", "16", "--tool-call-parser", "hermes",
                                      "--reasoning-parser", "deepseek_r1", "--chat-template", TEMPLATE]
     port = free_port()
@@ -184,6 +185,7 @@ def test_node_pod_command_serves_the_api_on_the_rendered_config(tmp_path: Path) 
         request = urllib.request.Request(base + "/v1/completions", data=body, headers={"content-type": "application/json"})
         answer = json.loads(urllib.request.urlopen(request, timeout=60).read())
         assert answer["usage"]["completion_tokens"] >= 1
+        assert f"request {answer['id']}: /v1/completions" in log.read_text()  # --enable-log-requests
         tokens = []  # the chat template of the spec renders a chat as its messages' contents alone
         for body in ({"messages": [{"role": "user", "content": "Hello there"}]},
                      {"prompt": "Hello there", "add_special_tokens": False}):

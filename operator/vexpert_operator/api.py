@@ -373,6 +373,11 @@ class RuntimeSpec(CamelModel):
         "rank starts without their captures and compiles and steps slower; for debugging a graph or compile "
         "failure",
     )
+    log_requests: bool = Field(
+        False,
+        description="Log one line per generation request as it is queued: its id, route, prompt lengths and token "
+        "ids, and sampling (--enable-log-requests, vLLM's). Off: prompts stay out of the pods' logs",
+    )
     max_model_len: int | None = Field(
         None, ge=2,
         description="The longest sequence (prompt + output) `vexpert serve` accepts (--max-model-len), at most the "

@@ -270,6 +270,8 @@ def _serve_args(spec: VExpertDeploymentSpec) -> list[str]:
         args += ["--seed", str(spec.runtime.seed)]
     if spec.runtime.enforce_eager:
         args.append("--enforce-eager")
+    if spec.runtime.log_requests:
+        args.append("--enable-log-requests")
     if spec.runtime.max_model_len is not None:
         args += ["--max-model-len", str(spec.runtime.max_model_len)]
     for flag, value in (("--max-num-seqs", spec.runtime.max_num_seqs),

@@ -584,13 +584,14 @@ def run(args: argparse.Namespace) -> int:
     from vexpert_runtime.node import NodeOptions
     from vexpert_runtime.node.runtime_process import NodeProcess
     from vexpert_runtime.ports import check_listen_address
-    from vexpert_runtime.serve.api import ServeApi, run_server
+    from vexpert_runtime.serve.api import ServeApi, configure_logging, run_server
     from vexpert_runtime.serve.api_servers import ApiServerArgs, ApiServers
     from vexpert_runtime.serve.hf_model import DEFAULT_BLOCK_SIZE
     from vexpert_runtime.serve.metrics_share import MetricsShare
     from vexpert_runtime.serve.multirank import MultiRankDispatcher
     from vexpert_runtime.workload import Workload
 
+    configure_logging()
     api_key = _checked_api_key(args)
     served = _resolve_served(args, _runtime_config(args))
     # after every other input check (those name their own flags even where the default port is taken here),

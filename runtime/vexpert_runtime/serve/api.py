@@ -856,6 +856,20 @@ def choice_requests(request_id: str, prompts: Sequence[tuple[tuple[int, ...], Sa
             for p, (prompt_ids, params) in enumerate(prompts) for i in range(n)]
 
 
+def configure_logging() -> None:
+    """An API process's log: vexpert's INFO lines and above (requests with --enable-log-requests, disconnects, where
+    it listens) to stderr in vLLM's form, ``INFO 12-07 23:40:01 [api] …``; other libraries' loggers are left as they
+    are (aiohttp's access log would be a line per request). Once per process."""
+    logger = logging.getLogger("vexpert_runtime")
+    if any(getattr(handler, "vexpert_serve", False) for handler in logger.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(module)s] %(message)s", "%m-%d %H:%M:%S"))
+    handler.vexpert_serve = True  # type: ignore[attr-defined]
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
 def log_request(path: str, request_id: str, prompts: Sequence[Sequence[int]], params: SamplingParams,
                 req: oa.CompletionRequest | oa.ChatCompletionRequest, max_log_len: int | None) -> None:
     """One INFO line for a generation request as it is queued (``--enable-log-requests``, as vLLM logs them): its id

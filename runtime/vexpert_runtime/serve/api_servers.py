@@ -61,10 +61,11 @@ def api_server_main(args: ApiServerArgs) -> None:
 
     from vexpert_runtime.node.coordinator import die_with_parent
     from vexpert_runtime.node.processes import TERMINAL_INTERRUPT, ignore_stop_signals
-    from vexpert_runtime.serve.api import ServeApi, run_server
+    from vexpert_runtime.serve.api import ServeApi, configure_logging, run_server
     from vexpert_runtime.serve.metrics_share import MetricsShare
     from vexpert_runtime.serve.multirank import MultiRankDispatcher
 
+    configure_logging()
     # SIGTERM stays: it drains this server (run_server), whether server 0 forwards it or it reached the group
     ignore_stop_signals(TERMINAL_INTERRUPT)  # until run_server handles it: a Ctrl-C while importing is no traceback
     die_with_parent(args.parent_pid)
