@@ -311,6 +311,8 @@ def fold_stream(chunks: list[dict[str, Any]]) -> dict[str, Any]:
             if part.get("prompt_token_ids") is not None:
                 choice["prompt_token_ids"] = part["prompt_token_ids"]
             choice["finish_reason"] = part.get("finish_reason") or choice.get("finish_reason")
+            if part.get("finish_reason"):  # (vLLM's stop_reason: on the finish chunk)
+                choice["stop_reason"] = part.get("stop_reason")
     answer["choices"] = [choices[i] for i in sorted(choices)]
     return answer
 
@@ -397,7 +399,10 @@ def compare(case: str, ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str
     row: dict[str, Any] = {"texts_equal": "sampled" if sampled else _texts(ours) == _texts(theirs),
                            "choices": [len(ours["choices"]), len(theirs["choices"])],
                            "indices_equal": [c["index"] for c in ours["choices"]] == [c["index"] for c in theirs["choices"]],
-                           "usage_equal": _usage(ours) == _usage(theirs)}
+                           "usage_equal": _usage(ours) == _usage(theirs),
+                           # vLLM's stop_reason: the stop string or stop token that ended each choice (else null)
+                           "stop_reasons_equal": [c.get("stop_reason") for c in ours["choices"]]
+                           == [c.get("stop_reason") for c in theirs["choices"]]}
     if "tool_choice" in case:
         row["calls_equal"] = _calls(ours) == _calls(theirs)
     if case.startswith("reasoning"):  # each choice's reasoning (None and "" alike: a stream folds to "")
@@ -438,7 +443,8 @@ def compare(case: str, ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str
             row["top_sets_equal_fragments_alike"] = sum({_fragment(t) for t in x} == {_fragment(t) for t in y}
                                                         for x, y in pairs) / max(len(mine["tokens"]), 1)
             row["text_offset_equal"] = mine["text_offset"] == peer["text_offset"]
-    row["agree"] = bool(row["texts_equal"]) and row["indices_equal"] and row["usage_equal"] and row.get(
+    row["agree"] = bool(row["texts_equal"]) and row["indices_equal"] and row["usage_equal"] and row[
+        "stop_reasons_equal"] and row.get(
         "tokens_equal", True) and row.get("calls_equal", True) and row.get("ranks_equal", True) and row.get(
         "bytes_equal", True) and row.get("reasoning_equal", True)
     return row

@@ -4,6 +4,7 @@ server on a background event loop."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -18,6 +19,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from vexpert_runtime.serve.api import ApiConfig, ApiServer, ServeApi
+from vexpert_runtime.serve.cors import CorsPolicy
 from vexpert_runtime.serve.dispatcher import EventChannel
 from vexpert_runtime.serve.events import Event, GenerationRequest, RankLoad, shutting_down
 from vexpert_runtime.serve.penalties import PenaltyInputs, penalized_logits
@@ -548,9 +550,10 @@ def make_server(
     max_waiting: int = 64,
     drain_timeout_s: float = 10.0,
     scheduling_policy: SchedulingPolicy = "fcfs",
+    cors: CorsPolicy | None = None,
 ) -> BackgroundServer:
     """A started single-rank server over the tiny model (the API and the rank each get a tokenizer);
-    ``model``: another step model than the tiny model recomputed."""
+    ``model``: another step model than the tiny model recomputed; ``cors``: its CORS policy (else the default)."""
     model = model or RecomputeStepModel(hf_model)
     rank_tokenizer = load_tokenizer(checkpoint)
     config = SchedulerConfig(kv_budget_tokens, max_batch_tokens, max_running, max_waiting,
@@ -561,4 +564,6 @@ def make_server(
     )
     assert isinstance(api.dispatcher, InProcessDispatcher)
     dispatcher = api.dispatcher
+    if cors is not None:  # (read when the server starts and builds its app)
+        api.config = dataclasses.replace(api.config, cors=cors)
     return BackgroundServer(api, dispatcher, model).start()

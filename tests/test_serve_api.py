@@ -762,6 +762,51 @@ def test_requests_are_logged_only_where_asked(server: Any, client: openai.OpenAI
     assert "seed 5" in line and line.endswith(f"prompt ids [{prompt_ids[:3]}]")
 
 
+def test_browser_origins_get_cors_answers_as_vllms(checkpoint: Path, hf_model: Any) -> None:
+    """CORS as vLLM's server answers it: by default any origin — a preflight is answered before the API key is asked
+    for, and a response (a stream's too) says ``*``; with a list of origins and credentials, only those origins, each
+    named back, and a preflight from another origin or asking another header is a 400."""
+    from vexpert_runtime.serve.cors import CorsPolicy
+
+    srv = make_server(checkpoint, hf_model)
+    srv.api.config = dataclasses.replace(srv.api.config, api_key="k")
+    url = f"{srv.url}/v1/completions"
+    origin = {"Origin": "https://app.example"}
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    try:
+        pre = httpx.options(url, headers={**origin, "Access-Control-Request-Method": "POST",
+                                          "Access-Control-Request-Headers": "authorization, content-type"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
+        assert pre.headers["access-control-allow-headers"] == "authorization, content-type"
+        assert "POST" in pre.headers["access-control-allow-methods"]
+        auth = {**origin, "Authorization": "Bearer k"}
+        assert httpx.post(url, json=body, headers=auth, timeout=30).headers["access-control-allow-origin"] == "*"
+        with httpx.stream("POST", url, json={**body, "stream": True}, headers=auth, timeout=30) as streamed:
+            assert streamed.headers["access-control-allow-origin"] == "*"
+            streamed.read()
+        assert httpx.post(url, json=body, headers=origin, timeout=30).status_code == 401  # the key is still asked
+        assert "access-control-allow-origin" not in httpx.get(f"{srv.url}/health").headers  # no Origin: no CORS
+    finally:
+        srv.close()
+    strict = make_server(checkpoint, hf_model, cors=CorsPolicy(("https://app.example",), ("POST",), ("content-type",),
+                                                               credentials=True))
+    try:
+        url = f"{strict.url}/v1/completions"
+        pre = httpx.options(url, headers={**origin, "Access-Control-Request-Method": "POST"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example"
+        assert pre.headers["access-control-allow-credentials"] == "true" and pre.headers["vary"] == "Origin"
+        other = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
+        assert httpx.options(url, headers=other).status_code == 400
+        extra = {**origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "x-custom"}
+        assert httpx.options(url, headers=extra).status_code == 400
+        answered = httpx.post(url, json=body, headers=origin, timeout=30)
+        assert answered.headers["access-control-allow-origin"] == "https://app.example"
+        refused = httpx.post(url, json=body, headers={"Origin": "https://evil.example"}, timeout=30)
+        assert refused.status_code == 200 and "access-control-allow-origin" not in refused.headers
+    finally:
+        strict.close()
+
+
 def test_a_client_gone_cancels_every_choice(checkpoint: Path, hf_model: Any) -> None:
     srv = make_server(checkpoint, hf_model)
     srv.model.delay_s = 0.02

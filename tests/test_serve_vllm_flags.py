@@ -123,3 +123,5 @@ def test_vllm_parallel_flags_map_to_ranks_or_say_what_to_pass(tmp_path: Path,
     assert run_cli(["serve", str(tmp_path), "--cpu-workers", "2", "-dp", "3"], capsys)["field"] == "--data-parallel-size"
     assert run_cli(["serve", str(tmp_path), "-dp", "0"], capsys)["field"] == "--data-parallel-size"
     assert run_cli(["serve", str(tmp_path), "--max-log-len", "-1"], capsys)["field"] == "--max-log-len"
+    for bad in ("https://app.example", '{"a": 1}', '[""]'):  # vLLM's JSON lists
+        assert run_cli(["serve", str(tmp_path), "--allowed-origins", bad], capsys)["field"] == "--allowed-origins"

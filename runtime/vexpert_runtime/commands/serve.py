@@ -242,6 +242,14 @@ def _add_server_options(parser: Any) -> None:
                              "fewer, larger SSE chunks cost the API process less at hundreds of streams; 1 sends "
                              "every token (default; benchmarks/README.md has the measured trade-off)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds running requests get on SIGTERM")
+    parser.add_argument("--allowed-origins", default='["*"]',
+                        help='browser origins that may call the API, a JSON list (vLLM\'s; default ["*"]: any), e.g. '
+                             '\'["https://chat.example.com"]\'; a preflight is answered before the API key is asked for')
+    parser.add_argument("--allowed-methods", default='["*"]', help='their methods, a JSON list (vLLM\'s)')
+    parser.add_argument("--allowed-headers", default='["*"]',
+                        help='their request headers, a JSON list (vLLM\'s)')
+    parser.add_argument("--allow-credentials", action="store_true",
+                        help="let them send credentials (cookies, Authorization) (vLLM's)")
     parser.add_argument("--enable-log-requests", action="store_true",
                         help="log one line per generation request as it is queued: its id, route, prompt lengths and "
                              "token ids, and sampling (vLLM's flag; off by default: prompts stay out of the log)")
@@ -383,6 +391,7 @@ def _checked_api_key(args: argparse.Namespace) -> str | None:
         raise VExpertInputError("--port", f"{args.port} is not a TCP port", "pass 1–65535 (0: any free port)")
     if not args.header_timeout > 0:  # also NaN
         raise VExpertInputError("--header-timeout", f"{args.header_timeout} is not > 0", "seconds, e.g. 15")
+    _cors_policy(args)  # checked before anything starts (the API config takes it once the node loads)
     if args.max_log_len is not None and args.max_log_len < 0:
         raise VExpertInputError("--max-log-len", f"{args.max_log_len} is not ≥ 0",
                                 "the prompt token ids logged per request, e.g. 64 (leave it out: all)")
@@ -516,7 +525,28 @@ def _api_config(served: _Served, args: argparse.Namespace, api_key: str | None) 
                      tool_call_parser=args.tool_call_parser, tokens_as_ids=args.return_tokens_as_token_ids,
                      reasoning_parser=args.reasoning_parser, chat_template=served.chat_template,
                      responses_store=args.responses_store, scheduling_policy=args.scheduling_policy,
-                     log_requests=args.enable_log_requests, max_log_len=args.max_log_len), tokenizer
+                     log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+                     cors=_cors_policy(args)), tokenizer
+
+
+def _cors_policy(args: argparse.Namespace) -> Any:
+    """``--allowed-origins`` / ``--allowed-methods`` / ``--allowed-headers`` (JSON lists of strings, vLLM's) and
+    ``--allow-credentials``."""
+    from vexpert_runtime.serve.cors import CorsPolicy
+
+    lists = {}
+    for flag, value in (("--allowed-origins", args.allowed_origins), ("--allowed-methods", args.allowed_methods),
+                        ("--allowed-headers", args.allowed_headers)):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
+            raise VExpertInputError(flag, "is not a JSON list of strings",
+                                    f'pass e.g. {flag} \'["*"]\' (any) or \'["https://app.example.com"]\'')
+        lists[flag] = tuple(value)
+    return CorsPolicy(lists["--allowed-origins"], lists["--allowed-methods"], lists["--allowed-headers"],
+                      args.allow_credentials)
 
 
 def load_chat_template(value: str, model_dir: Path) -> str:

@@ -80,6 +80,8 @@ from vexpert_runtime.serve import messages_api as ma
 from vexpert_runtime.serve import openai_api as oa
 from vexpert_runtime.serve import responses_api as ra
 from vexpert_runtime.serve.api_errors import ApiError, refusal_error
+from vexpert_runtime.serve.cors import CorsPolicy
+from vexpert_runtime.serve.cors import install as install_cors
 from vexpert_runtime.serve.dispatcher import Dispatcher
 from vexpert_runtime.serve.events import (
     Event,
@@ -154,6 +156,7 @@ class ApiConfig:
     scheduling_policy: str = "fcfs"  # the ranks' (--scheduling-policy): a request's priority ≠ 0 needs "priority"
     log_requests: bool = False  # one INFO line per generation request as it is queued (--enable-log-requests, vLLM's)
     max_log_len: int | None = None  # prompt token ids per logged request at most (--max-log-len; None: all)
+    cors: CorsPolicy = field(default_factory=CorsPolicy)  # which browser origins may call it (vLLM's default: any)
 
     @property
     def body_limit(self) -> int:
@@ -973,6 +976,7 @@ class ServeApi:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors], client_max_size=self.config.body_limit)
+        install_cors(app, self.config.cors)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         info, other = _InfoRoutes(self), _OtherApiRoutes(self)
