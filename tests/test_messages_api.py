@@ -149,6 +149,9 @@ def test_an_api_key_may_come_as_x_api_key(served: Any) -> None:
         with pytest.raises(anthropic.AuthenticationError) as refused:
             anthropic.Anthropic(base_url=keyed.url, api_key="wrong", max_retries=0).messages.create(**body)
         assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+        both = httpx.post(f"{keyed.url}/v1/messages", json=body, timeout=30,  # either header may carry the key
+                          headers={"Authorization": "Bearer k", "x-api-key": "stale"})
+        assert both.status_code == 200
     finally:
         keyed.close()
 

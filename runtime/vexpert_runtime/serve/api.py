@@ -1029,17 +1029,17 @@ class ServeApi:
 
     @staticmethod
     def _authorize(request: web.Request, key: str) -> None:
-        """``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``) or a 401 (compared in constant time)."""
+        """``Authorization: Bearer <key>`` or Anthropic's ``x-api-key: <key>`` (either), else a 401 (compared in
+        constant time)."""
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if "x-api-key" in request.headers:
-            scheme, token = "bearer", request.headers["x-api-key"]
-        given = token.strip().encode("utf-8", "surrogateescape")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.encode("utf-8")):
+        offered = [token] if scheme.lower() == "bearer" else []
+        offered += request.headers.getall("x-api-key", [])
+        expected = key.encode("utf-8")
+        if not any([hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), expected) for given in offered]):
             raise ApiError(
                 401,
                 "missing or wrong API key: send the header 'Authorization: Bearer <key>' (or 'x-api-key: <key>') with "
-                "the key the server "
-                "was started with (--api-key or VEXPERT_API_KEY)",
+                "the key the server was started with (--api-key or VEXPERT_API_KEY)",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
