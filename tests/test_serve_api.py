@@ -762,6 +762,28 @@ def test_requests_are_logged_only_where_asked(server: Any, client: openai.OpenAI
     assert "seed 5" in line and line.endswith(f"prompt ids [{prompt_ids[:3]}]")
 
 
+def test_a_busy_interval_logs_vllms_stats_line_and_an_idle_one_nothing(server: Any, client: openai.OpenAI) -> None:
+    """vLLM's periodic line (``StatsLog``, every 10 s unless --disable-log-stats): the tokens since the last line as
+    throughput, the ranks' running and waiting requests and KV-cache usage; an interval with nothing to say logs
+    nothing."""
+    import re
+
+    from vexpert_runtime.serve.api import StatsLog
+
+    stats = StatsLog(server.api)
+    assert stats.line() is None  # idle
+    result = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert result.usage is not None
+    line = stats.line()
+    assert line is not None, "a request ran"
+    match = re.fullmatch(r"Avg prompt throughput: ([0-9.]+) tokens/s, Avg generation throughput: ([0-9.]+) tokens/s, "
+                         r"Running: 0 reqs, Waiting: 0 reqs, KV cache usage: ([0-9.]+)%, Prefix cache hit rate: "
+                         r"([0-9.]+)%", line)
+    assert match and float(match[1]) > 0 and float(match[2]) > 0, line
+    assert stats.line() is None  # nothing since
+
+
 def test_browser_origins_get_cors_answers_as_vllms(checkpoint: Path, hf_model: Any) -> None:
     """CORS as vLLM's server answers it: by default any origin — a preflight is answered before the API key is asked
     for, and a response (a stream's too) says ``*``; with a list of origins and credentials, only those origins, each

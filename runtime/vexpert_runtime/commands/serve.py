@@ -250,6 +250,9 @@ def _add_server_options(parser: Any) -> None:
                         help='their request headers, a JSON list (vLLM\'s)')
     parser.add_argument("--allow-credentials", action="store_true",
                         help="let them send credentials (cookies, Authorization) (vLLM's)")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic stats line (vLLM's flag; by default, every 10 s while requests run: prompt "
+                             "and generation throughput, running and waiting requests, KV-cache usage)")
     parser.add_argument("--enable-log-requests", action="store_true",
                         help="log one line per generation request as it is queued: its id, route, prompt lengths and "
                              "token ids, and sampling (vLLM's flag; off by default: prompts stay out of the log)")
@@ -526,6 +529,7 @@ def _api_config(served: _Served, args: argparse.Namespace, api_key: str | None) 
                      reasoning_parser=args.reasoning_parser, chat_template=served.chat_template,
                      responses_store=args.responses_store, scheduling_policy=args.scheduling_policy,
                      log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+                     log_stats_s=None if args.disable_log_stats else 10.0,
                      cors=_cors_policy(args)), tokenizer
 
 

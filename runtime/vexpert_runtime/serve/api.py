@@ -157,6 +157,7 @@ class ApiConfig:
     log_requests: bool = False  # one INFO line per generation request as it is queued (--enable-log-requests, vLLM's)
     max_log_len: int | None = None  # prompt token ids per logged request at most (--max-log-len; None: all)
     cors: CorsPolicy = field(default_factory=CorsPolicy)  # which browser origins may call it (vLLM's default: any)
+    log_stats_s: float | None = 10.0  # seconds between StatsLog lines (None: --disable-log-stats)
 
     @property
     def body_limit(self) -> int:
@@ -873,6 +874,44 @@ def configure_logging() -> None:
     logger.setLevel(logging.INFO)
 
 
+class StatsLog:
+    """vLLM's periodic log line of a busy server: prompt and generation throughput since the last line, the ranks'
+    running and waiting requests, KV-cache usage and prefix-cache hit rate (since the ranks started). The tokens are
+    this API server's (with several, each logs its own); nothing is logged for an idle interval."""
+
+    def __init__(self, api: ServeApi) -> None:
+        self.api = api
+        self._last = (time.monotonic(), *self._totals())
+
+    def _totals(self) -> tuple[float, float]:
+        registry = self.api.metrics.registry
+        return (registry.get_sample_value("vexpert_serve_prompt_tokens_total") or 0.0,
+                registry.get_sample_value("vexpert_serve_generated_tokens_total") or 0.0)
+
+    def line(self) -> str | None:
+        (then, prompt0, generated0), now = self._last, time.monotonic()
+        prompt, generated = self._totals()
+        self._last = (now, prompt, generated)
+        loads = self.api.dispatcher.loads()
+        running, waiting = sum(load.running for load in loads), sum(load.waiting for load in loads)
+        if not (running or waiting or prompt > prompt0 or generated > generated0):
+            return None
+        span = max(now - then, 1e-9)
+        blocks, used = sum(load.kv_blocks_total for load in loads), sum(load.kv_blocks_used for load in loads)
+        queried, hit = sum(load.prefix_query_tokens for load in loads), sum(load.prefix_hit_tokens for load in loads)
+        return (f"Avg prompt throughput: {(prompt - prompt0) / span:.1f} tokens/s, Avg generation throughput: "
+                f"{(generated - generated0) / span:.1f} tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, "
+                f"KV cache usage: {100 * used / blocks if blocks else 0:.1f}%, Prefix cache hit rate: "
+                f"{100 * hit / queried if queried else 0:.1f}%")
+
+    async def run(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            line = self.line()
+            if line is not None:
+                log.info("%s", line)
+
+
 def log_request(path: str, request_id: str, prompts: Sequence[Sequence[int]], params: SamplingParams,
                 req: oa.CompletionRequest | oa.ChatCompletionRequest, max_log_len: int | None) -> None:
     """One INFO line for a generation request as it is queued (``--enable-log-requests``, as vLLM logs them): its id
@@ -1524,6 +1563,8 @@ def run_server(api: ServeApi, host: str, port: int, reuse_port: bool = False,
         server = ApiServer(api, host, port, reuse_port)
         await server.start()
         freeze_heap()  # the tokenizers, the app and the node's handles are built (gc_heap)
+        every = api.config.log_stats_s
+        stats = None if every is None else asyncio.get_running_loop().create_task(StatsLog(api).run(every))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -1535,5 +1576,7 @@ def run_server(api: ServeApi, host: str, port: int, reuse_port: bool = False,
             print(f"vexpert serve: stopping: the requests in flight finish (up to {api.config.drain_timeout_s:.0f} s)",
                   file=sys.stderr, flush=True)
         await server.stop()
+        if stats is not None:
+            stats.cancel()
 
     asyncio.run(main())
