@@ -122,6 +122,12 @@ def test_vllm_parallel_flags_map_to_ranks_or_say_what_to_pass(tmp_path: Path,
         assert "--data-parallel-size N" in match["fix"]
     assert run_cli(["serve", str(tmp_path), "--cpu-workers", "2", "-dp", "3"], capsys)["field"] == "--data-parallel-size"
     assert run_cli(["serve", str(tmp_path), "-dp", "0"], capsys)["field"] == "--data-parallel-size"
+    config = tmp_path / "runtime.json"  # a config's ranks are its own: -dp must name as many
+    config.write_text('{"parallelism": {"expert_parallel_size": 2, "gpus_per_node": 2}, '
+                      '"runtime": {"device": "cpu", "cpu_workers": 2}}')
+    assert local_ranks("--config", str(config), "-dp", "2") == 2
+    mismatch = run_cli(["serve", str(tmp_path), "--config", str(config), "-dp", "4"], capsys)
+    assert mismatch["field"] == "--data-parallel-size" and "gpus_per_node" in mismatch["fix"]
     assert run_cli(["serve", str(tmp_path), "--max-log-len", "-1"], capsys)["field"] == "--max-log-len"
     for bad in ("https://app.example", '{"a": 1}', '[""]'):  # vLLM's JSON lists
         assert run_cli(["serve", str(tmp_path), "--allowed-origins", bad], capsys)["field"] == "--allowed-origins"

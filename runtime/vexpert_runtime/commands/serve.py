@@ -394,7 +394,6 @@ def _checked_api_key(args: argparse.Namespace) -> str | None:
         raise VExpertInputError("--port", f"{args.port} is not a TCP port", "pass 1–65535 (0: any free port)")
     if not args.header_timeout > 0:  # also NaN
         raise VExpertInputError("--header-timeout", f"{args.header_timeout} is not > 0", "seconds, e.g. 15")
-    _cors_policy(args)  # checked before anything starts (the API config takes it once the node loads)
     if args.max_log_len is not None and args.max_log_len < 0:
         raise VExpertInputError("--max-log-len", f"{args.max_log_len} is not ≥ 0",
                                 "the prompt token ids logged per request, e.g. 64 (leave it out: all)")
@@ -420,11 +419,7 @@ def _runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     on_gpu = torch.cuda.is_available() and args.cpu_workers is None
     asked = _checked_parallel_ranks(args, torch.cuda.device_count() if on_gpu else 0)
     if args.config:
-        config = load_runtime_config(args.config)
-        local = args.cpu_workers or config.runtime.cpu_workers or config.parallelism.gpus_per_node
-        if asked is not None and asked != local:
-            raise VExpertInputError("--data-parallel-size", f"{asked} ranks, but --config runs {local} on this node",
-                                    "drop --data-parallel-size: the config's parallelism (gpus_per_node) sets them")
+        config = load_runtime_config(args.config)  # (-dp is checked against its ranks: _resolve_served)
     else:
         ranks = asked or (torch.cuda.device_count() if on_gpu else (args.cpu_workers or 2))
         config = RuntimeConfig.model_validate({
@@ -456,6 +451,7 @@ class _Served:
     sampling_defaults: SamplingDefaults  # for the fields a request leaves out (--generation-config)
     notes: tuple[str, ...] = ()  # to log at start
     chat_template: str | None = None  # --chat-template's (checked: it renders a conversation), None: the model's
+    cors: Any = None  # --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials (a CorsPolicy)
 
 
 def _resolve_served(args: argparse.Namespace, config: RuntimeConfig) -> _Served:
@@ -471,6 +467,10 @@ def _resolve_served(args: argparse.Namespace, config: RuntimeConfig) -> _Served:
     gpu_memory_utilization = resolve_gpu_memory_utilization(args.gpu_memory_utilization,
                                                             config.runtime.gpu_memory_utilization)
     setup = resolve_setup(config, str(model_dir), cpu_workers=args.cpu_workers)
+    if args.data_parallel_size is not None and args.data_parallel_size != setup.local_workers:  # (--config's)
+        raise VExpertInputError("--data-parallel-size", f"{args.data_parallel_size} ranks, but --config runs "
+                                f"{setup.local_workers} on this node",
+                                "drop --data-parallel-size: the config's parallelism (gpus_per_node) sets them")
     kv_tokens = args.kv_cache_tokens
     if kv_tokens is None and setup.device != "cuda":
         kv_tokens = 8 * max_context
@@ -490,6 +490,7 @@ def _resolve_served(args: argparse.Namespace, config: RuntimeConfig) -> _Served:
         gpu_memory_utilization=gpu_memory_utilization,
         kv_cache_dtype=args.kv_cache_dtype or config.runtime.kv_cache_dtype,
         setup=setup, scheduler=scheduler, sampling_defaults=defaults, notes=tuple(notes), chat_template=template,
+        cors=_cors_policy(args),
     )
 
 
@@ -530,7 +531,7 @@ def _api_config(served: _Served, args: argparse.Namespace, api_key: str | None) 
                      responses_store=args.responses_store, scheduling_policy=args.scheduling_policy,
                      log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
                      log_stats_s=None if args.disable_log_stats else 10.0,
-                     cors=_cors_policy(args)), tokenizer
+                     cors=served.cors), tokenizer
 
 
 def _cors_policy(args: argparse.Namespace) -> Any:

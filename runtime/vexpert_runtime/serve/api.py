@@ -1117,14 +1117,17 @@ class ServeApi:
                            'hermes for Qwen / Hermes models, qwen3_coder for Qwen3-Coder, deepseek_v3 for DeepSeek-V3, '
                            'kimi_k2 for Kimi K2): send "none" (the template '
                            "shows the tools, the reply is text) or leave tools out", param="tool_choice")
-        chars = sum(len(m.text()) for m in req.messages)
-        encode = partial(self.prompts.chat_ids, add_special_tokens=req.add_special_tokens,
-                         chat_template=self.config.chat_template)
-        prompt_ids = _truncated(req, await self.prompts.run(encode, req, chars), self.config.max_context)
+        prompt_ids = _truncated(req, await self.chat_ids(req), self.config.max_context)
         fmt = REASONING_PARSERS.get(self.config.reasoning_parser or "")
         reasoning = None if fmt is None else ReplyReasoning(fmt, fmt.starts_in_reasoning(
             req.chat_template_kwargs, await self.prompts.text(prompt_ids[-8:])), req.include_reasoning)
         return await self._generate(request, req, [prompt_ids], chat=True, reasoning=reasoning, reply_api=reply_api)
+
+    async def chat_ids(self, req: oa.ChatTemplateInputs) -> list[int]:
+        """A conversation's prompt ids, as every chat route renders (the server's template) and tokenizes it."""
+        encode = partial(self.prompts.chat_ids, add_special_tokens=req.add_special_tokens,
+                         chat_template=self.config.chat_template)
+        return await self.prompts.run(encode, req, sum(len(m.text()) for m in req.messages))
 
     async def _health(self, request: web.Request) -> web.Response:
         reason = "shutting down" if self.shutting_down else self.dispatcher.ready()
@@ -1391,9 +1394,7 @@ class _InfoRoutes:
         check_model(self.api.config, req.model)
         prompts = self.api.prompts
         if isinstance(req, oa.TokenizeChatRequest):
-            ids = await prompts.run(partial(prompts.chat_ids, add_special_tokens=req.add_special_tokens,
-                                            chat_template=self.api.config.chat_template), req,
-                                    sum(len(m.text()) for m in req.messages))
+            ids = await self.api.chat_ids(req)
         else:
             ids = await prompts.run(partial(prompts.prompt_ids, add_special_tokens=req.add_special_tokens),
                                     req.prompt, len(req.prompt))
@@ -1490,11 +1491,7 @@ class _OtherApiRoutes:
         api = self.api
         req = api._parse(ma.CountTokensRequest, await api._json(request))
         check_model(api.config, req.model)
-        chat = self._chat_request(req)
-        ids = await api.prompts.run(partial(api.prompts.chat_ids, add_special_tokens=chat.add_special_tokens,
-                                            chat_template=api.config.chat_template), chat,
-                                    sum(len(m.text()) for m in chat.messages))
-        return web.json_response({"input_tokens": len(ids)})
+        return web.json_response({"input_tokens": len(await api.chat_ids(self._chat_request(req)))})
 
     def _chat_request(self, req: ma.MessagesRequest | ma.CountTokensRequest) -> oa.ChatCompletionRequest:
         try:

@@ -807,11 +807,10 @@ class Scheduler:
         if logprobs is not None:
             seq.unsent_logprobs = seq.unsent_logprobs or []
             seq.unsent_logprobs.append(logprobs)
-        if token in self.eos_ids and (not params.ignore_eos or (grammar is not None and grammar.complete)):
-            self._finish(seq, "stop", text=flush_text(seq))  # (a complete grammar ends at EOS, also ignoring EOS)
-            return
-        if token in params.stop_token_ids:
-            seq.stop_reason = token
+        # (a complete grammar ends at EOS, also ignoring EOS; a stop token is vLLM's stop_reason, EOS is not)
+        eos = token in self.eos_ids and (not params.ignore_eos or (grammar is not None and grammar.complete))
+        if eos or token in params.stop_token_ids:
+            seq.stop_reason = None if eos else token
             self._finish(seq, "stop", text=flush_text(seq))
             return
         text = seq.detokenizer.push(token)
